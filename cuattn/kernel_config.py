@@ -5,6 +5,16 @@ memory, the C++ name expression and the argument list of one kernel instantiatio
 runtime (cuattn/runtime.py) and the CPU interpreter (cuattn/interp.py) both launch from these
 objects, so the two backends can never disagree about geometry. The tile sizes mirror the
 ``*_traits`` structs in kernels/*.cu; the interpreter checks the two agree on every launch.
+
+Launch sequences (argument names as in KERNEL_ARGS; layout arrays ptr/idx/mask are the CSR
+row_ptr/col_idx/row_mask for attn_fwd and attn_bwd_dq, the CSC col_ptr/row_idx/col_mask for
+attn_bwd_dkdv; mask_table is the layout's uint32 table, never a null pointer):
+  forward:   attn_fwd -> out, lse (float32)
+  backward:  attn_bwd_preprocess -> delta (float32 [batch, heads, n_ctx]), then
+             attn_bwd_dkdv -> dk, dv, and with compute_dq=1 adds into dq_accum (float32, same
+             shape as q, zero-filled by the caller), then attn_bwd_dq_convert -> dq;
+             or, deterministic: attn_bwd_dkdv with compute_dq=0, then attn_bwd_dq -> dq.
+Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not needed.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from . import attn_core
 from .tape import Context, Function, Tensor, get_array_module
+from .tape import recompute as recompute_region
 
 __all__ = [
     "add",
@@ -26,6 +28,7 @@ __all__ = [
     "mul",
     "reshape",
     "softmax",
+    "sparse_attention",
     "split_heads",
     "sub",
     "sum",
@@ -439,3 +442,64 @@ def split_heads(x: Tensor, heads: int) -> Tensor:
 
 def merge_heads(x: Tensor) -> Tensor:
     return MergeHeads.apply(x)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+class SparseAttention(Function):
+    """Block-sparse attention on [batch, heads, time, head_dim]; outputs (out, lse).
+
+    Saves only q, k, v, out and lse: the backend's backward recomputes the probabilities from
+    the log-sum-exp. lse is a non-differentiable side output (treated as a constant).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Context,
+        q: Any,
+        k: Any,
+        v: Any,
+        layout: Any,
+        scale: float,
+        backend: str | None = None,
+        deterministic: bool = False,
+    ) -> tuple[Any, Any]:
+        out, lse = attn_core.forward(q, k, v, layout, scale, backend)
+        ctx.mark_non_differentiable(1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, scale, backend, deterministic)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, scale, backend, deterministic = ctx.args
+        dq, dk, dv = attn_core.backward(
+            q, k, v, out, lse, dout, layout, scale, backend, deterministic
+        )
+        return dq, dk, dv, None, None
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Any,
+    scale: float | None = None,
+    recompute: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+    deterministic: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Tape op: q, k, v Tensors [batch, heads, time, head_dim] with a :class:`cuattn.Layout`.
+
+    ``recompute=True`` keeps only q, k, v on the tape and re-runs the forward in backward.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    with recompute_region(recompute):
+        out, lse = SparseAttention.apply(
+            _t(q), _t(k), _t(v), layout, float(scale), backend=backend, deterministic=deterministic
+        )
+    return (out, lse) if return_lse else out

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import backend as _backend
+from . import dispatch as _dispatch
 from .layout import Layout
 from .patterns import make_layout
 
@@ -87,14 +87,11 @@ def _compute(
     backend: str | None,
     deterministic: bool,
 ) -> Any:
-    if not all(isinstance(x, np.ndarray) or _is_device_array(x) for x in (q, k, v)):
-        raise TypeError(
-            f"q, k, v must be NumPy or CuPy arrays here, got {type(q).__name__}, "
-            f"{type(k).__name__}, {type(v).__name__}"
-        )
-    impl = _backend.resolve_backend(backend, on_device=_is_device_array(q))
-    out, lse = _backend.forward(impl, q, k, v, layout, scale)
-    return (out, lse) if return_lse else out
+    # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
+    # lives in dispatch.py; every route ends in the backend module.
+    return _dispatch.sparse_attention(
+        q, k, v, layout, scale, recompute, return_lse, backend, deterministic
+    )
 
 
 def sparse_attention(

@@ -128,13 +128,13 @@ class Gelu(Function):
     def forward(ctx: Context, x: Any) -> Any:
         xp = get_array_module(x)
         ctx.save_for_backward(x)
-        return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + GELU_K * x**3)))
+        return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + GELU_K * x * x * x)))
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
         (x,) = ctx.saved_tensors
         xp = get_array_module(x)
-        t = xp.tanh(GELU_C * (x + GELU_K * x**3))
+        t = xp.tanh(GELU_C * (x + GELU_K * x * x * x))
         dt = (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_K * x * x)
         return g * (0.5 * (1.0 + t) + 0.5 * x * dt)
 

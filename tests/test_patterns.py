@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 import cuattn
-from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 SIZES = [(128, 16), (96, 32), (100, 16), (64, 64)]
 
@@ -57,8 +57,14 @@ def test_fixed(n, b, lctx, num_verts, vertsize, causal):
     if num_verts * vertsize > g or g % vertsize:
         pytest.skip("not a valid fixed configuration")
     lay = cuattn.make_layout(
-        "fixed", n, 4, blocksize=b, local_attn_ctx=lctx, num_verts=num_verts,
-        vertsize=vertsize, causal=causal,
+        "fixed",
+        n,
+        4,
+        blocksize=b,
+        local_attn_ctx=lctx,
+        num_verts=num_verts,
+        vertsize=vertsize,
+        causal=causal,
     )
     np.testing.assert_array_equal(
         lay.to_mask(), rule_fixed(n, 4, b, lctx, num_verts, vertsize, causal)
@@ -104,8 +110,14 @@ def test_bigbird(causal):
 def test_variable(causal):
     n, b = 256, 16
     lay = cuattn.make_layout(
-        "variable", n, 1, blocksize=b, causal=causal, local_window_blocks=[2, 3],
-        global_block_indices=[0, 7], global_block_end_indices=[1, 9],
+        "variable",
+        n,
+        1,
+        blocksize=b,
+        causal=causal,
+        local_window_blocks=[2, 3],
+        global_block_indices=[0, 7],
+        global_block_end_indices=[1, 9],
     )
     np.testing.assert_array_equal(lay.to_mask(), rule_blocks(lay.blocks, b, n, causal))
     nb = n // b
@@ -120,7 +132,12 @@ def test_variable(causal):
 
 def test_variable_horizontal_global():
     lay = cuattn.make_layout(
-        "variable", 128, 1, blocksize=16, causal=False, horizontal_global_attention=True,
+        "variable",
+        128,
+        1,
+        blocksize=16,
+        causal=False,
+        horizontal_global_attention=True,
         global_block_indices=[3],
     )
     assert lay.blocks[0, 3].all() and lay.blocks[0, :, 3].all()

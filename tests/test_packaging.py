@@ -1,4 +1,4 @@
-"""kernels/*.cu ship in the wheel and are found from a non-editable install, outside the checkout."""
+"""kernels/*.cu ship in the wheel and are found from a non-editable install."""
 
 import json
 import subprocess

@@ -225,7 +225,7 @@ class Tensor:
     """An array with an optional gradient. ``data`` is a NumPy or CuPy array, never copied."""
 
     __slots__ = ("data", "grad", "requires_grad", "_node", "_index", "__weakref__")
-    __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
+    __array_ufunc__ = None  # so ndarray + Tensor defers to Tensor.__radd__ (and friends)
 
     def __init__(self, data: Any, requires_grad: bool = False) -> None:
         if isinstance(data, Tensor):

@@ -152,3 +152,13 @@ def test_recompute_region_freed_after_backward_unless_retained():
     np.testing.assert_array_equal(x.grad, 2 * once)
     with pytest.raises(RuntimeError, match="freed"):
         y.backward()
+
+
+def test_ndarray_on_the_left_defers_to_tensor():
+    rng = np.random.default_rng(12)
+    x = _leaf(rng, 3)
+    scale = rng.standard_normal(3)
+    y = scale * x + scale
+    assert isinstance(y, Tensor)
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad, scale)

@@ -93,3 +93,15 @@ def test_no_grad_tensors_and_inference_mode_return_torch():
     with torch.no_grad():
         out = cuattn.blocksparse_attention(*leaves, heads=HEADS, blocksize=BLOCK, **kwargs)
     assert not out.requires_grad and rel(out, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("mode", ["all", "local", "strided"])
+def test_dense_path_attention_grads(mode):
+    kwargs, mask = MODES[mode]
+    arrays = random_qkv(seed=30)
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    cuattn.attention(*leaves, heads=HEADS, recompute=True, **kwargs).square().sum().backward()
+    ref_leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    torch_dense(*ref_leaves, mask).square().sum().backward()
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert rel(got.grad, want.grad) <= GRAD_RTOL_F64

@@ -123,7 +123,12 @@ def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
     import cupy
 
     with cupy.cuda.Device(info.device_id):
-        return cupy.from_dlpack(x)
+        try:
+            return cupy.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as err:
+            raise TypeError(
+                f"{name} ({info}, dtype {x.dtype}) cannot be shared with CuPy: {err}"
+            ) from err
 
 
 def from_backend(arr: Any, info: ArrayInfo) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import attn_core, interop
 from .layout import Layout
@@ -48,6 +49,7 @@ class SparseAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # backward runs outside autograd: refuse double backward loudly
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
         layout, scale, recompute, backend, deterministic = ctx.args
         saved = ctx.saved_tensors

@@ -105,3 +105,12 @@ def test_dense_path_attention_grads(mode):
     torch_dense(*ref_leaves, mask).square().sum().backward()
     for got, want in zip(leaves, ref_leaves, strict=True):
         assert rel(got.grad, want.grad) <= GRAD_RTOL_F64
+
+
+def test_double_backward_is_refused():
+    kwargs, _ = MODES["all"]
+    leaves = [torch.tensor(a, requires_grad=True) for a in random_qkv(seed=31)]
+    out = cuattn.blocksparse_attention(*leaves, heads=HEADS, blocksize=BLOCK, **kwargs)
+    (gq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gq.sum().backward()

@@ -138,3 +138,24 @@ def test_cupy_in_cupy_out_no_copy(spy):
     assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
     assert out.device == q.device
     assert spy["inputs"][0] is q
+
+
+class _Producer:
+    """A foreign array type: shape, dtype and DLPack, nothing else."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_any_dlpack_producer_is_shared_and_answered_with_numpy(spy):
+    q, k, v = _qkv(9)
+    out = _call(*(_Producer(a) for a in (q, k, v)))
+    assert type(out) is np.ndarray and out is spy["out"]
+    assert spy["inputs"][0].ctypes.data == q.ctypes.data

@@ -102,8 +102,10 @@ class _Region:
 
     def __init__(self) -> None:
         self.nodes: list[_Node] = []
-        self.inputs: list[Any] = []  # arrays of tensors that came from outside the region
-        self._input_ids: dict[int, int] = {}
+        self.inputs: list[Any] | None = []  # arrays of tensors from outside the region
+        # id(tensor) -> (input index, tensor); holding the tensor keeps its id from being reused
+        # by a new object while the region records (temporary constants come and go).
+        self._input_ids: dict[int, tuple[int, Tensor]] = {}
         self._positions: dict[int, int] = {}
 
     def record(self, node: _Node, args: tuple, kwargs: dict) -> None:
@@ -113,11 +115,10 @@ class _Region:
                 if a._node is not None and a._node.region is self:
                     sources.append(("int", self._positions[id(a._node)], a._index))
                 else:
-                    key = id(a)
-                    if key not in self._input_ids:
-                        self._input_ids[key] = len(self.inputs)
+                    if id(a) not in self._input_ids:
+                        self._input_ids[id(a)] = (len(self.inputs), a)
                         self.inputs.append(a.data)
-                    sources.append(("ext", self._input_ids[key]))
+                    sources.append(("ext", self._input_ids[id(a)][0]))
             else:
                 sources.append(("const", a))
         node.region = self
@@ -126,7 +127,7 @@ class _Region:
         self.nodes.append(node)
 
     def close(self) -> None:
-        # Object ids are only meaningful while the region is being recorded.
+        # Ids are only needed while recording; let go of the tensors (their arrays stay in inputs).
         self._input_ids = {}
         self._positions = {}
         self.drop()

@@ -162,3 +162,22 @@ def test_ndarray_on_the_left_defers_to_tensor():
     assert isinstance(y, Tensor)
     y.sum().backward()
     np.testing.assert_array_equal(x.grad, scale)
+
+
+def test_recompute_replays_temporary_constants_correctly():
+    # Each NumPy constant is wrapped in a short-lived Tensor; a freed wrapper's id can be
+    # reused by the next one, which must not make the replay read the wrong constant.
+    rng = np.random.default_rng(13)
+    base = rng.standard_normal(5)
+    consts = [rng.standard_normal(5) for _ in range(8)]
+
+    def run(use_region):
+        x = Tensor(base.copy(), requires_grad=True)
+        with recompute(use_region):
+            y = ops.gelu(x)
+            for c in consts:
+                y = ops.gelu(y * c.copy())
+        y.sum().backward()
+        return x.grad
+
+    assert np.array_equal(run(False), run(True))

@@ -5,8 +5,9 @@ the NumPy backend, GPU arrays to the CuPy kernels; ``jax.grad`` works through th
 
 Under ``jax.jit`` (or any transformation that traces: vmap, scan, ...) there is no buffer to
 share, so on the CPU the forward and backward run through ``jax.pure_callback``: correct and
-differentiable, but XLA copies the arguments and results across the callback boundary and
-cannot fuse or reorder around it. On a GPU a traced call raises ``NotImplementedError``:
+differentiable (first order; the callback has no derivative of its own), but XLA copies the
+arguments and results across the callback boundary and cannot fuse around it; ``vmap`` runs the
+callback once per mapped element. On a GPU a traced call raises ``NotImplementedError``:
 pure_callback would silently round-trip through host memory, and a proper path needs an XLA
 FFI custom call (not built yet). Call cuattn outside ``jit`` on GPU for now.
 The log-sum-exp side output is treated as a constant (its cotangent is ignored).

@@ -82,3 +82,18 @@ def test_float32_keeps_dtype():
     assert g.dtype == jnp.float32
     ref = torch_dense(*(torch.from_numpy(a.astype(np.float64)) for a in arrays), mask)
     assert rel(out, ref) <= 1e-5
+
+
+def test_vmap_runs_per_element_through_the_callback():
+    lay = cuattn.make_layout("local", 32, HEADS, blocksize=BLOCK, local_attn_ctx=8)
+    x = jnp.asarray(np.random.default_rng(24).standard_normal((3, 2, HEADS, 32, 8)))
+
+    def f(q):
+        return cuattn.sparse_attention(q, q * 0.5, q, lay)
+
+    mapped = jax.vmap(f)(x)
+    looped = jnp.stack([f(x[i]) for i in range(x.shape[0])])
+    assert np.array_equal(np.asarray(mapped), np.asarray(looped))
+    grads = jax.vmap(jax.grad(lambda q: f(q).sum()))(x)
+    looped = jnp.stack([jax.grad(lambda q: f(q).sum())(x[i]) for i in range(x.shape[0])])
+    assert np.array_equal(np.asarray(grads), np.asarray(looped))

@@ -72,10 +72,6 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _is_device_array(x: Any) -> bool:
-    return type(x).__module__.startswith("cupy")
-
-
 def _compute(
     q: Any,
     k: Any,

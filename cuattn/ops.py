@@ -40,7 +40,8 @@ GELU_K = 0.044715
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+    # Python scalars (e.g. the 2.0 in `2.0 * t`) have shape ().
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
 
 
 def _unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
@@ -393,7 +394,7 @@ def matmul(a: Any, b: Any) -> Tensor:
     return MatMul.apply(_t(a), _t(b))
 
 
-def sum(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def sum(a: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
     return Sum.apply(a, axis=axis, keepdims=keepdims)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import attn_core, interop
+from . import backend as _backend
+from . import interop
 from .layout import Layout
 from .tape import Tensor
 
@@ -81,6 +82,6 @@ def sparse_attention(
     # No gradient is wanted, so recompute has nothing to save and is ignored.
     with interop.stream_for(info):
         arrays = [interop.to_backend(x, info, n) for n, x in (("q", q), ("k", k), ("v", v))]
-        out, lse = attn_core.forward(*arrays, layout, scale, backend)
+        out, lse = _backend.forward(*arrays, layout, scale, backend)
         out = interop.from_backend(out, info)
         return (out, interop.from_backend(lse, info)) if return_lse else out

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import attn_core, interop
+from . import backend as _backend
+from . import interop
 from .layout import Layout
 
 __all__ = ["sparse_attention"]
@@ -46,15 +47,13 @@ def _require_cpu() -> None:
 
 
 def _host_forward(layout: Layout, scale: float, backend: str | None, q, k, v):
-    out, lse = attn_core.forward(
-        np.asarray(q), np.asarray(k), np.asarray(v), layout, scale, backend
-    )
+    out, lse = _backend.forward(np.asarray(q), np.asarray(k), np.asarray(v), layout, scale, backend)
     return out, lse
 
 
 def _host_backward(layout, scale, backend, deterministic, q, k, v, out, lse, dout):
     arrays = [np.asarray(x) for x in (q, k, v, out, lse, dout)]
-    return attn_core.backward(*arrays, layout, scale, backend, deterministic)
+    return _backend.backward(*arrays, layout, scale, backend, deterministic)
 
 
 def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
@@ -68,7 +67,7 @@ def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
         return jax.pure_callback(host, shapes, q, k, v, vmap_method="sequential")
     info = interop.common_info({"q": q, "k": k, "v": v})
     arrays = [interop.to_backend(x, info, n) for n, x in (("q", q), ("k", k), ("v", v))]
-    out, lse = attn_core.forward(*arrays, layout, scale, backend)
+    out, lse = _backend.forward(*arrays, layout, scale, backend)
     return interop.from_backend(out, info), interop.from_backend(lse, info)
 
 
@@ -81,7 +80,7 @@ def _backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
         return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
     info = interop.common_info(named)
     arrays = [interop.to_backend(x, info, n) for n, x in named.items()]
-    grads = attn_core.backward(*arrays, layout, scale, backend, deterministic)
+    grads = _backend.backward(*arrays, layout, scale, backend, deterministic)
     return tuple(interop.from_backend(g, info) for g in grads)
 
 

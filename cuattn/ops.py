@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import attn_core
+from . import backend as _backend
 from .tape import Context, Function, Tensor, get_array_module
 from .tape import recompute as recompute_region
 
@@ -466,7 +466,7 @@ class SparseAttention(Function):
         backend: str | None = None,
         deterministic: bool = False,
     ) -> tuple[Any, Any]:
-        out, lse = attn_core.forward(q, k, v, layout, scale, backend)
+        out, lse = _backend.forward(q, k, v, layout, scale, backend)
         ctx.mark_non_differentiable(1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, scale, backend, deterministic)
@@ -476,7 +476,7 @@ class SparseAttention(Function):
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, backend, deterministic = ctx.args
-        dq, dk, dv = attn_core.backward(
+        dq, dk, dv = _backend.backward(
             q, k, v, out, lse, dout, layout, scale, backend, deterministic
         )
         return dq, dk, dv, None, None

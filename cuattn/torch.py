@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import attn_core, interop
+from . import backend as _backend
+from . import interop
 from .layout import Layout
 
 __all__ = ["sparse_attention"]
@@ -22,7 +23,7 @@ def _forward_arrays(q: Any, k: Any, v: Any, layout: Layout, scale: float, backen
     info = interop.common_info({"q": q, "k": k, "v": v})
     with interop.stream_for(info):
         arrays = [interop.to_backend(x, info, n) for n, x in (("q", q), ("k", k), ("v", v))]
-        out, lse = attn_core.forward(*arrays, layout, scale, backend)
+        out, lse = _backend.forward(*arrays, layout, scale, backend)
         return interop.from_backend(out, info), interop.from_backend(lse, info)
 
 
@@ -62,7 +63,7 @@ class SparseAttentionFunction(torch.autograd.Function):
         info = interop.common_info(named)
         with interop.stream_for(info):
             arrays = [interop.to_backend(x, info, n) for n, x in named.items()]
-            grads = attn_core.backward(*arrays, layout, scale, backend, deterministic)
+            grads = _backend.backward(*arrays, layout, scale, backend, deterministic)
             dq, dk, dv = (interop.from_backend(g, info) for g in grads)
         return dq, dk, dv, None, None, None, None, None
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import cuattn
-from cuattn import attn_core, interop
+from cuattn import backend as be
+from cuattn import interop
 
 LAYOUT_ARGS = dict(attn_mode="local", n_ctx=32, heads=2, blocksize=8, local_attn_ctx=8)
 SHAPE = (2, 2, 32, 8)
@@ -28,7 +29,7 @@ def _aligned_copy(a: np.ndarray, align: int = JAX_CPU_ALIGN) -> np.ndarray:
 def spy(monkeypatch):
     """Records the arrays handed to the backend and the (aligned) arrays it returned."""
     seen = {}
-    real = attn_core.forward
+    real = be.forward
 
     def forward(q, k, v, layout, scale, backend=None):
         out, lse = real(q, k, v, layout, scale, backend)
@@ -38,7 +39,7 @@ def spy(monkeypatch):
         seen["out"], seen["lse"] = out, lse
         return seen["out"], seen["lse"]
 
-    monkeypatch.setattr(attn_core, "forward", forward)
+    monkeypatch.setattr(be, "forward", forward)
     return seen
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 BLOCK_SIZES = (16, 32, 64, 128)
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
 DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import dense_attention, dense_attention_grads, rel_err
 
 from cuattn import interp
@@ -141,3 +143,34 @@ def test_rejects_bad_inputs():
     q = np.zeros((1, HEADS + 1, 32, 32), np.float32)
     with pytest.raises(ValueError, match="layout"):
         interp.forward(q, q, q, layout, 1.0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n_ctx=st.integers(1, 70),
+    density=st.floats(0.0, 1.0),
+    rule=st.sampled_from(kc.RULES),
+    dtype=st.sampled_from(["float32", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(n_ctx, density, rule, dtype, seed):
+    """Arbitrary block patterns, lengths (down to one token) and rules on the cheapest kernels."""
+    block, head_dim = 16, 32
+    nb = -(-n_ctx // block)
+    rng = np.random.default_rng(seed)
+    blocks = rng.random((HEADS, nb, nb)) < density
+    if rule == "bitmask":
+        layout = Layout.from_blocks(blocks, block, bitmask_fn, n_ctx=n_ctx)
+    else:
+        element_rule = ElementRule(rule, window_left=9, window_right=4)
+        layout = Layout(blocks, block, n_ctx, element_rule)
+    q, k, v, dout = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed)
+    scale = head_dim**-0.5
+    out, lse = interp.forward(q, k, v, layout, scale)
+    check_forward(out, lse, q, k, v, layout, scale, dtype)
+    refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
+    for deterministic in (False, True):
+        grads = interp.backward(q, k, v, out, lse, dout, layout, scale, deterministic)
+        for grad, ref in zip(grads, refs, strict=True):
+            assert not np.isnan(grad.astype(np.float32)).any()
+            assert rel_err(grad, ref) <= TOLERANCE[dtype]

@@ -161,8 +161,8 @@ class KernelConfig:
                 smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
             else:
                 # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ); smaller for head
-                # dim 128 to keep dK + dV accumulators in registers without spilling
-                tile_m = tile_n = min(self.block, 32 if self.head_dim >= 128 else 64)
+                # dims 96 and 128 to keep dK + dV accumulators in registers without spilling
+                tile_m = tile_n = min(self.block, 32 if self.head_dim >= 96 else 64)
                 num_warps = tile_n // 16
                 scratch = 0 if half else 16 * (tile_m + 4)
                 tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v

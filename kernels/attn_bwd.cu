@@ -29,11 +29,11 @@ struct attn_bwd_row_traits {
   static constexpr int SMEM_BYTES = 0;
 };
 
-// Query/key tile of the backward kernels: head dim 128 uses 32 so that the dK and dV
+// Query/key tile of the backward kernels: head dims 96 and 128 use 32 so that the dK and dV
 // accumulators (2 x 64 floats per thread) and the score tiles fit in registers.
 template <int BLOCK, int HEAD_DIM>
 struct BwdTile {
-  static constexpr int LIMIT = HEAD_DIM >= 128 ? 32 : 64;
+  static constexpr int LIMIT = HEAD_DIM >= 96 ? 32 : 64;
   static constexpr int value = BLOCK < LIMIT ? BLOCK : LIMIT;
 };
 

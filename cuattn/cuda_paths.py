@@ -1,0 +1,87 @@
+"""Where the CUDA headers and the kernel sources live, for NVRTC (runtime and compile check).
+
+NVRTC has no default include path: `#include <cuda_fp16.h>` only works when we pass `-I` for a
+CUDA toolkit's include directory. We look in the places a pip/conda/system install puts it, in
+the same order CuPy uses for NVRTC itself, so the headers match the compiler that reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import resources
+from pathlib import Path
+
+# A header every CUDA toolkit include directory has; used to recognise one.
+_MARKER_HEADER = "cuda_fp16.h"
+_ENV_ROOTS = ("CUDA_PATH", "CUDA_HOME")
+_SYSTEM_ROOT = "/usr/local/cuda"
+_KERNELS_PACKAGE = "cuattn.kernels"
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Include directories holding the CUDA runtime headers (empty when none is found)."""
+    found: list[str] = []
+    pathfinder_dir = _pathfinder_include_dir()
+    if pathfinder_dir is not None:
+        found.append(pathfinder_dir)
+    roots = [os.environ.get(name) for name in _ENV_ROOTS] + [_SYSTEM_ROOT]
+    for root in roots:
+        if root and (Path(root) / "include" / _MARKER_HEADER).is_file():
+            found.append(str(Path(root) / "include"))
+    return tuple(dict.fromkeys(found))
+
+
+def _pathfinder_include_dir() -> str | None:
+    # cuda.pathfinder ships with CuPy >= 14 and knows the nvidia-* wheel layouts (CUDA 12 and 13).
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    try:
+        directory = find_nvidia_header_directory("cudart")
+    except Exception:  # pathfinder raises its own types for "not found"; any failure means none
+        return None
+    if directory and (Path(directory) / _MARKER_HEADER).is_file():
+        return str(directory)
+    return None
+
+
+@functools.cache
+def kernels_dir() -> Path:
+    """The directory of the .cu sources: package data in a wheel, else the checkout's kernels/."""
+    try:
+        packaged = resources.files(_KERNELS_PACKAGE)
+        if packaged.is_dir() and any(p.name.endswith(".cu") for p in packaged.iterdir()):
+            return Path(str(packaged))
+    except (ModuleNotFoundError, TypeError, NotADirectoryError):
+        pass
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(
+        f"cuattn kernel sources not found: neither package data {_KERNELS_PACKAGE!r} "
+        f"nor the checkout directory {checkout} exists"
+    )
+
+
+def kernel_source(filename: str) -> str:
+    """Text of one kernel file, e.g. 'attn_fwd.cu'."""
+    path = kernels_dir() / filename
+    if not path.is_file():
+        available = sorted(p.name for p in kernels_dir().glob("*.cu"))
+        raise FileNotFoundError(
+            f"kernel file {filename!r} not in {kernels_dir()}; have {available}"
+        )
+    return path.read_text()
+
+
+def cuda_include_options() -> list[str]:
+    """`-I` options for the CUDA headers."""
+    return [f"-I{d}" for d in cuda_include_dirs()]
+
+
+def nvrtc_include_options() -> list[str]:
+    """`-I` options for the kernel directory (for common/*.cuh) and the CUDA headers."""
+    return [f"-I{kernels_dir()}", *cuda_include_options()]

@@ -1,0 +1,170 @@
+"""CUDA runtime: compile kernels/*.cu with cupy.RawModule, cache per device, launch on a stream.
+
+One RawModule per (device, source file, options, name expression): each instantiation compiles
+on first use only (seconds, not the minutes a whole file's instantiations take), and CuPy >= 14.2
+keeps the cubin in its on-disk cache (~/.cupy/kernel_cache) keyed by source, options and name
+expressions, so later processes load it without compiling. The architecture is the current
+device's, chosen by CuPy.
+
+Importing this module needs neither CuPy nor a GPU; the first launch does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cuattn.build_options import common_options
+from cuattn.cuda_paths import kernel_source
+
+if TYPE_CHECKING:
+    import cupy
+
+# Above this a kernel must opt in to more dynamic shared memory
+# (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(
+            "the 'cuda' backend needs CuPy: pip install 'cuattn[cuda12]' (or [cuda13])"
+        ) from exc
+    return cupy
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        cupy = _cupy()
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, or no CuPy: all mean "no CUDA here"
+        return False
+
+
+@dataclass(frozen=True)
+class _ModuleKey:
+    device: int
+    source_file: str
+    options: tuple[str, ...]
+    name_expression: str
+
+
+class KernelCache:
+    """Compiled kernels, memoised per device; thread-safe."""
+
+    def __init__(self) -> None:
+        self._modules: dict[_ModuleKey, Any] = {}
+        # Largest dynamic shared memory each kernel has been opted in to.
+        self._smem_opt_in: dict[_ModuleKey, int] = {}
+        self._lock = threading.Lock()
+
+    def kernel(
+        self,
+        source_file: str,
+        name_expression: str,
+        dynamic_smem_bytes: int = 0,
+        extra_options: Sequence[str] = (),
+    ) -> Any:
+        """The cupy.RawKernel for one instantiation on the current device, ready to launch
+        with `dynamic_smem_bytes` of dynamic shared memory."""
+        cupy = _cupy()
+        device = cupy.cuda.runtime.getDevice()
+        key = _ModuleKey(device, source_file, (*common_options(), *extra_options), name_expression)
+        with self._lock:
+            module = self._modules.get(key)
+            if module is None:
+                module = cupy.RawModule(
+                    code=kernel_source(source_file),
+                    options=key.options,
+                    name_expressions=[name_expression],
+                )
+                self._modules[key] = module
+            kernel = module.get_function(name_expression)
+            # The attribute is per function and per device (the key holds both).
+            if dynamic_smem_bytes > max(DEFAULT_DYNAMIC_SMEM_LIMIT, self._smem_opt_in.get(key, 0)):
+                kernel.max_dynamic_shared_size_bytes = dynamic_smem_bytes
+                self._smem_opt_in[key] = dynamic_smem_bytes
+        return kernel
+
+    def clear(self) -> None:
+        with self._lock:
+            self._modules.clear()
+            self._smem_opt_in.clear()
+
+
+KERNELS = KernelCache()
+
+
+def launch(
+    source_file: str,
+    name_expression: str,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple[Any, ...],
+    dynamic_smem_bytes: int = 0,
+) -> None:
+    """Launch one kernel on the current CuPy stream (interop sets it from the caller's)."""
+    kernel = KERNELS.kernel(source_file, name_expression, dynamic_smem_bytes)
+    kernel(grid, block, args, shared_mem=dynamic_smem_bytes)
+
+
+@dataclass(frozen=True)
+class LayoutArrays:
+    """A layout's index arrays on one device (int32 / uint32 CuPy arrays)."""
+
+    row_ptr: cupy.ndarray
+    col_idx: cupy.ndarray
+    row_mask: cupy.ndarray
+    col_ptr: cupy.ndarray
+    row_idx: cupy.ndarray
+    col_mask: cupy.ndarray
+    mask_table: cupy.ndarray
+
+
+_LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask", "mask_table")
+_MIN_ELEMENTS = 1  # CuPy gives size-0 arrays a null pointer; kernels may still read one element
+
+
+class LayoutDeviceCache:
+    """Device copies of a layout's index arrays per (layout, device), freed with the layout."""
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakKeyDictionary[Any, dict[int, LayoutArrays]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, layout: Any) -> LayoutArrays:
+        cupy = _cupy()
+        device = cupy.cuda.runtime.getDevice()
+        with self._lock:
+            per_device = self._cache.setdefault(layout, {})
+            arrays = per_device.get(device)
+            if arrays is None:
+                arrays = LayoutArrays(
+                    **{name: _to_device(cupy, getattr(layout, name)) for name in _LAYOUT_FIELDS}
+                )
+                per_device[device] = arrays
+        return arrays
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+
+def _to_device(cupy: Any, host: Any) -> Any:
+    import numpy as np
+
+    host = np.ascontiguousarray(host)
+    if host.size < _MIN_ELEMENTS:
+        host = np.zeros(_MIN_ELEMENTS, dtype=host.dtype)
+    return cupy.asarray(host)
+
+
+LAYOUTS = LayoutDeviceCache()

@@ -1,0 +1,26 @@
+"""cuattn: fused block-sparse attention kernels, callable from torch, jax, CuPy and NumPy.
+
+import cuattn
+out = cuattn.blocksparse_attention(q, k, v, heads=4, attn_mode="fixed", local_attn_ctx=128,
+                                   num_verts=4, vertsize=1, blocksize=32)
+layout = cuattn.make_layout("strided", n_ctx=1024, heads=4, blocksize=32, local_attn_ctx=32)
+out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, head_dim]
+"""
+
+from .api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
+from .layout import ElementRule, Layout
+from .patterns import MODES, make_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "ElementRule",
+    "Layout",
+    "attention",
+    "blocksparse_attention",
+    "make_layout",
+    "merge_heads",
+    "sparse_attention",
+    "split_heads",
+]

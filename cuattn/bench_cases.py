@@ -14,7 +14,7 @@ from typing import Any
 
 TOKENS = 16 * 1024
 MODEL_DIM = 2048
-DRY_RUN_TOKENS = 256
+DRY_RUN_TOKENS = 512
 DRY_RUN_MODEL_DIM = 64
 # Pattern parameters in tokens, the same at every T, so density falls as T grows.
 LOCAL_WINDOW = 512
@@ -98,8 +98,12 @@ class BenchCase:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["pattern"] = {"label": self.pattern.label, "mode": self.pattern.mode,
-                        "causal": self.pattern.causal, "kwargs": dict(self.pattern.kwargs)}
+        d["pattern"] = {
+            "label": self.pattern.label,
+            "mode": self.pattern.mode,
+            "causal": self.pattern.causal,
+            "kwargs": dict(self.pattern.kwargs),
+        }
         return d
 
 
@@ -162,7 +166,7 @@ DRY_RUN = Sweep(
         _pattern("strided", "strided", True, local_attn_ctx=16),
         _pattern("bigbird", "bigbird", False),
     ),
-    n_ctx=(128,),
+    n_ctx=(256,),
     head_dims=(32,),
     dtypes=("float16",),
     blocksizes=(32,),

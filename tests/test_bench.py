@@ -1,0 +1,88 @@
+"""The benchmark harness, exercised end to end on the CPU (NumPy backend, perf_counter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cuattn import bench, bench_report
+from cuattn.bench_cases import FULL, QUICK, SWEEPS, BenchCase
+from cuattn.bench_timing import input_sets_needed
+
+
+def test_dry_run_writes_json_markdown_and_plot(tmp_path, capsys):
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    report = json.loads(json_path.read_text())
+    assert report["all_correct"] and report["records"]
+    labels = {r["case"]["pattern"]["label"] for r in report["records"]}
+    assert labels == {p.label for p in SWEEPS["dry-run"].patterns}
+    for record in report["records"]:
+        ours = record["results"][report["ours"]]
+        assert ours["median_ms"] > 0 and ours["tflops"] > 0
+        assert set(record["skipped"]) == {"sdpa-flash", "sdpa-cudnn", "flex"}
+        assert "time_vs_dense_causal" in record
+    table = json_path.with_suffix(".md").read_text()
+    assert table.count("\n| ") == len(report["records"]) + 1
+    assert "no CUDA device" in table
+    pytest.importorskip("matplotlib")
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    assert "[1/" in capsys.readouterr().err  # progress as it goes
+
+
+def test_flops_count_only_computed_blocks():
+    case = next(iter(SWEEPS["dry-run"].cases()))
+    layout = case.pattern.make_layout(case.n_ctx, case.heads, case.blocksize)
+    nb = layout.num_blocks
+    causal_blocks = case.heads * nb * (nb + 1) // 2
+    per_block = 4 * case.blocksize**2 * case.head_dim
+    assert bench.case_flops(case, layout) == per_block * causal_blocks * case.batch
+    backward = BenchCase(**{**case.__dict__, "direction": "fwd+bwd"})
+    assert bench.case_flops(backward, layout) == 3.5 * per_block * causal_blocks * case.batch
+
+
+def test_sweeps_cover_the_issue():
+    full = list(FULL.cases())
+    assert {c.n_ctx for c in full} == {1024, 2048, 4096, 8192, 16384}
+    assert {c.head_dim for c in full} == {64, 128}
+    assert {c.dtype for c in full} == {"float16", "bfloat16"}
+    assert {c.direction for c in full} == {"fwd", "fwd+bwd"}
+    modes = {c.pattern.mode for c in full}
+    assert modes == {"all", "local", "strided", "fixed", "longformer", "bigbird", "variable"}
+    assert {c.pattern.causal for c in full if c.pattern.mode != "all"} == {True, False}
+    assert len(list(QUICK.cases())) < len(full)
+
+
+def test_dense_causal_comes_first_in_each_problem():
+    seen: set[tuple] = set()
+    for case in FULL.cases():
+        if case.pattern.label == "dense-causal":
+            seen.add(case.problem_key)
+        else:
+            assert case.problem_key in seen
+
+
+def test_density_ratio_target():
+    records = [
+        {
+            "case": {"pattern": {"label": "dense-causal"}},
+            "problem_key": [1],
+            "density_vs_causal": 1.0,
+            "results": {"me": {"median_ms": 10.0}},
+        },
+        {
+            "case": {"pattern": {"label": "local"}},
+            "problem_key": [1],
+            "density_vs_causal": 0.25,
+            "results": {"me": {"median_ms": 3.0}},
+        },
+    ]
+    bench_report.add_density_ratios(records, "me")
+    assert records[1]["time_vs_dense_causal"] == pytest.approx(0.3)
+    assert records[1]["density_target_met"] is False  # 0.3 > 1.15 * 0.25
+
+
+def test_rotation_exceeds_cache():
+    assert input_sets_needed(1 << 30) == 1
+    assert 2 <= input_sets_needed(16 << 20) <= 8

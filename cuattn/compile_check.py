@@ -179,8 +179,9 @@ def kernel_instantiations() -> list[CompileUnit]:
     from cuattn import kernel_config
 
     return [
-        CompileUnit(inst.source_file, inst.name_expression)
-        for inst in kernel_config.all_instantiations()
+        CompileUnit(source_file, name)
+        for source_file, names in kernel_config.all_instantiations().items()
+        for name in names
     ]
 
 

@@ -101,19 +101,6 @@ class KernelCache:
 KERNELS = KernelCache()
 
 
-def launch(
-    source_file: str,
-    name_expression: str,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    args: tuple[Any, ...],
-    dynamic_smem_bytes: int = 0,
-) -> None:
-    """Launch one kernel on the current CuPy stream (interop sets it from the caller's)."""
-    kernel = KERNELS.kernel(source_file, name_expression, dynamic_smem_bytes)
-    kernel(grid, block, args, shared_mem=dynamic_smem_bytes)
-
-
 @dataclass(frozen=True)
 class LayoutArrays:
     """A layout's index arrays on one device (int32 / uint32 CuPy arrays)."""
@@ -168,3 +155,13 @@ def _to_device(cupy: Any, host: Any) -> Any:
 
 
 LAYOUTS = LayoutDeviceCache()
+
+
+def __getattr__(name: str) -> Any:
+    # cuattn.backend finds the backend as cuattn.runtime.CudaBackend; it lives in its own module,
+    # which needs cuattn.kernel_config, so it is imported only when asked for.
+    if name == "CudaBackend":
+        from cuattn.cuda_backend import CudaBackend
+
+        return CudaBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

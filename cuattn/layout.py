@@ -10,7 +10,7 @@ where ``rule`` is one of
     none      every element of an active block
     causal    k <= q
     window    q - k < window_left  and  k - q < window_right  (causal local: left=w, right=1)
-    bitmask   a per-block bit table evaluated once, at build time, from a vectorised mask_fn(h, q, k)
+    bitmask   per-block bit tables evaluated once, at build time, from a vectorised mask_fn(h, q, k)
 A layout may carry a token permutation ``perm`` (the computed order): position p of the computed
 sequence holds token ``perm[p]`` of the caller's sequence. Blocks and rule speak of computed order;
 ``to_mask()`` always answers in the caller's natural order.
@@ -276,8 +276,10 @@ class Layout:
             diff = qpos - kpos
             masks = (diff < self.rule.window_left) & (-diff < self.rule.window_right)
         else:
-            masks = _unpack_bits(self.mask_table[np.maximum(mask_id, 0)], b)
-            masks[np.asarray(mask_id) < 0] = True
+            mask_id = np.asarray(mask_id)
+            masks = np.ones((len(mask_id), b, b), dtype=bool)
+            needs = mask_id >= 0
+            masks[needs] = _unpack_bits(self.mask_table[mask_id[needs]], b)
         return masks & (kpos < self.n_ctx)
 
     def to_mask(self) -> np.ndarray:

@@ -1,0 +1,58 @@
+// The element rule inside a block that needs it (SPEC.md "Element rule"): positions are absolute
+// token indices in computed order; the k < n_ctx bound always applies.
+#pragma once
+
+#include "types.cuh"
+
+struct RuleParams {
+  int n_ctx;
+  int window_left;
+  int window_right;
+  const u32* mask_table;  // [n_masks, BLOCK, words] (bitmask rule only)
+};
+
+// Whether query q sees key k inside layout block (q_block, k_block) whose mask entry is mask_id.
+template <int RULE, int BLOCK>
+__device__ __forceinline__ bool element_allowed(const RuleParams& p, int q, int k, int q_block,
+                                                int k_block, int mask_id) {
+  if (k >= p.n_ctx) return false;
+  if constexpr (RULE == MASK_CAUSAL) {
+    return k <= q;
+  } else if constexpr (RULE == MASK_WINDOW) {
+    return (q - k < p.window_left) && (k - q < p.window_right);
+  } else if constexpr (RULE == MASK_BITMASK) {
+    constexpr int WORDS = (BLOCK + 31) / 32;
+    const int r = q - q_block * BLOCK;
+    const int c = k - k_block * BLOCK;
+    const u32 word = p.mask_table[(size_t(mask_id) * BLOCK + r) * WORDS + c / 32];
+    return (word >> (c % 32)) & 1u;
+  } else {
+    return true;
+  }
+}
+
+// Whether a q-tile x k-tile rectangle can be skipped or needs no per-element test; lets sub-tiles
+// of a big block that lie wholly above the causal diagonal (or outside the window) cost nothing.
+enum TileCoverage : int { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+
+template <int RULE>
+__device__ __forceinline__ int tile_coverage(const RuleParams& p, int q0, int q1, int k0, int k1,
+                                             int mask_id) {
+  // q0..q1 and k0..k1 are inclusive position ranges of the tile.
+  if (mask_id < 0) return TILE_FULL;
+  if (k0 >= p.n_ctx) return TILE_EMPTY;
+  const bool ragged = k1 >= p.n_ctx;
+  if constexpr (RULE == MASK_CAUSAL) {
+    if (k0 > q1) return TILE_EMPTY;
+    return (k1 <= q0 && !ragged) ? TILE_FULL : TILE_PARTIAL;
+  } else if constexpr (RULE == MASK_WINDOW) {
+    // allowed: q - k < window_left and k - q < window_right
+    if (q0 - k1 >= p.window_left || k0 - q1 >= p.window_right) return TILE_EMPTY;
+    const bool all_in = (q1 - k0 < p.window_left) && (k1 - q0 < p.window_right);
+    return (all_in && !ragged) ? TILE_FULL : TILE_PARTIAL;
+  } else if constexpr (RULE == MASK_BITMASK) {
+    return TILE_PARTIAL;
+  } else {
+    return ragged ? TILE_PARTIAL : TILE_FULL;
+  }
+}

@@ -1,0 +1,41 @@
+// Dynamic shared memory and the CTA-wide tile loader.
+#pragma once
+
+#include "ptx.cuh"
+
+// Base of the block's dynamic shared memory (size set at launch by cuattn/kernel_config.py).
+template <typename T>
+__device__ __forceinline__ T* dynamic_smem() {
+#ifdef CUATTN_INTERP
+  return reinterpret_cast<T*>(cuattn_interp::dynamic_smem);
+#else
+  extern __shared__ __align__(16) unsigned char cuattn_dynamic_smem[];
+  return reinterpret_cast<T*>(cuattn_dynamic_smem);
+#endif
+}
+
+// Row stride (elements) of a shared tile with COLS columns: padded by 16 bytes so the eight row
+// addresses of one ldmatrix fall in different banks, and still 16-byte aligned for cp.async.
+template <typename T, int COLS>
+struct SmemStride {
+  static constexpr int value = COLS + 16 / int(sizeof(T));
+};
+
+// Starts an asynchronous copy of a ROWS x COLS tile (gmem rows `gmem_ld` elements apart) into
+// shared memory; rows >= valid_rows are zero-filled and never read from global memory.
+// All NUM_THREADS threads of the CTA take part; the caller commits, waits and syncs.
+template <int ROWS, int COLS, int NUM_THREADS, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* gmem, int gmem_ld,
+                                                int valid_rows) {
+  constexpr int CHUNK = 16 / int(sizeof(T));  // elements per 16-byte copy
+  static_assert(COLS % CHUNK == 0, "tile rows must be whole 16-byte chunks");
+  constexpr int CHUNKS_PER_ROW = COLS / CHUNK;
+  const int tid = int(threadIdx.x);
+  for (int chunk = tid; chunk < ROWS * CHUNKS_PER_ROW; chunk += NUM_THREADS) {
+    const int row = chunk / CHUNKS_PER_ROW;
+    const int col = (chunk % CHUNKS_PER_ROW) * CHUNK;
+    const bool valid = row < valid_rows;
+    const T* src = gmem + (valid ? row * gmem_ld + col : 0);
+    cp_async_16(smem + row * smem_ld + col, src, valid);
+  }
+}

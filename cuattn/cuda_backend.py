@@ -97,7 +97,13 @@ class CudaBackend:
             out = cupy.empty(shape, dtype=q.dtype)
             lse = cupy.empty((batch, heads, n_ctx), dtype=cupy.float32)
             config = KernelConfig(
-                "attn_fwd", head_dim, dtype, batch, heads, n_ctx, layout.blocksize,
+                "attn_fwd",
+                head_dim,
+                dtype,
+                batch,
+                heads,
+                n_ctx,
+                layout.blocksize,
                 layout.rule.kind,
             )
             launch(
@@ -135,16 +141,17 @@ class CudaBackend:
                 f"lse: expected float32 {(batch, heads, n_ctx)}, got {lse.dtype} {lse.shape}"
             )
         with q.device:
-            q, k, v, out, dout, lse = (
-                cupy.ascontiguousarray(x) for x in (q, k, v, out, dout, lse)
-            )
+            q, k, v, out, dout, lse = (cupy.ascontiguousarray(x) for x in (q, k, v, out, dout, lse))
             arrays = LAYOUTS.get(layout)
             common = {"n_ctx": n_ctx, "scale": scale}
             geometry = (head_dim, dtype, batch, heads, n_ctx)
             delta = cupy.empty((batch, heads, n_ctx), dtype=cupy.float32)
             launch(
                 KernelConfig("attn_bwd_preprocess", *geometry),
-                out=out, dout=dout, delta=delta, n_ctx=n_ctx,
+                out=out,
+                dout=dout,
+                delta=delta,
+                n_ctx=n_ctx,
             )
             dq = cupy.empty(shape, dtype=q.dtype)
             dk = cupy.empty(shape, dtype=q.dtype)
@@ -174,6 +181,8 @@ class CudaBackend:
             else:
                 launch(
                     KernelConfig("attn_bwd_dq_convert", *geometry),
-                    dq_accum=dq_accum, dq=dq, **common,
+                    dq_accum=dq_accum,
+                    dq=dq,
+                    **common,
                 )
         return dq, dk, dv

@@ -25,6 +25,8 @@ from cuattn.ptxas_report import parse_ptxas_log
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+MAX_ERROR_LINES = 12  # of one compiler error shown
+MAX_LISTED = 4  # instantiations named per distinct error
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,24 @@ def format_table(results: Iterable[CompileResult]) -> str:
     return "\n".join(rows)
 
 
+def format_errors(results: Iterable[CompileResult]) -> str:
+    """Each distinct compiler error once (by its first error line), with where it occurred;
+    one mistake in a shared header otherwise repeats for every instantiation."""
+    groups: dict[str, list[CompileResult]] = {}
+    for r in results:
+        if r.error:
+            lines = r.error.splitlines()
+            first = next((line for line in lines if "error:" in line), lines[0])
+            groups.setdefault(first, []).append(r)
+    parts = []
+    for group in groups.values():
+        where = ", ".join(f"{r.arch} {r.unit.name_expression}" for r in group[:MAX_LISTED])
+        more = f" and {len(group) - MAX_LISTED} more" if len(group) > MAX_LISTED else ""
+        detail = "\n".join(group[0].error.splitlines()[:MAX_ERROR_LINES])
+        parts.append(f"\n## {len(group)} x: {where}{more}\n{detail}")
+    return "\n".join(parts)
+
+
 def summarize(results: Sequence[CompileResult]) -> str:
     errors = sum(1 for r in results if r.error)
     spills = sum(1 for r in results if r.error is None and r.spills)
@@ -217,9 +237,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     results = run_check(units, archs, load_sources(units), common_options(), args.jobs)
     table = format_table(results)
     print(table)
-    for r in results:
-        if r.error:
-            print(f"\n## {r.arch} {r.unit.name_expression}\n{r.error}")
+    print(format_errors(results))
     summary = f"{summarize(results)}; {time.perf_counter() - start:.0f}s with {args.jobs} jobs"
     print(f"\n{summary}")
     if args.markdown:

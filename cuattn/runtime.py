@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cuattn.build_options import common_options
 from cuattn.cuda_paths import kernel_source
@@ -155,6 +155,35 @@ def _to_device(cupy: Any, host: Any) -> Any:
 
 
 LAYOUTS = LayoutDeviceCache()
+
+
+def _warm_one(source_file: str, name_expression: str) -> str:
+    """Compile one instantiation in this (worker) process; CuPy writes it to its disk cache."""
+    KERNELS.kernel(source_file, name_expression)
+    return name_expression
+
+
+def warm_disk_cache(
+    units: Sequence[tuple[str, str]], jobs: int, progress: TextIO | None = None
+) -> None:
+    """Compile (source file, name expression) pairs for the current GPU in `jobs` processes.
+
+    A process compiles one NVRTC program at a time, so a test run or benchmark that needs
+    hundreds of instantiations would spend minutes compiling them one by one; compiled here in
+    parallel first, CuPy's on-disk cache (same source, options and name expression) serves them.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn, not fork: a forked child must not inherit the parent's CUDA context.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = [pool.submit(_warm_one, source, name) for source, name in units]
+        for done, future in enumerate(as_completed(futures), 1):
+            name = future.result()
+            if progress is not None:
+                progress.write(f"[{done}/{len(futures)}] compiled {name}\n")
+                progress.flush()
 
 
 def __getattr__(name: str) -> Any:

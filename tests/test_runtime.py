@@ -1,0 +1,118 @@
+"""The CUDA runtime's CPU-checkable parts: source discovery (checkout and installed wheel), import
+without CuPy, module memoisation per device and the dynamic shared-memory opt-in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cuattn import cuda_paths, runtime
+from cuattn.compile_check import kernel_instantiations
+from cuattn.kernel_config import KERNEL_FILES, all_configs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_kernel_sources_found_in_checkout():
+    assert cuda_paths.kernels_dir() == REPO / "kernels"
+    for source_file in set(KERNEL_FILES.values()):
+        assert "__global__" in cuda_paths.kernel_source(source_file)
+
+
+def test_missing_kernel_file_names_what_exists():
+    with pytest.raises(FileNotFoundError, match="attn_fwd.cu"):
+        cuda_paths.kernel_source("no_such_kernel.cu")
+
+
+def test_nvrtc_options_point_at_kernels_and_cuda_headers():
+    options = cuda_paths.nvrtc_include_options()
+    assert options[0] == f"-I{REPO / 'kernels'}"
+    assert any((Path(o[2:]) / "cuda_fp16.h").is_file() for o in options[1:])
+
+
+def test_compile_check_lists_every_instantiation_once():
+    units = kernel_instantiations()
+    assert len(units) == len(set(units)) == len(all_configs())
+
+
+def test_imports_and_reports_no_cuda_without_cupy():
+    code = (
+        "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
+        "import cuattn.runtime, cuattn.cuda_backend, cuattn.compile_check, cuattn.bench\n"
+        "assert not cuattn.runtime.cuda_available()\n"
+        "assert cuattn.runtime.CudaBackend.name == 'cuda'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_kernel_sources_found_in_installed_wheel(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)]
+    subprocess.run(build, check=True, capture_output=True)
+    (wheel,) = wheel_dir.glob("*.whl")
+    install = [*pip, "install", "--no-deps", "--target", str(target), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True)
+    files = sorted(set(KERNEL_FILES.values()))
+    code = (
+        "from cuattn.cuda_paths import kernels_dir, kernel_source\n"
+        "print(kernels_dir())\n"
+        f"for f in {files!r}: assert '__global__' in kernel_source(f)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": ""},
+    )
+    assert Path(result.stdout.strip()).resolve() == (target / "cuattn" / "kernels").resolve()
+
+
+class _FakeKernel:
+    def __init__(self) -> None:
+        self.max_dynamic_shared_size_bytes = 0
+        self.smem_settings: list[int] = []
+
+    def __setattr__(self, name, value):
+        if name == "max_dynamic_shared_size_bytes" and hasattr(self, "smem_settings"):
+            self.smem_settings.append(value)
+        object.__setattr__(self, name, value)
+
+
+class _FakeCupy:
+    """Just enough of CuPy for KernelCache: devices, RawModule construction, kernels."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.modules: list[dict] = []
+        self.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: self.device))
+
+    def RawModule(self, code, options, name_expressions):  # noqa: N802 (CuPy's name)
+        kernels: dict[str, _FakeKernel] = {}
+        self.modules.append({"options": options, "names": name_expressions})
+        return SimpleNamespace(get_function=lambda n: kernels.setdefault(n, _FakeKernel()))
+
+
+def test_modules_memoised_per_device_and_smem_opt_in(monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setattr(runtime, "_cupy", lambda: fake)
+    cache = runtime.KernelCache()
+    name = "attn_fwd<64, 128, __half, MASK_CAUSAL>"
+    small = cache.kernel("attn_fwd.cu", name, 16 * 1024)
+    assert small.smem_settings == []  # under 48 KB nothing to opt in to
+    big = cache.kernel("attn_fwd.cu", name, 80 * 1024)
+    assert big is small and big.smem_settings == [80 * 1024]
+    cache.kernel("attn_fwd.cu", name, 64 * 1024)  # already allowed more: no call
+    assert big.smem_settings == [80 * 1024]
+    assert len(fake.modules) == 1 and fake.modules[0]["names"] == [name]
+    assert "--std=c++17" in fake.modules[0]["options"]
+    fake.device = 1
+    other = cache.kernel("attn_fwd.cu", name, 80 * 1024)
+    assert other is not big and other.smem_settings == [80 * 1024]
+    assert len(fake.modules) == 2

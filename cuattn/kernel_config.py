@@ -156,12 +156,11 @@ class KernelConfig:
                 num_warps = tile_n // 16
                 scratch = 0 if half else 16 * (tile_m + 4)
                 tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
-                stats = 2 * tile_m * 4  # lse, delta
+                smem = tiles + num_warps * scratch * 4
                 if self.kernel == "attn_bwd_dkdv":
-                    ds = tile_n * _smem_stride(tile_m, itemsize) * itemsize
-                    smem = tiles + stats + ds + num_warps * scratch * 4
-                else:
-                    smem = tiles + stats + num_warps * scratch * 4
+                    stats = 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
+                    ds = tile_n * _smem_stride(tile_m, itemsize) * itemsize  # dS^T for dQ
+                    smem += stats + ds
             assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
             assert smem <= SM80_SMEM_LIMIT, f"{self.name_expression}: {smem} bytes shared memory"
         object.__setattr__(self, "tile_m", tile_m)

@@ -1,0 +1,354 @@
+// Block-sparse attention backward, FlashAttention-2 style.
+//
+// Given q, k, v, out, dout [batch, heads, n_ctx, HEAD_DIM] (T) and lse [batch, heads, n_ctx]
+// (float32, from attn_fwd), computes dq, dk, dv [batch, heads, n_ctx, HEAD_DIM] (T) of
+// sum(out * dout), visiting only the active blocks of the layout:
+//   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
+//   dK = dS^T Q * scale, with delta = rowsum(dO * O).
+// Kernels, in launch order:
+//   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
+//   attn_bwd_dkdv<BLOCK, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
+//       column of its key block; dK, dV accumulate in registers (each warp owns 16 keys). With
+//       compute_dq = 1 it also adds dS K into dq_accum (float32, zeroed by the caller) with
+//       atomics: fast, but the summation order varies from run to run.
+//   then either attn_bwd_dq_convert<HEAD_DIM, T>  dq = dq_accum * scale in T (compute_dq = 1)
+//   or attn_bwd_dq<BLOCK, HEAD_DIM, T, RULE>      deterministic: one CTA per query tile walks the
+//       CSR row and recomputes P and dS (compute_dq = 0); bit-identical across runs.
+// The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
+// Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
+// Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/kernel_config.py.
+#include "common/smem.cuh"
+#include "common/softmax.cuh"
+#include "common/warp_gemm.cuh"
+
+template <int HEAD_DIM, typename T>
+struct attn_bwd_row_traits {
+  static constexpr int ROWS_PER_CTA = 16;
+  static constexpr int NUM_WARPS = 4;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int SMEM_BYTES = 0;
+};
+
+// Query/key tile of the backward kernels: head dim 128 uses 32 so that the dK and dV
+// accumulators (2 x 64 floats per thread) and the score tiles fit in registers.
+template <int BLOCK, int HEAD_DIM>
+constexpr int bwd_tile() {
+  return HEAD_DIM >= 128 ? (BLOCK < 32 ? BLOCK : 32) : (BLOCK < 64 ? BLOCK : 64);
+}
+
+template <int BLOCK, int HEAD_DIM, typename T>
+struct attn_bwd_dkdv_traits {
+  static constexpr int TILE = bwd_tile<BLOCK, HEAD_DIM>();
+  static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
+  static constexpr int NUM_WARPS = TILE / 16;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
+  static constexpr int DS_LD = SmemStride<T, TILE>::value;
+  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE + 4);
+  static constexpr int SMEM_BYTES = 4 * TILE * LD * int(sizeof(T)) + 2 * TILE * int(sizeof(float)) +
+                                    TILE * DS_LD * int(sizeof(T)) +
+                                    NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
+  static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
+};
+
+template <int BLOCK, int HEAD_DIM, typename T>
+struct attn_bwd_dq_traits {
+  static constexpr int TILE = bwd_tile<BLOCK, HEAD_DIM>();
+  static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
+  static constexpr int NUM_WARPS = TILE / 16;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
+  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE + 4);
+  static constexpr int SMEM_BYTES =
+      4 * TILE * LD * int(sizeof(T)) + NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
+  static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
+};
+
+// lse in the log2 domain as the backward uses it; a row with nothing to attend (lse = -inf) or
+// past the end of the sequence becomes +inf so that exp2(s - lse) is exactly 0 for it.
+__device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index, bool valid) {
+  if (!valid) return INFINITY;
+  const float value = lse[index];
+  return value == -INFINITY ? INFINITY : value * LOG2E;
+}
+
+// delta[row] = sum_d dout[row, d] * out[row, d], one warp per row.
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
+    attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
+                        float* __restrict__ delta, int n_ctx) {
+  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_ctx);
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
+    const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
+    if (row >= n_ctx) break;  // uniform across the warp
+    const size_t base = (head_offset + row) * HEAD_DIM;
+    float sum = 0.f;
+    for (int d = lane; d < HEAD_DIM; d += 32) sum += to_float(out[base + d]) * to_float(dout[base + d]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) delta[head_offset + row] = sum;
+  }
+}
+
+// dq = dq_accum * scale, rounded to T.
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
+    attn_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int n_ctx,
+                        float scale) {
+  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_ctx);
+  const int row0 = int(blockIdx.x) * Traits::ROWS_PER_CTA;
+  const int rows = n_ctx - row0 < Traits::ROWS_PER_CTA ? n_ctx - row0 : Traits::ROWS_PER_CTA;
+  const size_t base = (head_offset + row0) * HEAD_DIM;
+  for (int i = int(threadIdx.x); i < rows * HEAD_DIM; i += Traits::NUM_THREADS) {
+    dq[base + i] = from_float<T>(dq_accum[base + i] * scale);
+  }
+}
+
+template <int BLOCK, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS)
+    attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const float* __restrict__ lse,
+                  const float* __restrict__ delta, float* __restrict__ dq_accum,
+                  T* __restrict__ dk, T* __restrict__ dv, const int* __restrict__ col_ptr,
+                  const int* __restrict__ row_idx, const int* __restrict__ col_mask,
+                  const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
+                  int window_left, int window_right, int compute_dq) {
+  using Traits = attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>;
+  constexpr int TILE = Traits::TILE;
+  constexpr int LD = Traits::LD;
+  constexpr int DS_LD = Traits::DS_LD;
+  constexpr int NUM_THREADS = Traits::NUM_THREADS;
+
+  const int k_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
+  const int k_start = k_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
+  if (k_start >= n_ctx) return;  // ragged last block: this sub-tile holds no key
+  const int head = int(blockIdx.y);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const int tid = int(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+
+  T* k_smem = dynamic_smem<T>();
+  T* v_smem = k_smem + TILE * LD;
+  T* q_smem = v_smem + TILE * LD;
+  T* do_smem = q_smem + TILE * LD;
+  T* ds_smem = do_smem + TILE * LD;  // dS^T [key][query], the A operand of dQ = dS K
+  float* lse_smem = reinterpret_cast<float*>(ds_smem + TILE * DS_LD);
+  float* delta_smem = lse_smem + TILE;
+  float* scratch = delta_smem + TILE + warp * Traits::SCRATCH_FLOATS;
+
+  const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_ctx - k_start);
+  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_ctx - k_start);
+  cp_async_commit();
+
+  float dk_acc[HEAD_DIM / 8][4] = {};
+  float dv_acc[HEAD_DIM / 8][4] = {};
+  const float scale_log2 = scale * LOG2E;
+  const int k_warp = k_start + warp * 16;
+
+  const int* column = col_ptr + head * (num_blocks + 1) + k_block;
+  for (int entry = column[0]; entry < column[1]; ++entry) {
+    const int q_block = row_idx[entry];
+    const int mask_id = col_mask[entry];
+    for (int sub = 0; sub < Traits::TILES_PER_BLOCK; ++sub) {
+      const int q_start = q_block * BLOCK + sub * TILE;
+      if (q_start >= n_ctx) break;
+      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + TILE - 1, k_start,
+                                               k_start + TILE - 1, mask_id);
+      if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
+
+      __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
+      const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
+      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM,
+                                                   n_ctx - q_start);
+      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
+                                                   n_ctx - q_start);
+      cp_async_commit();
+      for (int i = tid; i < TILE; i += NUM_THREADS) {
+        const bool valid = q_start + i < n_ctx;
+        lse_smem[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
+        delta_smem[i] = valid ? delta[head_offset + q_start + i] : 0.f;
+      }
+      cp_async_wait_all();
+      __syncthreads();
+
+      // S^T for this warp's 16 keys against the TILE queries, then P^T = exp2(S^T - lse).
+      float p_t[TILE / 8][4] = {};
+      warp_gemm_rs_nk<TILE, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
+      scale_tile<TILE>(p_t, scale_log2);
+      if (coverage == TILE_PARTIAL) {
+        mask_score_tile<RULE, BLOCK, TILE, false>(p_t, rule, k_warp, q_start, q_block, k_block,
+                                                  mask_id);
+      }
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p_t[j][e] = exp2f(p_t[j][e] - lse_smem[8 * j + 2 * t + e % 2]);
+      }
+      warp_gemm_regs_kn<HEAD_DIM, TILE>(dv_acc, p_t, do_smem, LD, scratch);
+
+      // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
+      float ds_t[TILE / 8][4] = {};
+      warp_gemm_rs_nk<TILE, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ds_t[j][e] = p_t[j][e] * (ds_t[j][e] - delta_smem[8 * j + 2 * t + e % 2]);
+        }
+      }
+      warp_gemm_regs_kn<HEAD_DIM, TILE>(dk_acc, ds_t, q_smem, LD, scratch);
+
+      if (compute_dq) {  // uniform: a kernel argument
+#pragma unroll
+        for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            ds_smem[(warp * 16 + g + 8 * (e / 2)) * DS_LD + 8 * j + 2 * t + e % 2] =
+                from_float<T>(ds_t[j][e]);
+          }
+        }
+        __syncthreads();
+        // dQ for query rows warp*16.. of the tile: A = dS (stored transposed), B = K.
+        float dq_frag[HEAD_DIM / 8][4] = {};
+        warp_gemm_ts_kn<HEAD_DIM, TILE>(dq_frag, ds_smem + warp * 16, DS_LD, k_smem, LD);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int q_row = q_start + warp * 16 + g + 8 * r;
+          if (q_row >= n_ctx) continue;
+          float* dq_row = dq_accum + (head_offset + q_row) * HEAD_DIM;
+#pragma unroll
+          for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            atomicAdd(dq_row + 8 * j + 2 * t, dq_frag[j][2 * r]);
+            atomicAdd(dq_row + 8 * j + 2 * t + 1, dq_frag[j][2 * r + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait_all();  // a key tile with no active query tile still retires its K/V copy
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int k_row = k_warp + g + 8 * r;
+    if (k_row >= n_ctx) continue;
+    T* dk_row = dk + (head_offset + k_row) * HEAD_DIM;
+    T* dv_row = dv + (head_offset + k_row) * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        dk_row[8 * j + 2 * t + c] = from_float<T>(dk_acc[j][2 * r + c] * scale);
+        dv_row[8 * j + 2 * t + c] = from_float<T>(dv_acc[j][2 * r + c]);
+      }
+    }
+  }
+}
+
+template <int BLOCK, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS)
+    attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse,
+                const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
+                const int* __restrict__ col_idx, const int* __restrict__ row_mask,
+                const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
+                int window_left, int window_right) {
+  using Traits = attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>;
+  constexpr int TILE = Traits::TILE;
+  constexpr int LD = Traits::LD;
+  constexpr int NUM_THREADS = Traits::NUM_THREADS;
+
+  const int q_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
+  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
+  if (q_start >= n_ctx) return;
+  const int head = int(blockIdx.y);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+
+  T* q_smem = dynamic_smem<T>();
+  T* do_smem = q_smem + TILE * LD;
+  T* k_smem = do_smem + TILE * LD;
+  T* v_smem = k_smem + TILE * LD;
+  float* scratch = reinterpret_cast<float*>(v_smem + TILE * LD) + warp * Traits::SCRATCH_FLOATS;
+
+  const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
+  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM, n_ctx - q_start);
+  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
+                                               n_ctx - q_start);
+  cp_async_commit();
+
+  const int q_warp = q_start + warp * 16;
+  float lse_row[2], delta_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q_row = q_warp + g + 8 * r;
+    lse_row[r] = lse_log2_or_inf(lse, head_offset + q_row, q_row < n_ctx);
+    delta_row[r] = q_row < n_ctx ? delta[head_offset + q_row] : 0.f;
+  }
+  float dq_acc[HEAD_DIM / 8][4] = {};
+  const float scale_log2 = scale * LOG2E;
+
+  const int* row = row_ptr + head * (num_blocks + 1) + q_block;
+  for (int entry = row[0]; entry < row[1]; ++entry) {
+    const int k_block = col_idx[entry];
+    const int mask_id = row_mask[entry];
+    for (int sub = 0; sub < Traits::TILES_PER_BLOCK; ++sub) {
+      const int k_start = k_block * BLOCK + sub * TILE;
+      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + TILE - 1, k_start,
+                                               k_start + TILE - 1, mask_id);
+      if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
+
+      __syncthreads();  // every warp is done with the previous K/V tile
+      const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
+                                                   n_ctx - k_start);
+      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
+                                                   n_ctx - k_start);
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+
+      float p[TILE / 8][4] = {};
+      warp_gemm_rs_nk<TILE, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+      scale_tile<TILE>(p, scale_log2);
+      if (coverage == TILE_PARTIAL) {
+        mask_score_tile<RULE, BLOCK, TILE, true>(p, rule, q_warp, k_start, q_block, k_block,
+                                                 mask_id);
+      }
+      float ds[TILE / 8][4] = {};
+      warp_gemm_rs_nk<TILE, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
+          ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
+        }
+      }
+      warp_gemm_regs_kn<HEAD_DIM, TILE>(dq_acc, ds, k_smem, LD, scratch);
+    }
+  }
+  cp_async_wait_all();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q_row = q_warp + g + 8 * r;
+    if (q_row >= n_ctx) continue;
+    T* dq_row = dq + (head_offset + q_row) * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+      dq_row[8 * j + 2 * t] = from_float<T>(dq_acc[j][2 * r] * scale);
+      dq_row[8 * j + 2 * t + 1] = from_float<T>(dq_acc[j][2 * r + 1] * scale);
+    }
+  }
+}

@@ -8,8 +8,8 @@ the same order CuPy uses for NVRTC itself, so the headers match the compiler tha
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
-from importlib import resources
 from pathlib import Path
 
 # A header every CUDA toolkit include directory has; used to recognise one.
@@ -50,13 +50,18 @@ def _pathfinder_include_dir() -> str | None:
 
 @functools.cache
 def kernels_dir() -> Path:
-    """The directory of the .cu sources: package data in a wheel, else the checkout's kernels/."""
+    """The directory of the .cu sources: package data of an installed wheel, else the checkout's
+    kernels/."""
+    # kernels/ has no __init__.py, so in a wheel cuattn.kernels is a namespace package: its
+    # spec's search locations are the directories (importlib.resources would give a
+    # MultiplexedPath, which is not a filesystem path NVRTC's -I can use).
     try:
-        packaged = resources.files(_KERNELS_PACKAGE)
-        if packaged.is_dir() and any(p.name.endswith(".cu") for p in packaged.iterdir()):
-            return Path(str(packaged))
-    except (ModuleNotFoundError, TypeError, NotADirectoryError):
-        pass
+        spec = importlib.util.find_spec(_KERNELS_PACKAGE)
+    except ModuleNotFoundError:
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if any(Path(location).glob("*.cu")):
+            return Path(location)
     checkout = Path(__file__).resolve().parent.parent / "kernels"
     if checkout.is_dir():
         return checkout

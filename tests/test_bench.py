@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from cuattn import bench, bench_report
+from cuattn import bench, bench_report, bench_runners
 from cuattn.bench_cases import FULL, QUICK, SWEEPS, BenchCase
+from cuattn.bench_runners import InputSet
 from cuattn.bench_timing import input_sets_needed
 
 
@@ -86,3 +88,48 @@ def test_density_ratio_target():
 def test_rotation_exceeds_cache():
     assert input_sets_needed(1 << 30) == 1
     assert 2 <= input_sets_needed(16 << 20) <= 8
+
+
+def _torch_problem(case: BenchCase):
+    torch = pytest.importorskip("torch")
+    layout = case.pattern.make_layout(case.n_ctx, case.heads, case.blocksize)
+    gen = torch.Generator().manual_seed(0)
+    shape = (case.batch, case.heads, case.n_ctx, case.head_dim)
+    tensors = [torch.randn(shape, dtype=torch.float64, generator=gen) for _ in range(4)]
+    return layout, [InputSet(*tensors)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention warns it is unfused
+@pytest.mark.parametrize("direction", ["fwd", "fwd+bwd"])
+def test_peer_runners_compute_the_same_attention(monkeypatch, direction):
+    """SdpaRunner (math backend, the one CPUs have) and FlexRunner (eager here: compiling on CPU
+    takes minutes; forward only) against the NumPy reference, outputs and gradients."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from cuattn import reference
+
+    monkeypatch.setattr(bench_runners, "_compiled_flex", lambda: flex_attention)
+    base = next(c for c in SWEEPS["dry-run"].cases() if c.pattern.mode == "local")
+    dense = next(c for c in SWEEPS["dry-run"].cases() if c.pattern.label == "dense-causal")
+    scale = 0.25
+    pairs = [(bench_runners.SdpaRunner("MATH"), dense)]
+    if direction == "fwd":  # FlexAttention has no backward on the CPU
+        pairs.append((bench_runners.FlexRunner(), base))
+    for runner, case in pairs:
+        case = BenchCase(**{**case.__dict__, "direction": direction})
+        layout, inputs = _torch_problem(case)
+        got = runner.prepare(case, layout, inputs, scale)(0)
+        q, k, v, dout = (x.numpy() for x in (inputs[0].q, inputs[0].k, inputs[0].v, inputs[0].dout))
+        out, lse = reference.attention_forward(q, k, v, layout, scale)
+        if direction == "fwd":
+            np.testing.assert_allclose(got.detach().numpy(), out, atol=1e-10)
+        else:
+            want = reference.attention_backward(q, k, v, out, lse, dout, layout, scale)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g.numpy(), w, atol=1e-10)
+
+
+def test_sdpa_skips_sparse_cases_with_a_reason():
+    case = next(c for c in SWEEPS["dry-run"].cases() if not c.pattern.dense)
+    with pytest.raises(bench_runners.Skip, match="dense cases only"):
+        bench_runners.SdpaRunner("FLASH_ATTENTION").prepare(case, None, [], 1.0)

@@ -85,10 +85,46 @@ def markdown_table(report: dict[str, Any]) -> str:
             "yes" if r.get("correct") else ("skip" if r.get("correct") is None else "NO"),
         ]
         lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Targets (DESIGN.md §6):", *(f"* {line}" for line in target_summary(report))]
     skipped = sorted({f"{p}: {why}" for r in report["records"] for p, why in r["skipped"].items()})
     if skipped:
         lines += ["", "Not measured:", *(f"* {s}" for s in skipped)]
     return "\n".join(lines) + "\n"
+
+
+def _target_line(label: str, checks: list[tuple[str, float, bool]]) -> str:
+    if not checks:
+        return f"{label}: not measured"
+    met = sum(ok for _, _, ok in checks)
+    worst_name, worst_value, _ = min(checks, key=lambda c: c[1])
+    return f"{label}: {met}/{len(checks)} met; lowest {worst_value:.2f} ({worst_name})"
+
+
+def target_summary(report: dict[str, Any]) -> list[str]:
+    """One line per §6 target: how many cases meet it and the worst case."""
+    vs_flash, vs_flex, density = [], [], []
+    for r in report["records"]:
+        case, speedup = r["case"], r.get("speedup", {})
+        label = case["pattern"]["label"]
+        if label == "dense-causal" and case["dtype"] == "bfloat16" and case["n_ctx"] >= 2048:
+            if "sdpa-flash" in speedup:
+                value = speedup["sdpa-flash"]
+                vs_flash.append((r["name"], value, value >= TARGET_VS_SDPA_FLASH))
+        if case["pattern"]["mode"] != "all" and "flex" in speedup:
+            vs_flex.append((r["name"], speedup["flex"], speedup["flex"] >= TARGET_VS_FLEX))
+        if "density_target_met" in r and label != "dense-causal":
+            # headroom: allowed time ratio over measured time ratio (>= 1 means met)
+            allowed = TARGET_DENSITY_SLACK * r["density_vs_causal"]
+            headroom = allowed / r["time_vs_dense_causal"]
+            density.append((r["name"], headroom, r["density_target_met"]))
+    return [
+        _target_line(f"dense causal bf16 T>=2k: >= {TARGET_VS_SDPA_FLASH}x SDPA-flash", vs_flash),
+        _target_line(f"sparse patterns: >= {TARGET_VS_FLEX}x compiled FlexAttention", vs_flex),
+        _target_line(
+            f"t/t_causal <= {TARGET_DENSITY_SLACK} x density ratio (value: allowed/measured)",
+            density,
+        ),
+    ]
 
 
 def plot_speed_vs_density(report: dict[str, Any], path: Path) -> bool:

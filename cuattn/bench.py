@@ -327,7 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     dry_run = args.dry_run
     if not dry_run and not gpu_available():
         sys.stderr.write("no CUDA device (torch + CuPy): running the CPU dry run instead\n")
@@ -353,10 +353,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` on the cuattn CLI (cuattn/cli.py)."""
     parser = subparsers.add_parser("bench", help="benchmark against SDPA and FlexAttention")
     add_arguments(parser)
-    parser.set_defaults(func=run_from_args)
+    parser.set_defaults(func=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cuattn bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run(parser.parse_args(argv))

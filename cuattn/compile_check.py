@@ -224,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     units = [u for u in kernel_instantiations() if args.filter in u.name_expression]
     if not units:
@@ -252,10 +252,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
         "compile", help="compile every kernel instantiation with NVRTC; fail on errors or spills"
     )
     add_arguments(parser)
-    parser.set_defaults(func=run_from_args)
+    parser.set_defaults(func=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cuattn compile", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run(parser.parse_args(argv))

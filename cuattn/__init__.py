@@ -9,7 +9,7 @@ out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, h
 
 from .api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
 from .layout import ElementRule, Layout
-from .patterns import MODES, make_layout
+from .patterns import MODES, make_layout, vertical_slash_layout
 
 __version__ = "0.1.0"
 
@@ -23,4 +23,5 @@ __all__ = [
     "merge_heads",
     "sparse_attention",
     "split_heads",
+    "vertical_slash_layout",
 ]

@@ -68,10 +68,19 @@ def _check_block_array(blocks: np.ndarray, name: str = "blocks") -> np.ndarray:
     return arr.astype(bool)
 
 
-def _positions(i: np.ndarray, j: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+def _positions(
+    i: np.ndarray, j: np.ndarray, b: int, n_ctx: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Query [R, b, 1] and key [R, 1, b] positions of R blocks.
+
+    With ``n_ctx`` they are clipped to n_ctx - 1, so a mask_fn that indexes per-token tables never
+    sees the padding of a ragged last block (whose keys the k < n_ctx bound removes anyway).
+    """
     r = np.arange(b)
     qpos = i[:, None, None] * b + r[None, :, None]
     kpos = j[:, None, None] * b + r[None, None, :]
+    if n_ctx is not None:
+        qpos, kpos = np.minimum(qpos, n_ctx - 1), np.minimum(kpos, n_ctx - 1)
     return qpos, kpos
 
 
@@ -152,7 +161,8 @@ class Layout:
         """A user layout: a 0/1 block array [heads, n/b, n/b] and an optional element rule.
 
         ``mask_fn(h, q, k) -> bool`` is evaluated with NumPy broadcasting (h, q, k are integer
-        arrays) once, at build time, over the active blocks only, into per-block bitmasks.
+        arrays) once, at build time, over the active blocks only, into per-block bitmasks;
+        positions it sees are < n_ctx.
         Query q of head h sees key k when ``blocks[h, q//b, k//b] and mask_fn(h, q, k)``.
         """
         if mask_fn is not None and not callable(mask_fn):
@@ -253,7 +263,7 @@ class Layout:
         return ids, table.reshape(-1, b, words).astype(np.uint32)
 
     def _eval_mask_fn(self, h: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        qpos, kpos = _positions(i, j, self.blocksize)
+        qpos, kpos = _positions(i, j, self.blocksize, self.n_ctx)
         out = self.rule.mask_fn(np.int64(h), qpos, kpos)
         out = np.asarray(out)
         if out.dtype != np.bool_:

@@ -59,7 +59,9 @@ def test_full_flag_means_every_element_allowed(mode, kw):
     for h in range(lay.heads):
         lo, hi = lay.row_ptr[h, 0], lay.row_ptr[h, -1]
         rows = np.repeat(np.arange(lay.num_blocks), np.diff(lay.row_ptr[h]))
-        masks = lay.block_masks(np.full(len(rows), h), rows, lay.col_idx[lo:hi], lay.row_mask[lo:hi])
+        masks = lay.block_masks(
+            np.full(len(rows), h), rows, lay.col_idx[lo:hi], lay.row_mask[lo:hi]
+        )
         full = lay.row_mask[lo:hi] == FULL_BLOCK
         assert masks[full].all()
         ragged_or_partial = ~masks.all(axis=(1, 2))

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 import cuattn
-from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 SIZES = [(128, 16), (96, 32), (100, 16), (64, 64)]
 
@@ -57,8 +57,14 @@ def test_fixed(n, b, lctx, num_verts, vertsize, causal):
     if num_verts * vertsize > g or g % vertsize:
         pytest.skip("not a valid fixed configuration")
     lay = cuattn.make_layout(
-        "fixed", n, 4, blocksize=b, local_attn_ctx=lctx, num_verts=num_verts,
-        vertsize=vertsize, causal=causal,
+        "fixed",
+        n,
+        4,
+        blocksize=b,
+        local_attn_ctx=lctx,
+        num_verts=num_verts,
+        vertsize=vertsize,
+        causal=causal,
     )
     np.testing.assert_array_equal(
         lay.to_mask(), rule_fixed(n, 4, b, lctx, num_verts, vertsize, causal)
@@ -104,8 +110,14 @@ def test_bigbird(causal):
 def test_variable(causal):
     n, b = 256, 16
     lay = cuattn.make_layout(
-        "variable", n, 1, blocksize=b, causal=causal, local_window_blocks=[2, 3],
-        global_block_indices=[0, 7], global_block_end_indices=[1, 9],
+        "variable",
+        n,
+        1,
+        blocksize=b,
+        causal=causal,
+        local_window_blocks=[2, 3],
+        global_block_indices=[0, 7],
+        global_block_end_indices=[1, 9],
     )
     np.testing.assert_array_equal(lay.to_mask(), rule_blocks(lay.blocks, b, n, causal))
     nb = n // b
@@ -120,7 +132,12 @@ def test_variable(causal):
 
 def test_variable_horizontal_global():
     lay = cuattn.make_layout(
-        "variable", 128, 1, blocksize=16, causal=False, horizontal_global_attention=True,
+        "variable",
+        128,
+        1,
+        blocksize=16,
+        causal=False,
+        horizontal_global_attention=True,
         global_block_indices=[3],
     )
     assert lay.blocks[0, 3].all() and lay.blocks[0, :, 3].all()
@@ -145,3 +162,37 @@ def test_picture_groups_blocks_when_wide():
     lay = cuattn.make_layout("all", 4096, 1, blocksize=16)
     rows = lay.picture(max_width=64).splitlines()
     assert len(rows) == 1 + 64 and all(len(r) == 64 for r in rows[1:])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [128, 100])
+def test_vertical_slash_picks_planted_columns_and_diagonals(causal, n):
+    rng = np.random.default_rng(0)
+    heads, d = 2, 16
+    q = rng.standard_normal((heads, n, d)) * 0.1
+    k = rng.standard_normal((heads, n, d)) * 0.1
+    # head 0: key 5 is loud for every query (a vertical line)
+    k[0, 5] = 4.0 * q[0, -16:].mean(axis=0) / np.linalg.norm(q[0, -16:].mean(axis=0)) ** 2
+    lay = cuattn.vertical_slash_layout(
+        q, k, blocksize=16, num_vertical=4, num_slash=3, last_q=16, causal=causal
+    )
+    mask = lay.to_mask()
+    assert mask[0, n - 1, 5] and mask[0, n - 40, 5], "the planted column is kept"
+    assert all(mask[h, i, i] for h in range(heads) for i in range(n)), "main diagonal kept"
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    for h in range(heads):
+        cols = np.flatnonzero(mask[h].sum(axis=0) >= (n // 2 if causal else n) - 1)
+        assert len(cols) <= 4 + 3
+        if causal:
+            assert not mask[h][ki > qi].any()
+    assert lay.nnz.max() < lay.num_blocks**2
+    # the element rule, evaluated directly, equals the layout's mask
+    out = cuattn.sparse_attention(q[None], k[None], k[None], lay)
+    assert np.isfinite(out).all()
+
+
+def test_vertical_slash_rejects_device_or_bad_shapes():
+    with pytest.raises(TypeError, match="q must be a NumPy array"):
+        cuattn.vertical_slash_layout([[1.0]], np.ones((1, 4, 2)))
+    with pytest.raises(ValueError, match=r"q must be \[heads, n, d\]"):
+        cuattn.vertical_slash_layout(np.ones((4, 2)), np.ones((4, 2)))

@@ -3,6 +3,7 @@ without CuPy, module memoisation per device and the dynamic shared-memory opt-in
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,9 @@ def test_imports_and_reports_no_cuda_without_cupy():
 def test_kernel_sources_found_in_installed_wheel(tmp_path):
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "-q"]
-    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)]
+    # Offline when the build backend is already installed; otherwise pip fetches it.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    build = [*pip, "wheel", "--no-deps", *isolation, "-w", str(wheel_dir), str(REPO)]
     subprocess.run(build, check=True, capture_output=True)
     (wheel,) = wheel_dir.glob("*.whl")
     install = [*pip, "install", "--no-deps", "--target", str(target), str(wheel)]

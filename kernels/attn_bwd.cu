@@ -32,13 +32,14 @@ struct attn_bwd_row_traits {
 // Query/key tile of the backward kernels: head dim 128 uses 32 so that the dK and dV
 // accumulators (2 x 64 floats per thread) and the score tiles fit in registers.
 template <int BLOCK, int HEAD_DIM>
-constexpr int bwd_tile() {
-  return HEAD_DIM >= 128 ? (BLOCK < 32 ? BLOCK : 32) : (BLOCK < 64 ? BLOCK : 64);
-}
+struct BwdTile {
+  static constexpr int LIMIT = HEAD_DIM >= 128 ? 32 : 64;
+  static constexpr int value = BLOCK < LIMIT ? BLOCK : LIMIT;
+};
 
 template <int BLOCK, int HEAD_DIM, typename T>
 struct attn_bwd_dkdv_traits {
-  static constexpr int TILE = bwd_tile<BLOCK, HEAD_DIM>();
+  static constexpr int TILE = BwdTile<BLOCK, HEAD_DIM>::value;
   static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
   static constexpr int NUM_WARPS = TILE / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
@@ -53,7 +54,7 @@ struct attn_bwd_dkdv_traits {
 
 template <int BLOCK, int HEAD_DIM, typename T>
 struct attn_bwd_dq_traits {
-  static constexpr int TILE = bwd_tile<BLOCK, HEAD_DIM>();
+  static constexpr int TILE = BwdTile<BLOCK, HEAD_DIM>::value;
   static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
   static constexpr int NUM_WARPS = TILE / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;

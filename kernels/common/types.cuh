@@ -58,24 +58,30 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+__device__ __forceinline__ unsigned short bits_of(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_bits(unsigned short bits);
+template <>
+__device__ __forceinline__ __half from_bits<__half>(unsigned short bits) {
+  return __ushort_as_half(bits);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short bits) {
+  return __ushort_as_bfloat16(bits);
+}
+
 // Two floats rounded to T and packed into one 32-bit register, `lo` in the low half: the
 // operand format of mma.m16n8k16 (element with the smaller column index in the low bits).
 template <typename T>
 __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
   static_assert(is_half_type<T>::value, "pack_pair packs 16-bit types");
-  const T lo_t = from_float<T>(lo);
-  const T hi_t = from_float<T>(hi);
-  unsigned short lo_bits, hi_bits;
-  __builtin_memcpy(&lo_bits, &lo_t, sizeof(lo_bits));
-  __builtin_memcpy(&hi_bits, &hi_t, sizeof(hi_bits));
-  return u32(lo_bits) | (u32(hi_bits) << 16);
+  return u32(bits_of(from_float<T>(lo))) | (u32(bits_of(from_float<T>(hi))) << 16);
 }
 
 // 16-bit element `index` (0 = low) of a packed register, as float.
 template <typename T>
 __device__ __forceinline__ float unpack_element(u32 packed, int index) {
-  const unsigned short bits = (unsigned short)(index ? packed >> 16 : packed & 0xffffu);
-  T value;
-  __builtin_memcpy(&value, &bits, sizeof(bits));
-  return to_float(value);
+  return to_float(from_bits<T>((unsigned short)(index ? packed >> 16 : packed & 0xffffu)));
 }

@@ -14,20 +14,25 @@
 
 namespace warp_gemm_detail {
 
-// SIMT fallback: this lane computes its own accumulator elements from any operand accessors.
+// SIMT fallback: this lane computes its own accumulator elements from any operand accessors,
+// as outer products over k (two A values and two B values per n-tile per step), so only the
+// accumulators stay live; each element still sums over k in order, in fp32.
 template <int N, int K, typename AAt, typename BAt>
 __device__ __forceinline__ void simt_gemm(float (&acc)[N / 8][4], AAt a_at, BAt b_at) {
   const int lane = int(threadIdx.x) % 32;
   const int g = lane / 4, t = lane % 4;
+#pragma unroll 2
+  for (int kk = 0; kk < K; ++kk) {
+    const float a_lo = a_at(g, kk);
+    const float a_hi = a_at(g + 8, kk);
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = g + 8 * (e / 2);
-      const int col = 8 * j + 2 * t + (e % 2);
-      float sum = acc[j][e];
-      for (int kk = 0; kk < K; ++kk) sum = fmaf(a_at(row, kk), b_at(kk, col), sum);
-      acc[j][e] = sum;
+    for (int j = 0; j < N / 8; ++j) {
+      const float b0 = b_at(kk, 8 * j + 2 * t);
+      const float b1 = b_at(kk, 8 * j + 2 * t + 1);
+      acc[j][0] = fmaf(a_lo, b0, acc[j][0]);
+      acc[j][1] = fmaf(a_lo, b1, acc[j][1]);
+      acc[j][2] = fmaf(a_hi, b0, acc[j][2]);
+      acc[j][3] = fmaf(a_hi, b1, acc[j][3]);
     }
   }
 }

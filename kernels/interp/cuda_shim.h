@@ -45,7 +45,7 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 
 struct uint3 {

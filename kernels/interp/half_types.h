@@ -67,3 +67,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float x) {
 }
 inline __nv_bfloat16 __float2bfloat16(float x) { return __float2bfloat16_rn(x); }
 inline float __bfloat162float(__nv_bfloat16 b) { return cuattn_interp::bfloat16_bits_to_float(b.bits); }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline __half __ushort_as_half(unsigned short bits) { return __half{bits}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.bits; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return __nv_bfloat16{bits}; }

@@ -1,0 +1,134 @@
+// Test kernels for the primitives of kernels/common/ (run through the CPU interpreter by
+// tests/test_interp_primitives.py and compared with NumPy). Each kernel moves data between
+// global memory and the documented per-lane fragment layouts by plain indexing, so the PTX
+// wrappers are checked against the PTX ISA's layouts, not against each other.
+#include "common/smem.cuh"
+#include "common/warp_gemm.cuh"
+
+// d = a * b + c for one m16n8k16: a [16][16], b [16][8] (k-major), c and d [16][8].
+template <typename T>
+__global__ void test_mma(const T* a, const T* b, const float* c, float* d) {
+  const int lane = int(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  u32 a_frag[4], b_frag[2];
+  float c_frag[4], d_frag[4];
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+    a_frag[r] = u32(bits_of(a[row * 16 + col])) | (u32(bits_of(a[row * 16 + col + 1])) << 16);
+  }
+  for (int r = 0; r < 2; ++r) {
+    const int row = 2 * t + 8 * r;
+    b_frag[r] = u32(bits_of(b[row * 8 + g])) | (u32(bits_of(b[(row + 1) * 8 + g])) << 16);
+  }
+  for (int e = 0; e < 4; ++e) c_frag[e] = c[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2];
+  mma_m16n8k16<T>(d_frag, a_frag, b_frag, c_frag);
+  for (int e = 0; e < 4; ++e) d[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d_frag[e];
+}
+
+// The four 8x8 quadrants of a 16x16 tile through ldmatrix .x4 (matrix m = rows 8*(m%2),
+// columns 8*(m/2)); out[lane][m] is register m of that lane.
+template <bool TRANS>
+__global__ void test_ldmatrix(const __half* src, u32* out) {
+  __shared__ __align__(16) __half tile[16 * 16];
+  const int lane = int(threadIdx.x) % 32;
+  for (int i = lane; i < 256; i += 32) tile[i] = src[i];
+  __syncwarp();
+  const int m = lane / 8, r = lane % 8;
+  const __half* row = tile + ((m % 2) * 8 + r) * 16 + (m / 2) * 8;
+  u32 regs[4];
+  if constexpr (TRANS) {
+    ldmatrix_x4_trans(regs, row);
+  } else {
+    ldmatrix_x4(regs, row);
+  }
+  for (int i = 0; i < 4; ++i) out[lane * 4 + i] = regs[i];
+  __syncwarp();
+}
+
+constexpr int GEMM_N = 32;
+constexpr int GEMM_K = 32;
+enum GemmForm : int { FORM_RS_NK = 0, FORM_TS_KN = 1, FORM_REGS_KN = 2 };
+
+// c [16][GEMM_N] = A * B for one warp. a: [16][K] (rs, regs) or [K][16] (ts);
+// b: [N][K] (nk) or [K][N] (kn), all dense in global memory.
+template <typename T, int FORM>
+__global__ void test_warp_gemm(const T* a, const T* b, float* c) {
+  constexpr int A_ROWS = FORM == FORM_TS_KN ? GEMM_K : 16;
+  constexpr int A_COLS = FORM == FORM_TS_KN ? 16 : GEMM_K;
+  constexpr int B_ROWS = FORM == FORM_RS_NK ? GEMM_N : GEMM_K;
+  constexpr int B_COLS = FORM == FORM_RS_NK ? GEMM_K : GEMM_N;
+  constexpr int LDA = SmemStride<T, A_COLS>::value;
+  constexpr int LDB = SmemStride<T, B_COLS>::value;
+  __shared__ __align__(16) T a_smem[A_ROWS * LDA];
+  __shared__ __align__(16) T b_smem[B_ROWS * LDB];
+  __shared__ __align__(16) float scratch[16 * (GEMM_K + 4)];
+  const int lane = int(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  for (int i = lane; i < A_ROWS * A_COLS; i += 32) a_smem[(i / A_COLS) * LDA + i % A_COLS] = a[i];
+  for (int i = lane; i < B_ROWS * B_COLS; i += 32) b_smem[(i / B_COLS) * LDB + i % B_COLS] = b[i];
+  __syncwarp();
+  float acc[GEMM_N / 8][4] = {};
+  if constexpr (FORM == FORM_RS_NK) {
+    warp_gemm_rs_nk<GEMM_N, GEMM_K>(acc, a_smem, LDA, b_smem, LDB);
+  } else if constexpr (FORM == FORM_TS_KN) {
+    warp_gemm_ts_kn<GEMM_N, GEMM_K>(acc, a_smem, LDA, b_smem, LDB);
+  } else {
+    float a_frag[GEMM_K / 8][4];
+    for (int j = 0; j < GEMM_K / 8; ++j) {
+      for (int e = 0; e < 4; ++e) {
+        a_frag[j][e] = to_float(a[(g + 8 * (e / 2)) * GEMM_K + 8 * j + 2 * t + e % 2]);
+      }
+    }
+    warp_gemm_regs_kn<GEMM_N, GEMM_K>(acc, a_frag, b_smem, LDB, scratch);
+  }
+  for (int j = 0; j < GEMM_N / 8; ++j) {
+    for (int e = 0; e < 4; ++e) c[(g + 8 * (e / 2)) * GEMM_N + 8 * j + 2 * t + e % 2] = acc[j][e];
+  }
+  __syncwarp();
+}
+
+// out[lane][0..4] = value of lane ^ (1, 2, 4, 8, 16); out[lane][5] = value of lane 5;
+// out[lane][6..7] = quad_max / quad_sum of the values.
+__global__ void test_shuffle(const float* in, float* out) {
+  const int lane = int(threadIdx.x) % 32;
+  const int warp = int(threadIdx.x) / 32;
+  const float value = in[warp * 32 + lane];
+  float* row = out + (warp * 32 + lane) * 8;
+  for (int i = 0; i < 5; ++i) row[i] = __shfl_xor_sync(0xffffffffu, value, 1 << i);
+  row[5] = __shfl_sync(0xffffffffu, value, 5);
+  row[6] = quad_max(value);
+  row[7] = quad_sum(value);
+}
+
+// Per block: every thread adds its value into sums[blockIdx.x] atomically, and reads its
+// neighbour's value through shared memory after a __syncthreads.
+__global__ void test_block(const float* in, float* sums, float* neighbours) {
+  __shared__ float values[256];
+  const int tid = int(threadIdx.x);
+  const int n = int(blockDim.x);
+  const float value = in[blockIdx.x * n + tid];
+  values[tid] = value;
+  atomicAdd(sums + blockIdx.x, value);
+  __syncthreads();
+  neighbours[blockIdx.x * n + tid] = values[(tid + 1) % n];
+}
+
+// float -> T -> float round trip of n values.
+template <typename T>
+__global__ void test_convert(const float* in, T* out, float* back, int n) {
+  for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
+    out[i] = from_float<T>(in[i]);
+    back[i] = to_float(out[i]);
+  }
+}
+
+// A [16][32] float tile through load_tile_async; rows >= valid_rows come back as zeros.
+__global__ void test_tile_load(const float* src, float* out, int valid_rows) {
+  constexpr int LD = SmemStride<float, 32>::value;
+  float* tile = dynamic_smem<float>();
+  load_tile_async<16, 32, 64>(tile, LD, src, 32, valid_rows);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 16 * 32; i += 64) out[i] = tile[(i / 32) * LD + i % 32];
+}

@@ -1,0 +1,153 @@
+"""The primitives of kernels/common/ under the CPU interpreter, against NumPy and the PTX ISA's
+documented per-lane fragment layouts (g = lane // 4, t = lane % 4)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuattn import interp
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+SOURCE = Path(__file__).parent / "kernels" / "primitives.cu"
+HALF_TYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16}
+FORMS = {"FORM_RS_NK": 0, "FORM_TS_KN": 1, "FORM_REGS_KN": 2}
+GEMM_N = GEMM_K = 32
+EXPRESSIONS = [
+    *[f"test_mma<{t}>" for t in HALF_TYPES],
+    "test_ldmatrix<false>",
+    "test_ldmatrix<true>",
+    *[f"test_warp_gemm<{t}, {f}>" for t in ("float", *HALF_TYPES) for f in FORMS],
+    "test_shuffle",
+    "test_block",
+    *[f"test_convert<{t}>" for t in HALF_TYPES],
+    "test_tile_load",
+]
+
+
+@pytest.fixture(scope="module")
+def lib() -> interp.Library:
+    return interp.build_library(SOURCE, EXPRESSIONS)
+
+
+def run(lib, expression, grid, block, *args, smem=0):
+    values = []
+    for arg in args:
+        if isinstance(arg, np.ndarray):
+            values.append(ctypes.c_void_p(arg.ctypes.data))
+        else:
+            values.append(ctypes.c_int32(arg))
+    lib.launch(expression, (grid, 1, 1), (block, 1, 1), smem, values)
+
+
+def _pairs_to_u32(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("cxx_type", HALF_TYPES)
+def test_mma_m16n8k16(lib, cxx_type):
+    rng = np.random.default_rng(1)
+    dtype = HALF_TYPES[cxx_type]
+    a = rng.standard_normal((16, 16)).astype(dtype)
+    b = rng.standard_normal((16, 8)).astype(dtype)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    run(lib, f"test_mma<{cxx_type}>", 1, 32, a, b, c, d)
+    expected = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4(lib, trans):
+    src = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    out = np.zeros((32, 4), np.uint32)
+    run(lib, f"test_ldmatrix<{str(trans).lower()}>", 1, 32, src.view(np.float16).copy(), out)
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    for m in range(4):
+        matrix = src[(m % 2) * 8 : (m % 2) * 8 + 8, (m // 2) * 8 : (m // 2) * 8 + 8]
+        if trans:
+            expected = _pairs_to_u32(matrix[2 * t, g], matrix[2 * t + 1, g])
+        else:
+            expected = _pairs_to_u32(matrix[g, 2 * t], matrix[g, 2 * t + 1])
+        np.testing.assert_array_equal(out[:, m], expected, err_msg=f"matrix {m}")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("cxx_type", ["float", *HALF_TYPES])
+def test_warp_gemm(lib, cxx_type, form):
+    rng = np.random.default_rng(2)
+    dtype = HALF_TYPES.get(cxx_type, np.float32)
+    a = rng.standard_normal((16, GEMM_K)).astype(dtype)
+    b = rng.standard_normal((GEMM_K, GEMM_N)).astype(dtype)
+    a_arg = np.ascontiguousarray(a.T) if form == "FORM_TS_KN" else a
+    b_arg = np.ascontiguousarray(b.T) if form == "FORM_RS_NK" else b
+    c = np.full((16, GEMM_N), np.nan, np.float32)
+    run(lib, f"test_warp_gemm<{cxx_type}, {form}>", 1, 32, a_arg, b_arg, c)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_shuffles(lib):
+    values = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    out = np.full((64, 8), np.nan, np.float32)
+    run(lib, "test_shuffle", 1, 64, values, out)
+    index = np.arange(64)
+    for i in range(5):
+        np.testing.assert_array_equal(out[:, i], values[index ^ (1 << i)])
+    np.testing.assert_array_equal(out[:, 5], values[(index // 32) * 32 + 5])
+    quads = values.reshape(16, 4)
+    np.testing.assert_array_equal(out[:, 6], np.repeat(quads.max(axis=1), 4))
+    np.testing.assert_allclose(out[:, 7], np.repeat(quads.sum(axis=1), 4), rtol=1e-6)
+
+
+def test_atomics_barrier_and_shared_memory_per_block(lib):
+    blocks, threads = 3, 96
+    values = np.arange(blocks * threads, dtype=np.float32)
+    sums = np.zeros(blocks, np.float32)
+    neighbours = np.full(blocks * threads, np.nan, np.float32)
+    run(lib, "test_block", blocks, threads, values, sums, neighbours)
+    np.testing.assert_array_equal(sums, values.reshape(blocks, threads).sum(axis=1))
+    np.testing.assert_array_equal(
+        neighbours.reshape(blocks, threads), np.roll(values.reshape(blocks, threads), -1, axis=1)
+    )
+
+
+@pytest.mark.parametrize("cxx_type", HALF_TYPES)
+def test_conversions_round_to_nearest_even(lib, cxx_type):
+    dtype = HALF_TYPES[cxx_type]
+    rng = np.random.default_rng(4)
+    finfo = ml_dtypes.finfo(dtype)
+    tiny = float(finfo.smallest_subnormal)
+    special = [0.0, -0.0, np.inf, -np.inf, float(finfo.max), 65520.0, 65519.0, tiny, tiny / 2]
+    values = np.concatenate(
+        [
+            rng.standard_normal(2000) * 10.0 ** rng.integers(-9, 6, 2000),
+            special,
+            -np.asarray(special),
+        ]
+    ).astype(np.float32)
+    # exact halfway points between neighbouring representable values must round to even
+    grid = np.arange(-64, 64, dtype=np.float32) * np.float32(2.0**-8)
+    halfway = (grid.astype(dtype).astype(np.float32) + np.float32(2.0**-9)).astype(np.float32)
+    values = np.concatenate([values, halfway]).astype(np.float32)
+    out = np.zeros(values.shape, dtype)
+    back = np.full(values.shape, np.nan, np.float32)
+    run(lib, f"test_convert<{cxx_type}>", 1, 64, values, out, back, len(values))
+    with np.errstate(over="ignore"):  # 65520 and above overflow to inf, as they must
+        expected = values.astype(dtype)
+    np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(back, expected.astype(np.float32))
+
+
+def test_tile_load_zero_fills_ragged_rows(lib):
+    src = np.random.default_rng(5).standard_normal((16, 32)).astype(np.float32)
+    out = np.full((16, 32), np.nan, np.float32)
+    stride = 32 + 4
+    run(lib, "test_tile_load", 1, 64, src, out, 11, smem=16 * stride * 4)
+    np.testing.assert_array_equal(out[:11], src[:11])
+    np.testing.assert_array_equal(out[11:], 0.0)

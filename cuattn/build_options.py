@@ -8,6 +8,9 @@ from cuattn.cuda_paths import cuda_include_options, nvrtc_include_options
 CXX_STANDARD_OPTION = "--std=c++17"
 # Kernels are tuned for these; the compile check sweeps them all.
 DEFAULT_ARCHS = ("sm_80", "sm_90")
+# CuPy appends these to every NVRTC compile it does (cupy/cuda/compiler.py); the compile check
+# adds them too so it measures the code the runtime gets.
+CUPY_IMPLICIT_OPTIONS = ("-ftz=true",)
 # Warnings and ptxas statistics for the compile check only.
 PTXAS_VERBOSE_OPTION = "-Xptxas=-v"
 

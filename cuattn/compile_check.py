@@ -20,7 +20,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TextIO
 
-from cuattn.build_options import DEFAULT_ARCHS, PTXAS_VERBOSE_OPTION, arch_option, common_options
+from cuattn.build_options import (
+    CUPY_IMPLICIT_OPTIONS,
+    DEFAULT_ARCHS,
+    PTXAS_VERBOSE_OPTION,
+    arch_option,
+    common_options,
+)
 from cuattn.ptxas_report import parse_ptxas_log
 
 EXIT_OK = 0
@@ -70,7 +76,7 @@ def compile_unit(
     program = nvrtc.createProgram(source, unit.source_file, [], [])
     try:
         nvrtc.addNameExpression(program, unit.name_expression)
-        all_options = [arch_option(arch), PTXAS_VERBOSE_OPTION, *options]
+        all_options = [arch_option(arch), PTXAS_VERBOSE_OPTION, *options, *CUPY_IMPLICIT_OPTIONS]
         try:
             nvrtc.compileProgram(program, all_options)
         except nvrtc.NVRTCError as exc:
@@ -206,9 +212,9 @@ def kernel_instantiations() -> list[CompileUnit]:
 
 
 def load_sources(units: Iterable[CompileUnit]) -> dict[str, str]:
-    from cuattn.cuda_paths import kernel_source
+    from cuattn.cuda_paths import kernel_program
 
-    return {name: kernel_source(name) for name in {u.source_file for u in units}}
+    return {name: kernel_program(name) for name in {u.source_file for u in units}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

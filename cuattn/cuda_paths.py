@@ -8,6 +8,7 @@ the same order CuPy uses for NVRTC itself, so the headers match the compiler tha
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -80,6 +81,28 @@ def kernel_source(filename: str) -> str:
             f"kernel file {filename!r} not in {kernels_dir()}; have {available}"
         )
     return path.read_text()
+
+
+@functools.cache
+def sources_digest() -> str:
+    """SHA-256 over every kernel source and header (kernels/*.cu, common/*.cuh)."""
+    digest = hashlib.sha256()
+    root = kernels_dir()
+    for path in sorted([*root.glob("*.cu"), *root.glob("common/*.cuh")]):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def kernel_program(filename: str) -> str:
+    """The text to hand NVRTC (through CuPy) for one kernel file.
+
+    CuPy's disk cache keys a module by its source text, options and name expressions, never by
+    the headers it includes: a changed common/*.cuh would be served from a stale cubin. A first
+    line naming the digest of every source and header makes any change a new key; `#line` keeps
+    compiler messages pointing at the file's own line numbers.
+    """
+    return f'// cuattn sources {sources_digest()}\n#line 1 "{filename}"\n{kernel_source(filename)}'
 
 
 def cuda_include_options() -> list[str]:

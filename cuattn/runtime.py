@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cuattn.build_options import common_options
-from cuattn.cuda_paths import kernel_source
+from cuattn.cuda_paths import kernel_program
 
 if TYPE_CHECKING:
     import cupy
@@ -80,7 +80,7 @@ class KernelCache:
             module = self._modules.get(key)
             if module is None:
                 module = cupy.RawModule(
-                    code=kernel_source(source_file),
+                    code=kernel_program(source_file),
                     options=key.options,
                     name_expressions=[name_expression],
                 )

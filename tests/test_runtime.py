@@ -119,3 +119,26 @@ def test_modules_memoised_per_device_and_smem_opt_in(monkeypatch):
     other = cache.kernel("attn_fwd.cu", name, 80 * 1024)
     assert other is not big and other.smem_settings == [80 * 1024]
     assert len(fake.modules) == 2
+
+
+def test_program_text_changes_with_any_header_and_keeps_line_numbers(tmp_path, monkeypatch):
+    """CuPy's disk cache keys on the source text only: a header edit must change that text."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.build_options import common_options
+    from cuattn.compile_check import CompileUnit, compile_unit
+
+    (tmp_path / "common").mkdir()
+    header = tmp_path / "common" / "h.cuh"
+    header.write_text("#define VALUE 1\n")
+    (tmp_path / "k.cu").write_text('#include "common/h.cuh"\n\n__global__ void k() { oops; }\n')
+    monkeypatch.setattr(cuda_paths, "kernels_dir", lambda: tmp_path)
+    cuda_paths.sources_digest.cache_clear()
+    before = cuda_paths.kernel_program("k.cu")
+    header.write_text("#define VALUE 2\n")
+    cuda_paths.sources_digest.cache_clear()
+    after = cuda_paths.kernel_program("k.cu")
+    cuda_paths.sources_digest.cache_clear()
+    assert before != after and before.endswith(cuda_paths.kernel_source("k.cu"))
+    options = (*common_options(with_kernel_dir=False), f"-I{tmp_path}")
+    result = compile_unit(after, CompileUnit("k.cu", "k"), "sm_80", options)
+    assert result.error is not None and "k.cu(3)" in result.error

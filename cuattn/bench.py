@@ -38,8 +38,9 @@ from cuattn.bench_timing import (
 
 FWD_FLOPS_PER_BLOCK_ELEMENT = 4  # two matmuls of b x b x d, 2 FLOPs per multiply-add
 BWD_OVER_FWD_FLOPS = 2.5
-# Reduced size for the float64 correctness check of each pattern.
-CHECK_CTX = 512
+# Reduced size for the float64 correctness check of each pattern; 1024 keeps strided in the
+# same transposed form as the timed sizes.
+CHECK_CTX = 1024
 CHECK_HEADS = 2
 TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-4}
 DEFAULT_RESULTS_DIR = Path("bench/results")
@@ -194,6 +195,12 @@ def _progress_line(done: int, total: int, record: dict[str, Any], ours: str, sta
     mine = record["results"][ours]
     parts = [f"{ours} {mine['median_ms']:.3f} ms ({mine['tflops']:.1f} TFLOP/s)"]
     parts += [f"{p} x{s:.2f}" for p, s in record["speedup"].items()]
+    tolerance = TOLERANCE[record["case"]["dtype"]]
+    parts += [
+        f"{p} DISAGREES (rel err {e:.1e})"
+        for p, e in record.get("peer_rel_error", {}).items()
+        if e > tolerance
+    ]
     ok = "ok" if record["correct"] else f"WRONG (rel err {record['oracle_rel_error']:.2e})"
     return (
         f"[{done}/{total}] {record['name']}: {' | '.join(parts)} | {ok}"
@@ -221,6 +228,7 @@ def build_environment(dry_run: bool, backend: str | None) -> Environment:
 
     from cuattn.backend import resolve_backend
 
+    torch.manual_seed(SEED)
     ours = CuattnRunner(resolve_backend(backend or "cuda", on_device=True), cupy.from_dlpack)
     return Environment(
         True,

@@ -133,3 +133,12 @@ def test_sdpa_skips_sparse_cases_with_a_reason():
     case = next(c for c in SWEEPS["dry-run"].cases() if not c.pattern.dense)
     with pytest.raises(bench_runners.Skip, match="dense cases only"):
         bench_runners.SdpaRunner("FLASH_ATTENTION").prepare(case, None, [], 1.0)
+
+
+def test_warm_up_names_only_real_instantiations():
+    from cuattn.kernel_config import all_instantiations
+
+    known = {(f, n) for f, names in all_instantiations().items() for n in names}
+    units = bench.kernel_units_for(list(FULL.cases()))
+    assert units and set(units) <= known
+    assert any("attn_bwd_dkdv<64, 128, __nv_bfloat16, MASK_BITMASK>" in n for _, n in units)

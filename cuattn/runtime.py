@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # Above this a kernel must opt in to more dynamic shared memory
 # (cudaFuncAttributeMaxDynamicSharedMemorySize).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+# First CuPy release whose disk cache keeps modules built with name_expressions.
+MIN_CUPY_FOR_DISK_CACHE = (14, 2)
 
 
 def _cupy() -> Any:
@@ -174,6 +176,14 @@ def warm_disk_cache(
     """
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    cupy = _cupy()
+    version = tuple(int(part) for part in cupy.__version__.split(".")[:2] if part.isdigit())
+    if version < MIN_CUPY_FOR_DISK_CACHE and progress is not None:
+        progress.write(
+            f"CuPy {cupy.__version__} keeps no templated module on disk (needs >= 14.2): "
+            "every process will compile its kernels again\n"
+        )
 
     # spawn, not fork: a forked child must not inherit the parent's CUDA context.
     context = multiprocessing.get_context("spawn")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cuattn.build_options import common_options
@@ -112,8 +114,9 @@ def test_every_kernel_instantiation_compiles_without_spills():
 
     units = kernel_instantiations()
     assert units, kernel_config
+    jobs = os.cpu_count() or 1
     results = run_check(
-        units, ["sm_80", "sm_90"], load_sources(units), common_options(), jobs=2, progress=None
+        units, ["sm_80", "sm_90"], load_sources(units), common_options(), jobs, progress=None
     )
     failures = [
         f"{r.arch} {r.unit.name_expression}: {r.error or 'spills'}" for r in results if not r.ok

@@ -50,6 +50,7 @@ CPU_WARMUP, CPU_REPEATS = 1, 3
 # compiles), so these leave that much room inside the 2- and 10-minute targets.
 BUDGET_S = {"quick": 90.0, "full": 480.0, "dry-run": 60.0}
 SEED = 0
+BF16_ITEMSIZE = 2  # NumPy has no bfloat16 without ml_dtypes
 
 
 def case_flops(case: BenchCase, layout: Any) -> float:
@@ -157,7 +158,7 @@ def run_case(env: Environment, case: BenchCase, checked: dict[tuple, tuple[bool,
         checked[check_key] = check_against_oracle(env, case)
     record["correct"], record["oracle_rel_error"] = checked[check_key]
     shape = (case.batch, case.heads, case.n_ctx, case.head_dim)
-    itemsize = np.dtype(np.float32).itemsize if case.dtype == "float32" else 2
+    itemsize = BF16_ITEMSIZE if case.dtype == "bfloat16" else np.dtype(case.dtype).itemsize
     inputs = env.make_inputs(case, input_sets_needed(4 * itemsize * int(np.prod(shape))), shape)
     scale = case.head_dim**-0.5
     ours_fn = env.ours.prepare(case, layout, inputs, scale)

@@ -142,3 +142,40 @@ def test_warm_up_names_only_real_instantiations():
     units = bench.kernel_units_for(list(FULL.cases()))
     assert units and set(units) <= known
     assert any("attn_bwd_dkdv<64, 128, __nv_bfloat16, MASK_BITMASK>" in n for _, n in units)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention warns it is unfused
+def test_sweep_with_peers_on_cpu(monkeypatch, tmp_path):
+    """The GPU sweep's peer path (peer agreement, speedups, targets, report) with CPU stand-ins:
+    torch float64 tensors, SDPA's math backend, eager FlexAttention (forward only on CPU)."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from cuattn.backend import resolve_backend
+    from cuattn.bench_cases import DRY_RUN, Sweep
+    from cuattn.bench_timing import CpuTimer
+
+    monkeypatch.setattr(bench_runners, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setitem(bench.TOLERANCE, "float64", 1e-10)
+
+    class TorchCpuEnvironment(bench.Environment):
+        def make_inputs(self, case, count, shape):
+            return [InputSet(*(torch.randn(shape, dtype=torch.float64) for _ in range(4)))]
+
+    ours = bench_runners.CuattnRunner(resolve_backend("numpy", False), lambda t: t.numpy())
+    peers = [bench_runners.SdpaRunner("MATH"), bench_runners.FlexRunner()]
+    env = TorchCpuEnvironment(False, "cpu-torch", CpuTimer(), ours, peers, None, 0, 2)
+    sweep = Sweep(**{**DRY_RUN.__dict__, "dtypes": ("float64",), "directions": ("fwd",)})
+    report = bench.run_sweep(env, sweep, budget_s=120)
+    assert report["all_correct"] and len(report["records"]) == len(list(sweep.cases()))
+    for record in report["records"]:
+        assert "flex" in record["speedup"] and record["peer_rel_error"]["flex"] < 1e-10
+        if record["case"]["pattern"]["mode"] == "all":
+            assert record["peer_rel_error"]["sdpa-math"] < 1e-10
+        else:
+            assert "dense cases only" in record["skipped"]["sdpa-math"]
+    report["mode"] = "test"
+    paths = bench.write_results(report, tmp_path, "-test")
+    table = paths[1].read_text()
+    assert "x flex" in table and "compiled FlexAttention:" in table
+    assert "not measured" in table  # no SDPA-flash on a CPU: that target says so

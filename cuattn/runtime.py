@@ -61,7 +61,7 @@ class KernelCache:
     """Compiled kernels, memoised per device; thread-safe."""
 
     def __init__(self) -> None:
-        self._modules: dict[_ModuleKey, Any] = {}
+        self._kernels: dict[_ModuleKey, Any] = {}
         # Largest dynamic shared memory each kernel has been opted in to.
         self._smem_opt_in: dict[_ModuleKey, int] = {}
         self._lock = threading.Lock()
@@ -79,15 +79,15 @@ class KernelCache:
         device = cupy.cuda.runtime.getDevice()
         key = _ModuleKey(device, source_file, (*common_options(), *extra_options), name_expression)
         with self._lock:
-            module = self._modules.get(key)
-            if module is None:
+            kernel = self._kernels.get(key)
+            if kernel is None:
                 module = cupy.RawModule(
                     code=kernel_program(source_file),
                     options=key.options,
                     name_expressions=[name_expression],
                 )
-                self._modules[key] = module
-            kernel = module.get_function(name_expression)
+                kernel = module.get_function(name_expression)  # compiles (or loads) here
+                self._kernels[key] = kernel
             # The attribute is per function and per device (the key holds both).
             if dynamic_smem_bytes > max(DEFAULT_DYNAMIC_SMEM_LIMIT, self._smem_opt_in.get(key, 0)):
                 kernel.max_dynamic_shared_size_bytes = dynamic_smem_bytes
@@ -96,7 +96,7 @@ class KernelCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._modules.clear()
+            self._kernels.clear()
             self._smem_opt_in.clear()
 
 
@@ -139,6 +139,8 @@ class LayoutDeviceCache:
                 arrays = LayoutArrays(
                     **{name: _to_device(cupy, getattr(layout, name)) for name in _LAYOUT_FIELDS}
                 )
+                # The copies ran on this stream; later launches may be on another one.
+                cupy.cuda.get_current_stream().synchronize()
                 per_device[device] = arrays
         return arrays
 

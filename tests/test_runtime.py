@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from cuattn import cuda_paths, runtime
@@ -94,7 +95,18 @@ class _FakeCupy:
     def __init__(self) -> None:
         self.device = 0
         self.modules: list[dict] = []
-        self.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: self.device))
+        self.synchronized = 0
+        stream = SimpleNamespace(synchronize=self._synchronize)
+        self.cuda = SimpleNamespace(
+            runtime=SimpleNamespace(getDevice=lambda: self.device),
+            get_current_stream=lambda: stream,
+        )
+
+    def _synchronize(self) -> None:
+        self.synchronized += 1
+
+    def asarray(self, host):
+        return ("device", self.device, host)
 
     def RawModule(self, code, options, name_expressions):  # noqa: N802 (CuPy's name)
         kernels: dict[str, _FakeKernel] = {}
@@ -142,3 +154,26 @@ def test_program_text_changes_with_any_header_and_keeps_line_numbers(tmp_path, m
     options = (*common_options(with_kernel_dir=False), f"-I{tmp_path}")
     result = compile_unit(after, CompileUnit("k.cu", "k"), "sm_80", options)
     assert result.error is not None and "k.cu(3)" in result.error
+
+
+def test_layout_arrays_cached_per_layout_and_device(monkeypatch):
+    import gc
+
+    import cuattn
+
+    fake = _FakeCupy()
+    monkeypatch.setattr(runtime, "_cupy", lambda: fake)
+    cache = runtime.LayoutDeviceCache()
+    # Built directly: make_layout's own cache would keep the layout alive.
+    layout = cuattn.Layout.from_blocks(np.tril(np.ones((2, 4, 4), dtype=bool)), 16)
+    arrays = cache.get(layout)
+    assert cache.get(layout) is arrays and fake.synchronized == 1
+    where, device, host = arrays.col_idx
+    assert (where, device) == ("device", 0) and (host == layout.col_idx).all()
+    assert arrays.mask_table[2].size == 1  # empty table padded: kernels get a real pointer
+    fake.device = 1
+    other = cache.get(layout)
+    assert other is not arrays and other.row_ptr[1] == 1
+    del layout, arrays, other
+    gc.collect()
+    assert len(cache._cache) == 0

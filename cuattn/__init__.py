@@ -7,20 +7,27 @@ layout = cuattn.make_layout("strided", n_ctx=1024, heads=4, blocksize=32, local_
 out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, head_dim]
 """
 
+from . import ops
 from .api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
 from .layout import ElementRule, Layout
 from .patterns import MODES, make_layout, vertical_slash_layout
+from .tape import Function, Tensor, no_grad, recompute
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
     "ElementRule",
+    "Function",
     "Layout",
+    "Tensor",
     "attention",
     "blocksparse_attention",
     "make_layout",
     "merge_heads",
+    "no_grad",
+    "ops",
+    "recompute",
     "sparse_attention",
     "split_heads",
     "vertical_slash_layout",

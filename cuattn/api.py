@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import backend as _backend
+from . import dispatch as _dispatch
 from .layout import Layout
 from .patterns import make_layout
 
@@ -72,10 +72,6 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _is_device_array(x: Any) -> bool:
-    return type(x).__module__.startswith("cupy")
-
-
 def _compute(
     q: Any,
     k: Any,
@@ -87,14 +83,11 @@ def _compute(
     backend: str | None,
     deterministic: bool,
 ) -> Any:
-    if not all(isinstance(x, np.ndarray) or _is_device_array(x) for x in (q, k, v)):
-        raise TypeError(
-            f"q, k, v must be NumPy or CuPy arrays here, got {type(q).__name__}, "
-            f"{type(k).__name__}, {type(v).__name__}"
-        )
-    impl = _backend.resolve_backend(backend, on_device=_is_device_array(q))
-    out, lse = _backend.forward(impl, q, k, v, layout, scale)
-    return (out, lse) if return_lse else out
+    # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
+    # lives in dispatch.py; every route ends in the backend module.
+    return _dispatch.sparse_attention(
+        q, k, v, layout, scale, recompute, return_lse, backend, deterministic
+    )
 
 
 def sparse_attention(
@@ -171,6 +164,21 @@ def _permute(x: Any, axes: tuple[int, ...]) -> Any:
     return x.transpose(axes)
 
 
+def _check_bte(q: Any, k: Any, v: Any, heads: object) -> tuple[int, int]:
+    """Checks [batch, time, heads * head_dim] inputs; returns (heads, time)."""
+    _check_qkv(q, k, v, 3, "[batch, time, heads * head_dim]")
+    heads = _check_int("heads", heads)
+    _, n_ctx, embd = (int(d) for d in q.shape)
+    if embd % heads:
+        raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
+    return heads, n_ctx
+
+
+def _attend_bte(q: Any, k: Any, v: Any, heads: int, layout: Layout, **kwargs: Any) -> Any:
+    split = (split_heads(x, heads) for x in (q, k, v))
+    return merge_heads(sparse_attention(*split, layout, **kwargs))
+
+
 def blocksparse_attention(
     q: Any,
     k: Any,
@@ -192,11 +200,7 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype.
     """
-    _check_qkv(q, k, v, 3, "[batch, time, heads * head_dim]")
-    heads = _check_int("heads", heads)
-    _, n_ctx, embd = (int(d) for d in q.shape)
-    if embd % heads:
-        raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
+    heads, n_ctx = _check_bte(q, k, v, heads)
     layout = make_layout(
         attn_mode,
         n_ctx,
@@ -206,17 +210,17 @@ def blocksparse_attention(
         num_verts=num_verts,
         vertsize=vertsize,
     )
-    out = sparse_attention(
-        split_heads(q, heads),
-        split_heads(k, heads),
-        split_heads(v, heads),
+    return _attend_bte(
+        q,
+        k,
+        v,
+        heads,
         layout,
         scale=scale,
         recompute=recompute,
         backend=backend,
         deterministic=deterministic,
     )
-    return merge_heads(out)
 
 
 def attention(
@@ -238,22 +242,9 @@ def attention(
     """
     if attn_mode not in DENSE_MODES:
         raise ValueError(f"attention's attn_mode must be one of {DENSE_MODES}, got {attn_mode!r}")
-    _check_qkv(q, k, v, 3, "[batch, time, heads * head_dim]")
-    heads = _check_int("heads", heads)
-    _, n_ctx, embd = (int(d) for d in q.shape)
-    if embd % heads:
-        raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
+    heads, n_ctx = _check_bte(q, k, v, heads)
     extra = {"transpose": False} if attn_mode == "strided" else {}
     layout = make_layout(
         attn_mode, n_ctx, heads, blocksize=DENSE_BLOCKSIZE, local_attn_ctx=local_attn_ctx, **extra
     )
-    out = sparse_attention(
-        split_heads(q, heads),
-        split_heads(k, heads),
-        split_heads(v, heads),
-        layout,
-        scale=scale,
-        recompute=recompute,
-        backend=backend,
-    )
-    return merge_heads(out)
+    return _attend_bte(q, k, v, heads, layout, scale=scale, recompute=recompute, backend=backend)

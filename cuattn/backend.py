@@ -94,11 +94,12 @@ def _array_module(x: Any) -> Any:
     return importlib.import_module("numpy")
 
 
-def _to_computed(x: Any, layout: Layout) -> Any:
-    if layout.perm is None:
-        return x
+def _prepare(x: Any, layout: Layout) -> Any:
+    """Contiguous (kernels index densely) and in the layout's computed token order."""
     xp = _array_module(x)
-    return xp.ascontiguousarray(x[:, :, xp.asarray(layout.perm)])
+    if layout.perm is not None:
+        x = x[:, :, xp.asarray(layout.perm)]
+    return xp.ascontiguousarray(x)
 
 
 def _to_natural(x: Any, layout: Layout) -> Any:
@@ -110,16 +111,24 @@ def _to_natural(x: Any, layout: Layout) -> Any:
     return out
 
 
-def forward(backend: Backend, q: Any, k: Any, v: Any, layout: Layout, scale: float):
-    """(out, lse) in the caller's token order; applies the layout's permutation if it has one."""
-    out, lse = backend.forward(
-        _to_computed(q, layout), _to_computed(k, layout), _to_computed(v, layout), layout, scale
-    )
+def _resolve_for(x: Any, backend: str | None) -> Backend:
+    return resolve_backend(backend, on_device=_array_module(x).__name__ == "cupy")
+
+
+def forward(
+    q: Any, k: Any, v: Any, layout: Layout, scale: float, backend: str | None = None
+) -> tuple[Any, Any]:
+    """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
+
+    The single call into the backends for every route (public API, tape, torch, jax), so all
+    of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
+    """
+    impl = _resolve_for(q, backend)
+    out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
 def backward(
-    backend: Backend,
     q: Any,
     k: Any,
     v: Any,
@@ -128,9 +137,11 @@ def backward(
     dout: Any,
     layout: Layout,
     scale: float,
+    backend: str | None = None,
     deterministic: bool = False,
-):
-    """(dq, dk, dv) in the caller's token order."""
-    args = [_to_computed(x, layout) for x in (q, k, v, out, lse, dout)]
-    grads = backend.backward(*args, layout, scale, deterministic)
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse."""
+    impl = _resolve_for(q, backend)
+    arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
+    grads = impl.backward(*arrays, layout, scale, deterministic)
     return tuple(_to_natural(g, layout) for g in grads)

@@ -138,9 +138,8 @@ def run_case(case: Case, backend: str) -> tuple[float, float]:
     # The oracle sees exactly the values the backend sees (after rounding to the dtype).
     q64, k64, v64, do64 = (_to_host(x) for x in (q, k, v, dout))
     scale = 1.0 / np.sqrt(case.head_dim)
-    impl = _backend.resolve_backend(backend, on_device=backend == "cuda")
-    out, lse = _backend.forward(impl, q, k, v, layout, scale)
-    grads = _backend.backward(impl, q, k, v, out, lse, dout, layout, scale)
+    out, lse = _backend.forward(q, k, v, layout, scale, backend)
+    grads = _backend.backward(q, k, v, out, lse, dout, layout, scale, backend)
     mask = layout.to_mask()
     ref_out, _ = dense_attention(q64, k64, v64, mask, scale)
     ref_grads = dense_attention_grads(q64, k64, v64, do64, mask, scale)

@@ -361,6 +361,24 @@ def _random_blocks(
     return extra
 
 
+def _block_level_layout(
+    base: np.ndarray,
+    heads: int,
+    blocksize: int,
+    n_ctx: int,
+    causal: bool,
+    num_random_blocks: int,
+    seed: int,
+    name: str,
+) -> Layout:
+    """A pattern defined on blocks: ``base`` plus seeded random blocks per head, per row."""
+    rng = np.random.default_rng(seed)
+    blocks = np.stack(
+        [base | _random_blocks(rng, base, num_random_blocks, causal) for _ in range(heads)]
+    )
+    return Layout(blocks, blocksize, n_ctx, ElementRule("causal" if causal else "none"), name=name)
+
+
 def bigbird_layout(
     n_ctx: int,
     heads: int,
@@ -393,12 +411,8 @@ def bigbird_layout(
     base[:, :num_global_blocks] = True
     if causal:
         base = _causal_cut(base)
-    rng = np.random.default_rng(seed)
-    blocks = np.stack(
-        [base | _random_blocks(rng, base, num_random_blocks, causal) for _ in range(heads)]
-    )
-    return Layout(
-        blocks, blocksize, n_ctx, ElementRule("causal" if causal else "none"), name="bigbird"
+    return _block_level_layout(
+        base, heads, blocksize, n_ctx, causal, num_random_blocks, seed, "bigbird"
     )
 
 
@@ -458,12 +472,8 @@ def variable_layout(
             base[s:e, :] = True
     if causal:
         base = _causal_cut(base)
-    rng = np.random.default_rng(seed)
-    blocks = np.stack(
-        [base | _random_blocks(rng, base, num_random_blocks, causal) for _ in range(heads)]
-    )
-    return Layout(
-        blocks, blocksize, n_ctx, ElementRule("causal" if causal else "none"), name="variable"
+    return _block_level_layout(
+        base, heads, blocksize, n_ctx, causal, num_random_blocks, seed, "variable"
     )
 
 

@@ -1,0 +1,162 @@
+"""DLPack bridges: type, dtype and device preserved, memory shared both ways, clear errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import cuattn
+from cuattn import backend as be
+from cuattn import interop
+
+LAYOUT_ARGS = dict(attn_mode="local", n_ctx=32, heads=2, blocksize=8, local_attn_ctx=8)
+SHAPE = (2, 2, 32, 8)
+JAX_CPU_ALIGN = 64  # XLA:CPU aliases an imported buffer only at this alignment
+
+
+def _aligned_copy(a: np.ndarray, align: int = JAX_CPU_ALIGN) -> np.ndarray:
+    raw = np.empty(a.nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the arrays handed to the backend and the (aligned) arrays it returned."""
+    seen = {}
+    real = be.forward
+
+    def forward(q, k, v, layout, scale, backend=None):
+        out, lse = real(q, k, v, layout, scale, backend)
+        seen["inputs"] = (q, k, v)
+        if isinstance(out, np.ndarray):
+            out, lse = _aligned_copy(out), _aligned_copy(lse)
+        seen["out"], seen["lse"] = out, lse
+        return seen["out"], seen["lse"]
+
+    monkeypatch.setattr(be, "forward", forward)
+    return seen
+
+
+def _qkv(seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(SHAPE).astype(dtype) for _ in range(3)]
+
+
+def _call(q, k, v, **kw):
+    return cuattn.sparse_attention(q, k, v, cuattn.make_layout(**LAYOUT_ARGS), **kw)
+
+
+def test_numpy_in_numpy_out_no_copy(spy):
+    q, k, v = _qkv()
+    out = _call(q, k, v)
+    assert type(out) is np.ndarray and out.dtype == np.float64
+    assert spy["inputs"][0] is q and out is spy["out"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_in_torch_out_no_copy(spy, dtype):
+    q, k, v = (torch.from_numpy(a).to(dtype) for a in _qkv(1))
+    out, lse = _call(q, k, v, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.device.type == "cpu"
+    assert isinstance(lse, torch.Tensor) and lse.shape == SHAPE[:3]
+    assert spy["inputs"][0].ctypes.data == q.data_ptr()
+    assert out.data_ptr() == spy["out"].ctypes.data
+    assert lse.data_ptr() == spy["lse"].ctypes.data
+
+
+def test_torch_requiring_grad_is_shared_not_copied(spy):
+    q, k, v = (torch.tensor(a, requires_grad=True) for a in _qkv(2))
+    out = _call(q, k, v)
+    assert out.requires_grad
+    assert spy["inputs"][1].ctypes.data == k.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_jax_in_jax_out_no_copy(spy, dtype):
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = (jnp.asarray(a, dtype=dtype) for a in _qkv(3))
+    out = _call(q, k, v)
+    assert isinstance(out, jax.Array) and out.dtype == dtype
+    assert out.devices() == q.devices()
+    assert spy["inputs"][2].ctypes.data == v.unsafe_buffer_pointer()
+    assert out.unsafe_buffer_pointer() == spy["out"].ctypes.data
+
+
+def test_tape_tensor_in_tensor_out():
+    q, k, v = (cuattn.Tensor(a, requires_grad=True) for a in _qkv(4))
+    out = _call(q, k, v)
+    assert isinstance(out, cuattn.Tensor) and out.requires_grad and out.dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    "make_k, bad_name",
+    [
+        (lambda a: torch.from_numpy(a), "k"),
+        (lambda a: jnp.asarray(a), "k"),
+    ],
+)
+def test_mixed_frameworks_name_the_argument(make_k, bad_name):
+    q, k, v = _qkv(5)
+    with pytest.raises(
+        ValueError, match=rf"^{bad_name} is a (torch|jax) array on cpu but q is a numpy"
+    ):
+        _call(q, make_k(k), v)
+
+
+def test_tape_tensor_with_foreign_array_is_a_type_error():
+    q, k, v = _qkv(6)
+    with pytest.raises(TypeError, match="v is a torch"):
+        _call(cuattn.Tensor(q), cuattn.Tensor(k), torch.from_numpy(v))
+
+
+def test_bfloat16_cpu_tensor_is_a_clear_type_error():
+    q, k, v = (torch.from_numpy(a).to(torch.bfloat16) for a in _qkv(7))
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU"):
+        _call(q, k, v)
+
+
+def test_describe_reports_framework_and_device():
+    a = np.ones(3)
+    assert interop.describe(a, "a") == interop.ArrayInfo("numpy", "cpu")
+    assert interop.describe(torch.ones(3), "a") == interop.ArrayInfo("torch", "cpu")
+    assert interop.describe(jnp.ones(3), "a") == interop.ArrayInfo("jax", "cpu")
+    with pytest.raises(TypeError, match="x must be"):
+        interop.describe([1.0, 2.0], "x")
+
+
+@pytest.mark.gpu
+def test_cupy_in_cupy_out_no_copy(spy):
+    import cupy
+
+    q, k, v = (cupy.asarray(a.astype(np.float32)) for a in _qkv(8))
+    out = _call(q, k, v)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
+    assert out.device == q.device
+    assert spy["inputs"][0] is q
+
+
+class _Producer:
+    """A foreign array type: shape, dtype and DLPack, nothing else."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_any_dlpack_producer_is_shared_and_answered_with_numpy(spy):
+    q, k, v = _qkv(9)
+    out = _call(*(_Producer(a) for a in (q, k, v)))
+    assert type(out) is np.ndarray and out is spy["out"]
+    assert spy["inputs"][0].ctypes.data == q.ctypes.data

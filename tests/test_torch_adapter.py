@@ -1,0 +1,116 @@
+"""torch tensors through the public API: autograd gradients vs a dense masked torch oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torch_dense
+
+import cuattn
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_grads_match_dense_torch_autograd(mode, recompute):
+    kwargs, mask = MODES[mode]
+    arrays = random_qkv(seed=sorted(MODES).index(mode))
+    weight = torch.from_numpy(np.random.default_rng(5).standard_normal(arrays[0].shape))
+
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    out = cuattn.blocksparse_attention(
+        *leaves, heads=HEADS, blocksize=BLOCK, recompute=recompute, **kwargs
+    )
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
+    assert out.requires_grad and out.device.type == "cpu"
+    (out * weight).sum().backward()
+
+    ref_leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    ref = torch_dense(*ref_leaves, mask)
+    (ref * weight).sum().backward()
+
+    assert rel(out.detach(), ref.detach()) <= GRAD_RTOL_F64
+    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
+        assert rel(got.grad, want.grad) <= GRAD_RTOL_F64, name
+
+
+def _saved_bytes(fn):
+    """Bytes of tensors autograd saves while running fn (each storage once)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(storages.values())
+
+
+def test_recompute_saves_only_qkv_and_gives_identical_grads():
+    lay = cuattn.make_layout("local", 64, HEADS, blocksize=BLOCK, local_attn_ctx=16)
+    rng = np.random.default_rng(11)
+    arrays = [rng.standard_normal((2, HEADS, 64, 8)) for _ in range(3)]
+    grads, saved = {}, {}
+    for recompute in (False, True):
+        leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+        (out, lse), saved[recompute] = _saved_bytes(
+            lambda leaves=leaves, r=recompute: cuattn.sparse_attention(
+                *leaves, lay, recompute=r, return_lse=True
+            )
+        )
+        assert not lse.requires_grad
+        out.pow(2).sum().backward()
+        grads[recompute] = [t.grad for t in leaves]
+    assert saved[False] - saved[True] == out.nbytes + lse.element_size() * lse.nelement()
+    assert saved[True] == 3 * out.nbytes
+    for a, b in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_float32_keeps_dtype_and_matches():
+    kwargs, mask = MODES["fixed"]
+    arrays = random_qkv(3, np.float32)
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    out = cuattn.blocksparse_attention(*leaves, heads=HEADS, blocksize=BLOCK, **kwargs)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert leaves[0].grad.dtype == torch.float32
+    ref_leaves = [torch.tensor(a.astype(np.float64), requires_grad=True) for a in arrays]
+    torch_dense(*ref_leaves, mask).sum().backward()
+    assert rel(leaves[1].grad, ref_leaves[1].grad) <= 1e-5
+
+
+def test_no_grad_tensors_and_inference_mode_return_torch():
+    kwargs, mask = MODES["local"]
+    arrays = random_qkv(4)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    ref = torch_dense(*tensors, mask)
+    out = cuattn.blocksparse_attention(*tensors, heads=HEADS, blocksize=BLOCK, **kwargs)
+    assert isinstance(out, torch.Tensor) and not out.requires_grad
+    assert rel(out, ref) <= 1e-12
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    with torch.no_grad():
+        out = cuattn.blocksparse_attention(*leaves, heads=HEADS, blocksize=BLOCK, **kwargs)
+    assert not out.requires_grad and rel(out, ref) <= 1e-12
+
+
+@pytest.mark.parametrize("mode", ["all", "local", "strided"])
+def test_dense_path_attention_grads(mode):
+    kwargs, mask = MODES[mode]
+    arrays = random_qkv(seed=30)
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    cuattn.attention(*leaves, heads=HEADS, recompute=True, **kwargs).square().sum().backward()
+    ref_leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    torch_dense(*ref_leaves, mask).square().sum().backward()
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert rel(got.grad, want.grad) <= GRAD_RTOL_F64
+
+
+def test_double_backward_is_refused():
+    kwargs, _ = MODES["all"]
+    leaves = [torch.tensor(a, requires_grad=True) for a in random_qkv(seed=31)]
+    out = cuattn.blocksparse_attention(*leaves, heads=HEADS, blocksize=BLOCK, **kwargs)
+    (gq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gq.sum().backward()

@@ -36,7 +36,6 @@ def main() -> int:
     # No memory pool: every array is its own cudaMalloc, so memcheck sees its exact bounds (a
     # pooled array has neighbours inside one big allocation, and overruns into them go unseen).
     cupy.cuda.set_allocator(None)
-    impl = be.resolve_backend("cuda", on_device=True)
     rng = np.random.default_rng(0)
     bad = []
     for mode, kwargs, blocksize, head_dim, dtype in CASES:
@@ -46,11 +45,11 @@ def main() -> int:
             cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
             for _ in range(4)
         )
-        out, lse = be.forward(impl, q, k, v, layout, head_dim**-0.5)
+        out, lse = be.forward(q, k, v, layout, head_dim**-0.5, backend="cuda")
         results = [out]
         for deterministic in (False, True):
             results += be.backward(
-                impl, q, k, v, out, lse, dout, layout, head_dim**-0.5, deterministic
+                q, k, v, out, lse, dout, layout, head_dim**-0.5, "cuda", deterministic
             )
         cupy.cuda.Device().synchronize()
         if any(np.isnan(cupy.asnumpy(r).astype(np.float32)).any() for r in results):

@@ -97,9 +97,9 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
     layout = _layout(pattern, blocksize)
     q, k, v, dout = _problem(layout, dtype, head_dim, seed=blocksize * head_dim)
     scale = head_dim**-0.5
-    impl = be.resolve_backend("cuda", on_device=True)
     mask = cupy.asarray(layout.to_mask())
-    out, lse = be.forward(impl, q, k, v, layout, scale)
+    # Through cuattn.backend, as every public route goes: it applies the layout's permutation.
+    out, lse = be.forward(q, k, v, layout, scale, backend="cuda")
     tol = TOL[dtype]
     if direction == "forward":
         want_out, want_lse = dense_attention(cupy, q, k, v, mask, scale)
@@ -110,7 +110,9 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
         assert rel_err(cupy, lse[finite], want_lse[finite], OUT_FLOOR) < tol
         return
     deterministic = direction == "backward-deterministic"
-    grads = be.backward(impl, q, k, v, out, lse, dout, layout, scale, deterministic)
+    grads = be.backward(
+        q, k, v, out, lse, dout, layout, scale, backend="cuda", deterministic=deterministic
+    )
     want = dense_attention_grads(cupy, q, k, v, dout, mask, scale)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
         assert got.dtype == q.dtype and not bool(cupy.isnan(_as_float64(got)).any()), name

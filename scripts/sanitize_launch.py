@@ -49,7 +49,16 @@ def main() -> int:
         results = [out]
         for deterministic in (False, True):
             results += be.backward(
-                q, k, v, out, lse, dout, layout, head_dim**-0.5, "cuda", deterministic
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dout,
+                layout,
+                head_dim**-0.5,
+                backend="cuda",
+                deterministic=deterministic,
             )
         cupy.cuda.Device().synchronize()
         if any(np.isnan(cupy.asnumpy(r).astype(np.float32)).any() for r in results):

@@ -32,6 +32,7 @@ from cuattn.bench_runners import CuattnRunner, InputSet, Skip, peer_runners
 from cuattn.bench_timing import (
     CpuTimer,
     CudaEventTimer,
+    cupy_stream_of_torch,
     input_sets_needed,
     torch_allocator_for_cupy,
 )
@@ -272,11 +273,8 @@ def run_sweep(
     not_run: list[str] = []
     with ExitStack() as stack:
         if env.on_gpu:
-            import cupy
-            import torch
-
             warm_kernels_for(cases, progress)
-            stack.enter_context(cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+            stack.enter_context(cupy_stream_of_torch())
             stack.enter_context(torch_allocator_for_cupy())
         for done, case in enumerate(cases, 1):
             if time.perf_counter() - start > budget_s:

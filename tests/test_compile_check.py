@@ -122,3 +122,13 @@ def test_every_kernel_instantiation_compiles_without_spills():
         f"{r.arch} {r.unit.name_expression}: {r.error or 'spills'}" for r in results if not r.ok
     ]
     assert not failures, "\n".join(failures)
+
+
+def test_one_header_mistake_is_reported_once():
+    from cuattn.compile_check import format_errors
+
+    broken = TINY_KERNEL.replace("__syncthreads();", "syncthreads_typo();")
+    units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]
+    results = run_check(units, ["sm_80"], {"tiny.cu": broken}, STANDALONE_OPTIONS, 1, None)
+    report = format_errors(results)
+    assert report.count("## ") == 1 and "## 3 x" in report and "syncthreads_typo" in report

@@ -75,7 +75,7 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
 
 // delta[row] = sum_d dout[row, d] * out[row, d], one warp per row.
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
                         float* __restrict__ delta, int n_ctx) {
   using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
 
 // dq = dq_accum * scale, rounded to T.
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int n_ctx,
                         float scale) {
   using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS)
 }
 
 template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse,
                   const float* __restrict__ delta, float* __restrict__ dq_accum,
@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
   constexpr int LD = Traits::LD;
   constexpr int DS_LD = Traits::DS_LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
+  constexpr int DQ_CHUNK = 32;
 
   const int k_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
   const int k_start = k_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
@@ -217,18 +218,22 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
           }
         }
         __syncthreads();
-        // dQ for query rows warp*16.. of the tile: A = dS (stored transposed), B = K.
-        float dq_frag[HEAD_DIM / 8][4] = {};
-        warp_gemm_ts_kn<HEAD_DIM, TILE>(dq_frag, ds_smem + warp * 16, DS_LD, k_smem, LD);
+        // dQ for query rows warp*16.. of the tile: A = dS (stored transposed), B = K, in
+        // DQ_CHUNK-column slices so that only a slice of dQ is live next to dK and dV.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int q_row = q_start + warp * 16 + g + 8 * r;
-          if (q_row >= n_ctx) continue;
-          float* dq_row = dq_accum + (head_offset + q_row) * HEAD_DIM;
+        for (int d0 = 0; d0 < HEAD_DIM; d0 += DQ_CHUNK) {
+          float dq_frag[DQ_CHUNK / 8][4] = {};
+          warp_gemm_ts_kn<DQ_CHUNK, TILE>(dq_frag, ds_smem + warp * 16, DS_LD, k_smem + d0, LD);
 #pragma unroll
-          for (int j = 0; j < HEAD_DIM / 8; ++j) {
-            atomicAdd(dq_row + 8 * j + 2 * t, dq_frag[j][2 * r]);
-            atomicAdd(dq_row + 8 * j + 2 * t + 1, dq_frag[j][2 * r + 1]);
+          for (int r = 0; r < 2; ++r) {
+            const int q_row = q_start + warp * 16 + g + 8 * r;
+            if (q_row >= n_ctx) continue;
+            float* dq_row = dq_accum + (head_offset + q_row) * HEAD_DIM + d0;
+#pragma unroll
+            for (int j = 0; j < DQ_CHUNK / 8; ++j) {
+              atomicAdd(dq_row + 8 * j + 2 * t, dq_frag[j][2 * r]);
+              atomicAdd(dq_row + 8 * j + 2 * t + 1, dq_frag[j][2 * r + 1]);
+            }
           }
         }
       }
@@ -254,7 +259,7 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
 }
 
 template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,

@@ -38,7 +38,7 @@ struct attn_fwd_traits {
 };
 
 template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,

@@ -1,0 +1,143 @@
+"""Every kernel instantiation (block x head_dim x dtype x rule) through the CPU interpreter,
+forward and backward (atomic and deterministic dQ), against the float64 dense oracle.
+
+Shapes are small on purpose (the interpreter runs one host thread per CUDA thread): two layout
+blocks per side with a ragged last block, two heads, and layouts that contain a query row with
+nothing to attend and a key block no query attends to. Outputs are NaN-poisoned before launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracle import dense_attention, dense_attention_grads, rel_err
+
+from cuattn import interp
+from cuattn import kernel_config as kc
+from cuattn.layout import ElementRule, Layout
+from cuattn.patterns import all_layout, local_layout
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# max |x - ref| / max |ref| against float64
+TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
+HEADS = 2
+
+
+def n_ctx_for(block: int) -> int:
+    """Two layout blocks, the second ragged."""
+    return block + block // 2 + 1
+
+
+def bitmask_fn(h, q, k):
+    # query 3 sees nothing at all; the rest is an irregular pattern that differs per head
+    return (q != 3) & ((q * 7 + k * 3 + h) % 5 != 0)
+
+
+def make_test_layout(rule: str, block: int, n_ctx: int) -> Layout:
+    nb = -(-n_ctx // block)
+    if rule == "none":
+        # head 1: query block 0 attends to nothing, key block 1 is attended by nobody
+        blocks = np.array([[[1, 1], [0, 1]], [[0, 0], [1, 0]]], dtype=bool)
+        return Layout(blocks, block, n_ctx, ElementRule("none"))
+    if rule == "causal":
+        return all_layout(n_ctx, HEADS, block, causal=True)
+    if rule == "window":
+        return local_layout(n_ctx, HEADS, block, block // 2 + 3, causal=False)
+    return Layout.from_blocks(np.ones((HEADS, nb, nb), bool), block, bitmask_fn, n_ctx=n_ctx)
+
+
+def random_inputs(shape, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(NUMPY_DTYPES[dtype]) for _ in range(4)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    """Compile every kernel library up front, both cores at once (a no-op once cached)."""
+    interp.prepare(kc.all_configs())
+
+
+def check_forward(out, lse, q, k, v, layout, scale, dtype):
+    mask = layout.to_mask()
+    ref_out, ref_lse = dense_attention(q, k, v, mask, scale)
+    assert not np.isnan(out.astype(np.float32)).any(), "forward left poisoned outputs"
+    empty = ~mask.any(axis=-1)[None].repeat(q.shape[0], axis=0)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert not np.isnan(lse).any()
+    assert (out.astype(np.float32)[empty] == 0).all()
+    assert rel_err(out, ref_out) <= TOLERANCE[dtype]
+    assert rel_err(lse[~empty], ref_lse[~empty]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("rule", kc.RULES)
+@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("block", kc.BLOCK_SIZES)
+def test_forward_backward(block, head_dim, dtype, rule):
+    n_ctx = n_ctx_for(block)
+    layout = make_test_layout(rule, block, n_ctx)
+    q, k, v, dout = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=block + head_dim)
+    scale = head_dim**-0.5
+
+    out, lse = interp.forward(q, k, v, layout, scale)
+    check_forward(out, lse, q, k, v, layout, scale, dtype)
+
+    refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
+    atomic = interp.backward(q, k, v, out, lse, dout, layout, scale, deterministic=False)
+    deterministic = interp.backward(q, k, v, out, lse, dout, layout, scale, deterministic=True)
+    for name, grad_atomic, grad_det, ref in zip("qkv", atomic, deterministic, refs, strict=True):
+        for grad in (grad_atomic, grad_det):
+            assert not np.isnan(grad.astype(np.float32)).any(), f"d{name} left poisoned"
+            assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
+    # dK and dV never use atomics, so both runs must agree exactly
+    np.testing.assert_array_equal(atomic[1].view(np.uint8), deterministic[1].view(np.uint8))
+    np.testing.assert_array_equal(atomic[2].view(np.uint8), deterministic[2].view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES)
+def test_deterministic_backward_is_bit_identical(dtype):
+    block, head_dim = 32, 64
+    n_ctx = 3 * block - 5
+    layout = make_test_layout("causal", block, n_ctx)
+    q, k, v, dout = random_inputs((2, HEADS, n_ctx, head_dim), dtype, seed=7)
+    out, lse = interp.forward(q, k, v, layout, 0.3)
+    first = interp.backward(q, k, v, out, lse, dout, layout, 0.3, deterministic=True)
+    second = interp.backward(q, k, v, out, lse, dout, layout, 0.3, deterministic=True)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_and_custom_scale(dtype):
+    block, head_dim, scale = 16, 32, 0.7
+    n_ctx = 4 * block + 3
+    layout = local_layout(n_ctx, HEADS, block, 20, causal=True)
+    q, k, v, dout = random_inputs((3, HEADS, n_ctx, head_dim), dtype, seed=11)
+    out, lse = interp.forward(q, k, v, layout, scale)
+    check_forward(out, lse, q, k, v, layout, scale, dtype)
+    refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
+    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    for grad, ref in zip(grads, refs, strict=True):
+        assert rel_err(grad, ref) <= TOLERANCE[dtype]
+
+
+def test_launch_geometry_matches_kernel_traits():
+    """kernel_config's threads and shared memory equal each kernel's own C++ traits."""
+    for config in kc.all_configs():
+        library = interp.library_for(config)
+        assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
+
+
+def test_rejects_bad_inputs():
+    layout = all_layout(32, HEADS, 16)
+    q = np.zeros((1, HEADS, 32, 48), np.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        interp.forward(q, q, q, layout, 1.0)
+    q = np.zeros((1, HEADS, 32, 32), np.float64)
+    with pytest.raises(TypeError, match="dtype"):
+        interp.forward(q, q, q, layout, 1.0)
+    q = np.zeros((1, HEADS + 1, 32, 32), np.float32)
+    with pytest.raises(ValueError, match="layout"):
+        interp.forward(q, q, q, layout, 1.0)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
+
+from .kernel_sources import kernel_dir
 
 # A header every CUDA toolkit include directory has; used to recognise one.
 _MARKER_HEADER = "cuda_fp16.h"
 _ENV_ROOTS = ("CUDA_PATH", "CUDA_HOME")
 _SYSTEM_ROOT = "/usr/local/cuda"
-_KERNELS_PACKAGE = "cuattn.kernels"
 
 
 @functools.cache
@@ -49,37 +49,12 @@ def _pathfinder_include_dir() -> str | None:
     return None
 
 
-@functools.cache
-def kernels_dir() -> Path:
-    """The directory of the .cu sources: package data of an installed wheel, else the checkout's
-    kernels/."""
-    # kernels/ has no __init__.py, so in a wheel cuattn.kernels is a namespace package: its
-    # spec's search locations are the directories (importlib.resources would give a
-    # MultiplexedPath, which is not a filesystem path NVRTC's -I can use).
-    try:
-        spec = importlib.util.find_spec(_KERNELS_PACKAGE)
-    except ModuleNotFoundError:
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if any(Path(location).glob("*.cu")):
-            return Path(location)
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
-    if checkout.is_dir():
-        return checkout
-    raise FileNotFoundError(
-        f"cuattn kernel sources not found: neither package data {_KERNELS_PACKAGE!r} "
-        f"nor the checkout directory {checkout} exists"
-    )
-
-
 def kernel_source(filename: str) -> str:
     """Text of one kernel file, e.g. 'attn_fwd.cu'."""
-    path = kernels_dir() / filename
+    path = kernel_dir() / filename
     if not path.is_file():
-        available = sorted(p.name for p in kernels_dir().glob("*.cu"))
-        raise FileNotFoundError(
-            f"kernel file {filename!r} not in {kernels_dir()}; have {available}"
-        )
+        available = sorted(p.name for p in kernel_dir().glob("*.cu"))
+        raise FileNotFoundError(f"kernel file {filename!r} not in {kernel_dir()}; have {available}")
     return path.read_text()
 
 
@@ -87,7 +62,7 @@ def kernel_source(filename: str) -> str:
 def sources_digest() -> str:
     """SHA-256 over every kernel source and header (kernels/*.cu, common/*.cuh)."""
     digest = hashlib.sha256()
-    root = kernels_dir()
+    root = kernel_dir()
     for path in sorted([*root.glob("*.cu"), *root.glob("common/*.cuh")]):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
@@ -112,4 +87,4 @@ def cuda_include_options() -> list[str]:
 
 def nvrtc_include_options() -> list[str]:
     """`-I` options for the kernel directory (for common/*.cuh) and the CUDA headers."""
-    return [f"-I{kernels_dir()}", *cuda_include_options()]
+    return [f"-I{kernel_dir()}", *cuda_include_options()]

@@ -197,12 +197,3 @@ def warm_disk_cache(
                 progress.write(f"[{done}/{len(futures)}] compiled {name}\n")
                 progress.flush()
 
-
-def __getattr__(name: str) -> Any:
-    # cuattn.backend finds the backend as cuattn.runtime.CudaBackend; it lives in its own module,
-    # which needs cuattn.kernel_config, so it is imported only when asked for.
-    if name == "CudaBackend":
-        from cuattn.cuda_backend import CudaBackend
-
-        return CudaBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

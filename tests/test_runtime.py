@@ -46,7 +46,7 @@ def test_imports_and_reports_no_cuda_without_cupy():
         "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
         "import cuattn.runtime, cuattn.cuda_backend, cuattn.compile_check, cuattn.bench\n"
         "assert not cuattn.runtime.cuda_available()\n"
-        "assert cuattn.runtime.CudaBackend.name == 'cuda'\n"
+        "assert cuattn.cuda_backend.CudaBackend.name == 'cuda'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 

@@ -196,4 +196,3 @@ def warm_disk_cache(
             if progress is not None:
                 progress.write(f"[{done}/{len(futures)}] compiled {name}\n")
                 progress.flush()
-

@@ -58,7 +58,10 @@ class NumpyBackend:
 
 # Where the kernel backends live; imported on first use so that NumPy users never need a
 # compiler or CuPy.
-_LAZY = {"interp": ("cuattn.interp", "InterpBackend"), "cuda": ("cuattn.runtime", "CudaBackend")}
+_LAZY = {
+    "interp": ("cuattn.interp", "InterpBackend"),
+    "cuda": ("cuattn.cuda_backend", "CudaBackend"),
+}
 _INSTANCES: dict[str, Backend] = {"numpy": NumpyBackend()}
 
 

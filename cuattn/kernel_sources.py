@@ -1,28 +1,42 @@
-"""Where the .cu sources are: the top-level kernels/ of a checkout, or the package data of an
-installed wheel (the wheel maps kernels/ to the package ``cuattn.kernels``)."""
+"""Where the .cu sources are: the package data of an installed wheel (the wheel maps the
+top-level kernels/ to the package ``cuattn.kernels``), else the checkout's kernels/.
+
+The one place that answers this for the CUDA runtime, the NVRTC compile check and the CPU
+kernel interpreter.
+"""
 
 from __future__ import annotations
 
-import importlib.resources
+import functools
+import importlib.util
 from pathlib import Path
 
+KERNELS_PACKAGE = "cuattn.kernels"
 _CHECKOUT_KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
 
 
+@functools.cache
 def kernel_dir() -> Path:
-    """The directory holding kernels/*.cu, common/*.cuh and interp/ (checkout first)."""
+    """The directory holding kernels/*.cu, common/*.cuh and interp/."""
+    # kernels/ has no __init__.py, so in a wheel cuattn.kernels is a namespace package: its
+    # spec's search locations are plain directories (importlib.resources would hand back a
+    # MultiplexedPath, which is no path a compiler's -I can use).
+    try:
+        spec = importlib.util.find_spec(KERNELS_PACKAGE)
+    except ModuleNotFoundError:
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if any(Path(location).glob("*.cu")):
+            return Path(location)
     if _CHECKOUT_KERNELS.is_dir():
         return _CHECKOUT_KERNELS
-    installed = Path(str(importlib.resources.files("cuattn.kernels")))
-    if installed.is_dir():
-        return installed
     raise FileNotFoundError(
-        f"cuattn's kernel sources are missing: looked in {_CHECKOUT_KERNELS} and in the "
-        "installed package cuattn.kernels; reinstall cuattn"
+        f"cuattn's kernel sources are missing: neither the package data {KERNELS_PACKAGE!r} nor "
+        f"the checkout directory {_CHECKOUT_KERNELS} exists; reinstall cuattn"
     )
 
 
 def kernel_files() -> list[Path]:
-    """Every kernel source file (*.cu, *.cuh, interp shim headers), sorted."""
-    root = kernel_dir()
-    return sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".hpp"))
+    """Every kernel source file (*.cu, common/*.cuh, the interpreter's shim headers), sorted."""
+    return sorted(p for p in kernel_dir().rglob("*") if p.suffix in SOURCE_SUFFIXES)

@@ -1,6 +1,7 @@
 """kernels/*.cu ship in the wheel and are found from a non-editable install."""
 
 import json
+import shutil
 import subprocess
 import sys
 import venv
@@ -11,6 +12,7 @@ import pytest
 from cuattn.kernel_sources import kernel_dir, kernel_files
 
 ROOT = Path(__file__).resolve().parent.parent
+BUILD_LEFTOVERS = (".git", "build", "dist", ".venv", "*.egg-info", "__pycache__", ".*cache")
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +20,12 @@ def installed_python(tmp_path_factory):
     if subprocess.run([sys.executable, "-m", "build", "--version"], capture_output=True).returncode:
         pytest.skip("the 'build' package is not installed")
     tmp = tmp_path_factory.mktemp("wheel")
+    # Build from a clean copy: setuptools reuses a checkout's build/ directory, which may hold
+    # files that no longer exist.
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*BUILD_LEFTOVERS))
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp / "dist"), str(ROOT)],
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp / "dist"), str(src)],
         check=True,
         capture_output=True,
     )

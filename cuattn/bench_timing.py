@@ -1,0 +1,159 @@
+"""Timing and memory measurement for the benchmark: CUDA events on a GPU, perf_counter on CPU.
+
+Every timed call gets an index; callers use it to rotate through several input sets so that a
+run never finds its inputs already in L2 from the previous one.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# Input sets together should exceed L2 (50 MB on H100, 60 MB on H200) several times over.
+ROTATION_BYTES = 256 * 1024 * 1024
+MAX_INPUT_SETS = 8
+MS_PER_S = 1e3
+
+RunFn = Callable[[int], Any]
+
+
+def input_sets_needed(bytes_per_set: int) -> int:
+    """How many input sets to rotate through so their total exceeds ROTATION_BYTES."""
+    return max(1, min(MAX_INPUT_SETS, math.ceil(ROTATION_BYTES / max(1, bytes_per_set))))
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    runs: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "runs": self.runs}
+
+
+class Timer(Protocol):
+    name: str
+
+    def time(self, fn: RunFn, warmup: int, repeats: int) -> Timing: ...
+
+    def peak_bytes(self, fn: RunFn) -> int | None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaEventTimer:
+    """Times each run with its own pair of CUDA events on torch's current stream."""
+
+    name = "cuda-events"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def time(self, fn: RunFn, warmup: int, repeats: int) -> Timing:
+        cuda = self._torch.cuda
+        for i in range(warmup):
+            fn(i)
+        starts = [cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for i in range(repeats):
+            starts[i].record()
+            fn(warmup + i)
+            ends[i].record()
+        cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+        return Timing(statistics.median(times), min(times), repeats)
+
+    def peak_bytes(self, fn: RunFn) -> int | None:
+        """Peak bytes allocated above what was already live, through torch's allocator (CuPy
+        allocations are routed there by `torch_allocator_for_cupy`)."""
+        cuda = self._torch.cuda
+        cuda.synchronize()
+        before = cuda.memory_allocated()
+        cuda.reset_peak_memory_stats()
+        fn(0)
+        cuda.synchronize()
+        return cuda.max_memory_allocated() - before
+
+
+class CpuTimer:
+    """perf_counter timing for the CPU dry run (no warm-up effects worth modelling)."""
+
+    name = "perf-counter"
+
+    def synchronize(self) -> None:
+        return None
+
+    def time(self, fn: RunFn, warmup: int, repeats: int) -> Timing:
+        for i in range(warmup):
+            fn(i)
+        times = []
+        for i in range(repeats):
+            start = time.perf_counter()
+            fn(warmup + i)
+            times.append((time.perf_counter() - start) * MS_PER_S)
+        return Timing(statistics.median(times), min(times), repeats)
+
+    def peak_bytes(self, fn: RunFn) -> int | None:
+        return None
+
+
+class torch_allocator_for_cupy:
+    """Context manager: CuPy allocates from torch's caching allocator, so torch's peak-memory
+    statistics include our kernels' outputs and workspaces, and both libraries share one pool."""
+
+    def __enter__(self) -> torch_allocator_for_cupy:
+        import cupy
+        import torch
+
+        self._cupy = cupy
+        self._previous = cupy.cuda.get_allocator()
+
+        def allocate(size: int) -> Any:
+            device = cupy.cuda.runtime.getDevice()
+            stream = torch.cuda.current_stream(device)
+            ptr = torch.cuda.caching_allocator_alloc(size, device, stream)
+            owner = _TorchBlock(ptr)
+            memory = cupy.cuda.UnownedMemory(ptr, size, owner, device)
+            return cupy.cuda.MemoryPointer(memory, 0)
+
+        cupy.cuda.set_allocator(allocate)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cupy.cuda.set_allocator(self._previous)
+
+
+class _TorchBlock:
+    """Returns its block to torch's caching allocator when CuPy drops the last reference."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __del__(self) -> None:
+        import torch
+
+        torch.cuda.caching_allocator_delete(self.ptr)
+
+
+def cupy_stream_of_torch() -> Any:
+    """torch's current CUDA stream as a CuPy stream (a context manager making it current), so
+    our kernels and the CUDA events that time them share one stream."""
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream()
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    # CuPy < 14 or torch without the CUDA stream protocol (ExternalStream is deprecated in 14).
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)

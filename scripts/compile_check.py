@@ -1,0 +1,13 @@
+"""Command-line entry: same as `python -m cuattn compile` (see cuattn/compile_check.py for options).
+
+PYTHONPATH=. python scripts/compile_check.py --help
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cuattn.compile_check import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""NVRTC compile check: parser, a tiny kernel of our own, and (slow) every real instantiation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cuattn.build_options import common_options
+from cuattn.compile_check import (
+    CompileUnit,
+    compile_unit,
+    format_table,
+    run_check,
+    summarize,
+)
+from cuattn.ptxas_report import parse_ptxas_log
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+STANDALONE_OPTIONS = common_options(with_kernel_dir=False)
+
+SAMPLE_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z1kILi128EEvPf' for 'sm_80'
+ptxas info    : Function properties for _Z1kILi128EEvPf
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 512 bytes smem, 368 bytes cmem[0]
+"""
+
+TINY_KERNEL = r"""
+#include <cuda_fp16.h>
+template <int N, typename T>
+__global__ void tiny(const T* x, float* y) {
+  __shared__ float tile[N];
+  tile[threadIdx.x] = __half2float(x[threadIdx.x]);
+  __syncthreads();
+  y[threadIdx.x] = tile[(threadIdx.x + 1) % N];
+}
+"""
+
+# __launch_bounds__(1024, 2) caps a thread at 32 registers; 256 live floats cannot fit, so ptxas
+# must spill: the check has to flag it.
+SPILLING_KERNEL = r"""
+__global__ void __launch_bounds__(1024, 2) spill(const int* idx, float* y) {
+  float acc[256];
+#pragma unroll
+  for (int i = 0; i < 256; ++i) acc[i] = y[i * 1024 + threadIdx.x];
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 256; ++i) s += acc[i] * acc[(i * 7) & 255];
+  y[threadIdx.x] = s;
+}
+"""
+
+
+def test_parse_ptxas_log():
+    stats = parse_ptxas_log(SAMPLE_LOG).functions["_Z1kILi128EEvPf"]
+    assert (stats.registers, stats.static_smem_bytes) == (255, 512)
+    assert (stats.stack_bytes, stats.spill_store_bytes, stats.spill_load_bytes) == (8, 4, 12)
+    assert stats.spills
+
+
+def test_tiny_kernel_compiles_and_reports():
+    unit = CompileUnit("tiny.cu", "tiny<128, __half>")
+    result = compile_unit(TINY_KERNEL, unit, "sm_80", STANDALONE_OPTIONS)
+    assert result.error is None, result.error
+    assert result.registers > 0
+    assert result.static_smem_bytes == 128 * 4
+    assert not result.spills and result.ok
+
+
+def test_compile_error_is_reported_not_raised():
+    unit = CompileUnit("broken.cu", "tiny<128, __half>")
+    result = compile_unit(
+        TINY_KERNEL.replace("__syncthreads();", "syncthreads_typo();"),
+        unit,
+        "sm_90",
+        STANDALONE_OPTIONS,
+    )
+    assert result.error is not None and "syncthreads_typo" in result.error
+    assert not result.ok
+
+
+def test_spill_fails_the_check():
+    unit = CompileUnit("spill.cu", "spill")
+    result = compile_unit(SPILLING_KERNEL, unit, "sm_80", STANDALONE_OPTIONS)
+    assert result.error is None, result.error
+    assert result.spills and not result.ok
+
+
+def test_run_check_parallel_table():
+    units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64)]
+    results = run_check(
+        units,
+        ["sm_80", "sm_90"],
+        {"tiny.cu": TINY_KERNEL},
+        STANDALONE_OPTIONS,
+        jobs=2,
+        progress=None,
+    )
+    assert [(r.unit, r.arch) for r in results] == [
+        (u, a) for a in ("sm_80", "sm_90") for u in units
+    ]
+    assert all(r.ok for r in results)
+    table = format_table(results)
+    assert table.count("\n") == 1 + len(results)
+    assert "0 spilling, 0 errors" in summarize(results)
+
+
+@pytest.mark.slow
+def test_every_kernel_instantiation_compiles_without_spills():
+    kernel_config = pytest.importorskip("cuattn.kernel_config")
+    from cuattn.compile_check import kernel_instantiations, load_sources
+
+    units = kernel_instantiations()
+    assert units, kernel_config
+    jobs = os.cpu_count() or 1
+    results = run_check(
+        units, ["sm_80", "sm_90"], load_sources(units), common_options(), jobs, progress=None
+    )
+    failures = [
+        f"{r.arch} {r.unit.name_expression}: {r.error or 'spills'}" for r in results if not r.ok
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def test_one_header_mistake_is_reported_once():
+    from cuattn.compile_check import format_errors
+
+    broken = TINY_KERNEL.replace("__syncthreads();", "syncthreads_typo();")
+    units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]
+    results = run_check(units, ["sm_80"], {"tiny.cu": broken}, STANDALONE_OPTIONS, 1, None)
+    report = format_errors(results)
+    assert report.count("## ") == 1 and "## 3 x" in report and "syncthreads_typo" in report

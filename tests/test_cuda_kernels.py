@@ -1,0 +1,198 @@
+"""The CUDA kernels on a GPU, against the dense float64 oracle computed on the GPU.
+
+Every pattern x dtype x block size x head dim, forward and backward (atomic and deterministic
+dQ), at a ragged length; plus a fully masked row, bit-identical deterministic backward, a
+non-default stream, poisoned output memory and one long sequence. Marked `gpu`: skipped without
+a CUDA device. Run: `PYTHONPATH=. pytest -m gpu tests/test_cuda_kernels.py` (about a minute on an
+H100 after the session fixture compiles every instantiation in parallel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import backend as be
+from cuattn import kernel_config as kc
+
+cupy = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from cuda_oracle import dense_attention, dense_attention_grads, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+N_CTX = 1000  # ragged for every block size
+BATCH, HEADS = 2, 2
+LONG_N_CTX = 8192
+TOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
+OUT_FLOOR = 1e-3  # errors below this magnitude count as absolute (see tests/oracle.py)
+GRAD_FLOOR = 0.1
+NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+PATTERNS = [
+    ("all", {}),
+    ("all", {"causal": False}),
+    ("local", {"local_attn_ctx": 100}),
+    ("local", {"local_attn_ctx": 100, "causal": False}),
+    ("strided", {"local_attn_ctx": 24}),  # natural order, per-block bitmasks
+    # transposed order (perm) where (n / s) % b == 0, i.e. b = 16, 32; bitmasks otherwise
+    ("strided", {"local_attn_ctx": 32, "n_ctx": 1024}),
+    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}),
+    ("longformer", {"local_attn_ctx": 64, "global_tokens": (0, 333)}),
+    ("bigbird", {"num_random_blocks": 1}),
+    ("variable", {"num_random_blocks": 1, "causal": True}),
+]
+
+
+def _pattern_id(pattern: tuple[str, dict]) -> str:
+    mode, kwargs = pattern
+    return mode + "".join(f"-{k}={v}" for k, v in kwargs.items())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """Every instantiation compiled in parallel into CuPy's disk cache before the sweep."""
+    from cuattn.runtime import cuda_available, warm_disk_cache
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    units = [(f, n) for f, names in kc.all_instantiations().items() for n in names]
+    warm_disk_cache(units, jobs=os.cpu_count() or 1)
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str):
+    host = rng.standard_normal(shape, dtype=np.float32).astype(NUMPY_DTYPE[dtype])
+    return cupy.asarray(host)
+
+
+def _as_float64(x) -> cupy.ndarray:
+    # Through the host: CuPy casts from bfloat16 only where ml_dtypes kernels exist.
+    return cupy.asarray(cupy.asnumpy(x).astype(np.float64))
+
+
+def _layout(pattern, blocksize: int):
+    mode, kwargs = pattern
+    kwargs = dict(kwargs)
+    n_ctx = kwargs.pop("n_ctx", N_CTX)
+    if mode == "fixed" and 128 % blocksize:
+        pytest.skip("fixed needs local_attn_ctx % blocksize == 0")
+    return cuattn.make_layout(mode, n_ctx, HEADS, blocksize=blocksize, **kwargs)
+
+
+def _problem(layout, dtype: str, head_dim: int, seed: int):
+    rng = np.random.default_rng(seed)
+    shape = (BATCH, layout.heads, layout.n_ctx, head_dim)
+    return [_random(rng, shape, dtype) for _ in range(4)]
+
+
+@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("blocksize", kc.BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("pattern", PATTERNS, ids=_pattern_id)
+@pytest.mark.parametrize("direction", ["forward", "backward", "backward-deterministic"])
+def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head_dim):
+    layout = _layout(pattern, blocksize)
+    q, k, v, dout = _problem(layout, dtype, head_dim, seed=blocksize * head_dim)
+    scale = head_dim**-0.5
+    mask = cupy.asarray(layout.to_mask())
+    # Through cuattn.backend, as every public route goes: it applies the layout's permutation.
+    out, lse = be.forward(q, k, v, layout, scale, backend="cuda")
+    tol = TOL[dtype]
+    if direction == "forward":
+        want_out, want_lse = dense_attention(cupy, q, k, v, mask, scale)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert rel_err(cupy, _as_float64(out), want_out, OUT_FLOOR) < tol
+        finite = cupy.isfinite(want_lse)
+        assert bool((cupy.isfinite(lse) == finite).all())
+        assert rel_err(cupy, lse[finite], want_lse[finite], OUT_FLOOR) < tol
+        return
+    deterministic = direction == "backward-deterministic"
+    grads = be.backward(
+        q, k, v, out, lse, dout, layout, scale, backend="cuda", deterministic=deterministic
+    )
+    want = dense_attention_grads(cupy, q, k, v, dout, mask, scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.dtype == q.dtype and not bool(cupy.isnan(_as_float64(got)).any()), name
+        assert rel_err(cupy, _as_float64(got), ref, GRAD_FLOOR) < tol, name
+
+
+def test_fully_masked_row_gives_zero_and_minus_inf():
+    blocksize, n_ctx = 32, 96  # three blocks
+    blocks = np.tril(np.ones((1, 3, 3), dtype=bool))
+    blocks[0, 1, :] = False  # query block 1 has no key block at all
+    # and query 70 sees nothing inside its active blocks
+    layout = cuattn.Layout.from_blocks(
+        blocks, blocksize, mask_fn=lambda h, q, k: (q != 70) & (k <= q), n_ctx=n_ctx
+    )
+    q, k, v, dout = _problem(layout, "float16", 64, seed=1)
+    impl = be.resolve_backend("cuda", on_device=True)
+    out, lse = impl.forward(q, k, v, layout, 0.125)
+    empty = list(range(32, 64)) + [70]
+    assert bool((out[:, :, empty] == 0).all()) and bool(cupy.isneginf(lse[:, :, empty]).all())
+    for deterministic in (False, True):
+        grads = impl.backward(q, k, v, out, lse, dout, layout, 0.125, deterministic)
+        assert all(not bool(cupy.isnan(g.astype(cupy.float32)).any()) for g in grads)
+        assert bool((grads[0][:, :, empty] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_deterministic_backward_is_bit_identical(dtype):
+    layout = cuattn.make_layout("bigbird", N_CTX, HEADS, blocksize=64, num_random_blocks=2)
+    q, k, v, dout = _problem(layout, dtype, 64, seed=2)
+    impl = be.resolve_backend("cuda", on_device=True)
+    out, lse = impl.forward(q, k, v, layout, 0.125)
+    first = impl.backward(q, k, v, out, lse, dout, layout, 0.125, deterministic=True)
+    for _ in range(3):
+        again = impl.backward(q, k, v, out, lse, dout, layout, 0.125, deterministic=True)
+        for a, b in zip(first, again, strict=True):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+
+
+def test_runs_on_the_current_stream_and_ignores_poisoned_memory():
+    layout = cuattn.make_layout("local", N_CTX, HEADS, blocksize=64, local_attn_ctx=100)
+    q, k, v, _ = _problem(layout, "float16", 64, seed=3)
+    impl = be.resolve_backend("cuda", on_device=True)
+    want, _ = impl.forward(q, k, v, layout, 0.125)
+    cupy.cuda.Device().synchronize()
+    # Freed NaN-filled blocks of the output's size: the pool hands them to the next allocation.
+    poison = [cupy.full(q.shape, cupy.nan, dtype=q.dtype) for _ in range(4)]
+    del poison
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        got, lse = impl.forward(q, k, v, layout, 0.125)
+    stream.synchronize()
+    assert not bool(cupy.isnan(got).any()) and not bool(cupy.isnan(lse).any())
+    assert bool((got == want).all())
+
+
+def test_long_sequence_dense_causal_bf16():
+    layout = cuattn.make_layout("all", LONG_N_CTX, 1, blocksize=128)
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (_random(rng, (1, 1, LONG_N_CTX, 128), "bfloat16") for _ in range(4))
+    impl = be.resolve_backend("cuda", on_device=True)
+    out, lse = impl.forward(q, k, v, layout, 128**-0.5)
+    mask = cupy.tril(cupy.ones((1, LONG_N_CTX, LONG_N_CTX), dtype=bool))
+    want_out, _ = dense_attention(cupy, q, k, v, mask, 128**-0.5)
+    assert rel_err(cupy, _as_float64(out), want_out, OUT_FLOOR) < TOL["bfloat16"]
+    grads = impl.backward(q, k, v, out, lse, dout, layout, 128**-0.5)
+    want = dense_attention_grads(cupy, q, k, v, dout, mask, 128**-0.5)
+    for got, ref in zip(grads, want, strict=True):
+        assert rel_err(cupy, _as_float64(got), ref, GRAD_FLOOR) < TOL["bfloat16"]
+
+
+def test_wrong_inputs_raise_before_launch():
+    layout = cuattn.make_layout("all", 256, HEADS, blocksize=64)
+    q, k, v, _ = _problem(layout, "float16", 64, seed=5)
+    impl = be.resolve_backend("cuda", on_device=True)
+    with pytest.raises(TypeError, match="k: dtype"):
+        impl.forward(q, k.astype(cupy.float32), v, layout, 0.125)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        impl.forward(q[..., :48], k[..., :48], v[..., :48], layout, 0.125)
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        impl.forward(cupy.asnumpy(q), k, v, layout, 0.125)
+    other = cuattn.make_layout("all", 512, HEADS, blocksize=64)
+    with pytest.raises(ValueError, match="layout: built for"):
+        impl.forward(q, k, v, other, 0.125)

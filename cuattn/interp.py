@@ -29,20 +29,12 @@ import numpy as np
 
 from . import kernel_config as kc
 from .kernel_config import KernelConfig
+from .kernel_sources import kernel_dir
 
 CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DCUATTN_INTERP=1")
 ENTRY_PREFIX = "cuattn_launch_"
 TRAITS_PREFIX = "cuattn_traits_"
-
-
-def kernels_dir() -> Path:
-    """kernels/ of a checkout, or the copy shipped inside an installed wheel."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / "interp" / "cuda_shim.h").is_file():
-            return candidate
-    raise FileNotFoundError(f"no kernels/ directory with interp/cuda_shim.h near {here}")
 
 
 def cache_dir() -> Path:
@@ -132,7 +124,7 @@ def build_library(
     kernel files). `traits`, aligned with `expressions`, names a traits struct with NUM_THREADS and
     SMEM_BYTES per kernel (or None).
     """
-    root = kernels_dir()
+    root = kernel_dir()
     source_path = Path(source) if Path(source).is_absolute() else root / source
     traits = list(traits) if traits is not None else [None] * len(expressions)
     lines = ['#include "interp/cuda_shim.h"', f'#include "{source_path}"']

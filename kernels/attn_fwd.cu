@@ -86,13 +86,16 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
       if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
 
       __syncthreads();  // every warp is done reading the previous K/V tile
+      // K and V travel in separate commit groups: S = Q K^T and the softmax start as soon as
+      // K has landed, while V is still in flight.
       const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
       load_tile_async<BLOCK_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
                                                       n_ctx - k_start);
+      cp_async_commit();
       load_tile_async<BLOCK_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
                                                       n_ctx - k_start);
       cp_async_commit();
-      cp_async_wait_all();
+      cp_async_wait_group<1>();  // Q and K
       __syncthreads();
 
       float s_frag[BLOCK_N / 8][4] = {};
@@ -133,6 +136,8 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
           acc[j][2 * r + 1] *= alpha;
         }
       }
+      cp_async_wait_group<0>();  // V
+      __syncthreads();
       warp_gemm_regs_kn<HEAD_DIM, BLOCK_N>(acc, s_frag, v_smem, LD, scratch);
     }
   }

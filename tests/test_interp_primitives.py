@@ -26,6 +26,7 @@ EXPRESSIONS = [
     "test_block",
     *[f"test_convert<{t}>" for t in HALF_TYPES],
     "test_tile_load",
+    "test_tile_load_groups",
 ]
 
 
@@ -151,3 +152,13 @@ def test_tile_load_zero_fills_ragged_rows(lib):
     run(lib, "test_tile_load", 1, 64, src, out, 11, smem=16 * stride * 4)
     np.testing.assert_array_equal(out[:11], src[:11])
     np.testing.assert_array_equal(out[11:], 0.0)
+
+
+def test_cp_async_groups_complete_in_order(lib):
+    rng = np.random.default_rng(6)
+    src_a, src_b = (rng.standard_normal((16, 32)).astype(np.float32) for _ in range(2))
+    out_a, out_b = (np.full((16, 32), np.nan, np.float32) for _ in range(2))
+    stride = 32 + 4
+    run(lib, "test_tile_load_groups", 1, 64, src_a, src_b, out_a, out_b, smem=2 * 16 * stride * 4)
+    np.testing.assert_array_equal(out_a, src_a)
+    np.testing.assert_array_equal(out_b, src_b)

@@ -120,8 +120,27 @@ struct PendingCopy {
   void* dst;
   const void* src;
   bool valid;
+  int group;  // index of the commit group, -1 while not committed yet
 };
 inline thread_local std::vector<PendingCopy> pending_copies;
+inline thread_local int committed_groups = 0;
+
+// Completes every committed copy except those of the `keep` most recent groups.
+inline void complete_copies(int keep) {
+  std::vector<PendingCopy> still_pending;
+  for (const auto& copy : pending_copies) {
+    if (copy.group >= 0 && copy.group < committed_groups - keep) {
+      if (copy.valid) {
+        std::memcpy(copy.dst, copy.src, 16);
+      } else {
+        std::memset(copy.dst, 0, 16);
+      }
+    } else {
+      still_pending.push_back(copy);
+    }
+  }
+  pending_copies.swap(still_pending);
+}
 }  // namespace cuattn_interp
 #endif
 
@@ -129,7 +148,7 @@ inline thread_local std::vector<PendingCopy> pending_copies;
 // instead (cp.async's src-size 0 form), which is how ragged tiles get zero rows.
 __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem, bool valid) {
 #ifdef CUATTN_INTERP
-  cuattn_interp::pending_copies.push_back({dst_smem, src_gmem, valid});
+  cuattn_interp::pending_copies.push_back({dst_smem, src_gmem, valid, -1});
 #else
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst_smem));
   const int src_bytes = valid ? 16 : 0;
@@ -138,24 +157,35 @@ __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem
 #endif
 }
 
+// Closes the current group of cp_async_16 copies (the unit cp_async_wait_group counts).
 __device__ __forceinline__ void cp_async_commit() {
-#ifndef CUATTN_INTERP
+#ifdef CUATTN_INTERP
+  for (auto& copy : cuattn_interp::pending_copies) {
+    if (copy.group < 0) copy.group = cuattn_interp::committed_groups;
+  }
+  ++cuattn_interp::committed_groups;
+#else
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
 }
 
-// Waits for all of this thread's committed copies (a __syncthreads must follow before other
-// threads read them).
+// Waits until at most PENDING of this thread's most recent commit groups are still in flight
+// (a __syncthreads must follow before other threads read the data).
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_group() {
+#ifdef CUATTN_INTERP
+  cuattn_interp::complete_copies(PENDING);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+// Waits for all of this thread's copies, committed or not (a __syncthreads must follow before
+// other threads read them).
 __device__ __forceinline__ void cp_async_wait_all() {
 #ifdef CUATTN_INTERP
-  for (const auto& copy : cuattn_interp::pending_copies) {
-    if (copy.valid) {
-      std::memcpy(copy.dst, copy.src, 16);
-    } else {
-      std::memset(copy.dst, 0, 16);
-    }
-  }
-  cuattn_interp::pending_copies.clear();
+  cp_async_commit();
+  cuattn_interp::complete_copies(0);
 #else
   asm volatile("cp.async.wait_all;\n" ::);
 #endif

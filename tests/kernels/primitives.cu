@@ -132,3 +132,22 @@ __global__ void test_tile_load(const float* src, float* out, int valid_rows) {
   __syncthreads();
   for (int i = int(threadIdx.x); i < 16 * 32; i += 64) out[i] = tile[(i / 32) * LD + i % 32];
 }
+
+// Two [16][32] float tiles in two commit groups: the first is read after wait_group<1>, the
+// second only after wait_group<0>.
+__global__ void test_tile_load_groups(const float* src_a, const float* src_b, float* out_a,
+                                      float* out_b) {
+  constexpr int LD = SmemStride<float, 32>::value;
+  float* tile_a = dynamic_smem<float>();
+  float* tile_b = tile_a + 16 * LD;
+  load_tile_async<16, 32, 64>(tile_a, LD, src_a, 32, 16);
+  cp_async_commit();
+  load_tile_async<16, 32, 64>(tile_b, LD, src_b, 32, 16);
+  cp_async_commit();
+  cp_async_wait_group<1>();
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 16 * 32; i += 64) out_a[i] = tile_a[(i / 32) * LD + i % 32];
+  cp_async_wait_group<0>();
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 16 * 32; i += 64) out_b[i] = tile_b[(i / 32) * LD + i % 32];
+}

@@ -33,6 +33,7 @@ DTYPES = {
 HEADS = 2
 BATCH = 1
 SEED = 0
+SIZES = ("quick", "standard", "full")
 
 
 @dataclass(frozen=True)
@@ -82,16 +83,25 @@ def _patterns(blocksize: int) -> list[tuple[str, str, dict]]:
     ]
 
 
-def cases(backend: str, quick: bool) -> Iterator[Case]:
-    blocksizes = (16, 64) if quick else (16, 32, 64, 128)
-    head_dims = (64,) if quick else (32, 64, 128)
+def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
+    """(n_ctx, head_dim) pairs per block size: a whole number of blocks, then a ragged length."""
+    if size == "quick":
+        return [(4 * blocksize, 64)]
+    if size == "full":
+        return [(n, d) for n in (4 * blocksize, 4 * blocksize - 5) for d in (32, 64, 128)]
+    return [(4 * blocksize, 64), (4 * blocksize - 5, 32 if blocksize <= 32 else 128)]
+
+
+def cases(backend: str, size: str = "standard") -> Iterator[Case]:
+    """Every pattern x dtype x block size x a few shapes (``size``: quick, standard, full)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    blocksizes = (16, 64) if size == "quick" else (16, 32, 64, 128)
     for dtype in DTYPES[backend]:
         for b in blocksizes:
             for name, mode, kw in _patterns(b):
-                lengths = (4 * b,) if quick else (4 * b, 4 * b - 5)
-                for n in lengths:
-                    for d in head_dims:
-                        yield Case(name, mode, tuple(sorted(kw.items())), b, n, d, dtype)
+                for n, d in _shapes(b, size):
+                    yield Case(name, mode, tuple(sorted(kw.items())), b, n, d, dtype)
 
 
 def best_backend() -> str:
@@ -151,7 +161,7 @@ def run_case(case: Case, backend: str) -> tuple[float, float]:
     return fwd, bwd
 
 
-def main(backend: str | None = None, quick: bool = False, out=sys.stdout) -> int:
+def main(backend: str | None = None, size: str = "standard", out=sys.stdout) -> int:
     backend = backend or best_backend()
     header = f"{'pattern':<16} {'shape [B,H,T,D]':<18} {'block':>5} {'dtype':<9} {'backend':<7} "
     header += f"{'fwd rel err':>11} {'bwd rel err':>11}  verdict"
@@ -159,7 +169,7 @@ def main(backend: str | None = None, quick: bool = False, out=sys.stdout) -> int
     print("-" * len(header), file=out)
     failures = total = 0
     start = time.perf_counter()
-    for case in cases(backend, quick):
+    for case in cases(backend, size):
         fwd, bwd = run_case(case, backend)
         tol = TOLERANCE[case.dtype]
         ok = fwd <= tol and bwd <= tol  # NaN compares false: a NaN fails

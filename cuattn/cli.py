@@ -20,7 +20,7 @@ _EXTERNAL = {
 def _check(args: argparse.Namespace) -> int:
     from .check import main
 
-    return main(backend=args.backend, quick=args.quick)
+    return main(backend=args.backend, size=args.size)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -79,7 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: cuda on a GPU, else interp (needs g++), else numpy",
     )
-    check.add_argument("--quick", action="store_true", help="fewer block sizes and shapes")
+    size = check.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        dest="size",
+        action="store_const",
+        const="quick",
+        help="block sizes 16 and 64, one shape each",
+    )
+    size.add_argument(
+        "--full",
+        dest="size",
+        action="store_const",
+        const="full",
+        help="every head dim 32/64/128 at a whole and a ragged length",
+    )
+    check.set_defaults(size="standard")
     check.set_defaults(func=_check)
 
     show = sub.add_parser("show", help="print a pattern's block picture (and save a PNG)")

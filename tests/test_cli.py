@@ -12,12 +12,12 @@ from cuattn.cli import main
 
 def test_check_quick_on_numpy_prints_a_passing_table():
     out = io.StringIO()
-    assert check.main(backend="numpy", quick=True, out=out) == 0
+    assert check.main(backend="numpy", size="quick", out=out) == 0
     text = out.getvalue()
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["pattern", "shape", "[B,H,T,D]"]
     rows = [ln for ln in lines if ln.endswith(" ok") or ln.endswith("FAIL")]
-    assert len(rows) == len(list(check.cases("numpy", quick=True)))
+    assert len(rows) == len(list(check.cases("numpy", "quick")))
     assert all(r.endswith(" ok") for r in rows)
     assert "numpy" in rows[0]
     patterns = {r.split("  ")[0].strip() for r in rows}
@@ -36,7 +36,7 @@ def test_check_quick_on_numpy_prints_a_passing_table():
 def test_check_reports_a_failure(monkeypatch):
     monkeypatch.setattr(check, "run_case", lambda case, backend: (float("nan"), 0.0))
     out = io.StringIO()
-    assert check.main(backend="numpy", quick=True, out=out) == 1
+    assert check.main(backend="numpy", size="quick", out=out) == 1
     assert "FAIL" in out.getvalue()
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from . import backend as _backend
+from .kernel_config import BLOCK_SIZES, HEAD_DIMS
+from .kernel_config import DTYPES as KERNEL_DTYPES
 from .layout import Layout
 from .patterns import make_layout
 from .testing import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
@@ -27,8 +29,8 @@ from .testing import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
 DTYPES = {
     "numpy": ("float64", "float32", "float16"),
-    "interp": ("float32", "float16", "bfloat16"),
-    "cuda": ("float32", "float16", "bfloat16"),
+    "interp": KERNEL_DTYPES,
+    "cuda": KERNEL_DTYPES,
 }
 HEADS = 2
 BATCH = 1
@@ -88,7 +90,7 @@ def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
     if size == "quick":
         return [(4 * blocksize, 64)]
     if size == "full":
-        return [(n, d) for n in (4 * blocksize, 4 * blocksize - 5) for d in (32, 64, 128)]
+        return [(n, d) for n in (4 * blocksize, 4 * blocksize - 5) for d in HEAD_DIMS]
     return [(4 * blocksize, 64), (4 * blocksize - 5, 32 if blocksize <= 32 else 128)]
 
 
@@ -96,7 +98,7 @@ def cases(backend: str, size: str = "standard") -> Iterator[Case]:
     """Every pattern x dtype x block size x a few shapes (``size``: quick, standard, full)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    blocksizes = (16, 64) if size == "quick" else (16, 32, 64, 128)
+    blocksizes = (16, 64) if size == "quick" else BLOCK_SIZES
     for dtype in DTYPES[backend]:
         for b in blocksizes:
             for name, mode, kw in _patterns(b):

@@ -8,10 +8,10 @@ the same order CuPy uses for NVRTC itself, so the headers match the compiler tha
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from pathlib import Path
 
+from . import kernel_sources
 from .kernel_sources import kernel_dir
 
 # A header every CUDA toolkit include directory has; used to recognise one.
@@ -60,13 +60,8 @@ def kernel_source(filename: str) -> str:
 
 @functools.cache
 def sources_digest() -> str:
-    """SHA-256 over every kernel source and header (kernels/*.cu, common/*.cuh)."""
-    digest = hashlib.sha256()
-    root = kernel_dir()
-    for path in sorted([*root.glob("*.cu"), *root.glob("common/*.cuh")]):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """SHA-256 over every kernel source and header (cached for the process)."""
+    return kernel_sources.sources_digest(kernel_dir())
 
 
 def kernel_program(filename: str) -> str:

@@ -23,13 +23,15 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from . import kernel_config as kc
 from .kernel_config import KernelConfig
-from .kernel_sources import kernel_dir
+from .kernel_launch import LAYOUT_FIELDS, KernelBackend
+from .kernel_sources import kernel_dir, sources_digest
 
 CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DCUATTN_INTERP=1")
@@ -47,15 +49,6 @@ def cache_dir() -> Path:
 def _compiler_version() -> str:
     result = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True)
     return result.stdout.splitlines()[0]
-
-
-def _sources_digest(root: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".cu", ".cuh", ".h", ".hpp") and path.is_file():
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 class Library:
@@ -140,7 +133,7 @@ def build_library(
     includes = [root, *include_dirs]
     flags = [*CXX_FLAGS, *[f"-I{path}" for path in includes]]
     key = hashlib.sha256()
-    for part in (code, " ".join(flags), _compiler_version(), _sources_digest(root)):
+    for part in (code, " ".join(flags), _compiler_version(), sources_digest(root)):
         key.update(part.encode())
     if source_path.parent != root:
         key.update(source_path.read_bytes())
@@ -230,140 +223,31 @@ def launch(config: KernelConfig, **values: Any) -> None:
 # ---- the backend ---------------------------------------------------------------------------
 
 
-def _check_inputs(arrays: dict[str, np.ndarray], layout: Any) -> tuple[str, tuple[int, ...]]:
-    shape = arrays["q"].shape
-    for name, array in arrays.items():
-        if not isinstance(array, np.ndarray):
-            raise TypeError(
-                f"{name}: the interpreter takes NumPy arrays, got {type(array).__name__}"
-            )
-        if array.shape != shape:
-            raise ValueError(f"{name}: shape {array.shape} differs from q's {shape}")
-        if array.dtype != arrays["q"].dtype:
-            raise TypeError(f"{name}: dtype {array.dtype} differs from q's {arrays['q'].dtype}")
-    if len(shape) != 4:
-        raise ValueError(f"q: expected [batch, heads, n_ctx, head_dim], got shape {shape}")
-    dtype = kc.dtype_name(arrays["q"].dtype)
-    batch, heads, n_ctx, head_dim = shape
-    if head_dim not in kc.HEAD_DIMS:
-        raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
-    if layout.blocksize not in kc.BLOCK_SIZES:
-        raise ValueError(f"layout: blocksize {layout.blocksize} has no kernel; {kc.BLOCK_SIZES}")
-    if layout.heads != heads or layout.n_ctx != n_ctx:
-        raise ValueError(
-            f"layout: built for heads={layout.heads}, n_ctx={layout.n_ctx}; "
-            f"q has heads={heads}, n_ctx={n_ctx}"
-        )
-    return dtype, shape
-
-
-def _layout_values(layout: Any, columns: bool) -> dict[str, Any]:
-    rule = layout.rule
-    ptr, idx, mask = (
-        (layout.col_ptr, layout.row_idx, layout.col_mask)
-        if columns
-        else (layout.row_ptr, layout.col_idx, layout.row_mask)
-    )
-    table = np.ascontiguousarray(layout.mask_table, dtype=np.uint32)
-    return {
-        "ptr": np.ascontiguousarray(ptr, dtype=np.int32),
-        "idx": np.ascontiguousarray(idx, dtype=np.int32),
-        "mask": np.ascontiguousarray(mask, dtype=np.int32),
-        "mask_table": table if table.size else np.zeros(1, np.uint32),
-        "num_blocks": int(layout.num_blocks),
-        "window_left": int(getattr(rule, "window_left", 0) or 0),
-        "window_right": int(getattr(rule, "window_right", 0) or 0),
-    }
-
-
-class InterpBackend:
-    """forward/backward like cuattn/reference.py, run by the kernel interpreter."""
+class InterpBackend(KernelBackend):
+    """The kernels on the CPU: NumPy arrays in and out, outputs poisoned with NaN before launch
+    so an element a kernel fails to write cannot pass for a result."""
 
     name = "interp"
+    array_kind = "NumPy arrays"
 
-    def forward(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, layout: Any, scale: float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        dtype, shape = _check_inputs({"q": q, "k": k, "v": v}, layout)
-        batch, heads, n_ctx, head_dim = shape
-        q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
-        out = np.full(shape, np.nan, dtype=q.dtype)
-        lse = np.full((batch, heads, n_ctx), np.nan, dtype=np.float32)
-        config = KernelConfig(
-            "attn_fwd", head_dim, dtype, batch, heads, n_ctx, layout.blocksize, layout.rule.kind
-        )
-        launch(
-            config,
-            q=q,
-            k=k,
-            v=v,
-            out=out,
-            lse=lse,
-            n_ctx=n_ctx,
-            scale=scale,
-            **_layout_values(layout, columns=False),
-        )
-        return out, lse
+    @property
+    def xp(self) -> Any:
+        return np
 
-    def backward(
-        self,
-        q: np.ndarray,
-        k: np.ndarray,
-        v: np.ndarray,
-        out: np.ndarray,
-        lse: np.ndarray,
-        dout: np.ndarray,
-        layout: Any,
-        scale: float,
-        deterministic: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        dtype, shape = _check_inputs({"q": q, "k": k, "v": v, "out": out, "dout": dout}, layout)
-        batch, heads, n_ctx, head_dim = shape
-        q, k, v, out, dout = (np.ascontiguousarray(x) for x in (q, k, v, out, dout))
-        lse = np.ascontiguousarray(lse, dtype=np.float32)
-        if lse.shape != (batch, heads, n_ctx):
-            raise ValueError(f"lse: expected shape {(batch, heads, n_ctx)}, got {lse.shape}")
-        common = {"n_ctx": n_ctx, "scale": scale}
-        geometry = (head_dim, dtype, batch, heads, n_ctx)
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
 
-        delta = np.full((batch, heads, n_ctx), np.nan, dtype=np.float32)
-        launch(
-            KernelConfig("attn_bwd_preprocess", *geometry),
-            out=out,
-            dout=dout,
-            delta=delta,
-            n_ctx=n_ctx,
-        )
+    def output(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.full(shape, np.nan, dtype=dtype)
 
-        dq = np.full(shape, np.nan, dtype=q.dtype)
-        dk = np.full(shape, np.nan, dtype=q.dtype)
-        dv = np.full(shape, np.nan, dtype=q.dtype)
-        dq_accum = np.zeros(shape if not deterministic else (1,), dtype=np.float32)
-        tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
-        rule = layout.rule.kind
-        launch(
-            KernelConfig("attn_bwd_dkdv", *geometry, block=layout.blocksize, rule=rule),
-            **tensors,
-            dq_accum=dq_accum,
-            dk=dk,
-            dv=dv,
-            compute_dq=0 if deterministic else 1,
-            **common,
-            **_layout_values(layout, columns=True),
-        )
-        if deterministic:
-            launch(
-                KernelConfig("attn_bwd_dq", *geometry, block=layout.blocksize, rule=rule),
-                **tensors,
-                dq=dq,
-                **common,
-                **_layout_values(layout, columns=False),
-            )
-        else:
-            launch(
-                KernelConfig("attn_bwd_dq_convert", *geometry), dq_accum=dq_accum, dq=dq, **common
-            )
-        return dq, dk, dv
+    def index_arrays(self, layout: Any) -> SimpleNamespace:
+        fields = {name: np.ascontiguousarray(getattr(layout, name)) for name in LAYOUT_FIELDS}
+        if not fields["mask_table"].size:
+            fields["mask_table"] = np.zeros(1, np.uint32)  # the kernels take a valid pointer
+        return SimpleNamespace(**fields)
+
+    def launch(self, config: KernelConfig, **values: Any) -> None:
+        launch(config, **values)
 
 
 backend = InterpBackend()

@@ -8,6 +8,7 @@ kernel interpreter.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def kernel_dir() -> Path:
     )
 
 
-def kernel_files() -> list[Path]:
+def kernel_files(root: Path | None = None) -> list[Path]:
     """Every kernel source file (*.cu, common/*.cuh, the interpreter's shim headers), sorted."""
-    return sorted(p for p in kernel_dir().rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    root = kernel_dir() if root is None else root
+    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+
+
+def sources_digest(root: Path) -> str:
+    """SHA-256 over every kernel source file under ``root`` (names and contents): the cache key
+    part that makes any edit of a kernel or a header recompile (GPU modules, interpreter .so)."""
+    digest = hashlib.sha256()
+    for path in kernel_files(root):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cuattn.build_options import common_options
 from cuattn.cuda_paths import kernel_program
+from cuattn.kernel_launch import LAYOUT_FIELDS
 
 if TYPE_CHECKING:
     import cupy
@@ -116,7 +117,6 @@ class LayoutArrays:
     mask_table: cupy.ndarray
 
 
-_LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask", "mask_table")
 _MIN_ELEMENTS = 1  # CuPy gives size-0 arrays a null pointer; kernels may still read one element
 
 
@@ -137,7 +137,7 @@ class LayoutDeviceCache:
             arrays = per_device.get(device)
             if arrays is None:
                 arrays = LayoutArrays(
-                    **{name: _to_device(cupy, getattr(layout, name)) for name in _LAYOUT_FIELDS}
+                    **{name: _to_device(cupy, getattr(layout, name)) for name in LAYOUT_FIELDS}
                 )
                 # The copies ran on this stream; later launches may be on another one.
                 cupy.cuda.get_current_stream().synchronize()

@@ -1,47 +1,16 @@
 """The dense float64 oracle that every backend is checked against (tests and `cuattn check`).
 
 Tiny on purpose: softmax(QK^T * scale, masked) V written with full n x n arrays in float64,
-and its gradients, so use small n. Rows with no allowed key give 0 and lse = -inf.
+and its gradients, so use small n. Rows with no allowed key give 0 and lse = -inf. Works on
+NumPy arrays, and on CuPy arrays (mask included) so GPU tests check real sizes on the GPU.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import numpy as np
-
-
-def dense_attention(q, k, v, mask, scale):
-    """(out, lse) in float64; mask bool [heads, n, n]. Rows with no allowed key: 0 and -inf."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    s = np.where(mask[None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l_sum = p.sum(axis=-1, keepdims=True)
-    has = l_sum > 0
-    p = p / np.where(has, l_sum, 1.0)
-    out = np.einsum("bhqk,bhkd->bhqd", p, v)
-    lse = np.where(has[..., 0], (m + np.log(np.where(has, l_sum, 1.0)))[..., 0], -np.inf)
-    return out, lse
-
-
-def dense_attention_grads(q, k, v, dout, mask, scale):
-    """(dq, dk, dv) in float64 of sum(out * dout)."""
-    q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    s = np.where(mask[None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l_sum = p.sum(axis=-1, keepdims=True)
-    p = p / np.where(l_sum > 0, l_sum, 1.0)
-    dv = np.einsum("bhqk,bhqd->bhkd", p, dout)
-    dp = np.einsum("bhqd,bhkd->bhqk", dout, v)
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bhkd->bhqd", ds, k) * scale
-    dk = np.einsum("bhqk,bhqd->bhkd", ds, q) * scale
-    return dq, dk, dv
-
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
 # arithmetic (a row with a single key) comes out as rounding noise, which has no relative size.
@@ -51,10 +20,61 @@ REL_FLOOR = 1e-3
 GRAD_FLOOR = 0.1
 
 
-def rel_err(x, ref, floor=REL_FLOOR):
+def _xp(x: Any) -> ModuleType:
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _probs(q: Any, k: Any, mask: Any, scale: float) -> tuple[Any, Any, Any]:
+    """(P, row max, row sum) of the masked softmax in float64."""
+    xp = _xp(q)
+    s = xp.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    s = xp.where(mask[None], s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0.0)
+    p = xp.exp(s - m)
+    l_sum = p.sum(axis=-1, keepdims=True)
+    return p / xp.where(l_sum > 0, l_sum, 1.0), m, l_sum
+
+
+def _float64(*arrays: Any) -> list[Any]:
+    return [x.astype(_xp(x).float64) if hasattr(x, "astype") else np.float64(x) for x in arrays]
+
+
+def dense_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[Any, Any]:
+    """(out, lse) in float64; mask bool [heads, n, n]. Rows with no allowed key: 0 and -inf."""
+    q, k, v = _float64(q, k, v)
+    xp = _xp(q)
+    p, m, l_sum = _probs(q, k, mask, scale)
+    out = xp.einsum("bhqk,bhkd->bhqd", p, v)
+    has = l_sum[..., 0] > 0
+    lse = xp.where(has, m[..., 0] + xp.log(xp.where(has, l_sum[..., 0], 1.0)), -xp.inf)
+    return out, lse
+
+
+def dense_attention_grads(
+    q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) in float64 of sum(out * dout)."""
+    q, k, v, dout = _float64(q, k, v, dout)
+    xp = _xp(q)
+    p, _, _ = _probs(q, k, mask, scale)
+    dv = xp.einsum("bhqk,bhqd->bhkd", p, dout)
+    dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
+    dk = xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale
+    return dq, dk, dv
+
+
+def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
     """max |x - ref| / max(max |ref|, floor) (0 for empty arrays)."""
-    x = np.asarray(x, dtype=np.float64)
+    (x,) = _float64(x)
     if x.size == 0:
         return 0.0
-    scale = max(float(np.abs(ref).max()), floor)
-    return float(np.abs(x - ref).max() / scale)
+    xp = _xp(x)
+    scale = max(float(xp.abs(ref).max()), floor)
+    return float(xp.abs(x - ref).max() / scale)

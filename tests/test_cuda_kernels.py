@@ -20,7 +20,13 @@ from cuattn import kernel_config as kc
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from cuda_oracle import dense_attention, dense_attention_grads, rel_err  # noqa: E402
+from cuattn.testing import (  # noqa: E402
+    GRAD_FLOOR,
+    REL_FLOOR,
+    dense_attention,
+    dense_attention_grads,
+    rel_err,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +34,6 @@ N_CTX = 1000  # ragged for every block size
 BATCH, HEADS = 2, 2
 LONG_N_CTX = 8192
 TOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
-OUT_FLOOR = 1e-3  # errors below this magnitude count as absolute (see tests/oracle.py)
-GRAD_FLOOR = 0.1
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 PATTERNS = [
@@ -102,21 +106,21 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
     out, lse = be.forward(q, k, v, layout, scale, backend="cuda")
     tol = TOL[dtype]
     if direction == "forward":
-        want_out, want_lse = dense_attention(cupy, q, k, v, mask, scale)
+        want_out, want_lse = dense_attention(q, k, v, mask, scale)
         assert out.dtype == q.dtype and out.shape == q.shape
-        assert rel_err(cupy, _as_float64(out), want_out, OUT_FLOOR) < tol
+        assert rel_err(_as_float64(out), want_out, REL_FLOOR) < tol
         finite = cupy.isfinite(want_lse)
         assert bool((cupy.isfinite(lse) == finite).all())
-        assert rel_err(cupy, lse[finite], want_lse[finite], OUT_FLOOR) < tol
+        assert rel_err(lse[finite], want_lse[finite], REL_FLOOR) < tol
         return
     deterministic = direction == "backward-deterministic"
     grads = be.backward(
         q, k, v, out, lse, dout, layout, scale, backend="cuda", deterministic=deterministic
     )
-    want = dense_attention_grads(cupy, q, k, v, dout, mask, scale)
+    want = dense_attention_grads(q, k, v, dout, mask, scale)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
         assert got.dtype == q.dtype and not bool(cupy.isnan(_as_float64(got)).any()), name
-        assert rel_err(cupy, _as_float64(got), ref, GRAD_FLOOR) < tol, name
+        assert rel_err(_as_float64(got), ref, GRAD_FLOOR) < tol, name
 
 
 def test_fully_masked_row_gives_zero_and_minus_inf():
@@ -175,12 +179,12 @@ def test_long_sequence_dense_causal_bf16():
     impl = be.resolve_backend("cuda", on_device=True)
     out, lse = impl.forward(q, k, v, layout, 128**-0.5)
     mask = cupy.tril(cupy.ones((1, LONG_N_CTX, LONG_N_CTX), dtype=bool))
-    want_out, _ = dense_attention(cupy, q, k, v, mask, 128**-0.5)
-    assert rel_err(cupy, _as_float64(out), want_out, OUT_FLOOR) < TOL["bfloat16"]
+    want_out, _ = dense_attention(q, k, v, mask, 128**-0.5)
+    assert rel_err(_as_float64(out), want_out, REL_FLOOR) < TOL["bfloat16"]
     grads = impl.backward(q, k, v, out, lse, dout, layout, 128**-0.5)
-    want = dense_attention_grads(cupy, q, k, v, dout, mask, 128**-0.5)
+    want = dense_attention_grads(q, k, v, dout, mask, 128**-0.5)
     for got, ref in zip(grads, want, strict=True):
-        assert rel_err(cupy, _as_float64(got), ref, GRAD_FLOOR) < TOL["bfloat16"]
+        assert rel_err(_as_float64(got), ref, GRAD_FLOOR) < TOL["bfloat16"]
 
 
 def test_wrong_inputs_raise_before_launch():

@@ -32,10 +32,10 @@ from cuattn.bench_runners import CuattnRunner, InputSet, Skip, peer_runners
 from cuattn.bench_timing import (
     CpuTimer,
     CudaEventTimer,
-    cupy_stream_of_torch,
     input_sets_needed,
     torch_allocator_for_cupy,
 )
+from cuattn.interop import cupy_stream_of_torch
 
 FWD_FLOPS_PER_BLOCK_ELEMENT = 4  # two matmuls of b x b x d, 2 FLOPs per multiply-add
 BWD_OVER_FWD_FLOPS = 2.5

@@ -143,17 +143,3 @@ class _TorchBlock:
         import torch
 
         torch.cuda.caching_allocator_delete(self.ptr)
-
-
-def cupy_stream_of_torch() -> Any:
-    """torch's current CUDA stream as a CuPy stream (a context manager making it current), so
-    our kernels and the CUDA events that time them share one stream."""
-    import cupy
-    import torch
-
-    stream = torch.cuda.current_stream()
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        return from_external(stream)
-    # CuPy < 14 or torch without the CUDA stream protocol (ExternalStream is deprecated in 14).
-    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)

@@ -154,11 +154,20 @@ def stream_for(info: ArrayInfo) -> Iterator[None]:
         yield
         return
     import cupy
+
+    with cupy.cuda.Device(info.device_id), cupy_stream_of_torch(info.device_id):
+        yield
+
+
+def cupy_stream_of_torch(device_id: int | None = None) -> Any:
+    """torch's current CUDA stream (of ``device_id``, default the current device) as a CuPy
+    stream; used as a context manager it makes CuPy launch there."""
+    import cupy
     import torch
 
-    stream = torch.cuda.current_stream(info.device_id)
-    with (
-        cupy.cuda.Device(info.device_id),
-        cupy.cuda.ExternalStream(stream.cuda_stream, info.device_id),
-    ):
-        yield
+    stream = torch.cuda.current_stream(device_id)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    # CuPy < 14, or a torch without the CUDA stream protocol (ExternalStream is deprecated in 14).
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)

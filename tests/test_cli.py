@@ -63,3 +63,14 @@ def test_entry_points_run(entry):
         args = ["--help"]
     res = subprocess.run([*entry, *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_check_skips_bfloat16_without_ml_dtypes(monkeypatch):
+    monkeypatch.setattr(check, "_has_bfloat16", lambda: False)
+    assert all(c.dtype != "bfloat16" for c in check.cases("interp", "quick"))
+    monkeypatch.setattr(check, "run_case", lambda case, backend: (0.0, 0.0))
+    out = io.StringIO()
+    assert check.main(backend="interp", size="quick", out=out) == 0
+    assert out.getvalue().startswith("bfloat16 cases skipped: pip install ml_dtypes")
+    monkeypatch.setattr(check, "_has_bfloat16", lambda: True)
+    assert any(c.dtype == "bfloat16" for c in check.cases("interp", "quick"))

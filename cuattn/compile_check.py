@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from cuattn.build_options import (
@@ -27,7 +27,7 @@ from cuattn.build_options import (
     arch_option,
     common_options,
 )
-from cuattn.ptxas_report import parse_ptxas_log
+from cuattn.ptxas_report import FunctionStats, parse_ptxas_log
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -49,11 +49,8 @@ class CompileResult:
     arch: str
     seconds: float
     error: str | None = None
-    registers: int = 0
-    static_smem_bytes: int = 0
-    stack_bytes: int = 0
-    spill_store_bytes: int = 0
-    spill_load_bytes: int = 0
+    # ptxas's report for the entry kernel (empty when the compile failed).
+    stats: FunctionStats = field(default_factory=lambda: FunctionStats(""))
     # Spills in non-inlined device functions called by this kernel count against it too.
     callee_spill_bytes: int = 0
 
@@ -63,7 +60,7 @@ class CompileResult:
 
     @property
     def spills(self) -> bool:
-        return self.spill_store_bytes + self.spill_load_bytes + self.callee_spill_bytes > 0
+        return self.stats.spills or self.callee_spill_bytes > 0
 
 
 def compile_unit(
@@ -101,11 +98,7 @@ def compile_unit(
         unit,
         arch,
         time.perf_counter() - start,
-        registers=entry.registers,
-        static_smem_bytes=entry.static_smem_bytes,
-        stack_bytes=entry.stack_bytes,
-        spill_store_bytes=entry.spill_store_bytes,
-        spill_load_bytes=entry.spill_load_bytes,
+        stats=entry,
         callee_spill_bytes=callee_spills,
     )
 
@@ -164,9 +157,9 @@ def format_table(results: Iterable[CompileResult]) -> str:
     for r in results:
         status = "error" if r.error else ("SPILL" if r.spills else "ok")
         rows.append(
-            f"| {r.arch} | {r.unit.source_file} | `{r.unit.name_expression}` | {r.registers}"
-            f" | {r.static_smem_bytes} | {r.stack_bytes} | {r.spill_store_bytes}"
-            f" | {r.spill_load_bytes + r.callee_spill_bytes} | {status} |"
+            f"| {r.arch} | {r.unit.source_file} | `{r.unit.name_expression}` | {r.stats.registers}"
+            f" | {r.stats.static_smem_bytes} | {r.stats.stack_bytes} | {r.stats.spill_store_bytes}"
+            f" | {r.stats.spill_load_bytes + r.callee_spill_bytes} | {status} |"
         )
     return "\n".join(rows)
 
@@ -192,7 +185,7 @@ def format_errors(results: Iterable[CompileResult]) -> str:
 def summarize(results: Sequence[CompileResult]) -> str:
     errors = sum(1 for r in results if r.error)
     spills = sum(1 for r in results if r.error is None and r.spills)
-    ok_regs = [r.registers for r in results if r.error is None]
+    ok_regs = [r.stats.registers for r in results if r.error is None]
     max_regs = max(ok_regs, default=0)
     return (
         f"{len(results)} compiled: {len(results) - errors - spills} ok, {spills} spilling,"

@@ -64,8 +64,8 @@ def test_tiny_kernel_compiles_and_reports():
     unit = CompileUnit("tiny.cu", "tiny<128, __half>")
     result = compile_unit(TINY_KERNEL, unit, "sm_80", STANDALONE_OPTIONS)
     assert result.error is None, result.error
-    assert result.registers > 0
-    assert result.static_smem_bytes == 128 * 4
+    assert result.stats.registers > 0
+    assert result.stats.static_smem_bytes == 128 * 4
     assert not result.spills and result.ok
 
 

@@ -122,7 +122,7 @@ class torch_allocator_for_cupy:
             device = cupy.cuda.runtime.getDevice()
             stream = torch.cuda.current_stream(device)
             ptr = torch.cuda.caching_allocator_alloc(size, device, stream)
-            owner = _TorchBlock(ptr)
+            owner = _TorchBlock(ptr, torch.cuda.caching_allocator_delete)
             memory = cupy.cuda.UnownedMemory(ptr, size, owner, device)
             return cupy.cuda.MemoryPointer(memory, 0)
 
@@ -134,12 +134,15 @@ class torch_allocator_for_cupy:
 
 
 class _TorchBlock:
-    """Returns its block to torch's caching allocator when CuPy drops the last reference."""
+    """Returns its block to torch's caching allocator when CuPy drops the last reference.
 
-    def __init__(self, ptr: int) -> None:
+    The free function is bound at allocation: arrays still alive at interpreter exit are
+    collected after the import system is gone, when `import torch` would fail in __del__.
+    """
+
+    def __init__(self, ptr: int, free: Callable[[int], None]) -> None:
         self.ptr = ptr
+        self._free = free
 
     def __del__(self) -> None:
-        import torch
-
-        torch.cuda.caching_allocator_delete(self.ptr)
+        self._free(self.ptr)

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Everything the GPU machine has to say, in one command that fits one 10-minute call:
-#   1. compile every kernel instantiation for this GPU in parallel (into CuPy's disk cache)
-#   2. the gpu-marked tests (tests/test_cuda_kernels.py: every pattern/dtype/block/head dim)
-#   3. compute-sanitizer memcheck and racecheck on small forward + backward launches
-#   4. the benchmark, --quick by default (--full: the whole sweep and nothing else, < 10 min)
+# Everything the GPU machine has to say, in one command that fits one 10-minute call.
+# Steps, named on the command line (default: tests sanitize quick):
+#   tests     compile every kernel instantiation for this GPU in parallel (CuPy's disk cache),
+#             then every gpu-marked test (tests/test_cuda_kernels.py: every pattern/dtype/block/
+#             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
+#   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
+#   quick     the quick benchmark (< 2 min)
+#   full      the full benchmark sweep, with whatever time the steps before it left
 # Run from the repository root:
-#   PYTHONPATH=. bash scripts/gpu_report.sh          # or: ... gpu_report.sh --full
+#   PYTHONPATH=. bash scripts/gpu_report.sh                  # tests, sanitizers, quick bench
+#   PYTHONPATH=. bash scripts/gpu_report.sh tests sanitize full
 # Writes logs and summary.md to $OUT (or bench/results/gpu-report-<date>/) and the benchmark's
 # json/md/png to bench/results/ and $OUT. Each step has its own time limit so one hang cannot
 # eat the others' time; a failing step does not stop the next.
@@ -17,16 +21,25 @@ STAMP="$(date -u +%Y-%m-%d)"
 REPORT_DIR="${OUT:-bench/results/gpu-report-$STAMP}"
 mkdir -p "$REPORT_DIR" bench/results
 SUMMARY="$REPORT_DIR/summary.md"
-MODE="${1:-}"
-# Step time limits in seconds: 540 in all, plus up to 10 s to kill each, under the 600-second call.
-WARM_S=120; TESTS_S=140; MEMCHECK_S=60; RACECHECK_S=90; BENCH_S=130; FULL_BENCH_S=570
-BENCH_BUDGET_S=90  # the quick bench starts no new case after this
+STEPS="${*:-tests sanitize quick}"
+# Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
+CALL_S=580
+WARM_S=60; TESTS_S=190; MEMCHECK_S=60; RACECHECK_S=90; SYNCCHECK_S=40; BENCH_S=110
+QUICK_BUDGET_S=70  # the quick bench starts no new case after this
+LAST_CASE_S=60     # room left after a bench's budget for its last case (FlexAttention compiles)
+# jax (imported by the adapter tests) would otherwise take 75% of the GPU's memory at import.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-echo "# GPU report $(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"
+echo "# GPU report $(date -u '+%Y-%m-%d %H:%M UTC'): $STEPS" > "$SUMMARY"
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$PY" -c 'import sys, torch, cupy; print(sys.version.split()[0], "torch", torch.__version__, "cupy", cupy.__version__)' 2>&1
-  git log -1 --oneline 2>/dev/null
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  "$PY" -c 'import sys, torch, cupy; rt = cupy.cuda.runtime
+print("python", sys.version.split()[0], "torch", torch.__version__, "(CUDA", torch.version.cuda,
+      "cuDNN", torch.backends.cudnn.version(), ") cupy", cupy.__version__,
+      "CUDA runtime", rt.runtimeGetVersion(), "driver", rt.driverGetVersion(),
+      "NVRTC", cupy.cuda.nvrtc.getVersion())' 2>&1
+  nvcc --version 2>&1 | tail -n 1
+  git log -1 --format='commit %H %s' 2>/dev/null
 } > "$REPORT_DIR/environment.txt"
 sed 's/^/    /' "$REPORT_DIR/environment.txt" >> "$SUMMARY"
 echo >> "$SUMMARY"
@@ -51,26 +64,43 @@ find_sanitizer() {
   done
 }
 
-if [ "$MODE" = "--full" ]; then
-  # The bench compiles the few instantiations it launches itself, in parallel; it writes its
-  # results after every case, so even a run cut short by the limit leaves them on disk.
-  step bench-full "$FULL_BENCH_S" "$PY" scripts/bench.py --out bench/results
-else
-  step warm "$WARM_S" "$PY" scripts/warm_kernels.py --jobs "$(nproc)"
-  step gpu-tests "$TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    --junitxml="$REPORT_DIR/gpu-tests.xml" tests/test_cuda_kernels.py
-  SANITIZER="$(find_sanitizer)"
-  if [ -n "$SANITIZER" ]; then
-    step memcheck "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
-      --error-exitcode 1 "$PY" scripts/sanitize_launch.py
-    step racecheck "$RACECHECK_S" "$SANITIZER" --tool racecheck --racecheck-report all \
-      --error-exitcode 1 "$PY" scripts/sanitize_launch.py
-  else
-    echo "| memcheck, racecheck | compute-sanitizer not found | 0 |" >> "$SUMMARY"
-  fi
-  step bench-quick "$BENCH_S" "$PY" scripts/bench.py --quick --time-budget "$BENCH_BUDGET_S" \
-    --out bench/results
-fi
+for name in $STEPS; do
+  case "$name" in
+    tests)
+      step warm "$WARM_S" "$PY" scripts/warm_kernels.py --jobs "$(nproc)"
+      step gpu-tests "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
+        --continue-on-collection-errors --junitxml="$REPORT_DIR/gpu-tests.xml" tests
+      ;;
+    sanitize)
+      SANITIZER="$(find_sanitizer)"
+      if [ -z "$SANITIZER" ]; then
+        echo "| memcheck, racecheck, synccheck | compute-sanitizer not found | 0 |" >> "$SUMMARY"
+        continue
+      fi
+      step memcheck "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
+        --error-exitcode 1 "$PY" scripts/sanitize_launch.py
+      step racecheck "$RACECHECK_S" "$SANITIZER" --tool racecheck --racecheck-report all \
+        --error-exitcode 1 "$PY" scripts/sanitize_launch.py
+      step synccheck "$SYNCCHECK_S" "$SANITIZER" --tool synccheck \
+        --error-exitcode 1 "$PY" scripts/sanitize_launch.py
+      ;;
+    quick)
+      step bench-quick "$BENCH_S" "$PY" scripts/bench.py --quick --time-budget "$QUICK_BUDGET_S" \
+        --out bench/results
+      ;;
+    full)
+      # The bench compiles the few instantiations it launches itself, in parallel; it writes its
+      # results after every case, so even a run cut short by the limit leaves them on disk.
+      left=$((CALL_S - SECONDS))
+      step bench-full "$left" "$PY" scripts/bench.py --time-budget "$((left - LAST_CASE_S))" \
+        --out bench/results
+      ;;
+    *)
+      echo "unknown step '$name': expected tests, sanitize, quick or full" >&2
+      exit 2
+      ;;
+  esac
+done
 cp bench/results/"$STAMP"-*.{json,md,png} "$REPORT_DIR"/ 2>/dev/null
 echo >> "$SUMMARY"
 for log in "$REPORT_DIR"/*.log; do

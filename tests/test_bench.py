@@ -46,13 +46,20 @@ def test_flops_count_only_computed_blocks():
 
 def test_sweeps_cover_the_issue():
     full = list(FULL.cases())
-    assert {c.n_ctx for c in full} == {1024, 2048, 4096, 8192, 16384}
-    assert {c.head_dim for c in full} == {64, 128}
-    assert {c.dtype for c in full} == {"float16", "bfloat16"}
+    dense = [c for c in full if c.pattern.dense]
+    assert {c.n_ctx for c in dense} == {2048, 8192, 16384}
+    assert {c.head_dim for c in dense} == {64, 128}
+    assert {c.pattern.label for c in dense} == {"dense-causal", "dense"}
+    assert {c.dtype for c in full} == {"bfloat16"}
     assert {c.direction for c in full} == {"fwd", "fwd+bwd"}
     modes = {c.pattern.mode for c in full}
     assert modes == {"all", "local", "strided", "fixed", "longformer", "bigbird", "variable"}
     assert {c.pattern.causal for c in full if c.pattern.mode != "all"} == {True, False}
+    sparse = [c for c in full if not c.pattern.dense]
+    assert {(c.n_ctx, c.head_dim) for c in sparse} == {(8192, 128)}
+    # every sparse pattern in both directions, once
+    assert len(sparse) == 2 * len({c.pattern.label for c in sparse}) == 24
+    assert full[0].head_dim == 128  # the headline cases first, should the budget cut the run
     assert len(list(QUICK.cases())) < len(full)
 
 

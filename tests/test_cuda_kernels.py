@@ -20,6 +20,8 @@ from cuattn import kernel_config as kc
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
+from kernel_cases import HEADS, N_CTX, PATTERNS, pattern_id, sweep_layout  # noqa: E402
+
 from cuattn.testing import (  # noqa: E402
     GRAD_FLOOR,
     REL_FLOOR,
@@ -30,30 +32,10 @@ from cuattn.testing import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-N_CTX = 1000  # ragged for every block size
-BATCH, HEADS = 2, 2
+BATCH = 2
 LONG_N_CTX = 8192
 TOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-PATTERNS = [
-    ("all", {}),
-    ("all", {"causal": False}),
-    ("local", {"local_attn_ctx": 100}),
-    ("local", {"local_attn_ctx": 100, "causal": False}),
-    ("strided", {"local_attn_ctx": 24}),  # natural order, per-block bitmasks
-    # transposed order (perm) where (n / s) % b == 0, i.e. b = 16, 32; bitmasks otherwise
-    ("strided", {"local_attn_ctx": 32, "n_ctx": 1024}),
-    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}),
-    ("longformer", {"local_attn_ctx": 64, "global_tokens": (0, 333)}),
-    ("bigbird", {"num_random_blocks": 1}),
-    ("variable", {"num_random_blocks": 1, "causal": True}),
-]
-
-
-def _pattern_id(pattern: tuple[str, dict]) -> str:
-    mode, kwargs = pattern
-    return mode + "".join(f"-{k}={v}" for k, v in kwargs.items())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -77,15 +59,6 @@ def _as_float64(x) -> cupy.ndarray:
     return cupy.asarray(cupy.asnumpy(x).astype(np.float64))
 
 
-def _layout(pattern, blocksize: int):
-    mode, kwargs = pattern
-    kwargs = dict(kwargs)
-    n_ctx = kwargs.pop("n_ctx", N_CTX)
-    if mode == "fixed" and 128 % blocksize:
-        pytest.skip("fixed needs local_attn_ctx % blocksize == 0")
-    return cuattn.make_layout(mode, n_ctx, HEADS, blocksize=blocksize, **kwargs)
-
-
 def _problem(layout, dtype: str, head_dim: int, seed: int):
     rng = np.random.default_rng(seed)
     shape = (BATCH, layout.heads, layout.n_ctx, head_dim)
@@ -95,10 +68,10 @@ def _problem(layout, dtype: str, head_dim: int, seed: int):
 @pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
 @pytest.mark.parametrize("blocksize", kc.BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", kc.DTYPES)
-@pytest.mark.parametrize("pattern", PATTERNS, ids=_pattern_id)
+@pytest.mark.parametrize("pattern", PATTERNS, ids=pattern_id)
 @pytest.mark.parametrize("direction", ["forward", "backward", "backward-deterministic"])
 def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head_dim):
-    layout = _layout(pattern, blocksize)
+    layout = sweep_layout(pattern, blocksize)
     q, k, v, dout = _problem(layout, dtype, head_dim, seed=blocksize * head_dim)
     scale = head_dim**-0.5
     mask = cupy.asarray(layout.to_mask())

@@ -130,15 +130,42 @@ def test_describe_reports_framework_and_device():
         interop.describe([1.0, 2.0], "x")
 
 
+# The kernels serve head dims 32-128 and blocks of 16+; the CuPy route runs them, so its case
+# must be one they accept (LAYOUT_ARGS' head dim 8 is for the NumPy reference only).
+KERNEL_LAYOUT_ARGS = dict(attn_mode="local", n_ctx=64, heads=2, blocksize=16, local_attn_ctx=24)
+KERNEL_SHAPE = (2, 2, 64, 32)
+
+
+def _kernel_case(seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """float32 q, k, v of KERNEL_SHAPE and the float64 reference output."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(KERNEL_SHAPE).astype(np.float32) for _ in range(3))
+    layout = cuattn.make_layout(**KERNEL_LAYOUT_ARGS)
+    want = cuattn.sparse_attention(*(x.astype(np.float64) for x in (q, k, v)), layout)
+    return [q, k, v], want
+
+
+def test_kernel_case_runs_on_the_interpreter(spy):
+    """The CuPy test's shape and layout through the same kernels on the CPU."""
+    arrays, want = _kernel_case(8)
+    out = cuattn.sparse_attention(
+        *arrays, cuattn.make_layout(**KERNEL_LAYOUT_ARGS), backend="interp"
+    )
+    assert type(out) is np.ndarray and out.dtype == np.float32
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.gpu
 def test_cupy_in_cupy_out_no_copy(spy):
     import cupy
 
-    q, k, v = (cupy.asarray(a.astype(np.float32)) for a in _qkv(8))
-    out = _call(q, k, v)
+    arrays, want = _kernel_case(8)
+    q, k, v = (cupy.asarray(a) for a in arrays)
+    out = cuattn.sparse_attention(q, k, v, cuattn.make_layout(**KERNEL_LAYOUT_ARGS))
     assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
     assert out.device == q.device
-    assert spy["inputs"][0] is q
+    assert spy["inputs"][0] is q and out is spy["out"]
+    np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=2e-5, atol=2e-5)
 
 
 class _Producer:

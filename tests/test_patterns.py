@@ -2,9 +2,12 @@
 
 import numpy as np
 import pytest
+from kernel_cases import PATTERNS as SWEEP_PATTERNS
+from kernel_cases import pattern_id, sweep_layout
 from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 import cuattn
+from cuattn.kernel_config import BLOCK_SIZES
 
 SIZES = [(128, 16), (96, 32), (100, 16), (64, 64)]
 
@@ -196,3 +199,12 @@ def test_vertical_slash_rejects_device_or_bad_shapes():
         cuattn.vertical_slash_layout([[1.0]], np.ones((1, 4, 2)))
     with pytest.raises(ValueError, match=r"q must be \[heads, n, d\]"):
         cuattn.vertical_slash_layout(np.ones((4, 2)), np.ones((4, 2)))
+
+
+@pytest.mark.parametrize("blocksize", BLOCK_SIZES)
+@pytest.mark.parametrize("pattern", SWEEP_PATTERNS, ids=pattern_id)
+def test_every_gpu_sweep_layout_builds_at_every_block_size(pattern, blocksize):
+    # The GPU sweep once asked `fixed` for one block per group at b = 128 and only a GPU run
+    # found out; every (pattern, block size) it runs is built here first.
+    layout = sweep_layout(pattern, blocksize)
+    assert layout.blocksize == blocksize and int(layout.nnz.sum()) > 0

@@ -9,6 +9,8 @@ from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torc
 
 import cuattn
 
+BF16_RTOL = 2e-2  # bf16 inputs, float32 accumulation, against float64
+
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -114,3 +116,48 @@ def test_double_backward_is_refused():
     (gq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gq.sum().backward()
+
+
+# A side-stream case the kernels serve: [batch, time, heads * head_dim], bf16, local window.
+SIDE_STREAM_CASE = dict(batch=2, n_ctx=384, heads=2, head_dim=64, blocksize=32, window=80)
+SLEEP_CYCLES = 50_000_000  # ~25 ms of a spinning kernel at GPU clocks: inputs are written late
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_tensors_on_a_side_stream_with_autograd(deterministic):
+    """bf16 CUDA tensors produced on a non-default torch stream after a delay: cuattn must run
+    on that stream (a launch on any other stream would read the inputs before they exist), and
+    its autograd gradients must match float64 dense attention."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    c = SIDE_STREAM_CASE
+    width = c["heads"] * c["head_dim"]
+    arrays = [
+        np.random.default_rng(40 + i).standard_normal((c["batch"], c["n_ctx"], width))
+        for i in range(3)
+    ]
+    weight = np.random.default_rng(43).standard_normal(arrays[0].shape)
+    kwargs = dict(heads=c["heads"], attn_mode="local", local_attn_ctx=c["window"])
+    kwargs.update(blocksize=c["blocksize"], deterministic=deterministic)
+    staged = [torch.tensor(a, dtype=torch.bfloat16, device="cuda") for a in arrays]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        leaves = [s.clone().requires_grad_() for s in staged]
+        out = cuattn.blocksparse_attention(*leaves, **kwargs)
+        (out.float() * torch.tensor(weight, device="cuda")).sum().backward()
+    side.synchronize()
+    assert out.dtype == torch.bfloat16 and out.device.type == "cuda"
+
+    layout = cuattn.make_layout(
+        "local", c["n_ctx"], c["heads"], blocksize=c["blocksize"], local_attn_ctx=c["window"]
+    )
+    # The oracle sees exactly the bf16 values the kernels saw.
+    ref_leaves = [s.double().cpu().requires_grad_() for s in staged]
+    ref = torch_dense(*ref_leaves, layout.to_mask(), heads=c["heads"])
+    (ref * torch.from_numpy(weight)).sum().backward()
+    assert rel(out.detach().double().cpu(), ref.detach()) < BF16_RTOL
+    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
+        assert rel(got.grad.double().cpu(), want.grad) < BF16_RTOL, name

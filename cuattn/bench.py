@@ -51,6 +51,7 @@ CPU_WARMUP, CPU_REPEATS = 1, 3
 # compiles), so these leave that much room inside the 2- and 10-minute targets.
 BUDGET_S = {"quick": 90.0, "full": 480.0, "dry-run": 60.0}
 SEED = 0
+MAX_REASON_CHARS = 240  # a failed peer's message in the report
 BF16_ITEMSIZE = 2  # NumPy has no bfloat16 without ml_dtypes
 
 
@@ -167,24 +168,48 @@ def run_case(env: Environment, case: BenchCase, checked: dict[tuple, tuple[bool,
     _measure(env, env.ours.name, ours_fn, flops, record)
     for peer in env.peers:
         try:
-            peer_fn = peer.prepare(case, layout, inputs, scale)
+            _run_peer(env, peer, case, layout, inputs, scale, flops, reference_out, record)
         except Skip as why:
             record["skipped"][peer.name] = str(why)
-            continue
-        first_call = time.perf_counter()
-        peer_out = peer_fn(0)  # compiles, for FlexAttention: timed apart from the runs
-        env.timer.synchronize()
-        record.setdefault("first_call_s", {})[peer.name] = time.perf_counter() - first_call
-        first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
-        want = to_float64(first(reference_out))
-        record.setdefault("peer_rel_error", {})[peer.name] = relative_error(first(peer_out), want)
-        _measure(env, peer.name, peer_fn, flops, record)
-        ours_ms = record["results"][env.ours.name]["median_ms"]
-        record["speedup"][peer.name] = record["results"][peer.name]["median_ms"] / ours_ms
+        except Exception as exc:
+            # A peer's own failure is reported, not fatal to the sweep: e.g. FlexAttention's
+            # Triton kernel asking for more shared memory than the GPU has (seen on an H100).
+            record["skipped"][peer.name] = f"{case.name}: failed: {_one_line(exc)}"
     if env.peer_skip_reason:
         for name in ("sdpa-flash", "sdpa-cudnn", "flex"):
             record["skipped"][name] = env.peer_skip_reason
     return record
+
+
+def _run_peer(
+    env: Environment,
+    peer: Any,
+    case: BenchCase,
+    layout: Any,
+    inputs: list[InputSet],
+    scale: float,
+    flops: float,
+    reference_out: Any,
+    record: dict[str, Any],
+) -> None:
+    """Time one peer on this case and record its agreement with our output and its speedup."""
+    peer_fn = peer.prepare(case, layout, inputs, scale)
+    first_call = time.perf_counter()
+    peer_out = peer_fn(0)  # compiles, for FlexAttention: timed apart from the runs
+    env.timer.synchronize()
+    record.setdefault("first_call_s", {})[peer.name] = time.perf_counter() - first_call
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
+    want = to_float64(first(reference_out))
+    record.setdefault("peer_rel_error", {})[peer.name] = relative_error(first(peer_out), want)
+    _measure(env, peer.name, peer_fn, flops, record)
+    ours_ms = record["results"][env.ours.name]["median_ms"]
+    record["speedup"][peer.name] = record["results"][peer.name]["median_ms"] / ours_ms
+
+
+def _one_line(exc: Exception, limit: int = MAX_REASON_CHARS) -> str:
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _measure(env: Environment, name: str, fn: Any, flops: float, record: dict[str, Any]) -> None:

@@ -5,6 +5,9 @@
 #             then every gpu-marked test (tests/test_cuda_kernels.py: every pattern/dtype/block/
 #             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
+#   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
+#             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
+#             use and shared-memory bank conflicts as metrics
 #   quick     the quick benchmark (< 2 min)
 #   full      the full benchmark sweep, with whatever time the steps before it left
 # Run from the repository root:
@@ -25,6 +28,13 @@ STEPS="${*:-tests sanitize quick}"
 # Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
 CALL_S=580
 WARM_S=60; TESTS_S=190; MEMCHECK_S=60; RACECHECK_S=90; SYNCCHECK_S=40; BENCH_S=110
+PROFILE_S=100; PROFILE_METRICS_S=50
+NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis"
+NCU_METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
+NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+NCU_METRICS="$NCU_METRICS,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"
+NCU_METRICS="$NCU_METRICS,smsp__inst_executed.sum,gpu__time_duration.sum"
 QUICK_BUDGET_S=70  # the quick bench starts no new case after this
 LAST_CASE_S=60     # room left after a bench's budget for its last case (FlexAttention compiles)
 # jax (imported by the adapter tests) would otherwise take 75% of the GPU's memory at import.
@@ -84,6 +94,21 @@ for name in $STEPS; do
       step synccheck "$SYNCCHECK_S" "$SANITIZER" --tool synccheck \
         --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       ;;
+    profile)
+      NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)"
+      if [ -z "$NCU" ]; then
+        echo "| profile | ncu not found | 0 |" >> "$SUMMARY"
+        continue
+      fi
+      # Clocks as found (no locking): the numbers stay comparable with the benchmark's.
+      NCU_ARGS=(--clock-control none -k "regex:attn_|flash" --print-summary none)
+      section_args=()
+      for section in $NCU_SECTIONS; do section_args+=(--section "$section"); done
+      step profile "$PROFILE_S" "$NCU" "${NCU_ARGS[@]}" "${section_args[@]}" \
+        "$PY" scripts/profile_kernels.py
+      step profile-metrics "$PROFILE_METRICS_S" "$NCU" "${NCU_ARGS[@]}" --csv \
+        --metrics "$NCU_METRICS" "$PY" scripts/profile_kernels.py
+      ;;
     quick)
       step bench-quick "$BENCH_S" "$PY" scripts/bench.py --quick --time-budget "$QUICK_BUDGET_S" \
         --out bench/results
@@ -96,7 +121,7 @@ for name in $STEPS; do
         --out bench/results
       ;;
     *)
-      echo "unknown step '$name': expected tests, sanitize, quick or full" >&2
+      echo "unknown step '$name': expected tests, sanitize, profile, quick or full" >&2
       exit 2
       ;;
   esac

@@ -186,3 +186,25 @@ def test_sweep_with_peers_on_cpu(monkeypatch, tmp_path):
     table = paths[1].read_text()
     assert "x flex" in table and "compiled FlexAttention:" in table
     assert "not measured" in table  # no SDPA-flash on a CPU: that target says so
+
+
+def test_a_failing_peer_is_reported_and_the_sweep_goes_on():
+    """On an H100, FlexAttention's compile ran out of shared memory on one case and the
+    exception ended the whole sweep; a peer's failure must cost that peer that case only."""
+    from cuattn.backend import resolve_backend
+    from cuattn.bench_timing import CpuTimer
+
+    class Broken:
+        name = "broken"
+
+        def prepare(self, case, layout, inputs, scale):
+            raise RuntimeError("No valid triton configs.\nOutOfMemoryError: out of resource")
+
+    ours = bench_runners.CuattnRunner(resolve_backend("numpy", False), lambda x: x)
+    env = bench.Environment(False, "cpu", CpuTimer(), ours, [Broken()], None, 0, 1)
+    report = bench.run_sweep(env, SWEEPS["dry-run"], budget_s=120)
+    assert len(report["records"]) == len(list(SWEEPS["dry-run"].cases()))
+    for record in report["records"]:
+        reason = record["skipped"]["broken"]
+        assert reason.startswith(record["name"] + ": failed: RuntimeError: No valid triton")
+        assert "\n" not in reason and "broken" not in record["speedup"]

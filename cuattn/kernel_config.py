@@ -11,9 +11,7 @@ row_ptr/col_idx/row_mask for attn_fwd and attn_bwd_dq, the CSC col_ptr/row_idx/c
 attn_bwd_dkdv; mask_table is the layout's uint32 table, never a null pointer):
   forward:   attn_fwd -> out, lse (float32)
   backward:  attn_bwd_preprocess -> delta (float32 [batch, heads, n_ctx]), then
-             attn_bwd_dkdv -> dk, dv, and with compute_dq=1 adds into dq_accum (float32, same
-             shape as q, zero-filled by the caller), then attn_bwd_dq_convert -> dq;
-             or, deterministic: attn_bwd_dkdv with compute_dq=0, then attn_bwd_dq -> dq.
+             attn_bwd_dkdv -> dk, dv, then attn_bwd_dq -> dq (no atomics: bit-identical runs).
 Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not needed.
 """
 
@@ -42,7 +40,7 @@ WARP_SIZE = 32
 SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
 STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel needs the dynamic shared-memory attribute
 SM80_SMEM_LIMIT = 163 * 1024  # opt-in maximum per block on sm_80 (sm_90 allows 227 KB)
-ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of attn_bwd_preprocess / attn_bwd_dq_convert
+ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of attn_bwd_preprocess
 ELEMENTWISE_WARPS = 4
 
 # kernel name -> source file (relative to kernels/)
@@ -51,14 +49,13 @@ KERNEL_FILES = {
     "attn_bwd_preprocess": "attn_bwd.cu",
     "attn_bwd_dkdv": "attn_bwd.cu",
     "attn_bwd_dq": "attn_bwd.cu",
-    "attn_bwd_dq_convert": "attn_bwd.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
     "attn_bwd_dkdv",
     "attn_bwd_dq",
 )  # templated on <BLOCK, HEAD_DIM, T, RULE>
-ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_dq_convert")  # templated on <HEAD_DIM, T>
+ROW_KERNELS = ("attn_bwd_preprocess",)  # templated on <HEAD_DIM, T>
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"f32" scalars.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
@@ -87,12 +84,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dout", "ptr"),
         ("lse", "ptr"),
         ("delta", "ptr"),
-        ("dq_accum", "ptr"),
         ("dk", "ptr"),
         ("dv", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
-        ("compute_dq", "i32"),
     ),
     "attn_bwd_dq": (
         ("q", "ptr"),
@@ -105,7 +100,6 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
     ),
-    "attn_bwd_dq_convert": (("dq_accum", "ptr"), ("dq", "ptr"), ("n_ctx", "i32"), ("scale", "f32")),
 }
 
 
@@ -168,9 +162,7 @@ class KernelConfig:
                 tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
                 smem = tiles + num_warps * scratch * 4
                 if self.kernel == "attn_bwd_dkdv":
-                    stats = 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
-                    ds = tile_n * _smem_stride(tile_m, itemsize) * itemsize  # dS^T for dQ
-                    smem += stats + ds
+                    smem += 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
             assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
             assert smem <= SM80_SMEM_LIMIT, f"{self.name_expression}: {smem} bytes shared memory"
         object.__setattr__(self, "tile_m", tile_m)

@@ -8,12 +8,11 @@
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
 //   attn_bwd_dkdv<BLOCK, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
-//       column of its key block; dK, dV accumulate in registers (each warp owns 16 keys). With
-//       compute_dq = 1 it also adds dS K into dq_accum (float32, zeroed by the caller) with
-//       atomics: fast, but the summation order varies from run to run.
-//   then either attn_bwd_dq_convert<HEAD_DIM, T>  dq = dq_accum * scale in T (compute_dq = 1)
-//   or attn_bwd_dq<BLOCK, HEAD_DIM, T, RULE>      deterministic: one CTA per query tile walks the
-//       CSR row and recomputes P and dS (compute_dq = 0); bit-identical across runs.
+//       column of its key block; dK, dV accumulate in registers (each warp owns 16 keys).
+//   attn_bwd_dq<BLOCK, HEAD_DIM, T, RULE>   one CTA per query tile walks the CSR row and
+//       recomputes P and dS; dQ accumulates in registers, so the backward is bit-identical
+//       across runs. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
+//       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/kernel_config.py.
@@ -44,10 +43,8 @@ struct attn_bwd_dkdv_traits {
   static constexpr int NUM_WARPS = TILE / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int DS_LD = SmemStride<T, TILE>::value;
   static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE + 4);
   static constexpr int SMEM_BYTES = 4 * TILE * LD * int(sizeof(T)) + 2 * TILE * int(sizeof(float)) +
-                                    TILE * DS_LD * int(sizeof(T)) +
                                     NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
   static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
 };
@@ -94,36 +91,18 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS,
   }
 }
 
-// dq = dq_accum * scale, rounded to T.
-template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
-    attn_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int n_ctx,
-                        float scale) {
-  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_ctx);
-  const int row0 = int(blockIdx.x) * Traits::ROWS_PER_CTA;
-  const int rows = n_ctx - row0 < Traits::ROWS_PER_CTA ? n_ctx - row0 : Traits::ROWS_PER_CTA;
-  const size_t base = (head_offset + row0) * HEAD_DIM;
-  for (int i = int(threadIdx.x); i < rows * HEAD_DIM; i += Traits::NUM_THREADS) {
-    dq[base + i] = from_float<T>(dq_accum[base + i] * scale);
-  }
-}
-
 template <int BLOCK, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse,
-                  const float* __restrict__ delta, float* __restrict__ dq_accum,
-                  T* __restrict__ dk, T* __restrict__ dv, const int* __restrict__ col_ptr,
-                  const int* __restrict__ row_idx, const int* __restrict__ col_mask,
-                  const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
-                  int window_left, int window_right, int compute_dq) {
+                  const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                  const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
+                  const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_ctx,
+                  int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>;
   constexpr int TILE = Traits::TILE;
   constexpr int LD = Traits::LD;
-  constexpr int DS_LD = Traits::DS_LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
-  constexpr int DQ_CHUNK = 32;
 
   const int k_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
   const int k_start = k_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
@@ -140,8 +119,7 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
   T* v_smem = k_smem + TILE * LD;
   T* q_smem = v_smem + TILE * LD;
   T* do_smem = q_smem + TILE * LD;
-  T* ds_smem = do_smem + TILE * LD;  // dS^T [key][query], the A operand of dQ = dS K
-  float* lse_smem = reinterpret_cast<float*>(ds_smem + TILE * DS_LD);
+  float* lse_smem = reinterpret_cast<float*>(do_smem + TILE * LD);
   float* delta_smem = lse_smem + TILE;
   float* scratch = delta_smem + TILE + warp * Traits::SCRATCH_FLOATS;
 
@@ -166,7 +144,7 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
                                                k_start + TILE - 1, mask_id);
       if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
 
-      __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
+      __syncthreads();  // every warp is done with the previous Q and dO tiles
       const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
       load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM,
                                                    n_ctx - q_start);
@@ -207,36 +185,6 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
         }
       }
       warp_gemm_regs_kn<HEAD_DIM, TILE>(dk_acc, ds_t, q_smem, LD, scratch);
-
-      if (compute_dq) {  // uniform: a kernel argument
-#pragma unroll
-        for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            ds_smem[(warp * 16 + g + 8 * (e / 2)) * DS_LD + 8 * j + 2 * t + e % 2] =
-                from_float<T>(ds_t[j][e]);
-          }
-        }
-        __syncthreads();
-        // dQ for query rows warp*16.. of the tile: A = dS (stored transposed), B = K, in
-        // DQ_CHUNK-column slices so that only a slice of dQ is live next to dK and dV.
-#pragma unroll
-        for (int d0 = 0; d0 < HEAD_DIM; d0 += DQ_CHUNK) {
-          float dq_frag[DQ_CHUNK / 8][4] = {};
-          warp_gemm_ts_kn<DQ_CHUNK, TILE>(dq_frag, ds_smem + warp * 16, DS_LD, k_smem + d0, LD);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int q_row = q_start + warp * 16 + g + 8 * r;
-            if (q_row >= n_ctx) continue;
-            float* dq_row = dq_accum + (head_offset + q_row) * HEAD_DIM + d0;
-#pragma unroll
-            for (int j = 0; j < DQ_CHUNK / 8; ++j) {
-              atomicAdd(dq_row + 8 * j + 2 * t, dq_frag[j][2 * r]);
-              atomicAdd(dq_row + 8 * j + 2 * t + 1, dq_frag[j][2 * r + 1]);
-            }
-          }
-        }
-      }
     }
   }
   cp_async_wait_all();  // a key tile with no active query tile still retires its K/V copy

@@ -49,7 +49,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "(CUDA", tor
       "CUDA runtime", rt.runtimeGetVersion(), "driver", rt.driverGetVersion(),
       "NVRTC", cupy.cuda.nvrtc.getVersion())' 2>&1
   nvcc --version 2>&1 | tail -n 1
-  git log -1 --format='commit %H %s' 2>/dev/null
+  echo "commit ${CUATTN_COMMIT:-$(git log -1 --format=%H 2>/dev/null) (the device copy's git; set CUATTN_COMMIT to the tree's own)}"
 } > "$REPORT_DIR/environment.txt"
 sed 's/^/    /' "$REPORT_DIR/environment.txt" >> "$SUMMARY"
 echo >> "$SUMMARY"

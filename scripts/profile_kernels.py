@@ -4,8 +4,8 @@
         python scripts/profile_kernels.py [--n-ctx 4096] [--head-dim 128] [--batch 4]
 
 Runs, once each, on bf16 inputs of [batch, 2048 / head_dim heads, n_ctx, head_dim] (the
-benchmark's model width): cuattn's forward, its backward with atomic dQ and with the
-deterministic dQ pass, then torch SDPA's flash forward and backward on the same tensors, so one
+benchmark's model width): cuattn's forward and backward, then torch SDPA's flash forward and
+backward on the same tensors, so one
 profile shows each of our kernels beside the FlashAttention-2 kernel doing the same work.
 `scripts/gpu_report.sh profile` runs it under ncu with the sections that explain a gap
 (throughput, occupancy, warp stalls, tensor-pipe use, shared-memory bank conflicts).
@@ -45,10 +45,7 @@ def main() -> int:
     with cupy_stream_of_torch():
         cq, ck, cv, cdout = (cupy.from_dlpack(x) for x in (q, k, v, dout))
         out, lse = be.forward(cq, ck, cv, layout, scale, backend="cuda")
-        for deterministic in (False, True):
-            be.backward(
-                cq, ck, cv, out, lse, cdout, layout, scale, "cuda", deterministic=deterministic
-            )
+        be.backward(cq, ck, cv, out, lse, cdout, layout, scale, "cuda")
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

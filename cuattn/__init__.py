@@ -7,11 +7,16 @@ layout = cuattn.make_layout("strided", n_ctx=1024, heads=4, blocksize=32, local_
 out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, head_dim]
 """
 
-from . import ops
-from .api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
-from .layout import ElementRule, Layout
-from .patterns import MODES, make_layout, vertical_slash_layout
-from .tape import Function, Tensor, no_grad, recompute
+import sys as _sys
+
+from cuattn.api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
+from cuattn.autograd import ops, tape
+from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
+from cuattn.layout import MODES, ElementRule, Layout, make_layout, vertical_slash_layout
+
+# The public modules' import paths from before the layer folders keep working.
+_sys.modules.setdefault("cuattn.tape", tape)
+_sys.modules.setdefault("cuattn.ops", ops)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""The public calls: argument checks first (DESIGN.md §7), then one path into the backends.
+"""The public calls: argument checks first (docs/design.md §7), then one path into the backends.
 
 Every check here runs before anything is computed or launched and names the argument, what it
 got and what is accepted.
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch as _dispatch
-from .layout import Layout
-from .patterns import make_layout
+from cuattn.adapters import dispatch as _dispatch
+from cuattn.layout import make_layout
+from cuattn.layout.layout import Layout
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DENSE_MODES = ("all", "local", "strided")

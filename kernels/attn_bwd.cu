@@ -15,7 +15,7 @@
 //       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
-// Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/kernel_config.py.
+// Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
 #include "common/smem.cuh"
 #include "common/softmax.cuh"
 #include "common/warp_gemm.cuh"

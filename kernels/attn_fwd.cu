@@ -3,8 +3,8 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, k, v, out [batch, heads, n_ctx, HEAD_DIM] of T (contiguous); lse float32
-// [batch, heads, n_ctx]. The layout's CSR arrays (SPEC.md) name the active key blocks of each
-// query block; only those are visited, so nothing of size n_ctx x n_ctx exists anywhere.
+// [batch, heads, n_ctx]. The layout's CSR arrays (docs/design.md §2) name the active key
+// blocks of each query block; only those are visited, so nothing of size n_ctx x n_ctx exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (BLOCK_M query rows, head, batch); grid.x walks layout
@@ -16,7 +16,7 @@
 // Template parameters: BLOCK (layout block size 16/32/64/128), HEAD_DIM (32/64/128), T (float,
 // __half, __nv_bfloat16), RULE (MaskRule, kernels/common/types.cuh).
 // Run: through cuattn (backend "cuda" or "interp"); launch geometry comes from
-// cuattn/kernel_config.py, e.g. `attn_fwd<64, 64, __half, MASK_CAUSAL>`.
+// cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, __half, MASK_CAUSAL>`.
 #include "common/smem.cuh"
 #include "common/softmax.cuh"
 #include "common/warp_gemm.cuh"

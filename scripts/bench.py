@@ -1,4 +1,4 @@
-"""Command-line entry: same as `python -m cuattn bench` (see cuattn/bench.py for options).
+"""Command-line entry: same as `python -m cuattn bench` (see cuattn/tools/bench/run.py for options).
 
 PYTHONPATH=. python scripts/bench.py --help
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from cuattn.bench import main
+from cuattn.tools.bench.run import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

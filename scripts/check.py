@@ -6,6 +6,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cuattn.cli import main  # noqa: E402
+from cuattn.tools.cli import main  # noqa: E402
 
 sys.exit(main(["check", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from cuattn.compile_check import main
+from cuattn.tools.compile_check import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

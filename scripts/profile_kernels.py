@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuattn
-from cuattn import backend as be
-from cuattn.interop import cupy_stream_of_torch
+from cuattn import backends as be
+from cuattn.adapters.dlpack import cupy_stream_of_torch
 
 MODEL_DIM = 2048  # heads * head_dim, as in the benchmark
 BLOCKSIZE = 64

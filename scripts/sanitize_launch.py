@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import cuattn
-from cuattn import backend as be
+from cuattn import backends as be
 
 N_CTX = 200  # ragged for every block size
 BATCH, HEADS = 1, 2

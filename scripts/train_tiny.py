@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuattn  # noqa: E402
-from cuattn import ops  # noqa: E402
-from cuattn.tape import Tensor, saved_nbytes  # noqa: E402
+from cuattn.autograd import ops  # noqa: E402
+from cuattn.autograd.tape import Tensor, saved_nbytes  # noqa: E402
 
 N_CTX = 64
 WIDTH = 64

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-from cuattn import kernel_config
-from cuattn.runtime import warm_disk_cache
+from cuattn.backends import geometry
+from cuattn.backends.cuda_runtime import warm_disk_cache
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
     args = parser.parse_args()
     units = [
         (source_file, name)
-        for source_file, names in kernel_config.all_instantiations().items()
+        for source_file, names in geometry.all_instantiations().items()
         for name in names
         if args.filter in name
     ]

@@ -1,5 +1,5 @@
-"""Shared by the adapter tests: the original modes with their DESIGN.md element rules, and a
-dense masked float64 attention written in torch so its autograd is the gradient oracle."""
+"""Shared by the adapter tests: the original modes with their element rules (docs/design.md
+§2), and a dense masked float64 attention in torch whose autograd is the gradient oracle."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-# The dense oracle and the DESIGN.md rules are plain modules beside the tests.
+# The dense oracle and the element rules of docs/design.md §2 are plain modules beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -1,4 +1,4 @@
-"""Element rules written straight from DESIGN.md §2 (independently of cuattn.layout), and the
+"""Element rules written straight from docs/design.md §2 (independently of cuattn.layout), and the
 dense float64 oracle from cuattn.testing, for the tests. Everything here is n x n: use small n.
 """
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn.testing import (  # noqa: F401  (re-exported for the tests)
+from cuattn.tools.oracle import (  # noqa: F401  (re-exported for the tests)
     GRAD_FLOOR,
     dense_attention,
     dense_attention_grads,
@@ -41,7 +41,7 @@ def rule_strided(n, heads, s, causal=True):
 
 
 def rule_fixed(n, heads, b, lctx, num_verts, vertsize, causal=True):
-    """Fixed from the block rule in DESIGN.md §2, expanded to elements."""
+    """Fixed from the block rule in docs/design.md §2, expanded to elements."""
     g = lctx // b
     nb = -(-n // b)
     offsets_from_end = list(range(g - 1, -1, -1))

@@ -83,7 +83,7 @@ def test_numpy_in_numpy_out_same_dtype(dtype):
 
 
 def test_env_var_selects_backend(monkeypatch):
-    from cuattn import backend as be
+    from cuattn import backends as be
 
     monkeypatch.setenv("CUATTN_BACKEND", "numpy")
     assert be.resolve_backend(None, on_device=False).name == "numpy"

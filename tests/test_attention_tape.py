@@ -8,8 +8,8 @@ import torch
 from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torch_dense
 
 import cuattn
-from cuattn import ops
-from cuattn.tape import Tensor, saved_nbytes
+from cuattn.autograd import ops
+from cuattn.autograd.tape import Tensor, saved_nbytes
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -7,10 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from cuattn import bench, bench_report, bench_runners
-from cuattn.bench_cases import FULL, QUICK, SWEEPS, BenchCase
-from cuattn.bench_runners import InputSet
-from cuattn.bench_timing import input_sets_needed
+from cuattn.tools.bench import report as bench_report
+from cuattn.tools.bench import run as bench
+from cuattn.tools.bench import runners as bench_runners
+from cuattn.tools.bench.cases import FULL, QUICK, SWEEPS, BenchCase
+from cuattn.tools.bench.runners import InputSet
+from cuattn.tools.bench.timing import input_sets_needed
 
 
 def test_dry_run_writes_json_markdown_and_plot(tmp_path, capsys):
@@ -113,7 +115,7 @@ def test_peer_runners_compute_the_same_attention(monkeypatch, direction):
     takes minutes; forward only) against the NumPy reference, outputs and gradients."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from cuattn import reference
+    from cuattn.backends import numpy_ref as reference
 
     monkeypatch.setattr(bench_runners, "_compiled_flex", lambda: flex_attention)
     base = next(c for c in SWEEPS["dry-run"].cases() if c.pattern.mode == "local")
@@ -143,7 +145,7 @@ def test_sdpa_skips_sparse_cases_with_a_reason():
 
 
 def test_warm_up_names_only_real_instantiations():
-    from cuattn.kernel_config import all_instantiations
+    from cuattn.backends.geometry import all_instantiations
 
     known = {(f, n) for f, names in all_instantiations().items() for n in names}
     units = bench.kernel_units_for(list(FULL.cases()))
@@ -158,9 +160,9 @@ def test_sweep_with_peers_on_cpu(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
     from torch.nn.attention.flex_attention import flex_attention
 
-    from cuattn.backend import resolve_backend
-    from cuattn.bench_cases import DRY_RUN, Sweep
-    from cuattn.bench_timing import CpuTimer
+    from cuattn.backends import resolve_backend
+    from cuattn.tools.bench.cases import DRY_RUN, Sweep
+    from cuattn.tools.bench.timing import CpuTimer
 
     monkeypatch.setattr(bench_runners, "_compiled_flex", lambda: flex_attention)
     monkeypatch.setitem(bench.TOLERANCE, "float64", 1e-10)
@@ -191,8 +193,8 @@ def test_sweep_with_peers_on_cpu(monkeypatch, tmp_path):
 def test_a_failing_peer_is_reported_and_the_sweep_goes_on():
     """On an H100, FlexAttention's compile ran out of shared memory on one case and the
     exception ended the whole sweep; a peer's failure must cost that peer that case only."""
-    from cuattn.backend import resolve_backend
-    from cuattn.bench_timing import CpuTimer
+    from cuattn.backends import resolve_backend
+    from cuattn.tools.bench.timing import CpuTimer
 
     class Broken:
         name = "broken"

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from cuattn import check
-from cuattn.cli import main
+from cuattn.tools import check
+from cuattn.tools.cli import main
 
 
 def test_check_quick_on_numpy_prints_a_passing_table():

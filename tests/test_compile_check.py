@@ -6,15 +6,15 @@ import os
 
 import pytest
 
-from cuattn.build_options import common_options
-from cuattn.compile_check import (
+from cuattn.backends.toolchain import common_options
+from cuattn.tools.compile_check import (
     CompileUnit,
     compile_unit,
     format_table,
     run_check,
     summarize,
 )
-from cuattn.ptxas_report import parse_ptxas_log
+from cuattn.tools.ptxas import parse_ptxas_log
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -109,11 +109,11 @@ def test_run_check_parallel_table():
 
 @pytest.mark.slow
 def test_every_kernel_instantiation_compiles_without_spills():
-    kernel_config = pytest.importorskip("cuattn.kernel_config")
-    from cuattn.compile_check import kernel_instantiations, load_sources
+    geometry = pytest.importorskip("cuattn.backends.geometry")
+    from cuattn.tools.compile_check import kernel_instantiations, load_sources
 
     units = kernel_instantiations()
-    assert units, kernel_config
+    assert units, geometry
     jobs = os.cpu_count() or 1
     results = run_check(
         units, ["sm_80", "sm_90"], load_sources(units), common_options(), jobs, progress=None
@@ -125,7 +125,7 @@ def test_every_kernel_instantiation_compiles_without_spills():
 
 
 def test_one_header_mistake_is_reported_once():
-    from cuattn.compile_check import format_errors
+    from cuattn.tools.compile_check import format_errors
 
     broken = TINY_KERNEL.replace("__syncthreads();", "syncthreads_typo();")
     units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import backend as be
-from cuattn import kernel_config as kc
+from cuattn import backends as be
+from cuattn.backends import geometry as kc
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 from kernel_cases import HEADS, N_CTX, PATTERNS, pattern_id, sweep_layout  # noqa: E402
 
-from cuattn.testing import (  # noqa: E402
+from cuattn.tools.oracle import (  # noqa: E402
     GRAD_FLOOR,
     REL_FLOOR,
     dense_attention,
@@ -41,7 +41,7 @@ NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtyp
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
     """Every instantiation compiled in parallel into CuPy's disk cache before the sweep."""
-    from cuattn.runtime import cuda_available, warm_disk_cache
+    from cuattn.backends.cuda_runtime import cuda_available, warm_disk_cache
 
     if not cuda_available():
         pytest.skip("needs a CUDA device")

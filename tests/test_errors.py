@@ -1,4 +1,5 @@
-"""Bad input raises ValueError/TypeError naming the argument and what is accepted (DESIGN §7)."""
+"""Bad input raises ValueError/TypeError naming the argument and what is accepted
+(docs/design.md §7)."""
 
 import numpy as np
 import pytest

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn import reference
-from cuattn.patterns import make_layout
+from cuattn.backends import numpy_ref as reference
+from cuattn.layout import make_layout
 
 torch = pytest.importorskip("torch")
 flex_attention_module = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -35,7 +35,7 @@ CASES = [
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(("mode", "kwargs", "blocksize", "n_ctx"), CASES)
 def test_block_mask_matches_reference(mode, kwargs, blocksize, n_ctx):
-    from cuattn.flex_mask import block_mask_from_layout
+    from cuattn.tools.bench.flex_mask import block_mask_from_layout
 
     layout = make_layout(mode, n_ctx=n_ctx, heads=HEADS, blocksize=blocksize, **kwargs)
     gen = torch.Generator().manual_seed(0)

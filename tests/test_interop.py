@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cuattn
-from cuattn import backend as be
-from cuattn import interop
+from cuattn import backends as be
+from cuattn.adapters import dlpack
 
 LAYOUT_ARGS = dict(attn_mode="local", n_ctx=32, heads=2, blocksize=8, local_attn_ctx=8)
 SHAPE = (2, 2, 32, 8)
@@ -123,11 +123,11 @@ def test_bfloat16_cpu_tensor_is_a_clear_type_error():
 
 def test_describe_reports_framework_and_device():
     a = np.ones(3)
-    assert interop.describe(a, "a") == interop.ArrayInfo("numpy", "cpu")
-    assert interop.describe(torch.ones(3), "a") == interop.ArrayInfo("torch", "cpu")
-    assert interop.describe(jnp.ones(3), "a") == interop.ArrayInfo("jax", "cpu")
+    assert dlpack.describe(a, "a") == dlpack.ArrayInfo("numpy", "cpu")
+    assert dlpack.describe(torch.ones(3), "a") == dlpack.ArrayInfo("torch", "cpu")
+    assert dlpack.describe(jnp.ones(3), "a") == dlpack.ArrayInfo("jax", "cpu")
     with pytest.raises(TypeError, match="x must be"):
-        interop.describe([1.0, 2.0], "x")
+        dlpack.describe([1.0, 2.0], "x")
 
 
 # The kernels serve head dims 32-128 and blocks of 16+; the CuPy route runs them, so its case

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import dense_attention, dense_attention_grads, rel_err
 
-from cuattn import interp
-from cuattn import kernel_config as kc
-from cuattn.layout import ElementRule, Layout
-from cuattn.patterns import all_layout, local_layout
+from cuattn.backends import geometry as kc
+from cuattn.backends import interp
+from cuattn.layout.layout import ElementRule, Layout
+from cuattn.layout.original import all_layout, local_layout
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -122,7 +122,7 @@ def test_batch_and_custom_scale(dtype):
 
 
 def test_launch_geometry_matches_kernel_traits():
-    """kernel_config's threads and shared memory equal each kernel's own C++ traits."""
+    """geometry's threads and shared memory equal each kernel's own C++ traits."""
     for config in kc.all_configs():
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)

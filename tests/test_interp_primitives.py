@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuattn import interp
+from cuattn.backends import interp
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn.layout import FULL_BLOCK
+from cuattn.layout.layout import FULL_BLOCK
 
 
 def _csr_blocks(lay):

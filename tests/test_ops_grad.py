@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuattn import ops
-from cuattn.tape import Tensor
+from cuattn.autograd import ops
+from cuattn.autograd.tape import Tensor
 
 FD_STEP = 1e-6
 FD_RTOL = 1e-6

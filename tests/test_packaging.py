@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cuattn.kernel_sources import kernel_dir, kernel_files
+from cuattn.backends.toolchain import kernel_dir, kernel_files
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_LEFTOVERS = (".git", "build", "dist", ".venv", "*.egg-info", "__pycache__", ".*cache")
@@ -45,7 +45,7 @@ def installed_python(tmp_path_factory):
 def test_installed_wheel_finds_its_kernels(installed_python):
     python, cwd = installed_python
     probe = (
-        "import json, cuattn, cuattn.kernel_sources as ks\n"
+        "import json, cuattn, cuattn.backends.toolchain as ks\n"
         "root = ks.kernel_dir()\n"
         "print(json.dumps({'module': cuattn.__file__, 'root': str(root),\n"
         "  'files': [str(p.relative_to(root)) for p in ks.kernel_files()]}))\n"

@@ -1,4 +1,4 @@
-"""Every named pattern's element mask equals its rule written straight from DESIGN.md §2."""
+"""Every named pattern's element mask equals its rule written straight from docs/design.md §2."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,8 @@ from kernel_cases import pattern_id, sweep_layout
 from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 import cuattn
-from cuattn.kernel_config import BLOCK_SIZES
+from cuattn.backends.geometry import BLOCK_SIZES
+from cuattn.layout import extended
 
 SIZES = [(128, 16), (96, 32), (100, 16), (64, 64)]
 
@@ -105,7 +106,7 @@ def test_bigbird(causal):
     assert not np.array_equal(lay.blocks[0], lay.blocks[1]), "random blocks differ per head"
     same = cuattn.make_layout("bigbird", n, 3, blocksize=b, causal=causal, num_random_blocks=2)
     np.testing.assert_array_equal(same.blocks, lay.blocks)
-    other = cuattn.patterns.bigbird_layout(n, 3, b, causal=causal, num_random_blocks=2, seed=7)
+    other = extended.bigbird_layout(n, 3, b, causal=causal, num_random_blocks=2, seed=7)
     assert not np.array_equal(other.blocks, lay.blocks), "seed changes the random blocks"
 
 
@@ -208,3 +209,29 @@ def test_every_gpu_sweep_layout_builds_at_every_block_size(pattern, blocksize):
     # found out; every (pattern, block size) it runs is built here first.
     layout = sweep_layout(pattern, blocksize)
     assert layout.blocksize == blocksize and int(layout.nnz.sum()) > 0
+
+
+def test_a_new_pattern_is_one_registered_constructor(monkeypatch):
+    from cuattn.layout import registry
+
+    monkeypatch.setattr(registry, "_PATTERNS", dict(registry._PATTERNS))
+
+    @registry.register("every_other")
+    def every_other_layout(n_ctx, heads, blocksize, causal=True, offset=0):
+        """allowed(h, q, k) = (k - offset) % 2 == 0 (and k <= q if causal)."""
+        nb = -(-n_ctx // blocksize)
+        return cuattn.Layout.from_blocks(
+            np.ones((heads, nb, nb), bool),
+            blocksize,
+            mask_fn=lambda h, q, k: ((k - offset) % 2 == 0) & ((k <= q) | (not causal)),
+            n_ctx=n_ctx,
+        )
+
+    assert "every_other" in registry.modes()
+    lay = cuattn.make_layout("every_other", 64, 2, blocksize=16, offset=1)
+    want = np.tril(np.ones((64, 64), bool)) & ((np.arange(64)[None, :] - 1) % 2 == 0)
+    np.testing.assert_array_equal(lay.to_mask()[0], want)
+    with pytest.raises(TypeError, match="accepted pattern arguments: offset"):
+        cuattn.make_layout("every_other", 64, 2, blocksize=16, stride=3)
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register("local")(every_other_layout)

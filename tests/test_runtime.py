@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuattn import cuda_paths, runtime
-from cuattn.compile_check import kernel_instantiations
-from cuattn.kernel_config import KERNEL_FILES, all_configs
-from cuattn.kernel_sources import kernel_dir
+from cuattn.backends import cuda_runtime as runtime
+from cuattn.backends import toolchain
+from cuattn.backends.geometry import KERNEL_FILES, all_configs
+from cuattn.backends.toolchain import kernel_dir
+from cuattn.tools.compile_check import kernel_instantiations
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,16 +23,16 @@ REPO = Path(__file__).resolve().parent.parent
 def test_kernel_sources_found_in_checkout():
     assert kernel_dir() == REPO / "kernels"
     for source_file in set(KERNEL_FILES.values()):
-        assert "__global__" in cuda_paths.kernel_source(source_file)
+        assert "__global__" in toolchain.kernel_source(source_file)
 
 
 def test_missing_kernel_file_names_what_exists():
     with pytest.raises(FileNotFoundError, match="attn_fwd.cu"):
-        cuda_paths.kernel_source("no_such_kernel.cu")
+        toolchain.kernel_source("no_such_kernel.cu")
 
 
 def test_nvrtc_options_point_at_kernels_and_cuda_headers():
-    options = cuda_paths.nvrtc_include_options()
+    options = toolchain.nvrtc_include_options()
     assert options[0] == f"-I{REPO / 'kernels'}"
     assert any((Path(o[2:]) / "cuda_fp16.h").is_file() for o in options[1:])
 
@@ -44,9 +45,10 @@ def test_compile_check_lists_every_instantiation_once():
 def test_imports_and_reports_no_cuda_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
-        "import cuattn.runtime, cuattn.cuda_backend, cuattn.compile_check, cuattn.bench\n"
-        "assert not cuattn.runtime.cuda_available()\n"
-        "assert cuattn.cuda_backend.CudaBackend.name == 'cuda'\n"
+        "import cuattn.backends.cuda_runtime as runtime, cuattn.backends.cuda as cuda\n"
+        "import cuattn.tools.compile_check, cuattn.tools.bench.run\n"
+        "assert not runtime.cuda_available()\n"
+        "assert cuda.CudaBackend.name == 'cuda'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -89,7 +91,7 @@ class _FakeCupy:
 
 def test_modules_memoised_per_device_and_smem_opt_in(monkeypatch):
     fake = _FakeCupy()
-    monkeypatch.setattr(runtime, "_cupy", lambda: fake)
+    monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
     cache = runtime.KernelCache()
     name = "attn_fwd<64, 128, __half, MASK_CAUSAL>"
     small = cache.kernel("attn_fwd.cu", name, 16 * 1024)
@@ -109,21 +111,21 @@ def test_modules_memoised_per_device_and_smem_opt_in(monkeypatch):
 def test_program_text_changes_with_any_header_and_keeps_line_numbers(tmp_path, monkeypatch):
     """CuPy's disk cache keys on the source text only: a header edit must change that text."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cuattn.build_options import common_options
-    from cuattn.compile_check import CompileUnit, compile_unit
+    from cuattn.backends.toolchain import common_options
+    from cuattn.tools.compile_check import CompileUnit, compile_unit
 
     (tmp_path / "common").mkdir()
     header = tmp_path / "common" / "h.cuh"
     header.write_text("#define VALUE 1\n")
     (tmp_path / "k.cu").write_text('#include "common/h.cuh"\n\n__global__ void k() { oops; }\n')
-    monkeypatch.setattr(cuda_paths, "kernel_dir", lambda: tmp_path)
-    cuda_paths.sources_digest.cache_clear()
-    before = cuda_paths.kernel_program("k.cu")
+    monkeypatch.setattr(toolchain, "kernel_dir", lambda: tmp_path)
+    toolchain.sources_digest.cache_clear()
+    before = toolchain.kernel_program("k.cu")
     header.write_text("#define VALUE 2\n")
-    cuda_paths.sources_digest.cache_clear()
-    after = cuda_paths.kernel_program("k.cu")
-    cuda_paths.sources_digest.cache_clear()
-    assert before != after and before.endswith(cuda_paths.kernel_source("k.cu"))
+    toolchain.sources_digest.cache_clear()
+    after = toolchain.kernel_program("k.cu")
+    toolchain.sources_digest.cache_clear()
+    assert before != after and before.endswith(toolchain.kernel_source("k.cu"))
     options = (*common_options(with_kernel_dir=False), f"-I{tmp_path}")
     result = compile_unit(after, CompileUnit("k.cu", "k"), "sm_80", options)
     assert result.error is not None and "k.cu(3)" in result.error
@@ -135,7 +137,7 @@ def test_layout_arrays_cached_per_layout_and_device(monkeypatch):
     import cuattn
 
     fake = _FakeCupy()
-    monkeypatch.setattr(runtime, "_cupy", lambda: fake)
+    monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
     cache = runtime.LayoutDeviceCache()
     # Built directly: make_layout's own cache would keep the layout alive.
     layout = cuattn.Layout.from_blocks(np.tril(np.ones((2, 4, 4), dtype=bool)), 16)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cuattn.tape as tape
-from cuattn import ops
-from cuattn.tape import Context, Function, Tensor, no_grad, recompute, saved_nbytes
+import cuattn.autograd.tape as tape
+from cuattn.autograd import ops
+from cuattn.autograd.tape import Context, Function, Tensor, no_grad, recompute, saved_nbytes
 
 
 def _leaf(rng, *shape):

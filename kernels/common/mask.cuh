@@ -1,4 +1,4 @@
-// The element rule inside a block that needs it (SPEC.md "Element rule"): positions are absolute
+// The element rule inside a block that needs it (docs/design.md §2): positions are absolute
 // token indices in computed order; the k < n_ctx bound always applies.
 #pragma once
 

@@ -3,7 +3,7 @@
 
 #include "ptx.cuh"
 
-// Base of the block's dynamic shared memory (size set at launch by cuattn/kernel_config.py).
+// Base of the block's dynamic shared memory (size set at launch by cuattn/backends/geometry.py).
 template <typename T>
 __device__ __forceinline__ T* dynamic_smem() {
 #ifdef CUATTN_INTERP

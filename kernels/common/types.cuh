@@ -9,7 +9,7 @@
 
 using u32 = unsigned int;
 
-// Element rule applied inside blocks whose row_mask/col_mask entry is >= 0 (SPEC.md "Layout").
+// Element rule applied inside blocks whose row_mask/col_mask entry is >= 0 (docs/design.md §2).
 enum MaskRule : int {
   MASK_NONE = 0,      // every key of the block allowed (only the k < n_ctx bound applies)
   MASK_CAUSAL = 1,    // k <= q

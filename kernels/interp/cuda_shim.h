@@ -1,6 +1,6 @@
 // CPU shim that makes kernels/*.cu valid C++20 under g++ (the cuattn kernel interpreter).
 //
-// Execution model (DESIGN.md section 5):
+// Execution model (docs/design.md §5):
 //   * every CUDA thread of a block is a host std::thread; threadIdx/blockIdx are thread_locals;
 //   * blocks run one after another: the same host threads walk the grid in order, with a block-wide
 //     barrier between blocks, so `__shared__` (a function-local static here) is valid for one block
@@ -13,7 +13,7 @@
 // reads shared memory it never wrote produces NaN in the tests instead of passing by luck.
 //
 // Usage: #include this header (with CUATTN_INTERP defined) before a kernel .cu file, then export
-// a launch entry with CUATTN_INTERP_ENTRY(symbol, kernel_name_expression) — see cuattn/interp.py.
+// a launch entry with CUATTN_INTERP_ENTRY(symbol, kernel_name_expression) — see cuattn/backends/interp.py.
 #pragma once
 
 #ifndef CUATTN_INTERP

@@ -1,0 +1,84 @@
+"""Route one attention call to the right path for the caller's arrays.
+
+* ``cuattn.Tensor``                     -> the tape op (autograd/ops.py sparse_attention)
+* torch tensor requiring grad           -> torch.autograd.Function (adapters/torch_autograd.py)
+* jax array (eager or traced)           -> jax.custom_vjp (adapters/jax_vjp.py)
+* NumPy, CuPy, torch without grad, any other __dlpack__ producer -> compute and hand back
+  the caller's own type on the caller's device, sharing memory (other producers get NumPy/CuPy).
+Arguments are validated (shapes, dtypes, layout) by the public API before they get here.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from cuattn import backends as _backend
+from cuattn.adapters import dlpack
+from cuattn.autograd.tape import Tensor
+from cuattn.layout.layout import Layout
+
+__all__ = ["sparse_attention"]
+
+
+def _requires_torch_grad(xs: tuple[Any, ...]) -> bool:
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and torch.is_grad_enabled()
+        and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+    )
+
+
+def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Tensors as they are; raw arrays beside them become constants of the same array library."""
+    first = next(x for x in (q, k, v) if isinstance(x, Tensor))
+    xp = first.xp
+    out = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            if type(x).__module__.split(".")[0] != xp.__name__:
+                raise TypeError(
+                    f"{name} is a {type(x).__module__}.{type(x).__name__} but another argument "
+                    f"is a cuattn.Tensor over {xp.__name__}; wrap it as cuattn.Tensor or pass "
+                    "arrays of the same library"
+                )
+            x = Tensor(x)
+        out.append(x)
+    return tuple(out)
+
+
+def sparse_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    layout: Layout,
+    scale: float,
+    recompute: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+    deterministic: bool = False,
+) -> Any:
+    """Attention on [batch, heads, time, head_dim] arrays of any supported kind; see module doc."""
+    xs = (q, k, v)
+    extra = {"backend": backend, "deterministic": deterministic}
+    if any(isinstance(x, Tensor) for x in xs):
+        from cuattn.autograd import ops
+
+        return ops.sparse_attention(
+            *_tape_args(q, k, v), layout, scale, recompute, return_lse, **extra
+        )
+    info = dlpack.common_info({"q": q, "k": k, "v": v})
+    if info.framework == "torch" and _requires_torch_grad(xs):
+        from cuattn.adapters import torch_autograd as torch_adapter
+
+        return torch_adapter.sparse_attention(
+            q, k, v, layout, scale, recompute, return_lse, **extra
+        )
+    if info.framework == "jax":
+        from cuattn.adapters import jax_vjp as jax_adapter
+
+        return jax_adapter.sparse_attention(q, k, v, layout, scale, recompute, return_lse, **extra)
+    # No gradient is wanted, so recompute has nothing to save and is ignored.
+    out, lse = dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,189 @@
+"""DLPack in and out: which framework and device an argument lives on, and zero-copy conversion.
+
+Inputs of any framework (NumPy, CuPy, torch, jax, or any object with ``__dlpack__``) become
+NumPy arrays (CPU) or CuPy arrays (CUDA) that share the caller's memory; results go back the
+same way as the caller's own type on the caller's device. Nothing here copies, casts or moves
+data between host and device: an argument that cannot be shared raises instead.
+
+Known limits (documented, not hidden):
+* NumPy has no bfloat16, so bf16 CPU tensors raise ``TypeError`` (CUDA bf16 goes to CuPy).
+* jax on the CPU aliases an imported buffer only when it is 64-byte aligned; otherwise jax
+  itself copies the (output) buffer on import. NumPy's allocator aligns to 16 bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ArrayInfo", "common_info", "describe", "from_backend", "stream_for", "to_backend"]
+
+# DLPack device types (dlpack.h): the ones cuattn can compute on.
+DL_CPU = 1
+DL_CUDA = 2
+DL_CUDA_HOST = 3
+DL_CUDA_MANAGED = 13
+CPU_DEVICE_TYPES = (DL_CPU, DL_CUDA_HOST)
+CUDA_DEVICE_TYPES = (DL_CUDA, DL_CUDA_MANAGED)
+
+FRAMEWORKS = ("numpy", "cupy", "torch", "jax", "dlpack")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    framework: str  # one of FRAMEWORKS ("dlpack": some other __dlpack__ producer)
+    device: str  # "cpu", "cuda" or "traced" (a jax tracer: no buffer yet)
+    device_id: int = 0
+
+    def __str__(self) -> str:
+        where = self.device if self.device != "cuda" else f"cuda:{self.device_id}"
+        return f"{self.framework} array on {where}"
+
+
+def _framework(x: Any) -> str:
+    root = type(x).__module__.split(".")[0]
+    if root in ("numpy", "cupy", "torch"):
+        return root
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    return "dlpack"
+
+
+def _is_jax_tracer(x: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.core.Tracer)
+
+
+def describe(x: Any, name: str) -> ArrayInfo:
+    """Framework and device of argument ``name``; TypeError if it is not an array at all."""
+    framework = _framework(x)
+    if framework == "jax" and _is_jax_tracer(x):
+        return ArrayInfo("jax", "traced")
+    if framework == "numpy" and not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be an array, got NumPy scalar {type(x).__name__}")
+    if not hasattr(x, "__dlpack_device__"):
+        raise TypeError(
+            f"{name} must be a NumPy, CuPy, torch or jax array or implement __dlpack__, "
+            f"got {type(x).__name__}"
+        )
+    dev_type, dev_id = x.__dlpack_device__()
+    if int(dev_type) in CPU_DEVICE_TYPES:
+        return ArrayInfo(framework, "cpu")
+    if int(dev_type) in CUDA_DEVICE_TYPES:
+        return ArrayInfo(framework, "cuda", int(dev_id))
+    raise ValueError(
+        f"{name} lives on DLPack device type {int(dev_type)}; cuattn runs on CPU and CUDA only"
+    )
+
+
+def common_info(named: dict[str, Any]) -> ArrayInfo:
+    """The one framework/device all arguments share, or a ValueError naming the odd one out."""
+    items = list(named.items())
+    first_name, first = items[0]
+    info = describe(first, first_name)
+    for name, x in items[1:]:
+        other = describe(x, name)
+        # A jax tracer has no device yet; jax itself places it with its concrete peers.
+        traced = "traced" in (info.device, other.device)
+        if other.framework != info.framework or (other != info and not traced):
+            raise ValueError(
+                f"{name} is a {other} but {first_name} is a {info}; cuattn never converts "
+                "between frameworks or moves data between devices, pass them all alike"
+            )
+    return info
+
+
+def _check_dtype(x: Any, name: str) -> None:
+    if "bfloat16" in str(x.dtype):
+        raise TypeError(
+            f"{name} is bfloat16 on the CPU; the NumPy backend has no bfloat16 and cuattn does "
+            "not cast silently: pass float32 (x.float()) or run on CUDA"
+        )
+
+
+def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
+    """A NumPy (CPU) or CuPy (CUDA) array sharing ``x``'s memory."""
+    if info.framework in ("numpy", "cupy"):
+        return x
+    if info.framework == "torch" and x.requires_grad:
+        x = x.detach()  # shares storage; DLPack refuses tensors that require grad
+    if info.device == "cpu":
+        _check_dtype(x, name)
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError) as err:
+            raise TypeError(
+                f"{name} ({info}, dtype {x.dtype}) cannot be shared with NumPy: {err}"
+            ) from err
+    import cupy
+
+    with cupy.cuda.Device(info.device_id):
+        try:
+            return cupy.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as err:
+            raise TypeError(
+                f"{name} ({info}, dtype {x.dtype}) cannot be shared with CuPy: {err}"
+            ) from err
+
+
+def from_backend(arr: Any, info: ArrayInfo) -> Any:
+    """``arr`` (NumPy or CuPy) as the caller's framework's array, sharing memory."""
+    if info.framework in ("numpy", "cupy", "dlpack"):
+        return arr
+    if info.framework == "torch":
+        import torch
+
+        return torch.from_dlpack(arr)
+    import jax.dlpack
+
+    return jax.dlpack.from_dlpack(arr)
+
+
+def call(fn: Callable[..., Any], named: dict[str, Any], *args: Any) -> Any:
+    """``fn(*arrays, *args)`` on the backend arrays of ``named`` (in order), on the caller's
+    stream; every array ``fn`` returns (one, or a tuple) comes back as the caller's type.
+
+    The one crossing between a framework's arrays and the backends, for every route: inputs are
+    shared into NumPy/CuPy, never copied, and results are shared back.
+    """
+    info = common_info(named)
+    with stream_for(info):
+        arrays = [to_backend(x, info, name) for name, x in named.items()]
+        result = fn(*arrays, *args)
+        if isinstance(result, tuple):
+            return tuple(from_backend(r, info) for r in result)
+        return from_backend(result, info)
+
+
+@contextlib.contextmanager
+def stream_for(info: ArrayInfo) -> Iterator[None]:
+    """Run CuPy work on the caller's current CUDA stream (torch's), so no extra sync is needed.
+
+    Other producers synchronise through the DLPack ``stream`` handshake on import.
+    """
+    if info.device != "cuda" or info.framework != "torch":
+        yield
+        return
+    import cupy
+
+    with cupy.cuda.Device(info.device_id), cupy_stream_of_torch(info.device_id):
+        yield
+
+
+def cupy_stream_of_torch(device_id: int | None = None) -> Any:
+    """torch's current CUDA stream (of ``device_id``, default the current device) as a CuPy
+    stream; used as a context manager it makes CuPy launch there."""
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream(device_id)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    # CuPy < 14, or a torch without the CUDA stream protocol (ExternalStream is deprecated in 14).
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)

@@ -1,0 +1,431 @@
+"""A small reverse-mode autograd tape (micrograd/tinygrad style) over NumPy or CuPy arrays.
+
+``Tensor`` wraps an array; every differentiable op is a ``Function`` subclass with static
+``forward(ctx, *args)`` (arrays in, array or tuple of arrays out) and ``backward(ctx, *grads)``
+(one gradient per positional forward argument, ``None`` for non-tensors). The graph links output
+tensors to ``Node`` objects and nodes to their input nodes, never to intermediate tensors, so an
+intermediate array stays alive only if some ``ctx.save_for_backward`` kept it. That makes
+``recompute`` meaningful: inside ``with recompute():`` every op still builds its node, but on
+leaving the region the nodes drop their saved arrays and the region keeps only its inputs; the
+first backward step that reaches the region re-runs its forward, then its backward proceeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Context",
+    "Function",
+    "Tensor",
+    "get_array_module",
+    "is_grad_enabled",
+    "no_grad",
+    "recompute",
+    "saved_nbytes",
+]
+
+
+def get_array_module(x: Any) -> ModuleType:
+    """numpy or cupy, chosen from the array's own type; never imports CuPy for a NumPy array."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.grad_enabled = True
+        self.region: _Region | None = None
+
+
+_state = _State()
+
+
+def is_grad_enabled() -> bool:
+    return _state.grad_enabled
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Ops inside build no graph and their outputs do not require grad."""
+    previous = _state.grad_enabled
+    _state.grad_enabled = False
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
+class Context:
+    """Per-call scratch space handed to ``forward`` and ``backward``."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[Any, ...] = ()
+        self.non_differentiable: frozenset[int] = frozenset()
+
+    def save_for_backward(self, *arrays: Any) -> None:
+        self.saved_tensors = arrays
+
+    def mark_non_differentiable(self, *output_indices: int) -> None:
+        """Outputs (by position) that never receive a gradient, e.g. a log-sum-exp side output."""
+        self.non_differentiable = frozenset(output_indices)
+
+
+class _Node:
+    """One recorded op call: the function, its context and where its input gradients go."""
+
+    __slots__ = ("fn", "ctx", "edges", "out_meta", "multi", "region", "replay")
+
+    def __init__(self, fn: type[Function], ctx: Context, edges: list, out_meta: list, multi: bool):
+        self.fn = fn
+        self.ctx: Context | None = ctx
+        # edges[i] for positional arg i: None (no grad), a leaf Tensor, or (node, output index)
+        self.edges = edges
+        self.out_meta = out_meta  # [(shape, dtype)] per output, to zero-fill missing grads
+        self.multi = multi
+        self.region: _Region | None = None
+        self.replay: tuple | None = None  # (arg sources, kwargs) when recorded inside a region
+
+
+class _Region:
+    """A recompute region: its nodes in forward order and the arrays it needs to re-run them."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.inputs: list[Any] | None = []  # arrays of tensors from outside the region
+        # id(tensor) -> (input index, tensor); holding the tensor keeps its id from being reused
+        # by a new object while the region records (temporary constants come and go).
+        self._input_ids: dict[int, tuple[int, Tensor]] = {}
+        self._positions: dict[int, int] = {}
+
+    def record(self, node: _Node, args: tuple, kwargs: dict) -> None:
+        sources = []
+        for a in args:
+            if isinstance(a, Tensor):
+                if a._node is not None and a._node.region is self:
+                    sources.append(("int", self._positions[id(a._node)], a._index))
+                else:
+                    if id(a) not in self._input_ids:
+                        self._input_ids[id(a)] = (len(self.inputs), a)
+                        self.inputs.append(a.data)
+                    sources.append(("ext", self._input_ids[id(a)][0]))
+            else:
+                sources.append(("const", a))
+        node.region = self
+        node.replay = (sources, kwargs)
+        self._positions[id(node)] = len(self.nodes)
+        self.nodes.append(node)
+
+    def close(self) -> None:
+        # Ids are only needed while recording; let go of the tensors (their arrays stay in inputs).
+        self._input_ids = {}
+        self._positions = {}
+        self.drop()
+
+    def drop(self) -> None:
+        for node in self.nodes:
+            node.ctx = None
+
+    def materialize(self) -> None:
+        """Re-run the region's forward to rebuild every node's saved arrays."""
+        if self.inputs is None:
+            raise RuntimeError("recompute region was already freed by a backward pass")
+        outputs: list[tuple] = []
+        for node in self.nodes:
+            sources, kwargs = node.replay
+            args = []
+            for src in sources:
+                if src[0] == "int":
+                    args.append(outputs[src[1]][src[2]])
+                elif src[0] == "ext":
+                    args.append(self.inputs[src[1]])
+                else:
+                    args.append(src[1])
+            needs = tuple(e is not None for e in node.edges)
+            ctx = Context(needs)
+            out = node.fn.forward(ctx, *args, **kwargs)
+            outputs.append(out if isinstance(out, tuple) else (out,))
+            node.ctx = ctx
+
+
+@contextlib.contextmanager
+def recompute(enabled: bool = True) -> Iterator[None]:
+    """Keep only the region's inputs; backward re-runs the region's forward, then its backward.
+
+    Nested regions join the outermost one. The region's inputs must not be modified in place
+    between forward and backward (the recomputed forward would see the new values).
+    """
+    if not enabled or _state.region is not None or not _state.grad_enabled:
+        yield
+        return
+    region = _Region()
+    _state.region = region
+    try:
+        yield
+    finally:
+        _state.region = None
+        region.close()
+
+
+class Function:
+    """Base class of differentiable ops. Subclasses define static ``forward`` and ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx: Context, *grads: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        record = _state.grad_enabled and any(needs)
+        ctx = Context(needs)
+        out = cls.forward(ctx, *arrays, **kwargs)
+        multi = isinstance(out, tuple)
+        outs = out if multi else (out,)
+        if not record:
+            wrapped = tuple(Tensor(o) for o in outs)
+            return wrapped if multi else wrapped[0]
+        edges: list = []
+        for a, need in zip(args, needs, strict=True):
+            if not need:
+                edges.append(None)
+            elif a._node is None:
+                edges.append(a)
+            else:
+                edges.append((a._node, a._index))
+        meta = [(o.shape, o.dtype) for o in outs]
+        node = _Node(cls, ctx, edges, meta, multi)
+        if _state.region is not None:
+            _state.region.record(node, args, kwargs)
+        wrapped = []
+        for i, o in enumerate(outs):
+            t = Tensor(o)
+            if i not in ctx.non_differentiable:
+                t.requires_grad = True
+                t._node, t._index = node, i
+            wrapped.append(t)
+        return tuple(wrapped) if multi else wrapped[0]
+
+
+class Tensor:
+    """An array with an optional gradient. ``data`` is a NumPy or CuPy array, never copied."""
+
+    __slots__ = ("data", "grad", "requires_grad", "_node", "_index", "__weakref__")
+    __array_ufunc__ = None  # so ndarray + Tensor defers to Tensor.__radd__ (and friends)
+
+    def __init__(self, data: Any, requires_grad: bool = False) -> None:
+        if isinstance(data, Tensor):
+            raise TypeError("Tensor(data): data is already a Tensor; use .detach() or .data")
+        if not hasattr(data, "shape") or not hasattr(data, "dtype"):
+            data = np.asarray(data)
+        if requires_grad and data.dtype.kind != "f":
+            raise TypeError(f"only floating tensors can require grad, got dtype {data.dtype}")
+        self.data = data
+        self.grad: Any = None
+        self.requires_grad = bool(requires_grad)
+        self._node: _Node | None = None
+        self._index = 0
+
+    # -- array-like properties ---------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def size(self) -> int:
+        return int(self.data.size)
+
+    @property
+    def xp(self) -> ModuleType:
+        return get_array_module(self.data)
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}{grad})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def detach(self) -> Tensor:
+        return Tensor(self.data)
+
+    def item(self) -> float:
+        return self.data.item()
+
+    def numpy(self) -> np.ndarray:
+        xp = self.xp
+        return self.data if xp is np else xp.asnumpy(self.data)
+
+    # Arithmetic operators (+, -, *, /, @, sum, mean, reshape, transpose) are the differentiable
+    # ops of cuattn.autograd.ops, which attaches them to Tensor when it is imported (importing
+    # cuattn or cuattn.autograd does): the tape never imports the ops, so there is no cycle.
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) * grad into every leaf's ``.grad``.
+
+        ``grad`` defaults to 1 for a single-element tensor. Saved arrays are released after
+        use unless ``retain_graph``; recompute regions then drop their recomputed arrays again.
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad")
+        xp = self.xp
+        if grad is None:
+            if self.size != 1:
+                raise ValueError(
+                    f"backward() without grad needs a single-element tensor, got shape {self.shape}"
+                )
+            grad = xp.ones_like(self.data)
+        else:
+            grad = grad.data if isinstance(grad, Tensor) else grad
+            if tuple(grad.shape) != self.shape:
+                raise ValueError(f"grad has shape {tuple(grad.shape)}, tensor has {self.shape}")
+        if self._node is None:
+            _accumulate_leaf(self, grad)
+            return
+        order = _topo_order(self._node)
+        pending: dict[int, list] = {id(self._node): [None] * len(self._node.out_meta)}
+        pending[id(self._node)][self._index] = grad
+        regions: dict[int, _Region] = {}
+        for node in reversed(order):
+            grads = pending.pop(id(node), None)
+            if grads is None:
+                continue
+            if node.ctx is None:
+                if node.region is None:
+                    raise RuntimeError(
+                        "graph was already freed by an earlier backward(); "
+                        "pass retain_graph=True to backward through it twice"
+                    )
+                node.region.materialize()
+                regions[id(node.region)] = node.region
+            grads = [
+                g if g is not None else _zeros(xp, shape, dtype)
+                for g, (shape, dtype) in zip(grads, node.out_meta, strict=True)
+            ]
+            in_grads = node.fn.backward(node.ctx, *grads)
+            if not isinstance(in_grads, tuple):
+                in_grads = (in_grads,)
+            if len(in_grads) != len(node.edges):
+                raise RuntimeError(
+                    f"{node.fn.__name__}.backward returned {len(in_grads)} gradients "
+                    f"for {len(node.edges)} forward arguments"
+                )
+            if not retain_graph or node.region is not None:
+                node.ctx = None
+            for edge, g in zip(node.edges, in_grads, strict=True):
+                if edge is None or g is None:
+                    continue
+                if isinstance(edge, Tensor):
+                    _check_shape(node, g, edge.shape)
+                    _accumulate_leaf(edge, g)
+                    continue
+                parent, index = edge
+                _check_shape(node, g, parent.out_meta[index][0])
+                slot = pending.setdefault(id(parent), [None] * len(parent.out_meta))
+                slot[index] = g if slot[index] is None else slot[index] + g
+        for region in regions.values():
+            region.drop()
+            if not retain_graph:
+                region.inputs = None
+
+
+def _zeros(xp: ModuleType, shape: tuple, dtype: Any) -> Any:
+    return xp.zeros(shape, dtype=dtype)
+
+
+def _check_shape(node: _Node, grad: Any, shape: tuple) -> None:
+    if tuple(grad.shape) != tuple(shape):
+        raise ValueError(
+            f"{node.fn.__name__}.backward produced a gradient of shape {tuple(grad.shape)} "
+            f"for an input of shape {tuple(shape)}"
+        )
+
+
+def _accumulate_leaf(leaf: Tensor, grad: Any) -> None:
+    # Never accumulate in place: a backward may hand the same array to several inputs.
+    leaf.grad = grad.copy() if leaf.grad is None else leaf.grad + grad
+
+
+def _topo_order(root: _Node) -> list[_Node]:
+    """Nodes reachable from root, every node after all nodes it feeds from (iterative DFS)."""
+    order: list[_Node] = []
+    seen = {id(root)}
+    stack: list[tuple[_Node, int]] = [(root, 0)]
+    while stack:
+        node, i = stack.pop()
+        if i < len(node.edges):
+            stack.append((node, i + 1))
+            edge = node.edges[i]
+            if isinstance(edge, tuple) and id(edge[0]) not in seen:
+                seen.add(id(edge[0]))
+                stack.append((edge[0], 0))
+        else:
+            order.append(node)
+    return order
+
+
+def _buffer_key(a: Any) -> tuple[int, int] | None:
+    """(identity, nbytes) of the allocation an array keeps alive; views share their base's key."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        mem = a.data.mem
+        return id(mem), int(mem.size)
+    if isinstance(a, np.ndarray):
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return id(root), int(root.nbytes)
+    return None
+
+
+def saved_nbytes(*tensors: Tensor) -> int:
+    """Bytes of distinct array buffers the tape holds for backward from these tensors.
+
+    Counts every array saved by a node's ``save_for_backward`` and every input kept by a
+    recompute region, each underlying allocation once. The tensors' own data is not counted.
+    """
+    roots = [t._node for t in tensors if t._node is not None]
+    nodes: dict[int, _Node] = {}
+    for root in roots:
+        for node in _topo_order(root):
+            nodes[id(node)] = node
+    buffers: dict[int, int] = {}
+    regions: dict[int, _Region] = {}
+    for node in nodes.values():
+        arrays: list[Any] = list(node.ctx.saved_tensors) if node.ctx is not None else []
+        if node.region is not None:
+            regions[id(node.region)] = node.region
+            arrays += [src[1] for src in node.replay[0] if src[0] == "const"]
+        for a in arrays:
+            key = _buffer_key(a)
+            if key is not None:
+                buffers[key[0]] = key[1]
+    for region in regions.values():
+        for a in region.inputs or ():
+            key = _buffer_key(a)
+            if key is not None:
+                buffers[key[0]] = key[1]
+    return sum(buffers.values())

@@ -1,0 +1,150 @@
+"""Backend selection and the permutation-aware forward/backward every public path goes through.
+
+A backend computes attention on arrays of one array library in the layout's computed token
+order: ``forward(q, k, v, layout, scale) -> (out, lse)`` and
+``backward(q, k, v, out, lse, dout, layout, scale, deterministic) -> (dq, dk, dv)``.
+    numpy   cuattn.reference, the CPU path (NumPy arrays)
+    interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
+    cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
+Choose with ``backend=`` on a call or the CUATTN_BACKEND environment variable; by default CPU
+arrays use ``numpy`` and CUDA arrays ``cuda``. A CPU backend is never handed device arrays, nor
+the reverse: there are no silent host copies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Protocol
+
+from cuattn.backends import numpy_ref as reference
+from cuattn.layout.layout import Layout
+
+BACKENDS = ("numpy", "interp", "cuda")
+CPU_BACKENDS = ("numpy", "interp")
+ENV_VAR = "CUATTN_BACKEND"
+
+
+class Backend(Protocol):
+    name: str
+
+    def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]: ...
+
+    def backward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        layout: Layout,
+        scale: float,
+        deterministic: bool = False,
+    ) -> tuple[Any, Any, Any]: ...
+
+
+class NumpyBackend:
+    """cuattn.reference behind the Backend protocol (its backward is deterministic already)."""
+
+    name = "numpy"
+
+    def forward(self, q, k, v, layout, scale):
+        return reference.attention_forward(q, k, v, layout, scale)
+
+    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False):
+        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale)
+
+
+# Where the kernel backends live; imported on first use so that NumPy users never need a
+# compiler or CuPy.
+_LAZY = {
+    "interp": ("cuattn.backends.interp", "InterpBackend"),
+    "cuda": ("cuattn.backends.cuda", "CudaBackend"),
+}
+_INSTANCES: dict[str, Backend] = {"numpy": NumpyBackend()}
+
+
+def resolve_backend(name: str | None, on_device: bool) -> Backend:
+    """The backend for arrays on the CPU (on_device=False) or on a CUDA device."""
+    if name is None:
+        name = os.environ.get(ENV_VAR) or None
+        if name is not None and on_device and name in CPU_BACKENDS:
+            name = None  # the environment picks the CPU backend for CPU arrays only
+    if name is None:
+        name = "cuda" if on_device else "numpy"
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if on_device and name != "cuda":
+        raise ValueError(
+            f"backend={name!r} runs on the CPU but the inputs are CUDA arrays; "
+            "move them to the host yourself or use backend='cuda'"
+        )
+    if not on_device and name == "cuda":
+        raise ValueError(
+            "backend='cuda' needs CUDA arrays but the inputs live on the CPU; "
+            "move them to the device yourself or use backend='numpy' or 'interp'"
+        )
+    if name not in _INSTANCES:
+        module, cls = _LAZY[name]
+        _INSTANCES[name] = getattr(importlib.import_module(module), cls)()
+    return _INSTANCES[name]
+
+
+def _array_module(x: Any) -> Any:
+    if type(x).__module__.startswith("cupy"):
+        return importlib.import_module("cupy")
+    return importlib.import_module("numpy")
+
+
+def _prepare(x: Any, layout: Layout) -> Any:
+    """Contiguous (kernels index densely) and in the layout's computed token order."""
+    xp = _array_module(x)
+    if layout.perm is not None:
+        x = x[:, :, xp.asarray(layout.perm)]
+    return xp.ascontiguousarray(x)
+
+
+def _to_natural(x: Any, layout: Layout) -> Any:
+    if layout.perm is None:
+        return x
+    xp = _array_module(x)
+    out = xp.empty_like(x)
+    out[:, :, xp.asarray(layout.perm)] = x
+    return out
+
+
+def _resolve_for(x: Any, backend: str | None) -> Backend:
+    return resolve_backend(backend, on_device=_array_module(x).__name__ == "cupy")
+
+
+def forward(
+    q: Any, k: Any, v: Any, layout: Layout, scale: float, backend: str | None = None
+) -> tuple[Any, Any]:
+    """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
+
+    The single call into the backends for every route (public API, tape, torch, jax), so all
+    of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
+    """
+    impl = _resolve_for(q, backend)
+    out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale)
+    return _to_natural(out, layout), _to_natural(lse, layout)
+
+
+def backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    layout: Layout,
+    scale: float,
+    backend: str | None = None,
+    deterministic: bool = False,
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse."""
+    impl = _resolve_for(q, backend)
+    arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
+    grads = impl.backward(*arrays, layout, scale, deterministic)
+    return tuple(_to_natural(g, layout) for g in grads)

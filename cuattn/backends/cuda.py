@@ -1,0 +1,66 @@
+"""The "cuda" backend: forward and backward on CuPy arrays through the .cu kernels.
+
+Same contract as the NumPy reference (backends/numpy_ref.py: computed token order,
+[batch, heads, n_ctx, head_dim]). The launch sequences are backends/kernels.py's, shared with the
+CPU interpreter, so the two kernel backends can only differ in where the code runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, LayoutArrays, cupy_module
+from cuattn.backends.geometry import KernelConfig
+from cuattn.backends.kernels import KernelBackend
+
+_SCALAR_TYPES = {"i32": np.int32, "f32": np.float32}
+
+
+def launch(config: KernelConfig, **values: Any) -> None:
+    """One launch on the current device and CuPy stream; `values` names every kernel argument."""
+    args = []
+    for name, kind in config.args:
+        value = values[name]
+        if kind == "ptr":
+            if not value.flags.c_contiguous:
+                raise AssertionError(f"{config.name_expression}: {name} is not contiguous")
+            args.append(value)
+        else:
+            args.append(_SCALAR_TYPES[kind](value))
+    kernel = KERNELS.kernel(config.source_file, config.name_expression, config.smem_bytes)
+    kernel(config.grid, config.block_dims, tuple(args), shared_mem=config.smem_bytes)
+
+
+class CudaBackend(KernelBackend):
+    """The kernels on the GPU, on the current CuPy stream of the inputs' device."""
+
+    name = "cuda"
+    array_kind = "CuPy arrays"
+
+    @property
+    def xp(self) -> Any:
+        return cupy_module()
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, cupy_module().ndarray)
+
+    def device_of(self, x: Any) -> int:
+        return x.device.id
+
+    @contextlib.contextmanager
+    def on_device_of(self, x: Any) -> Iterator[None]:
+        with x.device:
+            yield
+
+    def output(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return cupy_module().empty(shape, dtype=dtype)
+
+    def index_arrays(self, layout: Any) -> LayoutArrays:
+        return LAYOUTS.get(layout)
+
+    def launch(self, config: KernelConfig, **values: Any) -> None:
+        launch(config, **values)

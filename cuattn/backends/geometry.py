@@ -1,0 +1,242 @@
+"""Launch geometry of every cuattn kernel, computed and checked in one place.
+
+One frozen dataclass per launch: it derives the grid, the block (warps), the dynamic shared
+memory, the C++ name expression and the argument list of one kernel instantiation. The CUDA
+runtime (backends/cuda_runtime.py) and the CPU interpreter (backends/interp.py) both launch
+from these objects, so the two backends can never disagree about geometry. The tile sizes mirror the
+``*_traits`` structs in kernels/*.cu; the interpreter checks the two agree on every launch.
+
+Launch sequences (argument names as in KERNEL_ARGS; layout arrays ptr/idx/mask are the CSR
+row_ptr/col_idx/row_mask for attn_fwd and attn_bwd_dq, the CSC col_ptr/row_idx/col_mask for
+attn_bwd_dkdv; mask_table is the layout's uint32 table, never a null pointer):
+  forward:   attn_fwd -> out, lse (float32)
+  backward:  attn_bwd_preprocess -> delta (float32 [batch, heads, n_ctx]), then
+             attn_bwd_dkdv -> dk, dv, then attn_bwd_dq -> dq (no atomics: bit-identical runs).
+Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cuattn._util import ceil_div
+
+BLOCK_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
+DTYPES = ("float32", "float16", "bfloat16")
+RULES = ("none", "causal", "window", "bitmask")
+
+CXX_TYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+CXX_RULE = {
+    "none": "MASK_NONE",
+    "causal": "MASK_CAUSAL",
+    "window": "MASK_WINDOW",
+    "bitmask": "MASK_BITMASK",
+}
+
+WARP_SIZE = 32
+SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
+SM80_SMEM_LIMIT = 163 * 1024  # opt-in maximum per block on sm_80 (sm_90 allows 227 KB)
+ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of attn_bwd_preprocess
+ELEMENTWISE_WARPS = 4
+
+# kernel name -> source file (relative to kernels/)
+KERNEL_FILES = {
+    "attn_fwd": "attn_fwd.cu",
+    "attn_bwd_preprocess": "attn_bwd.cu",
+    "attn_bwd_dkdv": "attn_bwd.cu",
+    "attn_bwd_dq": "attn_bwd.cu",
+}
+BLOCK_KERNELS = (
+    "attn_fwd",
+    "attn_bwd_dkdv",
+    "attn_bwd_dq",
+)  # templated on <BLOCK, HEAD_DIM, T, RULE>
+ROW_KERNELS = ("attn_bwd_preprocess",)  # templated on <HEAD_DIM, T>
+
+# Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"f32" scalars.
+_LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
+_RULE_SCALARS = (
+    ("n_ctx", "i32"),
+    ("num_blocks", "i32"),
+    ("scale", "f32"),
+    ("window_left", "i32"),
+    ("window_right", "i32"),
+)
+KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "attn_fwd": (
+        ("q", "ptr"),
+        ("k", "ptr"),
+        ("v", "ptr"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        *_LAYOUT_ARGS,
+        *_RULE_SCALARS,
+    ),
+    "attn_bwd_preprocess": (("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("n_ctx", "i32")),
+    "attn_bwd_dkdv": (
+        ("q", "ptr"),
+        ("k", "ptr"),
+        ("v", "ptr"),
+        ("dout", "ptr"),
+        ("lse", "ptr"),
+        ("delta", "ptr"),
+        ("dk", "ptr"),
+        ("dv", "ptr"),
+        *_LAYOUT_ARGS,
+        *_RULE_SCALARS,
+    ),
+    "attn_bwd_dq": (
+        ("q", "ptr"),
+        ("k", "ptr"),
+        ("v", "ptr"),
+        ("dout", "ptr"),
+        ("lse", "ptr"),
+        ("delta", "ptr"),
+        ("dq", "ptr"),
+        *_LAYOUT_ARGS,
+        *_RULE_SCALARS,
+    ),
+}
+
+
+def _smem_stride(cols: int, itemsize: int) -> int:
+    return cols + SMEM_PAD_BYTES // itemsize
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Geometry of one launch of one kernel instantiation.
+
+    ``block`` and ``rule`` are ignored (must be None) for the row kernels.
+    """
+
+    kernel: str
+    head_dim: int
+    dtype: str
+    batch: int = 1
+    heads: int = 1
+    n_ctx: int = 1
+    block: int | None = None
+    rule: str | None = None
+    tile_m: int = field(init=False)
+    tile_n: int = field(init=False)
+    num_warps: int = field(init=False)
+    smem_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.kernel in KERNEL_FILES, self.kernel
+        assert self.head_dim in HEAD_DIMS, self.head_dim
+        assert self.dtype in DTYPES, self.dtype
+        assert self.batch >= 1 and self.heads >= 1 and self.n_ctx >= 1
+        itemsize = ITEMSIZE[self.dtype]
+        half = self.dtype != "float32"
+        ld = _smem_stride(self.head_dim, itemsize)
+        assert (ld * itemsize) % 16 == 0, "cp.async / ldmatrix rows must stay 16-byte aligned"
+        if self.kernel in ROW_KERNELS:
+            assert self.block is None and self.rule is None
+            tile_m = tile_n = ROWS_PER_CTA_ELEMENTWISE
+            num_warps = ELEMENTWISE_WARPS
+            smem = 0
+        else:
+            assert self.block in BLOCK_SIZES, self.block
+            assert self.rule in RULES, self.rule
+            if self.kernel == "attn_fwd":
+                tile_m = tile_n = min(self.block, 64)
+                scratch = 0 if half else 16 * (tile_n + 4)
+                num_warps = tile_m // 16
+                smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
+            else:
+                # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ); smaller for head
+                # dims 96 and 128 to keep dK + dV accumulators in registers without spilling
+                tile_m = tile_n = min(self.block, 32 if self.head_dim >= 96 else 64)
+                num_warps = tile_n // 16
+                scratch = 0 if half else 16 * (tile_m + 4)
+                tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
+                smem = tiles + num_warps * scratch * 4
+                if self.kernel == "attn_bwd_dkdv":
+                    smem += 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
+            assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
+            assert smem <= SM80_SMEM_LIMIT, f"{self.name_expression}: {smem} bytes shared memory"
+        object.__setattr__(self, "tile_m", tile_m)
+        object.__setattr__(self, "tile_n", tile_n)
+        object.__setattr__(self, "num_warps", num_warps)
+        object.__setattr__(self, "smem_bytes", smem)
+
+    @property
+    def threads(self) -> int:
+        return self.num_warps * WARP_SIZE
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        if self.kernel in ROW_KERNELS:
+            return (ceil_div(self.n_ctx, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
+        assert self.block is not None
+        num_blocks = ceil_div(self.n_ctx, self.block)
+        tile = self.tile_n if self.kernel == "attn_bwd_dkdv" else self.tile_m
+        return (num_blocks * (self.block // tile), self.heads, self.batch)
+
+    @property
+    def source_file(self) -> str:
+        return KERNEL_FILES[self.kernel]
+
+    @property
+    def name_expression(self) -> str:
+        return name_expression(self.kernel, self.head_dim, self.dtype, self.block, self.rule)
+
+    @property
+    def traits_expression(self) -> str:
+        """The C++ traits struct the kernel derives its own geometry from."""
+        if self.kernel in ROW_KERNELS:
+            return f"attn_bwd_row_traits<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
+        return f"{self.kernel}_traits<{self.block}, {self.head_dim}, {CXX_TYPE[self.dtype]}>"
+
+    @property
+    def args(self) -> tuple[tuple[str, str], ...]:
+        return KERNEL_ARGS[self.kernel]
+
+
+def name_expression(
+    kernel: str, head_dim: int, dtype: str, block: int | None = None, rule: str | None = None
+) -> str:
+    if kernel in ROW_KERNELS:
+        return f"{kernel}<{head_dim}, {CXX_TYPE[dtype]}>"
+    return f"{kernel}<{block}, {head_dim}, {CXX_TYPE[dtype]}, {CXX_RULE[rule]}>"
+
+
+def all_configs() -> list[KernelConfig]:
+    """One config per kernel instantiation (shape-independent fields at their defaults)."""
+    configs = []
+    for kernel in BLOCK_KERNELS:
+        for block, head_dim, dtype, rule in itertools.product(
+            BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES
+        ):
+            configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule))
+    for kernel in ROW_KERNELS:
+        for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
+            configs.append(KernelConfig(kernel, head_dim, dtype))
+    return configs
+
+
+def all_instantiations() -> dict[str, list[str]]:
+    """Source file -> every name expression it must be compiled for (for the compile CLI)."""
+    files: dict[str, list[str]] = {}
+    for config in all_configs():
+        files.setdefault(config.source_file, []).append(config.name_expression)
+    return files
+
+
+def dtype_name(dtype: np.dtype | str) -> str:
+    """NumPy/ml_dtypes dtype -> one of DTYPES."""
+    name = np.dtype(dtype).name
+    if name not in DTYPES:
+        raise TypeError(f"dtype: got {name}, kernels accept {', '.join(DTYPES)}")
+    return name

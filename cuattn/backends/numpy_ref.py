@@ -1,0 +1,137 @@
+"""NumPy backend: block-sparse attention over the active blocks only, forward and backward.
+
+This is the CPU path of every public call and the readable statement of what the kernels do.
+Shapes: q, k, v, out, dout [batch, heads, n_ctx, head_dim]; lse [batch, heads, n_ctx].
+Nothing of size n_ctx x n_ctx is built: the walk visits one active block per row at a time.
+
+Forward (FlashAttention-2 order): for each (head, query block i) walk its CSR row of active key
+blocks j; every step is vectorised over all rows that still have a block left, so the Python
+loop runs max-row-length times. Online softmax state per query row: running max ``m_i``,
+running sum ``l_i`` and the unnormalised output ``acc``.
+Backward: ``delta = rowsum(dO * O)``; dQ walks the CSR rows, dK and dV walk the CSC columns, each
+recomputing P = exp(S - lse) from the saved log-sum-exp, so only q, k, v, out and lse are needed.
+Precision: float64 accumulates in float64, float32 and float16 in float32; results are cast back
+to the input dtype (lse stays in the accumulation type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from cuattn.layout.layout import Layout
+
+SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def _acc_dtype(dtype: np.dtype) -> type:
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _blocked(x: np.ndarray, layout: Layout, acc: type, fill: float = 0.0) -> np.ndarray:
+    """[B, H, n, ...] -> [B, H, nb, b, ...] in the accumulation dtype, padded with ``fill``."""
+    b, nb, n = layout.blocksize, layout.num_blocks, layout.n_ctx
+    out = np.full(x.shape[:2] + (nb * b,) + x.shape[3:], fill, dtype=acc)
+    out[:, :, :n] = x
+    return out.reshape(x.shape[:2] + (nb, b) + x.shape[3:])
+
+
+def _unblocked(x: np.ndarray, layout: Layout) -> np.ndarray:
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, : layout.n_ctx]
+
+
+def _walk(
+    layout: Layout, ptr: np.ndarray, idx: np.ndarray, mask: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Yield (head, walked block, other block, mask id) for step t of every compressed row."""
+    nb = layout.num_blocks
+    starts = ptr[:, :-1].reshape(-1).astype(np.int64)
+    lens = np.diff(ptr, axis=1).reshape(-1)
+    rows = np.arange(layout.heads * nb)
+    heads, walked = rows // nb, rows % nb
+    for t in range(int(lens.max(initial=0))):
+        sel = lens > t
+        entry = starts[sel] + t
+        yield heads[sel], walked[sel], idx[entry].astype(np.int64), mask[entry]
+
+
+def _scores(
+    qb: np.ndarray, kb: np.ndarray, layout: Layout, h, i, j, mask_id, scale: float
+) -> np.ndarray:
+    """S = Q_i K_j^T * scale for R blocks at once, -inf where the element rule forbids."""
+    s = np.matmul(qb[:, h, i], kb[:, h, j].swapaxes(-1, -2)) * scale
+    allowed = layout.block_masks(h, i, j, mask_id)
+    return np.where(allowed, s, -np.inf)
+
+
+def check_arrays(q: np.ndarray, layout: Layout) -> None:
+    if q.dtype.type not in SUPPORTED_DTYPES:
+        names = ", ".join(np.dtype(t).name for t in SUPPORTED_DTYPES)
+        raise TypeError(f"the numpy backend accepts dtypes {names}; got q.dtype={q.dtype}")
+
+
+def attention_forward(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, layout: Layout, scale: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to)."""
+    check_arrays(q, layout)
+    acc_t = _acc_dtype(q.dtype)
+    qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
+    m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
+    l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
+    acc = np.zeros(qb.shape, dtype=acc_t)
+    for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
+        s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
+        m_old = m_i[:, h, i]
+        m_new = np.maximum(m_old, s.max(axis=-1))
+        # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp gives 0, not NaN.
+        m_safe = np.where(np.isfinite(m_new), m_new, 0.0)
+        p = np.exp(s - m_safe[..., None])
+        alpha = np.exp(m_old - m_safe)
+        l_i[:, h, i] = l_i[:, h, i] * alpha + p.sum(axis=-1)
+        acc[:, h, i] = acc[:, h, i] * alpha[..., None] + np.matmul(p, vb[:, h, j])
+        m_i[:, h, i] = m_new
+    has_keys = l_i > 0
+    l_safe = np.where(has_keys, l_i, 1.0)
+    out = np.where(has_keys[..., None], acc / l_safe[..., None], 0.0)
+    lse = np.where(has_keys, m_i + np.log(l_safe), -np.inf)
+    return _unblocked(out, layout).astype(q.dtype), _unblocked(lse, layout).astype(acc_t)
+
+
+def attention_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    dout: np.ndarray,
+    layout: Layout,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) from the saved out and lse; each like its input."""
+    check_arrays(q, layout)
+    acc_t = _acc_dtype(q.dtype)
+    qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
+    delta = _blocked(np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1), layout, acc_t)
+    lse_b = _blocked(lse, layout, acc_t, fill=-np.inf)
+    lse_safe = np.where(np.isfinite(lse_b), lse_b, 0.0)
+
+    def probs_and_dscores(h, i, j, mask_id):
+        s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
+        p = np.exp(s - lse_safe[:, h, i][..., None])
+        p = np.where(np.isfinite(lse_b[:, h, i])[..., None], p, 0.0)
+        dp = np.matmul(dob[:, h, i], vb[:, h, j].swapaxes(-1, -2))
+        return p, p * (dp - delta[:, h, i][..., None])
+
+    dq = np.zeros_like(qb)
+    for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
+        _, ds = probs_and_dscores(h, i, j, mask_id)
+        dq[:, h, i] += np.matmul(ds, kb[:, h, j]) * scale
+    dk = np.zeros_like(kb)
+    dv = np.zeros_like(vb)
+    for h, j, i, mask_id in _walk(layout, layout.col_ptr, layout.row_idx, layout.col_mask):
+        p, ds = probs_and_dscores(h, i, j, mask_id)
+        dv[:, h, j] += np.matmul(p.swapaxes(-1, -2), dob[:, h, i])
+        dk[:, h, j] += np.matmul(ds.swapaxes(-1, -2), qb[:, h, i]) * scale
+    return tuple(_unblocked(g, layout).astype(q.dtype) for g in (dq, dk, dv))

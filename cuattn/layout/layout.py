@@ -1,0 +1,363 @@
+"""Layout: which blocks of the attention matrix are computed, and which elements inside them.
+
+A layout is data, never code that a kernel compiles: a bool block array ``blocks[h, i, j]`` (query
+block i of head h sees key block j), an element rule applied inside blocks that need it, and the
+index arrays the kernels walk: CSR (row-major, forward and dQ) and CSC (column-major, dK and dV).
+
+Semantics (docs/design.md §2). Query q of head h sees key k when all of these hold:
+    blocks[h, q // b, k // b]  and  rule(h, q, k)  and  k < n_ctx
+where ``rule`` is one of
+    none      every element of an active block
+    causal    k <= q
+    window    q - k < window_left  and  k - q < window_right  (causal local: left=w, right=1)
+    bitmask   per-block bit tables evaluated once, at build time, from a vectorised mask_fn(h, q, k)
+A layout may carry a token permutation ``perm`` (the computed order): position p of the computed
+sequence holds token ``perm[p]`` of the caller's sequence. Blocks and rule speak of computed order;
+``to_mask()`` always answers in the caller's natural order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cuattn._util import ceil_div
+
+RULE_KINDS = ("none", "causal", "window", "bitmask")
+BITS_PER_WORD = 32
+# Active blocks whose element masks are evaluated at once when building a bitmask layout; bounds
+# the build's temporary memory to MASK_CHUNK * b * b bytes.
+MASK_CHUNK = 2048
+# Widest block picture repr() draws before it groups several blocks into one character.
+PICTURE_MAX_WIDTH = 64
+FULL_BLOCK = -1
+
+MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ElementRule:
+    """The element rule applied inside active blocks that are not fully allowed."""
+
+    kind: str = "none"
+    window_left: int = 0
+    window_right: int = 0
+    mask_fn: MaskFn | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULE_KINDS:
+            raise ValueError(f"rule kind must be one of {RULE_KINDS}, got {self.kind!r}")
+        if self.kind == "bitmask" and self.mask_fn is None:
+            raise ValueError("rule kind 'bitmask' needs a mask_fn")
+
+
+def _check_block_array(blocks: np.ndarray, name: str = "blocks") -> np.ndarray:
+    arr = np.asarray(blocks)
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3 or arr.shape[1] != arr.shape[2]:
+        raise ValueError(
+            f"{name} must be a [heads, n/b, n/b] (or [n/b, n/b]) 0/1 array, got shape {arr.shape}"
+        )
+    if arr.dtype != np.bool_:
+        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise TypeError(f"{name} must be a bool or 0/1 numeric array, got dtype {arr.dtype}")
+        if not np.isin(arr, (0, 1)).all():
+            raise ValueError(f"{name} must hold only 0 and 1")
+    return arr.astype(bool)
+
+
+def positions(
+    i: np.ndarray, j: np.ndarray, b: int, n_ctx: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Query [R, b, 1] and key [R, 1, b] positions of R blocks.
+
+    With ``n_ctx`` they are clipped to n_ctx - 1, so a mask_fn that indexes per-token tables never
+    sees the padding of a ragged last block (whose keys the k < n_ctx bound removes anyway).
+    """
+    r = np.arange(b)
+    qpos = i[:, None, None] * b + r[None, :, None]
+    kpos = j[:, None, None] * b + r[None, None, :]
+    if n_ctx is not None:
+        qpos, kpos = np.minimum(qpos, n_ctx - 1), np.minimum(kpos, n_ctx - 1)
+    return qpos, kpos
+
+
+def _pack_bits(masks: np.ndarray) -> np.ndarray:
+    """bool [N, b, b] -> uint32 [N, b, words]: bit (c % 32) of word (c // 32) is column c."""
+    n, b, _ = masks.shape
+    words = ceil_div(b, BITS_PER_WORD)
+    padded = np.zeros((n, b, words * BITS_PER_WORD), dtype=bool)
+    padded[:, :, :b] = masks
+    packed = np.packbits(padded, axis=-1, bitorder="little")
+    return packed.view("<u4").reshape(n, b, words).astype(np.uint32)
+
+
+def _unpack_bits(table: np.ndarray, b: int) -> np.ndarray:
+    """uint32 [N, b, words] -> bool [N, b, b] (inverse of _pack_bits)."""
+    as_bytes = np.ascontiguousarray(table.astype("<u4")).view(np.uint8)
+    bits = np.unpackbits(as_bytes, axis=-1, bitorder="little")
+    return bits[:, :, :b].astype(bool)
+
+
+class Layout:
+    """Block-sparse attention layout. Build with :func:`cuattn.make_layout` or :meth:`from_blocks`.
+
+    Attributes (all arrays read-only):
+        blocks      bool [heads, nb, nb], nb = ceil(n_ctx / blocksize)
+        blocksize, heads, n_ctx, num_blocks (nb), rule (ElementRule), perm (int64 [n_ctx] or None)
+        row_ptr     int32 [heads, nb + 1], absolute offsets into col_idx (CSR)
+        col_idx     int32 [nnz_total]
+        row_mask    int32 [nnz_total]: -1 = block fully allowed (no masking), >= 0 = apply the rule
+                    (for kind 'bitmask' an index into mask_table)
+        col_ptr, row_idx, col_mask   the same for CSC (key block -> query blocks)
+        mask_table  uint32 [n_masks, b, ceil(b/32)] per-block bitmasks (kind 'bitmask' only)
+        nnz         int64 [heads] active blocks per head; density = active / all blocks
+    """
+
+    def __init__(
+        self,
+        blocks: np.ndarray,
+        blocksize: int,
+        n_ctx: int | None = None,
+        rule: ElementRule | None = None,
+        perm: np.ndarray | None = None,
+        name: str = "custom",
+    ) -> None:
+        blocks = _check_block_array(blocks)
+        check_positive_int("blocksize", blocksize)
+        heads, nb, _ = blocks.shape
+        if n_ctx is None:
+            n_ctx = nb * blocksize
+        check_positive_int("n_ctx", n_ctx)
+        if ceil_div(n_ctx, blocksize) != nb:
+            raise ValueError(
+                f"blocks has {nb} blocks per side, but n_ctx={n_ctx} with blocksize={blocksize} "
+                f"needs ceil(n_ctx / blocksize) = {ceil_div(n_ctx, blocksize)}"
+            )
+        self.rule = rule if rule is not None else ElementRule()
+        self.blocksize = int(blocksize)
+        self.heads = int(heads)
+        self.n_ctx = int(n_ctx)
+        self.num_blocks = int(nb)
+        self.name = name
+        if perm is not None:
+            perm = np.asarray(perm, dtype=np.int64)
+            if perm.shape != (n_ctx,) or not np.array_equal(np.sort(perm), np.arange(n_ctx)):
+                raise ValueError(f"perm must be a permutation of range({n_ctx})")
+            perm.setflags(write=False)
+        self.perm = perm
+        self._build(blocks)
+
+    @classmethod
+    def from_blocks(
+        cls,
+        blocks: np.ndarray,
+        blocksize: int,
+        mask_fn: MaskFn | None = None,
+        n_ctx: int | None = None,
+    ) -> Layout:
+        """A user layout: a 0/1 block array [heads, n/b, n/b] and an optional element rule.
+
+        ``mask_fn(h, q, k) -> bool`` is evaluated with NumPy broadcasting (h, q, k are integer
+        arrays) once, at build time, over the active blocks only, into per-block bitmasks;
+        positions it sees are < n_ctx.
+        Query q of head h sees key k when ``blocks[h, q//b, k//b] and mask_fn(h, q, k)``.
+        """
+        if mask_fn is not None and not callable(mask_fn):
+            raise TypeError(f"mask_fn must be callable(h, q, k) -> bool array, got {mask_fn!r}")
+        rule = ElementRule("bitmask", mask_fn=mask_fn) if mask_fn is not None else None
+        return cls(blocks, blocksize, n_ctx=n_ctx, rule=rule, name="custom")
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _build(self, blocks: np.ndarray) -> None:
+        b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
+        row_ptr = np.zeros((self.heads, nb + 1), dtype=np.int64)
+        col_ptr = np.zeros((self.heads, nb + 1), dtype=np.int64)
+        col_idx, row_mask, row_idx, col_mask, tables = [], [], [], [], []
+        n_masks = 0
+        offset = 0
+        for h in range(self.heads):
+            i, j = np.nonzero(blocks[h])
+            mask_id, table = self._classify(h, i, j)
+            if table is not None:
+                mask_id = np.where(mask_id >= 0, mask_id + n_masks, mask_id)
+                n_masks += len(table)
+                tables.append(table)
+            row_ptr[h] = offset + np.concatenate(([0], np.cumsum(np.bincount(i, minlength=nb))))
+            col_ptr[h] = offset + np.concatenate(([0], np.cumsum(np.bincount(j, minlength=nb))))
+            by_col = np.lexsort((i, j))
+            col_idx.append(j)
+            row_mask.append(mask_id)
+            row_idx.append(i[by_col])
+            col_mask.append(mask_id[by_col])
+            offset += len(i)
+        words = ceil_div(b, BITS_PER_WORD)
+        self.blocks = blocks
+        self.row_ptr = row_ptr.astype(np.int32)
+        self.col_ptr = col_ptr.astype(np.int32)
+        self.col_idx = np.concatenate(col_idx).astype(np.int32)
+        self.row_mask = np.concatenate(row_mask).astype(np.int32)
+        self.row_idx = np.concatenate(row_idx).astype(np.int32)
+        self.col_mask = np.concatenate(col_mask).astype(np.int32)
+        self.mask_table = (
+            np.concatenate(tables) if tables else np.zeros((0, b, words), dtype=np.uint32)
+        )
+        self.nnz = blocks.reshape(self.heads, -1).sum(axis=1).astype(np.int64)
+        self.density = float(self.nnz.sum()) / (self.heads * nb * nb)
+        for arr in (
+            self.blocks,
+            self.row_ptr,
+            self.col_ptr,
+            self.col_idx,
+            self.row_mask,
+            self.row_idx,
+            self.col_mask,
+            self.mask_table,
+            self.nnz,
+        ):
+            arr.setflags(write=False)
+        assert self.row_ptr[-1, -1] == self.col_ptr[-1, -1] == len(self.col_idx) == offset
+        assert n <= nb * b
+
+    def _classify(
+        self, h: int, i: np.ndarray, j: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per active block: -1 when every element is allowed, else >= 0 (a mask-table row)."""
+        b, n, rule = self.blocksize, self.n_ctx, self.rule
+        ragged = (j + 1) * b > n
+        if rule.kind == "bitmask":
+            return self._bitmask_ids(h, i, j, ragged)
+        q_lo, k_lo = i * b, j * b
+        q_hi, k_hi = np.minimum(q_lo + b, n) - 1, k_lo + b - 1
+        if rule.kind == "none":
+            full = np.ones(len(i), dtype=bool)
+        elif rule.kind == "causal":
+            full = k_hi <= q_lo
+        else:
+            full = (q_hi - k_lo < rule.window_left) & (k_hi - q_lo < rule.window_right)
+        return np.where(full & ~ragged, FULL_BLOCK, 0).astype(np.int64), None
+
+    def _bitmask_ids(
+        self, h: int, i: np.ndarray, j: np.ndarray, ragged: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        b = self.blocksize
+        packed = []
+        full = np.zeros(len(i), dtype=bool)
+        for start in range(0, len(i), MASK_CHUNK):
+            sl = slice(start, start + MASK_CHUNK)
+            masks = self._eval_mask_fn(h, i[sl], j[sl])
+            full[sl] = masks.all(axis=(1, 2))
+            packed.append(_pack_bits(masks))
+        words = ceil_div(b, BITS_PER_WORD)
+        packed_all = np.concatenate(packed) if packed else np.zeros((0, b, words), np.uint32)
+        needs = ~full | ragged
+        ids = np.full(len(i), FULL_BLOCK, dtype=np.int64)
+        if not needs.any():
+            return ids, np.zeros((0, b, words), dtype=np.uint32)
+        flat = packed_all[needs].reshape(int(needs.sum()), -1)
+        table, inverse = np.unique(flat, axis=0, return_inverse=True)
+        ids[needs] = inverse.reshape(-1)
+        return ids, table.reshape(-1, b, words).astype(np.uint32)
+
+    def _eval_mask_fn(self, h: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        qpos, kpos = positions(i, j, self.blocksize, self.n_ctx)
+        out = self.rule.mask_fn(np.int64(h), qpos, kpos)
+        out = np.asarray(out)
+        if out.dtype != np.bool_:
+            raise TypeError(f"mask_fn must return a bool array, got dtype {out.dtype}")
+        return np.broadcast_to(out, qpos.shape[:1] + (self.blocksize, self.blocksize)).copy()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def block_masks(
+        self, h: np.ndarray, i: np.ndarray, j: np.ndarray, mask_id: np.ndarray
+    ) -> np.ndarray:
+        """bool [R, b, b] element masks of R active blocks (computed order), k < n_ctx included."""
+        b, kind = self.blocksize, self.rule.kind
+        qpos, kpos = positions(np.asarray(i), np.asarray(j), b)
+        if kind == "none":
+            masks = np.ones((len(i), b, b), dtype=bool)
+        elif kind == "causal":
+            masks = kpos <= qpos
+        elif kind == "window":
+            diff = qpos - kpos
+            masks = (diff < self.rule.window_left) & (-diff < self.rule.window_right)
+        else:
+            mask_id = np.asarray(mask_id)
+            masks = np.ones((len(mask_id), b, b), dtype=bool)
+            needs = mask_id >= 0
+            masks[needs] = _unpack_bits(self.mask_table[mask_id[needs]], b)
+        return masks & (kpos < self.n_ctx)
+
+    def to_mask(self) -> np.ndarray:
+        """bool [heads, n_ctx, n_ctx] element mask in the caller's natural token order (small n)."""
+        b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
+        full = np.zeros((self.heads, nb * b, nb * b), dtype=bool)
+        for h in range(self.heads):
+            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
+            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
+            cols = self.col_idx[lo:hi]
+            masks = self.block_masks(np.full(len(rows), h), rows, cols, self.row_mask[lo:hi])
+            view = full[h].reshape(nb, b, nb, b)
+            view[rows, :, cols, :] = masks
+        mask = full[:, :n, :n]
+        if self.perm is not None:
+            natural = np.zeros_like(mask)
+            natural[:, self.perm[:, None], self.perm[None, :]] = mask
+            mask = natural
+        return mask
+
+    def __repr__(self) -> str:
+        head = (
+            f"Layout({self.name!r}, n_ctx={self.n_ctx}, heads={self.heads}, "
+            f"blocksize={self.blocksize}, rule={self.rule.kind!r}, "
+            f"density={self.density:.3f}{', permuted' if self.perm is not None else ''})"
+        )
+        return head + "\n" + self.picture()
+
+    def picture(self, max_width: int = PICTURE_MAX_WIDTH) -> str:
+        """ASCII block picture per head: '█' full block, '░' partial, '·' off.
+
+        When there are more blocks than ``max_width`` a character stands for a group of blocks:
+        '█' all of them full, '░' any active.
+        """
+        nb = self.num_blocks
+        group = max(1, math.ceil(nb / max_width))
+        cells = ceil_div(nb, group)
+        full = np.zeros((self.heads, nb, nb), dtype=bool)
+        for h in range(self.heads):
+            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
+            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
+            full[h, rows, self.col_idx[lo:hi]] = self.row_mask[lo:hi] == FULL_BLOCK
+        pad = cells * group - nb
+        active = np.pad(self.blocks, ((0, 0), (0, pad), (0, pad)))
+        full = np.pad(full, ((0, 0), (0, pad), (0, pad)))
+        active = active.reshape(self.heads, cells, group, cells, group)
+        full = full.reshape(self.heads, cells, group, cells, group)
+        any_on = active.any(axis=(2, 4))
+        all_full = full.all(axis=(2, 4))
+        lines = []
+        for h in range(self.heads):
+            lines.append(
+                f"head {h}" + (f" ({group}x{group} blocks per character)" if group > 1 else "")
+            )
+            for r in range(cells):
+                lines.append(
+                    "".join(
+                        "█" if all_full[h, r, c] else ("░" if any_on[h, r, c] else "·")
+                        for c in range(cells)
+                    )
+                )
+        return "\n".join(lines)
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")

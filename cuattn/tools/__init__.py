@@ -1,0 +1,1 @@
+"""The command line and its jobs: ``cuattn check``, ``show``, ``compile`` and ``bench``."""

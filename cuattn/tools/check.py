@@ -1,0 +1,203 @@
+"""`cuattn check`: every pattern x dtype x block size x shape against the float64 oracle.
+
+Runs on the best backend present (the CUDA kernels on a GPU, else the kernels on the CPU
+interpreter, else the NumPy backend) unless ``--backend`` says otherwise, prints one table row
+per case (pattern, shape, dtype, backend, max relative error forward/backward, verdict) and
+returns non-zero if any case fails. This is the project's main correctness job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cuattn import backends as _backend
+from cuattn._util import ceil_div
+from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
+from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
+from cuattn.layout import make_layout
+from cuattn.layout.layout import Layout
+from cuattn.tools.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
+
+# Relative error allowed per dtype (docs/design.md: fp32 ~1e-5, half types ~1e-2).
+TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
+DTYPES = {
+    "numpy": ("float64", "float32", "float16"),
+    "interp": KERNEL_DTYPES,
+    "cuda": KERNEL_DTYPES,
+}
+HEADS = 2
+BATCH = 1
+SEED = 0
+SIZES = ("quick", "standard", "full")
+
+
+@dataclass(frozen=True)
+class Case:
+    pattern: str
+    mode: str
+    kwargs: tuple
+    blocksize: int
+    n_ctx: int
+    head_dim: int
+    dtype: str
+
+    def layout(self) -> Layout:
+        if self.mode == "custom":
+            return _custom_layout(self.n_ctx, self.blocksize)
+        return make_layout(self.mode, self.n_ctx, HEADS, self.blocksize, **dict(self.kwargs))
+
+
+def _custom_layout(n_ctx: int, blocksize: int) -> Layout:
+    """A user layout with a data-defined element rule, and one block row left empty."""
+    nb = ceil_div(n_ctx, blocksize)
+    rng = np.random.default_rng(SEED)
+    blocks = np.tril(rng.random((HEADS, nb, nb)) < 0.6)
+    blocks[:, :, 0] = True
+    blocks[:, 1] = False
+
+    def rule(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        return (k <= q) & ((q * 7 + k * 3 + h) % 5 != 0)
+
+    return Layout.from_blocks(blocks, blocksize, mask_fn=rule, n_ctx=n_ctx)
+
+
+def _patterns(blocksize: int) -> list[tuple[str, str, dict]]:
+    b = blocksize
+    return [
+        ("all", "all", {}),
+        ("all bidir", "all", {"causal": False}),
+        ("local", "local", {"local_attn_ctx": 2 * b - 3}),
+        ("local bidir", "local", {"local_attn_ctx": b + 5, "causal": False}),
+        ("strided", "strided", {"local_attn_ctx": 4}),
+        ("strided natural", "strided", {"local_attn_ctx": 5, "transpose": False}),
+        ("fixed", "fixed", {"local_attn_ctx": 2 * b, "num_verts": 2, "vertsize": 1}),
+        ("longformer", "longformer", {"local_attn_ctx": b // 2 + 1, "global_tokens": (0, 3)}),
+        ("bigbird", "bigbird", {"num_random_blocks": 1}),
+        ("variable", "variable", {"local_window_blocks": (1, 2)}),
+        ("custom", "custom", {}),
+    ]
+
+
+def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
+    """(n_ctx, head_dim) pairs per block size: a whole number of blocks, then a ragged length."""
+    if size == "quick":
+        return [(4 * blocksize, 64)]
+    if size == "full":
+        return [(n, d) for n in (4 * blocksize, 4 * blocksize - 5) for d in HEAD_DIMS]
+    return [(4 * blocksize, 64), (4 * blocksize - 5, 32 if blocksize <= 32 else 128)]
+
+
+def cases(backend: str, size: str = "standard") -> Iterator[Case]:
+    """Every pattern x dtype x block size x a few shapes (``size``: quick, standard, full)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    dtypes = [d for d in DTYPES[backend] if d != "bfloat16" or _has_bfloat16()]
+    blocksizes = (16, 64) if size == "quick" else BLOCK_SIZES
+    for dtype in dtypes:
+        for b in blocksizes:
+            for name, mode, kw in _patterns(b):
+                for n, d in _shapes(b, size):
+                    yield Case(name, mode, tuple(sorted(kw.items())), b, n, d, dtype)
+
+
+def _has_bfloat16() -> bool:
+    """NumPy and CuPy spell bfloat16 through ml_dtypes (installed with the cuda extras)."""
+    return importlib.util.find_spec("ml_dtypes") is not None
+
+
+def best_backend() -> str:
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return "cuda"
+        except Exception:  # no driver or no device: fall through to the CPU backends
+            pass
+    if importlib.util.find_spec("cuattn.backends.interp") is not None and shutil.which("g++"):
+        return "interp"
+    return "numpy"
+
+
+def _to_backend(x: np.ndarray, backend: str, dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        x = x.astype(ml_dtypes.bfloat16)
+    else:
+        x = x.astype(dtype)
+    if backend == "cuda":
+        import cupy
+
+        return cupy.asarray(x)
+    return x
+
+
+def _to_host(x: Any) -> np.ndarray:
+    if type(x).__module__.startswith("cupy"):
+        x = x.get()
+    return np.asarray(x).astype(np.float64)
+
+
+def run_case(case: Case, backend: str) -> tuple[float, float]:
+    """(forward error, backward error) of one case, relative to the float64 oracle."""
+    layout = case.layout()
+    rng = np.random.default_rng(SEED)
+    shape = (BATCH, HEADS, case.n_ctx, case.head_dim)
+    host = [rng.standard_normal(shape) for _ in range(4)]
+    q, k, v, dout = (_to_backend(x, backend, case.dtype) for x in host)
+    # The oracle sees exactly the values the backend sees (after rounding to the dtype).
+    q64, k64, v64, do64 = (_to_host(x) for x in (q, k, v, dout))
+    scale = 1.0 / np.sqrt(case.head_dim)
+    out, lse = _backend.forward(q, k, v, layout, scale, backend)
+    grads = _backend.backward(q, k, v, out, lse, dout, layout, scale, backend)
+    mask = layout.to_mask()
+    ref_out, _ = dense_attention(q64, k64, v64, mask, scale)
+    ref_grads = dense_attention_grads(q64, k64, v64, do64, mask, scale)
+    out_h = _to_host(out)
+    if np.isnan(out_h).any() or any(np.isnan(_to_host(g)).any() for g in grads):
+        return float("nan"), float("nan")
+    fwd = rel_err(out_h, ref_out)
+    bwd = max(rel_err(_to_host(g), r, GRAD_FLOOR) for g, r in zip(grads, ref_grads, strict=True))
+    return fwd, bwd
+
+
+def main(backend: str | None = None, size: str = "standard", out=sys.stdout) -> int:
+    backend = backend or best_backend()
+    header = f"{'pattern':<16} {'shape [B,H,T,D]':<18} {'block':>5} {'dtype':<9} {'backend':<7} "
+    header += f"{'fwd rel err':>11} {'bwd rel err':>11}  verdict"
+    if "bfloat16" in DTYPES[backend] and not _has_bfloat16():
+        print(
+            "bfloat16 cases skipped: pip install ml_dtypes (or the cuda extras) for them", file=out
+        )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    failures = total = 0
+    start = time.perf_counter()
+    for case in cases(backend, size):
+        fwd, bwd = run_case(case, backend)
+        tol = TOLERANCE[case.dtype]
+        ok = fwd <= tol and bwd <= tol  # NaN compares false: a NaN fails
+        failures += not ok
+        total += 1
+        shape = f"[{BATCH},{HEADS},{case.n_ctx},{case.head_dim}]"
+        print(
+            f"{case.pattern:<16} {shape:<18} {case.blocksize:>5} {case.dtype:<9} {backend:<7} "
+            f"{fwd:>11.2e} {bwd:>11.2e}  {'ok' if ok else 'FAIL'}",
+            file=out,
+            flush=True,
+        )
+    elapsed = time.perf_counter() - start
+    print(
+        f"\n{total - failures} passed, {failures} failed ({backend} backend, {elapsed:.1f} s)",
+        file=out,
+    )
+    return 1 if failures else 0

@@ -1,0 +1,133 @@
+"""Command line: ``cuattn check | show | compile | bench`` (also ``python -m cuattn ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from cuattn.layout import MODES, make_layout
+
+# Subcommands whose implementation lives in its own module, imported only when used:
+# name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
+_EXTERNAL = {
+    "compile": ("cuattn.tools.compile_check", "compile every kernel instantiation with NVRTC"),
+    "bench": ("cuattn.tools.bench.run", "benchmark against torch SDPA and FlexAttention (GPU)"),
+}
+
+
+def _check(args: argparse.Namespace) -> int:
+    from cuattn.tools.check import main
+
+    return main(backend=args.backend, size=args.size)
+
+
+def _show(args: argparse.Namespace) -> int:
+    extra = {}
+    if args.global_tokens is not None:
+        extra["global_tokens"] = args.global_tokens
+    layout = make_layout(
+        args.mode,
+        args.n_ctx,
+        args.heads,
+        blocksize=args.blocksize,
+        local_attn_ctx=args.local_attn_ctx,
+        num_verts=args.num_verts,
+        vertsize=args.vertsize,
+        causal=not args.bidirectional,
+        **extra,
+    )
+    print(layout)
+    if args.png:
+        _save_png(layout, args.png)
+        print(f"saved {args.png}")
+    return 0
+
+
+def _save_png(layout, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("--png needs matplotlib: pip install 'cuattn[plot]'") from exc
+    heads = layout.heads
+    fig, axes = plt.subplots(1, heads, figsize=(3 * heads, 3.2), squeeze=False)
+    for h, ax in enumerate(axes[0]):
+        ax.imshow(layout.blocks[h], cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"head {h}")
+        ax.set_xlabel("key block")
+        ax.set_ylabel("query block")
+    fig.suptitle(
+        f"{layout.name}: n_ctx={layout.n_ctx}, b={layout.blocksize}, density={layout.density:.3f}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cuattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="check every pattern/dtype/block size against float64")
+    check.add_argument(
+        "--backend",
+        choices=("numpy", "interp", "cuda"),
+        default=None,
+        help="default: cuda on a GPU, else interp (needs g++), else numpy",
+    )
+    size = check.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        dest="size",
+        action="store_const",
+        const="quick",
+        help="block sizes 16 and 64, one shape each",
+    )
+    size.add_argument(
+        "--full",
+        dest="size",
+        action="store_const",
+        const="full",
+        help="every head dim 32/64/128 at a whole and a ragged length",
+    )
+    check.set_defaults(size="standard")
+    check.set_defaults(func=_check)
+
+    show = sub.add_parser("show", help="print a pattern's block picture (and save a PNG)")
+    show.add_argument("mode", choices=MODES)
+    show.add_argument("--n-ctx", type=int, default=1024)
+    show.add_argument("--heads", type=int, default=4)
+    show.add_argument("--blocksize", type=int, default=32)
+    show.add_argument("--local-attn-ctx", type=int, default=None)
+    show.add_argument("--num-verts", type=int, default=None)
+    show.add_argument("--vertsize", type=int, default=None)
+    show.add_argument("--global-tokens", type=int, nargs="*", default=None)
+    show.add_argument("--bidirectional", action="store_true", help="causal=False")
+    show.add_argument("--png", metavar="FILE", default=None, help="also save a picture")
+    show.set_defaults(func=_show)
+
+    for name, (module, help_text) in _EXTERNAL.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        cmd = sub.add_parser(name, help=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(cmd)
+        cmd.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError) as exc:
+        print(f"cuattn {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""NVRTC compile check: every kernel instantiation, every architecture, no GPU needed.
+
+Compiles each instantiation to a cubin with `-Xptxas=-v`, collects registers / shared memory /
+spills, prints a table, and fails (exit status 1) on any compile error or any spill. Run:
+
+    python -m cuattn compile [--arch sm_80,sm_90] [--jobs N]
+
+Each instantiation is its own NVRTC program (one name expression) so its ptxas log stands alone;
+programs compile in a process pool so every core works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from cuattn.backends.toolchain import (
+    CUPY_IMPLICIT_OPTIONS,
+    DEFAULT_ARCHS,
+    PTXAS_VERBOSE_OPTION,
+    arch_option,
+    common_options,
+)
+from cuattn.tools.ptxas import FunctionStats, parse_ptxas_log
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+MAX_ERROR_LINES = 12  # of one compiler error shown
+MAX_LISTED = 4  # instantiations named per distinct error
+
+
+@dataclass(frozen=True)
+class CompileUnit:
+    """One kernel instantiation to compile."""
+
+    source_file: str  # e.g. "attn_fwd.cu", relative to kernels/
+    name_expression: str  # e.g. "attn_fwd<64, 128, __nv_bfloat16, MASK_CAUSAL>"
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    unit: CompileUnit
+    arch: str
+    seconds: float
+    error: str | None = None
+    # ptxas's report for the entry kernel (empty when the compile failed).
+    stats: FunctionStats = field(default_factory=lambda: FunctionStats(""))
+    # Spills in non-inlined device functions called by this kernel count against it too.
+    callee_spill_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.spills
+
+    @property
+    def spills(self) -> bool:
+        return self.stats.spills or self.callee_spill_bytes > 0
+
+
+def compile_unit(
+    source: str, unit: CompileUnit, arch: str, options: Sequence[str]
+) -> CompileResult:
+    """Compile one instantiation with NVRTC to a cubin; never raises for compile errors."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    start = time.perf_counter()
+    program = nvrtc.createProgram(source, unit.source_file, [], [])
+    try:
+        nvrtc.addNameExpression(program, unit.name_expression)
+        all_options = [arch_option(arch), PTXAS_VERBOSE_OPTION, *options, *CUPY_IMPLICIT_OPTIONS]
+        try:
+            nvrtc.compileProgram(program, all_options)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(program).rstrip("\x00")
+            return CompileResult(unit, arch, time.perf_counter() - start, error=f"{exc}\n{log}")
+        log = nvrtc.getProgramLog(program).rstrip("\x00")
+        lowered = nvrtc.getLoweredName(program, unit.name_expression)
+    finally:
+        nvrtc.destroyProgram(program)
+    report = parse_ptxas_log(log)
+    if lowered not in report.functions:
+        return CompileResult(
+            unit, arch, time.perf_counter() - start, error=f"no ptxas report for {lowered}\n{log}"
+        )
+    entry = report.functions[lowered]
+    callee_spills = sum(
+        f.spill_store_bytes + f.spill_load_bytes
+        for name, f in report.functions.items()
+        if name != lowered and name.startswith("_Z") and f.spills
+    )
+    return CompileResult(
+        unit,
+        arch,
+        time.perf_counter() - start,
+        stats=entry,
+        callee_spill_bytes=callee_spills,
+    )
+
+
+def run_check(
+    units: Sequence[CompileUnit],
+    archs: Sequence[str],
+    sources: dict[str, str],
+    options: Sequence[str],
+    jobs: int,
+    progress: TextIO | None = sys.stderr,
+) -> list[CompileResult]:
+    """Compile every (unit, arch) pair in `jobs` processes; results in submission order."""
+    tasks = [(unit, arch) for arch in archs for unit in units]
+    results: dict[tuple[CompileUnit, str], CompileResult] = {}
+    if jobs <= 1:
+        for done, (unit, arch) in enumerate(tasks, 1):
+            result = compile_unit(sources[unit.source_file], unit, arch, options)
+            results[(unit, arch)] = result
+            _report_progress(progress, done, len(tasks), result)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {
+                pool.submit(compile_unit, sources[unit.source_file], unit, arch, options): (
+                    unit,
+                    arch,
+                )
+                for unit, arch in tasks
+            }
+            for done, future in enumerate(as_completed(futures), 1):
+                result = future.result()
+                results[futures[future]] = result
+                _report_progress(progress, done, len(tasks), result)
+    return [results[task] for task in tasks]
+
+
+def _report_progress(stream: TextIO | None, done: int, total: int, result: CompileResult) -> None:
+    if stream is None:
+        return
+    status = "ERROR" if result.error else ("SPILL" if result.spills else "ok")
+    width = len(str(total))
+    stream.write(
+        f"[{done:>{width}}/{total}] {status:5} {result.arch} {result.unit.name_expression}"
+        f" ({result.seconds:.1f}s)\n"
+    )
+    stream.flush()
+
+
+def format_table(results: Iterable[CompileResult]) -> str:
+    """Markdown table, one row per (instantiation, arch)."""
+    header = (
+        "| arch | file | instantiation | regs | static smem B | stack B | spill st B | spill ld B"
+        " | status |\n|---|---|---|---:|---:|---:|---:|---:|---|"
+    )
+    rows = [header]
+    for r in results:
+        status = "error" if r.error else ("SPILL" if r.spills else "ok")
+        rows.append(
+            f"| {r.arch} | {r.unit.source_file} | `{r.unit.name_expression}` | {r.stats.registers}"
+            f" | {r.stats.static_smem_bytes} | {r.stats.stack_bytes} | {r.stats.spill_store_bytes}"
+            f" | {r.stats.spill_load_bytes + r.callee_spill_bytes} | {status} |"
+        )
+    return "\n".join(rows)
+
+
+def format_errors(results: Iterable[CompileResult]) -> str:
+    """Each distinct compiler error once (by its first error line), with where it occurred;
+    one mistake in a shared header otherwise repeats for every instantiation."""
+    groups: dict[str, list[CompileResult]] = {}
+    for r in results:
+        if r.error:
+            lines = r.error.splitlines()
+            first = next((line for line in lines if "error:" in line), lines[0])
+            groups.setdefault(first, []).append(r)
+    parts = []
+    for group in groups.values():
+        where = ", ".join(f"{r.arch} {r.unit.name_expression}" for r in group[:MAX_LISTED])
+        more = f" and {len(group) - MAX_LISTED} more" if len(group) > MAX_LISTED else ""
+        detail = "\n".join(group[0].error.splitlines()[:MAX_ERROR_LINES])
+        parts.append(f"\n## {len(group)} x: {where}{more}\n{detail}")
+    return "\n".join(parts)
+
+
+def summarize(results: Sequence[CompileResult]) -> str:
+    errors = sum(1 for r in results if r.error)
+    spills = sum(1 for r in results if r.error is None and r.spills)
+    ok_regs = [r.stats.registers for r in results if r.error is None]
+    max_regs = max(ok_regs, default=0)
+    return (
+        f"{len(results)} compiled: {len(results) - errors - spills} ok, {spills} spilling,"
+        f" {errors} errors; max registers {max_regs}"
+    )
+
+
+def kernel_instantiations() -> list[CompileUnit]:
+    """Every instantiation the kernels ship, as listed by cuattn.backends.geometry."""
+    from cuattn.backends import geometry
+
+    return [
+        CompileUnit(source_file, name)
+        for source_file, names in geometry.all_instantiations().items()
+        for name in names
+    ]
+
+
+def load_sources(units: Iterable[CompileUnit]) -> dict[str, str]:
+    from cuattn.backends.toolchain import kernel_program
+
+    return {name: kernel_program(name) for name in {u.source_file for u in units}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--arch",
+        default=",".join(DEFAULT_ARCHS),
+        help="comma-separated architectures (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes"
+    )
+    parser.add_argument("--filter", default="", help="only instantiations containing this text")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    units = [u for u in kernel_instantiations() if args.filter in u.name_expression]
+    if not units:
+        sys.stderr.write(f"no instantiations match {args.filter!r}\n")
+        return EXIT_FAILED
+    sys.stderr.write(
+        f"compiling {len(units)} instantiations x {len(archs)} archs with {args.jobs} jobs\n"
+    )
+    start = time.perf_counter()
+    results = run_check(units, archs, load_sources(units), common_options(), args.jobs)
+    table = format_table(results)
+    print(table)
+    print(format_errors(results))
+    summary = f"{summarize(results)}; {time.perf_counter() - start:.0f}s with {args.jobs} jobs"
+    print(f"\n{summary}")
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(f"{table}\n\n{summary}\n")
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cuattn compile", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

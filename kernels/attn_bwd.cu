@@ -7,9 +7,9 @@
 //   dK = dS^T Q * scale, with delta = rowsum(dO * O).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
-//   attn_bwd_dkdv<BLOCK, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
+//   attn_bwd_dkdv<BLOCK, TILE, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
 //       column of its key block; dK, dV accumulate in registers (each warp owns 16 keys).
-//   attn_bwd_dq<BLOCK, HEAD_DIM, T, RULE>   one CTA per query tile walks the CSR row and
+//   attn_bwd_dq<BLOCK, TILE, HEAD_DIM, T, RULE>   one CTA per query tile walks the CSR row and
 //       recomputes P and dS; dQ accumulates in registers, so the backward is bit-identical
 //       across runs. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
 //       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
@@ -28,17 +28,11 @@ struct attn_bwd_row_traits {
   static constexpr int SMEM_BYTES = 0;
 };
 
-// Query/key tile of the backward kernels: head dims 96 and 128 use 32 so that the dK and dV
-// accumulators (2 x 64 floats per thread) and the score tiles fit in registers.
-template <int BLOCK, int HEAD_DIM>
-struct BwdTile {
-  static constexpr int LIMIT = HEAD_DIM >= 96 ? 32 : 64;
-  static constexpr int value = BLOCK < LIMIT ? BLOCK : LIMIT;
-};
-
-template <int BLOCK, int HEAD_DIM, typename T>
+// TILE (keys per dK/dV CTA, queries per dQ CTA) is chosen by cuattn/backends/geometry.py and
+// passed in (32 for head dims 96 and 128, so dK and dV fit in registers); the traits only derive
+// the rest and check it.
+template <int BLOCK, int TILE, int HEAD_DIM, typename T>
 struct attn_bwd_dkdv_traits {
-  static constexpr int TILE = BwdTile<BLOCK, HEAD_DIM>::value;
   static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
   static constexpr int NUM_WARPS = TILE / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
@@ -49,9 +43,8 @@ struct attn_bwd_dkdv_traits {
   static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
 };
 
-template <int BLOCK, int HEAD_DIM, typename T>
+template <int BLOCK, int TILE, int HEAD_DIM, typename T>
 struct attn_bwd_dq_traits {
-  static constexpr int TILE = BwdTile<BLOCK, HEAD_DIM>::value;
   static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
   static constexpr int NUM_WARPS = TILE / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
@@ -91,16 +84,15 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS,
   }
 }
 
-template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse,
                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_ctx,
                   int num_blocks, float scale, int window_left, int window_right) {
-  using Traits = attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>;
-  constexpr int TILE = Traits::TILE;
+  using Traits = attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
@@ -206,16 +198,15 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, HEAD_DIM, T>::NUM_
   }
 }
 
-template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                 const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
                 int window_left, int window_right) {
-  using Traits = attn_bwd_dq_traits<BLOCK, HEAD_DIM, T>;
-  constexpr int TILE = Traits::TILE;
+  using Traits = attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 

@@ -7,51 +7,49 @@
 // blocks of each query block; only those are visited, so nothing of size n_ctx x n_ctx exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
-// Work decomposition: one CTA per (BLOCK_M query rows, head, batch); grid.x walks layout
-// query blocks times BLOCK / BLOCK_M sub-tiles. Each warp owns 16 query rows and keeps
+// Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout
+// query blocks times BLOCK / TILE_M sub-tiles. Each warp owns 16 query rows and keeps
 // m_i (running max, log2 domain), l_i (running sum, this lane's columns only) and the output
-// accumulator acc in registers; K and V tiles of BLOCK_N keys stream through shared memory.
+// accumulator acc in registers; K and V tiles of TILE_N keys stream through shared memory.
 // Scores are scaled by scale * log2(e) once so the softmax uses exp2.
 //
-// Template parameters: BLOCK (layout block size 16/32/64/128), HEAD_DIM (32/64/128), T (float,
-// __half, __nv_bfloat16), RULE (MaskRule, kernels/common/types.cuh).
-// Run: through cuattn (backend "cuda" or "interp"); launch geometry comes from
-// cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, __half, MASK_CAUSAL>`.
+// Template parameters: BLOCK (layout block size 16/32/64/128), TILE_M and TILE_N (the tiles),
+// HEAD_DIM (32/64/96/128), T (float, __half, __nv_bfloat16), RULE (MaskRule,
+// kernels/common/types.cuh). Run: through cuattn (backend "cuda" or "interp"); every size comes
+// from cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>`.
 #include "common/smem.cuh"
 #include "common/softmax.cuh"
 #include "common/warp_gemm.cuh"
 
-template <int BLOCK, int HEAD_DIM, typename T>
+// TILE_M (query rows per CTA) and TILE_N (keys per shared-memory tile) are chosen by
+// cuattn/backends/geometry.py and passed in; the traits only derive the rest and check it.
+template <int BLOCK, int TILE_M, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_traits {
-  static constexpr int BLOCK_M = BLOCK < 64 ? BLOCK : 64;  // query rows per CTA
-  static constexpr int BLOCK_N = BLOCK < 64 ? BLOCK : 64;  // keys per shared-memory tile
-  static constexpr int M_TILES_PER_BLOCK = BLOCK / BLOCK_M;
-  static constexpr int N_TILES_PER_BLOCK = BLOCK / BLOCK_N;
-  static constexpr int NUM_WARPS = BLOCK_M / 16;
+  static constexpr int M_TILES_PER_BLOCK = BLOCK / TILE_M;
+  static constexpr int N_TILES_PER_BLOCK = BLOCK / TILE_N;
+  static constexpr int NUM_WARPS = TILE_M / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (BLOCK_N + 4);
-  static constexpr int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * LD * int(sizeof(T)) +
+  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE_N + 4);
+  static constexpr int SMEM_BYTES = (TILE_M + 2 * TILE_N) * LD * int(sizeof(T)) +
                                     NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
-  static_assert(BLOCK % BLOCK_M == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0);
+  static_assert(BLOCK % TILE_M == 0 && BLOCK % TILE_N == 0 && TILE_M % 16 == 0 && TILE_N % 16 == 0);
   static_assert(HEAD_DIM % 16 == 0);
 };
 
-template <int BLOCK, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE_M, int TILE_N, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_fwd_traits<BLOCK, TILE_M, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
              const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
              int window_left, int window_right) {
-  using Traits = attn_fwd_traits<BLOCK, HEAD_DIM, T>;
-  constexpr int BLOCK_M = Traits::BLOCK_M;
-  constexpr int BLOCK_N = Traits::BLOCK_N;
+  using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
   const int q_block = int(blockIdx.x) / Traits::M_TILES_PER_BLOCK;
-  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * BLOCK_M;
+  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * TILE_M;
   if (q_start >= n_ctx) return;  // ragged last block: this sub-tile holds no query at all
   const int head = int(blockIdx.y);
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
@@ -61,11 +59,11 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
   const RuleParams rule{n_ctx, window_left, window_right, mask_table};
 
   T* q_smem = dynamic_smem<T>();
-  T* k_smem = q_smem + BLOCK_M * LD;
-  T* v_smem = k_smem + BLOCK_N * LD;
-  float* scratch = reinterpret_cast<float*>(v_smem + BLOCK_N * LD) + warp * Traits::SCRATCH_FLOATS;
+  T* k_smem = q_smem + TILE_M * LD;
+  T* v_smem = k_smem + TILE_N * LD;
+  float* scratch = reinterpret_cast<float*>(v_smem + TILE_N * LD) + warp * Traits::SCRATCH_FLOATS;
 
-  load_tile_async<BLOCK_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
+  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
                                                   HEAD_DIM, n_ctx - q_start);
   cp_async_commit();
 
@@ -80,29 +78,29 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
     const int k_block = col_idx[entry];
     const int mask_id = row_mask[entry];
     for (int sub = 0; sub < Traits::N_TILES_PER_BLOCK; ++sub) {
-      const int k_start = k_block * BLOCK + sub * BLOCK_N;
-      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + BLOCK_M - 1, k_start,
-                                               k_start + BLOCK_N - 1, mask_id);
+      const int k_start = k_block * BLOCK + sub * TILE_N;
+      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + TILE_M - 1, k_start,
+                                               k_start + TILE_N - 1, mask_id);
       if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
 
       __syncthreads();  // every warp is done reading the previous K/V tile
       // K and V travel in separate commit groups: S = Q K^T and the softmax start as soon as
       // K has landed, while V is still in flight.
       const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
-      load_tile_async<BLOCK_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
                                                       n_ctx - k_start);
       cp_async_commit();
-      load_tile_async<BLOCK_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
                                                       n_ctx - k_start);
       cp_async_commit();
       cp_async_wait_group<1>();  // Q and K
       __syncthreads();
 
-      float s_frag[BLOCK_N / 8][4] = {};
-      warp_gemm_rs_nk<BLOCK_N, HEAD_DIM>(s_frag, q_smem + warp * 16 * LD, LD, k_smem, LD);
-      scale_tile<BLOCK_N>(s_frag, scale_log2);
+      float s_frag[TILE_N / 8][4] = {};
+      warp_gemm_rs_nk<TILE_N, HEAD_DIM>(s_frag, q_smem + warp * 16 * LD, LD, k_smem, LD);
+      scale_tile<TILE_N>(s_frag, scale_log2);
       if (coverage == TILE_PARTIAL) {
-        mask_score_tile<RULE, BLOCK, BLOCK_N, true>(s_frag, rule, q_warp, k_start, q_block, k_block,
+        mask_score_tile<RULE, BLOCK, TILE_N, true>(s_frag, rule, q_warp, k_start, q_block, k_block,
                                                     mask_id);
       }
 
@@ -111,7 +109,7 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
       for (int r = 0; r < 2; ++r) {
         float tile_max = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
+        for (int j = 0; j < TILE_N / 8; ++j) {
           tile_max = fmaxf(tile_max, fmaxf(s_frag[j][2 * r], s_frag[j][2 * r + 1]));
         }
         const float m_new = fmaxf(m_i[r], quad_max(tile_max));
@@ -121,7 +119,7 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
         const float alpha = exp2f(m_i[r] - m_base);
         float row_sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
+        for (int j = 0; j < TILE_N / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             s_frag[j][2 * r + c] = exp2f(s_frag[j][2 * r + c] - m_base);
@@ -138,7 +136,7 @@ __global__ void __launch_bounds__(attn_fwd_traits<BLOCK, HEAD_DIM, T>::NUM_THREA
       }
       cp_async_wait_group<0>();  // V
       __syncthreads();
-      warp_gemm_regs_kn<HEAD_DIM, BLOCK_N>(acc, s_frag, v_smem, LD, scratch);
+      warp_gemm_regs_kn<HEAD_DIM, TILE_N>(acc, s_frag, v_smem, LD, scratch);
     }
   }
   cp_async_wait_all();  // a row with no active tile still retires its Q copy

@@ -15,12 +15,16 @@ def test_check_quick_on_numpy_prints_a_passing_table():
     assert check.main(backend="numpy", size="quick", out=out) == 0
     text = out.getvalue()
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["pattern", "shape", "[B,H,T,D]"]
+    total = len(list(check.cases("numpy", "quick")))
+    assert lines[0].startswith("cuattn check: backend numpy (chosen with --backend); quick sweep")
+    assert f"{total} cases, about" in lines[0]
+    assert lines[1].split()[:3] == ["pattern", "shape", "[B,H,T,D]"]
     rows = [ln for ln in lines if ln.endswith(" ok") or ln.endswith("FAIL")]
-    assert len(rows) == len(list(check.cases("numpy", "quick")))
+    assert len(rows) == total and rows[0].startswith(f"[ 1/{total}]")
     assert all(r.endswith(" ok") for r in rows)
-    assert "numpy" in rows[0]
-    patterns = {r.split("  ")[0].strip() for r in rows}
+    assert lines[-1] == f"PASS: {total} passed, 0 failed"
+    assert any(ln.strip().startswith("float16   worst relative error") for ln in lines)
+    patterns = {r.split("] ", 1)[1].split("  ")[0].strip() for r in rows}
     assert {
         "all",
         "local",
@@ -37,7 +41,25 @@ def test_check_reports_a_failure(monkeypatch):
     monkeypatch.setattr(check, "run_case", lambda case, backend: (float("nan"), 0.0))
     out = io.StringIO()
     assert check.main(backend="numpy", size="quick", out=out) == 1
-    assert "FAIL" in out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("FAIL: 0 passed")
+    assert any("worst relative error inf" in ln for ln in lines)
+
+
+def test_check_picks_its_sweep_by_backend_and_says_why(monkeypatch):
+    """A plain `cuattn check` on a CPU-only machine runs the interpreter's quick sweep (under a
+    minute on 2 cores); --standard and --full cover every head dim, 96 included."""
+    monkeypatch.setattr(check.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setitem(__import__("sys").modules, "cupy", None)
+    backend, why = check.best_backend()
+    assert backend == "interp" and "g++" in why
+    monkeypatch.setattr(check, "run_case", lambda case, backend: (0.0, 0.0))
+    out = io.StringIO()
+    assert check.main(out=out) == 0
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("cuattn check: backend interp (") and "quick sweep" in first
+    for size in ("standard", "full"):
+        assert {c.head_dim for c in check.cases("numpy", size)} == {32, 64, 96, 128}
 
 
 def test_show_fixed_prints_per_head_pictures(capsys, tmp_path):
@@ -71,6 +93,7 @@ def test_check_skips_bfloat16_without_ml_dtypes(monkeypatch):
     monkeypatch.setattr(check, "run_case", lambda case, backend: (0.0, 0.0))
     out = io.StringIO()
     assert check.main(backend="interp", size="quick", out=out) == 0
-    assert out.getvalue().startswith("bfloat16 cases skipped: pip install ml_dtypes")
+    second = out.getvalue().splitlines()[1]
+    assert second.startswith("bfloat16 cases skipped: pip install ml_dtypes")
     monkeypatch.setattr(check, "_has_bfloat16", lambda: True)
     assert any(c.dtype == "bfloat16" for c in check.cases("interp", "quick"))

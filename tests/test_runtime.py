@@ -93,7 +93,7 @@ def test_modules_memoised_per_device_and_smem_opt_in(monkeypatch):
     fake = _FakeCupy()
     monkeypatch.setattr(runtime, "cupy_module", lambda: fake)
     cache = runtime.KernelCache()
-    name = "attn_fwd<64, 128, __half, MASK_CAUSAL>"
+    name = "attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>"
     small = cache.kernel("attn_fwd.cu", name, 16 * 1024)
     assert small.smem_settings == []  # under 48 KB nothing to opt in to
     big = cache.kernel("attn_fwd.cu", name, 80 * 1024)

@@ -108,6 +108,24 @@ def _smem_stride(cols: int, itemsize: int) -> int:
     return cols + SMEM_PAD_BYTES // itemsize
 
 
+# Tile sizes (the one place they are chosen; the C++ traits take them as template arguments).
+FWD_MAX_TILE = 64  # query rows per CTA and keys per shared-memory tile of the forward
+# Backward tile (keys of dK/dV, queries of dQ): head dims 96 and 128 use 32 so that the dK and
+# dV accumulators (2 x 64 floats per thread) and the score tiles fit in registers unspilled.
+BWD_MAX_TILE = 64
+BWD_MAX_TILE_LARGE_HEAD = 32
+LARGE_HEAD_DIM = 96
+
+
+def tile_sizes(kernel: str, block: int, head_dim: int) -> tuple[int, int]:
+    """(tile_m, tile_n) of a block kernel: rows per CTA, columns per shared-memory tile."""
+    if kernel == "attn_fwd":
+        tile = min(block, FWD_MAX_TILE)
+    else:
+        tile = min(block, BWD_MAX_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_MAX_TILE)
+    return tile, tile
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Geometry of one launch of one kernel instantiation.
@@ -145,15 +163,13 @@ class KernelConfig:
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
+            tile_m, tile_n = tile_sizes(self.kernel, self.block, self.head_dim)
             if self.kernel == "attn_fwd":
-                tile_m = tile_n = min(self.block, 64)
                 scratch = 0 if half else 16 * (tile_n + 4)
                 num_warps = tile_m // 16
                 smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
             else:
-                # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ); smaller for head
-                # dims 96 and 128 to keep dK + dV accumulators in registers without spilling
-                tile_m = tile_n = min(self.block, 32 if self.head_dim >= 96 else 64)
+                # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ)
                 num_warps = tile_n // 16
                 scratch = 0 if half else 16 * (tile_m + 4)
                 tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
@@ -194,22 +210,36 @@ class KernelConfig:
 
     @property
     def traits_expression(self) -> str:
-        """The C++ traits struct the kernel derives its own geometry from."""
+        """The C++ traits struct the kernel derives the rest of its geometry from."""
+        cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
-            return f"attn_bwd_row_traits<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
-        return f"{self.kernel}_traits<{self.block}, {self.head_dim}, {CXX_TYPE[self.dtype]}>"
+            return f"attn_bwd_row_traits<{self.head_dim}, {cxx}>"
+        tiles = _tile_args(self.kernel, self.block, self.head_dim)
+        return f"{self.kernel}_traits<{tiles}, {self.head_dim}, {cxx}>"
 
     @property
     def args(self) -> tuple[tuple[str, str], ...]:
         return KERNEL_ARGS[self.kernel]
 
 
+def _tile_args(kernel: str, block: int, head_dim: int) -> str:
+    """The leading template arguments of a block kernel: the block and its chosen tiles."""
+    tile_m, tile_n = tile_sizes(kernel, block, head_dim)
+    if kernel == "attn_fwd":
+        return f"{block}, {tile_m}, {tile_n}"
+    return f"{block}, {tile_m}"  # the backward kernels use square tiles
+
+
 def name_expression(
     kernel: str, head_dim: int, dtype: str, block: int | None = None, rule: str | None = None
 ) -> str:
+    """C++ name of one instantiation, e.g. ``attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>``
+    (block, tile_m, tile_n, head dim, type, rule) or ``attn_bwd_dq<64, 32, 128, ...>`` (block,
+    tile, ...)."""
     if kernel in ROW_KERNELS:
         return f"{kernel}<{head_dim}, {CXX_TYPE[dtype]}>"
-    return f"{kernel}<{block}, {head_dim}, {CXX_TYPE[dtype]}, {CXX_RULE[rule]}>"
+    tiles = _tile_args(kernel, block, head_dim)
+    return f"{kernel}<{tiles}, {head_dim}, {CXX_TYPE[dtype]}, {CXX_RULE[rule]}>"
 
 
 def all_configs() -> list[KernelConfig]:

@@ -9,6 +9,7 @@ returns non-zero if any case fails. This is the project's main correctness job.
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 import sys
 import time
@@ -37,6 +38,14 @@ HEADS = 2
 BATCH = 1
 SEED = 0
 SIZES = ("quick", "standard", "full")
+# The sweep a plain `cuattn check` runs: the interpreter runs a thread per CUDA thread, so it
+# gets the quick sweep (under a minute on 2 CPU cores); the others are fast enough for more.
+DEFAULT_SIZE = {"cuda": "standard", "interp": "quick", "numpy": "standard"}
+# Ragged-length head dim per block size in the standard sweep: every head dim appears.
+STANDARD_RAGGED_HEAD_DIM = {16: 32, 32: 96, 64: 128, 128: 96}
+# Seconds per case measured on 2 CPU cores (2026-11-23; the interpreter's first compile
+# included) and a guess for a GPU: only for the "about" in the first line.
+SECONDS_PER_CASE = {"cuda": 0.05, "interp": 0.85, "numpy": 0.05}
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
         return [(4 * blocksize, 64)]
     if size == "full":
         return [(n, d) for n in (4 * blocksize, 4 * blocksize - 5) for d in HEAD_DIMS]
-    return [(4 * blocksize, 64), (4 * blocksize - 5, 32 if blocksize <= 32 else 128)]
+    return [(4 * blocksize, 64), (4 * blocksize - 5, STANDARD_RAGGED_HEAD_DIM[blocksize])]
 
 
 def cases(backend: str, size: str = "standard") -> Iterator[Case]:
@@ -113,18 +122,22 @@ def _has_bfloat16() -> bool:
     return importlib.util.find_spec("ml_dtypes") is not None
 
 
-def best_backend() -> str:
-    if importlib.util.find_spec("cupy") is not None:
+def best_backend() -> tuple[str, str]:
+    """(backend, why it was picked)."""
+    if importlib.util.find_spec("cupy") is None:
+        no_gpu = "CuPy is not installed"
+    else:
         try:
             import cupy
 
             if cupy.cuda.runtime.getDeviceCount() > 0:
-                return "cuda"
+                return "cuda", "a CUDA device is present"
+            no_gpu = "no CUDA device"
         except Exception:  # no driver or no device: fall through to the CPU backends
-            pass
-    if importlib.util.find_spec("cuattn.backends.interp") is not None and shutil.which("g++"):
-        return "interp"
-    return "numpy"
+            no_gpu = "no CUDA driver or device"
+    if shutil.which("g++"):
+        return "interp", f"{no_gpu}; g++ runs the kernels on the CPU interpreter"
+    return "numpy", f"{no_gpu} and no g++: the NumPy reference backend"
 
 
 def _to_backend(x: np.ndarray, backend: str, dtype: str) -> Any:
@@ -170,34 +183,53 @@ def run_case(case: Case, backend: str) -> tuple[float, float]:
     return fwd, bwd
 
 
-def main(backend: str | None = None, size: str = "standard", out=sys.stdout) -> int:
-    backend = backend or best_backend()
-    header = f"{'pattern':<16} {'shape [B,H,T,D]':<18} {'block':>5} {'dtype':<9} {'backend':<7} "
-    header += f"{'fwd rel err':>11} {'bwd rel err':>11}  verdict"
+def main(backend: str | None = None, size: str | None = None, out=sys.stdout) -> int:
+    if backend is None:
+        backend, why = best_backend()
+    else:
+        why = "chosen with --backend"
+    size = size or DEFAULT_SIZE[backend]
+    todo = list(cases(backend, size))
+    estimate = len(todo) * SECONDS_PER_CASE[backend]
+    print(
+        f"cuattn check: backend {backend} ({why}); {size} sweep, {len(todo)} cases, "
+        f"about {estimate:.0f} s",
+        file=out,
+    )
     if "bfloat16" in DTYPES[backend] and not _has_bfloat16():
         print(
             "bfloat16 cases skipped: pip install ml_dtypes (or the cuda extras) for them", file=out
         )
+    width = len(str(len(todo)))
+    header = f"{'':<{2 * width + 3}} {'pattern':<16} {'shape [B,H,T,D]':<18} {'block':>5} "
+    header += f"{'dtype':<9} {'fwd rel err':>11} {'bwd rel err':>11}  verdict"
     print(header, file=out)
     print("-" * len(header), file=out)
-    failures = total = 0
+    failures = 0
+    worst: dict[str, float] = {}
     start = time.perf_counter()
-    for case in cases(backend, size):
+    for i, case in enumerate(todo, 1):
         fwd, bwd = run_case(case, backend)
         tol = TOLERANCE[case.dtype]
         ok = fwd <= tol and bwd <= tol  # NaN compares false: a NaN fails
         failures += not ok
-        total += 1
+        # NaN counts as infinitely wrong in the summary (it has failed the case already).
+        error = max(math.inf if e != e else e for e in (fwd, bwd))
+        worst[case.dtype] = max(worst.get(case.dtype, 0.0), error)
         shape = f"[{BATCH},{HEADS},{case.n_ctx},{case.head_dim}]"
         print(
-            f"{case.pattern:<16} {shape:<18} {case.blocksize:>5} {case.dtype:<9} {backend:<7} "
-            f"{fwd:>11.2e} {bwd:>11.2e}  {'ok' if ok else 'FAIL'}",
+            f"[{i:>{width}}/{len(todo)}] {case.pattern:<16} {shape:<18} {case.blocksize:>5} "
+            f"{case.dtype:<9} {fwd:>11.2e} {bwd:>11.2e}  {'ok' if ok else 'FAIL'}",
             file=out,
             flush=True,
         )
     elapsed = time.perf_counter() - start
-    print(
-        f"\n{total - failures} passed, {failures} failed ({backend} backend, {elapsed:.1f} s)",
-        file=out,
-    )
+    print(f"\nbackend {backend}, {size} sweep: {len(todo)} cases in {elapsed:.1f} s", file=out)
+    for dtype, error in worst.items():
+        tolerance = TOLERANCE[dtype]
+        print(
+            f"  {dtype:<9} worst relative error {error:.2e} (tolerance {tolerance:.0e})", file=out
+        )
+    verdict = "PASS" if not failures else "FAIL"
+    print(f"{verdict}: {len(todo) - failures} passed, {failures} failed", file=out)
     return 1 if failures else 0

@@ -40,7 +40,7 @@ class CompileUnit:
     """One kernel instantiation to compile."""
 
     source_file: str  # e.g. "attn_fwd.cu", relative to kernels/
-    name_expression: str  # e.g. "attn_fwd<64, 128, __nv_bfloat16, MASK_CAUSAL>"
+    name_expression: str  # e.g. "attn_fwd<64, 64, 64, 128, __nv_bfloat16, MASK_CAUSAL>"
 
 
 @dataclass(frozen=True)

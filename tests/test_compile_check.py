@@ -132,3 +132,19 @@ def test_one_header_mistake_is_reported_once():
     results = run_check(units, ["sm_80"], {"tiny.cu": broken}, STANDALONE_OPTIONS, 1, None)
     report = format_errors(results)
     assert report.count("## ") == 1 and "## 3 x" in report and "syncthreads_typo" in report
+
+
+def test_missing_nvrtc_is_one_line_naming_the_extra(monkeypatch, capsys):
+    """`cuattn compile` without NVRTC once died in a 50-line traceback (no libnvrtc.so.12)."""
+    import cupy_backends.cuda.libs.nvrtc as nvrtc
+
+    from cuattn.tools import compile_check
+
+    def missing():
+        raise RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: cannot open shared object")
+
+    monkeypatch.setattr(nvrtc, "getVersion", missing)
+    assert compile_check.main(["--filter", "attn_bwd_preprocess<32"]) == compile_check.EXIT_FAILED
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "NVRTC cannot be loaded" in err and "pip install 'cuattn[nvrtc]'" in err

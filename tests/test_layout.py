@@ -104,3 +104,30 @@ def test_permuted_mask_is_in_natural_order():
     assert lay.perm is not None
     mask = lay.to_mask()[0]
     assert mask[8, 0] and mask[8, 4] and not mask[8, 1] and not mask[0, 8]
+
+
+@pytest.mark.parametrize(
+    "mode,kwargs",
+    [
+        ("strided", {"local_attn_ctx": 8}),  # transposed: permuted
+        ("strided", {"local_attn_ctx": 4, "causal": False}),
+        ("local", {"local_attn_ctx": 20}),  # natural order already
+    ],
+)
+def test_picture_is_in_natural_order_and_says_when_computed_permuted(mode, kwargs):
+    """`cuattn show strided` once drew the computed order (a plain diagonal) as if it were the
+    user's; the picture's blocks must be those of the natural element mask."""
+    b, n = 16, 256
+    lay = cuattn.make_layout(mode, n, 2, blocksize=b, **kwargs)
+    nb = n // b
+    blocks = lay.to_mask().reshape(2, nb, b, nb, b)
+    active, full = (
+        lay._natural_blocks() if lay.perm is not None else (lay.blocks, lay._full_blocks())
+    )
+    np.testing.assert_array_equal(active, blocks.any(axis=(2, 4)))
+    np.testing.assert_array_equal(full, blocks.all(axis=(2, 4)))
+    text = lay.picture()
+    assert ("natural token order" in text) == (lay.perm is not None)
+    if lay.perm is not None:
+        assert lay.picture(natural=False).startswith("computed (permuted) order")
+        assert text != lay.picture(natural=False)

@@ -320,28 +320,29 @@ class Layout:
         )
         return head + "\n" + self.picture()
 
-    def picture(self, max_width: int = PICTURE_MAX_WIDTH) -> str:
+    def picture(self, max_width: int = PICTURE_MAX_WIDTH, natural: bool = True) -> str:
         """ASCII block picture per head: '█' full block, '░' partial, '·' off.
 
-        When there are more blocks than ``max_width`` a character stands for a group of blocks:
-        '█' all of them full, '░' any active.
+        In the caller's natural token order by default; a permuted layout (strided in its
+        transposed form) says so, and ``natural=False`` draws the blocks as computed. When there
+        are more blocks than ``max_width`` a character stands for a group of blocks: '█' all of
+        them full, '░' any active.
         """
+        if natural and self.perm is not None:
+            active, full = self._natural_blocks()
+            title = "natural token order; computed permuted, as picture(natural=False) shows"
+        else:
+            active, full = self.blocks, self._full_blocks()
+            title = "computed (permuted) order" if self.perm is not None else ""
         nb = self.num_blocks
         group = max(1, math.ceil(nb / max_width))
         cells = ceil_div(nb, group)
-        full = np.zeros((self.heads, nb, nb), dtype=bool)
-        for h in range(self.heads):
-            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
-            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
-            full[h, rows, self.col_idx[lo:hi]] = self.row_mask[lo:hi] == FULL_BLOCK
         pad = cells * group - nb
-        active = np.pad(self.blocks, ((0, 0), (0, pad), (0, pad)))
+        active = np.pad(active, ((0, 0), (0, pad), (0, pad)))
         full = np.pad(full, ((0, 0), (0, pad), (0, pad)))
-        active = active.reshape(self.heads, cells, group, cells, group)
-        full = full.reshape(self.heads, cells, group, cells, group)
-        any_on = active.any(axis=(2, 4))
-        all_full = full.all(axis=(2, 4))
-        lines = []
+        any_on = active.reshape(self.heads, cells, group, cells, group).any(axis=(2, 4))
+        all_full = full.reshape(self.heads, cells, group, cells, group).all(axis=(2, 4))
+        lines = [title] if title else []
         for h in range(self.heads):
             lines.append(
                 f"head {h}" + (f" ({group}x{group} blocks per character)" if group > 1 else "")
@@ -354,6 +355,45 @@ class Layout:
                     )
                 )
         return "\n".join(lines)
+
+    def _full_blocks(self) -> np.ndarray:
+        """bool [heads, nb, nb]: active blocks whose every element is allowed (computed order)."""
+        nb = self.num_blocks
+        full = np.zeros((self.heads, nb, nb), dtype=bool)
+        for h in range(self.heads):
+            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
+            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
+            full[h, rows, self.col_idx[lo:hi]] = self.row_mask[lo:hi] == FULL_BLOCK
+        return full
+
+    def _natural_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(active, full) bool [heads, nb, nb] in natural token order, counted element by
+        element from the computed blocks, a chunk at a time (no [n, n] array)."""
+        b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
+        natural_block = self.perm // b  # computed position -> its token's natural block
+        counts = np.zeros((self.heads, nb, nb), dtype=np.int64)
+        for h in range(self.heads):
+            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
+            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
+            cols, ids = self.col_idx[lo:hi], self.row_mask[lo:hi]
+            for start in range(0, len(rows), MASK_CHUNK):
+                sl = slice(start, start + MASK_CHUNK)
+                masks = self.block_masks(np.full(len(rows[sl]), h), rows[sl], cols[sl], ids[sl])
+                qpos, kpos = positions(rows[sl], cols[sl], b)
+                allowed = masks & (qpos < n)
+                q_nat = natural_block[np.minimum(qpos, n - 1)]
+                k_nat = natural_block[np.minimum(kpos, n - 1)]
+                shape = allowed.shape
+                np.add.at(
+                    counts[h],
+                    (
+                        np.broadcast_to(q_nat, shape)[allowed],
+                        np.broadcast_to(k_nat, shape)[allowed],
+                    ),
+                    1,
+                )
+        sizes = np.minimum(b, n - np.arange(nb) * b)  # tokens per natural block (ragged last)
+        return counts > 0, counts == sizes[:, None] * sizes[None, :]
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -17,6 +17,16 @@ _EXTERNAL = {
 }
 
 
+EXAMPLES = """examples:
+  cuattn check                       the correctness check on the best backend present
+  cuattn check --backend numpy --full
+  cuattn show strided --n-ctx 256 --blocksize 16 --local-attn-ctx 8
+  cuattn compile --arch sm_90 --jobs 4
+  cuattn bench --quick               on a GPU: cuattn vs SDPA and FlexAttention
+  cuattn bench --dry-run             on a CPU: the benchmark harness on the NumPy backend
+"""
+
+
 def _check(args: argparse.Namespace) -> int:
     from cuattn.tools.check import main
 
@@ -69,7 +79,13 @@ def _save_png(layout, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cuattn", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="cuattn",
+        description="cuattn: block-sparse attention kernels. Correctness check, layout pictures, "
+        "the NVRTC compile check and the benchmark.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="check every pattern/dtype/block size against float64")

@@ -26,6 +26,7 @@ from cuattn.backends.toolchain import (
     PTXAS_VERBOSE_OPTION,
     arch_option,
     common_options,
+    cuda_include_options,
 )
 from cuattn.tools.ptxas import FunctionStats, parse_ptxas_log
 
@@ -33,6 +34,10 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 MAX_ERROR_LINES = 12  # of one compiler error shown
 MAX_LISTED = 4  # instantiations named per distinct error
+MAX_REASON_CHARS = 160  # of a load error quoted in the one-line message
+INSTALL_HINT = (
+    "pip install 'cuattn[nvrtc]' (CuPy with NVRTC and the CUDA runtime headers, no GPU needed)"
+)
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
 
 
+def missing_toolchain() -> str | None:
+    """What is missing to compile with NVRTC here, in one line; None when nothing is."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except (ImportError, OSError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:MAX_REASON_CHARS]
+        return f"NVRTC cannot be loaded ({type(exc).__name__}: {reason}); {INSTALL_HINT}"
+    if not cuda_include_options():
+        return f"no CUDA headers (cuda_fp16.h) found; {INSTALL_HINT}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = missing_toolchain()
+    if problem is not None:
+        sys.stderr.write(f"cuattn compile: {problem}\n")
+        return EXIT_FAILED
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     units = [u for u in kernel_instantiations() if args.filter in u.name_expression]
     if not units:

@@ -17,6 +17,7 @@ import argparse
 import datetime
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -45,6 +46,8 @@ CHECK_CTX = 1024
 CHECK_HEADS = 2
 TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-4}
 DEFAULT_RESULTS_DIR = Path("bench/results")
+# The dry run measures nothing worth keeping: it never writes into a checkout's results.
+DRY_RUN_RESULTS_DIR = Path(tempfile.gettempdir()) / "cuattn-bench-dry-run"
 GPU_WARMUP, GPU_REPEATS = 5, 30
 CPU_WARMUP, CPU_REPEATS = 1, 3
 # Seconds after which no new case starts; the last one may still take up to a minute (FlexAttention
@@ -392,12 +395,30 @@ def write_results(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="small sweep, < 2 min on one H100")
-    mode.add_argument("--dry-run", action="store_true", help="CPU only: exercise the harness")
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="results directory")
+    mode.add_argument("--quick", action="store_true", help="one size, < 2 min on one H100")
+    mode.add_argument(
+        "--dry-run", action="store_true", help="CPU only: exercise the harness (NumPy backend)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"results directory (default: {DEFAULT_RESULTS_DIR} on a GPU; a folder under the "
+        "system temp directory for the dry run)",
+    )
     parser.add_argument("--backend", default=None, help="cuattn backend (default: cuda / numpy)")
-    parser.add_argument("--patterns", default="", help="comma-separated pattern labels to keep")
-    parser.add_argument("--time-budget", type=float, default=None, help="stop starting cases after")
+    parser.add_argument(
+        "--patterns", default="", help="comma-separated pattern labels to keep, e.g. local,bigbird"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no new case after this many seconds (default: "
+        + ", ".join(f"{mode} {seconds:.0f}" for mode, seconds in BUDGET_S.items())
+        + ")",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
 
 
@@ -417,17 +438,22 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats:
         env.repeats = args.repeats
     suffix = "" if mode == "full" else f"-{mode}"
+    out_dir = args.out
+    if out_dir is None:
+        out_dir = DRY_RUN_RESULTS_DIR if dry_run else DEFAULT_RESULTS_DIR
 
     def checkpoint(partial: dict[str, Any]) -> None:
         partial["mode"] = mode
-        write_results(partial, args.out, suffix, plot=False)
+        write_results(partial, out_dir, suffix, plot=False)
 
     report = run_sweep(
         env, sweep, args.time_budget or BUDGET_S[mode], progress=sys.stderr, checkpoint=checkpoint
     )
     report["mode"] = mode
-    paths = write_results(report, args.out, suffix)
+    paths = write_results(report, out_dir, suffix)
     sys.stderr.write("wrote " + ", ".join(str(p) for p in paths) + "\n")
+    if not any(p.suffix == ".png" for p in paths):
+        sys.stderr.write("no PNG of speed vs density: pip install matplotlib for it\n")
     return 0 if report["all_correct"] else 1
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Run `cuattn check` from a checkout: python scripts/check.py [--quick] [--backend B]."""
+"""Run `cuattn check` from a checkout: python scripts/check.py [--quick] [--backend B].
 
-import os
+Like every script here: run from the repository root with cuattn importable (installed with
+`pip install -e .`, or `PYTHONPATH=.`).
+"""
+
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from cuattn.tools.cli import main  # noqa: E402
+from cuattn.tools.cli import main
 
 sys.exit(main(["check", *sys.argv[1:]]))

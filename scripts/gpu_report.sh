@@ -2,7 +2,7 @@
 # Everything the GPU machine has to say, in one command that fits one 10-minute call.
 # Steps, named on the command line (default: tests sanitize quick):
 #   tests     compile every kernel instantiation for this GPU in parallel (CuPy's disk cache),
-#             then every gpu-marked test (tests/test_cuda_kernels.py: every pattern/dtype/block/
+#             then every gpu-marked test (tests/backends/test_cuda_kernels.py: every pattern/dtype/block/
 #             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash

@@ -1,6 +1,7 @@
 """Train a 2-layer block-sparse transformer written on cuattn's tape (character LM, Zen of Python).
 
     python scripts/train_tiny.py                # NumPy on the CPU: 300 steps in under a minute
+    (from the repository root with cuattn installed, pip install -e ., or PYTHONPATH=.)
     python scripts/train_tiny.py --device cuda  # the same code on CuPy arrays (needs a GPU)
 
 Layer 0 uses "local" attention, layer 1 "strided" (the Sparse Transformer factorisation), each
@@ -16,7 +17,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 # The matrices here are tiny: BLAS worker threads cost more in hand-offs than they save, and on a
 # busy 2-core CI box their busy-waiting makes a step ~5x slower. Set before NumPy loads BLAS.
@@ -24,8 +24,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cuattn  # noqa: E402
 from cuattn.autograd import ops  # noqa: E402

@@ -1,10 +1,4 @@
-import os
-import sys
-
 import pytest
-
-# The dense oracle and the element rules of docs/design.md §2 are plain modules beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _cuda_available() -> bool:

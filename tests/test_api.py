@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from oracle import dense_attention, rel_err, rule_all, rule_local, rule_strided
 
 import cuattn
+from tests.helpers.oracle import dense_attention, rel_err, rule_all, rule_local, rule_strided
 
 
 def _qkv(rng, batch, time, embd, dtype=np.float64):

@@ -12,6 +12,7 @@ programs compile in a process pool so every core works.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -125,7 +126,10 @@ def run_check(
             results[(unit, arch)] = result
             _report_progress(progress, done, len(tasks), result)
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        # spawn, not fork: the caller may have threads (jax, BLAS), and a forked child of a
+        # multithreaded process can deadlock.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
             futures = {
                 pool.submit(compile_unit, sources[unit.source_file], unit, arch, options): (
                     unit,

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import dense_attention, dense_attention_grads, rel_err
 
 from cuattn.backends import geometry as kc
 from cuattn.backends import interp
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
+from tests.helpers.oracle import dense_attention, dense_attention_grads, rel_err
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

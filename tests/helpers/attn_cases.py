@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from oracle import rule_all, rule_fixed, rule_local, rule_strided
+
+from tests.helpers.oracle import rule_all, rule_fixed, rule_local, rule_strided
 
 BATCH, N_CTX, HEADS, HEAD_DIM, BLOCK = 2, 64, 2, 8, 8
 # Gradients must match the dense oracle to this relative error in float64 (issue 3).

@@ -2,13 +2,20 @@
 
 import numpy as np
 import pytest
-from kernel_cases import PATTERNS as SWEEP_PATTERNS
-from kernel_cases import pattern_id, sweep_layout
-from oracle import rule_all, rule_blocks, rule_fixed, rule_local, rule_longformer, rule_strided
 
 import cuattn
 from cuattn.backends.geometry import BLOCK_SIZES
 from cuattn.layout import extended
+from tests.helpers.kernel_cases import PATTERNS as SWEEP_PATTERNS
+from tests.helpers.kernel_cases import pattern_id, sweep_layout
+from tests.helpers.oracle import (
+    rule_all,
+    rule_blocks,
+    rule_fixed,
+    rule_local,
+    rule_longformer,
+    rule_strided,
+)
 
 SIZES = [(128, 16), (96, 32), (100, 16), (64, 64)]
 

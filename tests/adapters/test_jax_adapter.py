@@ -7,9 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torch_dense
 
 import cuattn
+from tests.helpers.attn_cases import (
+    BLOCK,
+    GRAD_RTOL_F64,
+    HEADS,
+    MODES,
+    random_qkv,
+    rel,
+    torch_dense,
+)
 
 # float64 is needed for the 1e-9 comparison; jax keeps this process-wide.
 jax.config.update("jax_enable_x64", True)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torch_dense
 
 import cuattn
 from cuattn.autograd import ops
 from cuattn.autograd.tape import Tensor, saved_nbytes
+from tests.helpers.attn_cases import (
+    BLOCK,
+    GRAD_RTOL_F64,
+    HEADS,
+    MODES,
+    random_qkv,
+    rel,
+    torch_dense,
+)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 
 import cuattn
 from cuattn import backends as be
+from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 
 TOL = {np.float64: 1e-12, np.float32: 2e-5, np.float16: 1e-2}
 

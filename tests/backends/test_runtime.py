@@ -17,7 +17,7 @@ from cuattn.backends.geometry import KERNEL_FILES, all_configs
 from cuattn.backends.toolchain import kernel_dir
 from cuattn.tools.compile_check import kernel_instantiations
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_kernel_sources_found_in_checkout():

@@ -3,8 +3,8 @@
 Every pattern x dtype x block size x head dim, forward and backward, at a ragged length; plus
 a fully masked row, a backward bit-identical across runs, a
 non-default stream, poisoned output memory and one long sequence. Marked `gpu`: skipped without
-a CUDA device. Run: `PYTHONPATH=. pytest -m gpu tests/test_cuda_kernels.py` (about a minute on an
-H100 after the session fixture compiles every instantiation in parallel).
+a CUDA device. Run: `PYTHONPATH=. pytest -m gpu tests/backends/test_cuda_kernels.py` (about a
+minute on an H100 after the session fixture compiles every instantiation in parallel).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from cuattn.backends import geometry as kc
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from kernel_cases import HEADS, N_CTX, PATTERNS, pattern_id, sweep_layout  # noqa: E402
-
 from cuattn.tools.oracle import (  # noqa: E402
     GRAD_FLOOR,
     REL_FLOOR,
@@ -29,6 +27,7 @@ from cuattn.tools.oracle import (  # noqa: E402
     dense_attention_grads,
     rel_err,
 )
+from tests.helpers.kernel_cases import HEADS, N_CTX, PATTERNS, pattern_id, sweep_layout  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

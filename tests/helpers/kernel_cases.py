@@ -1,6 +1,6 @@
-"""The pattern table of the GPU kernel sweep (tests/test_cuda_kernels.py), importable without a
-GPU so that a CPU test can build every layout the sweep will ask for: a table entry that cannot
-serve some block size must fail here, on the CPU, not on a lent GPU."""
+"""The pattern table of the GPU kernel sweep (tests/backends/test_cuda_kernels.py), importable
+without a GPU so that a CPU test can build every layout the sweep will ask for: a table entry
+that cannot serve some block size must fail here, on the CPU, not on a lent GPU."""
 
 from __future__ import annotations
 

@@ -5,9 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from attn_cases import BLOCK, GRAD_RTOL_F64, HEADS, MODES, random_qkv, rel, torch_dense
 
 import cuattn
+from tests.helpers.attn_cases import (
+    BLOCK,
+    GRAD_RTOL_F64,
+    HEADS,
+    MODES,
+    random_qkv,
+    rel,
+    torch_dense,
+)
 
 BF16_RTOL = 2e-2  # bf16 inputs, float32 accumulation, against float64
 

@@ -1,0 +1,1 @@
+"""Tests of cuattn; folders mirror the package's layers."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: the dense float64 oracles and the case tables."""

@@ -85,9 +85,7 @@ def _compute(
 ) -> Any:
     # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
     # lives in dispatch.py; every route ends in the backend module.
-    return _dispatch.sparse_attention(
-        q, k, v, layout, scale, recompute, return_lse, backend, deterministic
-    )
+    return _dispatch.route(q, k, v, layout, scale, recompute, return_lse, backend, deterministic)
 
 
 def sparse_attention(

@@ -18,7 +18,7 @@ from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
 from cuattn.layout.layout import Layout
 
-__all__ = ["sparse_attention"]
+__all__ = ["route"]
 
 
 def _requires_torch_grad(xs: tuple[Any, ...]) -> bool:
@@ -48,7 +48,7 @@ def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(out)
 
 
-def sparse_attention(
+def route(
     q: Any,
     k: Any,
     v: Any,
@@ -72,13 +72,11 @@ def sparse_attention(
     if info.framework == "torch" and _requires_torch_grad(xs):
         from cuattn.adapters import torch_autograd as torch_adapter
 
-        return torch_adapter.sparse_attention(
-            q, k, v, layout, scale, recompute, return_lse, **extra
-        )
+        return torch_adapter.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp as jax_adapter
 
-        return jax_adapter.sparse_attention(q, k, v, layout, scale, recompute, return_lse, **extra)
+        return jax_adapter.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
     out, lse = dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
     return (out, lse) if return_lse else out

@@ -26,7 +26,7 @@ from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import Layout
 
-__all__ = ["sparse_attention"]
+__all__ = ["attend"]
 
 
 def _lse_dtype(dtype: Any) -> Any:
@@ -102,7 +102,7 @@ def _attention_bwd(layout, scale, recompute, backend, deterministic, residuals, 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def sparse_attention(
+def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,

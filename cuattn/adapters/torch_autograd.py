@@ -16,7 +16,7 @@ from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import Layout
 
-__all__ = ["sparse_attention"]
+__all__ = ["attend"]
 
 
 def _forward_arrays(q: Any, k: Any, v: Any, layout: Layout, scale: float, backend: str | None):
@@ -60,7 +60,7 @@ class SparseAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def sparse_attention(
+def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -84,7 +84,7 @@ def _compute(
     deterministic: bool,
 ) -> Any:
     # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
-    # lives in dispatch.py; every route ends in the backend module.
+    # lives in adapters/dispatch.py; every route ends in cuattn.backends.
     return _dispatch.route(q, k, v, layout, scale, recompute, return_lse, backend, deterministic)
 
 

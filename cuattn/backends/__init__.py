@@ -3,7 +3,7 @@
 A backend computes attention on arrays of one array library in the layout's computed token
 order: ``forward(q, k, v, layout, scale) -> (out, lse)`` and
 ``backward(q, k, v, out, lse, dout, layout, scale, deterministic) -> (dq, dk, dv)``.
-    numpy   cuattn.reference, the CPU path (NumPy arrays)
+    numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
 Choose with ``backend=`` on a call or the CUATTN_BACKEND environment variable; by default CPU
@@ -45,7 +45,7 @@ class Backend(Protocol):
 
 
 class NumpyBackend:
-    """cuattn.reference behind the Backend protocol (its backward is deterministic already)."""
+    """The NumPy reference behind the Backend protocol (its backward is deterministic already)."""
 
     name = "numpy"
 

@@ -3,8 +3,9 @@
 One frozen dataclass per launch: it derives the grid, the block (warps), the dynamic shared
 memory, the C++ name expression and the argument list of one kernel instantiation. The CUDA
 runtime (backends/cuda_runtime.py) and the CPU interpreter (backends/interp.py) both launch
-from these objects, so the two backends can never disagree about geometry. The tile sizes mirror the
-``*_traits`` structs in kernels/*.cu; the interpreter checks the two agree on every launch.
+from these objects, so the two backends can never disagree about geometry. Tile sizes are chosen
+here (``tile_sizes``) and passed to the kernels as template arguments; the ``*_traits`` structs in
+kernels/*.cu derive the rest, and the interpreter checks on every launch that the two agree.
 
 Launch sequences (argument names as in KERNEL_ARGS; layout arrays ptr/idx/mask are the CSR
 row_ptr/col_idx/row_mask for attn_fwd and attn_bwd_dq, the CSC col_ptr/row_idx/col_mask for
@@ -55,7 +56,7 @@ BLOCK_KERNELS = (
     "attn_fwd",
     "attn_bwd_dkdv",
     "attn_bwd_dq",
-)  # templated on <BLOCK, HEAD_DIM, T, RULE>
+)  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
 ROW_KERNELS = ("attn_bwd_preprocess",)  # templated on <HEAD_DIM, T>
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"f32" scalars.
@@ -177,11 +178,11 @@ class KernelConfig:
                 if self.kernel == "attn_bwd_dkdv":
                     smem += 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
             assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
-            assert smem <= SM80_SMEM_LIMIT, f"{self.name_expression}: {smem} bytes shared memory"
         object.__setattr__(self, "tile_m", tile_m)
         object.__setattr__(self, "tile_n", tile_n)
         object.__setattr__(self, "num_warps", num_warps)
         object.__setattr__(self, "smem_bytes", smem)
+        assert smem <= SM80_SMEM_LIMIT, f"{self.name_expression}: {smem} bytes shared memory"
 
     @property
     def threads(self) -> int:
@@ -206,7 +207,13 @@ class KernelConfig:
 
     @property
     def name_expression(self) -> str:
-        return name_expression(self.kernel, self.head_dim, self.dtype, self.block, self.rule)
+        """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>``
+        (block, tile_m, tile_n, head dim, type, rule) or ``attn_bwd_dq<64, 32, 128, ...>``
+        (block, tile, ...)."""
+        cxx = CXX_TYPE[self.dtype]
+        if self.kernel in ROW_KERNELS:
+            return f"{self.kernel}<{self.head_dim}, {cxx}>"
+        return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {CXX_RULE[self.rule]}>"
 
     @property
     def traits_expression(self) -> str:
@@ -214,32 +221,25 @@ class KernelConfig:
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"attn_bwd_row_traits<{self.head_dim}, {cxx}>"
-        tiles = _tile_args(self.kernel, self.block, self.head_dim)
-        return f"{self.kernel}_traits<{tiles}, {self.head_dim}, {cxx}>"
+        return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
+
+    @property
+    def _tile_args(self) -> str:
+        """The leading template arguments of a block kernel: the block and its tiles."""
+        if self.kernel == "attn_fwd":
+            return f"{self.block}, {self.tile_m}, {self.tile_n}"
+        return f"{self.block}, {self.tile_m}"  # the backward kernels use square tiles
 
     @property
     def args(self) -> tuple[tuple[str, str], ...]:
         return KERNEL_ARGS[self.kernel]
 
 
-def _tile_args(kernel: str, block: int, head_dim: int) -> str:
-    """The leading template arguments of a block kernel: the block and its chosen tiles."""
-    tile_m, tile_n = tile_sizes(kernel, block, head_dim)
-    if kernel == "attn_fwd":
-        return f"{block}, {tile_m}, {tile_n}"
-    return f"{block}, {tile_m}"  # the backward kernels use square tiles
-
-
 def name_expression(
     kernel: str, head_dim: int, dtype: str, block: int | None = None, rule: str | None = None
 ) -> str:
-    """C++ name of one instantiation, e.g. ``attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>``
-    (block, tile_m, tile_n, head dim, type, rule) or ``attn_bwd_dq<64, 32, 128, ...>`` (block,
-    tile, ...)."""
-    if kernel in ROW_KERNELS:
-        return f"{kernel}<{head_dim}, {CXX_TYPE[dtype]}>"
-    tiles = _tile_args(kernel, block, head_dim)
-    return f"{kernel}<{tiles}, {head_dim}, {CXX_TYPE[dtype]}, {CXX_RULE[rule]}>"
+    """C++ name of one instantiation (see ``KernelConfig.name_expression``)."""
+    return KernelConfig(kernel, head_dim, dtype, block=block, rule=rule).name_expression
 
 
 def all_configs() -> list[KernelConfig]:

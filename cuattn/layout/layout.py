@@ -294,15 +294,19 @@ class Layout:
             masks[needs] = _unpack_bits(self.mask_table[mask_id[needs]], b)
         return masks & (kpos < self.n_ctx)
 
+    def row_entries(self, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(query block, key block, mask id) of every active block of head ``h``, CSR order."""
+        lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
+        rows = np.repeat(np.arange(self.num_blocks), np.diff(self.row_ptr[h]))
+        return rows, self.col_idx[lo:hi], self.row_mask[lo:hi]
+
     def to_mask(self) -> np.ndarray:
         """bool [heads, n_ctx, n_ctx] element mask in the caller's natural token order (small n)."""
         b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
         full = np.zeros((self.heads, nb * b, nb * b), dtype=bool)
         for h in range(self.heads):
-            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
-            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
-            cols = self.col_idx[lo:hi]
-            masks = self.block_masks(np.full(len(rows), h), rows, cols, self.row_mask[lo:hi])
+            rows, cols, ids = self.row_entries(h)
+            masks = self.block_masks(np.full(len(rows), h), rows, cols, ids)
             view = full[h].reshape(nb, b, nb, b)
             view[rows, :, cols, :] = masks
         mask = full[:, :n, :n]
@@ -361,9 +365,8 @@ class Layout:
         nb = self.num_blocks
         full = np.zeros((self.heads, nb, nb), dtype=bool)
         for h in range(self.heads):
-            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
-            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
-            full[h, rows, self.col_idx[lo:hi]] = self.row_mask[lo:hi] == FULL_BLOCK
+            rows, cols, ids = self.row_entries(h)
+            full[h, rows, cols] = ids == FULL_BLOCK
         return full
 
     def _natural_blocks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -373,9 +376,7 @@ class Layout:
         natural_block = self.perm // b  # computed position -> its token's natural block
         counts = np.zeros((self.heads, nb, nb), dtype=np.int64)
         for h in range(self.heads):
-            lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
-            rows = np.repeat(np.arange(nb), np.diff(self.row_ptr[h]))
-            cols, ids = self.col_idx[lo:hi], self.row_mask[lo:hi]
+            rows, cols, ids = self.row_entries(h)
             for start in range(0, len(rows), MASK_CHUNK):
                 sl = slice(start, start + MASK_CHUNK)
                 masks = self.block_masks(np.full(len(rows[sl]), h), rows[sl], cols[sl], ids[sl])

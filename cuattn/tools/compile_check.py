@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from cuattn._util import one_line
 from cuattn.backends.toolchain import (
     CUPY_IMPLICIT_OPTIONS,
     DEFAULT_ARCHS,
@@ -239,8 +240,7 @@ def missing_toolchain() -> str | None:
 
         nvrtc.getVersion()
     except (ImportError, OSError, RuntimeError) as exc:
-        reason = " ".join(str(exc).split())[:MAX_REASON_CHARS]
-        return f"NVRTC cannot be loaded ({type(exc).__name__}: {reason}); {INSTALL_HINT}"
+        return f"NVRTC cannot be loaded ({one_line(exc, MAX_REASON_CHARS)}); {INSTALL_HINT}"
     if not cuda_include_options():
         return f"no CUDA headers (cuda_fp16.h) found; {INSTALL_HINT}"
     return None

@@ -74,7 +74,7 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
     q, k, v, dout = _problem(layout, dtype, head_dim, seed=blocksize * head_dim)
     scale = head_dim**-0.5
     mask = cupy.asarray(layout.to_mask())
-    # Through cuattn.backend, as every public route goes: it applies the layout's permutation.
+    # Through cuattn.backends, as every public route goes: it applies the layout's permutation.
     out, lse = be.forward(q, k, v, layout, scale, backend="cuda")
     tol = TOL[dtype]
     if direction == "forward":

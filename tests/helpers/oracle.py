@@ -1,5 +1,5 @@
 """Element rules written straight from docs/design.md §2 (independently of cuattn.layout), and the
-dense float64 oracle from cuattn.testing, for the tests. Everything here is n x n: use small n.
+dense float64 oracle from cuattn.tools.oracle, for the tests. Everything here is n x n: use small n.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from cuattn._util import one_line
 from cuattn.adapters.dlpack import cupy_stream_of_torch
 from cuattn.tools.bench import report as bench_report
 from cuattn.tools.bench.cases import SWEEPS, BenchCase, Sweep
@@ -177,7 +178,7 @@ def run_case(env: Environment, case: BenchCase, checked: dict[tuple, tuple[bool,
         except Exception as exc:
             # A peer's own failure is reported, not fatal to the sweep: e.g. FlexAttention's
             # Triton kernel asking for more shared memory than the GPU has (seen on an H100).
-            record["skipped"][peer.name] = f"{case.name}: failed: {_one_line(exc)}"
+            record["skipped"][peer.name] = f"{case.name}: failed: {one_line(exc, MAX_REASON_CHARS)}"
     if env.peer_skip_reason:
         for name in ("sdpa-flash", "sdpa-cudnn", "flex"):
             record["skipped"][name] = env.peer_skip_reason
@@ -207,12 +208,6 @@ def _run_peer(
     _measure(env, peer.name, peer_fn, flops, record)
     ours_ms = record["results"][env.ours.name]["median_ms"]
     record["speedup"][peer.name] = record["results"][peer.name]["median_ms"] / ours_ms
-
-
-def _one_line(exc: Exception, limit: int = MAX_REASON_CHARS) -> str:
-    text = " ".join(str(exc).split())
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _measure(env: Environment, name: str, fn: Any, flops: float, record: dict[str, Any]) -> None:

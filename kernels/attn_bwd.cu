@@ -8,7 +8,8 @@
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
 //   attn_bwd_dkdv<BLOCK, TILE, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
-//       column of its key block; dK, dV accumulate in registers (each warp owns 16 keys).
+//       column of its key block (kernels/common/walk.cuh); dK, dV accumulate in registers
+//       (each warp owns 16 keys).
 //   attn_bwd_dq<BLOCK, TILE, HEAD_DIM, T, RULE>   one CTA per query tile walks the CSR row and
 //       recomputes P and dS; dQ accumulates in registers, so the backward is bit-identical
 //       across runs. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
@@ -16,8 +17,9 @@
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
+#include "common/score_tile.cuh"
 #include "common/smem.cuh"
-#include "common/softmax.cuh"
+#include "common/walk.cuh"
 #include "common/warp_gemm.cuh"
 
 template <int HEAD_DIM, typename T>
@@ -103,8 +105,7 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
   const int tid = int(threadIdx.x);
   const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
+  const AccLayout frag;
   const RuleParams rule{n_ctx, window_left, window_right, mask_table};
 
   T* k_smem = dynamic_smem<T>();
@@ -125,75 +126,67 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>
   const float scale_log2 = scale * LOG2E;
   const int k_warp = k_start + warp * 16;
 
-  const int* column = col_ptr + head * (num_blocks + 1) + k_block;
-  for (int entry = column[0]; entry < column[1]; ++entry) {
-    const int q_block = row_idx[entry];
-    const int mask_id = col_mask[entry];
-    for (int sub = 0; sub < Traits::TILES_PER_BLOCK; ++sub) {
-      const int q_start = q_block * BLOCK + sub * TILE;
-      if (q_start >= n_ctx) break;
-      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + TILE - 1, k_start,
-                                               k_start + TILE - 1, mask_id);
-      if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
-
-      __syncthreads();  // every warp is done with the previous Q and dO tiles
-      const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
-      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM,
-                                                   n_ctx - q_start);
-      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
-                                                   n_ctx - q_start);
-      cp_async_commit();
-      for (int i = tid; i < TILE; i += NUM_THREADS) {
-        const bool valid = q_start + i < n_ctx;
-        lse_smem[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
-        delta_smem[i] = valid ? delta[head_offset + q_start + i] : 0.f;
-      }
-      cp_async_wait_all();
-      __syncthreads();
-
-      // S^T for this warp's 16 keys against the TILE queries, then P^T = exp2(S^T - lse).
-      float p_t[TILE / 8][4] = {};
-      warp_gemm_rs_nk<TILE, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
-      scale_tile<TILE>(p_t, scale_log2);
-      if (coverage == TILE_PARTIAL) {
-        mask_score_tile<RULE, BLOCK, TILE, false>(p_t, rule, k_warp, q_start, q_block, k_block,
-                                                  mask_id);
-      }
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p_t[j][e] = exp2f(p_t[j][e] - lse_smem[8 * j + 2 * t + e % 2]);
-      }
-      warp_gemm_regs_kn<HEAD_DIM, TILE>(dv_acc, p_t, do_smem, LD, scratch);
-
-      // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
-      float ds_t[TILE / 8][4] = {};
-      warp_gemm_rs_nk<TILE, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ds_t[j][e] = p_t[j][e] * (ds_t[j][e] - delta_smem[8 * j + 2 * t + e % 2]);
-        }
-      }
-      warp_gemm_regs_kn<HEAD_DIM, TILE>(dk_acc, ds_t, q_smem, LD, scratch);
+  ActiveTiles<RULE, BLOCK, TILE, false> walk(col_ptr + head * (num_blocks + 1) + k_block, row_idx,
+                                             col_mask);
+  ActiveTile tile;
+  // The inner loop: one active query tile per iteration.
+  while (walk.next(tile, rule, k_start, k_start + TILE - 1)) {
+    const int q_start = tile.start;
+    __syncthreads();  // every warp is done with the previous Q and dO tiles
+    const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
+    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM,
+                                                 n_ctx - q_start);
+    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
+                                                 n_ctx - q_start);
+    cp_async_commit();
+    for (int i = tid; i < TILE; i += NUM_THREADS) {
+      const bool valid = q_start + i < n_ctx;
+      lse_smem[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
+      delta_smem[i] = valid ? delta[head_offset + q_start + i] : 0.f;
     }
+    cp_async_wait_all();
+    __syncthreads();
+
+    // S^T for this warp's 16 keys against the TILE queries, then P^T = exp2(S^T - lse).
+    float p_t[TILE / 8][4] = {};
+    warp_gemm_rs_nk<TILE, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
+    scale_tile<TILE>(p_t, scale_log2);
+    if (tile.coverage == TILE_PARTIAL) {
+      mask_score_tile<RULE, BLOCK, TILE, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
+                                                tile.mask_id);
+    }
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p_t[j][e] = exp2f(p_t[j][e] - lse_smem[frag.col(j, e)]);
+    }
+    warp_gemm_regs_kn<HEAD_DIM, TILE>(dv_acc, p_t, do_smem, LD, scratch);
+
+    // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
+    float ds_t[TILE / 8][4] = {};
+    warp_gemm_rs_nk<TILE, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ds_t[j][e] = p_t[j][e] * (ds_t[j][e] - delta_smem[frag.col(j, e)]);
+      }
+    }
+    warp_gemm_regs_kn<HEAD_DIM, TILE>(dk_acc, ds_t, q_smem, LD, scratch);
   }
   cp_async_wait_all();  // a key tile with no active query tile still retires its K/V copy
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int k_row = k_warp + g + 8 * r;
+    const int k_row = k_warp + frag.row(2 * r);
     if (k_row >= n_ctx) continue;
     T* dk_row = dk + (head_offset + k_row) * HEAD_DIM;
     T* dv_row = dv + (head_offset + k_row) * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        dk_row[8 * j + 2 * t + c] = from_float<T>(dk_acc[j][2 * r + c] * scale);
-        dv_row[8 * j + 2 * t + c] = from_float<T>(dv_acc[j][2 * r + c]);
-      }
+      store_pair(dk_row + frag.pair_col(j), dk_acc[j][2 * r] * scale,
+                 dk_acc[j][2 * r + 1] * scale);
+      store_pair(dv_row + frag.pair_col(j), dv_acc[j][2 * r], dv_acc[j][2 * r + 1]);
     }
   }
 }
@@ -216,8 +209,7 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::
   const int head = int(blockIdx.y);
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
   const int warp = int(threadIdx.x) / 32;
-  const int lane = int(threadIdx.x) % 32;
-  const int g = lane / 4, t = lane % 4;
+  const AccLayout frag;
   const RuleParams rule{n_ctx, window_left, window_right, mask_table};
 
   T* q_smem = dynamic_smem<T>();
@@ -236,64 +228,58 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::
   float lse_row[2], delta_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int q_row = q_warp + g + 8 * r;
+    const int q_row = q_warp + frag.row(2 * r);
     lse_row[r] = lse_log2_or_inf(lse, head_offset + q_row, q_row < n_ctx);
     delta_row[r] = q_row < n_ctx ? delta[head_offset + q_row] : 0.f;
   }
   float dq_acc[HEAD_DIM / 8][4] = {};
   const float scale_log2 = scale * LOG2E;
 
-  const int* row = row_ptr + head * (num_blocks + 1) + q_block;
-  for (int entry = row[0]; entry < row[1]; ++entry) {
-    const int k_block = col_idx[entry];
-    const int mask_id = row_mask[entry];
-    for (int sub = 0; sub < Traits::TILES_PER_BLOCK; ++sub) {
-      const int k_start = k_block * BLOCK + sub * TILE;
-      const int coverage = tile_coverage<RULE>(rule, q_start, q_start + TILE - 1, k_start,
-                                               k_start + TILE - 1, mask_id);
-      if (coverage == TILE_EMPTY) continue;  // uniform across the CTA
+  ActiveTiles<RULE, BLOCK, TILE, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
+                                            row_mask);
+  ActiveTile tile;
+  // The inner loop: one active key tile per iteration.
+  while (walk.next(tile, rule, q_start, q_start + TILE - 1)) {
+    const int k_start = tile.start;
+    __syncthreads();  // every warp is done with the previous K/V tile
+    const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
+                                                 n_ctx - k_start);
+    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
+                                                 n_ctx - k_start);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
 
-      __syncthreads();  // every warp is done with the previous K/V tile
-      const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
-      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
-                                                   n_ctx - k_start);
-      load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
-                                                   n_ctx - k_start);
-      cp_async_commit();
-      cp_async_wait_all();
-      __syncthreads();
-
-      float p[TILE / 8][4] = {};
-      warp_gemm_rs_nk<TILE, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
-      scale_tile<TILE>(p, scale_log2);
-      if (coverage == TILE_PARTIAL) {
-        mask_score_tile<RULE, BLOCK, TILE, true>(p, rule, q_warp, k_start, q_block, k_block,
-                                                 mask_id);
-      }
-      float ds[TILE / 8][4] = {};
-      warp_gemm_rs_nk<TILE, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
-          ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
-        }
-      }
-      warp_gemm_regs_kn<HEAD_DIM, TILE>(dq_acc, ds, k_smem, LD, scratch);
+    float p[TILE / 8][4] = {};
+    warp_gemm_rs_nk<TILE, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+    scale_tile<TILE>(p, scale_log2);
+    if (tile.coverage == TILE_PARTIAL) {
+      mask_score_tile<RULE, BLOCK, TILE, true>(p, rule, q_warp, k_start, q_block, tile.block,
+                                               tile.mask_id);
     }
+    float ds[TILE / 8][4] = {};
+    warp_gemm_rs_nk<TILE, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
+        ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
+      }
+    }
+    warp_gemm_regs_kn<HEAD_DIM, TILE>(dq_acc, ds, k_smem, LD, scratch);
   }
   cp_async_wait_all();
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int q_row = q_warp + g + 8 * r;
+    const int q_row = q_warp + frag.row(2 * r);
     if (q_row >= n_ctx) continue;
     T* dq_row = dq + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      dq_row[8 * j + 2 * t] = from_float<T>(dq_acc[j][2 * r] * scale);
-      dq_row[8 * j + 2 * t + 1] = from_float<T>(dq_acc[j][2 * r + 1] * scale);
+      store_pair(dq_row + frag.pair_col(j), dq_acc[j][2 * r] * scale, dq_acc[j][2 * r + 1] * scale);
     }
   }
 }

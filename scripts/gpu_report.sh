@@ -13,6 +13,8 @@
 # Run from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_report.sh                  # tests, sanitizers, quick bench
 #   PYTHONPATH=. bash scripts/gpu_report.sh tests sanitize full
+#   CUATTN_BENCH_ARGS="--also-kernels v1" PYTHONPATH=. bash scripts/gpu_report.sh quick
+#                                     # extra benchmark arguments: time v1's forward beside v2's
 # Writes logs and summary.md to $OUT (or bench/results/gpu-report-<date>/) and the benchmark's
 # json/md/png to bench/results/ and $OUT. Each step has its own time limit so one hang cannot
 # eat the others' time; a failing step does not stop the next.
@@ -110,15 +112,17 @@ for name in $STEPS; do
         --metrics "$NCU_METRICS" "$PY" scripts/profile_kernels.py
       ;;
     quick)
+      # shellcheck disable=SC2086  # CUATTN_BENCH_ARGS is a list of words on purpose
       step bench-quick "$BENCH_S" "$PY" scripts/bench.py --quick --time-budget "$QUICK_BUDGET_S" \
-        --out bench/results
+        --out bench/results ${CUATTN_BENCH_ARGS:-}
       ;;
     full)
       # The bench compiles the few instantiations it launches itself, in parallel; it writes its
       # results after every case, so even a run cut short by the limit leaves them on disk.
       left=$((CALL_S - SECONDS))
+      # shellcheck disable=SC2086
       step bench-full "$left" "$PY" scripts/bench.py --time-budget "$((left - LAST_CASE_S))" \
-        --out bench/results
+        --out bench/results ${CUATTN_BENCH_ARGS:-}
       ;;
     *)
       echo "unknown step '$name': expected tests, sanitize, profile, quick or full" >&2

@@ -51,6 +51,9 @@ class CudaBackend(KernelBackend):
     def device_of(self, x: Any) -> int:
         return x.device.id
 
+    def data_address(self, x: Any) -> int:
+        return int(x.data.ptr)
+
     @contextlib.contextmanager
     def on_device_of(self, x: Any) -> Iterator[None]:
         with x.device:

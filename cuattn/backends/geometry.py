@@ -19,6 +19,7 @@ Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,12 +49,14 @@ ELEMENTWISE_WARPS = 4
 # kernel name -> source file (relative to kernels/)
 KERNEL_FILES = {
     "attn_fwd": "attn_fwd.cu",
+    "attn_fwd_v1": "attn_fwd_v1.cu",
     "attn_bwd_preprocess": "attn_bwd.cu",
     "attn_bwd_dkdv": "attn_bwd.cu",
     "attn_bwd_dq": "attn_bwd.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
+    "attn_fwd_v1",
     "attn_bwd_dkdv",
     "attn_bwd_dq",
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
@@ -68,16 +71,18 @@ _RULE_SCALARS = (
     ("window_left", "i32"),
     ("window_right", "i32"),
 )
+_FWD_ARGS = (
+    ("q", "ptr"),
+    ("k", "ptr"),
+    ("v", "ptr"),
+    ("out", "ptr"),
+    ("lse", "ptr"),
+    *_LAYOUT_ARGS,
+    *_RULE_SCALARS,
+)
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "attn_fwd": (
-        ("q", "ptr"),
-        ("k", "ptr"),
-        ("v", "ptr"),
-        ("out", "ptr"),
-        ("lse", "ptr"),
-        *_LAYOUT_ARGS,
-        *_RULE_SCALARS,
-    ),
+    "attn_fwd": _FWD_ARGS,
+    "attn_fwd_v1": _FWD_ARGS,
     "attn_bwd_preprocess": (("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("n_ctx", "i32")),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
@@ -110,7 +115,19 @@ def _smem_stride(cols: int, itemsize: int) -> int:
 
 
 # Tile sizes (the one place they are chosen; the C++ traits take them as template arguments).
-FWD_MAX_TILE = 64  # query rows per CTA and keys per shared-memory tile of the forward
+FWD_MAX_TILE = 64  # keys per shared-memory tile of the forward; query rows per CTA of v1 and fp32
+# Forward, 16-bit types: 128-row CTAs for 128-blocks, and 32 query rows per warp (two mma
+# fragments) for blocks >= 64, so each K/V fragment read from shared memory feeds two mma
+# (bench/NOTES.md, change 2). fp32 (SIMT FMA, no fragment reuse to gain) keeps 16 rows per warp.
+FWD_MAX_TILE_M = 128
+FWD_ROWS_PER_WARP = 32
+FWD_ROWS_PER_WARP_SMALL_BLOCK = 16
+FWD_WIDE_WARP_MIN_BLOCK = 64
+MMA_ROWS = 16  # rows of one mma fragment
+# With 32 rows per warp, head dims >= 96 take 32-key tiles: the accumulator (2 x HEAD_DIM / 2
+# floats per thread) and a 64-key score tile (64 floats) do not fit in 255 registers unspilled
+# (ptxas: 56-388 bytes of spills at 64 keys, none at 32); FlashAttention-2 makes the same cut.
+FWD_TILE_N_LARGE_HEAD = 32
 # Backward tile (keys of dK/dV, queries of dQ): head dims 96 and 128 use 32 so that the dK and
 # dV accumulators (2 x 64 floats per thread) and the score tiles fit in registers unspilled.
 BWD_MAX_TILE = 64
@@ -118,13 +135,38 @@ BWD_MAX_TILE_LARGE_HEAD = 32
 LARGE_HEAD_DIM = 96
 
 
-def tile_sizes(kernel: str, block: int, head_dim: int) -> tuple[int, int]:
-    """(tile_m, tile_n) of a block kernel: rows per CTA, columns per shared-memory tile."""
-    if kernel == "attn_fwd":
+# Forward kernel generations: v2 is the FlashAttention-2-structured attn_fwd (kernels/attn_fwd.cu),
+# v1 the previous one (kernels/attn_fwd_v1.cu), kept selectable until both have been timed in one
+# benchmark run: CUATTN_KERNELS=v1 selects it.
+FORWARD_KERNELS = {"v2": "attn_fwd", "v1": "attn_fwd_v1"}
+KERNELS_ENV = "CUATTN_KERNELS"
+
+
+def forward_kernel() -> str:
+    """The forward kernel of the generation CUATTN_KERNELS names (default v2)."""
+    generation = os.environ.get(KERNELS_ENV, "v2")
+    if generation not in FORWARD_KERNELS:
+        raise ValueError(
+            f"{KERNELS_ENV}: got {generation!r}, accepted: {', '.join(FORWARD_KERNELS)}"
+        )
+    return FORWARD_KERNELS[generation]
+
+
+def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of a block kernel: rows per CTA, columns per shared-memory
+    tile, warps per CTA."""
+    if kernel == "attn_fwd" and dtype != "float32":
+        wide = block >= FWD_WIDE_WARP_MIN_BLOCK
+        tile_m = min(block, FWD_MAX_TILE_M)
+        large_head = wide and head_dim >= LARGE_HEAD_DIM
+        tile_n = min(block, FWD_TILE_N_LARGE_HEAD if large_head else FWD_MAX_TILE)
+        rows_per_warp = FWD_ROWS_PER_WARP if wide else FWD_ROWS_PER_WARP_SMALL_BLOCK
+        return tile_m, tile_n, max(tile_m // rows_per_warp, 1)
+    if kernel in ("attn_fwd", "attn_fwd_v1"):
         tile = min(block, FWD_MAX_TILE)
-    else:
-        tile = min(block, BWD_MAX_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_MAX_TILE)
-    return tile, tile
+        return tile, tile, tile // MMA_ROWS
+    tile = min(block, BWD_MAX_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_MAX_TILE)
+    return tile, tile, tile // MMA_ROWS  # backward: square tiles, 16 rows per warp
 
 
 @dataclass(frozen=True)
@@ -164,14 +206,14 @@ class KernelConfig:
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
-            tile_m, tile_n = tile_sizes(self.kernel, self.block, self.head_dim)
-            if self.kernel == "attn_fwd":
+            tile_m, tile_n, num_warps = tile_sizes(
+                self.kernel, self.block, self.head_dim, self.dtype
+            )
+            if self.kernel in FORWARD_KERNELS.values():
                 scratch = 0 if half else 16 * (tile_n + 4)
-                num_warps = tile_m // 16
                 smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
             else:
                 # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ)
-                num_warps = tile_n // 16
                 scratch = 0 if half else 16 * (tile_m + 4)
                 tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
                 smem = tiles + num_warps * scratch * 4
@@ -207,9 +249,9 @@ class KernelConfig:
 
     @property
     def name_expression(self) -> str:
-        """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 128, __half, MASK_CAUSAL>``
-        (block, tile_m, tile_n, head dim, type, rule) or ``attn_bwd_dq<64, 32, 128, ...>``
-        (block, tile, ...)."""
+        """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 2, 128, __half,
+        MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule), ``attn_fwd_v1<64,
+        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 32, 128, ...>`` (block, tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
@@ -227,6 +269,8 @@ class KernelConfig:
     def _tile_args(self) -> str:
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
+            return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
+        if self.kernel == "attn_fwd_v1":
             return f"{self.block}, {self.tile_m}, {self.tile_n}"
         return f"{self.block}, {self.tile_m}"  # the backward kernels use square tiles
 

@@ -36,6 +36,7 @@ from cuattn.backends.toolchain import kernel_dir, sources_digest
 CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DCUATTN_INTERP=1")
 ENTRY_PREFIX = "cuattn_launch_"
+LAUNCH_MISALIGNED = 3  # cuattn_interp::LaunchStatus in kernels/interp/cuda_shim.h
 TRAITS_PREFIX = "cuattn_traits_"
 
 
@@ -97,6 +98,11 @@ class Library:
             *[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args]
         )
         status = self._entries[expression](grid_c, block_c, smem_bytes, pointers)
+        if status == LAUNCH_MISALIGNED:
+            raise RuntimeError(
+                f"interpreter launch of {expression}: a cp.async, ldmatrix or paired store used "
+                "an address that is not aligned to its size; a GPU would fault on it"
+            )
         if status != 0:
             raise RuntimeError(f"interpreter launch of {expression} failed with status {status}")
 
@@ -236,6 +242,9 @@ class InterpBackend(KernelBackend):
 
     def is_array(self, x: Any) -> bool:
         return isinstance(x, np.ndarray)
+
+    def data_address(self, x: Any) -> int:
+        return int(x.ctypes.data)
 
     def output(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.full(shape, np.nan, dtype=dtype)

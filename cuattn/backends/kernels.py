@@ -1,6 +1,6 @@
 """The attention kernels' launch sequences, shared by the CUDA and the interpreter backends.
 
-Forward:  attn_fwd over CSR rows -> (out, lse).
+Forward:  attn_fwd (or attn_fwd_v1, CUATTN_KERNELS=v1) over CSR rows -> (out, lse).
 Backward: attn_bwd_preprocess (delta = rowsum(dO * O)); attn_bwd_dkdv over CSC columns;
           attn_bwd_dq over CSR rows. No atomics, so every backward is bit-identical run to run.
 Geometry and argument order of every launch come from cuattn.backends.geometry. A subclass of
@@ -22,6 +22,9 @@ from cuattn.layout.layout import Layout
 
 # The layout's index arrays every kernel backend places where its kernels read them.
 LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask", "mask_table")
+# cp.async and ldmatrix move 16-byte chunks: every q/k/v/out/dout row must start 16-byte aligned.
+COPY_ALIGNMENT = 16
+GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y (heads) and grid.z (batch)
 
 
 class KernelBackend:
@@ -46,6 +49,10 @@ class KernelBackend:
 
     def device_of(self, x: Any) -> int:
         return 0
+
+    def data_address(self, x: Any) -> int:
+        """Address of x's first element where the kernels read it."""
+        raise NotImplementedError
 
     def output(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A buffer every element of which the kernels write."""
@@ -94,12 +101,32 @@ class KernelBackend:
             raise ValueError(
                 f"layout: blocksize {layout.blocksize} has no kernel; supported: {kc.BLOCK_SIZES}"
             )
+        for name, size in (("heads", heads), ("batch", batch)):
+            if size > GRID_YZ_LIMIT:
+                raise ValueError(
+                    f"q: {name} = {size} exceeds the kernels' grid limit of {GRID_YZ_LIMIT}; "
+                    f"split the call into chunks of at most {GRID_YZ_LIMIT} {name}"
+                )
         if layout.heads != heads or layout.n_ctx != n_ctx:
             raise ValueError(
                 f"layout: built for heads={layout.heads}, n_ctx={layout.n_ctx}; "
                 f"q has heads={heads}, n_ctx={n_ctx}"
             )
         return kc.dtype_name(q.dtype), tuple(q.shape)
+
+    def _check_alignment(self, arrays: dict[str, Any]) -> None:
+        """A contiguous view at an element offset (``flat[1:].reshape(...)``) passes every
+        shape check but faults a GPU's 16-byte copies; refuse it before any launch."""
+        for name, array in arrays.items():
+            address = self.data_address(array)
+            if address % COPY_ALIGNMENT:
+                raise ValueError(
+                    f"{name}: data starts at an address {address % COPY_ALIGNMENT} bytes past a "
+                    f"{COPY_ALIGNMENT}-byte boundary (a view at an element offset?); the kernels "
+                    f"copy {COPY_ALIGNMENT}-byte chunks. Pass a copy: x.clone() (torch), "
+                    "np.array(x) or cupy.array(x) (ascontiguousarray returns such a view "
+                    "unchanged)"
+                )
 
     def _layout_values(self, layout: Layout, columns: bool) -> dict[str, Any]:
         index = self.index_arrays(layout)
@@ -123,10 +150,18 @@ class KernelBackend:
         xp = self.xp
         with self.on_device_of(q):
             q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
+            self._check_alignment({"q": q, "k": k, "v": v})
             out = self.output(shape, q.dtype)
             lse = self.output((batch, heads, n_ctx), xp.float32)
             config = KernelConfig(
-                "attn_fwd", head_dim, dtype, batch, heads, n_ctx, layout.blocksize, layout.rule.kind
+                kc.forward_kernel(),
+                head_dim,
+                dtype,
+                batch,
+                heads,
+                n_ctx,
+                layout.blocksize,
+                layout.rule.kind,
             )
             self.launch(
                 config,
@@ -172,6 +207,7 @@ class KernelBackend:
             )
         with self.on_device_of(q):
             q, k, v, out, dout, lse = (xp.ascontiguousarray(x) for x in (q, k, v, out, dout, lse))
+            self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
             common = {"n_ctx": n_ctx, "scale": scale}
             geometry = (head_dim, dtype, batch, heads, n_ctx)
             delta = self.output((batch, heads, n_ctx), xp.float32)

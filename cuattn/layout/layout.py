@@ -19,7 +19,7 @@ sequence holds token ``perm[p]`` of the caller's sequence. Blocks and rule speak
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -324,14 +324,27 @@ class Layout:
         )
         return head + "\n" + self.picture()
 
-    def picture(self, max_width: int = PICTURE_MAX_WIDTH, natural: bool = True) -> str:
+    def picture(
+        self,
+        max_width: int = PICTURE_MAX_WIDTH,
+        natural: bool = True,
+        heads: Sequence[int] | None = None,
+    ) -> str:
         """ASCII block picture per head: '█' full block, '░' partial, '·' off.
 
         In the caller's natural token order by default; a permuted layout (strided in its
         transposed form) says so, and ``natural=False`` draws the blocks as computed. When there
         are more blocks than ``max_width`` a character stands for a group of blocks: '█' all of
-        them full, '░' any active.
+        them full, '░' any active. ``heads`` draws only those heads (default: every head).
         """
+        shown = range(self.heads) if heads is None else list(heads)
+        for h in shown:
+            if isinstance(h, bool) or not isinstance(h, (int, np.integer)):
+                raise TypeError(f"heads: expected head indices, got {type(h).__name__}")
+            if not 0 <= h < self.heads:
+                raise ValueError(f"heads: head {h} out of range; the layout has {self.heads}")
+        if max_width < 1:
+            raise ValueError(f"max_width: got {max_width}, expected a positive width")
         if natural and self.perm is not None:
             active, full = self._natural_blocks()
             title = "natural token order; computed permuted, as picture(natural=False) shows"
@@ -347,7 +360,7 @@ class Layout:
         any_on = active.reshape(self.heads, cells, group, cells, group).any(axis=(2, 4))
         all_full = full.reshape(self.heads, cells, group, cells, group).all(axis=(2, 4))
         lines = [title] if title else []
-        for h in range(self.heads):
+        for h in shown:
             lines.append(
                 f"head {h}" + (f" ({group}x{group} blocks per character)" if group > 1 else "")
             )

@@ -11,21 +11,32 @@ struct RuleParams {
   const u32* mask_table;  // [n_masks, BLOCK, words] (bitmask rule only)
 };
 
+// Bits first_col, first_col + 1, ... (up to the block's end, at most 64 - first_col % 32 of
+// them) of row `row` of bitmask `mask_id`: one or two word loads serve a whole row of a tile.
+template <int BLOCK>
+__device__ __forceinline__ unsigned long long mask_row_bits(const RuleParams& p, int mask_id,
+                                                            int row, int first_col) {
+  constexpr int WORDS = (BLOCK + 31) / 32;
+  const u32* words = p.mask_table + (size_t(mask_id) * BLOCK + row) * WORDS;
+  const int w = first_col / 32;
+  unsigned long long bits = words[w];
+  if (w + 1 < WORDS) bits |= (unsigned long long)(words[w + 1]) << 32;
+  return bits >> (first_col % 32);
+}
+
 // Whether query q sees key k inside layout block (q_block, k_block) whose mask entry is mask_id.
 template <int RULE, int BLOCK>
 __device__ __forceinline__ bool element_allowed(const RuleParams& p, int q, int k, int q_block,
                                                 int k_block, int mask_id) {
   if (k >= p.n_ctx) return false;
+  if (mask_id < 0) return true;  // a full block: no element rule inside it
   if constexpr (RULE == MASK_CAUSAL) {
     return k <= q;
   } else if constexpr (RULE == MASK_WINDOW) {
     return (q - k < p.window_left) && (k - q < p.window_right);
   } else if constexpr (RULE == MASK_BITMASK) {
-    constexpr int WORDS = (BLOCK + 31) / 32;
-    const int r = q - q_block * BLOCK;
     const int c = k - k_block * BLOCK;
-    const u32 word = p.mask_table[(size_t(mask_id) * BLOCK + r) * WORDS + c / 32];
-    return (word >> (c % 32)) & 1u;
+    return (mask_row_bits<BLOCK>(p, mask_id, q - q_block * BLOCK, c) & 1ull) != 0;
   } else {
     return true;
   }
@@ -38,10 +49,11 @@ enum TileCoverage : int { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 template <int RULE>
 __device__ __forceinline__ int tile_coverage(const RuleParams& p, int q0, int q1, int k0, int k1,
                                              int mask_id) {
-  // q0..q1 and k0..k1 are inclusive position ranges of the tile.
-  if (mask_id < 0) return TILE_FULL;
+  // q0..q1 and k0..k1 are inclusive position ranges of the tile. The sequence end comes first:
+  // a tile past it is empty and one across it needs the k < n_ctx test, whatever the layout says.
   if (k0 >= p.n_ctx) return TILE_EMPTY;
   const bool ragged = k1 >= p.n_ctx;
+  if (mask_id < 0) return ragged ? TILE_PARTIAL : TILE_FULL;
   if constexpr (RULE == MASK_CAUSAL) {
     if (k0 > q1) return TILE_EMPTY;
     return (k1 <= q0 && !ragged) ? TILE_FULL : TILE_PARTIAL;

@@ -68,10 +68,24 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], c
 #endif
 }
 
+// This lane's positions in an accumulator fragment.
+struct AccLayout {
+  int g;  // row group: rows g and g + 8
+  int t;  // column pair: columns 2t and 2t + 1 of every 8-column n-tile
+  __device__ __forceinline__ AccLayout() : g(int(threadIdx.x) % 32 / 4), t(int(threadIdx.x) % 4) {}
+  // Row of element e (0..3) inside its 16-row fragment; r = e / 2 picks the half.
+  __device__ __forceinline__ int row(int e) const { return g + 8 * (e / 2); }
+  // Column of element e of n-tile j.
+  __device__ __forceinline__ int col(int j, int e) const { return 8 * j + 2 * t + e % 2; }
+  // First of the two adjacent columns this lane holds in n-tile j.
+  __device__ __forceinline__ int pair_col(int j) const { return 8 * j + 2 * t; }
+};
+
 #ifdef CUATTN_INTERP
 namespace cuattn_interp {
 // Shared body of ldmatrix .x4 with and without .trans: every lane publishes its row address.
 inline void ldmatrix_x4_cpu(u32 (&dst)[4], const void* row_address, bool transpose) {
+  require_aligned(row_address, 16);  // each lane's row is one 16-byte shared-memory access
   const u32* all = warp_exchange(&row_address, sizeof(row_address));
   const int lane = lane_id();
   const int g = lane / 4, t = lane % 4;
@@ -114,8 +128,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&dst)[4], const void* sme
 
 #ifdef CUATTN_INTERP
 namespace cuattn_interp {
-// cp.async copies are only guaranteed visible after the wait; the CPU version defers them to
-// cp_async_wait_all so a kernel that reads before waiting sees stale data (0xFF = NaN) here too.
+// cp.async copies are only guaranteed visible after the wait, and the destination's old contents
+// are gone from the moment of issue. The CPU version poisons the destination (0xFF = NaN) at
+// issue and lands the data at the wait, so a kernel that reads before waiting, or another warp
+// that still reads the old contents without a barrier, sees NaN here too.
 struct PendingCopy {
   void* dst;
   const void* src;
@@ -148,6 +164,9 @@ inline void complete_copies(int keep) {
 // instead (cp.async's src-size 0 form), which is how ragged tiles get zero rows.
 __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem, bool valid) {
 #ifdef CUATTN_INTERP
+  cuattn_interp::require_aligned(dst_smem, 16);
+  if (valid) cuattn_interp::require_aligned(src_gmem, 16);
+  std::memset(dst_smem, 0xFF, 16);
   cuattn_interp::pending_copies.push_back({dst_smem, src_gmem, valid, -1});
 #else
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst_smem));

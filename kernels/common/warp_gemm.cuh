@@ -1,6 +1,9 @@
-// Warp-level tile products C[16 x N] += A[16 x K] * B[K x N] with C in the mma accumulator layout
-// (float acc[N / 8][4], see ptx.cuh): the one register layout every kernel's softmax and masking
-// code works on, whichever path computed it.
+// Warp-level tile products C[16 M x N] += A[16 M x K] * B[K x N] with C in the mma accumulator
+// layout, M fragments of 16 rows stacked (float acc[M][N / 8][4], see ptx.cuh): the one register
+// layout every kernel's softmax and masking code works on, whichever path computed it. Each B
+// fragment read from shared memory feeds all M fragments, so M = 2 halves the shared-memory
+// traffic per mma of M = 1 (what FlashAttention-2 gets from 32+ query rows per warp). The
+// one-fragment forms (float acc[N / 8][4]) are the same code with M = 1.
 //   * __half / __nv_bfloat16: ldmatrix + mma.sync m16n8k16 (tensor cores, fp32 accumulate).
 //   * float: SIMT FMA in fp32 straight from shared memory (exact enough for 1e-5 vs float64;
 //     TF32 tensor cores would not be).
@@ -19,16 +22,15 @@ namespace warp_gemm_detail {
 // accumulators stay live; each element still sums over k in order, in fp32.
 template <int N, int K, typename AAt, typename BAt>
 __device__ __forceinline__ void simt_gemm(float (&acc)[N / 8][4], AAt a_at, BAt b_at) {
-  const int lane = int(threadIdx.x) % 32;
-  const int g = lane / 4, t = lane % 4;
+  const AccLayout frag;
 #pragma unroll 2
   for (int kk = 0; kk < K; ++kk) {
-    const float a_lo = a_at(g, kk);
-    const float a_hi = a_at(g + 8, kk);
+    const float a_lo = a_at(frag.row(0), kk);
+    const float a_hi = a_at(frag.row(2), kk);
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) {
-      const float b0 = b_at(kk, 8 * j + 2 * t);
-      const float b1 = b_at(kk, 8 * j + 2 * t + 1);
+      const float b0 = b_at(kk, frag.col(j, 0));
+      const float b1 = b_at(kk, frag.col(j, 1));
       acc[j][0] = fmaf(a_lo, b0, acc[j][0]);
       acc[j][1] = fmaf(a_lo, b1, acc[j][1]);
       acc[j][2] = fmaf(a_hi, b0, acc[j][2]);
@@ -39,31 +41,55 @@ __device__ __forceinline__ void simt_gemm(float (&acc)[N / 8][4], AAt a_at, BAt 
 
 }  // namespace warp_gemm_detail
 
-template <int N, int K, typename T>
-__device__ __forceinline__ void warp_gemm_rs_nk(float (&acc)[N / 8][4], const T* a, int lda,
+// A fragment and one B 16-column slab into acc[n0 / 8] and acc[n0 / 8 + 1].
+template <typename T, int NT>
+__device__ __forceinline__ void mma_pair(float (&acc)[NT][4], int n0, const u32 (&a_frag)[4],
+                                         const u32 (&b_frag)[4]) {
+  const u32 b_lo[2] = {b_frag[0], b_frag[1]};
+  const u32 b_hi[2] = {b_frag[2], b_frag[3]};
+  mma_m16n8k16<T>(acc[n0 / 8], a_frag, b_lo, acc[n0 / 8]);
+  mma_m16n8k16<T>(acc[n0 / 8 + 1], a_frag, b_hi, acc[n0 / 8 + 1]);
+}
+
+template <int M, int N, int K, typename T>
+__device__ __forceinline__ void warp_gemm_rs_nk(float (&acc)[M][N / 8][4], const T* a, int lda,
                                                 const T* b, int ldb) {
   static_assert(N % 16 == 0 && K % 16 == 0, "warp tiles are whole 16x16 mma steps");
   if constexpr (is_half_type<T>::value) {
     const int lane = int(threadIdx.x) % 32;
-#pragma unroll
+    // With M = 2, two k-steps unrolled, not all: a fully unrolled loop lets the compiler hoist
+    // every A fragment of the row (8 registers per k-step) and spill the accumulators.
+    constexpr int K_UNROLL = M > 1 ? 2 : K / 16;
+#pragma unroll K_UNROLL
     for (int k0 = 0; k0 < K; k0 += 16) {
-      u32 a_frag[4];
-      ldmatrix_x4(a_frag, a + (lane % 16) * lda + k0 + (lane / 16) * 8);
+      u32 a_frag[M][4];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        ldmatrix_x4(a_frag[m], a + (16 * m + lane % 16) * lda + k0 + (lane / 16) * 8);
+      }
 #pragma unroll
       for (int n0 = 0; n0 < N; n0 += 16) {
         u32 b_frag[4];
         ldmatrix_x4(b_frag, b + (n0 + lane % 8 + (lane / 16) * 8) * ldb + k0 + ((lane / 8) % 2) * 8);
-        const u32 b_lo[2] = {b_frag[0], b_frag[1]};
-        const u32 b_hi[2] = {b_frag[2], b_frag[3]};
-        mma_m16n8k16<T>(acc[n0 / 8], a_frag, b_lo, acc[n0 / 8]);
-        mma_m16n8k16<T>(acc[n0 / 8 + 1], a_frag, b_hi, acc[n0 / 8 + 1]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) mma_pair<T>(acc[m], n0, a_frag[m], b_frag);
       }
     }
   } else {
-    warp_gemm_detail::simt_gemm<N, K>(
-        acc, [&](int r, int c) { return a[r * lda + c]; },
-        [&](int r, int c) { return b[c * ldb + r]; });
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const T* a_m = a + 16 * m * lda;
+      warp_gemm_detail::simt_gemm<N, K>(
+          acc[m], [&](int r, int c) { return a_m[r * lda + c]; },
+          [&](int r, int c) { return b[c * ldb + r]; });
+    }
   }
+}
+
+template <int N, int K, typename T>
+__device__ __forceinline__ void warp_gemm_rs_nk(float (&acc)[N / 8][4], const T* a, int lda,
+                                                const T* b, int ldb) {
+  warp_gemm_rs_nk<1, N, K>(*reinterpret_cast<float (*)[1][N / 8][4]>(&acc), a, lda, b, ldb);
 }
 
 template <int N, int K, typename T>
@@ -81,10 +107,7 @@ __device__ __forceinline__ void warp_gemm_ts_kn(float (&acc)[N / 8][4], const T*
         u32 b_frag[4];
         ldmatrix_x4_trans(b_frag,
                           b + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + n0 + (lane / 16) * 8);
-        const u32 b_lo[2] = {b_frag[0], b_frag[1]};
-        const u32 b_hi[2] = {b_frag[2], b_frag[3]};
-        mma_m16n8k16<T>(acc[n0 / 8], a_frag, b_lo, acc[n0 / 8]);
-        mma_m16n8k16<T>(acc[n0 / 8 + 1], a_frag, b_hi, acc[n0 / 8 + 1]);
+        mma_pair<T>(acc, n0, a_frag, b_frag);
       }
     }
   } else {
@@ -97,44 +120,58 @@ __device__ __forceinline__ void warp_gemm_ts_kn(float (&acc)[N / 8][4], const T*
 // A from registers (e.g. the probabilities P just computed in accumulator layout). Half types
 // use the accumulator -> A-operand identity of m16n8k16 (two adjacent n-tiles of C are one
 // k-step of A), so P never leaves registers. The float path stages A through `scratch`, this
-// warp's private [16][K + 4] floats of shared memory.
-template <int N, int K, typename T>
-__device__ __forceinline__ void warp_gemm_regs_kn(float (&acc)[N / 8][4], const float (&a)[K / 8][4],
-                                                  const T* b, int ldb, float* scratch) {
+// warp's private [16][K + 4] floats of shared memory, one fragment at a time.
+template <int M, int N, int K, typename T>
+__device__ __forceinline__ void warp_gemm_regs_kn(float (&acc)[M][N / 8][4],
+                                                  const float (&a)[M][K / 8][4], const T* b,
+                                                  int ldb, float* scratch) {
   static_assert(N % 16 == 0 && K % 16 == 0, "warp tiles are whole 16x16 mma steps");
   const int lane = int(threadIdx.x) % 32;
   if constexpr (is_half_type<T>::value) {
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
       const int j = k0 / 8;
-      const u32 a_frag[4] = {pack_pair<T>(a[j][0], a[j][1]), pack_pair<T>(a[j][2], a[j][3]),
-                             pack_pair<T>(a[j + 1][0], a[j + 1][1]),
-                             pack_pair<T>(a[j + 1][2], a[j + 1][3])};
+      u32 a_frag[M][4];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        a_frag[m][0] = pack_pair<T>(a[m][j][0], a[m][j][1]);
+        a_frag[m][1] = pack_pair<T>(a[m][j][2], a[m][j][3]);
+        a_frag[m][2] = pack_pair<T>(a[m][j + 1][0], a[m][j + 1][1]);
+        a_frag[m][3] = pack_pair<T>(a[m][j + 1][2], a[m][j + 1][3]);
+      }
 #pragma unroll
       for (int n0 = 0; n0 < N; n0 += 16) {
         u32 b_frag[4];
         ldmatrix_x4_trans(b_frag,
                           b + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + n0 + (lane / 16) * 8);
-        const u32 b_lo[2] = {b_frag[0], b_frag[1]};
-        const u32 b_hi[2] = {b_frag[2], b_frag[3]};
-        mma_m16n8k16<T>(acc[n0 / 8], a_frag, b_lo, acc[n0 / 8]);
-        mma_m16n8k16<T>(acc[n0 / 8 + 1], a_frag, b_hi, acc[n0 / 8 + 1]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) mma_pair<T>(acc[m], n0, a_frag[m], b_frag);
       }
     }
   } else {
     constexpr int LD = K + 4;
-    const int g = lane / 4, t = lane % 4;
+    const AccLayout frag;
 #pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
+    for (int m = 0; m < M; ++m) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) scratch[(g + 8 * (e / 2)) * LD + 8 * j + 2 * t + e % 2] = a[j][e];
+      for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) scratch[frag.row(e) * LD + frag.col(j, e)] = a[m][j][e];
+      }
+      __syncwarp();
+      warp_gemm_detail::simt_gemm<N, K>(
+          acc[m], [&](int r, int c) { return scratch[r * LD + c]; },
+          [&](int r, int c) { return b[r * ldb + c]; });
+      __syncwarp();
     }
-    __syncwarp();
-    warp_gemm_detail::simt_gemm<N, K>(
-        acc, [&](int r, int c) { return scratch[r * LD + c]; },
-        [&](int r, int c) { return b[r * ldb + c]; });
-    __syncwarp();
   }
+}
+
+template <int N, int K, typename T>
+__device__ __forceinline__ void warp_gemm_regs_kn(float (&acc)[N / 8][4], const float (&a)[K / 8][4],
+                                                  const T* b, int ldb, float* scratch) {
+  warp_gemm_regs_kn<1, N, K>(*reinterpret_cast<float (*)[1][N / 8][4]>(&acc),
+                             *reinterpret_cast<const float (*)[1][K / 8][4]>(&a), b, ldb, scratch);
 }
 
 // Row reductions over the accumulator layout: the four lanes of a quad (same g) share a row.

@@ -5,12 +5,19 @@
 //   * blocks run one after another: the same host threads walk the grid in order, with a block-wide
 //     barrier between blocks, so `__shared__` (a function-local static here) is valid for one block
 //     at a time and shared by exactly that block's threads;
-//   * __syncthreads is a std::barrier over the block, __syncwarp a std::barrier over the warp;
+//   * warps take turns: between two __syncthreads exactly one warp runs, in an order shuffled
+//     at every barrier (seeded by CUATTN_INTERP_SEED, default 0, so a run is reproducible). A
+//     read of shared memory another warp writes without a barrier in between therefore sees
+//     the wrong data in some order, every time that order comes up, instead of by timing luck;
+//   * __syncthreads is that turn-taking barrier, __syncwarp a std::barrier over the warp;
 //   * warp-collective operations (shuffles, and the CPU versions of mma/ldmatrix in kernels/common)
 //     exchange registers through a per-warp scratch area guarded by the warp barrier;
 //   * atomicAdd is std::atomic_ref.
 // Dynamic shared memory is filled with 0xFF (a NaN pattern) before every block, so a kernel that
 // reads shared memory it never wrote produces NaN in the tests instead of passing by luck.
+// Addresses a GPU would fault on (a cp.async or ldmatrix address that is not 16-byte aligned, a
+// paired store that is not aligned to its size) are recorded and fail the launch
+// (LAUNCH_MISALIGNED) instead of running as they would on a CPU.
 //
 // Usage: #include this header (with CUATTN_INTERP defined) before a kernel .cu file, then export
 // a launch entry with CUATTN_INTERP_ENTRY(symbol, kernel_name_expression) — see cuattn/backends/interp.py.
@@ -24,12 +31,16 @@
 #include <atomic>
 #include <barrier>
 #include <bit>
+#include <condition_variable>
+#include <cstdlib>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -56,6 +67,11 @@ struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 
+struct alignas(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
 inline dim3 blockDim;
@@ -78,13 +94,86 @@ struct WarpState {
 
 struct ThreadState {
   WarpState* warp = nullptr;
+  int warp_index = 0;
   int lane = 0;
   int parity = 0;
 };
 
+// The block barrier, which also makes warps take turns: between two barriers only the warp whose
+// turn it is runs; when all its lanes have arrived the turn passes to the next warp of this
+// phase's order, and when every warp has arrived a new phase starts in a freshly shuffled order.
+// Kernels reach every barrier with all their threads (early returns are uniform over the block
+// and meet at the launch's end-of-block barrier), so a phase always completes.
+class WarpTurns {
+ public:
+  WarpTurns(int num_warps, unsigned seed)
+      : order_(num_warps), arrived_(num_warps, 0), wake_(num_warps), rng_(seed) {
+    std::iota(order_.begin(), order_.end(), 0);
+    std::shuffle(order_.begin(), order_.end(), rng_);
+    turn_ = order_[0];
+  }
+
+  // Waits for this warp's first turn.
+  void enter(int warp) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_[warp].wait(lock, [&] { return turn_ == warp; });
+  }
+
+  // __syncthreads for one thread of `warp`.
+  void sync(int warp) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const long phase = phase_;
+    arrive(warp);
+    wake_[warp].wait(lock, [&] { return phase_ != phase && turn_ == warp; });
+  }
+
+  // The last barrier of a launch: arrive (the next warp gets its turn) and run on to the exit.
+  void leave(int warp) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    arrive(warp);
+  }
+
+ private:
+  void arrive(int warp) {
+    if (++arrived_[warp] < WARP_SIZE) return;
+    arrived_[warp] = 0;
+    if (++position_ == int(order_.size())) {
+      position_ = 0;
+      ++phase_;
+      std::shuffle(order_.begin(), order_.end(), rng_);
+    }
+    turn_ = order_[position_];
+    wake_[turn_].notify_all();
+  }
+
+  std::mutex mutex_;
+  std::vector<int> order_;
+  std::vector<int> arrived_;
+  std::vector<std::condition_variable> wake_;
+  std::mt19937 rng_;
+  int position_ = 0;
+  long phase_ = 0;
+  int turn_ = 0;
+};
+
 inline thread_local ThreadState current_thread;
-inline std::barrier<>* block_barrier = nullptr;
+inline WarpTurns* block_barrier = nullptr;
 inline unsigned char* dynamic_smem = nullptr;
+
+// The first address a GPU would have faulted on in this launch (see the header).
+inline std::atomic<bool> misaligned{false};
+inline const void* misaligned_address = nullptr;
+
+inline void require_aligned(const void* address, size_t alignment) {
+  if (reinterpret_cast<uintptr_t>(address) % alignment == 0) return;
+  bool expected = false;
+  if (misaligned.compare_exchange_strong(expected, true)) misaligned_address = address;
+}
+
+inline unsigned seed_from_environment() {
+  const char* text = std::getenv("CUATTN_INTERP_SEED");
+  return text ? unsigned(std::strtoul(text, nullptr, 10)) : 0u;
+}
 
 inline int lane_id() { return current_thread.lane; }
 
@@ -118,6 +207,7 @@ enum LaunchStatus : int {
   LAUNCH_OK = 0,
   LAUNCH_BAD_BLOCK = 1,   // block size not a positive multiple of the warp size
   LAUNCH_BAD_GRID = 2,    // empty grid
+  LAUNCH_MISALIGNED = 3,  // an address a GPU would fault on (see the header)
 };
 
 inline std::mutex launch_mutex;
@@ -136,22 +226,30 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   blockDim = dim3{block[0], block[1], block[2]};
   std::vector<unsigned char> smem(std::max<size_t>(smem_bytes, 16));
   dynamic_smem = smem.data();
-  std::barrier<> barrier(threads);
+  WarpTurns barrier(int(threads / WARP_SIZE), seed_from_environment());
   block_barrier = &barrier;
+  misaligned = false;
+  misaligned_address = nullptr;
   std::vector<std::unique_ptr<WarpState>> warps;
   for (unsigned w = 0; w < threads / WARP_SIZE; ++w) warps.push_back(std::make_unique<WarpState>());
   auto body = [&](unsigned tid) {
     threadIdx = uint3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
-    current_thread = ThreadState{warps[tid / WARP_SIZE].get(), int(tid % WARP_SIZE), 0};
+    const int warp = int(tid / WARP_SIZE);
+    current_thread = ThreadState{warps[warp].get(), warp, int(tid % WARP_SIZE), 0};
+    barrier.enter(warp);
     for (size_t b = 0; b < num_blocks; ++b) {
       if (tid == 0) std::memset(smem.data(), 0xFF, smem.size());
-      barrier.arrive_and_wait();
+      barrier.sync(warp);
       blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                        unsigned(b / (size_t(grid[0]) * grid[1]))};
       call_kernel(kernel, args, std::index_sequence_for<Args...>{});
       // Threads that returned early still meet here; kernels in this project only return early
       // uniformly across the block, before any __syncthreads.
-      barrier.arrive_and_wait();
+      if (b + 1 < num_blocks) {
+        barrier.sync(warp);
+      } else {
+        barrier.leave(warp);
+      }
     }
   };
   std::vector<std::thread> pool;
@@ -160,14 +258,16 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   for (auto& t : pool) t.join();
   block_barrier = nullptr;
   dynamic_smem = nullptr;
-  return LAUNCH_OK;
+  return misaligned ? LAUNCH_MISALIGNED : LAUNCH_OK;
 }
 
 }  // namespace cuattn_interp
 
 // ---- CUDA built-ins used by the kernels -------------------------------------------------------
 
-inline void __syncthreads() { cuattn_interp::block_barrier->arrive_and_wait(); }
+inline void __syncthreads() {
+  cuattn_interp::block_barrier->sync(cuattn_interp::current_thread.warp_index);
+}
 inline void __syncwarp(unsigned = 0xffffffffu) {
   cuattn_interp::current_thread.warp->barrier.arrive_and_wait();
 }

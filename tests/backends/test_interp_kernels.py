@@ -107,9 +107,11 @@ def test_backward_is_bit_identical_whatever_deterministic_says(dtype):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.parametrize("scale", [0.7, -0.45])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_and_custom_scale(dtype):
-    block, head_dim, scale = 16, 32, 0.7
+def test_batch_and_custom_scale(dtype, scale):
+    """Any finite scale, negative too: masked scores must stay -inf after scaling."""
+    block, head_dim = 16, 32
     n_ctx = 4 * block + 3
     layout = local_layout(n_ctx, HEADS, block, 20, causal=True)
     q, k, v, dout = random_inputs((3, HEADS, n_ctx, head_dim), dtype, seed=11)

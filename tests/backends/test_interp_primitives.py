@@ -27,6 +27,8 @@ EXPRESSIONS = [
     *[f"test_convert<{t}>" for t in HALF_TYPES],
     "test_tile_load",
     "test_tile_load_groups",
+    "test_buffer_reuse<true>",
+    "test_buffer_reuse<false>",
 ]
 
 
@@ -162,3 +164,42 @@ def test_cp_async_groups_complete_in_order(lib):
     run(lib, "test_tile_load_groups", 1, 64, src_a, src_b, out_a, out_b, smem=2 * 16 * stride * 4)
     np.testing.assert_array_equal(out_a, src_a)
     np.testing.assert_array_equal(out_b, src_b)
+
+
+def _buffer_reuse(lib, barrier: bool) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    first, second = (rng.standard_normal((64, 4)).astype(np.float32) for _ in range(2))
+    out = np.full((64, 4), np.nan, np.float32)
+    run(lib, f"test_buffer_reuse<{str(barrier).lower()}>", 1, 64, first, second, out, smem=64 * 16)
+    return first, out
+
+
+def test_warp_turns_keep_a_correct_kernel_correct(lib, monkeypatch):
+    for seed in range(4):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        first, out = _buffer_reuse(lib, barrier=True)
+        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}")
+
+
+def test_warp_turns_expose_a_missing_barrier(lib, monkeypatch):
+    """Warps take turns in a shuffled order, so reusing a buffer another warp still reads
+    (the race a pipelined kernel risks) gives wrong data for some seed of a small fixed set,
+    every run, instead of depending on thread timing."""
+    wrong = []
+    for seed in range(8):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        first, out = _buffer_reuse(lib, barrier=False)
+        wrong.append(not np.array_equal(out, first))
+    assert any(wrong), "no warp order exposed the write-after-read race"
+
+
+def test_misaligned_cp_async_fails_the_launch(lib):
+    """A 16-byte copy from an address that is not 16-byte aligned faults on a GPU; the
+    interpreter refuses it too instead of copying as a CPU can."""
+    base = np.random.default_rng(8).standard_normal(16 * 32 + 2).astype(np.float32)
+    offset = 1 if (base.ctypes.data + 4) % 16 else 2
+    misaligned = base[offset : offset + 16 * 32]  # contiguous, not on a 16-byte boundary
+    assert misaligned.ctypes.data % 16
+    out = np.full((16, 32), np.nan, np.float32)
+    with pytest.raises(RuntimeError, match="aligned"):
+        run(lib, "test_tile_load", 1, 64, misaligned, out, 16, smem=16 * 36 * 4)

@@ -169,6 +169,17 @@ def test_repr_draws_a_picture_per_head():
     assert "density=" in text
 
 
+def test_picture_draws_only_the_chosen_heads():
+    lay = cuattn.make_layout("fixed", 256, 4, blocksize=32, local_attn_ctx=128, num_verts=4)
+    full = lay.picture().split("head ")
+    text = lay.picture(heads=[2])
+    assert text.count("head ") == 1 and text == ("head " + full[3]).rstrip("\n")
+    with pytest.raises(ValueError, match="heads: head 4 out of range; the layout has 4"):
+        lay.picture(heads=[4])
+    with pytest.raises(TypeError, match="heads: expected head indices"):
+        lay.picture(heads=["0"])
+
+
 def test_picture_groups_blocks_when_wide():
     lay = cuattn.make_layout("all", 4096, 1, blocksize=16)
     rows = lay.picture(max_width=64).splitlines()

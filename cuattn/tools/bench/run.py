@@ -235,17 +235,21 @@ def _progress_line(done: int, total: int, record: dict[str, Any], ours: str, sta
     )
 
 
-def build_environment(dry_run: bool, backend: str | None) -> Environment:
+def build_environment(
+    dry_run: bool, backend: str | None, generations: Sequence[str] = ()
+) -> Environment:
+    """``generations``: older forward kernel generations (e.g. "v1") timed beside ours."""
     if dry_run:
         from cuattn.backends import resolve_backend
 
-        ours = CuattnRunner(resolve_backend(backend or "numpy", on_device=False), lambda x: x)
+        chosen = resolve_backend(backend or "numpy", on_device=False)
+        ours = CuattnRunner(chosen, lambda x: x)
         return Environment(
             False,
             "cpu",
             CpuTimer(),
             ours,
-            [],
+            [CuattnRunner(chosen, lambda x: x, g) for g in generations],
             "no CUDA device (CPU dry run): peers need a GPU",
             CPU_WARMUP,
             CPU_REPEATS,
@@ -256,13 +260,15 @@ def build_environment(dry_run: bool, backend: str | None) -> Environment:
     from cuattn.backends import resolve_backend
 
     torch.manual_seed(SEED)
-    ours = CuattnRunner(resolve_backend(backend or "cuda", on_device=True), cupy.from_dlpack)
+    chosen = resolve_backend(backend or "cuda", on_device=True)
+    ours = CuattnRunner(chosen, cupy.from_dlpack)
+    older = [CuattnRunner(chosen, cupy.from_dlpack, g) for g in generations]
     return Environment(
         True,
         torch.cuda.get_device_name(),
         CudaEventTimer(),
         ours,
-        peer_runners(),
+        older + peer_runners(),
         None,
         GPU_WARMUP,
         GPU_REPEATS,
@@ -339,12 +345,12 @@ def _report(
 
 def kernel_units_for(cases: Sequence[BenchCase]) -> list[tuple[str, str]]:
     """(source file, name expression) of every instantiation the cases can launch: all rule
-    kinds of each dtype / head dim / block size, forward and the backward's atomic-dQ path."""
+    kinds of each dtype / head dim / block size, both forward generations and the backward."""
     from cuattn.backends import geometry as kc
 
     names = set()
     for case in cases:
-        for kernel in ("attn_fwd", "attn_bwd_dkdv"):
+        for kernel in (*kc.FORWARD_KERNELS.values(), "attn_bwd_dkdv", "attn_bwd_dq"):
             for rule in kc.RULES:
                 names.add(
                     kc.name_expression(kernel, case.head_dim, case.dtype, case.blocksize, rule)
@@ -406,6 +412,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--patterns", default="", help="comma-separated pattern labels to keep, e.g. local,bigbird"
     )
     parser.add_argument(
+        "--blocksizes",
+        default="",
+        help="comma-separated layout block sizes replacing the sweep's, e.g. 64,128",
+    )
+    parser.add_argument(
         "--time-budget",
         type=float,
         default=None,
@@ -415,6 +426,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ")",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
+    parser.add_argument(
+        "--also-kernels",
+        default="",
+        metavar="GENERATIONS",
+        help="older forward kernel generations to time beside the default one, as peers "
+        "(comma-separated; accepted: v1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -429,7 +447,21 @@ def run(args: argparse.Namespace) -> int:
         sweep = Sweep(
             **{**sweep.__dict__, "patterns": tuple(p for p in sweep.patterns if p.label in keep)}
         )
-    env = build_environment(dry_run, args.backend)
+    from cuattn.backends.geometry import FORWARD_KERNELS
+
+    generations = [g for g in args.also_kernels.split(",") if g]
+    for generation in generations:
+        if generation not in FORWARD_KERNELS or generation == "v2":
+            raise SystemExit(f"--also-kernels: got {generation!r}, accepted: v1")
+    if args.blocksizes:
+        try:
+            blocksizes = tuple(int(b) for b in args.blocksizes.split(","))
+        except ValueError as err:
+            raise SystemExit(
+                f"--blocksizes: got {args.blocksizes!r}, expected e.g. 64,128"
+            ) from err
+        sweep = Sweep(**{**sweep.__dict__, "blocksizes": blocksizes})
+    env = build_environment(dry_run, args.backend, generations)
     if args.repeats:
         env.repeats = args.repeats
     suffix = "" if mode == "full" else f"-{mode}"

@@ -151,3 +151,27 @@ __global__ void test_tile_load_groups(const float* src_a, const float* src_b, fl
   __syncthreads();
   for (int i = int(threadIdx.x); i < 16 * 32; i += 64) out_b[i] = tile_b[(i / 32) * LD + i % 32];
 }
+
+// One [64][4] float tile reused for a second copy, as a pipelined kernel reuses its K buffer.
+// Thread i copies row i (one 16-byte chunk) and reads row (i + 32) % 64, which the other warp
+// copied. With BARRIER every read happens before any thread reissues the buffer; without it a
+// warp may issue its second copy while the other warp still has to read the first.
+template <bool BARRIER>
+__global__ void test_buffer_reuse(const float* first, const float* second, float* out) {
+  constexpr int ROWS = 64, COLS = 4;
+  float* tile = dynamic_smem<float>();
+  const int tid = int(threadIdx.x);
+  load_tile_async<ROWS, COLS, ROWS>(tile, COLS, first, COLS, ROWS);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  const int row = (tid + 32) % ROWS;
+  float seen[COLS];
+  for (int c = 0; c < COLS; ++c) seen[c] = tile[row * COLS + c];
+  if constexpr (BARRIER) __syncthreads();
+  load_tile_async<ROWS, COLS, ROWS>(tile, COLS, second, COLS, ROWS);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  for (int c = 0; c < COLS; ++c) out[row * COLS + c] = seen[c];
+}

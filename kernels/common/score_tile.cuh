@@ -1,0 +1,133 @@
+// Score tiles: where each element of a warp's accumulator tile sits, the element rule applied to
+// a whole tile, and the paired stores of a finished row. Tiles are warp tiles in the mma
+// accumulator layout (ptx.cuh): a warp holds M_FRAGS fragments of 16 rows; element (j, e) of a
+// lane's fragment sits at fragment row g + 8 * (e / 2), column 8 * j + 2 * t + e % 2, with
+// g = lane / 4, t = lane % 4 (AccLayout, ptx.cuh, names those positions).
+#pragma once
+
+#include "mask.cuh"
+#include "ptx.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// A single fragment seen as a one-fragment stack, so one-fragment callers share the code below.
+template <int N>
+__device__ __forceinline__ float (&as_frags(float (&s)[N / 8][4]))[1][N / 8][4] {
+  return *reinterpret_cast<float (*)[1][N / 8][4]>(&s);
+}
+
+// Sets disallowed elements of M_FRAGS stacked score fragments (rows row_first, row_first + 16,
+// ...) to -inf. ROWS_ARE_QUERIES tells which axis of the tile is the query axis (forward and dQ:
+// rows; dK/dV, which work on S^T: columns). The bitmask rule reads one mask row per query and
+// reuses its bits for every key of the tile instead of one table load per element.
+template <int RULE, int BLOCK, int M_FRAGS, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void mask_score_frags(float (&s)[M_FRAGS][N / 8][4], const RuleParams& p,
+                                                 int row_first, int col_first, int q_block,
+                                                 int k_block, int mask_id) {
+  const AccLayout frag;
+#pragma unroll
+  for (int m = 0; m < M_FRAGS; ++m) {
+    if constexpr (RULE == MASK_BITMASK && ROWS_ARE_QUERIES) {
+      static_assert(N <= 48 || N == 64, "a tile row's mask bits come from at most two words");
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q = row_first + 16 * m + frag.row(2 * r);
+        const unsigned long long bits =
+            mask_id < 0 ? ~0ull
+                        : mask_row_bits<BLOCK>(p, mask_id, q - q_block * BLOCK,
+                                               col_first - k_block * BLOCK);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = frag.col(j, 2 * r + c);
+            const bool allowed = col_first + col < p.n_ctx && ((bits >> col) & 1ull);
+            if (!allowed) s[m][j][2 * r + c] = -INFINITY;
+          }
+        }
+      }
+    } else if constexpr (RULE == MASK_BITMASK) {
+      // S^T: columns are queries; rows g and g + 8 are keys, 16-aligned, so one word of the
+      // query's mask row holds both.
+      const int key_first = row_first + 16 * m;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int q = col_first + frag.col(j, c);
+          const unsigned long long bits =
+              mask_id < 0 ? ~0ull
+                          : mask_row_bits<BLOCK>(p, mask_id, q - q_block * BLOCK,
+                                                 key_first - k_block * BLOCK);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int key_offset = frag.row(2 * r);
+            const bool allowed = key_first + key_offset < p.n_ctx && ((bits >> key_offset) & 1ull);
+            if (!allowed) s[m][j][2 * r + c] = -INFINITY;
+          }
+        }
+      }
+    } else {
+      // Causal and window rules depend only on q - k; with the tile's offsets taken out once,
+      // each element costs an add and two compares (this runs at the register limit).
+      const int q_minus_k_base = ROWS_ARE_QUERIES ? row_first + 16 * m - col_first
+                                                  : col_first - row_first - 16 * m;
+      const int keys_left = ROWS_ARE_QUERIES ? p.n_ctx - col_first : p.n_ctx - row_first - 16 * m;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = frag.row(e), col = frag.col(j, e);
+          const int key = ROWS_ARE_QUERIES ? col : row;
+          const int q_minus_k = q_minus_k_base + (ROWS_ARE_QUERIES ? row - col : col - row);
+          bool allowed = key < keys_left;
+          if (mask_id >= 0) {
+            if constexpr (RULE == MASK_CAUSAL) {
+              allowed = allowed && q_minus_k >= 0;
+            } else if constexpr (RULE == MASK_WINDOW) {
+              allowed = allowed && q_minus_k < p.window_left && -q_minus_k < p.window_right;
+            }
+          }
+          if (!allowed) s[m][j][e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// One fragment: mask_score_frags with M_FRAGS = 1.
+template <int RULE, int BLOCK, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void mask_score_tile(float (&s)[N / 8][4], const RuleParams& p,
+                                                int row_first, int col_first, int q_block,
+                                                int k_block, int mask_id) {
+  mask_score_frags<RULE, BLOCK, 1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), p, row_first, col_first,
+                                                        q_block, k_block, mask_id);
+}
+
+template <int N>
+__device__ __forceinline__ void scale_tile(float (&s)[N / 8][4], float factor) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] *= factor;
+  }
+}
+
+// Stores the two adjacent elements a lane holds in one n-tile as one 32-bit (16-bit types) or
+// 64-bit (float) write instead of two; dst is 2-element aligned because pair_col is even.
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float lo, float hi) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::require_aligned(dst, 2 * sizeof(T));
+#endif
+  if constexpr (is_half_type<T>::value) {
+    *reinterpret_cast<u32*>(dst) = pack_pair<T>(lo, hi);
+  } else {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  }
+}

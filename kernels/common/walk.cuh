@@ -1,0 +1,85 @@
+// The layout walk every block kernel shares.
+//
+// A CTA owns the positions own_first..own_last of one axis (queries in the forward and the dQ
+// pass, keys in the dK/dV pass) inside one layout block. Its active partners are the entries of
+// that block's CSR row (forward, dQ: col_idx/row_mask) or CSC column (dK/dV: row_idx/col_mask).
+// ActiveTiles cuts each entry's block into sub-tiles of OTHER_TILE positions along the other
+// axis and yields, in layout order, the sub-tiles the element rule does not empty, each with its
+// coverage (TILE_FULL: no per-element test needed). It is an iterator rather than a loop body
+// so a pipelined kernel can ask for the next tile early and start its copy before the current
+// tile's math.
+#pragma once
+
+#include "mask.cuh"
+
+struct ActiveTile {
+  int start;     // first position on the other axis
+  int block;     // the layout block it lies in
+  int mask_id;   // the entry's mask (-1: a full block)
+  int coverage;  // TILE_FULL or TILE_PARTIAL
+};
+
+// Coverage of a tile of own positions [own_first, own_last] x other positions [other_first,
+// other_first + OTHER_TILE - 1]; OWN_IS_QUERY says which axis is the query axis.
+template <int RULE, int OTHER_TILE, bool OWN_IS_QUERY>
+__device__ __forceinline__ int coverage_of(const RuleParams& rule, int own_first, int own_last,
+                                           int other_first, int mask_id) {
+  const int other_last = other_first + OTHER_TILE - 1;
+  return OWN_IS_QUERY
+             ? tile_coverage<RULE>(rule, own_first, own_last, other_first, other_last, mask_id)
+             : tile_coverage<RULE>(rule, other_first, other_last, own_first, own_last, mask_id);
+}
+
+template <int RULE, int BLOCK, int OTHER_TILE, bool OWN_IS_QUERY>
+struct ActiveTiles {
+  static constexpr int SUB_TILES = BLOCK / OTHER_TILE;
+  static_assert(BLOCK % OTHER_TILE == 0, "a block is whole sub-tiles");
+
+  // entries: this block's [begin, end) pair of the CSR row_ptr (CSC col_ptr). The walk holds
+  // only its position; the rule and the own range come with each call, so a kernel at its
+  // register limit does not carry copies of them.
+  __device__ __forceinline__ ActiveTiles(const int* entries, const int* partner_blocks,
+                                         const int* partner_masks)
+      : blocks_(partner_blocks), masks_(partner_masks), entry_(entries[0]), end_(entries[1]) {}
+
+  // The next sub-tile the rule does not empty for own positions [own_first, own_last]; false
+  // when the walk is over. Uniform across the CTA.
+  __device__ __forceinline__ bool next(ActiveTile& tile, const RuleParams& rule, int own_first,
+                                       int own_last) {
+    while (entry_ < end_) {
+      const int block = blocks_[entry_];
+      const int mask_id = masks_[entry_];
+      while (sub_ < SUB_TILES) {
+        const int start = block * BLOCK + sub_ * OTHER_TILE;
+        ++sub_;
+        if (start >= rule.n_ctx) break;  // the rest of a ragged last block
+        const int coverage =
+            coverage_of<RULE, OTHER_TILE, OWN_IS_QUERY>(rule, own_first, own_last, start, mask_id);
+        if (coverage != TILE_EMPTY) {
+          tile = ActiveTile{start, block, mask_id, coverage};
+          return true;
+        }
+      }
+      ++entry_;
+      sub_ = 0;
+    }
+    return false;
+  }
+
+ private:
+  const int* blocks_;
+  const int* masks_;
+  int entry_;
+  int end_;
+  int sub_ = 0;
+};
+
+// A tile's coverage for a narrower range of own positions (one warp's rows of the CTA's tile):
+// a FULL tile stays FULL; a PARTIAL one may be FULL or EMPTY for these rows alone.
+template <int RULE, int OTHER_TILE, bool OWN_IS_QUERY>
+__device__ __forceinline__ int narrowed_coverage(const RuleParams& rule, const ActiveTile& tile,
+                                                 int own_first, int own_last) {
+  if (tile.coverage == TILE_FULL) return TILE_FULL;
+  return coverage_of<RULE, OTHER_TILE, OWN_IS_QUERY>(rule, own_first, own_last, tile.start,
+                                                     tile.mask_id);
+}

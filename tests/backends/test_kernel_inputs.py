@@ -1,0 +1,83 @@
+"""What the kernel backends refuse before any launch, and what the kernels must survive that
+the layouts never hand them (run on the CPU interpreter; the CUDA backend shares the checks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuattn.backends import geometry as kc
+from cuattn.backends import interp
+from cuattn.backends.kernels import GRID_YZ_LIMIT
+from cuattn.layout.layout import ElementRule, Layout
+from cuattn.layout.original import all_layout
+from tests.backends.test_interp_kernels import (
+    HEADS,
+    check_forward,
+    make_test_layout,
+    n_ctx_for,
+    random_inputs,
+)
+
+
+def test_misaligned_view_is_refused_naming_the_argument():
+    """A contiguous view at an element offset passes every shape check, but its rows are not
+    16-byte aligned: a GPU's cp.async faults on it, so the backend refuses it up front."""
+    layout = all_layout(32, HEADS, 16)
+    q, k, v, _ = random_inputs((1, HEADS, 32, 32), "float16", seed=1)
+    flat = np.random.default_rng(2).standard_normal(q.size + 8).astype(np.float16)
+    offset = next(i for i in range(1, 8) if (flat.ctypes.data + 2 * i) % 16)
+    k_view = flat[offset : offset + q.size].reshape(q.shape)
+    assert k_view.flags.c_contiguous and k_view.ctypes.data % 16
+    before = k_view.copy()
+    with pytest.raises(ValueError, match=r"k: .*16-byte.*clone\(\)"):
+        interp.forward(q, k_view, v, layout, 0.5)
+    np.testing.assert_array_equal(k_view, before)
+    out, lse = interp.forward(q, np.array(k_view), v, layout, 0.5)  # the fix the message names
+    check_forward(out, lse, q, np.array(k_view), v, layout, 0.5, "float16")
+
+
+@pytest.mark.parametrize("axis, name", [(0, "batch"), (1, "heads")])
+def test_grid_limit_is_a_clear_error(axis, name):
+    shape = [1, HEADS, 16, 32]
+    shape[axis] = GRID_YZ_LIMIT + 1
+    q = np.broadcast_to(np.float16(1), tuple(shape))  # no memory behind the huge shape
+    with pytest.raises(ValueError, match=f"{name} = 65536 exceeds"):
+        interp.forward(q, q, q, all_layout(16, HEADS, 16), 0.5)
+
+
+def test_unknown_kernel_generation_is_refused(monkeypatch):
+    monkeypatch.setenv(kc.KERNELS_ENV, "v9")
+    q, k, v, _ = random_inputs((1, HEADS, 16, 32), "float32", seed=3)
+    with pytest.raises(ValueError, match="CUATTN_KERNELS: got 'v9', accepted: v2, v1"):
+        interp.forward(q, k, v, all_layout(16, HEADS, 16), 0.5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_ragged_block_without_a_mask_entry(dtype):
+    """A full-block entry (mask -1) on the ragged last block: the kernels must still drop the
+    keys past the sequence end, from the sequence bound alone, not from a layout invariant."""
+    block, head_dim = 16, 32
+    n_ctx = 2 * block + 5
+    layout = Layout(np.ones((HEADS, 3, 3), bool), block, n_ctx, ElementRule("none"))
+    for name in ("row_mask", "col_mask"):
+        array = getattr(layout, name)
+        array.setflags(write=True)
+        array[:] = -1
+    q, k, v, _ = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=4)
+    out, lse = interp.forward(q, k, v, layout, head_dim**-0.5)
+    check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
+
+
+@pytest.mark.parametrize("rule", kc.RULES)
+@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("block", kc.BLOCK_SIZES)
+def test_forward_v1_kernels(block, head_dim, dtype, rule, monkeypatch):
+    """The previous forward generation, selectable until a GPU run has timed both."""
+    monkeypatch.setenv(kc.KERNELS_ENV, "v1")
+    n_ctx = n_ctx_for(block)
+    layout = make_test_layout(rule, block, n_ctx)
+    q, k, v, _ = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=block + head_dim)
+    out, lse = interp.forward(q, k, v, layout, head_dim**-0.5)
+    check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)

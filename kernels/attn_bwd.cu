@@ -1,18 +1,21 @@
 // Block-sparse attention backward, FlashAttention-2 style.
 //
-// Given q, k, v, out, dout [batch, heads, n_ctx, HEAD_DIM] (T) and lse [batch, heads, n_ctx]
+// Given q, k, v, out, dout [batch, heads, n_ctx, HEAD_DIM] (T; HEAD_DIM 32/64/96/128/256) and lse [batch, heads, n_ctx]
 // (float32, from attn_fwd), computes dq, dk, dv [batch, heads, n_ctx, HEAD_DIM] (T) of
 // sum(out * dout), visiting only the active blocks of the layout:
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
 //   dK = dS^T Q * scale, with delta = rowsum(dO * O).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
-//   attn_bwd_dkdv<BLOCK, TILE, HEAD_DIM, T, RULE> one CTA per (TILE keys, head, batch); walks the CSC
-//       column of its key block (kernels/common/walk.cuh); dK, dV accumulate in registers
-//       (each warp owns 16 keys).
-//   attn_bwd_dq<BLOCK, TILE, HEAD_DIM, T, RULE>   one CTA per query tile walks the CSR row and
-//       recomputes P and dS; dQ accumulates in registers, so the backward is bit-identical
-//       across runs. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
+//   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE> one CTA per (TILE_K keys,
+//       head dim split, head, batch) walks the CSC column of its key block
+//       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
+//       dK, dV accumulate in registers (each warp owns 16 keys).
+//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T, RULE>   one CTA per TILE_Q queries walks the
+//       CSR row in steps of TILE_K keys and recomputes P and dS; dQ accumulates in registers,
+//       so the backward is bit-identical across runs.
+// Both double-buffer their steps: the next step's copy is in flight while the current one is
+// computed, one barrier per step. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
 //       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
@@ -30,31 +33,43 @@ struct attn_bwd_row_traits {
   static constexpr int SMEM_BYTES = 0;
 };
 
-// TILE (keys per dK/dV CTA, queries per dQ CTA) is chosen by cuattn/backends/geometry.py and
-// passed in (32 for head dims 96 and 128, so dK and dV fit in registers); the traits only derive
-// the rest and check it.
-template <int BLOCK, int TILE, int HEAD_DIM, typename T>
-struct attn_bwd_dkdv_traits {
-  static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
-  static constexpr int NUM_WARPS = TILE / 16;
+// TILE_OWN (rows of the CTA's own axis: keys of a dK/dV CTA, queries of a dQ CTA; 16 per warp)
+// and TILE_STEP (rows of the other axis per step: 32 for head dims 96 and 128, so the score
+// tiles fit beside dK and dV in registers) are chosen by cuattn/backends/geometry.py and passed
+// in; the traits only derive the rest and check it. The step tiles are double-buffered.
+constexpr int BWD_STAGES = 2;
+
+template <int BLOCK, int TILE_OWN, int TILE_STEP, int HEAD_DIM, typename T>
+struct attn_bwd_traits {
+  static constexpr int OWN_TILES_PER_BLOCK = BLOCK / TILE_OWN;
+  static constexpr int NUM_WARPS = TILE_OWN / 16;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE + 4);
-  static constexpr int SMEM_BYTES = 4 * TILE * LD * int(sizeof(T)) + 2 * TILE * int(sizeof(float)) +
-                                    NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
-  static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
+  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE_STEP + 4);
+  // Two own tiles (K, V or Q, dO), two step tiles per stage.
+  static constexpr int TILE_BYTES = (2 * TILE_OWN + BWD_STAGES * 2 * TILE_STEP) * LD * int(sizeof(T));
+  static_assert(BLOCK % TILE_OWN == 0 && BLOCK % TILE_STEP == 0 && TILE_OWN % 16 == 0 &&
+                TILE_STEP % 16 == 0 && HEAD_DIM % 16 == 0);
 };
 
-template <int BLOCK, int TILE, int HEAD_DIM, typename T>
-struct attn_bwd_dq_traits {
-  static constexpr int TILES_PER_BLOCK = BLOCK / TILE;
-  static constexpr int NUM_WARPS = TILE / 16;
-  static constexpr int NUM_THREADS = NUM_WARPS * 32;
-  static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE + 4);
+// dK/dV CTAs may split the head dimension (SPLITS > 1, head dim 256): each computes the
+// columns [split * D_OUT, (split + 1) * D_OUT) of dK and dV, recomputing S and dP over the whole
+// head dim, so the two accumulators stay at 2 x D_OUT / 2 floats per thread.
+template <int BLOCK, int TILE_OWN, int TILE_STEP, int SPLITS, int HEAD_DIM, typename T>
+struct attn_bwd_dkdv_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T> {
+  using Base = attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T>;
+  static constexpr int D_OUT = HEAD_DIM / SPLITS;
+  static_assert(HEAD_DIM % SPLITS == 0 && D_OUT % 16 == 0, "splits are whole 16-column steps");
+  static constexpr int STATS_FLOATS = 2 * TILE_STEP;  // lse and delta of one step's queries
+  static constexpr int SMEM_BYTES = Base::TILE_BYTES + BWD_STAGES * STATS_FLOATS * int(sizeof(float)) +
+                                    Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
+};
+
+template <int BLOCK, int TILE_OWN, int TILE_STEP, int HEAD_DIM, typename T>
+struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T> {
+  using Base = attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T>;
   static constexpr int SMEM_BYTES =
-      4 * TILE * LD * int(sizeof(T)) + NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
-  static_assert(BLOCK % TILE == 0 && TILE % 16 == 0 && HEAD_DIM % 16 == 0);
+      Base::TILE_BYTES + Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
 };
 
 // lse in the log2 domain as the backward uses it; a row with nothing to attend (lse = -inf) or
@@ -86,20 +101,24 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS,
   }
 }
 
-template <int BLOCK, int TILE, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE_K, int TILE_Q, int SPLITS, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(
+    attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse,
                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_ctx,
                   int num_blocks, float scale, int window_left, int window_right) {
-  using Traits = attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>;
+  using Traits = attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
+  constexpr int D_OUT = Traits::D_OUT;
 
-  const int k_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
-  const int k_start = k_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
+  const int d_first = (int(blockIdx.x) % SPLITS) * D_OUT;  // the dK/dV columns of this CTA
+  const int key_tile = int(blockIdx.x) / SPLITS;
+  const int k_block = key_tile / Traits::OWN_TILES_PER_BLOCK;
+  const int k_start = k_block * BLOCK + (key_tile % Traits::OWN_TILES_PER_BLOCK) * TILE_K;
   if (k_start >= n_ctx) return;  // ragged last block: this sub-tile holds no key
   const int head = int(blockIdx.y);
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
@@ -108,71 +127,91 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>
   const AccLayout frag;
   const RuleParams rule{n_ctx, window_left, window_right, mask_table};
 
+  // Shared memory: K, V (this CTA's keys), then per stage Q, dO and the queries' lse, delta.
   T* k_smem = dynamic_smem<T>();
-  T* v_smem = k_smem + TILE * LD;
-  T* q_smem = v_smem + TILE * LD;
-  T* do_smem = q_smem + TILE * LD;
-  float* lse_smem = reinterpret_cast<float*>(do_smem + TILE * LD);
-  float* delta_smem = lse_smem + TILE;
-  float* scratch = delta_smem + TILE + warp * Traits::SCRATCH_FLOATS;
+  T* v_smem = k_smem + TILE_K * LD;
+  T* step_smem = v_smem + TILE_K * LD;  // stage s: Q at s * 2 * TILE_Q * LD, dO after it
+  float* stats_smem = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_Q * LD);
+  float* scratch = stats_smem + BWD_STAGES * Traits::STATS_FLOATS + warp * Traits::SCRATCH_FLOATS;
 
   const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
-  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_ctx - k_start);
-  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_ctx - k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_ctx - k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_ctx - k_start);
   cp_async_commit();
 
-  float dk_acc[HEAD_DIM / 8][4] = {};
-  float dv_acc[HEAD_DIM / 8][4] = {};
+  // Starts the copy of one step's queries into `stage`: Q and dO asynchronously, lse (log2
+  // domain) and delta by plain stores, all visible after the next barrier.
+  auto load_step = [&](int stage, int q_start) {
+    T* q_stage = step_smem + stage * 2 * TILE_Q * LD;
+    const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage, LD, q + q_offset, HEAD_DIM,
+                                                   n_ctx - q_start);
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage + TILE_Q * LD, LD, dout + q_offset,
+                                                   HEAD_DIM, n_ctx - q_start);
+    cp_async_commit();
+    float* stats = stats_smem + stage * Traits::STATS_FLOATS;
+    for (int i = tid; i < TILE_Q; i += NUM_THREADS) {
+      const bool valid = q_start + i < n_ctx;
+      stats[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
+      stats[TILE_Q + i] = valid ? delta[head_offset + q_start + i] : 0.f;
+    }
+  };
+
+  float dk_acc[D_OUT / 8][4] = {};
+  float dv_acc[D_OUT / 8][4] = {};
   const float scale_log2 = scale * LOG2E;
   const int k_warp = k_start + warp * 16;
+  const int k_last = k_start + TILE_K - 1;
 
-  ActiveTiles<RULE, BLOCK, TILE, false> walk(col_ptr + head * (num_blocks + 1) + k_block, row_idx,
-                                             col_mask);
+  ActiveTiles<RULE, BLOCK, TILE_Q, false> walk(col_ptr + head * (num_blocks + 1) + k_block, row_idx,
+                                               col_mask);
   ActiveTile tile;
-  // The inner loop: one active query tile per iteration.
-  while (walk.next(tile, rule, k_start, k_start + TILE - 1)) {
-    const int q_start = tile.start;
-    __syncthreads();  // every warp is done with the previous Q and dO tiles
-    const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
-    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM,
-                                                 n_ctx - q_start);
-    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
-                                                 n_ctx - q_start);
-    cp_async_commit();
-    for (int i = tid; i < TILE; i += NUM_THREADS) {
-      const bool valid = q_start + i < n_ctx;
-      lse_smem[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
-      delta_smem[i] = valid ? delta[head_offset + q_start + i] : 0.f;
-    }
-    cp_async_wait_all();
-    __syncthreads();
+  bool active = walk.next(tile, rule, k_start, k_last);
+  if (active) load_step(0, tile.start);
+  int stage = 0;
+  // The inner loop: one active query tile per iteration, the next one's copy in flight.
+  while (active) {
+    ActiveTile next_tile;
+    const bool has_next = walk.next(next_tile, rule, k_start, k_last);
+    cp_async_wait_group<0>();  // K, V and this step's Q, dO
+    __syncthreads();           // ... visible to all; every warp is done with the other stage
+    if (has_next) load_step(stage ^ 1, next_tile.start);
 
-    // S^T for this warp's 16 keys against the TILE queries, then P^T = exp2(S^T - lse).
-    float p_t[TILE / 8][4] = {};
-    warp_gemm_rs_nk<TILE, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
-    scale_tile<TILE>(p_t, scale_log2);
+    const int q_start = tile.start;
+    const T* q_smem = step_smem + stage * 2 * TILE_Q * LD;
+    const T* do_smem = q_smem + TILE_Q * LD;
+    const float* lse_smem = stats_smem + stage * Traits::STATS_FLOATS;
+    const float* delta_smem = lse_smem + TILE_Q;
+
+    // S^T for this warp's 16 keys against the TILE_Q queries, then P^T = exp2(S^T - lse).
+    float p_t[TILE_Q / 8][4] = {};
+    warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
+    scale_tile<TILE_Q>(p_t, scale_log2);
     if (tile.coverage == TILE_PARTIAL) {
-      mask_score_tile<RULE, BLOCK, TILE, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
-                                                tile.mask_id);
+      mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
+                                                  tile.mask_id);
     }
 #pragma unroll
-    for (int j = 0; j < TILE / 8; ++j) {
+    for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) p_t[j][e] = exp2f(p_t[j][e] - lse_smem[frag.col(j, e)]);
     }
-    warp_gemm_regs_kn<HEAD_DIM, TILE>(dv_acc, p_t, do_smem, LD, scratch);
+    warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
-    float ds_t[TILE / 8][4] = {};
-    warp_gemm_rs_nk<TILE, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
+    float ds_t[TILE_Q / 8][4] = {};
+    warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
 #pragma unroll
-    for (int j = 0; j < TILE / 8; ++j) {
+    for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         ds_t[j][e] = p_t[j][e] * (ds_t[j][e] - delta_smem[frag.col(j, e)]);
       }
     }
-    warp_gemm_regs_kn<HEAD_DIM, TILE>(dk_acc, ds_t, q_smem, LD, scratch);
+    warp_gemm_regs_kn<D_OUT, TILE_Q>(dk_acc, ds_t, q_smem + d_first, LD, scratch);
+    tile = next_tile;
+    active = has_next;
+    stage ^= 1;
   }
   cp_async_wait_all();  // a key tile with no active query tile still retires its K/V copy
 
@@ -180,10 +219,10 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>
   for (int r = 0; r < 2; ++r) {
     const int k_row = k_warp + frag.row(2 * r);
     if (k_row >= n_ctx) continue;
-    T* dk_row = dk + (head_offset + k_row) * HEAD_DIM;
-    T* dv_row = dv + (head_offset + k_row) * HEAD_DIM;
+    T* dk_row = dk + (head_offset + k_row) * HEAD_DIM + d_first;
+    T* dv_row = dv + (head_offset + k_row) * HEAD_DIM + d_first;
 #pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+    for (int j = 0; j < D_OUT / 8; ++j) {
       store_pair(dk_row + frag.pair_col(j), dk_acc[j][2 * r] * scale,
                  dk_acc[j][2 * r + 1] * scale);
       store_pair(dv_row + frag.pair_col(j), dv_acc[j][2 * r], dv_acc[j][2 * r + 1]);
@@ -191,20 +230,20 @@ __global__ void __launch_bounds__(attn_bwd_dkdv_traits<BLOCK, TILE, HEAD_DIM, T>
   }
 }
 
-template <int BLOCK, int TILE, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE_Q, int TILE_K, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                 const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
                 int window_left, int window_right) {
-  using Traits = attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>;
+  using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
-  const int q_block = int(blockIdx.x) / Traits::TILES_PER_BLOCK;
-  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::TILES_PER_BLOCK) * TILE;
+  const int q_block = int(blockIdx.x) / Traits::OWN_TILES_PER_BLOCK;
+  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::OWN_TILES_PER_BLOCK) * TILE_Q;
   if (q_start >= n_ctx) return;
   const int head = int(blockIdx.y);
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
@@ -212,19 +251,31 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::
   const AccLayout frag;
   const RuleParams rule{n_ctx, window_left, window_right, mask_table};
 
+  // Shared memory: Q, dO (this CTA's queries), then per stage K and V.
   T* q_smem = dynamic_smem<T>();
-  T* do_smem = q_smem + TILE * LD;
-  T* k_smem = do_smem + TILE * LD;
-  T* v_smem = k_smem + TILE * LD;
-  float* scratch = reinterpret_cast<float*>(v_smem + TILE * LD) + warp * Traits::SCRATCH_FLOATS;
+  T* do_smem = q_smem + TILE_Q * LD;
+  T* step_smem = do_smem + TILE_Q * LD;  // stage s: K at s * 2 * TILE_K * LD, V after it
+  float* scratch = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_K * LD) +
+                   warp * Traits::SCRATCH_FLOATS;
 
   const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
-  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM, n_ctx - q_start);
-  load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
-                                               n_ctx - q_start);
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM, n_ctx - q_start);
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
+                                                 n_ctx - q_start);
   cp_async_commit();
 
+  auto load_step = [&](int stage, int k_start) {
+    T* k_stage = step_smem + stage * 2 * TILE_K * LD;
+    const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage, LD, k + kv_offset, HEAD_DIM,
+                                                   n_ctx - k_start);
+    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage + TILE_K * LD, LD, v + kv_offset,
+                                                   HEAD_DIM, n_ctx - k_start);
+    cp_async_commit();
+  };
+
   const int q_warp = q_start + warp * 16;
+  const int q_last = q_start + TILE_Q - 1;
   float lse_row[2], delta_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -235,40 +286,45 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE, HEAD_DIM, T>::
   float dq_acc[HEAD_DIM / 8][4] = {};
   const float scale_log2 = scale * LOG2E;
 
-  ActiveTiles<RULE, BLOCK, TILE, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
-                                            row_mask);
+  ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
+                                              row_mask);
   ActiveTile tile;
-  // The inner loop: one active key tile per iteration.
-  while (walk.next(tile, rule, q_start, q_start + TILE - 1)) {
-    const int k_start = tile.start;
-    __syncthreads();  // every warp is done with the previous K/V tile
-    const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
-    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
-                                                 n_ctx - k_start);
-    load_tile_async<TILE, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
-                                                 n_ctx - k_start);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
+  bool active = walk.next(tile, rule, q_start, q_last);
+  if (active) load_step(0, tile.start);
+  int stage = 0;
+  // The inner loop: one active key tile per iteration, the next one's copy in flight.
+  while (active) {
+    ActiveTile next_tile;
+    const bool has_next = walk.next(next_tile, rule, q_start, q_last);
+    cp_async_wait_group<0>();  // Q, dO and this step's K, V
+    __syncthreads();           // ... visible to all; every warp is done with the other stage
+    if (has_next) load_step(stage ^ 1, next_tile.start);
 
-    float p[TILE / 8][4] = {};
-    warp_gemm_rs_nk<TILE, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
-    scale_tile<TILE>(p, scale_log2);
+    const int k_start = tile.start;
+    const T* k_smem = step_smem + stage * 2 * TILE_K * LD;
+    const T* v_smem = k_smem + TILE_K * LD;
+
+    float p[TILE_K / 8][4] = {};
+    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+    scale_tile<TILE_K>(p, scale_log2);
     if (tile.coverage == TILE_PARTIAL) {
-      mask_score_tile<RULE, BLOCK, TILE, true>(p, rule, q_warp, k_start, q_block, tile.block,
-                                               tile.mask_id);
+      mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
+                                                 tile.mask_id);
     }
-    float ds[TILE / 8][4] = {};
-    warp_gemm_rs_nk<TILE, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+    float ds[TILE_K / 8][4] = {};
+    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
 #pragma unroll
-    for (int j = 0; j < TILE / 8; ++j) {
+    for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
       }
     }
-    warp_gemm_regs_kn<HEAD_DIM, TILE>(dq_acc, ds, k_smem, LD, scratch);
+    warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);
+    tile = next_tile;
+    active = has_next;
+    stage ^= 1;
   }
   cp_async_wait_all();
 

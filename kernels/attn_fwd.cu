@@ -20,7 +20,7 @@
 // softmax.
 //
 // Template parameters: BLOCK (layout block size 16/32/64/128), TILE_M, TILE_N, NUM_WARPS (the
-// tiles and warps), HEAD_DIM (32/64/96/128), T (float, __half, __nv_bfloat16), RULE (MaskRule,
+// tiles and warps), HEAD_DIM (32/64/96/128/256), T (float, __half, __nv_bfloat16), RULE (MaskRule,
 // kernels/common/types.cuh). Run: through cuattn (backend "cuda" or "interp"); every size comes
 // from cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, 64, 2, 128, __half, MASK_CAUSAL>`.
 #include "common/score_tile.cuh"

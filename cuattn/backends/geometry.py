@@ -27,7 +27,8 @@ import numpy as np
 from cuattn._util import ceil_div
 
 BLOCK_SIZES = (16, 32, 64, 128)
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 256)
+V1_HEAD_DIMS = (32, 64, 96, 128)  # the previous forward generation has no 256
 DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")
 
@@ -128,12 +129,23 @@ MMA_ROWS = 16  # rows of one mma fragment
 # floats per thread) and a 64-key score tile (64 floats) do not fit in 255 registers unspilled
 # (ptxas: 56-388 bytes of spills at 64 keys, none at 32); FlashAttention-2 makes the same cut.
 FWD_TILE_N_LARGE_HEAD = 32
-# Backward tile (keys of dK/dV, queries of dQ): head dims 96 and 128 use 32 so that the dK and
-# dV accumulators (2 x 64 floats per thread) and the score tiles fit in registers unspilled.
-BWD_MAX_TILE = 64
-BWD_MAX_TILE_LARGE_HEAD = 32
+# Backward: each CTA owns BWD_OWN_TILE rows of its own axis (keys of dK/dV, queries of dQ; 16 per
+# warp) and steps over the other axis in double-buffered tiles of BWD_STEP_TILE rows; head dims
+# 96 and 128 step by 32 so that the dK and dV accumulators (2 x 64 floats per thread) and the
+# score tiles fit in registers unspilled (bench/NOTES.md, change 3).
+BWD_OWN_TILE = 64
+BWD_STEP_TILE = 64
+BWD_STEP_TILE_LARGE_HEAD = 32
+BWD_STAGES = 2  # step tiles in shared memory (kernels/attn_bwd.cu BWD_STAGES)
 LARGE_HEAD_DIM = 96
-
+# Head dim 256: 16 rows per warp everywhere (a 16 x 256 accumulator is already 128 floats per
+# thread), 32-row steps (16 in fp32, whose tiles take twice the shared memory), and dK/dV split
+# in two 128-column halves per CTA: both halves' accumulators would need 256 floats per thread.
+HUGE_HEAD_DIM = 256
+HUGE_HEAD_STEP_TILE = 32
+HUGE_HEAD_STEP_TILE_FP32 = 16
+HUGE_HEAD_OWN_TILE_FP32 = 32
+HUGE_HEAD_DKDV_SPLITS = 2
 
 # Forward kernel generations: v2 is the FlashAttention-2-structured attn_fwd (kernels/attn_fwd.cu),
 # v1 the previous one (kernels/attn_fwd_v1.cu), kept selectable until both have been timed in one
@@ -155,6 +167,13 @@ def forward_kernel() -> str:
 def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of a block kernel: rows per CTA, columns per shared-memory
     tile, warps per CTA."""
+    if head_dim == HUGE_HEAD_DIM:
+        fp32 = dtype == "float32"
+        backward = kernel not in FORWARD_KERNELS.values()
+        own_tile = (HUGE_HEAD_OWN_TILE_FP32 if fp32 else BWD_OWN_TILE) if backward else FWD_MAX_TILE
+        own = min(block, own_tile)
+        step = min(block, HUGE_HEAD_STEP_TILE_FP32 if fp32 and backward else HUGE_HEAD_STEP_TILE)
+        return own, step, own // MMA_ROWS
     if kernel == "attn_fwd" and dtype != "float32":
         wide = block >= FWD_WIDE_WARP_MIN_BLOCK
         tile_m = min(block, FWD_MAX_TILE_M)
@@ -165,8 +184,9 @@ def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int,
     if kernel in ("attn_fwd", "attn_fwd_v1"):
         tile = min(block, FWD_MAX_TILE)
         return tile, tile, tile // MMA_ROWS
-    tile = min(block, BWD_MAX_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_MAX_TILE)
-    return tile, tile, tile // MMA_ROWS  # backward: square tiles, 16 rows per warp
+    own = min(block, BWD_OWN_TILE)
+    step = min(block, BWD_STEP_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_STEP_TILE)
+    return own, step, own // MMA_ROWS  # backward: (own rows, step rows), 16 own rows per warp
 
 
 @dataclass(frozen=True)
@@ -186,12 +206,13 @@ class KernelConfig:
     rule: str | None = None
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
+    splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
     num_warps: int = field(init=False)
     smem_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.kernel in KERNEL_FILES, self.kernel
-        assert self.head_dim in HEAD_DIMS, self.head_dim
+        assert self.head_dim in (V1_HEAD_DIMS if self.kernel == "attn_fwd_v1" else HEAD_DIMS)
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_ctx >= 1
         itemsize = ITEMSIZE[self.dtype]
@@ -213,13 +234,15 @@ class KernelConfig:
                 scratch = 0 if half else 16 * (tile_n + 4)
                 smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
             else:
-                # backward: K/V tile of tile_n keys (dK/dV) or Q tile (dQ)
-                scratch = 0 if half else 16 * (tile_m + 4)
-                tiles = 4 * tile_n * ld * itemsize  # q, dout, k, v
-                smem = tiles + num_warps * scratch * 4
+                # backward: two own tiles (K, V or Q, dO), two step tiles per stage
+                scratch = 0 if half else 16 * (tile_n + 4)
+                smem = (2 * tile_m + BWD_STAGES * 2 * tile_n) * ld * itemsize
+                smem += num_warps * scratch * 4
                 if self.kernel == "attn_bwd_dkdv":
-                    smem += 2 * tile_m * 4  # lse, delta of the query tile, shared by all warps
+                    smem += BWD_STAGES * 2 * tile_n * 4  # lse, delta of each stage's queries
             assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
+        huge = self.kernel == "attn_bwd_dkdv" and self.head_dim == HUGE_HEAD_DIM
+        object.__setattr__(self, "splits", HUGE_HEAD_DKDV_SPLITS if huge else 1)
         object.__setattr__(self, "tile_m", tile_m)
         object.__setattr__(self, "tile_n", tile_n)
         object.__setattr__(self, "num_warps", num_warps)
@@ -240,8 +263,7 @@ class KernelConfig:
             return (ceil_div(self.n_ctx, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         assert self.block is not None
         num_blocks = ceil_div(self.n_ctx, self.block)
-        tile = self.tile_n if self.kernel == "attn_bwd_dkdv" else self.tile_m
-        return (num_blocks * (self.block // tile), self.heads, self.batch)
+        return (num_blocks * (self.block // self.tile_m) * self.splits, self.heads, self.batch)
 
     @property
     def source_file(self) -> str:
@@ -251,7 +273,8 @@ class KernelConfig:
     def name_expression(self) -> str:
         """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 2, 128, __half,
         MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule), ``attn_fwd_v1<64,
-        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 32, 128, ...>`` (block, tile, ...)."""
+        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own
+        tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
@@ -270,13 +293,36 @@ class KernelConfig:
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
-        if self.kernel == "attn_fwd_v1":
-            return f"{self.block}, {self.tile_m}, {self.tile_n}"
-        return f"{self.block}, {self.tile_m}"  # the backward kernels use square tiles
+        if self.kernel == "attn_bwd_dkdv":
+            return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
+        return f"{self.block}, {self.tile_m}, {self.tile_n}"  # v1 and dQ
 
     @property
     def args(self) -> tuple[tuple[str, str], ...]:
         return KERNEL_ARGS[self.kernel]
+
+
+# Per-SM limits of the architectures the kernels compile for (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"): registers, threads, resident CTAs, shared
+# memory, and the shared memory the system reserves per resident CTA.
+SM_LIMITS = {
+    "sm_80": {"registers": 65536, "threads": 2048, "ctas": 32, "smem": 167936, "reserved": 1024},
+    "sm_90": {"registers": 65536, "threads": 2048, "ctas": 32, "smem": 233472, "reserved": 1024},
+}
+REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of 256
+
+
+def ctas_per_sm(arch: str, registers: int, threads: int, smem_bytes: int) -> int:
+    """Resident CTAs per SM of a kernel using ``registers`` per thread, ``threads`` per CTA and
+    ``smem_bytes`` of shared memory per CTA (static + dynamic): the occupancy the NVRTC report
+    shows beside each instantiation's registers."""
+    limits = SM_LIMITS[arch]
+    warps = ceil_div(threads, WARP_SIZE)
+    per_warp = ceil_div(max(registers, 1) * WARP_SIZE, REGISTER_ALLOCATION_UNIT)
+    by_registers = limits["registers"] // (per_warp * REGISTER_ALLOCATION_UNIT) // warps
+    by_threads = limits["threads"] // (warps * WARP_SIZE)
+    by_smem = limits["smem"] // (smem_bytes + limits["reserved"])
+    return min(by_registers, by_threads, by_smem, limits["ctas"])
 
 
 def name_expression(
@@ -290,8 +336,9 @@ def all_configs() -> list[KernelConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
     configs = []
     for kernel in BLOCK_KERNELS:
+        head_dims = V1_HEAD_DIMS if kernel == "attn_fwd_v1" else HEAD_DIMS
         for block, head_dim, dtype, rule in itertools.product(
-            BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES
+            BLOCK_SIZES, head_dims, DTYPES, RULES
         ):
             configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule))
     for kernel in ROW_KERNELS:

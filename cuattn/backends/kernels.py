@@ -147,6 +147,12 @@ class KernelBackend:
     def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_ctx, head_dim = shape
+        kernel = kc.forward_kernel()
+        if kernel == "attn_fwd_v1" and head_dim not in kc.V1_HEAD_DIMS:
+            raise ValueError(
+                f"q: head_dim {head_dim} has no kernel of the v1 forward ({kc.KERNELS_ENV}=v1); "
+                f"v1 supports {kc.V1_HEAD_DIMS}, the default generation {kc.HEAD_DIMS}"
+            )
         xp = self.xp
         with self.on_device_of(q):
             q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
@@ -154,7 +160,7 @@ class KernelBackend:
             out = self.output(shape, q.dtype)
             lse = self.output((batch, heads, n_ctx), xp.float32)
             config = KernelConfig(
-                kc.forward_kernel(),
+                kernel,
                 head_dim,
                 dtype,
                 batch,

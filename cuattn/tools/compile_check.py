@@ -47,7 +47,9 @@ class CompileUnit:
     """One kernel instantiation to compile."""
 
     source_file: str  # e.g. "attn_fwd.cu", relative to kernels/
-    name_expression: str  # e.g. "attn_fwd<64, 64, 64, 128, __nv_bfloat16, MASK_CAUSAL>"
+    name_expression: str  # e.g. "attn_fwd<64, 64, 64, 2, 128, __nv_bfloat16, MASK_CAUSAL>"
+    threads: int = 0  # per CTA at launch (0: unknown, no occupancy in the report)
+    dynamic_smem: int = 0  # bytes of dynamic shared memory at launch
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ def format_table(results: Iterable[CompileResult]) -> str:
     """Markdown table, one row per (instantiation, arch)."""
     header = (
         "| arch | file | instantiation | regs | static smem B | stack B | spill st B | spill ld B"
-        " | status |\n|---|---|---|---:|---:|---:|---:|---:|---|"
+        " | threads | dynamic smem B | CTAs/SM | warps/SM | status |"
+        "\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     rows = [header]
     for r in results:
@@ -169,9 +172,22 @@ def format_table(results: Iterable[CompileResult]) -> str:
         rows.append(
             f"| {r.arch} | {r.unit.source_file} | `{r.unit.name_expression}` | {r.stats.registers}"
             f" | {r.stats.static_smem_bytes} | {r.stats.stack_bytes} | {r.stats.spill_store_bytes}"
-            f" | {r.stats.spill_load_bytes + r.callee_spill_bytes} | {status} |"
+            f" | {r.stats.spill_load_bytes + r.callee_spill_bytes} | {_occupancy_cells(r)}"
+            f" | {status} |"
         )
     return "\n".join(rows)
+
+
+def _occupancy_cells(r: CompileResult) -> str:
+    """threads | dynamic smem | CTAs per SM | warps per SM, or dashes where unknown."""
+    from cuattn.backends.geometry import SM_LIMITS, WARP_SIZE, ctas_per_sm
+
+    if r.error or not r.unit.threads or r.arch not in SM_LIMITS:
+        return "- | - | - | -"
+    smem = r.unit.dynamic_smem + r.stats.static_smem_bytes
+    ctas = ctas_per_sm(r.arch, r.stats.registers, r.unit.threads, smem)
+    warps = ctas * (r.unit.threads // WARP_SIZE)
+    return f"{r.unit.threads} | {r.unit.dynamic_smem} | {ctas} | {warps}"
 
 
 def format_errors(results: Iterable[CompileResult]) -> str:
@@ -208,9 +224,8 @@ def kernel_instantiations() -> list[CompileUnit]:
     from cuattn.backends import geometry
 
     return [
-        CompileUnit(source_file, name)
-        for source_file, names in geometry.all_instantiations().items()
-        for name in names
+        CompileUnit(c.source_file, c.name_expression, c.threads, c.smem_bytes)
+        for c in geometry.all_configs()
     ]
 
 

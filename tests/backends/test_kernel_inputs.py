@@ -53,6 +53,13 @@ def test_unknown_kernel_generation_is_refused(monkeypatch):
         interp.forward(q, k, v, all_layout(16, HEADS, 16), 0.5)
 
 
+def test_v1_forward_refuses_head_dim_256(monkeypatch):
+    monkeypatch.setenv(kc.KERNELS_ENV, "v1")
+    q, k, v, _ = random_inputs((1, HEADS, 16, 256), "float16", seed=5)
+    with pytest.raises(ValueError, match="head_dim 256 has no kernel of the v1 forward"):
+        interp.forward(q, k, v, all_layout(16, HEADS, 16), 0.5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_ragged_block_without_a_mask_entry(dtype):
     """A full-block entry (mask -1) on the ragged last block: the kernels must still drop the
@@ -71,7 +78,7 @@ def test_ragged_block_without_a_mask_entry(dtype):
 
 @pytest.mark.parametrize("rule", kc.RULES)
 @pytest.mark.parametrize("dtype", kc.DTYPES)
-@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", kc.V1_HEAD_DIMS)
 @pytest.mark.parametrize("block", kc.BLOCK_SIZES)
 def test_forward_v1_kernels(block, head_dim, dtype, rule, monkeypatch):
     """The previous forward generation, selectable until a GPU run has timed both."""

@@ -150,7 +150,10 @@ def test_warm_up_names_only_real_instantiations():
     known = {(f, n) for f, names in all_instantiations().items() for n in names}
     units = bench.kernel_units_for(list(FULL.cases()))
     assert units and set(units) <= known
-    assert any("attn_bwd_dkdv<64, 32, 128, __nv_bfloat16, MASK_BITMASK>" in n for _, n in units)
+    names = [n for _, n in units]
+    assert "attn_bwd_dkdv<64, 64, 32, 1, 128, __nv_bfloat16, MASK_BITMASK>" in names
+    assert "attn_bwd_dq<64, 64, 32, 128, __nv_bfloat16, MASK_BITMASK>" in names
+    assert "attn_fwd_v1<64, 64, 64, 128, __nv_bfloat16, MASK_CAUSAL>" in names
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention warns it is unfused

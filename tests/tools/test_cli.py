@@ -48,7 +48,7 @@ def test_check_reports_a_failure(monkeypatch):
 
 def test_check_picks_its_sweep_by_backend_and_says_why(monkeypatch):
     """A plain `cuattn check` on a CPU-only machine runs the interpreter's quick sweep (under a
-    minute on 2 cores); --standard and --full cover every head dim, 96 included."""
+    minute on 2 cores); --standard covers head dims 32-128, 96 included, and --full 256 too."""
     monkeypatch.setattr(check.shutil, "which", lambda name: "/usr/bin/g++")
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
     backend, why = check.best_backend()
@@ -58,8 +58,8 @@ def test_check_picks_its_sweep_by_backend_and_says_why(monkeypatch):
     assert check.main(out=out) == 0
     first = out.getvalue().splitlines()[0]
     assert first.startswith("cuattn check: backend interp (") and "quick sweep" in first
-    for size in ("standard", "full"):
-        assert {c.head_dim for c in check.cases("numpy", size)} == {32, 64, 96, 128}
+    assert {c.head_dim for c in check.cases("numpy", "standard")} == {32, 64, 96, 128}
+    assert {c.head_dim for c in check.cases("numpy", "full")} == {32, 64, 96, 128, 256}
 
 
 def test_show_fixed_prints_per_head_pictures(capsys, tmp_path):

@@ -105,6 +105,26 @@ def test_run_check_parallel_table():
     table = format_table(results)
     assert table.count("\n") == 1 + len(results)
     assert "0 spilling, 0 errors" in summarize(results)
+    assert table.splitlines()[2].endswith("| - | - | - | - | ok |")  # no launch geometry given
+
+
+def test_occupancy_from_registers_threads_and_shared_memory():
+    from cuattn.backends.geometry import ctas_per_sm
+
+    # 255 registers round up to 8192 per warp: 8 warps per SM, 2 CTAs of 4 warps
+    assert ctas_per_sm("sm_90", 255, 128, 70 * 1024) == 2
+    # shared memory binds: 3 CTAs of 70 KB (+1 KB reserved each) fit in sm_90's 228 KB, 2 in 164
+    assert ctas_per_sm("sm_90", 64, 128, 70 * 1024) == 3
+    assert ctas_per_sm("sm_80", 64, 128, 70 * 1024) == 2
+    # threads bind: 16 CTAs of 128 threads; CTA count binds: 32 CTAs of one warp
+    assert ctas_per_sm("sm_80", 32, 128, 0) == 16
+    assert ctas_per_sm("sm_80", 32, 32, 0) == 32
+    unit = CompileUnit("tiny.cu", "tiny<32, __half>", threads=128, dynamic_smem=70 * 1024)
+    result = run_check(
+        [unit], ["sm_90"], {"tiny.cu": TINY_KERNEL}, STANDALONE_OPTIONS, jobs=1, progress=None
+    )[0]
+    cells = format_table([result]).splitlines()[2].split("|")
+    assert [c.strip() for c in cells[9:13]] == ["128", str(70 * 1024), "3", "12"]
 
 
 @pytest.mark.slow

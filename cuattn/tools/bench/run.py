@@ -351,6 +351,8 @@ def kernel_units_for(cases: Sequence[BenchCase]) -> list[tuple[str, str]]:
     names = set()
     for case in cases:
         for kernel in (*kc.FORWARD_KERNELS.values(), "attn_bwd_dkdv", "attn_bwd_dq"):
+            if kernel == "attn_fwd_v1" and case.head_dim not in kc.V1_HEAD_DIMS:
+                continue
             for rule in kc.RULES:
                 names.add(
                     kc.name_expression(kernel, case.head_dim, case.dtype, case.blocksize, rule)

@@ -27,7 +27,7 @@ import numpy as np
 from cuattn._util import ceil_div
 
 BLOCK_SIZES = (16, 32, 64, 128)
-HEAD_DIMS = (32, 64, 96, 128, 256)
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
 V1_HEAD_DIMS = (32, 64, 96, 128)  # the previous forward generation has no 256
 DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="size",
         action="store_const",
         const="full",
-        help="every head dim 32/64/96/128/256 at a whole and a ragged length of every block size",
+        help="every head dim (16/32/48/64/80/96/128/256) at a whole and a ragged length of "
+        "every block size",
     )
     check.set_defaults(size=None)
     check.set_defaults(func=_check)

@@ -132,7 +132,7 @@ def test_launch_geometry_matches_kernel_traits():
 
 def test_rejects_bad_inputs():
     layout = all_layout(32, HEADS, 16)
-    q = np.zeros((1, HEADS, 32, 48), np.float32)
+    q = np.zeros((1, HEADS, 32, 40), np.float32)
     with pytest.raises(ValueError, match="head_dim"):
         interp.forward(q, q, q, layout, 1.0)
     q = np.zeros((1, HEADS, 32, 32), np.float64)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cuattn.backends.geometry import HEAD_DIMS
 from cuattn.tools import check
 from cuattn.tools.cli import main
 
@@ -48,7 +49,7 @@ def test_check_reports_a_failure(monkeypatch):
 
 def test_check_picks_its_sweep_by_backend_and_says_why(monkeypatch):
     """A plain `cuattn check` on a CPU-only machine runs the interpreter's quick sweep (under a
-    minute on 2 cores); --standard covers head dims 32-128, 96 included, and --full 256 too."""
+    minute on 2 cores); --standard covers head dims 32-128, 96 included; --full every one."""
     monkeypatch.setattr(check.shutil, "which", lambda name: "/usr/bin/g++")
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
     backend, why = check.best_backend()
@@ -59,7 +60,7 @@ def test_check_picks_its_sweep_by_backend_and_says_why(monkeypatch):
     first = out.getvalue().splitlines()[0]
     assert first.startswith("cuattn check: backend interp (") and "quick sweep" in first
     assert {c.head_dim for c in check.cases("numpy", "standard")} == {32, 64, 96, 128}
-    assert {c.head_dim for c in check.cases("numpy", "full")} == {32, 64, 96, 128, 256}
+    assert {c.head_dim for c in check.cases("numpy", "full")} == set(HEAD_DIMS)
 
 
 def test_show_fixed_prints_per_head_pictures(capsys, tmp_path):

@@ -9,7 +9,14 @@ out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, h
 
 import sys as _sys
 
-from cuattn.api import attention, blocksparse_attention, merge_heads, sparse_attention, split_heads
+from cuattn.api import (
+    attention,
+    blocksparse_attention,
+    merge_heads,
+    sparse_attention,
+    sparse_attention_varlen,
+    split_heads,
+)
 from cuattn.autograd import ops, tape
 from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
 from cuattn.layout import MODES, ElementRule, Layout, make_layout, vertical_slash_layout
@@ -34,6 +41,7 @@ __all__ = [
     "ops",
     "recompute",
     "sparse_attention",
+    "sparse_attention_varlen",
     "split_heads",
     "vertical_slash_layout",
 ]

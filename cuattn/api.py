@@ -7,12 +7,14 @@ got and what is accepted.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.layout import make_layout
+from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.layout import Layout
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -38,20 +40,35 @@ def _check_array(name: str, x: Any, ndim: int, layout_doc: str) -> None:
 
 
 def _check_qkv(q: Any, k: Any, v: Any, ndim: int, layout_doc: str) -> None:
+    """Same rank and dtype; v shaped like k; k like q except (4-D) heads and time: k may have
+    fewer heads dividing q's (GQA/MQA) and another length (queries != keys)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, ndim, layout_doc)
-    for name, x in (("k", k), ("v", v)):
-        if tuple(x.shape) != tuple(q.shape):
+    q_shape, k_shape = tuple(int(d) for d in q.shape), tuple(int(d) for d in k.shape)
+    if ndim == 4:
+        batch, heads, _, head_dim = q_shape
+        if k_shape[0] != batch or k_shape[3] != head_dim or heads % max(k_shape[1], 1):
             raise ValueError(
-                f"{name} must have the same shape as q {tuple(q.shape)}, got {tuple(x.shape)}"
+                f"k must be [batch={batch}, kv_heads, time_k, head_dim={head_dim}] with kv_heads "
+                f"dividing heads={heads} (GQA/MQA), got shape {k_shape} (q {q_shape})"
             )
+    elif k_shape != q_shape:
+        raise ValueError(f"k must have the same shape as q {q_shape}, got {k_shape}")
+    if tuple(int(d) for d in v.shape) != k_shape:
+        raise ValueError(f"v must have the same shape as k {k_shape}, got {tuple(v.shape)}")
+    _check_dtypes(q, k, v)
+    for name, x in (("q", q), ("k", k)):
+        if any(int(d) == 0 for d in x.shape):
+            raise ValueError(f"{name} must not have an empty dimension, got shape {tuple(x.shape)}")
+
+
+def _check_dtypes(q: Any, k: Any, v: Any) -> None:
+    for name, x in (("k", k), ("v", v)):
         if _dtype_name(x) != _dtype_name(q):
             raise TypeError(
                 f"{name} must have the same dtype as q ({_dtype_name(q)}), got {_dtype_name(x)} "
                 "(cuattn never casts silently)"
             )
-    if any(int(d) == 0 for d in q.shape):
-        raise ValueError(f"q must not have an empty dimension, got shape {tuple(q.shape)}")
 
 
 def _resolve_scale(scale: object, head_dim: int) -> float:
@@ -102,8 +119,13 @@ def sparse_attention(
 ) -> Any:
     """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`.
 
+    q is [batch, heads, time_q, head_dim]; k and v are [batch, kv_heads, time_k, head_dim] with
+    kv_heads dividing heads (GQA/MQA: query head h reads kv head h // (heads / kv_heads); nothing
+    is repeated in memory) and time_k the keys' length; the layout is per query head, built for
+    time_q queries and time_k keys (``make_layout(..., n_ctx=time_k, n_q=time_q)``: causal rules
+    align the ends, as SDPA's bottom-right causal mask).
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True`` (lse float32, float64
-    for float64 input, [batch, heads, time], -inf on rows with nothing to attend to).
+    for float64 input, [batch, heads, time_q], -inf on rows with nothing to attend to).
     ``scale`` defaults to 1/sqrt(head_dim). ``backend``: 'numpy', 'interp' or 'cuda' (default:
     from the arrays' device and CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward
     and recomputes the forward there. ``deterministic`` makes the CUDA backward bit-identical
@@ -115,11 +137,13 @@ def sparse_attention(
             f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks), "
             f"got {type(layout).__name__}"
         )
-    _, heads, n_ctx, head_dim = (int(d) for d in q.shape)
-    if layout.heads != heads or layout.n_ctx != n_ctx:
+    _, heads, n_q, head_dim = (int(d) for d in q.shape)
+    n_k = int(k.shape[2])
+    if (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
         raise ValueError(
-            f"layout is for heads={layout.heads}, n_ctx={layout.n_ctx} but q has heads={heads}, "
-            f"time={n_ctx} (shape [batch, heads, time, head_dim] = {tuple(q.shape)})"
+            f"layout is for heads={layout.heads}, n_q={layout.n_q} queries, n_ctx={layout.n_ctx} "
+            f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
+            f"({tuple(k.shape)}); build it with make_layout(..., n_ctx={n_k}, n_q={n_q})"
         )
     return _compute(
         q,
@@ -162,18 +186,35 @@ def _permute(x: Any, axes: tuple[int, ...]) -> Any:
     return x.transpose(axes)
 
 
-def _check_bte(q: Any, k: Any, v: Any, heads: object) -> tuple[int, int]:
-    """Checks [batch, time, heads * head_dim] inputs; returns (heads, time)."""
-    _check_qkv(q, k, v, 3, "[batch, time, heads * head_dim]")
+def _check_bte(
+    q: Any, k: Any, v: Any, heads: object, kv_heads: object = None
+) -> tuple[int, int, int, int]:
+    """Checks [batch, time, heads * head_dim] inputs (k, v: [batch, time_k, kv_heads *
+    head_dim]); returns (heads, kv_heads, time_q, time_k)."""
     heads = _check_int("heads", heads)
-    _, n_ctx, embd = (int(d) for d in q.shape)
+    kv_heads = heads if kv_heads is None else _check_int("kv_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (GQA/MQA)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x, 3, "[batch, time, heads * head_dim]")
+    _, n_q, embd = (int(d) for d in q.shape)
     if embd % heads:
         raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
-    return heads, n_ctx
+    kv_shape = (int(q.shape[0]), int(k.shape[1]), embd // heads * kv_heads)
+    for name, x in (("k", k), ("v", v)):
+        if tuple(int(d) for d in x.shape) != kv_shape:
+            raise ValueError(
+                f"{name} must be [batch, time_k, kv_heads * head_dim] = {list(kv_shape)} "
+                f"(kv_heads={kv_heads}, head_dim={embd // heads}), got shape {tuple(x.shape)}"
+            )
+    _check_dtypes(q, k, v)
+    return heads, kv_heads, n_q, int(k.shape[1])
 
 
-def _attend_bte(q: Any, k: Any, v: Any, heads: int, layout: Layout, **kwargs: Any) -> Any:
-    split = (split_heads(x, heads) for x in (q, k, v))
+def _attend_bte(
+    q: Any, k: Any, v: Any, heads: int, kv_heads: int, layout: Layout, **kwargs: Any
+) -> Any:
+    split = [split_heads(q, heads)] + [split_heads(x, kv_heads) for x in (k, v)]
     return merge_heads(sparse_attention(*split, layout, **kwargs))
 
 
@@ -190,29 +231,33 @@ def blocksparse_attention(
     recompute: bool = False,
     scale: float | None = None,
     *,
+    kv_heads: int | None = None,
     backend: str | None = None,
     deterministic: bool = False,
 ) -> Any:
     """The original ``blocksparse_attention_impl``: q, k, v [batch, time, heads * head_dim].
 
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
-    fixed); the result has q's shape and dtype.
+    fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
+    [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
     """
-    heads, n_ctx = _check_bte(q, k, v, heads)
+    heads, kv_heads, n_q, n_k = _check_bte(q, k, v, heads, kv_heads)
     layout = make_layout(
         attn_mode,
-        n_ctx,
+        n_k,
         heads,
         blocksize=blocksize,
         local_attn_ctx=local_attn_ctx,
         num_verts=num_verts,
         vertsize=vertsize,
+        n_q=n_q,
     )
     return _attend_bte(
         q,
         k,
         v,
         heads,
+        kv_heads,
         layout,
         scale=scale,
         recompute=recompute,
@@ -240,9 +285,100 @@ def attention(
     """
     if attn_mode not in DENSE_MODES:
         raise ValueError(f"attention's attn_mode must be one of {DENSE_MODES}, got {attn_mode!r}")
-    heads, n_ctx = _check_bte(q, k, v, heads)
+    heads, kv_heads, n_q, n_k = _check_bte(q, k, v, heads)
+    if n_q != n_k:
+        raise ValueError(f"attention needs k's time {n_k} equal to q's {n_q}")
     extra = {"transpose": False} if attn_mode == "strided" else {}
     layout = make_layout(
-        attn_mode, n_ctx, heads, blocksize=DENSE_BLOCKSIZE, local_attn_ctx=local_attn_ctx, **extra
+        attn_mode, n_k, heads, blocksize=DENSE_BLOCKSIZE, local_attn_ctx=local_attn_ctx, **extra
     )
-    return _attend_bte(q, k, v, heads, layout, scale=scale, recompute=recompute, backend=backend)
+    return _attend_bte(
+        q, k, v, heads, kv_heads, layout, scale=scale, recompute=recompute, backend=backend
+    )
+
+
+# Packed layouts of recent varlen calls, keyed by the packing and the identity of the per-sequence
+# layouts (which the entry keeps alive, so an id is never reused while its entry exists).
+_PACKED: dict[tuple, tuple[tuple[Layout, ...], Layout]] = {}
+PACKED_CACHE_SIZE = 32
+
+LayoutFn = Callable[[int, int], Layout]
+
+
+def _packed_layout(layouts: Sequence[Layout], cu_q: np.ndarray, cu_k: np.ndarray) -> Layout:
+    key = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), tuple(id(lay) for lay in layouts))
+    if key not in _PACKED:
+        if len(_PACKED) >= PACKED_CACHE_SIZE:
+            _PACKED.pop(next(iter(_PACKED)))
+        _PACKED[key] = (tuple(layouts), packed(layouts, cu_q, cu_k))
+    return _PACKED[key][1]
+
+
+def _check_max_seqlen(name: str, value: object, lengths: np.ndarray) -> None:
+    if value is None:
+        return
+    given = _check_int(name, value)
+    if given < int(lengths.max(initial=0)):
+        raise ValueError(
+            f"{name}={given} is below the longest sequence ({int(lengths.max())} tokens)"
+        )
+
+
+def sparse_attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    layouts: Sequence[Layout] | LayoutFn,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    backend: str | None = None,
+) -> Any:
+    """Block-sparse attention over a packed batch of sequences of different lengths.
+
+    q is [total_q, heads, head_dim]; k and v are [total_k, kv_heads, head_dim] (kv_heads dividing
+    heads). Sequence s owns queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` (int32/int64, starting at 0, non-decreasing, ending at
+    the totals: FlashAttention's varlen convention) and attends, with its own layout, only to its
+    own keys; there is no padding. ``layouts``: one Layout per sequence, built for its
+    (n_q, n_k), or a callable ``(n_q, n_k) -> Layout`` (e.g. ``lambda n_q, n_k:
+    make_layout("local", n_k, heads, 64, local_attn_ctx=256, n_q=n_q)``). ``max_seqlen_*`` are
+    optional and only checked. Returns ``out`` [total_q, heads, head_dim], and with
+    ``return_lse`` also lse [heads, total_q].
+
+    The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
+    blocks a sequence boundary crosses), built on the host from cu_seqlens and cached per
+    packing: cu_seqlens on a device is read back once for that (it is a few integers).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x, 3, "[total_tokens, heads, head_dim]")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(k.shape[0]))
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{len(cu_q) - 1} and {len(cu_k) - 1}"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
+    if callable(layouts) and not isinstance(layouts, Layout):
+        layouts = [
+            layouts(int(a), int(b)) for a, b in zip(np.diff(cu_q), np.diff(cu_k), strict=True)
+        ]
+    if not isinstance(layouts, Sequence) or not all(isinstance(x, Layout) for x in layouts):
+        raise TypeError(
+            "layouts must be a sequence of cuattn.Layout (one per sequence) or a callable "
+            f"(n_q, n_k) -> Layout, got {type(layouts).__name__}"
+        )
+    lay = _packed_layout(layouts, cu_q, cu_k)
+    q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
+    result = sparse_attention(q4, k4, v4, lay, scale, return_lse=return_lse, backend=backend)
+    out, lse = result if return_lse else (result, None)
+    out = _permute(out, (0, 2, 1, 3)).reshape(tuple(q.shape))
+    if not return_lse:
+        return out
+    return out, lse.reshape(tuple(lse.shape[1:]))

@@ -1,12 +1,13 @@
 // Block-sparse attention backward, FlashAttention-2 style.
 //
-// Given q, k, v, out, dout [batch, heads, n_ctx, HEAD_DIM] (T; HEAD_DIM 32/64/96/128/256) and lse [batch, heads, n_ctx]
-// (float32, from attn_fwd), computes dq, dk, dv [batch, heads, n_ctx, HEAD_DIM] (T) of
-// sum(out * dout), visiting only the active blocks of the layout:
+// Given q, out, dout [batch, heads, n_q, HEAD_DIM], k, v [batch, heads / kv_group, n_k, HEAD_DIM]
+// (T; HEAD_DIM 16-256) and lse [batch, heads, n_q] (float32, from attn_fwd), computes dq like q
+// and, per query head, dk, dv [batch, heads, n_k, HEAD_DIM] (T) of sum(out * dout), visiting only
+// the active blocks of the layout (with kv_group > 1 the caller sums each kv head's group):
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
 //   dK = dS^T Q * scale, with delta = rowsum(dO * O).
 // Kernels, in launch order:
-//   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_ctx] float32
+//   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE> one CTA per (TILE_K keys,
 //       head dim split, head, batch) walks the CSC column of its key block
 //       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
@@ -14,6 +15,8 @@
 //   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T, RULE>   one CTA per TILE_Q queries walks the
 //       CSR row in steps of TILE_K keys and recomputes P and dS; dQ accumulates in registers,
 //       so the backward is bit-identical across runs.
+//   attn_bwd_sum_groups<HEAD_DIM, T>   (GQA/MQA only) dK, dV of each kv head from the per query
+//       head gradients: the sum over its kv_group query heads, in float, in head order.
 // Both double-buffer their steps: the next step's copy is in flight while the current one is
 // computed, one barrier per step. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
 //       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
@@ -84,20 +87,42 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
 template <int HEAD_DIM, typename T>
 __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
-                        float* __restrict__ delta, int n_ctx) {
+                        float* __restrict__ delta, int n_q) {
   using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_ctx);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
     const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
-    if (row >= n_ctx) break;  // uniform across the warp
+    if (row >= n_q) break;  // uniform across the warp
     const size_t base = (head_offset + row) * HEAD_DIM;
     float sum = 0.f;
     for (int d = lane; d < HEAD_DIM; d += 32) sum += to_float(out[base + d]) * to_float(dout[base + d]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) delta[head_offset + row] = sum;
+  }
+}
+
+// summed[b, kv_head, row] = sum over g < kv_group of per_head[b, kv_head * kv_group + g, row]:
+// grid x over ROWS_PER_CTA rows of n_k, y the kv head, z the batch. One thread per element keeps
+// the reads of consecutive threads consecutive.
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_bwd_sum_groups(const T* __restrict__ per_head, T* __restrict__ summed, int n_k,
+                        int kv_group) {
+  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
+  const size_t kv_head = size_t(blockIdx.z) * gridDim.y + blockIdx.y;
+  const int first_row = int(blockIdx.x) * Traits::ROWS_PER_CTA;
+  for (int e = int(threadIdx.x); e < Traits::ROWS_PER_CTA * HEAD_DIM; e += Traits::NUM_THREADS) {
+    const int row = first_row + e / HEAD_DIM;
+    if (row >= n_k) break;  // rows only grow with e
+    const size_t within = size_t(row) * HEAD_DIM + e % HEAD_DIM;
+    float sum = 0.f;
+    for (int g = 0; g < kv_group; ++g) {
+      sum += to_float(per_head[(kv_head * kv_group + g) * size_t(n_k) * HEAD_DIM + within]);
+    }
+    summed[kv_head * size_t(n_k) * HEAD_DIM + within] = from_float<T>(sum);
   }
 }
 
@@ -108,8 +133,9 @@ __global__ void __launch_bounds__(
                   const T* __restrict__ dout, const float* __restrict__ lse,
                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
-                  const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_ctx,
-                  int num_blocks, float scale, int window_left, int window_right) {
+                  const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_q,
+                  int n_k, int q_offset, int kv_group, int num_blocks, float scale,
+                  int window_left, int window_right) {
   using Traits = attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -119,13 +145,14 @@ __global__ void __launch_bounds__(
   const int key_tile = int(blockIdx.x) / SPLITS;
   const int k_block = key_tile / Traits::OWN_TILES_PER_BLOCK;
   const int k_start = k_block * BLOCK + (key_tile % Traits::OWN_TILES_PER_BLOCK) * TILE_K;
-  if (k_start >= n_ctx) return;  // ragged last block: this sub-tile holds no key
+  if (k_start >= n_k) return;  // ragged last block: this sub-tile holds no key
   const int head = int(blockIdx.y);
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const size_t batch_head = size_t(blockIdx.z) * gridDim.y + head;
+  const size_t head_offset = batch_head * size_t(n_q);  // rows of q, dout, lse, delta
   const int tid = int(threadIdx.x);
   const int warp = tid / 32;
   const AccLayout frag;
-  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   // Shared memory: K, V (this CTA's keys), then per stage Q, dO and the queries' lse, delta.
   T* k_smem = dynamic_smem<T>();
@@ -134,24 +161,24 @@ __global__ void __launch_bounds__(
   float* stats_smem = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_Q * LD);
   float* scratch = stats_smem + BWD_STAGES * Traits::STATS_FLOATS + warp * Traits::SCRATCH_FLOATS;
 
-  const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_ctx - k_start);
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_ctx - k_start);
+  const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_k - k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_k - k_start);
   cp_async_commit();
 
   // Starts the copy of one step's queries into `stage`: Q and dO asynchronously, lse (log2
   // domain) and delta by plain stores, all visible after the next barrier.
   auto load_step = [&](int stage, int q_start) {
     T* q_stage = step_smem + stage * 2 * TILE_Q * LD;
-    const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
-    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage, LD, q + q_offset, HEAD_DIM,
-                                                   n_ctx - q_start);
-    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage + TILE_Q * LD, LD, dout + q_offset,
-                                                   HEAD_DIM, n_ctx - q_start);
+    const size_t q_rows = (head_offset + q_start) * HEAD_DIM;
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage, LD, q + q_rows, HEAD_DIM,
+                                                   n_q - q_start);
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage + TILE_Q * LD, LD, dout + q_rows,
+                                                   HEAD_DIM, n_q - q_start);
     cp_async_commit();
     float* stats = stats_smem + stage * Traits::STATS_FLOATS;
     for (int i = tid; i < TILE_Q; i += NUM_THREADS) {
-      const bool valid = q_start + i < n_ctx;
+      const bool valid = q_start + i < n_q;
       stats[i] = lse_log2_or_inf(lse, head_offset + q_start + i, valid);
       stats[TILE_Q + i] = valid ? delta[head_offset + q_start + i] : 0.f;
     }
@@ -165,18 +192,8 @@ __global__ void __launch_bounds__(
 
   ActiveTiles<RULE, BLOCK, TILE_Q, false> walk(col_ptr + head * (num_blocks + 1) + k_block, row_idx,
                                                col_mask);
-  ActiveTile tile;
-  bool active = walk.next(tile, rule, k_start, k_last);
-  if (active) load_step(0, tile.start);
-  int stage = 0;
-  // The inner loop: one active query tile per iteration, the next one's copy in flight.
-  while (active) {
-    ActiveTile next_tile;
-    const bool has_next = walk.next(next_tile, rule, k_start, k_last);
-    cp_async_wait_group<0>();  // K, V and this step's Q, dO
-    __syncthreads();           // ... visible to all; every warp is done with the other stage
-    if (has_next) load_step(stage ^ 1, next_tile.start);
-
+  // The inner loop: one active query tile per step, the next one's copy in flight.
+  walk_double_buffered(walk, rule, k_start, k_last, load_step, [&](const ActiveTile& tile, int stage) {
     const int q_start = tile.start;
     const T* q_smem = step_smem + stage * 2 * TILE_Q * LD;
     const T* do_smem = q_smem + TILE_Q * LD;
@@ -209,18 +226,15 @@ __global__ void __launch_bounds__(
       }
     }
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dk_acc, ds_t, q_smem + d_first, LD, scratch);
-    tile = next_tile;
-    active = has_next;
-    stage ^= 1;
-  }
-  cp_async_wait_all();  // a key tile with no active query tile still retires its K/V copy
+  });
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int k_row = k_warp + frag.row(2 * r);
-    if (k_row >= n_ctx) continue;
-    T* dk_row = dk + (head_offset + k_row) * HEAD_DIM + d_first;
-    T* dv_row = dv + (head_offset + k_row) * HEAD_DIM + d_first;
+    if (k_row >= n_k) continue;
+    const size_t row = (batch_head * size_t(n_k) + k_row) * HEAD_DIM + d_first;  // per query head
+    T* dk_row = dk + row;
+    T* dv_row = dv + row;
 #pragma unroll
     for (int j = 0; j < D_OUT / 8; ++j) {
       store_pair(dk_row + frag.pair_col(j), dk_acc[j][2 * r] * scale,
@@ -236,20 +250,20 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
-                const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
-                int window_left, int window_right) {
+                const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
+                int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
   const int q_block = int(blockIdx.x) / Traits::OWN_TILES_PER_BLOCK;
   const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::OWN_TILES_PER_BLOCK) * TILE_Q;
-  if (q_start >= n_ctx) return;
+  if (q_start >= n_q) return;
   const int head = int(blockIdx.y);
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   const AccLayout frag;
-  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   // Shared memory: Q, dO (this CTA's queries), then per stage K and V.
   T* q_smem = dynamic_smem<T>();
@@ -258,19 +272,19 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
   float* scratch = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_K * LD) +
                    warp * Traits::SCRATCH_FLOATS;
 
-  const size_t q_offset = (head_offset + q_start) * HEAD_DIM;
-  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_offset, HEAD_DIM, n_ctx - q_start);
-  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_offset, HEAD_DIM,
-                                                 n_ctx - q_start);
+  const size_t q_rows = (head_offset + q_start) * HEAD_DIM;
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_rows, HEAD_DIM, n_q - q_start);
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_rows, HEAD_DIM,
+                                                 n_q - q_start);
   cp_async_commit();
 
   auto load_step = [&](int stage, int k_start) {
     T* k_stage = step_smem + stage * 2 * TILE_K * LD;
-    const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+    const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
     load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage, LD, k + kv_offset, HEAD_DIM,
-                                                   n_ctx - k_start);
+                                                   n_k - k_start);
     load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage + TILE_K * LD, LD, v + kv_offset,
-                                                   HEAD_DIM, n_ctx - k_start);
+                                                   HEAD_DIM, n_k - k_start);
     cp_async_commit();
   };
 
@@ -280,26 +294,16 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q_row = q_warp + frag.row(2 * r);
-    lse_row[r] = lse_log2_or_inf(lse, head_offset + q_row, q_row < n_ctx);
-    delta_row[r] = q_row < n_ctx ? delta[head_offset + q_row] : 0.f;
+    lse_row[r] = lse_log2_or_inf(lse, head_offset + q_row, q_row < n_q);
+    delta_row[r] = q_row < n_q ? delta[head_offset + q_row] : 0.f;
   }
   float dq_acc[HEAD_DIM / 8][4] = {};
   const float scale_log2 = scale * LOG2E;
 
   ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
                                               row_mask);
-  ActiveTile tile;
-  bool active = walk.next(tile, rule, q_start, q_last);
-  if (active) load_step(0, tile.start);
-  int stage = 0;
-  // The inner loop: one active key tile per iteration, the next one's copy in flight.
-  while (active) {
-    ActiveTile next_tile;
-    const bool has_next = walk.next(next_tile, rule, q_start, q_last);
-    cp_async_wait_group<0>();  // Q, dO and this step's K, V
-    __syncthreads();           // ... visible to all; every warp is done with the other stage
-    if (has_next) load_step(stage ^ 1, next_tile.start);
-
+  // The inner loop: one active key tile per step, the next one's copy in flight.
+  walk_double_buffered(walk, rule, q_start, q_last, load_step, [&](const ActiveTile& tile, int stage) {
     const int k_start = tile.start;
     const T* k_smem = step_smem + stage * 2 * TILE_K * LD;
     const T* v_smem = k_smem + TILE_K * LD;
@@ -322,16 +326,12 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
       }
     }
     warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);
-    tile = next_tile;
-    active = has_next;
-    stage ^= 1;
-  }
-  cp_async_wait_all();
+  });
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q_row = q_warp + frag.row(2 * r);
-    if (q_row >= n_ctx) continue;
+    if (q_row >= n_q) continue;
     T* dq_row = dq + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {

@@ -2,9 +2,10 @@
 //
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
-// Shapes: q, k, v, out [batch, heads, n_ctx, HEAD_DIM] of T (contiguous); lse float32
-// [batch, heads, n_ctx]. The layout's CSR arrays (docs/design.md §2) name the active key
-// blocks of each query block; only those are visited, so nothing of size n_ctx x n_ctx exists.
+// Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
+// of T (contiguous); query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
+// each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout query
@@ -51,8 +52,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
-             const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
-             int window_left, int window_right) {
+             const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
+             int kv_group, int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -60,11 +61,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 
   const int q_block = int(blockIdx.x) / Traits::M_TILES_PER_BLOCK;
   const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * TILE_M;
-  if (q_start >= n_ctx) return;  // ragged last block: this sub-tile holds no query at all
+  if (q_start >= n_q) return;  // ragged last block: this sub-tile holds no query at all
   const int head = int(blockIdx.y);
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
-  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   T* q_smem = dynamic_smem<T>();
   T* k_smem = q_smem + TILE_M * LD;
@@ -73,8 +74,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   // Addresses are rebuilt from the kernel parameters at each copy rather than kept: the loop
   // runs at the register limit, and parameters live in the constant bank, not in registers.
   auto load_kv = [&](T* smem, const T* base, int k_start) {
-    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(smem, LD, base + (head_offset + k_start) * HEAD_DIM,
-                                                    HEAD_DIM, n_ctx - k_start);
+    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+        smem, LD, base + (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM, HEAD_DIM, n_k - k_start);
     cp_async_commit();
   };
 
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   ActiveTile tile;
   bool active = walk.next(tile, rule, q_start, q_last);
   load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
-                                                  HEAD_DIM, n_ctx - q_start);
+                                                  HEAD_DIM, n_q - q_start);
   cp_async_commit();
   if (active) load_kv(k_smem, k, tile.start);
 
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(l_i[m][r]);
       const int q_row = q_warp + 16 * m + frag.row(2 * r);
-      if (q_row >= n_ctx) continue;
+      if (q_row >= n_q) continue;
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
       T* out_row = out + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll

@@ -2,9 +2,10 @@
 //
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
-// Shapes: q, k, v, out [batch, heads, n_ctx, HEAD_DIM] of T (contiguous); lse float32
-// [batch, heads, n_ctx]. The layout's CSR arrays (docs/design.md §2) name the active key
-// blocks of each query block; only those are visited, so nothing of size n_ctx x n_ctx exists.
+// Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
+// of T (contiguous); query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
+// each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout
@@ -42,21 +43,21 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
     attn_fwd_v1(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
-             const u32* __restrict__ mask_table, int n_ctx, int num_blocks, float scale,
-             int window_left, int window_right) {
+             const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
+             int kv_group, int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
   const int q_block = int(blockIdx.x) / Traits::M_TILES_PER_BLOCK;
   const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * TILE_M;
-  if (q_start >= n_ctx) return;  // ragged last block: this sub-tile holds no query at all
+  if (q_start >= n_q) return;  // ragged last block: this sub-tile holds no query at all
   const int head = int(blockIdx.y);
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_ctx);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   const int g = lane / 4, t = lane % 4;
-  const RuleParams rule{n_ctx, window_left, window_right, mask_table};
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   T* q_smem = dynamic_smem<T>();
   T* k_smem = q_smem + TILE_M * LD;
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
   float* scratch = reinterpret_cast<float*>(v_smem + TILE_N * LD) + warp * Traits::SCRATCH_FLOATS;
 
   load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
-                                                  HEAD_DIM, n_ctx - q_start);
+                                                  HEAD_DIM, n_q - q_start);
   cp_async_commit();
 
   float acc[HEAD_DIM / 8][4] = {};
@@ -86,12 +87,12 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
       __syncthreads();  // every warp is done reading the previous K/V tile
       // K and V travel in separate commit groups: S = Q K^T and the softmax start as soon as
       // K has landed, while V is still in flight.
-      const size_t kv_offset = (head_offset + k_start) * HEAD_DIM;
+      const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
       load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
-                                                      n_ctx - k_start);
+                                                      n_k - k_start);
       cp_async_commit();
       load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
-                                                      n_ctx - k_start);
+                                                      n_k - k_start);
       cp_async_commit();
       cp_async_wait_group<1>();  // Q and K
       __syncthreads();
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_i[r]);
     const int q_row = q_warp + g + 8 * r;
-    if (q_row >= n_ctx) continue;
+    if (q_row >= n_q) continue;
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
     T* out_row = out + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll

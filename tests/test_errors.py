@@ -25,8 +25,21 @@ def test_wrong_rank():
 
 def test_mismatched_shapes():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"k must have the same shape as q \(2, 64, 32\)"):
+    with pytest.raises(ValueError, match=r"v must be \[batch, time_k, kv_heads \* head_dim\]"):
         cuattn.blocksparse_attention(q, k[:, :32], v, heads=2, attn_mode="all")
+    with pytest.raises(ValueError, match=r"k must be \[batch, time_k, kv_heads \* head_dim\] = "):
+        cuattn.blocksparse_attention(q, k[:, :, :16], v[:, :, :16], heads=2, attn_mode="all")
+    with pytest.raises(ValueError, match=r"kv_heads=3 must divide heads=2"):
+        cuattn.blocksparse_attention(q, k, v, heads=2, kv_heads=3, attn_mode="all")
+    q4 = RNG.standard_normal((2, 4, 64, 16))
+    k4 = RNG.standard_normal((2, 3, 64, 16))
+    lay = cuattn.make_layout("all", 64, 4, 16)
+    with pytest.raises(ValueError, match=r"kv_heads dividing heads=4 \(GQA/MQA\)"):
+        cuattn.sparse_attention(q4, k4, k4, lay)
+    with pytest.raises(ValueError, match=r"v must have the same shape as k"):
+        cuattn.sparse_attention(q4, q4, k4, lay)
+    with pytest.raises(ValueError, match=r"make_layout\(\.\.\., n_ctx=32, n_q=64\)"):
+        cuattn.sparse_attention(q4, q4[:, :, :32], q4[:, :, :32], lay)
 
 
 def test_mismatched_dtypes():
@@ -113,10 +126,14 @@ def test_ragged_lengths_are_served_not_refused():
 
 
 def test_layout_blocks_shape_must_fit_n_ctx():
-    with pytest.raises(ValueError, match=r"blocks has 4 blocks per side, but n_ctx=100"):
+    with pytest.raises(ValueError, match=r"blocks has shape \(1, 4, 4\) .*, but n_ctx=100"):
         cuattn.Layout.from_blocks(np.ones((1, 4, 4), bool), 16, n_ctx=100)
-    with pytest.raises(ValueError, match=r"blocks must be a \[heads, n/b, n/b\]"):
-        cuattn.Layout.from_blocks(np.ones((1, 4, 3), bool), 16)
+    with pytest.raises(ValueError, match=r"blocks must be a \[heads, n_q/b, n/b\]"):
+        cuattn.Layout.from_blocks(np.ones((1, 1, 4, 3), bool), 16)
+    with pytest.raises(ValueError, match=r"but n_q=100 with blocksize=16 needs"):
+        cuattn.Layout.from_blocks(np.ones((1, 4, 3), bool), 16, n_q=100)
+    rectangular = cuattn.Layout.from_blocks(np.ones((1, 4, 3), bool), 16)
+    assert (rectangular.n_q, rectangular.n_ctx) == (64, 48)
     with pytest.raises(ValueError, match="blocks must hold only 0 and 1"):
         cuattn.Layout.from_blocks(np.full((1, 2, 2), 2), 16)
 
@@ -125,7 +142,8 @@ def test_layout_of_the_wrong_shape_for_the_inputs():
     q = RNG.standard_normal((1, 2, 64, 16))
     lay = cuattn.make_layout("all", 128, 2, 16)
     with pytest.raises(
-        ValueError, match=r"layout is for heads=2, n_ctx=128 but q has heads=2, time=64"
+        ValueError,
+        match=r"layout is for heads=2, n_q=128 queries, n_ctx=128 keys, but q has heads=2, time=64",
     ):
         cuattn.sparse_attention(q, q, q, lay)
     lay3 = cuattn.make_layout("all", 64, 3, 16)

@@ -11,8 +11,13 @@ Launch sequences (argument names as in KERNEL_ARGS; layout arrays ptr/idx/mask a
 row_ptr/col_idx/row_mask for attn_fwd and attn_bwd_dq, the CSC col_ptr/row_idx/col_mask for
 attn_bwd_dkdv; mask_table is the layout's uint32 table, never a null pointer):
   forward:   attn_fwd -> out, lse (float32)
-  backward:  attn_bwd_preprocess -> delta (float32 [batch, heads, n_ctx]), then
-             attn_bwd_dkdv -> dk, dv, then attn_bwd_dq -> dq (no atomics: bit-identical runs).
+  backward:  attn_bwd_preprocess -> delta (float32 [batch, heads, n_q]), then
+             attn_bwd_dkdv -> dk, dv (per query head: [batch, heads, n_k, head_dim]), then
+             attn_bwd_dq -> dq, and under GQA attn_bwd_sum_groups -> dk, dv per kv head (grid
+             over kv heads); no atomics: bit-identical runs.
+Shape scalars: n_q queries, n_k keys, q_offset = n_k - n_q (query row q sits at position
+q + q_offset for the causal and window rules), kv_group = heads / kv_heads, num_blocks = entries
+per head of the walked index (query blocks for CSR, key blocks for CSC).
 Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not needed.
 """
 
@@ -54,6 +59,7 @@ KERNEL_FILES = {
     "attn_bwd_preprocess": "attn_bwd.cu",
     "attn_bwd_dkdv": "attn_bwd.cu",
     "attn_bwd_dq": "attn_bwd.cu",
+    "attn_bwd_sum_groups": "attn_bwd.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
@@ -61,12 +67,15 @@ BLOCK_KERNELS = (
     "attn_bwd_dkdv",
     "attn_bwd_dq",
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
-ROW_KERNELS = ("attn_bwd_preprocess",)  # templated on <HEAD_DIM, T>
+ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups")  # templated on <HEAD_DIM, T>
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"f32" scalars.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
 _RULE_SCALARS = (
-    ("n_ctx", "i32"),
+    ("n_q", "i32"),
+    ("n_k", "i32"),
+    ("q_offset", "i32"),
+    ("kv_group", "i32"),
     ("num_blocks", "i32"),
     ("scale", "f32"),
     ("window_left", "i32"),
@@ -84,7 +93,13 @@ _FWD_ARGS = (
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
     "attn_fwd_v1": _FWD_ARGS,
-    "attn_bwd_preprocess": (("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("n_ctx", "i32")),
+    "attn_bwd_preprocess": (("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("n_q", "i32")),
+    "attn_bwd_sum_groups": (
+        ("per_head", "ptr"),
+        ("summed", "ptr"),
+        ("n_k", "i32"),
+        ("kv_group", "i32"),
+    ),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
         ("k", "ptr"),
@@ -193,7 +208,9 @@ def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int,
 class KernelConfig:
     """Geometry of one launch of one kernel instantiation.
 
-    ``block`` and ``rule`` are ignored (must be None) for the row kernels.
+    ``block`` and ``rule`` are ignored (must be None) for the row kernels. ``n_rows`` is the
+    length of the axis the grid covers: queries (attn_fwd, attn_bwd_dq, attn_bwd_preprocess) or
+    keys (attn_bwd_dkdv); ``heads`` counts query heads.
     """
 
     kernel: str
@@ -201,7 +218,7 @@ class KernelConfig:
     dtype: str
     batch: int = 1
     heads: int = 1
-    n_ctx: int = 1
+    n_rows: int = 1
     block: int | None = None
     rule: str | None = None
     tile_m: int = field(init=False)
@@ -214,7 +231,7 @@ class KernelConfig:
         assert self.kernel in KERNEL_FILES, self.kernel
         assert self.head_dim in (V1_HEAD_DIMS if self.kernel == "attn_fwd_v1" else HEAD_DIMS)
         assert self.dtype in DTYPES, self.dtype
-        assert self.batch >= 1 and self.heads >= 1 and self.n_ctx >= 1
+        assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         itemsize = ITEMSIZE[self.dtype]
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
@@ -260,9 +277,9 @@ class KernelConfig:
     @property
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
-            return (ceil_div(self.n_ctx, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
+            return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         assert self.block is not None
-        num_blocks = ceil_div(self.n_ctx, self.block)
+        num_blocks = ceil_div(self.n_rows, self.block)
         return (num_blocks * (self.block // self.tile_m) * self.splits, self.heads, self.batch)
 
     @property

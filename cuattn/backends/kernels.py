@@ -3,6 +3,11 @@
 Forward:  attn_fwd (or attn_fwd_v1, CUATTN_KERNELS=v1) over CSR rows -> (out, lse).
 Backward: attn_bwd_preprocess (delta = rowsum(dO * O)); attn_bwd_dkdv over CSC columns;
           attn_bwd_dq over CSR rows. No atomics, so every backward is bit-identical run to run.
+Shapes: q, out, dout [batch, heads, n_q, d]; k, v [batch, kv_heads, n_k, d] (GQA/MQA when
+kv_heads < heads: the kernels index the shared kv head, nothing is repeated in memory; dK and dV
+come out per query head and attn_bwd_sum_groups sums each group in float, in head order). A
+layout of block size 8 runs on the 16-block kernels through its coarsened form
+(layout.derived.coarsened).
 Geometry and argument order of every launch come from cuattn.backends.geometry. A subclass of
 :class:`KernelBackend` says only where arrays live and how a launch runs, so the two kernel
 backends cannot drift apart in what they launch.
@@ -11,6 +16,7 @@ backends cannot drift apart in what they launch.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +24,7 @@ import numpy as np
 
 from cuattn.backends import geometry as kc
 from cuattn.backends.geometry import KernelConfig
+from cuattn.layout.derived import coarsened
 from cuattn.layout.layout import Layout
 
 # The layout's index arrays every kernel backend places where its kernels read them.
@@ -25,6 +32,23 @@ LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_ma
 # cp.async and ldmatrix move 16-byte chunks: every q/k/v/out/dout row must start 16-byte aligned.
 COPY_ALIGNMENT = 16
 GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y (heads) and grid.z (batch)
+_COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionary()
+
+
+def kernel_layout(layout: Layout) -> Layout:
+    """The layout the kernels walk: ``layout`` itself, or for a block size below the smallest
+    kernel block (8) the same elements on the smallest kernel block, built once per layout."""
+    if layout.blocksize in kc.BLOCK_SIZES:
+        return layout
+    smallest = kc.BLOCK_SIZES[0]
+    if smallest % layout.blocksize:
+        raise ValueError(
+            f"layout: blocksize {layout.blocksize} has no kernel; supported: {kc.BLOCK_SIZES} "
+            f"and divisors of {smallest} (run coarsened to {smallest})"
+        )
+    if layout not in _COARSENED:
+        _COARSENED[layout] = coarsened(layout, smallest)
+    return _COARSENED[layout]
 
 
 class KernelBackend:
@@ -72,8 +96,11 @@ class KernelBackend:
     # -- the shared part ----------------------------------------------------------------------
 
     def _check_inputs(self, arrays: dict[str, Any], layout: Layout) -> tuple[str, tuple]:
-        """Validate before any launch (docs/design.md §7): type, device, shape, dtype, layout."""
-        q = arrays["q"]
+        """Validate before any launch (docs/design.md §7): type, device, shape, dtype, layout.
+
+        ``arrays`` holds q and k (and v, out, dout where given); returns (dtype name,
+        (batch, heads, n_q, head_dim, kv_heads, n_k))."""
+        q, k = arrays["q"], arrays["k"]
         for name, array in arrays.items():
             if not self.is_array(array):
                 raise TypeError(
@@ -84,35 +111,45 @@ class KernelBackend:
                 raise ValueError(
                     f"{name}: on device {self.device_of(array)}, q on {self.device_of(q)}"
                 )
-            if array.shape != q.shape:
-                raise ValueError(f"{name}: shape {array.shape} differs from q's {q.shape}")
+            like = k if name == "v" else q
+            if name != "k" and array.shape != like.shape:
+                raise ValueError(
+                    f"{name}: shape {array.shape} differs from {'k' if name == 'v' else 'q'}'s "
+                    f"{like.shape}"
+                )
             if array.dtype != q.dtype:
                 raise TypeError(f"{name}: dtype {array.dtype} differs from q's {q.dtype}")
-        if q.ndim != 4:
-            raise ValueError(f"q: expected [batch, heads, n_ctx, head_dim], got shape {q.shape}")
+        for name, array in (("q", q), ("k", k)):
+            if array.ndim != 4:
+                raise ValueError(
+                    f"{name}: expected [batch, heads, time, head_dim], got shape {array.shape}"
+                )
         if np.dtype(q.dtype).name not in kc.DTYPES:
             raise TypeError(
                 f"q: dtype {q.dtype} has no kernel; the kernels accept {', '.join(kc.DTYPES)}"
             )
-        batch, heads, n_ctx, head_dim = q.shape
+        batch, heads, n_q, head_dim = q.shape
+        kv_batch, kv_heads, n_k, kv_dim = k.shape
+        if (kv_batch, kv_dim) != (batch, head_dim) or heads % kv_heads:
+            raise ValueError(
+                f"k: shape {k.shape} does not fit q {q.shape}: expected [batch={batch}, kv_heads "
+                f"dividing heads={heads}, n_k, head_dim={head_dim}]"
+            )
         if head_dim not in kc.HEAD_DIMS:
             raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
-        if layout.blocksize not in kc.BLOCK_SIZES:
-            raise ValueError(
-                f"layout: blocksize {layout.blocksize} has no kernel; supported: {kc.BLOCK_SIZES}"
-            )
         for name, size in (("heads", heads), ("batch", batch)):
             if size > GRID_YZ_LIMIT:
                 raise ValueError(
                     f"q: {name} = {size} exceeds the kernels' grid limit of {GRID_YZ_LIMIT}; "
                     f"split the call into chunks of at most {GRID_YZ_LIMIT} {name}"
                 )
-        if layout.heads != heads or layout.n_ctx != n_ctx:
+        if (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
             raise ValueError(
-                f"layout: built for heads={layout.heads}, n_ctx={layout.n_ctx}; "
-                f"q has heads={heads}, n_ctx={n_ctx}"
+                f"layout: built for heads={layout.heads}, n_q={layout.n_q}, n_ctx={layout.n_ctx}; "
+                f"q has heads={heads}, n_q={n_q} and k has n_k={n_k}"
             )
-        return kc.dtype_name(q.dtype), tuple(q.shape)
+        kernel_layout(layout)  # a block size with no kernel fails here, before any launch
+        return kc.dtype_name(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
 
     def _check_alignment(self, arrays: dict[str, Any]) -> None:
         """A contiguous view at an element offset (``flat[1:].reshape(...)``) passes every
@@ -128,7 +165,8 @@ class KernelBackend:
                     "unchanged)"
                 )
 
-    def _layout_values(self, layout: Layout, columns: bool) -> dict[str, Any]:
+    def _layout_values(self, layout: Layout, columns: bool, kv_group: int) -> dict[str, Any]:
+        """The walked index (CSR rows or CSC columns) and the shape and rule scalars."""
         index = self.index_arrays(layout)
         if columns:
             ptr, idx, mask = index.col_ptr, index.row_idx, index.col_mask
@@ -139,14 +177,19 @@ class KernelBackend:
             "idx": idx,
             "mask": mask,
             "mask_table": index.mask_table,
-            "num_blocks": layout.num_blocks,
+            "n_q": layout.n_q,
+            "n_k": layout.n_ctx,
+            "q_offset": layout.q_offset,
+            "kv_group": kv_group,
+            "num_blocks": layout.num_blocks if columns else layout.num_q_blocks,
             "window_left": layout.rule.window_left,
             "window_right": layout.rule.window_right,
         }
 
     def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
-        batch, heads, n_ctx, head_dim = shape
+        batch, heads, n_q, head_dim, kv_heads, _ = shape
+        layout = kernel_layout(layout)
         kernel = kc.forward_kernel()
         if kernel == "attn_fwd_v1" and head_dim not in kc.V1_HEAD_DIMS:
             raise ValueError(
@@ -157,15 +200,15 @@ class KernelBackend:
         with self.on_device_of(q):
             q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
             self._check_alignment({"q": q, "k": k, "v": v})
-            out = self.output(shape, q.dtype)
-            lse = self.output((batch, heads, n_ctx), xp.float32)
+            out = self.output(q.shape, q.dtype)
+            lse = self.output((batch, heads, n_q), xp.float32)
             config = KernelConfig(
                 kernel,
                 head_dim,
                 dtype,
                 batch,
                 heads,
-                n_ctx,
+                n_q,
                 layout.blocksize,
                 layout.rule.kind,
             )
@@ -176,9 +219,8 @@ class KernelBackend:
                 v=v,
                 out=out,
                 lse=lse,
-                n_ctx=n_ctx,
                 scale=scale,
-                **self._layout_values(layout, columns=False),
+                **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
             )
         return out, lse
 
@@ -203,43 +245,55 @@ class KernelBackend:
         """
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
         dtype, shape = self._check_inputs(arrays, layout)
-        batch, heads, n_ctx, head_dim = shape
+        batch, heads, n_q, head_dim, kv_heads, n_k = shape
+        layout = kernel_layout(layout)
+        kv_group = heads // kv_heads
         xp = self.xp
-        if not self.is_array(lse) or lse.shape != (batch, heads, n_ctx) or lse.dtype != xp.float32:
+        if not self.is_array(lse) or lse.shape != (batch, heads, n_q) or lse.dtype != xp.float32:
             raise ValueError(
-                f"lse: expected float32 {(batch, heads, n_ctx)} {self.array_kind} (as the forward "
+                f"lse: expected float32 {(batch, heads, n_q)} {self.array_kind} (as the forward "
                 f"returns it), got {type(lse).__name__} {getattr(lse, 'dtype', '')} "
                 f"{getattr(lse, 'shape', '')}"
             )
         with self.on_device_of(q):
             q, k, v, out, dout, lse = (xp.ascontiguousarray(x) for x in (q, k, v, out, dout, lse))
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
-            common = {"n_ctx": n_ctx, "scale": scale}
-            geometry = (head_dim, dtype, batch, heads, n_ctx)
-            delta = self.output((batch, heads, n_ctx), xp.float32)
+            per_head = (head_dim, dtype, batch, heads)
+            delta = self.output((batch, heads, n_q), xp.float32)
             self.launch(
-                KernelConfig("attn_bwd_preprocess", *geometry),
+                KernelConfig("attn_bwd_preprocess", *per_head, n_q),
                 out=out,
                 dout=dout,
                 delta=delta,
-                n_ctx=n_ctx,
+                n_q=n_q,
             )
-            dq, dk, dv = (self.output(shape, q.dtype) for _ in range(3))
+            dq = self.output(q.shape, q.dtype)
+            # dK, dV per query head; with kv_group == 1 that is already k's shape.
+            dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
             tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
-            rule = layout.rule.kind
+            block, rule = layout.blocksize, layout.rule.kind
             self.launch(
-                KernelConfig("attn_bwd_dkdv", *geometry, block=layout.blocksize, rule=rule),
+                KernelConfig("attn_bwd_dkdv", *per_head, n_k, block=block, rule=rule),
                 **tensors,
                 dk=dk,
                 dv=dv,
-                **common,
-                **self._layout_values(layout, columns=True),
+                scale=scale,
+                **self._layout_values(layout, columns=True, kv_group=kv_group),
             )
             self.launch(
-                KernelConfig("attn_bwd_dq", *geometry, block=layout.blocksize, rule=rule),
+                KernelConfig("attn_bwd_dq", *per_head, n_q, block=block, rule=rule),
                 **tensors,
                 dq=dq,
-                **common,
-                **self._layout_values(layout, columns=False),
+                scale=scale,
+                **self._layout_values(layout, columns=False, kv_group=kv_group),
             )
+            if kv_group > 1:
+                config = KernelConfig("attn_bwd_sum_groups", head_dim, dtype, batch, kv_heads, n_k)
+                summed = []
+                for per_head in (dk, dv):
+                    summed.append(self.output(k.shape, k.dtype))
+                    self.launch(
+                        config, per_head=per_head, summed=summed[-1], n_k=n_k, kv_group=kv_group
+                    )
+                dk, dv = summed
         return dq, dk, dv

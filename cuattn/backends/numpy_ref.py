@@ -1,8 +1,10 @@
 """NumPy backend: block-sparse attention over the active blocks only, forward and backward.
 
 This is the CPU path of every public call and the readable statement of what the kernels do.
-Shapes: q, k, v, out, dout [batch, heads, n_ctx, head_dim]; lse [batch, heads, n_ctx].
-Nothing of size n_ctx x n_ctx is built: the walk visits one active block per row at a time.
+Shapes: q, out, dout [batch, heads, n_q, head_dim]; k, v [batch, kv_heads, n_ctx, head_dim] with
+kv_heads dividing heads (query head h reads kv head h // (heads / kv_heads): GQA/MQA); lse
+[batch, heads, n_q]. Nothing of size n_q x n_ctx is built: the walk visits one active block per
+row at a time. dK and dV of a kv head sum its query heads' contributions, in a fixed order.
 
 Forward (FlashAttention-2 order): for each (head, query block i) walk its CSR row of active key
 blocks j; every step is vectorised over all rows that still have a block left, so the Python
@@ -30,22 +32,24 @@ def _acc_dtype(dtype: np.dtype) -> type:
 
 
 def _blocked(x: np.ndarray, layout: Layout, acc: type, fill: float = 0.0) -> np.ndarray:
-    """[B, H, n, ...] -> [B, H, nb, b, ...] in the accumulation dtype, padded with ``fill``."""
-    b, nb, n = layout.blocksize, layout.num_blocks, layout.n_ctx
+    """[B, H, n, ...] -> [B, H, nb, b, ...] in the accumulation dtype, padded with ``fill``
+    (n is the layout's n_q or n_ctx, whichever x's length is)."""
+    b, n = layout.blocksize, x.shape[2]
+    nb = -(-n // b)
     out = np.full(x.shape[:2] + (nb * b,) + x.shape[3:], fill, dtype=acc)
     out[:, :, :n] = x
     return out.reshape(x.shape[:2] + (nb, b) + x.shape[3:])
 
 
-def _unblocked(x: np.ndarray, layout: Layout) -> np.ndarray:
-    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, : layout.n_ctx]
+def _unblocked(x: np.ndarray, n: int) -> np.ndarray:
+    return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :n]
 
 
 def _walk(
     layout: Layout, ptr: np.ndarray, idx: np.ndarray, mask: np.ndarray
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Yield (head, walked block, other block, mask id) for step t of every compressed row."""
-    nb = layout.num_blocks
+    nb = ptr.shape[1] - 1
     starts = ptr[:, :-1].reshape(-1).astype(np.int64)
     lens = np.diff(ptr, axis=1).reshape(-1)
     rows = np.arange(layout.heads * nb)
@@ -60,9 +64,14 @@ def _scores(
     qb: np.ndarray, kb: np.ndarray, layout: Layout, h, i, j, mask_id, scale: float
 ) -> np.ndarray:
     """S = Q_i K_j^T * scale for R blocks at once, -inf where the element rule forbids."""
-    s = np.matmul(qb[:, h, i], kb[:, h, j].swapaxes(-1, -2)) * scale
+    s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf)
+
+
+def _kv_head(h: np.ndarray, qb: np.ndarray, kb: np.ndarray) -> np.ndarray:
+    """The kv head query head h reads (GQA/MQA: heads / kv_heads query heads per kv head)."""
+    return h // (qb.shape[1] // kb.shape[1])
 
 
 def check_arrays(q: np.ndarray, layout: Layout) -> None:
@@ -90,13 +99,14 @@ def attention_forward(
         p = np.exp(s - m_safe[..., None])
         alpha = np.exp(m_old - m_safe)
         l_i[:, h, i] = l_i[:, h, i] * alpha + p.sum(axis=-1)
-        acc[:, h, i] = acc[:, h, i] * alpha[..., None] + np.matmul(p, vb[:, h, j])
+        acc[:, h, i] = acc[:, h, i] * alpha[..., None] + np.matmul(p, vb[:, _kv_head(h, qb, vb), j])
         m_i[:, h, i] = m_new
     has_keys = l_i > 0
     l_safe = np.where(has_keys, l_i, 1.0)
     out = np.where(has_keys[..., None], acc / l_safe[..., None], 0.0)
     lse = np.where(has_keys, m_i + np.log(l_safe), -np.inf)
-    return _unblocked(out, layout).astype(q.dtype), _unblocked(lse, layout).astype(acc_t)
+    n_q = q.shape[2]
+    return _unblocked(out, n_q).astype(q.dtype), _unblocked(lse, n_q).astype(acc_t)
 
 
 def attention_backward(
@@ -121,17 +131,27 @@ def attention_backward(
         s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(np.isfinite(lse_b[:, h, i])[..., None], p, 0.0)
-        dp = np.matmul(dob[:, h, i], vb[:, h, j].swapaxes(-1, -2))
+        dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
         return p, p * (dp - delta[:, h, i][..., None])
 
     dq = np.zeros_like(qb)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
         _, ds = probs_and_dscores(h, i, j, mask_id)
-        dq[:, h, i] += np.matmul(ds, kb[:, h, j]) * scale
-    dk = np.zeros_like(kb)
-    dv = np.zeros_like(vb)
+        dq[:, h, i] += np.matmul(ds, kb[:, _kv_head(h, qb, kb), j]) * scale
+    # Per query head first (a walk step may hold several heads of one kv group, which an
+    # indexed += would collapse), then each group summed in head order.
+    heads, kv_heads = qb.shape[1], kb.shape[1]
+    dk = np.zeros(kb.shape[:1] + (heads,) + kb.shape[2:], dtype=acc_t)
+    dv = np.zeros_like(dk)
     for h, j, i, mask_id in _walk(layout, layout.col_ptr, layout.row_idx, layout.col_mask):
         p, ds = probs_and_dscores(h, i, j, mask_id)
         dv[:, h, j] += np.matmul(p.swapaxes(-1, -2), dob[:, h, i])
         dk[:, h, j] += np.matmul(ds.swapaxes(-1, -2), qb[:, h, i]) * scale
-    return tuple(_unblocked(g, layout).astype(q.dtype) for g in (dq, dk, dv))
+    group = heads // kv_heads
+    dk, dv = (g.reshape((g.shape[0], kv_heads, group) + g.shape[2:]).sum(axis=2) for g in (dk, dv))
+    n_q, n_k = q.shape[2], k.shape[2]
+    return (
+        _unblocked(dq, n_q).astype(q.dtype),
+        _unblocked(dk, n_k).astype(k.dtype),
+        _unblocked(dv, n_k).astype(v.dtype),
+    )

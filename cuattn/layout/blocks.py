@@ -43,8 +43,12 @@ def window_blocks(nb: int, b: int, left: int, right: int, n_ctx: int) -> np.ndar
     return (q_lo - k_hi < left) & (k_lo - q_hi < right)
 
 
-def prune_blocks(candidates: np.ndarray, blocksize: int, n_ctx: int, mask_fn: MaskFn) -> np.ndarray:
-    """Keep the candidate blocks where mask_fn allows at least one element (q, k < n_ctx)."""
+def prune_blocks(
+    candidates: np.ndarray, blocksize: int, n_ctx: int, mask_fn: MaskFn, n_q: int | None = None
+) -> np.ndarray:
+    """Keep the candidate blocks where mask_fn allows at least one element (q < n_q, k < n_ctx;
+    n_q defaults to n_ctx)."""
+    n_q = n_ctx if n_q is None else n_q
     heads = candidates.shape[0]
     blocks = np.zeros_like(candidates)
     for h in range(heads):
@@ -52,8 +56,8 @@ def prune_blocks(candidates: np.ndarray, blocksize: int, n_ctx: int, mask_fn: Ma
         for start in range(0, len(i), MASK_CHUNK):
             sl = slice(start, start + MASK_CHUNK)
             qpos, kpos = positions(i[sl], j[sl], blocksize)
-            inside = (qpos < n_ctx) & (kpos < n_ctx)
-            qpos, kpos = np.minimum(qpos, n_ctx - 1), np.minimum(kpos, n_ctx - 1)
+            inside = (qpos < n_q) & (kpos < n_ctx)
+            qpos, kpos = np.minimum(qpos, n_q - 1), np.minimum(kpos, n_ctx - 1)
             allowed = inside & np.broadcast_to(
                 mask_fn(np.int64(h), qpos, kpos), (len(qpos), blocksize, blocksize)
             )
@@ -62,12 +66,18 @@ def prune_blocks(candidates: np.ndarray, blocksize: int, n_ctx: int, mask_fn: Ma
 
 
 def bitmask_layout(
-    candidates: np.ndarray, blocksize: int, n_ctx: int, mask_fn: MaskFn, name: str
+    candidates: np.ndarray,
+    blocksize: int,
+    n_ctx: int,
+    mask_fn: MaskFn,
+    name: str,
+    n_q: int | None = None,
+    perm: np.ndarray | None = None,
 ) -> Layout:
-    blocks = prune_blocks(candidates, blocksize, n_ctx, mask_fn)
-    return Layout(
-        blocks, blocksize, n_ctx=n_ctx, rule=ElementRule("bitmask", mask_fn=mask_fn), name=name
-    )
+    """The candidate blocks mask_fn allows anything in, with mask_fn as the element rule."""
+    blocks = prune_blocks(candidates, blocksize, n_ctx, mask_fn, n_q)
+    rule = ElementRule("bitmask", mask_fn=mask_fn)
+    return Layout(blocks, blocksize, n_ctx=n_ctx, rule=rule, perm=perm, name=name, n_q=n_q)
 
 
 def int_tuple(name: str, value: object, upper: int) -> tuple[int, ...]:

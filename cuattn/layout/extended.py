@@ -181,3 +181,45 @@ def variable_layout(
     return _block_level_layout(
         base, heads, blocksize, n_ctx, causal, num_random_blocks, seed, "variable"
     )
+
+
+@register("document")
+def document_layout(
+    n_ctx: int,
+    heads: int,
+    blocksize: int,
+    causal: bool = True,
+    doc_lengths: Sequence[int] | None = None,
+) -> Layout:
+    """``document``: several documents packed in one sequence, ``doc_lengths`` tokens each
+    (summing to n_ctx). allowed(h, q, k) = doc(q) == doc(k) and k <= q; bidirectional
+    (``causal=False``): doc(q) == doc(k). Blocks inside one document carry no mask; blocks a
+    document boundary crosses carry bitmasks.
+    """
+    if doc_lengths is None:
+        raise ValueError(
+            "attn_mode='document' needs doc_lengths (the token count of each document)"
+        )
+    lengths = int_tuple("doc_lengths", doc_lengths, n_ctx + 1)
+    if not lengths or min(lengths) < 1 or sum(lengths) != n_ctx:
+        raise ValueError(
+            f"doc_lengths must be positive and sum to n_ctx={n_ctx}, got {list(lengths)} "
+            f"(sum {sum(lengths)})"
+        )
+    doc_of = np.repeat(np.arange(len(lengths)), lengths)
+
+    def rule_fn(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        same = doc_of[q] == doc_of[k]
+        return same & (k <= q) if causal else same
+
+    nb = block_count(n_ctx, blocksize)
+    first_doc = doc_of[np.arange(nb) * blocksize]
+    last_doc = doc_of[np.minimum(np.arange(nb) * blocksize + blocksize, n_ctx) - 1]
+    # key block j can share a document with query block i when their document ranges overlap
+    candidates = (first_doc[:, None] <= last_doc[None, :]) & (
+        first_doc[None, :] <= last_doc[:, None]
+    )
+    candidates = np.broadcast_to(candidates, (heads, nb, nb))
+    if causal:
+        candidates = causal_cut(candidates)
+    return bitmask_layout(candidates, blocksize, n_ctx, rule_fn, "document")

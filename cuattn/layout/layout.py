@@ -4,16 +4,19 @@ A layout is data, never code that a kernel compiles: a bool block array ``blocks
 block i of head h sees key block j), an element rule applied inside blocks that need it, and the
 index arrays the kernels walk: CSR (row-major, forward and dQ) and CSC (column-major, dK and dV).
 
-Semantics (docs/design.md §2). Query q of head h sees key k when all of these hold:
-    blocks[h, q // b, k // b]  and  rule(h, q, k)  and  k < n_ctx
+Semantics (docs/design.md §2). A layout is for ``n_q`` queries and ``n_ctx`` keys (square unless
+``n_q`` is given). Query q of head h sees key k when all of these hold:
+    blocks[h, q // b, k // b]  and  rule(h, q, k)  and  q < n_q  and  k < n_ctx
 where ``rule`` is one of
     none      every element of an active block
-    causal    k <= q
-    window    q - k < window_left  and  k - q < window_right  (causal local: left=w, right=1)
+    causal    k <= p, where p = q + q_offset is the query's position, q_offset = n_ctx - n_q
+    window    p - k < window_left  and  k - p < window_right  (causal local: left=w, right=1)
     bitmask   per-block bit tables evaluated once, at build time, from a vectorised mask_fn(h, q, k)
-A layout may carry a token permutation ``perm`` (the computed order): position p of the computed
-sequence holds token ``perm[p]`` of the caller's sequence. Blocks and rule speak of computed order;
-``to_mask()`` always answers in the caller's natural order.
+With fewer queries than keys the queries are the last n_q positions (FlashAttention >= 2.1 and
+SDPA's bottom-right causal mask); with more, the first n_q - n_ctx causal queries see nothing.
+A layout may carry a token permutation ``perm`` (the computed order; square layouts only):
+position p of the computed sequence holds token ``perm[p]`` of the caller's sequence. Blocks and
+rule speak of computed order; ``to_mask()`` always answers in the caller's natural order.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ def _check_block_array(blocks: np.ndarray, name: str = "blocks") -> np.ndarray:
     arr = np.asarray(blocks)
     if arr.ndim == 2:
         arr = arr[None]
-    if arr.ndim != 3 or arr.shape[1] != arr.shape[2]:
+    if arr.ndim != 3:
         raise ValueError(
-            f"{name} must be a [heads, n/b, n/b] (or [n/b, n/b]) 0/1 array, got shape {arr.shape}"
+            f"{name} must be a [heads, n_q/b, n/b] (or [n_q/b, n/b]) 0/1 array, "
+            f"got shape {arr.shape}"
         )
     if arr.dtype != np.bool_:
         if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
@@ -71,18 +75,20 @@ def _check_block_array(blocks: np.ndarray, name: str = "blocks") -> np.ndarray:
 
 
 def positions(
-    i: np.ndarray, j: np.ndarray, b: int, n_ctx: int | None = None
+    i: np.ndarray, j: np.ndarray, b: int, n_ctx: int | None = None, n_q: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Query [R, b, 1] and key [R, 1, b] positions of R blocks.
+    """Query [R, b, 1] and key [R, 1, b] indices of R blocks.
 
-    With ``n_ctx`` they are clipped to n_ctx - 1, so a mask_fn that indexes per-token tables never
-    sees the padding of a ragged last block (whose keys the k < n_ctx bound removes anyway).
+    With ``n_ctx`` they are clipped to n_q - 1 (n_q defaults to n_ctx) and n_ctx - 1, so a mask_fn
+    that indexes per-token tables never sees the padding of a ragged last block (whose elements
+    the q < n_q and k < n_ctx bounds remove anyway).
     """
     r = np.arange(b)
     qpos = i[:, None, None] * b + r[None, :, None]
     kpos = j[:, None, None] * b + r[None, None, :]
     if n_ctx is not None:
-        qpos, kpos = np.minimum(qpos, n_ctx - 1), np.minimum(kpos, n_ctx - 1)
+        n_q = n_ctx if n_q is None else n_q
+        qpos, kpos = np.minimum(qpos, n_q - 1), np.minimum(kpos, n_ctx - 1)
     return qpos, kpos
 
 
@@ -107,9 +113,11 @@ class Layout:
     """Block-sparse attention layout. Build with :func:`cuattn.make_layout` or :meth:`from_blocks`.
 
     Attributes (all arrays read-only):
-        blocks      bool [heads, nb, nb], nb = ceil(n_ctx / blocksize)
-        blocksize, heads, n_ctx, num_blocks (nb), rule (ElementRule), perm (int64 [n_ctx] or None)
-        row_ptr     int32 [heads, nb + 1], absolute offsets into col_idx (CSR)
+        blocks      bool [heads, nbq, nb], nbq = ceil(n_q / blocksize), nb = ceil(n_ctx / blocksize)
+        blocksize, heads, n_ctx (keys), n_q (queries; n_ctx unless given), q_offset = n_ctx - n_q,
+        num_q_blocks (nbq), num_blocks (nb, key blocks), rule (ElementRule),
+        perm (int64 [n_ctx] or None; square layouts only)
+        row_ptr     int32 [heads, nbq + 1], absolute offsets into col_idx (CSR)
         col_idx     int32 [nnz_total]
         row_mask    int32 [nnz_total]: -1 = block fully allowed (no masking), >= 0 = apply the rule
                     (for kind 'bitmask' an index into mask_table)
@@ -126,24 +134,38 @@ class Layout:
         rule: ElementRule | None = None,
         perm: np.ndarray | None = None,
         name: str = "custom",
+        n_q: int | None = None,
     ) -> None:
         blocks = _check_block_array(blocks)
         check_positive_int("blocksize", blocksize)
-        heads, nb, _ = blocks.shape
+        heads, nbq, nb = blocks.shape
         if n_ctx is None:
             n_ctx = nb * blocksize
         check_positive_int("n_ctx", n_ctx)
-        if ceil_div(n_ctx, blocksize) != nb:
-            raise ValueError(
-                f"blocks has {nb} blocks per side, but n_ctx={n_ctx} with blocksize={blocksize} "
-                f"needs ceil(n_ctx / blocksize) = {ceil_div(n_ctx, blocksize)}"
-            )
+        if n_q is None:
+            n_q = n_ctx if nbq == nb else nbq * blocksize
+        check_positive_int("n_q", n_q)
+        for axis, length, count in (("n_ctx", n_ctx, nb), ("n_q", n_q, nbq)):
+            if ceil_div(length, blocksize) != count:
+                raise ValueError(
+                    f"blocks has shape {blocks.shape} ([heads, query blocks, key blocks]), but "
+                    f"{axis}={length} with blocksize={blocksize} needs "
+                    f"ceil({axis} / blocksize) = {ceil_div(length, blocksize)} blocks on that axis"
+                )
         self.rule = rule if rule is not None else ElementRule()
         self.blocksize = int(blocksize)
         self.heads = int(heads)
         self.n_ctx = int(n_ctx)
+        self.n_q = int(n_q)
+        self.q_offset = self.n_ctx - self.n_q
         self.num_blocks = int(nb)
+        self.num_q_blocks = int(nbq)
         self.name = name
+        if perm is not None and self.n_q != self.n_ctx:
+            raise ValueError(
+                f"perm: a permuted layout must be square, got n_q={n_q} queries and "
+                f"n_ctx={n_ctx} keys"
+            )
         if perm is not None:
             perm = np.asarray(perm, dtype=np.int64)
             if perm.shape != (n_ctx,) or not np.array_equal(np.sort(perm), np.arange(n_ctx)):
@@ -159,24 +181,26 @@ class Layout:
         blocksize: int,
         mask_fn: MaskFn | None = None,
         n_ctx: int | None = None,
+        n_q: int | None = None,
     ) -> Layout:
-        """A user layout: a 0/1 block array [heads, n/b, n/b] and an optional element rule.
+        """A user layout: a 0/1 block array [heads, n_q/b, n/b] and an optional element rule.
 
         ``mask_fn(h, q, k) -> bool`` is evaluated with NumPy broadcasting (h, q, k are integer
         arrays) once, at build time, over the active blocks only, into per-block bitmasks;
-        positions it sees are < n_ctx.
+        the indices it sees are q < n_q and k < n_ctx (q is the query's row, not shifted by
+        q_offset: add ``n_ctx - n_q`` for its end-aligned position).
         Query q of head h sees key k when ``blocks[h, q//b, k//b] and mask_fn(h, q, k)``.
         """
         if mask_fn is not None and not callable(mask_fn):
             raise TypeError(f"mask_fn must be callable(h, q, k) -> bool array, got {mask_fn!r}")
         rule = ElementRule("bitmask", mask_fn=mask_fn) if mask_fn is not None else None
-        return cls(blocks, blocksize, n_ctx=n_ctx, rule=rule, name="custom")
+        return cls(blocks, blocksize, n_ctx=n_ctx, rule=rule, name="custom", n_q=n_q)
 
     # -- construction -------------------------------------------------------------------------
 
     def _build(self, blocks: np.ndarray) -> None:
-        b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
-        row_ptr = np.zeros((self.heads, nb + 1), dtype=np.int64)
+        b, nb, nbq = self.blocksize, self.num_blocks, self.num_q_blocks
+        row_ptr = np.zeros((self.heads, nbq + 1), dtype=np.int64)
         col_ptr = np.zeros((self.heads, nb + 1), dtype=np.int64)
         col_idx, row_mask, row_idx, col_mask, tables = [], [], [], [], []
         n_masks = 0
@@ -188,7 +212,7 @@ class Layout:
                 mask_id = np.where(mask_id >= 0, mask_id + n_masks, mask_id)
                 n_masks += len(table)
                 tables.append(table)
-            row_ptr[h] = offset + np.concatenate(([0], np.cumsum(np.bincount(i, minlength=nb))))
+            row_ptr[h] = offset + np.concatenate(([0], np.cumsum(np.bincount(i, minlength=nbq))))
             col_ptr[h] = offset + np.concatenate(([0], np.cumsum(np.bincount(j, minlength=nb))))
             by_col = np.lexsort((i, j))
             col_idx.append(j)
@@ -208,7 +232,7 @@ class Layout:
             np.concatenate(tables) if tables else np.zeros((0, b, words), dtype=np.uint32)
         )
         self.nnz = blocks.reshape(self.heads, -1).sum(axis=1).astype(np.int64)
-        self.density = float(self.nnz.sum()) / (self.heads * nb * nb)
+        self.density = float(self.nnz.sum()) / (self.heads * nbq * nb)
         for arr in (
             self.blocks,
             self.row_ptr,
@@ -222,7 +246,6 @@ class Layout:
         ):
             arr.setflags(write=False)
         assert self.row_ptr[-1, -1] == self.col_ptr[-1, -1] == len(self.col_idx) == offset
-        assert n <= nb * b
 
     def _classify(
         self, h: int, i: np.ndarray, j: np.ndarray
@@ -232,8 +255,10 @@ class Layout:
         ragged = (j + 1) * b > n
         if rule.kind == "bitmask":
             return self._bitmask_ids(h, i, j, ragged)
-        q_lo, k_lo = i * b, j * b
-        q_hi, k_hi = np.minimum(q_lo + b, n) - 1, k_lo + b - 1
+        # Query positions (shifted by q_offset) against key positions; rows past n_q are never
+        # stored, so the last query block's bound is n_q.
+        q_lo, k_lo = i * b + self.q_offset, j * b
+        q_hi, k_hi = np.minimum(i * b + b, self.n_q) - 1 + self.q_offset, k_lo + b - 1
         if rule.kind == "none":
             full = np.ones(len(i), dtype=bool)
         elif rule.kind == "causal":
@@ -265,7 +290,7 @@ class Layout:
         return ids, table.reshape(-1, b, words).astype(np.uint32)
 
     def _eval_mask_fn(self, h: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        qpos, kpos = positions(i, j, self.blocksize, self.n_ctx)
+        qpos, kpos = positions(i, j, self.blocksize, self.n_ctx, self.n_q)
         out = self.rule.mask_fn(np.int64(h), qpos, kpos)
         out = np.asarray(out)
         if out.dtype != np.bool_:
@@ -283,9 +308,9 @@ class Layout:
         if kind == "none":
             masks = np.ones((len(i), b, b), dtype=bool)
         elif kind == "causal":
-            masks = kpos <= qpos
+            masks = kpos <= qpos + self.q_offset
         elif kind == "window":
-            diff = qpos - kpos
+            diff = qpos + self.q_offset - kpos
             masks = (diff < self.rule.window_left) & (-diff < self.rule.window_right)
         else:
             mask_id = np.asarray(mask_id)
@@ -294,22 +319,64 @@ class Layout:
             masks[needs] = _unpack_bits(self.mask_table[mask_id[needs]], b)
         return masks & (kpos < self.n_ctx)
 
+    def allowed(
+        self, h: np.ndarray, q: np.ndarray, k: np.ndarray, natural: bool = True
+    ) -> np.ndarray:
+        """Whether query row q of head h sees key k, element-wise over broadcast integer arrays.
+
+        The layout's whole contract in one vectorised call (blocks, element rule, bounds); q and
+        k are in the caller's natural token order unless ``natural=False``. Indices outside
+        [0, n_q) x [0, n_ctx) are not allowed. Used to derive layouts from layouts (end-aligned
+        queries, packed sequences, coarser blocks); costs O(elements asked), so ask in chunks.
+        """
+        h, q, k = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (h, q, k)))
+        inside = (q >= 0) & (q < self.n_q) & (k >= 0) & (k < self.n_ctx) & (h >= 0)
+        inside &= h < self.heads
+        h, q, k = (np.where(inside, x, 0) for x in (h, q, k))
+        if natural and self.perm is not None:
+            computed = np.empty_like(self.perm)
+            computed[self.perm] = np.arange(self.n_ctx)
+            q, k = computed[q], computed[k]
+        b, kind, pos = self.blocksize, self.rule.kind, q + self.q_offset
+        on = self.blocks[h, q // b, k // b]
+        if kind == "causal":
+            on &= k <= pos
+        elif kind == "window":
+            on &= (pos - k < self.rule.window_left) & (k - pos < self.rule.window_right)
+        elif kind == "bitmask":
+            on &= np.asarray(self.rule.mask_fn(h, q, k), dtype=bool)
+        return inside & on
+
+    def density_at(self, blocksize: int) -> float:
+        """Density of this layout on blocks of ``blocksize`` (a multiple of its own): the share
+        of the coarser blocks that hold an active block. What the kernels walk for a block size
+        they run coarsened (block 8 on 16-blocks), beside ``density`` at the user's size."""
+        check_positive_int("blocksize", blocksize)
+        if blocksize % self.blocksize:
+            raise ValueError(f"blocksize: {blocksize} is not a multiple of {self.blocksize}")
+        factor = blocksize // self.blocksize
+        rows, cols = ceil_div(self.num_q_blocks, factor), ceil_div(self.num_blocks, factor)
+        grid = np.zeros((self.heads, rows * factor, cols * factor), dtype=bool)
+        grid[:, : self.num_q_blocks, : self.num_blocks] = self.blocks
+        coarse = grid.reshape(self.heads, rows, factor, cols, factor).any(axis=(2, 4))
+        return float(coarse.sum()) / coarse.size
+
     def row_entries(self, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(query block, key block, mask id) of every active block of head ``h``, CSR order."""
         lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
-        rows = np.repeat(np.arange(self.num_blocks), np.diff(self.row_ptr[h]))
+        rows = np.repeat(np.arange(self.num_q_blocks), np.diff(self.row_ptr[h]))
         return rows, self.col_idx[lo:hi], self.row_mask[lo:hi]
 
     def to_mask(self) -> np.ndarray:
-        """bool [heads, n_ctx, n_ctx] element mask in the caller's natural token order (small n)."""
-        b, nb, n = self.blocksize, self.num_blocks, self.n_ctx
-        full = np.zeros((self.heads, nb * b, nb * b), dtype=bool)
+        """bool [heads, n_q, n_ctx] element mask in the caller's natural token order (small n)."""
+        b, nb, nbq = self.blocksize, self.num_blocks, self.num_q_blocks
+        full = np.zeros((self.heads, nbq * b, nb * b), dtype=bool)
         for h in range(self.heads):
             rows, cols, ids = self.row_entries(h)
             masks = self.block_masks(np.full(len(rows), h), rows, cols, ids)
-            view = full[h].reshape(nb, b, nb, b)
+            view = full[h].reshape(nbq, b, nb, b)
             view[rows, :, cols, :] = masks
-        mask = full[:, :n, :n]
+        mask = full[:, : self.n_q, : self.n_ctx]
         if self.perm is not None:
             natural = np.zeros_like(mask)
             natural[:, self.perm[:, None], self.perm[None, :]] = mask
@@ -317,8 +384,9 @@ class Layout:
         return mask
 
     def __repr__(self) -> str:
+        queries = f", n_q={self.n_q}" if self.n_q != self.n_ctx else ""
         head = (
-            f"Layout({self.name!r}, n_ctx={self.n_ctx}, heads={self.heads}, "
+            f"Layout({self.name!r}, n_ctx={self.n_ctx}{queries}, heads={self.heads}, "
             f"blocksize={self.blocksize}, rule={self.rule.kind!r}, "
             f"density={self.density:.3f}{', permuted' if self.perm is not None else ''})"
         )
@@ -351,20 +419,20 @@ class Layout:
         else:
             active, full = self.blocks, self._full_blocks()
             title = "computed (permuted) order" if self.perm is not None else ""
-        nb = self.num_blocks
+        nb, nbq = self.num_blocks, self.num_q_blocks
         group = max(1, math.ceil(nb / max_width))
-        cells = ceil_div(nb, group)
-        pad = cells * group - nb
-        active = np.pad(active, ((0, 0), (0, pad), (0, pad)))
-        full = np.pad(full, ((0, 0), (0, pad), (0, pad)))
-        any_on = active.reshape(self.heads, cells, group, cells, group).any(axis=(2, 4))
-        all_full = full.reshape(self.heads, cells, group, cells, group).all(axis=(2, 4))
+        cells, row_cells = ceil_div(nb, group), ceil_div(nbq, group)
+        pads = ((0, 0), (0, row_cells * group - nbq), (0, cells * group - nb))
+        active, full = np.pad(active, pads), np.pad(full, pads)
+        grouped = (self.heads, row_cells, group, cells, group)
+        any_on = active.reshape(grouped).any(axis=(2, 4))
+        all_full = full.reshape(grouped).all(axis=(2, 4))
         lines = [title] if title else []
         for h in shown:
             lines.append(
                 f"head {h}" + (f" ({group}x{group} blocks per character)" if group > 1 else "")
             )
-            for r in range(cells):
+            for r in range(row_cells):
                 lines.append(
                     "".join(
                         "█" if all_full[h, r, c] else ("░" if any_on[h, r, c] else "·")
@@ -374,9 +442,8 @@ class Layout:
         return "\n".join(lines)
 
     def _full_blocks(self) -> np.ndarray:
-        """bool [heads, nb, nb]: active blocks whose every element is allowed (computed order)."""
-        nb = self.num_blocks
-        full = np.zeros((self.heads, nb, nb), dtype=bool)
+        """bool [heads, nbq, nb]: active blocks whose every element is allowed (computed order)."""
+        full = np.zeros(self.blocks.shape, dtype=bool)
         for h in range(self.heads):
             rows, cols, ids = self.row_entries(h)
             full[h, rows, cols] = ids == FULL_BLOCK

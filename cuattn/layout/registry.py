@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cuattn.layout.derived import end_aligned
 from cuattn.layout.layout import Layout, check_positive_int
 
 # Arguments every constructor takes, and the ones make_layout names for the original's modes.
@@ -73,6 +74,7 @@ def make_layout(
     num_verts: int | None = None,
     vertsize: int | None = None,
     causal: bool = True,
+    n_q: int | None = None,
     **pattern_args: object,
 ) -> Layout:
     """Build (or fetch from the cache) the layout of a named pattern.
@@ -80,7 +82,10 @@ def make_layout(
     attn_mode: a registered pattern (``modes()``: ``all``, ``local``, ``strided``, ``fixed``,
     ``longformer``, ``bigbird``, ``variable``); see each ``*_layout`` constructor for its element
     rule and parameters.
-    ``causal=False`` gives the bidirectional variant. Layouts are cached by their arguments.
+    ``causal=False`` gives the bidirectional variant. ``n_q`` (default ``n_ctx``) builds the
+    layout of n_q queries against n_ctx keys, aligned at the end (query i is position
+    i + n_ctx - n_q of the pattern: cross-attention, chunked prefill; ``to_mask()`` is then
+    [heads, n_q, n_ctx]). Layouts are cached by their arguments.
     """
     if not isinstance(attn_mode, str) or attn_mode not in _PATTERNS:
         raise ValueError(f"attn_mode must be one of {modes()}, got {attn_mode!r}")
@@ -88,6 +93,8 @@ def make_layout(
     check_positive_int("n_ctx", n_ctx)
     check_positive_int("heads", heads)
     check_positive_int("blocksize", blocksize)
+    if n_q is not None:
+        check_positive_int("n_q", n_q)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     unknown = set(pattern_args) - set(pattern.extra_args)
@@ -108,6 +115,7 @@ def make_layout(
         num_verts,
         vertsize,
         bool(causal),
+        n_q,
         tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items())),
     )
     if key in _CACHE:
@@ -115,9 +123,14 @@ def make_layout(
     given = dict(local_attn_ctx=local_attn_ctx, num_verts=num_verts, vertsize=vertsize)
     # The original passes local_attn_ctx to every mode; a pattern without a window ignores it.
     named = {name: value for name, value in given.items() if name in pattern.params}
+    rectangular = n_q is not None and n_q != n_ctx
+    if rectangular and "transpose" in pattern.params and pattern_args.get("transpose") is None:
+        pattern_args = {**pattern_args, "transpose": False}  # a permutation needs a square
     layout = pattern.build(
         n_ctx=n_ctx, heads=heads, blocksize=blocksize, causal=bool(causal), **named, **pattern_args
     )
+    if rectangular:
+        layout = end_aligned(layout, n_q)
     if len(_CACHE) >= CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = layout

@@ -57,11 +57,27 @@ class Case:
     n_ctx: int
     head_dim: int
     dtype: str
+    n_q: int = 0  # queries (0: n_ctx); fewer or more than the keys are end-aligned
+    kv_heads: int = HEADS  # fewer than HEADS: GQA/MQA
+
+    @property
+    def queries(self) -> int:
+        return self.n_q or self.n_ctx
+
+    @property
+    def shape(self) -> str:
+        """[B,H,T,D]; [B,H/Hkv,Tq:Tk,D] for the LLM shapes."""
+        heads = f"{HEADS}/{self.kv_heads}" if self.kv_heads != HEADS else str(HEADS)
+        time = f"{self.queries}:{self.n_ctx}" if self.n_q else str(self.n_ctx)
+        return f"[{BATCH},{heads},{time},{self.head_dim}]"
 
     def layout(self) -> Layout:
         if self.mode == "custom":
             return _custom_layout(self.n_ctx, self.blocksize)
-        return make_layout(self.mode, self.n_ctx, HEADS, self.blocksize, **dict(self.kwargs))
+        n_q = self.n_q or None
+        return make_layout(
+            self.mode, self.n_ctx, HEADS, self.blocksize, n_q=n_q, **dict(self.kwargs)
+        )
 
 
 def _custom_layout(n_ctx: int, blocksize: int) -> Layout:
@@ -104,8 +120,20 @@ def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
     return [(4 * blocksize, 64), (4 * blocksize - 5, STANDARD_RAGGED_HEAD_DIM[blocksize])]
 
 
+def _llm_shape_cases(dtype: str) -> list[Case]:
+    """MQA with fewer and with more queries than keys, and a packed-documents layout on
+    8-blocks (run as 16-blocks with bitmasks on the kernels)."""
+    local = (("causal", False), ("local_attn_ctx", 40))
+    return [
+        Case("all mqa q<k", "all", (), 16, 64, 64, dtype, n_q=27, kv_heads=1),
+        Case("local mqa q>k", "local", local, 64, 100, 64, dtype, n_q=150, kv_heads=1),
+        Case("document b8", "document", (("doc_lengths", (9, 30, 1, 24)),), 8, 64, 64, dtype),
+    ]
+
+
 def cases(backend: str, size: str = "standard") -> Iterator[Case]:
-    """Every pattern x dtype x block size x a few shapes (``size``: quick, standard, full)."""
+    """Every pattern x dtype x block size x a few shapes (``size``: quick, standard, full),
+    then the LLM shapes (GQA/MQA, queries != keys, documents on 8-blocks) per dtype."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     dtypes = [d for d in DTYPES[backend] if d != "bfloat16" or _has_bfloat16()]
@@ -115,6 +143,7 @@ def cases(backend: str, size: str = "standard") -> Iterator[Case]:
             for name, mode, kw in _patterns(b):
                 for n, d in _shapes(b, size):
                     yield Case(name, mode, tuple(sorted(kw.items())), b, n, d, dtype)
+        yield from _llm_shape_cases(dtype)
 
 
 def _has_bfloat16() -> bool:
@@ -164,8 +193,9 @@ def run_case(case: Case, backend: str) -> tuple[float, float]:
     """(forward error, backward error) of one case, relative to the float64 oracle."""
     layout = case.layout()
     rng = np.random.default_rng(SEED)
-    shape = (BATCH, HEADS, case.n_ctx, case.head_dim)
-    host = [rng.standard_normal(shape) for _ in range(4)]
+    q_shape = (BATCH, HEADS, case.queries, case.head_dim)
+    kv_shape = (BATCH, case.kv_heads, case.n_ctx, case.head_dim)
+    host = [rng.standard_normal(s) for s in (q_shape, kv_shape, kv_shape, q_shape)]
     q, k, v, dout = (_to_backend(x, backend, case.dtype) for x in host)
     # The oracle sees exactly the values the backend sees (after rounding to the dtype).
     q64, k64, v64, do64 = (_to_host(x) for x in (q, k, v, dout))
@@ -201,7 +231,7 @@ def main(backend: str | None = None, size: str | None = None, out=sys.stdout) ->
             "bfloat16 cases skipped: pip install ml_dtypes (or the cuda extras) for them", file=out
         )
     width = len(str(len(todo)))
-    header = f"{'':<{2 * width + 3}} {'pattern':<16} {'shape [B,H,T,D]':<18} {'block':>5} "
+    header = f"{'':<{2 * width + 3}} {'pattern':<16} {'shape [B,H,T,D]':<20} {'block':>5} "
     header += f"{'dtype':<9} {'fwd rel err':>11} {'bwd rel err':>11}  verdict"
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -216,9 +246,8 @@ def main(backend: str | None = None, size: str | None = None, out=sys.stdout) ->
         # NaN counts as infinitely wrong in the summary (it has failed the case already).
         error = max(math.inf if e != e else e for e in (fwd, bwd))
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), error)
-        shape = f"[{BATCH},{HEADS},{case.n_ctx},{case.head_dim}]"
         print(
-            f"[{i:>{width}}/{len(todo)}] {case.pattern:<16} {shape:<18} {case.blocksize:>5} "
+            f"[{i:>{width}}/{len(todo)}] {case.pattern:<16} {case.shape:<20} {case.blocksize:>5} "
             f"{case.dtype:<9} {fwd:>11.2e} {bwd:>11.2e}  {'ok' if ok else 'FAIL'}",
             file=out,
             flush=True,

@@ -1,8 +1,10 @@
 """The dense float64 oracle that every backend is checked against (tests and `cuattn check`).
 
-Tiny on purpose: softmax(QK^T * scale, masked) V written with full n x n arrays in float64,
-and its gradients, so use small n. Rows with no allowed key give 0 and lse = -inf. Works on
-NumPy arrays, and on CuPy arrays (mask included) so GPU tests check real sizes on the GPU.
+Tiny on purpose: softmax(QK^T * scale, masked) V written with full n_q x n_k arrays in float64,
+and its gradients, so use small n. k and v may have fewer heads than q (GQA/MQA: query head h
+reads kv head h // (heads / kv_heads)); the oracle repeats them, which the kernels never do.
+Rows with no allowed key give 0 and lse = -inf. Works on NumPy arrays, and on CuPy arrays (mask
+included) so GPU tests check real sizes on the GPU.
 """
 
 from __future__ import annotations
@@ -44,9 +46,20 @@ def _float64(*arrays: Any) -> list[Any]:
     return [x.astype(_xp(x).float64) if hasattr(x, "astype") else np.float64(x) for x in arrays]
 
 
+def _repeat_kv(q: Any, *kv: Any) -> list[Any]:
+    group = q.shape[1] // kv[0].shape[1]
+    return [_xp(x).repeat(x, group, axis=1) for x in kv]
+
+
+def _sum_groups(grad: Any, kv_heads: int) -> Any:
+    batch, heads = grad.shape[:2]
+    return grad.reshape((batch, kv_heads, heads // kv_heads) + grad.shape[2:]).sum(axis=2)
+
+
 def dense_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[Any, Any]:
-    """(out, lse) in float64; mask bool [heads, n, n]. Rows with no allowed key: 0 and -inf."""
+    """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key: 0, -inf."""
     q, k, v = _float64(q, k, v)
+    k, v = _repeat_kv(q, k, v)
     xp = _xp(q)
     p, m, l_sum = _probs(q, k, mask, scale)
     out = xp.einsum("bhqk,bhkd->bhqd", p, v)
@@ -58,8 +71,10 @@ def dense_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[An
 def dense_attention_grads(
     q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float
 ) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) in float64 of sum(out * dout)."""
+    """(dq, dk, dv) in float64 of sum(out * dout); dk, dv with k's and v's heads."""
     q, k, v, dout = _float64(q, k, v, dout)
+    kv_heads = k.shape[1]
+    k, v = _repeat_kv(q, k, v)
     xp = _xp(q)
     p, _, _ = _probs(q, k, mask, scale)
     dv = xp.einsum("bhqk,bhqd->bhkd", p, dout)
@@ -67,7 +82,7 @@ def dense_attention_grads(
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
     dq = xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
     dk = xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale
-    return dq, dk, dv
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
 def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:

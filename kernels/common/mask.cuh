@@ -1,11 +1,16 @@
-// The element rule inside a block that needs it (docs/design.md §2): positions are absolute
-// token indices in computed order; the k < n_ctx bound always applies.
+// The element rule inside a block that needs it (docs/design.md §2): q is a query row, k a key
+// index, both in computed order; the k < n_k bound always applies. With n_q queries and n_k keys
+// the queries are the last n_q positions: the causal and window rules measure from query row q's
+// position q + q_offset (q_offset = n_k - n_q), as FlashAttention >= 2.1 and SDPA's bottom-right
+// causal mask do. Bitmasks were evaluated on the host with the same convention.
 #pragma once
 
 #include "types.cuh"
 
 struct RuleParams {
-  int n_ctx;
+  int n_q;       // query rows
+  int n_k;       // keys
+  int q_offset;  // n_k - n_q: query row q sits at position q + q_offset
   int window_left;
   int window_right;
   const u32* mask_table;  // [n_masks, BLOCK, words] (bitmask rule only)
@@ -28,12 +33,13 @@ __device__ __forceinline__ unsigned long long mask_row_bits(const RuleParams& p,
 template <int RULE, int BLOCK>
 __device__ __forceinline__ bool element_allowed(const RuleParams& p, int q, int k, int q_block,
                                                 int k_block, int mask_id) {
-  if (k >= p.n_ctx) return false;
+  if (k >= p.n_k) return false;
   if (mask_id < 0) return true;  // a full block: no element rule inside it
   if constexpr (RULE == MASK_CAUSAL) {
-    return k <= q;
+    return k <= q + p.q_offset;
   } else if constexpr (RULE == MASK_WINDOW) {
-    return (q - k < p.window_left) && (k - q < p.window_right);
+    const int pos = q + p.q_offset;
+    return (pos - k < p.window_left) && (k - pos < p.window_right);
   } else if constexpr (RULE == MASK_BITMASK) {
     const int c = k - k_block * BLOCK;
     return (mask_row_bits<BLOCK>(p, mask_id, q - q_block * BLOCK, c) & 1ull) != 0;
@@ -49,11 +55,14 @@ enum TileCoverage : int { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 template <int RULE>
 __device__ __forceinline__ int tile_coverage(const RuleParams& p, int q0, int q1, int k0, int k1,
                                              int mask_id) {
-  // q0..q1 and k0..k1 are inclusive position ranges of the tile. The sequence end comes first:
-  // a tile past it is empty and one across it needs the k < n_ctx test, whatever the layout says.
-  if (k0 >= p.n_ctx) return TILE_EMPTY;
-  const bool ragged = k1 >= p.n_ctx;
+  // q0..q1 (query rows) and k0..k1 (keys) are inclusive ranges of the tile. The key end comes
+  // first: a tile past it is empty and one across it needs the k < n_k test, whatever the layout
+  // says.
+  if (k0 >= p.n_k) return TILE_EMPTY;
+  const bool ragged = k1 >= p.n_k;
   if (mask_id < 0) return ragged ? TILE_PARTIAL : TILE_FULL;
+  q0 += p.q_offset;  // rows -> positions
+  q1 += p.q_offset;
   if constexpr (RULE == MASK_CAUSAL) {
     if (k0 > q1) return TILE_EMPTY;
     return (k1 <= q0 && !ragged) ? TILE_FULL : TILE_PARTIAL;

@@ -46,7 +46,7 @@ __device__ __forceinline__ void mask_score_frags(float (&s)[M_FRAGS][N / 8][4], 
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int col = frag.col(j, 2 * r + c);
-            const bool allowed = col_first + col < p.n_ctx && ((bits >> col) & 1ull);
+            const bool allowed = col_first + col < p.n_k && ((bits >> col) & 1ull);
             if (!allowed) s[m][j][2 * r + c] = -INFINITY;
           }
         }
@@ -67,17 +67,18 @@ __device__ __forceinline__ void mask_score_frags(float (&s)[M_FRAGS][N / 8][4], 
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int key_offset = frag.row(2 * r);
-            const bool allowed = key_first + key_offset < p.n_ctx && ((bits >> key_offset) & 1ull);
+            const bool allowed = key_first + key_offset < p.n_k && ((bits >> key_offset) & 1ull);
             if (!allowed) s[m][j][2 * r + c] = -INFINITY;
           }
         }
       }
     } else {
-      // Causal and window rules depend only on q - k; with the tile's offsets taken out once,
-      // each element costs an add and two compares (this runs at the register limit).
-      const int q_minus_k_base = ROWS_ARE_QUERIES ? row_first + 16 * m - col_first
-                                                  : col_first - row_first - 16 * m;
-      const int keys_left = ROWS_ARE_QUERIES ? p.n_ctx - col_first : p.n_ctx - row_first - 16 * m;
+      // Causal and window rules depend only on position - k (position = q + q_offset); with the
+      // tile's offsets taken out once, each element costs an add and two compares (this runs at
+      // the register limit).
+      const int q_minus_k_base = p.q_offset + (ROWS_ARE_QUERIES ? row_first + 16 * m - col_first
+                                                                : col_first - row_first - 16 * m);
+      const int keys_left = ROWS_ARE_QUERIES ? p.n_k - col_first : p.n_k - row_first - 16 * m;
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) {
 #pragma unroll

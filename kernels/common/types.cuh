@@ -11,7 +11,7 @@ using u32 = unsigned int;
 
 // Element rule applied inside blocks whose row_mask/col_mask entry is >= 0 (docs/design.md §2).
 enum MaskRule : int {
-  MASK_NONE = 0,      // every key of the block allowed (only the k < n_ctx bound applies)
+  MASK_NONE = 0,      // every key of the block allowed (only the k < n_k bound applies)
   MASK_CAUSAL = 1,    // k <= q
   MASK_WINDOW = 2,    // q - k < window_left and k - q < window_right
   MASK_BITMASK = 3,   // bit lookup in mask_table[mask entry]
@@ -84,4 +84,13 @@ __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
 template <typename T>
 __device__ __forceinline__ float unpack_element(u32 packed, int index) {
   return to_float(from_bits<T>((unsigned short)(index ? packed >> 16 : packed & 0xffffu)));
+}
+
+// Row offset of this CTA's kv head in k, v [batch, heads / kv_group, n_k, HEAD_DIM] (grid: y the
+// query head, z the batch): query head h reads kv head h / kv_group (GQA/MQA; kv_group = 1 for
+// plain multi-head attention). Recomputed at each use: two integer ops beside a tile copy, and no
+// register held across the kernels' main loops.
+__device__ __forceinline__ size_t kv_head_offset(int n_k, int kv_group) {
+  const int kv_heads = int(gridDim.y) / kv_group;
+  return (size_t(blockIdx.z) * size_t(kv_heads) + size_t(int(blockIdx.y) / kv_group)) * size_t(n_k);
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "mask.cuh"
+#include "ptx.cuh"
 
 struct ActiveTile {
   int start;     // first position on the other axis
@@ -52,7 +53,7 @@ struct ActiveTiles {
       while (sub_ < SUB_TILES) {
         const int start = block * BLOCK + sub_ * OTHER_TILE;
         ++sub_;
-        if (start >= rule.n_ctx) break;  // the rest of a ragged last block
+        if (start >= (OWN_IS_QUERY ? rule.n_k : rule.n_q)) break;  // a ragged last block's rest
         const int coverage =
             coverage_of<RULE, OTHER_TILE, OWN_IS_QUERY>(rule, own_first, own_last, start, mask_id);
         if (coverage != TILE_EMPTY) {
@@ -82,4 +83,34 @@ __device__ __forceinline__ int narrowed_coverage(const RuleParams& rule, const A
   if (tile.coverage == TILE_FULL) return TILE_FULL;
   return coverage_of<RULE, OTHER_TILE, OWN_IS_QUERY>(rule, own_first, own_last, tile.start,
                                                      tile.mask_id);
+}
+
+// The double-buffered walk of the backward kernels: every active tile of `walk` in order, with
+// the next tile's copy in flight while the current one is computed and one barrier per step.
+//   load_step(stage, start)  starts the copies of the tile at `start` into buffer `stage` (0/1)
+//                            and commits them (cp.async) or stores them (plain stores)
+//   body(tile, stage)        the math on the tile in buffer `stage`
+// The barrier after the wait makes buffer `stage` visible to every warp and guarantees every
+// warp is done with the other buffer before load_step overwrites it. The CTA's own copies, if
+// issued before the call, are waited for with the first step's.
+template <typename Walk, typename LoadStep, typename Body>
+__device__ __forceinline__ void walk_double_buffered(Walk& walk, const RuleParams& rule,
+                                                     int own_first, int own_last,
+                                                     LoadStep&& load_step, Body&& body) {
+  ActiveTile tile;
+  bool active = walk.next(tile, rule, own_first, own_last);
+  if (active) load_step(0, tile.start);
+  int stage = 0;
+  while (active) {
+    ActiveTile next_tile;
+    const bool has_next = walk.next(next_tile, rule, own_first, own_last);
+    cp_async_wait_group<0>();
+    __syncthreads();
+    if (has_next) load_step(stage ^ 1, next_tile.start);
+    body(tile, stage);
+    tile = next_tile;
+    active = has_next;
+    stage ^= 1;
+  }
+  cp_async_wait_all();  // an own tile with no active partner still retires its copies
 }

@@ -92,6 +92,51 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
         assert rel_err(_as_float64(got), ref, GRAD_FLOOR) < tol, name
 
 
+LLM_SHAPES = [(1000, 1000, 4), (333, 1000, 2), (1000, 600, 1)]  # (n_q, n_k, group)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n_q, n_k, group", LLM_SHAPES)
+@pytest.mark.parametrize("pattern", [PATTERNS[0], PATTERNS[3], PATTERNS[6]], ids=pattern_id)
+@pytest.mark.parametrize("blocksize", [8, 64, 128])
+def test_gqa_and_queries_unequal_keys(blocksize, pattern, n_q, n_k, group, dtype):
+    mode, kwargs = pattern
+    heads = HEADS * 2
+    layout = cuattn.make_layout(mode, n_k, heads, blocksize=blocksize, n_q=n_q, **kwargs)
+    rng = np.random.default_rng(n_q + n_k + group)
+    q, dout = (_random(rng, (BATCH, heads, n_q, 128), dtype) for _ in range(2))
+    k, v = (_random(rng, (BATCH, heads // group, n_k, 128), dtype) for _ in range(2))
+    mask = cupy.asarray(layout.to_mask())
+    out, lse = be.forward(q, k, v, layout, 128**-0.5, backend="cuda")
+    want_out, _ = dense_attention(q, k, v, mask, 128**-0.5)
+    assert rel_err(_as_float64(out), want_out, REL_FLOOR) < TOL[dtype]
+    grads = be.backward(q, k, v, out, lse, dout, layout, 128**-0.5, backend="cuda")
+    want = dense_attention_grads(q, k, v, dout, mask, 128**-0.5)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.shape == ref.shape, name
+        assert rel_err(_as_float64(got), ref, GRAD_FLOOR) < TOL[dtype], name
+
+
+def test_varlen_on_the_gpu():
+    lengths = [700, 1, 333, 1024]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    rng = np.random.default_rng(6)
+    q = _random(rng, (sum(lengths), 8, 64), "bfloat16")
+    k, v = (_random(rng, (sum(lengths), 2, 64), "bfloat16") for _ in range(2))
+    out = cuattn.sparse_attention_varlen(
+        q, k, v, cu, cu, lambda n_q, n_k: cuattn.make_layout("all", n_k, 8, 64, n_q=n_q)
+    )
+    start = 0
+    for length in lengths:
+        sl = slice(start, start + length)
+        qs, ks, vs = (x[sl].transpose(1, 0, 2)[None] for x in (q, k, v))
+        mask = cupy.tril(cupy.ones((8, length, length), dtype=bool))
+        want, _ = dense_attention(qs, ks, vs, mask, 64**-0.5)
+        got = _as_float64(out[sl]).transpose(1, 0, 2)[None]
+        assert rel_err(got, want, REL_FLOOR) < TOL["bfloat16"]
+        start += length
+
+
 def test_fully_masked_row_gives_zero_and_minus_inf():
     blocksize, n_ctx = 32, 96  # three blocks
     blocks = np.tril(np.ones((1, 3, 3), dtype=bool))

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+import cuattn
 from cuattn.tools.bench import report as bench_report
 from cuattn.tools.bench import run as bench
 from cuattn.tools.bench import runners as bench_runners
@@ -55,12 +56,16 @@ def test_sweeps_cover_the_issue():
     assert {c.dtype for c in full} == {"bfloat16"}
     assert {c.direction for c in full} == {"fwd", "fwd+bwd"}
     modes = {c.pattern.mode for c in full}
-    assert modes == {"all", "local", "strided", "fixed", "longformer", "bigbird", "variable"}
+    assert modes == set(cuattn.MODES)  # every registered pattern
     assert {c.pattern.causal for c in full if c.pattern.mode != "all"} == {True, False}
     sparse = [c for c in full if not c.pattern.dense]
     assert {(c.n_ctx, c.head_dim) for c in sparse} == {(8192, 128)}
     # every sparse pattern in both directions, once
-    assert len(sparse) == 2 * len({c.pattern.label for c in sparse}) == 24
+    assert len(sparse) == 2 * len({c.pattern.label for c in sparse}) == 26
+    gqa = [c for c in full if c.kv != c.heads]
+    assert {(c.pattern.label, c.n_ctx, c.head_dim, c.heads // c.kv) for c in gqa} == {
+        ("dense-causal", 8192, 128, 4)
+    }
     assert full[0].head_dim == 128  # the headline cases first, should the budget cut the run
     assert len(list(QUICK.cases())) < len(full)
 

@@ -8,6 +8,7 @@ memory traffic for Q/K/V and the FLOPs grow linearly with T.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,7 +24,18 @@ LOCAL_WINDOW = 512
 STRIDE = 16
 FIXED_GROUP = 128
 LONGFORMER_WINDOW = 256
+DOCUMENTS = 8  # documents packed per sequence in the document (varlen) pattern
+GQA_GROUP = 4  # query heads per kv head in the GQA cases (32 query / 8 kv heads at d = 64)
 DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+def document_lengths(n_ctx: int, count: int = DOCUMENTS) -> tuple[int, ...]:
+    """``count`` uneven document lengths summing to n_ctx (1, 2, ..., count parts of it), so
+    boundaries fall inside blocks, as packed variable-length batches do."""
+    weights = list(range(1, count + 1))
+    lengths = [n_ctx * w // sum(weights) for w in weights]
+    lengths[-1] += n_ctx - sum(lengths)
+    return tuple(lengths)
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class Pattern:
     def make_layout(self, n_ctx: int, heads: int, blocksize: int) -> Any:
         from cuattn.layout import make_layout
 
+        extra = {"doc_lengths": document_lengths(n_ctx)} if self.mode == "document" else {}
         return make_layout(
             self.mode,
             n_ctx=n_ctx,
@@ -49,6 +62,7 @@ class Pattern:
             blocksize=blocksize,
             causal=self.causal,
             **dict(self.kwargs),
+            **extra,
         )
 
 
@@ -71,6 +85,7 @@ SPARSE_PATTERNS = (
     _pattern("bigbird-causal", "bigbird", True),
     _pattern("variable", "variable", False),
     _pattern("variable-causal", "variable", True),
+    _pattern("document", "document", True),  # the packed layout of a varlen batch
 )
 ALL_PATTERNS = (DENSE_CAUSAL, DENSE_FULL, *SPARSE_PATTERNS)
 
@@ -85,18 +100,31 @@ class BenchCase:
     direction: str  # "fwd" | "fwd+bwd"
     batch: int
     heads: int
+    kv_heads: int = 0  # 0: as many as query heads; fewer: GQA/MQA
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def name(self) -> str:
+        gqa = f" gqa {self.heads}/{self.kv}" if self.kv != self.heads else ""
         return (
             f"{self.pattern.label} T={self.n_ctx} d={self.head_dim} {self.dtype} "
-            f"b={self.blocksize} {self.direction}"
+            f"b={self.blocksize} {self.direction}{gqa}"
         )
 
     @property
-    def problem_key(self) -> tuple[int, int, str, int, str]:
+    def problem_key(self) -> tuple[int, int, str, int, str, int]:
         """Cases sharing this key are compared with the same dense-causal baseline."""
-        return (self.n_ctx, self.head_dim, self.dtype, self.blocksize, self.direction)
+        return (
+            self.n_ctx,
+            self.head_dim,
+            self.dtype,
+            self.blocksize,
+            self.direction,
+            self.kv_heads,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -124,6 +152,9 @@ class Sweep:
     # Sparse patterns only at these sequence lengths / head dims (empty: at all of them).
     sparse_n_ctx: tuple[int, ...] = ()
     sparse_head_dims: tuple[int, ...] = ()
+    # Dense causal also measured with this many query heads per kv head (GQA), where the sparse
+    # patterns are; 1: not.
+    gqa_group: int = 1
 
     def _measures(self, pattern: Pattern, dtype: str, head_dim: int, n_ctx: int) -> bool:
         if pattern.dense:
@@ -145,7 +176,13 @@ class Sweep:
                         for pattern in self.patterns:
                             if not self._measures(pattern, dtype, head_dim, n_ctx):
                                 continue
-                            for direction in self.directions:
+                            heads = max(1, self.model_dim // head_dim)
+                            groups = [1]
+                            # GQA where the sparse patterns are measured (the sweep's budget)
+                            gqa_here = self._measures(SPARSE_PATTERNS[0], dtype, head_dim, n_ctx)
+                            if pattern == DENSE_CAUSAL and self.gqa_group > 1 and gqa_here:
+                                groups.append(self.gqa_group)
+                            for group, direction in itertools.product(groups, self.directions):
                                 yield BenchCase(
                                     pattern,
                                     n_ctx,
@@ -154,7 +191,8 @@ class Sweep:
                                     blocksize,
                                     direction,
                                     batch=max(1, self.tokens // n_ctx),
-                                    heads=max(1, self.model_dim // head_dim),
+                                    heads=heads,
+                                    kv_heads=heads // group if group > 1 else 0,
                                 )
 
 
@@ -173,6 +211,7 @@ QUICK = Sweep(
     head_dims=(128,),
     dtypes=("bfloat16",),
     blocksizes=(64,),
+    gqa_group=GQA_GROUP,
 )
 # Full: what fits one 10-minute GPU call (~8 s a case on an H100, FlexAttention's compiles
 # included): dense at three lengths and both head dims, every sparse pattern at one length.
@@ -185,6 +224,7 @@ FULL = Sweep(
     blocksizes=(64,),
     sparse_n_ctx=(8192,),
     sparse_head_dims=(128,),
+    gqa_group=GQA_GROUP,
 )
 # CPU dry run: exercises every code path of the harness in seconds, on the NumPy backend, with
 # pattern sizes scaled down so the layouts are really sparse at T = 128.
@@ -194,6 +234,7 @@ DRY_RUN = Sweep(
         _pattern("local", "local", True, local_attn_ctx=32),
         _pattern("strided", "strided", True, local_attn_ctx=16),
         _pattern("bigbird", "bigbird", False),
+        _pattern("document", "document", True),
     ),
     n_ctx=(256,),
     head_dims=(32,),
@@ -201,5 +242,6 @@ DRY_RUN = Sweep(
     blocksizes=(32,),
     tokens=DRY_RUN_TOKENS,
     model_dim=DRY_RUN_MODEL_DIM,
+    gqa_group=2,
 )
 SWEEPS = {"quick": QUICK, "full": FULL, "dry-run": DRY_RUN}

@@ -80,16 +80,20 @@ class Environment:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(SEED))
 
     def make_inputs(self, case: BenchCase, count: int, shape: tuple[int, ...]) -> list[InputSet]:
+        """``count`` sets of q, k, v, dout; q and dout of ``shape``, k and v with the case's
+        kv heads in place of its heads (GQA)."""
+        kv_shape = (shape[0], shape[1] * case.kv // case.heads, *shape[2:])
+        shapes = (shape, kv_shape, kv_shape, shape)
         if self.on_gpu:
             import torch
 
             dtype = getattr(torch, case.dtype)
             return [
-                InputSet(*(torch.randn(shape, dtype=dtype, device="cuda") for _ in range(4)))
+                InputSet(*(torch.randn(s, dtype=dtype, device="cuda") for s in shapes))
                 for _ in range(count)
             ]
         return [
-            InputSet(*(self.rng.standard_normal(shape).astype(case.dtype) for _ in range(4)))
+            InputSet(*(self.rng.standard_normal(s).astype(case.dtype) for s in shapes))
             for _ in range(count)
         ]
 
@@ -119,7 +123,9 @@ def check_against_oracle(env: Environment, case: BenchCase) -> tuple[bool, float
     from cuattn.backends import numpy_ref as reference
 
     n_ctx = min(case.n_ctx, CHECK_CTX)
-    layout = case.pattern.make_layout(n_ctx, CHECK_HEADS, case.blocksize)
+    group = case.heads // case.kv  # GQA: CHECK_HEADS kv heads, each serving `group` query heads
+    heads = CHECK_HEADS * group
+    layout = case.pattern.make_layout(n_ctx, heads, case.blocksize)
     small = BenchCase(
         case.pattern,
         n_ctx,
@@ -128,9 +134,10 @@ def check_against_oracle(env: Environment, case: BenchCase) -> tuple[bool, float
         case.blocksize,
         case.direction,
         1,
-        CHECK_HEADS,
+        heads,
+        kv_heads=CHECK_HEADS if group > 1 else 0,
     )
-    (inputs,) = env.make_inputs(small, 1, (1, CHECK_HEADS, n_ctx, case.head_dim))
+    (inputs,) = env.make_inputs(small, 1, (1, heads, n_ctx, case.head_dim))
     scale = case.head_dim**-0.5
     q, k, v, dout = (to_float64(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout))
     want_out, want_lse = reference.attention_forward(q, k, v, layout, scale)

@@ -123,11 +123,13 @@ class SdpaRunner:
         backend = getattr(SDPBackend, self.backend_name, None)
         if backend is None:
             raise Skip(f"torch {torch.__version__} has no SDPBackend.{self.backend_name}")
-        causal = case.pattern.causal
+        causal, gqa = case.pattern.causal, case.kv != case.heads
 
         def attend(q: Any, k: Any, v: Any) -> Any:
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, scale=scale, **({"enable_gqa": True} if gqa else {})
+                )
 
         backward = case.direction != "fwd"
         run = _torch_run(attend, _torch_leaves(inputs, backward), backward)
@@ -177,8 +179,10 @@ class FlexRunner:
         block_mask = block_mask_from_layout(layout, device)
         flex = _compiled_flex()
 
+        gqa = case.kv != case.heads
+
         def attend(q: Any, k: Any, v: Any) -> Any:
-            return flex(q, k, v, block_mask=block_mask, scale=scale)
+            return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
         backward = case.direction != "fwd"
         return _torch_run(attend, _torch_leaves(inputs, backward), backward)

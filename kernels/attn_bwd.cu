@@ -1,7 +1,8 @@
 // Block-sparse attention backward, FlashAttention-2 style.
 //
 // Given q, out, dout [batch, heads, n_q, HEAD_DIM], k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// (T; HEAD_DIM 16-256) and lse [batch, heads, n_q] (float32, from attn_fwd), computes dq like q
+// (T; HEAD_DIM 16-256; q, k, v, dout at any element strides with contiguous, 16-byte aligned
+// rows, out contiguous) and lse [batch, heads, n_q] (float32, from attn_fwd), computes dq like q
 // and, per query head, dk, dv [batch, heads, n_k, HEAD_DIM] (T) of sum(out * dout), visiting only
 // the active blocks of the layout (with kv_group > 1 the caller sums each kv head's group):
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
@@ -87,7 +88,7 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
 template <int HEAD_DIM, typename T>
 __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
-                        float* __restrict__ delta, int n_q) {
+                        float* __restrict__ delta, int n_q, long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
@@ -95,9 +96,11 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS,
   for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
     const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
     if (row >= n_q) break;  // uniform across the warp
-    const size_t base = (head_offset + row) * HEAD_DIM;
+    const T* out_row = out + (head_offset + row) * HEAD_DIM;
+    const T* dout_row = dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride,
+                                           blockIdx.z, blockIdx.y, row);
     float sum = 0.f;
-    for (int d = lane; d < HEAD_DIM; d += 32) sum += to_float(out[base + d]) * to_float(dout[base + d]);
+    for (int d = lane; d < HEAD_DIM; d += 32) sum += to_float(out_row[d]) * to_float(dout_row[d]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) delta[head_offset + row] = sum;
@@ -135,7 +138,9 @@ __global__ void __launch_bounds__(
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_q,
                   int n_k, int q_offset, int kv_group, int num_blocks, float scale,
-                  int window_left, int window_right) {
+                  int window_left, int window_right, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -161,20 +166,27 @@ __global__ void __launch_bounds__(
   float* stats_smem = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_Q * LD);
   float* scratch = stats_smem + BWD_STAGES * Traits::STATS_FLOATS + warp * Traits::SCRATCH_FLOATS;
 
-  const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM, n_k - k_start);
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM, n_k - k_start);
+  const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride, blockIdx.z,
+                                       head / kv_group, k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, int(kv_row_stride),
+                                                 n_k - k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, int(kv_row_stride),
+                                                 n_k - k_start);
   cp_async_commit();
 
   // Starts the copy of one step's queries into `stage`: Q and dO asynchronously, lse (log2
   // domain) and delta by plain stores, all visible after the next barrier.
   auto load_step = [&](int stage, int q_start) {
     T* q_stage = step_smem + stage * 2 * TILE_Q * LD;
-    const size_t q_rows = (head_offset + q_start) * HEAD_DIM;
-    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage, LD, q + q_rows, HEAD_DIM,
-                                                   n_q - q_start);
-    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_stage + TILE_Q * LD, LD, dout + q_rows,
-                                                   HEAD_DIM, n_q - q_start);
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
+        q_stage, LD,
+        q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
+        int(q_row_stride), n_q - q_start);
+    load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
+        q_stage + TILE_Q * LD, LD,
+        dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, blockIdx.z, head,
+                           q_start),
+        int(dout_row_stride), n_q - q_start);
     cp_async_commit();
     float* stats = stats_smem + stage * Traits::STATS_FLOATS;
     for (int i = tid; i < TILE_Q; i += NUM_THREADS) {
@@ -251,7 +263,10 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                 const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
-                int num_blocks, float scale, int window_left, int window_right) {
+                int num_blocks, float scale, int window_left, int window_right,
+                long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -272,19 +287,25 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
   float* scratch = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_K * LD) +
                    warp * Traits::SCRATCH_FLOATS;
 
-  const size_t q_rows = (head_offset + q_start) * HEAD_DIM;
-  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + q_rows, HEAD_DIM, n_q - q_start);
-  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(do_smem, LD, dout + q_rows, HEAD_DIM,
-                                                 n_q - q_start);
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
+      q_smem, LD,
+      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
+      int(q_row_stride), n_q - q_start);
+  load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
+      do_smem, LD,
+      dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, blockIdx.z, head,
+                         q_start),
+      int(dout_row_stride), n_q - q_start);
   cp_async_commit();
 
   auto load_step = [&](int stage, int k_start) {
     T* k_stage = step_smem + stage * 2 * TILE_K * LD;
-    const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
-    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage, LD, k + kv_offset, HEAD_DIM,
+    const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride,
+                                         blockIdx.z, head / kv_group, k_start);
+    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage, LD, k + kv_offset, int(kv_row_stride),
                                                    n_k - k_start);
     load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage + TILE_K * LD, LD, v + kv_offset,
-                                                   HEAD_DIM, n_k - k_start);
+                                                   int(kv_row_stride), n_k - k_start);
     cp_async_commit();
   };
 

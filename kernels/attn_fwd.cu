@@ -3,7 +3,8 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// of T (contiguous); query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows (k and v share
+// theirs), out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
 // each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
@@ -53,7 +54,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-             int kv_group, int num_blocks, float scale, int window_left, int window_right) {
+             int kv_group, int num_blocks, float scale, int window_left, int window_right,
+             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -75,7 +78,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   // runs at the register limit, and parameters live in the constant bank, not in registers.
   auto load_kv = [&](T* smem, const T* base, int k_start) {
     load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
-        smem, LD, base + (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM, HEAD_DIM, n_k - k_start);
+        smem, LD,
+        base + strided_row(kv_batch_stride, kv_head_stride, kv_row_stride, blockIdx.z, head / kv_group,
+                           k_start),
+        int(kv_row_stride), n_k - k_start);
     cp_async_commit();
   };
 
@@ -84,8 +90,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   const int q_last = q_start + TILE_M - 1;
   ActiveTile tile;
   bool active = walk.next(tile, rule, q_start, q_last);
-  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
-                                                  HEAD_DIM, n_q - q_start);
+  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(
+      q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
+      int(q_row_stride), n_q - q_start);
   cp_async_commit();
   if (active) load_kv(k_smem, k, tile.start);
 

@@ -3,7 +3,8 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// of T (contiguous); query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows (k and v share
+// theirs), out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
 // each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
@@ -44,7 +45,9 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-             int kv_group, int num_blocks, float scale, int window_left, int window_right) {
+             int kv_group, int num_blocks, float scale, int window_left, int window_right,
+             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride) {
   using Traits = attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -64,8 +67,9 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
   T* v_smem = k_smem + TILE_N * LD;
   float* scratch = reinterpret_cast<float*>(v_smem + TILE_N * LD) + warp * Traits::SCRATCH_FLOATS;
 
-  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(q_smem, LD, q + (head_offset + q_start) * HEAD_DIM,
-                                                  HEAD_DIM, n_q - q_start);
+  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(
+      q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
+      int(q_row_stride), n_q - q_start);
   cp_async_commit();
 
   float acc[HEAD_DIM / 8][4] = {};
@@ -87,11 +91,12 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
       __syncthreads();  // every warp is done reading the previous K/V tile
       // K and V travel in separate commit groups: S = Q K^T and the softmax start as soon as
       // K has landed, while V is still in flight.
-      const size_t kv_offset = (kv_head_offset(n_k, kv_group) + k_start) * HEAD_DIM;
-      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, HEAD_DIM,
+      const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride,
+                                           blockIdx.z, head / kv_group, k_start);
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, int(kv_row_stride),
                                                       n_k - k_start);
       cp_async_commit();
-      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, HEAD_DIM,
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, int(kv_row_stride),
                                                       n_k - k_start);
       cp_async_commit();
       cp_async_wait_group<1>();  // Q and K

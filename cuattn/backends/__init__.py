@@ -98,11 +98,13 @@ def _array_module(x: Any) -> Any:
 
 
 def _prepare(x: Any, layout: Layout) -> Any:
-    """Contiguous (kernels index densely) and in the layout's computed token order."""
+    """In the layout's computed token order: a gathered copy for a permuted layout, else x as
+    it is (the NumPy backend takes any strides; the kernel backends read rows at any strides
+    and copy only what they cannot read in place)."""
+    if layout.perm is None:
+        return x
     xp = _array_module(x)
-    if layout.perm is not None:
-        x = x[:, :, xp.asarray(layout.perm)]
-    return xp.ascontiguousarray(x)
+    return xp.ascontiguousarray(x[:, :, xp.asarray(layout.perm)])
 
 
 def _to_natural(x: Any, layout: Layout) -> Any:

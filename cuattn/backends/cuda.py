@@ -17,7 +17,7 @@ from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, LayoutArrays, cupy_mo
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import KernelBackend
 
-_SCALAR_TYPES = {"i32": np.int32, "f32": np.float32}
+_SCALAR_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32}
 
 
 def launch(config: KernelConfig, **values: Any) -> None:
@@ -26,8 +26,8 @@ def launch(config: KernelConfig, **values: Any) -> None:
     for name, kind in config.args:
         value = values[name]
         if kind == "ptr":
-            if not value.flags.c_contiguous:
-                raise AssertionError(f"{config.name_expression}: {name} is not contiguous")
+            if value.size > 1 and value.strides[-1] != value.itemsize:
+                raise AssertionError(f"{config.name_expression}: {name}'s rows are not contiguous")
             args.append(value)
         else:
             args.append(_SCALAR_TYPES[kind](value))

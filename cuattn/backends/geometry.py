@@ -69,7 +69,9 @@ BLOCK_KERNELS = (
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups")  # templated on <HEAD_DIM, T>
 
-# Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"f32" scalars.
+# Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
+# scalars. Inputs q, k/v (one set of strides for both) and dout come with the element strides of
+# their batch, head and row axes (their last axis is contiguous); every output is contiguous.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
 _RULE_SCALARS = (
     ("n_q", "i32"),
@@ -81,6 +83,13 @@ _RULE_SCALARS = (
     ("window_left", "i32"),
     ("window_right", "i32"),
 )
+STRIDE_AXES = ("batch", "head", "row")
+
+
+def _strides(tensor: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{tensor}_{axis}_stride", "i64") for axis in STRIDE_AXES)
+
+
 _FWD_ARGS = (
     ("q", "ptr"),
     ("k", "ptr"),
@@ -89,11 +98,20 @@ _FWD_ARGS = (
     ("lse", "ptr"),
     *_LAYOUT_ARGS,
     *_RULE_SCALARS,
+    *_strides("q"),
+    *_strides("kv"),
 )
+_BWD_STRIDES = (*_strides("q"), *_strides("kv"), *_strides("dout"))
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
     "attn_fwd_v1": _FWD_ARGS,
-    "attn_bwd_preprocess": (("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("n_q", "i32")),
+    "attn_bwd_preprocess": (
+        ("out", "ptr"),
+        ("dout", "ptr"),
+        ("delta", "ptr"),
+        ("n_q", "i32"),
+        *_strides("dout"),
+    ),
     "attn_bwd_sum_groups": (
         ("per_head", "ptr"),
         ("summed", "ptr"),
@@ -111,6 +129,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dv", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
+        *_BWD_STRIDES,
     ),
     "attn_bwd_dq": (
         ("q", "ptr"),
@@ -122,6 +141,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dq", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
+        *_BWD_STRIDES,
     ),
 }
 

@@ -200,10 +200,14 @@ def _ctype_args(config: KernelConfig, values: dict[str, Any]) -> list[Any]:
     for name, kind in config.args:
         value = values[name]
         if kind == "ptr":
-            assert isinstance(value, np.ndarray) and value.flags.c_contiguous, name
+            # rows contiguous; the other axes may be strided (their strides are arguments too)
+            assert isinstance(value, np.ndarray), name
+            assert value.size <= 1 or value.strides[-1] == value.itemsize, name
             args.append(ctypes.c_void_p(value.ctypes.data))
         elif kind == "i32":
             args.append(ctypes.c_int32(int(value)))
+        elif kind == "i64":
+            args.append(ctypes.c_int64(int(value)))
         else:
             args.append(ctypes.c_float(float(value)))
     return args

@@ -3,6 +3,9 @@
 Forward:  attn_fwd (or attn_fwd_v1, CUATTN_KERNELS=v1) over CSR rows -> (out, lse).
 Backward: attn_bwd_preprocess (delta = rowsum(dO * O)); attn_bwd_dkdv over CSC columns;
           attn_bwd_dq over CSR rows. No atomics, so every backward is bit-identical run to run.
+Inputs q, k, v and dout are read in place at any strides with contiguous 16-byte aligned rows (a
+[B, T, H, d] tensor viewed as [B, H, T, d] needs no copy); other strides are copied to contiguous
+memory on their device first. Outputs are contiguous.
 Shapes: q, out, dout [batch, heads, n_q, d]; k, v [batch, kv_heads, n_k, d] (GQA/MQA when
 kv_heads < heads: the kernels index the shared kv head, nothing is repeated in memory; dK and dV
 come out per query head and attn_bwd_sum_groups sums each group in float, in head order). A
@@ -32,6 +35,7 @@ LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_ma
 # cp.async and ldmatrix move 16-byte chunks: every q/k/v/out/dout row must start 16-byte aligned.
 COPY_ALIGNMENT = 16
 GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y (heads) and grid.z (batch)
+ROW_STRIDE_LIMIT = 2**31  # the kernels step between rows with a 32-bit element stride
 _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionary()
 
 
@@ -165,6 +169,35 @@ class KernelBackend:
                     "unchanged)"
                 )
 
+    def _readable(self, x: Any) -> Any:
+        """x itself when the kernels can read it in place (rows contiguous, every stride a
+        non-negative multiple of 16 bytes: a [B, T, H, d] projection viewed as [B, H, T, d]),
+        else a contiguous copy on x's device. Strides of length-1 axes never matter."""
+        itemsize = x.dtype.itemsize
+        outer = [s for s, n in zip(x.strides[:-1], x.shape[:-1], strict=True) if n > 1]
+        usable = (
+            (x.shape[-1] == 1 or x.strides[-1] == itemsize)
+            and all(s >= 0 and s % COPY_ALIGNMENT == 0 for s in outer)
+            and x.strides[-2] // itemsize < ROW_STRIDE_LIMIT
+        )
+        return x if usable else self.xp.ascontiguousarray(x)
+
+    def _readable_kv(self, k: Any, v: Any) -> tuple[Any, Any]:
+        """k and v as the kernels read them: one set of strides serves both."""
+        k, v = self._readable(k), self._readable(v)
+        if k.strides != v.strides:
+            k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)
+        return k, v
+
+    @staticmethod
+    def _strides(name: str, x: Any) -> dict[str, int]:
+        """The element strides of x's batch, head and row axes as kernel arguments (0 for an
+        axis of length 1, whose stride is never used)."""
+        return {
+            f"{name}_{axis}_stride": (stride // x.dtype.itemsize if size > 1 else 0)
+            for axis, stride, size in zip(kc.STRIDE_AXES, x.strides[:3], x.shape[:3], strict=True)
+        }
+
     def _layout_values(self, layout: Layout, columns: bool, kv_group: int) -> dict[str, Any]:
         """The walked index (CSR rows or CSC columns) and the shape and rule scalars."""
         index = self.index_arrays(layout)
@@ -198,7 +231,7 @@ class KernelBackend:
             )
         xp = self.xp
         with self.on_device_of(q):
-            q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
+            q, (k, v) = self._readable(q), self._readable_kv(k, v)
             self._check_alignment({"q": q, "k": k, "v": v})
             out = self.output(q.shape, q.dtype)
             lse = self.output((batch, heads, n_q), xp.float32)
@@ -221,6 +254,8 @@ class KernelBackend:
                 lse=lse,
                 scale=scale,
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
+                **self._strides("q", q),
+                **self._strides("kv", k),
             )
         return out, lse
 
@@ -256,8 +291,11 @@ class KernelBackend:
                 f"{getattr(lse, 'shape', '')}"
             )
         with self.on_device_of(q):
-            q, k, v, out, dout, lse = (xp.ascontiguousarray(x) for x in (q, k, v, out, dout, lse))
+            q, (k, v), dout = self._readable(q), self._readable_kv(k, v), self._readable(dout)
+            out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
+            strides = {**self._strides("q", q), **self._strides("kv", k)}
+            strides.update(self._strides("dout", dout))
             per_head = (head_dim, dtype, batch, heads)
             delta = self.output((batch, heads, n_q), xp.float32)
             self.launch(
@@ -266,6 +304,7 @@ class KernelBackend:
                 dout=dout,
                 delta=delta,
                 n_q=n_q,
+                **self._strides("dout", dout),
             )
             dq = self.output(q.shape, q.dtype)
             # dK, dV per query head; with kv_group == 1 that is already k's shape.
@@ -279,6 +318,7 @@ class KernelBackend:
                 dv=dv,
                 scale=scale,
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
+                **strides,
             )
             self.launch(
                 KernelConfig("attn_bwd_dq", *per_head, n_q, block=block, rule=rule),
@@ -286,6 +326,7 @@ class KernelBackend:
                 dq=dq,
                 scale=scale,
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
+                **strides,
             )
             if kv_group > 1:
                 config = KernelConfig("attn_bwd_sum_groups", head_dim, dtype, batch, kv_heads, n_k)

@@ -86,11 +86,13 @@ __device__ __forceinline__ float unpack_element(u32 packed, int index) {
   return to_float(from_bits<T>((unsigned short)(index ? packed >> 16 : packed & 0xffffu)));
 }
 
-// Row offset of this CTA's kv head in k, v [batch, heads / kv_group, n_k, HEAD_DIM] (grid: y the
-// query head, z the batch): query head h reads kv head h / kv_group (GQA/MQA; kv_group = 1 for
-// plain multi-head attention). Recomputed at each use: two integer ops beside a tile copy, and no
-// register held across the kernels' main loops.
-__device__ __forceinline__ size_t kv_head_offset(int n_k, int kv_group) {
-  const int kv_heads = int(gridDim.y) / kv_group;
-  return (size_t(blockIdx.z) * size_t(kv_heads) + size_t(int(blockIdx.y) / kv_group)) * size_t(n_k);
+// Element offset of row `row` of head `head` in batch `batch` of a [batch, heads, rows, HEAD_DIM]
+// input whose last axis is contiguous and whose other axes have the given element strides: q, k,
+// v and dout may be views (a [B, T, H, d] projection seen as [B, H, T, d]) with 16-byte aligned
+// rows; the kernels' outputs and lse, delta are contiguous. Recomputed at each copy from the
+// kernel parameters (constant bank): a few integer ops, no register held across the main loops.
+__device__ __forceinline__ size_t strided_row(long long batch_stride, long long head_stride,
+                                              long long row_stride, int batch, int head, int row) {
+  return size_t(batch) * size_t(batch_stride) + size_t(head) * size_t(head_stride) +
+         size_t(row) * size_t(row_stride);
 }

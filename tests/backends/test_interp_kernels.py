@@ -17,7 +17,7 @@ from cuattn.backends import geometry as kc
 from cuattn.backends import interp
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
-from tests.helpers.oracle import dense_attention, dense_attention_grads, rel_err
+from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -170,4 +170,6 @@ def test_random_layouts(n_ctx, density, rule, dtype, seed):
     grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
     for grad, ref in zip(grads, refs, strict=True):
         assert not np.isnan(grad.astype(np.float32)).any()
-        assert rel_err(grad, ref) <= TOLERANCE[dtype]
+        # a query with a single key has dQ = 0 exactly; the kernels' is rounding noise of
+        # dP - delta, measured against the gradients' scale (GRAD_FLOOR), as the oracle says
+        assert rel_err(grad, ref, GRAD_FLOOR) <= TOLERANCE[dtype]

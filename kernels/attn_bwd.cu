@@ -88,7 +88,8 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
 template <int HEAD_DIM, typename T>
 __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
-                        float* __restrict__ delta, int n_q, long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
+                        float* __restrict__ delta, int n_q, long long dout_batch_stride,
+                        long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
@@ -138,8 +139,10 @@ __global__ void __launch_bounds__(
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_q,
                   int n_k, int q_offset, int kv_group, int num_blocks, float scale,
-                  int window_left, int window_right, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                  int window_left, int window_right,
+                  long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+                  long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+                  long long v_batch_stride, long long v_head_stride, long long v_row_stride,
                   long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
@@ -166,12 +169,13 @@ __global__ void __launch_bounds__(
   float* stats_smem = reinterpret_cast<float*>(step_smem + BWD_STAGES * 2 * TILE_Q * LD);
   float* scratch = stats_smem + BWD_STAGES * Traits::STATS_FLOATS + warp * Traits::SCRATCH_FLOATS;
 
-  const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride, blockIdx.z,
-                                       head / kv_group, k_start);
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, int(kv_row_stride),
-                                                 n_k - k_start);
-  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, int(kv_row_stride),
-                                                 n_k - k_start);
+  const int kv_head = head / kv_group;
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
+      k_smem, LD, k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
+      int(k_row_stride), n_k - k_start);
+  load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
+      v_smem, LD, v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
+      int(v_row_stride), n_k - k_start);
   cp_async_commit();
 
   // Starts the copy of one step's queries into `stage`: Q and dO asynchronously, lse (log2
@@ -265,7 +269,8 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
                 const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
                 int num_blocks, float scale, int window_left, int window_right,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride,
+                long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+                long long v_batch_stride, long long v_head_stride, long long v_row_stride,
                 long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
   using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
@@ -300,12 +305,15 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
 
   auto load_step = [&](int stage, int k_start) {
     T* k_stage = step_smem + stage * 2 * TILE_K * LD;
-    const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride,
-                                         blockIdx.z, head / kv_group, k_start);
-    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage, LD, k + kv_offset, int(kv_row_stride),
-                                                   n_k - k_start);
-    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(k_stage + TILE_K * LD, LD, v + kv_offset,
-                                                   int(kv_row_stride), n_k - k_start);
+    const int kv_head = head / kv_group;
+    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
+        k_stage, LD,
+        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
+        int(k_row_stride), n_k - k_start);
+    load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
+        k_stage + TILE_K * LD, LD,
+        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
+        int(v_row_stride), n_k - k_start);
     cp_async_commit();
   };
 

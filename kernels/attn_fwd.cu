@@ -3,8 +3,7 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows (k and v share
-// theirs), out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
 // each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
@@ -56,7 +55,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
              int kv_group, int num_blocks, float scale, int window_left, int window_right,
              long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-             long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride) {
+             long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+             long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -76,12 +76,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   float* scratch = reinterpret_cast<float*>(v_smem + TILE_N * LD) + warp * Traits::SCRATCH_FLOATS;
   // Addresses are rebuilt from the kernel parameters at each copy rather than kept: the loop
   // runs at the register limit, and parameters live in the constant bank, not in registers.
-  auto load_kv = [&](T* smem, const T* base, int k_start) {
+  auto load_k = [&](int k_start) {
     load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
-        smem, LD,
-        base + strided_row(kv_batch_stride, kv_head_stride, kv_row_stride, blockIdx.z, head / kv_group,
-                           k_start),
-        int(kv_row_stride), n_k - k_start);
+        k_smem, LD,
+        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, head / kv_group, k_start),
+        int(k_row_stride), n_k - k_start);
+    cp_async_commit();
+  };
+  auto load_v = [&](int k_start) {
+    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+        v_smem, LD,
+        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, head / kv_group, k_start),
+        int(v_row_stride), n_k - k_start);
     cp_async_commit();
   };
 
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();
-  if (active) load_kv(k_smem, k, tile.start);
+  if (active) load_k(tile.start);
 
   float acc[M_FRAGS][HEAD_DIM / 8][4] = {};
   float m_i[M_FRAGS][2];  // rows g and g + 8 of each fragment, log2 domain
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   while (active) {
     cp_async_wait_group<0>();  // Q and K(t)
     __syncthreads();           // ... visible to all; every warp is done reading V(t - 1)
-    load_kv(v_smem, v, tile.start);
+    load_v(tile.start);
 
     float s_frag[M_FRAGS][TILE_N / 8][4] = {};
     {
@@ -130,7 +136,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     const bool has_next = walk.next(next_tile, rule, q_start, q_last);
     cp_async_wait_group<0>();  // V(t)
     __syncthreads();           // ... visible to all; every warp is done reading K(t)
-    if (has_next) load_kv(k_smem, k, next_tile.start);
+    if (has_next) load_k(next_tile.start);
 
     {
       // Online softmax: rescale what was accumulated so far to the new running max.

@@ -3,8 +3,7 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows (k and v share
-// theirs), out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
 // each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
@@ -47,7 +46,8 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
              int kv_group, int num_blocks, float scale, int window_left, int window_right,
              long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-             long long kv_batch_stride, long long kv_head_stride, long long kv_row_stride) {
+             long long k_batch_stride, long long k_head_stride, long long k_row_stride,
+             long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
@@ -91,13 +91,16 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
       __syncthreads();  // every warp is done reading the previous K/V tile
       // K and V travel in separate commit groups: S = Q K^T and the softmax start as soon as
       // K has landed, while V is still in flight.
-      const size_t kv_offset = strided_row(kv_batch_stride, kv_head_stride, kv_row_stride,
-                                           blockIdx.z, head / kv_group, k_start);
-      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(k_smem, LD, k + kv_offset, int(kv_row_stride),
-                                                      n_k - k_start);
+      const int kv_head = head / kv_group;
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+          k_smem, LD,
+          k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
+          int(k_row_stride), n_k - k_start);
       cp_async_commit();
-      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(v_smem, LD, v + kv_offset, int(kv_row_stride),
-                                                      n_k - k_start);
+      load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+          v_smem, LD,
+          v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
+          int(v_row_stride), n_k - k_start);
       cp_async_commit();
       cp_async_wait_group<1>();  // Q and K
       __syncthreads();

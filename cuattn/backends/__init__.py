@@ -99,8 +99,8 @@ def _array_module(x: Any) -> Any:
 
 def _prepare(x: Any, layout: Layout) -> Any:
     """In the layout's computed token order: a gathered copy for a permuted layout, else x as
-    it is (the NumPy backend takes any strides; the kernel backends read rows at any strides
-    and copy only what they cannot read in place)."""
+    it is (the NumPy backend takes any strides; the kernel backends read rows in place at any
+    16-byte-multiple strides and refuse others with a ValueError)."""
     if layout.perm is None:
         return x
     xp = _array_module(x)

@@ -70,8 +70,8 @@ BLOCK_KERNELS = (
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups")  # templated on <HEAD_DIM, T>
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
-# scalars. Inputs q, k/v (one set of strides for both) and dout come with the element strides of
-# their batch, head and row axes (their last axis is contiguous); every output is contiguous.
+# scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
+# axes (their last axis is contiguous); every output is contiguous.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
 _RULE_SCALARS = (
     ("n_q", "i32"),
@@ -99,9 +99,10 @@ _FWD_ARGS = (
     *_LAYOUT_ARGS,
     *_RULE_SCALARS,
     *_strides("q"),
-    *_strides("kv"),
+    *_strides("k"),
+    *_strides("v"),
 )
-_BWD_STRIDES = (*_strides("q"), *_strides("kv"), *_strides("dout"))
+_BWD_STRIDES = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("dout"))
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
     "attn_fwd_v1": _FWD_ARGS,

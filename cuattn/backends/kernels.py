@@ -4,8 +4,8 @@ Forward:  attn_fwd (or attn_fwd_v1, CUATTN_KERNELS=v1) over CSR rows -> (out, ls
 Backward: attn_bwd_preprocess (delta = rowsum(dO * O)); attn_bwd_dkdv over CSC columns;
           attn_bwd_dq over CSR rows. No atomics, so every backward is bit-identical run to run.
 Inputs q, k, v and dout are read in place at any strides with contiguous 16-byte aligned rows (a
-[B, T, H, d] tensor viewed as [B, H, T, d] needs no copy); other strides are copied to contiguous
-memory on their device first. Outputs are contiguous.
+[B, T, H, d] tensor viewed as [B, H, T, d] needs no copy); other strides are refused with a
+ValueError before any launch. Outputs are contiguous.
 Shapes: q, out, dout [batch, heads, n_q, d]; k, v [batch, kv_heads, n_k, d] (GQA/MQA when
 kv_heads < heads: the kernels index the shared kv head, nothing is repeated in memory; dK and dV
 come out per query head and attn_bwd_sum_groups sums each group in float, in head order). A
@@ -169,25 +169,31 @@ class KernelBackend:
                     "unchanged)"
                 )
 
-    def _readable(self, x: Any) -> Any:
-        """x itself when the kernels can read it in place (rows contiguous, every stride a
-        non-negative multiple of 16 bytes: a [B, T, H, d] projection viewed as [B, H, T, d]),
-        else a contiguous copy on x's device. Strides of length-1 axes never matter."""
-        itemsize = x.dtype.itemsize
-        outer = [s for s, n in zip(x.strides[:-1], x.shape[:-1], strict=True) if n > 1]
-        usable = (
-            (x.shape[-1] == 1 or x.strides[-1] == itemsize)
-            and all(s >= 0 and s % COPY_ALIGNMENT == 0 for s in outer)
-            and x.strides[-2] // itemsize < ROW_STRIDE_LIMIT
-        )
-        return x if usable else self.xp.ascontiguousarray(x)
-
-    def _readable_kv(self, k: Any, v: Any) -> tuple[Any, Any]:
-        """k and v as the kernels read them: one set of strides serves both."""
-        k, v = self._readable(k), self._readable(v)
-        if k.strides != v.strides:
-            k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)
-        return k, v
+    def _check_strides(self, arrays: dict[str, Any]) -> None:
+        """The kernels read q, k, v and dout in place at any strides whose rows are contiguous
+        and 16-byte aligned (a [B, T, H, d] projection viewed as [B, H, T, d], k and v as views
+        of one fused tensor); anything else is refused before any launch, naming the argument.
+        Strides of length-1 axes never matter."""
+        for name, x in arrays.items():
+            itemsize = x.dtype.itemsize
+            outer = [s for s, n in zip(x.strides[:-1], x.shape[:-1], strict=True) if n > 1]
+            if (
+                x.strides[-1] != itemsize
+                or any(s < 0 or s % COPY_ALIGNMENT for s in outer)
+                or x.strides[-2] // itemsize >= ROW_STRIDE_LIMIT
+            ):
+                elements = tuple(
+                    s // itemsize if s % itemsize == 0 else s / itemsize for s in x.strides
+                )
+                raise ValueError(
+                    f"{name}: strides {elements} (in elements) cannot be read by the kernels: "
+                    "they need the last axis contiguous (stride 1) and every other stride a "
+                    f"non-negative multiple of {COPY_ALIGNMENT} bytes "
+                    f"({COPY_ALIGNMENT // itemsize} elements of {x.dtype}), rows under "
+                    f"{ROW_STRIDE_LIMIT} elements apart. "
+                    "Pass a contiguous copy: x.contiguous() (torch), np.ascontiguousarray(x) or "
+                    "cupy.ascontiguousarray(x)"
+                )
 
     @staticmethod
     def _strides(name: str, x: Any) -> dict[str, int]:
@@ -231,7 +237,7 @@ class KernelBackend:
             )
         xp = self.xp
         with self.on_device_of(q):
-            q, (k, v) = self._readable(q), self._readable_kv(k, v)
+            self._check_strides({"q": q, "k": k, "v": v})
             self._check_alignment({"q": q, "k": k, "v": v})
             out = self.output(q.shape, q.dtype)
             lse = self.output((batch, heads, n_q), xp.float32)
@@ -255,7 +261,8 @@ class KernelBackend:
                 scale=scale,
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
-                **self._strides("kv", k),
+                **self._strides("k", k),
+                **self._strides("v", v),
             )
         return out, lse
 
@@ -291,10 +298,11 @@ class KernelBackend:
                 f"{getattr(lse, 'shape', '')}"
             )
         with self.on_device_of(q):
-            q, (k, v), dout = self._readable(q), self._readable_kv(k, v), self._readable(dout)
+            self._check_strides({"q": q, "k": k, "v": v, "dout": dout})
+            # out and lse are the forward's own (contiguous) results; a copy only if not
             out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
-            strides = {**self._strides("q", q), **self._strides("kv", k)}
+            strides = {**self._strides("q", q), **self._strides("k", k), **self._strides("v", v)}
             strides.update(self._strides("dout", dout))
             per_head = (head_dim, dtype, batch, heads)
             delta = self.output((batch, heads, n_q), xp.float32)

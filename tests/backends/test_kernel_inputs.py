@@ -91,47 +91,56 @@ def test_forward_v1_kernels(block, head_dim, dtype, rule, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_strided_views_are_read_in_place(dtype):
-    """q, dout as [B, T, H, d] projections viewed as [B, H, T, d] and k, v as views of one fused
-    [B, T, 2, H_kv, d] tensor (GQA) are read where they are, and give bit for bit what their
-    contiguous copies give."""
+def test_strided_views_are_read_in_place(dtype, monkeypatch):
+    """q, dout as [B, T, H, d] projections viewed as [B, H, T, d], k as a view of a fused
+    [B, T, 2, H_kv, d] tensor and v at yet other strides (GQA) are read where they are, with
+    no copy, and give bit for bit what their contiguous copies give."""
     batch, n, heads, kv_heads, d = 2, 40, 4, 2, 32
     rng = np.random.default_rng(7)
     numpy_dtype = np.dtype(dtype)
     q_btd = rng.standard_normal((batch, n, heads, d)).astype(numpy_dtype)
     dout_btd = rng.standard_normal((batch, n, heads, d)).astype(numpy_dtype)
     kv_fused = rng.standard_normal((batch, n, 2, kv_heads, d)).astype(numpy_dtype)
+    v_wide = rng.standard_normal((batch, kv_heads, n, 2 * d)).astype(numpy_dtype)
     q, dout = (x.transpose(0, 2, 1, 3) for x in (q_btd, dout_btd))
-    k, v = (kv_fused[:, :, i].transpose(0, 2, 1, 3) for i in range(2))
+    k = kv_fused[:, :, 0].transpose(0, 2, 1, 3)
+    v = v_wide[..., d:]  # rows 2 d apart, starting at an offset of d elements
     assert not any(x.flags.c_contiguous for x in (q, k, v, dout))
-    for x in (q, k, v, dout):
-        assert interp.backend._readable(x) is x
-    assert interp.backend._readable_kv(k, v) == (k, v)
+    assert k.strides != v.strides
     layout = all_layout(n, heads, 16)
-    out, lse = interp.forward(q, k, v, layout, 0.3)
     contiguous = [np.ascontiguousarray(x) for x in (q, k, v, dout)]
     want_out, want_lse = interp.forward(*contiguous[:3], layout, 0.3)
+    want = interp.backward(*contiguous[:3], want_out, want_lse, contiguous[3], layout, 0.3)
+
+    def no_copy(x, *args, **kwargs):
+        raise AssertionError("a kernel input was copied")
+
+    monkeypatch.setattr(
+        np, "ascontiguousarray", lambda x, *a, **k: x if x.flags.c_contiguous else no_copy(x)
+    )
+    out, lse = interp.forward(q, k, v, layout, 0.3)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
     grads = interp.backward(q, k, v, out, lse, dout, layout, 0.3)
-    want = interp.backward(*contiguous[:3], want_out, want_lse, contiguous[3], layout, 0.3)
     for got, ref in zip(grads, want, strict=True):
         np.testing.assert_array_equal(got, ref)
 
 
-def test_strides_the_kernels_cannot_read_are_copied():
-    """Rows not 16-byte aligned (a slice of a wider head dim), or k and v at different strides:
-    a contiguous copy is read instead, and the result is unchanged."""
+def test_strides_the_kernels_cannot_read_are_refused():
+    """Rows not 16-byte aligned (a slice of a wider head dim) or a non-contiguous last axis: a
+    ValueError naming the argument before any launch, the inputs untouched."""
     rng = np.random.default_rng(8)
-    wide = rng.standard_normal((1, HEADS, 32, 33)).astype(np.float32)
-    q = wide[..., :32]  # rows 132 bytes apart
-    assert interp.backend._readable(q) is not q
-    assert interp.backend._readable(q).flags.c_contiguous
-    k = rng.standard_normal((1, 32, HEADS, 32)).astype(np.float32).transpose(0, 2, 1, 3)
-    v = np.ascontiguousarray(k) + 1
-    read_k, read_v = interp.backend._readable_kv(k, v)
-    assert read_k.strides == read_v.strides and read_k.flags.c_contiguous
     layout = all_layout(32, HEADS, 16)
-    out, _ = interp.forward(q, k, v, layout, 0.5)
-    want, _ = interp.forward(np.ascontiguousarray(q), np.ascontiguousarray(k), v, layout, 0.5)
-    np.testing.assert_array_equal(out, want)
+    q, k, v, dout = random_inputs((1, HEADS, 32, 32), "float32", seed=3)
+    wide = rng.standard_normal((1, HEADS, 32, 33)).astype(np.float32)
+    sliced = wide[..., :32]  # rows 132 bytes apart
+    before = wide.copy()
+    with pytest.raises(ValueError, match=r"k: strides \(2112, 1056, 33, 1\) .*16 bytes"):
+        interp.forward(q, sliced, v, layout, 0.5)
+    np.testing.assert_array_equal(wide, before)
+    every_other = rng.standard_normal((1, HEADS, 32, 64)).astype(np.float32)[..., ::2]
+    with pytest.raises(ValueError, match=r"q: strides .* last axis contiguous"):
+        interp.forward(every_other, k, v, layout, 0.5)
+    out, lse = interp.forward(q, k, v, layout, 0.5)
+    with pytest.raises(ValueError, match=r"dout: strides .*contiguous\(\)"):
+        interp.backward(q, k, v, out, lse, sliced, layout, 0.5)

@@ -12,6 +12,7 @@ import sys as _sys
 from cuattn.api import (
     attention,
     blocksparse_attention,
+    merge_attention_states,
     merge_heads,
     sparse_attention,
     sparse_attention_varlen,
@@ -36,6 +37,7 @@ __all__ = [
     "attention",
     "blocksparse_attention",
     "make_layout",
+    "merge_attention_states",
     "merge_heads",
     "no_grad",
     "ops",

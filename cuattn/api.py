@@ -382,3 +382,51 @@ def sparse_attention_varlen(
     if not return_lse:
         return out
     return out, lse.reshape(tuple(lse.shape[1:]))
+
+
+def merge_attention_states(
+    out_a: Any, lse_a: Any, out_b: Any, lse_b: Any, *, backend: str | None = None
+) -> tuple[Any, Any]:
+    """Exact attention over keys A u B from two partial attentions over disjoint A and B.
+
+    out_a, out_b: [..., head_dim] (e.g. [batch, heads, time, head_dim]); lse_a, lse_b: [...]
+    (as ``sparse_attention(..., return_lse=True)`` returns them: float32, float64 for float64).
+    Returns (out, lse) with ``lse = log(exp(lse_a) + exp(lse_b))`` and out the weighted mean of
+    the two outs: what a split-KV decode or a ring of context-parallel ranks combines. A side
+    with lse = -inf (it saw no key) contributes nothing; both empty give 0 and -inf, never NaN.
+    NumPy, CuPy, torch and jax (eager) arrays; the kernel backends run kernels/merge_states.cu.
+    No gradient flows through it yet: torch tensors that require grad are refused.
+    """
+    for name, x in (("out_a", out_a), ("out_b", out_b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if len(x.shape) < 1 or _dtype_name(x) not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be a floating array [..., head_dim], got {_dtype_name(x)} "
+                f"of shape {tuple(x.shape)}"
+            )
+    shape = tuple(int(d) for d in out_a.shape)
+    if tuple(int(d) for d in out_b.shape) != shape or _dtype_name(out_b) != _dtype_name(out_a):
+        raise ValueError(
+            f"out_b must match out_a ({shape}, {_dtype_name(out_a)}), got "
+            f"{tuple(out_b.shape)}, {_dtype_name(out_b)}"
+        )
+    lse_dtype = "float64" if _dtype_name(out_a) == "float64" else "float32"
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if not hasattr(x, "shape") or tuple(int(d) for d in x.shape) != shape[:-1]:
+            raise ValueError(
+                f"{name} must have shape {shape[:-1]} (out's without head_dim), got "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+        if _dtype_name(x) != lse_dtype:
+            raise TypeError(
+                f"{name} must be {lse_dtype} (as sparse_attention returns it for "
+                f"{_dtype_name(out_a)}), got {_dtype_name(x)}"
+            )
+    arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+    if _dispatch.wants_gradient(arrays.values()):
+        raise ValueError(
+            "merge_attention_states does not propagate gradients yet; call it on detached "
+            "tensors (torch.no_grad()) or outside jax transformations"
+        )
+    return _dispatch.merge_states(arrays, backend)

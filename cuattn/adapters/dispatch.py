@@ -80,3 +80,15 @@ def route(
     # No gradient is wanted, so recompute has nothing to save and is ignored.
     out, lse = dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
     return (out, lse) if return_lse else out
+
+
+def wants_gradient(xs: Any) -> bool:
+    """Whether a gradient is asked of these arrays: torch tensors requiring grad (with grad
+    enabled) or jax tracers (inside jit/grad/vmap)."""
+    xs = tuple(xs)
+    return _requires_torch_grad(xs) or any(dlpack.is_jax_tracer(x) for x in xs)
+
+
+def merge_states(arrays: dict[str, Any], backend: str | None) -> tuple[Any, Any]:
+    """merge_attention_states on any framework's arrays, handed back as the caller's type."""
+    return dlpack.call(_backend.merge_states, arrays, backend)

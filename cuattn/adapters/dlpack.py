@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayInfo", "common_info", "describe", "from_backend", "stream_for", "to_backend"]
+__all__ = [
+    "ArrayInfo",
+    "common_info",
+    "describe",
+    "from_backend",
+    "is_jax_tracer",
+    "stream_for",
+    "to_backend",
+]
 
 # DLPack device types (dlpack.h): the ones cuattn can compute on.
 DL_CPU = 1
@@ -54,7 +62,7 @@ def _framework(x: Any) -> str:
     return "dlpack"
 
 
-def _is_jax_tracer(x: Any) -> bool:
+def is_jax_tracer(x: Any) -> bool:
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(x, jax.core.Tracer)
 
@@ -62,7 +70,7 @@ def _is_jax_tracer(x: Any) -> bool:
 def describe(x: Any, name: str) -> ArrayInfo:
     """Framework and device of argument ``name``; TypeError if it is not an array at all."""
     framework = _framework(x)
-    if framework == "jax" and _is_jax_tracer(x):
+    if framework == "jax" and is_jax_tracer(x):
         return ArrayInfo("jax", "traced")
     if framework == "numpy" and not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be an array, got NumPy scalar {type(x).__name__}")

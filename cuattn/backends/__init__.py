@@ -43,6 +43,8 @@ class Backend(Protocol):
         deterministic: bool = False,
     ) -> tuple[Any, Any, Any]: ...
 
+    def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
+
 
 class NumpyBackend:
     """The NumPy reference behind the Backend protocol (its backward is deterministic already)."""
@@ -54,6 +56,9 @@ class NumpyBackend:
 
     def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False):
         return reference.attention_backward(q, k, v, out, lse, dout, layout, scale)
+
+    def merge_states(self, out_a, lse_a, out_b, lse_b):
+        return reference.merge_states(out_a, lse_a, out_b, lse_b)
 
 
 # Where the kernel backends live; imported on first use so that NumPy users never need a
@@ -150,3 +155,10 @@ def backward(
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     grads = impl.backward(*arrays, layout, scale, deterministic)
     return tuple(_to_natural(g, layout) for g in grads)
+
+
+def merge_states(
+    out_a: Any, lse_a: Any, out_b: Any, lse_b: Any, backend: str | None = None
+) -> tuple[Any, Any]:
+    """(out, lse) of attention over keys A u B from the partial results over disjoint A and B."""
+    return _resolve_for(out_a, backend).merge_states(out_a, lse_a, out_b, lse_b)

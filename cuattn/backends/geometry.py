@@ -49,7 +49,7 @@ CXX_RULE = {
 WARP_SIZE = 32
 SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
 SM80_SMEM_LIMIT = 163 * 1024  # opt-in maximum per block on sm_80 (sm_90 allows 227 KB)
-ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of attn_bwd_preprocess
+ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of the row kernels (one warp per row)
 ELEMENTWISE_WARPS = 4
 
 # kernel name -> source file (relative to kernels/)
@@ -60,6 +60,7 @@ KERNEL_FILES = {
     "attn_bwd_dkdv": "attn_bwd.cu",
     "attn_bwd_dq": "attn_bwd.cu",
     "attn_bwd_sum_groups": "attn_bwd.cu",
+    "merge_states": "merge_states.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
@@ -67,7 +68,13 @@ BLOCK_KERNELS = (
     "attn_bwd_dkdv",
     "attn_bwd_dq",
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
-ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups")  # templated on <HEAD_DIM, T>
+# templated on <HEAD_DIM, T>; kernel -> its traits struct
+ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states")
+ROW_TRAITS = {
+    "attn_bwd_preprocess": "attn_bwd_row_traits",
+    "attn_bwd_sum_groups": "attn_bwd_row_traits",
+    "merge_states": "merge_states_traits",
+}
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
 # scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
@@ -118,6 +125,15 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("summed", "ptr"),
         ("n_k", "i32"),
         ("kv_group", "i32"),
+    ),
+    "merge_states": (
+        ("out_a", "ptr"),
+        ("lse_a", "ptr"),
+        ("out_b", "ptr"),
+        ("lse_b", "ptr"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("rows", "i32"),
     ),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
@@ -323,7 +339,7 @@ class KernelConfig:
         """The C++ traits struct the kernel derives the rest of its geometry from."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
-            return f"attn_bwd_row_traits<{self.head_dim}, {cxx}>"
+            return f"{ROW_TRAITS[self.kernel]}<{self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property

@@ -346,3 +346,44 @@ class KernelBackend:
                     )
                 dk, dv = summed
         return dq, dk, dv
+
+    def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
+        """The merge kernel (kernels/merge_states.cu) over every row of out [..., head_dim]."""
+        arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+        for name, array in arrays.items():
+            if not self.is_array(array):
+                raise TypeError(
+                    f"{name}: the {self.name} backend takes {self.array_kind}, "
+                    f"got {type(array).__name__}"
+                )
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{name}: the merge kernel reads contiguous arrays")
+            if self.device_of(array) != self.device_of(out_a):
+                raise ValueError(f"{name}: on another device than out_a")
+        if np.dtype(out_a.dtype).name not in kc.DTYPES:
+            raise TypeError(
+                f"out_a: dtype {out_a.dtype} has no kernel; the kernels accept "
+                f"{', '.join(kc.DTYPES)}"
+            )
+        if lse_a.dtype != self.xp.float32 or lse_b.dtype != self.xp.float32:
+            raise TypeError(f"lse_a, lse_b: the kernels take float32, got {lse_a.dtype}")
+        head_dim = int(out_a.shape[-1])
+        if head_dim not in kc.HEAD_DIMS:
+            raise ValueError(f"out_a: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
+        rows = int(np.prod(out_a.shape[:-1]))
+        with self.on_device_of(out_a):
+            self._check_alignment({"out_a": out_a, "out_b": out_b})
+            out = self.output(tuple(out_a.shape), out_a.dtype)
+            lse = self.output(tuple(lse_a.shape), self.xp.float32)
+            if rows:
+                config = KernelConfig(
+                    "merge_states", head_dim, kc.dtype_name(out_a.dtype), n_rows=rows
+                )
+                self.launch(
+                    config,
+                    **{k: v.reshape(-1) for k, v in arrays.items()},
+                    out=out.reshape(-1),
+                    lse=lse.reshape(-1),
+                    rows=rows,
+                )
+        return out, lse

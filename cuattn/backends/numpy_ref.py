@@ -155,3 +155,25 @@ def attention_backward(
         _unblocked(dk, n_k).astype(k.dtype),
         _unblocked(dv, n_k).astype(v.dtype),
     )
+
+
+def merge_states(
+    out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The attention over keys A u B from partial results over disjoint A and B: out like
+    out_a, lse in the accumulation dtype. A side with lse = -inf contributes nothing (whatever
+    its out holds); both empty give 0 and -inf."""
+    acc_t = _acc_dtype(out_a.dtype)
+    a, b = lse_a.astype(acc_t), lse_b.astype(acc_t)
+    base = np.maximum(a, b)
+    base_safe = np.where(np.isneginf(base), 0.0, base)
+    w_a, w_b = np.exp(a - base_safe), np.exp(b - base_safe)
+    total = w_a + w_b
+    total_safe = np.where(total > 0, total, 1.0)
+    parts = [
+        np.where(w[..., None] > 0, w[..., None] * x.astype(acc_t), 0.0)
+        for w, x in ((w_a, out_a), (w_b, out_b))
+    ]
+    out = (parts[0] + parts[1]) / total_safe[..., None]
+    lse = np.where(total > 0, base_safe + np.log(total_safe), -np.inf)
+    return out.astype(out_a.dtype), lse.astype(acc_t)

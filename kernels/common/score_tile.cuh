@@ -8,10 +8,6 @@
 #include "mask.cuh"
 #include "ptx.cuh"
 
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 

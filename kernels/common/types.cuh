@@ -9,6 +9,11 @@
 
 using u32 = unsigned int;
 
+// NVRTC has no <cmath>: the float infinity every kernel's empty rows (-inf lse) need.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 // Element rule applied inside blocks whose row_mask/col_mask entry is >= 0 (docs/design.md §2).
 enum MaskRule : int {
   MASK_NONE = 0,      // every key of the block allowed (only the k < n_k bound applies)

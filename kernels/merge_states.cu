@@ -1,0 +1,51 @@
+// Merge of two partial attentions over disjoint key sets (split-KV decoding, ring attention).
+//
+// For every row r: given (out_a, lse_a) over keys A and (out_b, lse_b) over keys B, computes
+//   lse = log(exp(lse_a) + exp(lse_b)),  out = (exp(lse_a - lse) out_a + exp(lse_b - lse) out_b)
+// exactly the attention over A u B. A side with lse = -inf (no key) contributes nothing, even if
+// its out holds garbage; both sides empty give out = 0 and lse = -inf, never NaN.
+// Shapes: out_a, out_b, out [rows, HEAD_DIM] of T (contiguous); lse_a, lse_b, lse [rows] float32.
+// One warp per row (ROWS_PER_CTA rows per CTA), weights in float.
+// Run: through cuattn.merge_attention_states (backend "cuda" or "interp"); the grid comes from
+// cuattn/backends/geometry.py, e.g. `merge_states<128, __nv_bfloat16>`.
+#include "common/types.cuh"
+
+template <int HEAD_DIM, typename T>
+struct merge_states_traits {
+  static constexpr int ROWS_PER_CTA = 16;
+  static constexpr int NUM_WARPS = 4;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int SMEM_BYTES = 0;
+};
+
+// exp(lse - base) of one side, 0 for a side with no key (lse = -inf) or when both are empty.
+__device__ __forceinline__ float side_weight(float lse, float base) {
+  return (lse == -INFINITY || base == -INFINITY) ? 0.f : expf(lse - base);
+}
+
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(merge_states_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+    merge_states(const T* __restrict__ out_a, const float* __restrict__ lse_a,
+                 const T* __restrict__ out_b, const float* __restrict__ lse_b,
+                 T* __restrict__ out, float* __restrict__ lse, int rows) {
+  using Traits = merge_states_traits<HEAD_DIM, T>;
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
+    const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
+    if (row >= rows) break;  // uniform across the warp
+    const float a = lse_a[row], b = lse_b[row];
+    const float base = fmaxf(a, b);
+    const float w_a = side_weight(a, base), w_b = side_weight(b, base);
+    const float total = w_a + w_b;
+    const float inv_total = total > 0.f ? 1.f / total : 0.f;
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      const size_t i = size_t(row) * HEAD_DIM + d;
+      // a weight of 0 must not multiply the empty side's out (it may be NaN)
+      const float from_a = w_a > 0.f ? w_a * to_float(out_a[i]) : 0.f;
+      const float from_b = w_b > 0.f ? w_b * to_float(out_b[i]) : 0.f;
+      out[i] = from_float<T>((from_a + from_b) * inv_total);
+    }
+    if (lane == 0) lse[row] = total > 0.f ? base + logf(total) : -INFINITY;
+  }
+}

@@ -25,17 +25,10 @@
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
 #include "common/score_tile.cuh"
+#include "common/row_kernel.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
 #include "common/warp_gemm.cuh"
-
-template <int HEAD_DIM, typename T>
-struct attn_bwd_row_traits {
-  static constexpr int ROWS_PER_CTA = 16;
-  static constexpr int NUM_WARPS = 4;
-  static constexpr int NUM_THREADS = NUM_WARPS * 32;
-  static constexpr int SMEM_BYTES = 0;
-};
 
 // TILE_OWN (rows of the CTA's own axis: keys of a dK/dV CTA, queries of a dQ CTA; 16 per warp)
 // and TILE_STEP (rows of the other axis per step: 32 for head dims 96 and 128, so the score
@@ -86,11 +79,11 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
 
 // delta[row] = sum_d dout[row, d] * out[row, d], one warp per row.
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
                         float* __restrict__ delta, int n_q, long long dout_batch_stride,
                         long long dout_head_stride, long long dout_row_stride) {
-  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
+  using Traits = row_kernel_traits<HEAD_DIM, T>;
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
@@ -112,10 +105,10 @@ __global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS,
 // grid x over ROWS_PER_CTA rows of n_k, y the kv head, z the batch. One thread per element keeps
 // the reads of consecutive threads consecutive.
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_bwd_row_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sum_groups(const T* __restrict__ per_head, T* __restrict__ summed, int n_k,
                         int kv_group) {
-  using Traits = attn_bwd_row_traits<HEAD_DIM, T>;
+  using Traits = row_kernel_traits<HEAD_DIM, T>;
   const size_t kv_head = size_t(blockIdx.z) * gridDim.y + blockIdx.y;
   const int first_row = int(blockIdx.x) * Traits::ROWS_PER_CTA;
   for (int e = int(threadIdx.x); e < Traits::ROWS_PER_CTA * HEAD_DIM; e += Traits::NUM_THREADS) {

@@ -8,15 +8,8 @@
 // One warp per row (ROWS_PER_CTA rows per CTA), weights in float.
 // Run: through cuattn.merge_attention_states (backend "cuda" or "interp"); the grid comes from
 // cuattn/backends/geometry.py, e.g. `merge_states<128, __nv_bfloat16>`.
+#include "common/row_kernel.cuh"
 #include "common/types.cuh"
-
-template <int HEAD_DIM, typename T>
-struct merge_states_traits {
-  static constexpr int ROWS_PER_CTA = 16;
-  static constexpr int NUM_WARPS = 4;
-  static constexpr int NUM_THREADS = NUM_WARPS * 32;
-  static constexpr int SMEM_BYTES = 0;
-};
 
 // exp(lse - base) of one side, 0 for a side with no key (lse = -inf) or when both are empty.
 __device__ __forceinline__ float side_weight(float lse, float base) {
@@ -24,11 +17,11 @@ __device__ __forceinline__ float side_weight(float lse, float base) {
 }
 
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(merge_states_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     merge_states(const T* __restrict__ out_a, const float* __restrict__ lse_a,
                  const T* __restrict__ out_b, const float* __restrict__ lse_b,
                  T* __restrict__ out, float* __restrict__ lse, int rows) {
-  using Traits = merge_states_traits<HEAD_DIM, T>;
+  using Traits = row_kernel_traits<HEAD_DIM, T>;
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {

@@ -68,13 +68,8 @@ BLOCK_KERNELS = (
     "attn_bwd_dkdv",
     "attn_bwd_dq",
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
-# templated on <HEAD_DIM, T>; kernel -> its traits struct
+# One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states")
-ROW_TRAITS = {
-    "attn_bwd_preprocess": "attn_bwd_row_traits",
-    "attn_bwd_sum_groups": "attn_bwd_row_traits",
-    "merge_states": "merge_states_traits",
-}
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
 # scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
@@ -339,7 +334,7 @@ class KernelConfig:
         """The C++ traits struct the kernel derives the rest of its geometry from."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
-            return f"{ROW_TRAITS[self.kernel]}<{self.head_dim}, {cxx}>"
+            return f"row_kernel_traits<{self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property

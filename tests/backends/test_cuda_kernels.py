@@ -137,6 +137,24 @@ def test_varlen_on_the_gpu():
         start += length
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_merge_states_on_the_gpu(dtype):
+    """The merge kernel: two halves of the keys merged equal attention over all of them."""
+    rng = np.random.default_rng(9)
+    q = _random(rng, (BATCH, HEADS, 777, 64), dtype)
+    k, v = (_random(rng, (BATCH, HEADS, 1000, 64), dtype) for _ in range(2))
+    halves = []
+    for keys in (slice(0, 400), slice(400, 1000)):
+        n = keys.stop - keys.start
+        layout = cuattn.make_layout("all", n, HEADS, 64, causal=False, n_q=777)
+        halves += be.forward(q, k[:, :, keys], v[:, :, keys], layout, 0.125, backend="cuda")
+    out, lse = cuattn.merge_attention_states(*halves)
+    whole = cupy.ones((HEADS, 777, 1000), dtype=bool)
+    want_out, want_lse = dense_attention(q, k, v, whole, 0.125)
+    assert rel_err(_as_float64(out), want_out, REL_FLOOR) < TOL[dtype]
+    assert rel_err(lse, want_lse, REL_FLOOR) < TOL["float32"]
+
+
 def test_fully_masked_row_gives_zero_and_minus_inf():
     blocksize, n_ctx = 32, 96  # three blocks
     blocks = np.tril(np.ones((1, 3, 3), dtype=bool))

@@ -105,16 +105,8 @@ class KernelBackend:
         ``arrays`` holds q and k (and v, out, dout where given); returns (dtype name,
         (batch, heads, n_q, head_dim, kv_heads, n_k))."""
         q, k = arrays["q"], arrays["k"]
+        self._check_placement(arrays)
         for name, array in arrays.items():
-            if not self.is_array(array):
-                raise TypeError(
-                    f"{name}: the {self.name} backend takes {self.array_kind}, "
-                    f"got {type(array).__name__}"
-                )
-            if self.device_of(array) != self.device_of(q):
-                raise ValueError(
-                    f"{name}: on device {self.device_of(array)}, q on {self.device_of(q)}"
-                )
             like = k if name == "v" else q
             if name != "k" and array.shape != like.shape:
                 raise ValueError(
@@ -154,6 +146,21 @@ class KernelBackend:
             )
         kernel_layout(layout)  # a block size with no kernel fails here, before any launch
         return kc.dtype_name(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
+
+    def _check_placement(self, arrays: dict[str, Any]) -> None:
+        """Every array of this backend's kind and on the device of the first one."""
+        first, reference = next(iter(arrays.items()))
+        for name, array in arrays.items():
+            if not self.is_array(array):
+                raise TypeError(
+                    f"{name}: the {self.name} backend takes {self.array_kind}, "
+                    f"got {type(array).__name__}"
+                )
+            if self.device_of(array) != self.device_of(reference):
+                raise ValueError(
+                    f"{name}: on device {self.device_of(array)}, {first} on "
+                    f"{self.device_of(reference)}"
+                )
 
     def _check_alignment(self, arrays: dict[str, Any]) -> None:
         """A contiguous view at an element offset (``flat[1:].reshape(...)``) passes every
@@ -302,8 +309,9 @@ class KernelBackend:
             # out and lse are the forward's own (contiguous) results; a copy only if not
             out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
+            dout_strides = self._strides("dout", dout)
             strides = {**self._strides("q", q), **self._strides("k", k), **self._strides("v", v)}
-            strides.update(self._strides("dout", dout))
+            strides.update(dout_strides)
             per_head = (head_dim, dtype, batch, heads)
             delta = self.output((batch, heads, n_q), xp.float32)
             self.launch(
@@ -312,7 +320,7 @@ class KernelBackend:
                 dout=dout,
                 delta=delta,
                 n_q=n_q,
-                **self._strides("dout", dout),
+                **dout_strides,
             )
             dq = self.output(q.shape, q.dtype)
             # dK, dV per query head; with kv_group == 1 that is already k's shape.
@@ -350,16 +358,10 @@ class KernelBackend:
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         """The merge kernel (kernels/merge_states.cu) over every row of out [..., head_dim]."""
         arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+        self._check_placement(arrays)
         for name, array in arrays.items():
-            if not self.is_array(array):
-                raise TypeError(
-                    f"{name}: the {self.name} backend takes {self.array_kind}, "
-                    f"got {type(array).__name__}"
-                )
             if not array.flags.c_contiguous:
                 raise ValueError(f"{name}: the merge kernel reads contiguous arrays")
-            if self.device_of(array) != self.device_of(out_a):
-                raise ValueError(f"{name}: on another device than out_a")
         if np.dtype(out_a.dtype).name not in kc.DTYPES:
             raise TypeError(
                 f"out_a: dtype {out_a.dtype} has no kernel; the kernels accept "

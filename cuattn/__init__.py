@@ -20,7 +20,14 @@ from cuattn.api import (
 )
 from cuattn.autograd import ops, tape
 from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
-from cuattn.layout import MODES, ElementRule, Layout, make_layout, vertical_slash_layout
+from cuattn.layout import (
+    MODES,
+    ElementRule,
+    Layout,
+    Pattern,
+    make_layout,
+    vertical_slash_layout,
+)
 
 # The public modules' import paths from before the layer folders keep working.
 _sys.modules.setdefault("cuattn.tape", tape)
@@ -33,6 +40,7 @@ __all__ = [
     "ElementRule",
     "Function",
     "Layout",
+    "Pattern",
     "Tensor",
     "attention",
     "blocksparse_attention",

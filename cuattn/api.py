@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from cuattn.adapters import dispatch as _dispatch
-from cuattn.layout import make_layout
+from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.layout import Layout
+from cuattn.layout.pattern import Pattern
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DENSE_MODES = ("all", "local", "strided")
@@ -25,6 +26,14 @@ DENSE_BLOCKSIZE = 32
 
 def _dtype_name(x: Any) -> str:
     return str(x.dtype).replace("torch.", "")
+
+
+def _dims(x: Any) -> tuple:
+    """x's shape as a tuple; torch's stays as it is, so that torch.compile keeps a dynamic
+    length symbolic (int() would specialise the compiled graph to one length)."""
+    if isinstance(x.shape, tuple):
+        return tuple(x.shape)
+    return tuple(int(d) for d in x.shape)
 
 
 def _check_array(name: str, x: Any, ndim: int, layout_doc: str) -> None:
@@ -44,7 +53,7 @@ def _check_qkv(q: Any, k: Any, v: Any, ndim: int, layout_doc: str) -> None:
     fewer heads dividing q's (GQA/MQA) and another length (queries != keys)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, ndim, layout_doc)
-    q_shape, k_shape = tuple(int(d) for d in q.shape), tuple(int(d) for d in k.shape)
+    q_shape, k_shape = _dims(q), _dims(k)
     if ndim == 4:
         batch, heads, _, head_dim = q_shape
         if k_shape[0] != batch or k_shape[3] != head_dim or heads % max(k_shape[1], 1):
@@ -54,11 +63,11 @@ def _check_qkv(q: Any, k: Any, v: Any, ndim: int, layout_doc: str) -> None:
             )
     elif k_shape != q_shape:
         raise ValueError(f"k must have the same shape as q {q_shape}, got {k_shape}")
-    if tuple(int(d) for d in v.shape) != k_shape:
+    if _dims(v) != k_shape:
         raise ValueError(f"v must have the same shape as k {k_shape}, got {tuple(v.shape)}")
     _check_dtypes(q, k, v)
     for name, x in (("q", q), ("k", k)):
-        if any(int(d) == 0 for d in x.shape):
+        if any(d == 0 for d in _dims(x)):
             raise ValueError(f"{name} must not have an empty dimension, got shape {tuple(x.shape)}")
 
 
@@ -109,7 +118,7 @@ def sparse_attention(
     q: Any,
     k: Any,
     v: Any,
-    layout: Layout,
+    layout: Layout | Pattern,
     scale: float | None = None,
     recompute: bool = False,
     return_lse: bool = False,
@@ -117,7 +126,8 @@ def sparse_attention(
     backend: str | None = None,
     deterministic: bool = False,
 ) -> Any:
-    """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`.
+    """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`
+    (one length) or a :class:`Pattern` (built for each call's lengths).
 
     q is [batch, heads, time_q, head_dim]; k and v are [batch, kv_heads, time_k, head_dim] with
     kv_heads dividing heads (GQA/MQA: query head h reads kv head h // (heads / kv_heads); nothing
@@ -132,14 +142,17 @@ def sparse_attention(
     across runs.
     """
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]")
-    if not isinstance(layout, Layout):
+    if not isinstance(layout, (Layout, Pattern)):
         raise TypeError(
-            f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks), "
-            f"got {type(layout).__name__}"
+            f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks) or a "
+            f"cuattn.Pattern, got {type(layout).__name__}"
         )
-    _, heads, n_q, head_dim = (int(d) for d in q.shape)
-    n_k = int(k.shape[2])
-    if (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
+    _, heads, n_q, _ = _dims(q)
+    head_dim, n_k = int(q.shape[3]), _dims(k)[2]
+    if isinstance(layout, Pattern):
+        if layout.heads != heads:
+            raise ValueError(f"layout is a Pattern for heads={layout.heads}, q has heads={heads}")
+    elif (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
         raise ValueError(
             f"layout is for heads={layout.heads}, n_q={layout.n_q} queries, n_ctx={layout.n_ctx} "
             f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
@@ -163,7 +176,7 @@ def split_heads(x: Any, heads: int) -> Any:
     _check_int("heads", heads)
     if len(x.shape) != 3:
         raise ValueError(f"x must have rank 3 [batch, time, embd], got shape {tuple(x.shape)}")
-    batch, time, embd = (int(d) for d in x.shape)
+    batch, time, embd = _dims(x)
     if embd % heads:
         raise ValueError(f"embd={embd} (last dim of x) must be divisible by heads={heads}")
     return _permute(x.reshape(batch, time, heads, embd // heads), (0, 2, 1, 3))
@@ -175,7 +188,7 @@ def merge_heads(x: Any) -> Any:
         raise ValueError(
             f"x must have rank 4 [batch, heads, time, head_dim], got shape {tuple(x.shape)}"
         )
-    batch, heads, time, head_dim = (int(d) for d in x.shape)
+    batch, heads, time, head_dim = _dims(x)
     return _permute(x, (0, 2, 1, 3)).reshape(batch, time, heads * head_dim)
 
 
@@ -197,18 +210,18 @@ def _check_bte(
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (GQA/MQA)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, 3, "[batch, time, heads * head_dim]")
-    _, n_q, embd = (int(d) for d in q.shape)
+    _, n_q, embd = _dims(q)
     if embd % heads:
         raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
-    kv_shape = (int(q.shape[0]), int(k.shape[1]), embd // heads * kv_heads)
+    kv_shape = (_dims(q)[0], _dims(k)[1], embd // heads * kv_heads)
     for name, x in (("k", k), ("v", v)):
-        if tuple(int(d) for d in x.shape) != kv_shape:
+        if _dims(x) != kv_shape:
             raise ValueError(
                 f"{name} must be [batch, time_k, kv_heads * head_dim] = {list(kv_shape)} "
                 f"(kv_heads={kv_heads}, head_dim={embd // heads}), got shape {tuple(x.shape)}"
             )
     _check_dtypes(q, k, v)
-    return heads, kv_heads, n_q, int(k.shape[1])
+    return heads, kv_heads, n_q, _dims(k)[1]
 
 
 def _attend_bte(
@@ -241,16 +254,18 @@ def blocksparse_attention(
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
     """
-    heads, kv_heads, n_q, n_k = _check_bte(q, k, v, heads, kv_heads)
-    layout = make_layout(
+    heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
+    if not isinstance(attn_mode, str) or attn_mode not in MODES:
+        raise ValueError(f"attn_mode must be one of {MODES}, got {attn_mode!r}")
+    # A Pattern, not a Layout: built for the call's lengths where they are known, which keeps a
+    # compiled torch graph free of the length (one graph for every sequence length).
+    layout = Pattern(
         attn_mode,
-        n_k,
         heads,
-        blocksize=blocksize,
+        blocksize,
         local_attn_ctx=local_attn_ctx,
         num_verts=num_verts,
         vertsize=vertsize,
-        n_q=n_q,
     )
     return _attend_bte(
         q,

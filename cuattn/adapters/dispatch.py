@@ -1,9 +1,10 @@
 """Route one attention call to the right path for the caller's arrays.
 
 * ``cuattn.Tensor``                     -> the tape op (autograd/ops.py sparse_attention)
-* torch tensor requiring grad           -> torch.autograd.Function (adapters/torch_autograd.py)
+* torch tensors (with or without grad)  -> the cuattn:: torch custom ops (adapters/torch_ops.py),
+                                          which torch.compile traces without a graph break
 * jax array (eager or traced)           -> jax.custom_vjp (adapters/jax_vjp.py)
-* NumPy, CuPy, torch without grad, any other __dlpack__ producer -> compute and hand back
+* NumPy, CuPy, any other __dlpack__ producer -> compute and hand back
   the caller's own type on the caller's device, sharing memory (other producers get NumPy/CuPy).
 Arguments are validated (shapes, dtypes, layout) by the public API before they get here.
 """
@@ -17,6 +18,7 @@ from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
 from cuattn.layout.layout import Layout
+from cuattn.layout.pattern import Pattern
 
 __all__ = ["route"]
 
@@ -48,20 +50,33 @@ def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(out)
 
 
+def _all_torch(xs: tuple[Any, ...]) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and all(isinstance(x, torch.Tensor) for x in xs)
+
+
 def route(
     q: Any,
     k: Any,
     v: Any,
-    layout: Layout,
+    layout: Layout | Pattern,
     scale: float,
     recompute: bool = False,
     return_lse: bool = False,
     backend: str | None = None,
     deterministic: bool = False,
 ) -> Any:
-    """Attention on [batch, heads, time, head_dim] arrays of any supported kind; see module doc."""
+    """Attention on [batch, heads, time, head_dim] arrays of any supported kind; see module doc.
+    A Pattern is built into its Layout for q's and k's lengths here, except on the torch route,
+    whose ops take the pattern's key and build it inside (lengths may be symbolic there)."""
     xs = (q, k, v)
     extra = {"backend": backend, "deterministic": deterministic}
+    if _all_torch(xs):
+        from cuattn.adapters import torch_ops
+
+        return torch_ops.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
+    if isinstance(layout, Pattern):
+        layout = layout.layout(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in xs):
         from cuattn.autograd import ops
 
@@ -69,10 +84,6 @@ def route(
             *_tape_args(q, k, v), layout, scale, recompute, return_lse, **extra
         )
     info = dlpack.common_info({"q": q, "k": k, "v": v})
-    if info.framework == "torch" and _requires_torch_grad(xs):
-        from cuattn.adapters import torch_autograd as torch_adapter
-
-        return torch_adapter.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp as jax_adapter
 

@@ -170,7 +170,9 @@ def call(fn: Callable[..., Any], named: dict[str, Any], *args: Any) -> Any:
 
 @contextlib.contextmanager
 def stream_for(info: ArrayInfo) -> Iterator[None]:
-    """Run CuPy work on the caller's current CUDA stream (torch's), so no extra sync is needed.
+    """Run CuPy work on the caller's current CUDA stream (torch's), so no extra sync is needed,
+    with CuPy's allocations taken from torch's caching allocator: torch's memory statistics see
+    them, and inside a CUDA graph capture they come from the graph's private pool.
 
     Other producers synchronise through the DLPack ``stream`` handshake on import.
     """
@@ -179,8 +181,23 @@ def stream_for(info: ArrayInfo) -> Iterator[None]:
         return
     import cupy
 
-    with cupy.cuda.Device(info.device_id), cupy_stream_of_torch(info.device_id):
+    with (
+        cupy.cuda.Device(info.device_id),
+        cupy_stream_of_torch(info.device_id),
+        cupy.cuda.using_allocator(_torch_allocation),
+    ):
         yield
+
+
+def _torch_allocation(size: int) -> Any:
+    """``size`` bytes from torch's caching allocator on the current device and stream, as a
+    CuPy pointer that keeps the torch block alive as long as CuPy holds it."""
+    import cupy
+    import torch
+
+    block = torch.empty(size, dtype=torch.uint8, device=f"cuda:{cupy.cuda.runtime.getDevice()}")
+    memory = cupy.cuda.UnownedMemory(block.data_ptr(), size, block)
+    return cupy.cuda.MemoryPointer(memory, 0)
 
 
 def cupy_stream_of_torch(device_id: int | None = None) -> Any:

@@ -15,6 +15,7 @@ from cuattn.layout import extended
 # isort: on
 from cuattn.layout.dynamic import vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout
+from cuattn.layout.pattern import Pattern
 from cuattn.layout.registry import make_layout, modes
 
 # Every registered pattern name (importing original and extended registered them).
@@ -24,6 +25,7 @@ __all__ = [
     "MODES",
     "ElementRule",
     "Layout",
+    "Pattern",
     "extended",
     "make_layout",
     "modes",

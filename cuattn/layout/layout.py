@@ -21,7 +21,9 @@ rule speak of computed order; ``to_mask()`` always answers in the caller's natur
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +41,11 @@ PICTURE_MAX_WIDTH = 64
 FULL_BLOCK = -1
 
 MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+# Every layout gets a serial number at construction, so that an op which takes only plain
+# values (a torch custom op) can name it with an int; the layout stays the caller's to keep alive.
+_SERIALS = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ class Layout:
         col_ptr, row_idx, col_mask   the same for CSC (key block -> query blocks)
         mask_table  uint32 [n_masks, b, ceil(b/32)] per-block bitmasks (kind 'bitmask' only)
         nnz         int64 [heads] active blocks per head; density = active / all blocks
+        uid         int, unique per Layout object in this process (``Layout.lookup(uid)``)
     """
 
     def __init__(
@@ -173,6 +181,19 @@ class Layout:
             perm.setflags(write=False)
         self.perm = perm
         self._build(blocks)
+        self.uid = next(_SERIALS)
+        _LIVE[self.uid] = self
+
+    @staticmethod
+    def lookup(uid: int) -> Layout:
+        """The live layout whose ``uid`` this is; ValueError once it has been freed."""
+        layout = _LIVE.get(uid)
+        if layout is None:
+            raise ValueError(
+                f"layout uid {uid} names no live Layout: keep the Layout object alive while "
+                "a compiled or recorded call that uses it can run"
+            )
+        return layout
 
     @classmethod
     def from_blocks(

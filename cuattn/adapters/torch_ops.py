@@ -1,0 +1,161 @@
+"""torch adapter: block-sparse attention as torch custom ops, so torch.compile sees through it.
+
+Two ops in the ``cuattn`` namespace take tensors and plain values only:
+    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic) -> (out, lse)
+    cuattn::attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
+                                                                              -> (dq, dk, dv)
+``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
+Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
+dynamic sequence length runs every length without re-tracing. Each op has a fake (shape-only)
+implementation for tracing, attention_fwd an autograd formula that calls attention_bwd (the
+backward graph AOTAutograd records), and both run through DLPack with no copies: CPU tensors on
+the NumPy (or interpreter) backend, CUDA tensors on the CuPy kernels on torch's current stream.
+Neither op is on autocast's cast lists: they compute in the dtype q, k, v arrive in.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from cuattn import backends as _backend
+from cuattn.adapters import dlpack
+from cuattn.layout.layout import Layout
+from cuattn.layout.pattern import Pattern
+
+__all__ = ["attend", "layout_key"]
+
+UID_PREFIX = "uid:"
+PATTERN_KEYS_CACHED = 64
+
+
+def layout_key(layout: Layout | Pattern) -> str:
+    """The text an op takes for a Layout (its uid) or a Pattern (its canonical key)."""
+    if isinstance(layout, Pattern):
+        return layout.key
+    return f"{UID_PREFIX}{layout.uid}"
+
+
+@functools.lru_cache(maxsize=PATTERN_KEYS_CACHED)
+def _pattern(key: str) -> Pattern:
+    return Pattern.from_key(key)
+
+
+def _resolve(key: str, n_q: int, n_k: int) -> Layout:
+    if key.startswith(UID_PREFIX):
+        return Layout.lookup(int(key[len(UID_PREFIX) :]))
+    return _pattern(key).layout(n_q, n_k)
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("cuattn::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: str,
+    scale: float,
+    backend: str,
+    recompute: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); ``recompute`` and ``deterministic`` only shape the backward."""
+    lay = _resolve(layout, q.shape[2], k.shape[2])
+    named = {"q": q, "k": k, "v": v}
+    out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, deterministic):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("cuattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    layout: str,
+    scale: float,
+    backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the saved inputs, output and lse."""
+    lay = _resolve(layout, q.shape[2], k.shape[2])
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+    grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, layout, scale, backend, recompute, deterministic = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    if recompute:
+        ctx.save_for_backward(q, k, v)
+    else:
+        ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (layout, scale, backend, recompute, deterministic)
+
+
+def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    layout, scale, backend, recompute, deterministic = ctx.args
+    q, k, v, *saved = ctx.saved_tensors
+    if recompute:
+        saved = attention_fwd(q, k, v, layout, scale, backend, False, deterministic)
+    out, lse = saved
+    if 0 in dout.stride():
+        dout = dout.contiguous()  # an expanded gradient (of a sum): the kernels read real rows
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+    raise RuntimeError(
+        "cuattn attention cannot differentiate twice: its backward (cuattn::attention_bwd) has "
+        "no gradient of its own"
+    )
+
+
+def _setup_nothing(ctx: Any, inputs: tuple, output: tuple) -> None:
+    return None
+
+
+attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout | Pattern,
+    scale: float,
+    recompute: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
+    or without autograd, eager or compiled. lse (float32, float64 for float64) has no gradient.
+    """
+    out, lse = attention_fwd(
+        q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,180 @@
+"""torch.compile, torch.library.opcheck, autocast and CUDA graphs on cuattn's torch custom ops."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import cuattn
+from cuattn.adapters import torch_ops
+from tests.helpers.attn_cases import GRAD_RTOL_F64, rel
+
+HEADS, BLOCK, HEAD_DIM = 2, 16, 16
+FIXED = dict(local_attn_ctx=32, num_verts=2, vertsize=1)
+
+
+def _leaves(seed, shapes, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _grads(fn, leaves):
+    for x in leaves:
+        x.grad = None
+    loss = fn(*leaves)
+    loss.backward()
+    return loss.detach(), [x.grad.clone() for x in leaves]
+
+
+def _model(q, k, v):
+    """An attention step as a model writes it: [batch, time, embd] in, a loss out."""
+    out = cuattn.blocksparse_attention(
+        q, k, v, heads=HEADS, attn_mode="fixed", blocksize=BLOCK, **FIXED
+    )
+    return (out.tanh() * q).sum()
+
+
+def test_fullgraph_compile_has_no_graph_break_and_gives_the_eager_gradients():
+    leaves = _leaves(0, [(2, 96, HEADS * HEAD_DIM)] * 3)
+    explained = torch._dynamo.explain(_model)(*leaves)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(_model, backend="aot_eager", fullgraph=True)
+    loss_c, grads_c = _grads(compiled, leaves)
+    loss_e, grads_e = _grads(_model, leaves)
+    assert torch.equal(loss_c, loss_e)
+    for name, a, b in zip("qkv", grads_c, grads_e, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_inductor_compiled_layout_call_matches_eager_and_the_oracle():
+    layout = cuattn.make_layout("local", 64, HEADS, blocksize=BLOCK, local_attn_ctx=24, n_q=48)
+
+    def step(q, k, v):
+        out = cuattn.sparse_attention(q, k, v, layout, recompute=True)
+        return (out * out).sum()
+
+    leaves = _leaves(1, [(2, HEADS, 48, HEAD_DIM), (2, 1, 64, HEAD_DIM), (2, 1, 64, HEAD_DIM)])
+    _, grads_c = _grads(torch.compile(step, fullgraph=True), leaves)
+    _, grads_e = _grads(step, leaves)
+    for name, a, b in zip("qkv", grads_c, grads_e, strict=True):
+        assert rel(a, b) <= GRAD_RTOL_F64, name
+
+
+def test_a_dynamic_length_compiles_once_for_every_length():
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_model, backend=counter, fullgraph=True)
+    for n in (48, 80, 112, 160):
+        leaves = _leaves(n, [(1, n, HEADS * HEAD_DIM)] * 3)
+        for x in leaves:
+            torch._dynamo.mark_dynamic(x, 1)
+        _, grads_c = _grads(compiled, leaves)
+        _, grads_e = _grads(_model, leaves)
+        for a, b in zip(grads_c, grads_e, strict=True):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+def _op_args(q, k, v, layout, recompute=False):
+    return (q, k, v, torch_ops.layout_key(layout), 0.3, "", recompute, False)
+
+
+@pytest.mark.parametrize(
+    "case", ["square_f64", "gqa_fewer_queries_f32", "strided_q_recompute", "pattern"]
+)
+def test_opcheck_passes_on_both_ops(case):
+    dtype = torch.float32 if case.endswith("f32") else torch.float64
+    n_q, kv_heads = (32, 1) if "gqa" in case else (64, HEADS)
+    layout = cuattn.make_layout("fixed", 64, HEADS, blocksize=BLOCK, n_q=n_q, **FIXED)
+    if case == "pattern":
+        layout = cuattn.Pattern("fixed", HEADS, BLOCK, **FIXED)
+    q, k, v = _leaves(7, [(2, HEADS, n_q, HEAD_DIM), *[(2, kv_heads, 64, HEAD_DIM)] * 2], dtype)
+    if case.startswith("strided"):
+        q = torch.randn(2, n_q, HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2).requires_grad_()
+    args = _op_args(q, k, v, layout, recompute="recompute" in case)
+    torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
+    out, lse = torch.ops.cuattn.attention_fwd(*args)
+    dout = torch.randn_like(out)
+    saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
+    torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, saved + args[3:6] + (False,))
+
+
+def test_autocast_leaves_the_input_dtype():
+    """The ops are on no autocast list: inside an autocast region they compute in the dtype
+    q, k, v arrive in (a model's projections already produce the autocast dtype there)."""
+    layout = cuattn.make_layout("local", 64, HEADS, blocksize=BLOCK, local_attn_ctx=24)
+    q, k, v = _leaves(3, [(1, HEADS, 64, HEAD_DIM)] * 3, torch.float32)
+    plain = cuattn.sparse_attention(q, k, v, layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = cuattn.sparse_attention(q, k, v, layout)
+    assert inside.dtype == torch.float32 and torch.equal(inside, plain)
+
+
+def test_a_freed_layout_is_named_in_a_clear_error():
+    blocks = np.ones((HEADS, 2, 2), dtype=bool)
+    layout = cuattn.Layout.from_blocks(blocks, BLOCK)
+    key = torch_ops.layout_key(layout)
+    assert cuattn.Layout.lookup(layout.uid) is layout
+    del layout
+    gc.collect()
+    q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
+    with pytest.raises(ValueError, match="names no live Layout"):
+        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, False)
+
+
+def test_pattern_is_a_plain_value():
+    pattern = cuattn.Pattern("fixed", HEADS, BLOCK, **FIXED)
+    assert cuattn.Pattern.from_key(pattern.key) == pattern
+    assert pattern.layout(48, 64) is cuattn.make_layout("fixed", 64, HEADS, BLOCK, n_q=48, **FIXED)
+    assert "local_attn_ctx=32" in repr(pattern)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cuattn.Pattern("nope", HEADS)
+    with pytest.raises(TypeError, match="takes no n_ctx"):
+        cuattn.Pattern("all", HEADS, n_ctx=64)
+    with pytest.raises(TypeError, match="local_attn_ctx must be a bool, int"):
+        cuattn.Pattern("local", HEADS, local_attn_ctx=object())
+    with pytest.raises(ValueError, match="Pattern for heads=2"):
+        q = torch.randn(1, 3, 32, HEAD_DIM)
+        cuattn.sparse_attention(q, q, q, pattern)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_replays_forward_and_backward():
+    """Captured after one warm-up call (kernels compiled, layout on the device), a training
+    step replays in a CUDA graph: no host synchronisation, every allocation from torch's
+    caching allocator, and the replayed gradients equal the eager ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    layout = cuattn.make_layout("fixed", 256, HEADS, blocksize=64, **FIXED)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qkv = [
+        torch.randn(2, HEADS, 256, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    ]
+    leaves = [x.clone().requires_grad_() for x in qkv]
+
+    def step():
+        out = cuattn.sparse_attention(*leaves, layout)
+        out.float().square().sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compile, upload the layout
+    torch.cuda.current_stream().wait_stream(side)
+    for x in leaves:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = [x.clone().requires_grad_() for x in qkv]
+    want = cuattn.sparse_attention(*eager, layout)
+    want.float().square().sum().backward()
+    assert torch.equal(out, want)
+    for name, a, b in zip("qkv", leaves, eager, strict=True):
+        assert torch.equal(a.grad, b.grad), name

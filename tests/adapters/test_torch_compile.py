@@ -7,6 +7,7 @@ import gc
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import cuattn
 from cuattn.adapters import torch_ops
@@ -64,7 +65,7 @@ def test_inductor_compiled_layout_call_matches_eager_and_the_oracle():
 
 
 def test_a_dynamic_length_compiles_once_for_every_length():
-    counter = torch._dynamo.testing.CompileCounter()
+    counter = CompileCounter()
     compiled = torch.compile(_model, backend=counter, fullgraph=True)
     for n in (48, 80, 112, 160):
         leaves = _leaves(n, [(1, n, HEADS * HEAD_DIM)] * 3)

@@ -1,7 +1,9 @@
-"""The README's commands are the ones CI runs, and its example runs as written."""
+"""The README's commands are the ones CI runs, and every python example in it runs as written."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -13,6 +15,9 @@ def test_ci_runs_the_readme_test_command():
     assert f"\n{command}\n" in README
 
 
-def test_readme_use_example_runs():
-    block = README.split("## Use\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(block, "README.md", "exec"), {})
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_every_readme_python_example_runs(index):
+    exec(compile(PYTHON_BLOCKS[index], f"README.md python block {index}", "exec"), {})

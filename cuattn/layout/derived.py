@@ -5,6 +5,8 @@ and after agree on every element) and only changes how it is laid out for the ke
     end_aligned(layout, n_q)      the last n_q query positions of a square layout (Tq != Tk)
     packed(layouts, cu_q, cu_k)   one layout over several sequences packed end to end (varlen)
     coarsened(layout, blocksize)  the same elements on bigger blocks (block 8 on 16-block kernels)
+    restricted(layout, qpos, kpos) chosen query rows against chosen keys (a context-parallel
+                                  rank's queries against a visiting rank's keys)
 Where a derived block holds only part of what its source allowed, the derived layout carries a
 per-block bitmask (evaluated once, here); blocks every element of which is allowed stay
 mask-free, so the kernels test elements only on the boundary blocks.
@@ -194,3 +196,36 @@ def coarsened(layout: Layout, blocksize: int) -> Layout:
     return bitmask_layout(
         candidates, blocksize, layout.n_ctx, mask_fn, layout.name, n_q=layout.n_q, perm=layout.perm
     )
+
+
+def restricted(layout: Layout, q_positions: np.ndarray, k_positions: np.ndarray) -> Layout:
+    """Query rows ``q_positions`` of ``layout`` against its keys ``k_positions`` (natural token
+    order; any integer sequences): row i of the result sees key j when ``layout`` lets row
+    q_positions[i] see key k_positions[j]. Blocks no chosen element of which is allowed are
+    dropped, so an empty result (``nnz.sum() == 0``) means the pair has nothing to compute."""
+    qpos = np.asarray(q_positions, dtype=np.int64).reshape(-1)
+    kpos = np.asarray(k_positions, dtype=np.int64).reshape(-1)
+    checks = (("q_positions", qpos, layout.n_q), ("k_positions", kpos, layout.n_ctx))
+    for name, pos, upper in checks:
+        if pos.size == 0 or pos.min() < 0 or pos.max() >= upper:
+            raise ValueError(f"{name} must be a non-empty set of indices in [0, {upper})")
+    b = layout.blocksize
+    if layout.perm is None:
+        # A local block may straddle two of the layout's blocks: it is a candidate when any
+        # block it touches is active.
+        def cover(pos: np.ndarray, count: int) -> np.ndarray:
+            touches = np.zeros((ceil_div(len(pos), b), count), dtype=np.int32)
+            touches[np.arange(len(pos)) // b, pos // b] = 1
+            return touches
+
+        active = layout.blocks.astype(np.int32)
+        reach = cover(qpos, layout.num_q_blocks) @ active @ cover(kpos, layout.num_blocks).T
+        candidates = reach > 0
+    else:
+        shape = (layout.heads, ceil_div(len(qpos), b), ceil_div(len(kpos), b))
+        candidates = np.ones(shape, dtype=bool)
+
+    def mask_fn(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        return layout.allowed(h, qpos[q], kpos[k])
+
+    return bitmask_layout(candidates, b, len(kpos), mask_fn, layout.name, n_q=len(qpos))

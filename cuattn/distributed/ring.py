@@ -1,0 +1,274 @@
+"""Ring attention over torch.distributed: each rank holds a shard of the sequence's queries,
+keys and values; keys and values travel around the ring, and each rank attends its queries to
+every visiting shard with the block-sparse kernels, merging the partial results by LSE.
+
+Step s of W: rank r holds the keys/values of rank (r - s) mod W and computes attention of its
+queries against them on the *restricted* layout (``layout.derived.restricted``: exactly the
+elements the whole layout allows between those tokens). A pair with no active block is skipped
+(no launch); its transfer still flows, since later ranks need the keys. While a step computes,
+the next shard is already in flight (batched isend/irecv). Backward runs the same ring: dQ
+stays home, and each visiting shard's dK/dV accumulator (float32; float64 for float64) travels
+with it and arrives back at its owner after W steps. Per pair the backward kernels use the
+merged out and lse, so every partial gradient is exact.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cuattn import api
+from cuattn.adapters import torch_ops
+from cuattn.distributed.sharding import chunk_length, positions
+from cuattn.layout.derived import restricted
+from cuattn.layout.layout import Layout
+
+__all__ = ["RingPlan", "RingStats", "ring_attention", "ring_plan"]
+
+GRAD_TAG = 1  # the dK/dV accumulators' messages; keys and values use tag 0
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What rank ``rank`` computes at each ring step: ``steps[s]`` is the layout of its queries
+    against the keys of rank (rank - s) mod world_size, None where that pair has nothing."""
+
+    rank: int
+    world_size: int
+    balance: str
+    steps: tuple[Layout | None, ...]
+
+    @property
+    def skipped(self) -> int:
+        return sum(sub is None for sub in self.steps)
+
+    @property
+    def active_blocks(self) -> int:
+        return sum(int(sub.nnz.sum()) for sub in self.steps if sub is not None)
+
+
+@dataclass
+class RingStats:
+    """Counters one ring_attention call adds to (pass the same object to several calls)."""
+
+    bytes_sent: int = 0
+    steps_computed: int = 0
+    steps_skipped: int = 0
+    compute_seconds: float = 0.0
+    per_step_seconds: list[float] = field(default_factory=list)
+
+
+_PLANS: weakref.WeakKeyDictionary[Layout, dict[tuple[int, int, str], RingPlan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def ring_plan(layout: Layout, rank: int, world_size: int, balance: str = "zigzag") -> RingPlan:
+    """The per-step restricted layouts of ``rank`` (built once per layout, rank and balance)."""
+    key = (rank, world_size, balance)
+    per_layout = _PLANS.setdefault(layout, {})
+    if key not in per_layout:
+        n = layout.n_ctx
+        mine = positions(n, rank, world_size, balance)
+        steps = []
+        for step in range(world_size):
+            theirs = positions(n, (rank - step) % world_size, world_size, balance)
+            sub = restricted(layout, mine, theirs)
+            steps.append(sub if int(sub.nnz.sum()) else None)
+        per_layout[key] = RingPlan(rank, world_size, balance, tuple(steps))
+    return per_layout[key]
+
+
+class _Ring:
+    """This rank's neighbours in ``group`` and one batched send-to-next / receive-from-prev."""
+
+    def __init__(self, group: Any, stats: RingStats) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+        self.stats = stats
+
+    def start(self, tensor: torch.Tensor, tag: int = 0) -> _Transfer:
+        """Send ``tensor`` to the next rank and receive the previous rank's into a new one;
+        keys/values and gradient accumulators travel under different tags."""
+        incoming = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, incoming, self.prev, self.group, tag),
+        ]
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        return _Transfer(dist.batch_isend_irecv(ops), incoming)
+
+
+@dataclass
+class _Transfer:
+    works: list[Any]
+    incoming: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.incoming
+
+
+def _timed(stats: RingStats, fn: Any, *args: Any) -> Any:
+    if args[0].is_cuda:
+        torch.cuda.synchronize(args[0].device)
+    start = time.perf_counter()
+    result = fn(*args)
+    if args[0].is_cuda:
+        torch.cuda.synchronize(args[0].device)
+    seconds = time.perf_counter() - start
+    stats.compute_seconds += seconds
+    stats.per_step_seconds.append(seconds)
+    return result
+
+
+def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
+    kv = torch.stack([k, v])  # one message per step: keys and values together
+    out = lse = None
+    for step, sub in enumerate(plan.steps):
+        transfer = ring.start(kv) if step + 1 < plan.world_size else None
+        if sub is None:
+            stats.steps_skipped += 1
+        else:
+            stats.steps_computed += 1
+            key = torch_ops.layout_key(sub)
+            fwd = torch_ops.attention_fwd
+            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, False)
+            if out is None:
+                out, lse = o, l_
+            else:
+                out, lse = api.merge_attention_states(out, lse, o, l_, backend=backend or None)
+        if transfer is not None:
+            kv = transfer.wait()
+    if out is None:  # no key anywhere: rows with nothing to attend to give 0 and lse -inf
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulator(q), device=q.device)
+    return out, lse
+
+
+def _accumulator(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _ring_backward(q, k, v, out, lse, dout, plan, ring, scale, backend, deterministic, stats):
+    dq = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=_accumulator(q), device=q.device)
+    dout = dout.contiguous()
+    for step, sub in enumerate(plan.steps):
+        transfer = ring.start(kv) if step + 1 < plan.world_size else None
+        if sub is not None:
+            key = torch_ops.layout_key(sub)
+            bwd = torch_ops.attention_bwd
+            args = (q, kv[0], kv[1], out, lse, dout, key, scale, backend, deterministic)
+            dq_s, dk_s, dv_s = _timed(stats, bwd, *args)
+            dq += dq_s
+            dkv[0] += dk_s
+            dkv[1] += dv_s
+        if plan.world_size > 1:  # the accumulator follows its keys; after W steps it is home
+            dkv = ring.start(dkv, GRAD_TAG).wait()
+        if transfer is not None:
+            kv = transfer.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, ring, scale, backend, deterministic, stats):
+        out, lse = _ring_forward(q, k, v, plan, ring, scale, backend, stats)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (plan, ring, scale, backend, deterministic, stats)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, ring, scale, backend, deterministic, stats = ctx.args
+        grads = _ring_backward(
+            q, k, v, out, lse, dout, plan, ring, scale, backend, deterministic, stats
+        )
+        return (*grads, None, None, None, None, None, None)
+
+
+def _check_group(group: Any) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group: no torch.distributed process group is initialised; launch the ranks with "
+            "torchrun (or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and call "
+            "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPUs) first"
+        )
+    return dist.group.WORLD if group is None else group
+
+
+def _check_same_shards(q: torch.Tensor, k: torch.Tensor, ring: _Ring) -> None:
+    """One small all-gather of every rank's shard shapes before any transfer."""
+    mine = torch.tensor([*q.shape, k.shape[1], k.shape[2]], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(ring.world_size)]
+    dist.all_gather(every, mine, group=ring.group)
+    shapes = [tuple(int(d) for d in s.tolist()) for s in every]
+    if len(set(shapes)) != 1:
+        described = ", ".join(
+            f"rank {r}: q {list(s[:4])}, k heads {s[4]} time {s[5]}" for r, s in enumerate(shapes)
+        )
+        raise ValueError(f"q, k, v: every rank's shards must have the same shapes, got {described}")
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout,
+    group: Any = None,
+    balance: str = "zigzag",
+    scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    backend: str | None = None,
+    deterministic: bool = False,
+    stats: RingStats | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention of a sequence sharded over the ranks of ``group``.
+
+    q [B, H, T/W, d], k and v [B, H_kv, T/W, d] are this rank's shards (``shard(x, rank, W,
+    balance)``) of a sequence of T tokens; ``layout`` is the whole sequence's square layout
+    (n_ctx = T). Returns this rank's shard of the output (and of lse [B, H, T/W] with
+    ``return_lse``), equal to ``shard(sparse_attention(whole q, k, v, layout))``; gradients
+    flow to q, k, v through torch.autograd. Every rank calls it with the same layout and
+    balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped, compute time.
+    """
+    group = _check_group(group)
+    api._check_qkv(q, k, v, 4, "[batch, heads, time / world_size, head_dim]")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a cuattn.Layout, got {type(layout).__name__}")
+    stats = RingStats() if stats is None else stats
+    ring = _Ring(group, stats)
+    world_size, n_local = ring.world_size, int(q.shape[2])
+    if k.shape[2] != n_local:
+        raise ValueError(f"k must hold as many tokens as q ({n_local}) per rank, got {k.shape[2]}")
+    if layout.n_q != layout.n_ctx or layout.heads != q.shape[1]:
+        raise ValueError(
+            f"layout must be square with heads={q.shape[1]}, got heads={layout.heads}, "
+            f"n_q={layout.n_q}, n_ctx={layout.n_ctx}"
+        )
+    if layout.n_ctx != n_local * world_size:
+        raise ValueError(
+            f"layout is for {layout.n_ctx} tokens but {world_size} ranks of {n_local} hold "
+            f"{n_local * world_size}; build it with make_layout(..., n_ctx={n_local * world_size})"
+        )
+    chunk_length(layout.n_ctx, world_size, balance)
+    _check_same_shards(q, k, ring)
+    plan = ring_plan(layout, ring.rank, world_size, balance)
+    scale = api._resolve_scale(scale, int(q.shape[3]))
+    args = (plan, ring, scale, backend or "", bool(deterministic), stats)
+    out, lse = _RingAttention.apply(q, k, v, *args)
+    return (out, lse) if return_lse else out

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +164,14 @@ def test_ring_attention_errors_before_any_transfer(tmp_path):
             ring_attention(q33, q33, q33, cuattn.make_layout("all", 33, HEADS, BLOCK))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_torchrun_example_runs_on_two_processes():
+    """examples/ring_attention.py, as the README runs it (torchrun, gloo, loopback only)."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(root / "examples" / "ring_attention.py")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error = float(re.search(r"max \|ring - single\| = (\S+);", done.stdout).group(1))
+    assert error < 1e-5

@@ -43,10 +43,14 @@ def _pattern(key: str) -> Pattern:
     return Pattern.from_key(key)
 
 
+def _live_layout(key: str) -> Layout | None:
+    """The Layout a uid key names (None for a Pattern key, which rebuilds from its text)."""
+    return Layout.lookup(int(key[len(UID_PREFIX) :])) if key.startswith(UID_PREFIX) else None
+
+
 def _resolve(key: str, n_q: int, n_k: int) -> Layout:
-    if key.startswith(UID_PREFIX):
-        return Layout.lookup(int(key[len(UID_PREFIX) :]))
-    return _pattern(key).layout(n_q, n_k)
+    layout = _live_layout(key)
+    return _pattern(key).layout(n_q, n_k) if layout is None else layout
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -105,6 +109,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, layout, scale, backend, recompute, deterministic = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
+    # The op names its Layout by uid only; the autograd graph holds the Layout itself until
+    # backward, so a layout built inline for one call (and dropped by the caller) still exists.
+    ctx.layout = _live_layout(layout)
     if recompute:
         ctx.save_for_backward(q, k, v)
     else:

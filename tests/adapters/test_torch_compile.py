@@ -179,3 +179,14 @@ def test_a_cuda_graph_replays_forward_and_backward():
     assert torch.equal(out, want)
     for name, a, b in zip("qkv", leaves, eager, strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_layout_built_inline_lives_until_backward():
+    """The op names its Layout by uid; the autograd graph keeps the Layout alive, so a layout
+    the caller builds for one call and drops still exists when backward runs."""
+    q, k, v = _leaves(9, [(1, HEADS, 2 * BLOCK, HEAD_DIM)] * 3)
+    blocks = np.ones((HEADS, 2, 2), dtype=bool)
+    out = cuattn.sparse_attention(q, k, v, cuattn.Layout.from_blocks(blocks, BLOCK))
+    gc.collect()
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

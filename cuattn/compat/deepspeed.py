@@ -1,0 +1,635 @@
+"""DeepSpeed's sparse-attention API (``deepspeed.ops.sparse_attention``) on cuattn's kernels.
+
+DeepSpeed's block-sparse attention is built on Triton 1.0 and no longer runs on current stacks.
+This module keeps its Python API, so a model moves over by changing one import line::
+
+    from deepspeed.ops.sparse_attention import FixedSparsityConfig, SparseSelfAttention  # was
+    from cuattn.compat.deepspeed import FixedSparsityConfig, SparseSelfAttention         # now
+
+The sparsity configs take DeepSpeed's constructor arguments and defaults, raise its errors under
+its conditions, and ``make_layout(seq_len)`` returns its layouts: int64 torch tensors
+[num_heads, seq_len / block, seq_len / block] of 0/1, identical block for block, random blocks
+included (drawn with Python's ``random.sample`` in DeepSpeed's order, so the same
+``random.seed`` gives the same layout). The rules, for query block row r and key block column c
+(nb blocks per row; "causal" means ``attention='unidirectional'``):
+
+- Dense: every block.
+- Fixed: windows of ``num_local_blocks`` blocks, r and c in the same window (causal: c <= r);
+  in each window, ``num_global_blocks`` global columns starting at
+  ``num_local_blocks - (1 + h % num_different_global_patterns) * num_global_blocks`` (a short
+  last window: at ``min(window start + that offset, nb - num_global_blocks)``), seen by every
+  row (causal: by rows from the group's first block on), and with
+  ``horizontal_global_attention`` also global rows that see every column.
+- Variable: ``num_random_blocks`` random columns per row; windows of ``local_window_blocks``
+  sizes in turn, then the last size repeated (causal: c <= r); global columns (causal: from the
+  global block's own row on) at ``global_block_indices`` or the ranges [start, end) with
+  ``global_block_end_indices``, plus global rows with ``horizontal_global_attention``.
+- BigBird: ``num_random_blocks`` random columns per row (causal: drawn from c <= r), the window
+  ``|c - r| <= num_sliding_window_blocks // 2``, the first ``num_global_blocks`` rows and
+  columns; causal then keeps c <= r only.
+- BSLongformer: Longformer's window as BigBird's, global rows and columns at
+  ``global_block_indices`` (or [start, end) ranges); causal then keeps c <= r only.
+- LocalSlidingWindow: ``r - w <= c <= r + w``, w = ``num_sliding_window_blocks // 2``; any
+  ``attention`` other than 'bidirectional' keeps ``r - w <= c <= r``.
+
+With ``different_layout_per_head=False`` every head gets head 0's layout (random blocks are
+drawn once); with True each head draws its own.
+
+``SparseSelfAttention`` has DeepSpeed's constructor and ``forward(query, key, value, rpe=None,
+key_padding_mask=None, attn_mask=None)`` on [batch, heads, seq_len, head_dim] tensors (key may
+come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed), scale
+``head_dim ** -0.5``, the layout for a length being the top-left corner of
+``make_layout(max_seq_length)`` (the ``master_layout`` buffer, so DeepSpeed checkpoints load).
+It computes with ``cuattn.sparse_attention`` and has autograd. What differs from DeepSpeed:
+
+- ``rpe`` (an additive relative-position bias) is refused with a ValueError: cuattn's kernels
+  take no score bias.
+- Masks must be keep/drop masks: ``key_padding_mask`` [batch, seq_len] and ``attn_mask``
+  [seq_len, seq_len] (singleton dimensions between are squeezed, as DeepSpeed does) hold only
+  0 (drop) and 1 (keep) in mode 'mul', and only 0 (keep) and -inf (drop) in mode 'add'; a bool
+  mask counts as 0/1, as DeepSpeed casts it. Anything else (a finite bias such as -10000) is a
+  ValueError naming the argument. Modes other than 'add' and 'mul' are refused (DeepSpeed runs
+  them as 'add'). A query row whose keys are all dropped gives 0, never NaN.
+- dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
+  float64; CUDA: float16, bfloat16, float32) where DeepSpeed asserts float16.
+- Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
+  shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import distributed as dist
+from torch import nn
+
+from cuattn import api
+from cuattn.layout.layout import Layout
+
+__all__ = [
+    "BSLongformerSparsityConfig",
+    "BigBirdSparsityConfig",
+    "DenseSparsityConfig",
+    "FixedSparsityConfig",
+    "LocalSlidingWindowSparsityConfig",
+    "SparseSelfAttention",
+    "SparsityConfig",
+    "VariableSparsityConfig",
+]
+
+UNIDIRECTIONAL, BIDIRECTIONAL = "unidirectional", "bidirectional"
+MASK_MODES = ("add", "mul")
+
+
+# -- block rules: bool [nb, nb] arrays, row = query block, column = key block -----------------
+
+
+def _grid(nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row and column indices [nb, 1] and [1, nb]."""
+    r = np.arange(nb)
+    return r[:, None], r[None, :]
+
+
+def _same_window(window_of: np.ndarray, causal: bool) -> np.ndarray:
+    """Blocks whose row and column lie in the same window (``window_of[i]``: block i's window);
+    causal keeps c <= r."""
+    rows, cols = _grid(len(window_of))
+    out = window_of[:, None] == window_of[None, :]
+    return out & (cols <= rows) if causal else out
+
+
+def _sliding(nb: int, w: int, causal: bool) -> np.ndarray:
+    """``r - w <= c <= r + w`` (causal: ``r - w <= c <= r``)."""
+    rows, cols = _grid(nb)
+    return (cols >= rows - w) & (cols <= (rows if causal else rows + w))
+
+
+def _random_rows(nb: int, count: int, causal: bool) -> np.ndarray:
+    """One ``random.sample(range(n), count)`` per row, top to bottom: n = nb, or r + 1 when
+    causal. This is DeepSpeed's sequence of draws, so a seeded ``random`` repeats its blocks."""
+    out = np.zeros((nb, nb), dtype=bool)
+    for r in range(nb):
+        out[r, random.sample(range(r + 1 if causal else nb), count)] = True
+    return out
+
+
+def _check_random_count(count: int, nb: int, causal: bool) -> None:
+    """The conditions under which DeepSpeed's draws fail, checked before drawing."""
+    _check_fits("num_random_blocks", count, nb)
+    if count < 0:
+        raise ValueError(f"num_random_blocks must be >= 0, got {count}")
+    if causal and nb > 0 and count > 1:
+        raise ValueError(
+            f"num_random_blocks={count} with attention='unidirectional': each row draws from the "
+            "blocks up to itself, so the first row has only 1 to give"
+        )
+
+
+def _check_fits(name: str, count: int, nb: int) -> None:
+    if nb < count:
+        raise ValueError(f"{name}={count} is more than the {nb} blocks of a layout row")
+
+
+def _globals(
+    starts: Sequence[int], ends: Sequence[int] | None, nb: int
+) -> list[tuple[int | slice, int]]:
+    """(columns, first block) of each global group that begins inside the sequence (< nb): the
+    index i, or with ``ends`` the slice [start, min(end, nb)). Indexing keeps Python's rules, as
+    DeepSpeed's (a negative index counts from the end)."""
+    if ends is None:
+        return [(i, i) for i in starts if i < nb]
+    return [(slice(s, min(e, nb)), s) for s, e in zip(starts, ends, strict=False) if s < nb]
+
+
+def _check_global_ends(starts: Sequence[int], ends: Sequence[int] | None) -> None:
+    if ends is None:
+        return
+    if len(starts) != len(ends):
+        raise ValueError(
+            f"global_block_end_indices has {len(ends)} entries and global_block_indices "
+            f"{len(starts)}: each end pairs with a start"
+        )
+    for s, e in zip(starts, ends, strict=True):
+        if s >= e:
+            raise ValueError(
+                f"global_block_end_indices: the range [{s}, {e}) is empty; each end must exceed "
+                "its start"
+            )
+
+
+def _check_attention(attention: str, horizontal_global_attention: bool | None = None) -> None:
+    if attention not in (UNIDIRECTIONAL, BIDIRECTIONAL):
+        raise NotImplementedError(
+            f"attention must be {UNIDIRECTIONAL!r} or {BIDIRECTIONAL!r}, got {attention!r}"
+        )
+    if horizontal_global_attention and attention != BIDIRECTIONAL:
+        raise ValueError(
+            f"horizontal_global_attention=True needs attention={BIDIRECTIONAL!r}, got {attention!r}"
+        )
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+
+class SparsityConfig:
+    """A block-sparse pattern: ``num_heads`` heads, ``block`` x ``block`` blocks; one layout for
+    all heads unless ``different_layout_per_head``. Subclasses give the rule."""
+
+    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False):
+        self.num_heads = num_heads
+        self.block = block
+        self.different_layout_per_head = different_layout_per_head
+        self.num_layout_heads = num_heads if different_layout_per_head else 1
+
+    def setup_layout(self, seq_len: int) -> torch.Tensor:
+        """Zeros, int64 [num_heads, seq_len / block, seq_len / block]; ValueError unless block
+        divides seq_len."""
+        if not self.block > 0:
+            raise ValueError(f"block must be a positive int, got {self.block!r}")
+        if seq_len % self.block != 0:
+            raise ValueError(f"seq_len={seq_len} must be a multiple of block={self.block}")
+        nb = seq_len // self.block
+        return torch.zeros((self.num_heads, nb, nb), dtype=torch.int64)
+
+    def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
+        """Unless ``different_layout_per_head``, copies head 0 into every head (in place)."""
+        if not self.different_layout_per_head:
+            layout[1 : self.num_heads] = layout[0]
+        return layout
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        """The layout, int64 0/1 [num_heads, seq_len / block, seq_len / block]: each layout head
+        from the rule, then head 0 copied to all heads unless ``different_layout_per_head``."""
+        layout = self.setup_layout(seq_len)
+        nb = layout.shape[1]
+        for h in range(self.num_layout_heads):
+            layout[h] = torch.from_numpy(self._head_blocks(h, nb).astype(np.int64))
+        return self.check_and_propagate_first_head_layout(layout)
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        raise NotImplementedError(
+            "SparsityConfig is the base class and has no layout rule: use DenseSparsityConfig, "
+            "FixedSparsityConfig, VariableSparsityConfig, BigBirdSparsityConfig, "
+            "BSLongformerSparsityConfig or LocalSlidingWindowSparsityConfig"
+        )
+
+
+class DenseSparsityConfig(SparsityConfig):
+    """Every block (dense attention in block form)."""
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        return np.ones((nb, nb), dtype=bool)
+
+
+class FixedSparsityConfig(SparsityConfig):
+    """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_local_blocks: int = 4,
+        num_global_blocks: int = 1,
+        attention: str = BIDIRECTIONAL,
+        horizontal_global_attention: bool = False,
+        num_different_global_patterns: int = 1,
+    ):
+        super().__init__(num_heads, block, different_layout_per_head)
+        self.num_local_blocks = num_local_blocks
+        if num_global_blocks == 0:
+            raise ValueError("num_global_blocks must not be 0 (it divides num_local_blocks)")
+        if num_local_blocks % num_global_blocks != 0:
+            raise ValueError(
+                f"num_local_blocks={num_local_blocks} must be a multiple of "
+                f"num_global_blocks={num_global_blocks}"
+            )
+        self.num_global_blocks = num_global_blocks
+        _check_attention(attention, horizontal_global_attention)
+        self.attention = attention
+        self.horizontal_global_attention = horizontal_global_attention
+        if num_different_global_patterns > 1 and not different_layout_per_head:
+            raise ValueError(
+                f"num_different_global_patterns={num_different_global_patterns} needs "
+                "different_layout_per_head=True (one layout for all heads has one pattern)"
+            )
+        groups = num_local_blocks // num_global_blocks
+        if num_different_global_patterns > groups:
+            raise ValueError(
+                f"num_different_global_patterns={num_different_global_patterns} is more than the "
+                f"{groups} global positions a window has (num_local_blocks // num_global_blocks)"
+            )
+        self.num_different_global_patterns = num_different_global_patterns
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        local, glob = self.num_local_blocks, self.num_global_blocks
+        causal = self.attention == UNIDIRECTIONAL
+        out = _same_window(np.arange(nb) // local, causal)
+        offset = local - (1 + h % self.num_different_global_patterns) * glob
+        whole = nb - nb % local  # blocks in complete windows
+        starts = list(range(offset, whole, local))
+        if whole < nb:  # a short last window
+            starts.append(min(whole + offset, nb - glob))
+        for s in starts:  # slices, as DeepSpeed's (a negative s counts from the end)
+            out[s if causal else 0 :, s : s + glob] = True
+            if self.horizontal_global_attention:
+                out[s : s + glob, :] = True
+        return out
+
+
+class VariableSparsityConfig(SparsityConfig):
+    """Random blocks, variable local windows and chosen global blocks (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 0,
+        local_window_blocks: Sequence[int] = (4,),
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: str = BIDIRECTIONAL,
+        horizontal_global_attention: bool = False,
+    ):
+        super().__init__(num_heads, block, different_layout_per_head)
+        self.num_random_blocks = num_random_blocks
+        self.local_window_blocks = list(local_window_blocks)
+        self.global_block_indices = list(global_block_indices)
+        _check_global_ends(self.global_block_indices, global_block_end_indices)
+        self.global_block_end_indices = (
+            None if global_block_end_indices is None else list(global_block_end_indices)
+        )
+        _check_attention(attention, horizontal_global_attention)
+        self.attention = attention
+        self.horizontal_global_attention = horizontal_global_attention
+
+    def _windows(self, nb: int) -> np.ndarray:
+        """Window index of each block: the listed sizes in turn, then the last size repeated."""
+        sizes = self.local_window_blocks
+        if not sizes or sizes[-1] <= 0 or min(sizes) < 0:
+            raise ValueError(
+                "local_window_blocks must list window sizes >= 0 and end with one > 0, got "
+                f"{sizes!r}"
+            )
+        ends = np.cumsum(sizes)
+        i = np.arange(nb)
+        beyond = len(sizes) + (i - ends[-1]) // sizes[-1]
+        return np.where(i < ends[-1], np.searchsorted(ends, i, side="right"), beyond)
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        causal = self.attention == UNIDIRECTIONAL
+        _check_random_count(self.num_random_blocks, nb, False)
+        out = _random_rows(nb, self.num_random_blocks, False)
+        out |= _same_window(self._windows(nb), causal)
+        for cols, first in _globals(self.global_block_indices, self.global_block_end_indices, nb):
+            if self.horizontal_global_attention:
+                out[cols, :] = True
+            out[first if causal else 0 :, cols] = True
+        return out
+
+
+class BigBirdSparsityConfig(SparsityConfig):
+    """BigBird: random, sliding-window and leading global blocks (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 1,
+        num_sliding_window_blocks: int = 3,
+        num_global_blocks: int = 1,
+        attention: str = BIDIRECTIONAL,
+    ):
+        super().__init__(num_heads, block, different_layout_per_head)
+        self.num_random_blocks = num_random_blocks
+        self.num_sliding_window_blocks = num_sliding_window_blocks
+        self.num_global_blocks = num_global_blocks
+        _check_attention(attention)
+        self.attention = attention
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        causal = self.attention == UNIDIRECTIONAL
+        _check_random_count(self.num_random_blocks, nb, causal)
+        out = _random_rows(nb, self.num_random_blocks, causal)
+        _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
+        out |= _sliding(nb, self.num_sliding_window_blocks // 2, False)
+        _check_fits("num_global_blocks", self.num_global_blocks, nb)
+        g = self.num_global_blocks
+        out[:g, :] = True
+        out[:, :g] = True
+        return np.tril(out) if causal else out
+
+
+class BSLongformerSparsityConfig(SparsityConfig):
+    """Block-sparse Longformer: sliding window and global blocks (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_sliding_window_blocks: int = 3,
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: str = BIDIRECTIONAL,
+    ):
+        super().__init__(num_heads, block, different_layout_per_head)
+        self.num_sliding_window_blocks = num_sliding_window_blocks
+        self.global_block_indices = list(global_block_indices)
+        self.attention = attention  # not validated, as in DeepSpeed: only 'unidirectional' is
+        _check_global_ends(self.global_block_indices, global_block_end_indices)
+        self.global_block_end_indices = (
+            None if global_block_end_indices is None else list(global_block_end_indices)
+        )
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
+        out = _sliding(nb, self.num_sliding_window_blocks // 2, False)
+        for cols, _ in _globals(self.global_block_indices, self.global_block_end_indices, nb):
+            out[cols, :] = True
+            out[:, cols] = True
+        return np.tril(out) if self.attention == UNIDIRECTIONAL else out
+
+
+class LocalSlidingWindowSparsityConfig(SparsityConfig):
+    """A sliding window only; causal unless ``attention='bidirectional'`` (see the module doc)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        num_sliding_window_blocks: int = 3,
+        attention: str = UNIDIRECTIONAL,
+    ):
+        super().__init__(num_heads, block)
+        self.num_sliding_window_blocks = num_sliding_window_blocks
+        self.attention = attention  # not validated, as in DeepSpeed
+
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
+        causal = self.attention != BIDIRECTIONAL
+        return _sliding(nb, self.num_sliding_window_blocks // 2, causal)
+
+
+# -- the module --------------------------------------------------------------------------------
+
+
+class SelfAttentionOnlyError(ValueError, NotImplementedError):
+    """query, key and value differ in shape; DeepSpeed raises NotImplementedError here."""
+
+
+MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _check_tensor(name: str, x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name} must be [batch, heads, seq_len, head_dim], got shape {tuple(x.shape)}"
+        )
+
+
+def _keep(
+    name: str, mask: Any, mode: str, head: tuple[int, ...], tail: tuple[int, ...], layout: str
+) -> np.ndarray:
+    """bool [*head, *tail]: where a keep/drop mask keeps, checked against ``mode``. The mask is
+    shaped ``head``, then any singleton dimensions (squeezed, as DeepSpeed does), then ``tail``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(mask).__name__}")
+    dims, shape = tuple(mask.shape), head + tail
+    middle = dims[len(head) : len(dims) - len(tail)]
+    if (
+        len(dims) < len(shape)
+        or dims[: len(head)] != head
+        or dims[len(dims) - len(tail) :] != tail
+        or any(d != 1 for d in middle)
+    ):
+        raise ValueError(f"{name} must be {layout} = {list(shape)}, got shape {list(dims)}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be real or bool, got {mask.dtype}")
+    values = mask.detach().reshape(shape).cpu()
+    if values.dtype == torch.bool:
+        values = values.to(torch.int8)  # DeepSpeed casts a bool mask to 0/1 numbers
+    if mode == "mul":
+        keep, drop, accepted = values == 1, values == 0, "0 (drop) and 1 (keep)"
+    else:
+        keep, drop, accepted = values == 0, values == float("-inf"), "0 (keep) and -inf (drop)"
+    bad = ~(keep | drop)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} holds {values[bad][0].item()!r}; with {name}_mode={mode!r} cuattn takes "
+            f"only {accepted}: its kernels add no score bias, so a mask must keep or drop "
+            "each key"
+        )
+    return keep.numpy()
+
+
+class SparseSelfAttention(nn.Module):
+    """DeepSpeed's SparseSelfAttention on ``cuattn.sparse_attention`` (see the module doc).
+
+    The layout is ``sparsity_config.make_layout(max_seq_length)`` (buffer ``master_layout``);
+    a length L uses its top-left ``L / block`` blocks. Mask modes are 'add' or 'mul'.
+    """
+
+    def __init__(
+        self,
+        sparsity_config: SparsityConfig = SparsityConfig(num_heads=4),  # noqa: B008 (DeepSpeed's)
+        key_padding_mask_mode: str = "add",
+        attn_mask_mode: str = "mul",
+        max_seq_length: int = 2048,
+    ):
+        super().__init__()
+        for name, mode in (
+            ("key_padding_mask_mode", key_padding_mask_mode),
+            ("attn_mask_mode", attn_mask_mode),
+        ):
+            if mode not in MASK_MODES:
+                raise ValueError(f"{name} must be one of {MASK_MODES}, got {mode!r}")
+        self.sparsity_config = sparsity_config
+        self.register_buffer("master_layout", sparsity_config.make_layout(max_seq_length))
+        self._need_layout_synchronization = True
+        self.key_padding_mask_mode = key_padding_mask_mode
+        self.attn_mask_mode = attn_mask_mode
+        self._layouts: dict[int, tuple[np.ndarray, Layout]] = {}
+        self._layouts_of: tuple[int, int] | None = None
+
+    def get_layout(self, L: int) -> torch.Tensor:
+        """The int64 CPU layout for length L: ``master_layout[..., :L/block, :L/block]``. Under
+        torch.distributed, rank 0's master layout is broadcast first (once), as in DeepSpeed."""
+        if self._need_layout_synchronization and dist.is_available() and dist.is_initialized():
+            dist.broadcast(self.master_layout, src=0)
+            self._need_layout_synchronization = False
+        block = self.sparsity_config.block
+        if L % block != 0:
+            raise ValueError(f"seq_len={L} must be a multiple of block={block}")
+        nb = L // block
+        return self.master_layout[..., :nb, :nb].cpu()
+
+    def transpose_key_for_scores(self, x: torch.Tensor, L: int) -> torch.Tensor:
+        """key as [batch, heads, seq_len, head_dim]: one whose dim 2 is not L is taken as
+        transposed ([batch, heads, head_dim, seq_len]) and transposed back."""
+        return x.permute(0, 1, 3, 2) if x.shape[2] != L else x
+
+    def _blocks(self, seq_len: int, heads: int) -> tuple[np.ndarray, Layout]:
+        """bool block layout and its unmasked cuattn Layout for seq_len (cached per length;
+        rebuilt when ``master_layout`` changes, e.g. by load_state_dict)."""
+        buffer = self.master_layout
+        stamp = (id(buffer), buffer._version)
+        if stamp != self._layouts_of:
+            self._layouts, self._layouts_of = {}, stamp
+        block = self.sparsity_config.block
+        max_len = buffer.shape[-1] * block
+        if seq_len > max_len:
+            raise ValueError(
+                f"query has seq_len={seq_len}, more than max_seq_length={max_len} (the length "
+                "the layout was made for); build SparseSelfAttention with a larger one"
+            )
+        if buffer.shape[0] != heads:
+            raise ValueError(
+                f"query has {heads} heads, the sparsity config has num_heads={buffer.shape[0]}"
+            )
+        if seq_len not in self._layouts:
+            blocks = self.get_layout(seq_len).numpy().astype(bool)
+            self._layouts[seq_len] = (blocks, Layout.from_blocks(blocks, block))
+            self._layouts_of = (id(self.master_layout), self.master_layout._version)
+        return self._layouts[seq_len]
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rpe: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Block-sparse attention of query, key, value [batch, heads, seq_len, head_dim] (key
+        may be [batch, heads, head_dim, seq_len]) -> [batch, heads, seq_len, head_dim]."""
+        if rpe is not None:
+            raise ValueError(
+                "rpe (a relative position embedding added to the scores) is not supported: "
+                "cuattn's kernels take no additive score bias; pass rpe=None"
+            )
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            _check_tensor(name, x)
+        batch, heads, seq_len, head_dim = query.shape
+        given_key = tuple(key.shape)
+        key = self.transpose_key_for_scores(key, seq_len)
+        if query.shape != key.shape or key.shape != value.shape:
+            raise SelfAttentionOnlyError(
+                f"query, key and value must have one shape [batch, heads, seq_len, head_dim] "
+                f"(key may be [batch, heads, head_dim, seq_len]): only self-attention is "
+                f"supported, got query {tuple(query.shape)}, key {given_key}, value "
+                f"{tuple(value.shape)}"
+            )
+        blocks, plain = self._blocks(seq_len, heads)
+        n = seq_len
+        keep_qk = None
+        if attn_mask is not None:
+            keep_qk = _keep(
+                "attn_mask", attn_mask, self.attn_mask_mode, (), (n, n), "[seq_len, seq_len]"
+            )
+            keep_qk = None if keep_qk.all() else keep_qk
+        keep_k = None
+        if key_padding_mask is not None:
+            keep_k = _keep(
+                "key_padding_mask",
+                key_padding_mask,
+                self.key_padding_mask_mode,
+                (batch,),
+                (n,),
+                "[batch, seq_len]",
+            )
+            keep_k = None if keep_k.all() else keep_k
+        scale = float(head_dim) ** -0.5
+        block = self.sparsity_config.block
+
+        def layout_for(keys: np.ndarray | None) -> Layout:
+            if keep_qk is None and keys is None:
+                return plain
+            return Layout.from_blocks(blocks, block, mask_fn=_mask_fn(keep_qk, keys))
+
+        if keep_k is None:  # one call for the batch
+            members = [np.arange(batch)]
+            layouts = [layout_for(None)]
+        else:  # key padding differs between batch rows: one call per distinct padding row
+            rows, which = np.unique(keep_k, axis=0, return_inverse=True)
+            which = which.reshape(-1)
+            members = [np.flatnonzero(which == u) for u in range(len(rows))]
+            layouts = [layout_for(row) for row in rows]
+        if len(layouts) == 1:
+            return api.sparse_attention(query, key, value, layouts[0], scale=scale)
+        parts = []
+        for rows_of, layout in zip(members, layouts, strict=True):
+            pick = torch.as_tensor(rows_of, device=query.device)
+            parts.append(
+                api.sparse_attention(query[pick], key[pick], value[pick], layout, scale=scale)
+            )
+        order = torch.as_tensor(np.argsort(np.concatenate(members)), device=query.device)
+        return torch.cat(parts)[order]
+
+    def extra_repr(self) -> str:
+        cfg = self.sparsity_config
+        return (
+            f"{type(cfg).__name__}(num_heads={cfg.num_heads}, block={cfg.block}), "
+            f"key_padding_mask_mode={self.key_padding_mask_mode!r}, "
+            f"attn_mask_mode={self.attn_mask_mode!r}, "
+            f"max_seq_length={self.master_layout.shape[-1] * cfg.block}"
+        )
+
+
+def _mask_fn(keep_qk: np.ndarray | None, keep_k: np.ndarray | None) -> MaskFn:
+    """Layout.from_blocks' element rule: query q sees key k where both masks keep it."""
+
+    def allowed(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        out = np.ones((), dtype=bool) if keep_qk is None else keep_qk[q, k]
+        return out if keep_k is None else out & keep_k[k]
+
+    return allowed

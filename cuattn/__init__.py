@@ -28,6 +28,7 @@ from cuattn.layout import (
     make_layout,
     vertical_slash_layout,
 )
+from cuattn.serving import KVCache, decode_attention, policies
 
 # The public modules' import paths from before the layer folders keep working.
 _sys.modules.setdefault("cuattn.tape", tape)
@@ -39,16 +40,19 @@ __all__ = [
     "MODES",
     "ElementRule",
     "Function",
+    "KVCache",
     "Layout",
     "Pattern",
     "Tensor",
     "attention",
     "blocksparse_attention",
+    "decode_attention",
     "make_layout",
     "merge_attention_states",
     "merge_heads",
     "no_grad",
     "ops",
+    "policies",
     "recompute",
     "sparse_attention",
     "sparse_attention_varlen",

@@ -1,0 +1,12 @@
+"""Serving: a paged KV cache with eviction policies, and decode attention over what it keeps.
+
+KVCache(batch, kv_heads, head_dim, dtype, page_size=16, capacity=None, policy=None, like=None)
+decode_attention(q, cache, scale=None, return_lse=False)
+policies: SlidingWindow, StreamingLLM, HeavyHitters, Quest, head_adaptive, pyramid
+"""
+
+from cuattn.serving import policies
+from cuattn.serving.cache import KVCache
+from cuattn.serving.decode import decode_attention
+
+__all__ = ["KVCache", "decode_attention", "policies"]

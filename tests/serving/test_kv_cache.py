@@ -1,0 +1,259 @@
+"""KVCache + decode_attention + policies against an independent simulation in the test.
+
+The test keeps every token it ever appended (float64) and restates each policy's definition
+over sets of positions; each step it checks the cache's kept positions against that
+restatement and the decode output against float64 attention over exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cuattn
+from cuattn import policies as P
+
+D = 8
+OUT_RTOL = 1e-12
+
+
+def _attend(q, keys, values, k_pos, q_pos, scale, read=None):
+    """float64 attention of q [g, t_q, d] over keys at positions k_pos, causal; ``read`` [g,
+    t_q, n] further limits what each query reads. Returns out, lse and probabilities."""
+    s = q @ keys.T * scale
+    allowed = np.broadcast_to(k_pos[None, None, :] <= q_pos[None, :, None], s.shape)
+    if read is not None:
+        allowed = allowed & read
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(allowed, np.exp(s - m), 0.0)
+    total = p.sum(-1, keepdims=True)
+    probs = p / np.where(total > 0, total, 1.0)
+    lse = np.where(
+        total[..., 0] > 0, m[..., 0] + np.log(np.where(total > 0, total, 1)[..., 0]), -np.inf
+    )
+    return probs @ values, lse, probs
+
+
+class Simulation:
+    """Every appended token, the kept sets as each policy defines them, HeavyHitters scores."""
+
+    def __init__(self, batch, kv_heads, rule):
+        self.keys = [[np.zeros((0, D)) for _ in range(kv_heads)] for _ in range(batch)]
+        self.values = [[np.zeros((0, D)) for _ in range(kv_heads)] for _ in range(batch)]
+        self.kept = [[set() for _ in range(kv_heads)] for _ in range(batch)]
+        self.score = [[{} for _ in range(kv_heads)] for _ in range(batch)]
+        self.rule = rule
+
+    def append(self, k, v, lengths):
+        for b, n in enumerate(lengths):
+            length = len(self.keys[b][0]) + n
+            for h in range(len(self.keys[b])):
+                self.keys[b][h] = np.concatenate([self.keys[b][h], k[b, h, :n]])
+                self.values[b][h] = np.concatenate([self.values[b][h], v[b, h, :n]])
+                self.kept[b][h] |= set(range(length - n, length))
+            self.kept[b] = self.rule(length, self.kept[b], self.score[b])
+
+    def length(self, b):
+        return len(self.keys[b][0])
+
+
+def sliding(window):
+    return lambda L, kept, score: [{p for p in s if p >= L - window} for s in kept]
+
+
+def streaming(sinks, window):
+    return lambda L, kept, score: [{p for p in s if p < sinks or p >= L - window} for s in kept]
+
+
+def heavy(budget, recent):
+    def rule(L, kept, score):
+        out = []
+        for h, s in enumerate(kept):
+            newest = {p for p in s if p >= L - recent}
+            rest = sorted(s - newest, key=lambda p: (score[h].get(p, 0.0), p), reverse=True)
+            out.append(newest | set(rest[: budget - len(newest)]))
+        return out
+
+    return rule
+
+
+def heavy_adaptive(total, recent):
+    def rule(L, kept, score):
+        out = [{p for p in s if p >= L - recent} for s in kept]
+        rest = [(score[h].get(p, 0.0), p, -h) for h, s in enumerate(kept) for p in s - out[h]]
+        for _, p, minus_h in sorted(rest, reverse=True)[: total - sum(map(len, out))]:
+            out[-minus_h].add(p)
+        return out
+
+    return rule
+
+
+def keep_all(L, kept, score):
+    return kept
+
+
+def _quest_read(sim, b, h, q_group, length, pages, page_size, n_kept_positions):
+    """bool [g, t_q, n]: tokens of the pages Quest reads, from bounds computed here."""
+    keys = sim.keys[b][h].astype(np.float32)
+    count = -(-length // page_size)
+    lo = np.stack([keys[j * page_size : (j + 1) * page_size].min(0) for j in range(count)])
+    hi = np.stack([keys[j * page_size : (j + 1) * page_size].max(0) for j in range(count)])
+    qf = q_group.astype(np.float32)[..., None, :]
+    bound = np.maximum(qf * lo, qf * hi).sum(-1)  # [g, t_q, pages]
+    newest = count - 1
+    read = np.zeros(bound.shape, dtype=bool)
+    read[..., newest] = True
+    for idx in np.ndindex(bound.shape[:2]):
+        ranked = sorted(range(newest), key=lambda j: (-bound[idx][j], j))
+        read[idx][ranked[:pages]] = True
+    return read[..., n_kept_positions // page_size]
+
+
+CASES = {
+    # name: (policy, simulation rule, kv_heads, group, page_size)
+    "none": (None, keep_all, 2, 2, 4),
+    "sliding": (P.SlidingWindow(12), sliding(12), 2, 1, 4),
+    "sliding_page1": (P.SlidingWindow(7), sliding(7), 1, 4, 1),
+    "streaming": (P.StreamingLLM(3, 9), streaming(3, 9), 2, 2, 16),
+    "heavy": (P.HeavyHitters(10, 3), heavy(10, 3), 2, 2, 4),
+    "heavy_mqa": (P.HeavyHitters(8, 0), heavy(8, 0), 1, 4, 2),
+    "heavy_adaptive": (P.HeavyHitters(P.head_adaptive(18), 2), heavy_adaptive(18, 2), 3, 1, 4),
+    "quest": (P.Quest(2, 4), keep_all, 2, 2, 4),
+}
+
+
+@pytest.mark.parametrize("t_q", [1, 2])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_decode_steps_match_the_simulation(name, t_q):
+    policy, rule, kv_heads, group, page_size = CASES[name]
+    batch, steps = 2, 14
+    rng = np.random.default_rng(sorted(CASES).index(name) + 10 * t_q)
+    cache = cuattn.KVCache(batch, kv_heads, D, "float64", page_size=page_size, policy=policy)
+    sim = Simulation(batch, kv_heads, rule)
+    scale = D**-0.5
+    for step in range(steps):
+        t = 9 if step == 0 else t_q
+        lengths = np.array([t, max(t - 2, t_q)]) if step == 0 else np.full(batch, t)
+        k, v = (rng.standard_normal((batch, kv_heads, t, D)) for _ in range(2))
+        cache.append(k, v, lengths=lengths)
+        sim.append(k, v, lengths)
+        kept = cache.positions()
+        for b in range(batch):
+            for h in range(kv_heads):
+                got = [p for p in kept[b, h] if p >= 0]
+                assert got == sorted(sim.kept[b][h]), (name, step, b, h)
+        q = rng.standard_normal((batch, kv_heads * group, t_q, D))
+        out, lse = cuattn.decode_attention(q, cache, return_lse=True)
+        for b in range(batch):
+            length = sim.length(b)
+            q_pos = np.arange(length - t_q, length)
+            for h in range(kv_heads):
+                pos = np.array(sorted(sim.kept[b][h]), dtype=np.int64)
+                heads = slice(h * group, (h + 1) * group)
+                read = None
+                if isinstance(policy, P.Quest):
+                    read = _quest_read(sim, b, h, q[b, heads], length, 2, page_size, pos)
+                want, want_lse, probs = _attend(
+                    q[b, heads], sim.keys[b][h][pos], sim.values[b][h][pos], pos, q_pos, scale, read
+                )
+                assert np.abs(out[b, heads] - want).max() <= OUT_RTOL * np.abs(want).max()
+                assert np.allclose(lse[b, heads], want_lse, rtol=1e-12, atol=0)
+                for p, mass in zip(pos, probs.sum(axis=(0, 1)), strict=True):
+                    sim.score[b][h][p] = sim.score[b][h].get(p, 0.0) + mass
+        if policy is not None and policy.scores_tokens:
+            for b in range(batch):
+                for h in range(kv_heads):
+                    pages, offsets, pos = cache.kept(b, h)
+                    want = [sim.score[b][h][p] for p in pos]
+                    assert np.allclose(cache.slot_score[pages, offsets], want, rtol=1e-12)
+
+
+def test_evicted_pages_are_reused_and_the_pool_stops_growing():
+    cache = cuattn.KVCache(1, 2, D, "float32", page_size=4, policy=P.SlidingWindow(10))
+    rng = np.random.default_rng(3)
+    sizes = []
+    for _ in range(300):
+        k, v = (rng.standard_normal((1, 2, 1, D)).astype(np.float32) for _ in range(2))
+        cache.append(k, v)
+        sizes.append((cache.num_pages, cache.nbytes))
+    assert sizes[-1] == sizes[20] and len(cache) == 300
+    assert all(len(table) <= 4 for table in cache.tables[0])  # 10 tokens in pages of 4
+    h2o = cuattn.KVCache(1, 1, D, "float32", page_size=2, policy=P.HeavyHitters(6, 2))
+    q = rng.standard_normal((1, 2, 1, D)).astype(np.float32)
+    for _ in range(200):
+        h2o.append(*(rng.standard_normal((1, 1, 1, D)).astype(np.float32) for _ in range(2)))
+        cuattn.decode_attention(q, h2o)
+    assert len(h2o.tables[0][0]) <= 6 and h2o.num_pages == 256 // 2 + 1  # never grew
+
+
+def _state(cache):
+    return (
+        cache.positions().copy(),
+        cache.lengths.copy(),
+        np.array(cache.k_pages).copy(),
+        cache.slot_score.copy(),
+    )
+
+
+def test_bad_input_is_refused_by_name_and_leaves_the_cache_as_it_was():
+    rng = np.random.default_rng(4)
+    cache = cuattn.KVCache(2, 2, D, "float32", page_size=4, capacity=12)
+    k = rng.standard_normal((2, 2, 10, D)).astype(np.float32)
+    cache.append(k, k)
+    before = _state(cache)
+    bad_appends = [
+        ((k, k[:, :1]), ValueError, r"v must be \[batch=2, kv_heads=2"),
+        ((k, k[:, :, :3]), ValueError, "v must have k's shape"),
+        ((k.astype(np.float64), k.astype(np.float64)), TypeError, "k has dtype float64"),
+        ((k[:, :, :, :4], k[:, :, :, :4]), ValueError, "head_dim=8"),
+        ((k, k), ValueError, "past capacity=12"),
+        ((k[:, :, :1], k[:, :, :1], [1, 3]), ValueError, r"lengths must lie in \[0, t=1\]"),
+        ((torch.from_numpy(k), torch.from_numpy(k)), ValueError, "past capacity"),
+    ]
+    for args, error, message in bad_appends:
+        with pytest.raises(error, match=message):
+            cache.append(*args)
+        after = _state(cache)
+        assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    q = rng.standard_normal((2, 4, 1, D)).astype(np.float32)
+    with pytest.raises(ValueError, match="not a multiple of the cache's kv_heads=2"):
+        cuattn.decode_attention(q[:, :3], cache)
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        cuattn.decode_attention(q.astype(np.float64), cache)
+    with pytest.raises(ValueError, match="1 <= t_q <= the shortest sequence"):
+        cuattn.decode_attention(np.zeros((2, 4, 11, D), np.float32) + 1, cache)
+    with pytest.raises(TypeError, match="cache must be a cuattn.KVCache"):
+        cuattn.decode_attention(q, object())
+    for make, error, message in [
+        (lambda: P.HeavyHitters(4, 5), ValueError, "recent=5 must not exceed budget=4"),
+        (lambda: P.HeavyHitters(0, 0), ValueError, "budget must be an int >= 1"),
+        (lambda: P.SlidingWindow(-1), ValueError, "window must be an int >= 1"),
+        (lambda: P.head_adaptive(0), ValueError, "total must be an int >= 1"),
+    ]:
+        with pytest.raises(error, match=message):
+            make()
+    with pytest.raises(ValueError, match="one entry per kv head"):
+        cuattn.KVCache(1, 2, D, "float32", policy=P.SlidingWindow([4, 4, 4]))
+    with pytest.raises(ValueError, match="Quest\\(page_size=8\\) needs a cache with that page"):
+        cuattn.KVCache(1, 2, D, "float32", page_size=4, policy=P.Quest(2, 8))
+    with pytest.raises(ValueError, match="more than capacity=8"):
+        cuattn.KVCache(1, 2, D, "float32", capacity=8, policy=P.SlidingWindow(9))
+    with pytest.raises(TypeError, match="NumPy has no bfloat16"):
+        cuattn.KVCache(1, 2, D, "bfloat16")
+
+
+def test_per_head_budgets_pyramid_and_torch_arrays():
+    cache = cuattn.KVCache(1, 2, D, "float32", page_size=4, policy=P.SlidingWindow([3, 6]))
+    k = torch.randn(1, 2, 10, D)
+    cache.append(k, k)
+    assert [list(p[p >= 0]) for p in cache.positions()[0]] == [[7, 8, 9], [4, 5, 6, 7, 8, 9]]
+    out = cuattn.decode_attention(torch.randn(1, 4, 1, D), cache)
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 4, 1, D)
+    budgets = P.pyramid(100, 6)
+    assert budgets == sorted(budgets, reverse=True) and sum(budgets) <= 100 and min(budgets) >= 1
+    assert P.pyramid(6, 6) == [1] * 6
+    with pytest.raises(ValueError, match="cannot give each of num_layers=7"):
+        P.pyramid(6, 7)

@@ -61,6 +61,8 @@ KERNEL_FILES = {
     "attn_bwd_dq": "attn_bwd.cu",
     "attn_bwd_sum_groups": "attn_bwd.cu",
     "merge_states": "merge_states.cu",
+    "attn_decode_split": "attn_decode.cu",
+    "attn_decode_merge": "attn_decode.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
@@ -69,7 +71,16 @@ BLOCK_KERNELS = (
     "attn_bwd_dq",
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
-ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states")
+ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
+# Split-KV decode over a paged cache, templated on <HEAD_DIM, T>; traits in kernels/attn_decode.cu.
+DECODE_KERNELS = ("attn_decode_split",)
+DECODE_TILE = 16  # tokens per shared-memory tile (kernels/attn_decode.cu DECODE_TILE)
+DECODE_ROWS_PER_CTA = 16  # query rows (of one kv group) per CTA: 4 warps x 4 rows
+DECODE_WARPS = 4
+DECODE_MAX_SPLITS = 64
+# Registers per thread assumed when sizing the split count before the kernel is loaded (the
+# NVRTC report gives the real count; occupancy here only decides how many CTAs fill a GPU).
+DECODE_REGISTERS_ASSUMED = 128
 
 # Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
 # scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
@@ -129,6 +140,37 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("out", "ptr"),
         ("lse", "ptr"),
         ("rows", "i32"),
+    ),
+    "attn_decode_split": (
+        ("q", "ptr"),
+        ("k_pages", "ptr"),
+        ("v_pages", "ptr"),
+        ("slot_pos", "ptr"),
+        ("page_table", "ptr"),
+        ("page_count", "ptr"),
+        ("lengths", "ptr"),
+        ("chosen", "ptr"),
+        ("part_out", "ptr"),
+        ("part_lse", "ptr"),
+        ("token_scores", "ptr"),
+        ("heads", "i32"),
+        ("kv_heads", "i32"),
+        ("t_q", "i32"),
+        ("page_size", "i32"),
+        ("max_pages", "i32"),
+        ("splits", "i32"),
+        ("pages_per_split", "i32"),
+        ("scale", "f32"),
+        ("use_chosen", "i32"),
+        ("keep_scores", "i32"),
+    ),
+    "attn_decode_merge": (
+        ("part_out", "ptr"),
+        ("part_lse", "ptr"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("rows", "i32"),
+        ("splits", "i32"),
     ),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
@@ -273,6 +315,11 @@ class KernelConfig:
             tile_m = tile_n = ROWS_PER_CTA_ELEMENTWISE
             num_warps = ELEMENTWISE_WARPS
             smem = 0
+        elif self.kernel in DECODE_KERNELS:
+            # grid (splits = n_rows, kv_heads x row chunks = heads, batch)
+            assert self.block is None and self.rule is None
+            tile_m, tile_n, num_warps = DECODE_ROWS_PER_CTA, DECODE_TILE, DECODE_WARPS
+            smem = 2 * DECODE_TILE * ld * itemsize + DECODE_TILE * 8  # K, V tiles, positions
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
@@ -310,6 +357,8 @@ class KernelConfig:
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
+        if self.kernel in DECODE_KERNELS:
+            return (self.n_rows, self.heads, self.batch)
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
         return (num_blocks * (self.block // self.tile_m) * self.splits, self.heads, self.batch)
@@ -325,7 +374,7 @@ class KernelConfig:
         64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own
         tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS:
+        if self.kernel in ROW_KERNELS or self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {CXX_RULE[self.rule]}>"
 
@@ -335,6 +384,8 @@ class KernelConfig:
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
+        if self.kernel in DECODE_KERNELS:
+            return f"{self.kernel}_traits<{self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -390,10 +441,33 @@ def all_configs() -> list[KernelConfig]:
             BLOCK_SIZES, head_dims, DTYPES, RULES
         ):
             configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule))
-    for kernel in ROW_KERNELS:
+    for kernel in ROW_KERNELS + DECODE_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))
     return configs
+
+
+def decode_row_chunks(kv_group: int, t_q: int) -> int:
+    """CTAs along one kv head's query rows (kv_group query heads x t_q queries each)."""
+    return ceil_div(kv_group * t_q, DECODE_ROWS_PER_CTA)
+
+
+def decode_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, pages per split) of a decode over ``ctas`` (batch x kv heads x row chunks) page
+    tables of at most ``max_pages`` pages, for a device that holds ``resident_ctas`` decode CTAs
+    at once: enough splits to fill it once (a second, partial wave would cost as much as a full
+    one), never more than the pages or DECODE_MAX_SPLITS."""
+    wanted = max(resident_ctas // max(ctas, 1), 1)
+    splits = max(min(wanted, max_pages, DECODE_MAX_SPLITS), 1)
+    per_split = ceil_div(max(max_pages, 1), splits)
+    return ceil_div(max(max_pages, 1), per_split), per_split
+
+
+def decode_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
+    """Decode CTAs a device of ``multiprocessors`` SMs holds at once."""
+    config = KernelConfig("attn_decode_split", head_dim, dtype)
+    per_sm = ctas_per_sm(arch, DECODE_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
+    return multiprocessors * per_sm
 
 
 def all_instantiations() -> dict[str, list[str]]:

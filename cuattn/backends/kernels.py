@@ -389,3 +389,90 @@ class KernelBackend:
                     rows=rows,
                 )
         return out, lse
+
+    def decode(
+        self,
+        q: Any,
+        k_pages: Any,
+        v_pages: Any,
+        slot_pos: Any,
+        page_table: Any,
+        page_count: Any,
+        lengths: Any,
+        chosen: Any | None,
+        scale: float,
+        keep_scores: bool,
+        resident_ctas: int,
+    ) -> tuple[Any, Any, Any | None]:
+        """Split-KV decode over a paged cache (kernels/attn_decode.cu): (out like q, lse
+        float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
+        page_size], -inf where a token did not count). Shapes as the kernel file's header;
+        the cache (cuattn/serving) checks its own arrays, this checks q against them."""
+        arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+        self._check_placement({**arrays, "slot_pos": slot_pos, "page_table": page_table})
+        batch, heads, t_q, head_dim = q.shape
+        _, kv_heads, max_pages = page_table.shape
+        page_size = int(k_pages.shape[1])
+        dtype = kc.dtype_name(q.dtype)
+        if head_dim not in kc.HEAD_DIMS:
+            raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
+        xp = self.xp
+        with self.on_device_of(q):
+            q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once
+            self._check_alignment(arrays)
+            chunks = kc.decode_row_chunks(heads // kv_heads, t_q)
+            splits, per_split = kc.decode_splits(
+                batch * kv_heads * chunks, max_pages, resident_ctas
+            )
+            part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
+            part_lse = self.output((batch, heads, t_q, splits), xp.float32)
+            tokens = max_pages * page_size
+            # Slots of pages past a table's count are never visited: fill, do not poison.
+            scores = xp.full((batch, heads, t_q, tokens if keep_scores else 1), -xp.inf, xp.float32)
+            use_chosen = chosen is not None
+            chosen = xp.ascontiguousarray(chosen) if use_chosen else xp.zeros(1, xp.uint8)
+            split_config = KernelConfig(
+                "attn_decode_split",
+                head_dim,
+                dtype,
+                batch=batch,
+                heads=kv_heads * chunks,
+                n_rows=splits,
+            )
+            self.launch(
+                split_config,
+                q=q,
+                k_pages=k_pages,
+                v_pages=v_pages,
+                slot_pos=slot_pos,
+                page_table=page_table,
+                page_count=page_count,
+                lengths=lengths,
+                chosen=chosen,
+                part_out=part_out,
+                part_lse=part_lse,
+                token_scores=scores,
+                heads=heads,
+                kv_heads=kv_heads,
+                t_q=t_q,
+                page_size=page_size,
+                max_pages=max_pages,
+                splits=splits,
+                pages_per_split=per_split,
+                scale=scale,
+                use_chosen=int(use_chosen),
+                keep_scores=int(keep_scores),
+            )
+            out = self.output(q.shape, q.dtype)
+            lse = self.output((batch, heads, t_q), xp.float32)
+            rows = batch * heads * t_q
+            self.launch(
+                KernelConfig("attn_decode_merge", head_dim, dtype, n_rows=rows),
+                part_out=part_out,
+                part_lse=part_lse,
+                out=out,
+                lse=lse,
+                rows=rows,
+                splits=splits,
+            )
+        return out, lse, (scores if keep_scores else None)

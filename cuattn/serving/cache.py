@@ -107,6 +107,10 @@ class KVCache:
         self.slot_pos = np.full((pages, self.page_size), EMPTY, dtype=np.int64)
         self.slot_score = np.zeros((pages, self.page_size), dtype=np.float64)
         self.free_pages = list(range(pages - 1, -1, -1))
+        with _on_device(self.info):
+            # the kernels' copy of slot_pos (NumPy: the same array), kept in step by every write
+            self._slot_pos_device = self.slot_pos if xp is np else xp.asarray(self.slot_pos)
+        self._device_tables: tuple[Any, Any] | None = None
 
     def _grow(self) -> None:
         old = self.num_pages
@@ -119,6 +123,9 @@ class KVCache:
             ):
                 new[:old] = previous
         self.slot_pos[:old], self.slot_score[:old] = pos, score
+        if self.xp is not np:
+            with _on_device(self.info):
+                self._slot_pos_device[:old] = self.xp.asarray(pos)
         self.free_pages = list(range(2 * old - 1, old - 1, -1))
 
     @property
@@ -250,13 +257,14 @@ class KVCache:
         gone = ~keep
         if not gone.any():
             return
-        self.slot_pos[pages[gone], offsets[gone]] = EMPTY
+        self._set_positions(pages[gone], offsets[gone], np.full(int(gone.sum()), EMPTY))
         self.slot_score[pages[gone], offsets[gone]] = 0.0
         table = self.tables[b][h]
         for page in np.unique(pages[gone]):
             if (self.slot_pos[page] == EMPTY).all():
                 table.remove(int(page))
                 self.free_pages.append(int(page))
+                self._device_tables = None
 
     def _write(self, b, h, kb, vb, incoming: np.ndarray, keep: np.ndarray) -> None:
         """Write the kept incoming tokens into (b, h)'s holes, then into new pages."""
@@ -270,6 +278,7 @@ class KVCache:
                 self._grow()
             page = self.free_pages.pop()
             table.append(page)
+            self._device_tables = None
             holes += [(page, o) for o in range(self.page_size)]
         pages = np.array([p for p, _ in holes[: source.size]], dtype=np.int64)
         offsets = np.array([o for _, o in holes[: source.size]], dtype=np.int64)
@@ -277,11 +286,37 @@ class KVCache:
         index = xp.asarray(source)
         self.k_pages[xp.asarray(pages), xp.asarray(offsets)] = kb[b, h][index]
         self.v_pages[xp.asarray(pages), xp.asarray(offsets)] = vb[b, h][index]
-        self.slot_pos[pages, offsets] = incoming[source]
+        self._set_positions(pages, offsets, incoming[source])
         self.slot_score[pages, offsets] = 0.0
         if self.policy is not None and self.policy.selects_pages:
             for page in np.unique(pages):
                 self._bound_page(int(page))
+
+    def _set_positions(self, pages: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
+        self.slot_pos[pages, offsets] = values
+        if self.xp is not np:
+            xp = self.xp
+            self._slot_pos_device[xp.asarray(pages), xp.asarray(offsets)] = xp.asarray(values)
+
+    # -- what the decode kernels read ---------------------------------------------------------
+
+    def device_slot_pos(self) -> Any:
+        """int64 [num_pages, page_size] slot positions where the kernels read them."""
+        return self._slot_pos_device
+
+    def device_tables(self) -> tuple[Any, Any]:
+        """(page_table int32 [batch, kv_heads, max_pages] in table order, -1 padded;
+        page_count int32 [batch, kv_heads]) where the kernels read them; rebuilt (one small
+        copy to the device) only after a page table changed."""
+        if self._device_tables is None:
+            counts = np.array([[len(t) for t in row] for row in self.tables], dtype=np.int32)
+            table = np.full((self.batch, self.kv_heads, max(int(counts.max()), 1)), EMPTY, np.int32)
+            for b, row in enumerate(self.tables):
+                for h, pages in enumerate(row):
+                    table[b, h, : len(pages)] = pages
+            with _on_device(self.info):
+                self._device_tables = (self.xp.asarray(table), self.xp.asarray(counts))
+        return self._device_tables
 
     def _bound_page(self, page: int) -> None:
         """Quest's element-wise key min and max over the page's kept tokens."""
@@ -303,12 +338,12 @@ def _array_module(info: dlpack.ArrayInfo) -> Any:
 
 def _storage_dtype(xp: Any, name: str) -> Any:
     if name == "bfloat16":
-        if xp is np:
+        try:
+            import ml_dtypes
+        except ImportError as err:
             raise TypeError(
-                "dtype bfloat16 needs a CUDA cache (like= a CUDA array): NumPy has no bfloat16"
-            )
-        import ml_dtypes
-
+                "dtype bfloat16 needs ml_dtypes (pip install ml_dtypes; cuattn[cuda12] has it)"
+            ) from err
         return ml_dtypes.bfloat16
     return getattr(xp, name)
 

@@ -7,8 +7,12 @@ cache's kv_heads (GQA: query head h reads kv head h // (heads / kv_heads)). Ques
 the pages it chooses per query (cuattn.policies); HeavyHitters gets every attended token's
 probability, summed over the query heads of its group and the t_q queries, added to its score.
 
-This is the reference computation, exact and written with the cache's array library (NumPy, or
-CuPy on the device); it walks (sequence, kv head) pairs and gathers each pair's kept tokens.
+Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
+splits of each page table in parallel, then their merge), as does ``backend="interp"`` on the
+CPU; a NumPy cache runs the reference by default: exact, written with the array library, one
+(sequence, kv head) pair at a time. Quest's page choice is computed on the cache's device from
+the per-page key bounds; HeavyHitters turns the kernel's per-token scores into probabilities
+with the merged lse (no second pass over K) and reads them back to the host bookkeeping.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from cuattn import backends as _backends
 from cuattn.adapters import dlpack
+from cuattn.backends import geometry
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
 __all__ = ["decode_attention"]
+
+# Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
+INTERP_RESIDENT_CTAS = 8
 
 
 def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
@@ -74,54 +83,150 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
     return chosen
 
 
+def _resident_ctas(impl: Any, head_dim: int, dtype: str) -> int:
+    if impl.name != "cuda":
+        return INTERP_RESIDENT_CTAS
+    import cupy
+
+    device = cupy.cuda.Device()
+    major = int(device.compute_capability[:-1])
+    arch = "sm_90" if major >= 9 else "sm_80"
+    sms = int(device.attributes["MultiProcessorCount"])
+    return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
+
+
+def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
+    """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device.
+
+    bound = sum_i max(q_i min_i, q_i max_i) = max(q, 0) . max + min(q, 0) . min: two small
+    matrix products, no [pages, head_dim] product per query."""
+    xp, policy = cache.xp, cache.policy
+    batch, heads, t_q, head_dim = qb.shape
+    kv_heads, max_pages = table.shape[1], table.shape[2]
+    group = heads // kv_heads
+    safe = xp.maximum(table, 0)
+    lo, hi = cache.key_min[safe], cache.key_max[safe]  # [B, Hkv, max_pages, d]
+    qf = qb.astype(xp.float32).reshape(batch, kv_heads, group * t_q, head_dim)
+    positive, negative = xp.maximum(qf, 0), xp.minimum(qf, 0)
+    bound = positive @ hi.transpose(0, 1, 3, 2) + negative @ lo.transpose(0, 1, 3, 2)
+    bound = bound.reshape(batch, kv_heads, group, t_q, max_pages)
+    page = xp.arange(max_pages)
+    newest = (count - 1)[:, :, None, None, None]
+    # only real pages other than the newest compete; ties go to the lower page
+    ranked = xp.where((page < count[:, :, None, None, None]) & (page != newest), bound, -xp.inf)
+    kind = {"kind": "stable"} if xp is np else {}
+    order = xp.argsort(-ranked, axis=-1, **kind)[..., : policy.pages]
+    chosen = xp.zeros(ranked.shape, dtype=xp.uint8)
+    xp.put_along_axis(chosen, order, 1, axis=-1)
+    chosen = xp.where(page == newest, 1, chosen).astype(xp.uint8)
+    return chosen.reshape(batch, heads, t_q, max_pages)
+
+
+def _kernel_decode(impl: Any, cache: KVCache, qb: Any, scale: float) -> tuple[Any, Any]:
+    xp = cache.xp
+    table, count = cache.device_tables()
+    quest = cache.policy is not None and cache.policy.selects_pages
+    keep_scores = cache.policy is not None and cache.policy.scores_tokens
+    chosen = _quest_chosen(cache, qb, table, count) if quest else None
+    lengths = xp.asarray(cache.lengths)
+    resident = _resident_ctas(impl, cache.head_dim, cache.dtype)
+    out, lse, scores = impl.decode(
+        qb,
+        cache.k_pages,
+        cache.v_pages,
+        cache.device_slot_pos(),
+        table,
+        count,
+        lengths,
+        chosen,
+        scale,
+        keep_scores,
+        resident,
+    )
+    if keep_scores:
+        _add_token_mass(cache, scores, lse)
+    return out, lse
+
+
+def _add_token_mass(cache: KVCache, scores: Any, lse: Any) -> None:
+    """HeavyHitters: each kept token's probability, summed over its group's queries, added to
+    its score. The probabilities come from the kernel's scores and the merged lse."""
+    xp = cache.xp
+    batch, heads, t_q, tokens = scores.shape
+    finite = xp.isfinite(lse)[..., None]
+    probs = xp.where(finite, xp.exp(scores - xp.where(finite, lse[..., None], 0.0)), 0.0)
+    mass = probs.reshape(batch, cache.kv_heads, -1, tokens).sum(axis=2)
+    mass = np.asarray(mass.get() if xp is not np else mass, dtype=np.float64)
+    for b in range(batch):
+        for h, pages in enumerate(cache.tables[b]):
+            rows = mass[b, h, : len(pages) * cache.page_size].reshape(len(pages), -1)
+            cache.slot_score[pages] += rows
+
+
 def decode_attention(
-    q: Any, cache: KVCache, scale: float | None = None, return_lse: bool = False
+    q: Any,
+    cache: KVCache,
+    scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
     over the tokens ``cache`` keeps (``cache.positions()``), causal, GQA; returns out like q
-    (and lse [batch, heads, t_q], float32 or float64, -inf where nothing is attended)."""
+    (and lse [batch, heads, t_q]: float32 from the kernels, float64 from the NumPy reference
+    on float64; -inf where nothing is attended). ``backend``: "numpy" (the reference, default
+    for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device)."""
     group, scale = _check(q, cache, scale)
     info = dlpack.describe(q, "q")
+    impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
+    with dlpack.stream_for(info), _on_device(cache.info):
+        qb = dlpack.to_backend(q, info, "q")
+        if impl.name == "numpy":
+            out, lse = _reference(cache, qb, group, scale)
+        else:
+            out, lse = _kernel_decode(impl, cache, qb, scale)
+        out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
+    return (out_q, lse_q) if return_lse else out_q
+
+
+def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, Any]:
+    """The exact computation, one (sequence, kv head) pair at a time."""
     xp = cache.xp
-    batch, heads, t_q, head_dim = (int(d) for d in q.shape)
+    batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     acc = xp.float64 if cache.dtype == "float64" else xp.float32
     scores = cache.policy is not None and cache.policy.scores_tokens
     quest = cache.policy is not None and cache.policy.selects_pages
-    with dlpack.stream_for(info), _on_device(cache.info):
-        qb = dlpack.to_backend(q, info, "q")
-        out = xp.zeros((batch, heads, t_q, head_dim), dtype=acc)
-        lse = xp.full((batch, heads, t_q), -np.inf, dtype=acc)
-        for b in range(batch):
-            length = int(cache.lengths[b])
-            q_pos = np.arange(length - t_q, length)
-            for h in range(cache.kv_heads):
-                pages, offsets, pos = cache.kept(b, h)
-                if pos.size == 0:
-                    continue
-                heads_of = slice(h * group, (h + 1) * group)
-                q_group = qb[b, heads_of]
-                keys = cache.k_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
-                values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
-                s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
-                allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
-                if quest:
-                    chosen = _quest_pages(cache, b, h, q_group, length)
-                    where = {page: i for i, page in enumerate(cache.tables[b][h])}
-                    page_index = np.array([where[p] for p in pages])
-                    allowed = allowed & chosen[..., page_index]
-                allowed = xp.asarray(np.ascontiguousarray(allowed))
-                s = xp.where(allowed, s, -xp.inf)
-                m = s.max(axis=-1, keepdims=True)
-                m = xp.where(xp.isfinite(m), m, 0.0)
-                p = xp.where(allowed, xp.exp(s - m), 0.0)
-                total = p.sum(axis=-1, keepdims=True)
-                safe = xp.where(total > 0, total, 1.0)
-                out[b, heads_of] = (p @ values) / safe
-                lse[b, heads_of] = xp.where(total > 0, m + xp.log(safe), -xp.inf)[..., 0]
-                if scores:
-                    mass = (p / safe).sum(axis=(0, 1))
-                    mass = mass.get() if xp is not np else mass
-                    cache.slot_score[pages, offsets] += mass
-        result = out.astype(qb.dtype)
-        out_q, lse_q = dlpack.from_backend(result, info), dlpack.from_backend(lse, info)
-    return (out_q, lse_q) if return_lse else out_q
+    out = xp.zeros((batch, heads, t_q, head_dim), dtype=acc)
+    lse = xp.full((batch, heads, t_q), -np.inf, dtype=acc)
+    for b in range(batch):
+        length = int(cache.lengths[b])
+        q_pos = np.arange(length - t_q, length)
+        for h in range(cache.kv_heads):
+            pages, offsets, pos = cache.kept(b, h)
+            if pos.size == 0:
+                continue
+            heads_of = slice(h * group, (h + 1) * group)
+            q_group = qb[b, heads_of]
+            keys = cache.k_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
+            values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
+            s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
+            allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
+            if quest:
+                chosen = _quest_pages(cache, b, h, q_group, length)
+                where = {page: i for i, page in enumerate(cache.tables[b][h])}
+                page_index = np.array([where[p] for p in pages])
+                allowed = allowed & chosen[..., page_index]
+            allowed = xp.asarray(np.ascontiguousarray(allowed))
+            s = xp.where(allowed, s, -xp.inf)
+            m = s.max(axis=-1, keepdims=True)
+            m = xp.where(xp.isfinite(m), m, 0.0)
+            p = xp.where(allowed, xp.exp(s - m), 0.0)
+            total = p.sum(axis=-1, keepdims=True)
+            safe = xp.where(total > 0, total, 1.0)
+            out[b, heads_of] = (p @ values) / safe
+            lse[b, heads_of] = xp.where(total > 0, m + xp.log(safe), -xp.inf)[..., 0]
+            if scores:
+                mass = (p / safe).sum(axis=(0, 1))
+                mass = mass.get() if xp is not np else mass
+                cache.slot_score[pages, offsets] += mass
+    return out.astype(qb.dtype), lse

@@ -1,0 +1,105 @@
+"""The split-KV decode kernels: every instantiation on the interpreter; on a GPU (gpu marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import policies as P
+from cuattn.backends import geometry as kc
+from cuattn.backends.cuda_runtime import cuda_available
+
+TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
+PAGE_SIZE = 20  # more than one shared-memory tile (16 tokens) per page, and a ragged one
+
+
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _fill(cache, rng, xp, steps, group, t_q):
+    """A prefill of ragged lengths, then decode steps; returns the last step's q."""
+    dtype = _numpy_dtype(cache.dtype)
+    batch, kv_heads, d = cache.batch, cache.kv_heads, cache.head_dim
+    k, v = (rng.standard_normal((batch, kv_heads, 50, d)).astype(dtype) for _ in range(2))
+    cache.append(xp.asarray(k), xp.asarray(v), lengths=[50, 37][:batch])
+    for _ in range(steps):
+        k, v = (rng.standard_normal((batch, kv_heads, t_q, d)).astype(dtype) for _ in range(2))
+        cache.append(xp.asarray(k), xp.asarray(v))
+    q = rng.standard_normal((batch, kv_heads * group, t_q, d)).astype(dtype)
+    return xp.asarray(q)
+
+
+def _oracle(cache, q, scale):
+    """float64 attention of q over exactly the kept tokens of every (sequence, kv head)."""
+    q = np.asarray(q.get() if hasattr(q, "get") else q, dtype=np.float64)
+    pages_k = np.asarray(cache.k_pages.get() if hasattr(cache.k_pages, "get") else cache.k_pages)
+    pages_v = np.asarray(cache.v_pages.get() if hasattr(cache.v_pages, "get") else cache.v_pages)
+    batch, heads, t_q, _ = q.shape
+    group = heads // cache.kv_heads
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        length = int(cache.lengths[b])
+        q_pos = np.arange(length - t_q, length)
+        for h in range(cache.kv_heads):
+            pages, offsets, pos = cache.kept(b, h)
+            keys = pages_k[pages, offsets].astype(np.float64)
+            values = pages_v[pages, offsets].astype(np.float64)
+            s = q[b, h * group : (h + 1) * group] @ keys.T * scale
+            s = np.where(pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, h * group : (h + 1) * group] = (p / p.sum(-1, keepdims=True)) @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype):
+    rng = np.random.default_rng(head_dim)
+    cache = cuattn.KVCache(2, 2, head_dim, dtype, page_size=PAGE_SIZE, policy=P.SlidingWindow(45))
+    q = _fill(cache, rng, np, steps=3, group=2, t_q=2)
+    out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+    want = _oracle(cache, q, head_dim**-0.5)
+    got = out.astype(np.float64)
+    assert not np.isnan(got).any() and np.isfinite(lse).all()
+    assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
+
+
+def test_the_split_count_fills_the_device_once():
+    assert kc.decode_splits(ctas=16, max_pages=100, resident_ctas=1056) == (50, 2)
+    assert kc.decode_splits(ctas=2048, max_pages=100, resident_ctas=1056) == (1, 100)
+    splits, per_split = kc.decode_splits(ctas=4, max_pages=7, resident_ctas=64)
+    assert splits * per_split >= 7 and (splits - 1) * per_split < 7 and splits <= 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "policy", [None, P.SlidingWindow(40), P.HeavyHitters(40, 8), P.Quest(2, PAGE_SIZE)]
+)
+def test_decode_on_the_gpu(policy, dtype):
+    """A CuPy cache against its host twin (the same tokens, the NumPy reference): outputs
+    within the dtype's tolerance, the same kept positions and HeavyHitters scores."""
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    like = cupy.zeros(1, dtype=cupy.float32)
+    caches = {
+        "gpu": cuattn.KVCache(2, 2, 128, dtype, page_size=PAGE_SIZE, policy=policy, like=like),
+        "host": cuattn.KVCache(2, 2, 128, dtype, page_size=PAGE_SIZE, policy=policy),
+    }
+    outs = {}
+    for where, xp in (("gpu", cupy), ("host", np)):
+        q = _fill(caches[where], np.random.default_rng(7), xp, steps=5, group=4, t_q=1)
+        out = cuattn.decode_attention(q, caches[where])
+        outs[where] = (cupy.asnumpy(out) if xp is cupy else out).astype(np.float64)
+    assert np.array_equal(caches["gpu"].positions(), caches["host"].positions())
+    want = outs["host"]
+    assert np.abs(outs["gpu"] - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
+    assert np.allclose(caches["gpu"].slot_score, caches["host"].slot_score, rtol=1e-3, atol=1e-6)

@@ -4,12 +4,25 @@ Eager jax arrays (not traced) go to the backend through DLPack with no copies: C
 the NumPy backend, GPU arrays to the CuPy kernels; ``jax.grad`` works through the custom VJP.
 
 Under ``jax.jit`` (or any transformation that traces: vmap, scan, ...) there is no buffer to
-share, so on the CPU the forward and backward run through ``jax.pure_callback``: correct and
-differentiable (first order; the callback has no derivative of its own), but XLA copies the
-arguments and results across the callback boundary and cannot fuse around it; ``vmap`` runs the
-callback once per mapped element. On a GPU a traced call raises ``NotImplementedError``:
-pure_callback would silently round-trip through host memory, and a proper path needs an XLA
-FFI custom call (not built yet). Call cuattn outside ``jit`` on GPU for now.
+share. Which path a traced call takes is decided when it is traced, from jax's default backend:
+
+* CPU: the forward and backward run through ``jax.pure_callback``: correct and differentiable
+  (first order; the callback has no derivative of its own), but XLA copies the arguments and
+  results across the callback boundary and cannot fuse around it; ``vmap`` runs the callback
+  once per mapped element.
+* CUDA GPU: every kernel launch of the forward (1 launch) and of the backward (3, plus 2 under
+  GQA) is an XLA custom call to jaxlib's ``triton_kernel_call_ffi`` with the kernel's NVRTC PTX
+  (cuattn/backends/xla.py): launched by XLA on its stream, no host round-trip, no compiled
+  extension; ``vmap`` folds the mapped axis into the batch axis (one launch per kernel). Needs
+  jaxlib >= 0.10.1 with its CUDA plugin, and CuPy's NVRTC when tracing. Checked without a GPU
+  (tests/adapters/test_jax_xla.py): programs lowered for CUDA carry the launches geometry.py
+  prescribes, their PTX assembles for sm_90a, and the staged programs, run with each custom call
+  replaced by the kernel interpreter, match the eager interpreter bit for bit. The gpu-marked
+  tests there (jit vs eager, grad, vmap, GQA, bf16 vs float64) have not run on a GPU yet.
+  ``with cuattn.backends.xla.lowering_for_cuda(90):`` traces for CUDA on any machine, for
+  ``lower(lowering_platforms=("cuda",))``.
+* Other platforms (TPU, ROCm): ``NotImplementedError``; call cuattn outside ``jit``.
+
 The log-sum-exp side output is treated as a constant (its cotangent is ignored).
 """
 
@@ -24,6 +37,7 @@ import numpy as np
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
+from cuattn.backends import xla as _xla
 from cuattn.layout.layout import Layout
 
 __all__ = ["attend"]
@@ -37,13 +51,16 @@ def _traced(*xs: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _require_cpu() -> None:
-    if jax.default_backend() != "cpu":
-        raise NotImplementedError(
-            "cuattn under jax.jit on a GPU is not supported yet: it would need an XLA FFI "
-            "custom call, and jax.pure_callback would copy through host memory. Call "
-            "cuattn.sparse_attention outside jit (eager), or on the CPU backend."
+def _device_target(backend: str | None) -> int | None:
+    """Compute capability a traced call compiles its kernels for (the XLA custom-call path), or
+    None on the CPU (the host-callback path)."""
+    target = _xla.traced_target()
+    if target is not None and backend not in (None, "cuda"):
+        raise ValueError(
+            f"backend={backend!r} runs on the CPU but this jax program runs on a CUDA GPU; "
+            "use backend='cuda' (or None) under jit there, or call cuattn outside jit"
         )
+    return target
 
 
 def _host_forward(layout: Layout, scale: float, backend: str | None, q, k, v):
@@ -58,7 +75,9 @@ def _host_backward(layout, scale, backend, deterministic, q, k, v, out, lse, dou
 
 def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
     if _traced(q, k, v):
-        _require_cpu()
+        target = _device_target(backend)
+        if target is not None:
+            return _xla.forward(q, k, v, layout, scale, target)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
@@ -71,7 +90,9 @@ def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
 def _backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if _traced(*named.values()):
-        _require_cpu()
+        target = _device_target(backend)
+        if target is not None:
+            return _xla.backward(*named.values(), layout, scale, target)
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         host = functools.partial(_host_backward, layout, scale, backend, deterministic)
         return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")

@@ -1,0 +1,208 @@
+"""Decode benchmark: cuattn.decode_attention over a paged KVCache, per policy, against SDPA.
+
+For each case (batch, context, policy) a CuPy KVCache is prefilled with random bf16 tokens;
+then a decode step (append one token to every sequence, decode_attention with t_q = 1) is
+timed end to end (what a serving loop pays: bookkeeping, page-table copies, Quest's choice,
+HeavyHitters' score read-back) and the decode kernels alone (split + merge). The baseline is
+torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
+would read), and FlexAttention when torch has it. GB/s counts the kept K and V bytes read.
+
+    PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
+    PYTHONPATH=. python scripts/decode_bench.py --quick
+    python scripts/decode_bench.py --smoke                      # CPU: tiny, the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cuattn  # noqa: E402
+from cuattn import policies  # noqa: E402
+from cuattn.backends import resolve_backend  # noqa: E402
+from cuattn.serving import decode as decode_module  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+FULL = [(1, n) for n in (4096, 16384, 65536, 131072)] + [(64, n) for n in (4096, 16384, 32768)]
+QUICK = [(1, 4096), (1, 16384), (64, 4096)]
+SMOKE = [(1, 96), (2, 64)]
+PREFILL_CHUNK = 8192  # tokens appended at once while filling a cache
+REPEATS = 20
+
+
+def make_policy(name: str, context: int, page: int):
+    quarter = max(context // 4, 1)
+    return {
+        "full": None,
+        "sliding": policies.SlidingWindow(quarter),
+        "streaming": policies.StreamingLLM(4, quarter),
+        "h2o": policies.HeavyHitters(quarter, max(quarter // 4, 1)),
+        "quest": policies.Quest(max(quarter // page, 1), page),
+    }[name]
+
+
+def storage(dtype: str):
+    """The array dtype of a cuattn dtype name (bfloat16 through ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _fill(cache, xp, context, dtype, rng):
+    batch = cache.batch
+    done = 0
+    while done < context:
+        t = min(PREFILL_CHUNK, context - done)
+        shape = (batch, cache.kv_heads, t, cache.head_dim)
+        k = xp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(storage(dtype))
+        v = xp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(storage(dtype))
+        cache.append(k, v)
+        done += t
+
+
+def _median_ms(fn, sync, repeats):
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_case(args, batch, context, policy_name, xp, dtype, backend):
+    rng = np.random.default_rng(0)
+    like = xp.zeros(1, dtype=xp.float32) if xp is not np else None
+    page = args.page
+    policy = make_policy(policy_name, context, page)
+    cache = cuattn.KVCache(
+        batch, KV_HEADS, args.head_dim, dtype, page_size=page, policy=policy, like=like
+    )
+    _fill(cache, xp, context, dtype, rng)
+    q = xp.asarray(rng.standard_normal((batch, HEADS, 1, args.head_dim), dtype=np.float32))
+    q = q.astype(storage(dtype))
+    token = xp.asarray(rng.standard_normal((batch, KV_HEADS, 1, args.head_dim), np.float32))
+    token = token.astype(storage(dtype))
+    sync = xp.cuda.Device().synchronize if xp is not np else (lambda: None)
+
+    def step():
+        cache.append(token, token)
+        cuattn.decode_attention(q, cache, backend=backend)
+
+    step_ms = _median_ms(step, sync, args.repeats)
+    impl = resolve_backend(backend, on_device=xp is not np)
+    table, count = cache.device_tables()
+    lengths = xp.asarray(cache.lengths)
+    resident = decode_module._resident_ctas(impl, args.head_dim, cache.dtype)
+    kernel_ms = _median_ms(
+        lambda: impl.decode(
+            q,
+            cache.k_pages,
+            cache.v_pages,
+            cache.device_slot_pos(),
+            table,
+            count,
+            lengths,
+            None,
+            args.head_dim**-0.5,
+            False,
+            resident,
+        ),
+        sync,
+        args.repeats,
+    )
+    kept = int((cache.positions() >= 0).sum())
+    itemsize = 2 if dtype != "float32" else 4
+    kv_bytes = 2 * kept * args.head_dim * itemsize
+    row = dict(
+        batch=batch,
+        context=context,
+        policy=policy_name,
+        kept=kept // (batch * KV_HEADS),
+        step_ms=step_ms,
+        kernel_ms=kernel_ms,
+        gbps=kv_bytes / kernel_ms / 1e6,
+    )
+    if args.baselines:
+        row.update(baselines(cache, q, kept // (batch * KV_HEADS), args, sync))
+    return row
+
+
+def baselines(cache, q, kept, args, sync):
+    """SDPA (and FlexAttention) over the same number of kept tokens, contiguous in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    shape = (cache.batch, KV_HEADS, kept, args.head_dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tq = torch.randn(cache.batch, HEADS, 1, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = {
+        "sdpa_ms": _median_ms(
+            lambda: F.scaled_dot_product_attention(tq, k, v, enable_gqa=True),
+            torch.cuda.synchronize,
+            args.repeats,
+        )
+    }
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention)
+        out["flex_ms"] = _median_ms(
+            lambda: flex(tq, k, v, enable_gqa=True), torch.cuda.synchronize, args.repeats
+        )
+    except Exception as err:  # a torch without FlexAttention or its GQA path: say so
+        out["flex_ms"] = f"n/a ({type(err).__name__})"
+    return out
+
+
+def markdown(rows):
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, the interpreter")
+    parser.add_argument(
+        "--policies", nargs="+", default=["full", "sliding", "streaming", "h2o", "quest"]
+    )
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    if args.smoke:
+        xp, dtype, backend, cases = np, "float32", "interp", SMOKE
+        args.head_dim, args.page, args.repeats, args.baselines = 16, 8, 2, False
+    else:
+        import cupy as xp
+
+        dtype, backend = "bfloat16", None
+        cases = QUICK if args.quick else FULL
+        args.head_dim, args.page, args.repeats, args.baselines = HEAD_DIM, PAGE, REPEATS, True
+    rows = [run_case(args, b, n, p, xp, dtype, backend) for b, n in cases for p in args.policies]
+    report = markdown(rows)
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

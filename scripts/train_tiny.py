@@ -12,8 +12,6 @@ bytes the tape holds after one forward with and without recompute.
 from __future__ import annotations
 
 import argparse
-import codecs
-import math
 import os
 import sys
 import time
@@ -25,88 +23,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-import cuattn  # noqa: E402
-from cuattn.autograd import ops  # noqa: E402
-from cuattn.autograd.tape import Tensor, saved_nbytes  # noqa: E402
+from cuattn.autograd.tape import saved_nbytes  # noqa: E402
+from cuattn.tools.tinylm import TinyConfig, adam_step, init_params, loss, zen  # noqa: E402
 
-N_CTX = 64
-WIDTH = 64
-HEADS = 4
-BLOCK = 8
-LOCAL_CTX = 16
-STRIDE = 8  # n_ctx / stride = 8 = one block per residue class: the transposed strided layout
-LAYER_MODES = (
-    {"attn_mode": "local", "local_attn_ctx": LOCAL_CTX},
-    {"attn_mode": "strided", "local_attn_ctx": STRIDE},
-)
-BETAS = (0.9, 0.99)
-ADAM_EPS = 1e-8
+# Layer 0 "local", layer 1 "strided" with n_ctx / stride = 8 = one block per residue class: the
+# transposed strided layout.
+CONFIG = TinyConfig()
 LOG_EVERY = 25
-
-
-def corpus() -> str:
-    """The Zen of Python, shipped with every interpreter (stored rot13-encoded in `this`)."""
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this
-    return codecs.decode(this.s, "rot13")
-
-
-def init_params(xp, vocab: int, rng: np.random.Generator) -> dict[str, Tensor]:
-    def param(*shape: int, std: float | None = None, value: float | None = None) -> Tensor:
-        if value is not None:
-            arr = np.full(shape, value)
-        else:
-            arr = rng.standard_normal(shape) * (std if std is not None else 1 / math.sqrt(shape[0]))
-        return Tensor(xp.asarray(arr, dtype=xp.float32), requires_grad=True)
-
-    p = {"tok": param(vocab, WIDTH, std=0.1), "pos": param(N_CTX, WIDTH, std=0.1)}
-    for layer in range(len(LAYER_MODES)):
-        for name in ("ln1", "ln2"):
-            p[f"{layer}.{name}.w"], p[f"{layer}.{name}.b"] = (
-                param(WIDTH, value=1.0),
-                param(WIDTH, value=0.0),
-            )
-        for name in ("wq", "wk", "wv", "wo"):
-            p[f"{layer}.{name}"] = param(WIDTH, WIDTH)
-        p[f"{layer}.w1"], p[f"{layer}.b1"] = param(WIDTH, 4 * WIDTH), param(4 * WIDTH, value=0.0)
-        p[f"{layer}.w2"], p[f"{layer}.b2"] = param(4 * WIDTH, WIDTH), param(WIDTH, value=0.0)
-    p["lnf.w"], p["lnf.b"] = param(WIDTH, value=1.0), param(WIDTH, value=0.0)
-    p["head"] = param(WIDTH, vocab)
-    return p
-
-
-def block(x: Tensor, p: dict[str, Tensor], layer: int) -> Tensor:
-    h = ops.layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
-    q, k, v = (h @ p[f"{layer}.{w}"] for w in ("wq", "wk", "wv"))
-    a = cuattn.blocksparse_attention(q, k, v, heads=HEADS, blocksize=BLOCK, **LAYER_MODES[layer])
-    x = x + a @ p[f"{layer}.wo"]
-    h = ops.layer_norm(x, p[f"{layer}.ln2.w"], p[f"{layer}.ln2.b"])
-    return x + (
-        ops.gelu(h @ p[f"{layer}.w1"] + p[f"{layer}.b1"]) @ p[f"{layer}.w2"] + p[f"{layer}.b2"]
-    )
-
-
-def forward(p: dict[str, Tensor], idx, targets, recompute: bool) -> Tensor:
-    x = ops.embedding(p["tok"], idx) + p["pos"]
-    for layer in range(len(LAYER_MODES)):
-        with cuattn.recompute(recompute):
-            x = block(x, p, layer)
-    logits = ops.layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]
-    return ops.cross_entropy(logits, targets)
-
-
-def adam_step(p: dict[str, Tensor], state: dict, step: int, lr: float) -> None:
-    b1, b2 = BETAS
-    for name, t in p.items():
-        m, v = state.setdefault(name, (t.xp.zeros_like(t.data), t.xp.zeros_like(t.data)))
-        m[...] = b1 * m + (1 - b1) * t.grad
-        v[...] = b2 * v + (1 - b2) * t.grad * t.grad
-        m_hat, v_hat = m / (1 - b1**step), v / (1 - b2**step)
-        t.data -= (lr * m_hat / (t.xp.sqrt(v_hat) + ADAM_EPS)).astype(t.data.dtype)
-        t.grad = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,21 +46,21 @@ def main(argv: list[str] | None = None) -> int:
         import cupy as xp
     else:
         xp = np
-    text = corpus()
+    text = zen()
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], dtype=np.int64)
     rng = np.random.default_rng(args.seed)
-    params = init_params(xp, len(chars), rng)
+    params = init_params(xp, len(chars), rng, CONFIG)
     n_params = sum(t.size for t in params.values())
     print(f"{len(text)} characters, vocab {len(chars)}, {n_params} parameters")
 
     def batch() -> tuple:
-        starts = rng.integers(0, len(data) - N_CTX - 1, size=args.batch)
-        windows = np.stack([data[s : s + N_CTX + 1] for s in starts])
+        starts = rng.integers(0, len(data) - CONFIG.n_ctx - 1, size=args.batch)
+        windows = np.stack([data[s : s + CONFIG.n_ctx + 1] for s in starts])
         return xp.asarray(windows[:, :-1]), xp.asarray(windows[:, 1:])
 
     idx, targets = batch()
-    held = {r: saved_nbytes(forward(params, idx, targets, r)) for r in (False, True)}
+    held = {r: saved_nbytes(loss(params, idx, targets, CONFIG, r)) for r in (False, True)}
     saving = held[False] - held[True]
     print(
         f"tape after one forward: {held[False] / 2**20:.2f} MiB plain, "
@@ -150,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     first = last = None
     for step in range(1, args.steps + 1):
         idx, targets = batch()
-        loss = forward(params, idx, targets, args.recompute)
-        loss.backward()
+        value = loss(params, idx, targets, CONFIG, args.recompute)
+        value.backward()
         adam_step(params, state, step, args.lr)
-        last = loss.item()
+        last = value.item()
         first = last if first is None else first
         if step % LOG_EVERY == 0 or step == 1:
             print(f"step {step:4d}  loss {last:.3f}  ({time.perf_counter() - start:.1f} s)")

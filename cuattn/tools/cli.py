@@ -14,6 +14,7 @@ from cuattn.layout import MODES, make_layout
 _EXTERNAL = {
     "compile": ("cuattn.tools.compile_check", "compile every kernel instantiation with NVRTC"),
     "bench": ("cuattn.tools.bench.run", "benchmark against torch SDPA and FlexAttention (GPU)"),
+    "generate": ("cuattn.tools.generate", "KV-cache policies on a tiny LM: quality vs memory"),
 }
 
 
@@ -24,6 +25,7 @@ EXAMPLES = """examples:
   cuattn compile --arch sm_90 --jobs 4
   cuattn bench --quick               on a GPU: cuattn vs SDPA and FlexAttention
   cuattn bench --dry-run             on a CPU: the benchmark harness on the NumPy backend
+  cuattn generate --png gen.png      KV-cache policies: kept bytes, agreement, perplexity
 """
 
 

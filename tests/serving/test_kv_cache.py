@@ -263,3 +263,16 @@ def test_per_head_budgets_pyramid_and_torch_arrays():
     assert P.pyramid(6, 6) == [1] * 6
     with pytest.raises(ValueError, match="cannot give each of num_layers=7"):
         P.pyramid(6, 7)
+
+
+def test_jax_arrays_in_and_out():
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(8)
+    cache = cuattn.KVCache(1, 1, D, "float32", page_size=4, policy=P.StreamingLLM(2, 5))
+    k = rng.standard_normal((1, 1, 12, D)).astype(np.float32)
+    cache.append(jnp.asarray(k), jnp.asarray(k))
+    assert list(cache.positions()[0, 0]) == [0, 1, 7, 8, 9, 10, 11]
+    q = rng.standard_normal((1, 2, 1, D)).astype(np.float32)
+    out = cuattn.decode_attention(jnp.asarray(q), cache)
+    assert type(out).__module__.startswith("jax")
+    assert np.allclose(np.asarray(out), cuattn.decode_attention(q, cache), rtol=1e-6)

@@ -2,8 +2,10 @@
 
 Pre-norm blocks (layer norm, attention through ``cuattn.blocksparse_attention`` with each
 layer's pattern, a GELU MLP), learned token and position embeddings, a linear head; Adam.
-``step_logits`` runs one new token per sequence with a :class:`cuattn.KVCache` per layer and
-``cuattn.decode_attention`` (what generation with a KV cache does), through the same ops.
+A layer may choose its blocks from the data (``{"attn_mode": "topk", "topk": k}``:
+cuattn.dynamic's top-k blocks per sequence, fresh every step). ``step_logits`` runs one new
+token per sequence with a :class:`cuattn.KVCache` per layer and ``cuattn.decode_attention``
+(what generation with a KV cache does), through the same ops.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import Any
 import numpy as np
 
 import cuattn
+from cuattn import dynamic
 from cuattn.autograd import ops
 from cuattn.autograd.tape import Tensor
 
 BETAS = (0.9, 0.99)
+# A layer mode {"attn_mode": "topk", "topk": k} chooses its blocks from the data at every call.
+TOPK_MODE = "topk"
 ADAM_EPS = 1e-8
 MLP_RATIO = 4
 
@@ -83,13 +88,32 @@ def _mlp(x: Tensor, p: dict, layer: int) -> Tensor:
     return x + (hidden @ p[f"{layer}.w2"] + p[f"{layer}.b2"])
 
 
+def chosen_attention(q: Tensor, k: Tensor, v: Tensor, topk: int, config: TinyConfig) -> Tensor:
+    """Attention on a layout chosen per sequence from its own q and k (cuattn.dynamic's top-k
+    blocks, causal), fresh at every call; the choice takes no gradient, the attention does.
+    The sequences run as one packed varlen call, each on its own layout."""
+    batch, n, width = q.shape
+    heads = config.heads
+    q4, k4 = (cuattn.split_heads(t.data, heads) for t in (q, k))
+    layouts = [
+        dynamic.topk_blocks(q4[b : b + 1], k4[b : b + 1], config.blocksize, topk)
+        for b in range(batch)
+    ]
+    cu = np.arange(0, batch * n + 1, n, dtype=np.int64)
+    packed = [t.reshape(batch * n, heads, width // heads) for t in (q, k, v)]
+    return cuattn.sparse_attention_varlen(*packed, cu, cu, layouts).reshape(batch, n, width)
+
+
 def block(x: Tensor, p: dict, layer: int, config: TinyConfig) -> Tensor:
     h = ops.layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
     q, k, v = (h @ p[f"{layer}.{w}"] for w in ("wq", "wk", "wv"))
     mode = config.layer_modes[layer]
-    a = cuattn.blocksparse_attention(
-        q, k, v, heads=config.heads, blocksize=config.blocksize, **mode
-    )
+    if mode["attn_mode"] == TOPK_MODE:
+        a = chosen_attention(q, k, v, mode["topk"], config)
+    else:
+        a = cuattn.blocksparse_attention(
+            q, k, v, heads=config.heads, blocksize=config.blocksize, **mode
+        )
     return _mlp(x + a @ p[f"{layer}.wo"], p, layer)
 
 

@@ -12,6 +12,8 @@
 #   full      the full benchmark sweep, with whatever time the steps before it left
 #   decode    the decode benchmark (scripts/decode_bench.py --quick: paged KVCache per policy
 #             vs SDPA and FlexAttention over the same kept tokens)
+#   dynamic   the dynamic-sparsity benchmark (scripts/dynamic_bench.py --quick: block selection
+#             time, attention on the chosen layout vs FlexAttention on the same blocks and SDPA)
 # Run from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_report.sh                  # tests, sanitizers, quick bench
 #   PYTHONPATH=. bash scripts/gpu_report.sh tests sanitize full
@@ -32,7 +34,7 @@ STEPS="${*:-tests sanitize quick}"
 # Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
 CALL_S=580
 WARM_S=60; TESTS_S=190; MEMCHECK_S=60; RACECHECK_S=90; SYNCCHECK_S=40; BENCH_S=110
-PROFILE_S=100; PROFILE_METRICS_S=50; DECODE_S=150
+PROFILE_S=100; PROFILE_METRICS_S=50; DECODE_S=150; DYNAMIC_S=150
 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis"
 NCU_METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
@@ -130,8 +132,12 @@ for name in $STEPS; do
       step decode-bench "$DECODE_S" "$PY" scripts/decode_bench.py --quick \
         --markdown "$REPORT_DIR/decode-bench.md"
       ;;
+    dynamic)
+      step dynamic-bench "$DYNAMIC_S" "$PY" scripts/dynamic_bench.py --quick \
+        --markdown "$REPORT_DIR/dynamic-bench.md"
+      ;;
     *)
-      echo "unknown step '$name': expected tests, sanitize, profile, quick, full or decode" >&2
+      echo "unknown step '$name': expected tests, sanitize, profile, quick, full, decode or dynamic" >&2
       exit 2
       ;;
   esac

@@ -1,0 +1,130 @@
+"""Dynamic-sparsity benchmark: choosing blocks from the data, then attending on them.
+
+Per sequence length T: the time of cuattn.dynamic.topk_blocks and mass_threshold_blocks (pooling
+and scores on the device, the choice and the Layout on the host: what a step pays today), then
+forward and forward+backward of cuattn.sparse_attention on the chosen layout, of FlexAttention
+with a BlockMask built from the same layout (compiled), and of dense causal SDPA. One sequence,
+16 heads, head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
+
+    PYTHONPATH=. python scripts/dynamic_bench.py [--quick] [--markdown FILE]    # on a GPU
+    python scripts/dynamic_bench.py --smoke                                     # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cuattn  # noqa: E402
+from cuattn import dynamic  # noqa: E402
+
+HEADS, HEAD_DIM, BLOCK, TOPK, TAU = 16, 128, 64, 16, 0.9
+FULL = (8192, 16384, 32768, 65536, 131072)
+QUICK = (8192, 16384)
+SMOKE = (256,)
+REPEATS = 10
+
+
+def _median_ms(fn, sync, repeats):
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fwd_bwd(attend, q, k, v):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    attend(*leaves).float().sum().backward()
+
+
+def run(n, args, device, dtype, sync):
+    gen = torch.Generator(device=device).manual_seed(n)
+    q, k, v = (
+        torch.randn(1, HEADS, n, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+        for _ in range(3)
+    )
+    block = args.block
+    row = {"T": n}
+    row["topk_select_ms"] = _median_ms(
+        lambda: dynamic.topk_blocks(q, k, block, TOPK), sync, args.repeats
+    )
+    row["mass_select_ms"] = _median_ms(
+        lambda: dynamic.mass_threshold_blocks(q, k, block, TAU), sync, args.repeats
+    )
+    layout = dynamic.topk_blocks(q, k, block, TOPK)
+    row["density"] = layout.density
+
+    def ours(a, b, c):
+        return cuattn.sparse_attention(a, b, c, layout)
+
+    row["cuattn_fwd_ms"] = _median_ms(lambda: ours(q, k, v), sync, args.repeats)
+    row["cuattn_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(ours, q, k, v), sync, args.repeats)
+
+    def sdpa(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    row["sdpa_causal_fwd_ms"] = _median_ms(lambda: sdpa(q, k, v), sync, args.repeats)
+    row["sdpa_causal_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(sdpa, q, k, v), sync, args.repeats)
+    if args.flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from cuattn.tools.bench.flex_mask import block_mask_from_layout
+
+        mask = block_mask_from_layout(layout, device)
+        flex = torch.compile(flex_attention)
+
+        def flexed(a, b, c):
+            return flex(a, b, c, block_mask=mask)
+
+        row["flex_fwd_ms"] = _median_ms(lambda: flexed(q, k, v), sync, args.repeats)
+        row["flex_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(flexed, q, k, v), sync, args.repeats)
+    return row
+
+
+def markdown(rows):
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny, float32, no Flex")
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    if args.smoke:
+        device, dtype, lengths = "cpu", torch.float32, SMOKE
+        args.block, args.repeats, args.flex = 32, 2, False
+
+        def sync():
+            return None
+    else:
+        device, dtype = "cuda", torch.bfloat16
+        lengths = QUICK if args.quick else FULL
+        args.block, args.repeats, args.flex = BLOCK, REPEATS, True
+        sync = torch.cuda.synchronize
+    report = markdown([run(n, args, device, dtype, sync) for n in lengths])
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

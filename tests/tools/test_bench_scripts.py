@@ -1,0 +1,28 @@
+"""The GPU benchmark scripts run end to end on the CPU (their --smoke modes), so they do not rot
+between GPU sessions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "script, extra, column",
+    [
+        ("dynamic_bench.py", [], "topk_select_ms"),
+        ("decode_bench.py", ["--policies", "full"], "kernel_ms"),
+    ],
+)
+def test_smoke(script, extra, column, tmp_path):
+    table = tmp_path / "table.md"
+    command = [sys.executable, str(ROOT / "scripts" / script), "--smoke", "--markdown", str(table)]
+    done = subprocess.run(command + extra, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    header, _, *rows = table.read_text().splitlines()
+    assert column in header and rows

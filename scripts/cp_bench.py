@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cuattn  # noqa: E402
 from cuattn.distributed import RingStats, ring_attention, ring_plan, shard  # noqa: E402
+from cuattn.tools.bench.report import rows_table  # noqa: E402
 
 PATTERNS = {
     "causal": ("all", {}),
@@ -210,15 +211,6 @@ def project(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def markdown(rows: list[dict], columns: list[str]) -> str:
-    def cell(v: object) -> str:
-        return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
@@ -239,7 +231,7 @@ def main() -> None:
         f"cp_bench: n={args.n}, heads={args.heads}, head_dim={args.head_dim}, "
         f"blocksize={args.blocksize}, float32 on gloo (CPU), forward + backward",
         "",
-        markdown(
+        rows_table(
             summarise(run_ranks(args)),
             [
                 "world",
@@ -266,7 +258,7 @@ def main() -> None:
             "compute + merge, key/value transfers) + the dK/dV transfer; one_device: the same "
             "work on one device, speedup: one_device / ring):",
             "",
-            markdown(
+            rows_table(
                 project(args),
                 [
                     "world",

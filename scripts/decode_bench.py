@@ -15,9 +15,7 @@ would read), and FlexAttention when torch has it. GB/s counts the kept K and V b
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,8 @@ import cuattn  # noqa: E402
 from cuattn import policies  # noqa: E402
 from cuattn.backends import resolve_backend  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
+from cuattn.tools.bench.report import rows_table  # noqa: E402
+from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 FULL = [(1, n) for n in (4096, 16384, 65536, 131072)] + [(64, n) for n in (4096, 16384, 32768)]
@@ -69,18 +69,6 @@ def _fill(cache, xp, context, dtype, rng):
         done += t
 
 
-def _median_ms(fn, sync, repeats):
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def run_case(args, batch, context, policy_name, xp, dtype, backend):
     rng = np.random.default_rng(0)
     like = xp.zeros(1, dtype=xp.float32) if xp is not np else None
@@ -100,12 +88,12 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         cache.append(token, token)
         cuattn.decode_attention(q, cache, backend=backend)
 
-    step_ms = _median_ms(step, sync, args.repeats)
+    step_ms = median_ms(step, sync, args.repeats)
     impl = resolve_backend(backend, on_device=xp is not np)
     table, count = cache.device_tables()
     lengths = xp.asarray(cache.lengths)
     resident = decode_module._resident_ctas(impl, args.head_dim, cache.dtype)
-    kernel_ms = _median_ms(
+    kernel_ms = median_ms(
         lambda: impl.decode(
             q,
             cache.k_pages,
@@ -149,7 +137,7 @@ def baselines(cache, q, kept, args, sync):
     v = torch.randn_like(k)
     tq = torch.randn(cache.batch, HEADS, 1, args.head_dim, device="cuda", dtype=torch.bfloat16)
     out = {
-        "sdpa_ms": _median_ms(
+        "sdpa_ms": median_ms(
             lambda: F.scaled_dot_product_attention(tq, k, v, enable_gqa=True),
             torch.cuda.synchronize,
             args.repeats,
@@ -159,24 +147,12 @@ def baselines(cache, q, kept, args, sync):
         from torch.nn.attention.flex_attention import flex_attention
 
         flex = torch.compile(flex_attention)
-        out["flex_ms"] = _median_ms(
+        out["flex_ms"] = median_ms(
             lambda: flex(tq, k, v, enable_gqa=True), torch.cuda.synchronize, args.repeats
         )
     except Exception as err:  # a torch without FlexAttention or its GQA path: say so
         out["flex_ms"] = f"n/a ({type(err).__name__})"
     return out
-
-
-def markdown(rows):
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        lines.append(
-            "| "
-            + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns)
-            + " |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -198,7 +174,7 @@ def main() -> None:
         cases = QUICK if args.quick else FULL
         args.head_dim, args.page, args.repeats, args.baselines = HEAD_DIM, PAGE, REPEATS, True
     rows = [run_case(args, b, n, p, xp, dtype, backend) for b, n in cases for p in args.policies]
-    report = markdown(rows)
+    report = rows_table(rows)
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")

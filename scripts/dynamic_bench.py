@@ -13,9 +13,7 @@ with a BlockMask built from the same layout (compiled), and of dense causal SDPA
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,24 +23,14 @@ import torch.nn.functional as F  # noqa: E402
 
 import cuattn  # noqa: E402
 from cuattn import dynamic  # noqa: E402
+from cuattn.tools.bench.report import rows_table  # noqa: E402
+from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, TOPK, TAU = 16, 128, 64, 16, 0.9
 FULL = (8192, 16384, 32768, 65536, 131072)
 QUICK = (8192, 16384)
 SMOKE = (256,)
 REPEATS = 10
-
-
-def _median_ms(fn, sync, repeats):
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _fwd_bwd(attend, q, k, v):
@@ -58,10 +46,10 @@ def run(n, args, device, dtype, sync):
     )
     block = args.block
     row = {"T": n}
-    row["topk_select_ms"] = _median_ms(
+    row["topk_select_ms"] = median_ms(
         lambda: dynamic.topk_blocks(q, k, block, TOPK), sync, args.repeats
     )
-    row["mass_select_ms"] = _median_ms(
+    row["mass_select_ms"] = median_ms(
         lambda: dynamic.mass_threshold_blocks(q, k, block, TAU), sync, args.repeats
     )
     layout = dynamic.topk_blocks(q, k, block, TOPK)
@@ -70,14 +58,14 @@ def run(n, args, device, dtype, sync):
     def ours(a, b, c):
         return cuattn.sparse_attention(a, b, c, layout)
 
-    row["cuattn_fwd_ms"] = _median_ms(lambda: ours(q, k, v), sync, args.repeats)
-    row["cuattn_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(ours, q, k, v), sync, args.repeats)
+    row["cuattn_fwd_ms"] = median_ms(lambda: ours(q, k, v), sync, args.repeats)
+    row["cuattn_fwd_bwd_ms"] = median_ms(lambda: _fwd_bwd(ours, q, k, v), sync, args.repeats)
 
     def sdpa(a, b, c):
         return F.scaled_dot_product_attention(a, b, c, is_causal=True)
 
-    row["sdpa_causal_fwd_ms"] = _median_ms(lambda: sdpa(q, k, v), sync, args.repeats)
-    row["sdpa_causal_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(sdpa, q, k, v), sync, args.repeats)
+    row["sdpa_causal_fwd_ms"] = median_ms(lambda: sdpa(q, k, v), sync, args.repeats)
+    row["sdpa_causal_fwd_bwd_ms"] = median_ms(lambda: _fwd_bwd(sdpa, q, k, v), sync, args.repeats)
     if args.flex:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -89,18 +77,9 @@ def run(n, args, device, dtype, sync):
         def flexed(a, b, c):
             return flex(a, b, c, block_mask=mask)
 
-        row["flex_fwd_ms"] = _median_ms(lambda: flexed(q, k, v), sync, args.repeats)
-        row["flex_fwd_bwd_ms"] = _median_ms(lambda: _fwd_bwd(flexed, q, k, v), sync, args.repeats)
+        row["flex_fwd_ms"] = median_ms(lambda: flexed(q, k, v), sync, args.repeats)
+        row["flex_fwd_bwd_ms"] = median_ms(lambda: _fwd_bwd(flexed, q, k, v), sync, args.repeats)
     return row
-
-
-def markdown(rows):
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -120,7 +99,7 @@ def main() -> None:
         lengths = QUICK if args.quick else FULL
         args.block, args.repeats, args.flex = BLOCK, REPEATS, True
         sync = torch.cuda.synchronize
-    report = markdown([run(n, args, device, dtype, sync) for n in lengths])
+    report = rows_table([run(n, args, device, dtype, sync) for n in lengths])
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")

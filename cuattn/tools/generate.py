@@ -26,6 +26,7 @@ import numpy as np
 
 import cuattn
 from cuattn import policies
+from cuattn.tools.bench.report import rows_table
 from cuattn.tools.tinylm import TinyConfig, adam_step, init_params, loss, prefill, step_logits
 
 CONFIG = TinyConfig(
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         f"{last_loss:.3f} nats/char); read {args.windows} held-out windows of {CONFIG.n_ctx} "
         f"characters, prompt {args.prompt}"
     )
-    table = _markdown(rows)
+    table = rows_table(rows)
     print(header, "", table, sep="\n")
     if args.markdown:
         args.markdown.write_text(header + "\n\n" + table + "\n")
@@ -161,15 +162,6 @@ def _row(policy, budget, kv_bytes, agreement, log_probs, tokens_per_s):
         "perplexity": math.exp(-float(log_probs.mean())),
         "tokens/s": tokens_per_s,
     }
-
-
-def _markdown(rows: list[dict]) -> str:
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in rows:
-        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -155,3 +155,13 @@ def plot_speed_vs_density(report: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def rows_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A markdown table of flat rows (floats to 3 decimals), columns in the first row's order."""
+    columns = list(columns or rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -146,3 +146,17 @@ class _TorchBlock:
 
     def __del__(self) -> None:
         self._free(self.ptr)
+
+
+def median_ms(fn: Callable[[], Any], sync: Callable[[], Any], repeats: int) -> float:
+    """Median wall milliseconds of ``fn`` (one untimed warm-up call), ``sync`` after each call
+    (torch.cuda.synchronize, a CuPy device's synchronize, or a no-op on the CPU)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

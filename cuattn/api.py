@@ -410,7 +410,9 @@ def merge_attention_states(
     the two outs: what a split-KV decode or a ring of context-parallel ranks combines. A side
     with lse = -inf (it saw no key) contributes nothing; both empty give 0 and -inf, never NaN.
     NumPy, CuPy, torch and jax (eager) arrays; the kernel backends run kernels/merge_states.cu.
-    No gradient flows through it yet: torch tensors that require grad are refused.
+    torch tensors get gradients in all four inputs (``d out_x = w_x dout``, ``d lse_x =
+    w_x (dout . (out_x - out) + dlse)`` with ``w_x = exp(lse_x - lse)``; an empty side gets 0);
+    jax tracers are refused.
     """
     for name, x in (("out_a", out_a), ("out_b", out_b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -440,8 +442,12 @@ def merge_attention_states(
             )
     arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
     if _dispatch.wants_gradient(arrays.values()):
-        raise ValueError(
-            "merge_attention_states does not propagate gradients yet; call it on detached "
-            "tensors (torch.no_grad()) or outside jax transformations"
-        )
+        if not all(type(x).__module__.startswith("torch") for x in arrays.values()):
+            raise ValueError(
+                "merge_attention_states propagates gradients for torch tensors only; call it "
+                "outside jax transformations (or on torch tensors)"
+            )
+        from cuattn.adapters import torch_ops
+
+        return torch_ops.merge(out_a, lse_a, out_b, lse_b, backend)
     return _dispatch.merge_states(arrays, backend)

@@ -38,4 +38,5 @@ if rank == 0:
         f"{world} ranks: max |ring - single| = {error:.2e}; rank 0 sent "
         f"{stats.bytes_sent / 2**20:.1f} MiB, skipped {stats.steps_skipped} of {world} steps"
     )
+dist.barrier()  # nobody closes its connections while a peer still talks
 dist.destroy_process_group()

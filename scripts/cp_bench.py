@@ -92,6 +92,7 @@ def _rank_worker(rank: int, world: int, init: str, args: argparse.Namespace, out
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
             Path(out).write_text(json.dumps([r for part in gathered for r in part]))
+        dist.barrier()  # nobody closes its connections while a peer still talks
     finally:
         dist.destroy_process_group()
 

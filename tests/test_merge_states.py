@@ -67,17 +67,53 @@ def test_empty_sides_contribute_nothing_and_never_nan(backend):
     np.testing.assert_allclose(lse[..., 3:], both, rtol=1e-5)
 
 
-def test_torch_arrays_come_back_as_torch_and_gradients_are_refused():
+def test_torch_arrays_come_back_as_torch():
     torch = pytest.importorskip("torch")
     ((out_a, lse_a), (out_b, lse_b)), (want_out, _) = halves()
     tensors = [torch.tensor(x) for x in (out_a, lse_a, out_b, lse_b)]
     out, lse = cuattn.merge_attention_states(*tensors)
     assert isinstance(out, torch.Tensor) and rel_err(out.numpy(), want_out) < 1e-14
-    tensors[0].requires_grad_(True)
-    with pytest.raises(ValueError, match="does not propagate gradients yet"):
-        cuattn.merge_attention_states(*tensors)
-    with torch.no_grad():
-        cuattn.merge_attention_states(*tensors)
+
+
+def test_torch_gradients_equal_autograd_of_the_merge_formula():
+    """Gradients in all four inputs equal torch autograd through the merge's formula (lse =
+    logaddexp, out = the lse-weighted mean); an empty side gets zero gradient, never NaN."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    ((out_a, lse_a), (out_b, lse_b)), _ = halves()
+    leaves = [torch.tensor(x, requires_grad=True) for x in (out_a, lse_a, out_b, lse_b)]
+    out, lse = cuattn.merge_attention_states(*leaves)
+    weight = torch.tensor(rng.standard_normal(out.shape))
+    lse_weight = torch.tensor(rng.standard_normal(lse.shape))
+    ((out * weight).sum() + (lse * lse_weight).sum()).backward()
+    refs = [torch.tensor(x, requires_grad=True) for x in (out_a, lse_a, out_b, lse_b)]
+    want_lse = torch.logaddexp(refs[1], refs[3])
+    want = (refs[1] - want_lse).exp()[..., None] * refs[0]
+    want = want + (refs[3] - want_lse).exp()[..., None] * refs[2]
+    ((want * weight).sum() + (want_lse * lse_weight).sum()).backward()
+    for name, got, ref in zip(("out_a", "lse_a", "out_b", "lse_b"), leaves, refs, strict=True):
+        assert torch.allclose(got.grad, ref.grad, rtol=1e-12, atol=1e-13), name
+
+    out_a = torch.full((3, 8), float("nan"), requires_grad=True)  # an empty side's garbage
+    lse_a = torch.full((3,), float("-inf"), requires_grad=True)
+    out_b = torch.tensor(rng.standard_normal((3, 8)), dtype=torch.float32, requires_grad=True)
+    lse_b = torch.tensor(rng.standard_normal(3), dtype=torch.float32, requires_grad=True)
+    merged, merged_lse = cuattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    (merged.sum() + merged_lse.sum()).backward()
+    assert (out_a.grad == 0).all() and (lse_a.grad == 0).all()
+    assert torch.isfinite(out_b.grad).all() and torch.allclose(lse_b.grad, torch.ones(3))
+
+
+def test_jax_tracers_are_refused():
+    jax = pytest.importorskip("jax")
+    ((out_a, lse_a), (out_b, lse_b)), _ = halves()
+    out_a, lse_a, out_b, lse_b = (x.astype(np.float32) for x in (out_a, lse_a, out_b, lse_b))
+
+    def merged(a):
+        return cuattn.merge_attention_states(a, lse_a, out_b, lse_b)[0].sum()
+
+    with pytest.raises(ValueError, match="for torch tensors only"):
+        jax.grad(merged)(jax.numpy.asarray(out_a))
 
 
 def test_bad_inputs_name_the_argument():

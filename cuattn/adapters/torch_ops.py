@@ -19,13 +19,14 @@ import functools
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import Layout
 from cuattn.layout.pattern import Pattern
 
-__all__ = ["attend", "layout_key"]
+__all__ = ["attend", "layout_key", "merge"]
 
 UID_PREFIX = "uid:"
 PATTERN_KEYS_CACHED = 64
@@ -166,3 +167,44 @@ def attend(
         q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic
     )
     return (out, lse) if return_lse else out
+
+
+def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse_x - lse): a side's share of the merged softmax; 0 for an empty side (and when
+    both are empty), never NaN."""
+    finite = torch.isfinite(lse)
+    return torch.where(finite, torch.exp(lse_x - torch.where(finite, lse, 0.0)), 0.0)
+
+
+class MergeStates(torch.autograd.Function):
+    """merge_attention_states with gradients: out = w_a out_a + w_b out_b, w_x = exp(lse_x -
+    lse). d out_x = w_x dout; d lse_x = w_x (dout . (out_x - out) + dlse). Empty sides get 0."""
+
+    @staticmethod
+    def forward(ctx: Any, out_a, lse_a, out_b, lse_b, backend):
+        named = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+        out, lse = dlpack.call(_backend.merge_states, named, backend)
+        ctx.save_for_backward(out_a, lse_a, out_b, lse_b, out, lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+        out_a, lse_a, out_b, lse_b, out, lse = ctx.saved_tensors
+        acc = lse.dtype
+        dout = torch.zeros_like(out, dtype=acc) if dout is None else dout.to(acc)
+        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        grads = []
+        for out_x, lse_x in ((out_a, lse_a), (out_b, lse_b)):
+            weight = _side_weight(lse_x, lse)
+            used = (weight > 0)[..., None]
+            # an empty side's out may hold anything (NaN included): it must not reach a product
+            diff = torch.where(used, out_x.to(acc) - out.to(acc), 0.0)
+            d_lse = weight * ((dout * diff).sum(-1) + dlse)
+            grads += [(weight[..., None] * dout).to(out_x.dtype), d_lse.to(lse_x.dtype)]
+        return (*grads, None)
+
+
+def merge(out_a, lse_a, out_b, lse_b, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_attention_states on torch tensors, differentiable in all four inputs."""
+    return MergeStates.apply(out_a, lse_a, out_b, lse_b, backend)

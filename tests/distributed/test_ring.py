@@ -106,6 +106,7 @@ def _worker(rank, world_size, init_file):
         for case in CASES:
             _check_case(rank, world_size, case)
         _check_mismatched_shards(rank, world_size)
+        dist.barrier()  # nobody closes its connections while a peer still talks
     finally:
         dist.destroy_process_group()
 

@@ -3,7 +3,8 @@
 For each case (batch, context, policy) a CuPy KVCache is prefilled with random bf16 tokens;
 then a decode step (append one token to every sequence, decode_attention with t_q = 1) is
 timed end to end (what a serving loop pays: bookkeeping, page-table copies, Quest's choice,
-HeavyHitters' score read-back) and the decode kernels alone (split + merge). The baseline is
+HeavyHitters' score read-back) and the decode kernels alone (split + merge, with their
+small argument copies). The baseline is
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
 would read), and FlexAttention when torch has it. GB/s counts the kept K and V bytes read.
 
@@ -90,23 +91,8 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
 
     step_ms = median_ms(step, sync, args.repeats)
     impl = resolve_backend(backend, on_device=xp is not np)
-    table, count = cache.device_tables()
-    lengths = xp.asarray(cache.lengths)
-    resident = decode_module._resident_ctas(impl, args.head_dim, cache.dtype)
     kernel_ms = median_ms(
-        lambda: impl.decode(
-            q,
-            cache.k_pages,
-            cache.v_pages,
-            cache.device_slot_pos(),
-            table,
-            count,
-            lengths,
-            None,
-            args.head_dim**-0.5,
-            False,
-            resident,
-        ),
+        lambda: decode_module.kernel_call(impl, cache, q, args.head_dim**-0.5),
         sync,
         args.repeats,
     )

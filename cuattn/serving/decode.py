@@ -17,6 +17,7 @@ with the merged lse (no second pass over K) and reads them back to the host book
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from cuattn.adapters import dlpack
 from cuattn.backends import geometry
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "kernel_call"]
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
@@ -88,7 +89,15 @@ def _resident_ctas(impl: Any, head_dim: int, dtype: str) -> int:
         return INTERP_RESIDENT_CTAS
     import cupy
 
-    device = cupy.cuda.Device()
+    return _device_resident_ctas(cupy.cuda.Device().id, head_dim, dtype)
+
+
+@functools.cache
+def _device_resident_ctas(device_id: int, head_dim: int, dtype: str) -> int:
+    """Decode CTAs device ``device_id`` holds (its properties read once, not every step)."""
+    import cupy
+
+    device = cupy.cuda.Device(device_id)
     major = int(device.compute_capability[:-1])
     arch = "sm_90" if major >= 9 else "sm_80"
     sms = int(device.attributes["MultiProcessorCount"])
@@ -122,27 +131,40 @@ def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
     return chosen.reshape(batch, heads, t_q, max_pages)
 
 
-def _kernel_decode(impl: Any, cache: KVCache, qb: Any, scale: float) -> tuple[Any, Any]:
-    xp = cache.xp
+def kernel_call(
+    impl: Any,
+    cache: KVCache,
+    qb: Any,
+    scale: float,
+    chosen: Any | None = None,
+    keep_scores: bool = False,
+) -> tuple[Any, Any, Any | None]:
+    """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
+    (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
     table, count = cache.device_tables()
-    quest = cache.policy is not None and cache.policy.selects_pages
-    keep_scores = cache.policy is not None and cache.policy.scores_tokens
-    chosen = _quest_chosen(cache, qb, table, count) if quest else None
-    lengths = xp.asarray(cache.lengths)
-    resident = _resident_ctas(impl, cache.head_dim, cache.dtype)
-    out, lse, scores = impl.decode(
+    return impl.decode(
         qb,
         cache.k_pages,
         cache.v_pages,
         cache.device_slot_pos(),
         table,
         count,
-        lengths,
+        cache.xp.asarray(cache.lengths),
         chosen,
         scale,
         keep_scores,
-        resident,
+        _resident_ctas(impl, cache.head_dim, cache.dtype),
     )
+
+
+def _kernel_decode(impl: Any, cache: KVCache, qb: Any, scale: float) -> tuple[Any, Any]:
+    quest = cache.policy is not None and cache.policy.selects_pages
+    keep_scores = cache.policy is not None and cache.policy.scores_tokens
+    chosen = None
+    if quest:
+        table, count = cache.device_tables()
+        chosen = _quest_chosen(cache, qb, table, count)
+    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores)
     if keep_scores:
         _add_token_mass(cache, scores, lse)
     return out, lse

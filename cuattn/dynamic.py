@@ -1,15 +1,218 @@
-"""Layouts chosen from the data (``cuattn.dynamic``): the selection rules in one namespace.
+"""Layouts chosen from the data (``cuattn.dynamic``): block selection by pooled scores, top-k
+(MoBA/NSA) and mass threshold (XAttention-style adaptive budgets), and vertical-slash
+(MInference, cuattn/layout/dynamic.py). The selection is not differentiable; attention over the
+chosen layout is, on every route.
 
-    topk_blocks(q, k, blocksize, topk, pool="mean", causal=True, keep_diagonal=True, keep_first=1)
-    mass_threshold_blocks(q, k, blocksize, tau, pool="mean", causal=True, keep_diagonal=True,
-                          max_blocks=None, scale=None)
-    vertical_slash_layout(q, k, blocksize=64, num_vertical=64, num_slash=64, last_q=64, ...)
+Top-k and mass threshold score query block i against key block j of head h from block-pooled
+queries and keys:
+    pooled_q[h, i] = pool of q[h, rows of block i]   (mean or element-wise max; a ragged last
+                                                      block pools only its real rows)
+    score[h, i, j] = pooled_q[h, i] . pooled_k[h // (heads / kv_heads), j]      (GQA)
+and allow j <= i when ``causal`` (square: as many queries as keys). The element rule of the
+layout is causal (k <= q) or none, plus the sequence end.
 
-Definitions: cuattn/layout/selection.py and cuattn/layout/dynamic.py. The selection is not
-differentiable; attention over the chosen layout is, on every route.
+topk_blocks(q, k, blocksize, topk, ...): per (h, i) the forced blocks (the diagonal with
+    ``keep_diagonal``, and the first ``keep_first`` blocks, where allowed) plus the highest-scored
+    other allowed blocks until there are ``topk`` (an int, or one per head); ties go to the
+    lower j. The forced blocks count toward topk, so no row ever holds more than topk.
+mass_threshold_blocks(q, k, blocksize, tau, ...): per (h, i) the estimated softmax over the
+    allowed blocks, p = softmax(score * scale); blocks taken in order (the diagonal first with
+    ``keep_diagonal``, then by p, ties to the lower j) until their mass reaches ``tau``, at most
+    ``max_blocks``: a concentrated head spends few blocks, a diffuse one many.
+``layout.nnz`` reports the blocks each head received.
+
+q, k: [heads, n, d] or [1, heads, n, d] (k: kv_heads dividing heads) of any framework cuattn
+takes; pooling and scores run on the arrays' device, and the [heads, nb, nb] scores come to
+the host, where the choice is made (a small copy: nb^2 floats per head; building layouts on the
+device itself is the next step).
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cuattn._util import ceil_div
+from cuattn.adapters import dlpack
 from cuattn.layout.dynamic import vertical_slash_layout
-from cuattn.layout.selection import block_scores, mass_threshold_blocks, topk_blocks
+from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
 __all__ = ["block_scores", "mass_threshold_blocks", "topk_blocks", "vertical_slash_layout"]
+
+POOLS = ("mean", "max")
+# Mass reached when the cumulative sum is within this of tau (float sums of probabilities).
+MASS_SLACK = 1e-9
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(x.get() if hasattr(x, "get") else x)
+
+
+def _as_array(name: str, x: Any) -> Any:
+    info = dlpack.describe(x, name)
+    arr = dlpack.to_backend(x, info, name)
+    if arr.ndim == 4:
+        if arr.shape[0] != 1:
+            raise ValueError(
+                f"{name} must be [heads, n, d] or [1, heads, n, d] (a layout is for one "
+                f"sequence; choose per sequence), got shape {tuple(arr.shape)}"
+            )
+        arr = arr[0]
+    if arr.ndim != 3:
+        raise ValueError(f"{name} must be [heads, n, d] or [1, heads, n, d], got {arr.shape}")
+    return arr
+
+
+def _pooled(x: Any, blocksize: int, pool: str) -> Any:
+    """[heads, n, d] -> [heads, nb, d] in float32 (float64 for float64)."""
+    if isinstance(x, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    acc = xp.float64 if x.dtype == xp.float64 else xp.float32
+    heads, n, d = x.shape
+    nb = ceil_div(n, blocksize)
+    fill = 0.0 if pool == "mean" else -xp.inf
+    padded = xp.full((heads, nb * blocksize, d), fill, dtype=acc)
+    padded[:, :n] = x
+    blocks = padded.reshape(heads, nb, blocksize, d)
+    if pool == "max":
+        return blocks.max(axis=2)
+    rows = xp.full((nb,), blocksize, dtype=acc)
+    rows[-1] = n - (nb - 1) * blocksize
+    return blocks.sum(axis=2) / rows[None, :, None]
+
+
+def block_scores(q: Any, k: Any, blocksize: int, pool: str = "mean") -> tuple[np.ndarray, int, int]:
+    """(score [heads, nb, nb] float64 on the host, tokens n, head_dim) from pooled q and k."""
+    check_positive_int("blocksize", blocksize)
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    qa, ka = _as_array("q", q), _as_array("k", k)
+    heads, n, d = qa.shape
+    kv_heads = ka.shape[0]
+    if ka.shape[1:] != (n, d) or heads % kv_heads:
+        raise ValueError(
+            f"k must be [kv_heads dividing {heads}, n={n}, d={d}] (as many keys as queries), "
+            f"got {tuple(ka.shape)}"
+        )
+    pq, pk = _pooled(qa, blocksize, pool), _pooled(ka, blocksize, pool)
+    nb = pq.shape[1]
+    grouped = pq.reshape(kv_heads, heads // kv_heads, nb, d)
+    scores = grouped @ pk.transpose(0, 2, 1)[:, None]  # [kv_heads, group, nb, nb]
+    return _host(scores).reshape(heads, nb, nb).astype(np.float64), n, d
+
+
+def _allowed(heads: int, nb: int, causal: bool) -> np.ndarray:
+    i, j = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    return np.broadcast_to((j <= i) if causal else np.ones((nb, nb), bool), (heads, nb, nb))
+
+
+def _rank(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """rank[h, i, j]: position of j when row (h, i) is sorted by the keys (last key first,
+    as np.lexsort), ties by j."""
+    nb = keys[0].shape[-1]
+    j = np.broadcast_to(np.arange(nb), keys[0].shape)
+    order = np.lexsort((j, *keys), axis=-1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(nb), order.shape), axis=-1)
+    return rank
+
+
+def _layout(blocks: np.ndarray, blocksize: int, n: int, causal: bool, name: str) -> Layout:
+    rule = ElementRule("causal") if causal else ElementRule("none")
+    return Layout(blocks, blocksize, n_ctx=n, rule=rule, name=name)
+
+
+def _forced(heads: int, nb: int, allowed: np.ndarray, keep_diagonal: bool, keep_first: int):
+    i, j = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    forced = np.zeros((nb, nb), dtype=bool)
+    if keep_diagonal:
+        forced |= i == j
+    forced |= j < keep_first
+    return np.broadcast_to(forced, (heads, nb, nb)) & allowed
+
+
+def topk_blocks(
+    q: Any,
+    k: Any,
+    blocksize: int,
+    topk: int | Sequence[int],
+    pool: str = "mean",
+    causal: bool = True,
+    keep_diagonal: bool = True,
+    keep_first: int = 1,
+) -> Layout:
+    """MoBA/NSA-style top-k key blocks per (head, query block); see the module doc."""
+    scores, n, _ = block_scores(q, k, blocksize, pool)
+    heads, nb, _ = scores.shape
+    if isinstance(keep_first, bool) or not isinstance(keep_first, (int, np.integer)):
+        raise TypeError(f"keep_first must be an int >= 0, got {keep_first!r}")
+    if keep_first < 0:
+        raise ValueError(f"keep_first must be an int >= 0, got {keep_first}")
+    budget = _per_head_ints("topk", topk, heads)
+    forced_most = int(keep_diagonal) + keep_first
+    if (budget < forced_most).any():
+        raise ValueError(
+            f"topk must leave room for the forced blocks (the diagonal {int(keep_diagonal)} + "
+            f"keep_first {keep_first} = {forced_most}), got {budget.tolist()}"
+        )
+    allowed = _allowed(heads, nb, causal)
+    forced = _forced(heads, nb, allowed, keep_diagonal, keep_first)
+    candidate = allowed & ~forced
+    rank = _rank((np.where(candidate, -scores, np.inf),))
+    quota = budget[:, None, None] - forced.sum(axis=-1, keepdims=True)
+    blocks = forced | (candidate & (rank < quota))
+    return _layout(blocks, blocksize, n, causal, "topk")
+
+
+def mass_threshold_blocks(
+    q: Any,
+    k: Any,
+    blocksize: int,
+    tau: float,
+    pool: str = "mean",
+    causal: bool = True,
+    keep_diagonal: bool = True,
+    max_blocks: int | None = None,
+    scale: float | None = None,
+) -> Layout:
+    """XAttention-style: the fewest blocks whose estimated softmax mass reaches tau."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating)):
+        raise TypeError(f"tau must be a number in (0, 1], got {tau!r}")
+    if not 0.0 < float(tau) <= 1.0:
+        raise ValueError(f"tau must be in (0, 1], got {tau}")
+    if max_blocks is not None:
+        check_positive_int("max_blocks", max_blocks)
+    scores, n, head_dim = block_scores(q, k, blocksize, pool)
+    heads, nb, _ = scores.shape
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    allowed = _allowed(heads, nb, causal)
+    s = np.where(allowed, scores * scale, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    first = _forced(heads, nb, allowed, keep_diagonal, 0)
+    # allowed blocks first, the diagonal first among them, then by mass; ties to the lower j
+    rank = _rank((-p, ~first, ~allowed))
+    order = np.argsort(rank, axis=-1)
+    cumulative = np.cumsum(np.take_along_axis(p, order, axis=-1), axis=-1)
+    count = (cumulative < float(tau) - MASS_SLACK).sum(axis=-1, keepdims=True) + 1
+    count = np.minimum(count, allowed.sum(axis=-1, keepdims=True))
+    if max_blocks is not None:
+        count = np.minimum(count, max_blocks)
+    blocks = allowed & (rank < count)
+    return _layout(blocks, blocksize, n, causal, "mass_threshold")
+
+
+def _per_head_ints(name: str, value: Any, heads: int) -> np.ndarray:
+    if isinstance(value, (Sequence, np.ndarray)):
+        values = np.asarray(value)
+        if values.shape != (heads,) or values.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be an int or {heads} ints (one per head), got {value!r}")
+        if (values < 1).any():
+            raise ValueError(f"{name} must be >= 1 everywhere, got {values.tolist()}")
+        return values.astype(np.int64)
+    check_positive_int(name, value)
+    return np.full(heads, int(value), dtype=np.int64)

@@ -12,14 +12,14 @@ share. Which path a traced call takes is decided when it is traced, from jax's d
   once per mapped element.
 * CUDA GPU: every kernel launch of the forward (1 launch) and of the backward (3, plus 2 under
   GQA) is an XLA custom call to jaxlib's ``triton_kernel_call_ffi`` with the kernel's NVRTC PTX
-  (cuattn/backends/xla.py): launched by XLA on its stream, no host round-trip, no compiled
+  (cuattn/adapters/jax_xla.py): launched by XLA on its stream, no host round-trip, no compiled
   extension; ``vmap`` folds the mapped axis into the batch axis (one launch per kernel). Needs
   jaxlib >= 0.10.1 with its CUDA plugin, and CuPy's NVRTC when tracing. Checked without a GPU
   (tests/adapters/test_jax_xla.py): programs lowered for CUDA carry the launches geometry.py
   prescribes, their PTX assembles for sm_90a, and the staged programs, run with each custom call
   replaced by the kernel interpreter, match the eager interpreter bit for bit. The gpu-marked
   tests there (jit vs eager, grad, vmap, GQA, bf16 vs float64) have not run on a GPU yet.
-  ``with cuattn.backends.xla.lowering_for_cuda(90):`` traces for CUDA on any machine, for
+  ``with cuattn.adapters.jax_xla.lowering_for_cuda(90):`` traces for CUDA on any machine, for
   ``lower(lowering_platforms=("cuda",))``.
 * Other platforms (TPU, ROCm): ``NotImplementedError``; call cuattn outside ``jit``.
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
-from cuattn.backends import xla as _xla
+from cuattn.adapters import jax_xla as _xla
 from cuattn.layout.layout import Layout
 
 __all__ = ["attend"]

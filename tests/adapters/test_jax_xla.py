@@ -1,4 +1,4 @@
-"""cuattn under jax.jit on CUDA: every kernel launch an XLA custom call (cuattn/backends/xla.py).
+"""cuattn under jax.jit on CUDA: each kernel launch an XLA custom call (adapters/jax_xla.py).
 
 Without a GPU the programs are lowered for CUDA (``lowering_for_cuda`` + ``lowering_platforms``)
 and every custom call is decoded: target, kernel (NVRTC's lowered name of the right
@@ -24,8 +24,8 @@ import pytest
 
 import cuattn
 from cuattn import backends
+from cuattn.adapters import jax_xla as xla
 from cuattn.backends import geometry as kc
-from cuattn.backends import xla
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import kernel_layout
 

@@ -1,4 +1,4 @@
-"""Command-line entry: same as `python -m cuattn compile` (see cuattn/compile_check.py for options).
+"""Command-line entry: same as `python -m cuattn compile` (options: cuattn/tools/compile_check.py).
 
 PYTHONPATH=. python scripts/compile_check.py --help
 """

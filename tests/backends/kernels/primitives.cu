@@ -1,5 +1,5 @@
 // Test kernels for the primitives of kernels/common/ (run through the CPU interpreter by
-// tests/test_interp_primitives.py and compared with NumPy). Each kernel moves data between
+// tests/backends/test_interp_primitives.py and compared with NumPy). Each kernel moves data between
 // global memory and the documented per-lane fragment layouts by plain indexing, so the PTX
 // wrappers are checked against the PTX ISA's layouts, not against each other.
 #include "common/smem.cuh"

@@ -22,24 +22,46 @@ mass_threshold_blocks(q, k, blocksize, tau, ...): per (h, i) the estimated softm
 ``layout.nnz`` reports the blocks each head received.
 
 q, k: [heads, n, d] or [1, heads, n, d] (k: kv_heads dividing heads) of any framework cuattn
-takes; pooling and scores run on the arrays' device, and the [heads, nb, nb] scores come to
-the host, where the choice is made (a small copy: nb^2 floats per head; building layouts on the
-device itself is the next step).
+takes. Where the choice is made follows ``backend`` (as for attention: from the arrays' device
+and CUATTN_BACKEND by default):
+    cuda    (CUDA arrays: CuPy, torch, jax) pooling, scores, the choice and the CSR/CSC index
+            arrays are all made on the arrays' device by kernels/layout_build.cu, on the
+            caller's stream, in buffers sized from the budget: a :class:`DeviceLayout` with
+            nothing copied to or waited for on the host, so the step can be captured in a CUDA
+            graph (torch: after one warm-up call, which compiles the kernels and places a
+            per-head budget on the device). Scores are float32 there (float64 for float64).
+    interp  (NumPy arrays) the same kernels on the CPU interpreter: a DeviceLayout of NumPy
+            arrays, the CI's view of what the GPU runs.
+    numpy   (NumPy arrays, the default) the choice made with NumPy in float64: a Layout.
+Both routes choose the same blocks from the same scores (tested against each other and against
+a NumPy restatement of each definition). A device layout needs a kernel block size
+(16, 32, 64, 128) and at most 8192 key blocks; attention takes it unchanged, forward and
+backward, on every route.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from cuattn._util import ceil_div
 from cuattn.adapters import dlpack
+from cuattn.backends import geometry as kc
+from cuattn.backends import layout_build, resolve_backend
+from cuattn.layout.device import DeviceLayout
 from cuattn.layout.dynamic import vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
-__all__ = ["block_scores", "mass_threshold_blocks", "topk_blocks", "vertical_slash_layout"]
+__all__ = [
+    "DeviceLayout",
+    "block_scores",
+    "mass_threshold_blocks",
+    "topk_blocks",
+    "vertical_slash_layout",
+]
 
 POOLS = ("mean", "max")
 # Mass reached when the cumulative sum is within this of tau (float sums of probabilities).
@@ -51,6 +73,11 @@ def _host(x: Any) -> np.ndarray:
 
 
 def _as_array(name: str, x: Any) -> Any:
+    return _described(name, x)[0]
+
+
+def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
+    """(x as a [heads, n, d] NumPy/CuPy array sharing its memory, where x lives)."""
     info = dlpack.describe(x, name)
     arr = dlpack.to_backend(x, info, name)
     if arr.ndim == 4:
@@ -62,7 +89,7 @@ def _as_array(name: str, x: Any) -> Any:
         arr = arr[0]
     if arr.ndim != 3:
         raise ValueError(f"{name} must be [heads, n, d] or [1, heads, n, d], got {arr.shape}")
-    return arr
+    return arr, info
 
 
 def _pooled(x: Any, blocksize: int, pool: str) -> Any:
@@ -87,10 +114,18 @@ def _pooled(x: Any, blocksize: int, pool: str) -> Any:
 
 def block_scores(q: Any, k: Any, blocksize: int, pool: str = "mean") -> tuple[np.ndarray, int, int]:
     """(score [heads, nb, nb] float64 on the host, tokens n, head_dim) from pooled q and k."""
+    qa, ka = _checked_pair(q, k, blocksize, pool)
+    scores = _scores(qa, ka, blocksize, pool)
+    return _host(scores).astype(np.float64), qa.shape[1], qa.shape[2]
+
+
+def _checked_pair(q: Any, k: Any, blocksize: int, pool: str) -> tuple[Any, Any]:
     check_positive_int("blocksize", blocksize)
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    qa, ka = _as_array("q", q), _as_array("k", k)
+    (qa, q_info), (ka, k_info) = _described("q", q), _described("k", k)
+    if (q_info.device, q_info.device_id) != (k_info.device, k_info.device_id):
+        raise ValueError(f"k: a {k_info}, q a {q_info}; both must be on one device")
     heads, n, d = qa.shape
     kv_heads = ka.shape[0]
     if ka.shape[1:] != (n, d) or heads % kv_heads:
@@ -98,11 +133,41 @@ def block_scores(q: Any, k: Any, blocksize: int, pool: str = "mean") -> tuple[np
             f"k must be [kv_heads dividing {heads}, n={n}, d={d}] (as many keys as queries), "
             f"got {tuple(ka.shape)}"
         )
+    return qa, ka
+
+
+def _scores(qa: Any, ka: Any, blocksize: int, pool: str) -> Any:
+    """[heads, nb, nb] scores on the arrays' device (float32; float64 for float64 input)."""
+    heads, _, d = qa.shape
+    kv_heads = ka.shape[0]
     pq, pk = _pooled(qa, blocksize, pool), _pooled(ka, blocksize, pool)
     nb = pq.shape[1]
     grouped = pq.reshape(kv_heads, heads // kv_heads, nb, d)
     scores = grouped @ pk.transpose(0, 2, 1)[:, None]  # [kv_heads, group, nb, nb]
-    return _host(scores).reshape(heads, nb, nb).astype(np.float64), n, d
+    return scores.reshape(heads, nb, nb)
+
+
+def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int) -> Any:
+    """The kernel backend that builds the layout where q lives, or None for the NumPy choice;
+    a layout the kernels cannot build is refused here, before anything runs."""
+    info = dlpack.describe(q, "q")
+    impl = resolve_backend(backend, on_device=info.device == "cuda")
+    if impl.name == "numpy":
+        return None
+    if blocksize not in kc.BLOCK_SIZES:
+        raise ValueError(
+            f"blocksize: a layout built on the {impl.name} backend needs a kernel block size "
+            f"{kc.BLOCK_SIZES}, got {blocksize}"
+        )
+    kc.select_sort_size(ceil_div(n, blocksize))
+    return impl
+
+
+@contextlib.contextmanager
+def _where(q: Any, impl: Any, arr: Any) -> Iterator[None]:
+    """On q's device and the caller's stream (torch: and its caching allocator)."""
+    with dlpack.stream_for(dlpack.describe(q, "q")), impl.on_device_of(arr):
+        yield
 
 
 def _allowed(heads: int, nb: int, causal: bool) -> np.ndarray:
@@ -144,10 +209,13 @@ def topk_blocks(
     causal: bool = True,
     keep_diagonal: bool = True,
     keep_first: int = 1,
+    *,
+    backend: str | None = None,
 ) -> Layout:
     """MoBA/NSA-style top-k key blocks per (head, query block); see the module doc."""
-    scores, n, _ = block_scores(q, k, blocksize, pool)
-    heads, nb, _ = scores.shape
+    qa, ka = _checked_pair(q, k, blocksize, pool)
+    heads, n, _ = qa.shape
+    nb = ceil_div(n, blocksize)
     if isinstance(keep_first, bool) or not isinstance(keep_first, (int, np.integer)):
         raise TypeError(f"keep_first must be an int >= 0, got {keep_first!r}")
     if keep_first < 0:
@@ -159,6 +227,22 @@ def topk_blocks(
             f"topk must leave room for the forced blocks (the diagonal {int(keep_diagonal)} + "
             f"keep_first {keep_first} = {forced_most}), got {budget.tolist()}"
         )
+    impl = _kernel_route(q, backend, blocksize, n)
+    if impl is not None:
+        with _where(q, impl, qa):
+            chosen = layout_build.select_topk(
+                impl,
+                _scores(qa, ka, blocksize, pool),
+                layout_build.device_budget(impl, budget),
+                causal,
+                keep_diagonal,
+                keep_first,
+            )
+            row_capacity = int(min(budget.max(), nb))
+            return layout_build.index_layout(
+                impl, chosen, blocksize, n, causal, row_capacity, "topk"
+            )
+    scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     forced = _forced(heads, nb, allowed, keep_diagonal, keep_first)
     candidate = allowed & ~forced
@@ -178,6 +262,8 @@ def mass_threshold_blocks(
     keep_diagonal: bool = True,
     max_blocks: int | None = None,
     scale: float | None = None,
+    *,
+    backend: str | None = None,
 ) -> Layout:
     """XAttention-style: the fewest blocks whose estimated softmax mass reaches tau."""
     if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating)):
@@ -186,9 +272,27 @@ def mass_threshold_blocks(
         raise ValueError(f"tau must be in (0, 1], got {tau}")
     if max_blocks is not None:
         check_positive_int("max_blocks", max_blocks)
-    scores, n, head_dim = block_scores(q, k, blocksize, pool)
-    heads, nb, _ = scores.shape
+    qa, ka = _checked_pair(q, k, blocksize, pool)
+    heads, n, head_dim = qa.shape
+    nb = ceil_div(n, blocksize)
     scale = head_dim**-0.5 if scale is None else float(scale)
+    impl = _kernel_route(q, backend, blocksize, n)
+    if impl is not None:
+        with _where(q, impl, qa):
+            chosen = layout_build.select_mass(
+                impl,
+                _scores(qa, ka, blocksize, pool),
+                causal,
+                keep_diagonal,
+                scale,
+                float(tau),
+                max_blocks,
+            )
+            row_capacity = nb if max_blocks is None else min(max_blocks, nb)
+            return layout_build.index_layout(
+                impl, chosen, blocksize, n, causal, row_capacity, "mass_threshold"
+            )
+    scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     s = np.where(allowed, scores * scale, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))

@@ -61,6 +61,7 @@ from cuattn.backends.toolchain import (
     kernel_program,
     ptx_arch_option,
 )
+from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
@@ -487,8 +488,17 @@ class XlaBackend(KernelBackend):
         return _Pending(shape, dtype)
 
     def index_arrays(self, layout: Layout) -> SimpleNamespace:
+        import jax.dlpack
         import jax.numpy as jnp
 
+        if isinstance(layout, DeviceLayout):
+            if layout.device is None:
+                raise ValueError(
+                    "layout: a DeviceLayout built on the CPU, but this jax program runs on a "
+                    "CUDA GPU; build the layout from the jax arrays on the GPU"
+                )
+            arrays = vars(layout.kernel_arrays())  # shared with XLA, not copied
+            return SimpleNamespace(**{k: jax.dlpack.from_dlpack(v) for k, v in arrays.items()})
         fields = {}
         for name in LAYOUT_FIELDS:
             host = np.ascontiguousarray(getattr(layout, name))

@@ -18,6 +18,7 @@ import os
 from typing import Any, Protocol
 
 from cuattn.backends import numpy_ref as reference
+from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
 BACKENDS = ("numpy", "interp", "cuda")
@@ -121,8 +122,22 @@ def _to_natural(x: Any, layout: Layout) -> Any:
     return out
 
 
-def _resolve_for(x: Any, backend: str | None) -> Backend:
+def _resolve_for(x: Any, backend: str | None, layout: Layout | None = None) -> Backend:
+    if isinstance(layout, DeviceLayout):
+        _check_layout_place(x, layout)
     return resolve_backend(backend, on_device=_array_module(x).__name__ == "cupy")
+
+
+def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
+    """A device layout is read where it was built: q must be there too (no silent copies)."""
+    q_device = int(q.device.id) if _array_module(q).__name__ == "cupy" else None
+    if q_device != layout.device:
+        built = "on the CPU (NumPy)" if layout.device is None else f"on cuda:{layout.device}"
+        where = "on the CPU" if q_device is None else f"on cuda:{q_device}"
+        raise ValueError(
+            f"layout: a DeviceLayout built {built}, but q is {where}; build the layout from "
+            "arrays where the attention runs"
+        )
 
 
 def forward(
@@ -133,7 +148,7 @@ def forward(
     The single call into the backends for every route (public API, tape, torch, jax), so all
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
-    impl = _resolve_for(q, backend)
+    impl = _resolve_for(q, backend, layout)
     out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
@@ -151,7 +166,7 @@ def backward(
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse."""
-    impl = _resolve_for(q, backend)
+    impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     grads = impl.backward(*arrays, layout, scale, deterministic)
     return tuple(_to_natural(g, layout) for g in grads)

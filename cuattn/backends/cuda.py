@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, LayoutArrays, cupy_module
-from cuattn.backends.geometry import KernelConfig
+from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, cupy_module
+from cuattn.backends.geometry import KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import KernelBackend
+from cuattn.layout.device import DeviceLayout
 
-_SCALAR_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32}
+_SCALAR_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
 
 
-def launch(config: KernelConfig, **values: Any) -> None:
+def launch(config: KernelConfig | LayoutKernelConfig, **values: Any) -> None:
     """One launch on the current device and CuPy stream; `values` names every kernel argument."""
     args = []
     for name, kind in config.args:
@@ -62,7 +63,9 @@ class CudaBackend(KernelBackend):
     def output(self, shape: tuple[int, ...], dtype: Any) -> Any:
         return cupy_module().empty(shape, dtype=dtype)
 
-    def index_arrays(self, layout: Any) -> LayoutArrays:
+    def index_arrays(self, layout: Any) -> Any:
+        if isinstance(layout, DeviceLayout):
+            return layout.kernel_arrays()  # built on this device (cuattn.backends checks)
         return LAYOUTS.get(layout)
 
     def launch(self, config: KernelConfig, **values: Any) -> None:

@@ -63,6 +63,11 @@ KERNEL_FILES = {
     "merge_states": "merge_states.cu",
     "attn_decode_split": "attn_decode.cu",
     "attn_decode_merge": "attn_decode.cu",
+    "select_topk": "layout_build.cu",
+    "select_mass": "layout_build.cu",
+    "layout_count": "layout_build.cu",
+    "layout_scan": "layout_build.cu",
+    "layout_fill": "layout_build.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
@@ -82,7 +87,23 @@ DECODE_MAX_SPLITS = 64
 # NVRTC report gives the real count; occupancy here only decides how many CTAs fill a GPU).
 DECODE_REGISTERS_ASSUMED = 128
 
-# Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"
+# Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
+# of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
+# (counts -> scan -> fill of CSR and CSC) have one instantiation each.
+SELECT_KERNELS = ("select_topk", "select_mass")
+INDEX_KERNELS = ("layout_count", "layout_scan", "layout_fill")
+LAYOUT_BUILD_KERNELS = SELECT_KERNELS + INDEX_KERNELS
+MAX_SELECT_THREADS = 256  # a selection CTA has a thread per sort pair, 32 to this many
+SELECT_SCORE_DTYPES = ("float32", "float64")
+SELECT_SCORE_CXX = {"float32": "float", "float64": "double"}
+# Key blocks one selection CTA sorts: powers of two, 32 .. 8192 (a 512k-token row at block 64;
+# 8192 double keys and codes take 96 KB of shared memory, under sm_80's opt-in limit).
+SELECT_SORT_SIZES = tuple(2**e for e in range(5, 14))
+INDEX_WARPS = 4  # warps per CTA of layout_count / layout_fill: one row or 32-column strip each
+SCAN_THREADS = 256
+SCAN_CTAS = 2  # layout_scan: CTA 0 the rows (CSR), CTA 1 the columns (CSC)
+
+# Kernel arguments in order: (name, kind); kind "ptr" is a device pointer, "i32"/"i64"/"f32"/"f64"
 # scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
 # axes (their last axis is contiguous); every output is contiguous.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
@@ -171,6 +192,59 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("lse", "ptr"),
         ("rows", "i32"),
         ("splits", "i32"),
+    ),
+    "select_topk": (
+        ("scores", "ptr"),
+        ("budget", "ptr"),
+        ("chosen", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("causal", "i32"),
+        ("keep_diagonal", "i32"),
+        ("keep_first", "i32"),
+    ),
+    "select_mass": (
+        ("scores", "ptr"),
+        ("chosen", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("causal", "i32"),
+        ("keep_diagonal", "i32"),
+        ("scale", "f64"),
+        ("tau", "f64"),
+        ("max_blocks", "i32"),
+    ),
+    "layout_count": (
+        ("chosen", "ptr"),
+        ("row_count", "ptr"),
+        ("col_count", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+    ),
+    "layout_scan": (
+        ("row_count", "ptr"),
+        ("row_ptr", "ptr"),
+        ("col_count", "ptr"),
+        ("col_ptr", "ptr"),
+        ("heads", "i32"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+    ),
+    "layout_fill": (
+        ("chosen", "ptr"),
+        ("row_ptr", "ptr"),
+        ("col_idx", "ptr"),
+        ("row_mask", "ptr"),
+        ("col_ptr", "ptr"),
+        ("row_idx", "ptr"),
+        ("col_mask", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("blocksize", "i32"),
+        ("n_k", "i32"),
+        ("q_offset", "i32"),
+        ("causal", "i32"),
+        ("capacity", "i32"),
     ),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
@@ -368,6 +442,11 @@ class KernelConfig:
         return KERNEL_FILES[self.kernel]
 
     @property
+    def group(self) -> tuple:
+        """The instantiations the interpreter compiles into one library with this one."""
+        return (self.source_file, self.dtype, self.head_dim)
+
+    @property
     def name_expression(self) -> str:
         """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 2, 128, __half,
         MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule), ``attn_fwd_v1<64,
@@ -402,6 +481,101 @@ class KernelConfig:
         return KERNEL_ARGS[self.kernel]
 
 
+@dataclass(frozen=True)
+class LayoutKernelConfig:
+    """Geometry of one launch of a layout-construction kernel (kernels/layout_build.cu).
+
+    select_topk / select_mass: ``rows`` query-block rows, one CTA each, ``score_dtype`` the
+    scores' type and ``sort_size`` the padded row (``select_sort_size``). layout_count /
+    layout_fill: ``rows`` warp units (query-block rows + 32-column strips). layout_scan: two
+    CTAs. ``heads`` is grid.y.
+    """
+
+    kernel: str
+    score_dtype: str | None = None
+    sort_size: int | None = None
+    rows: int = 1
+    heads: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.kernel in LAYOUT_BUILD_KERNELS, self.kernel
+        assert self.rows >= 1 and self.heads >= 1
+        if self.kernel in SELECT_KERNELS:
+            assert self.score_dtype in SELECT_SCORE_DTYPES, self.score_dtype
+            assert self.sort_size in SELECT_SORT_SIZES, self.sort_size
+        else:
+            assert self.score_dtype is None and self.sort_size is None
+        assert self.smem_bytes <= SM80_SMEM_LIMIT
+
+    @property
+    def threads(self) -> int:
+        if self.kernel in SELECT_KERNELS:
+            assert self.sort_size is not None
+            return min(max(self.sort_size // 2, WARP_SIZE), MAX_SELECT_THREADS)
+        return SCAN_THREADS if self.kernel == "layout_scan" else INDEX_WARPS * WARP_SIZE
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        if self.kernel not in SELECT_KERNELS:
+            return 0
+        assert self.sort_size is not None and self.score_dtype is not None
+        return self.sort_size * (np.dtype(self.score_dtype).itemsize + 4)  # keys, int codes
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        if self.kernel in SELECT_KERNELS:
+            return (self.rows, self.heads, 1)
+        if self.kernel == "layout_scan":
+            return (SCAN_CTAS, 1, 1)
+        return (ceil_div(self.rows, INDEX_WARPS), self.heads, 1)
+
+    @property
+    def source_file(self) -> str:
+        return KERNEL_FILES[self.kernel]
+
+    @property
+    def group(self) -> tuple:
+        return (self.source_file,)
+
+    @property
+    def name_expression(self) -> str:
+        if self.kernel in SELECT_KERNELS:
+            assert self.score_dtype is not None
+            return f"{self.kernel}<{SELECT_SCORE_CXX[self.score_dtype]}, {self.sort_size}>"
+        return self.kernel
+
+    @property
+    def traits_expression(self) -> str:
+        if self.kernel in SELECT_KERNELS:
+            assert self.score_dtype is not None
+            return f"select_traits<{SELECT_SCORE_CXX[self.score_dtype]}, {self.sort_size}>"
+        return "layout_scan_traits" if self.kernel == "layout_scan" else "layout_index_traits"
+
+    @property
+    def args(self) -> tuple[tuple[str, str], ...]:
+        return KERNEL_ARGS[self.kernel]
+
+
+def select_sort_size(num_blocks: int) -> int:
+    """The sort size of a selection over rows of ``num_blocks`` key blocks."""
+    for size in SELECT_SORT_SIZES:
+        if size >= num_blocks:
+            return size
+    raise ValueError(
+        f"num_blocks: {num_blocks} key blocks per row exceed the {SELECT_SORT_SIZES[-1]} a "
+        "selection kernel sorts in shared memory; use a larger blocksize"
+    )
+
+
+def index_units(num_q_blocks: int, num_blocks: int) -> int:
+    """Warp units of layout_count / layout_fill: every query-block row, every 32-column strip."""
+    return num_q_blocks + ceil_div(num_blocks, WARP_SIZE)
+
+
 # Per-SM limits of the architectures the kernels compile for (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability"): registers, threads, resident CTAs, shared
 # memory, and the shared memory the system reserves per resident CTA.
@@ -432,9 +606,9 @@ def name_expression(
     return KernelConfig(kernel, head_dim, dtype, block=block, rule=rule).name_expression
 
 
-def all_configs() -> list[KernelConfig]:
+def all_configs() -> list[KernelConfig | LayoutKernelConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
-    configs = []
+    configs: list[KernelConfig | LayoutKernelConfig] = []
     for kernel in BLOCK_KERNELS:
         head_dims = V1_HEAD_DIMS if kernel == "attn_fwd_v1" else HEAD_DIMS
         for block, head_dim, dtype, rule in itertools.product(
@@ -444,6 +618,10 @@ def all_configs() -> list[KernelConfig]:
     for kernel in ROW_KERNELS + DECODE_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))
+    for kernel in SELECT_KERNELS:
+        for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
+            configs.append(LayoutKernelConfig(kernel, dtype, size))
+    configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS)
     return configs
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry as kc
-from cuattn.backends.geometry import KernelConfig
+from cuattn.backends.geometry import KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import kernel_dir, sources_digest
 
@@ -170,17 +170,13 @@ def build_library(
 # ---- kernel groups -------------------------------------------------------------------------
 
 
-def _group_key(config: KernelConfig) -> tuple[str, str, int]:
-    return (config.source_file, config.dtype, config.head_dim)
+def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
+    return [c for c in kc.all_configs() if c.group == group]
 
 
-def _group_configs(key: tuple[str, str, int]) -> list[KernelConfig]:
-    return [c for c in kc.all_configs() if _group_key(c) == key]
-
-
-def library_for(config: KernelConfig) -> Library:
+def library_for(config: KernelConfig | LayoutKernelConfig) -> Library:
     """The library holding `config`'s instantiation (all blocks and rules of its file/dtype/dim)."""
-    members = _group_configs(_group_key(config))
+    members = _group_configs(config.group)
     return build_library(
         config.source_file,
         [c.name_expression for c in members],
@@ -190,12 +186,12 @@ def library_for(config: KernelConfig) -> Library:
 
 def prepare(configs: Iterable[KernelConfig], jobs: int | None = None) -> None:
     """Compile the libraries these configs need, several compiler runs in parallel."""
-    keys = {_group_key(c): c for c in configs}
+    keys = {c.group: c for c in configs}
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         list(pool.map(library_for, keys.values()))
 
 
-def _ctype_args(config: KernelConfig, values: dict[str, Any]) -> list[Any]:
+def _ctype_args(config: KernelConfig | LayoutKernelConfig, values: dict[str, Any]) -> list[Any]:
     args: list[Any] = []
     for name, kind in config.args:
         value = values[name]
@@ -208,12 +204,14 @@ def _ctype_args(config: KernelConfig, values: dict[str, Any]) -> list[Any]:
             args.append(ctypes.c_int32(int(value)))
         elif kind == "i64":
             args.append(ctypes.c_int64(int(value)))
+        elif kind == "f64":
+            args.append(ctypes.c_double(float(value)))
         else:
             args.append(ctypes.c_float(float(value)))
     return args
 
 
-def launch(config: KernelConfig, **values: Any) -> None:
+def launch(config: KernelConfig | LayoutKernelConfig, **values: Any) -> None:
     """Run one kernel launch on the CPU; `values` names every kernel argument."""
     library = library_for(config)
     expected = library.traits(config.name_expression)

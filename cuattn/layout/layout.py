@@ -181,6 +181,10 @@ class Layout:
             perm.setflags(write=False)
         self.perm = perm
         self._build(blocks)
+        self._register()
+
+    def _register(self) -> None:
+        """Give this layout its ``uid`` and make it findable by ``lookup`` while it lives."""
         self.uid = next(_SERIALS)
         _LIVE[self.uid] = self
 

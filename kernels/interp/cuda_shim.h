@@ -10,7 +10,7 @@
 //     read of shared memory another warp writes without a barrier in between therefore sees
 //     the wrong data in some order, every time that order comes up, instead of by timing luck;
 //   * __syncthreads is that turn-taking barrier, __syncwarp a std::barrier over the warp;
-//   * warp-collective operations (shuffles, and the CPU versions of mma/ldmatrix in kernels/common)
+//   * warp-collective operations (shuffles, votes, and the CPU versions of mma/ldmatrix in kernels/common)
 //     exchange registers through a per-warp scratch area guarded by the warp barrier;
 //   * atomicAdd is std::atomic_ref.
 // Dynamic shared memory is filled with 0xFF (a NaN pattern) before every block, so a kernel that
@@ -286,6 +286,18 @@ inline T __shfl_sync(unsigned, T value, int src_lane, int width = cuattn_interp:
   const int lane = cuattn_interp::lane_id();
   return cuattn_interp::exchanged_value<T>(all, (lane / width) * width + src_lane % width);
 }
+
+inline unsigned __ballot_sync(unsigned, int predicate) {
+  const int vote = predicate != 0;
+  const uint32_t* all = cuattn_interp::warp_exchange(&vote, sizeof(vote));
+  unsigned votes = 0;
+  for (int lane = 0; lane < cuattn_interp::WARP_SIZE; ++lane) {
+    if (cuattn_interp::exchanged_value<int>(all, lane)) votes |= 1u << lane;
+  }
+  return votes;
+}
+
+inline int __popc(unsigned x) { return std::popcount(x); }
 
 inline float atomicAdd(float* address, float value) {
   return std::atomic_ref<float>(*address).fetch_add(value, std::memory_order_relaxed);

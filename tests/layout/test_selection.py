@@ -66,14 +66,21 @@ def _qk(seed, n=100, heads=4, kv_heads=2, d=16):
     return rng.standard_normal((heads, n, d)), rng.standard_normal((kv_heads, n, d))
 
 
+# numpy: the choice made on the host; interp: made by kernels/layout_build.cu (a DeviceLayout)
+BACKENDS = ["numpy", "interp"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pool", ["mean", "max"])
 @pytest.mark.parametrize(
     "topk, causal, keep_diagonal, keep_first",
     [(3, True, True, 1), (2, True, False, 0), (4, False, True, 2), ([1, 2, 3, 5], True, True, 0)],
 )
-def test_topk_blocks_equal_the_definition(topk, causal, keep_diagonal, keep_first, pool):
+def test_topk_blocks_equal_the_definition(topk, causal, keep_diagonal, keep_first, pool, backend):
     q, k = _qk(1)  # n = 100: a ragged last block of 4 rows; GQA 4 query / 2 kv heads
-    layout = dynamic.topk_blocks(q, k, B, topk, pool, causal, keep_diagonal, keep_first)
+    layout = dynamic.topk_blocks(
+        q, k, B, topk, pool, causal, keep_diagonal, keep_first, backend=backend
+    )
     scores = restated_scores(q, k, B, pool)
     assert _active(layout) == restated_topk(scores, topk, causal, keep_diagonal, keep_first)
     budget = np.broadcast_to(np.asarray(topk), (4,))
@@ -81,11 +88,14 @@ def test_topk_blocks_equal_the_definition(topk, causal, keep_diagonal, keep_firs
     assert layout.nnz.tolist() == layout.blocks.sum(axis=(1, 2)).tolist()
 
 
-def test_ties_go_to_the_lower_block():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_go_to_the_lower_block(backend):
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 64, 16))
     k = np.tile(rng.standard_normal((1, 16, 16)), (1, 4, 1))  # four identical key blocks
-    layout = dynamic.topk_blocks(q, k, B, 2, causal=False, keep_diagonal=False, keep_first=0)
+    layout = dynamic.topk_blocks(
+        q, k, B, 2, causal=False, keep_diagonal=False, keep_first=0, backend=backend
+    )
     assert _active(layout) == {(0, i, j) for i in range(4) for j in (0, 1)}
 
 
@@ -98,11 +108,21 @@ def test_ties_go_to_the_lower_block():
         (0.3, False, False, None),
     ],
 )
-def test_mass_threshold_blocks_equal_the_definition(tau, causal, keep_diagonal, max_blocks):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mass_threshold_blocks_equal_the_definition(
+    tau, causal, keep_diagonal, max_blocks, backend
+):
     q, k = _qk(3)
     q *= 4  # sharper block scores: heads differ in how many blocks they need
     layout = dynamic.mass_threshold_blocks(
-        q, k, B, tau, causal=causal, keep_diagonal=keep_diagonal, max_blocks=max_blocks
+        q,
+        k,
+        B,
+        tau,
+        causal=causal,
+        keep_diagonal=keep_diagonal,
+        max_blocks=max_blocks,
+        backend=backend,
     )
     scores = restated_scores(q, k, B, "mean")
     want = restated_mass(scores, tau, causal, keep_diagonal, max_blocks, 16**-0.5)

@@ -22,6 +22,7 @@ from cuattn.autograd import ops, tape
 from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
 from cuattn.layout import (
     MODES,
+    DeviceLayout,
     ElementRule,
     Layout,
     Pattern,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
+    "DeviceLayout",
     "ElementRule",
     "Function",
     "KVCache",

@@ -1,13 +1,14 @@
 """Dynamic-sparsity benchmark: choosing blocks from the data, then attending on them.
 
-Per sequence length T: the time of cuattn.dynamic.topk_blocks and mass_threshold_blocks (pooling
-and scores on the device, the choice and the Layout on the host: what a step pays today), then
+Per sequence length T: the time of cuattn.dynamic.topk_blocks and mass_threshold_blocks (pooling,
+scores, the choice and the CSR/CSC all on the device: a DeviceLayout, no host round trip), then
 forward and forward+backward of cuattn.sparse_attention on the chosen layout, of FlexAttention
-with a BlockMask built from the same layout (compiled), and of dense causal SDPA. One sequence,
-16 heads, head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
+with a BlockMask built from the same choice (compiled; `flex_mask_build_ms` is what building
+that BlockMask on the host costs a step), and of dense causal SDPA. One sequence, 16 heads,
+head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
 
     PYTHONPATH=. python scripts/dynamic_bench.py [--quick] [--markdown FILE]    # on a GPU
-    python scripts/dynamic_bench.py --smoke                                     # CPU, tiny
+    python scripts/dynamic_bench.py --smoke      # CPU, tiny: the choice on the kernel interpreter
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ def run(n, args, device, dtype, sync):
     )
     block = args.block
     row = {"T": n}
+    backend = args.select_backend
     row["topk_select_ms"] = median_ms(
-        lambda: dynamic.topk_blocks(q, k, block, TOPK), sync, args.repeats
+        lambda: dynamic.topk_blocks(q, k, block, TOPK, backend=backend), sync, args.repeats
     )
     row["mass_select_ms"] = median_ms(
-        lambda: dynamic.mass_threshold_blocks(q, k, block, TAU), sync, args.repeats
+        lambda: dynamic.mass_threshold_blocks(q, k, block, TAU, backend=backend),
+        sync,
+        args.repeats,
     )
-    layout = dynamic.topk_blocks(q, k, block, TOPK)
+    layout = dynamic.topk_blocks(q, k, block, TOPK, backend=backend)
     row["density"] = layout.density
 
     def ours(a, b, c):
@@ -72,6 +76,9 @@ def run(n, args, device, dtype, sync):
         from cuattn.tools.bench.flex_mask import block_mask_from_layout
 
         mask = block_mask_from_layout(layout, device)
+        row["flex_mask_build_ms"] = median_ms(
+            lambda: block_mask_from_layout(layout.host(), device), sync, args.repeats
+        )
         flex = torch.compile(flex_attention)
 
         def flexed(a, b, c):
@@ -90,14 +97,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         device, dtype, lengths = "cpu", torch.float32, SMOKE
-        args.block, args.repeats, args.flex = 32, 2, False
+        args.block, args.repeats, args.flex, args.select_backend = 32, 2, False, "interp"
 
         def sync():
             return None
     else:
         device, dtype = "cuda", torch.bfloat16
         lengths = QUICK if args.quick else FULL
-        args.block, args.repeats, args.flex = BLOCK, REPEATS, True
+        args.block, args.repeats, args.flex, args.select_backend = BLOCK, REPEATS, True, None
         sync = torch.cuda.synchronize
     report = rows_table([run(n, args, device, dtype, sync) for n in lengths])
     print(report)

@@ -3,7 +3,8 @@
 A pattern is data (a block array, CSR/CSC index arrays and an element rule), never a kernel.
 ``make_layout`` builds a registered pattern by name (``registry``); the constructors live in
 ``original`` (the Sparse Transformers modes), ``extended`` (Longformer, BigBird, variable) and
-``dynamic`` (chosen from the data). docs/design.md §2 is their contract.
+``dynamic`` (chosen from the data); ``device`` holds DeviceLayout, a Layout whose arrays stay
+on the device that built them. docs/design.md §2 is their contract.
 """
 
 # isort: off
@@ -13,6 +14,7 @@ from cuattn.layout import original
 from cuattn.layout import extended
 
 # isort: on
+from cuattn.layout.device import DeviceLayout
 from cuattn.layout.dynamic import vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.pattern import Pattern
@@ -23,6 +25,7 @@ MODES = modes()
 
 __all__ = [
     "MODES",
+    "DeviceLayout",
     "ElementRule",
     "Layout",
     "Pattern",

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from cuattn._util import ceil_div
-from cuattn.layout.layout import BITS_PER_WORD, ElementRule, Layout
+from cuattn.layout.layout import BITS_PER_WORD, PICTURE_MAX_WIDTH, ElementRule, Layout
 
 DEVICE_RULES = ("none", "causal")
 INDEX_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask")
@@ -131,7 +131,7 @@ class DeviceLayout(Layout):
 
     def picture(
         self,
-        max_width: int = 64,
+        max_width: int = PICTURE_MAX_WIDTH,
         natural: bool = True,
         heads: Sequence[int] | None = None,
     ) -> str:

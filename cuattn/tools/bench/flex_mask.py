@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from cuattn._util import ceil_div
+from cuattn.layout.device import DeviceLayout
 
 FLEX_BLOCK = 128
 BITS_PER_WORD = 32
@@ -101,10 +102,13 @@ def element_rule_mod(layout: Any, device: Any) -> Any:
 
 
 def block_mask_from_layout(layout: Any, device: Any) -> Any:
-    """torch BlockMask (batch dim 1, broadcast) for this layout, on `device`."""
+    """torch BlockMask (batch dim 1, broadcast) for this layout, on `device` (built on the
+    host, as a FlexAttention user builds one per step; a DeviceLayout is copied there first)."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
+    if isinstance(layout, DeviceLayout):
+        layout = layout.host()
     active, full = block_classes(layout)
     tile = FLEX_BLOCK
     if layout.blocksize != tile:

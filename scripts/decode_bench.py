@@ -6,7 +6,9 @@ timed end to end (what a serving loop pays: bookkeeping, page-table copies, Ques
 HeavyHitters' score read-back) and the decode kernels alone (split + merge, with their
 small argument copies). The baseline is
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
-would read), and FlexAttention when torch has it. GB/s counts the kept K and V bytes read.
+would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
+them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no
+eviction). GB/s counts the kept K and V bytes read.
 
     PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
     PYTHONPATH=. python scripts/decode_bench.py --quick
@@ -36,6 +38,7 @@ QUICK = [(1, 4096), (1, 16384), (64, 4096)]
 SMOKE = [(1, 96), (2, 64)]
 PREFILL_CHUNK = 8192  # tokens appended at once while filling a cache
 REPEATS = 20
+FLEX_FALLBACK_PAGE = 128  # FlexAttention's default block size
 
 
 def make_policy(name: str, context: int, page: int):
@@ -138,7 +141,26 @@ def baselines(cache, q, kept, args, sync):
         )
     except Exception as err:  # a torch without FlexAttention or its GQA path: say so
         out["flex_ms"] = f"n/a ({type(err).__name__})"
+    out.update(flex_paged(tq, k, v, args))
     return out
+
+
+def flex_paged(tq, k, v, args):
+    """FlexAttention's paged decode over the same kept tokens in shuffled pages of our page
+    size, or of FLEX_FALLBACK_PAGE tokens if its kernels refuse that size."""
+    import torch
+
+    from cuattn.tools.bench.flex_paged import paged_decode
+
+    error = None
+    for page in dict.fromkeys((args.page, FLEX_FALLBACK_PAGE)):
+        try:
+            decode = paged_decode(k, v, page)
+            ms = median_ms(lambda d=decode: d(tq), torch.cuda.synchronize, args.repeats)
+            return {"flex_paged_ms": ms, "flex_page": page}
+        except Exception as err:  # an older torch, or a page size its kernels do not take
+            error = err
+    return {"flex_paged_ms": f"n/a ({type(error).__name__})", "flex_page": "-"}
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ from cuattn._util import ceil_div
 from cuattn.adapters import dlpack
 from cuattn.backends import geometry as kc
 from cuattn.backends import layout_build, resolve_backend
-from cuattn.layout.device import DeviceLayout
+from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
@@ -163,6 +163,17 @@ def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int) -> Any:
     return impl
 
 
+def _with_views(layout: DeviceLayout, q: Any) -> DeviceLayout:
+    """Give a layout chosen from torch tensors its arrays as torch tensors (shared, not
+    copied): the torch ops take those, so a compiled graph takes a new layout as an input.
+    Called on the caller's stream (``_where``): sharing then needs no cross-stream event."""
+    info = dlpack.describe(q, "q")
+    if info.framework == "torch":
+        fields = ("blocks", *INDEX_FIELDS)
+        layout.views = {f: dlpack.from_backend(getattr(layout, f), info) for f in fields}
+    return layout
+
+
 @contextlib.contextmanager
 def _where(q: Any, impl: Any, arr: Any) -> Iterator[None]:
     """On q's device and the caller's stream (torch: and its caching allocator)."""
@@ -239,9 +250,10 @@ def topk_blocks(
                 keep_first,
             )
             row_capacity = int(min(budget.max(), nb))
-            return layout_build.index_layout(
+            layout = layout_build.index_layout(
                 impl, chosen, blocksize, n, causal, row_capacity, "topk"
             )
+            return _with_views(layout, q)
     scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     forced = _forced(heads, nb, allowed, keep_diagonal, keep_first)
@@ -289,9 +301,10 @@ def mass_threshold_blocks(
                 max_blocks,
             )
             row_capacity = nb if max_blocks is None else min(max_blocks, nb)
-            return layout_build.index_layout(
+            layout = layout_build.index_layout(
                 impl, chosen, blocksize, n, causal, row_capacity, "mass_threshold"
             )
+            return _with_views(layout, q)
     scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     s = np.where(allowed, scores * scale, -np.inf)

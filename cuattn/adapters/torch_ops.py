@@ -1,16 +1,24 @@
 """torch adapter: block-sparse attention as torch custom ops, so torch.compile sees through it.
 
-Two ops in the ``cuattn`` namespace take tensors and plain values only:
+The ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic) -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
                                                                               -> (dq, dk, dv)
 ``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
 Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
-dynamic sequence length runs every length without re-tracing. Each op has a fake (shape-only)
-implementation for tracing, attention_fwd an autograd formula that calls attention_bwd (the
-backward graph AOTAutograd records), and both run through DLPack with no copies: CPU tensors on
-the NumPy (or interpreter) backend, CUDA tensors on the CuPy kernels on torch's current stream.
-Neither op is on autocast's cast lists: they compute in the dtype q, k, v arrive in.
+dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
+from the data, a new one every step) goes as tensors instead, so a compiled graph takes each
+step's layout as an input and never re-traces for a new one:
+    cuattn::attention_fwd_indexed(q, k, v, index, blocksize, causal, scale, backend, recompute,
+                                  deterministic) -> (out, lse)
+    cuattn::attention_bwd_indexed(q, k, v, out, lse, dout, index, blocksize, causal, scale,
+                                  backend, deterministic) -> (dq, dk, dv)
+with ``index`` = [blocks (uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask].
+Each op has a fake (shape-only) implementation for tracing, each forward an autograd formula
+that calls its backward op (the backward graph AOTAutograd records), and all run through
+DLPack with no copies: CPU tensors on the NumPy (or interpreter) backend, CUDA tensors on the
+CuPy kernels on torch's current stream. No op is on autocast's cast lists: they compute in the
+dtype q, k, v arrive in.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
-from cuattn.layout.layout import Layout
+from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
+from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.pattern import Pattern
 
 __all__ = ["attend", "layout_key", "merge"]
 
 UID_PREFIX = "uid:"
+VIEW_FIELDS = ("blocks", *INDEX_FIELDS)
 PATTERN_KEYS_CACHED = 64
 
 
@@ -52,6 +62,23 @@ def _live_layout(key: str) -> Layout | None:
 def _resolve(key: str, n_q: int, n_k: int) -> Layout:
     layout = _live_layout(key)
     return _pattern(key).layout(n_q, n_k) if layout is None else layout
+
+
+def _device_layout(index: list[torch.Tensor], blocksize: int, causal: bool, n: int) -> Layout:
+    """The DeviceLayout whose arrays these tensors share (no copy)."""
+    blocks, *arrays = (dlpack.to_backend(t, dlpack.describe(t, "layout"), "layout") for t in index)
+    rule = ElementRule("causal") if causal else ElementRule("none")
+    fields = dict(zip(INDEX_FIELDS, arrays, strict=True))
+    capacity = int(index[2].numel())
+    return DeviceLayout(blocks.view("uint8"), fields, blocksize, n, rule, "device", capacity)
+
+
+def index_tensors(layout: DeviceLayout) -> list[torch.Tensor]:
+    """A DeviceLayout's blocks (uint8) and index arrays as tensors sharing its memory."""
+    views = layout.views
+    if views is None or not all(isinstance(views[f], torch.Tensor) for f in VIEW_FIELDS):
+        views = {f: torch.from_dlpack(getattr(layout, f)) for f in VIEW_FIELDS}
+    return [views["blocks"].view(torch.uint8), *(views[f] for f in INDEX_FIELDS)]
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -106,6 +133,60 @@ def _attention_bwd_fake(q, k, v, out, lse, dout, layout, scale, backend, determi
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.custom_op("cuattn::attention_fwd_indexed", mutates_args=())
+def attention_fwd_indexed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: list[torch.Tensor],
+    blocksize: int,
+    causal: bool,
+    scale: float,
+    backend: str,
+    recompute: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_fwd on the DeviceLayout ``index`` describes."""
+    named = {"q": q, "k": k, "v": v}
+    with dlpack.stream_for(dlpack.common_info(named)):  # the layout's few launches too
+        lay = _device_layout(index, blocksize, causal, k.shape[2])
+        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_fwd_indexed.register_fake
+def _attention_fwd_indexed_fake(q, k, v, index, *args):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("cuattn::attention_bwd_indexed", mutates_args=())
+def attention_bwd_indexed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    index: list[torch.Tensor],
+    blocksize: int,
+    causal: bool,
+    scale: float,
+    backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_bwd on the DeviceLayout ``index`` describes."""
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+    with dlpack.stream_for(dlpack.common_info(named)):
+        lay = _device_layout(index, blocksize, causal, k.shape[2])
+        grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_bwd_indexed.register_fake
+def _attention_bwd_indexed_fake(q, k, v, out, lse, dout, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, layout, scale, backend, recompute, deterministic = inputs
     out, lse = output
@@ -135,6 +216,34 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_indexed(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, index, blocksize, causal, scale, backend, recompute, deterministic = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    saved = (q, k, v) if recompute else (q, k, v, out, lse)
+    ctx.save_for_backward(*saved, *index)  # the layout's tensors live until backward
+    ctx.saved_count = len(saved)
+    ctx.args = (blocksize, causal, scale, backend, recompute, deterministic)
+
+
+def _backward_indexed(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    blocksize, causal, scale, backend, recompute, deterministic = ctx.args
+    tensors = ctx.saved_tensors
+    q, k, v, *saved = tensors[: ctx.saved_count]
+    index = list(tensors[ctx.saved_count :])
+    shape = (blocksize, causal, scale, backend)
+    if recompute:
+        saved = attention_fwd_indexed(q, k, v, index, *shape, False, deterministic)
+    out, lse = saved
+    if 0 in dout.stride():
+        dout = dout.contiguous()
+    grads = attention_bwd_indexed(q, k, v, out, lse, dout, index, *shape, deterministic)
+    return (*grads, [None] * len(index), None, None, None, None, None, None)
+
+
+attention_fwd_indexed.register_autograd(_backward_indexed, setup_context=_setup_indexed)
+
+
 def _no_double_backward(ctx: Any, *grads: torch.Tensor) -> tuple:
     raise RuntimeError(
         "cuattn attention cannot differentiate twice: its backward (cuattn::attention_bwd) has "
@@ -147,6 +256,7 @@ def _setup_nothing(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)
+attention_bwd_indexed.register_autograd(_no_double_backward, setup_context=_setup_nothing)
 
 
 def attend(
@@ -163,9 +273,24 @@ def attend(
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. lse (float32, float64 for float64) has no gradient.
     """
-    out, lse = attention_fwd(
-        q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic
-    )
+    if isinstance(layout, DeviceLayout):
+        causal = layout.rule.kind == "causal"
+        out, lse = attention_fwd_indexed(
+            q,
+            k,
+            v,
+            index_tensors(layout),
+            layout.blocksize,
+            causal,
+            scale,
+            backend or "",
+            recompute,
+            deterministic,
+        )
+    else:
+        out, lse = attention_fwd(
+            q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic
+        )
     return (out, lse) if return_lse else out
 
 

@@ -81,6 +81,10 @@ class DeviceLayout(Layout):
             for arr in (self.blocks, self.nnz, *(index[f] for f in INDEX_FIELDS)):
                 arr.setflags(write=False)
         self._host: Layout | None = None
+        # The same arrays as tensors of the framework the layout was chosen from (torch), set
+        # by the builder: handed to a compiled graph as inputs, a new layout every step does not
+        # make it re-trace.
+        self.views: dict[str, Any] | None = None
         self._register()
 
     @property

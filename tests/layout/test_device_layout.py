@@ -208,6 +208,56 @@ def test_attention_and_gradients_on_a_device_layout_equal_the_oracle(rule):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-11)
 
 
+def test_a_compiled_step_takes_each_new_device_layout_as_an_input():
+    """torch: a DeviceLayout goes to the ops as tensors, so a compiled function called with a
+    fresh layout every step compiles once (fullgraph) and equals eager on each."""
+    from torch._dynamo.testing import CompileCounter
+
+    def attend(q, k, v, layout):
+        return cuattn.sparse_attention(q, k, v, layout).square().sum()
+
+    counter = CompileCounter()
+    counted = torch.compile(attend, backend=counter, fullgraph=True)
+    traced = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        q, k, v = (torch.randn(1, 4, 90, 16, dtype=torch.float64, generator=gen) for _ in "qkv")
+        layout = dynamic.topk_blocks(q, k[:, :2], B, 3, backend="interp")
+        assert layout.views is not None  # chosen from torch tensors: torch views attached
+        grads = {}
+        for name, fn in (("eager", attend), ("counted", counted), ("aot", traced)):
+            leaves = [
+                q.clone().requires_grad_(),
+                *(x[:, :2].clone().requires_grad_() for x in (k, v)),
+            ]
+            loss = fn(*leaves, layout)
+            loss.backward()
+            grads[name] = (loss.detach(), *(x.grad for x in leaves))
+        for name in ("counted", "aot"):
+            for got, want in zip(grads[name], grads["eager"], strict=True):
+                assert torch.equal(got, want), name
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_opcheck_passes_on_the_indexed_ops(recompute):
+    from cuattn.adapters import torch_ops
+
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 4, 70, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (
+        torch.randn(2, 2, 70, 16, dtype=torch.float64, generator=gen).requires_grad_() for _ in "kv"
+    )
+    layout = dynamic.mass_threshold_blocks(q[0].detach(), k[0].detach(), B, 0.8, backend="interp")
+    index = torch_ops.index_tensors(layout)
+    args = (q, k, v, index, B, True, 0.25, "", recompute, False)
+    torch.library.opcheck(torch.ops.cuattn.attention_fwd_indexed.default, args)
+    out, lse = torch.ops.cuattn.attention_fwd_indexed(*args)
+    saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
+    bwd_args = (*saved, index, B, True, 0.25, "", False)
+    torch.library.opcheck(torch.ops.cuattn.attention_bwd_indexed.default, bwd_args)
+
+
 def test_device_layouts_refuse_what_they_cannot_build_before_running():
     q, k = (np.random.default_rng(10).standard_normal((2, 64, 16)) for _ in range(2))
     with pytest.raises(ValueError, match="kernel block size"):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from cuattn import backends as _backend
+from cuattn import dynamic
 from cuattn._util import ceil_div
 from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
 from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
@@ -46,6 +47,7 @@ STANDARD_RAGGED_HEAD_DIM = {16: 32, 32: 96, 64: 128, 128: 96}
 # Seconds per case measured on 2 CPU cores (2026-11-23; the interpreter's first compile
 # included) and a guess for a GPU: only for the "about" in the first line.
 SECONDS_PER_CASE = {"cuda": 0.05, "interp": 1.4, "numpy": 0.05}
+TOPK_PATTERN, TOPK_BLOCKS = "topk (chosen)", 2  # the data-chosen case: blocks kept per row
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Case:
         return f"[{BATCH},{heads},{time},{self.head_dim}]"
 
     def layout(self) -> Layout:
+        """The case's layout (a top-k case's is chosen from its inputs, in run_case)."""
         if self.mode == "custom":
             return _custom_layout(self.n_ctx, self.blocksize)
         n_q = self.n_q or None
@@ -121,13 +124,16 @@ def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
 
 
 def _llm_shape_cases(dtype: str) -> list[Case]:
-    """MQA with fewer and with more queries than keys, and a packed-documents layout on
-    8-blocks (run as 16-blocks with bitmasks on the kernels)."""
+    """MQA with fewer and with more queries than keys, a packed-documents layout on 8-blocks
+    (run as 16-blocks with bitmasks on the kernels), and a top-k layout chosen from the case's
+    own q and k where they live (by the kernels of kernels/layout_build.cu on the interpreter
+    and on a GPU: a DeviceLayout)."""
     local = (("causal", False), ("local_attn_ctx", 40))
     return [
         Case("all mqa q<k", "all", (), 16, 64, 64, dtype, n_q=27, kv_heads=1),
         Case("local mqa q>k", "local", local, 64, 100, 64, dtype, n_q=150, kv_heads=1),
         Case("document b8", "document", (("doc_lengths", (9, 30, 1, 24)),), 8, 64, 64, dtype),
+        Case(TOPK_PATTERN, "topk", (), 32, 4 * 32 - 5, 64, dtype, kv_heads=1),
     ]
 
 
@@ -191,7 +197,6 @@ def _to_host(x: Any) -> np.ndarray:
 
 def run_case(case: Case, backend: str) -> tuple[float, float]:
     """(forward error, backward error) of one case, relative to the float64 oracle."""
-    layout = case.layout()
     rng = np.random.default_rng(SEED)
     q_shape = (BATCH, HEADS, case.queries, case.head_dim)
     kv_shape = (BATCH, case.kv_heads, case.n_ctx, case.head_dim)
@@ -200,6 +205,10 @@ def run_case(case: Case, backend: str) -> tuple[float, float]:
     # The oracle sees exactly the values the backend sees (after rounding to the dtype).
     q64, k64, v64, do64 = (_to_host(x) for x in (q, k, v, dout))
     scale = 1.0 / np.sqrt(case.head_dim)
+    if case.mode == "topk":
+        layout = dynamic.topk_blocks(q[0], k[0], case.blocksize, TOPK_BLOCKS, backend=backend)
+    else:
+        layout = case.layout()
     out, lse = _backend.forward(q, k, v, layout, scale, backend)
     grads = _backend.backward(q, k, v, out, lse, dout, layout, scale, backend)
     mask = layout.to_mask()

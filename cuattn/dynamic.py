@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 POOLS = ("mean", "max")
+BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 # Mass reached when the cumulative sum is within this of tau (float sums of probabilities).
 MASS_SLACK = 1e-9
 
@@ -92,6 +93,16 @@ def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     return arr, info
 
 
+def _widened(x: Any, xp: Any) -> Any:
+    """x in float32 (float64 stays float64). bfloat16 is widened through its bits (exact: a
+    bfloat16 is the high half of a float32), so CuPy needs no bfloat16 arithmetic."""
+    if x.dtype == xp.float64:
+        return x
+    if np.dtype(x.dtype).name == "bfloat16":
+        return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
+    return x.astype(xp.float32)
+
+
 def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     """[heads, n, d] -> [heads, nb, d] in float32 (float64 for float64)."""
     if isinstance(x, np.ndarray):
@@ -103,7 +114,7 @@ def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     nb = ceil_div(n, blocksize)
     fill = 0.0 if pool == "mean" else -xp.inf
     padded = xp.full((heads, nb * blocksize, d), fill, dtype=acc)
-    padded[:, :n] = x
+    padded[:, :n] = _widened(x, xp)
     blocks = padded.reshape(heads, nb, blocksize, d)
     if pool == "max":
         return blocks.max(axis=2)

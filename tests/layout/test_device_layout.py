@@ -258,6 +258,21 @@ def test_opcheck_passes_on_the_indexed_ops(recompute):
     torch.library.opcheck(torch.ops.cuattn.attention_bwd_indexed.default, bwd_args)
 
 
+def test_bfloat16_inputs_are_widened_exactly_before_pooling():
+    """CuPy has no bfloat16 arithmetic; the rules widen bfloat16 through its bits. On NumPy
+    (ml_dtypes) the same route must equal the cast, including negative, tiny and inf values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 50, 16)).astype(np.float32)
+    x[0, 0, :3] = (-np.inf, 1e-39, -0.0)
+    bf = x.astype(ml_dtypes.bfloat16)[:, ::2]  # a strided view too
+    np.testing.assert_array_equal(dynamic._widened(bf, np), bf.astype(np.float32))
+    q, k = (rng.standard_normal((2, 64, 16)).astype(ml_dtypes.bfloat16) for _ in "qk")
+    got = dynamic.topk_blocks(q, k, B, 2, backend="interp")
+    want = dynamic.topk_blocks(q.astype(np.float32), k.astype(np.float32), B, 2)
+    np.testing.assert_array_equal(got.blocks, want.blocks)
+
+
 def test_device_layouts_refuse_what_they_cannot_build_before_running():
     q, k = (np.random.default_rng(10).standard_normal((2, 64, 16)) for _ in range(2))
     with pytest.raises(ValueError, match="kernel block size"):

@@ -20,6 +20,7 @@ from cuattn.api import (
 )
 from cuattn.autograd import ops, tape
 from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
+from cuattn.dynamic import vertical_slash_layout
 from cuattn.layout import (
     MODES,
     DeviceLayout,
@@ -27,7 +28,6 @@ from cuattn.layout import (
     Layout,
     Pattern,
     make_layout,
-    vertical_slash_layout,
 )
 from cuattn.serving import KVCache, decode_attention, policies
 

@@ -1,7 +1,8 @@
 """Layouts chosen from the data (``cuattn.dynamic``): block selection by pooled scores, top-k
 (MoBA/NSA) and mass threshold (XAttention-style adaptive budgets), and vertical-slash
-(MInference, cuattn/layout/dynamic.py). The selection is not differentiable; attention over the
-chosen layout is, on every route.
+(MInference, its rule in cuattn/layout/dynamic.py). The selection is not differentiable;
+attention over the chosen layout is, on every route. Each is built on the device for device
+arrays (a DeviceLayout), see below.
 
 Top-k and mass threshold score query block i against key block j of head h from block-pooled
 queries and keys:
@@ -52,7 +53,12 @@ from cuattn.adapters import dlpack
 from cuattn.backends import geometry as kc
 from cuattn.backends import layout_build, resolve_backend
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
-from cuattn.layout.dynamic import vertical_slash_layout
+from cuattn.layout.dynamic import (
+    VerticalSlashRule,
+    check_vertical_slash_args,
+    vertical_slash_tables,
+)
+from cuattn.layout.dynamic import vertical_slash_layout as host_vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
 __all__ = [
@@ -64,6 +70,8 @@ __all__ = [
 ]
 
 POOLS = ("mean", "max")
+# Most bytes of bit tables a device vertical-slash layout may allocate (sized from its budget).
+DEVICE_TABLE_LIMIT_BYTES = 2 * 2**30
 BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 # Mass reached when the cumulative sum is within this of tau (float sums of probabilities).
 MASS_SLACK = 1e-9
@@ -158,7 +166,7 @@ def _scores(qa: Any, ka: Any, blocksize: int, pool: str) -> Any:
     return scores.reshape(heads, nb, nb)
 
 
-def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int) -> Any:
+def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int, sorts: bool = True) -> Any:
     """The kernel backend that builds the layout where q lives, or None for the NumPy choice;
     a layout the kernels cannot build is refused here, before anything runs."""
     info = dlpack.describe(q, "q")
@@ -170,7 +178,8 @@ def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int) -> Any:
             f"blocksize: a layout built on the {impl.name} backend needs a kernel block size "
             f"{kc.BLOCK_SIZES}, got {blocksize}"
         )
-    kc.select_sort_size(ceil_div(n, blocksize))
+    if sorts:
+        kc.select_sort_size(ceil_div(n, blocksize))
     return impl
 
 
@@ -180,7 +189,7 @@ def _with_views(layout: DeviceLayout, q: Any) -> DeviceLayout:
     Called on the caller's stream (``_where``): sharing then needs no cross-stream event."""
     info = dlpack.describe(q, "q")
     if info.framework == "torch":
-        fields = ("blocks", *INDEX_FIELDS)
+        fields = ("blocks", *INDEX_FIELDS, "mask_table")
         layout.views = {f: dlpack.from_backend(getattr(layout, f), info) for f in fields}
     return layout
 
@@ -190,6 +199,96 @@ def _where(q: Any, impl: Any, arr: Any) -> Iterator[None]:
     """On q's device and the caller's stream (torch: and its caching allocator)."""
     with dlpack.stream_for(dlpack.describe(q, "q")), impl.on_device_of(arr):
         yield
+
+
+def vertical_slash_layout(
+    q: Any,
+    k: Any,
+    blocksize: int = 64,
+    num_vertical: int = 64,
+    num_slash: int = 64,
+    last_q: int = 64,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> Layout:
+    """``vertical_slash`` (MInference) on arrays of any framework; see
+    cuattn.layout.dynamic.vertical_slash_layout for the rule. On the kernel backends
+    (CUDA arrays, or backend="interp") the whole layout is built on the arrays' device: the
+    columns and offsets, the blocks holding an allowed element (exactly, from prefix counts of
+    the chosen columns and offsets per block's key and offset range), CSR/CSC, and one bit table
+    per active block (kernels/layout_build.cu mask_vertical_slash), in buffers sized from
+    num_vertical and num_slash; the host's deduplicated tables would need the host."""
+    (qa, _), (ka, _) = _described_batch("q", q), _described_batch("k", k)
+    check_vertical_slash_args(qa, ka, blocksize, num_vertical, num_slash, last_q)
+    n = int(qa.shape[-2])
+    impl = _kernel_route(q, backend, blocksize, n, sorts=False)
+    if impl is None:
+        host_q, host_k = (np.asarray(x) for x in (qa, ka))
+        return host_vertical_slash_layout(
+            host_q, host_k, blocksize, num_vertical, num_slash, last_q, causal, scale
+        )
+    heads, nb = int(qa.shape[-3]), ceil_div(n, blocksize)
+    row_capacity = min(nb, min(num_vertical, n) + 2 * (min(num_slash, 2 * n) + 1))
+    capacity = layout_build.index_capacity(heads, nb, row_capacity)
+    table_bytes = capacity * blocksize * ceil_div(blocksize, 32) * 4
+    if table_bytes > DEVICE_TABLE_LIMIT_BYTES:
+        raise ValueError(
+            f"num_vertical/num_slash: a device vertical-slash layout keeps a bit table per "
+            f"active block, up to heads={heads} x {nb} rows x {row_capacity} blocks = "
+            f"{table_bytes / 2**30:.1f} GiB here (limit {DEVICE_TABLE_LIMIT_BYTES / 2**30:.0f} "
+            "GiB); use fewer columns or offsets, a larger blocksize, or host arrays"
+        )
+    with _where(q, impl, qa):
+        xp = impl.xp
+        q64, k64 = (
+            _widened(x, xp).astype(xp.float64).reshape((-1,) + tuple(x.shape[-3:]))
+            for x in (qa, ka)
+        )
+        scale = float(q64.shape[-1]) ** -0.5 if scale is None else float(scale)
+        is_vertical, is_slash = vertical_slash_tables(
+            q64, k64, num_vertical, num_slash, last_q, causal, scale, xp
+        )
+        chosen = _vertical_slash_blocks(xp, is_vertical, is_slash, n, blocksize, causal)
+        rule = VerticalSlashRule(is_vertical, is_slash, causal)
+        layout = layout_build.index_layout(
+            impl, chosen, blocksize, n, causal, row_capacity, "vertical_slash", rule
+        )
+        return _with_views(layout, q)
+
+
+def _described_batch(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
+    info = dlpack.describe(x, name)
+    return dlpack.to_backend(x, info, name), info
+
+
+def _vertical_slash_blocks(
+    xp: Any, is_vertical: Any, is_slash: Any, n: int, blocksize: int, causal: bool
+) -> Any:
+    """uint8 [heads, nb, nb]: block (i, j) holds an allowed element of the rule. Block (i, j)
+    spans queries [q_lo, q_hi] and keys [k_lo, k_hi]: a chosen column k in [k_lo, k_hi] (and
+    k <= q_hi when causal), or a chosen offset o in [q_lo - k_hi, q_hi - k_lo] (o >= 0 when
+    causal), counted from prefix sums: the host's pruned candidate blocks, without its loop
+    over every element."""
+    heads = is_vertical.shape[0]
+    nb = ceil_div(n, blocksize)
+    columns = xp.zeros((heads, n + 1), dtype=xp.int32)
+    columns[:, 1:] = xp.cumsum(is_vertical, axis=-1)
+    offsets = xp.zeros((heads, 2 * n + 1), dtype=xp.int32)
+    offsets[:, 1:] = xp.cumsum(is_slash, axis=-1)
+    i, j = xp.arange(nb)[:, None], xp.arange(nb)[None, :]
+    q_lo, q_hi = i * blocksize, xp.minimum(i * blocksize + blocksize, n) - 1
+    k_lo, k_hi = j * blocksize, xp.minimum(j * blocksize + blocksize, n) - 1
+    v_hi = xp.minimum(k_hi, q_hi) if causal else xp.broadcast_to(k_hi, (nb, nb))
+    v_hi = xp.maximum(v_hi, k_lo - 1)  # an empty range counts nothing
+    vertical = columns[:, v_hi + 1] - columns[:, xp.broadcast_to(k_lo, (nb, nb))] > 0
+    o_lo, o_hi = q_lo - k_hi, q_hi - k_lo
+    if causal:
+        o_lo = xp.maximum(o_lo, 0)
+    o_hi = xp.maximum(o_hi, o_lo - 1)
+    slash = offsets[:, o_hi + n + 1] - offsets[:, o_lo + n] > 0
+    return xp.ascontiguousarray((vertical | slash).astype(xp.uint8))
 
 
 def _allowed(heads: int, nb: int, causal: bool) -> np.ndarray:

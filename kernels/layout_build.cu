@@ -25,7 +25,11 @@
 //     ascending in each row) and row_idx and col_mask from col_ptr (i ascending in each
 //     column), never past `capacity` entries; a mask is -1 for a block every element of which
 //     the rule allows and 0 for one the attention kernels must mask (a causal diagonal block,
-//     or the ragged last key block).
+//     or the ragged last key block). With `tables` (the vertical-slash rule's bit tables) the
+//     rows are filled first (part FILL_ROWS, recording each block's CSR entry in entry_of),
+//     mask_vertical_slash writes the tables and row_mask, then the columns (FILL_COLUMNS) copy
+//     row_mask through entry_of; otherwise one launch fills both (FILL_BOTH).
+//   mask_vertical_slash: see its comment.
 // The index buffers are sized by the caller from the budget (heads * nbq * the most blocks a
 // row may take), so nothing about the choice has to come back to the host to size them.
 // Run: through cuattn.dynamic.topk_blocks / mass_threshold_blocks on CuPy (or torch CUDA)
@@ -45,6 +49,7 @@ constexpr int FORCED = 0, ALLOWED = 1, FORBIDDEN = 2, PADDING = 3;
 constexpr double MASS_SLACK = 1e-9;
 constexpr int FULL_BLOCK = -1;  // mask id of a block needing no element mask (cuattn.Layout)
 constexpr int RULE_MASKED = 0;
+constexpr int FILL_BOTH = 0, FILL_ROWS = 1, FILL_COLUMNS = 2;  // layout_fill's `part`
 
 template <typename S, int SORT_SIZE>
 struct select_traits {
@@ -302,10 +307,11 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
     layout_fill(const unsigned char* __restrict__ chosen, const int* __restrict__ row_ptr,
                 int* __restrict__ col_idx, int* __restrict__ row_mask,
                 const int* __restrict__ col_ptr, int* __restrict__ row_idx,
-                int* __restrict__ col_mask, int nbq, int nb, int blocksize, int n_k,
-                int q_offset, int causal, int capacity) {
+                int* __restrict__ col_mask, int* __restrict__ entry_of, int nbq, int nb,
+                int blocksize, int n_k, int q_offset, int causal, int capacity, int tables,
+                int part) {
   const IndexUnit u = index_unit(chosen, nbq, nb);
-  if (u.row >= 0) {
+  if (u.row >= 0 && part != FILL_COLUMNS) {
     const int i = u.row;
     const unsigned char* row = u.head + size_t(i) * nb;
     int next = row_ptr[size_t(u.h) * (nbq + 1) + i];
@@ -316,20 +322,63 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
       const int at = next + __popc(votes & ((1u << u.lane) - 1u));  // lanes below come first
       if (on && at < capacity) {
         col_idx[at] = j;
-        row_mask[at] = block_mask_id(i, j, blocksize, n_k, q_offset, causal);
+        if (tables) {
+          entry_of[(size_t(u.h) * nbq + i) * nb + j] = at;  // row_mask: mask_vertical_slash
+        } else {
+          row_mask[at] = block_mask_id(i, j, blocksize, n_k, q_offset, causal);
+        }
       }
       next += __popc(votes);
     }
-  } else if (u.first_column + u.lane < nb) {
+  } else if (u.row < 0 && part != FILL_ROWS && u.first_column + u.lane < nb) {
     const int j = u.first_column + u.lane;
     int next = col_ptr[size_t(u.h) * (nb + 1) + j];
     for (int i = 0; i < nbq; ++i) {
       if (u.head[size_t(i) * nb + j] == 0) continue;
       if (next < capacity) {
         row_idx[next] = i;
-        col_mask[next] = block_mask_id(i, j, blocksize, n_k, q_offset, causal);
+        // with tables, a block's CSC entry names the mask its CSR entry got
+        col_mask[next] = tables ? row_mask[entry_of[(size_t(u.h) * nbq + i) * nb + j]]
+                                : block_mask_id(i, j, blocksize, n_k, q_offset, causal);
       }
       ++next;
     }
+  }
+}
+
+// Per-block bit tables of the vertical-slash rule: for every CSR entry e of query-block row i
+// (one warp per entry), bit c of word w of row r of mask_table[e] says whether query q = i*b + r
+// sees key k = j*b + 32w + c: q < n, k < n, k <= q when causal, and (is_vertical[h, k] or
+// is_slash[h, q - k + n]). row_mask[e] = -1 when every element of a block that is not ragged
+// is allowed (no table needed), else e. Grid (nbq, heads), INDEX_WARPS warps.
+__global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
+    mask_vertical_slash(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
+                        const unsigned char* __restrict__ is_vertical,
+                        const unsigned char* __restrict__ is_slash,
+                        unsigned* __restrict__ mask_table, int* __restrict__ row_mask, int nbq,
+                        int n, int blocksize, int causal) {
+  const int lane = int(threadIdx.x) % 32;
+  const int i = int(blockIdx.x), h = int(blockIdx.y);
+  const int words = (blocksize + 31) / 32;
+  const unsigned char* vertical = is_vertical + size_t(h) * n;
+  const unsigned char* slash = is_slash + size_t(h) * 2 * n;
+  const int lo = row_ptr[size_t(h) * (nbq + 1) + i], hi = row_ptr[size_t(h) * (nbq + 1) + i + 1];
+  for (int e = lo + int(threadIdx.x) / 32; e < hi; e += INDEX_WARPS) {  // uniform per warp
+    const int j = col_idx[e];
+    bool lacks = (j + 1) * blocksize > n;  // a ragged key block always keeps its table
+    for (int pair = lane; pair < blocksize * words; pair += 32) {
+      const int r = pair / words, w = pair % words;
+      const int q = i * blocksize + r;
+      unsigned bits = 0;
+      for (int c = 0; c < 32 && 32 * w + c < blocksize; ++c) {
+        const int k = j * blocksize + 32 * w + c;
+        const bool on = q < n && k < n && (!causal || k <= q) && (vertical[k] || slash[q - k + n]);
+        bits |= unsigned(on) << c;
+        lacks = lacks || (q < n && !on);
+      }
+      mask_table[(size_t(e) * blocksize + r) * words + w] = bits;
+    }
+    const bool needs_table = __ballot_sync(FULL_WARP, lacks) != 0;
+    if (lane == 0) row_mask[e] = needs_table ? e : FULL_BLOCK;
   }
 }

@@ -9,11 +9,12 @@ Pattern's JSON key names a rule built for each call's lengths, so a compiled gra
 dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
 from the data, a new one every step) goes as tensors instead, so a compiled graph takes each
 step's layout as an input and never re-traces for a new one:
-    cuattn::attention_fwd_indexed(q, k, v, index, blocksize, causal, scale, backend, recompute,
+    cuattn::attention_fwd_indexed(q, k, v, index, blocksize, rule, scale, backend, recompute,
                                   deterministic) -> (out, lse)
-    cuattn::attention_bwd_indexed(q, k, v, out, lse, dout, index, blocksize, causal, scale,
+    cuattn::attention_bwd_indexed(q, k, v, out, lse, dout, index, blocksize, rule, scale,
                                   backend, deterministic) -> (dq, dk, dv)
-with ``index`` = [blocks (uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask].
+with ``index`` = [blocks (uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask,
+mask_table] and ``rule`` the element rule's kind ("none", "causal", or "bitmask": the tables).
 Each op has a fake (shape-only) implementation for tracing, each forward an autograd formula
 that calls its backward op (the backward graph AOTAutograd records), and all run through
 DLPack with no copies: CPU tensors on the NumPy (or interpreter) backend, CUDA tensors on the
@@ -38,7 +39,7 @@ from cuattn.layout.pattern import Pattern
 __all__ = ["attend", "layout_key", "merge"]
 
 UID_PREFIX = "uid:"
-VIEW_FIELDS = ("blocks", *INDEX_FIELDS)
+VIEW_FIELDS = ("blocks", *INDEX_FIELDS, "mask_table")
 PATTERN_KEYS_CACHED = 64
 
 
@@ -64,13 +65,24 @@ def _resolve(key: str, n_q: int, n_k: int) -> Layout:
     return _pattern(key).layout(n_q, n_k) if layout is None else layout
 
 
-def _device_layout(index: list[torch.Tensor], blocksize: int, causal: bool, n: int) -> Layout:
+def _tables_only(h: Any, q: Any, k: Any) -> Any:
+    raise RuntimeError("the element rule of a layout rebuilt inside a cuattn op is its tables")
+
+
+def _device_layout(index: list[torch.Tensor], blocksize: int, rule: str, n: int) -> Layout:
     """The DeviceLayout whose arrays these tensors share (no copy)."""
-    blocks, *arrays = (dlpack.to_backend(t, dlpack.describe(t, "layout"), "layout") for t in index)
-    rule = ElementRule("causal") if causal else ElementRule("none")
+    blocks, *arrays, table = (
+        dlpack.to_backend(t, dlpack.describe(t, "layout"), "layout") for t in index
+    )
     fields = dict(zip(INDEX_FIELDS, arrays, strict=True))
     capacity = int(index[2].numel())
-    return DeviceLayout(blocks.view("uint8"), fields, blocksize, n, rule, "device", capacity)
+    if rule == "bitmask":
+        element_rule = ElementRule("bitmask", mask_fn=_tables_only)
+    else:
+        element_rule, table = ElementRule(rule), None
+    return DeviceLayout(
+        blocks.view("uint8"), fields, blocksize, n, element_rule, "device", capacity, table
+    )
 
 
 def index_tensors(layout: DeviceLayout) -> list[torch.Tensor]:
@@ -78,7 +90,7 @@ def index_tensors(layout: DeviceLayout) -> list[torch.Tensor]:
     views = layout.views
     if views is None or not all(isinstance(views[f], torch.Tensor) for f in VIEW_FIELDS):
         views = {f: torch.from_dlpack(getattr(layout, f)) for f in VIEW_FIELDS}
-    return [views["blocks"].view(torch.uint8), *(views[f] for f in INDEX_FIELDS)]
+    return [views["blocks"].view(torch.uint8), *(views[f] for f in VIEW_FIELDS[1:])]
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -140,7 +152,7 @@ def attention_fwd_indexed(
     v: torch.Tensor,
     index: list[torch.Tensor],
     blocksize: int,
-    causal: bool,
+    rule: str,
     scale: float,
     backend: str,
     recompute: bool,
@@ -149,7 +161,7 @@ def attention_fwd_indexed(
     """attention_fwd on the DeviceLayout ``index`` describes."""
     named = {"q": q, "k": k, "v": v}
     with dlpack.stream_for(dlpack.common_info(named)):  # the layout's few launches too
-        lay = _device_layout(index, blocksize, causal, k.shape[2])
+        lay = _device_layout(index, blocksize, rule, k.shape[2])
         out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
     return out.contiguous(), lse.contiguous()
 
@@ -169,7 +181,7 @@ def attention_bwd_indexed(
     dout: torch.Tensor,
     index: list[torch.Tensor],
     blocksize: int,
-    causal: bool,
+    rule: str,
     scale: float,
     backend: str,
     deterministic: bool,
@@ -177,7 +189,7 @@ def attention_bwd_indexed(
     """attention_bwd on the DeviceLayout ``index`` describes."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     with dlpack.stream_for(dlpack.common_info(named)):
-        lay = _device_layout(index, blocksize, causal, k.shape[2])
+        lay = _device_layout(index, blocksize, rule, k.shape[2])
         grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
     return tuple(g.contiguous() for g in grads)
 
@@ -217,21 +229,21 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _setup_indexed(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, index, blocksize, causal, scale, backend, recompute, deterministic = inputs
+    q, k, v, index, blocksize, rule, scale, backend, recompute, deterministic = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
     ctx.save_for_backward(*saved, *index)  # the layout's tensors live until backward
     ctx.saved_count = len(saved)
-    ctx.args = (blocksize, causal, scale, backend, recompute, deterministic)
+    ctx.args = (blocksize, rule, scale, backend, recompute, deterministic)
 
 
 def _backward_indexed(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    blocksize, causal, scale, backend, recompute, deterministic = ctx.args
+    blocksize, rule, scale, backend, recompute, deterministic = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     index = list(tensors[ctx.saved_count :])
-    shape = (blocksize, causal, scale, backend)
+    shape = (blocksize, rule, scale, backend)
     if recompute:
         saved = attention_fwd_indexed(q, k, v, index, *shape, False, deterministic)
     out, lse = saved
@@ -274,14 +286,13 @@ def attend(
     or without autograd, eager or compiled. lse (float32, float64 for float64) has no gradient.
     """
     if isinstance(layout, DeviceLayout):
-        causal = layout.rule.kind == "causal"
         out, lse = attention_fwd_indexed(
             q,
             k,
             v,
             index_tensors(layout),
             layout.blocksize,
-            causal,
+            layout.rule.kind,
             scale,
             backend or "",
             recompute,

@@ -68,6 +68,7 @@ KERNEL_FILES = {
     "layout_count": "layout_build.cu",
     "layout_scan": "layout_build.cu",
     "layout_fill": "layout_build.cu",
+    "mask_vertical_slash": "layout_build.cu",
 }
 BLOCK_KERNELS = (
     "attn_fwd",
@@ -91,7 +92,7 @@ DECODE_REGISTERS_ASSUMED = 128
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
 # (counts -> scan -> fill of CSR and CSC) have one instantiation each.
 SELECT_KERNELS = ("select_topk", "select_mass")
-INDEX_KERNELS = ("layout_count", "layout_scan", "layout_fill")
+INDEX_KERNELS = ("layout_count", "layout_scan", "layout_fill", "mask_vertical_slash")
 LAYOUT_BUILD_KERNELS = SELECT_KERNELS + INDEX_KERNELS
 MAX_SELECT_THREADS = 256  # a selection CTA has a thread per sort pair, 32 to this many
 SELECT_SCORE_DTYPES = ("float32", "float64")
@@ -238,6 +239,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("col_ptr", "ptr"),
         ("row_idx", "ptr"),
         ("col_mask", "ptr"),
+        ("entry_of", "ptr"),
         ("nbq", "i32"),
         ("nb", "i32"),
         ("blocksize", "i32"),
@@ -245,6 +247,20 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("q_offset", "i32"),
         ("causal", "i32"),
         ("capacity", "i32"),
+        ("tables", "i32"),
+        ("part", "i32"),
+    ),
+    "mask_vertical_slash": (
+        ("row_ptr", "ptr"),
+        ("col_idx", "ptr"),
+        ("is_vertical", "ptr"),
+        ("is_slash", "ptr"),
+        ("mask_table", "ptr"),
+        ("row_mask", "ptr"),
+        ("nbq", "i32"),
+        ("n", "i32"),
+        ("blocksize", "i32"),
+        ("causal", "i32"),
     ),
     "attn_bwd_dkdv": (
         ("q", "ptr"),
@@ -488,7 +504,7 @@ class LayoutKernelConfig:
     select_topk / select_mass: ``rows`` query-block rows, one CTA each, ``score_dtype`` the
     scores' type and ``sort_size`` the padded row (``select_sort_size``). layout_count /
     layout_fill: ``rows`` warp units (query-block rows + 32-column strips). layout_scan: two
-    CTAs. ``heads`` is grid.y.
+    CTAs. mask_vertical_slash: ``rows`` query-block rows, one CTA each. ``heads`` is grid.y.
     """
 
     kernel: str
@@ -527,7 +543,7 @@ class LayoutKernelConfig:
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        if self.kernel in SELECT_KERNELS:
+        if self.kernel in SELECT_KERNELS or self.kernel == "mask_vertical_slash":
             return (self.rows, self.heads, 1)
         if self.kernel == "layout_scan":
             return (SCAN_CTAS, 1, 1)

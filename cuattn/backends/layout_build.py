@@ -17,12 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import ceil_div
 from cuattn.backends import geometry as kc
 from cuattn.backends.geometry import LayoutKernelConfig
 from cuattn.layout.device import DeviceLayout
-from cuattn.layout.layout import ElementRule
+from cuattn.layout.dynamic import VerticalSlashRule
+from cuattn.layout.layout import BITS_PER_WORD, ElementRule
 
 UNWRITTEN = -2  # poison of the int32 buffers (a valid entry is >= -1)
+UNWRITTEN_BITS = 0xA5A5A5A5  # poison of the bit tables (each table the kernel writes whole)
+FILL_BOTH, FILL_ROWS, FILL_COLUMNS = 0, 1, 2  # layout_fill's part (kernels/layout_build.cu)
 UNCHOSEN = 255  # poison of the choice (the selection writes 0 or 1 everywhere)
 INT32_LIMIT = 2**31 - 1
 
@@ -101,6 +105,17 @@ def select_mass(
     )
 
 
+def index_capacity(heads: int, nbq: int, row_capacity: int) -> int:
+    """Entries of the index buffers of a layout whose rows hold at most row_capacity blocks."""
+    capacity = heads * nbq * row_capacity
+    if capacity > INT32_LIMIT:
+        raise ValueError(
+            f"the budget: heads={heads} x {nbq} query blocks x {row_capacity} blocks per row "
+            f"= {capacity} entries exceed the kernels' int32 offsets; use a larger blocksize"
+        )
+    return capacity
+
+
 def index_layout(
     impl: Any,
     chosen: Any,
@@ -109,16 +124,14 @@ def index_layout(
     causal: bool,
     row_capacity: int,
     name: str,
+    vertical_slash: VerticalSlashRule | None = None,
 ) -> DeviceLayout:
-    """The DeviceLayout of ``chosen``, whose rows hold at most ``row_capacity`` blocks."""
+    """The DeviceLayout of ``chosen``, whose rows hold at most ``row_capacity`` blocks; with
+    ``vertical_slash`` (its tables on the device) the rule is that rule's bit tables."""
     xp = impl.xp
     heads, nbq, nb = chosen.shape
-    capacity = heads * nbq * row_capacity
-    if capacity > INT32_LIMIT:
-        raise ValueError(
-            f"the budget: heads={heads} x {nbq} query blocks x {row_capacity} blocks per row "
-            f"= {capacity} entries exceed the kernels' int32 offsets; use a larger blocksize"
-        )
+    capacity = index_capacity(heads, nbq, row_capacity)
+    tables = vertical_slash is not None
 
     def buffer(*shape: int) -> Any:
         return xp.full(shape, UNWRITTEN, dtype=xp.int32)
@@ -151,17 +164,42 @@ def index_layout(
         nbq=nbq,
         nb=nb,
     )
-    impl.launch(
-        LayoutKernelConfig("layout_fill", rows=units, heads=heads),
-        chosen=chosen,
+    fill = {
+        "chosen": chosen,
         **index,
+        "entry_of": buffer(heads, nbq, nb) if tables else buffer(1),
+        "nbq": nbq,
+        "nb": nb,
+        "blocksize": blocksize,
+        "n_k": n_ctx,
+        "q_offset": 0,
+        "causal": int(causal),
+        "capacity": capacity,
+        "tables": int(tables),
+    }
+    fill_config = LayoutKernelConfig("layout_fill", rows=units, heads=heads)
+    if not tables:
+        impl.launch(fill_config, **fill, part=FILL_BOTH)
+        rule = ElementRule("causal") if causal else ElementRule("none")
+        return DeviceLayout(chosen, index, blocksize, n_ctx, rule, name, capacity)
+    assert vertical_slash is not None
+    impl.launch(fill_config, **fill, part=FILL_ROWS)
+    words = ceil_div(blocksize, BITS_PER_WORD)
+    mask_table = xp.full((max(capacity, 1), blocksize, words), UNWRITTEN_BITS, dtype=xp.uint32)
+    is_vertical, is_slash = (xp.ascontiguousarray(t).view(xp.uint8) for t in vertical_slash.tables)
+    impl.launch(
+        LayoutKernelConfig("mask_vertical_slash", rows=nbq, heads=heads),
+        row_ptr=index["row_ptr"],
+        col_idx=index["col_idx"],
+        is_vertical=is_vertical,
+        is_slash=is_slash,
+        mask_table=mask_table,
+        row_mask=index["row_mask"],
         nbq=nbq,
-        nb=nb,
+        n=n_ctx,
         blocksize=blocksize,
-        n_k=n_ctx,
-        q_offset=0,
         causal=int(causal),
-        capacity=capacity,
     )
-    rule = ElementRule("causal") if causal else ElementRule("none")
-    return DeviceLayout(chosen, index, blocksize, n_ctx, rule, name, capacity)
+    impl.launch(fill_config, **fill, part=FILL_COLUMNS)
+    rule = ElementRule("bitmask", mask_fn=vertical_slash)
+    return DeviceLayout(chosen, index, blocksize, n_ctx, rule, name, capacity, mask_table)

@@ -8,7 +8,9 @@ NumPy arrays (NumPy inputs on the CPU kernel interpreter); the attention backend
 place, on every route (tape, torch, jax).
 
 Semantics are a Layout's (cuattn/layout/layout.py) for a square layout with the element rule
-``none`` or ``causal``; the differences are where the arrays live:
+``none``, ``causal`` or ``bitmask`` (vertical-slash: one bit table per active block that needs
+one, indexed by its CSR entry, not shared as the host's deduplicated tables are); the
+differences are where the arrays live:
     blocks      bool [heads, nbq, nb] on the device (a view of the kernels' choice)
     row_ptr, col_ptr   int32 on the device, exact; col_idx, row_mask, row_idx, col_mask are
                 buffers of ``capacity`` entries of which the first row_ptr[-1, -1] are the layout
@@ -30,7 +32,7 @@ import numpy as np
 from cuattn._util import ceil_div
 from cuattn.layout.layout import BITS_PER_WORD, PICTURE_MAX_WIDTH, ElementRule, Layout
 
-DEVICE_RULES = ("none", "causal")
+DEVICE_RULES = ("none", "causal", "bitmask")
 INDEX_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask")
 
 
@@ -50,6 +52,7 @@ class DeviceLayout(Layout):
         rule: ElementRule,
         name: str,
         capacity: int,
+        mask_table: Any = None,
     ) -> None:
         if rule.kind not in DEVICE_RULES:
             raise ValueError(f"rule: a device layout takes {DEVICE_RULES}, got {rule.kind!r}")
@@ -73,9 +76,13 @@ class DeviceLayout(Layout):
             setattr(self, field, index[field])
         xp = self.array_module
         words = ceil_div(self.blocksize, BITS_PER_WORD)
-        self.mask_table = xp.zeros((0, self.blocksize, words), dtype=xp.uint32)
+        if (rule.kind == "bitmask") != (mask_table is not None):
+            raise ValueError("mask_table: a device layout has one exactly when its rule is bitmask")
+        if mask_table is None:
+            mask_table = xp.zeros((0, self.blocksize, words), dtype=xp.uint32)
+        self.mask_table = mask_table
         # The kernels take a valid pointer for the table even when the rule never reads it.
-        self._table_pointer = xp.zeros(1, dtype=xp.uint32)
+        self._table_pointer = mask_table if mask_table.size else xp.zeros(1, dtype=xp.uint32)
         self.nnz = (self.row_ptr[:, -1] - self.row_ptr[:, 0]).astype(xp.int64)
         if xp is np:
             for arr in (self.blocks, self.nnz, *(index[f] for f in INDEX_FIELDS)):

@@ -239,22 +239,33 @@ def test_a_compiled_step_takes_each_new_device_layout_as_an_input():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("rule", ["mass", "vertical_slash"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_opcheck_passes_on_the_indexed_ops(recompute):
+def test_opcheck_passes_on_the_indexed_ops(recompute, rule):
     from cuattn.adapters import torch_ops
 
     gen = torch.Generator().manual_seed(13)
     q = torch.randn(2, 4, 70, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (
-        torch.randn(2, 2, 70, 16, dtype=torch.float64, generator=gen).requires_grad_() for _ in "kv"
+        torch.randn(2, 2 if rule == "mass" else 4, 70, 16, dtype=torch.float64, generator=gen)
+        for _ in "kv"
     )
-    layout = dynamic.mass_threshold_blocks(q[0].detach(), k[0].detach(), B, 0.8, backend="interp")
+    k, v = k.requires_grad_(), v.requires_grad_()
+    if rule == "mass":
+        layout = dynamic.mass_threshold_blocks(
+            q[0].detach(), k[0].detach(), B, 0.8, backend="interp"
+        )
+    else:
+        layout = dynamic.vertical_slash_layout(
+            q.detach(), k.detach(), B, 3, 2, 16, backend="interp"
+        )
     index = torch_ops.index_tensors(layout)
-    args = (q, k, v, index, B, True, 0.25, "", recompute, False)
+    kind = layout.rule.kind
+    args = (q, k, v, index, B, kind, 0.25, "", recompute, False)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd_indexed.default, args)
     out, lse = torch.ops.cuattn.attention_fwd_indexed(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
-    bwd_args = (*saved, index, B, True, 0.25, "", False)
+    bwd_args = (*saved, index, B, kind, 0.25, "", False)
     torch.library.opcheck(torch.ops.cuattn.attention_bwd_indexed.default, bwd_args)
 
 
@@ -271,6 +282,55 @@ def test_bfloat16_inputs_are_widened_exactly_before_pooling():
     got = dynamic.topk_blocks(q, k, B, 2, backend="interp")
     want = dynamic.topk_blocks(q.astype(np.float32), k.astype(np.float32), B, 2)
     np.testing.assert_array_equal(got.blocks, want.blocks)
+
+
+@pytest.mark.parametrize(
+    "causal, n, batch, num_slash",
+    [(True, 100, 1, 3), (False, 96, 2, 3), (True, 40, 1, 100), (False, 37, 1, 2)],
+)
+def test_vertical_slash_on_the_device_equals_the_host_rule(causal, n, batch, num_slash):
+    """Built by the kernels (interp), the vertical-slash layout has the host version's blocks
+    and elements (ragged lengths, a batch averaged, more offsets asked than exist), and
+    attention and gradients on it equal the float64 oracle through torch's indexed ops."""
+    rng = np.random.default_rng(n + batch)
+    q, k = (rng.standard_normal((batch, 2, n, 16)) * 0.6 for _ in "qk")
+    args = (q, k, B, 4, num_slash, 16, causal)
+    host = cuattn.layout.vertical_slash_layout(*args)
+    layout = dynamic.vertical_slash_layout(*args, backend="interp")
+    assert isinstance(layout, DeviceLayout) and layout.rule.kind == "bitmask"
+    np.testing.assert_array_equal(layout.blocks, host.blocks)
+    np.testing.assert_array_equal(layout.to_mask(), host.to_mask())
+    total = int(layout.row_ptr[-1, -1])
+    np.testing.assert_array_equal(layout.row_ptr, host.row_ptr)
+    np.testing.assert_array_equal(layout.col_idx[:total], host.col_idx)
+    # a block's CSC entry names the same table as its CSR entry
+    csr_mask = {}
+    for h in range(2):
+        for i in range(layout.num_q_blocks):
+            for e in range(layout.row_ptr[h, i], layout.row_ptr[h, i + 1]):
+                csr_mask[h, i, int(layout.col_idx[e])] = int(layout.row_mask[e])
+    for h in range(2):
+        for j in range(layout.num_blocks):
+            for e in range(layout.col_ptr[h, j], layout.col_ptr[h, j + 1]):
+                assert layout.col_mask[e] == csr_mask.pop((h, int(layout.row_idx[e]), j))
+    assert not csr_mask
+    x = [rng.standard_normal((1, 2, n, 16)) for _ in range(4)]
+    want = dense_attention_grads(*x[:3], x[3], layout.to_mask(), 0.25)
+    leaves = [torch.tensor(t, requires_grad=True) for t in x[:3]]
+    cuattn.sparse_attention(*leaves, layout, scale=0.25).backward(torch.from_numpy(x[3]))
+    for got, ref in zip(leaves, want, strict=True):
+        np.testing.assert_allclose(got.grad.numpy(), ref, rtol=1e-9, atol=1e-11)
+    q32, k32, v32 = (t.astype(np.float32) for t in x[:3])
+    kernels = cuattn.sparse_attention(q32, k32, v32, layout, backend="interp")
+    reference = cuattn.sparse_attention(q32, k32, v32, host, backend="interp")
+    np.testing.assert_array_equal(kernels, reference)
+
+
+def test_device_vertical_slash_refuses_tables_over_its_memory_limit(monkeypatch):
+    monkeypatch.setattr(dynamic, "DEVICE_TABLE_LIMIT_BYTES", 1024)
+    q = np.ones((1, 2, 64, 16))
+    with pytest.raises(ValueError, match="a bit table per active block"):
+        dynamic.vertical_slash_layout(q, q, B, 4, 3, 16, backend="interp")
 
 
 def test_device_layouts_refuse_what_they_cannot_build_before_running():

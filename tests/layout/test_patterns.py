@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 import cuattn
 from cuattn.backends.geometry import BLOCK_SIZES
@@ -214,8 +215,10 @@ def test_vertical_slash_picks_planted_columns_and_diagonals(causal, n):
 
 
 def test_vertical_slash_rejects_device_or_bad_shapes():
-    with pytest.raises(TypeError, match="q must be a NumPy array"):
+    with pytest.raises(TypeError, match="q must be a NumPy, CuPy, torch or jax array"):
         cuattn.vertical_slash_layout([[1.0]], np.ones((1, 4, 2)))
+    with pytest.raises(TypeError, match="q must be a NumPy array"):
+        cuattn.layout.vertical_slash_layout(torch.ones(1, 4, 2), np.ones((1, 4, 2)))
     with pytest.raises(ValueError, match=r"q must be \[heads, n, d\]"):
         cuattn.vertical_slash_layout(np.ones((4, 2)), np.ones((4, 2)))
 

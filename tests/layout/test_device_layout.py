@@ -459,3 +459,19 @@ def test_on_the_gpu_a_dynamic_step_is_captured_in_a_cuda_graph_and_replays():
         layout = dynamic.topk_blocks(new_q[0], new_k[0], 64, 6)
         want = cuattn.sparse_attention(new_q, new_k, v, layout)
         assert torch.equal(static_out, want)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_vertical_slash_equals_the_host_rule():
+    """bf16 CUDA tensors: the layout built on the GPU has the host version's element mask
+    (the same float64 arithmetic; only a tie in the last bits of a sum could differ), and
+    attention on it equals attention on the host layout."""
+    q, k, v = _torch_inputs(n=2048, heads=4, kv_heads=4)
+    host_q, host_k = (x.float().cpu().numpy() for x in (q, k))
+    host = cuattn.layout.vertical_slash_layout(host_q, host_k, 64, 16, 16, 64)
+    layout = cuattn.vertical_slash_layout(q, k, 64, 16, 16, 64)
+    assert isinstance(layout, DeviceLayout) and layout.rule.kind == "bitmask"
+    np.testing.assert_array_equal(layout.to_mask(), host.to_mask())
+    got = cuattn.sparse_attention(q, k, v, layout)
+    want = cuattn.sparse_attention(q, k, v, host)
+    assert torch.equal(got, want)

@@ -1,7 +1,9 @@
 """Dynamic-sparsity benchmark: choosing blocks from the data, then attending on them.
 
-Per sequence length T: the time of cuattn.dynamic.topk_blocks and mass_threshold_blocks (pooling,
-scores, the choice and the CSR/CSC all on the device: a DeviceLayout, no host round trip), then
+Per sequence length T: the time of cuattn.dynamic.topk_blocks, mass_threshold_blocks and
+vertical_slash_layout (pooling or scores, the choice, the CSR/CSC and vertical-slash's bit tables
+all on the device: a DeviceLayout, no host round trip; a vertical-slash layout whose tables would
+pass the device limit is refused and the table says so), then
 forward and forward+backward of cuattn.sparse_attention on the chosen layout, of FlexAttention
 with a BlockMask built from the same choice (compiled; `flex_mask_build_ms` is what building
 that BlockMask on the host costs a step), and of dense causal SDPA. One sequence, 16 heads,
@@ -28,6 +30,7 @@ from cuattn.tools.bench.report import rows_table  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, TOPK, TAU = 16, 128, 64, 16, 0.9
+VSLASH = 64  # vertical-slash: columns, offsets and last queries (MInference's defaults)
 FULL = (8192, 16384, 32768, 65536, 131072)
 QUICK = (8192, 16384)
 SMOKE = (256,)
@@ -56,6 +59,16 @@ def run(n, args, device, dtype, sync):
         sync,
         args.repeats,
     )
+    try:
+        row["vslash_select_ms"] = median_ms(
+            lambda: dynamic.vertical_slash_layout(
+                q, k, block, VSLASH, VSLASH, VSLASH, backend=backend
+            ),
+            sync,
+            args.repeats,
+        )
+    except ValueError as err:  # its bit tables would exceed the device limit: say so
+        row["vslash_select_ms"] = f"refused ({str(err).split(';')[0].split(', up to ')[-1]})"
     layout = dynamic.topk_blocks(q, k, block, TOPK, backend=backend)
     row["density"] = layout.density
 

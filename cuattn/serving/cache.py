@@ -30,6 +30,7 @@ __all__ = ["KVCache"]
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EMPTY = -1
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
+BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -246,18 +247,29 @@ class KVCache:
             decisions.append((incoming, old, keep_old, keep_new))
         kb = dlpack.to_backend(k, dlpack.describe(k, "k"), "k")
         vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
+        writes = _Writes()
         with _on_device(self.info):
             for b, (incoming, old, keep_old, keep_new) in enumerate(decisions):
                 for h in range(self.kv_heads):
-                    self._evict(b, h, *old[h], keep_old[h])
-                    self._write(b, h, kb, vb, incoming, keep_new[h])
+                    self._evict(b, h, *old[h], keep_old[h], writes)
+                    self._write(b, h, incoming, keep_new[h], writes)
+            self._flush(writes, kb, vb)
         self.lengths = new_lengths
 
-    def _evict(self, b: int, h: int, pages: np.ndarray, offsets: np.ndarray, keep: np.ndarray):
+    def _evict(
+        self,
+        b: int,
+        h: int,
+        pages: np.ndarray,
+        offsets: np.ndarray,
+        keep: np.ndarray,
+        writes: _Writes,
+    ) -> None:
         gone = ~keep
         if not gone.any():
             return
-        self._set_positions(pages[gone], offsets[gone], np.full(int(gone.sum()), EMPTY))
+        self.slot_pos[pages[gone], offsets[gone]] = EMPTY
+        writes.touched.append((pages[gone], offsets[gone]))
         self.slot_score[pages[gone], offsets[gone]] = 0.0
         table = self.tables[b][h]
         for page in np.unique(pages[gone]):
@@ -266,8 +278,9 @@ class KVCache:
                 self.free_pages.append(int(page))
                 self._device_tables = None
 
-    def _write(self, b, h, kb, vb, incoming: np.ndarray, keep: np.ndarray) -> None:
-        """Write the kept incoming tokens into (b, h)'s holes, then into new pages."""
+    def _write(self, b: int, h: int, incoming: np.ndarray, keep: np.ndarray, writes: _Writes):
+        """Place the kept incoming tokens in (b, h)'s holes, then in new pages (the bookkeeping
+        now, on the host; the tokens themselves in ``_flush``, with every other head's)."""
         source = np.flatnonzero(keep)
         if source.size == 0:
             return
@@ -282,21 +295,36 @@ class KVCache:
             holes += [(page, o) for o in range(self.page_size)]
         pages = np.array([p for p, _ in holes[: source.size]], dtype=np.int64)
         offsets = np.array([o for _, o in holes[: source.size]], dtype=np.int64)
-        xp = self.xp
-        index = xp.asarray(source)
-        self.k_pages[xp.asarray(pages), xp.asarray(offsets)] = kb[b, h][index]
-        self.v_pages[xp.asarray(pages), xp.asarray(offsets)] = vb[b, h][index]
-        self._set_positions(pages, offsets, incoming[source])
+        self.slot_pos[pages, offsets] = incoming[source]
         self.slot_score[pages, offsets] = 0.0
-        if self.policy is not None and self.policy.selects_pages:
-            for page in np.unique(pages):
-                self._bound_page(int(page))
+        writes.touched.append((pages, offsets))
+        writes.tokens.append(
+            (pages, offsets, np.full(source.size, b), np.full(source.size, h), source)
+        )
 
-    def _set_positions(self, pages: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
-        self.slot_pos[pages, offsets] = values
-        if self.xp is not np:
-            xp = self.xp
-            self._slot_pos_device[xp.asarray(pages), xp.asarray(offsets)] = xp.asarray(values)
+    def _flush(self, writes: _Writes, kb: Any, vb: Any) -> None:
+        """Every token an append placed, in one scatter of K and one of V; the device copy of
+        slot_pos updated in one scatter from the host's final values (a slot evicted and
+        refilled in the same append is written once, with what it holds now); Quest's bounds of
+        the written pages in one masked reduction. A handful of launches per append, whatever
+        the batch and head count."""
+        xp = self.xp
+        if writes.touched and xp is not np:
+            flat = np.unique(np.concatenate([p * self.page_size + o for p, o in writes.touched]))
+            pages, offsets = flat // self.page_size, flat % self.page_size
+            values = xp.asarray(self.slot_pos[pages, offsets])
+            self._slot_pos_device[xp.asarray(pages), xp.asarray(offsets)] = values
+        if not writes.tokens:
+            return
+        pages, offsets, bs, hs, ts = (
+            np.concatenate(part) for part in zip(*writes.tokens, strict=True)
+        )
+        where = (xp.asarray(pages), xp.asarray(offsets))
+        source = (xp.asarray(bs), xp.asarray(hs), xp.asarray(ts))
+        self.k_pages[where] = kb[source]
+        self.v_pages[where] = vb[source]
+        if self.policy is not None and self.policy.selects_pages:
+            self._bound_pages(np.unique(pages))
 
     # -- what the decode kernels read ---------------------------------------------------------
 
@@ -318,12 +346,35 @@ class KVCache:
                 self._device_tables = (self.xp.asarray(table), self.xp.asarray(counts))
         return self._device_tables
 
-    def _bound_page(self, page: int) -> None:
-        """Quest's element-wise key min and max over the page's kept tokens."""
-        used = self.xp.asarray(np.flatnonzero(self.slot_pos[page] != EMPTY))
-        keys = self.k_pages[page][used].astype(self.xp.float32)
-        self.key_min[page] = keys.min(axis=0)
-        self.key_max[page] = keys.max(axis=0)
+    def _bound_pages(self, pages: np.ndarray) -> None:
+        """Quest's element-wise key min and max over each page's kept tokens (a written page
+        keeps at least one)."""
+        xp = self.xp
+        index = xp.asarray(pages)
+        used = xp.asarray(self.slot_pos[pages] != EMPTY)[..., None]  # [P, page_size, 1]
+        keys = _widened(self.k_pages[index], xp)
+        self.key_min[index] = xp.where(used, keys, xp.inf).min(axis=1)
+        self.key_max[index] = xp.where(used, keys, -xp.inf).max(axis=1)
+
+
+class _Writes:
+    """What one append changes on the device, gathered over every (sequence, kv head): the
+    slots whose position changed, and the tokens placed (pages, offsets, and their source
+    sequence, head and step)."""
+
+    def __init__(self) -> None:
+        self.touched: list[tuple[np.ndarray, np.ndarray]] = []
+        self.tokens: list[tuple[np.ndarray, ...]] = []
+
+
+def _widened(x: Any, xp: Any) -> Any:
+    """Keys in float32 for the bounds (float64 stays float64); bfloat16 widened through its bits,
+    as CuPy has no bfloat16 arithmetic."""
+    if x.dtype == xp.float64:
+        return x
+    if np.dtype(x.dtype).name == "bfloat16":
+        return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
+    return x.astype(xp.float32)
 
 
 def _array_module(info: dlpack.ArrayInfo) -> Any:

@@ -7,6 +7,8 @@ restatement and the decode output against float64 attention over exactly those t
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -276,3 +278,47 @@ def test_jax_arrays_in_and_out():
     out = cuattn.decode_attention(jnp.asarray(q), cache)
     assert type(out).__module__.startswith("jax")
     assert np.allclose(np.asarray(out), cuattn.decode_attention(q, cache), rtol=1e-6)
+
+
+class _DeviceLike(types.ModuleType):
+    """NumPy under another name: the cache takes its device branch (a separate copy of
+    slot_pos for the kernels, batched scatters) on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize(
+    "make_policy",
+    [
+        lambda: None,
+        lambda: P.SlidingWindow(20),
+        lambda: P.HeavyHitters(24, 6),
+        lambda: P.Quest(2, 8),
+    ],
+)
+def test_the_device_branch_of_append_keeps_the_kernels_copy_in_step(make_policy):
+    """What a device cache keeps for the kernels (slot positions, tokens, Quest's bounds),
+    written in one batched scatter per append, equals a host cache given the same tokens, over
+    ragged appends, evictions and refilled holes."""
+    rng = np.random.default_rng(3)
+    host = cuattn.KVCache(3, 2, 16, "float32", page_size=8, policy=make_policy())
+    device = cuattn.KVCache(3, 2, 16, "float32", page_size=8, policy=make_policy())
+    device.xp = _DeviceLike("device_like")
+    device._slot_pos_device = device.slot_pos.copy()
+    for step in range(12):
+        t = 5 if step == 0 else 1
+        k, v = (rng.standard_normal((3, 2, t, 16)).astype(np.float32) for _ in "kv")
+        lengths = np.array([t, t - 1, t]) if step % 3 == 1 else None
+        for cache in (host, device):
+            cache.append(k, v, lengths)
+        scores = rng.random(host.slot_score.shape) * (host.slot_pos >= 0)
+        host.slot_score += scores
+        device.slot_score += scores
+    np.testing.assert_array_equal(device._slot_pos_device, device.slot_pos)
+    np.testing.assert_array_equal(device.slot_pos, host.slot_pos)
+    kept = host.slot_pos >= 0
+    for name in ("k_pages", "v_pages"):
+        np.testing.assert_array_equal(getattr(device, name)[kept], getattr(host, name)[kept])
+    np.testing.assert_array_equal(device.key_min, host.key_min)
+    np.testing.assert_array_equal(device.key_max, host.key_max)

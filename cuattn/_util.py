@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
+BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
+
 
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for positive ints, in exact integer arithmetic."""
@@ -13,3 +19,14 @@ def one_line(exc: BaseException, limit: int) -> str:
     and one-line error messages; some libraries raise multi-page messages)."""
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def widened(x: Any, xp: Any) -> Any:
+    """x in float32 (float64 stays float64), on its array module ``xp`` (NumPy or CuPy).
+    bfloat16 is widened through its bits (exact: a bfloat16 is the high half of a float32), so
+    CuPy needs no bfloat16 arithmetic, which it may lack."""
+    if x.dtype == xp.float64:
+        return x
+    if np.dtype(x.dtype).name == "bfloat16":
+        return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
+    return x.astype(xp.float32)

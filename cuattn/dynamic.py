@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div
+from cuattn._util import ceil_div, widened
 from cuattn.adapters import dlpack
 from cuattn.backends import geometry as kc
 from cuattn.backends import layout_build, resolve_backend
@@ -72,7 +72,6 @@ __all__ = [
 POOLS = ("mean", "max")
 # Most bytes of bit tables a device vertical-slash layout may allocate (sized from its budget).
 DEVICE_TABLE_LIMIT_BYTES = 2 * 2**30
-BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 # Mass reached when the cumulative sum is within this of tau (float sums of probabilities).
 MASS_SLACK = 1e-9
 
@@ -101,16 +100,6 @@ def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     return arr, info
 
 
-def _widened(x: Any, xp: Any) -> Any:
-    """x in float32 (float64 stays float64). bfloat16 is widened through its bits (exact: a
-    bfloat16 is the high half of a float32), so CuPy needs no bfloat16 arithmetic."""
-    if x.dtype == xp.float64:
-        return x
-    if np.dtype(x.dtype).name == "bfloat16":
-        return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
-    return x.astype(xp.float32)
-
-
 def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     """[heads, n, d] -> [heads, nb, d] in float32 (float64 for float64)."""
     if isinstance(x, np.ndarray):
@@ -122,7 +111,7 @@ def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     nb = ceil_div(n, blocksize)
     fill = 0.0 if pool == "mean" else -xp.inf
     padded = xp.full((heads, nb * blocksize, d), fill, dtype=acc)
-    padded[:, :n] = _widened(x, xp)
+    padded[:, :n] = widened(x, xp)
     blocks = padded.reshape(heads, nb, blocksize, d)
     if pool == "max":
         return blocks.max(axis=2)
@@ -243,8 +232,7 @@ def vertical_slash_layout(
     with _where(q, impl, qa):
         xp = impl.xp
         q64, k64 = (
-            _widened(x, xp).astype(xp.float64).reshape((-1,) + tuple(x.shape[-3:]))
-            for x in (qa, ka)
+            widened(x, xp).astype(xp.float64).reshape((-1,) + tuple(x.shape[-3:])) for x in (qa, ka)
         )
         scale = float(q64.shape[-1]) ** -0.5 if scale is None else float(scale)
         is_vertical, is_slash = vertical_slash_tables(

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div
+from cuattn._util import ceil_div, widened
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import check_positive_int
 from cuattn.serving.policies import Policy
@@ -30,7 +30,6 @@ __all__ = ["KVCache"]
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EMPTY = -1
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
-BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -352,7 +351,7 @@ class KVCache:
         xp = self.xp
         index = xp.asarray(pages)
         used = xp.asarray(self.slot_pos[pages] != EMPTY)[..., None]  # [P, page_size, 1]
-        keys = _widened(self.k_pages[index], xp)
+        keys = widened(self.k_pages[index], xp)
         self.key_min[index] = xp.where(used, keys, xp.inf).min(axis=1)
         self.key_max[index] = xp.where(used, keys, -xp.inf).max(axis=1)
 
@@ -365,16 +364,6 @@ class _Writes:
     def __init__(self) -> None:
         self.touched: list[tuple[np.ndarray, np.ndarray]] = []
         self.tokens: list[tuple[np.ndarray, ...]] = []
-
-
-def _widened(x: Any, xp: Any) -> Any:
-    """Keys in float32 for the bounds (float64 stays float64); bfloat16 widened through its bits,
-    as CuPy has no bfloat16 arithmetic."""
-    if x.dtype == xp.float64:
-        return x
-    if np.dtype(x.dtype).name == "bfloat16":
-        return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
-    return x.astype(xp.float32)
 
 
 def _array_module(info: dlpack.ArrayInfo) -> Any:

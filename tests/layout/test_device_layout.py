@@ -11,6 +11,7 @@ import torch
 
 import cuattn
 from cuattn import dynamic
+from cuattn._util import widened
 from cuattn.autograd.tape import Tensor
 from cuattn.backends import geometry as kc
 from cuattn.backends import interp, layout_build
@@ -277,7 +278,7 @@ def test_bfloat16_inputs_are_widened_exactly_before_pooling():
     x = rng.standard_normal((2, 50, 16)).astype(np.float32)
     x[0, 0, :3] = (-np.inf, 1e-39, -0.0)
     bf = x.astype(ml_dtypes.bfloat16)[:, ::2]  # a strided view too
-    np.testing.assert_array_equal(dynamic._widened(bf, np), bf.astype(np.float32))
+    np.testing.assert_array_equal(widened(bf, np), bf.astype(np.float32))
     q, k = (rng.standard_normal((2, 64, 16)).astype(ml_dtypes.bfloat16) for _ in "qk")
     got = dynamic.topk_blocks(q, k, B, 2, backend="interp")
     want = dynamic.topk_blocks(q.astype(np.float32), k.astype(np.float32), B, 2)

@@ -95,6 +95,9 @@ def _rank_worker(rank: int, world: int, init: str, args: argparse.Namespace, out
         dist.barrier()  # nobody closes its connections while a peer still talks
     finally:
         dist.destroy_process_group()
+    # Done (the rows are written): leave without the interpreter's finalization, where gloo's
+    # worker threads may still drop tensors of finished transfers and abort the process.
+    os._exit(0)
 
 
 def run_ranks(args: argparse.Namespace) -> list[dict]:

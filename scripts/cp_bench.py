@@ -175,9 +175,11 @@ def project(args: argparse.Namespace) -> list[dict]:
 
                         def fwd_bwd(q=q, k=src[1], v=src[2], key=key, scale=scale):
                             out, lse = torch_ops.attention_fwd(
-                                q, k, v, key, scale, "", False, False
+                                q, k, v, key, scale, "", False, False, []
                             )
-                            torch_ops.attention_bwd(q, k, v, out, lse, out, key, scale, "", False)
+                            torch_ops.attention_bwd(
+                                q, k, v, out, lse, out, key, scale, "", False, []
+                            )
 
                         steps[rank, step] = _time(fwd_bwd, device, args.repeats)
                 q0 = shards[0][0]

@@ -1,24 +1,22 @@
 """torch adapter: block-sparse attention as torch custom ops, so torch.compile sees through it.
 
-The ops in the ``cuattn`` namespace take tensors and plain values only:
-    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic) -> (out, lse)
-    cuattn::attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
+Two ops in the ``cuattn`` namespace take tensors and plain values only:
+    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic, index)
+                                                                              -> (out, lse)
+    cuattn::attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index)
                                                                               -> (dq, dk, dv)
 ``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
 Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
 dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
-from the data, a new one every step) goes as tensors instead, so a compiled graph takes each
-step's layout as an input and never re-traces for a new one:
-    cuattn::attention_fwd_indexed(q, k, v, index, blocksize, rule, scale, backend, recompute,
-                                  deterministic) -> (out, lse)
-    cuattn::attention_bwd_indexed(q, k, v, out, lse, dout, index, blocksize, rule, scale,
-                                  backend, deterministic) -> (dq, dk, dv)
-with ``index`` = [blocks (uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask,
-mask_table] and ``rule`` the element rule's kind ("none", "causal", or "bitmask": the tables).
-Each op has a fake (shape-only) implementation for tracing, each forward an autograd formula
-that calls its backward op (the backward graph AOTAutograd records), and all run through
-DLPack with no copies: CPU tensors on the NumPy (or interpreter) backend, CUDA tensors on the
-CuPy kernels on torch's current stream. No op is on autocast's cast lists: they compute in the
+from the data, a new one every step) goes as tensors instead: its key
+``"device:<blocksize>:<rule kind>"`` is the same for every such layout and ``index`` = [blocks
+(uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask, mask_table] (empty for the
+other keys: torch's op schemas give a tensor list no default), so a compiled graph takes each
+step's layout as an input and never re-traces for a new one.
+Each op has a fake (shape-only) implementation for tracing, attention_fwd an autograd formula
+that calls attention_bwd (the backward graph AOTAutograd records), and both run through DLPack
+with no copies: CPU tensors on the NumPy (or interpreter) backend, CUDA tensors on the CuPy
+kernels on torch's current stream. Neither op is on autocast's cast lists: they compute in the
 dtype q, k, v arrive in.
 """
 
@@ -39,14 +37,18 @@ from cuattn.layout.pattern import Pattern
 __all__ = ["attend", "layout_key", "merge"]
 
 UID_PREFIX = "uid:"
+DEVICE_PREFIX = "device:"
 VIEW_FIELDS = ("blocks", *INDEX_FIELDS, "mask_table")
 PATTERN_KEYS_CACHED = 64
 
 
 def layout_key(layout: Layout | Pattern) -> str:
-    """The text an op takes for a Layout (its uid) or a Pattern (its canonical key)."""
+    """The text an op takes for a Layout (its uid), a Pattern (its canonical key) or a
+    DeviceLayout (its block size and rule kind; its arrays go as the ops' ``index``)."""
     if isinstance(layout, Pattern):
         return layout.key
+    if isinstance(layout, DeviceLayout):
+        return f"{DEVICE_PREFIX}{layout.blocksize}:{layout.rule.kind}"
     return f"{UID_PREFIX}{layout.uid}"
 
 
@@ -60,7 +62,12 @@ def _live_layout(key: str) -> Layout | None:
     return Layout.lookup(int(key[len(UID_PREFIX) :])) if key.startswith(UID_PREFIX) else None
 
 
-def _resolve(key: str, n_q: int, n_k: int) -> Layout:
+def _resolve(key: str, n_q: int, n_k: int, index: list[torch.Tensor]) -> Layout:
+    if key.startswith(DEVICE_PREFIX):
+        if not index:
+            raise ValueError(f"layout: key {key!r} names a DeviceLayout, whose index is empty")
+        blocksize, rule = key[len(DEVICE_PREFIX) :].split(":")
+        return _device_layout(index, int(blocksize), rule, n_k)
     layout = _live_layout(key)
     return _pattern(key).layout(n_q, n_k) if layout is None else layout
 
@@ -107,16 +114,18 @@ def attention_fwd(
     backend: str,
     recompute: bool,
     deterministic: bool,
+    index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` and ``deterministic`` only shape the backward."""
-    lay = _resolve(layout, q.shape[2], k.shape[2])
     named = {"q": q, "k": k, "v": v}
-    out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
+    with dlpack.stream_for(dlpack.common_info(named)):  # a DeviceLayout's few launches too
+        lay = _resolve(layout, q.shape[2], k.shape[2], index)
+        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, deterministic):
+def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, deterministic, index):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -132,128 +141,50 @@ def attention_bwd(
     scale: float,
     backend: str,
     deterministic: bool,
+    index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the saved inputs, output and lse."""
-    lay = _resolve(layout, q.shape[2], k.shape[2])
-    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
-    grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
-    return tuple(g.contiguous() for g in grads)
-
-
-@attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-@torch.library.custom_op("cuattn::attention_fwd_indexed", mutates_args=())
-def attention_fwd_indexed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: list[torch.Tensor],
-    blocksize: int,
-    rule: str,
-    scale: float,
-    backend: str,
-    recompute: bool,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_fwd on the DeviceLayout ``index`` describes."""
-    named = {"q": q, "k": k, "v": v}
-    with dlpack.stream_for(dlpack.common_info(named)):  # the layout's few launches too
-        lay = _device_layout(index, blocksize, rule, k.shape[2])
-        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
-    return out.contiguous(), lse.contiguous()
-
-
-@attention_fwd_indexed.register_fake
-def _attention_fwd_indexed_fake(q, k, v, index, *args):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
-
-
-@torch.library.custom_op("cuattn::attention_bwd_indexed", mutates_args=())
-def attention_bwd_indexed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    index: list[torch.Tensor],
-    blocksize: int,
-    rule: str,
-    scale: float,
-    backend: str,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_bwd on the DeviceLayout ``index`` describes."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     with dlpack.stream_for(dlpack.common_info(named)):
-        lay = _device_layout(index, blocksize, rule, k.shape[2])
+        lay = _resolve(layout, q.shape[2], k.shape[2], index)
         grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
     return tuple(g.contiguous() for g in grads)
 
 
-@attention_bwd_indexed.register_fake
-def _attention_bwd_indexed_fake(q, k, v, out, lse, dout, *args):
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, layout, scale, backend, recompute, deterministic = inputs
+    q, k, v, layout, scale, backend, recompute, deterministic, index = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     # The op names its Layout by uid only; the autograd graph holds the Layout itself until
     # backward, so a layout built inline for one call (and dropped by the caller) still exists.
+    # A DeviceLayout's tensors are saved with the inputs instead.
     ctx.layout = _live_layout(layout)
-    if recompute:
-        ctx.save_for_backward(q, k, v)
-    else:
-        ctx.save_for_backward(q, k, v, out, lse)
+    saved = (q, k, v) if recompute else (q, k, v, out, lse)
+    ctx.save_for_backward(*saved, *index)
+    ctx.saved_count = len(saved)
     ctx.args = (layout, scale, backend, recompute, deterministic)
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     layout, scale, backend, recompute, deterministic = ctx.args
-    q, k, v, *saved = ctx.saved_tensors
-    if recompute:
-        saved = attention_fwd(q, k, v, layout, scale, backend, False, deterministic)
-    out, lse = saved
-    if 0 in dout.stride():
-        dout = dout.contiguous()  # an expanded gradient (of a sum): the kernels read real rows
-    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
-    return dq, dk, dv, None, None, None, None, None
-
-
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _setup_indexed(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, index, blocksize, rule, scale, backend, recompute, deterministic = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    saved = (q, k, v) if recompute else (q, k, v, out, lse)
-    ctx.save_for_backward(*saved, *index)  # the layout's tensors live until backward
-    ctx.saved_count = len(saved)
-    ctx.args = (blocksize, rule, scale, backend, recompute, deterministic)
-
-
-def _backward_indexed(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    blocksize, rule, scale, backend, recompute, deterministic = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     index = list(tensors[ctx.saved_count :])
-    shape = (blocksize, rule, scale, backend)
     if recompute:
-        saved = attention_fwd_indexed(q, k, v, index, *shape, False, deterministic)
+        saved = attention_fwd(q, k, v, layout, scale, backend, False, deterministic, index)
     out, lse = saved
     if 0 in dout.stride():
-        dout = dout.contiguous()
-    grads = attention_bwd_indexed(q, k, v, out, lse, dout, index, *shape, deterministic)
-    return (*grads, [None] * len(index), None, None, None, None, None, None)
+        dout = dout.contiguous()  # an expanded gradient (of a sum): the kernels read real rows
+    grads = attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index)
+    return (*grads, None, None, None, None, None, [None] * len(index))
 
 
-attention_fwd_indexed.register_autograd(_backward_indexed, setup_context=_setup_indexed)
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _no_double_backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -268,7 +199,6 @@ def _setup_nothing(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)
-attention_bwd_indexed.register_autograd(_no_double_backward, setup_context=_setup_nothing)
 
 
 def attend(
@@ -285,23 +215,10 @@ def attend(
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. lse (float32, float64 for float64) has no gradient.
     """
-    if isinstance(layout, DeviceLayout):
-        out, lse = attention_fwd_indexed(
-            q,
-            k,
-            v,
-            index_tensors(layout),
-            layout.blocksize,
-            layout.rule.kind,
-            scale,
-            backend or "",
-            recompute,
-            deterministic,
-        )
-    else:
-        out, lse = attention_fwd(
-            q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic
-        )
+    index = index_tensors(layout) if isinstance(layout, DeviceLayout) else []
+    out, lse = attention_fwd(
+        q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic, index
+    )
     return (out, lse) if return_lse else out
 
 

@@ -142,7 +142,7 @@ def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
             stats.steps_computed += 1
             key = torch_ops.layout_key(sub)
             fwd = torch_ops.attention_fwd
-            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, False)
+            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, False, [])
             if out is None:
                 out, lse = o, l_
             else:
@@ -169,7 +169,7 @@ def _ring_backward(q, k, v, out, lse, dout, plan, ring, scale, backend, determin
         if sub is not None:
             key = torch_ops.layout_key(sub)
             bwd = torch_ops.attention_bwd
-            args = (q, kv[0], kv[1], out, lse, dout, key, scale, backend, deterministic)
+            args = (q, kv[0], kv[1], out, lse, dout, key, scale, backend, deterministic, [])
             dq_s, dk_s, dv_s = _timed(stats, bwd, *args)
             dq += dq_s
             dkv[0] += dk_s

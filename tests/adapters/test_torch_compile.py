@@ -79,7 +79,7 @@ def test_a_dynamic_length_compiles_once_for_every_length():
 
 
 def _op_args(q, k, v, layout, recompute=False):
-    return (q, k, v, torch_ops.layout_key(layout), 0.3, "", recompute, False)
+    return (q, k, v, torch_ops.layout_key(layout), 0.3, "", recompute, False, [])
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_opcheck_passes_on_both_ops(case):
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     dout = torch.randn_like(out)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
-    torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, saved + args[3:6] + (False,))
+    torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, saved + args[3:6] + (False, []))
 
 
 def test_autocast_leaves_the_input_dtype():
@@ -122,7 +122,7 @@ def test_a_freed_layout_is_named_in_a_clear_error():
     gc.collect()
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
     with pytest.raises(ValueError, match="names no live Layout"):
-        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, False)
+        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, False, [])
 
 
 def test_pattern_is_a_plain_value():

@@ -242,7 +242,7 @@ def test_a_compiled_step_takes_each_new_device_layout_as_an_input():
 
 @pytest.mark.parametrize("rule", ["mass", "vertical_slash"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_opcheck_passes_on_the_indexed_ops(recompute, rule):
+def test_opcheck_passes_on_device_layouts(recompute, rule):
     from cuattn.adapters import torch_ops
 
     gen = torch.Generator().manual_seed(13)
@@ -261,13 +261,14 @@ def test_opcheck_passes_on_the_indexed_ops(recompute, rule):
             q.detach(), k.detach(), B, 3, 2, 16, backend="interp"
         )
     index = torch_ops.index_tensors(layout)
-    kind = layout.rule.kind
-    args = (q, k, v, index, B, kind, 0.25, "", recompute, False)
-    torch.library.opcheck(torch.ops.cuattn.attention_fwd_indexed.default, args)
-    out, lse = torch.ops.cuattn.attention_fwd_indexed(*args)
+    key = torch_ops.layout_key(layout)
+    assert key == f"device:{B}:{layout.rule.kind}"
+    args = (q, k, v, key, 0.25, "", recompute, False, index)
+    torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
+    out, lse = torch.ops.cuattn.attention_fwd(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
-    bwd_args = (*saved, index, B, kind, 0.25, "", False)
-    torch.library.opcheck(torch.ops.cuattn.attention_bwd_indexed.default, bwd_args)
+    bwd_args = (*saved, key, 0.25, "", False, index)
+    torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
 def test_bfloat16_inputs_are_widened_exactly_before_pooling():
@@ -292,7 +293,7 @@ def test_bfloat16_inputs_are_widened_exactly_before_pooling():
 def test_vertical_slash_on_the_device_equals_the_host_rule(causal, n, batch, num_slash):
     """Built by the kernels (interp), the vertical-slash layout has the host version's blocks
     and elements (ragged lengths, a batch averaged, more offsets asked than exist), and
-    attention and gradients on it equal the float64 oracle through torch's indexed ops."""
+    attention and gradients on it equal the float64 oracle through torch's ops."""
     rng = np.random.default_rng(n + batch)
     q, k = (rng.standard_normal((batch, 2, n, 16)) * 0.6 for _ in "qk")
     args = (q, k, B, 4, num_slash, 16, causal)

@@ -30,3 +30,9 @@ def widened(x: Any, xp: Any) -> Any:
     if np.dtype(x.dtype).name == "bfloat16":
         return (x.view(xp.uint16).astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
     return x.astype(xp.float32)
+
+
+def host_array(x: Any) -> np.ndarray:
+    """x as a NumPy array: a CuPy array copied to the host (a synchronisation, so only where
+    the host is asked for), anything else as np.asarray gives it."""
+    return np.asarray(x.get() if hasattr(x, "get") else x)

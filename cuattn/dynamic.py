@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, widened
+from cuattn._util import ceil_div, host_array, widened
 from cuattn.adapters import dlpack
 from cuattn.backends import geometry as kc
 from cuattn.backends import layout_build, resolve_backend
@@ -76,18 +76,13 @@ DEVICE_TABLE_LIMIT_BYTES = 2 * 2**30
 MASS_SLACK = 1e-9
 
 
-def _host(x: Any) -> np.ndarray:
-    return np.asarray(x.get() if hasattr(x, "get") else x)
-
-
 def _as_array(name: str, x: Any) -> Any:
     return _described(name, x)[0]
 
 
 def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     """(x as a [heads, n, d] NumPy/CuPy array sharing its memory, where x lives)."""
-    info = dlpack.describe(x, name)
-    arr = dlpack.to_backend(x, info, name)
+    arr, info = _described_batch(name, x)
     if arr.ndim == 4:
         if arr.shape[0] != 1:
             raise ValueError(
@@ -124,7 +119,7 @@ def block_scores(q: Any, k: Any, blocksize: int, pool: str = "mean") -> tuple[np
     """(score [heads, nb, nb] float64 on the host, tokens n, head_dim) from pooled q and k."""
     qa, ka = _checked_pair(q, k, blocksize, pool)
     scores = _scores(qa, ka, blocksize, pool)
-    return _host(scores).astype(np.float64), qa.shape[1], qa.shape[2]
+    return host_array(scores).astype(np.float64), qa.shape[1], qa.shape[2]
 
 
 def _checked_pair(q: Any, k: Any, blocksize: int, pool: str) -> tuple[Any, Any]:
@@ -247,6 +242,7 @@ def vertical_slash_layout(
 
 
 def _described_batch(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
+    """(x as a NumPy/CuPy array of any shape sharing its memory, where x lives)."""
     info = dlpack.describe(x, name)
     return dlpack.to_backend(x, info, name), info
 
@@ -352,7 +348,7 @@ def topk_blocks(
                 impl, chosen, blocksize, n, causal, row_capacity, "topk"
             )
             return _with_views(layout, q)
-    scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
+    scores = host_array(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     forced = _forced(heads, nb, allowed, keep_diagonal, keep_first)
     candidate = allowed & ~forced
@@ -403,7 +399,7 @@ def mass_threshold_blocks(
                 impl, chosen, blocksize, n, causal, row_capacity, "mass_threshold"
             )
             return _with_views(layout, q)
-    scores = _host(_scores(qa, ka, blocksize, pool)).astype(np.float64)
+    scores = host_array(_scores(qa, ka, blocksize, pool)).astype(np.float64)
     allowed = _allowed(heads, nb, causal)
     s = np.where(allowed, scores * scale, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))

@@ -29,15 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div
+from cuattn._util import ceil_div, host_array
 from cuattn.layout.layout import BITS_PER_WORD, PICTURE_MAX_WIDTH, ElementRule, Layout
 
 DEVICE_RULES = ("none", "causal", "bitmask")
 INDEX_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask")
-
-
-def _to_host(x: Any) -> np.ndarray:
-    return np.asarray(x.get() if hasattr(x, "get") else x)
 
 
 class DeviceLayout(Layout):
@@ -111,7 +107,9 @@ class DeviceLayout(Layout):
     @property
     def density(self) -> float:  # type: ignore[override]
         """Share of the blocks that are active (a host value: waits for the device)."""
-        return float(_to_host(self.nnz).sum()) / (self.heads * self.num_q_blocks * self.num_blocks)
+        return float(host_array(self.nnz).sum()) / (
+            self.heads * self.num_q_blocks * self.num_blocks
+        )
 
     def kernel_arrays(self) -> SimpleNamespace:
         """The index arrays as the attention kernels take them (mask_table never empty)."""
@@ -122,7 +120,7 @@ class DeviceLayout(Layout):
         """The same layout with its arrays on the host (copied once; on CUDA, a sync)."""
         if self._host is None:
             self._host = Layout(
-                _to_host(self.blocks), self.blocksize, self.n_ctx, rule=self.rule, name=self.name
+                host_array(self.blocks), self.blocksize, self.n_ctx, rule=self.rule, name=self.name
             )
         return self._host
 

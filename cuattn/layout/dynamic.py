@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import host_array
 from cuattn.layout.blocks import bitmask_layout, block_count, causal_cut
 from cuattn.layout.layout import Layout, check_positive_int
 
@@ -68,9 +69,7 @@ class VerticalSlashRule:
 
     def __call__(self, h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         if self._host is None:
-            self._host = tuple(
-                np.asarray(t.get() if hasattr(t, "get") else t, dtype=bool) for t in self.tables
-            )
+            self._host = tuple(host_array(t).astype(bool, copy=False) for t in self.tables)
         is_vertical, is_slash = self._host
         hit = is_vertical[h, k] | is_slash[h, q - k + is_vertical.shape[1]]
         return hit & (k <= q) if self.causal else hit

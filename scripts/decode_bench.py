@@ -2,9 +2,8 @@
 
 For each case (batch, context, policy) a CuPy KVCache is prefilled with random bf16 tokens;
 then a decode step (append one token to every sequence, decode_attention with t_q = 1) is
-timed end to end (what a serving loop pays: bookkeeping, page-table copies, Quest's choice,
-HeavyHitters' score read-back) and the decode kernels alone (split + merge, with their
-small argument copies). The baseline is
+timed end to end (what a serving loop pays: the cache's bookkeeping on the device, Quest's
+choice, HeavyHitters' score update) and the decode kernels alone (split + merge). The baseline is
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
 would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
 them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no

@@ -176,6 +176,17 @@ class KernelBackend:
                     "unchanged)"
                 )
 
+    @staticmethod
+    def _check_contiguous(arrays: dict[str, Any]) -> None:
+        """Arrays a kernel reads as flat buffers (no strides passed) must be C-contiguous: a
+        strided view would be read as if it were not, silently."""
+        for name, x in arrays.items():
+            if not x.flags.c_contiguous:
+                raise ValueError(
+                    f"{name}: the kernel reads it as a contiguous buffer, got strides "
+                    f"{tuple(x.strides)} for shape {tuple(x.shape)}; pass a contiguous copy"
+                )
+
     def _check_strides(self, arrays: dict[str, Any]) -> None:
         """The kernels read q, k, v and dout in place at any strides whose rows are contiguous
         and 16-byte aligned (a [B, T, H, d] projection viewed as [B, H, T, d], k and v as views
@@ -409,7 +420,14 @@ class KernelBackend:
         page_size], -inf where a token did not count). Shapes as the kernel file's header;
         the cache (cuattn/serving) checks its own arrays, this checks q against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
-        self._check_placement({**arrays, "slot_pos": slot_pos, "page_table": page_table})
+        book = {
+            "slot_pos": slot_pos,
+            "page_table": page_table,
+            "page_count": page_count,
+            "lengths": lengths,
+        }
+        self._check_placement({**arrays, **book})
+        self._check_contiguous({"k_pages": k_pages, "v_pages": v_pages, **book})
         batch, heads, t_q, head_dim = q.shape
         _, kv_heads, max_pages = page_table.shape
         page_size = int(k_pages.shape[1])

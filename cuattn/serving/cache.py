@@ -1,34 +1,44 @@
 """KVCache: paged key/value storage per (sequence, kv head), with an eviction policy.
 
-Keys and values live in a pool of pages, ``k_pages`` and ``v_pages`` [num_pages, page_size,
-head_dim], on the array library and device of ``like`` (NumPy by default; CuPy for a CUDA
-array; torch and jax arrays are shared through DLPack). Each (sequence, kv head) owns a list of
-pages (its page table); a slot of a page holds one token, and ``slot_pos`` [num_pages,
-page_size] says which position (-1: empty). Tokens go into the holes eviction left in a head's
-pages first, then into new pages; a page whose every slot is evicted returns to the pool and is
-reused. The pool doubles when it runs out (a copy), so ``capacity`` only sizes the first pool and
-bounds appends without a policy.
+Everything the cache holds lives on the array library and device of ``like`` (NumPy by
+default; CuPy for a CUDA array; torch and jax arrays are shared through DLPack):
 
-The bookkeeping (page tables, slot positions, HeavyHitters scores) is small and lives on the
-host; the tokens themselves never leave the device. Quest's per-page key min and max live on
-the device beside the pages.
+    k_pages, v_pages  [1 + num_pages, page_size, head_dim]  the tokens
+    slot_pos          int64 [1 + num_pages, page_size]      position in each slot, -1: empty
+    slot_score        float64, same shape (HeavyHitters)     accumulated attention probability
+    key_min, key_max  float32 [1 + num_pages, head_dim] (Quest) element-wise bounds per page
+    page_table        int32 [batch, kv_heads, width]         each pair's pages in order, -1 pad
+    page_count        int32 [batch, kv_heads]                pages in each pair's table
+    free_stack        int32 [1 + num_pages], free_top int64 [1]: free pages in [0, free_top)
+
+Page 0 is the spare page: it is never in a table, and every masked write of the whole-array
+updates below lands in it (its contents mean nothing), so no update needs to know on the host
+how many entries it writes. An ``append`` is a fixed sequence of whole-array operations over
+every (sequence, kv head) pair at once: gather the pairs' slots, the policy's keep mask, evict,
+compact the tables and push emptied pages, place the kept tokens in the holes eviction left
+(table order, then offset) and then in pages popped from the stack, one scatter of K, V and
+positions. Nothing is read back: the pool and table width are sized on the host from a bound
+(a pair never holds more than ceil(min(length, budget) / page_size) pages, because tokens fill
+holes before new pages are taken), so a page is always there to pop. Only ``positions()``,
+``kept()`` and ``page_tables()`` copy to the host, when asked.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, widened
+from cuattn._util import ceil_div, host_array, widened
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import check_positive_int
-from cuattn.serving.policies import Policy
+from cuattn.serving.policies import EMPTY, Policy
 
 __all__ = ["KVCache"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-EMPTY = -1
+SPARE = 0  # the spare page (see module doc); slot 0 of it is the spare slot
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
 
 
@@ -74,105 +84,167 @@ class KVCache:
             raise TypeError(
                 f"policy must be a cuattn.policies policy or None, got {type(policy).__name__}"
             )
+        self._budgets = None
         if policy is not None:
             policy.bind(self.kv_heads, self.page_size, self.capacity)
-            budgets = policy.budgets()
-            if self.capacity is not None and budgets is not None and budgets.max() > capacity:
-                raise ValueError(
-                    f"policy {policy!r} keeps up to {int(budgets.max())} tokens per kv head, "
-                    f"more than capacity={capacity}"
-                )
+            self._budgets = policy.budgets()
+            if self.capacity is not None and self._budgets is not None:
+                if self._budgets.max() > capacity:
+                    raise ValueError(
+                        f"policy {policy!r} keeps up to {int(self._budgets.max())} tokens per kv "
+                        f"head, more than capacity={capacity}"
+                    )
         self.policy = policy
         self.info = (
             dlpack.ArrayInfo("numpy", "cpu") if like is None else dlpack.describe(like, "like")
         )
         self.xp = _array_module(self.info)
-        per_head = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
-        self._allocate(self.batch * self.kv_heads * per_head)
-        self.tables: list[list[list[int]]] = [
-            [[] for _ in range(self.kv_heads)] for _ in range(self.batch)
-        ]
         self.lengths = np.zeros(self.batch, dtype=np.int64)
+        per_head = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
+        xp = self.xp
+        with _on_device(self.info):
+            self._allocate(self.batch * self.kv_heads * per_head)
+            self.page_table = xp.full((self.batch, self.kv_heads, 1), EMPTY, dtype=xp.int32)
+            self.page_count = xp.zeros((self.batch, self.kv_heads), dtype=xp.int32)
+            self._lengths_device = xp.zeros(self.batch, dtype=xp.int64)
+            self._budgets_device = None if self._budgets is None else xp.asarray(self._budgets)
 
     # -- storage ------------------------------------------------------------------------------
 
-    def _allocate(self, pages: int) -> None:
-        xp, shape = self.xp, (pages, self.page_size, self.head_dim)
-        dtype = _storage_dtype(xp, self.dtype)
-        with _on_device(self.info):
-            self.k_pages = xp.zeros(shape, dtype=dtype)
-            self.v_pages = xp.zeros(shape, dtype=dtype)
-            self.key_min = xp.zeros((pages, self.head_dim), dtype=xp.float32)
-            self.key_max = xp.zeros((pages, self.head_dim), dtype=xp.float32)
-        self.slot_pos = np.full((pages, self.page_size), EMPTY, dtype=np.int64)
-        self.slot_score = np.zeros((pages, self.page_size), dtype=np.float64)
-        self.free_pages = list(range(pages - 1, -1, -1))
-        with _on_device(self.info):
-            # the kernels' copy of slot_pos (NumPy: the same array), kept in step by every write
-            self._slot_pos_device = self.slot_pos if xp is np else xp.asarray(self.slot_pos)
-        self._device_tables: tuple[Any, Any] | None = None
+    @property
+    def _scores_tokens(self) -> bool:
+        return self.policy is not None and self.policy.scores_tokens
 
-    def _grow(self) -> None:
+    @property
+    def _bounds_pages(self) -> bool:
+        return self.policy is not None and self.policy.selects_pages
+
+    def _allocate(self, pages: int) -> None:
+        """A pool of ``pages`` free pages (plus the spare), every slot empty."""
+        xp, rows = self.xp, 1 + pages
+        dtype = _storage_dtype(xp, self.dtype)
+        self.k_pages = xp.zeros((rows, self.page_size, self.head_dim), dtype=dtype)
+        self.v_pages = xp.zeros((rows, self.page_size, self.head_dim), dtype=dtype)
+        self.slot_pos = xp.full((rows, self.page_size), EMPTY, dtype=xp.int64)
+        self.slot_score = (
+            xp.zeros((rows, self.page_size), dtype=xp.float64) if self._scores_tokens else None
+        )
+        bounds = (rows, self.head_dim) if self._bounds_pages else (0, self.head_dim)
+        self.key_min = xp.zeros(bounds, dtype=xp.float32)
+        self.key_max = xp.zeros(bounds, dtype=xp.float32)
+        # popped from the top, so page 1 comes first; cell `pages` is where masked pushes land
+        self.free_stack = xp.zeros(rows, dtype=xp.int32)
+        self.free_stack[:pages] = xp.arange(pages, 0, -1, dtype=xp.int32)
+        self.free_top = xp.full(1, pages, dtype=xp.int64)
+
+    def _grow(self, pages: int) -> None:
+        """A pool of ``pages`` pages holding what the smaller one held; the new pages pushed
+        onto the free stack on the device (how many were free is never read)."""
         old = self.num_pages
-        keep = (self.k_pages, self.v_pages, self.key_min, self.key_max)
-        pos, score = self.slot_pos, self.slot_score
-        self._allocate(2 * old)
-        with _on_device(self.info):
-            for new, previous in zip(
-                (self.k_pages, self.v_pages, self.key_min, self.key_max), keep, strict=True
-            ):
-                new[:old] = previous
-        self.slot_pos[:old], self.slot_score[:old] = pos, score
-        if self.xp is not np:
-            with _on_device(self.info):
-                self._slot_pos_device[:old] = self.xp.asarray(pos)
-        self.free_pages = list(range(2 * old - 1, old - 1, -1))
+        keep = {name: getattr(self, name) for name in _POOL_ARRAYS}
+        stack, top = self.free_stack, self.free_top
+        self._allocate(pages)
+        for name, previous in keep.items():
+            if previous is not None:
+                getattr(self, name)[: 1 + old] = previous
+        xp = self.xp
+        self.free_stack[:old] = stack[:old]
+        added = pages - old
+        self.free_stack[top + xp.arange(added)] = xp.arange(old + 1, pages + 1, dtype=xp.int32)
+        self.free_top = top + added
+
+    def _widen(self, width: int) -> None:
+        xp, table = self.xp, self.page_table
+        self.page_table = xp.full((self.batch, self.kv_heads, width), EMPTY, dtype=xp.int32)
+        self.page_table[..., : table.shape[2]] = table
+
+    def _reserve(self, lengths: np.ndarray) -> None:
+        """Grow the pool and widen the tables, from the host, for every pair to hold the most
+        pages it may after an append that brings the sequences to ``lengths``.
+
+        The bound: tokens fill a pair's holes before a page is taken, so a new page is taken
+        only when every page is full, and then the pair holds ceil(kept / page_size) pages;
+        otherwise it holds at most what it held. kept <= min(length, budget) throughout."""
+        most = lengths[:, None]
+        if self._budgets is not None:
+            most = np.minimum(most, self._budgets[None, :])
+        pages = -(-np.broadcast_to(most, (self.batch, self.kv_heads)) // self.page_size)
+        if int(pages.sum()) > self.num_pages:
+            self._grow(max(2 * self.num_pages, int(pages.sum())))
+        if int(pages.max()) > self.width:
+            self._widen(int(pages.max()))
 
     @property
     def num_pages(self) -> int:
-        return int(self.slot_pos.shape[0])
+        """Pages in the pool (the spare page not counted)."""
+        return int(self.slot_pos.shape[0]) - 1
+
+    @property
+    def width(self) -> int:
+        """Columns of the page table: the most pages any pair may hold now."""
+        return int(self.page_table.shape[2])
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds: the page pool with its key bounds, and the bookkeeping."""
-        device = sum(
-            int(a.nbytes) for a in (self.k_pages, self.v_pages, self.key_min, self.key_max)
-        )
-        return device + self.slot_pos.nbytes + self.slot_score.nbytes
+        """Bytes the cache holds: the page pool, and every bookkeeping array."""
+        arrays = [getattr(self, name) for name in _POOL_ARRAYS + _BOOK_ARRAYS]
+        return sum(int(a.nbytes) for a in arrays if a is not None)
 
     def __len__(self) -> int:
         return int(self.lengths.max())
 
-    def _slots(self, b: int, h: int) -> tuple[np.ndarray, np.ndarray]:
-        """(page, offset) of every kept token of (b, h), in page-table order."""
-        pages = np.asarray(self.tables[b][h], dtype=np.int64)
-        if pages.size == 0:
-            return pages, pages
-        used = self.slot_pos[pages] != EMPTY
-        rows, offsets = np.nonzero(used)
-        return pages[rows], offsets
+    # -- the pairs' slots ---------------------------------------------------------------------
+
+    def _slots(self, table: Any, count: Any) -> tuple[Any, Any]:
+        """(slot [pairs, width * page_size], in_table [same]) of tables [pairs, width]: the
+        flat slot index of every slot of every page in table order, and whether that page is
+        in the table (slots of absent pages point into the spare page)."""
+        xp, ps = self.xp, self.page_size
+        in_table = xp.arange(table.shape[1])[None, :] < count[:, None]
+        page = xp.where(in_table, table, SPARE).astype(xp.int64)
+        slot = (page[:, :, None] * ps + xp.arange(ps)).reshape(table.shape[0], -1)
+        return slot, xp.repeat(in_table, ps, axis=1)
+
+    def _pairs(self) -> tuple[Any, Any]:
+        pairs = self.batch * self.kv_heads
+        return self.page_table.reshape(pairs, -1), self.page_count.reshape(pairs)
+
+    # -- what the host asks for ---------------------------------------------------------------
+
+    def page_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(page_table int32 [batch, kv_heads, width], page_count int32 [batch, kv_heads]) on
+        the host (a copy from the device)."""
+        return host_array(self.page_table), host_array(self.page_count)
+
+    def pages(self, b: int, h: int) -> np.ndarray:
+        """The pages of sequence b, kv head h, in table order (host)."""
+        table, count = self.page_tables()
+        return table[b, h, : count[b, h]].astype(np.int64)
 
     def kept(self, b: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pages, offsets, positions) of the kept tokens of sequence b, kv head h, by position."""
-        pages, offsets = self._slots(b, h)
-        pos = self.slot_pos[pages, offsets]
-        order = np.argsort(pos, kind="stable")
-        return pages[order], offsets[order], pos[order]
+        """(pages, offsets, positions) of the kept tokens of sequence b, kv head h, by position
+        (host)."""
+        pages = self.pages(b, h)
+        pos = host_array(self.slot_pos[self.xp.asarray(pages)])
+        rows, offsets = np.nonzero(pos != EMPTY)
+        order = np.argsort(pos[rows, offsets], kind="stable")
+        return pages[rows][order], offsets[order], pos[rows, offsets][order]
 
     def positions(self) -> np.ndarray:
         """int64 [batch, kv_heads, n_kept]: the kept positions, sorted; -1 pads heads that keep
         fewer than the most."""
-        kept = [[self.kept(b, h)[2] for h in range(self.kv_heads)] for b in range(self.batch)]
-        width = max((len(p) for row in kept for p in row), default=0)
-        out = np.full((self.batch, self.kv_heads, width), EMPTY, dtype=np.int64)
-        for b, row in enumerate(kept):
-            for h, pos in enumerate(row):
-                out[b, h, : len(pos)] = pos
-        return out
+        with _on_device(self.info):
+            slot, in_table = self._slots(*self._pairs())
+            pos = self.xp.where(in_table, self.slot_pos.reshape(-1)[slot], EMPTY)
+        pos = host_array(pos)
+        width = int((pos != EMPTY).sum(axis=1).max(initial=0))
+        ordered = np.sort(np.where(pos == EMPTY, np.iinfo(np.int64).max, pos), axis=1)[:, :width]
+        ordered[ordered == np.iinfo(np.int64).max] = EMPTY
+        return ordered.reshape(self.batch, self.kv_heads, width)
 
     # -- append -------------------------------------------------------------------------------
 
-    def _check_tokens(self, k: Any, v: Any, lengths: Any) -> tuple[Any, Any, np.ndarray]:
+    def _check_tokens(self, k: Any, v: Any, lengths: Any) -> np.ndarray:
         for name, x in (("k", k), ("v", v)):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -197,13 +269,26 @@ class KVCache:
             raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         t = int(k.shape[2])
         if lengths is None:
-            return k, v, np.full(self.batch, t, dtype=np.int64)
+            return np.full(self.batch, t, dtype=np.int64)
         given = np.asarray(lengths)
         if given.shape != (self.batch,) or given.dtype.kind not in "iu":
             raise ValueError(f"lengths must be {self.batch} ints, got {lengths!r}")
         if (given < 0).any() or (given > t).any():
             raise ValueError(f"lengths must lie in [0, t={t}], got {given.tolist()}")
-        return k, v, given.astype(np.int64)
+        return given.astype(np.int64)
+
+    def _check_capacity(self, given: np.ndarray, lengths: np.ndarray) -> None:
+        """Without an evicting policy every token stays: refuse what would pass capacity."""
+        if self.capacity is None or self._budgets is not None:
+            return
+        over = np.flatnonzero(lengths > self.capacity)
+        if over.size:
+            b = int(over[0])
+            raise ValueError(
+                f"k: appending {int(given[b])} tokens to sequence {b} would keep "
+                f"{int(lengths[b])} tokens in each kv head, past capacity={self.capacity}; give "
+                "the cache a policy or a larger capacity"
+            )
 
     def _check_device(self, name: str, x: Any) -> None:
         info = dlpack.describe(x, name)
@@ -216,154 +301,169 @@ class KVCache:
 
     def append(self, k: Any, v: Any, lengths: Any = None) -> None:
         """Add tokens [batch, kv_heads, t, head_dim] (sequence b: the first lengths[b]), then
-        evict by the policy. Every check runs before anything is written."""
-        k, v, lengths = self._check_tokens(k, v, lengths)
-        new_lengths = self.lengths + lengths
-        decisions = []
-        for b in range(self.batch):
-            incoming = np.arange(self.lengths[b], new_lengths[b])
-            old = [self._slots(b, h) for h in range(self.kv_heads)]
-            old_pos = [self.slot_pos[p, o] for p, o in old]
-            if self.policy is None:
-                keep_old = [np.ones(len(p), dtype=bool) for p in old_pos]
-                keep_new = [np.ones(len(incoming), dtype=bool)] * self.kv_heads
-            else:
-                positions = [np.concatenate([p, incoming]) for p in old_pos]
-                scores = [
-                    np.concatenate([self.slot_score[p, o], np.zeros(len(incoming))]) for p, o in old
-                ]
-                masks = self.policy.keep(int(new_lengths[b]), positions, scores)
-                keep_old = [m[: len(p)] for m, p in zip(masks, old_pos, strict=True)]
-                keep_new = [m[len(p) :] for m, p in zip(masks, old_pos, strict=True)]
-            for h in range(self.kv_heads):
-                kept = int(keep_old[h].sum() + keep_new[h].sum())
-                if self.capacity is not None and kept > self.capacity:
-                    raise ValueError(
-                        f"k: appending {int(lengths[b])} tokens to sequence {b} would keep "
-                        f"{kept} tokens in kv head {h}, past capacity={self.capacity}; give the "
-                        "cache a policy or a larger capacity"
-                    )
-            decisions.append((incoming, old, keep_old, keep_new))
-        kb = dlpack.to_backend(k, dlpack.describe(k, "k"), "k")
-        vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
-        writes = _Writes()
-        with _on_device(self.info):
-            for b, (incoming, old, keep_old, keep_new) in enumerate(decisions):
-                for h in range(self.kv_heads):
-                    self._evict(b, h, *old[h], keep_old[h], writes)
-                    self._write(b, h, incoming, keep_new[h], writes)
-            self._flush(writes, kb, vb)
+        evict by the policy. Every check runs before anything is written; nothing is read
+        back from the device."""
+        given = self._check_tokens(k, v, lengths)
+        new_lengths = self.lengths + given
+        self._check_capacity(given, new_lengths)
+        info = dlpack.describe(k, "k")
+        if int(given.max()) > 0:
+            with dlpack.stream_for(info), _on_device(self.info):
+                self._reserve(new_lengths)
+                kb = dlpack.to_backend(k, info, "k")
+                vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
+                self._place(kb, vb, given)
         self.lengths = new_lengths
 
-    def _evict(
-        self,
-        b: int,
-        h: int,
-        pages: np.ndarray,
-        offsets: np.ndarray,
-        keep: np.ndarray,
-        writes: _Writes,
-    ) -> None:
-        gone = ~keep
-        if not gone.any():
-            return
-        self.slot_pos[pages[gone], offsets[gone]] = EMPTY
-        writes.touched.append((pages[gone], offsets[gone]))
-        self.slot_score[pages[gone], offsets[gone]] = 0.0
-        table = self.tables[b][h]
-        for page in np.unique(pages[gone]):
-            if (self.slot_pos[page] == EMPTY).all():
-                table.remove(int(page))
-                self.free_pages.append(int(page))
-                self._device_tables = None
+    def _place(self, kb: Any, vb: Any, given: np.ndarray) -> None:
+        """One append over every pair at once (module doc): decide, evict, place, write."""
+        xp, ps = self.xp, self.page_size
+        batch, heads, t, head_dim = (int(d) for d in kb.shape)
+        pairs, step = batch * heads, xp.arange(t)
+        rows = xp.arange(pairs)[:, None]
+        flat_pos = self.slot_pos.reshape(-1)
+        uniform = bool((given == t).all())
+        arrived = xp.full(batch, t, dtype=xp.int64) if uniform else xp.asarray(given)
+        old_lengths = self._lengths_device
+        self._lengths_device = old_lengths + arrived
 
-    def _write(self, b: int, h: int, incoming: np.ndarray, keep: np.ndarray, writes: _Writes):
-        """Place the kept incoming tokens in (b, h)'s holes, then in new pages (the bookkeeping
-        now, on the host; the tokens themselves in ``_flush``, with every other head's)."""
-        source = np.flatnonzero(keep)
-        if source.size == 0:
-            return
-        table = self.tables[b][h]
-        holes = [(p, o) for p in table for o in np.flatnonzero(self.slot_pos[p] == EMPTY)]
-        while len(holes) < source.size:
-            if not self.free_pages:
-                self._grow()
-            page = self.free_pages.pop()
-            table.append(page)
-            self._device_tables = None
-            holes += [(page, o) for o in range(self.page_size)]
-        pages = np.array([p for p, _ in holes[: source.size]], dtype=np.int64)
-        offsets = np.array([o for _, o in holes[: source.size]], dtype=np.int64)
-        self.slot_pos[pages, offsets] = incoming[source]
-        self.slot_score[pages, offsets] = 0.0
-        writes.touched.append((pages, offsets))
-        writes.tokens.append(
-            (pages, offsets, np.full(source.size, b), np.full(source.size, h), source)
+        # the candidates: every kept token, then the incoming ones
+        table, count = self._pairs()
+        slot, in_table = self._slots(table, count)
+        old_pos = xp.where(in_table, flat_pos[slot], EMPTY)
+        new_pos = old_lengths[:, None, None] + step  # [batch, 1, t]
+        new_pos = xp.where(step < arrived[:, None, None], new_pos, EMPTY)
+        new_pos = xp.broadcast_to(new_pos, (batch, heads, t)).reshape(pairs, t)
+        keep_old, keep_new = self._decide(slot, in_table, old_pos, new_pos)
+
+        # evict, then free the pages left empty and close the gaps they leave in the tables
+        gone = (old_pos != EMPTY) & ~keep_old
+        flat_pos[xp.where(gone, slot, SPARE)] = EMPTY
+        if self.slot_score is not None:
+            self.slot_score.reshape(-1)[xp.where(gone, slot, SPARE)] = 0.0
+        width = self.width
+        in_page = in_table.reshape(pairs, width, ps)[:, :, 0]
+        held = keep_old.reshape(pairs, width, ps).any(axis=2)
+        stay, freed = in_page & held, in_page & ~held
+        compact = xp.full((pairs, width + 1), EMPTY, dtype=xp.int32)  # column `width`: masked
+        compact[rows, xp.where(stay, xp.cumsum(stay, axis=1) - 1, width)] = table
+        self._push(xp.where(freed, table, EMPTY), freed)
+        count = stay.sum(axis=1)
+
+        # the kept incoming tokens go to the holes (table order, then offset), then new pages
+        slot, in_table = self._slots(compact[:, :width], count)
+        hole = in_table & (flat_pos[slot] == EMPTY)
+        hole_rank = xp.cumsum(hole, axis=1) - 1
+        holes = xp.full((pairs, t + 1), SPARE, dtype=xp.int64)  # column t: masked
+        holes[rows, xp.where(hole & (hole_rank < t), hole_rank, t)] = slot
+        rank = xp.cumsum(keep_new, axis=1) - 1
+        past_holes = rank - hole.sum(axis=1)[:, None]  # >= 0: the token needs a new page
+        taken = ceil_div(xp.maximum(past_holes[:, -1] + 1, 0), ps)  # pages each pair takes
+        fresh = self._pop(taken, ceil_div(t, ps))  # [pairs, most new pages], SPARE past taken
+        column = count[:, None] + xp.arange(fresh.shape[1])
+        compact[rows, xp.where(column < (count + taken)[:, None], column, width)] = fresh
+        self.page_table = xp.ascontiguousarray(compact[:, :width]).reshape(batch, heads, width)
+        self.page_count = (count + taken).astype(xp.int32).reshape(batch, heads)
+        new_page = xp.take_along_axis(fresh, xp.maximum(past_holes, 0) // ps, axis=1)
+        target = xp.where(
+            past_holes < 0,
+            xp.take_along_axis(holes, xp.maximum(rank, 0), axis=1),
+            new_page.astype(xp.int64) * ps + xp.maximum(past_holes, 0) % ps,
         )
+        target = xp.where(keep_new, target, SPARE)
 
-    def _flush(self, writes: _Writes, kb: Any, vb: Any) -> None:
-        """Every token an append placed, in one scatter of K and one of V; the device copy of
-        slot_pos updated in one scatter from the host's final values (a slot evicted and
-        refilled in the same append is written once, with what it holds now); Quest's bounds of
-        the written pages in one masked reduction. A handful of launches per append, whatever
-        the batch and head count."""
+        # the tokens, their positions: one scatter each (masked ones all land in the spare slot)
+        flat_pos[target] = xp.where(keep_new, new_pos, EMPTY)
+        if self.slot_score is not None:
+            self.slot_score.reshape(-1)[target] = 0.0
+        flat = target.reshape(-1)
+        self.k_pages.reshape(-1, head_dim)[flat] = kb.reshape(pairs * t, head_dim)
+        self.v_pages.reshape(-1, head_dim)[flat] = vb.reshape(pairs * t, head_dim)
+        if self._bounds_pages:
+            self._bound_pages(xp.where(keep_new, target // ps, SPARE), min(t, width))
+
+    def _decide(self, slot: Any, in_table: Any, old_pos: Any, new_pos: Any) -> tuple[Any, Any]:
+        """The policy's keep mask over the candidates: (old [pairs, slots], new [pairs, t])."""
         xp = self.xp
-        if writes.touched and xp is not np:
-            flat = np.unique(np.concatenate([p * self.page_size + o for p, o in writes.touched]))
-            pages, offsets = flat // self.page_size, flat % self.page_size
-            values = xp.asarray(self.slot_pos[pages, offsets])
-            self._slot_pos_device[xp.asarray(pages), xp.asarray(offsets)] = values
-        if not writes.tokens:
-            return
-        pages, offsets, bs, hs, ts = (
-            np.concatenate(part) for part in zip(*writes.tokens, strict=True)
-        )
-        where = (xp.asarray(pages), xp.asarray(offsets))
-        source = (xp.asarray(bs), xp.asarray(hs), xp.asarray(ts))
-        self.k_pages[where] = kb[source]
-        self.v_pages[where] = vb[source]
-        if self.policy is not None and self.policy.selects_pages:
-            self._bound_pages(np.unique(pages))
+        n_old = old_pos.shape[1]
+        if self._budgets is None:
+            return old_pos != EMPTY, new_pos != EMPTY
+        shape = (self.batch, self.kv_heads, -1)
+        positions = xp.concatenate([old_pos, new_pos], axis=1).reshape(shape)
+        scores = None
+        if self.slot_score is not None:
+            old = xp.where(in_table, self.slot_score.reshape(-1)[slot], 0.0)
+            scores = xp.concatenate([old, xp.zeros(new_pos.shape)], axis=1).reshape(shape)
+        keep = self.policy.keep(
+            xp, self._lengths_device, positions, scores, self._budgets_device
+        ).reshape(old_pos.shape[0], -1)
+        return keep[:, :n_old], keep[:, n_old:]
+
+    def _push(self, pages: Any, freed: Any) -> None:
+        """Push ``pages`` [pairs, width] where ``freed`` onto the free stack (device only)."""
+        xp = self.xp
+        freed = freed.reshape(-1)
+        at = self.free_top + xp.cumsum(freed) - 1
+        self.free_stack[xp.where(freed, at, self.num_pages)] = pages.reshape(-1)
+        self.free_top = self.free_top + freed.sum(keepdims=True)
+
+    def _pop(self, taken: Any, most: int) -> Any:
+        """int64 [pairs, most]: ``taken[i]`` pages popped from the free stack for pair i, then
+        SPARE. The host bound of ``_reserve`` guarantees the stack holds them."""
+        xp = self.xp
+        before = xp.cumsum(taken) - taken  # pages the pairs before i take
+        j = xp.arange(most)
+        wanted = j[None, :] < taken[:, None]
+        at = xp.where(wanted, self.free_top - 1 - (before[:, None] + j), 0)
+        self.free_top = self.free_top - taken.sum(keepdims=True)
+        return xp.where(wanted, self.free_stack[at], SPARE).astype(xp.int64)
 
     # -- what the decode kernels read ---------------------------------------------------------
 
     def device_slot_pos(self) -> Any:
-        """int64 [num_pages, page_size] slot positions where the kernels read them."""
-        return self._slot_pos_device
+        """int64 [1 + num_pages, page_size] slot positions where the kernels read them."""
+        return self.slot_pos
 
     def device_tables(self) -> tuple[Any, Any]:
-        """(page_table int32 [batch, kv_heads, max_pages] in table order, -1 padded;
-        page_count int32 [batch, kv_heads]) where the kernels read them; rebuilt (one small
-        copy to the device) only after a page table changed."""
-        if self._device_tables is None:
-            counts = np.array([[len(t) for t in row] for row in self.tables], dtype=np.int32)
-            table = np.full((self.batch, self.kv_heads, max(int(counts.max()), 1)), EMPTY, np.int32)
-            for b, row in enumerate(self.tables):
-                for h, pages in enumerate(row):
-                    table[b, h, : len(pages)] = pages
-            with _on_device(self.info):
-                self._device_tables = (self.xp.asarray(table), self.xp.asarray(counts))
-        return self._device_tables
+        """(page_table int32 [batch, kv_heads, width] in table order, -1 padded; page_count
+        int32 [batch, kv_heads]) where the kernels read them."""
+        return self.page_table, self.page_count
 
-    def _bound_pages(self, pages: np.ndarray) -> None:
-        """Quest's element-wise key min and max over each page's kept tokens (a written page
-        keeps at least one)."""
+    def device_lengths(self) -> Any:
+        """int64 [batch]: tokens each sequence was given, where the kernels read them."""
+        return self._lengths_device
+
+    def add_scores(self, mass: Any) -> None:
+        """HeavyHitters: add ``mass`` [batch, kv_heads, width * page_size] (table order, zero
+        past a table's pages) to the kept tokens' scores, on the device."""
+        xp, pairs = self.xp, self.batch * self.kv_heads
+        slot, in_table = self._slots(*self._pairs())
+        slot = xp.where(in_table, slot, SPARE)
+        flat = self.slot_score.reshape(-1)
+        flat[slot] = flat[slot] + mass.reshape(pairs, -1).astype(xp.float64)
+
+    def _bound_pages(self, pages: Any, most: int) -> None:
+        """Quest's element-wise key min and max over the kept tokens of the pages in ``pages``
+        [pairs, t] (SPARE: none). A pair's written pages come in table order, one run each, so
+        the first of each run names it; at most ``most`` per pair."""
         xp = self.xp
-        index = xp.asarray(pages)
-        used = xp.asarray(self.slot_pos[pages] != EMPTY)[..., None]  # [P, page_size, 1]
-        keys = widened(self.k_pages[index], xp)
-        self.key_min[index] = xp.where(used, keys, xp.inf).min(axis=1)
-        self.key_max[index] = xp.where(used, keys, -xp.inf).max(axis=1)
+        pairs = pages.shape[0]
+        previous = xp.concatenate([xp.full((pairs, 1), SPARE, pages.dtype), pages[:, :-1]], 1)
+        first = (pages != SPARE) & (pages != previous)
+        rank = xp.cumsum(first, axis=1) - 1
+        written = xp.full((pairs, most + 1), SPARE, dtype=xp.int64)
+        written[xp.arange(pairs)[:, None], xp.where(first & (rank < most), rank, most)] = pages
+        written = written[:, :most].reshape(-1)
+        used = (self.slot_pos[written] != EMPTY)[..., None]  # [pages, page_size, 1]
+        keys = widened(self.k_pages[written], xp)
+        self.key_min[written] = xp.where(used, keys, xp.inf).min(axis=1)
+        self.key_max[written] = xp.where(used, keys, -xp.inf).max(axis=1)
+        self.key_min[SPARE] = self.key_max[SPARE] = 0.0  # masked rows left it infinite
 
 
-class _Writes:
-    """What one append changes on the device, gathered over every (sequence, kv head): the
-    slots whose position changed, and the tokens placed (pages, offsets, and their source
-    sequence, head and step)."""
-
-    def __init__(self) -> None:
-        self.touched: list[tuple[np.ndarray, np.ndarray]] = []
-        self.tokens: list[tuple[np.ndarray, ...]] = []
+# the arrays sized by the pool (copied when it grows), and the rest of the bookkeeping
+_POOL_ARRAYS = ("k_pages", "v_pages", "slot_pos", "slot_score", "key_min", "key_max")
+_BOOK_ARRAYS = ("free_stack", "free_top", "page_table", "page_count", "_lengths_device")
 
 
 def _array_module(info: dlpack.ArrayInfo) -> Any:
@@ -389,8 +489,6 @@ def _storage_dtype(xp: Any, name: str) -> Any:
 
 
 def _on_device(info: dlpack.ArrayInfo) -> Any:
-    import contextlib
-
     if info.device != "cuda":
         return contextlib.nullcontext()
     import cupy

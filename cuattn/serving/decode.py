@@ -12,7 +12,8 @@ splits of each page table in parallel, then their merge), as does ``backend="int
 CPU; a NumPy cache runs the reference by default: exact, written with the array library, one
 (sequence, kv head) pair at a time. Quest's page choice is computed on the cache's device from
 the per-page key bounds; HeavyHitters turns the kernel's per-token scores into probabilities
-with the merged lse (no second pass over K) and reads them back to the host bookkeeping.
+with the merged lse (no second pass over K) and adds them to the cache's scores where they are
+(nothing read back).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
 def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> np.ndarray:
     """bool [g, t_q, pages in table order]: the pages each query reads (Quest)."""
     xp, policy = cache.xp, cache.policy
-    table = np.asarray(cache.tables[b][h], dtype=np.int64)
+    table = cache.pages(b, h)
     lo, hi = cache.key_min[xp.asarray(table)], cache.key_max[xp.asarray(table)]
     qf = q_group.astype(xp.float32)[..., None, :]  # [g, t_q, 1, d]
     bound = xp.maximum(qf * lo, qf * hi).sum(axis=-1)  # [g, t_q, pages]
@@ -149,7 +150,7 @@ def kernel_call(
         cache.device_slot_pos(),
         table,
         count,
-        cache.xp.asarray(cache.lengths),
+        cache.device_lengths(),
         chosen,
         scale,
         keep_scores,
@@ -178,11 +179,7 @@ def _add_token_mass(cache: KVCache, scores: Any, lse: Any) -> None:
     finite = xp.isfinite(lse)[..., None]
     probs = xp.where(finite, xp.exp(scores - xp.where(finite, lse[..., None], 0.0)), 0.0)
     mass = probs.reshape(batch, cache.kv_heads, -1, tokens).sum(axis=2)
-    mass = np.asarray(mass.get() if xp is not np else mass, dtype=np.float64)
-    for b in range(batch):
-        for h, pages in enumerate(cache.tables[b]):
-            rows = mass[b, h, : len(pages) * cache.page_size].reshape(len(pages), -1)
-            cache.slot_score[pages] += rows
+    cache.add_scores(mass)
 
 
 def decode_attention(
@@ -235,7 +232,7 @@ def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, 
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)
-                where = {page: i for i, page in enumerate(cache.tables[b][h])}
+                where = {page: i for i, page in enumerate(cache.pages(b, h))}
                 page_index = np.array([where[p] for p in pages])
                 allowed = allowed & chosen[..., page_index]
             allowed = xp.asarray(np.ascontiguousarray(allowed))

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+EMPTY = -1  # a position that is no candidate
 
 __all__ = [
     "HeadAdaptive",
@@ -103,10 +106,14 @@ class Policy:
         return None
 
     def keep(
-        self, length: int, positions: list[np.ndarray], scores: list[np.ndarray]
-    ) -> list[np.ndarray]:
-        """Bool masks over each kv head's candidates (kept + incoming) of one sequence of
-        ``length`` tokens; positions and scores per head, in any order."""
+        self, xp: Any, lengths: Any, positions: Any, scores: Any | None, budgets: Any | None
+    ) -> Any:
+        """bool [batch, kv_heads, n]: which candidates (the kept tokens and the incoming ones)
+        each (sequence, kv head) keeps, in whole-array operations of the array module ``xp``
+        (NumPy, or CuPy on the cache's device; nothing is read back). lengths int64 [batch]:
+        tokens each sequence was given, this append included; positions int64 [batch, kv_heads,
+        n], -1 where there is no candidate (never kept); scores float64 like positions, or None
+        unless ``scores_tokens``; budgets: ``budgets()`` on the cache's device."""
         raise NotImplementedError
 
 
@@ -125,8 +132,9 @@ class SlidingWindow(Policy):
     def budgets(self) -> np.ndarray:
         return self._window
 
-    def keep(self, length, positions, scores):
-        return [pos >= length - w for pos, w in zip(positions, self._window, strict=True)]
+    def keep(self, xp, lengths, positions, scores, budgets):
+        first = lengths[:, None, None] - budgets[None, :, None]
+        return (positions != EMPTY) & (positions >= first)
 
     def __repr__(self) -> str:
         return f"SlidingWindow({self.window!r})"
@@ -143,16 +151,27 @@ class StreamingLLM(Policy):
     def budgets(self) -> np.ndarray:
         return np.full(self.kv_heads, self.sinks + self.window, dtype=np.int64)
 
-    def keep(self, length, positions, scores):
-        return [(pos < self.sinks) | (pos >= length - self.window) for pos in positions]
+    def keep(self, xp, lengths, positions, scores, budgets):
+        recent = positions >= lengths[:, None, None] - self.window
+        return (positions != EMPTY) & ((positions < self.sinks) | recent)
 
     def __repr__(self) -> str:
         return f"StreamingLLM(sinks={self.sinks}, window={self.window})"
 
 
-def _ranked(positions: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """Indices from most to least worth keeping: higher score, then newer."""
-    return np.lexsort((-positions, -scores))
+def _ranks(xp: Any, keys: list[Any]) -> Any:
+    """int64 [rows, n]: each element's place in its row sorted ascending by ``keys`` ([rows, n]
+    each, the last the most significant), ties left in index order: one stable sort per key,
+    least significant first."""
+    rows, n = keys[0].shape
+    order = xp.broadcast_to(xp.arange(n), (rows, n))
+    stable = {"kind": "stable"} if xp is np else {}  # CuPy's sorts are always stable
+    for key in keys:
+        by_key = xp.argsort(xp.take_along_axis(key, order, axis=1), axis=1, **stable)
+        order = xp.take_along_axis(order, by_key, axis=1)
+    rank = xp.empty((rows, n), dtype=xp.int64)
+    rank[xp.arange(rows)[:, None], order] = xp.arange(n)
+    return rank
 
 
 class HeavyHitters(Policy):
@@ -187,28 +206,21 @@ class HeavyHitters(Policy):
             return np.full(self.kv_heads, total - (self.kv_heads - 1) * self.recent)
         return self._budget
 
-    def keep(self, length, positions, scores):
-        recent = [pos >= length - self.recent for pos in positions]
+    def keep(self, xp, lengths, positions, scores, budgets):
+        batch, kv_heads, n = positions.shape
+        valid = positions != EMPTY
+        recent = valid & (positions >= lengths[:, None, None] - self.recent)
+        # the recent first (an infinite score), then the others by score (>= 0), newer first;
+        # no candidate last (-1)
+        worth = xp.where(recent, xp.inf, xp.where(valid, scores, -1.0))
+        keys = [-positions, -worth]
         if self._budget is not None:
-            masks = []
-            for pos, score, mask, budget in zip(
-                positions, scores, recent, self._budget, strict=True
-            ):
-                mask = mask.copy()
-                others = np.flatnonzero(~mask)
-                best = others[_ranked(pos[others], score[others])][: budget - mask.sum()]
-                mask[best] = True
-                masks.append(mask)
-            return masks
-        # head-adaptive: the rest of the layer's budget to the highest scores over all heads
-        heads = np.concatenate([np.full(len(p), h) for h, p in enumerate(positions)])
-        pos = np.concatenate(positions)
-        score = np.concatenate(scores)
-        taken = np.concatenate(recent)
-        others = np.flatnonzero(~taken)
-        order = np.lexsort((heads[others], -pos[others], -score[others]))
-        taken[others[order][: self.budget.total - int(taken.sum())]] = True
-        return np.split(taken, np.cumsum([len(p) for p in positions])[:-1])
+            rank = _ranks(xp, [key.reshape(batch * kv_heads, n) for key in keys])
+            return valid & (rank.reshape(positions.shape) < budgets[None, :, None])
+        # head-adaptive: one ranking over the sequence's heads, laid out head by head, so the
+        # stable sorts leave ties to the lower head
+        rank = _ranks(xp, [key.reshape(batch, kv_heads * n) for key in keys])
+        return valid & (rank.reshape(positions.shape) < self.budget.total)
 
     def __repr__(self) -> str:
         return f"HeavyHitters(budget={self.budget!r}, recent={self.recent})"
@@ -232,8 +244,8 @@ class Quest(Policy):
                 f"got page_size={page_size}"
             )
 
-    def keep(self, length, positions, scores):
-        return [np.ones(len(pos), dtype=bool) for pos in positions]
+    def keep(self, xp, lengths, positions, scores, budgets):
+        return positions != EMPTY
 
     def __repr__(self) -> str:
         return f"Quest(pages={self.pages}, page_size={self.page_size})"

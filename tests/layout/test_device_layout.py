@@ -18,6 +18,7 @@ from cuattn.backends import interp, layout_build
 from cuattn.backends.geometry import LayoutKernelConfig
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import ElementRule, Layout
+from tests.helpers.no_sync import refuse_host_round_trips
 from tests.helpers.oracle import dense_attention_grads
 
 B = 16
@@ -401,7 +402,6 @@ def test_on_the_gpu_a_dynamic_step_never_waits_for_the_host(monkeypatch):
     """After one warm-up step, choosing a layout and running attention forward and backward on
     it makes no device-to-host copy and no synchronisation (torch's sync debug mode, and every
     CuPy synchronisation and copy to the host patched to fail)."""
-    import cupy
 
     q, k, v = _torch_inputs()
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -415,16 +415,7 @@ def test_on_the_gpu_a_dynamic_step_never_waits_for_the_host(monkeypatch):
     step()
     torch.cuda.synchronize()
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("a host synchronisation or device-to-host copy")
-
-    for target, name in (
-        (cupy.ndarray, "get"),
-        (cupy, "asnumpy"),
-        (cupy.cuda.Stream, "synchronize"),
-        (cupy.cuda.Device, "synchronize"),
-    ):
-        monkeypatch.setattr(target, name, refuse)
+    refuse_host_round_trips(monkeypatch)
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()

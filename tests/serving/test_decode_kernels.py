@@ -9,6 +9,7 @@ import cuattn
 from cuattn import policies as P
 from cuattn.backends import geometry as kc
 from cuattn.backends.cuda_runtime import cuda_available
+from tests.helpers.no_sync import refuse_host_round_trips
 
 TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
 PAGE_SIZE = 20  # more than one shared-memory tile (16 tokens) per page, and a ragged one
@@ -102,4 +103,45 @@ def test_decode_on_the_gpu(policy, dtype):
     assert np.array_equal(caches["gpu"].positions(), caches["host"].positions())
     want = outs["host"]
     assert np.abs(outs["gpu"] - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
-    assert np.allclose(caches["gpu"].slot_score, caches["host"].slot_score, rtol=1e-3, atol=1e-6)
+    if caches["host"].slot_score is not None:
+        got = cupy.asnumpy(caches["gpu"].slot_score)
+        assert np.allclose(got, caches["host"].slot_score, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "policy",
+    [None, P.SlidingWindow(40), P.HeavyHitters(40, 8), P.HeavyHitters(P.head_adaptive(60), 4)]
+    + [P.Quest(2, PAGE_SIZE)],
+)
+def test_on_the_gpu_a_decode_step_never_waits_for_the_host(policy, monkeypatch):
+    """After a warm-up, append + decode_attention steps (evictions, new pages, HeavyHitters'
+    scores, Quest's choice, and a pool that grows where every token is kept) make no
+    device-to-host copy and no synchronisation: every CuPy way to one is patched to fail."""
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    from cuattn.serving import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "DEFAULT_TOKENS", 1)  # a small first pool
+
+    rng = np.random.default_rng(9)
+    like = cupy.zeros(1, dtype=cupy.float32)
+    cache = cuattn.KVCache(2, 2, 64, "float16", page_size=PAGE_SIZE, policy=policy, like=like)
+    q = _fill(cache, rng, cupy, steps=2, group=2, t_q=1)
+    cuattn.decode_attention(q, cache)
+    steps = [
+        tuple(cupy.asarray(rng.standard_normal((2, 2, 1, 64)).astype(np.float16)) for _ in "kv")
+        for _ in range(3 * PAGE_SIZE)
+    ]
+    cupy.cuda.Device().synchronize()
+
+    refuse_host_round_trips(monkeypatch)
+    for k, v in steps:
+        cache.append(k, v)
+        out = cuattn.decode_attention(q, cache)
+    monkeypatch.undo()
+    assert bool(cupy.isfinite(out).all())
+    if policy is None:
+        assert cache.num_pages >= 2 * 2 * (len(cache) // PAGE_SIZE)

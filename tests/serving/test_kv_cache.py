@@ -188,13 +188,13 @@ def test_evicted_pages_are_reused_and_the_pool_stops_growing():
         cache.append(k, v)
         sizes.append((cache.num_pages, cache.nbytes))
     assert sizes[-1] == sizes[20] and len(cache) == 300
-    assert all(len(table) <= 4 for table in cache.tables[0])  # 10 tokens in pages of 4
+    assert (cache.page_tables()[1] <= 3).all()  # 10 tokens in pages of 4, holes refilled
     h2o = cuattn.KVCache(1, 1, D, "float32", page_size=2, policy=P.HeavyHitters(6, 2))
     q = rng.standard_normal((1, 2, 1, D)).astype(np.float32)
     for _ in range(200):
         h2o.append(*(rng.standard_normal((1, 1, 1, D)).astype(np.float32) for _ in range(2)))
         cuattn.decode_attention(q, h2o)
-    assert len(h2o.tables[0][0]) <= 6 and h2o.num_pages == 256 // 2 + 1  # never grew
+    assert h2o.page_tables()[1][0, 0] <= 3 and h2o.num_pages == 256 // 2 + 1  # never grew
 
 
 def _state(cache):
@@ -202,7 +202,9 @@ def _state(cache):
         cache.positions().copy(),
         cache.lengths.copy(),
         np.array(cache.k_pages).copy(),
-        cache.slot_score.copy(),
+        cache.slot_pos.copy(),
+        cache.page_table.copy(),
+        cache.free_stack.copy(),
     )
 
 
@@ -280,45 +282,143 @@ def test_jax_arrays_in_and_out():
     assert np.allclose(np.asarray(out), cuattn.decode_attention(q, cache), rtol=1e-6)
 
 
-class _DeviceLike(types.ModuleType):
-    """NumPy under another name: the cache takes its device branch (a separate copy of
-    slot_pos for the kernels, batched scatters) on the CPU."""
+POLICIES = {
+    "none": lambda: None,
+    "sliding": lambda: P.SlidingWindow([5, 11]),
+    "streaming": lambda: P.StreamingLLM(2, 6),
+    "heavy": lambda: P.HeavyHitters(9, 2),
+    "heavy_adaptive": lambda: P.HeavyHitters(P.head_adaptive(14), 1),
+    "quest": lambda: P.Quest(2, 4),
+}
+
+
+def _steps(rng, batch, kv_heads, steps=16):
+    """A ragged prefill, then appends of 1-3 tokens with ragged (sometimes zero) lengths."""
+    for step in range(steps):
+        t = 13 if step == 0 else int(rng.integers(1, 4))
+        lengths = rng.integers(0, t + 1, size=batch) if step % 3 == 1 else None
+        k, v = (rng.standard_normal((batch, kv_heads, t, D)).astype(np.float32) for _ in "kv")
+        yield k, v, lengths
+
+
+def _check_pool(cache, tokens):
+    """Every real page is in exactly one table or on the free stack; a table page keeps a
+    token, a free page none; no pair holds more pages than the host bound the pool is sized
+    by; every kept slot holds the token appended at its position."""
+    table, count = cache.page_tables()
+    slot_pos = np.asarray(cache.slot_pos)
+    free = list(np.asarray(cache.free_stack)[: int(np.asarray(cache.free_top)[0])])
+    held, bound = [], 0
+    budgets = cache.policy.budgets() if cache.policy is not None else None
+    for b in range(cache.batch):
+        for h in range(cache.kv_heads):
+            pages = list(table[b, h, : count[b, h]])
+            assert (table[b, h, count[b, h] :] == -1).all()
+            assert all((slot_pos[p] >= 0).any() for p in pages)
+            most = cache.lengths[b] if budgets is None else min(cache.lengths[b], budgets[h])
+            bound += -(-most // cache.page_size)
+            assert len(pages) <= -(-most // cache.page_size)
+            for p in pages:
+                for o in np.flatnonzero(slot_pos[p] >= 0):
+                    want = tokens[b][h][slot_pos[p, o]]
+                    np.testing.assert_array_equal(cache.k_pages[p, o], want)
+            held += pages
+    assert sorted(held + free) == list(range(1, cache.num_pages + 1))  # page 0: the spare
+    assert all((slot_pos[p] == -1).all() for p in free)
+    return bound
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_pool_stays_one_partition_of_its_pages(name, monkeypatch):
+    """Over ragged appends, evictions, refilled holes and a pool that grows: no page is lost,
+    shared or left empty in a table, and every kept slot holds its own token."""
+    from cuattn.serving import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "DEFAULT_TOKENS", 1)  # a tiny first pool
+    rng = np.random.default_rng(sorted(POLICIES).index(name))
+    batch, kv_heads = 3, 2
+    cache = cuattn.KVCache(batch, kv_heads, D, "float32", page_size=4, policy=POLICIES[name]())
+    tokens = [[{} for _ in range(kv_heads)] for _ in range(batch)]
+    first, most = cache.num_pages, 0
+    for k, v, lengths in _steps(rng, batch, kv_heads):
+        given = np.full(batch, k.shape[2]) if lengths is None else lengths
+        for b in range(batch):
+            for h in range(kv_heads):
+                for i in range(given[b]):
+                    tokens[b][h][cache.lengths[b] + i] = k[b, h, i]
+        cache.append(k, v, lengths)
+        if cache.slot_score is not None:  # scores as decode would add them
+            width = cache.width * cache.page_size
+            cache.add_scores(rng.random((batch, kv_heads, width)))
+        most = max(most, _check_pool(cache, tokens))
+    assert most <= cache.num_pages and (cache.num_pages > first) == (most > first)
+
+
+class _DeviceArray(np.ndarray):
+    """A NumPy array that refuses every way a value could reach the host (on a GPU, each is
+    a device-to-host copy and a synchronisation)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("a value was read back from the device")
+
+    __bool__ = __int__ = __float__ = __index__ = item = tolist = _refuse
+
+
+class _DeviceModule(types.ModuleType):
+    """NumPy whose functions return _DeviceArray: a cache built on it behaves as on a device."""
 
     def __getattr__(self, name):
-        return getattr(np, name)
+        value = getattr(np, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def call(*args, **kwargs):
+            out = value(*args, **kwargs)
+            return out.view(_DeviceArray) if type(out) is np.ndarray else out
+
+        return call
 
 
-@pytest.mark.parametrize(
-    "make_policy",
-    [
-        lambda: None,
-        lambda: P.SlidingWindow(20),
-        lambda: P.HeavyHitters(24, 6),
-        lambda: P.Quest(2, 8),
-    ],
-)
-def test_the_device_branch_of_append_keeps_the_kernels_copy_in_step(make_policy):
-    """What a device cache keeps for the kernels (slot positions, tokens, Quest's bounds),
-    written in one batched scatter per append, equals a host cache given the same tokens, over
-    ragged appends, evictions and refilled holes."""
-    rng = np.random.default_rng(3)
-    host = cuattn.KVCache(3, 2, 16, "float32", page_size=8, policy=make_policy())
-    device = cuattn.KVCache(3, 2, 16, "float32", page_size=8, policy=make_policy())
-    device.xp = _DeviceLike("device_like")
-    device._slot_pos_device = device.slot_pos.copy()
-    for step in range(12):
-        t = 5 if step == 0 else 1
-        k, v = (rng.standard_normal((3, 2, t, 16)).astype(np.float32) for _ in "kv")
-        lengths = np.array([t, t - 1, t]) if step % 3 == 1 else None
-        for cache in (host, device):
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_appending_and_scoring_read_nothing_back(name, monkeypatch):
+    """append, HeavyHitters' score update and Quest's page choice on a cache whose arrays
+    refuse to reach the host: none of them reads a value back (a GPU step never waits); the
+    kept positions equal a plain NumPy cache's given the same tokens and scores."""
+    from cuattn.serving import cache as cache_module
+    from cuattn.serving import decode
+
+    rng = np.random.default_rng(11)
+    batch, kv_heads = 3, 2
+    plain = cuattn.KVCache(batch, kv_heads, D, "float32", page_size=4, policy=POLICIES[name]())
+    monkeypatch.setattr(cache_module, "_array_module", lambda info: _DeviceModule("device"))
+    device = cuattn.KVCache(batch, kv_heads, D, "float32", page_size=4, policy=POLICIES[name]())
+    assert type(device.slot_pos) is _DeviceArray
+    for k, v, lengths in _steps(rng, batch, kv_heads):
+        q = rng.standard_normal((batch, 2 * kv_heads, 1, D)).astype(np.float32)
+        for cache in (plain, device):
             cache.append(k, v, lengths)
-        scores = rng.random(host.slot_score.shape) * (host.slot_pos >= 0)
-        host.slot_score += scores
-        device.slot_score += scores
-    np.testing.assert_array_equal(device._slot_pos_device, device.slot_pos)
-    np.testing.assert_array_equal(device.slot_pos, host.slot_pos)
-    kept = host.slot_pos >= 0
-    for name in ("k_pages", "v_pages"):
-        np.testing.assert_array_equal(getattr(device, name)[kept], getattr(host, name)[kept])
-    np.testing.assert_array_equal(device.key_min, host.key_min)
-    np.testing.assert_array_equal(device.key_max, host.key_max)
+            if cache.policy is not None and cache.policy.selects_pages:
+                decode._quest_chosen(cache, q, *cache.device_tables())
+        if plain.slot_score is not None:
+            width = plain.width * plain.page_size
+            scores = rng.standard_normal((batch, 2 * kv_heads, 1, width)).astype(np.float32)
+            lse = np.full((batch, 2 * kv_heads, 1), 3.0, np.float32)
+            for cache in (plain, device):
+                decode._add_token_mass(cache, scores, lse)
+        np.testing.assert_array_equal(device.positions(), plain.positions())
+
+
+def test_decode_refuses_a_strided_page_table():
+    """The kernels read the cache's bookkeeping as flat buffers: a strided view is refused by
+    name before any launch (a GPU would read it as if it were contiguous)."""
+    from cuattn.backends import resolve_backend
+    from cuattn.serving import decode
+
+    cache = cuattn.KVCache(1, 2, D, "float32", page_size=4)
+    k = np.random.default_rng(5).standard_normal((1, 2, 9, D)).astype(np.float32)
+    cache.append(k, k)
+    wide = np.full((1, 2, 2 * cache.width), -1, np.int32)
+    wide[..., ::2] = cache.page_table
+    cache.page_table = wide[..., ::2]
+    with pytest.raises(ValueError, match="page_table: the kernel reads it as a contiguous"):
+        decode.kernel_call(resolve_backend("interp", on_device=False), cache, k[:, :, :1], 0.25)

@@ -17,10 +17,12 @@ how many entries it writes. An ``append`` is a fixed sequence of whole-array ope
 every (sequence, kv head) pair at once: gather the pairs' slots, the policy's keep mask, evict,
 compact the tables and push emptied pages, place the kept tokens in the holes eviction left
 (table order, then offset) and then in pages popped from the stack, one scatter of K, V and
-positions. Nothing is read back: the pool and table width are sized on the host from a bound
-(a pair never holds more than ceil(min(length, budget) / page_size) pages, because tokens fill
-holes before new pages are taken), so a page is always there to pop. Only ``positions()``,
-``kept()`` and ``page_tables()`` copy to the host, when asked.
+positions (a cache that never evicts looks only at each pair's last page, the only one with
+room, so its append costs what the incoming tokens do). Nothing is read back: the pool and
+table width are sized on the host from a bound (a pair never holds more than
+ceil(min(length, budget) / page_size) pages, because tokens fill holes before new pages are
+taken), so a page is always there to pop. Only ``positions()``, ``kept()`` and
+``page_tables()`` copy to the host, when asked.
 """
 
 from __future__ import annotations
@@ -319,39 +321,29 @@ class KVCache:
         """One append over every pair at once (module doc): decide, evict, place, write."""
         xp, ps = self.xp, self.page_size
         batch, heads, t, head_dim = (int(d) for d in kb.shape)
-        pairs, step = batch * heads, xp.arange(t)
+        pairs, step, width = batch * heads, xp.arange(t), self.width
         rows = xp.arange(pairs)[:, None]
         flat_pos = self.slot_pos.reshape(-1)
         uniform = bool((given == t).all())
         arrived = xp.full(batch, t, dtype=xp.int64) if uniform else xp.asarray(given)
         old_lengths = self._lengths_device
         self._lengths_device = old_lengths + arrived
-
-        # the candidates: every kept token, then the incoming ones
-        table, count = self._pairs()
-        slot, in_table = self._slots(table, count)
-        old_pos = xp.where(in_table, flat_pos[slot], EMPTY)
         new_pos = old_lengths[:, None, None] + step  # [batch, 1, t]
         new_pos = xp.where(step < arrived[:, None, None], new_pos, EMPTY)
         new_pos = xp.broadcast_to(new_pos, (batch, heads, t)).reshape(pairs, t)
-        keep_old, keep_new = self._decide(slot, in_table, old_pos, new_pos)
 
-        # evict, then free the pages left empty and close the gaps they leave in the tables
-        gone = (old_pos != EMPTY) & ~keep_old
-        flat_pos[xp.where(gone, slot, SPARE)] = EMPTY
-        if self.slot_score is not None:
-            self.slot_score.reshape(-1)[xp.where(gone, slot, SPARE)] = 0.0
-        width = self.width
-        in_page = in_table.reshape(pairs, width, ps)[:, :, 0]
-        held = keep_old.reshape(pairs, width, ps).any(axis=2)
-        stay, freed = in_page & held, in_page & ~held
-        compact = xp.full((pairs, width + 1), EMPTY, dtype=xp.int32)  # column `width`: masked
-        compact[rows, xp.where(stay, xp.cumsum(stay, axis=1) - 1, width)] = table
-        self._push(xp.where(freed, table, EMPTY), freed)
-        count = stay.sum(axis=1)
+        table, count = self._pairs()
+        if self._budgets is None:
+            # nothing is ever evicted: every page but the last is full, and only it has room
+            keep_new = new_pos != EMPTY
+            compact = xp.concatenate([table, xp.full((pairs, 1), EMPTY, xp.int32)], axis=1)
+            last = xp.take_along_axis(table, xp.maximum(count - 1, 0)[:, None], axis=1)
+            slot, in_table = self._slots(last, xp.minimum(count, 1))
+        else:
+            compact, count, keep_new = self._evict(table, count, new_pos)
+            slot, in_table = self._slots(compact[:, :width], count)
 
         # the kept incoming tokens go to the holes (table order, then offset), then new pages
-        slot, in_table = self._slots(compact[:, :width], count)
         hole = in_table & (flat_pos[slot] == EMPTY)
         hole_rank = xp.cumsum(hole, axis=1) - 1
         holes = xp.full((pairs, t + 1), SPARE, dtype=xp.int64)  # column t: masked
@@ -382,12 +374,16 @@ class KVCache:
         if self._bounds_pages:
             self._bound_pages(xp.where(keep_new, target // ps, SPARE), min(t, width))
 
-    def _decide(self, slot: Any, in_table: Any, old_pos: Any, new_pos: Any) -> tuple[Any, Any]:
-        """The policy's keep mask over the candidates: (old [pairs, slots], new [pairs, t])."""
-        xp = self.xp
-        n_old = old_pos.shape[1]
-        if self._budgets is None:
-            return old_pos != EMPTY, new_pos != EMPTY
+    def _evict(self, table: Any, count: Any, new_pos: Any) -> tuple[Any, Any, Any]:
+        """The policy's decision over every kept and incoming token; the evicted slots emptied,
+        the pages left empty pushed onto the free stack and closed up in the tables. Returns
+        (tables [pairs, width + 1] with a last column for masked writes, page counts, which
+        incoming tokens are kept [pairs, t])."""
+        xp, ps = self.xp, self.page_size
+        pairs, width = table.shape
+        flat_pos = self.slot_pos.reshape(-1)
+        slot, in_table = self._slots(table, count)
+        old_pos = xp.where(in_table, flat_pos[slot], EMPTY)
         shape = (self.batch, self.kv_heads, -1)
         positions = xp.concatenate([old_pos, new_pos], axis=1).reshape(shape)
         scores = None
@@ -396,8 +392,21 @@ class KVCache:
             scores = xp.concatenate([old, xp.zeros(new_pos.shape)], axis=1).reshape(shape)
         keep = self.policy.keep(
             xp, self._lengths_device, positions, scores, self._budgets_device
-        ).reshape(old_pos.shape[0], -1)
-        return keep[:, :n_old], keep[:, n_old:]
+        ).reshape(pairs, -1)
+        keep_old, keep_new = keep[:, : old_pos.shape[1]], keep[:, old_pos.shape[1] :]
+
+        gone = (old_pos != EMPTY) & ~keep_old
+        flat_pos[xp.where(gone, slot, SPARE)] = EMPTY
+        if self.slot_score is not None:
+            self.slot_score.reshape(-1)[xp.where(gone, slot, SPARE)] = 0.0
+        in_page = in_table.reshape(pairs, width, ps)[:, :, 0]
+        held = keep_old.reshape(pairs, width, ps).any(axis=2)
+        stay, freed = in_page & held, in_page & ~held
+        compact = xp.full((pairs, width + 1), EMPTY, dtype=xp.int32)  # column `width`: masked
+        column = xp.where(stay, xp.cumsum(stay, axis=1) - 1, width)
+        compact[xp.arange(pairs)[:, None], column] = table
+        self._push(xp.where(freed, table, EMPTY), freed)
+        return compact, stay.sum(axis=1), keep_new
 
     def _push(self, pages: Any, freed: Any) -> None:
         """Push ``pages`` [pairs, width] where ``freed`` onto the free stack (device only)."""

@@ -36,3 +36,9 @@ def host_array(x: Any) -> np.ndarray:
     """x as a NumPy array: a CuPy array copied to the host (a synchronisation, so only where
     the host is asked for), anything else as np.asarray gives it."""
     return np.asarray(x.get() if hasattr(x, "get") else x)
+
+
+def stable_kind(xp: Any) -> dict[str, str]:
+    """The keywords that make ``xp.argsort`` stable: CuPy's sorts always are and take no
+    ``kind``; NumPy (or anything standing in for it) is asked."""
+    return {} if xp.__name__ == "cupy" else {"kind": "stable"}

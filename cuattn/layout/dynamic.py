@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import host_array
+from cuattn._util import host_array, stable_kind
 from cuattn.layout.blocks import bitmask_layout, block_count, causal_cut
 from cuattn.layout.layout import Layout, check_positive_int
 
@@ -46,12 +46,11 @@ def vertical_slash_tables(
     for r in range(rows):  # row r's keys k = 0..n-1 land on offsets q_r - k + n, descending
         first = n_ctx - rows + r + 1
         slash_score[:, first : first + n_ctx] += p[:, r, ::-1]
-    stable = {"kind": "stable"} if xp is np else {}
     is_vertical = xp.zeros((heads, n_ctx), dtype=bool)
-    top = xp.argsort(-vertical_score, axis=-1, **stable)[:, :num_vertical]
+    top = xp.argsort(-vertical_score, axis=-1, **stable_kind(xp))[:, :num_vertical]
     xp.put_along_axis(is_vertical, top, True, axis=-1)
     is_slash = xp.zeros((heads, 2 * n_ctx), dtype=bool)
-    top = xp.argsort(-slash_score, axis=-1, **stable)[:, :num_slash]
+    top = xp.argsort(-slash_score, axis=-1, **stable_kind(xp))[:, :num_slash]
     xp.put_along_axis(is_slash, top, True, axis=-1)
     is_slash[:, n_ctx] = True
     return is_vertical, is_slash

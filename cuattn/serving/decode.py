@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from cuattn import backends as _backends
+from cuattn._util import stable_kind
 from cuattn.adapters import dlpack
 from cuattn.backends import geometry
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
@@ -124,8 +125,7 @@ def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
     newest = (count - 1)[:, :, None, None, None]
     # only real pages other than the newest compete; ties go to the lower page
     ranked = xp.where((page < count[:, :, None, None, None]) & (page != newest), bound, -xp.inf)
-    kind = {"kind": "stable"} if xp is np else {}
-    order = xp.argsort(-ranked, axis=-1, **kind)[..., : policy.pages]
+    order = xp.argsort(-ranked, axis=-1, **stable_kind(xp))[..., : policy.pages]
     chosen = xp.zeros(ranked.shape, dtype=xp.uint8)
     xp.put_along_axis(chosen, order, 1, axis=-1)
     chosen = xp.where(page == newest, 1, chosen).astype(xp.uint8)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import stable_kind
+
 EMPTY = -1  # a position that is no candidate
 
 __all__ = [
@@ -165,9 +167,8 @@ def _ranks(xp: Any, keys: list[Any]) -> Any:
     least significant first."""
     rows, n = keys[0].shape
     order = xp.broadcast_to(xp.arange(n), (rows, n))
-    stable = {"kind": "stable"} if xp is np else {}  # CuPy's sorts are always stable
     for key in keys:
-        by_key = xp.argsort(xp.take_along_axis(key, order, axis=1), axis=1, **stable)
+        by_key = xp.argsort(xp.take_along_axis(key, order, axis=1), axis=1, **stable_kind(xp))
         order = xp.take_along_axis(order, by_key, axis=1)
     rank = xp.empty((rows, n), dtype=xp.int64)
     rank[xp.arange(rows)[:, None], order] = xp.arange(n)

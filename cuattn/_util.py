@@ -9,8 +9,9 @@ import numpy as np
 BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 
 
-def ceil_div(a: int, b: int) -> int:
-    """ceil(a / b) for positive ints, in exact integer arithmetic."""
+def ceil_div(a: Any, b: int) -> Any:
+    """ceil(a / b) in exact integer arithmetic, for an int or an integer array a >= 0 and an
+    int b > 0."""
     return -(-a // b)
 
 

@@ -170,7 +170,7 @@ class KVCache:
         most = lengths[:, None]
         if self._budgets is not None:
             most = np.minimum(most, self._budgets[None, :])
-        pages = -(-np.broadcast_to(most, (self.batch, self.kv_heads)) // self.page_size)
+        pages = ceil_div(np.broadcast_to(most, (self.batch, self.kv_heads)), self.page_size)
         if int(pages.sum()) > self.num_pages:
             self._grow(max(2 * self.num_pages, int(pages.sum())))
         if int(pages.max()) > self.width:
@@ -227,7 +227,8 @@ class KVCache:
         """(pages, offsets, positions) of the kept tokens of sequence b, kv head h, by position
         (host)."""
         pages = self.pages(b, h)
-        pos = host_array(self.slot_pos[self.xp.asarray(pages)])
+        with _on_device(self.info):
+            pos = host_array(self.slot_pos[self.xp.asarray(pages)])
         rows, offsets = np.nonzero(pos != EMPTY)
         order = np.argsort(pos[rows, offsets], kind="stable")
         return pages[rows][order], offsets[order], pos[rows, offsets][order]

@@ -1,56 +1,109 @@
 // Split-KV decode attention over a paged KV cache (flash-decoding), and the merge of its splits.
 //
-// attn_decode_split<HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 4 warps.
-//   A CTA owns one split of one (sequence, kv head)'s page table: pages
-//   [split * pages_per_split, (split + 1) * pages_per_split) of its page_count. Its query rows
-//   are up to ROWS_PER_CTA of the kv group's kv_group * t_q rows (query head kv_head * kv_group
-//   + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q); every row of the group
-//   shares each K/V tile the CTA loads. A token (page, slot) counts for a row when its position
-//   slot_pos >= 0 (not evicted), <= the row's position (causal) and, with use_chosen, the
-//   row's Quest choice reads that page. Online softmax per row; writes the split's partial
-//   out [B, H, t_q, splits, HEAD_DIM] (float) and lse [B, H, t_q, splits] (-inf: no token),
-//   and with keep_scores the scaled score of every (row, table slot), -inf where not counted:
-//   token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into probabilities
-//   with the merged lse, with no second pass over K).
+// attn_decode_split<TILE, ROWS, HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 4 warps.
+//   A CTA owns one split of one (sequence, kv head)'s page table, pages
+//   [split * pages_per_split, (split + 1) * pages_per_split) of its page_count, read as one run
+//   of table slots (slot f is offset f % page_size of table entry f / page_size, so any page
+//   size walks the same way), and up to ROWS of the kv group's kv_group * t_q query rows (query
+//   head kv_head * kv_group + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q).
+//   A token counts for a row when its position slot_pos >= 0 (not evicted), <= the row's
+//   position (causal) and, with use_chosen, the row's Quest choice reads its page.
+//   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
+//   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
+//   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
+//   barrier until the end. In a sub-tile, a token belongs to LANES_PER_TOKEN lanes that split its
+//   head dim, so one 16-byte K read feeds the FMAs of every row and a score costs
+//   log2(LANES_PER_TOKEN) shuffles; the online softmax (m_i, l_i) updates once per sub-tile and
+//   row; for P.V each lane owns head-dim elements lane + 32 e, reads its V elements of a token
+//   once for all rows and takes each row's probability of that token by a shuffle. At the end
+//   the warps' (m_i, l_i, acc) merge in shared memory and the CTA writes the split's partial
+//   out [B, H, t_q, splits, HEAD_DIM] (float) and lse [B, H, t_q, splits] (-inf: no token), and
+//   with keep_scores the scaled score of every (row, table slot) it walked, -inf where the token
+//   did not count: token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into
+//   probabilities with the merged lse, with no second pass over K).
 // attn_decode_merge<HEAD_DIM, T>: one warp per row of out [rows, HEAD_DIM]: the exact merge of
 //   its `splits` partial results (splits with lse -inf contribute nothing; none: 0 and -inf).
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
-// contiguous; slot_pos int64 [num_pages, page_size]; page_table int32 [B, kv_heads, max_pages];
-// page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8 [B, H, t_q, max_pages].
-// Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); geometry and
-// the split count come from cuattn/backends/geometry.py.
+// contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
+// [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
+// [B, H, t_q, max_pages].
+// Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); TILE, ROWS
+// and the split count come from cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta,
+// decode_splits).
 #include "common/row_kernel.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
-// Tokens per shared-memory tile: a page is walked in tiles of this many tokens, so any page
-// size works with a fixed shared-memory size.
-constexpr int DECODE_TILE = 16;
-
-template <int HEAD_DIM, typename T>
+template <int TILE, int ROWS, int HEAD_DIM, typename T>
 struct attn_decode_split_traits {
   static constexpr int NUM_WARPS = 4;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
-  static constexpr int ROWS_PER_WARP = 4;
-  static constexpr int ROWS_PER_CTA = NUM_WARPS * ROWS_PER_WARP;
-  // Elements of a HEAD_DIM row each lane owns (lane, lane + 32, ...).
-  static constexpr int LANE_ELEMS = (HEAD_DIM + 31) / 32;
+  // Two resident CTAs per SM, what the d = 128 stages' shared memory allows anyway: up to 255
+  // registers a thread, so the rows' accumulators never spill.
+  static constexpr int MIN_CTAS_PER_SM = 2;
+  static constexpr int STAGES = 2;  // per warp: the sub-tile computed and the one in flight
+  static constexpr int TOKENS_PER_WARP = TILE / NUM_WARPS;
+  static constexpr int LANES_PER_TOKEN = 32 / TOKENS_PER_WARP;
+  static constexpr int CHUNK = 16 / int(sizeof(T));  // elements of one 16-byte copy or read
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;
+  static constexpr int CHUNKS_PER_LANE = (CHUNKS_PER_ROW + LANES_PER_TOKEN - 1) / LANES_PER_TOKEN;
+  static constexpr int COPIES_PER_LANE = (TOKENS_PER_WARP * CHUNKS_PER_ROW + 31) / 32;
+  static constexpr int LANE_ELEMS = (HEAD_DIM + 31) / 32;  // P.V: elements lane + 32 e
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int TILE_BYTES = DECODE_TILE * LD * int(sizeof(T));
-  // K tile, V tile, and the tile's token positions.
-  static constexpr int SMEM_BYTES = 2 * TILE_BYTES + DECODE_TILE * int(sizeof(long long));
+  static constexpr int STAGE_ELEMS = TOKENS_PER_WARP * LD;      // one K or V sub-tile
+  static constexpr int WARP_ELEMS = STAGES * 2 * STAGE_ELEMS;   // [stage][K, V][token][LD]
+  // q (scaled, float) and each row's query index, then the warps' stages, which the final
+  // merge ([warp][row][acc..., m_i, l_i], float) reuses.
+  static constexpr int Q_BYTES = ROWS * (HEAD_DIM + 1) * 4;
+  static constexpr int TILE_BYTES = NUM_WARPS * WARP_ELEMS * int(sizeof(T));
+  static constexpr int MERGE_BYTES = NUM_WARPS * ROWS * (HEAD_DIM + 2) * 4;
+  static constexpr int SMEM_BYTES = Q_BYTES + (TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES);
+  static_assert(TILE % NUM_WARPS == 0 && 32 % TOKENS_PER_WARP == 0, "a warp's tokens split its lanes");
+  static_assert(HEAD_DIM % CHUNK == 0, "K rows are whole 16-byte chunks");
+  static_assert(ROWS % 4 == 0, "the stages after q must stay 16-byte aligned");
 };
 
 // CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
 __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
 
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
+// Starts the copy of one sub-tile (table slots first_slot + t, t < TOKENS_PER_WARP; none past
+// last_slot) of K and V into `stage` ([K, V][token][LD]) and commits it. Returns this lane's
+// token's position (-1 past the run) and, in `entry`, the token's page-table entry.
+template <typename Traits, int HEAD_DIM, typename T>
+__device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict__ k_pages,
+                                                   const T* __restrict__ v_pages,
+                                                   const long long* __restrict__ slot_pos,
+                                                   const int* __restrict__ table, int page_size,
+                                                   int first_slot, int last_slot, int& entry) {
+  constexpr int TPW = Traits::TOKENS_PER_WARP;
+  constexpr int CPR = Traits::CHUNKS_PER_ROW;
+  const int lane = int(threadIdx.x) % 32;
+  const int f = first_slot + lane % TPW;
+  const bool valid = f < last_slot;
+  entry = valid ? f / page_size : 0;
+  const int slot = valid ? table[entry] * page_size + (f - entry * page_size) : 0;
+#pragma unroll
+  for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
+    const int chunk = lane + 32 * c;
+    const int row = min_int(chunk / CPR, TPW - 1);
+    // every lane shuffles (a shuffle needs the whole warp); lane `row` holds token `row`
+    const int row_slot = __shfl_sync(FULL_WARP, slot, row);
+    const int row_valid = __shfl_sync(FULL_WARP, int(valid), row);
+    if (chunk < TPW * CPR) {
+      const int col = (chunk % CPR) * Traits::CHUNK;
+      const size_t src = size_t(row_slot) * HEAD_DIM + col;
+      cp_async_16(stage + row * Traits::LD + col, k_pages + src, row_valid != 0);
+      cp_async_16(stage + Traits::STAGE_ELEMS + row * Traits::LD + col, v_pages + src,
+                  row_valid != 0);
+    }
+  }
+  cp_async_commit();
+  return valid ? slot_pos[slot] : -1;
 }
 
-template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_decode_split_traits<HEAD_DIM, T>::NUM_THREADS, 1)
+template <int TILE, int ROWS, int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::NUM_THREADS,
+                                  attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::MIN_CTAS_PER_SM)
     attn_decode_split(const T* __restrict__ q, const T* __restrict__ k_pages,
                       const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
                       const int* __restrict__ page_table, const int* __restrict__ page_count,
@@ -59,118 +112,205 @@ __global__ void __launch_bounds__(attn_decode_split_traits<HEAD_DIM, T>::NUM_THR
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
                       int page_size, int max_pages, int splits, int pages_per_split, float scale,
                       int use_chosen, int keep_scores) {
-  using Traits = attn_decode_split_traits<HEAD_DIM, T>;
+  using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
+  constexpr int TPW = Traits::TOKENS_PER_WARP;
+  constexpr int LPT = Traits::LANES_PER_TOKEN;
+  constexpr int CHUNK = Traits::CHUNK;
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   const int kv_group = heads / kv_heads;
   const int group_rows = kv_group * t_q;
-  const int row_chunks = (group_rows + Traits::ROWS_PER_CTA - 1) / Traits::ROWS_PER_CTA;
+  const int row_chunks = (group_rows + ROWS - 1) / ROWS;
   const int split = int(blockIdx.x);
   const int kv_head = int(blockIdx.y) / row_chunks;
-  const int first_row = (int(blockIdx.y) % row_chunks) * Traits::ROWS_PER_CTA;
+  const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
+  const int rows = min_int(ROWS, group_rows - first_row);
   const int b = int(blockIdx.z);
-  const long long length = lengths[b];
+  const long long first_query_pos = lengths[b] - t_q;  // query r % t_q sits at this + r % t_q
   const size_t table_row = size_t(b) * kv_heads + kv_head;
+  const int* table = page_table + table_row * max_pages;
   const int pages = page_count[table_row];
   const int page_lo = min_int(split * pages_per_split, pages);
   const int page_hi = min_int(page_lo + pages_per_split, pages);
+  const int slot_lo = page_lo * page_size;
+  const int slot_hi = page_hi * page_size;
   const size_t tokens_per_row = size_t(max_pages) * page_size;
+  // row i of the CTA: row index into [B, H, t_q] (query head, then query)
+  auto q_row_of = [&](int i) {
+    const int r = first_row + i;
+    return (size_t(b) * heads + kv_head * kv_group + r / t_q) * t_q + r % t_q;
+  };
 
-  T* k_smem = dynamic_smem<T>();
-  T* v_smem = k_smem + DECODE_TILE * Traits::LD;
-  long long* pos_smem = reinterpret_cast<long long*>(v_smem + DECODE_TILE * Traits::LD);
+  float* q_smem = dynamic_smem<float>();
+  int* query_smem = reinterpret_cast<int*>(q_smem + ROWS * HEAD_DIM);
+  T* warp_stages = reinterpret_cast<T*>(query_smem + ROWS) + warp * Traits::WARP_ELEMS;
+  for (int x = int(threadIdx.x); x < ROWS * HEAD_DIM; x += Traits::NUM_THREADS) {
+    const int i = x / HEAD_DIM;
+    q_smem[x] = i < rows ? to_float(q[q_row_of(i) * HEAD_DIM + x % HEAD_DIM]) * scale : 0.f;
+  }
+  if (int(threadIdx.x) < ROWS) query_smem[threadIdx.x] = (first_row + int(threadIdx.x)) % t_q;
+  __syncthreads();
 
-  // Per row this warp owns: query (scaled, in float), running max m_i, sum l_i, output acc.
-  float q_reg[Traits::ROWS_PER_WARP][Traits::LANE_ELEMS];
-  float m_i[Traits::ROWS_PER_WARP], l_i[Traits::ROWS_PER_WARP];
-  float acc[Traits::ROWS_PER_WARP][Traits::LANE_ELEMS];
-  size_t q_row[Traits::ROWS_PER_WARP];  // row index into [B, H, t_q]
-  long long q_pos[Traits::ROWS_PER_WARP];
-  bool live[Traits::ROWS_PER_WARP];
+  // Per row, replicated in every lane: running max m_i and sum l_i; acc: this lane's elements.
+  float m_i[ROWS], l_i[ROWS], acc[ROWS][Traits::LANE_ELEMS];
 #pragma unroll
-  for (int i = 0; i < Traits::ROWS_PER_WARP; ++i) {
-    const int r = first_row + warp + i * Traits::NUM_WARPS;
-    live[i] = r < group_rows;
-    const int head = kv_head * kv_group + (live[i] ? r / t_q : 0);
-    const int query = live[i] ? r % t_q : 0;
-    q_row[i] = (size_t(b) * heads + head) * t_q + query;
-    q_pos[i] = length - t_q + query;
+  for (int i = 0; i < ROWS; ++i) {
     m_i[i] = -INFINITY;
     l_i[i] = 0.f;
 #pragma unroll
-    for (int e = 0; e < Traits::LANE_ELEMS; ++e) {
-      const int d = lane + 32 * e;
-      q_reg[i][e] = (live[i] && d < HEAD_DIM) ? to_float(q[q_row[i] * HEAD_DIM + d]) * scale : 0.f;
-      acc[i][e] = 0.f;
-    }
+    for (int e = 0; e < Traits::LANE_ELEMS; ++e) acc[i][e] = 0.f;
   }
 
-  // The tile loop: a page's tokens in tiles of DECODE_TILE.
-  for (int j = page_lo; j < page_hi; ++j) {
-    const size_t page = size_t(page_table[table_row * max_pages + j]);
-    for (int first = 0; first < page_size; first += DECODE_TILE) {
-      const int count = min_int(DECODE_TILE, page_size - first);
-      const size_t base = (page * page_size + first) * HEAD_DIM;
-      load_tile_async<DECODE_TILE, HEAD_DIM, Traits::NUM_THREADS>(k_smem, Traits::LD,
-                                                                 k_pages + base, HEAD_DIM, count);
-      load_tile_async<DECODE_TILE, HEAD_DIM, Traits::NUM_THREADS>(v_smem, Traits::LD,
-                                                                 v_pages + base, HEAD_DIM, count);
-      cp_async_commit();
-      if (int(threadIdx.x) < DECODE_TILE) {
-        const int t = int(threadIdx.x);
-        pos_smem[t] = t < count ? slot_pos[page * page_size + first + t] : -1;
-      }
-      cp_async_wait_all();
-      __syncthreads();
+  const int token = lane % TPW;  // this lane's token in a sub-tile
+  const int part = lane / TPW;   // and which of its head dim's chunks it reads: part + LPT c
+  const int sub_tiles = (slot_hi - slot_lo + TPW - 1) / TPW;
+  const int mine = sub_tiles > warp ? (sub_tiles - warp + Traits::NUM_WARPS - 1) / Traits::NUM_WARPS : 0;
+  int entry_next = 0;
+  long long pos_next = -1;
+  if (mine > 0) {
+    pos_next = copy_sub_tile<Traits, HEAD_DIM>(warp_stages, k_pages, v_pages, slot_pos, table,
+                                               page_size, slot_lo + warp * TPW, slot_hi, entry_next);
+  }
+
+  // The sub-tile loop: warp `warp`'s k-th sub-tile starts at table slot first_slot.
+  for (int k = 0; k < mine; ++k) {
+    const long long pos = pos_next;
+    const int entry = entry_next;
+    const int first_slot = slot_lo + (warp + Traits::NUM_WARPS * k) * TPW;
+    const T* k_tile = warp_stages + (k % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
+    const T* v_tile = k_tile + Traits::STAGE_ELEMS;
+    if (k + 1 < mine) {
+      T* next = warp_stages + ((k + 1) % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
+      pos_next = copy_sub_tile<Traits, HEAD_DIM>(next, k_pages, v_pages, slot_pos, table,
+                                                 page_size, first_slot + Traits::NUM_WARPS * TPW,
+                                                 slot_hi, entry_next);
+    } else {
+      cp_async_commit();  // an empty group, so that waiting for all but one means this sub-tile
+    }
+    cp_async_wait_group<1>();
+    __syncwarp();  // every lane's copies of this sub-tile are visible to the whole warp
+
+    // s_i: this lane's token's scaled score for every row, its chunks first, then the parts'
+    float s[ROWS];
 #pragma unroll
-      for (int i = 0; i < Traits::ROWS_PER_WARP; ++i) {
-        if (!live[i]) continue;  // uniform across the warp
-        const bool page_read =
-            !use_chosen || chosen[q_row[i] * max_pages + j] != 0;
-        for (int t = 0; t < count; ++t) {
-          const long long pos = pos_smem[t];
-          const bool counts = page_read && pos >= 0 && pos <= q_pos[i];
-          float s = -INFINITY;
-          if (counts) {
-            float partial = 0.f;
+    for (int i = 0; i < ROWS; ++i) s[i] = 0.f;
 #pragma unroll
-            for (int e = 0; e < Traits::LANE_ELEMS; ++e) {
-              const int d = lane + 32 * e;
-              if (d < HEAD_DIM) partial += q_reg[i][e] * to_float(k_smem[t * Traits::LD + d]);
-            }
-            s = warp_sum(partial);
-            const float m_new = fmaxf(m_i[i], s);
-            const float correction = expf(m_i[i] - m_new);  // m_i = -inf: exp(-inf) = 0
-            const float p = expf(s - m_new);
-            l_i[i] = l_i[i] * correction + p;
+    for (int c = 0; c < Traits::CHUNKS_PER_LANE; ++c) {
+      const int chunk = part + LPT * c;
+      if (chunk < Traits::CHUNKS_PER_ROW) {
+        float k_chunk[CHUNK];
+        load_16_as_float(k_tile + token * Traits::LD + chunk * CHUNK, k_chunk);
 #pragma unroll
-            for (int e = 0; e < Traits::LANE_ELEMS; ++e) {
-              const int d = lane + 32 * e;
-              const float v = d < HEAD_DIM ? to_float(v_smem[t * Traits::LD + d]) : 0.f;
-              acc[i][e] = acc[i][e] * correction + p * v;
-            }
-            m_i[i] = m_new;
-          }
-          if (keep_scores && lane == 0) {
-            token_scores[q_row[i] * tokens_per_row + size_t(j) * page_size + first + t] = s;
+        for (int i = 0; i < ROWS; ++i) {
+          if (i >= rows) break;  // uniform across the CTA
+#pragma unroll
+          for (int h = 0; h < CHUNK; h += 4) {
+            float q_part[4];
+            load_16_as_float(q_smem + i * HEAD_DIM + chunk * CHUNK + h, q_part);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) s[i] += q_part[x] * k_chunk[h + x];
           }
         }
       }
-      __syncthreads();  // the next tile overwrites the shared tiles
     }
+    const bool in_run = first_slot + token < slot_hi;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      if (i >= rows) break;
+#pragma unroll
+      for (int offset = TPW; offset < 32; offset *= 2) s[i] += __shfl_xor_sync(FULL_WARP, s[i], offset);
+      bool counts = pos >= 0 && pos <= first_query_pos + query_smem[i];
+      if (use_chosen && counts) counts = chosen[q_row_of(i) * max_pages + entry] != 0;
+      s[i] = counts ? s[i] : -INFINITY;
+      if (keep_scores && in_run && part == 0) {
+        token_scores[q_row_of(i) * tokens_per_row + first_slot + token] = s[i];
+      }
+      // online softmax over the sub-tile's tokens (lanes of one part hold every token once)
+      float m_tile = s[i];
+#pragma unroll
+      for (int offset = 1; offset < TPW; offset *= 2) {
+        m_tile = fmaxf(m_tile, __shfl_xor_sync(FULL_WARP, m_tile, offset));
+      }
+      const float m_new = fmaxf(m_i[i], m_tile);
+      if (m_new == -INFINITY) {  // nothing counted yet for this row (uniform across the warp)
+        s[i] = 0.f;
+        continue;
+      }
+      const float correction = expf(m_i[i] - m_new);  // m_i = -inf: exp(-inf) = 0
+      const float p = expf(s[i] - m_new);             // s = -inf: 0
+      float p_sum = p;
+#pragma unroll
+      for (int offset = 1; offset < TPW; offset *= 2) p_sum += __shfl_xor_sync(FULL_WARP, p_sum, offset);
+      l_i[i] = l_i[i] * correction + p_sum;
+      m_i[i] = m_new;
+#pragma unroll
+      for (int e = 0; e < Traits::LANE_ELEMS; ++e) acc[i][e] *= correction;
+      s[i] = p;
+    }
+
+    // acc += P V: each token's V elements read once, its probability per row from its lane
+#pragma unroll
+    for (int t = 0; t < TPW; ++t) {
+      float v_elem[Traits::LANE_ELEMS];
+#pragma unroll
+      for (int e = 0; e < Traits::LANE_ELEMS; ++e) {
+        const int d = lane + 32 * e;
+        v_elem[e] = d < HEAD_DIM ? to_float(v_tile[t * Traits::LD + d]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        if (i >= rows) break;
+        const float p = __shfl_sync(FULL_WARP, s[i], t);
+#pragma unroll
+        for (int e = 0; e < Traits::LANE_ELEMS; ++e) acc[i][e] += p * v_elem[e];
+      }
+    }
+    __syncwarp();  // the stage is free for the copy the next iteration starts
   }
 
+  // The warps' partial results merge through shared memory (reusing the stages).
+  cp_async_wait_all();
+  __syncthreads();
+  float* merge_smem = reinterpret_cast<float*>(query_smem + ROWS);
+  constexpr int MERGE_LD = HEAD_DIM + 2;  // acc..., m_i, l_i
 #pragma unroll
-  for (int i = 0; i < Traits::ROWS_PER_WARP; ++i) {
-    if (!live[i]) continue;
-    const size_t out_row = q_row[i] * splits + split;
-    const float inv_l = l_i[i] > 0.f ? 1.f / l_i[i] : 0.f;
+  for (int i = 0; i < ROWS; ++i) {
+    if (i >= rows) break;
+    float* mine_row = merge_smem + (warp * ROWS + i) * MERGE_LD;
 #pragma unroll
     for (int e = 0; e < Traits::LANE_ELEMS; ++e) {
       const int d = lane + 32 * e;
-      if (d < HEAD_DIM) part_out[out_row * HEAD_DIM + d] = acc[i][e] * inv_l;
+      if (d < HEAD_DIM) mine_row[d] = acc[i][e];
     }
-    if (lane == 0) part_lse[out_row] = l_i[i] > 0.f ? m_i[i] + logf(l_i[i]) : -INFINITY;
+    if (lane == 0) {
+      mine_row[HEAD_DIM] = m_i[i];
+      mine_row[HEAD_DIM + 1] = l_i[i];
+    }
+  }
+  __syncthreads();
+  for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
+    float m_all = -INFINITY;
+    for (int w = 0; w < Traits::NUM_WARPS; ++w) {
+      m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
+    }
+    float weight[Traits::NUM_WARPS];
+    float l_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::NUM_WARPS; ++w) {
+      const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
+      // a warp with no counted token has m_i = -inf and weight 0 (its acc is 0, never NaN)
+      weight[w] = m_all == -INFINITY ? 0.f : expf(row[HEAD_DIM] - m_all);
+      l_all += weight[w] * row[HEAD_DIM + 1];
+    }
+    const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+    const size_t out_row = q_row_of(i) * splits + split;
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < Traits::NUM_WARPS; ++w) sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
+      part_out[out_row * HEAD_DIM + d] = sum * inv_l;
+    }
+    if (lane == 0) part_lse[out_row] = l_all > 0.f ? m_all + logf(l_all) : -INFINITY;
   }
 }
 

@@ -40,7 +40,6 @@
 constexpr int MAX_SELECT_THREADS = 256;
 constexpr int INDEX_WARPS = 4;
 constexpr int SCAN_THREADS = 256;
-constexpr unsigned FULL_WARP = 0xffffffffu;
 // A sort entry's code: its class in the top bits, its key block j below (nb < 2^CLASS_SHIFT).
 constexpr int CLASS_SHIFT = 28;
 constexpr int J_MASK = (1 << CLASS_SHIFT) - 1;

@@ -78,15 +78,27 @@ BLOCK_KERNELS = (
 )  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
-# Split-KV decode over a paged cache, templated on <HEAD_DIM, T>; traits in kernels/attn_decode.cu.
+# Split-KV decode over a paged cache, templated on <TILE, ROWS, HEAD_DIM, T>; traits in
+# kernels/attn_decode.cu. A CTA's 4 warps each copy and compute sub-tiles of TILE / 4 tokens in
+# two cp.async stages of their own; TILE is chosen so one K tile is about DECODE_TILE_BYTES
+# (deep enough copies to keep HBM busy, 2 CTAs per SM at d = 128), and ROWS query rows of a kv
+# group share every K/V read (bench/NOTES.md, change 9).
 DECODE_KERNELS = ("attn_decode_split",)
-DECODE_TILE = 16  # tokens per shared-memory tile (kernels/attn_decode.cu DECODE_TILE)
-DECODE_ROWS_PER_CTA = 16  # query rows (of one kv group) per CTA: 4 warps x 4 rows
 DECODE_WARPS = 4
+DECODE_TILE_BYTES = 16 * 1024
+DECODE_MIN_TILE = 16  # 4 tokens per warp: 8 lanes split a token's head dim
+DECODE_MAX_TILE = 64  # 16 tokens per warp: 2 lanes per token
+DECODE_ROWS_PER_CTA = 16
+# Head dim 256 (HUGE_HEAD_DIM): 8 rows, so the per-lane accumulators (rows x 8 floats) stay in
+# registers.
+DECODE_ROWS_PER_CTA_HUGE_HEAD = 8
+DECODE_STAGES = 2  # per warp (kernels/attn_decode.cu STAGES)
 DECODE_MAX_SPLITS = 64
-# Registers per thread assumed when sizing the split count before the kernel is loaded (the
-# NVRTC report gives the real count; occupancy here only decides how many CTAs fill a GPU).
-DECODE_REGISTERS_ASSUMED = 128
+DECODE_MAX_SLOTS = 2**31 - 1  # the kernel indexes the pool's slots in int32
+# Registers per thread assumed when sizing the split count before the kernel is loaded: the
+# NVRTC report's count for d = 128, 16-bit, on sm_90 (234, allocated in steps of 8); occupancy
+# here only decides how many CTAs fill a GPU.
+DECODE_REGISTERS_ASSUMED = 240
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -408,8 +420,15 @@ class KernelConfig:
         elif self.kernel in DECODE_KERNELS:
             # grid (splits = n_rows, kv_heads x row chunks = heads, batch)
             assert self.block is None and self.rule is None
-            tile_m, tile_n, num_warps = DECODE_ROWS_PER_CTA, DECODE_TILE, DECODE_WARPS
-            smem = 2 * DECODE_TILE * ld * itemsize + DECODE_TILE * 8  # K, V tiles, positions
+            tile_m = decode_rows_per_cta(self.head_dim)
+            tile_n = decode_tile(self.head_dim, self.dtype)
+            num_warps = DECODE_WARPS
+            # q (float) and each row's query index; the warps' K/V stages, which the final
+            # merge of the warps' (acc, m_i, l_i) rows reuses
+            q_bytes = tile_m * (self.head_dim + 1) * 4
+            stages = DECODE_STAGES * 2 * tile_n * ld * itemsize
+            merge = num_warps * tile_m * (self.head_dim + 2) * 4
+            smem = q_bytes + max(stages, merge)
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
@@ -469,8 +488,10 @@ class KernelConfig:
         64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own
         tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS or self.kernel in DECODE_KERNELS:
+        if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
+        if self.kernel in DECODE_KERNELS:
+            return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {CXX_RULE[self.rule]}>"
 
     @property
@@ -480,7 +501,7 @@ class KernelConfig:
         if self.kernel in ROW_KERNELS:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
         if self.kernel in DECODE_KERNELS:
-            return f"{self.kernel}_traits<{self.head_dim}, {cxx}>"
+            return f"{self.kernel}_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -641,9 +662,22 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig]:
     return configs
 
 
-def decode_row_chunks(kv_group: int, t_q: int) -> int:
+def decode_tile(head_dim: int, dtype: str) -> int:
+    """Tokens per decode tile (4 warps' sub-tiles): the power of two whose K tile is about
+    DECODE_TILE_BYTES, within [DECODE_MIN_TILE, DECODE_MAX_TILE]."""
+    tokens = DECODE_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
+    tokens = 1 << (tokens.bit_length() - 1)
+    return min(max(tokens, DECODE_MIN_TILE), DECODE_MAX_TILE)
+
+
+def decode_rows_per_cta(head_dim: int) -> int:
+    """Query rows of one kv group per decode CTA."""
+    return DECODE_ROWS_PER_CTA_HUGE_HEAD if head_dim >= HUGE_HEAD_DIM else DECODE_ROWS_PER_CTA
+
+
+def decode_row_chunks(kv_group: int, t_q: int, head_dim: int) -> int:
     """CTAs along one kv head's query rows (kv_group query heads x t_q queries each)."""
-    return ceil_div(kv_group * t_q, DECODE_ROWS_PER_CTA)
+    return ceil_div(kv_group * t_q, decode_rows_per_cta(head_dim))
 
 
 def decode_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[int, int]:

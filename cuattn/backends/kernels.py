@@ -431,6 +431,11 @@ class KernelBackend:
         batch, heads, t_q, head_dim = q.shape
         _, kv_heads, max_pages = page_table.shape
         page_size = int(k_pages.shape[1])
+        if int(k_pages.shape[0]) * page_size > kc.DECODE_MAX_SLOTS:
+            raise ValueError(
+                f"k_pages: {int(k_pages.shape[0])} pages of {page_size} tokens; the decode "
+                f"kernels index at most {kc.DECODE_MAX_SLOTS} slots (int32)"
+            )
         dtype = kc.dtype_name(q.dtype)
         if head_dim not in kc.HEAD_DIMS:
             raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
@@ -438,7 +443,7 @@ class KernelBackend:
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once
             self._check_alignment(arrays)
-            chunks = kc.decode_row_chunks(heads // kv_heads, t_q)
+            chunks = kc.decode_row_chunks(heads // kv_heads, t_q, head_dim)
             splits, per_split = kc.decode_splits(
                 batch * kv_heads * chunks, max_pages, resident_ctas
             )

@@ -1,4 +1,4 @@
-// Dynamic shared memory and the CTA-wide tile loader.
+// Dynamic shared memory, the CTA-wide tile loader, and 16-byte shared reads widened to float.
 #pragma once
 
 #include "ptx.cuh"
@@ -38,4 +38,20 @@ __device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* g
     const T* src = gmem + (valid ? row * gmem_ld + col : 0);
     cp_async_16(smem + row * smem_ld + col, src, valid);
   }
+}
+
+// Sixteen bytes of shared memory (16 / sizeof(T) elements, 16-byte aligned) widened to float,
+// read as one vector load: the unit in which the decode kernel reads K rows and q.
+template <typename T>
+__device__ __forceinline__ void load_16_as_float(const T* smem, float (&out)[16 / sizeof(T)]) {
+  constexpr int ELEMS = 16 / int(sizeof(T));
+#ifdef CUATTN_INTERP
+  cuattn_interp::require_aligned(smem, 16);
+  for (int k = 0; k < ELEMS; ++k) out[k] = to_float(smem[k]);
+#else
+  const uint4 raw = *reinterpret_cast<const uint4*>(smem);
+  const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < ELEMS; ++k) out[k] = to_float(elems[k]);
+#endif
 }

@@ -9,6 +9,9 @@
 
 using u32 = unsigned int;
 
+// The member mask of a shuffle or vote that the whole warp takes part in.
+constexpr unsigned FULL_WARP = 0xffffffffu;
+
 // NVRTC has no <cmath>: the float infinity every kernel's empty rows (-inf lse) need.
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)

@@ -9,6 +9,7 @@ import cuattn
 from cuattn import policies as P
 from cuattn.backends import geometry as kc
 from cuattn.backends.cuda_runtime import cuda_available
+from cuattn.serving import decode
 from tests.helpers.no_sync import refuse_host_round_trips
 
 TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
@@ -23,12 +24,14 @@ def _numpy_dtype(name):
     return np.dtype(name)
 
 
-def _fill(cache, rng, xp, steps, group, t_q):
-    """A prefill of ragged lengths, then decode steps; returns the last step's q."""
+def _fill(cache, rng, xp, steps, group, t_q, prefill=50):
+    """A prefill of ragged lengths (prefill and about three quarters of it), then decode
+    steps; returns the last step's q."""
     dtype = _numpy_dtype(cache.dtype)
     batch, kv_heads, d = cache.batch, cache.kv_heads, cache.head_dim
-    k, v = (rng.standard_normal((batch, kv_heads, 50, d)).astype(dtype) for _ in range(2))
-    cache.append(xp.asarray(k), xp.asarray(v), lengths=[50, 37][:batch])
+    k, v = (rng.standard_normal((batch, kv_heads, prefill, d)).astype(dtype) for _ in range(2))
+    lengths = [prefill, prefill * 3 // 4][:batch]
+    cache.append(xp.asarray(k), xp.asarray(v), lengths=lengths)
     for _ in range(steps):
         k, v = (rng.standard_normal((batch, kv_heads, t_q, d)).astype(dtype) for _ in range(2))
         cache.append(xp.asarray(k), xp.asarray(v))
@@ -60,15 +63,64 @@ def _oracle(cache, q, scale):
 
 @pytest.mark.parametrize("dtype", kc.DTYPES)
 @pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
-def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype):
+def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype, monkeypatch):
+    """One split per page table (a device that holds one CTA), 150 kept tokens: every warp
+    walks two or more sub-tiles, so the online softmax's rescaling and the stage ring run."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
     rng = np.random.default_rng(head_dim)
-    cache = cuattn.KVCache(2, 2, head_dim, dtype, page_size=PAGE_SIZE, policy=P.SlidingWindow(45))
-    q = _fill(cache, rng, np, steps=3, group=2, t_q=2)
+    cache = cuattn.KVCache(2, 2, head_dim, dtype, page_size=PAGE_SIZE, policy=P.SlidingWindow(150))
+    q = _fill(cache, rng, np, steps=3, group=2, t_q=2, prefill=200)
+    assert 150 > 2 * kc.decode_tile(head_dim, dtype)  # two whole tiles: two sub-tiles per warp
     out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
     want = _oracle(cache, q, head_dim**-0.5)
     got = out.astype(np.float64)
     assert not np.isnan(got).any() and np.isfinite(lse).all()
     assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
+
+
+@pytest.mark.parametrize("resident_ctas", [1, 64])
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_sizes_splits_and_scores_on_the_interpreter(
+    dtype, page_size, resident_ctas, monkeypatch
+):
+    """Pages smaller and larger than a warp's sub-tile, one split or many (merged), holes left
+    by HeavyHitters' evictions: outputs against the float64 oracle over the kept tokens, and
+    the scores the kernel's per-token output adds against the NumPy reference's."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+    caches = {
+        backend: cuattn.KVCache(
+            2, 1, 64, dtype, page_size=page_size, policy=P.HeavyHitters(140, 20)
+        )
+        for backend in ("interp", "numpy")
+    }
+    dtype_np = _numpy_dtype(dtype)
+    for backend, cache in caches.items():
+        rng = np.random.default_rng(page_size)
+        q = _fill(cache, rng, np, steps=0, group=4, t_q=1, prefill=230)
+        for _ in range(4):  # a step: one token in, the lowest score out, then a scored decode
+            k, v = (rng.standard_normal((2, 1, 1, 64)).astype(dtype_np) for _ in range(2))
+            cache.append(k, v)
+            out = cuattn.decode_attention(q, cache, backend=backend)
+            want = _oracle(cache, q, 64**-0.5)
+            error = np.abs(out.astype(np.float64) - want).max()
+            assert error <= TOLERANCE[dtype] * np.abs(want).max()
+    assert np.array_equal(caches["interp"].positions(), caches["numpy"].positions())
+    got, want = caches["interp"].slot_score, caches["numpy"].slot_score
+    assert np.allclose(got, want, rtol=TOLERANCE[dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_query_rows_beyond_one_cta(head_dim):
+    """8 query heads on one kv head with t_q = 3: 24 rows of one kv group, more than a CTA's
+    (16, or 8 at head dim 256), so the rows take several CTAs, each reading the same pages."""
+    rng = np.random.default_rng(3)
+    cache = cuattn.KVCache(2, 1, head_dim, "float32", page_size=PAGE_SIZE)
+    q = _fill(cache, rng, np, steps=2, group=8, t_q=3)
+    assert kc.decode_row_chunks(8, 3, head_dim) >= 2
+    out = cuattn.decode_attention(q, cache, backend="interp")
+    want = _oracle(cache, q, head_dim**-0.5)
+    assert np.abs(out.astype(np.float64) - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
 
 
 def test_the_split_count_fills_the_device_once():

@@ -26,6 +26,7 @@ from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
 from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
 from cuattn.layout import make_layout
 from cuattn.layout.layout import Layout
+from cuattn.serving import KVCache, decode_attention, policies
 from cuattn.tools.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 
 # Relative error allowed per dtype (docs/design.md: fp32 ~1e-5, half types ~1e-2).
@@ -48,6 +49,11 @@ STANDARD_RAGGED_HEAD_DIM = {16: 32, 32: 96, 64: 128, 128: 96}
 # included) and a guess for a GPU: only for the "about" in the first line.
 SECONDS_PER_CASE = {"cuda": 0.05, "interp": 1.4, "numpy": 0.05}
 TOPK_PATTERN, TOPK_BLOCKS = "topk (chosen)", 2  # the data-chosen case: blocks kept per row
+# The serving case: a paged KVCache (pages of `blocksize` tokens) kept by HeavyHitters, ragged
+# prompts, then decode steps of t_q = n_q queries from HEADS query heads on one kv head; each
+# step's attention (the split-KV kernels on interp/cuda) against the float64 oracle over
+# exactly the tokens the cache keeps. There is no backward ("-").
+DECODE_PATTERN, DECODE_STEPS = "decode (paged)", 3
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class Case:
     dtype: str
     n_q: int = 0  # queries (0: n_ctx); fewer or more than the keys are end-aligned
     kv_heads: int = HEADS  # fewer than HEADS: GQA/MQA
+    batch: int = BATCH
 
     @property
     def queries(self) -> int:
@@ -71,7 +78,7 @@ class Case:
         """[B,H,T,D]; [B,H/Hkv,Tq:Tk,D] for the LLM shapes."""
         heads = f"{HEADS}/{self.kv_heads}" if self.kv_heads != HEADS else str(HEADS)
         time = f"{self.queries}:{self.n_ctx}" if self.n_q else str(self.n_ctx)
-        return f"[{BATCH},{heads},{time},{self.head_dim}]"
+        return f"[{self.batch},{heads},{time},{self.head_dim}]"
 
     def layout(self) -> Layout:
         """The case's layout (a top-k case's is chosen from its inputs, in run_case)."""
@@ -125,15 +132,16 @@ def _shapes(blocksize: int, size: str) -> list[tuple[int, int]]:
 
 def _llm_shape_cases(dtype: str) -> list[Case]:
     """MQA with fewer and with more queries than keys, a packed-documents layout on 8-blocks
-    (run as 16-blocks with bitmasks on the kernels), and a top-k layout chosen from the case's
+    (run as 16-blocks with bitmasks on the kernels), a top-k layout chosen from the case's
     own q and k where they live (by the kernels of kernels/layout_build.cu on the interpreter
-    and on a GPU: a DeviceLayout)."""
+    and on a GPU: a DeviceLayout), and decode steps over a paged KV cache."""
     local = (("causal", False), ("local_attn_ctx", 40))
     return [
         Case("all mqa q<k", "all", (), 16, 64, 64, dtype, n_q=27, kv_heads=1),
         Case("local mqa q>k", "local", local, 64, 100, 64, dtype, n_q=150, kv_heads=1),
         Case("document b8", "document", (("doc_lengths", (9, 30, 1, 24)),), 8, 64, 64, dtype),
         Case(TOPK_PATTERN, "topk", (), 32, 4 * 32 - 5, 64, dtype, kv_heads=1),
+        Case(DECODE_PATTERN, "decode", (), 16, 150, 64, dtype, n_q=2, kv_heads=1, batch=2),
     ]
 
 
@@ -195,8 +203,61 @@ def _to_host(x: Any) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def run_case(case: Case, backend: str) -> tuple[float, float]:
-    """(forward error, backward error) of one case, relative to the float64 oracle."""
+def _run_decode(case: Case, backend: str) -> float:
+    """The worst relative error of DECODE_STEPS decode steps over a paged KVCache on
+    ``backend`` (a CuPy cache on cuda), each against float64 attention over exactly the kept
+    tokens. HeavyHitters evicts by the scores the decodes add, so the kept set has holes."""
+    rng = np.random.default_rng(SEED)
+    like = _to_backend(np.zeros(1), backend, "float32") if backend == "cuda" else None
+    cache = KVCache(
+        case.batch,
+        case.kv_heads,
+        case.head_dim,
+        case.dtype,
+        page_size=case.blocksize,
+        policy=policies.HeavyHitters(case.n_ctx * 3 // 4, case.queries),
+        like=like,
+    )
+    kv_shape = (case.batch, case.kv_heads, case.n_ctx, case.head_dim)
+    k, v = (_to_backend(rng.standard_normal(kv_shape), backend, case.dtype) for _ in "kv")
+    cache.append(k, v, lengths=case.n_ctx - 13 * np.arange(case.batch))
+    worst = 0.0
+    for _ in range(DECODE_STEPS):
+        step = (case.batch, case.kv_heads, case.queries, case.head_dim)
+        k, v = (_to_backend(rng.standard_normal(step), backend, case.dtype) for _ in "kv")
+        cache.append(k, v)
+        q_shape = (case.batch, HEADS, case.queries, case.head_dim)
+        q = _to_backend(rng.standard_normal(q_shape), backend, case.dtype)
+        out = _to_host(decode_attention(q, cache, backend=backend))
+        if np.isnan(out).any():
+            return float("nan")
+        worst = max(worst, rel_err(out, _decode_oracle(cache, _to_host(q))))
+    return worst
+
+
+def _decode_oracle(cache: KVCache, q: np.ndarray) -> np.ndarray:
+    """float64 attention of q (each sequence's newest t_q positions) over the kept tokens."""
+    k_pages, v_pages = _to_host(cache.k_pages), _to_host(cache.v_pages)
+    batch, heads, t_q, head_dim = q.shape
+    group = heads // cache.kv_heads
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        length = int(cache.lengths[b])
+        q_pos = np.arange(length - t_q, length)
+        for h in range(cache.kv_heads):
+            pages, offsets, pos = cache.kept(b, h)
+            rows = slice(h * group, (h + 1) * group)
+            mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
+            keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
+            one = (q[b : b + 1, rows], keys[None, None], values[None, None])
+            out[b, rows] = dense_attention(*one, mask, head_dim**-0.5)[0][0]
+    return out
+
+
+def run_case(case: Case, backend: str) -> tuple[float, float | None]:
+    """(forward error, backward error or None) of one case, relative to the float64 oracle."""
+    if case.mode == "decode":
+        return _run_decode(case, backend), None
     rng = np.random.default_rng(SEED)
     q_shape = (BATCH, HEADS, case.queries, case.head_dim)
     kv_shape = (BATCH, case.kv_heads, case.n_ctx, case.head_dim)
@@ -249,15 +310,17 @@ def main(backend: str | None = None, size: str | None = None, out=sys.stdout) ->
     start = time.perf_counter()
     for i, case in enumerate(todo, 1):
         fwd, bwd = run_case(case, backend)
+        errors = [fwd] if bwd is None else [fwd, bwd]
         tol = TOLERANCE[case.dtype]
-        ok = fwd <= tol and bwd <= tol  # NaN compares false: a NaN fails
+        ok = all(e <= tol for e in errors)  # NaN compares false: a NaN fails
         failures += not ok
         # NaN counts as infinitely wrong in the summary (it has failed the case already).
-        error = max(math.inf if e != e else e for e in (fwd, bwd))
+        error = max(math.inf if e != e else e for e in errors)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), error)
+        bwd_text = "-" if bwd is None else f"{bwd:.2e}"
         print(
             f"[{i:>{width}}/{len(todo)}] {case.pattern:<16} {case.shape:<20} {case.blocksize:>5} "
-            f"{case.dtype:<9} {fwd:>11.2e} {bwd:>11.2e}  {'ok' if ok else 'FAIL'}",
+            f"{case.dtype:<9} {fwd:>11.2e} {bwd_text:>11}  {'ok' if ok else 'FAIL'}",
             file=out,
             flush=True,
         )

@@ -35,7 +35,11 @@ def test_check_quick_on_numpy_prints_a_passing_table():
         "bigbird",
         "variable",
         "custom",
+        check.DECODE_PATTERN,
     } <= patterns
+    # the decode case has no backward: its column says so instead of a number
+    decode_rows = [r for r in rows if check.DECODE_PATTERN in r]
+    assert decode_rows and all(r.split()[-2] == "-" for r in decode_rows)
 
 
 def test_check_reports_a_failure(monkeypatch):

@@ -27,7 +27,13 @@ from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
 from cuattn.layout import make_layout
 from cuattn.layout.layout import Layout
 from cuattn.serving import KVCache, decode_attention, policies
-from cuattn.tools.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
+from cuattn.tools.oracle import (
+    GRAD_FLOOR,
+    dense_attention,
+    dense_attention_grads,
+    kept_attention,
+    rel_err,
+)
 
 # Relative error allowed per dtype (docs/design.md: fp32 ~1e-5, half types ~1e-2).
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
@@ -231,27 +237,8 @@ def _run_decode(case: Case, backend: str) -> float:
         out = _to_host(decode_attention(q, cache, backend=backend))
         if np.isnan(out).any():
             return float("nan")
-        worst = max(worst, rel_err(out, _decode_oracle(cache, _to_host(q))))
+        worst = max(worst, rel_err(out, kept_attention(cache, q)))
     return worst
-
-
-def _decode_oracle(cache: KVCache, q: np.ndarray) -> np.ndarray:
-    """float64 attention of q (each sequence's newest t_q positions) over the kept tokens."""
-    k_pages, v_pages = _to_host(cache.k_pages), _to_host(cache.v_pages)
-    batch, heads, t_q, head_dim = q.shape
-    group = heads // cache.kv_heads
-    out = np.zeros(q.shape)
-    for b in range(batch):
-        length = int(cache.lengths[b])
-        q_pos = np.arange(length - t_q, length)
-        for h in range(cache.kv_heads):
-            pages, offsets, pos = cache.kept(b, h)
-            rows = slice(h * group, (h + 1) * group)
-            mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
-            keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
-            one = (q[b : b + 1, rows], keys[None, None], values[None, None])
-            out[b, rows] = dense_attention(*one, mask, head_dim**-0.5)[0][0]
-    return out
 
 
 def run_case(case: Case, backend: str) -> tuple[float, float | None]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import host_array
+
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
 # arithmetic (a row with a single key) comes out as rounding noise, which has no relative size.
 REL_FLOOR = 1e-3
@@ -93,3 +95,25 @@ def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
     xp = _xp(x)
     scale = max(float(xp.abs(ref).max()), floor)
     return float(xp.abs(x - ref).max() / scale)
+
+
+def kept_attention(cache: Any, q: Any, scale: float | None = None) -> np.ndarray:
+    """float64 [batch, heads, t_q, head_dim] on the host: decode attention of q (each
+    sequence's newest t_q positions, query head h on kv head h // (heads / kv_heads)) over
+    exactly the tokens a ``cuattn.KVCache`` keeps (``cache.kept``), causal."""
+    q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
+    batch, heads, t_q, head_dim = q.shape
+    group = heads // cache.kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        length = int(cache.lengths[b])
+        q_pos = np.arange(length - t_q, length)
+        for h in range(cache.kv_heads):
+            pages, offsets, pos = cache.kept(b, h)
+            rows = slice(h * group, (h + 1) * group)
+            mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
+            keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
+            one = (q[b : b + 1, rows], keys[None, None], values[None, None])
+            out[b, rows] = dense_attention(*one, mask, scale)[0][0]
+    return out

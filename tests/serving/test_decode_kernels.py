@@ -10,6 +10,7 @@ from cuattn import policies as P
 from cuattn.backends import geometry as kc
 from cuattn.backends.cuda_runtime import cuda_available
 from cuattn.serving import decode
+from cuattn.tools.oracle import kept_attention
 from tests.helpers.no_sync import refuse_host_round_trips
 
 TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
@@ -39,28 +40,6 @@ def _fill(cache, rng, xp, steps, group, t_q, prefill=50):
     return xp.asarray(q)
 
 
-def _oracle(cache, q, scale):
-    """float64 attention of q over exactly the kept tokens of every (sequence, kv head)."""
-    q = np.asarray(q.get() if hasattr(q, "get") else q, dtype=np.float64)
-    pages_k = np.asarray(cache.k_pages.get() if hasattr(cache.k_pages, "get") else cache.k_pages)
-    pages_v = np.asarray(cache.v_pages.get() if hasattr(cache.v_pages, "get") else cache.v_pages)
-    batch, heads, t_q, _ = q.shape
-    group = heads // cache.kv_heads
-    out = np.zeros(q.shape)
-    for b in range(batch):
-        length = int(cache.lengths[b])
-        q_pos = np.arange(length - t_q, length)
-        for h in range(cache.kv_heads):
-            pages, offsets, pos = cache.kept(b, h)
-            keys = pages_k[pages, offsets].astype(np.float64)
-            values = pages_v[pages, offsets].astype(np.float64)
-            s = q[b, h * group : (h + 1) * group] @ keys.T * scale
-            s = np.where(pos[None, None, :] <= q_pos[None, :, None], s, -np.inf)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[b, h * group : (h + 1) * group] = (p / p.sum(-1, keepdims=True)) @ values
-    return out
-
-
 @pytest.mark.parametrize("dtype", kc.DTYPES)
 @pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
 def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype, monkeypatch):
@@ -72,7 +51,7 @@ def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype, monkeypa
     q = _fill(cache, rng, np, steps=3, group=2, t_q=2, prefill=200)
     assert 150 > 2 * kc.decode_tile(head_dim, dtype)  # two whole tiles: two sub-tiles per warp
     out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
-    want = _oracle(cache, q, head_dim**-0.5)
+    want = kept_attention(cache, q, head_dim**-0.5)
     got = out.astype(np.float64)
     assert not np.isnan(got).any() and np.isfinite(lse).all()
     assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
@@ -102,7 +81,7 @@ def test_page_sizes_splits_and_scores_on_the_interpreter(
             k, v = (rng.standard_normal((2, 1, 1, 64)).astype(dtype_np) for _ in range(2))
             cache.append(k, v)
             out = cuattn.decode_attention(q, cache, backend=backend)
-            want = _oracle(cache, q, 64**-0.5)
+            want = kept_attention(cache, q, 64**-0.5)
             error = np.abs(out.astype(np.float64) - want).max()
             assert error <= TOLERANCE[dtype] * np.abs(want).max()
     assert np.array_equal(caches["interp"].positions(), caches["numpy"].positions())
@@ -119,7 +98,7 @@ def test_query_rows_beyond_one_cta(head_dim):
     q = _fill(cache, rng, np, steps=2, group=8, t_q=3)
     assert kc.decode_row_chunks(8, 3, head_dim) >= 2
     out = cuattn.decode_attention(q, cache, backend="interp")
-    want = _oracle(cache, q, head_dim**-0.5)
+    want = kept_attention(cache, q, head_dim**-0.5)
     assert np.abs(out.astype(np.float64) - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
 
 

@@ -23,10 +23,17 @@
 //   probabilities with the merged lse, with no second pass over K).
 // attn_decode_merge<HEAD_DIM, T>: one warp per row of out [rows, HEAD_DIM]: the exact merge of
 //   its `splits` partial results (splits with lse -inf contribute nothing; none: 0 and -inf).
+// attn_decode_mass: grid (ceil(max_pages * page_size / NUM_THREADS), batch * kv_heads): HeavyHitters'
+//   score update, a thread per table slot f < page_count * page_size of a (sequence, kv head):
+//   the probability each of the kv group's kv_group * t_q query rows gave the slot's token,
+//   exp(token_scores[row, f] - lse[row]) (0 where either is -inf), summed over the rows in
+//   order and added to slot_score (float64) of page_table[f / page_size], offset
+//   f % page_size. Every slot is one thread's: no atomics, the same sum on every run.
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
 // contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
 // [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
-// [B, H, t_q, max_pages].
+// [B, H, t_q, max_pages]; lse float32 [B, H, t_q] (the merged one); slot_score float64
+// [num_pages, page_size].
 // Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); TILE, ROWS
 // and the split count come from cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta,
 // decode_splits).
@@ -341,4 +348,33 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
     }
     if (lane == 0) lse[row] = total > 0.f ? base + logf(total) : -INFINITY;
   }
+}
+
+struct attn_decode_mass_traits {
+  static constexpr int NUM_THREADS = 128;
+  static constexpr int SMEM_BYTES = 0;
+};
+
+__global__ void __launch_bounds__(attn_decode_mass_traits::NUM_THREADS)
+    attn_decode_mass(const float* __restrict__ token_scores, const float* __restrict__ lse,
+                     const int* __restrict__ page_table, const int* __restrict__ page_count,
+                     double* __restrict__ slot_score, int heads, int kv_heads, int t_q,
+                     int page_size, int max_pages) {
+  const int pair = int(blockIdx.y);  // b * kv_heads + kv head
+  const int f = int(blockIdx.x) * attn_decode_mass_traits::NUM_THREADS + int(threadIdx.x);
+  if (f >= page_count[pair] * page_size) return;
+  const int kv_group = heads / kv_heads;
+  // the group's rows of [B, H, t_q] are contiguous: query heads kv_head * kv_group + g, then t_q
+  const size_t first_row = (size_t(pair / kv_heads) * heads + size_t(pair % kv_heads) * kv_group) * t_q;
+  const size_t tokens_per_row = size_t(max_pages) * page_size;
+  float mass = 0.f;
+  for (int r = 0; r < kv_group * t_q; ++r) {
+    const size_t row = first_row + r;
+    const float s = token_scores[row * tokens_per_row + f];
+    const float row_lse = lse[row];
+    if (s != -INFINITY && row_lse != -INFINITY) mass += expf(s - row_lse);
+  }
+  const int entry = f / page_size;
+  const size_t slot = size_t(page_table[size_t(pair) * max_pages + entry]) * page_size + (f - entry * page_size);
+  slot_score[slot] += double(mass);
 }

@@ -63,6 +63,7 @@ KERNEL_FILES = {
     "merge_states": "merge_states.cu",
     "attn_decode_split": "attn_decode.cu",
     "attn_decode_merge": "attn_decode.cu",
+    "attn_decode_mass": "attn_decode.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",
     "layout_count": "layout_build.cu",
@@ -95,6 +96,8 @@ DECODE_ROWS_PER_CTA_HUGE_HEAD = 8
 DECODE_STAGES = 2  # per warp (kernels/attn_decode.cu STAGES)
 DECODE_MAX_SPLITS = 64
 DECODE_MAX_SLOTS = 2**31 - 1  # the kernel indexes the pool's slots in int32
+DECODE_MASS_KERNEL = "attn_decode_mass"  # HeavyHitters' score update: a thread per table slot
+DECODE_MASS_THREADS = 128
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
 # NVRTC report's count for d = 128, 16-bit, on sm_90 (234, allocated in steps of 8); occupancy
 # here only decides how many CTAs fill a GPU.
@@ -197,6 +200,18 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("scale", "f32"),
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
+    ),
+    "attn_decode_mass": (
+        ("token_scores", "ptr"),
+        ("lse", "ptr"),
+        ("page_table", "ptr"),
+        ("page_count", "ptr"),
+        ("slot_score", "ptr"),
+        ("heads", "i32"),
+        ("kv_heads", "i32"),
+        ("t_q", "i32"),
+        ("page_size", "i32"),
+        ("max_pages", "i32"),
     ),
     "attn_decode_merge": (
         ("part_out", "ptr"),
@@ -597,6 +612,56 @@ class LayoutKernelConfig:
         return KERNEL_ARGS[self.kernel]
 
 
+@dataclass(frozen=True)
+class DecodeMassConfig:
+    """Geometry of HeavyHitters' score update (kernels/attn_decode.cu attn_decode_mass): a
+    thread per table slot (``slots`` = max_pages x page_size) of each of ``pairs`` (sequence,
+    kv head) page tables; not templated."""
+
+    slots: int = 1
+    pairs: int = 1
+    kernel: str = field(default=DECODE_MASS_KERNEL, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.slots >= 1 and self.pairs >= 1
+
+    @property
+    def threads(self) -> int:
+        return DECODE_MASS_THREADS
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 0
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (ceil_div(self.slots, DECODE_MASS_THREADS), self.pairs, 1)
+
+    @property
+    def source_file(self) -> str:
+        return KERNEL_FILES[self.kernel]
+
+    @property
+    def group(self) -> tuple:
+        return (self.source_file,)
+
+    @property
+    def name_expression(self) -> str:
+        return self.kernel
+
+    @property
+    def traits_expression(self) -> str:
+        return f"{self.kernel}_traits"
+
+    @property
+    def args(self) -> tuple[tuple[str, str], ...]:
+        return KERNEL_ARGS[self.kernel]
+
+
 def select_sort_size(num_blocks: int) -> int:
     """The sort size of a selection over rows of ``num_blocks`` key blocks."""
     for size in SELECT_SORT_SIZES:
@@ -643,9 +708,9 @@ def name_expression(
     return KernelConfig(kernel, head_dim, dtype, block=block, rule=rule).name_expression
 
 
-def all_configs() -> list[KernelConfig | LayoutKernelConfig]:
+def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
-    configs: list[KernelConfig | LayoutKernelConfig] = []
+    configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig] = []
     for kernel in BLOCK_KERNELS:
         head_dims = V1_HEAD_DIMS if kernel == "attn_fwd_v1" else HEAD_DIMS
         for block, head_dim, dtype, rule in itertools.product(
@@ -659,6 +724,7 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig]:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))
     configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS)
+    configs.append(DecodeMassConfig())
     return configs
 
 

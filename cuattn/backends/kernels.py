@@ -417,8 +417,9 @@ class KernelBackend:
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
-        page_size], -inf where a token did not count). Shapes as the kernel file's header;
-        the cache (cuattn/serving) checks its own arrays, this checks q against them."""
+        page_size], -inf where a token did not count, written for the slots below each table's
+        page count and not past them). Shapes as the kernel file's header; the cache
+        (cuattn/serving) checks its own arrays, this checks q against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         book = {
             "slot_pos": slot_pos,
@@ -450,8 +451,12 @@ class KernelBackend:
             part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
             part_lse = self.output((batch, heads, t_q, splits), xp.float32)
             tokens = max_pages * page_size
-            # Slots of pages past a table's count are never visited: fill, do not poison.
-            scores = xp.full((batch, heads, t_q, tokens if keep_scores else 1), -xp.inf, xp.float32)
+            # written below each table's page count only (attn_decode_mass reads no further)
+            scores = (
+                self.output((batch, heads, t_q, tokens), xp.float32)
+                if keep_scores
+                else xp.zeros(1, xp.float32)
+            )
             use_chosen = chosen is not None
             chosen = xp.ascontiguousarray(chosen) if use_chosen else xp.zeros(1, xp.uint8)
             split_config = KernelConfig(
@@ -499,3 +504,32 @@ class KernelBackend:
                 splits=splits,
             )
         return out, lse, (scores if keep_scores else None)
+
+    def decode_mass(
+        self, token_scores: Any, lse: Any, page_table: Any, page_count: Any, slot_score: Any
+    ) -> None:
+        """HeavyHitters' score update in place (kernels/attn_decode.cu attn_decode_mass): each
+        table slot's attention probability, exp(token_scores - lse) summed over its kv group's
+        query rows, added to slot_score (float64 [num_pages, page_size]). token_scores and lse
+        as ``decode`` returns them for the same page tables."""
+        arrays = {
+            "token_scores": token_scores,
+            "lse": lse,
+            "page_table": page_table,
+            "page_count": page_count,
+            "slot_score": slot_score,
+        }
+        self._check_placement(arrays)
+        self._check_contiguous(arrays)
+        batch, heads, t_q, slots = token_scores.shape
+        _, kv_heads, max_pages = page_table.shape
+        with self.on_device_of(token_scores):
+            self.launch(
+                kc.DecodeMassConfig(slots, batch * kv_heads),
+                **arrays,
+                heads=heads,
+                kv_heads=kv_heads,
+                t_q=t_q,
+                page_size=slots // max_pages,
+                max_pages=max_pages,
+            )

@@ -443,15 +443,6 @@ class KVCache:
         """int64 [batch]: tokens each sequence was given, where the kernels read them."""
         return self._lengths_device
 
-    def add_scores(self, mass: Any) -> None:
-        """HeavyHitters: add ``mass`` [batch, kv_heads, width * page_size] (table order, zero
-        past a table's pages) to the kept tokens' scores, on the device."""
-        xp, pairs = self.xp, self.batch * self.kv_heads
-        slot, in_table = self._slots(*self._pairs())
-        slot = xp.where(in_table, slot, SPARE)
-        flat = self.slot_score.reshape(-1)
-        flat[slot] = flat[slot] + mass.reshape(pairs, -1).astype(xp.float64)
-
     def _bound_pages(self, pages: Any, most: int) -> None:
         """Quest's element-wise key min and max over the kept tokens of the pages in ``pages``
         [pairs, t] (SPARE: none). A pair's written pages come in table order, one run each, so

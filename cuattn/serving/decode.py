@@ -12,8 +12,8 @@ splits of each page table in parallel, then their merge), as does ``backend="int
 CPU; a NumPy cache runs the reference by default: exact, written with the array library, one
 (sequence, kv head) pair at a time. Quest's page choice is computed on the cache's device from
 the per-page key bounds; HeavyHitters turns the kernel's per-token scores into probabilities
-with the merged lse (no second pass over K) and adds them to the cache's scores where they are
-(nothing read back).
+with the merged lse in one more kernel (no second pass over K) that adds them to the cache's
+scores where they are (nothing read back).
 """
 
 from __future__ import annotations
@@ -166,20 +166,9 @@ def _kernel_decode(impl: Any, cache: KVCache, qb: Any, scale: float) -> tuple[An
         table, count = cache.device_tables()
         chosen = _quest_chosen(cache, qb, table, count)
     out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores)
-    if keep_scores:
-        _add_token_mass(cache, scores, lse)
+    if keep_scores:  # each kept token's probability, from its score and the merged lse
+        impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)
     return out, lse
-
-
-def _add_token_mass(cache: KVCache, scores: Any, lse: Any) -> None:
-    """HeavyHitters: each kept token's probability, summed over its group's queries, added to
-    its score. The probabilities come from the kernel's scores and the merged lse."""
-    xp = cache.xp
-    batch, heads, t_q, tokens = scores.shape
-    finite = xp.isfinite(lse)[..., None]
-    probs = xp.where(finite, xp.exp(scores - xp.where(finite, lse[..., None], 0.0)), 0.0)
-    mass = probs.reshape(batch, cache.kv_heads, -1, tokens).sum(axis=2)
-    cache.add_scores(mass)
 
 
 def decode_attention(

@@ -347,9 +347,8 @@ def test_the_pool_stays_one_partition_of_its_pages(name, monkeypatch):
                 for i in range(given[b]):
                     tokens[b][h][cache.lengths[b] + i] = k[b, h, i]
         cache.append(k, v, lengths)
-        if cache.slot_score is not None:  # scores as decode would add them
-            width = cache.width * cache.page_size
-            cache.add_scores(rng.random((batch, kv_heads, width)))
+        if cache.slot_score is not None:  # scores as decode would add them (empty slots'
+            cache.slot_score += rng.random(cache.slot_score.shape)  # reset when filled)
         most = max(most, _check_pool(cache, tokens))
     assert most <= cache.num_pages and (cache.num_pages > first) == (most > first)
 
@@ -384,6 +383,7 @@ def test_appending_and_scoring_read_nothing_back(name, monkeypatch):
     """append, HeavyHitters' score update and Quest's page choice on a cache whose arrays
     refuse to reach the host: none of them reads a value back (a GPU step never waits); the
     kept positions equal a plain NumPy cache's given the same tokens and scores."""
+    from cuattn.backends import interp
     from cuattn.serving import cache as cache_module
     from cuattn.serving import decode
 
@@ -399,12 +399,13 @@ def test_appending_and_scoring_read_nothing_back(name, monkeypatch):
             cache.append(k, v, lengths)
             if cache.policy is not None and cache.policy.selects_pages:
                 decode._quest_chosen(cache, q, *cache.device_tables())
-        if plain.slot_score is not None:
+        if plain.slot_score is not None:  # the kernel's update, on the interpreter
             width = plain.width * plain.page_size
             scores = rng.standard_normal((batch, 2 * kv_heads, 1, width)).astype(np.float32)
             lse = np.full((batch, 2 * kv_heads, 1), 3.0, np.float32)
             for cache in (plain, device):
-                decode._add_token_mass(cache, scores, lse)
+                tables = cache.device_tables()
+                interp.backend.decode_mass(scores, lse, *tables, cache.slot_score)
         np.testing.assert_array_equal(device.positions(), plain.positions())
 
 

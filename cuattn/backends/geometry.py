@@ -395,8 +395,28 @@ def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int,
     return own, step, own // MMA_ROWS  # backward: (own rows, step rows), 16 own rows per warp
 
 
+class _Launch:
+    """What every launch config derives alike from its kernel name and ``threads``: the block,
+    the source file and the argument list."""
+
+    kernel: str
+    threads: int
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def source_file(self) -> str:
+        return KERNEL_FILES[self.kernel]
+
+    @property
+    def args(self) -> tuple[tuple[str, str], ...]:
+        return KERNEL_ARGS[self.kernel]
+
+
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(_Launch):
     """Geometry of one launch of one kernel instantiation.
 
     ``block`` and ``rule`` are ignored (must be None) for the row kernels. ``n_rows`` is the
@@ -474,10 +494,6 @@ class KernelConfig:
         return self.num_warps * WARP_SIZE
 
     @property
-    def block_dims(self) -> tuple[int, int, int]:
-        return (self.threads, 1, 1)
-
-    @property
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
@@ -486,10 +502,6 @@ class KernelConfig:
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
         return (num_blocks * (self.block // self.tile_m) * self.splits, self.heads, self.batch)
-
-    @property
-    def source_file(self) -> str:
-        return KERNEL_FILES[self.kernel]
 
     @property
     def group(self) -> tuple:
@@ -528,13 +540,9 @@ class KernelConfig:
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
         return f"{self.block}, {self.tile_m}, {self.tile_n}"  # v1 and dQ
 
-    @property
-    def args(self) -> tuple[tuple[str, str], ...]:
-        return KERNEL_ARGS[self.kernel]
-
 
 @dataclass(frozen=True)
-class LayoutKernelConfig:
+class LayoutKernelConfig(_Launch):
     """Geometry of one launch of a layout-construction kernel (kernels/layout_build.cu).
 
     select_topk / select_mass: ``rows`` query-block rows, one CTA each, ``score_dtype`` the
@@ -567,10 +575,6 @@ class LayoutKernelConfig:
         return SCAN_THREADS if self.kernel == "layout_scan" else INDEX_WARPS * WARP_SIZE
 
     @property
-    def block_dims(self) -> tuple[int, int, int]:
-        return (self.threads, 1, 1)
-
-    @property
     def smem_bytes(self) -> int:
         if self.kernel not in SELECT_KERNELS:
             return 0
@@ -584,10 +588,6 @@ class LayoutKernelConfig:
         if self.kernel == "layout_scan":
             return (SCAN_CTAS, 1, 1)
         return (ceil_div(self.rows, INDEX_WARPS), self.heads, 1)
-
-    @property
-    def source_file(self) -> str:
-        return KERNEL_FILES[self.kernel]
 
     @property
     def group(self) -> tuple:
@@ -607,13 +607,9 @@ class LayoutKernelConfig:
             return f"select_traits<{SELECT_SCORE_CXX[self.score_dtype]}, {self.sort_size}>"
         return "layout_scan_traits" if self.kernel == "layout_scan" else "layout_index_traits"
 
-    @property
-    def args(self) -> tuple[tuple[str, str], ...]:
-        return KERNEL_ARGS[self.kernel]
-
 
 @dataclass(frozen=True)
-class DecodeMassConfig:
+class DecodeMassConfig(_Launch):
     """Geometry of HeavyHitters' score update (kernels/attn_decode.cu attn_decode_mass): a
     thread per table slot (``slots`` = max_pages x page_size) of each of ``pairs`` (sequence,
     kv head) page tables; not templated."""
@@ -630,20 +626,12 @@ class DecodeMassConfig:
         return DECODE_MASS_THREADS
 
     @property
-    def block_dims(self) -> tuple[int, int, int]:
-        return (self.threads, 1, 1)
-
-    @property
     def smem_bytes(self) -> int:
         return 0
 
     @property
     def grid(self) -> tuple[int, int, int]:
         return (ceil_div(self.slots, DECODE_MASS_THREADS), self.pairs, 1)
-
-    @property
-    def source_file(self) -> str:
-        return KERNEL_FILES[self.kernel]
 
     @property
     def group(self) -> tuple:
@@ -656,10 +644,6 @@ class DecodeMassConfig:
     @property
     def traits_expression(self) -> str:
         return f"{self.kernel}_traits"
-
-    @property
-    def args(self) -> tuple[tuple[str, str], ...]:
-        return KERNEL_ARGS[self.kernel]
 
 
 def select_sort_size(num_blocks: int) -> int:

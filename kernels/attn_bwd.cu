@@ -6,9 +6,9 @@
 // and, per query head, dk, dv [batch, heads, n_k, HEAD_DIM] (T) of sum(out * dout), visiting only
 // the active blocks of the layout (with kv_group > 1 the caller sums each kv head's group):
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
-//   dK = dS^T Q * scale, with delta = rowsum(dO * O).
+//   dK = dS^T Q * scale, with delta = rowsum(dO * O) - dlse (dlse: the gradient reaching lse).
 // Kernels, in launch order:
-//   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32
+//   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE> one CTA per (TILE_K keys,
 //       head dim split, head, batch) walks the CSC column of its key block
 //       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
@@ -77,12 +77,15 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
   return value == -INFINITY ? INFINITY : value * LOG2E;
 }
 
-// delta[row] = sum_d dout[row, d] * out[row, d], one warp per row.
+// delta[row] = sum_d dout[row, d] * out[row, d] - dlse[row], one warp per row. dlse (like lse)
+// is the gradient reaching the lse output: d lse / d s = P, so it enters dS = P * (dP - delta)
+// through delta alone. use_dlse = 0 when nothing reached the lse (dlse is then not read).
 template <int HEAD_DIM, typename T>
 __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_preprocess(const T* __restrict__ out, const T* __restrict__ dout,
-                        float* __restrict__ delta, int n_q, long long dout_batch_stride,
-                        long long dout_head_stride, long long dout_row_stride) {
+                        const float* __restrict__ dlse, float* __restrict__ delta, int n_q,
+                        int use_dlse, long long dout_batch_stride, long long dout_head_stride,
+                        long long dout_row_stride) {
   using Traits = row_kernel_traits<HEAD_DIM, T>;
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + blockIdx.y) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
     for (int d = lane; d < HEAD_DIM; d += 32) sum += to_float(out_row[d]) * to_float(dout_row[d]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) delta[head_offset + row] = sum;
+    if (lane == 0) delta[head_offset + row] = use_dlse ? sum - dlse[head_offset + row] : sum;
   }
 }
 

@@ -178,7 +178,7 @@ def project(args: argparse.Namespace) -> list[dict]:
                                 q, k, v, key, scale, "", False, False, []
                             )
                             torch_ops.attention_bwd(
-                                q, k, v, out, lse, out, key, scale, "", False, []
+                                q, k, v, out, lse, out, None, key, scale, "", False, []
                             )
 
                         steps[rank, step] = _time(fwd_bwd, device, args.repeats)

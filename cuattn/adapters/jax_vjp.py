@@ -23,7 +23,8 @@ share. Which path a traced call takes is decided when it is traced, from jax's d
   ``lower(lowering_platforms=("cuda",))``.
 * Other platforms (TPU, ROCm): ``NotImplementedError``; call cuattn outside ``jit``.
 
-The log-sum-exp side output is treated as a constant (its cotangent is ignored).
+The log-sum-exp output is differentiable: its cotangent enters the backward as
+delta - dlse (jax hands a zero cotangent when the lse is unused).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def _host_forward(layout: Layout, scale: float, backend: str | None, q, k, v):
     return out, lse
 
 
-def _host_backward(layout, scale, backend, deterministic, q, k, v, out, lse, dout):
+def _host_backward(layout, scale, backend, deterministic, q, k, v, out, lse, dout, dlse):
     arrays = [np.asarray(x) for x in (q, k, v, out, lse, dout)]
-    return _backend.backward(*arrays, layout, scale, backend, deterministic)
+    return _backend.backward(*arrays, layout, scale, backend, deterministic, np.asarray(dlse))
 
 
 def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
@@ -87,8 +88,8 @@ def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
     return dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
 
 
-def _backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
-    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+def _backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic):
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dlse": dlse}
     if _traced(*named.values()):
         target = _device_target(backend)
         if target is not None:
@@ -96,7 +97,11 @@ def _backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic):
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         host = functools.partial(_host_backward, layout, scale, backend, deterministic)
         return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
-    return dlpack.call(_backend.backward, named, layout, scale, backend, deterministic)
+    return dlpack.call(_eager_backward, named, layout, scale, backend, deterministic)
+
+
+def _eager_backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic):
+    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -111,13 +116,13 @@ def _attention_fwd(q, k, v, layout, scale, recompute, backend, deterministic):
 
 
 def _attention_bwd(layout, scale, recompute, backend, deterministic, residuals, cotangents):
-    dout, _ = cotangents  # lse is a constant side output
+    dout, dlse = cotangents
     if recompute:
         q, k, v = residuals
         out, lse = _forward(q, k, v, layout, scale, backend)
     else:
         q, k, v, out, lse = residuals
-    return _backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic)
+    return _backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

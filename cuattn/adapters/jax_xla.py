@@ -456,8 +456,15 @@ def _described(x: Any) -> _Described:
 
 
 # What the shared launch sequences use of an array module: outputs of the backward's
-# ascontiguousarray are the operands themselves (a jit operand is contiguous).
-_XP = SimpleNamespace(float32=np.float32, ascontiguousarray=lambda x: x)
+# ascontiguousarray are the operands themselves (a jit operand is contiguous); zeros is the
+# stand-in for an optional operand the kernel does not read.
+def _zeros(shape: Any, dtype: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.zeros(shape, dtype)
+
+
+_XP = SimpleNamespace(float32=np.float32, ascontiguousarray=lambda x: x, zeros=_zeros)
 
 
 class XlaBackend(KernelBackend):
@@ -561,8 +568,8 @@ class XlaBackend(KernelBackend):
         out, lse = super().forward(q, k, v, layout, scale)
         return out.get(), lse.get()
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, deterministic)
+    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False, dlse=None):
+        grads = super().backward(q, k, v, out, lse, dout, layout, scale, deterministic, dlse)
         return tuple(g.get() for g in grads)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
@@ -631,15 +638,18 @@ def backward(
     out: Any,
     lse: Any,
     dout: Any,
+    dlse: Any,
     layout: Layout,
     scale: float,
     compute_capability: int,
 ) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls."""
+    """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
+    (like lse) is the cotangent of the lse output."""
     backend = backend_for(compute_capability)
 
     def run(*arrays: Any) -> tuple[Any, Any, Any]:
-        grads = backend.backward(*(_prepare(x, layout) for x in arrays), layout, scale)
+        *tensors, dlse = (_prepare(x, layout) for x in arrays)
+        grads = backend.backward(*tensors, layout, scale, False, dlse)
         return tuple(_to_natural(g, layout) for g in grads)
 
-    return folding_vmap(run)(q, k, v, out, lse, dout)
+    return folding_vmap(run)(q, k, v, out, lse, dout, dlse)

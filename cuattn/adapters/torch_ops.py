@@ -3,8 +3,8 @@
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic, index)
                                                                               -> (out, lse)
-    cuattn::attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index)
-                                                                              -> (dq, dk, dv)
+    cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic,
+                          index)                                              -> (dq, dk, dv)
 ``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
 Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
 dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
@@ -14,7 +14,8 @@ from the data, a new one every step) goes as tensors instead: its key
 other keys: torch's op schemas give a tensor list no default), so a compiled graph takes each
 step's layout as an input and never re-traces for a new one.
 Each op has a fake (shape-only) implementation for tracing, attention_fwd an autograd formula
-that calls attention_bwd (the backward graph AOTAutograd records), and both run through DLPack
+that calls attention_bwd (the backward graph AOTAutograd records; both out and lse are
+differentiable: lse's gradient ``dlse`` enters as delta - dlse), and both run through DLPack
 with no copies: CPU tensors on the NumPy (or interpreter) backend, CUDA tensors on the CuPy
 kernels on torch's current stream. Neither op is on autocast's cast lists: they compute in the
 dtype q, k, v arrive in.
@@ -137,29 +138,41 @@ def attention_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
+    dlse: torch.Tensor | None,
     layout: str,
     scale: float,
     backend: str,
     deterministic: bool,
     index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the saved inputs, output and lse."""
+    """(dq, dk, dv) from the saved inputs, output and lse, and the gradients reaching out
+    (dout) and lse (dlse, None when nothing reached it)."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
+    if dlse is not None:
+        named["dlse"] = dlse
     with dlpack.stream_for(dlpack.common_info(named)):
         lay = _resolve(layout, q.shape[2], k.shape[2], index)
-        grads = dlpack.call(_backend.backward, named, lay, scale, backend or None, deterministic)
+        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None, deterministic)
     return tuple(g.contiguous() for g in grads)
 
 
+def _backward_arrays(q, k, v, out, lse, dout, *rest):
+    """backends.backward with the optional dlse array (the first of ``rest`` when given)."""
+    *dlse, layout, scale, backend, deterministic = rest
+    dlse = dlse[0] if dlse else None
+    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse)
+
+
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index):
+def _attention_bwd_fake(
+    q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic, index
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, layout, scale, backend, recompute, deterministic, index = inputs
     out, lse = output
-    ctx.mark_non_differentiable(lse)
     # The op names its Layout by uid only; the autograd graph holds the Layout itself until
     # backward, so a layout built inline for one call (and dropped by the caller) still exists.
     # A DeviceLayout's tensors are saved with the inputs instead.
@@ -178,9 +191,14 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     if recompute:
         saved = attention_fwd(q, k, v, layout, scale, backend, False, deterministic, index)
     out, lse = saved
-    if 0 in dout.stride():
-        dout = dout.contiguous()  # an expanded gradient (of a sum): the kernels read real rows
-    grads = attention_bwd(q, k, v, out, lse, dout, layout, scale, backend, deterministic, index)
+    if dout is None:  # only the lse reached the loss
+        dout = torch.zeros_like(out)
+    dout, dlse = (
+        g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
+    )  # an expanded gradient (of a sum): the kernels read real rows
+    grads = attention_bwd(
+        q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic, index
+    )
     return (*grads, None, None, None, None, None, [None] * len(index))
 
 
@@ -213,7 +231,8 @@ def attend(
     deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
-    or without autograd, eager or compiled. lse (float32, float64 for float64) has no gradient.
+    or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
+    carry gradients.
     """
     index = index_tensors(layout) if isinstance(layout, DeviceLayout) else []
     out, lse = attention_fwd(

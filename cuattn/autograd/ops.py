@@ -452,7 +452,7 @@ class SparseAttention(Function):
     """Block-sparse attention on [batch, heads, time, head_dim]; outputs (out, lse).
 
     Saves only q, k, v, out and lse: the backend's backward recomputes the probabilities from
-    the log-sum-exp. lse is a non-differentiable side output (treated as a constant).
+    the log-sum-exp. Both outputs are differentiable (lse's gradient enters as delta - dlse).
     """
 
     @staticmethod
@@ -467,7 +467,6 @@ class SparseAttention(Function):
         deterministic: bool = False,
     ) -> tuple[Any, Any]:
         out, lse = _backend.forward(q, k, v, layout, scale, backend)
-        ctx.mark_non_differentiable(1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, scale, backend, deterministic)
         return out, lse
@@ -477,7 +476,7 @@ class SparseAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, backend, deterministic = ctx.args
         dq, dk, dv = _backend.backward(
-            q, k, v, out, lse, dout, layout, scale, backend, deterministic
+            q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse
         )
         return dq, dk, dv, None, None
 

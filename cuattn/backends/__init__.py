@@ -2,7 +2,8 @@
 
 A backend computes attention on arrays of one array library in the layout's computed token
 order: ``forward(q, k, v, layout, scale) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, deterministic) -> (dq, dk, dv)``.
+``backward(q, k, v, out, lse, dout, layout, scale, deterministic, dlse) -> (dq, dk, dv)``, where
+``dlse`` (like lse, or None) is the gradient reaching the lse output.
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
@@ -42,6 +43,7 @@ class Backend(Protocol):
         layout: Layout,
         scale: float,
         deterministic: bool = False,
+        dlse: Any | None = None,
     ) -> tuple[Any, Any, Any]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
@@ -55,8 +57,8 @@ class NumpyBackend:
     def forward(self, q, k, v, layout, scale):
         return reference.attention_forward(q, k, v, layout, scale)
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False):
-        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale)
+    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False, dlse=None):
+        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse)
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return reference.merge_states(out_a, lse_a, out_b, lse_b)
@@ -164,11 +166,14 @@ def backward(
     scale: float,
     backend: str | None = None,
     deterministic: bool = False,
+    dlse: Any | None = None,
 ) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse."""
+    """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
+    (like lse, or None when nothing reached it) makes the lse a differentiable output."""
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
-    grads = impl.backward(*arrays, layout, scale, deterministic)
+    dlse = None if dlse is None else _prepare(dlse, layout)
+    grads = impl.backward(*arrays, layout, scale, deterministic, dlse)
     return tuple(_to_natural(g, layout) for g in grads)
 
 

@@ -159,8 +159,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_bwd_preprocess": (
         ("out", "ptr"),
         ("dout", "ptr"),
+        ("dlse", "ptr"),
         ("delta", "ptr"),
         ("n_q", "i32"),
+        ("use_dlse", "i32"),
         *_strides("dout"),
     ),
     "attn_bwd_sum_groups": (

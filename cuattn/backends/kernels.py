@@ -295,8 +295,11 @@ class KernelBackend:
         layout: Layout,
         scale: float,
         deterministic: bool = False,
+        dlse: Any | None = None,
     ) -> tuple[Any, Any, Any]:
-        """(dq, dk, dv), bit-identical across runs whatever ``deterministic`` says.
+        """(dq, dk, dv), bit-identical across runs whatever ``deterministic`` says; ``dlse``
+        (float32 like lse, or None) is the gradient reaching the lse output, subtracted from
+        delta by the preprocess kernel.
 
         dQ is its own pass over the CSR rows: on an H100 that measured 1.2-2.5x faster than
         adding it with fp32 atomics inside the dK/dV kernel (bench/results/2026-11-23-h100/),
@@ -315,6 +318,14 @@ class KernelBackend:
                 f"returns it), got {type(lse).__name__} {getattr(lse, 'dtype', '')} "
                 f"{getattr(lse, 'shape', '')}"
             )
+        use_dlse = dlse is not None
+        if use_dlse and (
+            not self.is_array(dlse) or dlse.shape != lse.shape or dlse.dtype != xp.float32
+        ):
+            raise ValueError(
+                f"dlse: expected float32 {(batch, heads, n_q)} {self.array_kind} (like lse), got "
+                f"{type(dlse).__name__} {getattr(dlse, 'dtype', '')} {getattr(dlse, 'shape', '')}"
+            )
         with self.on_device_of(q):
             self._check_strides({"q": q, "k": k, "v": v, "dout": dout})
             # out and lse are the forward's own (contiguous) results; a copy only if not
@@ -325,12 +336,16 @@ class KernelBackend:
             strides.update(dout_strides)
             per_head = (head_dim, dtype, batch, heads)
             delta = self.output((batch, heads, n_q), xp.float32)
+            # The kernel reads dlse only when use_dlse: a one-element stand-in otherwise.
+            dlse = xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32)
             self.launch(
                 KernelConfig("attn_bwd_preprocess", *per_head, n_q),
                 out=out,
                 dout=dout,
+                dlse=dlse,
                 delta=delta,
                 n_q=n_q,
+                use_dlse=int(use_dlse),
                 **dout_strides,
             )
             dq = self.output(q.shape, q.dtype)

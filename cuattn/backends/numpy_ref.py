@@ -10,7 +10,8 @@ Forward (FlashAttention-2 order): for each (head, query block i) walk its CSR ro
 blocks j; every step is vectorised over all rows that still have a block left, so the Python
 loop runs max-row-length times. Online softmax state per query row: running max ``m_i``,
 running sum ``l_i`` and the unnormalised output ``acc``.
-Backward: ``delta = rowsum(dO * O)``; dQ walks the CSR rows, dK and dV walk the CSC columns, each
+Backward: ``delta = rowsum(dO * O) - dLSE`` (dLSE: the gradient reaching the lse output, zero
+when unused); dQ walks the CSR rows, dK and dV walk the CSC columns, each
 recomputing P = exp(S - lse) from the saved log-sum-exp, so only q, k, v, out and lse are needed.
 Precision: float64 accumulates in float64, float32 and float16 in float32; results are cast back
 to the input dtype (lse stays in the accumulation type).
@@ -118,12 +119,18 @@ def attention_backward(
     dout: np.ndarray,
     layout: Layout,
     scale: float,
+    dlse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq, dk, dv) from the saved out and lse; each like its input."""
+    """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
+    None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
+    enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed."""
     check_arrays(q, layout)
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
-    delta = _blocked(np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1), layout, acc_t)
+    row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
+    if dlse is not None:
+        row_delta = row_delta - dlse.astype(acc_t)
+    delta = _blocked(row_delta, layout, acc_t)
     lse_b = _blocked(lse, layout, acc_t, fill=-np.inf)
     lse_safe = np.where(np.isfinite(lse_b), lse_b, 0.0)
 

@@ -159,17 +159,17 @@ def _accumulator(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _ring_backward(q, k, v, out, lse, dout, plan, ring, scale, backend, deterministic, stats):
+def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, deterministic, stats):
     dq = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
     kv = torch.stack([k, v])
     dkv = torch.zeros(kv.shape, dtype=_accumulator(q), device=q.device)
-    dout = dout.contiguous()
+    dout, dlse = dout.contiguous(), dlse.contiguous()
     for step, sub in enumerate(plan.steps):
         transfer = ring.start(kv) if step + 1 < plan.world_size else None
         if sub is not None:
             key = torch_ops.layout_key(sub)
             bwd = torch_ops.attention_bwd
-            args = (q, kv[0], kv[1], out, lse, dout, key, scale, backend, deterministic, [])
+            args = (q, kv[0], kv[1], out, lse, dout, dlse, key, scale, backend, deterministic, [])
             dq_s, dk_s, dv_s = _timed(stats, bwd, *args)
             dq += dq_s
             dkv[0] += dk_s
@@ -185,7 +185,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, ring, scale, backend, deterministic, stats):
         out, lse = _ring_forward(q, k, v, plan, ring, scale, backend, stats)
-        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (plan, ring, scale, backend, deterministic, stats)
         return out, lse
@@ -194,8 +193,10 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         plan, ring, scale, backend, deterministic, stats = ctx.args
+        # Each pair's P is the whole row's (exp(S - merged lse)), so delta - dlse is exact per
+        # pair as it is for the whole row.
         grads = _ring_backward(
-            q, k, v, out, lse, dout, plan, ring, scale, backend, deterministic, stats
+            q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, deterministic, stats
         )
         return (*grads, None, None, None, None, None, None)
 
@@ -243,8 +244,9 @@ def ring_attention(
     balance)``) of a sequence of T tokens; ``layout`` is the whole sequence's square layout
     (n_ctx = T). Returns this rank's shard of the output (and of lse [B, H, T/W] with
     ``return_lse``), equal to ``shard(sparse_attention(whole q, k, v, layout))``; gradients
-    flow to q, k, v through torch.autograd. Every rank calls it with the same layout and
-    balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped, compute time.
+    of out and lse flow to q, k, v through torch.autograd. Every rank calls it with the same
+    layout and balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped,
+    compute time.
     """
     group = _check_group(group)
     api._check_qkv(q, k, v, 4, "[batch, heads, time / world_size, head_dim]")

@@ -25,7 +25,7 @@ import numpy as np
 
 from cuattn import backends as _backends
 from cuattn._util import stable_kind
-from cuattn.adapters import dlpack
+from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
@@ -40,6 +40,13 @@ def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
         raise TypeError(f"cache must be a cuattn.KVCache, got {type(cache).__name__}")
     if not hasattr(q, "shape") or not hasattr(q, "dtype"):
         raise TypeError(f"q must be an array, got {type(q).__name__}")
+    if dispatch.wants_gradient((q,)):
+        # The cache holds values, not a graph: an output without a gradient would be silent.
+        raise ValueError(
+            "q requires a gradient, which decode_attention does not compute (the cache keeps "
+            "values, not their graph); call it under torch.no_grad() or outside jax "
+            "transformations, or train with sparse_attention"
+        )
     shape = tuple(int(d) for d in q.shape)
     if len(shape) != 4 or shape[0] != cache.batch or shape[3] != cache.head_dim:
         raise ValueError(

@@ -71,9 +71,10 @@ def dense_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[An
 
 
 def dense_attention_grads(
-    q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float
+    q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, dlse: Any = None
 ) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) in float64 of sum(out * dout); dk, dv with k's and v's heads."""
+    """(dq, dk, dv) in float64 of sum(out * dout) + sum(lse * dlse) (dlse [batch, heads, n_q]
+    or None; rows with no allowed key take no part); dk, dv with k's and v's heads."""
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
@@ -81,7 +82,11 @@ def dense_attention_grads(
     p, _, _ = _probs(q, k, mask, scale)
     dv = xp.einsum("bhqk,bhqd->bhkd", p, dout)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    delta = (dp * p).sum(axis=-1, keepdims=True)
+    if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P * (dP - (delta - dlse))
+        (dlse,) = _float64(dlse)
+        delta = delta - dlse[..., None]
+    ds = p * (dp - delta)
     dq = xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
     dk = xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)

@@ -570,14 +570,17 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     layout = cuattn.make_layout(mode, n, heads, blocksize=16, **kwargs)
     assert (layout.perm is not None) == (mode == "strided")
     q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
-    weight = np.random.default_rng(3).standard_normal(q.shape[1:]).astype(np.float32)
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal(q.shape[1:]).astype(np.float32)
+    lse_weight = rng.standard_normal(q.shape[1:-1]).astype(np.float32)
     scale = head_dim**-0.5
 
     def f(q, k, v):
         return cuattn.sparse_attention(q, k, v, layout)
 
-    def loss(q, k, v):
-        return (f(q, k, v).astype(jnp.float32) * weight).sum()
+    def loss(q, k, v):  # through both outputs: the lse's cotangent reaches the preprocess launch
+        out, lse = cuattn.sparse_attention(q, k, v, layout, return_lse=True)
+        return (out.astype(jnp.float32) * weight).sum() + (lse * lse_weight).sum()
 
     with xla.lowering_for_cuda(CC):
         out = jax.jit(f)(q[0], k[0], v[0])
@@ -592,7 +595,9 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
     want_out, want_lse = backends.forward(*host, layout, scale, "interp")
     dout = weight.astype(want_out.dtype)
-    want = backends.backward(*host, want_out, want_lse, dout, layout, scale, "interp")
+    want = backends.backward(
+        *host, want_out, want_lse, dout, layout, scale, "interp", dlse=lse_weight
+    )
     assert np.array_equal(np.asarray(out), want_out)
     for name, got, expected in zip("qkv", grads, want, strict=True):
         assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name

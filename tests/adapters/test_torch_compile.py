@@ -97,9 +97,11 @@ def test_opcheck_passes_on_both_ops(case):
     args = _op_args(q, k, v, layout, recompute="recompute" in case)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
-    dout = torch.randn_like(out)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
-    torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, saved + args[3:6] + (False, []))
+    for lse_grad in (dlse, None):  # the lse's gradient, or nothing reached it
+        bwd_args = saved + (lse_grad,) + args[3:6] + (False, [])
+        torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
 def test_autocast_leaves_the_input_dtype():

@@ -59,6 +59,17 @@ CASES = [
 ]
 
 
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _loss(out, lse, weight, lse_weight):
+    """A loss on both outputs, so that the lse's gradient is checked too (rows that see no
+    key have lse = -inf and take no part)."""
+    finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    return (out * weight).sum() + (finite_lse * lse_weight).sum()
+
+
 def _check_case(rank, world_size, case):
     name, balance, kv_heads, dtype = case
     n = 128
@@ -66,21 +77,23 @@ def _check_case(rank, world_size, case):
     shapes = [(BATCH, HEADS, n, HEAD_DIM)] + [(BATCH, kv_heads, n, HEAD_DIM)] * 2
     whole = [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
     weight = torch.randn(shapes[0], generator=gen, dtype=dtype)
+    lse_weight = torch.randn(shapes[0][:-1], generator=gen, dtype=_lse_dtype(dtype))
     layout = _layout(name, n)
     want, want_lse = cuattn.sparse_attention(*whole, layout, return_lse=True)
-    (want * weight).sum().backward()
+    _loss(want, want_lse, weight, lse_weight).backward()
 
     mine = [shard(x.detach(), rank, world_size, balance).requires_grad_() for x in whole]
     stats = RingStats()
     out, lse = ring_attention(*mine, layout, balance=balance, return_lse=True, stats=stats)
-    (out * shard(weight, rank, world_size, balance)).sum().backward()
+    mine_weights = (shard(w, rank, world_size, balance) for w in (weight, lse_weight))
+    _loss(out, lse, *mine_weights).backward()
 
     out_tol, grad_tol = TOLERANCE[dtype]
     assert rel(out.detach(), shard(want.detach(), rank, world_size, balance)) <= out_tol, case
     want_lse = shard(want_lse, rank, world_size, balance)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), case
     finite = torch.isfinite(want_lse)
-    assert rel(lse[finite], want_lse[finite]) <= out_tol, case
+    assert rel(lse[finite].detach(), want_lse[finite].detach()) <= out_tol, case
     for label, got, full in zip("qkv", mine, whole, strict=True):
         expected = shard(full.grad, rank, world_size, balance)
         assert rel(got.grad, expected) <= grad_tol, (case, label)

@@ -237,6 +237,11 @@ def test_bad_input_is_refused_by_name_and_leaves_the_cache_as_it_was():
         cuattn.decode_attention(np.zeros((2, 4, 11, D), np.float32) + 1, cache)
     with pytest.raises(TypeError, match="cache must be a cuattn.KVCache"):
         cuattn.decode_attention(q, object())
+    # no output without its gradient: a q that asks for one is refused, not silently detached
+    with pytest.raises(ValueError, match="q requires a gradient, which decode_attention"):
+        cuattn.decode_attention(torch.from_numpy(q).requires_grad_(), cache)
+    with torch.no_grad():
+        cuattn.decode_attention(torch.from_numpy(q).requires_grad_(), cache)
     for make, error, message in [
         (lambda: P.HeavyHitters(4, 5), ValueError, "recent=5 must not exceed budget=4"),
         (lambda: P.HeavyHitters(0, 0), ValueError, "budget must be an int >= 1"),

@@ -14,6 +14,7 @@ thread), meant for debugging and CI on small shapes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -47,7 +48,9 @@ def cache_dir() -> Path:
     return path
 
 
+@functools.cache
 def _compiler_version() -> str:
+    # once per process: a subprocess per launch cost ~30 ms, more than most test launches
     result = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True)
     return result.stdout.splitlines()[0]
 
@@ -174,14 +177,25 @@ def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
     return [c for c in kc.all_configs() if c.group == group]
 
 
+_group_libraries: dict[tuple, Library] = {}
+
+
 def library_for(config: KernelConfig | LayoutKernelConfig) -> Library:
-    """The library holding `config`'s instantiation (all blocks and rules of its file/dtype/dim)."""
-    members = _group_configs(config.group)
-    return build_library(
-        config.source_file,
-        [c.name_expression for c in members],
-        [c.traits_expression for c in members],
-    )
+    """The library holding `config`'s instantiation (all blocks and rules of its file/dtype/dim).
+
+    Looked up once per group and process: building the whole config table and hashing the
+    entry code again at every launch cost more than a small launch itself. (Kernel sources are
+    read once per process for the cache key too: toolchain.sources_digest.)"""
+    library = _group_libraries.get(config.group)
+    if library is None:
+        members = _group_configs(config.group)
+        library = build_library(
+            config.source_file,
+            [c.name_expression for c in members],
+            [c.traits_expression for c in members],
+        )
+        _group_libraries[config.group] = library
+    return library
 
 
 def prepare(configs: Iterable[KernelConfig], jobs: int | None = None) -> None:

@@ -187,14 +187,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       const float l = quad_sum(l_i[m][r]);
       const int q_row = q_warp + 16 * m + frag.row(2 * r);
       if (q_row >= n_q) continue;
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      // l == 0: no allowed key (or only -inf scores): out 0 and lse -inf, written, since acc
+      // may hold 0 * NaN from a masked key's v. A NaN or +inf allowed score left l NaN: the row
+      // is NaN, as in a dense computation (fmaxf drops NaN from the max, exp2f does not).
+      const bool empty = l == 0.f;
+      const float inv_l = 1.f / l;
       T* out_row = out + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 8; ++j) {
-        store_pair(out_row + frag.pair_col(j), acc[m][j][2 * r] * inv_l,
-                   acc[m][j][2 * r + 1] * inv_l);
+        store_pair(out_row + frag.pair_col(j), empty ? 0.f : acc[m][j][2 * r] * inv_l,
+                   empty ? 0.f : acc[m][j][2 * r + 1] * inv_l);
       }
-      if (frag.t == 0) lse[head_offset + q_row] = l > 0.f ? (m_i[m][r] + log2f(l)) * LN2 : -INFINITY;
+      if (frag.t == 0) lse[head_offset + q_row] = empty ? -INFINITY : (m_i[m][r] + log2f(l)) * LN2;
     }
   }
 }

@@ -155,13 +155,16 @@ __global__ void __launch_bounds__(attn_fwd_v1_traits<BLOCK, TILE_M, TILE_N, HEAD
     const float l = quad_sum(l_i[r]);
     const int q_row = q_warp + g + 8 * r;
     if (q_row >= n_q) continue;
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    // l == 0: no allowed key (or only -inf scores): 0 and -inf, written (acc may hold 0 * NaN
+    // from a masked key's v); a NaN or +inf allowed score left l NaN: the row is NaN.
+    const bool empty = l == 0.f;
+    const float inv_l = 1.f / l;
     T* out_row = out + (head_offset + q_row) * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      out_row[8 * j + 2 * t] = from_float<T>(acc[j][2 * r] * inv_l);
-      out_row[8 * j + 2 * t + 1] = from_float<T>(acc[j][2 * r + 1] * inv_l);
+      out_row[8 * j + 2 * t] = from_float<T>(empty ? 0.f : acc[j][2 * r] * inv_l);
+      out_row[8 * j + 2 * t + 1] = from_float<T>(empty ? 0.f : acc[j][2 * r + 1] * inv_l);
     }
-    if (t == 0) lse[head_offset + q_row] = l > 0.f ? (m_i[r] + log2f(l)) * LN2 : -INFINITY;
+    if (t == 0) lse[head_offset + q_row] = empty ? -INFINITY : (m_i[r] + log2f(l)) * LN2;
   }
 }

@@ -19,13 +19,16 @@ to the input dtype (lse stays in the accumulation type).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
 from cuattn.layout.layout import Layout
 
 SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
+T = TypeVar("T")
 
 
 def _acc_dtype(dtype: np.dtype) -> type:
@@ -81,6 +84,20 @@ def check_arrays(q: np.ndarray, layout: Layout) -> None:
         raise TypeError(f"the numpy backend accepts dtypes {names}; got q.dtype={q.dtype}")
 
 
+def _quiet_specials(fn: Callable[..., T]) -> Callable[..., T]:
+    """NaN and inf take the course of a dense float64 computation (docs/design.md §7): the
+    invalid operations that carry them (inf - inf, 0 * inf) are expected, not warned about.
+    A fresh errstate per call (one shared instance is not thread-safe on NumPy 1.x)."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> T:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet_specials
 def attention_forward(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, layout: Layout, scale: float
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -94,22 +111,27 @@ def attention_forward(
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
         s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
         m_old = m_i[:, h, i]
-        m_new = np.maximum(m_old, s.max(axis=-1))
-        # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp gives 0, not NaN.
-        m_safe = np.where(np.isfinite(m_new), m_new, 0.0)
+        m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
+        # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
+        # gives 0, not NaN. NaN and +inf stay: they are the dense computation's answer.
+        m_safe = np.where(m_new == -np.inf, 0.0, m_new)
         p = np.exp(s - m_safe[..., None])
         alpha = np.exp(m_old - m_safe)
         l_i[:, h, i] = l_i[:, h, i] * alpha + p.sum(axis=-1)
         acc[:, h, i] = acc[:, h, i] * alpha[..., None] + np.matmul(p, vb[:, _kv_head(h, qb, vb), j])
         m_i[:, h, i] = m_new
-    has_keys = l_i > 0
-    l_safe = np.where(has_keys, l_i, 1.0)
-    out = np.where(has_keys[..., None], acc / l_safe[..., None], 0.0)
-    lse = np.where(has_keys, m_i + np.log(l_safe), -np.inf)
+    # l_i == 0: no allowed key, or only -inf scores (zero probability everywhere): out 0 and
+    # lse -inf, written rather than computed, whatever acc holds (0 * NaN from v). A NaN l_i
+    # (NaN or +inf score) gives NaN for both.
+    empty = l_i == 0
+    l_safe = np.where(empty, 1.0, l_i)
+    out = np.where(empty[..., None], 0.0, acc / l_safe[..., None])
+    lse = np.where(empty, -np.inf, m_i + np.log(l_safe))
     n_q = q.shape[2]
     return _unblocked(out, n_q).astype(q.dtype), _unblocked(lse, n_q).astype(acc_t)
 
 
+@_quiet_specials
 def attention_backward(
     q: np.ndarray,
     k: np.ndarray,
@@ -132,12 +154,15 @@ def attention_backward(
         row_delta = row_delta - dlse.astype(acc_t)
     delta = _blocked(row_delta, layout, acc_t)
     lse_b = _blocked(lse, layout, acc_t, fill=-np.inf)
-    lse_safe = np.where(np.isfinite(lse_b), lse_b, 0.0)
+    # lse -inf (no allowed key, or only -inf scores): P is exactly 0. A NaN lse (a NaN or +inf
+    # score) gives P = NaN over the row's computed blocks, as a dense computation's exp(S - lse).
+    lse_empty = lse_b == -np.inf
+    lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
         s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
         p = np.exp(s - lse_safe[:, h, i][..., None])
-        p = np.where(np.isfinite(lse_b[:, h, i])[..., None], p, 0.0)
+        p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
         return p, p * (dp - delta[:, h, i][..., None])
 
@@ -164,23 +189,26 @@ def attention_backward(
     )
 
 
+@_quiet_specials
 def merge_states(
     out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """The attention over keys A u B from partial results over disjoint A and B: out like
     out_a, lse in the accumulation dtype. A side with lse = -inf contributes nothing (whatever
-    its out holds); both empty give 0 and -inf."""
+    its out holds); both empty give 0 and -inf. A side that contributes carries NaN and inf as
+    the dense formula does: a NaN or +inf lse, or a NaN in its out, makes the row NaN."""
     acc_t = _acc_dtype(out_a.dtype)
     a, b = lse_a.astype(acc_t), lse_b.astype(acc_t)
-    base = np.maximum(a, b)
-    base_safe = np.where(np.isneginf(base), 0.0, base)
-    w_a, w_b = np.exp(a - base_safe), np.exp(b - base_safe)
-    total = w_a + w_b
-    total_safe = np.where(total > 0, total, 1.0)
-    parts = [
-        np.where(w[..., None] > 0, w[..., None] * x.astype(acc_t), 0.0)
-        for w, x in ((w_a, out_a), (w_b, out_b))
-    ]
-    out = (parts[0] + parts[1]) / total_safe[..., None]
-    lse = np.where(total > 0, base_safe + np.log(total_safe), -np.inf)
+    base = np.maximum(a, b)  # NaN-propagating
+    base_safe = np.where(base == -np.inf, 0.0, base)
+    parts, total = [], np.zeros_like(base_safe)
+    for lse_x, x in ((a, out_a), (b, out_b)):
+        empty = lse_x == -np.inf
+        w = np.where(empty, 0.0, np.exp(lse_x - base_safe))  # +inf - +inf: NaN, as dense
+        total = total + w
+        parts.append(np.where(empty[..., None], 0.0, w[..., None] * x.astype(acc_t)))
+    none = total == 0
+    total_safe = np.where(none, 1.0, total)
+    out = np.where(none[..., None], 0.0, (parts[0] + parts[1]) / total_safe[..., None])
+    lse = np.where(none, -np.inf, base_safe + np.log(total_safe))
     return out.astype(out_a.dtype), lse.astype(acc_t)

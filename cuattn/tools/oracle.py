@@ -5,12 +5,26 @@ and its gradients, so use small n. k and v may have fewer heads than q (GQA/MQA:
 reads kv head h // (heads / kv_heads)); the oracle repeats them, which the kernels never do.
 Rows with no allowed key give 0 and lse = -inf. Works on NumPy arrays, and on CuPy arrays (mask
 included) so GPU tests check real sizes on the GPU.
+
+NaN and inf follow docs/design.md §7 exactly: a masked score is replaced by -inf (never
+multiplied); a NaN or +inf among a row's allowed scores makes its softmax NaN (inf - inf), lse
+included, and P NaN over the whole row; a -inf score is a zero probability, and a row whose
+allowed scores are all -inf gives 0 and -inf like a row with no allowed key. Every other special
+value goes where dense arithmetic takes it, including 0 * NaN = NaN in P V, dO V^T, dS K and
+dS^T Q. By default every (query, key) pair of the head takes part, as in a dense P V (SDPA); a
+block-sparse backend computes only the pairs of its active blocks, so ``computed`` (bool
+[heads, n_q, n_k], e.g. :func:`computed_pairs`) restricts the products to those pairs: a pair
+outside it adds nothing at all, not 0 * x. With finite inputs ``computed`` changes nothing.
+``score_dtype`` (e.g. float32, the backends' accumulation type for float32 and half inputs)
+forms the scores in that type, so that one beyond its range is +-inf there too.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +36,7 @@ REL_FLOOR = 1e-3
 # Gradients of unit-normal inputs are O(0.1..1); one that is exactly zero (a query with one key)
 # is cancellation noise of O(eps) in dP - delta, measured against this magnitude.
 GRAD_FLOOR = 0.1
+T = TypeVar("T")
 
 
 def _xp(x: Any) -> ModuleType:
@@ -32,16 +47,56 @@ def _xp(x: Any) -> ModuleType:
     return np
 
 
-def _probs(q: Any, k: Any, mask: Any, scale: float) -> tuple[Any, Any, Any]:
-    """(P, row max, row sum) of the masked softmax in float64."""
+def _probs(
+    q: Any, k: Any, mask: Any, scale: float, score_dtype: Any = None
+) -> tuple[Any, Any, Any]:
+    """(P, row max, row sum) of the masked softmax in float64 (l_sum == 0: an empty row)."""
     xp = _xp(q)
-    s = xp.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    s = xp.where(mask[None], s, -xp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0.0)
+    s = xp.einsum("bhqd,bhkd->bhqk", q, k)
+    if score_dtype is not None:  # formed as the backends do: q.k, then * scale, in that type
+        s = (s.astype(score_dtype) * xp.dtype(score_dtype).type(scale)).astype(xp.float64)
+    else:
+        s = s * scale
+    s = xp.where(mask[None], s, -xp.inf)  # replaced, never multiplied
+    m = s.max(axis=-1, keepdims=True)  # NaN-propagating
+    m = xp.where(m == -xp.inf, 0.0, m)  # nothing but -inf: exp gives 0; NaN and +inf stay
     p = xp.exp(s - m)
     l_sum = p.sum(axis=-1, keepdims=True)
-    return p / xp.where(l_sum > 0, l_sum, 1.0), m, l_sum
+    return p / xp.where(l_sum == 0, 1.0, l_sum), m, l_sum
+
+
+def _rows_of(w: Any, x: Any, computed: Any) -> Any:
+    """sum over keys of w[b, h, q, k] x[b, h, k, d] -> [b, h, q, d]; with ``computed``, a pair
+    outside it adds nothing (not 0 * x)."""
+    xp = _xp(w)
+    if computed is None:
+        return xp.einsum("bhqk,bhkd->bhqd", w, x)
+    terms = w[..., None] * x[:, :, None, :, :]
+    return xp.where(computed[None, ..., None], terms, 0.0).sum(axis=3)
+
+
+def _cols_of(w: Any, x: Any, computed: Any) -> Any:
+    """sum over queries of w[b, h, q, k] x[b, h, q, d] -> [b, h, k, d], as _rows_of."""
+    xp = _xp(w)
+    if computed is None:
+        return xp.einsum("bhqk,bhqd->bhkd", w, x)
+    terms = w[..., None] * x[:, :, :, None, :]
+    return xp.where(computed[None, ..., None], terms, 0.0).sum(axis=2)
+
+
+def computed_pairs(layout: Any) -> np.ndarray:
+    """bool [heads, n_q, n_ctx]: the (query, key) pairs of ``layout``'s active blocks, in natural
+    token order: what the NumPy backend computes. The kernels compute the same pairs for block
+    sizes 16-64 below head dim 96; they skip the sub-tiles of a block that the element rule
+    empties (block 128, head dims >= 96) and compute block 8 layouts on 16-blocks."""
+    b = layout.blocksize
+    full = np.repeat(np.repeat(np.asarray(layout.blocks, bool), b, axis=1), b, axis=2)
+    pairs = full[:, : layout.n_q, : layout.n_ctx]
+    if layout.perm is not None:
+        natural = np.zeros_like(pairs)
+        natural[:, layout.perm[:, None], layout.perm[None, :]] = pairs
+        pairs = natural
+    return pairs
 
 
 def _float64(*arrays: Any) -> list[Any]:
@@ -58,37 +113,73 @@ def _sum_groups(grad: Any, kv_heads: int) -> Any:
     return grad.reshape((batch, kv_heads, heads // kv_heads) + grad.shape[2:]).sum(axis=2)
 
 
-def dense_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[Any, Any]:
-    """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key: 0, -inf."""
+def _quiet(fn: Callable[..., T]) -> Callable[..., T]:
+    """NaN and inf go where dense arithmetic takes them, without NumPy's warnings about it."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> T:
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet
+def dense_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    scale: float,
+    computed: Any = None,
+    score_dtype: Any = None,
+) -> tuple[Any, Any]:
+    """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key (or only
+    -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
     xp = _xp(q)
-    p, m, l_sum = _probs(q, k, mask, scale)
-    out = xp.einsum("bhqk,bhkd->bhqd", p, v)
-    has = l_sum[..., 0] > 0
-    lse = xp.where(has, m[..., 0] + xp.log(xp.where(has, l_sum[..., 0], 1.0)), -xp.inf)
+    p, m, l_sum = _probs(q, k, mask, scale, score_dtype)
+    empty = l_sum[..., 0] == 0
+    out = xp.where(empty[..., None], 0.0, _rows_of(p, v, computed))
+    lse = xp.where(empty, -xp.inf, m[..., 0] + xp.log(xp.where(empty, 1.0, l_sum[..., 0])))
     return out, lse
 
 
+@_quiet
 def dense_attention_grads(
-    q: Any, k: Any, v: Any, dout: Any, mask: Any, scale: float, dlse: Any = None
+    q: Any,
+    k: Any,
+    v: Any,
+    dout: Any,
+    mask: Any,
+    scale: float,
+    dlse: Any = None,
+    computed: Any = None,
+    score_dtype: Any = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) in float64 of sum(out * dout) + sum(lse * dlse) (dlse [batch, heads, n_q]
-    or None; rows with no allowed key take no part); dk, dv with k's and v's heads."""
+    or None; rows with no allowed key take no part); dk, dv with k's and v's heads.
+    ``computed``, ``score_dtype``: see the module docstring."""
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
     xp = _xp(q)
-    p, _, _ = _probs(q, k, mask, scale)
-    dv = xp.einsum("bhqk,bhqd->bhkd", p, dout)
+    p, _, l_sum = _probs(q, k, mask, scale, score_dtype)
+    dv = _cols_of(p, dout, computed)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
-    delta = (dp * p).sum(axis=-1, keepdims=True)
+    if computed is not None:  # a pair outside takes no part in dS either
+        dp = xp.where(computed[None], dp, 0.0)
+    # delta = rowsum(dO * O), as the backends form it: an empty row's O is a written 0, so its
+    # delta is 0 whatever 0 * NaN its P V would have held
+    out = xp.where(l_sum == 0, 0.0, _rows_of(p, v, computed))
+    delta = (dout * out).sum(axis=-1, keepdims=True)
     if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P * (dP - (delta - dlse))
         (dlse,) = _float64(dlse)
         delta = delta - dlse[..., None]
     ds = p * (dp - delta)
-    dq = xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
-    dk = xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale
+    dq = _rows_of(ds, k, computed) * scale
+    dk = _cols_of(ds, q, computed) * scale
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 

@@ -6,6 +6,7 @@ got and what is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from cuattn.adapters import dispatch as _dispatch
+from cuattn.adapters import dlpack as _dlpack
+from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.layout import Layout
@@ -48,15 +51,20 @@ def _check_array(name: str, x: Any, ndim: int, layout_doc: str) -> None:
         raise TypeError(f"{name} must have a floating dtype {FLOAT_DTYPES}, got {_dtype_name(x)}")
 
 
-def _check_qkv(q: Any, k: Any, v: Any, ndim: int, layout_doc: str) -> None:
+def _check_qkv(
+    q: Any, k: Any, v: Any, ndim: int, layout_doc: str, allow_empty: bool = False
+) -> None:
     """Same rank and dtype; v shaped like k; k like q except (4-D) heads and time: k may have
-    fewer heads dividing q's (GQA/MQA) and another length (queries != keys)."""
+    fewer heads dividing q's (GQA/MQA) and another length (queries != keys). ``allow_empty``:
+    batch, heads and times may be 0 (head_dim never)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, ndim, layout_doc)
     q_shape, k_shape = _dims(q), _dims(k)
     if ndim == 4:
         batch, heads, _, head_dim = q_shape
-        if k_shape[0] != batch or k_shape[3] != head_dim or heads % max(k_shape[1], 1):
+        kv_heads = k_shape[1]
+        groups_fit = heads % kv_heads == 0 if kv_heads else heads == 0
+        if k_shape[0] != batch or k_shape[3] != head_dim or not groups_fit:
             raise ValueError(
                 f"k must be [batch={batch}, kv_heads, time_k, head_dim={head_dim}] with kv_heads "
                 f"dividing heads={heads} (GQA/MQA), got shape {k_shape} (q {q_shape})"
@@ -66,6 +74,13 @@ def _check_qkv(q: Any, k: Any, v: Any, ndim: int, layout_doc: str) -> None:
     if _dims(v) != k_shape:
         raise ValueError(f"v must have the same shape as k {k_shape}, got {tuple(v.shape)}")
     _check_dtypes(q, k, v)
+    if allow_empty:
+        if q_shape[-1] == 0:
+            raise ValueError(
+                f"q must have head_dim >= 1 (its last dimension), got shape {tuple(q.shape)}; "
+                "batch, heads and time may be 0"
+            )
+        return
     for name, x in (("q", q), ("k", k)):
         if any(d == 0 for d in _dims(x)):
             raise ValueError(f"{name} must not have an empty dimension, got shape {tuple(x.shape)}")
@@ -141,23 +156,32 @@ def sparse_attention(
     and recomputes the forward there. ``deterministic`` makes the CUDA backward bit-identical
     across runs.
     """
-    _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]")
+    _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
     if not isinstance(layout, (Layout, Pattern)):
         raise TypeError(
             f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks) or a "
             f"cuattn.Pattern, got {type(layout).__name__}"
         )
-    _, heads, n_q, _ = _dims(q)
+    batch, heads, n_q, _ = _dims(q)
     head_dim, n_k = int(q.shape[3]), _dims(k)[2]
+    # An empty axis (as SDPA: batch, heads, time_q or time_k 0) fits any layout on that axis.
+    empty = 0 in (batch, heads, n_q, n_k)
+    axes = [(layout.heads, heads)]  # (what the layout is for, what q and k have)
+    if isinstance(layout, Layout):
+        axes += [(layout.n_q, n_q), (layout.n_ctx, n_k)]
+    misfit = any(want != got for want, got in axes if got != 0)
     if isinstance(layout, Pattern):
-        if layout.heads != heads:
+        if misfit:
             raise ValueError(f"layout is a Pattern for heads={layout.heads}, q has heads={heads}")
-    elif (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
+    elif misfit:
         raise ValueError(
             f"layout is for heads={layout.heads}, n_q={layout.n_q} queries, n_ctx={layout.n_ctx} "
             f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
             f"({tuple(k.shape)}); build it with make_layout(..., n_ctx={n_k}, n_q={n_q})"
         )
+    if empty:
+        _resolve_scale(scale, head_dim)  # still checked
+        return _empty_attention(q, k, v, bool(return_lse))
     return _compute(
         q,
         k,
@@ -169,6 +193,55 @@ def sparse_attention(
         backend,
         bool(deterministic),
     )
+
+
+def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
+    """The result of a call with an empty axis: out like q, all zeros (with time_k = 0 every
+    row has no key), lse -inf [batch, heads, time_q] (float32, float64 for float64), as the
+    caller's own kind of array on its device. torch and jax results come from q, k and v
+    through where(False, ...), so autograd and tracing see the inputs (gradients: zeros) and no
+    value of theirs (a NaN) can leak; tape Tensors through a tape op of zero gradient."""
+    lse_dtype = "float64" if _dtype_name(q) == "float64" else "float32"
+    if any(isinstance(x, Tensor) for x in (q, k, v)):
+        out, lse = _NoKeys.apply(*_dispatch._tape_args(q, k, v), lse_dtype)
+    elif type(q).__module__.startswith("torch"):
+        import torch
+
+        never = torch.zeros((), dtype=torch.bool, device=q.device)
+        seen = q + (k.sum() + v.sum()).to(q.dtype)  # every input, for autograd
+        out = torch.where(never, seen, 0.0)
+        lse_type = getattr(torch, lse_dtype)
+        lse = torch.where(never, seen[..., 0].to(lse_type), float("-inf"))
+    elif _dlpack._framework(q) == "jax":
+        import jax.numpy as jnp
+
+        seen = q + (k.sum() + v.sum()).astype(q.dtype)
+        out = jnp.where(False, seen, jnp.zeros((), q.dtype))
+        lse = jnp.where(False, seen[..., 0].astype(lse_dtype), -jnp.inf)
+    else:
+        out, lse = _dlpack.call(_no_keys_arrays, {"q": q, "k": k, "v": v}, lse_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _no_keys_arrays(q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
+    """NumPy or CuPy zeros like q and lse -inf, on q's device."""
+    xp = get_array_module(q)
+    with q.device if xp is not np else contextlib.nullcontext():
+        return xp.zeros(q.shape, q.dtype), xp.full(q.shape[:3], -np.inf, lse_dtype)
+
+
+class _NoKeys(Function):
+    """Tape op: (zeros like q, lse -inf) whose gradients in q, k and v are zeros."""
+
+    @staticmethod
+    def forward(ctx: Context, q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
+        ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v)]
+        return _no_keys_arrays(q, k, v, lse_dtype)
+
+    @staticmethod
+    def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
+        xp = get_array_module(dout)
+        return (*(xp.zeros(shape, dtype) for shape, dtype in ctx.shapes), None)
 
 
 def split_heads(x: Any, heads: int) -> Any:
@@ -304,8 +377,12 @@ def attention(
     if n_q != n_k:
         raise ValueError(f"attention needs k's time {n_k} equal to q's {n_q}")
     extra = {"transpose": False} if attn_mode == "strided" else {}
-    layout = make_layout(
-        attn_mode, n_k, heads, blocksize=DENSE_BLOCKSIZE, local_attn_ctx=local_attn_ctx, **extra
+    args = (attn_mode, heads, DENSE_BLOCKSIZE)
+    # length 0 has no Layout; its Pattern is checked the same and the call returns empty
+    layout = (
+        make_layout(args[0], n_k, *args[1:], local_attn_ctx=local_attn_ctx, **extra)
+        if n_k
+        else Pattern(*args, local_attn_ctx=local_attn_ctx, **extra)
     )
     return _attend_bte(
         q, k, v, heads, kv_heads, layout, scale=scale, recompute=recompute, backend=backend
@@ -334,9 +411,19 @@ def _check_max_seqlen(name: str, value: object, lengths: np.ndarray) -> None:
         return
     given = _check_int(name, value)
     if given < int(lengths.max(initial=0)):
+        s = int(np.argmax(lengths))
         raise ValueError(
-            f"{name}={given} is below the longest sequence ({int(lengths.max())} tokens)"
+            f"{name}={given} is below the longest sequence (sequence {s}: {int(lengths[s])} tokens)"
         )
+
+
+def _nothing_attended(heads: int, n_q: int, n_k: int) -> Layout | Pattern:
+    """A layout of no block for a packed batch whose every sequence is empty (a Pattern, which
+    the call only reads for its heads, where a length is 0)."""
+    if n_q and n_k:
+        blocks = np.zeros((heads, -(-n_q // DENSE_BLOCKSIZE), -(-n_k // DENSE_BLOCKSIZE)), bool)
+        return Layout(blocks, DENSE_BLOCKSIZE, n_ctx=n_k, n_q=n_q)
+    return Pattern("all", max(heads, 1), DENSE_BLOCKSIZE)
 
 
 def sparse_attention_varlen(
@@ -367,7 +454,9 @@ def sparse_attention_varlen(
 
     The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
     blocks a sequence boundary crosses), built on the host from cu_seqlens and cached per
-    packing: cu_seqlens on a device is read back once for that (it is a few integers).
+    packing: cu_seqlens on a device is read back once for that (it is a few integers). A layout
+    computed in a permuted order (strided) keeps it when cu_seqlens_q equals cu_seqlens_k;
+    otherwise its sequence runs, exactly, on its natural-order blocks (denser).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, 3, "[total_tokens, heads, head_dim]")
@@ -380,16 +469,25 @@ def sparse_attention_varlen(
         )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
+    lengths = list(zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist(), strict=True))
     if callable(layouts) and not isinstance(layouts, Layout):
-        layouts = [
-            layouts(int(a), int(b)) for a, b in zip(np.diff(cu_q), np.diff(cu_k), strict=True)
-        ]
-    if not isinstance(layouts, Sequence) or not all(isinstance(x, Layout) for x in layouts):
+        # an empty sequence (no queries or no keys) has no layout: the callable is not asked
+        layouts = [layouts(n_q, n_k) if n_q and n_k else None for n_q, n_k in lengths]
+    if not isinstance(layouts, Sequence) or isinstance(layouts, str):
         raise TypeError(
             "layouts must be a sequence of cuattn.Layout (one per sequence) or a callable "
             f"(n_q, n_k) -> Layout, got {type(layouts).__name__}"
         )
-    lay = _packed_layout(layouts, cu_q, cu_k)
+    for s, lay in enumerate(layouts):
+        if not isinstance(lay, Layout) and lay is not None:
+            raise TypeError(
+                f"layouts[{s}] must be a cuattn.Layout (None for an empty sequence), got "
+                f"{type(lay).__name__}"
+            )
+    if any(lay is not None for lay in layouts) or len(layouts) != len(lengths):
+        lay = _packed_layout(layouts, cu_q, cu_k)
+    else:  # every sequence empty: nothing is attended, no layout to pack
+        lay = _nothing_attended(int(q.shape[1]), int(cu_q[-1]), int(cu_k[-1]))
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
     result = sparse_attention(q4, k4, v4, lay, scale, return_lse=return_lse, backend=backend)
     out, lse = result if return_lse else (result, None)

@@ -244,6 +244,13 @@ def vertical_slash_layout(
 def _described_batch(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     """(x as a NumPy/CuPy array of any shape sharing its memory, where x lives)."""
     info = dlpack.describe(x, name)
+    if info.device == "traced":
+        raise TypeError(
+            f"{name} is a jax tracer (inside jax.jit, grad or vmap): cuattn.dynamic chooses "
+            "blocks from the values of q and k, which a tracer does not have. Build the layout "
+            "outside the transformation (eagerly, from concrete arrays) and pass it in: "
+            "sparse_attention under jax.jit takes a built Layout or DeviceLayout"
+        )
     return dlpack.to_backend(x, info, name), info
 
 

@@ -118,6 +118,11 @@ def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) array sharing ``x``'s memory."""
     if info.framework in ("numpy", "cupy"):
         return x
+    if info.device == "traced":
+        raise TypeError(
+            f"{name} is a jax tracer (inside jax.jit, grad or vmap): it has no values yet to "
+            "share with NumPy or CuPy; call this outside the transformation, on concrete arrays"
+        )
     if info.framework == "torch" and x.requires_grad:
         x = x.detach()  # shares storage; DLPack refuses tensors that require grad
     if info.device == "cpu":

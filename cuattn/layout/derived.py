@@ -7,6 +7,8 @@ and after agree on every element) and only changes how it is laid out for the ke
     coarsened(layout, blocksize)  the same elements on bigger blocks (block 8 on 16-block kernels)
     restricted(layout, qpos, kpos) chosen query rows against chosen keys (a context-parallel
                                   rank's queries against a visiting rank's keys)
+    natural_cover(layout)         the natural-order blocks that may hold an allowed element (what
+                                  a derivation that addresses tokens in natural order starts from)
 Where a derived block holds only part of what its source allowed, the derived layout carries a
 per-block bitmask (evaluated once, here); blocks every element of which is allowed stay
 mask-free, so the kernels test elements only on the boundary blocks.
@@ -108,7 +110,12 @@ def check_cu_seqlens(name: str, cu_seqlens: object, total: int) -> np.ndarray:
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(values[0])}")
     if (np.diff(values) < 0).any():
-        raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+        s = int(np.argmax(np.diff(values) < 0))
+        raise ValueError(
+            f"{name} must be non-decreasing (a repeated value is an empty sequence): sequence "
+            f"{s} would have length {int(values[s + 1] - values[s])} ({name}[{s}]="
+            f"{int(values[s])}, [{s + 1}]={int(values[s + 1])})"
+        )
     if values[-1] != total:
         raise ValueError(
             f"{name} must end at the number of packed tokens {total}, got {int(values[-1])}"
@@ -126,35 +133,96 @@ def _host_ints(x: object) -> np.ndarray:
     return np.asarray(x).astype(np.int64)
 
 
-def packed(layouts: Sequence[Layout], cu_q: np.ndarray, cu_k: np.ndarray) -> Layout:
+def natural_cover(layout: Layout) -> np.ndarray:
+    """bool [heads, nbq, nb]: the blocks, in the caller's natural token order, that may hold an
+    element ``layout`` allows (a superset; a bitmask built over them makes a derived layout exact).
+
+    ``layout.blocks`` speak of the computed order, so a derivation that addresses tokens in
+    natural order (packed sequences, a context-parallel rank's shard) must start from this
+    instead. Computed block I covers the natural blocks of the tokens it holds, C[I, A] = 1 when
+    some position of I holds a token of natural block A; natural blocks (A, B) are reached
+    through an active (I, J) when (C.T @ blocks @ C)[A, B] > 0: two [nb, nb] products per
+    distinct head, never a pass over elements. The products run in float32 (BLAS): their terms
+    are 0 or 1, so a sum is positive exactly when one term is, whatever it rounds to.
+    """
+    if layout.perm is None:
+        return layout.blocks
+    b, nb = layout.blocksize, layout.num_blocks
+    cover = np.zeros((nb, nb), dtype=np.float32)
+    cover[np.arange(layout.n_ctx) // b, layout.perm // b] = 1
+    out = np.empty(layout.blocks.shape, dtype=bool)
+    by_blocks: dict[bytes, np.ndarray] = {}  # heads with equal blocks (most patterns) share one
+    for h, blocks in enumerate(layout.blocks):
+        key = blocks.tobytes()
+        if key not in by_blocks:
+            by_blocks[key] = cover.T @ blocks.astype(np.float32) @ cover > 0
+        out[h] = by_blocks[key]
+    return out
+
+
+def _order(layout: Layout) -> np.ndarray:
+    """The layout's computed order of its tokens (its ``perm``, or natural order)."""
+    return np.arange(layout.n_ctx) if layout.perm is None else layout.perm
+
+
+def packed(layouts: Sequence[Layout | None], cu_q: np.ndarray, cu_k: np.ndarray) -> Layout:
     """One layout over sequences packed end to end: sequence s has queries cu_q[s]..cu_q[s+1]-1
     and keys cu_k[s]..cu_k[s+1]-1 and sees, inside its own box, exactly what ``layouts[s]``
-    allows; nothing crosses sequences. Boundary blocks carry bitmasks."""
+    allows; nothing crosses sequences. Boundary blocks carry bitmasks.
+
+    A self-attention packing (cu_q == cu_k) with permuted layouts among its sequences keeps each
+    sequence's computed order: the packed layout permutes tokens within sequences only (each
+    ``perm`` offset by its start, natural order for the others), so a strided sequence stays
+    block-sparse. Any other packing has n_q != n_ctx, which no permutation can serve: there the
+    candidates are each layout's natural-order cover (``natural_cover``), exact through the
+    bitmasks but as dense as the natural-order pattern."""
     count = len(cu_q) - 1
     if len(layouts) != count or len(cu_k) != len(cu_q):
         raise ValueError(
             f"layouts: got {len(layouts)} layouts for {count} sequences (cu_seqlens_q has "
             f"{len(cu_q)} entries, cu_seqlens_k {len(cu_k)})"
         )
-    heads, b = layouts[0].heads, layouts[0].blocksize
+    given = [lay for lay in layouts if lay is not None]
+    if not given:
+        raise ValueError("layouts: every entry is None; at least one sequence needs a layout")
+    heads, b = given[0].heads, given[0].blocksize
     for s, lay in enumerate(layouts):
         n_q, n_k = int(cu_q[s + 1] - cu_q[s]), int(cu_k[s + 1] - cu_k[s])
+        if lay is None:  # an empty sequence (no queries or no keys) has no layout
+            if n_q and n_k:
+                raise ValueError(
+                    f"layouts[{s}]: None, but sequence {s} has {n_q} queries and {n_k} keys"
+                )
+            continue
         if lay.blocksize != b or lay.heads != heads:
             raise ValueError(
                 f"layouts[{s}]: blocksize {lay.blocksize}, heads {lay.heads}; every layout of a "
-                f"packed batch needs layouts[0]'s blocksize {b} and heads {heads}"
+                f"packed batch needs the first layout's blocksize {b} and heads {heads}"
             )
         if (lay.n_q, lay.n_ctx) != (n_q, n_k):
             raise ValueError(
                 f"layouts[{s}]: built for n_q={lay.n_q}, n_ctx={lay.n_ctx}, but sequence {s} has "
                 f"{n_q} queries and {n_k} keys"
+                + ("" if n_q and n_k else " (an empty one takes None)")
             )
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
     nbq, nb = ceil_div(total_q, b), ceil_div(total_k, b)
+    computed = np.array_equal(cu_q, cu_k) and any(lay.perm is not None for lay in given)
+    perm = None
+    if computed:
+        perm = np.concatenate(
+            [  # an empty sequence (no layout) holds no token
+                start + (np.arange(0) if lay is None else _order(lay))
+                for start, lay in zip(cu_q[:-1], layouts, strict=True)
+            ]
+        )
     candidates = np.zeros((heads, nbq, nb), dtype=bool)
     for s, lay in enumerate(layouts):
+        if lay is None:
+            continue
+        source = lay.blocks if computed else natural_cover(lay)
         for h in range(heads):
-            i, j = np.nonzero(lay.blocks[h])
+            i, j = np.nonzero(source[h])
             # a source block spans at most two packed blocks on each axis
             for dq in (0, b - 1):
                 q = np.minimum(i * b + dq, lay.n_q - 1) + cu_q[s]
@@ -164,16 +232,20 @@ def packed(layouts: Sequence[Layout], cu_q: np.ndarray, cu_k: np.ndarray) -> Lay
     starts_q, starts_k = np.asarray(cu_q[:-1]), np.asarray(cu_k[:-1])
 
     def mask_fn(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        # q and k are packed computed positions; with ``perm`` a sequence's computed positions
+        # are its own token range, so the sequence is found the same way in either order.
         h, q, k = np.broadcast_arrays(h, q, k)
         seq = np.searchsorted(cu_q, q, side="right") - 1
         same = seq == np.searchsorted(cu_k, k, side="right") - 1
         out = np.zeros(q.shape, dtype=bool)
         for s in np.unique(seq[same]):
             sel = same & (seq == s)
-            out[sel] = layouts[s].allowed(h[sel], q[sel] - starts_q[s], k[sel] - starts_k[s])
+            out[sel] = layouts[s].allowed(
+                h[sel], q[sel] - starts_q[s], k[sel] - starts_k[s], natural=not computed
+            )
         return out
 
-    return bitmask_layout(candidates, b, total_k, mask_fn, "packed", n_q=total_q)
+    return bitmask_layout(candidates, b, total_k, mask_fn, "packed", n_q=total_q, perm=perm)
 
 
 def coarsened(layout: Layout, blocksize: int) -> Layout:
@@ -210,20 +282,17 @@ def restricted(layout: Layout, q_positions: np.ndarray, k_positions: np.ndarray)
         if pos.size == 0 or pos.min() < 0 or pos.max() >= upper:
             raise ValueError(f"{name} must be a non-empty set of indices in [0, {upper})")
     b = layout.blocksize
-    if layout.perm is None:
-        # A local block may straddle two of the layout's blocks: it is a candidate when any
-        # block it touches is active.
-        def cover(pos: np.ndarray, count: int) -> np.ndarray:
-            touches = np.zeros((ceil_div(len(pos), b), count), dtype=np.int32)
-            touches[np.arange(len(pos)) // b, pos // b] = 1
-            return touches
 
-        active = layout.blocks.astype(np.int32)
-        reach = cover(qpos, layout.num_q_blocks) @ active @ cover(kpos, layout.num_blocks).T
-        candidates = reach > 0
-    else:
-        shape = (layout.heads, ceil_div(len(qpos), b), ceil_div(len(kpos), b))
-        candidates = np.ones(shape, dtype=bool)
+    # A local block may straddle two of the layout's natural-order blocks: it is a candidate
+    # when any block it touches may hold an allowed element.
+    def cover(pos: np.ndarray, count: int) -> np.ndarray:
+        touches = np.zeros((ceil_div(len(pos), b), count), dtype=np.int32)
+        touches[np.arange(len(pos)) // b, pos // b] = 1
+        return touches
+
+    active = natural_cover(layout).astype(np.int32)
+    reach = cover(qpos, layout.num_q_blocks) @ active @ cover(kpos, layout.num_blocks).T
+    candidates = reach > 0
 
     def mask_fn(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         return layout.allowed(h, qpos[q], kpos[k])

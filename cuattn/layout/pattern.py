@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import ast
 import math
+import sys
 from dataclasses import dataclass
 
 from cuattn.layout.layout import Layout, check_positive_int
-from cuattn.layout.registry import make_layout, modes
+from cuattn.layout.registry import check_pattern, make_layout, modes
+
+# Keys whose arguments passed check_pattern's trial build.
+_CHECKED: set[str] = set()
+
+
+def _tracing() -> bool:
+    """Whether torch.compile is tracing this call (never imports torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
 
 # Option values a key can spell (Python literals, and tuples of them).
 _SCALARS = (bool, int, float, str, type(None))
@@ -63,6 +74,12 @@ class Pattern:
         plain = tuple((name, _plain(name, options[name])) for name in sorted(options))
         # repr, not json: torch.compile traces this constructor, and it cannot trace json.
         key = repr((mode, int(heads), int(blocksize), plain))
+        # Arguments are checked here, not at the first call: names always; values by one trial
+        # build per distinct key, outside torch.compile's tracing (a Layout is not traceable).
+        trial = key not in _CHECKED and not _tracing()
+        check_pattern(mode, heads, blocksize, trial=trial, **options)
+        if trial:
+            _CHECKED.add(key)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "heads", int(heads))
         object.__setattr__(self, "blocksize", int(blocksize))

@@ -8,7 +8,9 @@ calls the constructor.
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +57,80 @@ def modes() -> tuple[str, ...]:
     return tuple(_PATTERNS)
 
 
+def accepted_arguments(attn_mode: str) -> tuple[str, ...]:
+    """The keyword arguments pattern ``attn_mode`` takes (besides heads and blocksize)."""
+    return (*_PATTERNS[attn_mode].params, "causal")
+
+
+def check_arguments(
+    attn_mode: str,
+    heads: object,
+    blocksize: object,
+    num_verts: object = None,
+    vertsize: object = None,
+    causal: object = True,
+    pattern_args: dict[str, object] | None = None,
+    also_accepted: tuple[str, ...] = (),
+) -> Pattern:
+    """The checks of a pattern's arguments that need no length (make_layout's and Pattern's):
+    the mode, heads, blocksize, causal, and argument names; a name the mode does not take is a
+    TypeError naming the ones it does (``also_accepted``: the caller's own, e.g. n_q)."""
+    if not isinstance(attn_mode, str) or attn_mode not in _PATTERNS:
+        raise ValueError(f"attn_mode must be one of {modes()}, got {attn_mode!r}")
+    pattern = _PATTERNS[attn_mode]
+    check_positive_int("heads", heads)
+    check_positive_int("blocksize", blocksize)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    unknown = sorted(set(pattern_args or ()) - set(pattern.extra_args))
+    if unknown:
+        accepted = (*accepted_arguments(attn_mode), *also_accepted)
+        close = difflib.get_close_matches(unknown[0], accepted, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"unexpected argument(s) {unknown} for attn_mode={attn_mode!r}{hint}; accepted "
+            f"pattern arguments: {', '.join(accepted)}"
+        )
+    if "num_verts" not in pattern.params and (num_verts is not None or vertsize is not None):
+        raise ValueError(f"num_verts/vertsize apply only to attn_mode='fixed', not {attn_mode!r}")
+    return pattern
+
+
+# Messages of the constructors' checks that depend on the length (an index past it, documents
+# that do not sum to it, a transposed form it does not fit): a trial build without the length
+# cannot judge those.
+_LENGTH_BOUND = re.compile(r"\bn_ctx\b|entries must be in \[0,")
+
+
+def check_pattern(
+    attn_mode: str, heads: int, blocksize: int, trial: bool = True, **options: object
+) -> None:
+    """Every check of make_layout's arguments that holds for all lengths, without a length:
+    check_arguments, then (``trial``) the constructor run once on one block of tokens, whose
+    errors are the arguments' own unless they speak of the length (those wait for a call's
+    lengths)."""
+    named = {name: options.pop(name, None) for name in NAMED_ARGS}
+    causal = options.pop("causal", True)
+    pattern = check_arguments(
+        attn_mode, heads, blocksize, named["num_verts"], named["vertsize"], causal, options
+    )
+    if not trial:
+        return
+    given = {name: value for name, value in named.items() if name in pattern.params}
+    try:
+        pattern.build(
+            n_ctx=blocksize,
+            heads=heads,
+            blocksize=blocksize,
+            causal=bool(causal),
+            **given,
+            **options,
+        )
+    except (ValueError, TypeError) as err:
+        if not _LENGTH_BOUND.search(str(err)):
+            raise
+
+
 _CACHE: dict[tuple, Layout] = {}
 CACHE_SIZE = 64
 
@@ -87,25 +163,12 @@ def make_layout(
     i + n_ctx - n_q of the pattern: cross-attention, chunked prefill; ``to_mask()`` is then
     [heads, n_q, n_ctx]). Layouts are cached by their arguments.
     """
-    if not isinstance(attn_mode, str) or attn_mode not in _PATTERNS:
-        raise ValueError(f"attn_mode must be one of {modes()}, got {attn_mode!r}")
-    pattern = _PATTERNS[attn_mode]
     check_positive_int("n_ctx", n_ctx)
-    check_positive_int("heads", heads)
-    check_positive_int("blocksize", blocksize)
     if n_q is not None:
         check_positive_int("n_q", n_q)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    unknown = set(pattern_args) - set(pattern.extra_args)
-    if unknown:
-        accepted = ", ".join(pattern.extra_args) or "none"
-        raise TypeError(
-            f"unexpected argument(s) {sorted(unknown)} for attn_mode={attn_mode!r}; "
-            f"accepted pattern arguments: {accepted}"
-        )
-    if "num_verts" not in pattern.params and (num_verts is not None or vertsize is not None):
-        raise ValueError(f"num_verts/vertsize apply only to attn_mode='fixed', not {attn_mode!r}")
+    pattern = check_arguments(
+        attn_mode, heads, blocksize, num_verts, vertsize, causal, pattern_args, ("n_ctx", "n_q")
+    )
     key = (
         attn_mode,
         n_ctx,

@@ -171,19 +171,25 @@ def _has_bfloat16() -> bool:
     return importlib.util.find_spec("ml_dtypes") is not None
 
 
+def no_cuda_device() -> str | None:
+    """Why the cuda backend cannot run here (None: a CUDA device is present)."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
+        return "no CUDA device"
+    except Exception:  # no driver or no device
+        return "no CUDA driver or device"
+
+
 def best_backend() -> tuple[str, str]:
     """(backend, why it was picked)."""
-    if importlib.util.find_spec("cupy") is None:
-        no_gpu = "CuPy is not installed"
-    else:
-        try:
-            import cupy
-
-            if cupy.cuda.runtime.getDeviceCount() > 0:
-                return "cuda", "a CUDA device is present"
-            no_gpu = "no CUDA device"
-        except Exception:  # no driver or no device: fall through to the CPU backends
-            no_gpu = "no CUDA driver or device"
+    no_gpu = no_cuda_device()
+    if no_gpu is None:
+        return "cuda", "a CUDA device is present"
     if shutil.which("g++"):
         return "interp", f"{no_gpu}; g++ runs the kernels on the CPU interpreter"
     return "numpy", f"{no_gpu} and no g++: the NumPy reference backend"
@@ -270,11 +276,24 @@ def run_case(case: Case, backend: str) -> tuple[float, float | None]:
     return fwd, bwd
 
 
+# Exit status of a check that could not start (the backend asked for is not on this machine).
+EXIT_NO_DEVICE = 2
+
+
 def main(backend: str | None = None, size: str | None = None, out=sys.stdout) -> int:
     if backend is None:
         backend, why = best_backend()
     else:
         why = "chosen with --backend"
+    missing = no_cuda_device() if backend == "cuda" else None
+    if missing is not None:  # before any estimate or case: nothing could run
+        fallback, _ = best_backend()
+        print(
+            f"cuattn check: --backend cuda needs a CUDA device, but {missing} here; run "
+            f"`cuattn check` (picks {fallback} on this machine) or --backend interp/numpy",
+            file=sys.stderr,
+        )
+        return EXIT_NO_DEVICE
     size = size or DEFAULT_SIZE[backend]
     todo = list(cases(backend, size))
     estimate = len(todo) * SECONDS_PER_CASE[backend]

@@ -131,7 +131,7 @@ def test_loss_on_lse_alone_has_gradients_in_q_and_k_only():
 
 @pytest.mark.parametrize("backend", sorted(CASES))
 def test_merging_two_partial_attentions_differentiates_like_one(backend):
-    """The README's example: attention over keys A u B from the partial results over A and B,
+    """docs/patterns.md's example: attention over keys A u B from the partial results over A and B,
     bidirectional, merged by LSE; gradients through the merge equal the whole attention's."""
     dtype, tol = CASES[backend]
     rng = np.random.default_rng(5)

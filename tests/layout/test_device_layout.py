@@ -268,7 +268,8 @@ def test_opcheck_passes_on_device_layouts(recompute, rule):
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
-    bwd_args = (*saved, key, 0.25, "", False, index)
+    dlse = torch.randn_like(lse)  # the lse's gradient
+    bwd_args = (*saved, dlse, key, 0.25, "", False, index)
     torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 

@@ -102,3 +102,29 @@ def test_check_skips_bfloat16_without_ml_dtypes(monkeypatch):
     assert second.startswith("bfloat16 cases skipped: pip install ml_dtypes")
     monkeypatch.setattr(check, "_has_bfloat16", lambda: True)
     assert any(c.dtype == "bfloat16" for c in check.cases("interp", "quick"))
+
+
+def test_check_cuda_without_a_device_says_so_in_one_line(monkeypatch, capsys):
+    """--backend cuda on a machine without a GPU: one line naming why, a non-zero exit, and no
+    estimate, no case, no CuPy traceback."""
+    monkeypatch.setattr(check, "no_cuda_device", lambda: "no CUDA driver or device")
+    monkeypatch.setattr(check, "run_case", lambda case, backend: pytest.fail("a case ran"))
+    out = io.StringIO()
+    assert check.main(backend="cuda", out=out) == check.EXIT_NO_DEVICE != 0
+    assert out.getvalue() == ""
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--backend cuda needs a CUDA device" in err[0]
+    assert "no CUDA driver or device" in err[0] and "about" not in err[0]
+
+
+@pytest.mark.skipif(check.no_cuda_device() is None, reason="this machine has a CUDA device")
+def test_check_cuda_without_a_device_from_the_command_line():
+    res = subprocess.run(
+        [sys.executable, "-m", "cuattn", "check", "--backend", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == check.EXIT_NO_DEVICE, res.stderr
+    assert res.stdout == "" and len(res.stderr.splitlines()) == 1
+    assert "needs a CUDA device" in res.stderr and "Traceback" not in res.stderr

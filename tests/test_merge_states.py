@@ -104,6 +104,25 @@ def test_torch_gradients_equal_autograd_of_the_merge_formula():
     assert torch.isfinite(out_b.grad).all() and torch.allclose(lse_b.grad, torch.ones(3))
 
 
+def test_torch_gradient_of_a_nan_side_is_nan_and_of_an_empty_row_zero():
+    """A NaN lse poisons its merged row in the forward, so its gradients are NaN too (not a
+    silent zero weight); a row where both sides are empty gets zero gradients, never NaN."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    outs = [torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+    lses = [torch.randn(1, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+    lses[0][0, 0, 1] = float("nan")
+    lses[0][0, 1, 3] = lses[1][0, 1, 3] = float("-inf")
+    leaves = [x.requires_grad_() for x in (outs[0], lses[0], outs[1], lses[1])]
+    out, lse = cuattn.merge_attention_states(*leaves)
+    assert out[0, 0, 1].isnan().all() and lse[0, 0, 1].isnan() and lse[0, 1, 3] == float("-inf")
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    for leaf in leaves:
+        assert leaf.grad[0, 0, 1].isnan().all()
+        assert not leaf.grad[0, 1, 3].any()
+        assert not leaf.grad[0, 1, :3].isnan().any()
+
+
 def test_jax_tracers_are_refused():
     jax = pytest.importorskip("jax")
     ((out_a, lse_a), (out_b, lse_b)), _ = halves()

@@ -243,9 +243,9 @@ def attend(
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """exp(lse_x - lse): a side's share of the merged softmax; 0 for an empty side (and when
-    both are empty), never NaN."""
-    finite = torch.isfinite(lse)
-    return torch.where(finite, torch.exp(lse_x - torch.where(finite, lse, 0.0)), 0.0)
+    both are empty, lse = -inf); NaN where the merged lse is NaN, as the forward's output is."""
+    empty = lse == float("-inf")
+    return torch.where(empty, 0.0, torch.exp(lse_x - torch.where(empty, 0.0, lse)))
 
 
 class MergeStates(torch.autograd.Function):

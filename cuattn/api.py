@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
+from cuattn.backends.call import AttentionCall
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.layout import Layout
@@ -113,20 +115,16 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _compute(
-    q: Any,
-    k: Any,
-    v: Any,
-    layout: Layout,
-    scale: float,
-    recompute: bool,
-    return_lse: bool,
-    backend: str | None,
-    deterministic: bool,
-) -> Any:
-    # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
-    # lives in adapters/dispatch.py; every route ends in cuattn.backends.
-    return _dispatch.route(q, k, v, layout, scale, recompute, return_lse, backend, deterministic)
+def _warn_deterministic(deterministic: object) -> None:
+    """``deterministic=`` never changed anything: every backend's backward is bit-identical run
+    to run (the kernels compute dQ in its own pass, without atomics). Deprecated, then gone."""
+    if deterministic is not None:
+        warnings.warn(
+            "deterministic= is deprecated and does nothing: every cuattn backward is already "
+            "bit-identical run to run; drop the argument (it goes in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 def sparse_attention(
@@ -139,7 +137,7 @@ def sparse_attention(
     return_lse: bool = False,
     *,
     backend: str | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> Any:
     """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`
     (one length) or a :class:`Pattern` (built for each call's lengths).
@@ -153,9 +151,10 @@ def sparse_attention(
     for float64 input, [batch, heads, time_q], -inf on rows with nothing to attend to).
     ``scale`` defaults to 1/sqrt(head_dim). ``backend``: 'numpy', 'interp' or 'cuda' (default:
     from the arrays' device and CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward
-    and recomputes the forward there. ``deterministic`` makes the CUDA backward bit-identical
-    across runs.
+    and recomputes the forward there. Every backward is bit-identical run to run
+    (``deterministic=`` is deprecated and does nothing).
     """
+    _warn_deterministic(deterministic)
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
     if not isinstance(layout, (Layout, Pattern)):
         raise TypeError(
@@ -182,17 +181,12 @@ def sparse_attention(
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
-    return _compute(
-        q,
-        k,
-        v,
-        layout,
-        _resolve_scale(scale, head_dim),
-        bool(recompute),
-        bool(return_lse),
-        backend,
-        bool(deterministic),
+    call = AttentionCall(
+        layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend
     )
+    # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
+    # lives in adapters/dispatch.py; every route ends in cuattn.backends.
+    return _dispatch.route(q, k, v, call)
 
 
 def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
@@ -319,14 +313,16 @@ def blocksparse_attention(
     *,
     kv_heads: int | None = None,
     backend: str | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> Any:
     """The original ``blocksparse_attention_impl``: q, k, v [batch, time, heads * head_dim].
 
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
+    ``deterministic=`` is deprecated and does nothing.
     """
+    _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
     if not isinstance(attn_mode, str) or attn_mode not in MODES:
         raise ValueError(f"attn_mode must be one of {MODES}, got {attn_mode!r}")
@@ -350,7 +346,6 @@ def blocksparse_attention(
         scale=scale,
         recompute=recompute,
         backend=backend,
-        deterministic=deterministic,
     )
 
 

@@ -174,11 +174,9 @@ def project(args: argparse.Namespace) -> list[dict]:
                         scale = args.head_dim**-0.5
 
                         def fwd_bwd(q=q, k=src[1], v=src[2], key=key, scale=scale):
-                            out, lse = torch_ops.attention_fwd(
-                                q, k, v, key, scale, "", False, False, []
-                            )
+                            out, lse = torch_ops.attention_fwd(q, k, v, key, scale, "", False, [])
                             torch_ops.attention_bwd(
-                                q, k, v, out, lse, out, None, key, scale, "", False, []
+                                q, k, v, out, lse, out, None, key, scale, "", []
                             )
 
                         steps[rank, step] = _time(fwd_bwd, device, args.repeats)

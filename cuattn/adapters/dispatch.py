@@ -1,12 +1,13 @@
 """Route one attention call to the right path for the caller's arrays.
 
-* ``cuattn.Tensor``                     -> the tape op (autograd/ops.py sparse_attention)
+* ``cuattn.Tensor``                     -> the tape op (autograd/ops.py attend)
 * torch tensors (with or without grad)  -> the cuattn:: torch custom ops (adapters/torch_ops.py),
                                           which torch.compile traces without a graph break
 * jax array (eager or traced)           -> jax.custom_vjp (adapters/jax_vjp.py)
 * NumPy, CuPy, any other __dlpack__ producer -> compute and hand back
   the caller's own type on the caller's device, sharing memory (other producers get NumPy/CuPy).
-Arguments are validated (shapes, dtypes, layout) by the public API before they get here.
+Arguments are validated (shapes, dtypes, layout) by the public API before they get here; the
+call's options travel as one AttentionCall (cuattn/backends/call.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Any
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
-from cuattn.layout.layout import Layout
-from cuattn.layout.pattern import Pattern
+from cuattn.backends.call import AttentionCall
 
 __all__ = ["route"]
 
@@ -55,42 +55,29 @@ def _all_torch(xs: tuple[Any, ...]) -> bool:
     return torch is not None and all(isinstance(x, torch.Tensor) for x in xs)
 
 
-def route(
-    q: Any,
-    k: Any,
-    v: Any,
-    layout: Layout | Pattern,
-    scale: float,
-    recompute: bool = False,
-    return_lse: bool = False,
-    backend: str | None = None,
-    deterministic: bool = False,
-) -> Any:
+def route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
     """Attention on [batch, heads, time, head_dim] arrays of any supported kind; see module doc.
     A Pattern is built into its Layout for q's and k's lengths here, except on the torch route,
     whose ops take the pattern's key and build it inside (lengths may be symbolic there)."""
     xs = (q, k, v)
-    extra = {"backend": backend, "deterministic": deterministic}
     if _all_torch(xs):
         from cuattn.adapters import torch_ops
 
-        return torch_ops.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
-    if isinstance(layout, Pattern):
-        layout = layout.layout(int(q.shape[2]), int(k.shape[2]))
+        return torch_ops.attend(q, k, v, call)
+    call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in xs):
         from cuattn.autograd import ops
 
-        return ops.sparse_attention(
-            *_tape_args(q, k, v), layout, scale, recompute, return_lse, **extra
-        )
+        return ops.attend(*_tape_args(q, k, v), call)
     info = dlpack.common_info({"q": q, "k": k, "v": v})
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp as jax_adapter
 
-        return jax_adapter.attend(q, k, v, layout, scale, recompute, return_lse, **extra)
+        return jax_adapter.attend(q, k, v, call)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
-    out, lse = dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
-    return (out, lse) if return_lse else out
+    named = {"q": q, "k": k, "v": v}
+    out, lse = dlpack.call(_backend.forward, named, call.layout, call.scale, call.backend)
+    return (out, lse) if call.return_lse else out
 
 
 def wants_gradient(xs: Any) -> bool:

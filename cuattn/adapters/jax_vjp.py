@@ -39,7 +39,7 @@ import numpy as np
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.adapters import jax_xla as _xla
-from cuattn.layout.layout import Layout
+from cuattn.backends.call import AttentionCall
 
 __all__ = ["attend"]
 
@@ -64,83 +64,77 @@ def _device_target(backend: str | None) -> int | None:
     return target
 
 
-def _host_forward(layout: Layout, scale: float, backend: str | None, q, k, v):
-    out, lse = _backend.forward(np.asarray(q), np.asarray(k), np.asarray(v), layout, scale, backend)
-    return out, lse
+def _host_forward(call: AttentionCall, q, k, v):
+    arrays = (np.asarray(x) for x in (q, k, v))
+    return _backend.forward(*arrays, call.layout, call.scale, call.backend)
 
 
-def _host_backward(layout, scale, backend, deterministic, q, k, v, out, lse, dout, dlse):
+def _host_backward(call: AttentionCall, q, k, v, out, lse, dout, dlse):
     arrays = [np.asarray(x) for x in (q, k, v, out, lse, dout)]
-    return _backend.backward(*arrays, layout, scale, backend, deterministic, np.asarray(dlse))
+    return _eager_backward(*arrays, np.asarray(dlse), call)
 
 
-def _forward(q, k, v, layout: Layout, scale: float, backend: str | None):
+def _forward(q, k, v, call: AttentionCall):
     if _traced(q, k, v):
-        target = _device_target(backend)
+        target = _device_target(call.backend)
         if target is not None:
-            return _xla.forward(q, k, v, layout, scale, target)
+            return _xla.forward(q, k, v, call.layout, call.scale, target)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
         )
-        host = functools.partial(_host_forward, layout, scale, backend)
+        host = functools.partial(_host_forward, call)
         return jax.pure_callback(host, shapes, q, k, v, vmap_method="sequential")
-    return dlpack.call(_backend.forward, {"q": q, "k": k, "v": v}, layout, scale, backend)
+    named = {"q": q, "k": k, "v": v}
+    return dlpack.call(_backend.forward, named, call.layout, call.scale, call.backend)
 
 
-def _backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic):
+def _backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dlse": dlse}
     if _traced(*named.values()):
-        target = _device_target(backend)
+        target = _device_target(call.backend)
         if target is not None:
-            return _xla.backward(*named.values(), layout, scale, target)
+            return _xla.backward(*named.values(), call.layout, call.scale, target)
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        host = functools.partial(_host_backward, layout, scale, backend, deterministic)
+        host = functools.partial(_host_backward, call)
         return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
-    return dlpack.call(_eager_backward, named, layout, scale, backend, deterministic)
+    return dlpack.call(_eager_backward, named, call)
 
 
-def _eager_backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic):
-    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse)
+def _eager_backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
+    return _backend.backward(
+        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention(q, k, v, layout, scale, recompute, backend, deterministic):
-    return _forward(q, k, v, layout, scale, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, call):
+    return _forward(q, k, v, call)
 
 
-def _attention_fwd(q, k, v, layout, scale, recompute, backend, deterministic):
-    out, lse = _forward(q, k, v, layout, scale, backend)
-    residuals = (q, k, v) if recompute else (q, k, v, out, lse)
+def _attention_fwd(q, k, v, call):
+    out, lse = _forward(q, k, v, call)
+    residuals = (q, k, v) if call.recompute else (q, k, v, out, lse)
     return (out, lse), residuals
 
 
-def _attention_bwd(layout, scale, recompute, backend, deterministic, residuals, cotangents):
+def _attention_bwd(call, residuals, cotangents):
     dout, dlse = cotangents
-    if recompute:
+    if call.recompute:
         q, k, v = residuals
-        out, lse = _forward(q, k, v, layout, scale, backend)
+        out, lse = _forward(q, k, v, call)
     else:
         q, k, v, out, lse = residuals
-    return _backward(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic)
+    return _backward(q, k, v, out, lse, dout, dlse, call)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    layout: Layout,
-    scale: float,
-    recompute: bool = False,
-    return_lse: bool = False,
-    backend: str | None = None,
-    deterministic: bool = False,
+    q: jax.Array, k: jax.Array, v: jax.Array, call: AttentionCall
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Differentiable attention on jax arrays [batch, heads, time, head_dim]."""
-    out, lse = _attention(
-        q, k, v, layout, float(scale), bool(recompute), backend, bool(deterministic)
-    )
-    return (out, lse) if return_lse else out
+    """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
+    layout concrete)."""
+    out, lse = _attention(q, k, v, call)
+    return (out, lse) if call.return_lse else out

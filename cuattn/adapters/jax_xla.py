@@ -568,8 +568,8 @@ class XlaBackend(KernelBackend):
         out, lse = super().forward(q, k, v, layout, scale)
         return out.get(), lse.get()
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False, dlse=None):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, deterministic, dlse)
+    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None):
+        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse)
         return tuple(g.get() for g in grads)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
@@ -649,7 +649,7 @@ def backward(
 
     def run(*arrays: Any) -> tuple[Any, Any, Any]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays)
-        grads = backend.backward(*tensors, layout, scale, False, dlse)
+        grads = backend.backward(*tensors, layout, scale, dlse)
         return tuple(_to_natural(g, layout) for g in grads)
 
     return folding_vmap(run)(q, k, v, out, lse, dout, dlse)

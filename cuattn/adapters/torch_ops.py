@@ -1,10 +1,9 @@
 """torch adapter: block-sparse attention as torch custom ops, so torch.compile sees through it.
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
-    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, deterministic, index)
-                                                                              -> (out, lse)
-    cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic,
-                          index)                                              -> (dq, dk, dv)
+    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, index)   -> (out, lse)
+    cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, index)
+                                                                              -> (dq, dk, dv)
 ``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
 Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
 dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
@@ -31,11 +30,12 @@ from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.pattern import Pattern
 
-__all__ = ["attend", "layout_key", "merge"]
+__all__ = ["attend", "layout_key", "merge", "op_arguments"]
 
 UID_PREFIX = "uid:"
 DEVICE_PREFIX = "device:"
@@ -114,10 +114,9 @@ def attention_fwd(
     scale: float,
     backend: str,
     recompute: bool,
-    deterministic: bool,
     index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); ``recompute`` and ``deterministic`` only shape the backward."""
+    """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
     with dlpack.stream_for(dlpack.common_info(named)):  # a DeviceLayout's few launches too
         lay = _resolve(layout, q.shape[2], k.shape[2], index)
@@ -126,7 +125,7 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, deterministic, index):
+def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, index):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -142,7 +141,6 @@ def attention_bwd(
     layout: str,
     scale: float,
     backend: str,
-    deterministic: bool,
     index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the saved inputs, output and lse, and the gradients reaching out
@@ -152,26 +150,24 @@ def attention_bwd(
         named["dlse"] = dlse
     with dlpack.stream_for(dlpack.common_info(named)):
         lay = _resolve(layout, q.shape[2], k.shape[2], index)
-        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None, deterministic)
+        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None)
     return tuple(g.contiguous() for g in grads)
 
 
 def _backward_arrays(q, k, v, out, lse, dout, *rest):
     """backends.backward with the optional dlse array (the first of ``rest`` when given)."""
-    *dlse, layout, scale, backend, deterministic = rest
+    *dlse, layout, scale, backend = rest
     dlse = dlse[0] if dlse else None
-    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse)
+    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse=dlse)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(
-    q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic, index
-):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, layout, scale, backend, index):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, layout, scale, backend, recompute, deterministic, index = inputs
+    q, k, v, layout, scale, backend, recompute, index = inputs
     out, lse = output
     # The op names its Layout by uid only; the autograd graph holds the Layout itself until
     # backward, so a layout built inline for one call (and dropped by the caller) still exists.
@@ -180,26 +176,24 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
     ctx.save_for_backward(*saved, *index)
     ctx.saved_count = len(saved)
-    ctx.args = (layout, scale, backend, recompute, deterministic)
+    ctx.args = (layout, scale, backend, recompute)
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    layout, scale, backend, recompute, deterministic = ctx.args
+    layout, scale, backend, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     index = list(tensors[ctx.saved_count :])
     if recompute:
-        saved = attention_fwd(q, k, v, layout, scale, backend, False, deterministic, index)
+        saved = attention_fwd(q, k, v, layout, scale, backend, False, index)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    grads = attention_bwd(
-        q, k, v, out, lse, dout, dlse, layout, scale, backend, deterministic, index
-    )
-    return (*grads, None, None, None, None, None, [None] * len(index))
+    grads = attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, index)
+    return (*grads, None, None, None, None, [None] * len(index))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -220,25 +214,21 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothin
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: Layout | Pattern,
-    scale: float,
-    recompute: bool = False,
-    return_lse: bool = False,
-    backend: str | None = None,
-    deterministic: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
-    carry gradients.
-    """
+    carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
+    out, lse = attention_fwd(q, k, v, *op_arguments(call))
+    return (out, lse) if call.return_lse else out
+
+
+def op_arguments(call: AttentionCall) -> tuple[str, float, str, bool, list[torch.Tensor]]:
+    """(layout, scale, backend, recompute, index): the call as attention_fwd's arguments after
+    q, k, v (attention_bwd takes the same but recompute), the one place that spells them."""
+    layout = call.layout
     index = index_tensors(layout) if isinstance(layout, DeviceLayout) else []
-    out, lse = attention_fwd(
-        q, k, v, layout_key(layout), scale, backend or "", recompute, deterministic, index
-    )
-    return (out, lse) if return_lse else out
+    return layout_key(layout), call.scale, call.backend or "", call.recompute, index
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ import numpy as np
 from cuattn import backends as _backend
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
 from cuattn.autograd.tape import recompute as recompute_region
+from cuattn.backends.call import AttentionCall
 
 __all__ = [
     "add",
+    "attend",
     "cross_entropy",
     "div",
     "embedding",
@@ -28,7 +30,6 @@ __all__ = [
     "mul",
     "reshape",
     "softmax",
-    "sparse_attention",
     "split_heads",
     "sub",
     "sum",
@@ -456,53 +457,29 @@ class SparseAttention(Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Context,
-        q: Any,
-        k: Any,
-        v: Any,
-        layout: Any,
-        scale: float,
-        backend: str | None = None,
-        deterministic: bool = False,
-    ) -> tuple[Any, Any]:
-        out, lse = _backend.forward(q, k, v, layout, scale, backend)
+    def forward(ctx: Context, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+        out, lse = _backend.forward(q, k, v, call.layout, call.scale, call.backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, scale, backend, deterministic)
+        ctx.call = call
         return out, lse
 
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, scale, backend, deterministic = ctx.args
+        call = ctx.call
         dq, dk, dv = _backend.backward(
-            q, k, v, out, lse, dout, layout, scale, backend, deterministic, dlse
+            q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None
 
 
-def sparse_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    layout: Any,
-    scale: float | None = None,
-    recompute: bool = False,
-    return_lse: bool = False,
-    backend: str | None = None,
-    deterministic: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Tape op: q, k, v Tensors [batch, heads, time, head_dim] with a :class:`cuattn.Layout`.
-
-    ``recompute=True`` keeps only q, k, v on the tape and re-runs the forward in backward.
-    """
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    with recompute_region(recompute):
-        out, lse = SparseAttention.apply(
-            _t(q), _t(k), _t(v), layout, float(scale), backend=backend, deterministic=deterministic
-        )
-    return (out, lse) if return_lse else out
+def attend(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
+    head_dim] and the validated call (its layout concrete). ``call.recompute`` keeps only q, k,
+    v on the tape and re-runs the forward in backward."""
+    with recompute_region(call.recompute):
+        out, lse = SparseAttention.apply(q, k, v, call)
+    return (out, lse) if call.return_lse else out
 
 
 def _sum_method(self: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False):

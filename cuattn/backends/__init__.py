@@ -2,7 +2,7 @@
 
 A backend computes attention on arrays of one array library in the layout's computed token
 order: ``forward(q, k, v, layout, scale) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, deterministic, dlse) -> (dq, dk, dv)``, where
+``backward(q, k, v, out, lse, dout, layout, scale, dlse) -> (dq, dk, dv)``, where
 ``dlse`` (like lse, or None) is the gradient reaching the lse output.
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
@@ -42,7 +42,6 @@ class Backend(Protocol):
         dout: Any,
         layout: Layout,
         scale: float,
-        deterministic: bool = False,
         dlse: Any | None = None,
     ) -> tuple[Any, Any, Any]: ...
 
@@ -50,14 +49,14 @@ class Backend(Protocol):
 
 
 class NumpyBackend:
-    """The NumPy reference behind the Backend protocol (its backward is deterministic already)."""
+    """The NumPy reference behind the Backend protocol."""
 
     name = "numpy"
 
     def forward(self, q, k, v, layout, scale):
         return reference.attention_forward(q, k, v, layout, scale)
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, deterministic=False, dlse=None):
+    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None):
         return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse)
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
@@ -165,7 +164,6 @@ def backward(
     layout: Layout,
     scale: float,
     backend: str | None = None,
-    deterministic: bool = False,
     dlse: Any | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
@@ -173,7 +171,7 @@ def backward(
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, deterministic, dlse)
+    grads = impl.backward(*arrays, layout, scale, dlse)
     return tuple(_to_natural(g, layout) for g in grads)
 
 

@@ -294,17 +294,14 @@ class KernelBackend:
         dout: Any,
         layout: Layout,
         scale: float,
-        deterministic: bool = False,
         dlse: Any | None = None,
     ) -> tuple[Any, Any, Any]:
-        """(dq, dk, dv), bit-identical across runs whatever ``deterministic`` says; ``dlse``
-        (float32 like lse, or None) is the gradient reaching the lse output, subtracted from
-        delta by the preprocess kernel.
+        """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
+        the gradient reaching the lse output, subtracted from delta by the preprocess kernel.
 
-        dQ is its own pass over the CSR rows: on an H100 that measured 1.2-2.5x faster than
-        adding it with fp32 atomics inside the dK/dV kernel (bench/results/2026-11-23-h100/),
-        so the deterministic sequence is the only one; ``deterministic`` stays in the Backend
-        protocol for backends whose fast path is not.
+        dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
+        1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
+        (bench/results/2026-11-23-h100/), so the deterministic sequence is the only one.
         """
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
         dtype, shape = self._check_inputs(arrays, layout)

@@ -142,7 +142,7 @@ def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
             stats.steps_computed += 1
             key = torch_ops.layout_key(sub)
             fwd = torch_ops.attention_fwd
-            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, False, [])
+            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, [])
             if out is None:
                 out, lse = o, l_
             else:
@@ -159,7 +159,7 @@ def _accumulator(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, deterministic, stats):
+def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, stats):
     dq = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
     kv = torch.stack([k, v])
     dkv = torch.zeros(kv.shape, dtype=_accumulator(q), device=q.device)
@@ -169,7 +169,7 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, de
         if sub is not None:
             key = torch_ops.layout_key(sub)
             bwd = torch_ops.attention_bwd
-            args = (q, kv[0], kv[1], out, lse, dout, dlse, key, scale, backend, deterministic, [])
+            args = (q, kv[0], kv[1], out, lse, dout, dlse, key, scale, backend, [])
             dq_s, dk_s, dv_s = _timed(stats, bwd, *args)
             dq += dq_s
             dkv[0] += dk_s
@@ -183,22 +183,20 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, de
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, ring, scale, backend, deterministic, stats):
+    def forward(ctx, q, k, v, plan, ring, scale, backend, stats):
         out, lse = _ring_forward(q, k, v, plan, ring, scale, backend, stats)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (plan, ring, scale, backend, deterministic, stats)
+        ctx.args = (plan, ring, scale, backend, stats)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, ring, scale, backend, deterministic, stats = ctx.args
+        plan, ring, scale, backend, stats = ctx.args
         # Each pair's P is the whole row's (exp(S - merged lse)), so delta - dlse is exact per
         # pair as it is for the whole row.
-        grads = _ring_backward(
-            q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, deterministic, stats
-        )
-        return (*grads, None, None, None, None, None, None)
+        grads = _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, stats)
+        return (*grads, None, None, None, None, None)
 
 
 def _check_group(group: Any) -> Any:
@@ -235,7 +233,7 @@ def ring_attention(
     return_lse: bool = False,
     *,
     backend: str | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     stats: RingStats | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a sequence sharded over the ranks of ``group``.
@@ -246,8 +244,9 @@ def ring_attention(
     ``return_lse``), equal to ``shard(sparse_attention(whole q, k, v, layout))``; gradients
     of out and lse flow to q, k, v through torch.autograd. Every rank calls it with the same
     layout and balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped,
-    compute time.
+    compute time. ``deterministic=`` is deprecated and does nothing.
     """
+    api._warn_deterministic(deterministic)
     group = _check_group(group)
     api._check_qkv(q, k, v, 4, "[batch, heads, time / world_size, head_dim]")
     if not isinstance(layout, Layout):
@@ -271,6 +270,6 @@ def ring_attention(
     _check_same_shards(q, k, ring)
     plan = ring_plan(layout, ring.rank, world_size, balance)
     scale = api._resolve_scale(scale, int(q.shape[3]))
-    args = (plan, ring, scale, backend or "", bool(deterministic), stats)
+    args = (plan, ring, scale, backend or "", stats)
     out, lse = _RingAttention.apply(q, k, v, *args)
     return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 import cuattn
 from cuattn.adapters import torch_ops
+from cuattn.backends.call import AttentionCall
 from tests.helpers.attn_cases import GRAD_RTOL_F64, rel
 
 HEADS, BLOCK, HEAD_DIM = 2, 16, 16
@@ -79,7 +80,8 @@ def test_a_dynamic_length_compiles_once_for_every_length():
 
 
 def _op_args(q, k, v, layout, recompute=False):
-    return (q, k, v, torch_ops.layout_key(layout), 0.3, "", recompute, False, [])
+    call = AttentionCall(layout, 0.3, recompute)
+    return (q, k, v, *torch_ops.op_arguments(call))
 
 
 @pytest.mark.parametrize(
@@ -100,7 +102,7 @@ def test_opcheck_passes_on_both_ops(case):
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
     for lse_grad in (dlse, None):  # the lse's gradient, or nothing reached it
-        bwd_args = saved + (lse_grad,) + args[3:6] + (False, [])
+        bwd_args = saved + (lse_grad,) + args[3:6] + ([],)
         torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
@@ -124,7 +126,7 @@ def test_a_freed_layout_is_named_in_a_clear_error():
     gc.collect()
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
     with pytest.raises(ValueError, match="names no live Layout"):
-        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, False, [])
+        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, [])
 
 
 def test_pattern_is_a_plain_value():

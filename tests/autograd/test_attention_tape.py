@@ -47,9 +47,9 @@ def test_attention_recompute_drops_out_and_lse():
     lay = cuattn.make_layout("all", 64, HEADS, blocksize=BLOCK)
     rng = np.random.default_rng(9)
     q, k, v = (Tensor(rng.standard_normal((2, HEADS, 64, 8)), requires_grad=True) for _ in "qkv")
-    out, lse = ops.sparse_attention(q, k, v, lay, return_lse=True)
+    out, lse = cuattn.sparse_attention(q, k, v, lay, return_lse=True)
     plain = saved_nbytes(out)
-    again = ops.sparse_attention(q, k, v, lay, recompute=True)
+    again = cuattn.sparse_attention(q, k, v, lay, recompute=True)
     assert plain == 3 * q.data.nbytes + out.data.nbytes + lse.data.nbytes
     assert plain - saved_nbytes(again) == out.data.nbytes + lse.data.nbytes
 
@@ -57,7 +57,7 @@ def test_attention_recompute_drops_out_and_lse():
 def _attention_block(x, wq, wk, wv, wo, layout):
     """Projection, split heads, sparse attention, merge heads, output projection."""
     q, k, v = (ops.split_heads(x @ w, HEADS) for w in (wq, wk, wv))
-    return ops.merge_heads(ops.sparse_attention(q, k, v, layout)) @ wo
+    return ops.merge_heads(cuattn.sparse_attention(q, k, v, layout)) @ wo
 
 
 def test_recompute_region_around_an_attention_block():

@@ -264,12 +264,12 @@ def test_opcheck_passes_on_device_layouts(recompute, rule):
     index = torch_ops.index_tensors(layout)
     key = torch_ops.layout_key(layout)
     assert key == f"device:{B}:{layout.rule.kind}"
-    args = (q, k, v, key, 0.25, "", recompute, False, index)
+    args = (q, k, v, key, 0.25, "", recompute, index)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
     dlse = torch.randn_like(lse)  # the lse's gradient
-    bwd_args = (*saved, dlse, key, 0.25, "", False, index)
+    bwd_args = (*saved, dlse, key, 0.25, "", index)
     torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 

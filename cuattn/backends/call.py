@@ -1,0 +1,43 @@
+"""One attention call as a value: what the public API validated, carried unchanged to the kernels.
+
+``cuattn.api`` checks the arguments once and builds an :class:`AttentionCall`; every route (the
+tape, the torch custom ops, jax's custom_vjp, plain NumPy/CuPy arrays) takes ``(q, k, v, call)``
+and hands the call on, so a new option of the call touches this record, the validator and the
+code that uses it, and nothing in between. Nothing downstream re-checks what the API checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cuattn.layout.layout import Layout
+from cuattn.layout.pattern import Pattern
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention call (arrays aside).
+
+    layout      the Layout, or a Pattern still to be built for the call's lengths (the torch
+                route builds it inside its op, where lengths may be symbolic)
+    scale       the score scale, resolved (1/sqrt(head_dim) when the caller gave none)
+    recompute   keep only q, k, v for the backward and run the forward again there
+    return_lse  hand the log-sum-exp back beside the output
+    backend     'numpy', 'interp', 'cuda' or None (chosen from the arrays and CUATTN_BACKEND)
+
+    Frozen and hashable (a layout compares by identity), as jax's custom_vjp needs of the
+    arguments it does not differentiate.
+    """
+
+    layout: Layout | Pattern
+    scale: float
+    recompute: bool = False
+    return_lse: bool = False
+    backend: str | None = None
+
+    def for_lengths(self, n_q: int, n_k: int) -> AttentionCall:
+        """This call with a Pattern built into its Layout for n_q queries and n_k keys (the
+        call itself when its layout is concrete already)."""
+        if isinstance(self.layout, Pattern):
+            return replace(self, layout=self.layout.layout(n_q, n_k))
+        return self

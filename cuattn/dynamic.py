@@ -50,8 +50,7 @@ import numpy as np
 
 from cuattn._util import ceil_div, host_array, widened
 from cuattn.adapters import dlpack
-from cuattn.backends import geometry as kc
-from cuattn.backends import layout_build, resolve_backend
+from cuattn.backends import geometry, layout_build, resolve_backend
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import (
     VerticalSlashRule,
@@ -157,13 +156,13 @@ def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int, sorts: bo
     impl = resolve_backend(backend, on_device=info.device == "cuda")
     if impl.name == "numpy":
         return None
-    if blocksize not in kc.BLOCK_SIZES:
+    if blocksize not in geometry.BLOCK_SIZES:
         raise ValueError(
             f"blocksize: a layout built on the {impl.name} backend needs a kernel block size "
-            f"{kc.BLOCK_SIZES}, got {blocksize}"
+            f"{geometry.BLOCK_SIZES}, got {blocksize}"
         )
     if sorts:
-        kc.select_sort_size(ceil_div(n, blocksize))
+        geometry.select_sort_size(ceil_div(n, blocksize))
     return impl
 
 

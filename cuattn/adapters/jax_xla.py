@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import COPY_ALIGNMENT, LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import (
@@ -334,7 +334,7 @@ def kernel_call_opaque(
 ) -> bytes:
     """The ``opaque`` attribute of one launch of ``config`` with these encoded parameters."""
     compiled = compile_ptx(config.source_file, config.name_expression, compute_capability)
-    assert config.block_dims == (config.num_warps * kc.WARP_SIZE, 1, 1), config.block_dims
+    assert config.block_dims == (config.num_warps * geometry.WARP_SIZE, 1, 1), config.block_dims
     kernel = kernel_message(
         compiled.lowered_name,
         config.num_warps,

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.geometry import KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import kernel_dir, sources_digest
@@ -174,7 +174,7 @@ def build_library(
 
 
 def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
-    return [c for c in kc.all_configs() if c.group == group]
+    return [c for c in geometry.all_configs() if c.group == group]
 
 
 _group_libraries: dict[tuple, Library] = {}

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.geometry import KernelConfig
 from cuattn.layout.derived import coarsened
 from cuattn.layout.layout import Layout
@@ -42,13 +42,13 @@ _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionar
 def kernel_layout(layout: Layout) -> Layout:
     """The layout the kernels walk: ``layout`` itself, or for a block size below the smallest
     kernel block (8) the same elements on the smallest kernel block, built once per layout."""
-    if layout.blocksize in kc.BLOCK_SIZES:
+    if layout.blocksize in geometry.BLOCK_SIZES:
         return layout
-    smallest = kc.BLOCK_SIZES[0]
+    smallest = geometry.BLOCK_SIZES[0]
     if smallest % layout.blocksize:
         raise ValueError(
-            f"layout: blocksize {layout.blocksize} has no kernel; supported: {kc.BLOCK_SIZES} "
-            f"and divisors of {smallest} (run coarsened to {smallest})"
+            f"layout: blocksize {layout.blocksize} has no kernel; supported: "
+            f"{geometry.BLOCK_SIZES} and divisors of {smallest} (run coarsened to {smallest})"
         )
     if layout not in _COARSENED:
         _COARSENED[layout] = coarsened(layout, smallest)
@@ -120,9 +120,9 @@ class KernelBackend:
                 raise ValueError(
                     f"{name}: expected [batch, heads, time, head_dim], got shape {array.shape}"
                 )
-        if np.dtype(q.dtype).name not in kc.DTYPES:
+        if np.dtype(q.dtype).name not in geometry.DTYPES:
             raise TypeError(
-                f"q: dtype {q.dtype} has no kernel; the kernels accept {', '.join(kc.DTYPES)}"
+                f"q: dtype {q.dtype} has no kernel; the kernels accept {', '.join(geometry.DTYPES)}"
             )
         batch, heads, n_q, head_dim = q.shape
         kv_batch, kv_heads, n_k, kv_dim = k.shape
@@ -131,8 +131,10 @@ class KernelBackend:
                 f"k: shape {k.shape} does not fit q {q.shape}: expected [batch={batch}, kv_heads "
                 f"dividing heads={heads}, n_k, head_dim={head_dim}]"
             )
-        if head_dim not in kc.HEAD_DIMS:
-            raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
+        if head_dim not in geometry.HEAD_DIMS:
+            raise ValueError(
+                f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
+            )
         for name, size in (("heads", heads), ("batch", batch)):
             if size > GRID_YZ_LIMIT:
                 raise ValueError(
@@ -145,7 +147,7 @@ class KernelBackend:
                 f"q has heads={heads}, n_q={n_q} and k has n_k={n_k}"
             )
         kernel_layout(layout)  # a block size with no kernel fails here, before any launch
-        return kc.dtype_name(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
+        return geometry.dtype_name(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
 
     def _check_placement(self, arrays: dict[str, Any]) -> None:
         """Every array of this backend's kind and on the device of the first one."""
@@ -219,7 +221,9 @@ class KernelBackend:
         axis of length 1, whose stride is never used)."""
         return {
             f"{name}_{axis}_stride": (stride // x.dtype.itemsize if size > 1 else 0)
-            for axis, stride, size in zip(kc.STRIDE_AXES, x.strides[:3], x.shape[:3], strict=True)
+            for axis, stride, size in zip(
+                geometry.STRIDE_AXES, x.strides[:3], x.shape[:3], strict=True
+            )
         }
 
     def _layout_values(self, layout: Layout, columns: bool, kv_group: int) -> dict[str, Any]:
@@ -247,11 +251,12 @@ class KernelBackend:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         layout = kernel_layout(layout)
-        kernel = kc.forward_kernel()
-        if kernel == "attn_fwd_v1" and head_dim not in kc.V1_HEAD_DIMS:
+        kernel = geometry.forward_kernel()
+        if kernel == "attn_fwd_v1" and head_dim not in geometry.V1_HEAD_DIMS:
             raise ValueError(
-                f"q: head_dim {head_dim} has no kernel of the v1 forward ({kc.KERNELS_ENV}=v1); "
-                f"v1 supports {kc.V1_HEAD_DIMS}, the default generation {kc.HEAD_DIMS}"
+                f"q: head_dim {head_dim} has no kernel of the v1 forward "
+                f"({geometry.KERNELS_ENV}=v1); v1 supports {geometry.V1_HEAD_DIMS}, the default "
+                f"generation {geometry.HEAD_DIMS}"
             )
         xp = self.xp
         with self.on_device_of(q):
@@ -385,16 +390,18 @@ class KernelBackend:
         for name, array in arrays.items():
             if not array.flags.c_contiguous:
                 raise ValueError(f"{name}: the merge kernel reads contiguous arrays")
-        if np.dtype(out_a.dtype).name not in kc.DTYPES:
+        if np.dtype(out_a.dtype).name not in geometry.DTYPES:
             raise TypeError(
                 f"out_a: dtype {out_a.dtype} has no kernel; the kernels accept "
-                f"{', '.join(kc.DTYPES)}"
+                f"{', '.join(geometry.DTYPES)}"
             )
         if lse_a.dtype != self.xp.float32 or lse_b.dtype != self.xp.float32:
             raise TypeError(f"lse_a, lse_b: the kernels take float32, got {lse_a.dtype}")
         head_dim = int(out_a.shape[-1])
-        if head_dim not in kc.HEAD_DIMS:
-            raise ValueError(f"out_a: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
+        if head_dim not in geometry.HEAD_DIMS:
+            raise ValueError(
+                f"out_a: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
+            )
         rows = int(np.prod(out_a.shape[:-1]))
         with self.on_device_of(out_a):
             self._check_alignment({"out_a": out_a, "out_b": out_b})
@@ -402,7 +409,7 @@ class KernelBackend:
             lse = self.output(tuple(lse_a.shape), self.xp.float32)
             if rows:
                 config = KernelConfig(
-                    "merge_states", head_dim, kc.dtype_name(out_a.dtype), n_rows=rows
+                    "merge_states", head_dim, geometry.dtype_name(out_a.dtype), n_rows=rows
                 )
                 self.launch(
                     config,
@@ -444,20 +451,22 @@ class KernelBackend:
         batch, heads, t_q, head_dim = q.shape
         _, kv_heads, max_pages = page_table.shape
         page_size = int(k_pages.shape[1])
-        if int(k_pages.shape[0]) * page_size > kc.DECODE_MAX_SLOTS:
+        if int(k_pages.shape[0]) * page_size > geometry.DECODE_MAX_SLOTS:
             raise ValueError(
                 f"k_pages: {int(k_pages.shape[0])} pages of {page_size} tokens; the decode "
-                f"kernels index at most {kc.DECODE_MAX_SLOTS} slots (int32)"
+                f"kernels index at most {geometry.DECODE_MAX_SLOTS} slots (int32)"
             )
-        dtype = kc.dtype_name(q.dtype)
-        if head_dim not in kc.HEAD_DIMS:
-            raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {kc.HEAD_DIMS}")
+        dtype = geometry.dtype_name(q.dtype)
+        if head_dim not in geometry.HEAD_DIMS:
+            raise ValueError(
+                f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
+            )
         xp = self.xp
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once
             self._check_alignment(arrays)
-            chunks = kc.decode_row_chunks(heads // kv_heads, t_q, head_dim)
-            splits, per_split = kc.decode_splits(
+            chunks = geometry.decode_row_chunks(heads // kv_heads, t_q, head_dim)
+            splits, per_split = geometry.decode_splits(
                 batch * kv_heads * chunks, max_pages, resident_ctas
             )
             part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
@@ -537,7 +546,7 @@ class KernelBackend:
         _, kv_heads, max_pages = page_table.shape
         with self.on_device_of(token_scores):
             self.launch(
-                kc.DecodeMassConfig(slots, batch * kv_heads),
+                geometry.DecodeMassConfig(slots, batch * kv_heads),
                 **arrays,
                 heads=heads,
                 kv_heads=kv_heads,

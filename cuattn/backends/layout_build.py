@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from cuattn._util import ceil_div
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.geometry import LayoutKernelConfig
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.dynamic import VerticalSlashRule
@@ -36,8 +36,8 @@ _budgets_lock = threading.Lock()
 
 def _score_dtype(scores: Any) -> str:
     name = np.dtype(scores.dtype).name
-    if name not in kc.SELECT_SCORE_DTYPES:
-        raise TypeError(f"scores: dtype {name}; the selection takes {kc.SELECT_SCORE_DTYPES}")
+    if name not in geometry.SELECT_SCORE_DTYPES:
+        raise TypeError(f"scores: dtype {name}; the selection takes {geometry.SELECT_SCORE_DTYPES}")
     return name
 
 
@@ -58,7 +58,7 @@ def _select(impl: Any, kernel: str, scores: Any, **values: Any) -> Any:
     """One selection launch over every (head, query block) row of ``scores``."""
     heads, nbq, nb = scores.shape
     config = LayoutKernelConfig(
-        kernel, _score_dtype(scores), kc.select_sort_size(nb), rows=nbq, heads=heads
+        kernel, _score_dtype(scores), geometry.select_sort_size(nb), rows=nbq, heads=heads
     )
     chosen = impl.xp.full((heads, nbq, nb), UNCHOSEN, dtype=impl.xp.uint8)
     scores = impl.xp.ascontiguousarray(scores)
@@ -145,7 +145,7 @@ def index_layout(
             for field in ("col_idx", "row_mask", "row_idx", "col_mask")
         },
     }
-    units = kc.index_units(nbq, nb)
+    units = geometry.index_units(nbq, nb)
     impl.launch(
         LayoutKernelConfig("layout_count", rows=units, heads=heads),
         chosen=chosen,

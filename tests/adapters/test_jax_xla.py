@@ -25,7 +25,7 @@ import pytest
 import cuattn
 from cuattn import backends
 from cuattn.adapters import jax_xla as xla
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import kernel_layout
 
@@ -335,9 +335,16 @@ def _scalars(case, layout, names=("q", "k", "v", "dout")):
 def _forward_config(case, dtype):
     batch, heads, _, n, head_dim, _ = CASES[case]
     layout = kernel_layout(_layout(case))
-    name = kc.dtype_name(dtype)
+    name = geometry.dtype_name(dtype)
     return KernelConfig(
-        kc.forward_kernel(), head_dim, name, batch, heads, n, layout.blocksize, layout.rule.kind
+        geometry.forward_kernel(),
+        head_dim,
+        name,
+        batch,
+        heads,
+        n,
+        layout.blocksize,
+        layout.rule.kind,
     )
 
 
@@ -368,7 +375,7 @@ def test_grad_lowers_to_forward_and_backward_launches(case, dtype):
         return cuattn.sparse_attention(q, k, v, layout).astype(jnp.float32).sum()
 
     calls = _custom_calls(_lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v))
-    name = kc.dtype_name(dtype)
+    name = geometry.dtype_name(dtype)
     per_head = (head_dim, name, batch, heads)
     block, rule = kernel.blocksize, kernel.rule.kind
     scalars = _scalars(case, layout)
@@ -446,7 +453,9 @@ def test_permuted_and_bitmask_layouts_lower():
 
         lowered = _lower_for_cuda(f, q, k, v)
         (call,) = _custom_calls(lowered)
-        config = KernelConfig(kc.forward_kernel(), 64, "float16", 1, 2, 256, 16, layout.rule.kind)
+        config = KernelConfig(
+            geometry.forward_kernel(), 64, "float16", 1, 2, 256, 16, layout.rule.kind
+        )
         _check_call(call, config, {"n_q": 256})
         assert ("gather" in lowered.as_text()) == (layout.perm is not None)
 
@@ -587,7 +596,7 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[0], k[0], v[0])
         mapped = jax.jit(jax.vmap(f))(q, k, v)
     backward = ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", *["attn_bwd_sum_groups"] * 2]
-    forward = kc.forward_kernel()
+    forward = geometry.forward_kernel()
     # jit(f); jit(grad): forward, backward; vmap: the body traced unbatched by custom_vmap (then
     # dropped), and the rule's call on the folded batch
     assert backend.staged == [forward, forward, *backward, forward, forward]

@@ -16,7 +16,7 @@ import pytest
 
 import cuattn
 from cuattn import backends as be
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -44,7 +44,7 @@ def compiled_kernels():
 
     if not cuda_available():
         pytest.skip("needs a CUDA device")
-    units = [(f, n) for f, names in kc.all_instantiations().items() for n in names]
+    units = [(f, n) for f, names in geometry.all_instantiations().items() for n in names]
     warm_disk_cache(units, jobs=os.cpu_count() or 1)
 
 
@@ -64,9 +64,9 @@ def _problem(layout, dtype: str, head_dim: int, seed: int):
     return [_random(rng, shape, dtype) for _ in range(4)]
 
 
-@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
-@pytest.mark.parametrize("blocksize", kc.BLOCK_SIZES)
-@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("head_dim", geometry.HEAD_DIMS)
+@pytest.mark.parametrize("blocksize", geometry.BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", geometry.DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=pattern_id)
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head_dim):

@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuattn.backends import geometry as kc
-from cuattn.backends import interp
+from cuattn.backends import geometry, interp
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
 from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
@@ -58,7 +57,7 @@ def random_inputs(shape, dtype: str, seed: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels():
     """Compile every kernel library up front, both cores at once (a no-op once cached)."""
-    interp.prepare(kc.all_configs())
+    interp.prepare(geometry.all_configs())
 
 
 def check_forward(out, lse, q, k, v, layout, scale, dtype):
@@ -73,10 +72,10 @@ def check_forward(out, lse, q, k, v, layout, scale, dtype):
     assert rel_err(lse[~empty], ref_lse[~empty]) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("rule", kc.RULES)
-@pytest.mark.parametrize("dtype", kc.DTYPES)
-@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
-@pytest.mark.parametrize("block", kc.BLOCK_SIZES)
+@pytest.mark.parametrize("rule", geometry.RULES)
+@pytest.mark.parametrize("dtype", geometry.DTYPES)
+@pytest.mark.parametrize("head_dim", geometry.HEAD_DIMS)
+@pytest.mark.parametrize("block", geometry.BLOCK_SIZES)
 def test_forward_backward(block, head_dim, dtype, rule):
     n_ctx = n_ctx_for(block)
     layout = make_test_layout(rule, block, n_ctx)
@@ -93,7 +92,7 @@ def test_forward_backward(block, head_dim, dtype, rule):
         assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
 
 
-@pytest.mark.parametrize("dtype", kc.DTYPES)
+@pytest.mark.parametrize("dtype", geometry.DTYPES)
 def test_backward_is_bit_identical_run_to_run(dtype):
     """No atomics anywhere in the backward: a second call repeats the first bit for bit."""
     block, head_dim = 32, 64
@@ -125,7 +124,7 @@ def test_batch_and_custom_scale(dtype, scale):
 
 def test_launch_geometry_matches_kernel_traits():
     """geometry's threads and shared memory equal each kernel's own C++ traits."""
-    for config in kc.all_configs():
+    for config in geometry.all_configs():
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
 
@@ -147,7 +146,7 @@ def test_rejects_bad_inputs():
 @given(
     n_ctx=st.integers(1, 70),
     density=st.floats(0.0, 1.0),
-    rule=st.sampled_from(kc.RULES),
+    rule=st.sampled_from(geometry.RULES),
     dtype=st.sampled_from(["float32", "float16"]),
     seed=st.integers(0, 2**16),
 )

@@ -13,8 +13,7 @@ import cuattn
 from cuattn import dynamic
 from cuattn._util import widened
 from cuattn.autograd.tape import Tensor
-from cuattn.backends import geometry as kc
-from cuattn.backends import interp, layout_build
+from cuattn.backends import geometry, interp, layout_build
 from cuattn.backends.geometry import LayoutKernelConfig
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import ElementRule, Layout
@@ -50,9 +49,9 @@ def restated_mass_count(p, order, tau, max_blocks):
 
 SORT_CASES = [
     (kernel, dtype, size)
-    for kernel in kc.SELECT_KERNELS
-    for dtype in kc.SELECT_SCORE_DTYPES
-    for size in kc.SELECT_SORT_SIZES
+    for kernel in geometry.SELECT_KERNELS
+    for dtype in geometry.SELECT_SCORE_DTYPES
+    for size in geometry.SELECT_SORT_SIZES
 ]
 
 
@@ -62,7 +61,7 @@ def test_every_selection_instantiation_sorts_its_rows(kernel, dtype, size):
     tied scores: the choice equals the order (class, key descending, j ascending) restated.
     Not causal (the kernel's CTA i is query block i, and a causal row i needs i CTAs before
     it); the causal classes are checked through the rules on small layouts."""
-    nb = size // 2 + 1 if size > kc.SELECT_SORT_SIZES[0] else 20
+    nb = size // 2 + 1 if size > geometry.SELECT_SORT_SIZES[0] else 20
     rows = 2
     rng = np.random.default_rng(size)
     scores = np.round(rng.standard_normal((1, rows, nb)), 1).astype(dtype)  # many ties
@@ -345,7 +344,7 @@ def test_device_layouts_refuse_what_they_cannot_build_before_running():
         dynamic.topk_blocks(q, k, B, 2, backend="gpu")
     with pytest.raises(ValueError, match="needs CUDA arrays"):
         dynamic.topk_blocks(q, k, B, 2, backend="cuda")
-    long = np.ones((1, B * (kc.SELECT_SORT_SIZES[-1] + 1), 1))
+    long = np.ones((1, B * (geometry.SELECT_SORT_SIZES[-1] + 1), 1))
     with pytest.raises(ValueError, match="use a larger blocksize"):
         dynamic.mass_threshold_blocks(long, long, B, 0.5, backend="interp")
     with pytest.raises(TypeError, match="scores: dtype"):

@@ -7,7 +7,7 @@ import pytest
 
 import cuattn
 from cuattn import policies as P
-from cuattn.backends import geometry as kc
+from cuattn.backends import geometry
 from cuattn.backends.cuda_runtime import cuda_available
 from cuattn.serving import decode
 from cuattn.tools.oracle import kept_attention
@@ -40,8 +40,8 @@ def _fill(cache, rng, xp, steps, group, t_q, prefill=50):
     return xp.asarray(q)
 
 
-@pytest.mark.parametrize("dtype", kc.DTYPES)
-@pytest.mark.parametrize("head_dim", kc.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", geometry.DTYPES)
+@pytest.mark.parametrize("head_dim", geometry.HEAD_DIMS)
 def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype, monkeypatch):
     """One split per page table (a device that holds one CTA), 150 kept tokens: every warp
     walks two or more sub-tiles, so the online softmax's rescaling and the stage ring run."""
@@ -49,7 +49,9 @@ def test_every_decode_instantiation_on_the_interpreter(head_dim, dtype, monkeypa
     rng = np.random.default_rng(head_dim)
     cache = cuattn.KVCache(2, 2, head_dim, dtype, page_size=PAGE_SIZE, policy=P.SlidingWindow(150))
     q = _fill(cache, rng, np, steps=3, group=2, t_q=2, prefill=200)
-    assert 150 > 2 * kc.decode_tile(head_dim, dtype)  # two whole tiles: two sub-tiles per warp
+    assert 150 > 2 * geometry.decode_tile(
+        head_dim, dtype
+    )  # two whole tiles: two sub-tiles per warp
     out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
     want = kept_attention(cache, q, head_dim**-0.5)
     got = out.astype(np.float64)
@@ -96,16 +98,16 @@ def test_query_rows_beyond_one_cta(head_dim):
     rng = np.random.default_rng(3)
     cache = cuattn.KVCache(2, 1, head_dim, "float32", page_size=PAGE_SIZE)
     q = _fill(cache, rng, np, steps=2, group=8, t_q=3)
-    assert kc.decode_row_chunks(8, 3, head_dim) >= 2
+    assert geometry.decode_row_chunks(8, 3, head_dim) >= 2
     out = cuattn.decode_attention(q, cache, backend="interp")
     want = kept_attention(cache, q, head_dim**-0.5)
     assert np.abs(out.astype(np.float64) - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
 
 
 def test_the_split_count_fills_the_device_once():
-    assert kc.decode_splits(ctas=16, max_pages=100, resident_ctas=1056) == (50, 2)
-    assert kc.decode_splits(ctas=2048, max_pages=100, resident_ctas=1056) == (1, 100)
-    splits, per_split = kc.decode_splits(ctas=4, max_pages=7, resident_ctas=64)
+    assert geometry.decode_splits(ctas=16, max_pages=100, resident_ctas=1056) == (50, 2)
+    assert geometry.decode_splits(ctas=2048, max_pages=100, resident_ctas=1056) == (1, 100)
+    splits, per_split = geometry.decode_splits(ctas=4, max_pages=7, resident_ctas=64)
     assert splits * per_split >= 7 and (splits - 1) * per_split < 7 and splits <= 7
 
 

@@ -353,20 +353,22 @@ def _report(
 def kernel_units_for(cases: Sequence[BenchCase]) -> list[tuple[str, str]]:
     """(source file, name expression) of every instantiation the cases can launch: all rule
     kinds of each dtype / head dim / block size, both forward generations and the backward."""
-    from cuattn.backends import geometry as kc
+    from cuattn.backends import geometry
 
     names = set()
     for case in cases:
-        for kernel in (*kc.FORWARD_KERNELS.values(), "attn_bwd_dkdv", "attn_bwd_dq"):
-            if kernel == "attn_fwd_v1" and case.head_dim not in kc.V1_HEAD_DIMS:
+        for kernel in (*geometry.FORWARD_KERNELS.values(), "attn_bwd_dkdv", "attn_bwd_dq"):
+            if kernel == "attn_fwd_v1" and case.head_dim not in geometry.V1_HEAD_DIMS:
                 continue
-            for rule in kc.RULES:
+            for rule in geometry.RULES:
                 names.add(
-                    kc.name_expression(kernel, case.head_dim, case.dtype, case.blocksize, rule)
+                    geometry.name_expression(
+                        kernel, case.head_dim, case.dtype, case.blocksize, rule
+                    )
                 )
-        for kernel in kc.ROW_KERNELS:
-            names.add(kc.name_expression(kernel, case.head_dim, case.dtype))
-    return [(kc.KERNEL_FILES[name.split("<")[0]], name) for name in sorted(names)]
+        for kernel in geometry.ROW_KERNELS:
+            names.add(geometry.name_expression(kernel, case.head_dim, case.dtype))
+    return [(geometry.KERNEL_FILES[name.split("<")[0]], name) for name in sorted(names)]
 
 
 def warm_kernels_for(cases: Sequence[BenchCase], progress: TextIO | None) -> None:

@@ -25,7 +25,10 @@ NAMED_ARGS = ("local_attn_ctx", "num_verts", "vertsize")
 
 
 @dataclass(frozen=True)
-class Pattern:
+class Constructor:
+    """A registered pattern's constructor: its name, the function make_layout calls, and the
+    arguments it takes beyond COMMON_ARGS (cuattn.Pattern, pattern.py, is the public value)."""
+
     name: str
     build: Callable[..., Layout]
     params: tuple[str, ...]  # every argument beyond COMMON_ARGS
@@ -36,7 +39,7 @@ class Pattern:
         return tuple(p for p in self.params if p not in NAMED_ARGS)
 
 
-_PATTERNS: dict[str, Pattern] = {}
+_PATTERNS: dict[str, Constructor] = {}
 
 
 def register(name: str) -> Callable[[Callable[..., Layout]], Callable[..., Layout]]:
@@ -46,7 +49,7 @@ def register(name: str) -> Callable[[Callable[..., Layout]], Callable[..., Layou
         if name in _PATTERNS:
             raise ValueError(f"pattern {name!r} is registered already")
         params = tuple(p for p in inspect.signature(fn).parameters if p not in COMMON_ARGS)
-        _PATTERNS[name] = Pattern(name, fn, params)
+        _PATTERNS[name] = Constructor(name, fn, params)
         return fn
 
     return add
@@ -71,7 +74,7 @@ def check_arguments(
     causal: object = True,
     pattern_args: dict[str, object] | None = None,
     also_accepted: tuple[str, ...] = (),
-) -> Pattern:
+) -> Constructor:
     """The checks of a pattern's arguments that need no length (make_layout's and Pattern's):
     the mode, heads, blocksize, causal, and argument names; a name the mode does not take is a
     TypeError naming the ones it does (``also_accepted``: the caller's own, e.g. n_q)."""

@@ -39,7 +39,7 @@ def document_lengths(n_ctx: int, count: int = DOCUMENTS) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Pattern:
+class BenchPattern:
     """A named layout: cuattn.make_layout(mode, ..., causal=causal, **kwargs)."""
 
     label: str
@@ -66,8 +66,8 @@ class Pattern:
         )
 
 
-def _pattern(label: str, mode: str, causal: bool, **kwargs: Any) -> Pattern:
-    return Pattern(label, mode, causal, tuple(sorted(kwargs.items())))
+def _pattern(label: str, mode: str, causal: bool, **kwargs: Any) -> BenchPattern:
+    return BenchPattern(label, mode, causal, tuple(sorted(kwargs.items())))
 
 
 DENSE_CAUSAL = _pattern("dense-causal", "all", True)
@@ -92,7 +92,7 @@ ALL_PATTERNS = (DENSE_CAUSAL, DENSE_FULL, *SPARSE_PATTERNS)
 
 @dataclass(frozen=True)
 class BenchCase:
-    pattern: Pattern
+    pattern: BenchPattern
     n_ctx: int
     head_dim: int
     dtype: str  # "float16" | "bfloat16" | "float32"
@@ -139,7 +139,7 @@ class BenchCase:
 
 @dataclass(frozen=True)
 class Sweep:
-    patterns: tuple[Pattern, ...]
+    patterns: tuple[BenchPattern, ...]
     n_ctx: tuple[int, ...]
     head_dims: tuple[int, ...]
     dtypes: tuple[str, ...]
@@ -156,7 +156,7 @@ class Sweep:
     # patterns are; 1: not.
     gqa_group: int = 1
 
-    def _measures(self, pattern: Pattern, dtype: str, head_dim: int, n_ctx: int) -> bool:
+    def _measures(self, pattern: BenchPattern, dtype: str, head_dim: int, n_ctx: int) -> bool:
         if pattern.dense:
             return True
         return (

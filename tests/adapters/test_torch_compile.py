@@ -194,3 +194,27 @@ def test_a_layout_built_inline_lives_until_backward():
     gc.collect()
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_varlen_runs_under_compile_with_its_layout_built_outside_the_graph():
+    """The packed layout is host work on cu_seqlens: it runs outside the compiled graph (dynamo
+    used to trace into its NumPy construction and fail), and the result equals eager."""
+    q, k, v = _leaves(5, [(40, HEADS, HEAD_DIM)] * 3, torch.float64)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+
+    def layout_for(n_q, n_k):
+        return cuattn.make_layout("local", n_k, HEADS, BLOCK, local_attn_ctx=8, n_q=n_q)
+
+    def run(q, k, v):
+        return cuattn.sparse_attention_varlen(q, k, v, cu, cu, layout_for)
+
+    compiled = torch.compile(run, backend="aot_eager")(q, k, v)
+    (compiled * compiled).sum().backward()
+    compiled_grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    eager = run(q, k, v)
+    (eager * eager).sum().backward()
+    assert torch.equal(compiled, eager)
+    for got, want in zip(compiled_grads, (q.grad, k.grad, v.grad), strict=True):
+        assert rel(got, want) <= GRAD_RTOL_F64

@@ -1,0 +1,655 @@
+"""Time from static counts: a four-resource roofline with partial overlap, calibrated on the one
+H100 profile we have (bench/results/2026-11-23-h100: ncu of f532ccd's kernels and SDPA-flash's
+in the same run), and the report of ``cuattn sass``.
+
+The model. A kernel's work on the whole GPU (warp instructions, HMMA, shared-memory wavefronts,
+bytes through L2) keeps four resources of each of the SMS SMs busy for
+  issue   instructions / (4 schedulers x 1 instruction per cycle)
+  tensor  HMMA / HMMA_PER_SM_CYCLE (2/3: each SMSP finishes one m16n8k16 mma every 6 cycles)
+  shared  (load + store wavefronts) / 1 wavefront (128 B) per cycle
+  L2      bytes / L2_BYTES_PER_S (the whole GPU)
+cycles each. The slowest sets the time; at 2 warps per scheduler the others hide only partly
+behind it, so each adds OVERLAP x (REFERENCE_WARPS / resident warps) of its own time:
+  time = (max + overlap x (sum - max)) / CLOCK_HZ
+HMMA_PER_SM_CYCLE and L2_BYTES_PER_S are read off the profile (tensor-pipe % against HMMA
+counts; L2 % against bytes moved), OVERLAP is the one fitted constant (least squares in log
+time over the five profiled kernels). Work per kernel comes from sass_model.py's per-tile counts
+times the tiles a dense causal layout walks (``causal_tiles``, the kernels' own walk rules),
+plus per-CTA code. Not modelled: the tail wave, bank conflicts (under 1 % of shared loads in
+the profile), the instruction cache, DRAM (the attention kernels hit L2 95-97 %).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cuattn.tools.sass_model import (
+    PARTIAL_TILE_CODE,
+    HotSpec,
+    TileModel,
+    format_counts_table,
+    format_origin_table,
+    model_specs,
+)
+
+SMS = 132  # H100 SXM
+CLOCK_HZ = 1.83e9  # SM clock ncu reported for the profiled kernels (1.81-1.86 GHz)
+SCHEDULERS = 4
+ISSUE_PER_SM_CYCLE = SCHEDULERS * 1
+# From ncu: HMMA count / (SM active cycles x tensor-pipe % of peak) = 0.666-0.667 for all five
+# profiled kernels (ours and SDPA-flash's): one HMMA.16816.F32 per SMSP every 6 cycles.
+HMMA_PER_SM_CYCLE = 2 / 3
+SHARED_WAVEFRONTS_PER_SM_CYCLE = 1.0  # 32 banks x 4 bytes
+# From ncu: bytes our three kernels move through L2 / duration / "L2 Cache Throughput" % =
+# 5.81-5.91 TB/s.
+L2_BYTES_PER_S = 5.85e12
+# From ncu: the backward preprocess (out and dout read once, delta written) at 2.65 TB/s.
+DRAM_BYTES_PER_S = 2.65e12
+REFERENCE_WARPS = 8  # resident warps per SM at which OVERLAP is fitted
+OVERLAP = 0.32  # fitted: see calibrate()
+
+# The checkout's committed profile (absent from an installed wheel: then no calibration, no
+# SDPA-flash rows and no ratios).
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-11-23-h100"
+PROFILE_CSV = "ncu-metrics-f532ccd.csv"
+PROFILE_COMMIT = "f532ccd"
+MS = 1e3
+
+
+@dataclass(frozen=True)
+class Work:
+    """A kernel launch's work on the whole GPU and its resident warps per SM."""
+
+    instructions: float
+    hmma: float
+    ld_wavefronts: float
+    st_wavefronts: float
+    l2_bytes: float
+    warps_per_sm: int
+
+    def cycles(self) -> dict[str, float]:
+        """Busy cycles per SM of each resource."""
+        return {
+            "issue": self.instructions / (SMS * ISSUE_PER_SM_CYCLE),
+            "tensor": self.hmma / (SMS * HMMA_PER_SM_CYCLE),
+            "shared": (self.ld_wavefronts + self.st_wavefronts)
+            / (SMS * SHARED_WAVEFRONTS_PER_SM_CYCLE),
+            "L2": self.l2_bytes / (L2_BYTES_PER_S / CLOCK_HZ),
+        }
+
+
+def predict_seconds(work: Work, overlap: float = OVERLAP) -> float:
+    """The roofline's time for ``work`` (module docstring); ``overlap`` only for fitting."""
+    cycles = work.cycles()
+    slowest = max(cycles.values())
+    hidden = overlap * REFERENCE_WARPS / max(work.warps_per_sm, 1)
+    return (slowest + hidden * (sum(cycles.values()) - slowest)) / CLOCK_HZ
+
+
+def bound(work: Work) -> str:
+    """The resource that sets ``work``'s time."""
+    cycles = work.cycles()
+    return max(cycles, key=cycles.__getitem__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense causal workloads
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense causal problem: batch x heads of n_ctx queries and keys, head dim d."""
+
+    n_ctx: int
+    batch: int
+    heads: int
+    head_dim: int
+    itemsize: int = 2
+
+    @property
+    def pairs(self) -> int:
+        return self.batch * self.heads
+
+
+# What the benchmark sweeps: batch x T = 16k tokens, heads x d = 2048.
+BENCH_TOKENS = 16384
+BENCH_WIDTH = 2048
+PROFILE_SHAPE = Shape(4096, 4, 16, 128)
+
+
+def bench_shape(n_ctx: int, head_dim: int) -> Shape:
+    return Shape(n_ctx, BENCH_TOKENS // n_ctx, BENCH_WIDTH // head_dim, head_dim)
+
+
+def causal_tiles(n_ctx: int, block: int, own: int, step: int, own_is_query: bool):
+    """(CTAs, tiles, partial tiles) one head of a dense causal layout walks: CTAs of ``own``
+    rows, each over the sub-tiles of ``step`` rows of its CSR row (own = queries) or CSC column
+    (own = keys) that the causal rule does not empty (kernels/common/walk.cuh, mask.cuh)."""
+    blocks = -(-n_ctx // block)
+    ctas = tiles = partial = 0
+    for own_start in range(0, n_ctx, own):
+        own_last = min(own_start + own, n_ctx) - 1
+        own_block = own_start // block
+        ctas += 1
+        partners = range(own_block + 1) if own_is_query else range(own_block, blocks)
+        for partner in partners:
+            diagonal = partner == own_block
+            for start in range(partner * block, min((partner + 1) * block, n_ctx), step):
+                last = start + step - 1
+                ragged = last >= n_ctx
+                q0, q1, k0, k1 = (
+                    (own_start, own_last, start, last)
+                    if own_is_query
+                    else (start, last, own_start, own_last)
+                )
+                if not diagonal:
+                    tiles += 1
+                    partial += ragged
+                elif k0 > q1:
+                    continue
+                else:
+                    tiles += 1
+                    partial += not (k1 <= q0 and not ragged)
+    return ctas, tiles, partial
+
+
+def kernel_work(model: TileModel, shape: Shape) -> Work:
+    """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
+    spec = model.spec
+    ctas, tiles, partial = causal_tiles(
+        shape.n_ctx, spec.block, spec.tile_m, spec.tile_n, own_is_query=spec.kind != "dkdv"
+    )
+    ctas, tiles, partial = (x * shape.pairs for x in (ctas, tiles, partial))
+    warps = spec.warps
+    per_tile = sum(model.per_tile.values())
+    per_partial = sum(model.partial.values())
+    per_cta = sum(model.per_cta.values())
+    return Work(
+        instructions=warps * (ctas * per_cta + tiles * per_tile + partial * per_partial),
+        hmma=warps * tiles * model.hmma,
+        ld_wavefronts=warps * (tiles * model.ld_wavefronts + partial * model.partial_ld_wavefronts),
+        st_wavefronts=warps * (tiles * model.st_wavefronts + partial * model.partial_st_wavefronts),
+        l2_bytes=tiles * spec.step_bytes + ctas * spec.own_bytes,
+        warps_per_sm=model.warps_per_sm,
+    )
+
+
+def preprocess_seconds(shape: Shape) -> float:
+    """The backward's delta = rowsum(out * dout): DRAM-bound, out and dout read once."""
+    rows = shape.pairs * shape.n_ctx
+    return (2 * rows * shape.head_dim * shape.itemsize + rows * 4) / DRAM_BYTES_PER_S
+
+
+# ----------------------------------------------------------------------------------------------
+# The profile and f532ccd
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """ncu's figures for one kernel of the f532ccd run."""
+
+    label: str
+    seconds: float
+    instructions: float
+    ld_wavefronts: float
+    tensor_pct: float
+
+
+# SM active cycles and L2 throughput % of the same kernels (ncu-f532ccd.log, a second ncu run
+# of the same commit): used to read the tensor and L2 peaks off the profile.
+PROFILE_ACTIVE_CYCLES = {
+    "fwd": 2_145_647,
+    "dkdv": 4_552_447,
+    "dq": 3_486_332,
+    "fa2 fwd": 1_432_226,
+    "fa2 bwd": 3_991_747,
+}
+PROFILE_LOG_SECONDS = {"fwd": 1.22e-3, "dkdv": 2.64e-3, "dq": 2.03e-3}
+PROFILE_L2_PCT = {"fwd": 63.44, "dkdv": 58.04, "dq": 73.81}
+_KERNEL_OF = {
+    "attn_fwd<": "fwd",
+    "attn_bwd_dkdv<": "dkdv",
+    "attn_bwd_dq<": "dq",
+    "flash_fwd_kernel<": "fa2 fwd",
+    "flash_bwd_dq_dk_dv_loop": "fa2 bwd",
+}
+_METRICS = {
+    "gpu__time_duration.sum": "seconds",
+    "smsp__inst_executed.sum": "instructions",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "ld_wavefronts",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct",
+}
+
+
+def read_profile(path: Path) -> dict[str, Profiled]:
+    """The five kernels of ncu-metrics-f532ccd.csv (ours: fwd, dkdv, dq; SDPA-flash: fa2 fwd,
+    fa2 bwd)."""
+    rows = [r for r in csv.reader(path.read_text().splitlines()) if len(r) >= 15]
+    values: dict[str, dict[str, float]] = {}
+    for row in rows[1:]:
+        name, metric, unit, value = row[4], row[12], row[13], row[14]
+        label = next((lab for key, lab in _KERNEL_OF.items() if key in name), None)
+        if label is None or metric not in _METRICS:
+            continue
+        number = float(value.replace(",", ""))
+        if unit == "ns":
+            number *= 1e-9
+        values.setdefault(label, {})[_METRICS[metric]] = number
+    return {label: Profiled(label, **fields) for label, fields in values.items()}
+
+
+def fa2_work(label: str, profiled: Profiled, shape: Shape = PROFILE_SHAPE) -> Work:
+    """SDPA-flash's work at the profiled shape: instructions and shared loads from ncu; HMMA,
+    copies and L2 bytes from its tiles (forward 128 x 64, backward 64 x 128 with fp32 dQ
+    atomics, 8 warps per SM either way)."""
+    d, item, t = shape.head_dim, shape.itemsize, shape.n_ctx
+    mma_flop = 16 * 8 * 16 * 2
+    if label == "fa2 fwd":
+        m, n = 128, 64
+        pairs = sum(-(-((i + 1) * m) // n) for i in range(t // m)) * shape.pairs
+        hmma = pairs * 2 * m * n * d * 2 / mma_flop
+        kv = pairs * 2 * n * d * item
+        l2 = kv + 2 * shape.pairs * t * d * item
+        stores = kv / 128
+    else:
+        m, n = 64, 128
+        pairs = sum(t // m - (j * n) // m for j in range(t // n)) * shape.pairs
+        hmma = pairs * 5 * m * n * d * 2 / mma_flop
+        q_do = pairs * 2 * m * d * item
+        dq_atomics = pairs * m * d * 4
+        l2 = q_do + 2 * dq_atomics + 4 * shape.pairs * t * d * item
+        stores = q_do / 128 + pairs * 2 * m * n * item / 128  # copies, then P and dS to smem
+    return Work(profiled.instructions, hmma, profiled.ld_wavefronts, stores, l2, 8)
+
+
+def f532ccd_specs() -> list[HotSpec]:
+    """f532ccd's forward, dK/dV and dQ (bf16, causal, 64-blocks) at d = 64 and 128: 16 query
+    rows per warp, 64 x 64 forward tiles; backward tiles of 32 at d >= 96, else 64."""
+    specs = []
+    for d in (64, 128):
+        tile = 32 if d >= 96 else 64
+        ld = (d + 8) * 2
+        common = dict(head_dim=d, itemsize=2, block=64, regions=PARTIAL_TILE_CODE)
+        specs.append(
+            HotSpec(
+                label=f"f532ccd fwd d{d}",
+                kind="fwd",
+                source_file="attn_fwd.cu",
+                name_expression=f"attn_fwd<64, {d}, __nv_bfloat16, MASK_CAUSAL>",
+                threads=128,
+                smem_bytes=(64 + 2 * 64) * ld,
+                tile_m=64,
+                tile_n=64,
+                hmma_per_warp_tile=2 * (64 // 8) * (d // 16),
+                **common,
+            )
+        )
+        for kernel, gemms, own, stats in (("dkdv", 4, 2, 2), ("dq", 3, 2, 0)):
+            specs.append(
+                HotSpec(
+                    label=f"f532ccd {kernel} d{d}",
+                    kind=kernel,
+                    source_file="attn_bwd.cu",
+                    name_expression=f"attn_bwd_{kernel}<64, {d}, __nv_bfloat16, MASK_CAUSAL>",
+                    threads=tile // 16 * 32,
+                    smem_bytes=4 * tile * ld + stats * tile * 4,
+                    tile_m=tile,
+                    tile_n=tile,
+                    hmma_per_warp_tile=gemms * (tile // 8) * (d // 16),
+                    own_copies=own,
+                    stats_per_step=stats,
+                    **common,
+                )
+            )
+    return specs
+
+
+def checkout_kernels(commit: str, into: Path) -> Path:
+    """kernels/ of ``commit``, written under ``into`` (read with git show, the tree untouched)."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
+            ).stdout
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"git {' '.join(args)}: {exc.stderr.strip()}") from exc
+
+    for name in git("ls-tree", "-r", "--name-only", commit, "kernels").split():
+        text = git("show", f"{commit}:{name}")
+        path = into / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return into / "kernels"
+
+
+@dataclass
+class Calibration:
+    models: dict[str, TileModel]
+    profile: dict[str, Profiled]
+    rows: list[dict]  # one per profiled kernel
+    bench_rows: list[dict]  # f532ccd model vs the f532ccd benchmark
+    overlap_fit: float
+    hmma_per_sm_cycle: list[float]
+    l2_bytes_per_s: list[float]
+
+
+def calibrate(
+    jobs: int = 1, profile_dir: Path = PROFILE_DIR, labels: Sequence[str] = ("d64", "d128")
+) -> Calibration:
+    """Rebuild f532ccd's kernels (those whose label has one of ``labels``; the profile needs
+    d128, the benchmark rows d64 too), model them, and set the model beside the profile."""
+    from cuattn.backends.toolchain import CXX_STANDARD_OPTION, cuda_include_options
+
+    profile = read_profile(profile_dir / PROFILE_CSV)
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = checkout_kernels(PROFILE_COMMIT, Path(tmp))
+        specs = [s for s in f532ccd_specs() if any(x in s.label for x in labels)]
+        sources = {s.source_file: (kernels / s.source_file).read_text() for s in specs}
+        options = (CXX_STANDARD_OPTION, f"-I{kernels}", *cuda_include_options())
+        models = {m.spec.label: m for m in model_specs(specs, sources, options, kernels, jobs)}
+    works = {}
+    for kernel in ("fwd", "dkdv", "dq"):
+        works[kernel] = kernel_work(models[f"f532ccd {kernel} d128"], PROFILE_SHAPE)
+    for kernel in ("fa2 fwd", "fa2 bwd"):
+        works[kernel] = fa2_work(kernel, profile[kernel])
+    overlap = _fit_overlap(works, profile)
+    rows = []
+    for kernel, work in works.items():
+        measured = profile[kernel]
+        rows.append(
+            {
+                "kernel": kernel,
+                "instructions": work.instructions,
+                "ncu_instructions": measured.instructions,
+                "ld_wavefronts": work.ld_wavefronts,
+                "ncu_ld_wavefronts": measured.ld_wavefronts,
+                "seconds": predict_seconds(work),
+                "ncu_seconds": measured.seconds,
+                "bound": bound(work),
+                "ours": not kernel.startswith("fa2"),
+            }
+        )
+    hmma_rate = [
+        works[k].hmma / SMS / (PROFILE_ACTIVE_CYCLES[k] * profile[k].tensor_pct / 100)
+        for k in works
+    ]
+    l2_rate = [
+        works[k].l2_bytes / PROFILE_LOG_SECONDS[k] / (PROFILE_L2_PCT[k] / 100)
+        for k in ("fwd", "dkdv", "dq")
+    ]
+    return Calibration(
+        models, profile, rows, _bench_rows(models, profile_dir), overlap, hmma_rate, l2_rate
+    )
+
+
+def _fit_overlap(works: dict[str, Work], profile: dict[str, Profiled]) -> float:
+    """OVERLAP minimising the squared log error of the five profiled kernels' times."""
+
+    def loss(overlap: float) -> float:
+        return sum(
+            math.log(predict_seconds(w, overlap) / profile[k].seconds) ** 2
+            for k, w in works.items()
+        )
+
+    grid = [i / 1000 for i in range(0, 1001)]
+    return min(grid, key=loss)
+
+
+def _bench_rows(models: dict[str, TileModel], profile_dir: Path) -> list[dict]:
+    """f532ccd's model against f532ccd's own benchmark (dense causal, every T and d it ran)."""
+    rows = []
+    for shape, measured in bench_times(profile_dir).items():
+        ours = measured.get("cuattn-cuda")
+        if ours is None:
+            continue
+        d = shape[1]
+        if f"f532ccd fwd d{d}" not in models:
+            continue
+        s = bench_shape(*shape[:2])
+        fwd = predict_seconds(kernel_work(models[f"f532ccd fwd d{d}"], s))
+        bwd = sum(
+            predict_seconds(kernel_work(models[f"f532ccd {k} d{d}"], s)) for k in ("dkdv", "dq")
+        )
+        predicted = fwd if shape[2] == "fwd" else fwd + preprocess_seconds(s) + bwd
+        rows.append({"shape": shape, "seconds": predicted, "measured": ours})
+    return rows
+
+
+def bench_times(profile_dir: Path = PROFILE_DIR) -> dict[tuple, dict[str, float]]:
+    """(T, d, direction) -> {implementation: median seconds} of f532ccd's dense causal bf16
+    runs (quick sweep at T = 4096, full sweep at 2k/8k/16k)."""
+    import json
+
+    times: dict[tuple, dict[str, float]] = {}
+    for name in ("quick-f532ccd.json", "full-f532ccd.json"):
+        path = profile_dir / name
+        if not path.exists():
+            continue
+        for record in json.loads(path.read_text())["records"]:
+            case = record["case"]
+            if case["pattern"]["label"] != "dense-causal" or case["blocksize"] != 64:
+                continue
+            key = (case["n_ctx"], case["head_dim"], case["direction"])
+            times[key] = {
+                impl: result["median_ms"] / MS for impl, result in record["results"].items()
+            }
+    return dict(sorted(times.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+PREDICTION_T = 8192  # the shape of the hot table's time column (bench sweep, dense causal)
+
+
+def hot_times(models: Sequence[TileModel], n_ctx: int = PREDICTION_T) -> dict[str, float]:
+    """Predicted ms of each hot instantiation at the benchmark's dense causal shape."""
+    out = {}
+    for m in models:
+        if m.spec.kind == "decode":
+            continue
+        out[m.spec.label] = (
+            predict_seconds(kernel_work(m, bench_shape(n_ctx, m.spec.head_dim))) * MS
+        )
+    return out
+
+
+# Columns of the ratio table: (name, forward label, block of the backward kernels).
+RATIO_VARIANTS = (("v2 b64", "fwd v2", 64), ("v1 b64", "fwd v1", 64), ("v2 b128", "fwd v2", 128))
+
+
+def ratio_rows(models: Sequence[TileModel], profile_dir: Path = PROFILE_DIR) -> list[dict]:
+    """Predicted ratio SDPA-flash time / ours for dense causal bf16: the forward (v2 and v1 at
+    64-blocks, v2 at 128-blocks) and forward + backward (preprocess, dK/dV, dQ of the same
+    block), against SDPA-flash's measured times at f532ccd (same H100; its time does not
+    depend on our block size)."""
+    by_label = {m.spec.label: m for m in models}
+    rows = []
+    for (n_ctx, d, direction), measured in bench_times(profile_dir).items():
+        flash = measured.get("sdpa-flash")
+        if flash is None:
+            continue
+        s = bench_shape(n_ctx, d)
+        row = {"T": n_ctx, "d": d, "direction": direction, "flash_ms": flash * MS}
+        for name, forward, block in RATIO_VARIANTS:
+            labels = [f"{forward} d{d} b{block}", f"dkdv d{d} b{block}", f"dq d{d} b{block}"]
+            if not all(label in by_label for label in labels):
+                continue
+            seconds = [predict_seconds(kernel_work(by_label[label], s)) for label in labels]
+            total = seconds[0]
+            if direction != "fwd":
+                total += preprocess_seconds(s) + seconds[1] + seconds[2]
+            row[name] = (total * MS, flash / total)
+        rows.append(row)
+    return rows
+
+
+def _pct(model: float, measured: float) -> str:
+    return f"{model / measured - 1:+.0%}"
+
+
+def format_calibration(cal: Calibration) -> str:
+    lines = [
+        "| kernel (f532ccd, T=4096 B4 H16 d128) | instructions model / ncu | error"
+        " | shared ld wavefronts model / ncu | error | time model / ncu ms | error | bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in cal.rows:
+        if r["ours"]:
+            inst = f"{r['instructions'] / 1e6:.0f}M / {r['ncu_instructions'] / 1e6:.0f}M"
+            wave = f"{r['ld_wavefronts'] / 1e6:.1f}M / {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
+            inst_err = _pct(r["instructions"], r["ncu_instructions"])
+            wave_err = _pct(r["ld_wavefronts"], r["ncu_ld_wavefronts"])
+        else:
+            inst = f"(ncu) {r['ncu_instructions'] / 1e6:.0f}M"
+            wave = f"(ncu) {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
+            inst_err = wave_err = "-"
+        lines.append(
+            f"| {r['kernel']} | {inst} | {inst_err} | {wave} | {wave_err}"
+            f" | {r['seconds'] * MS:.3f} / {r['ncu_seconds'] * MS:.3f}"
+            f" | {_pct(r['seconds'], r['ncu_seconds'])} | {r['bound']} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Fitted overlap {cal.overlap_fit:.3f} (model constant {OVERLAP}); HMMA per SM cycle "
+        f"read off the profile: {', '.join(f'{x:.3f}' for x in cal.hmma_per_sm_cycle)} "
+        f"(model {HMMA_PER_SM_CYCLE:.3f}); L2 TB/s: "
+        f"{', '.join(f'{x / 1e12:.2f}' for x in cal.l2_bytes_per_s)} "
+        f"(model {L2_BYTES_PER_S / 1e12:.2f})."
+    )
+    lines.append("")
+    lines.append(
+        "| f532ccd dense causal bf16 b64 (benchmark) | T | d | model ms | measured ms | error |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|")
+    for r in cal.bench_rows:
+        n_ctx, d, direction = r["shape"]
+        lines.append(
+            f"| {direction} | {n_ctx} | {d} | {r['seconds'] * MS:.3f} | {r['measured'] * MS:.3f}"
+            f" | {_pct(r['seconds'], r['measured'])} |"
+        )
+    return "\n".join(lines)
+
+
+# SDPA-flash's tiles in the profile (Flash_fwd_kernel_traits<128, 128, 64, 4>,
+# Flash_bwd_kernel_traits<128, 64, 128, 8>): rows x keys per CTA, warps, registers, CTAs per SM.
+FA2_TILES = {
+    "fa2 fwd": ("128 x 64, 4", 4, 255, "2 x 8"),
+    "fa2 bwd": ("64 x 128, 8", 8, 255, "1 x 8"),
+}
+FA2_CTA_ROWS = 128  # query rows of a forward CTA, keys of a backward CTA
+
+
+def fa2_reference_rows(profile: dict[str, Profiled]) -> list[dict]:
+    """SDPA-flash's per-HMMA figures at the profiled shape (d = 128) from its ncu metrics, as
+    rows of the hot table: instructions and shared-load wavefronts measured, HMMA from its
+    tiles; LDSM/HMMA is wavefronts / 4 (as if every shared load were an LDSM.x4)."""
+    rows = []
+    for label, (tile, warps, registers, occupancy) in FA2_TILES.items():
+        if label not in profile:
+            continue
+        work = fa2_work(label, profile[label])
+        p = profile[label]
+        ctas = PROFILE_SHAPE.n_ctx // FA2_CTA_ROWS * PROFILE_SHAPE.pairs
+        per_warp_tile = work.hmma / (ctas * warps) / _fa2_tiles_per_cta(label)
+        rows.append(
+            {
+                "label": f"SDPA-flash {label.split()[1]} d128 (ncu at f532ccd)",
+                "tile": tile,
+                "hmma": per_warp_tile,
+                "instructions": per_warp_tile * p.instructions / work.hmma,
+                "per_hmma": p.instructions / work.hmma,
+                "ldsm_per_hmma": p.ld_wavefronts / work.hmma / 4,
+                "wavefronts_per_hmma": p.ld_wavefronts / work.hmma,
+                "l2_per_hmma": fa2_step_bytes(label) / (per_warp_tile * warps),
+                "registers": registers,
+                "occupancy": occupancy,
+            }
+        )
+    return rows
+
+
+def fa2_step_bytes(label: str, shape: Shape = PROFILE_SHAPE) -> float:
+    """Bytes a SDPA-flash CTA moves through L2 per tile: K and V (forward); Q and dO plus the
+    fp32 dQ read-modify-write of its atomics (backward)."""
+    d, item = shape.head_dim, shape.itemsize
+    if label == "fa2 fwd":
+        return 2 * 64 * d * item
+    return 2 * 64 * d * item + 2 * 64 * d * 4
+
+
+def _fa2_tiles_per_cta(label: str, shape: Shape = PROFILE_SHAPE) -> float:
+    """Mean tiles a SDPA-flash CTA walks at the profiled causal shape."""
+    t = shape.n_ctx
+    if label == "fa2 fwd":
+        return sum(2 * i + 2 for i in range(t // 128)) / (t // 128)
+    return sum(t // 64 - 2 * j for j in range(t // 128)) / (t // 128)
+
+
+def format_ratios(rows: Sequence[dict]) -> str:
+    names = [name for name, _, _ in RATIO_VARIANTS]
+    lines = [
+        "| dense causal bf16 | T | d | SDPA-flash ms (measured) | "
+        + " | ".join(f"{n} model ms | {n} x flash" for n in names)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|---:|" * len(names),
+    ]
+    for r in rows:
+        cells = []
+        for name in names:
+            ms, ratio = r.get(name, (float("nan"), float("nan")))
+            cells.append(f"{ms:.3f} | {ratio:.2f}")
+        lines.append(
+            f"| {r['direction']} | {r['T']} | {r['d']} | {r['flash_ms']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def report(models: Sequence[TileModel], calibration: Calibration | None) -> str:
+    """The markdown report of ``cuattn sass``."""
+    csv_path = PROFILE_DIR / PROFILE_CSV
+    profile = read_profile(csv_path) if csv_path.exists() else {}
+    from cuattn.tools.sass_model import toolchain_versions
+
+    versions = toolchain_versions()
+    parts = [
+        f"NVRTC {versions['nvrtc']}, nvdisasm {versions['nvdisasm'] or '?'}; counts per warp per"
+        " tile by the attribution rules of cuattn/tools/sass_model.py, times by the roofline of"
+        " cuattn/tools/sass_roofline.py.",
+        "",
+        f"## Hot instantiations (sm_90, per warp per tile of the main loop; predicted ms: dense"
+        f" causal T={PREDICTION_T}, batch x T = 16k, heads x d = 2048)",
+        "",
+        format_counts_table(models, hot_times(models), fa2_reference_rows(profile)),
+        "",
+        "## Where each tile's instructions come from (per warp per tile)",
+        "",
+        format_origin_table(models),
+    ]
+    if calibration is not None:
+        parts += [
+            "",
+            "## Calibration: f532ccd rebuilt and modelled vs its H100 profile",
+            "",
+            format_calibration(calibration),
+        ]
+    labels = {m.spec.label for m in models}
+    needed = {f"{k} d{d} b64" for k in ("fwd v2", "dkdv", "dq") for d in (64, 128)}
+    if profile and needed <= labels:
+        parts += [
+            "",
+            "## Predicted ratio to SDPA-flash (its f532ccd times; > 1: ours faster)",
+            "",
+            format_ratios(ratio_rows(models)),
+        ]
+    return "\n".join(parts)

@@ -1,0 +1,287 @@
+"""The static SASS model (cuattn/tools/sass*.py).
+
+Parsing and loop attribution on hand-written SASS and on a tiny kernel of our own; the source
+regions the attribution excludes; the roofline against the f532ccd profile; and the hot
+instantiations against the committed baseline: a test fails when one's instructions or LDSM per
+HMMA grow more than 10 % over bench/results/static-baseline-sm90.json, or when one spills.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cuattn.tools import sass, sass_model, sass_roofline
+
+BASELINE = Path(__file__).resolve().parents[2] / "bench" / "results" / "static-baseline-sm90.json"
+# The hot instantiations the CI test compiles (about 2 s each); `cuattn sass --check` covers all.
+CI_HOT_SET = (
+    "fwd v2 d128 b64",
+    "fwd v2 d128 b128",
+    "fwd v2 d64 b64",
+    "fwd v1 d128 b64",
+    "dkdv d128 b64",
+    "dq d128 b64",
+)
+
+# A counted loop (R2 = 0, 1, 2, 3) with an out-of-line divergence fallback that jumps back into
+# it, a predicated exit, and the self-branch padding ptxas puts after the last EXIT.
+HAND_SASS = r"""
+	.headerflags	@"EF_CUDA_SM90"
+//--------------------- .text._Z4tinyPfi --------------------------
+	.section	.text._Z4tinyPfi,"ax",@progbits
+_Z4tinyPfi:
+	//## File "/src/tiny.cu", line 3
+        /*0000*/                   MOV R2, RZ ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/               @P1 EXIT ;
+.L_x_0:
+	//## File "/src/common/inner.cuh", line 7 inlined at "/src/tiny.cu", line 5
+	//## File "/src/tiny.cu", line 5
+        /*0030*/                   LDSM.16.M88.4 R4, [R0] ;
+        /*0040*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0050*/              @!PT LDS RZ, [RZ] ;
+	//## File "/src/tiny.cu", line 4
+        /*0060*/                   VIADD R2, R2, 0x1 ;
+        /*0070*/                   ISETP.GE.AND P0, PT, R2, 0x4, PT ;
+        /*0080*/                   BRA.DIV UR4, `(.L_x_2) ;
+.L_x_1:
+        /*0090*/              @!P0 BRA `(.L_x_0) ;
+        /*00a0*/                   EXIT ;
+.L_x_2:
+        /*00b0*/                   WARPSYNC 0xffffffff ;
+        /*00c0*/                   BRA `(.L_x_1) ;
+.L_x_3:
+        /*00d0*/                   BRA `(.L_x_3) ;
+"""
+
+TINY_KERNEL = r"""
+__global__ void tiny(const float* __restrict__ x, float* __restrict__ y, int n) {
+  float acc = 0.f;
+#pragma unroll 1
+  for (int i = 0; i < 48; i += 3) acc += x[i * 32 + threadIdx.x] * 2.f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) acc += x[j];
+  y[threadIdx.x] = acc;
+}
+"""
+
+TINY_SOURCE = """\
+template <int N>
+__device__ void mask_tile(float (&s)[N]) {
+  for (int j = 0; j < N; ++j) s[j] = 0.f;
+}
+__device__ int narrowed(int c) {
+  if (c == 0) return 0;
+  return cover(c,
+               1);
+}
+__global__ void k(int use_it, float* y) {
+  if (use_it) {
+    y[0] = 1.f;
+  }
+  for (int i = tid; i < 8; i += 64) y[i] = 0.f;
+  mask_tile<4>(y);
+}
+"""
+
+
+def test_parse_instructions_chains_and_labels():
+    kernel = sass.parse(HAND_SASS)["_Z4tinyPfi"]
+    assert [i.address for i in kernel.instructions][:3] == [0x00, 0x10, 0x20]
+    ldsm = kernel.instructions[3]
+    assert ldsm.opcode == "LDSM.16.M88.4" and ldsm.klass == "LDSM"
+    assert [str(level) for level in ldsm.source] == ["inner.cuh:7", "tiny.cu:5"]
+    assert ldsm.in_lines("tiny.cu", 5, 5) and not ldsm.in_lines("tiny.cu", 6, 9)
+    assert kernel.instructions[5].never_executes and kernel.instructions[5].klass == "LDS/STS"
+    assert kernel.labels[".L_x_0"] == 0x30 and kernel.labels[".L_x_3"] == 0xD0
+    assert [str(s) for s in kernel.instructions[6].source] == ["tiny.cu:4"]
+    branch = kernel.instructions[9]
+    assert (branch.predicate, branch.target) == ("@!P0", ".L_x_0")
+
+
+def test_loops_follow_the_converged_path_only():
+    kernel = sass.parse(HAND_SASS)["_Z4tinyPfi"]
+    # one loop: the divergence fallback's jump back and the padding self-branch are no loops
+    assert len(kernel.loops) == 1
+    loop = kernel.loops[0]
+    addresses = sorted(i.address for i in kernel.block_instructions(loop.blocks))
+    assert addresses == [0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90]
+    assert sass.counted_trips(kernel, loop) == 4
+    unreachable = {0xB0, 0xC0, 0xD0}
+    reached = {i.address for i in kernel.block_instructions(kernel.reachable)}
+    assert not unreachable & reached
+
+
+def test_instruction_classes_and_wavefront_rules():
+    assert sass.instruction_class("HMMA.16816.F32.BF16") == "HMMA"
+    assert sass.instruction_class("LDGSTS.E.BYPASS.128") == "LDGSTS"
+    assert sass.instruction_class("BAR.SYNC.DEFER_BLOCKING") == "BAR"
+    assert sass.instruction_class("UIADD3") == "uniform"
+    assert sass.instruction_class("S2UR") == "uniform"
+    assert sass.instruction_class("FFMA.FTZ") == "FP32"
+    assert sass.instruction_class("IMAD.MOV.U32") == "INT"
+    assert sass.instruction_class("BSSY") == "control"
+    assert sass.instruction_class("SHFL.BFLY") == "other"
+    assert sass.shared_load_wavefronts("LDSM.16.M88.4") == 4
+    assert sass.shared_load_wavefronts("LDSM.16.MT88.2") == 2
+    assert sass.shared_load_wavefronts("LDS.128") == 4
+    assert sass.shared_load_wavefronts("LDS.64") == 2
+    assert sass.shared_load_wavefronts("LDS") == 1
+    assert sass.shared_load_wavefronts("HMMA.16816.F32") == 0
+    assert sass.shared_store_wavefronts("LDGSTS.E.BYPASS.128") == 4
+    assert sass.shared_store_wavefronts("STS.64") == 2
+
+
+def test_cubin_missing_its_last_byte_is_completed():
+    header = bytearray(0x40)
+    header[:4] = b"\x7fELF"
+    header[0x20:0x28] = (0x40).to_bytes(8, "little")  # program headers right after
+    header[0x36:0x38] = (56).to_bytes(2, "little")
+    header[0x38:0x3A] = (2).to_bytes(2, "little")
+    image = bytes(header) + b"\x01" * (2 * 56 - 1)
+    assert len(sass.complete_elf(image)) == 0x40 + 2 * 56
+    assert sass.complete_elf(b"not an elf") == b"not an elf"
+
+
+def test_source_regions_the_attribution_excludes():
+    function = sass_model.ColdRegion("function", "mask_tile")
+    assert sass_model.region_lines(TINY_SOURCE, function) == [(2, 4)]
+    if_region = sass_model.ColdRegion("if", "use_it", partial=False)
+    assert sass_model.region_lines(TINY_SOURCE, if_region) == [(11, 13)]
+    statement = sass_model.ColdRegion("statement", "narrowed", r"return\s+cover")
+    assert sass_model.region_lines(TINY_SOURCE, statement) == [(7, 8)]
+    assert sass_model.region_lines(TINY_SOURCE, sass_model.STEP_ROW_LOOP) == [(14, 14)]
+
+
+def test_causal_tiles_follow_the_walk():
+    # two 64-blocks, 64-row CTAs, 64-key tiles: block 0 sees its diagonal, block 1 one full tile
+    # and its diagonal
+    assert sass_roofline.causal_tiles(128, 64, 64, 64, own_is_query=True) == (2, 3, 2)
+    # 32-key tiles: the diagonal block's second sub-tile is partial for the 64-row CTA
+    assert sass_roofline.causal_tiles(64, 64, 64, 32, own_is_query=True) == (1, 2, 2)
+    # keys own: the same pairs seen from the columns
+    assert sass_roofline.causal_tiles(128, 64, 64, 64, own_is_query=False) == (2, 3, 2)
+    # 32-row CTAs over 32-row steps: a key tile past the first query sub-tile skips it
+    ctas, tiles, partial = sass_roofline.causal_tiles(64, 64, 32, 32, own_is_query=False)
+    assert (ctas, tiles, partial) == (2, 3, 2)
+
+
+def test_roofline_reproduces_sdpa_flash_from_its_profile():
+    csv_path = sass_roofline.PROFILE_DIR / sass_roofline.PROFILE_CSV
+    if not csv_path.exists():
+        pytest.skip(f"{csv_path} is not in this checkout")
+    profile = sass_roofline.read_profile(csv_path)
+    assert set(profile) == {"fwd", "dkdv", "dq", "fa2 fwd", "fa2 bwd"}
+    assert profile["fwd"].instructions == 457_383_936
+    for label in ("fa2 fwd", "fa2 bwd"):
+        work = sass_roofline.fa2_work(label, profile[label])
+        # the tensor peak read off the profile: 2/3 HMMA per SM cycle
+        active = sass_roofline.PROFILE_ACTIVE_CYCLES[label] * profile[label].tensor_pct / 100
+        assert work.hmma / sass_roofline.SMS / active == pytest.approx(2 / 3, rel=0.01)
+        predicted = sass_roofline.predict_seconds(work)
+        assert abs(predicted / profile[label].seconds - 1) < 0.25, label
+    rows = sass_roofline.fa2_reference_rows(profile)
+    assert [round(r["per_hmma"], 1) for r in rows] == [4.9, 3.5]
+
+
+def test_regressions_name_growth_and_spills():
+    spec = sass_model.HotSpec(
+        "fwd x", "fwd", "attn_fwd.cu", "attn_fwd<...>", 64, 0, 128, 2, 64, 64, 32, 128
+    )
+    per_tile = dict.fromkeys(sass.CLASSES, 0.0)
+    per_tile["HMMA"], per_tile["INT"], per_tile["LDSM"] = 128.0, 1000.0, 48.0
+    model = sass_model.TileModel(
+        spec, 200, 0, 4, 8, per_tile, {}, {}, 128.0, 48.0, 192.0, 64.0, 2.0, 0.0, 1
+    )
+    entry = sass_model.baseline_entry(model)
+    baseline = {"instantiations": {"fwd x": entry}}
+    assert sass_model.regressions([model], baseline, 0.10) == []
+    model.per_tile["INT"] = 1200.0  # 8.8 -> 10.4 instructions per HMMA
+    model.ldsm = 60.0
+    model.spill_bytes = 16
+    problems = sass_model.regressions([model], baseline, 0.10)
+    assert len(problems) == 3
+    assert any("instructions_per_hmma" in p for p in problems)
+    assert any("ldsm_per_hmma" in p for p in problems)
+    assert any("16 bytes of spills" in p for p in problems)
+
+
+def _tools_or_skip() -> None:
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    problem = sass_model.missing_tools()
+    if problem is not None:
+        pytest.skip(f"static SASS model unavailable: {problem}")
+
+
+def test_tiny_kernel_loops_and_counted_trips():
+    _tools_or_skip()
+    from cuattn.backends.toolchain import common_options
+
+    lowered, cubin, _ = sass_model.compile_cubin(
+        TINY_KERNEL, "tiny.cu", "tiny", common_options(with_kernel_dir=False)
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        kernel = sass.parse(sass.disassemble(cubin, Path(workdir)))[lowered]
+    loops = list(sass.walk_loops(kernel.loops))
+    trips = sorted(t for t in (sass.counted_trips(kernel, loop) for loop in loops) if t is not None)
+    assert trips == [16]  # 0, 3, ..., 45; the threadIdx-strided loop is not counted
+    assert len(loops) >= 2
+    counted = next(loop for loop in loops if sass.counted_trips(kernel, loop) == 16)
+    body = kernel.block_instructions(counted.blocks)
+    assert any(i.base == "LDG" for i in body)
+    assert all(level.file == "tiny.cu" for i in body for level in i.source)
+
+
+def test_hot_instantiations_stay_within_the_baseline():
+    _tools_or_skip()
+    from cuattn.backends.toolchain import common_options, kernel_dir
+
+    baseline = json.loads(BASELINE.read_text())
+    specs = [s for s in sass_model.hot_specs() if s.label in CI_HOT_SET]
+    assert {s.label for s in specs} == set(CI_HOT_SET)
+    assert set(CI_HOT_SET) <= set(baseline["instantiations"])
+    models = sass_model.model_specs(
+        specs, sass_model.current_sources(specs), common_options(), kernel_dir()
+    )
+    problems = sass_model.regressions(models, baseline, sass_model.REGRESSION_TOLERANCE)
+    assert not problems, "\n".join(problems) + (
+        f"\n(a deliberate change: cuattn sass --write-baseline {BASELINE.name}, with the reason in"
+        " bench/NOTES.md)"
+    )
+    for model in models:
+        # the attribution found exactly one tile of the expected mma count per iteration
+        assert model.hmma == model.spec.hmma_per_warp_tile
+        assert model.local_accesses == 0
+
+
+@pytest.mark.slow
+def test_model_reproduces_the_f532ccd_profile():
+    """f532ccd rebuilt from git: instructions and shared wavefronts within 15 % of ncu, time
+    within 25 % (the calibration table of bench/results/2026-11-25-static-sm90.md)."""
+    _tools_or_skip()
+    if not (sass_roofline.PROFILE_DIR / sass_roofline.PROFILE_CSV).exists():
+        pytest.skip("the f532ccd profile is not in this checkout")
+    try:
+        calibration = sass_roofline.calibrate(jobs=1, labels=("d128",))
+    except (OSError, RuntimeError) as exc:  # no git, or no f532ccd in a shallow clone
+        pytest.skip(f"f532ccd's kernels cannot be rebuilt here: {exc}")
+    for row in calibration.rows:
+        if row["ours"]:
+            assert abs(row["instructions"] / row["ncu_instructions"] - 1) < 0.15, row
+            assert abs(row["ld_wavefronts"] / row["ncu_ld_wavefronts"] - 1) < 0.15, row
+        assert abs(row["seconds"] / row["ncu_seconds"] - 1) < 0.25, row
+
+
+def test_cuattn_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys):
+    _tools_or_skip()
+    from cuattn.tools.cli import main
+
+    out = tmp_path / "report.md"
+    args = ["sass", "--filter", "dq d128 b64", "--jobs", "1", "--markdown", str(out)]
+    assert main([*args, "--check", str(BASELINE)]) == 0
+    printed = capsys.readouterr().out
+    assert "| dq d128 b64 `attn_bwd_dq<64, 64, 32, 128, __nv_bfloat16, MASK_CAUSAL>`" in printed
+    assert "## Hot instantiations" in out.read_text()

@@ -6,7 +6,11 @@ same way as the caller's own type on the caller's device. Nothing here copies, c
 data between host and device: an argument that cannot be shared raises instead.
 
 Known limits (documented, not hidden):
-* NumPy has no bfloat16, so bf16 CPU tensors raise ``TypeError`` (CUDA bf16 goes to CuPy).
+* NumPy has no bfloat16 of its own: a torch bfloat16 CPU tensor is shared as a NumPy array of
+  ``ml_dtypes.bfloat16`` (the same bits, through an int16 view, since DLPack's NumPy importer
+  refuses bfloat16), which the interpreter's kernels compute on; the NumPy backend refuses it by
+  name. Without ml_dtypes, and for other frameworks' bfloat16 CPU arrays, a ``TypeError``.
+  (CUDA bf16 goes to CuPy.)
 * jax on the CPU aliases an imported buffer only when it is 64-byte aligned; otherwise jax
   itself copies the (output) buffer on import. NumPy's allocator aligns to 16 bytes.
 """
@@ -106,12 +110,33 @@ def common_info(named: dict[str, Any]) -> ArrayInfo:
     return info
 
 
-def _check_dtype(x: Any, name: str) -> None:
-    if "bfloat16" in str(x.dtype):
+def _is_bfloat16(x: Any) -> bool:
+    return "bfloat16" in str(x.dtype)
+
+
+def _bfloat16_to_numpy(x: Any, info: ArrayInfo, name: str) -> np.ndarray:
+    """A torch bfloat16 CPU tensor as a NumPy ``ml_dtypes.bfloat16`` array sharing its memory.
+
+    NumPy's DLPack importer knows no bfloat16, so the tensor crosses as int16 (same size, same
+    strides, same bits) and is viewed back: no copy, no rounding. The kernel backends name the
+    dtype by ``np.dtype(...).name``, which is 'bfloat16' for ml_dtypes' type. Other frameworks
+    and a missing ml_dtypes are refused: cuattn does not cast silently."""
+    if info.framework != "torch":
         raise TypeError(
-            f"{name} is bfloat16 on the CPU; the NumPy backend has no bfloat16 and cuattn does "
-            "not cast silently: pass float32 (x.float()) or run on CUDA"
+            f"{name} is bfloat16 on the CPU from {info.framework}: cuattn shares bfloat16 CPU "
+            "arrays of torch only (NumPy cannot import bfloat16 through DLPack); pass float32 or "
+            "a torch tensor"
         )
+    try:
+        import ml_dtypes
+    except ImportError as err:
+        raise TypeError(
+            f"{name} is bfloat16 on the CPU; NumPy spells bfloat16 through ml_dtypes, which is "
+            "not installed (pip install ml_dtypes, then backend='interp'), or pass float32"
+        ) from err
+    import torch
+
+    return np.from_dlpack(x.view(torch.int16)).view(ml_dtypes.bfloat16)
 
 
 def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
@@ -126,7 +151,8 @@ def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
     if info.framework == "torch" and x.requires_grad:
         x = x.detach()  # shares storage; DLPack refuses tensors that require grad
     if info.device == "cpu":
-        _check_dtype(x, name)
+        if _is_bfloat16(x):
+            return _bfloat16_to_numpy(x, info, name)
         try:
             return np.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError) as err:
@@ -151,6 +177,8 @@ def from_backend(arr: Any, info: ArrayInfo) -> Any:
     if info.framework == "torch":
         import torch
 
+        if _is_bfloat16(arr) and isinstance(arr, np.ndarray):  # back through int16, as it came
+            return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(arr)
     import jax.dlpack
 

@@ -37,27 +37,49 @@ drawn once); with True each head draws its own.
 
 ``SparseSelfAttention`` has DeepSpeed's constructor and ``forward(query, key, value, rpe=None,
 key_padding_mask=None, attn_mask=None)`` on [batch, heads, seq_len, head_dim] tensors (key may
-come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed), scale
-``head_dim ** -0.5``, the layout for a length being the top-left corner of
+come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed: copied once into rows),
+scale ``head_dim ** -0.5``, the layout for a length being the top-left corner of
 ``make_layout(max_seq_length)`` (the ``master_layout`` buffer, so DeepSpeed checkpoints load).
-It computes with ``cuattn.sparse_attention`` and has autograd. What differs from DeepSpeed:
+It computes with ``cuattn.sparse_attention`` and has autograd.
 
-- ``rpe`` (an additive relative-position bias) is refused with a ValueError: cuattn's kernels
-  take no score bias.
-- Masks must be keep/drop masks: ``key_padding_mask`` [batch, seq_len] and ``attn_mask``
-  [seq_len, seq_len] (singleton dimensions between are squeezed, as DeepSpeed does) hold only
-  0 (drop) and 1 (keep) in mode 'mul', and only 0 (keep) and -inf (drop) in mode 'add'; a bool
-  mask counts as 0/1, as DeepSpeed casts it. Anything else (a finite bias such as -10000) is a
-  ValueError naming the argument. Modes other than 'add' and 'mul' are refused (DeepSpeed runs
-  them as 'add'). A query row whose keys are all dropped gives 0, never NaN.
+Masks are read as DeepSpeed's softmax reads them: cast to the query's dtype, singleton dimensions
+squeezed (``key_padding_mask`` [batch, seq_len], ``attn_mask`` [seq_len, seq_len]); mode 'mul'
+drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores.
+Neither becomes a dense seq_len x seq_len tensor here:
+
+- ``key_padding_mask``: batch rows are grouped by their padding. A row that keeps its first n
+  keys (right padding) runs with its keys cut to n: a layout for n keys, no element table.
+  Any other padding (left, scattered) is a per-key element rule (O(seq_len) to hold; evaluated
+  into per-block bitmasks). Rows that share a padding share one call; a row with no key gives 0.
+- ``attn_mask`` must be a pattern: one band ``lo <= q - k <= hi`` for every query (causal,
+  a sliding window, causal with a window, all pairs, none). It is read once, on its device, and
+  applied as the kernels' causal or window rule (combined with a padding length by shifting the
+  window's bounds; with another padding, inside the per-key rule).
+
+What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
+anything is computed):
+
+- ``rpe`` (an additive relative-position bias) is refused: cuattn's kernels take no score bias
+  yet; it comes with the score modifiers (issue 29, ``rel_bias``).
+- In mode 'add', a finite value other than 0 (such as -10000) is refused: in
+  ``key_padding_mask`` it is a per-key score bias (issue 29's ``key_bias``), in ``attn_mask`` a
+  dense score bias; 'add' takes 0 (keep) and -inf (drop). A bool mask counts as 0/1 (True adds
+  1: refused); +inf is refused. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops.
+- NaN in a mask is refused (DeepSpeed would keep it in 'mul' and poison the row in 'add').
+- An ``attn_mask`` that is no band (a general [seq_len, seq_len] mask, a mask with gaps) is
+  refused: put the pattern into the sparsity config's blocks.
+- Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
+- A query row whose keys are all dropped gives 0 where DeepSpeed gives NaN.
 - dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
-  float64; CUDA: float16, bfloat16, float32) where DeepSpeed asserts float16.
+  float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
+  DeepSpeed asserts float16.
 - Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
   shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +90,7 @@ from torch import distributed as dist
 from torch import nn
 
 from cuattn import api
-from cuattn.layout.layout import Layout
+from cuattn.layout.layout import ElementRule, Layout
 
 __all__ = [
     "BSLongformerSparsityConfig",
@@ -425,6 +447,13 @@ class SelfAttentionOnlyError(ValueError, NotImplementedError):
 
 
 MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# Layouts kept per module (a length, a key count, a band, a key-padding row): enough for the
+# distinct padding lengths of a few batches, bounded so that a stream of new paddings cannot grow
+# it without end.
+LAYOUT_CACHE_SIZE = 64
+# The band no query attends in: lo > hi (an attn_mask that drops every pair).
+NOTHING = (1, 0)
+SCORE_MODIFIERS_ISSUE = "issue 29, score modifiers"
 
 
 def _check_tensor(name: str, x: Any) -> None:
@@ -437,10 +466,23 @@ def _check_tensor(name: str, x: Any) -> None:
 
 
 def _keep(
-    name: str, mask: Any, mode: str, head: tuple[int, ...], tail: tuple[int, ...], layout: str
-) -> np.ndarray:
-    """bool [*head, *tail]: where a keep/drop mask keeps, checked against ``mode``. The mask is
-    shaped ``head``, then any singleton dimensions (squeezed, as DeepSpeed does), then ``tail``."""
+    name: str,
+    mask: Any,
+    mode: str,
+    head: tuple[int, ...],
+    tail: tuple[int, ...],
+    layout: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """bool [*head, *tail] on the mask's device: where DeepSpeed's softmax keeps a key.
+
+    The mask is shaped ``head``, then any singleton dimensions (squeezed, as DeepSpeed does),
+    then ``tail``. Its values are read as DeepSpeed reads them: cast to the query's dtype first
+    (so in float16 -1e5 is -inf), then 'mul' drops where the value is 0 and keeps any other
+    value (its kernel adds ``where(m == 0, -inf, 0)``), and 'add' adds the value to the score,
+    which cuattn can follow only for 0 (keep) and -inf (drop). NaN is refused in both modes: it
+    would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'.
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(mask).__name__}")
     dims, shape = tuple(mask.shape), head + tail
@@ -454,21 +496,114 @@ def _keep(
         raise ValueError(f"{name} must be {layout} = {list(shape)}, got shape {list(dims)}")
     if mask.is_complex():
         raise TypeError(f"{name} must be real or bool, got {mask.dtype}")
-    values = mask.detach().reshape(shape).cpu()
-    if values.dtype == torch.bool:
-        values = values.to(torch.int8)  # DeepSpeed casts a bool mask to 0/1 numbers
-    if mode == "mul":
-        keep, drop, accepted = values == 1, values == 0, "0 (drop) and 1 (keep)"
-    else:
-        keep, drop, accepted = values == 0, values == float("-inf"), "0 (keep) and -inf (drop)"
-    bad = ~(keep | drop)
-    if bool(bad.any()):
+    values = mask.detach().reshape(shape).to(dtype)  # DeepSpeed's cast (a bool mask: 0/1)
+    if bool(values.isnan().any()):
         raise ValueError(
-            f"{name} holds {values[bad][0].item()!r}; with {name}_mode={mode!r} cuattn takes "
-            f"only {accepted}: its kernels add no score bias, so a mask must keep or drop "
-            "each key"
+            f"{name} holds NaN; a mask must keep or drop each key ({name}_mode={mode!r} takes "
+            + ("0 to drop and any other number to keep)" if mode == "mul" else "0 and -inf)")
         )
-    return keep.numpy()
+    if mode == "mul":
+        return values != 0
+    keep = values == 0
+    bad = ~(keep | (values == float("-inf")))
+    if bool(bad.any()):
+        value = values[bad][0].item()
+        if name == "key_padding_mask" and math.isfinite(value):
+            why = (
+                "a finite value other than 0 is a per-key score bias, which cuattn's kernels "
+                f"do not add yet (it comes as key_bias with {SCORE_MODIFIERS_ISSUE})"
+            )
+        elif math.isfinite(value):
+            why = (
+                "a finite value other than 0 is a score bias on each (query, key) pair, a "
+                "dense [seq_len, seq_len] tensor that cuattn does not take"
+            )
+        else:
+            why = "+inf would leave the softmax no finite scale"
+        raise ValueError(
+            f"{name} holds {value!r}: with {name}_mode={mode!r} {why}; 'add' takes only 0 "
+            "(keep) and -inf (drop)"
+        )
+    return keep
+
+
+def _band(keep: torch.Tensor) -> tuple[int, int] | None:
+    """The band ``lo <= q - k <= hi`` that the [seq_len, seq_len] keep mask is, None when it keeps
+    every pair, or a ValueError when it is no band.
+
+    Causal (lo = 0), a sliding window, causal with a window, all pairs: the patterns a model
+    writes into its attention mask are bands, and a band is two integers the kernels test per
+    element, where a general mask would be a dense T x T table. The mask is read once, on its
+    device, down to three numbers per row (kept count, first and last kept key); the band is
+    whatever those rows span, then checked against every row.
+    """
+    n = keep.shape[0]
+    count = keep.sum(1)
+    if bool((count == n).all()):
+        return None
+    as_bytes = keep.to(torch.uint8)
+    first = as_bytes.argmax(1)  # the first kept key (0 in a row that keeps none)
+    last = n - 1 - as_bytes.flip(1).argmax(1)
+    count, first, last = (t.cpu().numpy().astype(np.int64) for t in (count, first, last))
+    q = np.arange(n)
+    has = count > 0
+    if not has.any():
+        return NOTHING
+    hi, lo = int((q - first)[has].max()), int((q - last)[has].min())
+    lo_key, hi_key = np.maximum(q - hi, 0), np.minimum(q - lo, n - 1)
+    agrees = np.where(
+        has,
+        (first == lo_key) & (last == hi_key) & (count == last - first + 1),
+        lo_key > hi_key,
+    )
+    if agrees.all():
+        return lo, hi
+    r = int(np.flatnonzero(~agrees)[0])
+    if not has[r]:
+        kept = "no key"
+    elif count[r] == last[r] - first[r] + 1:
+        kept = f"keys {first[r]}..{last[r]}"
+    else:
+        kept = f"{count[r]} keys between {first[r]} and {last[r]}, with gaps"
+    want = f"keys {lo_key[r]}..{hi_key[r]}" if lo_key[r] <= hi_key[r] else "no key"
+    raise ValueError(
+        f"attn_mask is not a pattern cuattn can follow: query row {r} keeps {kept}, where the "
+        f"band {lo} <= q - k <= {hi} that the rows span would keep {want}. "
+        "cuattn takes an attn_mask that keeps one band of q - k for every row (causal, a "
+        "sliding window, causal with a window) and applies it as an element rule; a general "
+        "[seq_len, seq_len] mask would be a dense T x T table the kernels do not read: put the "
+        "pattern into the sparsity config's blocks instead"
+    )
+
+
+def _band_cover(
+    nbq: int, nbk: int, block: int, n_keys: int, band: tuple[int, int] | None
+) -> np.ndarray:
+    """bool [nbq, nbk]: blocks holding a pair of the band (all, without one), so that blocks the
+    band leaves empty are not walked at all."""
+    if band is None:
+        return np.ones((nbq, nbk), dtype=bool)
+    lo, hi = band
+    i, j = np.arange(nbq)[:, None] * block, np.arange(nbk)[None, :] * block
+    q_lo, q_hi = i, i + block - 1
+    k_lo, k_hi = j, np.minimum(j + block, n_keys) - 1
+    return (q_hi - k_lo >= lo) & (q_lo - k_hi <= hi)
+
+
+def _band_rule(band: tuple[int, int] | None, n_q: int, n_keys: int) -> ElementRule:
+    """The kernels' element rule for ``lo <= q - k <= hi`` with ``n_keys`` keys.
+
+    The kernels measure a query from its end-aligned position ``q + n_keys - n_q``: with the
+    keys cut to a padding length that offset is taken out of the window's two bounds (the window
+    rule is ``pos - k < left and k - pos < right``, any integers), so padding and a band still
+    need no per-element table."""
+    if band is None:
+        return ElementRule()
+    lo, hi = band
+    offset = n_keys - n_q
+    if offset == 0 and lo == 0 and hi >= n_q - 1:
+        return ElementRule("causal")
+    return ElementRule("window", window_left=hi + 1 + offset, window_right=1 - lo - offset)
 
 
 class SparseSelfAttention(nn.Module):
@@ -497,7 +632,7 @@ class SparseSelfAttention(nn.Module):
         self._need_layout_synchronization = True
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
-        self._layouts: dict[int, tuple[np.ndarray, Layout]] = {}
+        self._layouts: dict[tuple, Layout] = {}
         self._layouts_of: tuple[int, int] | None = None
 
     def get_layout(self, L: int) -> torch.Tensor:
@@ -514,32 +649,69 @@ class SparseSelfAttention(nn.Module):
 
     def transpose_key_for_scores(self, x: torch.Tensor, L: int) -> torch.Tensor:
         """key as [batch, heads, seq_len, head_dim]: one whose dim 2 is not L is taken as
-        transposed ([batch, heads, head_dim, seq_len]) and transposed back."""
-        return x.permute(0, 1, 3, 2) if x.shape[2] != L else x
+        transposed ([batch, heads, head_dim, seq_len]) and transposed back.
 
-    def _blocks(self, seq_len: int, heads: int) -> tuple[np.ndarray, Layout]:
-        """bool block layout and its unmasked cuattn Layout for seq_len (cached per length;
-        rebuilt when ``master_layout`` changes, e.g. by load_state_dict)."""
-        buffer = self.master_layout
-        stamp = (id(buffer), buffer._version)
-        if stamp != self._layouts_of:
-            self._layouts, self._layouts_of = {}, stamp
+        Transposed back, its head_dim axis is strided, which the kernels cannot read (they load
+        whole rows); DeepSpeed's own Bert layer hands the key over transposed, so such a key is
+        copied once, contiguous, here rather than refused by the CUDA and interpreter backends.
+        """
+        if x.shape[2] == L:
+            return x
+        x = x.permute(0, 1, 3, 2)
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    def _check_lengths(self, seq_len: int, heads: int) -> None:
         block = self.sparsity_config.block
-        max_len = buffer.shape[-1] * block
+        max_len = self.master_layout.shape[-1] * block
         if seq_len > max_len:
             raise ValueError(
                 f"query has seq_len={seq_len}, more than max_seq_length={max_len} (the length "
                 "the layout was made for); build SparseSelfAttention with a larger one"
             )
-        if buffer.shape[0] != heads:
+        if self.master_layout.shape[0] != heads:
             raise ValueError(
-                f"query has {heads} heads, the sparsity config has num_heads={buffer.shape[0]}"
+                f"query has {heads} heads, the sparsity config has "
+                f"num_heads={self.master_layout.shape[0]}"
             )
-        if seq_len not in self._layouts:
-            blocks = self.get_layout(seq_len).numpy().astype(bool)
-            self._layouts[seq_len] = (blocks, Layout.from_blocks(blocks, block))
-            self._layouts_of = (id(self.master_layout), self.master_layout._version)
-        return self._layouts[seq_len]
+        if seq_len % block != 0:
+            raise ValueError(f"seq_len={seq_len} must be a multiple of block={block}")
+
+    def _layout(
+        self,
+        seq_len: int,
+        n_keys: int,
+        band: tuple[int, int] | None,
+        keep_k: np.ndarray | None,
+    ) -> Layout:
+        """The cuattn Layout for ``seq_len`` queries: the master layout's corner, restricted to
+        the band (an element rule) and to the keys a padding row keeps, cached per module.
+
+        ``n_keys`` < seq_len: the keys are cut to the first n_keys (right padding), so the
+        layout is for n_keys keys and needs no table. ``keep_k`` (bool [seq_len]): any other
+        padding, a per-key element rule evaluated into per-block bitmasks, O(seq_len) to hold.
+        The cache is emptied when ``master_layout`` changes (load_state_dict, a broadcast)."""
+        buffer = self.master_layout
+        stamp = (id(buffer), buffer._version)
+        if stamp != self._layouts_of:
+            self._layouts, self._layouts_of = {}, stamp
+        key = (seq_len, n_keys, band, None if keep_k is None else np.packbits(keep_k).tobytes())
+        if key in self._layouts:
+            return self._layouts[key]
+        block = self.sparsity_config.block
+        blocks = self.get_layout(seq_len).numpy().astype(bool)
+        self._layouts_of = (id(self.master_layout), self.master_layout._version)
+        nbk = -(-n_keys // block)
+        blocks = blocks[:, :, :nbk] & _band_cover(blocks.shape[1], nbk, block, n_keys, band)
+        if keep_k is None:
+            rule = _band_rule(band, seq_len, n_keys)
+            layout = Layout(blocks, block, n_ctx=n_keys, rule=rule, name="deepspeed", n_q=seq_len)
+        else:
+            blocks &= keep_k.reshape(nbk, block).any(axis=1)  # columns of dropped keys only
+            layout = Layout.from_blocks(blocks, block, mask_fn=_element_rule(band, keep_k))
+        if len(self._layouts) >= LAYOUT_CACHE_SIZE:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = layout
+        return layout
 
     def forward(
         self,
@@ -551,11 +723,21 @@ class SparseSelfAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block-sparse attention of query, key, value [batch, heads, seq_len, head_dim] (key
-        may be [batch, heads, head_dim, seq_len]) -> [batch, heads, seq_len, head_dim]."""
+        may be [batch, heads, head_dim, seq_len]) -> [batch, heads, seq_len, head_dim].
+
+        Every argument is checked before anything is computed. Batch rows are grouped by their
+        key padding: a row that keeps its first n keys (right padding, what tokenizers make)
+        runs with the keys cut to n and a mask-free layout; a row with any other padding runs
+        with a per-key element rule. Rows that share a padding share one call. One packed
+        varlen call would instead need per-element bitmasks on every block a padding length
+        cuts, rebuilt for every new batch; grouped calls reuse one cached table-free layout
+        per length.
+        """
         if rpe is not None:
             raise ValueError(
-                "rpe (a relative position embedding added to the scores) is not supported: "
-                "cuattn's kernels take no additive score bias; pass rpe=None"
+                "rpe (a relative position embedding added to the scores) is not supported yet: "
+                "cuattn's kernels add no score bias; it comes as rel_bias with "
+                f"{SCORE_MODIFIERS_ISSUE} (for an rpe that depends on k - q only); pass rpe=None"
             )
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x)
@@ -569,15 +751,22 @@ class SparseSelfAttention(nn.Module):
                 f"supported, got query {tuple(query.shape)}, key {given_key}, value "
                 f"{tuple(value.shape)}"
             )
-        blocks, plain = self._blocks(seq_len, heads)
+        self._check_lengths(seq_len, heads)
         n = seq_len
-        keep_qk = None
+        band = None
         if attn_mask is not None:
             keep_qk = _keep(
-                "attn_mask", attn_mask, self.attn_mask_mode, (), (n, n), "[seq_len, seq_len]"
+                "attn_mask",
+                attn_mask,
+                self.attn_mask_mode,
+                (),
+                (n, n),
+                "[seq_len, seq_len]",
+                query.dtype,
             )
-            keep_qk = None if keep_qk.all() else keep_qk
-        keep_k = None
+            band = _band(keep_qk)
+            del keep_qk
+        groups: list[tuple[np.ndarray, int, np.ndarray | None]] = [(np.arange(batch), n, None)]
         if key_padding_mask is not None:
             keep_k = _keep(
                 "key_padding_mask",
@@ -586,34 +775,28 @@ class SparseSelfAttention(nn.Module):
                 (batch,),
                 (n,),
                 "[batch, seq_len]",
+                query.dtype,
             )
-            keep_k = None if keep_k.all() else keep_k
+            groups = _padding_groups(keep_k.cpu().numpy())
         scale = float(head_dim) ** -0.5
-        block = self.sparsity_config.block
-
-        def layout_for(keys: np.ndarray | None) -> Layout:
-            if keep_qk is None and keys is None:
-                return plain
-            return Layout.from_blocks(blocks, block, mask_fn=_mask_fn(keep_qk, keys))
-
-        if keep_k is None:  # one call for the batch
-            members = [np.arange(batch)]
-            layouts = [layout_for(None)]
-        else:  # key padding differs between batch rows: one call per distinct padding row
-            rows, which = np.unique(keep_k, axis=0, return_inverse=True)
-            which = which.reshape(-1)
-            members = [np.flatnonzero(which == u) for u in range(len(rows))]
-            layouts = [layout_for(row) for row in rows]
-        if len(layouts) == 1:
-            return api.sparse_attention(query, key, value, layouts[0], scale=scale)
-        parts = []
-        for rows_of, layout in zip(members, layouts, strict=True):
-            pick = torch.as_tensor(rows_of, device=query.device)
-            parts.append(
-                api.sparse_attention(query[pick], key[pick], value[pick], layout, scale=scale)
+        if len(groups) == 1 and groups[0][1] == n:
+            _, _, keep_row = groups[0]
+            return api.sparse_attention(
+                query, key, value, self._layout(n, n, band, keep_row), scale=scale
             )
-        order = torch.as_tensor(np.argsort(np.concatenate(members)), device=query.device)
-        return torch.cat(parts)[order]
+        parts = []
+        for rows, n_keys, keep_row in groups:
+            # rows with no key at all: the call returns zeros; any layout for the heads will do
+            layout = (
+                self._layout(n, n_keys, band, keep_row)
+                if n_keys
+                else self._layout(n, n, None, None)
+            )
+            pick = torch.as_tensor(rows, device=query.device)
+            q, k, v = query[pick], key[pick, :, :n_keys], value[pick, :, :n_keys]
+            parts.append(api.sparse_attention(q, k, v, layout, scale=scale))
+        order = np.argsort(np.concatenate([rows for rows, _, _ in groups]))
+        return torch.cat(parts)[torch.as_tensor(order, device=query.device)]
 
     def extra_repr(self) -> str:
         cfg = self.sparsity_config
@@ -625,11 +808,30 @@ class SparseSelfAttention(nn.Module):
         )
 
 
-def _mask_fn(keep_qk: np.ndarray | None, keep_k: np.ndarray | None) -> MaskFn:
-    """Layout.from_blocks' element rule: query q sees key k where both masks keep it."""
+def _padding_groups(keep_k: np.ndarray) -> list[tuple[np.ndarray, int, np.ndarray | None]]:
+    """Batch rows grouped by their padding row (bool [batch, seq_len]): (rows, n_keys, keep)
+    with keep None when the row keeps exactly its first n_keys keys, else (rows, seq_len, keep)."""
+    distinct, which = np.unique(keep_k, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    groups = []
+    for u, keep in enumerate(distinct):
+        rows = np.flatnonzero(which == u)
+        count = int(keep.sum())
+        if keep[:count].all():
+            groups.append((rows, count, None))
+        else:
+            groups.append((rows, len(keep), keep))
+    return groups
+
+
+def _element_rule(band: tuple[int, int] | None, keep_k: np.ndarray) -> MaskFn:
+    """Layout.from_blocks' element rule: key k is kept by the padding and q - k lies in the
+    band; O(seq_len) to hold, whatever the length."""
 
     def allowed(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
-        out = np.ones((), dtype=bool) if keep_qk is None else keep_qk[q, k]
-        return out if keep_k is None else out & keep_k[k]
+        out = keep_k[k]
+        if band is None:
+            return out
+        return out & (q - k >= band[0]) & (q - k <= band[1])
 
     return allowed

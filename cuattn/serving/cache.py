@@ -45,7 +45,22 @@ DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds with
 
 
 def _dtype_name(dtype: Any) -> str:
-    return str(getattr(dtype, "name", dtype)).replace("torch.", "")
+    """The NumPy name of a dtype as users spell it: a string ('float16', 'f2', 'half',
+    'torch.bfloat16'), a NumPy dtype or scalar type (np.float16, ml_dtypes.bfloat16, jnp.float32),
+    a torch dtype, or an array's ``.dtype``. NumPy's own rules read all but torch's, which are
+    named by their text; 'bfloat16' is read by name, as NumPy knows it only through ml_dtypes.
+    Anything unreadable keeps its text, for the caller's error to quote."""
+    text = str(dtype)
+    if dtype is None:  # np.dtype(None) is float64; a cache's dtype is never a default
+        return text
+    if type(dtype).__module__.split(".")[0] == "torch" or text.startswith("torch."):
+        return text.replace("torch.", "")
+    if text == "bfloat16" or getattr(dtype, "__name__", None) == "bfloat16":
+        return "bfloat16"
+    try:
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        return text
 
 
 def _positive(name: str, value: object) -> int:
@@ -81,7 +96,10 @@ class KVCache:
         self.capacity = None if capacity is None else _positive("capacity", capacity)
         self.dtype = _dtype_name(dtype)
         if self.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+            raise TypeError(
+                f"dtype must be one of {FLOAT_DTYPES} (a string, a NumPy dtype or scalar type "
+                f"such as np.float16, or a torch dtype), got {dtype!r}"
+            )
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(
                 f"policy must be a cuattn.policies policy or None, got {type(policy).__name__}"

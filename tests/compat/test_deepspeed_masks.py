@@ -1,0 +1,389 @@
+"""DeepSpeed's whole call: SparseSelfAttention.forward with key_padding_mask and attn_mask in
+both modes, against a float64 restatement of DeepSpeed's documented semantics.
+
+DeepSpeed (deepspeed/ops/sparse_attention/sparse_self_attention.py and softmax.py) casts each
+mask to the query's dtype and squeezes it; its softmax kernel then scales the scores and adds
+the key padding mask and the attention mask, a 'mul' mask as ``where(m == 0, -inf, 0)``, an
+'add' mask as it is, over the blocks of the layout only. ``deepspeed_attention`` below is that,
+dense, in float64. The one documented difference: a row with nothing to attend to is NaN there
+and 0 in cuattn. Masks are drawn per batch row (right, left, scattered, no padding, all padding)
+and every pattern the shim follows (causal, windows, strictly causal, all, nothing).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cuattn.compat.deepspeed as ds
+from tests.helpers.attn_cases import GRAD_RTOL_F64, rel
+
+OUT_RTOL = 1e-12
+BATCH, HEADS, SEQ, DIM, BLOCK, MAX_LEN = 6, 4, 48, 8, 8, 64
+MODES = [("add", "add"), ("add", "mul"), ("mul", "add"), ("mul", "mul")]
+INF = float("-inf")
+
+
+# -- DeepSpeed's semantics, restated ------------------------------------------------------------
+
+
+def _squeezed_padding(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSpeed's transpose_mask_for_sparse for the key padding mask: cast, then squeeze the
+    dimensions after the first, last to second."""
+    mask = mask.to(dtype)
+    for d in range(mask.dim() - 1, 0, -1):
+        mask = mask.squeeze(d)
+    return mask
+
+
+def _added(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What DeepSpeed's softmax kernel adds to the scores for a mask in ``mode``."""
+    if mode == "mul":
+        return torch.where(mask == 0, INF, 0.0).to(mask.dtype)
+    return mask
+
+
+def deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode):
+    """The scores DeepSpeed's softmax sees, -inf outside the layout's blocks."""
+    scores = (q @ k.transpose(-1, -2)) * float(q.shape[-1]) ** -0.5
+    if key_padding_mask is not None:
+        kp = _added(_squeezed_padding(key_padding_mask, q.dtype), kp_mode)
+        scores = scores + kp[:, None, None, :]
+    if attn_mask is not None:
+        scores = scores + _added(attn_mask.to(q.dtype).squeeze(), attn_mode)
+    b = q.shape[2] // blocks.shape[-1]
+    inside = blocks.bool().repeat_interleave(b, 1).repeat_interleave(b, 2)
+    return scores.masked_fill(~inside, INF)
+
+
+def deepspeed_attention(q, k, v, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode):
+    """(out, empty): DeepSpeed's attention, with rows that have nothing to attend to (NaN in
+    DeepSpeed) set to 0 as cuattn documents, so that gradients exist; ``empty`` marks them."""
+    scores = deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode)
+    empty = (scores == INF).all(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return probs @ v, empty
+
+
+# -- cases --------------------------------------------------------------------------------------
+
+BANDS = {  # name -> (lo, hi): query q keeps key k when lo <= q - k <= hi
+    "causal": (0, SEQ),
+    "window": (-2, 5),
+    "causal-window": (0, 9),
+    "strictly-causal": (1, SEQ),  # query 0 sees nothing
+    "ahead": (-6, -1),  # only later keys: the last query sees nothing
+    "all": (-SEQ, SEQ),
+    "nothing": (1, 0),
+}
+ATTN = [None, *BANDS]
+
+
+def _band_keep(name: str) -> torch.Tensor:
+    lo, hi = BANDS[name]
+    d = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
+    return (d >= lo) & (d <= hi)
+
+
+def _padding_keep(g: torch.Generator) -> torch.Tensor:
+    """bool [BATCH, SEQ]: one padding kind per batch row, in random order, lengths random; two
+    rows share a padding."""
+    rows = []
+    for kind in ("right", "right", "left", "scattered", "none", "empty"):
+        n = int(torch.randint(1, SEQ, (1,), generator=g))
+        keep = torch.zeros(SEQ, dtype=torch.bool)
+        if kind == "right":
+            keep[:n] = True
+        elif kind == "left":
+            keep[SEQ - n :] = True
+        elif kind == "scattered":
+            keep = torch.rand(SEQ, generator=g) < 0.7
+        elif kind == "none":
+            keep[:] = True
+        rows.append(keep)
+    rows[1] = rows[0]
+    order = torch.randperm(len(rows), generator=g)
+    return torch.stack(rows)[order]
+
+
+def _encode(keep: torch.Tensor, mode: str, g: torch.Generator, form: int) -> torch.Tensor:
+    """A mask holding ``keep`` as a DeepSpeed user writes it in ``mode``: 'add' as 0/-inf,
+    'mul' as 0 and arbitrary nonzero numbers (DeepSpeed keeps any nonzero value) or a bool."""
+    if mode == "add":
+        return torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, INF)
+    if form % 2:
+        return keep
+    values = torch.tensor([1.0, 0.5, -2.0, 3.0], dtype=torch.float64)
+    pick = values[torch.randint(0, len(values), keep.shape, generator=g)]
+    return torch.where(keep, pick, 0.0)
+
+
+def _configs():
+    random.seed(11)
+    return [
+        ds.FixedSparsityConfig(
+            HEADS,
+            block=BLOCK,
+            different_layout_per_head=True,
+            num_local_blocks=2,
+            num_different_global_patterns=2,
+            attention="unidirectional",
+        ),
+        ds.BigBirdSparsityConfig(HEADS, block=BLOCK, different_layout_per_head=True),
+        ds.VariableSparsityConfig(HEADS, block=BLOCK, local_window_blocks=[1, 2]),
+    ]
+
+
+def _qkv(seed: int, batch: int = BATCH, dtype=torch.float64, seq=SEQ, heads=HEADS, dim=DIM):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq, dim)
+    return [torch.randn(shape, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def _close(x: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
+    """Relative to ref's largest entry; an all-zero ref (nothing attended) wants exact zeros."""
+    x, ref = x.detach(), ref.detach()
+    return not x.any() if not ref.any() else rel(x, ref) <= rtol
+
+
+def _check(got, want, inputs, out_rtol=OUT_RTOL, grad_rtol=GRAD_RTOL_F64):
+    assert got.shape == want.shape and got.dtype == want.dtype and not got.isnan().any()
+    assert _close(got, want, out_rtol)
+    w = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(99))
+    grads = torch.autograd.grad((got * w).sum(), inputs)
+    wants = torch.autograd.grad((want * w).sum(), inputs)
+    for g, ref in zip(grads, wants, strict=True):
+        assert _close(g, ref, grad_rtol)
+
+
+# -- the call against DeepSpeed -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: f"kp-{m[0]}-attn-{m[1]}")
+@pytest.mark.parametrize("attn", ATTN, ids=str)
+def test_masks_in_both_modes_equal_deepspeeds_semantics(modes, attn):
+    kp_mode, attn_mode = modes
+    case = MODES.index(modes) * len(ATTN) + ATTN.index(attn)
+    cfg = _configs()[case % 3]
+    module = ds.SparseSelfAttention(cfg, kp_mode, attn_mode, max_seq_length=MAX_LEN)
+    g = torch.Generator().manual_seed(case)
+    keep_k = _padding_keep(g)
+    padding = _encode(keep_k, kp_mode, g, case)
+    if case % 3 == 0:  # singleton dimensions, squeezed as DeepSpeed does
+        padding = padding[:, None, None, :]
+    attn_mask = None
+    if attn is not None:
+        attn_mask = _encode(_band_keep(attn), attn_mode, g, case // 2)
+        if case % 4 == 1:
+            attn_mask = attn_mask[None, None]
+    q, k, v = _qkv(case)
+    key = k.transpose(-1, -2) if case % 5 == 0 else k  # DeepSpeed's transposed key
+    got = module(q, key, v, key_padding_mask=padding, attn_mask=attn_mask)
+
+    blocks = module.get_layout(SEQ)
+    want, empty = deepspeed_attention(q, k, v, blocks, padding, attn_mask, kp_mode, attn_mode)
+    _check(got, want, (q, k, v))
+    # The rows cuattn gives 0 are exactly those DeepSpeed's softmax leaves NaN.
+    scores = deepspeed_scores(q, k, blocks, padding, attn_mask, kp_mode, attn_mode)
+    literal = torch.softmax(scores, -1) @ v
+    assert torch.equal(literal.isnan().any(-1, keepdim=True), empty)
+    assert not got.detach().masked_select(empty).any()
+
+
+def test_float16_casts_masks_as_deepspeed_does():
+    """DeepSpeed casts a mask to the query's dtype first: in float16, -1e5 is -inf (a drop),
+    in float32 it stays a finite bias (refused)."""
+    module = ds.SparseSelfAttention(_configs()[1], max_seq_length=MAX_LEN)
+    q, k, v = (x.detach().half() for x in _qkv(3))
+    keep = _padding_keep(torch.Generator().manual_seed(3))
+    big = torch.zeros(BATCH, SEQ, dtype=torch.float32).masked_fill(~keep, -1e5)
+    minus_inf = big.masked_fill(~keep, INF)
+    got = module(q, k, v, key_padding_mask=big)
+    assert torch.equal(got, module(q, k, v, key_padding_mask=minus_inf))
+    want, _ = deepspeed_attention(
+        *(x.double() for x in (q, k, v)), module.get_layout(SEQ), minus_inf, None, "add", "mul"
+    )
+    assert rel(got.double(), want) <= 2e-3
+    with pytest.raises(ValueError, match="key_padding_mask holds -100000.0"):
+        module(q.float(), k.float(), v.float(), key_padding_mask=big)
+
+
+def test_the_kernels_follow_a_band_with_the_keys_cut_to_a_padding_length(monkeypatch):
+    """On the interpreter (the .cu kernels, float32): right padding cuts the keys and moves the
+    window rule's bounds by the end-aligned offset; left padding runs on a per-key rule."""
+    monkeypatch.setenv("CUATTN_BACKEND", "interp")
+    cfg = ds.BSLongformerSparsityConfig(2, block=16, num_sliding_window_blocks=3)
+    for band in ("causal", "window"):
+        module = ds.SparseSelfAttention(cfg, "mul", "mul", max_seq_length=64)
+        lo, hi = BANDS[band]
+        d = torch.arange(64)[:, None] - torch.arange(64)[None, :]
+        keep_qk = (d >= lo) & (d <= hi)
+        keep_k = torch.ones(3, 64, dtype=torch.bool)
+        keep_k[0, 37:] = False  # right padding: keys cut to 37
+        keep_k[1, :21] = False  # left padding: a per-key rule
+        q, k, v = _qkv(5, batch=3, dtype=torch.float32, seq=64, heads=2, dim=16)
+        got = module(q, k, v, key_padding_mask=keep_k, attn_mask=keep_qk)
+        ref = [x.double() for x in (q, k, v)]
+        blocks = module.get_layout(64)
+        want, _ = deepspeed_attention(*ref, blocks, keep_k, keep_qk, "mul", "mul")
+        _check(got.double(), want, (q, k, v), out_rtol=1e-5, grad_rtol=1e-4)
+    # DeepSpeed's Bert layer hands the key over transposed: the kernels get it back in rows
+    transposed = module(q, k.transpose(-1, -2), v, key_padding_mask=keep_k, attn_mask=keep_qk)
+    assert torch.equal(transposed, got)
+
+
+# -- how the masks are run: never a dense T x T ---------------------------------------------------
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = ds.api.sparse_attention
+
+    def spy(q, k, v, layout, **kwargs):
+        calls.append((q.shape[0], k.shape[2], layout))
+        return real(q, k, v, layout, **kwargs)
+
+    monkeypatch.setattr(ds.api, "sparse_attention", spy)
+    return calls
+
+
+def test_right_padding_cuts_the_keys_and_needs_no_element_table(monkeypatch):
+    module = ds.SparseSelfAttention(_configs()[0], "mul", "mul", max_seq_length=MAX_LEN)
+    lengths = [SEQ, 20, 7, 20]
+    keep_k = torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]
+    q, k, v = _qkv(8, batch=4)
+    calls = _spy(monkeypatch)
+    for attn, kinds in ((None, {"none"}), ("causal", {"causal", "window"}), ("window", {"window"})):
+        calls.clear()
+        mask = None if attn is None else _band_keep(attn)
+        module(q, k, v, key_padding_mask=keep_k, attn_mask=mask)
+        # one call per distinct length (rows 1 and 3 share theirs), keys cut to it
+        assert sorted((rows, keys) for rows, keys, _ in calls) == [(1, 7), (1, SEQ), (2, 20)]
+        for _, keys, layout in calls:
+            assert layout.n_ctx == keys and layout.n_q == SEQ
+            assert layout.rule.kind in kinds and layout.mask_table.size == 0
+
+
+def test_other_padding_is_a_per_key_rule_and_an_all_pairs_mask_is_no_rule(monkeypatch):
+    module = ds.SparseSelfAttention(_configs()[1], max_seq_length=MAX_LEN)
+    keep_k = torch.ones(2, SEQ, dtype=torch.bool)
+    keep_k[0, :5] = False  # left padding
+    keep_k[1, 10:30] = False  # a hole
+    calls = _spy(monkeypatch)
+    q, k, v = _qkv(9, batch=2)
+    padding = torch.zeros(2, SEQ).masked_fill(~keep_k, INF)
+    module(q, k, v, key_padding_mask=padding, attn_mask=torch.ones(SEQ, SEQ))
+    assert len(calls) == 2
+    assert all(keys == SEQ and layout.rule.kind == "bitmask" for _, keys, layout in calls)
+    # key block 2 (keys 16..23) lies inside the hole: the hole's row does not walk that column
+    walked = sorted(bool(layout.blocks[:, :, 2].any()) for _, _, layout in calls)
+    assert walked == [False, True]
+    calls.clear()
+    module(q, k, v, attn_mask=torch.ones(SEQ, SEQ))
+    assert len(calls) == 1 and calls[0][2].rule.kind == "none"
+
+
+# -- refusals, each before anything is computed ---------------------------------------------------
+
+
+def _refuse_compute(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("computed before the arguments were checked")
+
+    monkeypatch.setattr(ds.api, "sparse_attention", fail)
+
+
+def _gappy() -> torch.Tensor:
+    d = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
+    return (d >= 0) & (d % 2 == 0)  # causal, every other key: dilated, not a band
+
+
+def _one_row_differs() -> torch.Tensor:
+    keep = _band_keep("causal")
+    keep[10] = True  # row 10 sees every key, the others are causal
+    return keep
+
+
+def _bias(value: float, shape: tuple[int, ...]) -> torch.Tensor:
+    mask = torch.zeros(shape)
+    mask[..., -1] = value
+    return mask
+
+
+REFUSALS = [
+    (
+        dict(rpe=torch.zeros(BATCH, HEADS, SEQ, SEQ)),
+        ("add", "mul"),
+        r"rpe \(a relative.*rel_bias with issue 29",
+    ),
+    (
+        dict(key_padding_mask=_bias(-1e4, (BATCH, SEQ))),
+        ("add", "mul"),
+        r"key_padding_mask holds -10000.0: .*per-key score bias.*key_bias with issue 29",
+    ),
+    (
+        dict(key_padding_mask=torch.ones(BATCH, SEQ, dtype=torch.bool)),
+        ("add", "mul"),
+        "key_padding_mask holds 1.0: .*per-key score bias",
+    ),
+    (
+        dict(key_padding_mask=_bias(float("inf"), (BATCH, SEQ))),
+        ("add", "mul"),
+        r"key_padding_mask holds inf: .*\+inf",
+    ),
+    (
+        dict(key_padding_mask=_bias(float("nan"), (BATCH, SEQ))),
+        ("mul", "mul"),
+        "key_padding_mask holds NaN",
+    ),
+    (
+        dict(attn_mask=_bias(-1e4, (SEQ, SEQ))),
+        ("add", "add"),
+        r"attn_mask holds -10000.0: .*score bias on each \(query, key\) pair",
+    ),
+    (dict(attn_mask=_bias(float("nan"), (SEQ, SEQ))), ("add", "add"), "attn_mask holds NaN"),
+    (
+        dict(attn_mask=torch.rand(SEQ, SEQ, generator=torch.Generator().manual_seed(0)) < 0.6),
+        ("add", "mul"),
+        "attn_mask is not a pattern cuattn can follow: query row",
+    ),
+    (
+        dict(attn_mask=_gappy()),
+        ("add", "mul"),
+        r"query row 1 keeps keys 1..1, where the band 0 <= q - k <= 46 that the rows span",
+    ),
+    (
+        dict(attn_mask=_one_row_differs()),
+        ("add", "mul"),
+        r"query row 0 keeps keys 0..0, where the band -37 <= q - k <= 47 .* keys 0..37",
+    ),
+    (
+        dict(attn_mask=torch.ones(SEQ, SEQ, dtype=torch.complex64)),
+        ("add", "mul"),
+        "attn_mask must be real or bool",
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs,modes,match", REFUSALS)
+def test_refusals_name_the_argument_before_computing(monkeypatch, kwargs, modes, match):
+    module = ds.SparseSelfAttention(_configs()[0], *modes, max_seq_length=MAX_LEN)
+    q, k, v = _qkv(4)
+    _refuse_compute(monkeypatch)
+    error = TypeError if "must be real" in match else ValueError
+    with pytest.raises(error, match=match):
+        module(q, k, v, **kwargs)
+
+
+def test_the_band_reader_finds_each_pattern():
+    for name, (lo, hi) in BANDS.items():
+        got = ds._band(_band_keep(name))
+        if name == "all":
+            assert got is None
+        elif name == "nothing":
+            assert got == ds.NOTHING
+        else:
+            # the band as the rows span it: the same pairs, bounds clipped to the sequence
+            assert got[0] == max(lo, -(SEQ - 1)) and got[1] == min(hi, SEQ - 1), (name, got)

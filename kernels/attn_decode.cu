@@ -22,13 +22,18 @@
 //   did not count: token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into
 //   probabilities with the merged lse, with no second pass over K).
 // attn_decode_merge<HEAD_DIM, T>: one warp per row of out [rows, HEAD_DIM]: the exact merge of
-//   its `splits` partial results (splits with lse -inf contribute nothing; none: 0 and -inf).
+//   its `splits` partial results (none with a token the row attends: 0 and -inf).
 // attn_decode_mass: grid (ceil(max_pages * page_size / NUM_THREADS), batch * kv_heads): HeavyHitters'
 //   score update, a thread per table slot f < page_count * page_size of a (sequence, kv head):
 //   the probability each of the kv group's kv_group * t_q query rows gave the slot's token,
-//   exp(token_scores[row, f] - lse[row]) (0 where either is -inf), summed over the rows in
-//   order and added to slot_score (float64) of page_table[f / page_size], offset
-//   f % page_size. Every slot is one thread's: no atomics, the same sum on every run.
+//   exp(token_scores[row, f] - lse[row]) (0 where the score is -inf; nothing where it is NaN),
+//   summed over the rows in order and added to slot_score (float64) of page_table[f / page_size],
+//   offset f % page_size. Every slot is one thread's: no atomics, the same sum on every run.
+// Special values (docs/design.md §7, cuattn/serving/decode.py): NaN and inf go as in a dense
+//   masked softmax of every query row of a kv group against every kept token, whatever the split
+//   count: a token a row does not attend has score -inf (probability 0) and still multiplies its
+//   v (0 * NaN = NaN); a slot with no kept token is read as zeros, so what it still holds reaches
+//   nothing; a NaN or +inf score makes its row NaN; a row with nothing but -inf gives 0 and -inf.
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
 // contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
 // [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
@@ -73,9 +78,15 @@ struct attn_decode_split_traits {
 // CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
 __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
 
+// max(a, b) that is NaN when either is (fmaxf drops a NaN): a row's running max carries a NaN
+// score, so that the row comes out NaN rather than missing that score.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 // Starts the copy of one sub-tile (table slots first_slot + t, t < TOKENS_PER_WARP; none past
-// last_slot) of K and V into `stage` ([K, V][token][LD]) and commits it. Returns this lane's
-// token's position (-1 past the run) and, in `entry`, the token's page-table entry.
+// last_slot) of K and V into `stage` ([K, V][token][LD]) and commits it. A slot past the run or
+// keeping no token (position -1: evicted, or room in a page) is zero-filled: its memory may hold
+// an earlier token's NaN or inf, which 0 * x would carry into every row. Returns this lane's
+// token's position (-1 for those) and, in `entry`, the token's page-table entry.
 template <typename Traits, int HEAD_DIM, typename T>
 __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict__ k_pages,
                                                    const T* __restrict__ v_pages,
@@ -89,13 +100,14 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   const bool valid = f < last_slot;
   entry = valid ? f / page_size : 0;
   const int slot = valid ? table[entry] * page_size + (f - entry * page_size) : 0;
+  const long long pos = valid ? slot_pos[slot] : -1;
 #pragma unroll
   for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
     const int chunk = lane + 32 * c;
     const int row = min_int(chunk / CPR, TPW - 1);
     // every lane shuffles (a shuffle needs the whole warp); lane `row` holds token `row`
     const int row_slot = __shfl_sync(FULL_WARP, slot, row);
-    const int row_valid = __shfl_sync(FULL_WARP, int(valid), row);
+    const int row_valid = __shfl_sync(FULL_WARP, int(pos >= 0), row);
     if (chunk < TPW * CPR) {
       const int col = (chunk % CPR) * Traits::CHUNK;
       const size_t src = size_t(row_slot) * HEAD_DIM + col;
@@ -105,7 +117,7 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
     }
   }
   cp_async_commit();
-  return valid ? slot_pos[slot] : -1;
+  return pos;
 }
 
 template <int TILE, int ROWS, int HEAD_DIM, typename T>
@@ -236,13 +248,14 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       float m_tile = s[i];
 #pragma unroll
       for (int offset = 1; offset < TPW; offset *= 2) {
-        m_tile = fmaxf(m_tile, __shfl_xor_sync(FULL_WARP, m_tile, offset));
+        m_tile = nan_max(m_tile, __shfl_xor_sync(FULL_WARP, m_tile, offset));
       }
-      const float m_new = fmaxf(m_i[i], m_tile);
-      if (m_new == -INFINITY) {  // nothing counted yet for this row (uniform across the warp)
-        s[i] = 0.f;
+      const float m_new = nan_max(m_i[i], m_tile);
+      if (m_new == -INFINITY) {  // nothing but -inf so far (uniform across the warp)
+        s[i] = 0.f;  // p = 0, which P.V still multiplies: 0 * NaN in v is NaN, as dense
         continue;
       }
+      // a NaN or +inf max (a NaN or +inf score) makes p and the correction NaN: l_i and acc too
       const float correction = expf(m_i[i] - m_new);  // m_i = -inf: exp(-inf) = 0
       const float p = expf(s[i] - m_new);             // s = -inf: 0
       float p_sum = p;
@@ -296,20 +309,29 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
   }
   __syncthreads();
   for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
+    // fmaxf leaves a warp's NaN m_i (a NaN score) out of m_all, not out of the sums: its
+    // weight is NaN
     float m_all = -INFINITY;
     for (int w = 0; w < Traits::NUM_WARPS; ++w) {
       m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
     }
+    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
     float weight[Traits::NUM_WARPS];
     float l_all = 0.f;
 #pragma unroll
     for (int w = 0; w < Traits::NUM_WARPS; ++w) {
       const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
-      // a warp with no counted token has m_i = -inf and weight 0 (its acc is 0, never NaN)
-      weight[w] = m_all == -INFINITY ? 0.f : expf(row[HEAD_DIM] - m_all);
+      // a warp whose m_i is -inf (no token counted, or only -inf scores) has weight 0, which
+      // still multiplies its acc: 0, or NaN where it multiplied 0 by a NaN or inf in v
+      weight[w] = expf(row[HEAD_DIM] - m_shift);
       l_all += weight[w] * row[HEAD_DIM + 1];
     }
-    const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+    // l_all == 0: no token the row attends in this split, or only -inf scores: lse -inf, and
+    // out the bare sum, 0 or the NaN of a 0 * NaN, which the merge multiplies by its weight 0
+    // (so that the split count never decides whether it reaches the row). A NaN l_all (a NaN or
+    // +inf score) gives NaN for both.
+    const bool empty = l_all == 0.f;
+    const float inv_l = empty ? 1.f : 1.f / l_all;
     const size_t out_row = q_row_of(i) * splits + split;
     for (int d = lane; d < HEAD_DIM; d += 32) {
       float sum = 0.f;
@@ -317,7 +339,7 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       for (int w = 0; w < Traits::NUM_WARPS; ++w) sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
       part_out[out_row * HEAD_DIM + d] = sum * inv_l;
     }
-    if (lane == 0) part_lse[out_row] = l_all > 0.f ? m_all + logf(l_all) : -INFINITY;
+    if (lane == 0) part_lse[out_row] = empty ? -INFINITY : m_all + logf(l_all);
   }
 }
 
@@ -332,21 +354,26 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
     const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
     if (row >= rows) break;  // uniform across the warp
     const float* row_lse = part_lse + size_t(row) * splits;
+    // fmaxf drops a NaN lse from base, but its weight below is NaN all the same
     float base = -INFINITY;
     for (int s = 0; s < splits; ++s) base = fmaxf(base, row_lse[s]);
+    const float shift = base == -INFINITY ? 0.f : base;
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += base == -INFINITY ? 0.f : expf(row_lse[s] - base);
-    const float inv_total = total > 0.f ? 1.f / total : 0.f;
+    for (int s = 0; s < splits; ++s) total += expf(row_lse[s] - shift);  // lse -inf: 0
+    // total == 0: no split holds a token the row attends (or only -inf scores): 0 and -inf,
+    // written whatever the splits' outs hold; a NaN total gives NaN for both
+    const bool none = total == 0.f;
+    const float inv_total = 1.f / total;
     for (int d = lane; d < HEAD_DIM; d += 32) {
       float sum = 0.f;
       for (int s = 0; s < splits; ++s) {
-        // a split with no token has weight 0 and must not multiply its out
-        const float w = base == -INFINITY ? 0.f : expf(row_lse[s] - base);
-        if (w > 0.f) sum += w * part_out[(size_t(row) * splits + s) * HEAD_DIM + d];
+        // every split is multiplied, an empty one by 0: its out is 0, or NaN where it multiplied
+        // a zero probability by a NaN or inf in v, which a dense computation carries too
+        sum += expf(row_lse[s] - shift) * part_out[(size_t(row) * splits + s) * HEAD_DIM + d];
       }
-      out[size_t(row) * HEAD_DIM + d] = from_float<T>(sum * inv_total);
+      out[size_t(row) * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_total);
     }
-    if (lane == 0) lse[row] = total > 0.f ? base + logf(total) : -INFINITY;
+    if (lane == 0) lse[row] = none ? -INFINITY : shift + logf(total);
   }
 }
 
@@ -372,7 +399,11 @@ __global__ void __launch_bounds__(attn_decode_mass_traits::NUM_THREADS)
     const size_t row = first_row + r;
     const float s = token_scores[row * tokens_per_row + f];
     const float row_lse = lse[row];
-    if (s != -INFINITY && row_lse != -INFINITY) mass += expf(s - row_lse);
+    // A NaN probability (a NaN row: a NaN or +inf score makes its lse NaN) adds nothing, so the
+    // scores stay finite: a NaN one has no rank among the others. An empty row (lse -inf) has
+    // s = -inf throughout: -inf - -inf is NaN too, and adds nothing.
+    const float p = expf(s - row_lse);
+    if (p >= 0.f) mass += p;  // false for NaN
   }
   const int entry = f / page_size;
   const size_t slot = size_t(page_table[size_t(pair) * max_pages + entry]) * page_size + (f - entry * page_size);

@@ -7,6 +7,20 @@ cache's kv_heads (GQA: query head h reads kv head h // (heads / kv_heads)). Ques
 the pages it chooses per query (cuattn.policies); HeavyHitters gets every attended token's
 probability, summed over the query heads of its group and the t_q queries, added to its score.
 
+NaN and inf (docs/design.md §7) propagate as in a dense float64 masked softmax over the kept
+tokens, identically on the reference and the kernels, whatever the split count. Decode computes
+every (query row, kept token) pair of a kv group: each row walks its whole page table, and a
+token it may not attend (a newer one when t_q > 1, one on a page Quest does not read) has its
+score replaced by -inf, probability 0. So a NaN or +inf allowed score makes its row's out and
+lse NaN; a row with no allowed key, or only -inf scores, gives 0 and -inf (written, whatever it
+multiplied by 0); and otherwise 0 * NaN = NaN carries a NaN or inf in a kept token's v to every
+row of its kv group. A slot the cache does not keep (evicted, or room in a page) reaches nothing,
+whatever an earlier token left in it. HeavyHitters: a row whose probabilities are NaN (its lse is
+NaN) adds nothing to any score, so the scores stay finite: a NaN score has no rank (it would sort
+below an empty slot and evict a token the budget has room for), and the row's NaN output already
+says what happened. Quest: a page whose key bound is NaN (a NaN key element, or an infinite one
+meeting a query element of 0 or of the other sign, 0 * inf) is read ahead of every other.
+
 Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
 splits of each page table in parallel, then their merge), as does ``backend="interp"`` on the
 CPU; a NumPy cache runs the reference by default: exact, written with the array library, one
@@ -19,7 +33,8 @@ scores where they are (nothing read back).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +48,7 @@ __all__ = ["decode_attention", "kernel_call"]
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
+T = TypeVar("T")
 
 
 def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
@@ -76,13 +92,36 @@ def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
     return heads // cache.kv_heads, float(scale)
 
 
+def _quiet_specials(fn: Callable[..., T]) -> Callable[..., T]:
+    """NaN and inf take the course of a dense computation (module doc): the invalid operations
+    and overflows that carry them are expected, not warned about. A fresh errstate per call."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> T:
+        with np.errstate(invalid="ignore", over="ignore"):
+            return fn(*args, **kwargs)
+
+    return quiet
+
+
+def _page_bounds(xp: Any, qf: Any, lo: Any, hi: Any) -> Any:
+    """Quest's bound of float32 queries qf [..., n, d] against pages' key bounds lo, hi [...,
+    pages, d]: sum_i max(q_i lo_i, q_i hi_i) = max(q, 0) . hi + min(q, 0) . lo, two matrix
+    products (no [pages, d] product per query), [..., n, pages]. The reference and the device
+    path share it, so that special values give both the same bound: a NaN one (a NaN key or
+    query element, or 0 * inf) becomes +inf, a page read ahead of every other."""
+    positive, negative = xp.maximum(qf, 0), xp.minimum(qf, 0)
+    bound = positive @ xp.swapaxes(hi, -1, -2) + negative @ xp.swapaxes(lo, -1, -2)
+    return xp.where(xp.isnan(bound), xp.inf, bound)
+
+
+@_quiet_specials
 def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> np.ndarray:
     """bool [g, t_q, pages in table order]: the pages each query reads (Quest)."""
     xp, policy = cache.xp, cache.policy
     table = cache.pages(b, h)
     lo, hi = cache.key_min[xp.asarray(table)], cache.key_max[xp.asarray(table)]
-    qf = q_group.astype(xp.float32)[..., None, :]  # [g, t_q, 1, d]
-    bound = xp.maximum(qf * lo, qf * hi).sum(axis=-1)  # [g, t_q, pages]
+    bound = _page_bounds(xp, q_group.astype(xp.float32), lo, hi)  # [g, t_q, pages]
     bound = np.asarray(bound.get() if xp is not np else bound)
     newest = (length - 1) // cache.page_size
     chosen = np.zeros(bound.shape, dtype=bool)
@@ -113,11 +152,10 @@ def _device_resident_ctas(device_id: int, head_dim: int, dtype: str) -> int:
     return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
 
 
+@_quiet_specials
 def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
-    """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device.
-
-    bound = sum_i max(q_i min_i, q_i max_i) = max(q, 0) . max + min(q, 0) . min: two small
-    matrix products, no [pages, head_dim] product per query."""
+    """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device, by the
+    bound _page_bounds computes."""
     xp, policy = cache.xp, cache.policy
     batch, heads, t_q, head_dim = qb.shape
     kv_heads, max_pages = table.shape[1], table.shape[2]
@@ -125,9 +163,7 @@ def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
     safe = xp.maximum(table, 0)
     lo, hi = cache.key_min[safe], cache.key_max[safe]  # [B, Hkv, max_pages, d]
     qf = qb.astype(xp.float32).reshape(batch, kv_heads, group * t_q, head_dim)
-    positive, negative = xp.maximum(qf, 0), xp.minimum(qf, 0)
-    bound = positive @ hi.transpose(0, 1, 3, 2) + negative @ lo.transpose(0, 1, 3, 2)
-    bound = bound.reshape(batch, kv_heads, group, t_q, max_pages)
+    bound = _page_bounds(xp, qf, lo, hi).reshape(batch, kv_heads, group, t_q, max_pages)
     page = xp.arange(max_pages)
     newest = (count - 1)[:, :, None, None, None]
     # only real pages other than the newest compete; ties go to the lower page
@@ -190,7 +226,9 @@ def decode_attention(
     over the tokens ``cache`` keeps (``cache.positions()``), causal, GQA; returns out like q
     (and lse [batch, heads, t_q]: float32 from the kernels, float64 from the NumPy reference
     on float64; -inf where nothing is attended). ``backend``: "numpy" (the reference, default
-    for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device)."""
+    for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
+    NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
+    query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
     group, scale = _check(q, cache, scale)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
@@ -204,8 +242,10 @@ def decode_attention(
     return (out_q, lse_q) if return_lse else out_q
 
 
+@_quiet_specials
 def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, Any]:
-    """The exact computation, one (sequence, kv head) pair at a time."""
+    """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
+    against every kept token (module doc), as dense arithmetic takes NaN and inf."""
     xp = cache.xp
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     acc = xp.float64 if cache.dtype == "float64" else xp.float32
@@ -232,16 +272,23 @@ def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, 
                 page_index = np.array([where[p] for p in pages])
                 allowed = allowed & chosen[..., page_index]
             allowed = xp.asarray(np.ascontiguousarray(allowed))
-            s = xp.where(allowed, s, -xp.inf)
-            m = s.max(axis=-1, keepdims=True)
-            m = xp.where(xp.isfinite(m), m, 0.0)
+            s = xp.where(allowed, s, -xp.inf)  # replaced, never multiplied
+            m = s.max(axis=-1, keepdims=True)  # NaN-propagating
+            # Nothing but -inf: shift by 0 so that exp gives 0, not NaN. NaN and +inf stay: a
+            # NaN p (NaN score, or +inf - +inf) makes the row NaN, as the dense computation.
+            m = xp.where(m == -xp.inf, 0.0, m)
             p = xp.where(allowed, xp.exp(s - m), 0.0)
             total = p.sum(axis=-1, keepdims=True)
-            safe = xp.where(total > 0, total, 1.0)
-            out[b, heads_of] = (p @ values) / safe
-            lse[b, heads_of] = xp.where(total > 0, m + xp.log(safe), -xp.inf)[..., 0]
+            # total == 0: no allowed key, or only -inf scores: 0 and -inf, written whatever
+            # p @ values holds (0 * NaN from a kept v); a NaN total gives NaN for both
+            empty = total == 0
+            safe = xp.where(empty, 1.0, total)
+            out[b, heads_of] = xp.where(empty, 0.0, (p @ values) / safe)
+            lse[b, heads_of] = xp.where(empty, -xp.inf, m + xp.log(safe))[..., 0]
             if scores:
-                mass = (p / safe).sum(axis=(0, 1))
+                # a NaN probability (a NaN row) adds nothing: the scores stay finite
+                prob = p / safe
+                mass = xp.where(xp.isnan(prob), 0.0, prob).sum(axis=(0, 1))
                 mass = mass.get() if xp is not np else mass
                 cache.slot_score[pages, offsets] += mass
     return out.astype(qb.dtype), lse

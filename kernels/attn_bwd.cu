@@ -13,7 +13,7 @@
 //       head dim split, head, batch) walks the CSC column of its key block
 //       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
 //       dK, dV accumulate in registers (each warp owns 16 keys).
-//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T, RULE>   one CTA per TILE_Q queries walks the
+//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T, RULE>   one CTA per TILE_Q queries walks the
 //       CSR row in steps of TILE_K keys and recomputes P and dS; dQ accumulates in registers,
 //       so the backward is bit-identical across runs.
 //   attn_bwd_sum_groups<HEAD_DIM, T>   (GQA/MQA only) dK, dV of each kv head from the per query
@@ -62,9 +62,12 @@ struct attn_bwd_dkdv_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_D
                                     Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
 };
 
-template <int BLOCK, int TILE_OWN, int TILE_STEP, int HEAD_DIM, typename T>
+template <int BLOCK, int TILE_OWN, int TILE_STEP, int MIN_CTAS, int HEAD_DIM, typename T>
 struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T> {
   using Base = attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T>;
+  // CTAs per SM the register budget is capped for (__launch_bounds__), chosen by geometry.py.
+  static constexpr int MIN_CTAS_PER_SM = MIN_CTAS;
+  static_assert(MIN_CTAS >= 1);
   static constexpr int SMEM_BYTES =
       Base::TILE_BYTES + Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
 };
@@ -75,6 +78,19 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
   if (!valid) return INFINITY;
   const float value = lse[index];
   return value == -INFINITY ? INFINITY : value * LOG2E;
+}
+
+// Columns (queries) >= valid of a warp's [16 x TILE_Q] tile set to 0.
+template <int TILE_Q>
+__device__ __forceinline__ void zero_columns_past(float (&tile)[TILE_Q / 8][4],
+                                                  const AccLayout& frag, int valid) {
+#pragma unroll
+  for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (frag.col(j, e) >= valid) tile[j][e] = 0.f;
+    }
+  }
 }
 
 // delta[row] = sum_d dout[row, d] * out[row, d] - dlse[row], one warp per row. dlse (like lse)
@@ -225,6 +241,11 @@ __global__ void __launch_bounds__(
 #pragma unroll
       for (int e = 0; e < 4; ++e) p_t[j][e] = exp2f(p_t[j][e] - lse_smem[frag.col(j, e)]);
     }
+    // The last step of a ragged sequence holds rows past n_q (zero-filled q and dO, lse +inf):
+    // their P and dS are 0, except that an infinite key or value makes 0 * inf = NaN there.
+    // They are no rows of the problem, so they are zeroed (a uniform branch, rarely taken).
+    const bool ragged = q_start + TILE_Q > n_q;
+    if (ragged) zero_columns_past<TILE_Q>(p_t, frag, n_q - q_start);
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
@@ -237,6 +258,7 @@ __global__ void __launch_bounds__(
         ds_t[j][e] = p_t[j][e] * (ds_t[j][e] - delta_smem[frag.col(j, e)]);
       }
     }
+    if (ragged) zero_columns_past<TILE_Q>(ds_t, frag, n_q - q_start);
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dk_acc, ds_t, q_smem + d_first, LD, scratch);
   });
 
@@ -256,8 +278,9 @@ __global__ void __launch_bounds__(
   }
 }
 
-template <int BLOCK, int TILE_Q, int TILE_K, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>::NUM_THREADS, 1)
+template <int BLOCK, int TILE_Q, int TILE_K, int MIN_CTAS, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(
+    attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T>::NUM_THREADS, MIN_CTAS)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
@@ -268,7 +291,7 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
                 long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
-  using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
+  using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 

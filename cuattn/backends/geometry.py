@@ -342,6 +342,11 @@ FWD_TILE_N_LARGE_HEAD = 32
 # 96 and 128 step by 32 so that the dK and dV accumulators (2 x 64 floats per thread) and the
 # score tiles fit in registers unspilled (bench/NOTES.md, change 3).
 BWD_OWN_TILE = 64
+# dQ CTAs per SM its registers are capped for (the kernel's __launch_bounds__): at head dim 128
+# in fp16/bf16 three 4-warp CTAs fit in 168 registers a thread with no spill, where one CTA's
+# budget let ptxas take 180 and leave two per SM (static model, bench/NOTES.md change 11); at
+# head dim 64 the cap spills (16 bytes), so every other case keeps 1.
+BWD_DQ_MIN_CTAS = {(128, "float16"): 3, (128, "bfloat16"): 3}
 BWD_STEP_TILE = 64
 BWD_STEP_TILE_LARGE_HEAD = 32
 BWD_STAGES = 2  # step tiles in shared memory (kernels/attn_bwd.cu BWD_STAGES)
@@ -496,6 +501,13 @@ class KernelConfig(_Launch):
         return self.num_warps * WARP_SIZE
 
     @property
+    def min_ctas(self) -> int:
+        """CTAs per SM the kernel's registers are capped for (dQ only; 1 elsewhere)."""
+        if self.kernel != "attn_bwd_dq":
+            return 1
+        return BWD_DQ_MIN_CTAS.get((self.head_dim, self.dtype), 1)
+
+    @property
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
@@ -514,8 +526,8 @@ class KernelConfig(_Launch):
     def name_expression(self) -> str:
         """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 2, 128, __half,
         MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule), ``attn_fwd_v1<64,
-        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own
-        tile, step tile, ...)."""
+        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 3, 128, ...>`` (block, own
+        tile, step tile, CTAs per SM its registers are capped for, ...)."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
@@ -540,7 +552,9 @@ class KernelConfig(_Launch):
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
-        return f"{self.block}, {self.tile_m}, {self.tile_n}"  # v1 and dQ
+        if self.kernel == "attn_bwd_dq":
+            return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.min_ctas}"
+        return f"{self.block}, {self.tile_m}, {self.tile_n}"  # v1
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class ColdRegion:
 PARTIAL_TILE_CODE = (
     ColdRegion("function", "mask_score_frags"),
     ColdRegion("function", "mask_score_tile"),
+    # dK/dV's zeroing of rows past n_q: behind a uniform branch taken on a ragged last step only
+    ColdRegion("function", "zero_columns_past"),
     ColdRegion("statement", "narrowed_coverage", r"return\s+coverage_of"),
 )
 # The dK/dV step's lse/delta loads: `for (int i = tid; i < TILE...; i += NUM_THREADS)` over the

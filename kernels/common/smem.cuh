@@ -24,19 +24,48 @@ struct SmemStride {
 // Starts an asynchronous copy of a ROWS x COLS tile (gmem rows `gmem_ld` elements apart) into
 // shared memory; rows >= valid_rows are zero-filled and never read from global memory.
 // All NUM_THREADS threads of the CTA take part; the caller commits, waits and syncs.
+//
+// When the tile's 16-byte chunks divide evenly among the threads and a row's chunks divide the
+// thread count (every tile cuattn/backends/geometry.py chooses for the attention kernels), each
+// thread copies one column of COPIES rows ROW_STEP apart: a static trip count, the row and
+// column computed once, and constant-stride pointer steps. A loop over `chunk = tid; chunk <
+// CHUNKS; chunk += NUM_THREADS` instead has a trip count that depends on tid (the compiler does
+// not know tid < NUM_THREADS): a general loop with a remainder that recomputes row, column and
+// both addresses at every copy, ~22 instructions per cp.async (bench/NOTES.md, change 11).
 template <int ROWS, int COLS, int NUM_THREADS, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* gmem, int gmem_ld,
                                                 int valid_rows) {
   constexpr int CHUNK = 16 / int(sizeof(T));  // elements per 16-byte copy
   static_assert(COLS % CHUNK == 0, "tile rows must be whole 16-byte chunks");
   constexpr int CHUNKS_PER_ROW = COLS / CHUNK;
+  constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
   const int tid = int(threadIdx.x);
-  for (int chunk = tid; chunk < ROWS * CHUNKS_PER_ROW; chunk += NUM_THREADS) {
-    const int row = chunk / CHUNKS_PER_ROW;
-    const int col = (chunk % CHUNKS_PER_ROW) * CHUNK;
-    const bool valid = row < valid_rows;
-    const T* src = gmem + (valid ? row * gmem_ld + col : 0);
-    cp_async_16(smem + row * smem_ld + col, src, valid);
+  if constexpr (CHUNKS % NUM_THREADS == 0 && NUM_THREADS % CHUNKS_PER_ROW == 0) {
+    constexpr int COPIES = CHUNKS / NUM_THREADS;
+    constexpr int ROW_STEP = NUM_THREADS / CHUNKS_PER_ROW;
+    const int row = tid / CHUNKS_PER_ROW;
+    const int col = (tid % CHUNKS_PER_ROW) * CHUNK;
+    T* dst = smem + row * smem_ld + col;
+    const T* src = gmem + row * gmem_ld + col;
+    const int src_step = ROW_STEP * gmem_ld;
+    int rows_left = valid_rows - row;
+    // Not unrolled: an unrolled copy keeps every copy's address live at once, which the kernels
+    // at the register limit pay for in spills (dK/dV, the d128 forward on sm_80).
+#pragma unroll 1
+    for (int i = 0; i < COPIES; ++i) {
+      cp_async_16(dst, rows_left > 0 ? src : gmem, rows_left > 0);
+      dst += ROW_STEP * smem_ld;
+      src += src_step;
+      rows_left -= ROW_STEP;
+    }
+  } else {
+    for (int chunk = tid; chunk < CHUNKS; chunk += NUM_THREADS) {
+      const int row = chunk / CHUNKS_PER_ROW;
+      const int col = (chunk % CHUNKS_PER_ROW) * CHUNK;
+      const bool valid = row < valid_rows;
+      const T* src = gmem + (valid ? row * gmem_ld + col : 0);
+      cp_async_16(smem + row * smem_ld + col, src, valid);
+    }
   }
 }
 

@@ -322,8 +322,10 @@ class Tensor:
                     )
                 node.region.materialize()
                 regions[id(node.region)] = node.region
+            # Each output's gradient in that output's dtype (as torch's engine does): a loss that
+            # mixes dtypes (a float16 output beside a float32 lse) sends float32 gradients back.
             grads = [
-                g if g is not None else _zeros(xp, shape, dtype)
+                _zeros(xp, shape, dtype) if g is None else g.astype(dtype, copy=False)
                 for g, (shape, dtype) in zip(grads, node.out_meta, strict=True)
             ]
             in_grads = node.fn.backward(node.ctx, *grads)

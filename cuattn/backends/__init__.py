@@ -54,9 +54,11 @@ class NumpyBackend:
     name = "numpy"
 
     def forward(self, q, k, v, layout, scale):
+        reference.check_arrays(q)
         return reference.attention_forward(q, k, v, layout, scale)
 
     def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None):
+        reference.check_arrays(q)
         return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse)
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):

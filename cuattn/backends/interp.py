@@ -212,7 +212,10 @@ def _ctype_args(config: KernelConfig | LayoutKernelConfig, values: dict[str, Any
         if kind == "ptr":
             # rows contiguous; the other axes may be strided (their strides are arguments too)
             assert isinstance(value, np.ndarray), name
-            assert value.size <= 1 or value.strides[-1] == value.itemsize, name
+            # (a last axis of length 1 may carry any stride: NumPy leaves it free)
+            assert value.size <= 1 or value.shape[-1] == 1 or value.strides[-1] == value.itemsize, (
+                name
+            )
             args.append(ctypes.c_void_p(value.ctypes.data))
         elif kind == "i32":
             args.append(ctypes.c_int32(int(value)))

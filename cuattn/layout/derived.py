@@ -24,6 +24,10 @@ from cuattn._util import ceil_div
 from cuattn.layout.blocks import bitmask_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
+# Patterns whose element rule says everything (their blocks are the rule's cover): end-aligned
+# queries follow the rule itself, also outside the square.
+RULE_PATTERNS = ("all", "local")
+
 
 def _rule_cover(layout: Layout, n_q: int) -> np.ndarray | None:
     """Blocks [nbq, nb] holding an element the rule alone allows for n_q end-aligned queries, or
@@ -44,7 +48,10 @@ def _rule_cover(layout: Layout, n_q: int) -> np.ndarray | None:
             return (q_lo - k_hi < rule.window_left) & (k_lo - q_hi < rule.window_right)
         return np.ones((len(i), layout.num_blocks), dtype=bool)
 
-    if not (layout.blocks == cover(layout.n_q)[None]).all():
+    # Only the patterns whose rule is the whole pattern ("all", "local") extend to rows outside
+    # the square; a pattern defined on blocks (fixed, bigbird, ...) whose blocks happen to be
+    # all on looks the same here, but its rows before every key see nothing (docs/patterns.md).
+    if layout.name not in RULE_PATTERNS or not (layout.blocks == cover(layout.n_q)[None]).all():
         return None
     return cover(n_q)
 
@@ -81,7 +88,14 @@ def end_aligned(layout: Layout, n_q: int) -> Layout:
         rule = layout.rule
         if rule.kind == "bitmask":
             source_fn = rule.mask_fn
-            rule = ElementRule("bitmask", mask_fn=lambda h, q, k: source_fn(h, q + offset, k))
+
+            def shifted(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+                # rows before every key (q + offset < 0) see nothing, and the source's rule is
+                # never asked about a position it does not have (a document table would wrap)
+                pos = q + offset
+                return (pos >= 0) & source_fn(h, np.maximum(pos, 0), k)
+
+            rule = ElementRule("bitmask", mask_fn=shifted)
         return Layout(blocks, b, n, rule, name=layout.name, n_q=n_q)
     # Each new query block straddles two square rows: their union, exact through a bitmask.
     rows = np.arange(nbq)

@@ -187,10 +187,11 @@ TORCH_DTYPES = {
 }
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
-# Huge but with headroom: a score within a factor ~1.44 / scale of the type's maximum overflows
-# or not depending on where the scale is applied (NumPy: (q.k) * scale; the kernels: q.k in
-# the log2 domain, scale folded in), which docs/design.md §7 leaves to the backend.
-HUGE = {"float64": 1e300, "float32": 1e36, "float16": 16000.0, "bfloat16": 1e36}
+# Huge: far past where an unshifted exp overflows (~89 in float32), and inside the range where a
+# float32 lse still pins a score: the kernels' backward recomputes P = exp2(s - lse) from the
+# stored lse, so at |s| ~ 1e6 and beyond the lse's own rounding (|s| x 6e-8) is a whole unit of
+# the exponent and P is garbage, in FlashAttention's scheme as in ours (docs/design.md §7).
+HUGE = {"float64": 1e300, "float32": 1e4, "float16": 16000.0, "bfloat16": 1e4}
 TINY = {"float64": 5e-324, "float32": 1.4e-45, "float16": 6e-8, "bfloat16": 9.2e-41}
 
 

@@ -582,11 +582,12 @@ def expect(case: Case, q, k, v, mask, scale, dout, dlse) -> Expect:
         rounded(dense(q, k, v, mask, scale, dout, dlse, acc=acc), case.dtype),
         flash(q, k, v, mask, scale, dout, dlse, acc, case.dtype, max(block, 8)),
     ]
-    # The merge path's partial outputs come back in the case's dtype before they are merged:
-    # in half precision their rounding (the dtype's eps, not the accumulation's) reaches every
-    # result through the merge and its gradient, a rounding no single dense computation makes.
+    # The merge and context-parallel paths' partial outputs come back in the case's dtype before
+    # they are merged: in half precision their rounding (the dtype's eps, not the
+    # accumulation's) reaches every result through the merge and its gradient, a rounding no
+    # single dense computation makes.
     noise_eps = EPS[acc_name(case.dtype)]
-    if case.path == "merge":
+    if case.path in ("merge", "cp"):
         noise_eps = max(noise_eps, EPS[case.dtype])
     noise = noise_scales(q, k, v, mask, dout, scale) | {"eps": noise_eps}
     return Expect(strict, loose, yard[0], yard[1], noise=noise)

@@ -17,6 +17,7 @@ eviction). GB/s counts the kept K and V bytes read.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -180,7 +181,11 @@ def main() -> None:
         dtype, backend = "bfloat16", None
         cases = QUICK if args.quick else FULL
         args.head_dim, args.page, args.repeats, args.baselines = HEAD_DIM, PAGE, REPEATS, True
-    rows = [run_case(args, b, n, p, xp, dtype, backend) for b, n in cases for p in args.policies]
+    rows = []
+    for b, n in cases:
+        for p in args.policies:
+            rows.append(run_case(args, b, n, p, xp, dtype, backend))
+            print(json.dumps(rows[-1], default=str), flush=True)  # kept if a time limit cuts in
     report = rows_table(rows)
     print(report)
     if args.markdown:

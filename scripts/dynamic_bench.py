@@ -16,6 +16,7 @@ head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -119,7 +120,11 @@ def main() -> None:
         lengths = QUICK if args.quick else FULL
         args.block, args.repeats, args.flex, args.select_backend = BLOCK, REPEATS, True, None
         sync = torch.cuda.synchronize
-    report = rows_table([run(n, args, device, dtype, sync) for n in lengths])
+    rows = []
+    for n in lengths:
+        rows.append(run(n, args, device, dtype, sync))
+        print(json.dumps(rows[-1], default=str), flush=True)  # kept if a time limit cuts in
+    report = rows_table(rows)
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")

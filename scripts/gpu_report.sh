@@ -8,6 +8,9 @@
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
+#   counters  Nsight Compute counters (instructions by pipe, shared wavefronts, L2 bytes) of every
+#             kernel in scripts/profile_kernels.py at d=128 and d=64, as CSV: the static model's
+#             calibration
 #   quick     the quick benchmark (< 2 min)
 #   full      the full benchmark sweep, with whatever time the steps before it left
 #   decode    the decode benchmark (scripts/decode_bench.py --quick: paged KVCache per policy
@@ -32,16 +35,31 @@ mkdir -p "$REPORT_DIR" bench/results
 SUMMARY="$REPORT_DIR/summary.md"
 STEPS="${*:-tests sanitize quick}"
 # Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
-CALL_S=580
-WARM_S=60; TESTS_S=190; MEMCHECK_S=60; RACECHECK_S=90; SYNCCHECK_S=40; BENCH_S=110
-PROFILE_S=100; PROFILE_METRICS_S=50; DECODE_S=150; DYNAMIC_S=150
+# Each can be set from the environment, to fit a session's device minutes.
+CALL_S=${CALL_S:-580}
+WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MEMCHECK_S=${MEMCHECK_S:-60}
+RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
+PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
+COUNTERS_S=${COUNTERS_S:-50}; DECODE_S=${DECODE_S:-150}; DYNAMIC_S=${DYNAMIC_S:-150}
 NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis"
 NCU_METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
 NCU_METRICS="$NCU_METRICS,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"
 NCU_METRICS="$NCU_METRICS,smsp__inst_executed.sum,gpu__time_duration.sum"
-QUICK_BUDGET_S=70  # the quick bench starts no new case after this
+# The counters the static performance model predicts (cuattn/tools/sass_model.py), per kernel:
+# instructions by pipe and opcode, shared-memory wavefronts, L2/DRAM bytes. Names this ncu does
+# not know are dropped (it refuses a whole run over one unknown name).
+COUNTER_NAMES="smsp__inst_executed smsp__inst_executed_pipe_tensor_op_hmma smsp__inst_executed_op_ldsm
+ smsp__inst_executed_op_shared_ld smsp__inst_executed_op_shared_st smsp__inst_executed_op_ldgsts
+ smsp__inst_executed_pipe_fma smsp__inst_executed_pipe_alu smsp__inst_executed_pipe_xu
+ smsp__inst_executed_pipe_uniform smsp__inst_executed_pipe_fmaheavy smsp__inst_executed_pipe_lsu
+ l1tex__data_pipe_lsu_wavefronts_mem_shared l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld
+ l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld
+ lts__t_bytes dram__bytes_read dram__bytes_write gpu__time_duration smsp__cycles_active"
+COUNTER_RATES="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+ sm__warps_active.avg.pct_of_peak_sustained_active sm__cycles_elapsed.avg.per_second"
+QUICK_BUDGET_S=${QUICK_BUDGET_S:-70}  # the quick bench starts no new case after this
 LAST_CASE_S=60     # room left after a bench's budget for its last case (FlexAttention compiles)
 # jax (imported by the adapter tests) would otherwise take 75% of the GPU's memory at import.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -115,6 +133,29 @@ for name in $STEPS; do
       step profile-metrics "$PROFILE_METRICS_S" "$NCU" "${NCU_ARGS[@]}" --csv \
         --metrics "$NCU_METRICS" "$PY" scripts/profile_kernels.py
       ;;
+    counters)
+      NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)"
+      if [ -z "$NCU" ]; then
+        echo "| counters | ncu not found | 0 |" >> "$SUMMARY"
+        continue
+      fi
+      "$NCU" --query-metrics --chip gh100 > "$REPORT_DIR/ncu-query.txt" 2>&1
+      known="$(awk '{print $1}' "$REPORT_DIR/ncu-query.txt")"
+      metrics=""
+      for name in $COUNTER_NAMES; do
+        grep -qx "$name" <<< "$known" && metrics="$metrics,$name.sum"
+      done
+      for name in $COUNTER_RATES; do
+        grep -qx "${name%%.*}" <<< "$known" && metrics="$metrics,$name"
+      done
+      [ -n "$metrics" ] || metrics=",$NCU_METRICS"  # the query failed: the proven list
+      echo "counters: ${metrics#,}" > "$REPORT_DIR/counters-metrics.txt"
+      for head_dim in 128 64; do
+        step "counters-d$head_dim" "$COUNTERS_S" "$NCU" --clock-control none -k "regex:attn_|flash" \
+          --print-summary none --csv --metrics "${metrics#,}" \
+          "$PY" scripts/profile_kernels.py --head-dim "$head_dim"
+      done
+      ;;
     quick)
       # shellcheck disable=SC2086  # CUATTN_BENCH_ARGS is a list of words on purpose
       step bench-quick "$BENCH_S" "$PY" scripts/bench.py --quick --time-budget "$QUICK_BUDGET_S" \
@@ -137,7 +178,8 @@ for name in $STEPS; do
         --markdown "$REPORT_DIR/dynamic-bench.md"
       ;;
     *)
-      echo "unknown step '$name': expected tests, sanitize, profile, quick, full, decode or dynamic" >&2
+      echo "unknown step '$name': expected tests, sanitize, profile, counters, quick, full, decode" \
+        "or dynamic" >&2
       exit 2
       ;;
   esac

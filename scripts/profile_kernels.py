@@ -4,9 +4,10 @@
         python scripts/profile_kernels.py [--n-ctx 4096] [--head-dim 128] [--batch 4]
 
 Runs, once each, on bf16 inputs of [batch, 2048 / head_dim heads, n_ctx, head_dim] (the
-benchmark's model width): cuattn's forward and backward, then torch SDPA's flash forward and
-backward on the same tensors, so one
-profile shows each of our kernels beside the FlashAttention-2 kernel doing the same work.
+benchmark's model width): cuattn's forward (v2, then v1 while it ships) and backward, then torch
+SDPA's flash forward and backward on the same tensors, so one profile shows each of our kernels
+beside the FlashAttention-2 kernel doing the same work; then one decode step (GQA, 4 query heads
+per key head, one new token) over a paged cache holding n_ctx tokens per sequence.
 `scripts/gpu_report.sh profile` runs it under ncu with the sections that explain a gap
 (throughput, occupancy, warp stalls, tensor-pipe use, shared-memory bank conflicts).
 """
@@ -14,6 +15,7 @@ profile shows each of our kernels beside the FlashAttention-2 kernel doing the s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import cupy
@@ -24,9 +26,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cuattn
 from cuattn import backends as be
 from cuattn.adapters.dlpack import cupy_stream_of_torch
+from cuattn.backends import geometry
 
 MODEL_DIM = 2048  # heads * head_dim, as in the benchmark
 BLOCKSIZE = 64
+DECODE_GROUP = 4  # query heads per key head in the decode step
+DECODE_PAGE = 64
 
 
 def main() -> int:
@@ -46,12 +51,29 @@ def main() -> int:
         cq, ck, cv, cdout = (cupy.from_dlpack(x) for x in (q, k, v, dout))
         out, lse = be.forward(cq, ck, cv, layout, scale, backend="cuda")
         be.backward(cq, ck, cv, out, lse, cdout, layout, scale, "cuda")
+        os.environ[geometry.KERNELS_ENV] = "v1"
+        be.forward(cq, ck, cv, layout, scale, backend="cuda")
+        del os.environ[geometry.KERNELS_ENV]
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale)
         torch.autograd.grad(ref, leaves, dout)
     torch.cuda.synchronize()
+
+    kv_heads = max(1, heads // DECODE_GROUP)
+    cache = cuattn.KVCache(
+        args.batch, kv_heads, args.head_dim, "bfloat16", page_size=DECODE_PAGE, like=cq
+    )
+    kv_shape = (args.batch, kv_heads, args.n_ctx, args.head_dim)
+    step_k, step_v = (torch.randn(kv_shape, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+    step_q = torch.randn(
+        args.batch, kv_heads * DECODE_GROUP, 1, args.head_dim, dtype=torch.bfloat16, device="cuda"
+    )
+    with cupy_stream_of_torch():
+        cache.append(cupy.from_dlpack(step_k), cupy.from_dlpack(step_v))
+        cuattn.decode_attention(cupy.from_dlpack(step_q), cache)
+    cupy.cuda.Device().synchronize()
     return 0
 
 

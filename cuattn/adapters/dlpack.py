@@ -228,8 +228,11 @@ def _torch_allocation(size: int) -> Any:
     import cupy
     import torch
 
-    block = torch.empty(size, dtype=torch.uint8, device=f"cuda:{cupy.cuda.runtime.getDevice()}")
-    memory = cupy.cuda.UnownedMemory(block.data_ptr(), size, block)
+    device = cupy.cuda.runtime.getDevice()
+    block = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+    # A zero-byte block has a null pointer, which CuPy takes only with its device named (an
+    # empty array, such as a device layout's mask table without a bitmask rule, asks for one).
+    memory = cupy.cuda.UnownedMemory(block.data_ptr(), size, block, device)
     return cupy.cuda.MemoryPointer(memory, 0)
 
 

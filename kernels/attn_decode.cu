@@ -348,6 +348,10 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
     attn_decode_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                       T* __restrict__ out, float* __restrict__ lse, int rows, int splits) {
   using Traits = row_kernel_traits<HEAD_DIM, T>;
+  constexpr int LANE_ELEMS = (HEAD_DIM + 31) / 32;  // out elements lane + 32 e of a row
+  // The merge is latency-bound (a few KB per row): lanes read the splits' lse in parallel, and
+  // the split walk keeps SPLITS_IN_FLIGHT x LANE_ELEMS loads outstanding (bench/NOTES.md, 13).
+  constexpr int SPLITS_IN_FLIGHT = 2;
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
@@ -356,22 +360,37 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
     const float* row_lse = part_lse + size_t(row) * splits;
     // fmaxf drops a NaN lse from base, but its weight below is NaN all the same
     float base = -INFINITY;
-    for (int s = 0; s < splits; ++s) base = fmaxf(base, row_lse[s]);
+    for (int s = lane; s < splits; s += 32) base = fmaxf(base, row_lse[s]);
+    for (int offset = 16; offset > 0; offset /= 2)
+      base = fmaxf(base, __shfl_xor_sync(FULL_WARP, base, offset));
     const float shift = base == -INFINITY ? 0.f : base;
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += expf(row_lse[s] - shift);  // lse -inf: 0
+    for (int s = lane; s < splits; s += 32) total += expf(row_lse[s] - shift);  // lse -inf: 0
+    for (int offset = 16; offset > 0; offset /= 2)
+      total += __shfl_xor_sync(FULL_WARP, total, offset);  // the same sum on every lane
     // total == 0: no split holds a token the row attends (or only -inf scores): 0 and -inf,
     // written whatever the splits' outs hold; a NaN total gives NaN for both
     const bool none = total == 0.f;
     const float inv_total = 1.f / total;
-    for (int d = lane; d < HEAD_DIM; d += 32) {
-      float sum = 0.f;
-      for (int s = 0; s < splits; ++s) {
-        // every split is multiplied, an empty one by 0: its out is 0, or NaN where it multiplied
-        // a zero probability by a NaN or inf in v, which a dense computation carries too
-        sum += expf(row_lse[s] - shift) * part_out[(size_t(row) * splits + s) * HEAD_DIM + d];
+    const float* row_out = part_out + size_t(row) * splits * HEAD_DIM;
+    float acc[LANE_ELEMS];
+#pragma unroll
+    for (int e = 0; e < LANE_ELEMS; ++e) acc[e] = 0.f;
+#pragma unroll SPLITS_IN_FLIGHT
+    for (int s = 0; s < splits; ++s) {
+      // every split is multiplied, an empty one by 0: its out is 0, or NaN where it multiplied
+      // a zero probability by a NaN or inf in v, which a dense computation carries too
+      const float weight = expf(row_lse[s] - shift);
+#pragma unroll
+      for (int e = 0; e < LANE_ELEMS; ++e) {
+        const int d = lane + 32 * e;
+        if (d < HEAD_DIM) acc[e] += weight * row_out[size_t(s) * HEAD_DIM + d];
       }
-      out[size_t(row) * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_total);
+    }
+#pragma unroll
+    for (int e = 0; e < LANE_ELEMS; ++e) {
+      const int d = lane + 32 * e;
+      if (d < HEAD_DIM) out[size_t(row) * HEAD_DIM + d] = from_float<T>(none ? 0.f : acc[e] * inv_total);
     }
     if (lane == 0) lse[row] = none ? -INFINITY : shift + logf(total);
   }

@@ -91,6 +91,19 @@ def test_page_sizes_splits_and_scores_on_the_interpreter(
     assert np.allclose(got, want, rtol=TOLERANCE[dtype], atol=1e-6)
 
 
+def test_more_splits_than_a_warp_has_lanes(monkeypatch):
+    """The merge's lanes each read every 32nd split's lse: past 32 splits a lane takes two,
+    and the warp's max and sum still cover all of them."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 256)
+    cache = cuattn.KVCache(1, 1, 48, "float32", page_size=1)
+    rng = np.random.default_rng(11)
+    q = _fill(cache, rng, np, steps=1, group=2, t_q=1, prefill=120)
+    assert geometry.decode_splits(1, 121, 256)[0] > 32
+    out = cuattn.decode_attention(q, cache, backend="interp")
+    want = kept_attention(cache, q, 48**-0.5)
+    assert np.abs(out - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_query_rows_beyond_one_cta(head_dim):
     """8 query heads on one kv head with t_q = 3: 24 rows of one kv group, more than a CTA's

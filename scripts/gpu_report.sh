@@ -20,8 +20,8 @@
 # Run from the repository root:
 #   PYTHONPATH=. bash scripts/gpu_report.sh                  # tests, sanitizers, quick bench
 #   PYTHONPATH=. bash scripts/gpu_report.sh tests sanitize full
-#   CUATTN_BENCH_ARGS="--also-kernels v1" PYTHONPATH=. bash scripts/gpu_report.sh quick
-#                                     # extra benchmark arguments: time v1's forward beside v2's
+#   CUATTN_BENCH_ARGS="--blocksizes 64,128" PYTHONPATH=. bash scripts/gpu_report.sh quick
+#                                     # extra benchmark arguments: only 64- and 128-blocks
 # Writes logs and summary.md to $OUT (or bench/results/gpu-report-<date>/) and the benchmark's
 # json/md/png to bench/results/ and $OUT. Each step has its own time limit so one hang cannot
 # eat the others' time; a failing step does not stop the next.

@@ -4,7 +4,7 @@
         python scripts/profile_kernels.py [--n-ctx 4096] [--head-dim 128] [--batch 4]
 
 Runs, once each, on bf16 inputs of [batch, 2048 / head_dim heads, n_ctx, head_dim] (the
-benchmark's model width): cuattn's forward (v2, then v1 while it ships) and backward, then torch
+benchmark's model width): cuattn's forward and backward, then torch
 SDPA's flash forward and backward on the same tensors, so one profile shows each of our kernels
 beside the FlashAttention-2 kernel doing the same work; then one decode step (GQA, 4 query heads
 per key head, one new token) over a paged cache holding n_ctx tokens per sequence.
@@ -15,7 +15,6 @@ per key head, one new token) over a paged cache holding n_ctx tokens per sequenc
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import cupy
@@ -26,7 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cuattn
 from cuattn import backends as be
 from cuattn.adapters.dlpack import cupy_stream_of_torch
-from cuattn.backends import geometry
 
 MODEL_DIM = 2048  # heads * head_dim, as in the benchmark
 BLOCKSIZE = 64
@@ -51,9 +49,6 @@ def main() -> int:
         cq, ck, cv, cdout = (cupy.from_dlpack(x) for x in (q, k, v, dout))
         out, lse = be.forward(cq, ck, cv, layout, scale, backend="cuda")
         be.backward(cq, ck, cv, out, lse, cdout, layout, scale, "cuda")
-        os.environ[geometry.KERNELS_ENV] = "v1"
-        be.forward(cq, ck, cv, layout, scale, backend="cuda")
-        del os.environ[geometry.KERNELS_ENV]
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

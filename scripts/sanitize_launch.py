@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/sanitize_launch.py
     python scripts/sanitize_launch.py --cpu   # the same launches on the interpreter (smoke test)
 
-Covers the forward (v2, and v1 while it ships), the delta preprocess, dK/dV and dQ kernels for
+Covers the forward, the delta preprocess, dK/dV and dQ kernels for
 every element-rule kind, all three dtypes, GQA, a ragged length and shared memory above 48 KB; the
 two-way merge; the split-KV decode kernels (split, merge, and the HeavyHitters mass and Quest
 page-choice kernels); the device layout builders (top-k, mass threshold, vertical-slash) and
@@ -15,7 +15,6 @@ instruments every shared-memory access. Exits non-zero if an output holds NaN.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -25,7 +24,6 @@ import numpy as np
 import cuattn
 from cuattn import backends as be
 from cuattn import dynamic
-from cuattn.backends import geometry
 from cuattn.serving import policies as P
 
 N_CTX = 200  # ragged for every block size
@@ -58,13 +56,7 @@ def attention_cases(xp: Any, backend: str, rng: np.random.Generator) -> list[tup
         name = f"{mode} b={blocksize} d={head_dim} {np.dtype(dtype).name} kv_heads={kv_heads}"
         results += [(name, x) for x in (out, *grads)]
         if mode == "all" and kv_heads == HEADS:
-            os.environ[geometry.KERNELS_ENV] = "v1"
-            try:
-                out_v1, _ = be.forward(q, k, v, layout, head_dim**-0.5, backend=backend)
-            finally:
-                del os.environ[geometry.KERNELS_ENV]
-            results.append((name + " v1", out_v1))
-            merged = be.merge_states(out, lse, out_v1, lse, backend=backend)
+            merged = be.merge_states(out, lse, out, lse, backend=backend)
             results += [(name + " merge", x) for x in merged]
     return results
 

@@ -24,7 +24,6 @@ Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +32,6 @@ from cuattn._util import ceil_div
 
 BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
-V1_HEAD_DIMS = (32, 64, 96, 128)  # the previous forward generation has no 256
 DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")
 
@@ -55,7 +53,6 @@ ELEMENTWISE_WARPS = 4
 # kernel name -> source file (relative to kernels/)
 KERNEL_FILES = {
     "attn_fwd": "attn_fwd.cu",
-    "attn_fwd_v1": "attn_fwd_v1.cu",
     "attn_bwd_preprocess": "attn_bwd.cu",
     "attn_bwd_dkdv": "attn_bwd.cu",
     "attn_bwd_dq": "attn_bwd.cu",
@@ -71,12 +68,8 @@ KERNEL_FILES = {
     "layout_fill": "layout_build.cu",
     "mask_vertical_slash": "layout_build.cu",
 }
-BLOCK_KERNELS = (
-    "attn_fwd",
-    "attn_fwd_v1",
-    "attn_bwd_dkdv",
-    "attn_bwd_dq",
-)  # templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>
+# Templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>.
+BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
 # Split-KV decode over a paged cache, templated on <TILE, ROWS, HEAD_DIM, T>; traits in
@@ -155,7 +148,6 @@ _FWD_ARGS = (
 _BWD_STRIDES = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("dout"))
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
-    "attn_fwd_v1": _FWD_ARGS,
     "attn_bwd_preprocess": (
         ("out", "ptr"),
         ("dout", "ptr"),
@@ -324,19 +316,25 @@ def _smem_stride(cols: int, itemsize: int) -> int:
 
 
 # Tile sizes (the one place they are chosen; the C++ traits take them as template arguments).
-FWD_MAX_TILE = 64  # keys per shared-memory tile of the forward; query rows per CTA of v1 and fp32
-# Forward, 16-bit types: 128-row CTAs for 128-blocks, and 32 query rows per warp (two mma
-# fragments) for blocks >= 64, so each K/V fragment read from shared memory feeds two mma
-# (bench/NOTES.md, change 2). fp32 (SIMT FMA, no fragment reuse to gain) keeps 16 rows per warp.
-FWD_MAX_TILE_M = 128
-FWD_ROWS_PER_WARP = 32
-FWD_ROWS_PER_WARP_SMALL_BLOCK = 16
-FWD_WIDE_WARP_MIN_BLOCK = 64
-MMA_ROWS = 16  # rows of one mma fragment
+# Forward: tiles of min(block, FWD_MAX_TILE) query rows and keys with 16 query rows (one mma
+# fragment) per warp, except 16-bit 128-blocks (below). Measured on an H100 (2026-11-25,
+# bench/NOTES.md change 12): at 64-blocks this shape (the former v1 forward's) was 9-11 % faster
+# on dense causal bf16 at d = 64 and 128 than 32 rows per warp in 2 warps (6.62 against 8.25
+# instructions per HMMA in Nsight; the static model puts attn_fwd at this shape at 6.77).
+FWD_MAX_TILE = 64
+# 16-bit 128-blocks keep 128-row CTAs of 4 warps, 32 rows (two fragments) per warp: each K/V tile
+# read through L2 then feeds 128 rows, not 64 (the 64-row forward moved 5.5 TB/s through L2 on the
+# H100, near its limit), and each K/V fragment read from shared memory feeds two mma. Not timed on
+# a GPU; the static model predicts 1.87 ms against 2.59 for 64-row CTAs (dense causal d = 128,
+# T = 8192). fp32 (SIMT FMA: no fragment reuse to gain) keeps 16 rows per warp.
+FWD_WIDE_MIN_BLOCK = 128
+FWD_WIDE_TILE_M = 128
+FWD_WIDE_ROWS_PER_WARP = 32
 # With 32 rows per warp, head dims >= 96 take 32-key tiles: the accumulator (2 x HEAD_DIM / 2
 # floats per thread) and a 64-key score tile (64 floats) do not fit in 255 registers unspilled
 # (ptxas: 56-388 bytes of spills at 64 keys, none at 32); FlashAttention-2 makes the same cut.
-FWD_TILE_N_LARGE_HEAD = 32
+FWD_WIDE_TILE_N_LARGE_HEAD = 32
+MMA_ROWS = 16  # rows of one mma fragment
 # Backward: each CTA owns BWD_OWN_TILE rows of its own axis (keys of dK/dV, queries of dQ; 16 per
 # warp) and steps over the other axis in double-buffered tiles of BWD_STEP_TILE rows; head dims
 # 96 and 128 step by 32 so that the dK and dV accumulators (2 x 64 floats per thread) and the
@@ -360,43 +358,23 @@ HUGE_HEAD_STEP_TILE_FP32 = 16
 HUGE_HEAD_OWN_TILE_FP32 = 32
 HUGE_HEAD_DKDV_SPLITS = 2
 
-# Forward kernel generations: v2 is the FlashAttention-2-structured attn_fwd (kernels/attn_fwd.cu),
-# v1 the previous one (kernels/attn_fwd_v1.cu), kept selectable until both have been timed in one
-# benchmark run: CUATTN_KERNELS=v1 selects it.
-FORWARD_KERNELS = {"v2": "attn_fwd", "v1": "attn_fwd_v1"}
-KERNELS_ENV = "CUATTN_KERNELS"
-
-
-def forward_kernel() -> str:
-    """The forward kernel of the generation CUATTN_KERNELS names (default v2)."""
-    generation = os.environ.get(KERNELS_ENV, "v2")
-    if generation not in FORWARD_KERNELS:
-        raise ValueError(
-            f"{KERNELS_ENV}: got {generation!r}, accepted: {', '.join(FORWARD_KERNELS)}"
-        )
-    return FORWARD_KERNELS[generation]
-
 
 def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of a block kernel: rows per CTA, columns per shared-memory
     tile, warps per CTA."""
     if head_dim == HUGE_HEAD_DIM:
         fp32 = dtype == "float32"
-        backward = kernel not in FORWARD_KERNELS.values()
+        backward = kernel != "attn_fwd"
         own_tile = (HUGE_HEAD_OWN_TILE_FP32 if fp32 else BWD_OWN_TILE) if backward else FWD_MAX_TILE
         own = min(block, own_tile)
         step = min(block, HUGE_HEAD_STEP_TILE_FP32 if fp32 and backward else HUGE_HEAD_STEP_TILE)
         return own, step, own // MMA_ROWS
-    if kernel == "attn_fwd" and dtype != "float32":
-        wide = block >= FWD_WIDE_WARP_MIN_BLOCK
-        tile_m = min(block, FWD_MAX_TILE_M)
-        large_head = wide and head_dim >= LARGE_HEAD_DIM
-        tile_n = min(block, FWD_TILE_N_LARGE_HEAD if large_head else FWD_MAX_TILE)
-        rows_per_warp = FWD_ROWS_PER_WARP if wide else FWD_ROWS_PER_WARP_SMALL_BLOCK
-        return tile_m, tile_n, max(tile_m // rows_per_warp, 1)
-    if kernel in ("attn_fwd", "attn_fwd_v1"):
+    if kernel == "attn_fwd" and dtype != "float32" and block >= FWD_WIDE_MIN_BLOCK:
+        tile_n = FWD_WIDE_TILE_N_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else FWD_MAX_TILE
+        return FWD_WIDE_TILE_M, tile_n, FWD_WIDE_TILE_M // FWD_WIDE_ROWS_PER_WARP
+    if kernel == "attn_fwd":
         tile = min(block, FWD_MAX_TILE)
-        return tile, tile, tile // MMA_ROWS
+        return tile, tile, tile // MMA_ROWS  # 16 query rows per warp
     own = min(block, BWD_OWN_TILE)
     step = min(block, BWD_STEP_TILE_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else BWD_STEP_TILE)
     return own, step, own // MMA_ROWS  # backward: (own rows, step rows), 16 own rows per warp
@@ -447,7 +425,7 @@ class KernelConfig(_Launch):
 
     def __post_init__(self) -> None:
         assert self.kernel in KERNEL_FILES, self.kernel
-        assert self.head_dim in (V1_HEAD_DIMS if self.kernel == "attn_fwd_v1" else HEAD_DIMS)
+        assert self.head_dim in HEAD_DIMS, self.head_dim
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         itemsize = ITEMSIZE[self.dtype]
@@ -477,7 +455,7 @@ class KernelConfig(_Launch):
             tile_m, tile_n, num_warps = tile_sizes(
                 self.kernel, self.block, self.head_dim, self.dtype
             )
-            if self.kernel in FORWARD_KERNELS.values():
+            if self.kernel == "attn_fwd":
                 scratch = 0 if half else 16 * (tile_n + 4)
                 smem = (tile_m + 2 * tile_n) * ld * itemsize + num_warps * scratch * 4
             else:
@@ -488,6 +466,8 @@ class KernelConfig(_Launch):
                 if self.kernel == "attn_bwd_dkdv":
                     smem += BWD_STAGES * 2 * tile_n * 4  # lse, delta of each stage's queries
             assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
+            rows_per_warp = tile_m // num_warps
+            assert tile_m % num_warps == 0 and rows_per_warp in (MMA_ROWS, FWD_WIDE_ROWS_PER_WARP)
         huge = self.kernel == "attn_bwd_dkdv" and self.head_dim == HUGE_HEAD_DIM
         object.__setattr__(self, "splits", HUGE_HEAD_DKDV_SPLITS if huge else 1)
         object.__setattr__(self, "tile_m", tile_m)
@@ -524,10 +504,10 @@ class KernelConfig(_Launch):
 
     @property
     def name_expression(self) -> str:
-        """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 2, 128, __half,
-        MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule), ``attn_fwd_v1<64,
-        64, 64, 128, ...>`` (no warps) or ``attn_bwd_dq<64, 64, 32, 3, 128, ...>`` (block, own
-        tile, step tile, CTAs per SM its registers are capped for, ...)."""
+        """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 4, 128, __half,
+        MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule) or
+        ``attn_bwd_dq<64, 64, 32, 3, 128, ...>`` (block, own tile, step tile, CTAs per SM its
+        registers are capped for, ...)."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
@@ -552,9 +532,8 @@ class KernelConfig(_Launch):
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
-        if self.kernel == "attn_bwd_dq":
-            return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.min_ctas}"
-        return f"{self.block}, {self.tile_m}, {self.tile_n}"  # v1
+        assert self.kernel == "attn_bwd_dq", self.kernel
+        return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.min_ctas}"
 
 
 @dataclass(frozen=True)
@@ -712,9 +691,8 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
     configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig] = []
     for kernel in BLOCK_KERNELS:
-        head_dims = V1_HEAD_DIMS if kernel == "attn_fwd_v1" else HEAD_DIMS
         for block, head_dim, dtype, rule in itertools.product(
-            BLOCK_SIZES, head_dims, DTYPES, RULES
+            BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES
         ):
             configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule))
     for kernel in ROW_KERNELS + DECODE_KERNELS:

@@ -1,6 +1,6 @@
 """The attention kernels' launch sequences, shared by the CUDA and the interpreter backends.
 
-Forward:  attn_fwd (or attn_fwd_v1, CUATTN_KERNELS=v1) over CSR rows -> (out, lse).
+Forward:  attn_fwd over CSR rows -> (out, lse).
 Backward: attn_bwd_preprocess (delta = rowsum(dO * O)); attn_bwd_dkdv over CSC columns;
           attn_bwd_dq over CSR rows. No atomics, so every backward is bit-identical run to run.
 Inputs q, k, v and dout are read in place at any strides with contiguous 16-byte aligned rows (a
@@ -251,13 +251,6 @@ class KernelBackend:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         layout = kernel_layout(layout)
-        kernel = geometry.forward_kernel()
-        if kernel == "attn_fwd_v1" and head_dim not in geometry.V1_HEAD_DIMS:
-            raise ValueError(
-                f"q: head_dim {head_dim} has no kernel of the v1 forward "
-                f"({geometry.KERNELS_ENV}=v1); v1 supports {geometry.V1_HEAD_DIMS}, the default "
-                f"generation {geometry.HEAD_DIMS}"
-            )
         xp = self.xp
         with self.on_device_of(q):
             self._check_strides({"q": q, "k": k, "v": v})
@@ -265,7 +258,7 @@ class KernelBackend:
             out = self.output(q.shape, q.dtype)
             lse = self.output((batch, heads, n_q), xp.float32)
             config = KernelConfig(
-                kernel,
+                "attn_fwd",
                 head_dim,
                 dtype,
                 batch,

@@ -1,6 +1,6 @@
 """Static SASS model: what one warp executes per tile of each hot kernel's main loop, no GPU.
 
-For each hot instantiation (``hot_specs``: forward v2 and v1, dK/dV, dQ, decode split; d = 64
+For each hot instantiation (``hot_specs``: forward, dK/dV, dQ, decode split; d = 64
 and 128; 64- and 128-blocks; bf16, one fp16) this compiles the kernel with NVRTC as ``cuattn
 compile`` does plus ``-lineinfo``, disassembles the cubin (cuattn/tools/sass.py) and counts,
 per warp and per tile of the main loop: instructions by class, HMMA, LDSM, shared-memory
@@ -12,9 +12,10 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   the deepest loop holding the most of the kernel's work instructions (HMMA; FFMA for the SIMT
   decode kernel).
 * Nested loops count ``trips`` times: a loop whose counter runs between constants counts its
-  exact trips (sass.counted_trips: the rolled k-loop of the 32-row forward's QK^T); a tile-copy
-  loop (``load_tile_async``, kernels/common/smem.cuh) counts from the copy's chunks per thread
-  ``n``: a loop copying ``u`` chunks per iteration runs ``n // u`` times, and of the
+  exact trips (sass.counted_trips: e.g. the k-loop ptxas keeps rolled in the forward's QK^T
+  at 32 rows per warp, which kernels/attn_fwd.cu allows and geometry no longer picks); a
+  tile-copy loop (``load_tile_async``, kernels/common/smem.cuh) counts from the copy's chunks
+  per thread ``n``: a loop copying ``u`` chunks per iteration runs ``n // u`` times, and of the
   straight-line remainder copies ptxas peels off, ``n % u`` run (at the tile sizes geometry
   chooses, none: those blocks are excluded); the dK/dV step's lse/delta loop ``for (i = tid; i
   < rows; i += threads)`` counts what each warp runs (only the first rows / 32 warps enter it);
@@ -30,8 +31,9 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   ``if (has_next)`` copies, the decode's per-row ``break`` tests at full rows.
 * A main-loop iteration holds ``HMMA in it / HMMA per warp-tile`` tiles (the tile shapes fix
   the latter, e.g. 128 for a 16 x 64 x 128 QK^T plus PV); a non-integer ratio is an error, not a
-  number. Code of an enclosing loop (v1's CSR-entry loop around its sub-tile loop) counts once
-  per entry, i.e. divided by the sub-tile loop's counted trips.
+  number. Code of an enclosing loop (e.g. a CSR-entry loop around a sub-tile loop, as the
+  removed v1 forward had) counts once per entry, i.e. divided by the sub-tile loop's counted
+  trips.
 * Code outside the main loop counts once per CTA per warp, its copy loops by the own tile's
   chunks (the first step tile's copy, also outside, is counted as an own tile: a few dozen
   instructions per CTA).
@@ -276,7 +278,7 @@ def _geometry_spec(label: str, kernel: str, head_dim: int, dtype: str, block: in
     tile_m, tile_n, warps = config.tile_m, config.tile_n, config.num_warps
     rows_per_warp = tile_m // warps
     m16 = rows_per_warp // 16
-    if kernel in ("attn_fwd", "attn_fwd_v1"):
+    if kernel == "attn_fwd":
         # S = Q K^T (rows x tile_n x d) and O += P V (rows x d x tile_n), one 16x8x16 mma each
         hmma = 2 * m16 * (tile_n // 8) * (head_dim // 16)
         kind, own, stats = "fwd", 1, 0
@@ -336,14 +338,10 @@ HOT_BLOCKS = (64, 128)
 
 
 def hot_specs() -> list[HotSpec]:
-    """Every hot instantiation: both forward generations (v2, geometry.forward_kernel()'s
-    default, and v1), dK/dV, dQ at d = 64/128 and 64-/128-blocks in bf16; the v2 forward d128
-    b64 in fp16 too; decode."""
-    from cuattn.backends.geometry import FORWARD_KERNELS
-
+    """Every hot instantiation: the forward, dK/dV, dQ at d = 64/128 and 64-/128-blocks in bf16;
+    the forward d128 b64 in fp16 too; decode."""
     names = {
-        FORWARD_KERNELS["v2"]: "fwd v2",
-        FORWARD_KERNELS["v1"]: "fwd v1",
+        "attn_fwd": "fwd",
         "attn_bwd_dkdv": "dkdv",
         "attn_bwd_dq": "dq",
     }
@@ -353,8 +351,7 @@ def hot_specs() -> list[HotSpec]:
             for block in HOT_BLOCKS:
                 label = f"{name} d{head_dim} b{block}"
                 specs.append(_geometry_spec(label, kernel, head_dim, HOT_DTYPE, block))
-    v2 = FORWARD_KERNELS["v2"]
-    specs.append(_geometry_spec("fwd v2 d128 b64 fp16", v2, 128, "float16", 64))
+    specs.append(_geometry_spec("fwd d128 b64 fp16", "attn_fwd", 128, "float16", 64))
     specs.extend(_decode_spec(d, HOT_DTYPE) for d in HOT_HEAD_DIMS)
     return specs
 

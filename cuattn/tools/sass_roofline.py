@@ -463,14 +463,14 @@ def hot_times(models: Sequence[TileModel], n_ctx: int = PREDICTION_T) -> dict[st
 
 
 # Columns of the ratio table: (name, forward label, block of the backward kernels).
-RATIO_VARIANTS = (("v2 b64", "fwd v2", 64), ("v1 b64", "fwd v1", 64), ("v2 b128", "fwd v2", 128))
+RATIO_VARIANTS = (("b64", "fwd", 64), ("b128", "fwd", 128))
 
 
 def ratio_rows(models: Sequence[TileModel], profile_dir: Path = PROFILE_DIR) -> list[dict]:
-    """Predicted ratio SDPA-flash time / ours for dense causal bf16: the forward (v2 and v1 at
-    64-blocks, v2 at 128-blocks) and forward + backward (preprocess, dK/dV, dQ of the same
-    block), against SDPA-flash's measured times at f532ccd (same H100; its time does not
-    depend on our block size)."""
+    """Predicted ratio SDPA-flash time / ours for dense causal bf16: the forward (64- and
+    128-blocks) and forward + backward (preprocess, dK/dV, dQ of the same block), against
+    SDPA-flash's measured times at f532ccd (same H100; its time does not depend on our block
+    size)."""
     by_label = {m.spec.label: m for m in models}
     rows = []
     for (n_ctx, d, direction), measured in bench_times(profile_dir).items():
@@ -644,7 +644,7 @@ def report(models: Sequence[TileModel], calibration: Calibration | None) -> str:
             format_calibration(calibration),
         ]
     labels = {m.spec.label for m in models}
-    needed = {f"{k} d{d} b64" for k in ("fwd v2", "dkdv", "dq") for d in (64, 128)}
+    needed = {f"{k} d{d} b64" for k in ("fwd", "dkdv", "dq") for d in (64, 128)}
     if profile and needed <= labels:
         parts += [
             "",

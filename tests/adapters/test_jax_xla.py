@@ -53,7 +53,6 @@ needs_jax_cuda = pytest.mark.skipif(not _jax_cuda(), reason="needs a CUDA device
 CC = 90
 OUTPUTS = {
     "attn_fwd": ("out", "lse"),
-    "attn_fwd_v1": ("out", "lse"),
     "attn_bwd_preprocess": ("delta",),
     "attn_bwd_dkdv": ("dk", "dv"),
     "attn_bwd_dq": ("dq",),
@@ -337,7 +336,7 @@ def _forward_config(case, dtype):
     layout = kernel_layout(_layout(case))
     name = geometry.dtype_name(dtype)
     return KernelConfig(
-        geometry.forward_kernel(),
+        "attn_fwd",
         head_dim,
         name,
         batch,
@@ -453,9 +452,7 @@ def test_permuted_and_bitmask_layouts_lower():
 
         lowered = _lower_for_cuda(f, q, k, v)
         (call,) = _custom_calls(lowered)
-        config = KernelConfig(
-            geometry.forward_kernel(), 64, "float16", 1, 2, 256, 16, layout.rule.kind
-        )
+        config = KernelConfig("attn_fwd", 64, "float16", 1, 2, 256, 16, layout.rule.kind)
         _check_call(call, config, {"n_q": 256})
         assert ("gather" in lowered.as_text()) == (layout.perm is not None)
 
@@ -596,7 +593,7 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[0], k[0], v[0])
         mapped = jax.jit(jax.vmap(f))(q, k, v)
     backward = ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", *["attn_bwd_sum_groups"] * 2]
-    forward = geometry.forward_kernel()
+    forward = "attn_fwd"
     # jit(f); jit(grad): forward, backward; vmap: the body traced unbatched by custom_vmap (then
     # dropped), and the rule's call on the folded batch
     assert backend.staged == [forward, forward, *backward, forward, forward]

@@ -6,15 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn.backends import geometry, interp
+from cuattn.backends import interp
 from cuattn.backends.kernels import GRID_YZ_LIMIT
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout
 from tests.backends.test_interp_kernels import (
     HEADS,
     check_forward,
-    make_test_layout,
-    n_ctx_for,
     random_inputs,
 )
 
@@ -45,20 +43,6 @@ def test_grid_limit_is_a_clear_error(axis, name):
         interp.forward(q, q, q, all_layout(16, HEADS, 16), 0.5)
 
 
-def test_unknown_kernel_generation_is_refused(monkeypatch):
-    monkeypatch.setenv(geometry.KERNELS_ENV, "v9")
-    q, k, v, _ = random_inputs((1, HEADS, 16, 32), "float32", seed=3)
-    with pytest.raises(ValueError, match="CUATTN_KERNELS: got 'v9', accepted: v2, v1"):
-        interp.forward(q, k, v, all_layout(16, HEADS, 16), 0.5)
-
-
-def test_v1_forward_refuses_head_dim_256(monkeypatch):
-    monkeypatch.setenv(geometry.KERNELS_ENV, "v1")
-    q, k, v, _ = random_inputs((1, HEADS, 16, 256), "float16", seed=5)
-    with pytest.raises(ValueError, match="head_dim 256 has no kernel of the v1 forward"):
-        interp.forward(q, k, v, all_layout(16, HEADS, 16), 0.5)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_ragged_block_without_a_mask_entry(dtype):
     """A full-block entry (mask -1) on the ragged last block: the kernels must still drop the
@@ -71,20 +55,6 @@ def test_ragged_block_without_a_mask_entry(dtype):
         array.setflags(write=True)
         array[:] = -1
     q, k, v, _ = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=4)
-    out, lse = interp.forward(q, k, v, layout, head_dim**-0.5)
-    check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
-
-
-@pytest.mark.parametrize("rule", geometry.RULES)
-@pytest.mark.parametrize("dtype", geometry.DTYPES)
-@pytest.mark.parametrize("head_dim", geometry.V1_HEAD_DIMS)
-@pytest.mark.parametrize("block", geometry.BLOCK_SIZES)
-def test_forward_v1_kernels(block, head_dim, dtype, rule, monkeypatch):
-    """The previous forward generation, selectable until a GPU run has timed both."""
-    monkeypatch.setenv(geometry.KERNELS_ENV, "v1")
-    n_ctx = n_ctx_for(block)
-    layout = make_test_layout(rule, block, n_ctx)
-    q, k, v, _ = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=block + head_dim)
     out, lse = interp.forward(q, k, v, layout, head_dim**-0.5)
     check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
 

@@ -158,7 +158,7 @@ def test_warm_up_names_only_real_instantiations():
     names = [n for _, n in units]
     assert "attn_bwd_dkdv<64, 64, 32, 1, 128, __nv_bfloat16, MASK_BITMASK>" in names
     assert "attn_bwd_dq<64, 64, 32, 3, 128, __nv_bfloat16, MASK_BITMASK>" in names
-    assert "attn_fwd_v1<64, 64, 64, 128, __nv_bfloat16, MASK_CAUSAL>" in names
+    assert "attn_fwd<64, 64, 64, 4, 128, __nv_bfloat16, MASK_CAUSAL>" in names
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention warns it is unfused

@@ -242,21 +242,17 @@ def _progress_line(done: int, total: int, record: dict[str, Any], ours: str, sta
     )
 
 
-def build_environment(
-    dry_run: bool, backend: str | None, generations: Sequence[str] = ()
-) -> Environment:
-    """``generations``: older forward kernel generations (e.g. "v1") timed beside ours."""
+def build_environment(dry_run: bool, backend: str | None) -> Environment:
     if dry_run:
         from cuattn.backends import resolve_backend
 
-        chosen = resolve_backend(backend or "numpy", on_device=False)
-        ours = CuattnRunner(chosen, lambda x: x)
+        ours = CuattnRunner(resolve_backend(backend or "numpy", on_device=False), lambda x: x)
         return Environment(
             False,
             "cpu",
             CpuTimer(),
             ours,
-            [CuattnRunner(chosen, lambda x: x, g) for g in generations],
+            [],
             "no CUDA device (CPU dry run): peers need a GPU",
             CPU_WARMUP,
             CPU_REPEATS,
@@ -267,15 +263,13 @@ def build_environment(
     from cuattn.backends import resolve_backend
 
     torch.manual_seed(SEED)
-    chosen = resolve_backend(backend or "cuda", on_device=True)
-    ours = CuattnRunner(chosen, cupy.from_dlpack)
-    older = [CuattnRunner(chosen, cupy.from_dlpack, g) for g in generations]
+    ours = CuattnRunner(resolve_backend(backend or "cuda", on_device=True), cupy.from_dlpack)
     return Environment(
         True,
         torch.cuda.get_device_name(),
         CudaEventTimer(),
         ours,
-        older + peer_runners(),
+        peer_runners(),
         None,
         GPU_WARMUP,
         GPU_REPEATS,
@@ -352,14 +346,12 @@ def _report(
 
 def kernel_units_for(cases: Sequence[BenchCase]) -> list[tuple[str, str]]:
     """(source file, name expression) of every instantiation the cases can launch: all rule
-    kinds of each dtype / head dim / block size, both forward generations and the backward."""
+    kinds of each dtype / head dim / block size, the forward and the backward."""
     from cuattn.backends import geometry
 
     names = set()
     for case in cases:
-        for kernel in (*geometry.FORWARD_KERNELS.values(), "attn_bwd_dkdv", "attn_bwd_dq"):
-            if kernel == "attn_fwd_v1" and case.head_dim not in geometry.V1_HEAD_DIMS:
-                continue
+        for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
             for rule in geometry.RULES:
                 names.add(
                     geometry.name_expression(
@@ -437,13 +429,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ")",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
-    parser.add_argument(
-        "--also-kernels",
-        default="",
-        metavar="GENERATIONS",
-        help="older forward kernel generations to time beside the default one, as peers "
-        "(comma-separated; accepted: v1)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -458,12 +443,6 @@ def run(args: argparse.Namespace) -> int:
         sweep = Sweep(
             **{**sweep.__dict__, "patterns": tuple(p for p in sweep.patterns if p.label in keep)}
         )
-    from cuattn.backends.geometry import FORWARD_KERNELS
-
-    generations = [g for g in args.also_kernels.split(",") if g]
-    for generation in generations:
-        if generation not in FORWARD_KERNELS or generation == "v2":
-            raise SystemExit(f"--also-kernels: got {generation!r}, accepted: v1")
     if args.blocksizes:
         try:
             blocksizes = tuple(int(b) for b in args.blocksizes.split(","))
@@ -472,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--blocksizes: got {args.blocksizes!r}, expected e.g. 64,128"
             ) from err
         sweep = Sweep(**{**sweep.__dict__, "blocksizes": blocksizes})
-    env = build_environment(dry_run, args.backend, generations)
+    env = build_environment(dry_run, args.backend)
     if args.repeats:
         env.repeats = args.repeats
     suffix = "" if mode == "full" else f"-{mode}"

@@ -8,10 +8,8 @@ the CPU dry run; every runner works in the layout's computed token order.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +31,11 @@ class InputSet:
 
 
 class CuattnRunner:
-    """Our kernels through a cuattn backend (`cuda` on GPU, `numpy`/`interp` in the dry run);
-    with ``generation`` ("v1"), that forward kernel generation (CUATTN_KERNELS) instead of the
-    default, so two generations can be timed side by side in one run."""
+    """Our kernels through a cuattn backend (`cuda` on GPU, `numpy`/`interp` in the dry run)."""
 
-    def __init__(
-        self, backend: Any, to_backend_array: Callable[[Any], Any], generation: str | None = None
-    ) -> None:
-        self.name = f"cuattn-{backend.name}" + (f"-{generation}" if generation else "")
+    def __init__(self, backend: Any, to_backend_array: Callable[[Any], Any]) -> None:
+        self.name = f"cuattn-{backend.name}"
         self.backend = backend
-        self.generation = generation
         self._convert = to_backend_array
 
     def prepare(
@@ -53,32 +46,12 @@ class CuattnRunner:
 
         def run(index: int) -> Any:
             s = sets[index % len(sets)]
-            with kernel_generation(self.generation):
-                out, lse = backend.forward(s.q, s.k, s.v, layout, scale)
+            out, lse = backend.forward(s.q, s.k, s.v, layout, scale)
             if backward:
                 return backend.backward(s.q, s.k, s.v, out, lse, s.dout, layout, scale)
             return out
 
         return run
-
-
-@contextlib.contextmanager
-def kernel_generation(generation: str | None) -> Iterator[None]:
-    """CUATTN_KERNELS set to ``generation`` for the duration (None: left as it is)."""
-    from cuattn.backends.geometry import KERNELS_ENV
-
-    if generation is None:
-        yield
-        return
-    before = os.environ.get(KERNELS_ENV)
-    os.environ[KERNELS_ENV] = generation
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[KERNELS_ENV]
-        else:
-            os.environ[KERNELS_ENV] = before
 
 
 def _torch_leaves(inputs: Sequence[InputSet], backward: bool) -> list[InputSet]:

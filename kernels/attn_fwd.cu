@@ -10,11 +10,11 @@
 //
 // Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout query
 // blocks times BLOCK / TILE_M sub-tiles. NUM_WARPS warps each own TILE_M / NUM_WARPS query rows
-// (M_FRAGS fragments of 16). geometry.py gives every warp 16 rows (M_FRAGS = 1: 64-row CTAs of
-// 4 warps at 64- and 128-blocks), the faster shape on an H100 (2026-11-25); the template still
-// takes 32 rows per warp (M_FRAGS = 2, every K and V fragment read from shared memory feeding
-// two mma), which nothing instantiates now. Each warp keeps m_i (running max, log2 domain), l_i
-// (running sum, this lane's columns only) and the output accumulator acc in registers.
+// (M_FRAGS fragments of 16). geometry.py gives warps 16 rows (M_FRAGS = 1: 64-row CTAs of 4
+// warps at 64-blocks, the faster shape there on an H100, 2026-11-25), and 32 rows (M_FRAGS = 2:
+// every K and V fragment read from shared memory feeds two mma) in the 128-row CTAs of fp16/bf16
+// 128-blocks. Each warp keeps m_i (running max, log2 domain), l_i (running sum, this lane's
+// columns only) and the output accumulator acc in registers.
 //
 // Pipeline (FlashAttention-2's order, single K and V buffers): per active tile,
 //   wait K(t) | issue V(t) | S = Q K(t)^T, mask | wait V(t) | issue K(t+1) | softmax | acc += P V(t)

@@ -13,7 +13,7 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   decode kernel).
 * Nested loops count ``trips`` times: a loop whose counter runs between constants counts its
   exact trips (sass.counted_trips: e.g. the k-loop ptxas keeps rolled in the forward's QK^T
-  at 32 rows per warp, which kernels/attn_fwd.cu allows and geometry no longer picks); a
+  at 32 rows per warp, in the 128-row CTAs of fp16/bf16 128-blocks); a
   tile-copy loop (``load_tile_async``, kernels/common/smem.cuh) counts from the copy's chunks
   per thread ``n``: a loop copying ``u`` chunks per iteration runs ``n // u`` times, and of the
   straight-line remainder copies ptxas peels off, ``n % u`` run (at the tile sizes geometry

@@ -41,6 +41,11 @@ struct attn_fwd_traits {
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = TILE_M / NUM_WARPS;  // query rows per warp
   static constexpr int M_FRAGS = WARP_M / 16;
+  // At 16 rows per warp and d <= 128 the forward holds <= 182 registers, room for every tile
+  // copy's address at once: the copies unroll (~3 instructions per cp.async instead of ~12).
+  // At 32 rows per warp, or d = 256 (a 128-float accumulator per thread), it is at the
+  // 255-register limit, where unrolled copies spill (bench/NOTES.md, changes 11 and 14).
+  static constexpr bool UNROLL_COPIES = M_FRAGS == 1 && HEAD_DIM <= 128;
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
   static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE_N + 4);
   static constexpr int SMEM_BYTES = (TILE_M + 2 * TILE_N) * LD * int(sizeof(T)) +
@@ -78,18 +83,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   T* v_smem = k_smem + TILE_N * LD;
   float* scratch = reinterpret_cast<float*>(v_smem + TILE_N * LD) + warp * Traits::SCRATCH_FLOATS;
   // Addresses are rebuilt from the kernel parameters at each copy rather than kept: the loop
-  // runs at the register limit, and parameters live in the constant bank, not in registers.
+  // runs near the register limit, and parameters live in the constant bank, not in registers.
+  // The kv head is computed once: an integer division at every copy costs ~20 instructions.
+  const int kv_head = head / kv_group;
   auto load_k = [&](int k_start) {
-    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
         k_smem, LD,
-        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, head / kv_group, k_start),
+        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
         int(k_row_stride), n_k - k_start);
     cp_async_commit();
   };
   auto load_v = [&](int k_start) {
-    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS>(
+    load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
         v_smem, LD,
-        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, head / kv_group, k_start),
+        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
         int(v_row_stride), n_k - k_start);
     cp_async_commit();
   };
@@ -99,7 +106,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   const int q_last = q_start + TILE_M - 1;
   ActiveTile tile;
   bool active = walk.next(tile, rule, q_start, q_last);
-  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS>(
+  load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
       q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();

@@ -32,7 +32,9 @@ struct SmemStride {
 // CHUNKS; chunk += NUM_THREADS` instead has a trip count that depends on tid (the compiler does
 // not know tid < NUM_THREADS): a general loop with a remainder that recomputes row, column and
 // both addresses at every copy, ~22 instructions per cp.async (bench/NOTES.md, change 11).
-template <int ROWS, int COLS, int NUM_THREADS, typename T>
+// UNROLL: issue the COPIES copies unrolled (each a cp.async with its own address, no loop
+// counter or pointer steps), for kernels with the registers to keep those addresses live.
+template <int ROWS, int COLS, int NUM_THREADS, bool UNROLL = false, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* gmem, int gmem_ld,
                                                 int valid_rows) {
   constexpr int CHUNK = 16 / int(sizeof(T));  // elements per 16-byte copy
@@ -49,14 +51,22 @@ __device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* g
     const T* src = gmem + row * gmem_ld + col;
     const int src_step = ROW_STEP * gmem_ld;
     int rows_left = valid_rows - row;
-    // Not unrolled: an unrolled copy keeps every copy's address live at once, which the kernels
-    // at the register limit pay for in spills (dK/dV, the d128 forward on sm_80).
+    if constexpr (UNROLL) {
+#pragma unroll
+      for (int i = 0; i < COPIES; ++i) {
+        const bool valid = rows_left > i * ROW_STEP;
+        cp_async_16(dst + i * ROW_STEP * smem_ld, valid ? src + i * src_step : gmem, valid);
+      }
+    } else {
+      // Rolled: an unrolled copy keeps every copy's address live at once, which the kernels at
+      // the register limit pay for in spills (dK/dV, the 32-rows-per-warp forward).
 #pragma unroll 1
-    for (int i = 0; i < COPIES; ++i) {
-      cp_async_16(dst, rows_left > 0 ? src : gmem, rows_left > 0);
-      dst += ROW_STEP * smem_ld;
-      src += src_step;
-      rows_left -= ROW_STEP;
+      for (int i = 0; i < COPIES; ++i) {
+        cp_async_16(dst, rows_left > 0 ? src : gmem, rows_left > 0);
+        dst += ROW_STEP * smem_ld;
+        src += src_step;
+        rows_left -= ROW_STEP;
+      }
     }
   } else {
     for (int chunk = tid; chunk < CHUNKS; chunk += NUM_THREADS) {

@@ -9,6 +9,14 @@ import numpy as np
 BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it stands for
 
 
+def array_library(x: Any) -> str:
+    """The library an array, tensor or dtype comes from, read off its type: "numpy", "cupy",
+    "torch", "jax" (jaxlib's arrays too), else its module's top-level name. The one place
+    cuattn tells frameworks apart by type (cuattn.adapters.dlpack.describe builds on it)."""
+    root = type(x).__module__.split(".")[0]
+    return "jax" if root == "jaxlib" else root
+
+
 def ceil_div(a: Any, b: int) -> Any:
     """ceil(a / b) in exact integer arithmetic, for an int or an integer array a >= 0 and an
     int b > 0."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_library
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
@@ -198,7 +199,7 @@ def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
     lse_dtype = "float64" if _dtype_name(q) == "float64" else "float32"
     if any(isinstance(x, Tensor) for x in (q, k, v)):
         out, lse = _NoKeys.apply(*_dispatch._tape_args(q, k, v), lse_dtype)
-    elif type(q).__module__.startswith("torch"):
+    elif array_library(q) == "torch":
         import torch
 
         never = torch.zeros((), dtype=torch.bool, device=q.device)
@@ -261,7 +262,7 @@ def merge_heads(x: Any) -> Any:
 
 def _permute(x: Any, axes: tuple[int, ...]) -> Any:
     # torch spells a general axis permutation `permute`; NumPy, CuPy and jax spell it `transpose`.
-    if type(x).__module__.startswith("torch"):
+    if array_library(x) == "torch":
         return x.permute(*axes)
     return x.transpose(axes)
 
@@ -559,7 +560,7 @@ def merge_attention_states(
             )
     arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
     if _dispatch.wants_gradient(arrays.values()):
-        if not all(type(x).__module__.startswith("torch") for x in arrays.values()):
+        if not all(array_library(x) == "torch" for x in arrays.values()):
             raise ValueError(
                 "merge_attention_states propagates gradients for torch tensors only; call it "
                 "outside jax transformations (or on torch tensors)"

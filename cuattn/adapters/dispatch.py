@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from cuattn import backends as _backend
+from cuattn._util import array_library
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
 from cuattn.backends.call import AttentionCall
@@ -42,7 +43,7 @@ def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
     out = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
-            if type(x).__module__.split(".")[0] != xp.__name__:
+            if array_library(x) != xp.__name__:
                 raise TypeError(
                     f"{name} is a {type(x).__module__}.{type(x).__name__} but another argument "
                     f"is a cuattn.Tensor over {xp.__name__}; wrap it as cuattn.Tensor or pass "

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_library
+
 __all__ = [
     "ArrayInfo",
     "common_info",
@@ -58,12 +60,8 @@ class ArrayInfo:
 
 
 def _framework(x: Any) -> str:
-    root = type(x).__module__.split(".")[0]
-    if root in ("numpy", "cupy", "torch"):
-        return root
-    if root in ("jax", "jaxlib"):
-        return "jax"
-    return "dlpack"
+    library = array_library(x)
+    return library if library in FRAMEWORKS else "dlpack"
 
 
 def is_jax_tracer(x: Any) -> bool:

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_library
+
 __all__ = [
     "Context",
     "Function",
@@ -34,7 +36,7 @@ __all__ = [
 
 def get_array_module(x: Any) -> ModuleType:
     """numpy or cupy, chosen from the array's own type; never imports CuPy for a NumPy array."""
-    if type(x).__module__.split(".")[0] == "cupy":
+    if array_library(x) == "cupy":
         import cupy
 
         return cupy
@@ -392,7 +394,7 @@ def _topo_order(root: _Node) -> list[_Node]:
 
 def _buffer_key(a: Any) -> tuple[int, int] | None:
     """(identity, nbytes) of the allocation an array keeps alive; views share their base's key."""
-    if type(a).__module__.split(".")[0] == "cupy":
+    if array_library(a) == "cupy":
         mem = a.data.mem
         return id(mem), int(mem.size)
     if isinstance(a, np.ndarray):

@@ -18,6 +18,7 @@ import importlib
 import os
 from typing import Any, Protocol
 
+from cuattn._util import array_library
 from cuattn.backends import numpy_ref as reference
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
@@ -101,7 +102,7 @@ def resolve_backend(name: str | None, on_device: bool) -> Backend:
 
 
 def _array_module(x: Any) -> Any:
-    if type(x).__module__.startswith("cupy"):
+    if array_library(x) == "cupy":
         return importlib.import_module("cupy")
     return importlib.import_module("numpy")
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_library
+
 BALANCES = ("contiguous", "zigzag")
 
 
@@ -59,7 +61,7 @@ def positions(n: int, rank: int, world_size: int, balance: str = "zigzag") -> np
 
 
 def _take(x: Any, dim: int, start: int, size: int) -> Any:
-    if type(x).__module__.startswith("torch"):
+    if array_library(x) == "torch":
         return x.narrow(dim, start, size)
     index = [slice(None)] * len(x.shape)
     index[dim] = slice(start, start + size)
@@ -67,7 +69,7 @@ def _take(x: Any, dim: int, start: int, size: int) -> Any:
 
 
 def _concat(parts: Sequence[Any], dim: int) -> Any:
-    library = type(parts[0]).__module__.split(".")[0]
+    library = array_library(parts[0])
     if library == "torch":
         import torch
 

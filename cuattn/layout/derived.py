@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cuattn._util import ceil_div
+from cuattn._util import array_library, ceil_div
 from cuattn.layout.blocks import bitmask_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
@@ -140,9 +140,10 @@ def check_cu_seqlens(name: str, cu_seqlens: object, total: int) -> np.ndarray:
 def _host_ints(x: object) -> np.ndarray:
     # cu_seqlens is the layout's metadata (a few integers per sequence): the layout is built on
     # the host, so a device vector is read back here, once per distinct packing (documented).
-    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+    library = array_library(x)
+    if library == "cupy":
         x = x.get()
-    elif type(x).__module__.startswith("torch"):
+    elif library == "torch":
         x = x.detach().cpu().numpy()
     return np.asarray(x).astype(np.int64)
 

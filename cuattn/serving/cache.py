@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, host_array, widened
+from cuattn._util import array_library, ceil_div, host_array, widened
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import check_positive_int
 from cuattn.serving.policies import EMPTY, Policy
@@ -53,7 +53,7 @@ def _dtype_name(dtype: Any) -> str:
     text = str(dtype)
     if dtype is None:  # np.dtype(None) is float64; a cache's dtype is never a default
         return text
-    if type(dtype).__module__.split(".")[0] == "torch" or text.startswith("torch."):
+    if array_library(dtype) == "torch" or text.startswith("torch."):
         return text.replace("torch.", "")
     if text == "bfloat16" or getattr(dtype, "__name__", None) == "bfloat16":
         return "bfloat16"

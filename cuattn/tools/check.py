@@ -21,7 +21,7 @@ import numpy as np
 
 from cuattn import backends as _backend
 from cuattn import dynamic
-from cuattn._util import ceil_div
+from cuattn._util import ceil_div, host_array
 from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
 from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
 from cuattn.layout import make_layout
@@ -210,9 +210,7 @@ def _to_backend(x: np.ndarray, backend: str, dtype: str) -> Any:
 
 
 def _to_host(x: Any) -> np.ndarray:
-    if type(x).__module__.startswith("cupy"):
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
+    return host_array(x).astype(np.float64)
 
 
 def _run_decode(case: Case, backend: str) -> float:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from cuattn._util import host_array
+from cuattn._util import array_library, host_array
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
 # arithmetic (a row with a single key) comes out as rounding noise, which has no relative size.
@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 
 def _xp(x: Any) -> ModuleType:
-    if type(x).__module__.startswith("cupy"):
+    if array_library(x) == "cupy":
         import cupy
 
         return cupy

@@ -187,3 +187,23 @@ def test_any_dlpack_producer_is_shared_and_answered_with_numpy(spy):
     out = _call(*(_Producer(a) for a in (q, k, v)))
     assert type(out) is np.ndarray and out is spy["out"]
     assert spy["inputs"][0].ctypes.data == q.ctypes.data
+
+
+def test_one_place_tells_array_libraries_apart():
+    """cuattn._util.array_library: what every layer asks instead of reading type(x).__module__,
+    and what dlpack.describe's framework is built on."""
+    import ml_dtypes
+
+    from cuattn._util import array_library
+    from cuattn.adapters import dlpack
+
+    cases = [(np.zeros(2), "numpy"), (np.dtype(ml_dtypes.bfloat16), "numpy"), (3, "builtins")]
+    torch = pytest.importorskip("torch")
+    cases += [(torch.zeros(2), "torch"), (torch.nn.Parameter(torch.zeros(2)), "torch")]
+    cases += [(torch.bfloat16, "torch")]
+    jnp = pytest.importorskip("jax.numpy")
+    cases += [(jnp.zeros(2), "jax")]
+    for x, want in cases:
+        assert array_library(x) == want, x
+    assert dlpack.describe(jnp.zeros(2), "q").framework == "jax"
+    assert dlpack.describe(torch.zeros(2), "q").framework == "torch"

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from cuattn._util import one_line
+from cuattn._util import array_library, one_line
 from cuattn.adapters.dlpack import cupy_stream_of_torch
 from cuattn.tools.bench import report as bench_report
 from cuattn.tools.bench.cases import SWEEPS, BenchCase, Sweep
@@ -102,7 +102,7 @@ def to_float64(x: Any) -> np.ndarray:
     """Any of our arrays (NumPy, CuPy, torch; bf16 included) as a float64 NumPy array."""
     if isinstance(x, np.ndarray):
         return x.astype(np.float64)
-    if type(x).__module__.startswith("cupy"):
+    if array_library(x) == "cupy":
         import torch
 
         x = torch.from_dlpack(x)

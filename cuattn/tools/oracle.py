@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
 
-from cuattn._util import array_library, host_array
+from cuattn._util import host_array
+from cuattn.autograd.tape import get_array_module
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
 # arithmetic (a row with a single key) comes out as rounding noise, which has no relative size.
@@ -39,19 +39,11 @@ GRAD_FLOOR = 0.1
 T = TypeVar("T")
 
 
-def _xp(x: Any) -> ModuleType:
-    if array_library(x) == "cupy":
-        import cupy
-
-        return cupy
-    return np
-
-
 def _probs(
     q: Any, k: Any, mask: Any, scale: float, score_dtype: Any = None
 ) -> tuple[Any, Any, Any]:
     """(P, row max, row sum) of the masked softmax in float64 (l_sum == 0: an empty row)."""
-    xp = _xp(q)
+    xp = get_array_module(q)
     s = xp.einsum("bhqd,bhkd->bhqk", q, k)
     if score_dtype is not None:  # formed as the backends do: q.k, then * scale, in that type
         s = (s.astype(score_dtype) * xp.dtype(score_dtype).type(scale)).astype(xp.float64)
@@ -68,7 +60,7 @@ def _probs(
 def _rows_of(w: Any, x: Any, computed: Any) -> Any:
     """sum over keys of w[b, h, q, k] x[b, h, k, d] -> [b, h, q, d]; with ``computed``, a pair
     outside it adds nothing (not 0 * x)."""
-    xp = _xp(w)
+    xp = get_array_module(w)
     if computed is None:
         return xp.einsum("bhqk,bhkd->bhqd", w, x)
     terms = w[..., None] * x[:, :, None, :, :]
@@ -77,7 +69,7 @@ def _rows_of(w: Any, x: Any, computed: Any) -> Any:
 
 def _cols_of(w: Any, x: Any, computed: Any) -> Any:
     """sum over queries of w[b, h, q, k] x[b, h, q, d] -> [b, h, k, d], as _rows_of."""
-    xp = _xp(w)
+    xp = get_array_module(w)
     if computed is None:
         return xp.einsum("bhqk,bhqd->bhkd", w, x)
     terms = w[..., None] * x[:, :, :, None, :]
@@ -100,12 +92,15 @@ def computed_pairs(layout: Any) -> np.ndarray:
 
 
 def _float64(*arrays: Any) -> list[Any]:
-    return [x.astype(_xp(x).float64) if hasattr(x, "astype") else np.float64(x) for x in arrays]
+    return [
+        x.astype(get_array_module(x).float64) if hasattr(x, "astype") else np.float64(x)
+        for x in arrays
+    ]
 
 
 def _repeat_kv(q: Any, *kv: Any) -> list[Any]:
     group = q.shape[1] // kv[0].shape[1]
-    return [_xp(x).repeat(x, group, axis=1) for x in kv]
+    return [get_array_module(x).repeat(x, group, axis=1) for x in kv]
 
 
 def _sum_groups(grad: Any, kv_heads: int) -> Any:
@@ -138,7 +133,7 @@ def dense_attention(
     -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
-    xp = _xp(q)
+    xp = get_array_module(q)
     p, m, l_sum = _probs(q, k, mask, scale, score_dtype)
     empty = l_sum[..., 0] == 0
     out = xp.where(empty[..., None], 0.0, _rows_of(p, v, computed))
@@ -164,7 +159,7 @@ def dense_attention_grads(
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
-    xp = _xp(q)
+    xp = get_array_module(q)
     p, _, l_sum = _probs(q, k, mask, scale, score_dtype)
     dv = _cols_of(p, dout, computed)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
@@ -188,7 +183,7 @@ def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
     (x,) = _float64(x)
     if x.size == 0:
         return 0.0
-    xp = _xp(x)
+    xp = get_array_module(x)
     scale = max(float(xp.abs(ref).max()), floor)
     return float(xp.abs(x - ref).max() / scale)
 

@@ -154,7 +154,7 @@ def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int, sorts: bo
     a layout the kernels cannot build is refused here, before anything runs."""
     info = dlpack.describe(q, "q")
     impl = resolve_backend(backend, on_device=info.device == "cuda")
-    if impl.name == "numpy":
+    if not impl.runs_kernels:
         return None
     if blocksize not in geometry.BLOCK_SIZES:
         raise ValueError(

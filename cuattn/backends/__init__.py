@@ -30,6 +30,8 @@ ENV_VAR = "CUATTN_BACKEND"
 
 class Backend(Protocol):
     name: str
+    runs_kernels: bool  # the .cu kernels (interp, cuda), which other layers may launch too
+    on_gpu: bool  # computes on a CUDA device (its occupancy is that device's)
 
     def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]: ...
 
@@ -53,6 +55,8 @@ class NumpyBackend:
     """The NumPy reference behind the Backend protocol."""
 
     name = "numpy"
+    runs_kernels = False
+    on_gpu = False
 
     def forward(self, q, k, v, layout, scale):
         reference.check_arrays(q)

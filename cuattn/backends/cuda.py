@@ -41,6 +41,7 @@ class CudaBackend(KernelBackend):
 
     name = "cuda"
     array_kind = "CuPy arrays"
+    on_gpu = True
 
     @property
     def xp(self) -> Any:

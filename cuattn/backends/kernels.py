@@ -65,6 +65,8 @@ class KernelBackend:
 
     name = "kernels"
     array_kind = "arrays"
+    runs_kernels = True
+    on_gpu = False
 
     # -- what a subclass provides -------------------------------------------------------------
 

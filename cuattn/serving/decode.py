@@ -133,7 +133,7 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
 
 
 def _resident_ctas(impl: Any, head_dim: int, dtype: str) -> int:
-    if impl.name != "cuda":
+    if not impl.on_gpu:
         return INTERP_RESIDENT_CTAS
     import cupy
 
@@ -234,10 +234,10 @@ def decode_attention(
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
-        if impl.name == "numpy":
-            out, lse = _reference(cache, qb, group, scale)
-        else:
+        if impl.runs_kernels:
             out, lse = _kernel_decode(impl, cache, qb, scale)
+        else:
+            out, lse = _reference(cache, qb, group, scale)
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
 

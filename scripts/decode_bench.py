@@ -163,6 +163,13 @@ def flex_paged(tq, k, v, args):
     return {"flex_paged_ms": f"n/a ({type(error).__name__})", "flex_page": "-"}
 
 
+def _cases(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(b), int(n)) for b, n in (case.split("x") for case in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT,..., got {text!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -170,16 +177,19 @@ def main() -> None:
     parser.add_argument(
         "--policies", nargs="+", default=["full", "sliding", "streaming", "h2o", "quest"]
     )
+    parser.add_argument(
+        "--cases", type=_cases, help="BATCHxCONTEXT,... instead of the sweep's, e.g. 64x32768"
+    )
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     if args.smoke:
-        xp, dtype, backend, cases = np, "float32", "interp", SMOKE
+        xp, dtype, backend, cases = np, "float32", "interp", args.cases or SMOKE
         args.head_dim, args.page, args.repeats, args.baselines = 16, 8, 2, False
     else:
         import cupy as xp
 
         dtype, backend = "bfloat16", None
-        cases = QUICK if args.quick else FULL
+        cases = args.cases or (QUICK if args.quick else FULL)
         args.head_dim, args.page, args.repeats, args.baselines = HEAD_DIM, PAGE, REPEATS, True
     rows = []
     for b, n in cases:

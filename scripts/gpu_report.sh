@@ -41,7 +41,10 @@ WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
 COUNTERS_S=${COUNTERS_S:-50}; DECODE_S=${DECODE_S:-150}; DYNAMIC_S=${DYNAMIC_S:-150}
-NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis"
+NCU_SECTIONS="${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis}"
+# Sections collected with the counters: the warp stall reasons name a latency-bound kernel's
+# limiter, which no throughput counter does (what the 2026-11-25 run lacked).
+COUNTER_SECTIONS="${COUNTER_SECTIONS:-WarpStateStats}"
 NCU_METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
@@ -150,9 +153,11 @@ for name in $STEPS; do
       done
       [ -n "$metrics" ] || metrics=",$NCU_METRICS"  # the query failed: the proven list
       echo "counters: ${metrics#,}" > "$REPORT_DIR/counters-metrics.txt"
+      counter_sections=()
+      for section in $COUNTER_SECTIONS; do counter_sections+=(--section "$section"); done
       for head_dim in 128 64; do
         step "counters-d$head_dim" "$COUNTERS_S" "$NCU" --clock-control none -k "regex:attn_|flash" \
-          --print-summary none --csv --metrics "${metrics#,}" \
+          --print-summary none --csv --metrics "${metrics#,}" "${counter_sections[@]}" \
           "$PY" scripts/profile_kernels.py --head-dim "$head_dim"
       done
       ;;
@@ -170,7 +175,8 @@ for name in $STEPS; do
         --out bench/results ${CUATTN_BENCH_ARGS:-}
       ;;
     decode)
-      step decode-bench "$DECODE_S" "$PY" scripts/decode_bench.py --quick \
+      # shellcheck disable=SC2086  # DECODE_ARGS is a list of words on purpose
+      step decode-bench "$DECODE_S" "$PY" scripts/decode_bench.py ${DECODE_ARGS:---quick} \
         --markdown "$REPORT_DIR/decode-bench.md"
       ;;
     dynamic)
@@ -184,7 +190,9 @@ for name in $STEPS; do
       ;;
   esac
 done
-cp bench/results/"$STAMP"-*.{json,md,png} "$REPORT_DIR"/ 2>/dev/null
+for result in bench/results/"$STAMP"-*.{json,md,png}; do  # the benchmarks' (not the static model's)
+  case "$result" in *-static-*) ;; *) cp "$result" "$REPORT_DIR"/ 2>/dev/null ;; esac
+done
 echo >> "$SUMMARY"
 for log in "$REPORT_DIR"/*.log; do
   printf '\n## %s (last lines)\n\n```\n' "$(basename "$log")" >> "$SUMMARY"

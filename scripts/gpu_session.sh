@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A whole GPU session in one call (~9.5 minutes): what a task lent 15 device-minutes can afford.
+#   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test;
+#            compute-sanitizer memcheck, racecheck and synccheck on every kernel family
+#   phase 2, alone (timings): Nsight counters and warp stall reasons of every kernel at d=128
+#            and d=64; the quick sweep's dense causal cases at 64- and 128-blocks; decode at the
+#            sizes the last run did not reach; the dynamic-layout benchmark
+# Then everything under $OUT/report.tgz (the device tool brings back 8 files at most) and the
+# summaries on stdout. Run from the repository root on the GPU machine:
+#   CUATTN_COMMIT=<the tree's commit> PYTHONPATH=. PYTHON=python3 bash scripts/gpu_session.sh
+# Every step's limit is gpu_report.sh's, overridable from the environment; phase 2 is cut at
+# SESSION_S seconds from the start whatever is left, so the archive is always written.
+set -u
+cd "$(dirname "$0")/.."
+SESSION_S="${SESSION_S:-565}"
+RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
+ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+start=$SECONDS
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{correct,sanitize,timed} "$ARCHIVE_DIR"
+
+(OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests \
+  > "$RESULTS/correct.txt" 2>&1) &
+(sleep 15; OUT="$RESULTS/sanitize" bash scripts/gpu_report.sh sanitize \
+  > "$RESULTS/sanitize.txt" 2>&1) &
+wait
+echo "phase 1 done at $((SECONDS - start)) s"
+
+left=$((SESSION_S - (SECONDS - start)))
+OUT="$RESULTS/timed" COUNTERS_S="${COUNTERS_S:-60}" BENCH_S="${BENCH_S:-110}" \
+  QUICK_BUDGET_S="${QUICK_BUDGET_S:-80}" DECODE_S="${DECODE_S:-90}" DYNAMIC_S="${DYNAMIC_S:-80}" \
+  CUATTN_BENCH_ARGS="${CUATTN_BENCH_ARGS:---blocksizes 64,128 --patterns dense-causal}" \
+  DECODE_ARGS="${DECODE_ARGS:---cases 64x32768,1x131072 --policies full h2o quest}" \
+  timeout -k 5 "$left" bash scripts/gpu_report.sh counters quick decode dynamic \
+  > "$RESULTS/timed.txt" 2>&1
+echo "phase 2 done at $((SECONDS - start)) s"
+
+cp bench/results/"$(date -u +%Y-%m-%d)"-*-quick.* "$RESULTS/timed/" 2>/dev/null
+tar czf "$ARCHIVE_DIR/report.tgz" -C "$RESULTS" .
+grep -h '^|' "$RESULTS"/*/summary.md
+grep -h " passed\| failed" "$RESULTS/correct/gpu-tests.log" | tail -n 2
+grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$RESULTS"/sanitize/*.log
+grep -h "x[0-9]" "$RESULTS/timed/bench-quick.log" | head -n 20

@@ -120,10 +120,9 @@ class KVCache:
         )
         self.xp = _array_module(self.info)
         self.lengths = np.zeros(self.batch, dtype=np.int64)
-        per_head = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
         xp = self.xp
         with _on_device(self.info):
-            self._allocate(self.batch * self.kv_heads * per_head)
+            self._allocate(self._first_pool_pages())
             self.page_table = xp.full((self.batch, self.kv_heads, 1), EMPTY, dtype=xp.int32)
             self.page_count = xp.zeros((self.batch, self.kv_heads), dtype=xp.int32)
             self._lengths_device = xp.zeros(self.batch, dtype=xp.int64)
@@ -138,6 +137,18 @@ class KVCache:
     @property
     def _bounds_pages(self) -> bool:
         return self.policy is not None and self.policy.selects_pages
+
+    def _first_pool_pages(self) -> int:
+        """Pages of the first pool. A budgeted pair never holds more than ceil(budget /
+        page_size) pages (the bound in ``_reserve``), so a budgeted cache starts at what its
+        budgets need and never grows: its ``nbytes`` follows the budget. Without a budget, room
+        for ``capacity`` (or DEFAULT_TOKENS) tokens and a page of slack per pair; it grows on
+        demand."""
+        if self._budgets is not None:
+            tokens = np.minimum(self._budgets, self.capacity or np.iinfo(np.int64).max)
+            return self.batch * int(ceil_div(tokens, self.page_size).sum())
+        per_pair = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
+        return self.batch * self.kv_heads * per_pair
 
     def _allocate(self, pages: int) -> None:
         """A pool of ``pages`` free pages (plus the spare), every slot empty."""

@@ -194,7 +194,33 @@ def test_evicted_pages_are_reused_and_the_pool_stops_growing():
     for _ in range(200):
         h2o.append(*(rng.standard_normal((1, 1, 1, D)).astype(np.float32) for _ in range(2)))
         cuattn.decode_attention(q, h2o)
-    assert h2o.page_tables()[1][0, 0] <= 3 and h2o.num_pages == 256 // 2 + 1  # never grew
+    assert h2o.page_tables()[1][0, 0] <= 3 and h2o.num_pages == 3  # its budget's pages, never grew
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [P.SlidingWindow(32), P.StreamingLLM(4, 28), P.HeavyHitters(32, 8), P.SlidingWindow([8, 40])],
+    ids=["sliding", "streaming", "h2o", "per-head"],
+)
+def test_a_budgeted_cache_holds_memory_for_its_budget(policy):
+    """nbytes follows the budget from the first step (issue: 574 KB held for 66 KB of kept
+    tokens): within 1.25x the kept tokens' bytes plus one page per (sequence, kv head), through a
+    long prefill, ragged lengths and 300 decode steps, and the pool never grows."""
+    batch, kv_heads, head_dim, page = 2, 2, 32, 16
+    cache = cuattn.KVCache(batch, kv_heads, head_dim, "float64", page_size=page, policy=policy)
+    budgets = policy.budgets()
+    kept_bytes = batch * int(budgets.sum()) * head_dim * 8 * 2  # K and V
+    bound = 1.25 * kept_bytes + batch * kv_heads * page * head_dim * 8 * 2
+    first = cache.num_pages
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((batch, kv_heads, 100, head_dim))
+    cache.append(x, x, lengths=[100, 57])
+    q = rng.standard_normal((batch, 2 * kv_heads, 1, head_dim))
+    for _ in range(300):
+        x = rng.standard_normal((batch, kv_heads, 1, head_dim))
+        cache.append(x, x)
+        cuattn.decode_attention(q, cache)
+        assert cache.num_pages == first and cache.nbytes <= bound
 
 
 def _state(cache):

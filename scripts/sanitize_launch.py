@@ -24,6 +24,7 @@ import numpy as np
 import cuattn
 from cuattn import backends as be
 from cuattn import dynamic
+from cuattn._util import host_array
 from cuattn.serving import policies as P
 
 N_CTX = 200  # ragged for every block size
@@ -115,12 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     results += builder_cases(xp, backend, rng)
     if xp is not np:
         xp.cuda.Device().synchronize()
-    host = np if xp is np else None
-    bad = set()
-    for name, x in results:
-        values = x if host is not None else xp.asnumpy(x)
-        if np.isnan(np.asarray(values).astype(np.float32)).any():
-            bad.add(name)
+    bad = {name for name, x in results if np.isnan(host_array(x).astype(np.float32)).any()}
     if bad:
         sys.stderr.write("NaN in outputs of: " + ", ".join(sorted(bad)) + "\n")
         return 1

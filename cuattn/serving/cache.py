@@ -140,13 +140,12 @@ class KVCache:
 
     def _first_pool_pages(self) -> int:
         """Pages of the first pool. A budgeted pair never holds more than ceil(budget /
-        page_size) pages (the bound in ``_reserve``), so a budgeted cache starts at what its
-        budgets need and never grows: its ``nbytes`` follows the budget. Without a budget, room
-        for ``capacity`` (or DEFAULT_TOKENS) tokens and a page of slack per pair; it grows on
-        demand."""
+        page_size) pages (the bound in ``_reserve``; a budget above ``capacity`` is refused when
+        the cache is built), so a budgeted cache starts at what its budgets need and never grows:
+        its ``nbytes`` follows the budget. Without a budget, room for ``capacity`` (or
+        DEFAULT_TOKENS) tokens and a page of slack per pair; it grows on demand."""
         if self._budgets is not None:
-            tokens = np.minimum(self._budgets, self.capacity or np.iinfo(np.int64).max)
-            return self.batch * int(ceil_div(tokens, self.page_size).sum())
+            return self.batch * int(ceil_div(self._budgets, self.page_size).sum())
         per_pair = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
         return self.batch * self.kv_heads * per_pair
 

@@ -35,6 +35,14 @@ included (drawn with Python's ``random.sample`` in DeepSpeed's order, so the sam
 With ``different_layout_per_head=False`` every head gets head 0's layout (random blocks are
 drawn once); with True each head draws its own.
 
+The block rules themselves are ``cuattn.layout.extended``'s builders, those of cuattn's own
+``bigbird`` and ``variable`` patterns (``band_blocks``, ``bigbird_blocks``, ``variable_blocks``;
+Fixed is ``variable_blocks`` with one window size). Only the draw and DeepSpeed's checks live
+here; where DeepSpeed's rule differs from cuattn's pattern, a builder parameter says so: the
+random blocks drawn here are handed in as drawn (``random_blocks``; cuattn draws with NumPy
+among the blocks not on yet), and Variable's and Fixed's causal global columns start at the
+group's first row (``causal_columns="start"``; cuattn's at the diagonal).
+
 ``SparseSelfAttention`` has DeepSpeed's constructor and ``forward(query, key, value, rpe=None,
 key_padding_mask=None, attn_mask=None)`` on [batch, heads, seq_len, head_dim] tensors (key may
 come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed: copied once into rows),
@@ -90,6 +98,7 @@ from torch import distributed as dist
 from torch import nn
 
 from cuattn import api
+from cuattn.layout.extended import band_blocks, bigbird_blocks, variable_blocks
 from cuattn.layout.layout import ElementRule, Layout
 
 __all__ = [
@@ -107,27 +116,7 @@ UNIDIRECTIONAL, BIDIRECTIONAL = "unidirectional", "bidirectional"
 MASK_MODES = ("add", "mul")
 
 
-# -- block rules: bool [nb, nb] arrays, row = query block, column = key block -----------------
-
-
-def _grid(nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row and column indices [nb, 1] and [1, nb]."""
-    r = np.arange(nb)
-    return r[:, None], r[None, :]
-
-
-def _same_window(window_of: np.ndarray, causal: bool) -> np.ndarray:
-    """Blocks whose row and column lie in the same window (``window_of[i]``: block i's window);
-    causal keeps c <= r."""
-    rows, cols = _grid(len(window_of))
-    out = window_of[:, None] == window_of[None, :]
-    return out & (cols <= rows) if causal else out
-
-
-def _sliding(nb: int, w: int, causal: bool) -> np.ndarray:
-    """``r - w <= c <= r + w`` (causal: ``r - w <= c <= r``)."""
-    rows, cols = _grid(nb)
-    return (cols >= rows - w) & (cols <= (rows if causal else rows + w))
+# -- DeepSpeed's draws and checks; the block rules are cuattn.layout.extended's ------------------
 
 
 def _random_rows(nb: int, count: int, causal: bool) -> np.ndarray:
@@ -158,13 +147,14 @@ def _check_fits(name: str, count: int, nb: int) -> None:
 
 def _globals(
     starts: Sequence[int], ends: Sequence[int] | None, nb: int
-) -> list[tuple[int | slice, int]]:
-    """(columns, first block) of each global group that begins inside the sequence (< nb): the
-    index i, or with ``ends`` the slice [start, min(end, nb)). Indexing keeps Python's rules, as
-    DeepSpeed's (a negative index counts from the end)."""
+) -> tuple[list[int], list[int] | None]:
+    """The global groups that begin inside the sequence (start < nb), as ``global_blocks``'
+    starts and ends: the index i, or with ``ends`` the range [start, end). Indexing keeps
+    Python's rules, as DeepSpeed's (a negative index counts from the end)."""
     if ends is None:
-        return [(i, i) for i in starts if i < nb]
-    return [(slice(s, min(e, nb)), s) for s, e in zip(starts, ends, strict=False) if s < nb]
+        return [i for i in starts if i < nb], None
+    inside = [(s, e) for s, e in zip(starts, ends, strict=False) if s < nb]
+    return [s for s, _ in inside], [e for _, e in inside]
 
 
 def _check_global_ends(starts: Sequence[int], ends: Sequence[int] | None) -> None:
@@ -289,18 +279,20 @@ class FixedSparsityConfig(SparsityConfig):
 
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         local, glob = self.num_local_blocks, self.num_global_blocks
-        causal = self.attention == UNIDIRECTIONAL
-        out = _same_window(np.arange(nb) // local, causal)
         offset = local - (1 + h % self.num_different_global_patterns) * glob
         whole = nb - nb % local  # blocks in complete windows
         starts = list(range(offset, whole, local))
         if whole < nb:  # a short last window
             starts.append(min(whole + offset, nb - glob))
-        for s in starts:  # slices, as DeepSpeed's (a negative s counts from the end)
-            out[s if causal else 0 :, s : s + glob] = True
-            if self.horizontal_global_attention:
-                out[s : s + glob, :] = True
-        return out
+        return variable_blocks(
+            nb,
+            [local],
+            starts,
+            [s + glob for s in starts],  # ranges, as DeepSpeed's slices (a negative s counts back)
+            self.horizontal_global_attention,
+            self.attention == UNIDIRECTIONAL,
+            causal_columns="start",
+        )
 
 
 class VariableSparsityConfig(SparsityConfig):
@@ -330,29 +322,26 @@ class VariableSparsityConfig(SparsityConfig):
         self.attention = attention
         self.horizontal_global_attention = horizontal_global_attention
 
-    def _windows(self, nb: int) -> np.ndarray:
-        """Window index of each block: the listed sizes in turn, then the last size repeated."""
+    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
+        _check_random_count(self.num_random_blocks, nb, False)
+        drawn = _random_rows(nb, self.num_random_blocks, False)
         sizes = self.local_window_blocks
         if not sizes or sizes[-1] <= 0 or min(sizes) < 0:
             raise ValueError(
                 "local_window_blocks must list window sizes >= 0 and end with one > 0, got "
                 f"{sizes!r}"
             )
-        ends = np.cumsum(sizes)
-        i = np.arange(nb)
-        beyond = len(sizes) + (i - ends[-1]) // sizes[-1]
-        return np.where(i < ends[-1], np.searchsorted(ends, i, side="right"), beyond)
-
-    def _head_blocks(self, h: int, nb: int) -> np.ndarray:
-        causal = self.attention == UNIDIRECTIONAL
-        _check_random_count(self.num_random_blocks, nb, False)
-        out = _random_rows(nb, self.num_random_blocks, False)
-        out |= _same_window(self._windows(nb), causal)
-        for cols, first in _globals(self.global_block_indices, self.global_block_end_indices, nb):
-            if self.horizontal_global_attention:
-                out[cols, :] = True
-            out[first if causal else 0 :, cols] = True
-        return out
+        starts, ends = _globals(self.global_block_indices, self.global_block_end_indices, nb)
+        return variable_blocks(
+            nb,
+            sizes,
+            starts,
+            ends,
+            self.horizontal_global_attention,
+            self.attention == UNIDIRECTIONAL,
+            causal_columns="start",
+            random_blocks=drawn,
+        )
 
 
 class BigBirdSparsityConfig(SparsityConfig):
@@ -378,14 +367,17 @@ class BigBirdSparsityConfig(SparsityConfig):
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         causal = self.attention == UNIDIRECTIONAL
         _check_random_count(self.num_random_blocks, nb, causal)
-        out = _random_rows(nb, self.num_random_blocks, causal)
+        drawn = _random_rows(nb, self.num_random_blocks, causal)
         _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
-        out |= _sliding(nb, self.num_sliding_window_blocks // 2, False)
         _check_fits("num_global_blocks", self.num_global_blocks, nb)
-        g = self.num_global_blocks
-        out[:g, :] = True
-        out[:, :g] = True
-        return np.tril(out) if causal else out
+        return bigbird_blocks(
+            nb,
+            self.num_sliding_window_blocks,
+            [0],
+            [self.num_global_blocks],
+            causal,
+            random_blocks=drawn,
+        )
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
@@ -412,11 +404,10 @@ class BSLongformerSparsityConfig(SparsityConfig):
 
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
-        out = _sliding(nb, self.num_sliding_window_blocks // 2, False)
-        for cols, _ in _globals(self.global_block_indices, self.global_block_end_indices, nb):
-            out[cols, :] = True
-            out[:, cols] = True
-        return np.tril(out) if self.attention == UNIDIRECTIONAL else out
+        starts, ends = _globals(self.global_block_indices, self.global_block_end_indices, nb)
+        return bigbird_blocks(
+            nb, self.num_sliding_window_blocks, starts, ends, self.attention == UNIDIRECTIONAL
+        )
 
 
 class LocalSlidingWindowSparsityConfig(SparsityConfig):
@@ -435,8 +426,8 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
 
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         _check_fits("num_sliding_window_blocks", self.num_sliding_window_blocks, nb)
-        causal = self.attention != BIDIRECTIONAL
-        return _sliding(nb, self.num_sliding_window_blocks // 2, causal)
+        w = self.num_sliding_window_blocks // 2
+        return band_blocks(nb, w, 0 if self.attention != BIDIRECTIONAL else w)
 
 
 # -- the module --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Route one attention call to the right path for the caller's arrays.
 
-* ``cuattn.Tensor``                     -> the tape op (autograd/ops.py attend)
+* ``cuattn.Tensor``                     -> the tape op (autograd/attention.py attend)
 * torch tensors (with or without grad)  -> the cuattn:: torch custom ops (adapters/torch_ops.py),
                                           which torch.compile traces without a graph break
 * jax array (eager or traced)           -> jax.custom_vjp (adapters/jax_vjp.py)
@@ -70,9 +70,9 @@ def route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
         return torch_ops.attend(q, k, v, call)
     call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in xs):
-        from cuattn.autograd import ops
+        from cuattn.autograd import attention
 
-        return ops.attend(*_tape_args(q, k, v), call)
+        return attention.attend(*_tape_args(q, k, v), call)
     info = dlpack.common_info({"q": q, "k": k, "v": v})
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp as jax_adapter

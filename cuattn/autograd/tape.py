@@ -8,6 +8,11 @@ intermediate array stays alive only if some ``ctx.save_for_backward`` kept it. T
 ``recompute`` meaningful: inside ``with recompute():`` every op still builds its node, but on
 leaving the region the nodes drop their saved arrays and the region keeps only its inputs; the
 first backward step that reaches the region re-runs its forward, then its backward proceeds.
+
+``Tensor``'s arithmetic (``+ - * / @``, unary ``-``, ``sum``, ``mean``, ``reshape``,
+``transpose``) is ordinary methods of its class calling the Functions defined here (``Add``,
+``Sub``, ``Mul``, ``Div``, ``MatMul``, ``Sum``, ``Reshape``, ``Transpose``), with broadcasting
+undone in backward by :func:`unbroadcast`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = [
     "no_grad",
     "recompute",
     "saved_nbytes",
+    "unbroadcast",
 ]
 
 
@@ -281,9 +287,55 @@ class Tensor:
         xp = self.xp
         return self.data if xp is np else xp.asnumpy(self.data)
 
-    # Arithmetic operators (+, -, *, /, @, sum, mean, reshape, transpose) are the differentiable
-    # ops of cuattn.autograd.ops, which attaches them to Tensor when it is imported (importing
-    # cuattn or cuattn.autograd does): the tape never imports the ops, so there is no cycle.
+    # -- arithmetic: the Functions at the end of this module -----------------------------------
+    def __add__(self, other: Any) -> Tensor:
+        return Add.apply(self, _operand(other))
+
+    def __radd__(self, other: Any) -> Tensor:
+        return Add.apply(_operand(other), self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return Sub.apply(self, _operand(other))
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return Sub.apply(_operand(other), self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return Mul.apply(self, _operand(other))
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return Mul.apply(_operand(other), self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return Div.apply(self, _operand(other))
+
+    def __neg__(self) -> Tensor:
+        return Mul.apply(self, -1.0)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return MatMul.apply(self, _operand(other))
+
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        return Sum.apply(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        count = 1
+        for ax in _norm_axes(axis, self.ndim):
+            count *= self.shape[ax]
+        return Mul.apply(Sum.apply(self, axis=axis, keepdims=keepdims), 1.0 / count)
+
+    def reshape(self, *shape: int | tuple[int, ...] | list[int]) -> Tensor:
+        """``t.reshape(2, 3)`` or ``t.reshape((2, 3))``."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        return Reshape.apply(self, tuple(shape))
+
+    def transpose(self, *axes: int | tuple[int, ...] | list[int] | None) -> Tensor:
+        """``t.transpose(2, 0, 1)`` or ``t.transpose((2, 0, 1))``; no axes (or None) reverses
+        them all, as NumPy's."""
+        if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
+            axes = axes[0]
+        return Transpose.apply(self, tuple(axes) if axes else None)
 
     # -- backward ------------------------------------------------------------------------------
     def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
@@ -433,3 +485,159 @@ def saved_nbytes(*tensors: Tensor) -> int:
             if key is not None:
                 buffers[key[0]] = key[1]
     return sum(buffers.values())
+
+
+# -- the arithmetic behind Tensor's operators --------------------------------------------------
+
+
+def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
+    """Sum a broadcast gradient back down to the input's shape."""
+    if grad.shape == shape:
+        return grad
+    lead = grad.ndim - len(shape)
+    if lead > 0:
+        grad = grad.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad.reshape(shape)
+
+
+def _operand(x: Any) -> Any:
+    """The other operand of an operator: a raw array (or list) becomes a constant Tensor, so a
+    recompute region records it as an input; Tensors and Python scalars pass through."""
+    if isinstance(x, (Tensor, int, float)):
+        return x
+    return Tensor(x)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = (np.shape(a), np.shape(b))  # a Python scalar (the 2.0 in 2.0 + t) has ()
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(g, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = (np.shape(a), np.shape(b))
+        return a - b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(-g, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = (np.shape(a), np.shape(b))
+        # da needs b and db needs a: keep only what a requested gradient will read.
+        ctx.save_for_backward(
+            b if ctx.needs_input_grad[0] else None, a if ctx.needs_input_grad[1] else None
+        )
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        b, a = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g * b, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(g * a, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = (np.shape(a), np.shape(b))
+        out = a / b
+        ctx.save_for_backward(b, out if ctx.needs_input_grad[1] else None)
+        return out
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        b, out = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g / b, sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(-g * out / b, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class MatMul(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(
+                f"matmul needs inputs with ndim >= 2, got shapes {a.shape} and {b.shape}"
+            )
+        ctx.shapes = (a.shape, b.shape)
+        ctx.save_for_backward(
+            b if ctx.needs_input_grad[0] else None, a if ctx.needs_input_grad[1] else None
+        )
+        return a @ b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        b, a = ctx.saved_tensors
+        sa, sb = ctx.shapes
+        ga = unbroadcast(g @ b.swapaxes(-1, -2), sa) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(a.swapaxes(-1, -2) @ g, sb) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+def _norm_axes(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(sorted(a % ndim for a in axes))
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, axis: Any = None, keepdims: bool = False) -> Any:
+        ctx.shape = a.shape
+        ctx.axes = _norm_axes(axis, a.ndim)
+        ctx.keepdims = keepdims
+        return a.sum(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        xp = get_array_module(g)
+        if not ctx.keepdims:
+            g = xp.expand_dims(g, ctx.axes)
+        return xp.broadcast_to(g, ctx.shape).copy()
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, shape: tuple[int, ...]) -> Any:
+        ctx.shape = a.shape
+        return a.reshape(shape)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g.reshape(ctx.shape), None
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, axes: tuple[int, ...] | None = None) -> Any:
+        axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(axes)
+        ctx.axes = axes
+        return a.transpose(axes)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g.transpose(tuple(np.argsort(ctx.axes))), None

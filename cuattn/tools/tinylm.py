@@ -5,7 +5,8 @@ layer's pattern, a GELU MLP), learned token and position embeddings, a linear he
 A layer may choose its blocks from the data (``{"attn_mode": "topk", "topk": k}``:
 cuattn.dynamic's top-k blocks per sequence, fresh every step). ``step_logits`` runs one new
 token per sequence with a :class:`cuattn.KVCache` per layer and ``cuattn.decode_attention``
-(what generation with a KV cache does), through the same ops.
+(what generation with a KV cache does), through the same ops: ``Tensor``'s arithmetic and
+:mod:`cuattn.tools.tinylm_ops`' layer norm, GELU, embedding and cross-entropy.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 
 import cuattn
 from cuattn import dynamic
-from cuattn.autograd import ops
 from cuattn.autograd.tape import Tensor
+from cuattn.tools.tinylm_ops import cross_entropy, embedding, gelu, layer_norm
 
 BETAS = (0.9, 0.99)
 # A layer mode {"attn_mode": "topk", "topk": k} chooses its blocks from the data at every call.
@@ -83,8 +84,8 @@ def init_params(xp: Any, vocab: int, rng: np.random.Generator, config: TinyConfi
 
 
 def _mlp(x: Tensor, p: dict, layer: int) -> Tensor:
-    h = ops.layer_norm(x, p[f"{layer}.ln2.w"], p[f"{layer}.ln2.b"])
-    hidden = ops.gelu(h @ p[f"{layer}.w1"] + p[f"{layer}.b1"])
+    h = layer_norm(x, p[f"{layer}.ln2.w"], p[f"{layer}.ln2.b"])
+    hidden = gelu(h @ p[f"{layer}.w1"] + p[f"{layer}.b1"])
     return x + (hidden @ p[f"{layer}.w2"] + p[f"{layer}.b2"])
 
 
@@ -105,7 +106,7 @@ def chosen_attention(q: Tensor, k: Tensor, v: Tensor, topk: int, config: TinyCon
 
 
 def block(x: Tensor, p: dict, layer: int, config: TinyConfig) -> Tensor:
-    h = ops.layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
+    h = layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
     q, k, v = (h @ p[f"{layer}.{w}"] for w in ("wq", "wk", "wv"))
     mode = config.layer_modes[layer]
     if mode["attn_mode"] == TOPK_MODE:
@@ -121,7 +122,7 @@ def _embed(p: dict, idx: Any, first: int = 0) -> Tensor:
     """Token plus position embeddings of idx [batch, n] at positions first, ..., first + n - 1."""
     xp = p["tok"].xp
     positions = xp.arange(first, first + idx.shape[1])[None]
-    return ops.embedding(p["tok"], idx) + ops.embedding(p["pos"], positions)
+    return embedding(p["tok"], idx) + embedding(p["pos"], positions)
 
 
 def logits(p: dict, idx: Any, config: TinyConfig, recompute: bool = False) -> Tensor:
@@ -129,11 +130,11 @@ def logits(p: dict, idx: Any, config: TinyConfig, recompute: bool = False) -> Te
     for layer in range(len(config.layer_modes)):
         with cuattn.recompute(recompute):
             x = block(x, p, layer, config)
-    return ops.layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]
+    return layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]
 
 
 def loss(p: dict, idx: Any, targets: Any, config: TinyConfig, recompute: bool = False) -> Tensor:
-    return ops.cross_entropy(logits(p, idx, config, recompute), targets)
+    return cross_entropy(logits(p, idx, config, recompute), targets)
 
 
 def adam_step(p: dict, state: dict, step: int, lr: float) -> None:
@@ -154,14 +155,14 @@ def prefill(p: dict, idx: Any, caches: list, config: TinyConfig) -> Any:
     with cuattn.no_grad():
         x = _embed(p, idx)
         for layer, cache in enumerate(caches):
-            h = ops.layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
+            h = layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
             q, k, v = (h @ p[f"{layer}.{w}"] for w in ("wq", "wk", "wv"))
             a = cuattn.blocksparse_attention(
                 q, k, v, heads=heads, blocksize=config.blocksize, **config.layer_modes[layer]
             )
             cache.append(*(cuattn.split_heads(t.data, heads) for t in (k, v)))
             x = _mlp(x + a @ p[f"{layer}.wo"], p, layer)
-        return (ops.layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data
+        return (layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data
 
 
 def step_logits(p: dict, token: Any, position: int, caches: list, config: TinyConfig) -> Any:
@@ -172,11 +173,11 @@ def step_logits(p: dict, token: Any, position: int, caches: list, config: TinyCo
     with cuattn.no_grad():
         x = _embed(p, token[:, None], position)
         for layer, cache in enumerate(caches):
-            h = ops.layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
+            h = layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
             q, k, v = (
                 cuattn.split_heads((h @ p[f"{layer}.{w}"]).data, heads) for w in ("wq", "wk", "wv")
             )
             cache.append(k, v)
             a = cuattn.merge_heads(cuattn.decode_attention(q, cache))
             x = _mlp(x + Tensor(a) @ p[f"{layer}.wo"], p, layer)
-        return (ops.layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data[:, 0]
+        return (layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data[:, 0]

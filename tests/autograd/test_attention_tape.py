@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import cuattn
-from cuattn.autograd import ops
 from cuattn.autograd.tape import Tensor, saved_nbytes
+from cuattn.tools.tinylm_ops import merge_heads, split_heads
 from tests.helpers.attn_cases import (
     BLOCK,
     GRAD_RTOL_F64,
@@ -56,8 +56,8 @@ def test_attention_recompute_drops_out_and_lse():
 
 def _attention_block(x, wq, wk, wv, wo, layout):
     """Projection, split heads, sparse attention, merge heads, output projection."""
-    q, k, v = (ops.split_heads(x @ w, HEADS) for w in (wq, wk, wv))
-    return ops.merge_heads(cuattn.sparse_attention(q, k, v, layout)) @ wo
+    q, k, v = (split_heads(x @ w, HEADS) for w in (wq, wk, wv))
+    return merge_heads(cuattn.sparse_attention(q, k, v, layout)) @ wo
 
 
 def test_recompute_region_around_an_attention_block():

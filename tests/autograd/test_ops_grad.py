@@ -1,14 +1,28 @@
-"""Each general tape op's backward vs central finite differences and torch autograd (float64)."""
+"""Each general tape op's backward vs central finite differences and torch autograd (float64),
+and the old ``cuattn.autograd.ops`` names: they still work, with a warning naming the new place."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cuattn.autograd import ops
+import cuattn
+from cuattn.autograd import attention
 from cuattn.autograd.tape import Tensor
+from cuattn.tools import tinylm_ops
+from cuattn.tools.tinylm_ops import (
+    cross_entropy,
+    embedding,
+    gelu,
+    layer_norm,
+    merge_heads,
+    softmax,
+    split_heads,
+)
 
 FD_STEP = 1e-6
 FD_RTOL = 1e-6
@@ -39,32 +53,32 @@ CASES = {
         lambda a: a.reshape(4, 6) ** 2,
         [(2, 3, 4)],
     ),
-    "transpose": (lambda a: ops.transpose(a, (2, 0, 1)), lambda a: a.permute(2, 0, 1), [(2, 3, 4)]),
-    "softmax": (lambda a: ops.softmax(a, axis=-1), lambda a: torch.softmax(a, -1), [(3, 5)]),
-    "softmax_axis0": (lambda a: ops.softmax(a, axis=0), lambda a: torch.softmax(a, 0), [(3, 5)]),
-    "gelu": (ops.gelu, lambda a: F.gelu(a, approximate="tanh"), [(4, 5)]),
+    "transpose": (lambda a: a.transpose((2, 0, 1)), lambda a: a.permute(2, 0, 1), [(2, 3, 4)]),
+    "softmax": (lambda a: softmax(a, axis=-1), lambda a: torch.softmax(a, -1), [(3, 5)]),
+    "softmax_axis0": (lambda a: softmax(a, axis=0), lambda a: torch.softmax(a, 0), [(3, 5)]),
+    "gelu": (gelu, lambda a: F.gelu(a, approximate="tanh"), [(4, 5)]),
     "layer_norm": (
-        lambda x, w, b: ops.layer_norm(x, w, b),
+        lambda x, w, b: layer_norm(x, w, b),
         lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
         [(2, 3, 6), (6,), (6,)],
     ),
     "cross_entropy": (
-        lambda z: ops.cross_entropy(z, TARGETS),
+        lambda z: cross_entropy(z, TARGETS),
         lambda z: F.cross_entropy(z.reshape(-1, 5), torch.from_numpy(TARGETS).reshape(-1)),
         [(2, 3, 5)],
     ),
     "embedding": (
-        lambda w: ops.embedding(w, INDICES),
+        lambda w: embedding(w, INDICES),
         lambda w: F.embedding(torch.from_numpy(INDICES), w),
         [(6, 4)],
     ),
     "split_heads": (
-        lambda x: ops.split_heads(x, 3),
+        lambda x: split_heads(x, 3),
         lambda x: x.reshape(2, 4, 3, 2).permute(0, 2, 1, 3),
         [(2, 4, 6)],
     ),
     "merge_heads": (
-        ops.merge_heads,
+        merge_heads,
         lambda x: x.permute(0, 2, 1, 3).reshape(2, 4, 6),
         [(2, 3, 4, 2)],
     ),
@@ -136,3 +150,55 @@ def test_op_on_cupy_matches_numpy(name):
     np.testing.assert_allclose(cupy.asnumpy(d_out.data), out, rtol=1e-12, atol=1e-12)
     for g, leaf in zip(grads, leaves, strict=True):
         np.testing.assert_allclose(cupy.asnumpy(leaf.grad), g, rtol=1e-12, atol=1e-12)
+
+
+# The public names of cuattn.autograd.ops (also cuattn.ops) before it was split, by new place.
+MOVED_TO_DEMO = (
+    "cross_entropy",
+    "embedding",
+    "gelu",
+    "layer_norm",
+    "merge_heads",
+    "softmax",
+    "split_heads",
+)
+NOW_TENSOR_METHODS = {
+    "add": "__add__",
+    "sub": "__sub__",
+    "mul": "__mul__",
+    "div": "__truediv__",
+    "matmul": "__matmul__",
+    "sum": "sum",
+    "mean": "mean",
+    "reshape": "reshape",
+    "transpose": "transpose",
+}
+
+
+@pytest.mark.parametrize("name", ["attend", *MOVED_TO_DEMO, *NOW_TENSOR_METHODS])
+def test_old_ops_names_still_resolve_and_warn_where_they_went(name):
+    if name == "attend":
+        new, where = attention.attend, "cuattn.autograd.attention.attend"
+    elif name in MOVED_TO_DEMO:
+        new, where = getattr(tinylm_ops, name), f"cuattn.tools.tinylm_ops.{name}"
+    else:
+        method = NOW_TENSOR_METHODS[name]
+        new, where = getattr(Tensor, method), f"cuattn.autograd.tape.Tensor.{method}"
+    with pytest.warns(DeprecationWarning, match=re.escape(f"ops.{name} is deprecated")) as caught:
+        old = getattr(cuattn.ops, name)
+    assert old is new
+    assert f"use {where} instead" in str(caught[0].message)
+
+
+def test_old_ops_calls_compute_what_they_did():
+    a = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
+    with pytest.warns(DeprecationWarning):
+        from cuattn.ops import add, gelu, mul, transpose
+        from cuattn.ops import sum as ops_sum
+
+        ops_sum(mul(add(a, 1.0), transpose(transpose(gelu(a)), None))).backward()
+    want = Tensor(a.data.copy(), requires_grad=True)
+    ((want + 1.0) * tinylm_ops.gelu(want).transpose().transpose(None)).sum().backward()
+    np.testing.assert_array_equal(a.grad, want.grad)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        cuattn.ops.nothing  # noqa: B018

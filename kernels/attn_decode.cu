@@ -1,4 +1,4 @@
-// Split-KV decode attention over a paged KV cache (flash-decoding), and the merge of its splits.
+// Split-KV decode attention over a paged KV cache (flash-decoding): the splits' partial results.
 //
 // attn_decode_split<TILE, ROWS, HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 4 warps.
 //   A CTA owns one split of one (sequence, kv head)'s page table, pages
@@ -21,8 +21,9 @@
 //   with keep_scores the scaled score of every (row, table slot) it walked, -inf where the token
 //   did not count: token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into
 //   probabilities with the merged lse, with no second pass over K).
-// attn_decode_merge<HEAD_DIM, T>: one warp per row of out [rows, HEAD_DIM]: the exact merge of
-//   its `splits` partial results (none with a token the row attends: 0 and -inf).
+// The merge of a row's splits into out and lse is attn_decode_merge, in kernels/merge_states.cu
+//   beside the two-way merge it shares its row function with; it multiplies every split, an
+//   empty one by weight 0 (what special values need, below).
 // attn_decode_mass: grid (ceil(max_pages * page_size / NUM_THREADS), batch * kv_heads): HeavyHitters'
 //   score update, a thread per table slot f < page_count * page_size of a (sequence, kv head):
 //   the probability each of the kv group's kv_group * t_q query rows gave the slot's token,
@@ -42,7 +43,6 @@
 // Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); TILE, ROWS
 // and the split count come from cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta,
 // decode_splits).
-#include "common/row_kernel.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
@@ -340,59 +340,6 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       part_out[out_row * HEAD_DIM + d] = sum * inv_l;
     }
     if (lane == 0) part_lse[out_row] = empty ? -INFINITY : m_all + logf(l_all);
-  }
-}
-
-template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1)
-    attn_decode_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                      T* __restrict__ out, float* __restrict__ lse, int rows, int splits) {
-  using Traits = row_kernel_traits<HEAD_DIM, T>;
-  constexpr int LANE_ELEMS = (HEAD_DIM + 31) / 32;  // out elements lane + 32 e of a row
-  // The merge is latency-bound (a few KB per row): lanes read the splits' lse in parallel, and
-  // the split walk keeps SPLITS_IN_FLIGHT x LANE_ELEMS loads outstanding (bench/NOTES.md, 13).
-  constexpr int SPLITS_IN_FLIGHT = 2;
-  const int warp = int(threadIdx.x) / 32;
-  const int lane = int(threadIdx.x) % 32;
-  for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
-    const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
-    if (row >= rows) break;  // uniform across the warp
-    const float* row_lse = part_lse + size_t(row) * splits;
-    // fmaxf drops a NaN lse from base, but its weight below is NaN all the same
-    float base = -INFINITY;
-    for (int s = lane; s < splits; s += 32) base = fmaxf(base, row_lse[s]);
-    for (int offset = 16; offset > 0; offset /= 2)
-      base = fmaxf(base, __shfl_xor_sync(FULL_WARP, base, offset));
-    const float shift = base == -INFINITY ? 0.f : base;
-    float total = 0.f;
-    for (int s = lane; s < splits; s += 32) total += expf(row_lse[s] - shift);  // lse -inf: 0
-    for (int offset = 16; offset > 0; offset /= 2)
-      total += __shfl_xor_sync(FULL_WARP, total, offset);  // the same sum on every lane
-    // total == 0: no split holds a token the row attends (or only -inf scores): 0 and -inf,
-    // written whatever the splits' outs hold; a NaN total gives NaN for both
-    const bool none = total == 0.f;
-    const float inv_total = 1.f / total;
-    const float* row_out = part_out + size_t(row) * splits * HEAD_DIM;
-    float acc[LANE_ELEMS];
-#pragma unroll
-    for (int e = 0; e < LANE_ELEMS; ++e) acc[e] = 0.f;
-#pragma unroll SPLITS_IN_FLIGHT
-    for (int s = 0; s < splits; ++s) {
-      // every split is multiplied, an empty one by 0: its out is 0, or NaN where it multiplied
-      // a zero probability by a NaN or inf in v, which a dense computation carries too
-      const float weight = expf(row_lse[s] - shift);
-#pragma unroll
-      for (int e = 0; e < LANE_ELEMS; ++e) {
-        const int d = lane + 32 * e;
-        if (d < HEAD_DIM) acc[e] += weight * row_out[size_t(s) * HEAD_DIM + d];
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < LANE_ELEMS; ++e) {
-      const int d = lane + 32 * e;
-      if (d < HEAD_DIM) out[size_t(row) * HEAD_DIM + d] = from_float<T>(none ? 0.f : acc[e] * inv_total);
-    }
-    if (lane == 0) lse[row] = none ? -INFINITY : shift + logf(total);
   }
 }
 

@@ -59,7 +59,7 @@ KERNEL_FILES = {
     "attn_bwd_sum_groups": "attn_bwd.cu",
     "merge_states": "merge_states.cu",
     "attn_decode_split": "attn_decode.cu",
-    "attn_decode_merge": "attn_decode.cu",
+    "attn_decode_merge": "merge_states.cu",
     "attn_decode_mass": "attn_decode.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",

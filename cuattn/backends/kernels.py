@@ -429,7 +429,8 @@ class KernelBackend:
         keep_scores: bool,
         resident_ctas: int,
     ) -> tuple[Any, Any, Any | None]:
-        """Split-KV decode over a paged cache (kernels/attn_decode.cu): (out like q, lse
+        """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
+        kernels/merge_states.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
         page count and not past them). Shapes as the kernel file's header; the cache

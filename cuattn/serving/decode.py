@@ -22,12 +22,12 @@ says what happened. Quest: a page whose key bound is NaN (a NaN key element, or 
 meeting a query element of 0 or of the other sign, 0 * inf) is read ahead of every other.
 
 Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
-splits of each page table in parallel, then their merge), as does ``backend="interp"`` on the
-CPU; a NumPy cache runs the reference by default: exact, written with the array library, one
-(sequence, kv head) pair at a time. Quest's page choice is computed on the cache's device from
-the per-page key bounds; HeavyHitters turns the kernel's per-token scores into probabilities
-with the merged lse in one more kernel (no second pass over K) that adds them to the cache's
-scores where they are (nothing read back).
+splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
+``backend="interp"`` on the CPU; a NumPy cache runs the reference by default: exact, written
+with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
+on the cache's device from the per-page key bounds; HeavyHitters turns the kernel's per-token
+scores into probabilities with the merged lse in one more kernel (no second pass over K) that
+adds them to the cache's scores where they are (nothing read back).
 """
 
 from __future__ import annotations

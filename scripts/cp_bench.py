@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cuattn  # noqa: E402
+from cuattn.adapters import torch_ops  # noqa: E402
+from cuattn.backends.call import AttentionCall  # noqa: E402
 from cuattn.distributed import RingStats, ring_attention, ring_plan, shard  # noqa: E402
 from cuattn.tools.bench.report import rows_table  # noqa: E402
 
@@ -153,8 +155,6 @@ def _time(fn, device: str, repeats: int) -> float:
 def project(args: argparse.Namespace) -> list[dict]:
     """Per-step kernel times of every rank on one device, and the projected W-device ring."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from cuattn.adapters import torch_ops
-
     whole = _inputs(args, device)
     results = []
     for world in args.world:
@@ -170,14 +170,13 @@ def project(args: argparse.Namespace) -> list[dict]:
                         if sub is None:
                             continue
                         src = shards[(rank - step) % world]
-                        key = torch_ops.layout_key(sub)
                         scale = args.head_dim**-0.5
+                        call = AttentionCall(sub, scale)
+                        *layout_args, _, index = torch_ops.op_arguments(call, q.device)
 
-                        def fwd_bwd(q=q, k=src[1], v=src[2], key=key, scale=scale):
-                            out, lse = torch_ops.attention_fwd(q, k, v, key, scale, "", False, [])
-                            torch_ops.attention_bwd(
-                                q, k, v, out, lse, out, None, key, scale, "", []
-                            )
+                        def fwd_bwd(q=q, k=src[1], v=src[2], la=layout_args, index=index):
+                            out, lse = torch_ops.attention_fwd(q, k, v, *la, False, index)
+                            torch_ops.attention_bwd(q, k, v, out, lse, out, None, *la, index)
 
                         steps[rank, step] = _time(fwd_bwd, device, args.repeats)
                 q0 = shards[0][0]

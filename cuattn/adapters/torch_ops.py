@@ -1,17 +1,20 @@
 """torch adapter: block-sparse attention as torch custom ops, so torch.compile sees through it.
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
-    cuattn::attention_fwd(q, k, v, layout, scale, backend, recompute, index)   -> (out, lse)
-    cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, index)
-                                                                              -> (dq, dk, dv)
-``layout`` is a text key: ``"uid:<n>"`` names a live :class:`Layout` (``Layout.lookup``), and a
-Pattern's JSON key names a rule built for each call's lengths, so a compiled graph with a
-dynamic sequence length runs every length without re-tracing. A :class:`DeviceLayout` (chosen
-from the data, a new one every step) goes as tensors instead: its key
-``"device:<blocksize>:<rule kind>"`` is the same for every such layout and ``index`` = [blocks
-(uint8), row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask, mask_table] (empty for the
-other keys: torch's op schemas give a tensor list no default), so a compiled graph takes each
-step's layout as an input and never re-traces for a new one.
+    cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
+                          backend, recompute, index)                          -> (out, lse)
+    cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
+                          window_right, scale, backend, index)               -> (dq, dk, dv)
+A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
+so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
+concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
+its arrays, FlexAttention's BlockMask way: ``index`` = [blocks (uint8), row_ptr, col_idx,
+row_mask, col_ptr, row_idx, col_mask, mask_table(, perm)] on q's device, beside its block size
+and element rule as ints (``rule`` an index into RULE_KINDS; ``pattern`` is then empty); the
+ops read them back as a DeviceLayout, no copy, nothing looked up. A host Layout's tensors are
+made once per device and kept while the Layout lives (on CUDA, the layout the kernels walk,
+copied to the device once); a DeviceLayout's are its own arrays, so a compiled graph takes
+each step's layout as an input and never re-traces for a new one.
 Each op has a fake (shape-only) implementation for tracing, attention_fwd an autograd formula
 that calls attention_bwd (the backward graph AOTAutograd records; both out and lse are
 differentiable: lse's gradient ``dlse`` enters as delta - dlse), and both run through DLPack
@@ -23,34 +26,31 @@ dtype q, k, v arrive in.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.backends.call import AttentionCall
+from cuattn.backends.kernels import kernel_layout
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
-from cuattn.layout.layout import ElementRule, Layout
+from cuattn.layout.layout import RULE_KINDS, Layout
 from cuattn.layout.pattern import Pattern
 
-__all__ = ["attend", "layout_key", "merge", "op_arguments"]
+__all__ = ["attend", "merge", "op_arguments"]
 
-UID_PREFIX = "uid:"
-DEVICE_PREFIX = "device:"
-VIEW_FIELDS = ("blocks", *INDEX_FIELDS, "mask_table")
+LAYOUT_TENSORS = ("blocks", *INDEX_FIELDS, "mask_table", "perm")  # perm: permuted layouts only
 PATTERN_KEYS_CACHED = 64
-
-
-def layout_key(layout: Layout | Pattern) -> str:
-    """The text an op takes for a Layout (its uid), a Pattern (its canonical key) or a
-    DeviceLayout (its block size and rule kind; its arrays go as the ops' ``index``)."""
-    if isinstance(layout, Pattern):
-        return layout.key
-    if isinstance(layout, DeviceLayout):
-        return f"{DEVICE_PREFIX}{layout.blocksize}:{layout.rule.kind}"
-    return f"{UID_PREFIX}{layout.uid}"
+# The attribute on a host Layout's blocks tensor holding its arrays read back as a DeviceLayout.
+READ_BACK = "_cuattn_layout"
+# A host Layout's tensors per device, made once and freed with the Layout.
+_TENSORS: weakref.WeakKeyDictionary[Layout, dict[torch.device, list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @functools.lru_cache(maxsize=PATTERN_KEYS_CACHED)
@@ -58,47 +58,73 @@ def _pattern(key: str) -> Pattern:
     return Pattern.from_key(key)
 
 
-def _live_layout(key: str) -> Layout | None:
-    """The Layout a uid key names (None for a Pattern key, which rebuilds from its text)."""
-    return Layout.lookup(int(key[len(UID_PREFIX) :])) if key.startswith(UID_PREFIX) else None
+def _layout_ints(layout: Layout) -> tuple[int, int, int, int]:
+    """(blocksize, rule, window_left, window_right) of a layout, as the ops take them."""
+    rule = layout.rule
+    return layout.blocksize, RULE_KINDS.index(rule.kind), rule.window_left, rule.window_right
 
 
-def _resolve(key: str, n_q: int, n_k: int, index: list[torch.Tensor]) -> Layout:
-    if key.startswith(DEVICE_PREFIX):
-        if not index:
-            raise ValueError(f"layout: key {key!r} names a DeviceLayout, whose index is empty")
-        blocksize, rule = key[len(DEVICE_PREFIX) :].split(":")
-        return _device_layout(index, int(blocksize), rule, n_k)
-    layout = _live_layout(key)
-    return _pattern(key).layout(n_q, n_k) if layout is None else layout
+def _resolve(
+    pattern: str, ints: tuple[int, int, int, int], n_q: int, n_k: int, index: list[torch.Tensor]
+) -> Layout:
+    """The layout an op's arguments name: the Pattern's for these lengths, or the arrays'."""
+    if pattern:
+        return _pattern(pattern).layout(n_q, n_k)
+    if not index:
+        raise ValueError("layout: the op got neither a pattern key nor a layout's arrays")
+    read_back = getattr(index[0], READ_BACK, None)
+    return _read_back(index, ints, n_q, n_k) if read_back is None else read_back
 
 
-def _tables_only(h: Any, q: Any, k: Any) -> Any:
-    raise RuntimeError("the element rule of a layout rebuilt inside a cuattn op is its tables")
+def _read_back(
+    index: list[torch.Tensor], ints: tuple[int, int, int, int], n_q: int, n_k: int
+) -> DeviceLayout:
+    """The DeviceLayout sharing these tensors' memory (no copy)."""
+    info = dlpack.describe(index[0], "layout")
+    arrays = {
+        field: dlpack.to_backend(t, info, "layout")
+        for field, t in zip(LAYOUT_TENSORS, index, strict=False)
+    }
+    arrays["blocks"] = arrays["blocks"].view("bool")
+    blocksize, kind, left, right = ints
+    return DeviceLayout.from_arrays(arrays, blocksize, n_q, n_k, RULE_KINDS[kind], (left, right))
 
 
-def _device_layout(index: list[torch.Tensor], blocksize: int, rule: str, n: int) -> Layout:
-    """The DeviceLayout whose arrays these tensors share (no copy)."""
-    blocks, *arrays, table = (
-        dlpack.to_backend(t, dlpack.describe(t, "layout"), "layout") for t in index
-    )
-    fields = dict(zip(INDEX_FIELDS, arrays, strict=True))
-    capacity = int(index[2].numel())
-    if rule == "bitmask":
-        element_rule = ElementRule("bitmask", mask_fn=_tables_only)
-    else:
-        element_rule, table = ElementRule(rule), None
-    return DeviceLayout(
-        blocks.view("uint8"), fields, blocksize, n, element_rule, "device", capacity, table
-    )
+def _as_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device``: shared on the CPU (an empty array becomes one
+    row of zeros, so that every index array has an address the kernels may read), copied to
+    CUDA."""
+    # dynamo traces from_numpy, not DLPack; eagerly DLPack shares read-only arrays silently
+    tensor = torch.from_numpy(array) if torch.compiler.is_compiling() else torch.from_dlpack(array)
+    if tensor.numel() == 0:
+        tensor = torch.zeros((1, *tensor.shape[1:]), dtype=tensor.dtype)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
-def index_tensors(layout: DeviceLayout) -> list[torch.Tensor]:
-    """A DeviceLayout's blocks (uint8) and index arrays as tensors sharing its memory."""
-    views = layout.views
-    if views is None or not all(isinstance(views[f], torch.Tensor) for f in VIEW_FIELDS):
-        views = {f: torch.from_dlpack(getattr(layout, f)) for f in VIEW_FIELDS}
-    return [views["blocks"].view(torch.uint8), *(views[f] for f in VIEW_FIELDS[1:])]
+def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    """The tensors a concrete layout crosses the ops as (see the module doc), on ``device``."""
+    if isinstance(layout, DeviceLayout):
+        views = layout.views
+        fields = LAYOUT_TENSORS[:-1]  # a data-chosen layout has no permutation
+        if views is None or not all(isinstance(views[f], torch.Tensor) for f in fields):
+            views = {f: torch.from_dlpack(getattr(layout, f)) for f in fields}
+        return [views["blocks"].view(torch.uint8), *(views[f] for f in fields[1:])]
+    per_device = _TENSORS.setdefault(layout, {})
+    tensors = per_device.get(device)
+    if tensors is None:
+        # CUDA runs the kernels' own layout (block 8 coarsened to 16) in place
+        source = layout if device.type == "cpu" else kernel_layout(layout)
+        arrays = [getattr(source, f) for f in LAYOUT_TENSORS[:-1]]
+        arrays += [] if source.perm is None else [source.perm]
+        tensors = [_as_tensor(a, device) for a in arrays]
+        tensors[0] = tensors[0].view(torch.uint8)
+        if not torch.compiler.is_compiling():
+            # these tensors never change: the ops read them back once, not at every call
+            ints = _layout_ints(source)
+            read_back = _read_back(tensors, ints, source.n_q, source.n_ctx)
+            setattr(tensors[0], READ_BACK, read_back)
+        per_device[device] = tensors
+    return tensors
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -110,7 +136,11 @@ def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: str,
+    pattern: str,
+    blocksize: int,
+    rule: int,
+    window_left: int,
+    window_right: int,
     scale: float,
     backend: str,
     recompute: bool,
@@ -118,14 +148,16 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
-    with dlpack.stream_for(dlpack.common_info(named)):  # a DeviceLayout's few launches too
-        lay = _resolve(layout, q.shape[2], k.shape[2], index)
+    with dlpack.stream_for(dlpack.common_info(named)):
+        lay = _resolve(
+            pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
+        )
         out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, layout, scale, backend, recompute, index):
+def _attention_fwd_fake(q, k, v, pattern, blocksize, rule, left, right, scale, backend, *rest):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -138,7 +170,11 @@ def attention_bwd(
     lse: torch.Tensor,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    layout: str,
+    pattern: str,
+    blocksize: int,
+    rule: int,
+    window_left: int,
+    window_right: int,
     scale: float,
     backend: str,
     index: list[torch.Tensor],
@@ -149,7 +185,9 @@ def attention_bwd(
     if dlse is not None:
         named["dlse"] = dlse
     with dlpack.stream_for(dlpack.common_info(named)):
-        lay = _resolve(layout, q.shape[2], k.shape[2], index)
+        lay = _resolve(
+            pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
+        )
         grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None)
     return tuple(g.contiguous() for g in grads)
 
@@ -162,38 +200,35 @@ def _backward_arrays(q, k, v, out, lse, dout, *rest):
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, layout, scale, backend, index):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, layout, scale, backend, recompute, index = inputs
+    q, k, v, *layout_args, scale, backend, recompute, index = inputs
     out, lse = output
-    # The op names its Layout by uid only; the autograd graph holds the Layout itself until
-    # backward, so a layout built inline for one call (and dropped by the caller) still exists.
-    # A DeviceLayout's tensors are saved with the inputs instead.
-    ctx.layout = _live_layout(layout)
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
     ctx.save_for_backward(*saved, *index)
     ctx.saved_count = len(saved)
-    ctx.args = (layout, scale, backend, recompute)
+    ctx.args = (*layout_args, scale, backend, recompute)
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    layout, scale, backend, recompute = ctx.args
+    *layout_args, scale, backend, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     index = list(tensors[ctx.saved_count :])
     if recompute:
-        saved = attention_fwd(q, k, v, layout, scale, backend, False, index)
+        saved = attention_fwd(q, k, v, *layout_args, scale, backend, False, index)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    grads = attention_bwd(q, k, v, out, lse, dout, dlse, layout, scale, backend, index)
-    return (*grads, None, None, None, None, [None] * len(index))
+    grads = attention_bwd(q, k, v, out, lse, dout, dlse, *layout_args, scale, backend, index)
+    # None for each plain argument, and a None for each tensor of index
+    return (*grads, *[None] * (len(layout_args) + 3), [None] * len(index))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -219,16 +254,19 @@ def attend(
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
     carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    out, lse = attention_fwd(q, k, v, *op_arguments(call))
+    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device))
     return (out, lse) if call.return_lse else out
 
 
-def op_arguments(call: AttentionCall) -> tuple[str, float, str, bool, list[torch.Tensor]]:
-    """(layout, scale, backend, recompute, index): the call as attention_fwd's arguments after
-    q, k, v (attention_bwd takes the same but recompute), the one place that spells them."""
-    layout = call.layout
-    index = index_tensors(layout) if isinstance(layout, DeviceLayout) else []
-    return layout_key(layout), call.scale, call.backend or "", call.recompute, index
+def op_arguments(call: AttentionCall, device: torch.device) -> tuple:
+    """(pattern, blocksize, rule, window_left, window_right, scale, backend, recompute, index):
+    the call as attention_fwd's arguments after q, k, v for q on ``device`` (attention_bwd takes
+    the same but recompute), the one place that spells them. A Pattern's ints are unused (0)."""
+    layout, backend = call.layout, call.backend or ""
+    if isinstance(layout, Pattern):
+        return layout.key, 0, 0, 0, 0, call.scale, backend, call.recompute, []
+    index = index_tensors(layout, device)
+    return "", *_layout_ints(layout), call.scale, backend, call.recompute, index
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from cuattn import api
 from cuattn.adapters import torch_ops
+from cuattn.backends.call import AttentionCall
 from cuattn.distributed.sharding import chunk_length, positions
 from cuattn.layout.derived import restricted
 from cuattn.layout.layout import Layout
@@ -131,6 +132,12 @@ def _timed(stats: RingStats, fn: Any, *args: Any) -> Any:
     return result
 
 
+def _op_layout(sub: Layout, q: torch.Tensor, scale: float, backend: str) -> tuple:
+    """A step's call as the torch ops take it (torch_ops.op_arguments): its layout's
+    arguments, scale and backend, recompute, index."""
+    return torch_ops.op_arguments(AttentionCall(sub, scale, backend=backend or None), q.device)
+
+
 def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
     kv = torch.stack([k, v])  # one message per step: keys and values together
     out = lse = None
@@ -140,9 +147,9 @@ def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
             stats.steps_skipped += 1
         else:
             stats.steps_computed += 1
-            key = torch_ops.layout_key(sub)
+            *layout_args, _, index = _op_layout(sub, q, scale, backend)
             fwd = torch_ops.attention_fwd
-            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], key, scale, backend, False, [])
+            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], *layout_args, False, index)
             if out is None:
                 out, lse = o, l_
             else:
@@ -167,9 +174,9 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, st
     for step, sub in enumerate(plan.steps):
         transfer = ring.start(kv) if step + 1 < plan.world_size else None
         if sub is not None:
-            key = torch_ops.layout_key(sub)
+            *layout_args, _, index = _op_layout(sub, q, scale, backend)
             bwd = torch_ops.attention_bwd
-            args = (q, kv[0], kv[1], out, lse, dout, dlse, key, scale, backend, [])
+            args = (q, kv[0], kv[1], out, lse, dout, dlse, *layout_args, index)
             dq_s, dk_s, dv_s = _timed(stats, bwd, *args)
             dq += dq_s
             dkv[0] += dk_s

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,10 +43,14 @@ FULL_BLOCK = -1
 
 MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
-# Every layout gets a serial number at construction, so that an op which takes only plain
-# values (a torch custom op) can name it with an int; the layout stays the caller's to keep alive.
+# Deprecated (``Layout.uid`` / ``Layout.lookup``): a layout gets a serial number only when its
+# ``uid`` is read; nothing in cuattn reads it (layouts cross framework ops as their arrays).
 _SERIALS = itertools.count(1)
-_LIVE: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
+_NAMED: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
+UID_DEPRECATION = (
+    "Layout.uid and Layout.lookup are deprecated and will be removed in the next release: "
+    "cuattn's torch ops take a Layout as its index arrays, not by number"
+)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,6 @@ class Layout:
         col_ptr, row_idx, col_mask   the same for CSC (key block -> query blocks)
         mask_table  uint32 [n_masks, b, ceil(b/32)] per-block bitmasks (kind 'bitmask' only)
         nnz         int64 [heads] active blocks per head; density = active / all blocks
-        uid         int, unique per Layout object in this process (``Layout.lookup(uid)``)
     """
 
     def __init__(
@@ -181,17 +185,22 @@ class Layout:
             perm.setflags(write=False)
         self.perm = perm
         self._build(blocks)
-        self._register()
 
-    def _register(self) -> None:
-        """Give this layout its ``uid`` and make it findable by ``lookup`` while it lives."""
-        self.uid = next(_SERIALS)
-        _LIVE[self.uid] = self
+    @property
+    def uid(self) -> int:
+        """Deprecated: a number naming this layout for :meth:`lookup` while it lives."""
+        warnings.warn(UID_DEPRECATION, DeprecationWarning, stacklevel=2)
+        serial = self.__dict__.get("_uid")
+        if serial is None:
+            serial = self.__dict__["_uid"] = next(_SERIALS)
+            _NAMED[serial] = self
+        return serial
 
     @staticmethod
     def lookup(uid: int) -> Layout:
-        """The live layout whose ``uid`` this is; ValueError once it has been freed."""
-        layout = _LIVE.get(uid)
+        """Deprecated: the live layout whose ``uid`` this is; ValueError once it is freed."""
+        warnings.warn(UID_DEPRECATION, DeprecationWarning, stacklevel=2)
+        layout = _NAMED.get(uid)
         if layout is None:
             raise ValueError(
                 f"layout uid {uid} names no live Layout: keep the Layout object alive while "

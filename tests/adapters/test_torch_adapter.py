@@ -45,11 +45,13 @@ def test_grads_match_dense_torch_autograd(mode, recompute):
 
 
 def _saved_bytes(fn):
-    """Bytes of tensors autograd saves while running fn (each storage once)."""
+    """Bytes of floating-point tensors autograd saves while running fn (each storage once); the
+    layout's index tensors it also saves share the Layout's own arrays, costing nothing new."""
     storages = {}
 
     def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.is_floating_point():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

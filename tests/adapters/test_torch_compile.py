@@ -84,7 +84,7 @@ def test_a_dynamic_length_compiles_once_for_every_length():
 
 def _op_args(q, k, v, layout, recompute=False):
     call = AttentionCall(layout, 0.3, recompute)
-    return (q, k, v, *torch_ops.op_arguments(call))
+    return (q, k, v, *torch_ops.op_arguments(call, q.device))
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_opcheck_passes_on_both_ops(case):
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
     for lse_grad in (dlse, None):  # the lse's gradient, or nothing reached it
-        bwd_args = saved + (lse_grad,) + args[3:6] + ([],)
+        bwd_args = saved + (lse_grad,) + args[3:-2] + (args[-1],)
         torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
@@ -120,16 +120,23 @@ def test_autocast_leaves_the_input_dtype():
     assert inside.dtype == torch.float32 and torch.equal(inside, plain)
 
 
-def test_a_freed_layout_is_named_in_a_clear_error():
+def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
+    """No registry: a concrete Layout reaches the ops as tensors sharing its arrays (CPU), made
+    once and kept while the Layout lives; the deprecated uid/lookup still answer, with a warning."""
     blocks = np.ones((HEADS, 2, 2), dtype=bool)
-    layout = cuattn.Layout.from_blocks(blocks, BLOCK)
-    key = torch_ops.layout_key(layout)
-    assert cuattn.Layout.lookup(layout.uid) is layout
-    del layout
-    gc.collect()
+    layout = cuattn.Layout.from_blocks(blocks, BLOCK, mask_fn=lambda h, q, k: k <= q + h)
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
-    with pytest.raises(ValueError, match="names no live Layout"):
-        torch.ops.cuattn.attention_fwd(q, q, q, key, 1.0, "", False, [])
+    *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)
+    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, ""]
+    assert index[1].data_ptr() == layout.row_ptr.ctypes.data  # shared, not copied
+    again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-1]
+    assert all(a is b for a, b in zip(index, again, strict=True))
+    out, _ = torch.ops.cuattn.attention_fwd(q, q, q, *layout_args, False, index)
+    assert torch.equal(out, cuattn.sparse_attention(q, q, q, layout, scale=1.0))
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        uid = layout.uid
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        assert cuattn.Layout.lookup(uid) is layout
 
 
 def test_pattern_is_a_plain_value():
@@ -189,8 +196,8 @@ def test_a_cuda_graph_replays_forward_and_backward():
 
 
 def test_a_layout_built_inline_lives_until_backward():
-    """The op names its Layout by uid; the autograd graph keeps the Layout alive, so a layout
-    the caller builds for one call and drops still exists when backward runs."""
+    """The ops take a Layout's arrays and save them for backward, so a layout the caller builds
+    for one call and drops is still readable when backward runs."""
     q, k, v = _leaves(9, [(1, HEADS, 2 * BLOCK, HEAD_DIM)] * 3)
     blocks = np.ones((HEADS, 2, 2), dtype=bool)
     out = cuattn.sparse_attention(q, k, v, cuattn.Layout.from_blocks(blocks, BLOCK))

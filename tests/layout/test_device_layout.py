@@ -14,9 +14,11 @@ from cuattn import dynamic
 from cuattn._util import widened
 from cuattn.autograd.tape import Tensor
 from cuattn.backends import geometry, interp, layout_build
+from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import LayoutKernelConfig
 from cuattn.layout.device import DeviceLayout
-from cuattn.layout.layout import ElementRule, Layout
+from cuattn.layout.dynamic import host_vertical_slash_layout
+from cuattn.layout.layout import RULE_KINDS, ElementRule, Layout
 from tests.helpers.no_sync import refuse_host_round_trips
 from tests.helpers.oracle import dense_attention_grads
 
@@ -151,7 +153,6 @@ def test_a_device_layout_is_a_layout_of_the_same_blocks():
     np.testing.assert_array_equal(layout.to_mask(), host.to_mask())
     assert layout.picture() == host.picture()
     assert "on cpu" in repr(layout)
-    assert Layout.lookup(layout.uid) is layout
     assert not layout.row_ptr.flags.writeable
 
 
@@ -260,15 +261,14 @@ def test_opcheck_passes_on_device_layouts(recompute, rule):
         layout = dynamic.vertical_slash_layout(
             q.detach(), k.detach(), B, 3, 2, 16, backend="interp"
         )
-    index = torch_ops.index_tensors(layout)
-    key = torch_ops.layout_key(layout)
-    assert key == f"device:{B}:{layout.rule.kind}"
-    args = (q, k, v, key, 0.25, "", recompute, index)
+    *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 0.25), q.device)
+    assert layout_args[:3] == ["", B, RULE_KINDS.index(layout.rule.kind)]
+    args = (q, k, v, *layout_args, recompute, index)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
     dlse = torch.randn_like(lse)  # the lse's gradient
-    bwd_args = (*saved, dlse, key, 0.25, "", index)
+    bwd_args = (*saved, dlse, *layout_args, index)
     torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
@@ -298,7 +298,7 @@ def test_vertical_slash_on_the_device_equals_the_host_rule(causal, n, batch, num
     rng = np.random.default_rng(n + batch)
     q, k = (rng.standard_normal((batch, 2, n, 16)) * 0.6 for _ in "qk")
     args = (q, k, B, 4, num_slash, 16, causal)
-    host = cuattn.layout.vertical_slash_layout(*args)
+    host = host_vertical_slash_layout(*args)
     layout = dynamic.vertical_slash_layout(*args, backend="interp")
     assert isinstance(layout, DeviceLayout) and layout.rule.kind == "bitmask"
     np.testing.assert_array_equal(layout.blocks, host.blocks)
@@ -461,7 +461,7 @@ def test_on_the_gpu_vertical_slash_equals_the_host_rule():
     attention on it equals attention on the host layout."""
     q, k, v = _torch_inputs(n=2048, heads=4, kv_heads=4)
     host_q, host_k = (x.float().cpu().numpy() for x in (q, k))
-    host = cuattn.layout.vertical_slash_layout(host_q, host_k, 64, 16, 16, 64)
+    host = host_vertical_slash_layout(host_q, host_k, 64, 16, 16, 64)
     layout = cuattn.vertical_slash_layout(q, k, 64, 16, 16, 64)
     assert isinstance(layout, DeviceLayout) and layout.rule.kind == "bitmask"
     np.testing.assert_array_equal(layout.to_mask(), host.to_mask())

@@ -55,9 +55,9 @@ from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import (
     VerticalSlashRule,
     check_vertical_slash_args,
+    host_vertical_slash_layout,
     vertical_slash_tables,
 )
-from cuattn.layout.dynamic import vertical_slash_layout as host_vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout, check_positive_int
 
 __all__ = [
@@ -197,7 +197,7 @@ def vertical_slash_layout(
     backend: str | None = None,
 ) -> Layout:
     """``vertical_slash`` (MInference) on arrays of any framework; see
-    cuattn.layout.dynamic.vertical_slash_layout for the rule. On the kernel backends
+    cuattn.layout.dynamic.host_vertical_slash_layout for the rule. On the kernel backends
     (CUDA arrays, or backend="interp") the whole layout is built on the arrays' device: the
     columns and offsets, the blocks holding an allowed element (exactly, from prefix counts of
     the chosen columns and offsets per block's key and offset range), CSR/CSC, and one bit table

@@ -14,8 +14,10 @@ from cuattn.layout import original
 from cuattn.layout import extended
 
 # isort: on
+from typing import Any
+
+from cuattn.layout import dynamic
 from cuattn.layout.device import DeviceLayout
-from cuattn.layout.dynamic import vertical_slash_layout
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.pattern import Pattern
 from cuattn.layout.registry import make_layout, modes
@@ -33,5 +35,11 @@ __all__ = [
     "make_layout",
     "modes",
     "original",
-    "vertical_slash_layout",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated ``cuattn.layout.vertical_slash_layout`` (see cuattn.layout.dynamic)."""
+    if name == "vertical_slash_layout":
+        return getattr(dynamic, name)  # warns
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

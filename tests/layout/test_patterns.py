@@ -7,6 +7,7 @@ import torch
 import cuattn
 from cuattn.backends.geometry import BLOCK_SIZES
 from cuattn.layout import extended
+from cuattn.layout.dynamic import host_vertical_slash_layout
 from tests.helpers.kernel_cases import PATTERNS as SWEEP_PATTERNS
 from tests.helpers.kernel_cases import pattern_id, sweep_layout
 from tests.helpers.oracle import (
@@ -218,7 +219,7 @@ def test_vertical_slash_rejects_device_or_bad_shapes():
     with pytest.raises(TypeError, match="q must be a NumPy, CuPy, torch or jax array"):
         cuattn.vertical_slash_layout([[1.0]], np.ones((1, 4, 2)))
     with pytest.raises(TypeError, match="q must be a NumPy array"):
-        cuattn.layout.vertical_slash_layout(torch.ones(1, 4, 2), np.ones((1, 4, 2)))
+        host_vertical_slash_layout(torch.ones(1, 4, 2), np.ones((1, 4, 2)))
     with pytest.raises(ValueError, match=r"q must be \[heads, n, d\]"):
         cuattn.vertical_slash_layout(np.ones((4, 2)), np.ones((4, 2)))
 
@@ -256,3 +257,17 @@ def test_a_new_pattern_is_one_registered_constructor(monkeypatch):
         cuattn.make_layout("every_other", 64, 2, blocksize=16, stride=3)
     with pytest.raises(ValueError, match="registered already"):
         registry.register("local")(every_other_layout)
+
+
+def test_the_old_host_vertical_slash_name_warns_and_still_works():
+    """cuattn.layout.vertical_slash_layout was a second public vertical-slash call; it is now
+    cuattn.layout.dynamic.host_vertical_slash_layout, the old name kept one release."""
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((2, 64, 8)) for _ in "qk")
+    with pytest.warns(DeprecationWarning, match="use cuattn.vertical_slash_layout"):
+        old = cuattn.layout.vertical_slash_layout
+    assert old is host_vertical_slash_layout
+    np.testing.assert_array_equal(
+        old(q, k, 16, 4, 4, 16).to_mask(),
+        cuattn.vertical_slash_layout(q, k, 16, 4, 4, 16).to_mask(),
+    )

@@ -10,7 +10,19 @@ def _cuda_available() -> bool:
         return False
 
 
+# Files that take minutes (the NVRTC sweep of every instantiation; the interpreter's build of
+# every kernel library and its grid of forward/backward cases): collected first, so that with one
+# worker per core (pyproject's addopts) they start at once and the other files fill the gaps.
+LONGEST_FILES = ("tests/tools/test_compile_check.py", "tests/backends/test_interp_kernels.py")
+
+
+def _rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)  # stable: every file keeps its own order
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

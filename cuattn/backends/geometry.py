@@ -488,6 +488,18 @@ class KernelConfig(_Launch):
         return BWD_DQ_MIN_CTAS.get((self.head_dim, self.dtype), 1)
 
     @property
+    def register_cap(self) -> int | None:
+        """Registers per thread ptxas may give this instantiation: the ISA's 255, or fewer where
+        its __launch_bounds__ asks for ``min_ctas`` resident CTAs of ``threads`` (the attention
+        block kernels, whose launch bounds this module chooses); None for the kernels whose
+        launch bounds only their .cu file states."""
+        if self.kernel not in BLOCK_KERNELS:
+            return None
+        per_thread = SM_LIMITS["sm_80"]["registers"] // (self.threads * self.min_ctas)
+        granule = REGISTER_ALLOCATION_UNIT // WARP_SIZE  # a thread's registers come in 8s
+        return min(MAX_REGISTERS_PER_THREAD, per_thread // granule * granule)
+
+    @property
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
@@ -665,6 +677,7 @@ SM_LIMITS = {
     "sm_90": {"registers": 65536, "threads": 2048, "ctas": 32, "smem": 233472, "reserved": 1024},
 }
 REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of 256
+MAX_REGISTERS_PER_THREAD = 255  # the ISA's limit, sm_80 and sm_90
 
 
 def ctas_per_sm(arch: str, registers: int, threads: int, smem_bytes: int) -> int:

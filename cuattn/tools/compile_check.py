@@ -37,6 +37,10 @@ EXIT_FAILED = 1
 MAX_ERROR_LINES = 12  # of one compiler error shown
 MAX_LISTED = 4  # instantiations named per distinct error
 MAX_REASON_CHARS = 160  # of a load error quoted in the one-line message
+# Registers by which sm_80 may use more than sm_90 on one instantiation, with room to spare: over
+# all 1265 attention, decode and layout instantiations the most is 40 (fp32 dQ at head dim 256;
+# bench/NOTES.md, "The test suite's NVRTC sweep").
+ARCH_REGISTER_MARGIN = 48
 INSTALL_HINT = (
     "pip install 'cuattn[nvrtc]' (CuPy with NVRTC and the CUDA runtime headers, no GPU needed)"
 )
@@ -50,6 +54,7 @@ class CompileUnit:
     name_expression: str  # e.g. "attn_fwd<64, 64, 64, 2, 128, __nv_bfloat16, MASK_CAUSAL>"
     threads: int = 0  # per CTA at launch (0: unknown, no occupancy in the report)
     dynamic_smem: int = 0  # bytes of dynamic shared memory at launch
+    register_cap: int = 0  # registers per thread its launch bounds allow (0: not known here)
 
 
 @dataclass(frozen=True)
@@ -224,9 +229,26 @@ def kernel_instantiations() -> list[CompileUnit]:
     from cuattn.backends import geometry
 
     return [
-        CompileUnit(c.source_file, c.name_expression, c.threads, c.smem_bytes)
+        CompileUnit(
+            c.source_file,
+            c.name_expression,
+            c.threads,
+            c.smem_bytes,
+            getattr(c, "register_cap", None) or 0,
+        )
         for c in geometry.all_configs()
     ]
+
+
+def needs_every_arch(result: CompileResult, margin: int = ARCH_REGISTER_MARGIN) -> bool:
+    """Whether an instantiation compiled for one architecture must be compiled for the others
+    too to know it is spill-free there: it failed or spilled, its register cap is not known
+    here, or it uses more than its cap less ``margin`` (sm_80 and sm_90 give one instantiation
+    register counts a few apart, never ``margin``; further from the cap, neither can spill).
+    The test suite's sweep uses this to compile sm_90 for all and sm_80 for these; the
+    ``cuattn compile`` command compiles everything for every architecture it is given."""
+    cap = result.unit.register_cap
+    return not result.ok or not cap or result.stats.registers > cap - margin
 
 
 def load_sources(units: Iterable[CompileUnit]) -> dict[str, str]:

@@ -129,19 +129,47 @@ def test_occupancy_from_registers_threads_and_shared_memory():
 
 @pytest.mark.slow
 def test_every_kernel_instantiation_compiles_without_spills():
+    """Every instantiation for sm_90, and for sm_80 every one that could spill there (within
+    ARCH_REGISTER_MARGIN of its register cap, or a cap not known here): the sweep compiles
+    each instantiation once where a second architecture cannot tell anything new."""
     geometry = pytest.importorskip("cuattn.backends.geometry")
-    from cuattn.tools.compile_check import kernel_instantiations, load_sources
+    from cuattn.tools.compile_check import kernel_instantiations, load_sources, needs_every_arch
 
     units = kernel_instantiations()
     assert units, geometry
     jobs = os.cpu_count() or 1
-    results = run_check(
-        units, ["sm_80", "sm_90"], load_sources(units), common_options(), jobs, progress=None
-    )
+    sources, options = load_sources(units), common_options()
+    results = run_check(units, ["sm_90"], sources, options, jobs, progress=None)
+    near_cap = [r.unit for r in results if needs_every_arch(r)]
+    results += run_check(near_cap, ["sm_80"], sources, options, jobs, progress=None)
     failures = [
         f"{r.arch} {r.unit.name_expression}: {r.error or 'spills'}" for r in results if not r.ok
     ]
     assert not failures, "\n".join(failures)
+
+
+def test_only_instantiations_near_their_register_cap_need_a_second_arch():
+    from cuattn.backends.geometry import KernelConfig
+    from cuattn.tools.compile_check import ARCH_REGISTER_MARGIN, CompileResult, needs_every_arch
+    from cuattn.tools.ptxas import FunctionStats
+
+    dq = KernelConfig("attn_bwd_dq", 128, "bfloat16", block=64, rule="causal")
+    assert dq.min_ctas == 3 and dq.register_cap == 168  # 65536 / (128 threads x 3), in 8s
+    fwd = KernelConfig("attn_fwd", 64, "float16", block=64, rule="none")
+    assert fwd.register_cap == 255
+    assert KernelConfig("merge_states", 64, "float16").register_cap is None
+
+    def result(cap, registers, spill=0, error=None):
+        unit = CompileUnit("k.cu", "k", register_cap=cap)
+        stats = FunctionStats("k", registers=registers, spill_store_bytes=spill)
+        return CompileResult(unit, "sm_90", 0.0, error=error, stats=stats)
+
+    assert not needs_every_arch(result(255, 255 - ARCH_REGISTER_MARGIN))
+    assert needs_every_arch(result(255, 256 - ARCH_REGISTER_MARGIN))
+    assert needs_every_arch(result(168, 130))  # dq at 3 CTAs: near its own cap
+    assert needs_every_arch(result(0, 40))  # cap not known here
+    assert needs_every_arch(result(255, 100, spill=8))
+    assert needs_every_arch(result(255, 0, error="boom"))
 
 
 def test_one_header_mistake_is_reported_once():

@@ -10,10 +10,14 @@ def _cuda_available() -> bool:
         return False
 
 
-# Files that take minutes (the NVRTC sweep of every instantiation; the interpreter's build of
-# every kernel library and its grid of forward/backward cases): collected first, so that with one
-# worker per core (pyproject's addopts) they start at once and the other files fill the gaps.
-LONGEST_FILES = ("tests/tools/test_compile_check.py", "tests/backends/test_interp_kernels.py")
+# Files that take minutes (the interpreter's grid of forward/backward cases at wide head dims,
+# the NVRTC sweep of every instantiation, the rest of the grid), longest first: with one worker
+# per core (pyproject's addopts) they start at once and the other files fill the gaps.
+LONGEST_FILES = (
+    "tests/backends/test_interp_kernels_wide.py",
+    "tests/tools/test_compile_check.py",
+    "tests/backends/test_interp_kernels.py",
+)
 
 
 def _rank(item: pytest.Item) -> int:

@@ -127,6 +127,14 @@ class DeviceLayout(Layout):
         self.blocks = chosen.view(bool)
         for field in INDEX_FIELDS:
             setattr(self, field, index[field])
+        # Plain attributes, not properties: every launch asks where the layout lives.
+        if isinstance(self.row_ptr, np.ndarray):
+            self.array_module: Any = np  # numpy or cupy: the module of the index arrays
+            self.device: int | None = None  # the CUDA device of the arrays, None on the host
+        else:
+            import cupy
+
+            self.array_module, self.device = cupy, int(self.row_ptr.device.id)
         xp = self.array_module
         words = ceil_div(self.blocksize, BITS_PER_WORD)
         if (rule.kind == "bitmask") != (mask_table is not None):
@@ -178,20 +186,6 @@ class DeviceLayout(Layout):
             n_q=n_q,
             perm=arrays.get("perm"),
         )
-
-    @property
-    def array_module(self) -> Any:
-        """numpy or cupy: the module of the index arrays."""
-        if isinstance(self.row_ptr, np.ndarray):
-            return np
-        import cupy
-
-        return cupy
-
-    @property
-    def device(self) -> int | None:
-        """The CUDA device of the index arrays, None for NumPy arrays."""
-        return None if self.array_module is np else int(self.row_ptr.device.id)
 
     @property
     def density(self) -> float:  # type: ignore[override]

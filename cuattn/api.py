@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from cuattn import backends
 from cuattn._util import array_library
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
@@ -185,9 +187,42 @@ def sparse_attention(
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend
     )
-    # Routing by the caller's array kind (tape, torch autograd, jax custom_vjp, plain arrays)
-    # lives in adapters/dispatch.py; every route ends in cuattn.backends.
-    return _dispatch.route(q, k, v, call)
+    return _route(q, k, v, call)
+
+
+def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
+    """The validated call on the path for the caller's arrays; every path ends in
+    cuattn.backends.forward (and backward), so all of them compute alike.
+
+    * torch tensors (with or without grad) -> the cuattn:: custom ops (adapters/torch_ops.py),
+      which torch.compile traces without a graph break; a Pattern crosses as its key and is
+      built inside the op (lengths may be symbolic there)
+    * ``cuattn.Tensor`` -> the tape op (autograd/attention.py)
+    * jax arrays (eager or traced) -> jax.custom_vjp (adapters/jax_vjp.py)
+    * NumPy, CuPy, any other __dlpack__ producer -> computed and handed back as the caller's own
+      type on its device, sharing memory (other producers get NumPy/CuPy arrays)
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        from cuattn.adapters import torch_ops
+
+        return torch_ops.attend(q, k, v, call)
+    call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
+    if any(isinstance(x, Tensor) for x in (q, k, v)):
+        from cuattn.autograd import attention
+
+        return attention.attend(*_dispatch.tape_args(q, k, v), call)
+    named = {"q": q, "k": k, "v": v}
+    info = _dlpack.common_info(named)
+    if info.framework == "jax":
+        from cuattn.adapters import jax_vjp
+
+        return jax_vjp.attend(q, k, v, call)
+    # No gradient is wanted, so recompute has nothing to save and is ignored.
+    out, lse = _dlpack.call(
+        backends.forward, named, call.layout, call.scale, call.backend, info=info
+    )
+    return (out, lse) if call.return_lse else out
 
 
 def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
@@ -198,7 +233,7 @@ def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
     value of theirs (a NaN) can leak; tape Tensors through a tape op of zero gradient."""
     lse_dtype = "float64" if _dtype_name(q) == "float64" else "float32"
     if any(isinstance(x, Tensor) for x in (q, k, v)):
-        out, lse = _NoKeys.apply(*_dispatch._tape_args(q, k, v), lse_dtype)
+        out, lse = _NoKeys.apply(*_dispatch.tape_args(q, k, v), lse_dtype)
     elif array_library(q) == "torch":
         import torch
 

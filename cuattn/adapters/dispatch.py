@@ -1,13 +1,7 @@
-"""Route one attention call to the right path for the caller's arrays.
-
-* ``cuattn.Tensor``                     -> the tape op (autograd/attention.py attend)
-* torch tensors (with or without grad)  -> the cuattn:: torch custom ops (adapters/torch_ops.py),
-                                          which torch.compile traces without a graph break
-* jax array (eager or traced)           -> jax.custom_vjp (adapters/jax_vjp.py)
-* NumPy, CuPy, any other __dlpack__ producer -> compute and hand back
-  the caller's own type on the caller's device, sharing memory (other producers get NumPy/CuPy).
-Arguments are validated (shapes, dtypes, layout) by the public API before they get here; the
-call's options travel as one AttentionCall (cuattn/backends/call.py).
+"""What the public calls ask about the caller's arrays across routes: whether a gradient is
+wanted, whether torch.compile is tracing, raw arrays beside tape Tensors, and the differentiable
+merge of two partial attentions. The route of one attention call itself is ``cuattn.api``'s
+last step (``_route``), so a warm call goes from the API straight to its route's adapter.
 """
 
 from __future__ import annotations
@@ -20,9 +14,8 @@ from cuattn import backends as _backend
 from cuattn._util import array_library
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
-from cuattn.backends.call import AttentionCall
 
-__all__ = ["outside_graph", "route"]
+__all__ = ["merge_states", "outside_graph", "tape_args", "wants_gradient"]
 
 T = TypeVar("T")
 
@@ -36,7 +29,7 @@ def _requires_torch_grad(xs: tuple[Any, ...]) -> bool:
     )
 
 
-def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
+def tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
     """Tensors as they are; raw arrays beside them become constants of the same array library."""
     first = next(x for x in (q, k, v) if isinstance(x, Tensor))
     xp = first.xp
@@ -52,36 +45,6 @@ def _tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
             x = Tensor(x)
         out.append(x)
     return tuple(out)
-
-
-def _all_torch(xs: tuple[Any, ...]) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and all(isinstance(x, torch.Tensor) for x in xs)
-
-
-def route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
-    """Attention on [batch, heads, time, head_dim] arrays of any supported kind; see module doc.
-    A Pattern is built into its Layout for q's and k's lengths here, except on the torch route,
-    whose ops take the pattern's key and build it inside (lengths may be symbolic there)."""
-    xs = (q, k, v)
-    if _all_torch(xs):
-        from cuattn.adapters import torch_ops
-
-        return torch_ops.attend(q, k, v, call)
-    call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
-    if any(isinstance(x, Tensor) for x in xs):
-        from cuattn.autograd import attention
-
-        return attention.attend(*_tape_args(q, k, v), call)
-    info = dlpack.common_info({"q": q, "k": k, "v": v})
-    if info.framework == "jax":
-        from cuattn.adapters import jax_vjp as jax_adapter
-
-        return jax_adapter.attend(q, k, v, call)
-    # No gradient is wanted, so recompute has nothing to save and is ignored.
-    named = {"q": q, "k": k, "v": v}
-    out, lse = dlpack.call(_backend.forward, named, call.layout, call.scale, call.backend)
-    return (out, lse) if call.return_lse else out
 
 
 def outside_graph(fn: Callable[..., T], *args: Any) -> T:

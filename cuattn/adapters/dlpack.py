@@ -21,11 +21,14 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cuattn._util import array_library
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ArrayInfo",
@@ -35,6 +38,7 @@ __all__ = [
     "is_jax_tracer",
     "stream_for",
     "to_backend",
+    "torch_info",
 ]
 
 # DLPack device types (dlpack.h): the ones cuattn can compute on.
@@ -183,14 +187,28 @@ def from_backend(arr: Any, info: ArrayInfo) -> Any:
     return jax.dlpack.from_dlpack(arr)
 
 
-def call(fn: Callable[..., Any], named: dict[str, Any], *args: Any) -> Any:
+def torch_info(named: dict[str, torch.Tensor]) -> ArrayInfo:
+    """common_info of torch tensors (a torch op's tensor arguments, torch by the op's schema),
+    read off their ``device`` without asking each type what it is; anything unusual (tensors
+    on different devices, a device cuattn does not run on) goes to common_info, which names it."""
+    device = next(iter(named.values())).device
+    if device.type in ("cpu", "cuda") and all(x.device == device for x in named.values()):
+        return ArrayInfo("torch", device.type, device.index or 0)
+    return common_info(named)
+
+
+def call(
+    fn: Callable[..., Any], named: dict[str, Any], *args: Any, info: ArrayInfo | None = None
+) -> Any:
     """``fn(*arrays, *args)`` on the backend arrays of ``named`` (in order), on the caller's
     stream; every array ``fn`` returns (one, or a tuple) comes back as the caller's type.
+    ``info``: ``named``'s common_info, when the caller has it already.
 
     The one crossing between a framework's arrays and the backends, for every route: inputs are
     shared into NumPy/CuPy, never copied, and results are shared back.
     """
-    info = common_info(named)
+    if info is None:
+        info = common_info(named)
     with stream_for(info):
         arrays = [to_backend(x, info, name) for name, x in named.items()]
         result = fn(*arrays, *args)

@@ -148,11 +148,12 @@ def attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
-    with dlpack.stream_for(dlpack.common_info(named)):
+    info = dlpack.torch_info(named)
+    with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None)
+        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None, info=info)
     return out.contiguous(), lse.contiguous()
 
 
@@ -184,11 +185,12 @@ def attention_bwd(
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
-    with dlpack.stream_for(dlpack.common_info(named)):
+    info = dlpack.torch_info(named)
+    with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None)
+        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None, info=info)
     return tuple(g.contiguous() for g in grads)
 
 

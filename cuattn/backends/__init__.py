@@ -18,7 +18,8 @@ import importlib
 import os
 from typing import Any, Protocol
 
-from cuattn._util import array_library
+import numpy as np
+
 from cuattn.backends import numpy_ref as reference
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
@@ -106,9 +107,8 @@ def resolve_backend(name: str | None, on_device: bool) -> Backend:
 
 
 def _array_module(x: Any) -> Any:
-    if array_library(x) == "cupy":
-        return importlib.import_module("cupy")
-    return importlib.import_module("numpy")
+    """NumPy or CuPy, the two kinds of array a backend is handed (adapters/dlpack.py)."""
+    return np if isinstance(x, np.ndarray) else importlib.import_module("cupy")
 
 
 def _prepare(x: Any, layout: Layout) -> Any:

@@ -20,7 +20,7 @@ from cuattn._util import array_library
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
-from cuattn.backends.call import AttentionCall
+from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.layout import Layout
@@ -110,6 +110,22 @@ def _resolve_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
+def _resolve_mods(softcap: object) -> ScoreMods:
+    """The score modifiers of a call, checked. softcap: None or 0 (off, FlashAttention's
+    convention) or a positive finite real."""
+    if softcap is None:
+        return NO_MODS
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(
+            f"softcap must be a positive real number, 0 or None (off), got {type(softcap).__name__}"
+        )
+    if not math.isfinite(float(softcap)) or softcap < 0:
+        raise ValueError(
+            f"softcap must be a positive finite number, 0 or None (off), got {softcap}"
+        )
+    return ScoreMods(softcap=float(softcap))
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
@@ -139,6 +155,7 @@ def sparse_attention(
     recompute: bool = False,
     return_lse: bool = False,
     *,
+    softcap: float | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -152,10 +169,11 @@ def sparse_attention(
     align the ends, as SDPA's bottom-right causal mask).
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True`` (lse float32, float64
     for float64 input, [batch, heads, time_q], -inf on rows with nothing to attend to).
-    ``scale`` defaults to 1/sqrt(head_dim). ``backend``: 'numpy', 'interp' or 'cuda' (default:
-    from the arrays' device and CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward
-    and recomputes the forward there. Every backward is bit-identical run to run
-    (``deterministic=`` is deprecated and does nothing).
+    ``scale`` defaults to 1/sqrt(head_dim). ``softcap`` (> 0; None or 0: off) caps each scaled
+    score s as ``softcap * tanh(s / softcap)`` before the mask (Gemma 2). ``backend``: 'numpy',
+    'interp' or 'cuda' (default: from the arrays' device and CUATTN_BACKEND). ``recompute``
+    keeps only q, k, v for backward and recomputes the forward there. Every backward is
+    bit-identical run to run (``deterministic=`` is deprecated and does nothing).
     """
     _warn_deterministic(deterministic)
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
@@ -181,11 +199,12 @@ def sparse_attention(
             f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
             f"({tuple(k.shape)}); build it with make_layout(..., n_ctx={n_k}, n_q={n_q})"
         )
+    mods = _resolve_mods(softcap)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
     call = AttentionCall(
-        layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend
+        layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
     return _route(q, k, v, call)
 
@@ -219,9 +238,8 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 
         return jax_vjp.attend(q, k, v, call)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
-    out, lse = _dlpack.call(
-        backends.forward, named, call.layout, call.scale, call.backend, info=info
-    )
+    args = (call.layout, call.scale, call.backend, call.mods)
+    out, lse = _dlpack.call(backends.forward, named, *args, info=info)
     return (out, lse) if call.return_lse else out
 
 
@@ -348,6 +366,7 @@ def blocksparse_attention(
     scale: float | None = None,
     *,
     kv_heads: int | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -356,7 +375,7 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``deterministic=`` is deprecated and does nothing.
+    ``softcap`` as in :func:`sparse_attention`. ``deterministic=`` is deprecated and does nothing.
     """
     _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -381,6 +400,7 @@ def blocksparse_attention(
         layout,
         scale=scale,
         recompute=recompute,
+        softcap=softcap,
         backend=backend,
     )
 
@@ -509,6 +529,7 @@ def sparse_attention_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     *,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
@@ -520,8 +541,8 @@ def sparse_attention_varlen(
     own keys; there is no padding. ``layouts``: one Layout per sequence, built for its
     (n_q, n_k), or a callable ``(n_q, n_k) -> Layout`` (e.g. ``lambda n_q, n_k:
     make_layout("local", n_k, heads, 64, local_attn_ctx=256, n_q=n_q)``). ``max_seqlen_*`` are
-    optional and only checked. Returns ``out`` [total_q, heads, head_dim], and with
-    ``return_lse`` also lse [heads, total_q].
+    optional and only checked; ``softcap`` as in :func:`sparse_attention`. Returns ``out``
+    [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
 
     The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
     blocks a sequence boundary crosses), built on the host from cu_seqlens and cached per
@@ -544,7 +565,9 @@ def sparse_attention_varlen(
         max_seqlen_k,
     )
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
-    result = sparse_attention(q4, k4, v4, lay, scale, return_lse=return_lse, backend=backend)
+    result = sparse_attention(
+        q4, k4, v4, lay, scale, return_lse=return_lse, softcap=softcap, backend=backend
+    )
     out, lse = result if return_lse else (result, None)
     out = _permute(out, (0, 2, 1, 3)).reshape(tuple(q.shape))
     if not return_lse:

@@ -6,14 +6,16 @@
 // and, per query head, dk, dv [batch, heads, n_k, HEAD_DIM] (T) of sum(out * dout), visiting only
 // the active blocks of the layout (with kv_group > 1 the caller sums each kv head's group):
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
-//   dK = dS^T Q * scale, with delta = rowsum(dO * O) - dlse (dlse: the gradient reaching lse).
+//   dK = dS^T Q * scale, with delta = rowsum(dO * O) - dlse (dlse: the gradient reaching lse);
+//   with MODS = MODS_SCORE and softcap > 0, S is capped as in attn_fwd and dS carries the cap's
+//   slope 1 - (S / softcap)^2.
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
-//   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE> one CTA per (TILE_K keys,
+//   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE, MODS> one CTA per (TILE_K keys,
 //       head dim split, head, batch) walks the CSC column of its key block
 //       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
 //       dK, dV accumulate in registers (each warp owns 16 keys).
-//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T, RULE>   one CTA per TILE_Q queries walks the
+//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T, RULE, MODS> one CTA per TILE_Q queries walks the
 //       CSR row in steps of TILE_K keys and recomputes P and dS; dQ accumulates in registers,
 //       so the backward is bit-identical across runs.
 //   attn_bwd_sum_groups<HEAD_DIM, T>   (GQA/MQA only) dK, dV of each kv head from the per query
@@ -142,7 +144,8 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS, 1
   }
 }
 
-template <int BLOCK, int TILE_K, int TILE_Q, int SPLITS, int HEAD_DIM, typename T, int RULE>
+template <int BLOCK, int TILE_K, int TILE_Q, int SPLITS, int HEAD_DIM, typename T, int RULE,
+          int MODS>
 __global__ void __launch_bounds__(
     attn_bwd_dkdv_traits<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(
                   const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_q,
                   int n_k, int q_offset, int kv_group, int num_blocks, float scale,
-                  int window_left, int window_right,
+                  int window_left, int window_right, float softcap,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                   long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(
 
   float dk_acc[D_OUT / 8][4] = {};
   float dv_acc[D_OUT / 8][4] = {};
-  const float scale_log2 = scale * LOG2E;
+  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
   const int k_warp = k_start + warp * 16;
   const int k_last = k_start + TILE_K - 1;
 
@@ -231,7 +234,7 @@ __global__ void __launch_bounds__(
     // S^T for this warp's 16 keys against the TILE_Q queries, then P^T = exp2(S^T - lse).
     float p_t[TILE_Q / 8][4] = {};
     warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
-    scale_tile<TILE_Q>(p_t, scale_log2);
+    score_tile<MODS, TILE_Q>(p_t, score_scale);
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
                                                   tile.mask_id);
@@ -247,6 +250,19 @@ __global__ void __launch_bounds__(
     const bool ragged = q_start + TILE_Q > n_q;
     if (ragged) zero_columns_past<TILE_Q>(p_t, frag, n_q - q_start);
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
+    if constexpr (MODS == MODS_SCORE) {
+      // From here P^T only forms dS^T: it takes the softcap's slope now, before dP^T's tile is
+      // live (at head dim 128 this kernel is at the register limit). The capped score comes
+      // back from P as log2(P) + lse, so no tile of scores is kept.
+#pragma unroll
+      for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)];
+          p_t[j][e] *= softcap_slope<MODS>(score, score_scale);
+        }
+      }
+    }
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
     float ds_t[TILE_Q / 8][4] = {};
@@ -278,7 +294,8 @@ __global__ void __launch_bounds__(
   }
 }
 
-template <int BLOCK, int TILE_Q, int TILE_K, int MIN_CTAS, int HEAD_DIM, typename T, int RULE>
+template <int BLOCK, int TILE_Q, int TILE_K, int MIN_CTAS, int HEAD_DIM, typename T, int RULE,
+          int MODS>
 __global__ void __launch_bounds__(
     attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T>::NUM_THREADS, MIN_CTAS)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -286,7 +303,7 @@ __global__ void __launch_bounds__(
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                 const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
-                int num_blocks, float scale, int window_left, int window_right,
+                int num_blocks, float scale, int window_left, int window_right, float softcap,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -346,7 +363,7 @@ __global__ void __launch_bounds__(
     delta_row[r] = q_row < n_q ? delta[head_offset + q_row] : 0.f;
   }
   float dq_acc[HEAD_DIM / 8][4] = {};
-  const float scale_log2 = scale * LOG2E;
+  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
 
   ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
                                               row_mask);
@@ -358,7 +375,7 @@ __global__ void __launch_bounds__(
 
     float p[TILE_K / 8][4] = {};
     warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
-    scale_tile<TILE_K>(p, scale_log2);
+    score_tile<MODS, TILE_K>(p, score_scale);
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
                                                  tile.mask_id);
@@ -369,8 +386,10 @@ __global__ void __launch_bounds__(
     for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const float slope = softcap_slope<MODS>(p[j][e], score_scale);  // from the score
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
+        if constexpr (MODS == MODS_SCORE) ds[j][e] *= slope;
       }
     }
     warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);

@@ -2,6 +2,7 @@
 //
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
+// with MODS = MODS_SCORE and softcap > 0, S = softcap * tanh(Q K^T * scale / softcap).
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -24,9 +25,9 @@
 //
 // Template parameters: BLOCK (layout block size 16/32/64/128), TILE_M, TILE_N, NUM_WARPS (the
 // tiles and warps), HEAD_DIM (16/32/48/64/80/96/128/256), T (float, __half, __nv_bfloat16), RULE
-// (MaskRule, kernels/common/types.cuh). Run: through cuattn (backend "cuda" or "interp"); every
+// (MaskRule, kernels/common/types.cuh), MODS (ScoreModsFlag: MODS_NONE is the plain kernel). Run: through cuattn (backend "cuda" or "interp"); every
 // size comes from cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, 64, 4, 128, __half,
-// MASK_CAUSAL>`.
+// MASK_CAUSAL, MODS_NONE>`.
 #include "common/score_tile.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
@@ -55,14 +56,15 @@ struct attn_fwd_traits {
   static_assert(HEAD_DIM % 16 == 0);
 };
 
-template <int BLOCK, int TILE_M, int TILE_N, int NUM_WARPS, int HEAD_DIM, typename T, int RULE>
+template <int BLOCK, int TILE_M, int TILE_N, int NUM_WARPS, int HEAD_DIM, typename T, int RULE,
+          int MODS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
              T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
              int kv_group, int num_blocks, float scale, int window_left, int window_right,
-             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             float softcap, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   float l_i[M_FRAGS][2] = {};
 #pragma unroll
   for (int m = 0; m < M_FRAGS; ++m) m_i[m][0] = m_i[m][1] = -INFINITY;
-  const float scale_log2 = scale * LOG2E;
+  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
   const int q_warp = q_start + warp * Traits::WARP_M;
   const T* q_warp_smem = q_smem + warp * Traits::WARP_M * LD;
 
@@ -133,9 +135,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       const int coverage = narrowed_coverage<RULE, TILE_N, true>(rule, tile, q_warp,
                                                                  q_warp + Traits::WARP_M - 1);
       warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
-      // Scaled before masking: any finite scale is allowed, and -inf must stay -inf.
 #pragma unroll
-      for (int m = 0; m < M_FRAGS; ++m) scale_tile<TILE_N>(s_frag[m], scale_log2);
+      for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
       if (coverage != TILE_FULL) {
         mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(s_frag, rule, q_warp, tile.start,
                                                              q_block, tile.block, tile.mask_id);

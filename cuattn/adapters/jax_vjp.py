@@ -66,7 +66,7 @@ def _device_target(backend: str | None) -> int | None:
 
 def _host_forward(call: AttentionCall, q, k, v):
     arrays = (np.asarray(x) for x in (q, k, v))
-    return _backend.forward(*arrays, call.layout, call.scale, call.backend)
+    return _backend.forward(*arrays, call.layout, call.scale, call.backend, call.mods)
 
 
 def _host_backward(call: AttentionCall, q, k, v, out, lse, dout, dlse):
@@ -78,7 +78,7 @@ def _forward(q, k, v, call: AttentionCall):
     if _traced(q, k, v):
         target = _device_target(call.backend)
         if target is not None:
-            return _xla.forward(q, k, v, call.layout, call.scale, target)
+            return _xla.forward(q, k, v, call.layout, call.scale, call.mods, target)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
@@ -86,7 +86,8 @@ def _forward(q, k, v, call: AttentionCall):
         host = functools.partial(_host_forward, call)
         return jax.pure_callback(host, shapes, q, k, v, vmap_method="sequential")
     named = {"q": q, "k": k, "v": v}
-    return dlpack.call(_backend.forward, named, call.layout, call.scale, call.backend)
+    args = (call.layout, call.scale, call.backend, call.mods)
+    return dlpack.call(_backend.forward, named, *args)
 
 
 def _backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
@@ -94,7 +95,7 @@ def _backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
     if _traced(*named.values()):
         target = _device_target(call.backend)
         if target is not None:
-            return _xla.backward(*named.values(), call.layout, call.scale, target)
+            return _xla.backward(*named.values(), call.layout, call.scale, call.mods, target)
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         host = functools.partial(_host_backward, call)
         return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
@@ -103,7 +104,7 @@ def _backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
 
 def _eager_backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
     return _backend.backward(
-        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse
+        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse, mods=call.mods
     )
 
 

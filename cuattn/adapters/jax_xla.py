@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry
+from cuattn.backends.call import NO_MODS, ScoreMods
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import COPY_ALIGNMENT, LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import (
@@ -564,12 +565,14 @@ class XlaBackend(KernelBackend):
         call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=aliases)
         return call(*operands, opaque=opaque)
 
-    def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, layout, scale)
+    def forward(
+        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+    ) -> tuple[Any, Any]:
+        out, lse = super().forward(q, k, v, layout, scale, mods)
         return out.get(), lse.get()
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse)
+    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS):
+        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods)
         return tuple(g.get() for g in grads)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
@@ -619,13 +622,20 @@ def folding_vmap(fun: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any
 
 
 def forward(
-    q: Any, k: Any, v: Any, layout: Layout, scale: float, compute_capability: int
+    q: Any,
+    k: Any,
+    v: Any,
+    layout: Layout,
+    scale: float,
+    mods: ScoreMods,
+    compute_capability: int,
 ) -> tuple[Any, Any]:
     """(out, lse) of traced jax arrays in the caller's token order, as custom calls."""
     backend = backend_for(compute_capability)
 
     def run(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
-        out, lse = backend.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale)
+        prepared = (_prepare(x, layout) for x in (q, k, v))
+        out, lse = backend.forward(*prepared, layout, scale, mods)
         return _to_natural(out, layout), _to_natural(lse, layout)
 
     return folding_vmap(run)(q, k, v)
@@ -641,6 +651,7 @@ def backward(
     dlse: Any,
     layout: Layout,
     scale: float,
+    mods: ScoreMods,
     compute_capability: int,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
@@ -649,7 +660,7 @@ def backward(
 
     def run(*arrays: Any) -> tuple[Any, Any, Any]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays)
-        grads = backend.backward(*tensors, layout, scale, dlse)
+        grads = backend.backward(*tensors, layout, scale, dlse, mods)
         return tuple(_to_natural(g, layout) for g in grads)
 
     return folding_vmap(run)(q, k, v, out, lse, dout, dlse)

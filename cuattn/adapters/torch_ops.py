@@ -2,9 +2,9 @@
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
-                          backend, recompute, index)                          -> (out, lse)
+                          softcap, backend, recompute, index)                 -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
-                          window_right, scale, backend, index)               -> (dq, dk, dv)
+                          window_right, scale, softcap, backend, index)      -> (dq, dk, dv)
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
-from cuattn.backends.call import AttentionCall
+from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
 from cuattn.backends.kernels import kernel_layout
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.layout import RULE_KINDS, Layout
@@ -127,6 +127,11 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
+def _mods(softcap: float) -> ScoreMods:
+    """The ops' modifier arguments as the backends take them."""
+    return ScoreMods(softcap) if softcap else NO_MODS
+
+
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -142,6 +147,7 @@ def attention_fwd(
     window_left: int,
     window_right: int,
     scale: float,
+    softcap: float,
     backend: str,
     recompute: bool,
     index: list[torch.Tensor],
@@ -153,12 +159,13 @@ def attention_fwd(
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        out, lse = dlpack.call(_backend.forward, named, lay, scale, backend or None, info=info)
+        args = (lay, scale, backend or None, _mods(softcap))
+        out, lse = dlpack.call(_backend.forward, named, *args, info=info)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, pattern, blocksize, rule, left, right, scale, backend, *rest):
+def _attention_fwd_fake(q, k, v, *rest):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -177,6 +184,7 @@ def attention_bwd(
     window_left: int,
     window_right: int,
     scale: float,
+    softcap: float,
     backend: str,
     index: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,15 +198,16 @@ def attention_bwd(
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        grads = dlpack.call(_backward_arrays, named, lay, scale, backend or None, info=info)
+        args = (lay, scale, backend or None, _mods(softcap))
+        grads = dlpack.call(_backward_arrays, named, *args, info=info)
     return tuple(g.contiguous() for g in grads)
 
 
 def _backward_arrays(q, k, v, out, lse, dout, *rest):
     """backends.backward with the optional dlse array (the first of ``rest`` when given)."""
-    *dlse, layout, scale, backend = rest
+    *dlse, layout, scale, backend, mods = rest
     dlse = dlse[0] if dlse else None
-    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse=dlse)
+    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse, mods)
 
 
 @attention_bwd.register_fake
@@ -207,30 +216,32 @@ def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, backend, recompute, index = inputs
+    q, k, v, *layout_args, scale, softcap, backend, recompute, index = inputs
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
     ctx.save_for_backward(*saved, *index)
     ctx.saved_count = len(saved)
-    ctx.args = (*layout_args, scale, backend, recompute)
+    ctx.args = (*layout_args, scale, softcap, backend, recompute)
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    *layout_args, scale, backend, recompute = ctx.args
+    *layout_args, scale, softcap, backend, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     index = list(tensors[ctx.saved_count :])
     if recompute:
-        saved = attention_fwd(q, k, v, *layout_args, scale, backend, False, index)
+        saved = attention_fwd(q, k, v, *layout_args, scale, softcap, backend, False, index)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    grads = attention_bwd(q, k, v, out, lse, dout, dlse, *layout_args, scale, backend, index)
+    grads = attention_bwd(
+        q, k, v, out, lse, dout, dlse, *layout_args, scale, softcap, backend, index
+    )
     # None for each plain argument, and a None for each tensor of index
-    return (*grads, *[None] * (len(layout_args) + 3), [None] * len(index))
+    return (*grads, *[None] * (len(layout_args) + 4), [None] * len(index))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -261,14 +272,15 @@ def attend(
 
 
 def op_arguments(call: AttentionCall, device: torch.device) -> tuple:
-    """(pattern, blocksize, rule, window_left, window_right, scale, backend, recompute, index):
+    """(pattern, blocksize, rule, window_left, window_right, scale, softcap, backend, recompute,
+    index):
     the call as attention_fwd's arguments after q, k, v for q on ``device`` (attention_bwd takes
     the same but recompute), the one place that spells them. A Pattern's ints are unused (0)."""
-    layout, backend = call.layout, call.backend or ""
+    layout, backend, softcap = call.layout, call.backend or "", call.mods.softcap
     if isinstance(layout, Pattern):
-        return layout.key, 0, 0, 0, 0, call.scale, backend, call.recompute, []
+        return layout.key, 0, 0, 0, 0, call.scale, softcap, backend, call.recompute, []
     index = index_tensors(layout, device)
-    return "", *_layout_ints(layout), call.scale, backend, call.recompute, index
+    return "", *_layout_ints(layout), call.scale, softcap, backend, call.recompute, index
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

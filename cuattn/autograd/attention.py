@@ -25,7 +25,7 @@ class SparseAttention(Function):
 
     @staticmethod
     def forward(ctx: Context, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
-        out, lse = _backend.forward(q, k, v, call.layout, call.scale, call.backend)
+        out, lse = _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         return out, lse
@@ -35,7 +35,7 @@ class SparseAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         call = ctx.call
         dq, dk, dv = _backend.backward(
-            q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse
+            q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse, call.mods
         )
         return dq, dk, dv, None
 

@@ -1,9 +1,10 @@
 """Backend selection and the permutation-aware forward/backward every public path goes through.
 
 A backend computes attention on arrays of one array library in the layout's computed token
-order: ``forward(q, k, v, layout, scale) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, dlse) -> (dq, dk, dv)``, where
-``dlse`` (like lse, or None) is the gradient reaching the lse output.
+order: ``forward(q, k, v, layout, scale, mods) -> (out, lse)`` and
+``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods) -> (dq, dk, dv)``, where
+``dlse`` (like lse, or None) is the gradient reaching the lse output and ``mods`` the score
+modifiers (backends/call.py ScoreMods).
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cuattn.backends import numpy_ref as reference
+from cuattn.backends.call import NO_MODS, ScoreMods
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
@@ -34,7 +36,9 @@ class Backend(Protocol):
     runs_kernels: bool  # the .cu kernels (interp, cuda), which other layers may launch too
     on_gpu: bool  # computes on a CUDA device (its occupancy is that device's)
 
-    def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]: ...
+    def forward(
+        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+    ) -> tuple[Any, Any]: ...
 
     def backward(
         self,
@@ -47,6 +51,7 @@ class Backend(Protocol):
         layout: Layout,
         scale: float,
         dlse: Any | None = None,
+        mods: ScoreMods = NO_MODS,
     ) -> tuple[Any, Any, Any]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
@@ -59,13 +64,13 @@ class NumpyBackend:
     runs_kernels = False
     on_gpu = False
 
-    def forward(self, q, k, v, layout, scale):
+    def forward(self, q, k, v, layout, scale, mods=NO_MODS):
         reference.check_arrays(q)
-        return reference.attention_forward(q, k, v, layout, scale)
+        return reference.attention_forward(q, k, v, layout, scale, mods)
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None):
+    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS):
         reference.check_arrays(q)
-        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse)
+        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse, mods)
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return reference.merge_states(out_a, lse_a, out_b, lse_b)
@@ -149,7 +154,13 @@ def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
 
 
 def forward(
-    q: Any, k: Any, v: Any, layout: Layout, scale: float, backend: str | None = None
+    q: Any,
+    k: Any,
+    v: Any,
+    layout: Layout,
+    scale: float,
+    backend: str | None = None,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[Any, Any]:
     """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
 
@@ -157,7 +168,7 @@ def forward(
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
     impl = _resolve_for(q, backend, layout)
-    out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale)
+    out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale, mods)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
@@ -172,13 +183,15 @@ def backward(
     scale: float,
     backend: str | None = None,
     dlse: Any | None = None,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
-    (like lse, or None when nothing reached it) makes the lse a differentiable output."""
+    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
+    are the forward's."""
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, dlse)
+    grads = impl.backward(*arrays, layout, scale, dlse, mods)
     return tuple(_to_natural(g, layout) for g in grads)
 
 

@@ -15,6 +15,28 @@ from cuattn.layout.pattern import Pattern
 
 
 @dataclass(frozen=True)
+class ScoreMods:
+    """What changes the scores between ``scale * q.k`` and the mask, as every backend takes it.
+
+    softcap   > 0: each score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0: off
+
+    Checked by the public API (cuattn.api) like every part of the call, not here.
+
+    The kernels compile a variant with modifiers only for calls that use one (``any``), so a
+    call without them runs the plain kernels.
+    """
+
+    softcap: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return self.softcap > 0.0
+
+
+NO_MODS = ScoreMods()
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """A validated attention call (arrays aside).
 
@@ -24,6 +46,7 @@ class AttentionCall:
     recompute   keep only q, k, v for the backward and run the forward again there
     return_lse  hand the log-sum-exp back beside the output
     backend     'numpy', 'interp', 'cuda' or None (chosen from the arrays and CUATTN_BACKEND)
+    mods        the score modifiers (ScoreMods; none by default)
 
     Frozen and hashable (a layout compares by identity), as jax's custom_vjp needs of the
     arguments it does not differentiate.
@@ -34,6 +57,7 @@ class AttentionCall:
     recompute: bool = False
     return_lse: bool = False
     backend: str | None = None
+    mods: ScoreMods = NO_MODS
 
     def for_lengths(self, n_q: int, n_k: int) -> AttentionCall:
         """This call with a Pattern built into its Layout for n_q queries and n_k keys (the

@@ -43,6 +43,9 @@ CXX_RULE = {
     "window": "MASK_WINDOW",
     "bitmask": "MASK_BITMASK",
 }
+# The block kernels' score-modifier flag (kernels/common/types.cuh ScoreModsFlag): the plain
+# kernels, and a variant reading the modifiers' runtime values (backends/call.py ScoreMods).
+CXX_MODS = {False: "MODS_NONE", True: "MODS_SCORE"}
 
 WARP_SIZE = 32
 SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
@@ -125,6 +128,7 @@ _RULE_SCALARS = (
     ("scale", "f32"),
     ("window_left", "i32"),
     ("window_right", "i32"),
+    ("softcap", "f32"),
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -404,7 +408,8 @@ class _Launch:
 class KernelConfig(_Launch):
     """Geometry of one launch of one kernel instantiation.
 
-    ``block`` and ``rule`` are ignored (must be None) for the row kernels. ``n_rows`` is the
+    ``block`` and ``rule`` are ignored (must be None) for the row kernels, ``mods`` (the
+    score-modifier variant) is for the block kernels only. ``n_rows`` is the
     length of the axis the grid covers: queries (attn_fwd, attn_bwd_dq, attn_bwd_preprocess) or
     keys (attn_bwd_dkdv); ``heads`` counts query heads.
     """
@@ -417,6 +422,7 @@ class KernelConfig(_Launch):
     n_rows: int = 1
     block: int | None = None
     rule: str | None = None
+    mods: bool = False
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -428,6 +434,7 @@ class KernelConfig(_Launch):
         assert self.head_dim in HEAD_DIMS, self.head_dim
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
+        assert not self.mods or self.kernel in BLOCK_KERNELS, self.kernel
         itemsize = ITEMSIZE[self.dtype]
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
@@ -511,13 +518,15 @@ class KernelConfig(_Launch):
 
     @property
     def group(self) -> tuple:
-        """The instantiations the interpreter compiles into one library with this one."""
-        return (self.source_file, self.dtype, self.head_dim)
+        """The instantiations the interpreter compiles into one library with this one (the
+        modifier variants apart: only calls with modifiers build them)."""
+        return (self.source_file, self.dtype, self.head_dim, self.mods)
 
     @property
     def name_expression(self) -> str:
         """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 4, 128, __half,
-        MASK_CAUSAL>`` (block, tile_m, tile_n, warps, head dim, type, rule) or
+        MASK_CAUSAL, MODS_NONE>`` (block, tile_m, tile_n, warps, head dim, type, rule, modifier
+        flag) or
         ``attn_bwd_dq<64, 64, 32, 3, 128, ...>`` (block, own tile, step tile, CTAs per SM its
         registers are capped for, ...)."""
         cxx = CXX_TYPE[self.dtype]
@@ -525,7 +534,8 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
-        return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {CXX_RULE[self.rule]}>"
+        rule, mods = CXX_RULE[self.rule], CXX_MODS[self.mods]
+        return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
     @property
     def traits_expression(self) -> str:
@@ -704,10 +714,10 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
     configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig] = []
     for kernel in BLOCK_KERNELS:
-        for block, head_dim, dtype, rule in itertools.product(
-            BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES
+        for block, head_dim, dtype, rule, mods in itertools.product(
+            BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES, CXX_MODS
         ):
-            configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule))
+            configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule, mods=mods))
     for kernel in ROW_KERNELS + DECODE_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry
+from cuattn.backends.call import NO_MODS, ScoreMods
 from cuattn.backends.geometry import KernelConfig
 from cuattn.layout.derived import coarsened
 from cuattn.layout.layout import Layout
@@ -249,7 +250,9 @@ class KernelBackend:
             "window_right": layout.rule.window_right,
         }
 
-    def forward(self, q: Any, k: Any, v: Any, layout: Layout, scale: float) -> tuple[Any, Any]:
+    def forward(
+        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+    ) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         layout = kernel_layout(layout)
@@ -268,6 +271,7 @@ class KernelBackend:
                 n_q,
                 layout.blocksize,
                 layout.rule.kind,
+                mods.any,
             )
             self.launch(
                 config,
@@ -277,6 +281,7 @@ class KernelBackend:
                 out=out,
                 lse=lse,
                 scale=scale,
+                softcap=mods.softcap,
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
@@ -295,9 +300,11 @@ class KernelBackend:
         layout: Layout,
         scale: float,
         dlse: Any | None = None,
+        mods: ScoreMods = NO_MODS,
     ) -> tuple[Any, Any, Any]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
-        the gradient reaching the lse output, subtracted from delta by the preprocess kernel.
+        the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
+        ``mods`` are the forward's score modifiers.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
@@ -349,21 +356,23 @@ class KernelBackend:
             # dK, dV per query head; with kv_group == 1 that is already k's shape.
             dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
             tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
-            block, rule = layout.blocksize, layout.rule.kind
+            variant = {"block": layout.blocksize, "rule": layout.rule.kind, "mods": mods.any}
             self.launch(
-                KernelConfig("attn_bwd_dkdv", *per_head, n_k, block=block, rule=rule),
+                KernelConfig("attn_bwd_dkdv", *per_head, n_k, **variant),
                 **tensors,
                 dk=dk,
                 dv=dv,
                 scale=scale,
+                softcap=mods.softcap,
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
                 **strides,
             )
             self.launch(
-                KernelConfig("attn_bwd_dq", *per_head, n_q, block=block, rule=rule),
+                KernelConfig("attn_bwd_dq", *per_head, n_q, **variant),
                 **tensors,
                 dq=dq,
                 scale=scale,
+                softcap=mods.softcap,
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
                 **strides,
             )

@@ -13,6 +13,8 @@ running sum ``l_i`` and the unnormalised output ``acc``.
 Backward: ``delta = rowsum(dO * O) - dLSE`` (dLSE: the gradient reaching the lse output, zero
 when unused); dQ walks the CSR rows, dK and dV walk the CSC columns, each
 recomputing P = exp(S - lse) from the saved log-sum-exp, so only q, k, v, out and lse are needed.
+Score modifiers (``ScoreMods``: softcap) apply to ``scale * q.k`` before the mask; the backward
+multiplies dS by their derivative.
 Precision: float64 accumulates in float64, float32 and float16 in float32; results are cast back
 to the input dtype (lse stays in the accumulation type).
 """
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from cuattn.backends.call import NO_MODS, ScoreMods
 from cuattn.layout.layout import Layout
 
 SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
@@ -65,12 +68,24 @@ def _walk(
 
 
 def _scores(
-    qb: np.ndarray, kb: np.ndarray, layout: Layout, h, i, j, mask_id, scale: float
+    qb: np.ndarray, kb: np.ndarray, layout: Layout, h, i, j, mask_id, scale: float, mods: ScoreMods
 ) -> np.ndarray:
-    """S = Q_i K_j^T * scale for R blocks at once, -inf where the element rule forbids."""
+    """S = Q_i K_j^T * scale for R blocks at once, modified (softcap), then -inf where the
+    element rule forbids."""
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
+    if mods.softcap:
+        s = mods.softcap * np.tanh(s / mods.softcap)
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf)
+
+
+def _mods_gradient(s: np.ndarray, ds: np.ndarray, mods: ScoreMods) -> np.ndarray:
+    """dS with respect to the scaled scores before the modifiers, from ``ds`` with respect to
+    the modified scores ``s``: softcap's tanh contributes 1 - (s / softcap)^2 (0 where masked)."""
+    if not mods.softcap:
+        return ds
+    t = s / mods.softcap
+    return ds * np.maximum(1.0 - t * t, 0.0)
 
 
 def _kv_head(h: np.ndarray, qb: np.ndarray, kb: np.ndarray) -> np.ndarray:
@@ -103,7 +118,12 @@ def _quiet_specials(fn: Callable[..., T]) -> Callable[..., T]:
 
 @_quiet_specials
 def attention_forward(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, layout: Layout, scale: float
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    layout: Layout,
+    scale: float,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to)."""
     acc_t = _acc_dtype(q.dtype)
@@ -112,7 +132,7 @@ def attention_forward(
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
+        s = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods)
         m_old = m_i[:, h, i]
         m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
         # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
@@ -145,10 +165,12 @@ def attention_backward(
     layout: Layout,
     scale: float,
     dlse: np.ndarray | None = None,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
     None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
-    enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed."""
+    enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed. ``mods``
+    must be the forward's."""
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
@@ -162,11 +184,11 @@ def attention_backward(
     lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
-        s = _scores(qb, kb, layout, h, i, j, mask_id, scale)
+        s = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
-        return p, p * (dp - delta[:, h, i][..., None])
+        return p, _mods_gradient(s, p * (dp - delta[:, h, i][..., None]), mods)
 
     dq = np.zeros_like(qb)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):

@@ -28,7 +28,9 @@ size T x T is built and every sequence gets its own layout, aligned to its own f
   documents, each attended alone; so do FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
   keyword arguments (DataCollatorWithFlattening).
 
-Not supported, each a ValueError naming it: dropout in training, ``softcap``, ``position_bias``,
+Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
+
+Not supported, each a ValueError naming it: dropout in training, ``position_bias``,
 ``s_aux`` (attention sinks), ``output_attentions``, a model's own extra mask functions
 (``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
 is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
@@ -186,7 +188,7 @@ def _varlen(
     key: torch.Tensor,
     value: torch.Tensor,
     pattern: Pattern,
-    scaling: float | None,
+    scores: dict[str, float | None],
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
     keep_q: torch.Tensor | None = None,
@@ -201,7 +203,7 @@ def _varlen(
         q = q.index_select(0, keep_q)
     if keep_k is not None:
         k, v = k.index_select(0, keep_k), v.index_select(0, keep_k)
-    out = api.sparse_attention_varlen(q, k, v, cu_q, cu_k, pattern.layout, scale=scaling)
+    out = api.sparse_attention_varlen(q, k, v, cu_q, cu_k, pattern.layout, **scores)
     if keep_q is not None:
         out = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, keep_q, out)
     return out.reshape(batch, q_len, heads, head_dim)
@@ -269,7 +271,7 @@ def _padded(
     value: torch.Tensor,
     keep: torch.Tensor,
     pattern: Pattern,
-    scaling: float | None,
+    scores: dict[str, float | None],
 ) -> torch.Tensor:
     """Attention of a padded batch: ``keep`` [batch, L] marks the real tokens of the first L
     keys (L < kv_len only with a static cache, whose tail past the mask is unused); the queries
@@ -291,7 +293,7 @@ def _padded(
         keep = keep != 0
     if keep.all():
         out = api.sparse_attention(
-            query, key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]], pattern, scale=scaling
+            query, key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]], pattern, **scores
         )
         return out.transpose(1, 2)
     length = keep.shape[1]
@@ -301,7 +303,7 @@ def _padded(
     flat_q = torch.nonzero(keep_q.reshape(-1)).reshape(-1)
     cu_k = _cu_seqlens(keep.sum(1))
     cu_q = _cu_seqlens(keep_q.sum(1))
-    return _varlen(query, key, value, pattern, scaling, cu_q, cu_k, flat_q, flat_k)
+    return _varlen(query, key, value, pattern, scores, cu_q, cu_k, flat_q, flat_k)
 
 
 def _documents(position_ids: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
@@ -349,9 +351,11 @@ def attention_forward(
     None)."""
     if dropout and module.training:
         _refuse("attention dropout", f"dropout={dropout} while training")
-    for name in ("softcap", "position_bias", "s_aux"):
+    for name in ("position_bias", "s_aux"):
         if kwargs.get(name) is not None:
-            _refuse(name, "the kernels add nothing to the scores")
+            _refuse(name, "the kernels add nothing of it to the scores")
+    # how the scores are formed: the layer's scale and logit soft-capping (Gemma 2)
+    scores = {"scale": scaling, "softcap": kwargs.get("softcap")}
     if kwargs.get("output_attentions"):
         _refuse("output_attentions", "the probabilities are never materialised")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -373,16 +377,16 @@ def attention_forward(
                 "attention_mask must be 2-D [batch, kv_len] (padding) or 4-D [batch, heads, "
                 f"q_len, kv_len], got shape {tuple(attention_mask.shape)}"
             )
-        out = _padded(query, key, value, attention_mask, pattern, scaling)
+        out = _padded(query, key, value, attention_mask, pattern, scores)
         return out.contiguous(), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
-        return _varlen(query, key, value, pattern, scaling, cu_q, cu_k), None
+        return _varlen(query, key, value, pattern, scores, cu_q, cu_k), None
     cu = _documents(kwargs.get("position_ids"), batch, q_len, kv_len)
     if cu is not None:
-        return _varlen(query, key, value, pattern, scaling, cu, cu), None
-    out = api.sparse_attention(query, key, value, pattern, scale=scaling)
+        return _varlen(query, key, value, pattern, scores, cu, cu), None
+    out = api.sparse_attention(query, key, value, pattern, **scores)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -41,6 +41,11 @@ MAX_REASON_CHARS = 160  # of a load error quoted in the one-line message
 # all 1265 attention, decode and layout instantiations the most is 40 (fp32 dQ at head dim 256;
 # bench/NOTES.md, "The test suite's NVRTC sweep").
 ARCH_REGISTER_MARGIN = 48
+# A block kernel's score-modifier variant (MODS_SCORE) uses at most 78 registers more than its
+# plain twin on sm_90 (all 1152 pairs, NVRTC 12.9, 2026-11-26; bench/NOTES.md, change 16): a
+# plain instantiation this far below its cap has a variant that cannot spill there.
+MODS_REGISTER_MARGIN = 80
+PLAIN_MODS, SCORE_MODS = "MODS_NONE>", "MODS_SCORE>"
 INSTALL_HINT = (
     "pip install 'cuattn[nvrtc]' (CuPy with NVRTC and the CUDA runtime headers, no GPU needed)"
 )
@@ -51,7 +56,7 @@ class CompileUnit:
     """One kernel instantiation to compile."""
 
     source_file: str  # e.g. "attn_fwd.cu", relative to kernels/
-    name_expression: str  # e.g. "attn_fwd<64, 64, 64, 2, 128, __nv_bfloat16, MASK_CAUSAL>"
+    name_expression: str  # e.g. "attn_fwd<64, 64, 64, 4, 128, __half, MASK_CAUSAL, MODS_NONE>"
     threads: int = 0  # per CTA at launch (0: unknown, no occupancy in the report)
     dynamic_smem: int = 0  # bytes of dynamic shared memory at launch
     register_cap: int = 0  # registers per thread its launch bounds allow (0: not known here)
@@ -249,6 +254,23 @@ def needs_every_arch(result: CompileResult, margin: int = ARCH_REGISTER_MARGIN) 
     ``cuattn compile`` command compiles everything for every architecture it is given."""
     cap = result.unit.register_cap
     return not result.ok or not cap or result.stats.registers > cap - margin
+
+
+def modifier_twin(unit: CompileUnit, by_name: Mapping[str, CompileUnit]) -> CompileUnit | None:
+    """The MODS_SCORE variant of a plain block-kernel instantiation, looked up in ``by_name``
+    (name expression -> unit); None for the kernels without modifier variants."""
+    if not unit.name_expression.endswith(PLAIN_MODS):
+        return None
+    return by_name.get(unit.name_expression[: -len(PLAIN_MODS)] + SCORE_MODS)
+
+
+def needs_modifier_variant(result: CompileResult, margin: int = MODS_REGISTER_MARGIN) -> bool:
+    """Whether the score-modifier variant of a compiled plain instantiation must be compiled
+    too to know it is spill-free on the same architecture: the plain one failed or spilled, its
+    cap is not known here, or it uses more than its cap less ``margin`` (the variant uses at
+    most 78 registers more; further from the cap it cannot spill). The test suite's sweep uses
+    this; ``cuattn compile`` compiles every variant."""
+    return needs_every_arch(result, margin)
 
 
 def load_sources(units: Iterable[CompileUnit]) -> dict[str, str]:

@@ -39,22 +39,34 @@ GRAD_FLOOR = 0.1
 T = TypeVar("T")
 
 
-def _probs(
-    q: Any, k: Any, mask: Any, scale: float, score_dtype: Any = None
-) -> tuple[Any, Any, Any]:
-    """(P, row max, row sum) of the masked softmax in float64 (l_sum == 0: an empty row)."""
+def _scores(q: Any, k: Any, scale: float, score_dtype: Any, softcap: float) -> tuple[Any, Any]:
+    """(S, dS_capped/dS_scaled): scale * q.k, capped as ``softcap * tanh(s / softcap)`` when
+    softcap > 0, and the cap's slope 1 - tanh^2 (1 without a cap), before any mask."""
     xp = get_array_module(q)
     s = xp.einsum("bhqd,bhkd->bhqk", q, k)
     if score_dtype is not None:  # formed as the backends do: q.k, then * scale, in that type
         s = (s.astype(score_dtype) * xp.dtype(score_dtype).type(scale)).astype(xp.float64)
     else:
         s = s * scale
+    if not softcap:
+        return s, 1.0
+    t = xp.tanh(s / softcap)
+    return softcap * t, 1.0 - t * t
+
+
+def _probs(
+    q: Any, k: Any, mask: Any, scale: float, score_dtype: Any = None, softcap: float = 0.0
+) -> tuple[Any, Any, Any, Any]:
+    """(P, row max, row sum, the cap's slope) of the masked softmax in float64 (l_sum == 0: an
+    empty row)."""
+    xp = get_array_module(q)
+    s, slope = _scores(q, k, scale, score_dtype, softcap)
     s = xp.where(mask[None], s, -xp.inf)  # replaced, never multiplied
     m = s.max(axis=-1, keepdims=True)  # NaN-propagating
     m = xp.where(m == -xp.inf, 0.0, m)  # nothing but -inf: exp gives 0; NaN and +inf stay
     p = xp.exp(s - m)
     l_sum = p.sum(axis=-1, keepdims=True)
-    return p / xp.where(l_sum == 0, 1.0, l_sum), m, l_sum
+    return p / xp.where(l_sum == 0, 1.0, l_sum), m, l_sum, slope
 
 
 def _rows_of(w: Any, x: Any, computed: Any) -> Any:
@@ -128,13 +140,15 @@ def dense_attention(
     scale: float,
     computed: Any = None,
     score_dtype: Any = None,
+    softcap: float = 0.0,
 ) -> tuple[Any, Any]:
     """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key (or only
-    -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring."""
+    -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring; ``softcap``
+    > 0 caps the scaled scores (``softcap * tanh(s / softcap)``) before the mask."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
-    p, m, l_sum = _probs(q, k, mask, scale, score_dtype)
+    p, m, l_sum, _ = _probs(q, k, mask, scale, score_dtype, softcap)
     empty = l_sum[..., 0] == 0
     out = xp.where(empty[..., None], 0.0, _rows_of(p, v, computed))
     lse = xp.where(empty, -xp.inf, m[..., 0] + xp.log(xp.where(empty, 1.0, l_sum[..., 0])))
@@ -152,15 +166,16 @@ def dense_attention_grads(
     dlse: Any = None,
     computed: Any = None,
     score_dtype: Any = None,
+    softcap: float = 0.0,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) in float64 of sum(out * dout) + sum(lse * dlse) (dlse [batch, heads, n_q]
     or None; rows with no allowed key take no part); dk, dv with k's and v's heads.
-    ``computed``, ``score_dtype``: see the module docstring."""
+    ``computed``, ``score_dtype``, ``softcap``: as for :func:`dense_attention`."""
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
-    p, _, l_sum = _probs(q, k, mask, scale, score_dtype)
+    p, _, l_sum, slope = _probs(q, k, mask, scale, score_dtype, softcap)
     dv = _cols_of(p, dout, computed)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
     if computed is not None:  # a pair outside takes no part in dS either
@@ -172,7 +187,7 @@ def dense_attention_grads(
     if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P * (dP - (delta - dlse))
         (dlse,) = _float64(dlse)
         delta = delta - dlse[..., None]
-    ds = p * (dp - delta)
+    ds = p * (dp - delta) * slope
     dq = _rows_of(ds, k, computed) * scale
     dk = _cols_of(ds, q, computed) * scale
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)

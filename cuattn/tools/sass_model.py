@@ -271,10 +271,12 @@ class HotSpec:
         return (self.own_copies + outputs) * tile
 
 
-def _geometry_spec(label: str, kernel: str, head_dim: int, dtype: str, block: int) -> HotSpec:
+def _geometry_spec(
+    label: str, kernel: str, head_dim: int, dtype: str, block: int, mods: bool = False
+) -> HotSpec:
     from cuattn.backends.geometry import ITEMSIZE, KernelConfig
 
-    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal")
+    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal", mods=mods)
     tile_m, tile_n, warps = config.tile_m, config.tile_n, config.num_warps
     rows_per_warp = tile_m // warps
     m16 = rows_per_warp // 16
@@ -339,7 +341,8 @@ HOT_BLOCKS = (64, 128)
 
 def hot_specs() -> list[HotSpec]:
     """Every hot instantiation: the forward, dK/dV, dQ at d = 64/128 and 64-/128-blocks in bf16;
-    the forward d128 b64 in fp16 too; decode."""
+    the forward d128 b64 in fp16 too; the three at d128 b64 with a softcap (their MODS_SCORE
+    variants: what the modifier costs); decode."""
     names = {
         "attn_fwd": "fwd",
         "attn_bwd_dkdv": "dkdv",
@@ -352,6 +355,9 @@ def hot_specs() -> list[HotSpec]:
                 label = f"{name} d{head_dim} b{block}"
                 specs.append(_geometry_spec(label, kernel, head_dim, HOT_DTYPE, block))
     specs.append(_geometry_spec("fwd d128 b64 fp16", "attn_fwd", 128, "float16", 64))
+    for kernel, name in names.items():
+        label = f"{name} d128 b64 softcap"
+        specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, mods=True))
     specs.extend(_decode_spec(d, HOT_DTYPE) for d in HOT_HEAD_DIMS)
     return specs
 

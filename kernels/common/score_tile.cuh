@@ -106,13 +106,51 @@ __device__ __forceinline__ void mask_score_tile(float (&s)[N / 8][4], const Rule
                                                         q_block, k_block, mask_id);
 }
 
-template <int N>
-__device__ __forceinline__ void scale_tile(float (&s)[N / 8][4], float factor) {
+// How a q.k product becomes the log2-domain score the softmax uses: scale * LOG2E * q.k, or
+// with a softcap, softcap * LOG2E * tanh(scale * q.k / softcap) (Gemma 2's logit capping).
+struct ScoreScale {
+  float factor;        // multiplies q.k: scale * LOG2E, or scale / softcap when capped
+  float cap_log2;      // softcap * LOG2E when capped, else 0
+  float inv_cap_log2;  // 1 / cap_log2 when capped, else 0
+
+  template <int MODS>
+  __device__ __forceinline__ static ScoreScale make(float scale, float softcap) {
+    if (MODS == MODS_SCORE && softcap > 0.f) {
+      return {scale / softcap, softcap * LOG2E, 1.f / (softcap * LOG2E)};
+    }
+    return {scale * LOG2E, 0.f, 0.f};
+  }
+};
+
+// A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
+// allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a
+// plain multiply.
+template <int MODS, int N>
+__device__ __forceinline__ void score_tile(float (&s)[N / 8][4], const ScoreScale& sc) {
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] *= factor;
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] *= sc.factor;
+      if constexpr (MODS == MODS_SCORE) {
+        if (sc.cap_log2 > 0.f) s[j][e] = sc.cap_log2 * tanhf(s[j][e]);
+      }
+    }
   }
+}
+
+// The softcap's derivative d(capped score) / d(scaled score) = 1 - tanh^2 from a capped log2
+// score s: 1 - (s / cap_log2)^2, and 0 where s is masked (-inf) or not a score (NaN). 1 when
+// nothing is capped.
+template <int MODS>
+__device__ __forceinline__ float softcap_slope(float s_log2, const ScoreScale& sc) {
+  if constexpr (MODS == MODS_SCORE) {
+    if (sc.cap_log2 > 0.f) {
+      const float t = s_log2 * sc.inv_cap_log2;
+      return fmaxf(1.f - t * t, 0.f);
+    }
+  }
+  return 1.f;
 }
 
 // Stores the two adjacent elements a lane holds in one n-tile as one 32-bit (16-bit types) or

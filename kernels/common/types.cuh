@@ -25,6 +25,14 @@ enum MaskRule : int {
   MASK_BITMASK = 3,   // bit lookup in mask_table[mask entry]
 };
 
+// Score modifiers between scale * q.k and the mask (docs/design.md §2). MODS_NONE compiles the
+// plain kernels, so a call without modifiers pays nothing for them; MODS_SCORE reads their
+// runtime values (softcap > 0: s = softcap * tanh(s / softcap)).
+enum ScoreModsFlag : int {
+  MODS_NONE = 0,
+  MODS_SCORE = 1,
+};
+
 template <typename A, typename B>
 struct is_same_type {
   static constexpr bool value = false;

@@ -26,6 +26,7 @@ import cuattn
 from cuattn import backends
 from cuattn.adapters import jax_xla as xla
 from cuattn.backends import geometry
+from cuattn.backends.call import ScoreMods
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import kernel_layout
 
@@ -563,11 +564,15 @@ class _Interpreted(xla.XlaBackend):
 @needs_nvrtc
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
 @pytest.mark.parametrize(
-    "mode, kwargs",
-    [("fixed", {"local_attn_ctx": 32, "num_verts": 1}), ("strided", {"local_attn_ctx": 4})],
-    ids=["fixed", "strided-permuted"],
+    "mode, kwargs, softcap",
+    [
+        ("fixed", {"local_attn_ctx": 32, "num_verts": 1}, None),
+        ("strided", {"local_attn_ctx": 4}, None),
+        ("fixed", {"local_attn_ctx": 32, "num_verts": 1}, 1.5),
+    ],
+    ids=["fixed", "strided-permuted", "fixed-softcap"],
 )
-def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs):
+def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs, softcap):
     backend = _Interpreted(CC)
     backend.staged = []
     monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
@@ -580,12 +585,13 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     weight = rng.standard_normal(q.shape[1:]).astype(np.float32)
     lse_weight = rng.standard_normal(q.shape[1:-1]).astype(np.float32)
     scale = head_dim**-0.5
+    mods = ScoreMods(softcap or 0.0)
 
     def f(q, k, v):
-        return cuattn.sparse_attention(q, k, v, layout)
+        return cuattn.sparse_attention(q, k, v, layout, softcap=softcap)
 
     def loss(q, k, v):  # through both outputs: the lse's cotangent reaches the preprocess launch
-        out, lse = cuattn.sparse_attention(q, k, v, layout, return_lse=True)
+        out, lse = cuattn.sparse_attention(q, k, v, layout, return_lse=True, softcap=softcap)
         return (out.astype(jnp.float32) * weight).sum() + (lse * lse_weight).sum()
 
     with xla.lowering_for_cuda(CC):
@@ -599,19 +605,22 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     assert backend.staged == [forward, forward, *backward, forward, forward]
     # the same kernels on the same inputs: bit for bit the eager interpreter backend's results
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
-    want_out, want_lse = backends.forward(*host, layout, scale, "interp")
+    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods)
     dout = weight.astype(want_out.dtype)
     want = backends.backward(
-        *host, want_out, want_lse, dout, layout, scale, "interp", dlse=lse_weight
+        *host, want_out, want_lse, dout, layout, scale, "interp", dlse=lse_weight, mods=mods
     )
     assert np.array_equal(np.asarray(out), want_out)
     for name, got, expected in zip("qkv", grads, want, strict=True):
         assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name
     assert np.array_equal(np.asarray(mapped[0]), want_out)
-    second = backends.forward(*(np.asarray(x[1]) for x in (q, k, v)), layout, scale, "interp")
+    second_host = (np.asarray(x[1]) for x in (q, k, v))
+    second = backends.forward(*second_host, layout, scale, "interp", mods)
     assert np.array_equal(np.asarray(mapped[1]), second[0])
     # and within bf16 accuracy of the float64 reference
-    reference, _ = backends.forward(*(x.astype(np.float64) for x in host), layout, scale)
+    reference, _ = backends.forward(
+        *(x.astype(np.float64) for x in host), layout, scale, None, mods
+    )
     assert _rel(out, reference) <= 1e-2
 
 

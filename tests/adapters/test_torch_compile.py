@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 import cuattn
 from cuattn.adapters import torch_ops
-from cuattn.backends.call import AttentionCall
+from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
 from tests.helpers.attn_cases import GRAD_RTOL_F64, rel
 
 HEADS, BLOCK, HEAD_DIM = 2, 16, 16
@@ -82,13 +82,13 @@ def test_a_dynamic_length_compiles_once_for_every_length():
     assert counter.frame_count == 1
 
 
-def _op_args(q, k, v, layout, recompute=False):
-    call = AttentionCall(layout, 0.3, recompute)
+def _op_args(q, k, v, layout, recompute=False, mods=NO_MODS):
+    call = AttentionCall(layout, 0.3, recompute, mods=mods)
     return (q, k, v, *torch_ops.op_arguments(call, q.device))
 
 
 @pytest.mark.parametrize(
-    "case", ["square_f64", "gqa_fewer_queries_f32", "strided_q_recompute", "pattern"]
+    "case", ["square_f64", "gqa_fewer_queries_f32", "strided_q_recompute", "pattern", "softcap"]
 )
 def test_opcheck_passes_on_both_ops(case):
     dtype = torch.float32 if case.endswith("f32") else torch.float64
@@ -99,7 +99,8 @@ def test_opcheck_passes_on_both_ops(case):
     q, k, v = _leaves(7, [(2, HEADS, n_q, HEAD_DIM), *[(2, kv_heads, 64, HEAD_DIM)] * 2], dtype)
     if case.startswith("strided"):
         q = torch.randn(2, n_q, HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2).requires_grad_()
-    args = _op_args(q, k, v, layout, recompute="recompute" in case)
+    mods = ScoreMods(softcap=0.7) if case == "softcap" else NO_MODS
+    args = _op_args(q, k, v, layout, recompute="recompute" in case, mods=mods)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
@@ -127,7 +128,7 @@ def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
     layout = cuattn.Layout.from_blocks(blocks, BLOCK, mask_fn=lambda h, q, k: k <= q + h)
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
     *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)
-    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, ""]
+    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, 0.0, ""]
     assert index[1].data_ptr() == layout.row_ptr.ctypes.data  # shared, not copied
     again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-1]
     assert all(a is b for a, b in zip(index, again, strict=True))

@@ -36,6 +36,12 @@ def is_wide(config) -> bool:
     return getattr(config, "head_dim", 0) >= WIDE_HEAD_DIM
 
 
+def is_plain(config) -> bool:
+    """Whether an instantiation is a plain kernel (the score-modifier variants are tested, and
+    their libraries built, in tests/backends/test_score_mods.py)."""
+    return not getattr(config, "mods", False)
+
+
 def n_ctx_for(block: int) -> int:
     """Two layout blocks, the second ragged: half a block and one row, at most 17 rows (a
     partial tile that crosses a 16-row fragment boundary; more rows prove nothing more, and the
@@ -69,7 +75,7 @@ def random_inputs(shape, dtype: str, seed: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels():
     """Compile this file's kernel libraries up front, every core at once (a no-op once cached)."""
-    interp.prepare(c for c in geometry.all_configs() if not is_wide(c))
+    interp.prepare(c for c in geometry.all_configs() if not is_wide(c) and is_plain(c))
 
 
 def check_forward(out, lse, q, k, v, layout, scale, dtype):
@@ -147,7 +153,7 @@ def check_kernel_traits(configs) -> None:
 
 
 def test_launch_geometry_matches_kernel_traits():
-    check_kernel_traits(c for c in geometry.all_configs() if not is_wide(c))
+    check_kernel_traits(c for c in geometry.all_configs() if not is_wide(c) and is_plain(c))
 
 
 def test_rejects_bad_inputs():

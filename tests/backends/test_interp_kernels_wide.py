@@ -10,6 +10,7 @@ from cuattn.backends import geometry, interp
 from tests.backends.test_interp_kernels import (
     WIDE_HEAD_DIM,
     check_kernel_traits,
+    is_plain,
     is_wide,
     run_forward_backward,
 )
@@ -18,7 +19,7 @@ from tests.backends.test_interp_kernels import (
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels():
     """Compile this file's kernel libraries up front, every core at once (a no-op once cached)."""
-    interp.prepare(c for c in geometry.all_configs() if is_wide(c))
+    interp.prepare(c for c in geometry.all_configs() if is_wide(c) and is_plain(c))
 
 
 @pytest.mark.parametrize("rule", geometry.RULES)
@@ -30,4 +31,4 @@ def test_forward_backward(block, head_dim, dtype, rule):
 
 
 def test_launch_geometry_matches_kernel_traits():
-    check_kernel_traits(c for c in geometry.all_configs() if is_wide(c))
+    check_kernel_traits(c for c in geometry.all_configs() if is_wide(c) and is_plain(c))

@@ -380,7 +380,6 @@ def test_a_sliding_window_with_a_sparse_pattern_is_refused_by_name():
     ("kwargs", "message"),
     [
         (dict(dropout=0.1), "attention dropout"),
-        (dict(softcap=30.0), "softcap"),
         (dict(position_bias=torch.zeros(1)), "position_bias"),
         (dict(s_aux=torch.zeros(4)), "s_aux"),
         (dict(output_attentions=True), "output_attentions"),
@@ -393,6 +392,69 @@ def test_unsupported_options_are_refused_by_name(kwargs, message):
     k = torch.randn(1, 2, 8, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=f"does not support {message}"):
         hf.attention_forward(layer, q, k, k, None, **kwargs)
+
+
+# --------------------------------------------------------------------------- score modifiers
+
+GEMMA_SOFTCAP = 1.0
+# Gemma 2's eager attention takes its softmax in float32 (modeling_gemma2.py), so a float64 model
+# matches it to float32's precision; without the cap the logits differ by more than 1e-3.
+EAGER_RTOL = 1e-6
+
+
+def _gemma2_pair(softcap=GEMMA_SOFTCAP):
+    """A tiny Gemma 2 (logit soft-capping, a sliding-window layer then a global one) under eager
+    attention, which applies the cap, and under cuattn; float64, same weights."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        sliding_window=24,
+        max_position_embeddings=256,
+        attn_logit_softcapping=softcap,
+        query_pre_attn_scalar=1,  # scale 1: scores of several units, bent by the cap
+    )
+    auto = transformers.AutoModelForCausalLM
+    eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64)
+    ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
+    ours.load_state_dict(eager.state_dict())
+    return eager.eval(), ours.eval()
+
+
+def test_gemma2_softcap_logits_gradients_and_greedy_tokens_equal_eager():
+    eager, ours = _gemma2_pair()
+    ids = _ids()
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"]
+    assert rel(_out(ours, ids), _out(eager, ids)) <= EAGER_RTOL
+    # the cap matters here: without it the logits are far from these
+    uncapped, _ = _gemma2_pair(softcap=None)
+    assert rel(_out(uncapped, ids), _out(eager, ids)) > 1e-3
+    for model in (eager, ours):
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    for (name, ref), got in zip(eager.named_parameters(), ours.parameters(), strict=True):
+        assert rel(got.grad, ref.grad) <= EAGER_RTOL, name
+    mask = torch.ones(2, 20, dtype=torch.long)
+    kwargs = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0)
+    eager.eval(), ours.eval()
+    assert torch.equal(ours.generate(ids[:, :20], **kwargs), eager.generate(ids[:, :20], **kwargs))
+
+
+def test_gemma2_softcap_on_a_padded_batch_equals_eager_on_each_sequence_alone():
+    """(Eager attention itself is NaN on a left-padded row here: each sequence runs alone.)"""
+    eager, ours = _gemma2_pair()
+    ids = _ids(seed=4, batch=3, n=60)
+    mask = _padding(60, [60, 41, 29], ["right", "left", "left"])
+    got = _out(ours, ids, attention_mask=mask, position_ids=_positions(mask))
+    kept = mask.bool()
+    for row in range(len(ids)):
+        alone = _out(eager, ids[row, kept[row]][None])[0]
+        assert rel(got[row, kept[row]], alone) <= EAGER_RTOL, row
 
 
 # --------------------------------------------------------------------------- a real model

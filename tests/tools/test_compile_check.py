@@ -129,17 +129,31 @@ def test_occupancy_from_registers_threads_and_shared_memory():
 
 @pytest.mark.slow
 def test_every_kernel_instantiation_compiles_without_spills():
-    """Every instantiation for sm_90, and for sm_80 every one that could spill there (within
-    ARCH_REGISTER_MARGIN of its register cap, or a cap not known here): the sweep compiles
-    each instantiation once where a second architecture cannot tell anything new."""
+    """Every plain instantiation for sm_90; the score-modifier variant of every one within
+    MODS_REGISTER_MARGIN of its register cap (further below, the variant cannot spill); and for
+    sm_80 every compiled one that could spill there (within ARCH_REGISTER_MARGIN of its cap, or
+    a cap not known here): each instantiation is compiled where it can tell something new."""
     geometry = pytest.importorskip("cuattn.backends.geometry")
-    from cuattn.tools.compile_check import kernel_instantiations, load_sources, needs_every_arch
+    from cuattn.tools.compile_check import (
+        SCORE_MODS,
+        kernel_instantiations,
+        load_sources,
+        modifier_twin,
+        needs_every_arch,
+        needs_modifier_variant,
+    )
 
     units = kernel_instantiations()
     assert units, geometry
+    by_name = {u.name_expression: u for u in units}
+    plain = [u for u in units if not u.name_expression.endswith(SCORE_MODS)]
+    assert len(plain) < len(units)
     jobs = os.cpu_count() or 1
     sources, options = load_sources(units), common_options()
-    results = run_check(units, ["sm_90"], sources, options, jobs, progress=None)
+    results = run_check(plain, ["sm_90"], sources, options, jobs, progress=None)
+    twins = [modifier_twin(r.unit, by_name) for r in results if needs_modifier_variant(r)]
+    twins = [t for t in twins if t is not None]
+    results += run_check(twins, ["sm_90"], sources, options, jobs, progress=None)
     near_cap = [r.unit for r in results if needs_every_arch(r)]
     results += run_check(near_cap, ["sm_80"], sources, options, jobs, progress=None)
     failures = [
@@ -170,6 +184,33 @@ def test_only_instantiations_near_their_register_cap_need_a_second_arch():
     assert needs_every_arch(result(0, 40))  # cap not known here
     assert needs_every_arch(result(255, 100, spill=8))
     assert needs_every_arch(result(255, 0, error="boom"))
+
+
+def test_a_modifier_variant_is_compiled_only_near_its_twins_cap():
+    from cuattn.tools.compile_check import (
+        MODS_REGISTER_MARGIN,
+        CompileResult,
+        modifier_twin,
+        needs_modifier_variant,
+    )
+    from cuattn.tools.ptxas import FunctionStats
+
+    plain = CompileUnit(
+        "attn_fwd.cu", "attn_fwd<64, 64, 64, 4, 64, float, MASK_NONE, MODS_NONE>", 128, 0, 255
+    )
+    variant = CompileUnit("attn_fwd.cu", plain.name_expression.replace("NONE>", "SCORE>"))
+    by_name = {u.name_expression: u for u in (plain, variant)}
+    assert modifier_twin(plain, by_name) == variant
+    assert modifier_twin(variant, by_name) is None
+    assert (
+        modifier_twin(CompileUnit("attn_bwd.cu", "attn_bwd_preprocess<64, float>"), by_name) is None
+    )
+
+    def result(registers):
+        return CompileResult(plain, "sm_90", 0.0, stats=FunctionStats("k", registers=registers))
+
+    assert not needs_modifier_variant(result(255 - MODS_REGISTER_MARGIN))
+    assert needs_modifier_variant(result(256 - MODS_REGISTER_MARGIN))
 
 
 def test_one_header_mistake_is_reported_once():

@@ -110,22 +110,6 @@ def _resolve_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def _resolve_mods(softcap: object) -> ScoreMods:
-    """The score modifiers of a call, checked. softcap: None or 0 (off, FlashAttention's
-    convention) or a positive finite real."""
-    if softcap is None:
-        return NO_MODS
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
-        raise TypeError(
-            f"softcap must be a positive real number, 0 or None (off), got {type(softcap).__name__}"
-        )
-    if not math.isfinite(float(softcap)) or softcap < 0:
-        raise ValueError(
-            f"softcap must be a positive finite number, 0 or None (off), got {softcap}"
-        )
-    return ScoreMods(softcap=float(softcap))
-
-
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
@@ -199,7 +183,7 @@ def sparse_attention(
             f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
             f"({tuple(k.shape)}); build it with make_layout(..., n_ctx={n_k}, n_q={n_q})"
         )
-    mods = _resolve_mods(softcap)
+    mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))

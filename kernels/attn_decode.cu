@@ -1,13 +1,16 @@
 // Split-KV decode attention over a paged KV cache (flash-decoding): the splits' partial results.
 //
-// attn_decode_split<TILE, ROWS, HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 4 warps.
+// attn_decode_split<TILE, ROWS, HEAD_DIM, T, MODS>: grid (splits, kv_heads * row_chunks, batch), 4
+//   warps; MODS (kernels/common/types.cuh ScoreModsFlag): MODS_NONE the plain kernel, MODS_SCORE
+//   the variant that reads softcap.
 //   A CTA owns one split of one (sequence, kv head)'s page table, pages
 //   [split * pages_per_split, (split + 1) * pages_per_split) of its page_count, read as one run
 //   of table slots (slot f is offset f % page_size of table entry f / page_size, so any page
 //   size walks the same way), and up to ROWS of the kv group's kv_group * t_q query rows (query
 //   head kv_head * kv_group + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q).
 //   A token counts for a row when its position slot_pos >= 0 (not evicted), <= the row's
-//   position (causal) and, with use_chosen, the row's Quest choice reads its page.
+//   position (causal) and, with use_chosen, the row's Quest choice reads its page. A score is
+//   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0.
 //   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
 //   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
 //   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
@@ -120,7 +123,7 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   return pos;
 }
 
-template <int TILE, int ROWS, int HEAD_DIM, typename T>
+template <int TILE, int ROWS, int HEAD_DIM, typename T, int MODS>
 __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::NUM_THREADS,
                                   attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::MIN_CTAS_PER_SM)
     attn_decode_split(const T* __restrict__ q, const T* __restrict__ k_pages,
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       float* __restrict__ part_out, float* __restrict__ part_lse,
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
                       int page_size, int max_pages, int splits, int pages_per_split, float scale,
-                      int use_chosen, int keep_scores) {
+                      float softcap, int use_chosen, int keep_scores) {
   using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int LPT = Traits::LANES_PER_TOKEN;
@@ -238,6 +241,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       if (i >= rows) break;
 #pragma unroll
       for (int offset = TPW; offset < 32; offset *= 2) s[i] += __shfl_xor_sync(FULL_WARP, s[i], offset);
+      if constexpr (MODS == MODS_SCORE) {
+        if (softcap > 0.f) s[i] = softcap * tanhf(s[i] / softcap);  // Gemma 2's capped score
+      }
       bool counts = pos >= 0 && pos <= first_query_pos + query_smem[i];
       if (use_chosen && counts) counts = chosen[q_row_of(i) * max_pages + entry] != 0;
       s[i] = counts ? s[i] : -INFINITY;

@@ -8,7 +8,10 @@ code that uses it, and nothing in between. Nothing downstream re-checks what the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from cuattn.layout.layout import Layout
 from cuattn.layout.pattern import Pattern
@@ -20,7 +23,8 @@ class ScoreMods:
 
     softcap   > 0: each score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0: off
 
-    Checked by the public API (cuattn.api) like every part of the call, not here.
+    The public calls build it with ``from_arguments``, which checks the keywords; nothing
+    downstream checks it again.
 
     The kernels compile a variant with modifiers only for calls that use one (``any``), so a
     call without them runs the plain kernels.
@@ -31,6 +35,25 @@ class ScoreMods:
     @property
     def any(self) -> bool:
         return self.softcap > 0.0
+
+    @classmethod
+    def from_arguments(cls, softcap: object = None) -> ScoreMods:
+        """The modifiers of a public call's keywords, checked (a TypeError or ValueError naming
+        the argument): softcap None or 0 (off, FlashAttention's convention) or a positive
+        finite real."""
+        if softcap is None:
+            return NO_MODS
+        real = (int, float, np.floating, np.integer)
+        if isinstance(softcap, bool) or not isinstance(softcap, real):
+            raise TypeError(
+                "softcap must be a positive real number, 0 or None (off), got "
+                f"{type(softcap).__name__}"
+            )
+        if not math.isfinite(float(softcap)) or softcap < 0:
+            raise ValueError(
+                f"softcap must be a positive finite number, 0 or None (off), got {softcap}"
+            )
+        return cls(softcap=float(softcap)) if softcap else NO_MODS
 
 
 NO_MODS = ScoreMods()

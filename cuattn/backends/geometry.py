@@ -81,6 +81,8 @@ ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "at
 # (deep enough copies to keep HBM busy, 2 CTAs per SM at d = 128), and ROWS query rows of a kv
 # group share every K/V read (bench/NOTES.md, change 9).
 DECODE_KERNELS = ("attn_decode_split",)
+# The kernels with a score-modifier variant (a last template flag, CXX_MODS).
+MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS
 DECODE_WARPS = 4
 DECODE_TILE_BYTES = 16 * 1024
 DECODE_MIN_TILE = 16  # 4 tokens per warp: 8 lanes split a token's head dim
@@ -196,6 +198,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("splits", "i32"),
         ("pages_per_split", "i32"),
         ("scale", "f32"),
+        ("softcap", "f32"),
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
     ),
@@ -434,7 +437,7 @@ class KernelConfig(_Launch):
         assert self.head_dim in HEAD_DIMS, self.head_dim
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
-        assert not self.mods or self.kernel in BLOCK_KERNELS, self.kernel
+        assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
         itemsize = ITEMSIZE[self.dtype]
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
@@ -532,9 +535,10 @@ class KernelConfig(_Launch):
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
+        mods = CXX_MODS[self.mods]
         if self.kernel in DECODE_KERNELS:
-            return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
-        rule, mods = CXX_RULE[self.rule], CXX_MODS[self.mods]
+            return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
+        rule = CXX_RULE[self.rule]
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
     @property
@@ -718,9 +722,12 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
             BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES, CXX_MODS
         ):
             configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule, mods=mods))
-    for kernel in ROW_KERNELS + DECODE_KERNELS:
+    for kernel in ROW_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))
+    for kernel in DECODE_KERNELS:
+        for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
+            configs.append(KernelConfig(kernel, head_dim, dtype, mods=mods))
     for kernel in SELECT_KERNELS:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))

@@ -435,6 +435,7 @@ class KernelBackend:
         lengths: Any,
         chosen: Any | None,
         scale: float,
+        mods: ScoreMods,
         keep_scores: bool,
         resident_ctas: int,
     ) -> tuple[Any, Any, Any | None]:
@@ -442,8 +443,9 @@ class KernelBackend:
         kernels/merge_states.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
-        page count and not past them). Shapes as the kernel file's header; the cache
-        (cuattn/serving) checks its own arrays, this checks q against them."""
+        page count and not past them). ``mods``: the score modifiers (softcap). Shapes as the
+        kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
+        against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         book = {
             "slot_pos": slot_pos,
@@ -492,6 +494,7 @@ class KernelBackend:
                 batch=batch,
                 heads=kv_heads * chunks,
                 n_rows=splits,
+                mods=mods.any,
             )
             self.launch(
                 split_config,
@@ -514,6 +517,7 @@ class KernelBackend:
                 splits=splits,
                 pages_per_split=per_split,
                 scale=scale,
+                softcap=mods.softcap,
                 use_chosen=int(use_chosen),
                 keep_scores=int(keep_scores),
             )

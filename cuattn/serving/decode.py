@@ -42,6 +42,7 @@ from cuattn import backends as _backends
 from cuattn._util import stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
+from cuattn.backends.call import NO_MODS, ScoreMods
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
 __all__ = ["decode_attention", "kernel_call"]
@@ -182,6 +183,7 @@ def kernel_call(
     scale: float,
     chosen: Any | None = None,
     keep_scores: bool = False,
+    mods: ScoreMods = NO_MODS,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
     (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
@@ -196,19 +198,22 @@ def kernel_call(
         cache.device_lengths(),
         chosen,
         scale,
+        mods,
         keep_scores,
         _resident_ctas(impl, cache.head_dim, cache.dtype),
     )
 
 
-def _kernel_decode(impl: Any, cache: KVCache, qb: Any, scale: float) -> tuple[Any, Any]:
+def _kernel_decode(
+    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods
+) -> tuple[Any, Any]:
     quest = cache.policy is not None and cache.policy.selects_pages
     keep_scores = cache.policy is not None and cache.policy.scores_tokens
     chosen = None
     if quest:
         table, count = cache.device_tables()
         chosen = _quest_chosen(cache, qb, table, count)
-    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores)
+    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)
     return out, lse
@@ -220,30 +225,36 @@ def decode_attention(
     scale: float | None = None,
     return_lse: bool = False,
     *,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
-    over the tokens ``cache`` keeps (``cache.positions()``), causal, GQA; returns out like q
+    over the tokens ``cache`` keeps (``cache.positions()``), causal, GQA; ``softcap`` as in
+    :func:`cuattn.sparse_attention` (HeavyHitters then scores the capped probabilities, and
+    Quest's page bounds keep their order: the cap is monotone); returns out like q
     (and lse [batch, heads, t_q]: float32 from the kernels, float64 from the NumPy reference
     on float64; -inf where nothing is attended). ``backend``: "numpy" (the reference, default
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
     group, scale = _check(q, cache, scale)
+    mods = ScoreMods.from_arguments(softcap)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
         if impl.runs_kernels:
-            out, lse = _kernel_decode(impl, cache, qb, scale)
+            out, lse = _kernel_decode(impl, cache, qb, scale, mods)
         else:
-            out, lse = _reference(cache, qb, group, scale)
+            out, lse = _reference(cache, qb, group, scale, mods)
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
 
 
 @_quiet_specials
-def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, Any]:
+def _reference(
+    cache: KVCache, qb: Any, group: int, scale: float, mods: ScoreMods
+) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf."""
     xp = cache.xp
@@ -265,6 +276,8 @@ def _reference(cache: KVCache, qb: Any, group: int, scale: float) -> tuple[Any, 
             keys = cache.k_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
             values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
             s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
+            if mods.softcap:
+                s = mods.softcap * xp.tanh(s / mods.softcap)
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)

@@ -203,10 +203,13 @@ def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
     return float(xp.abs(x - ref).max() / scale)
 
 
-def kept_attention(cache: Any, q: Any, scale: float | None = None) -> np.ndarray:
+def kept_attention(
+    cache: Any, q: Any, scale: float | None = None, softcap: float = 0.0
+) -> np.ndarray:
     """float64 [batch, heads, t_q, head_dim] on the host: decode attention of q (each
     sequence's newest t_q positions, query head h on kv head h // (heads / kv_heads)) over
-    exactly the tokens a ``cuattn.KVCache`` keeps (``cache.kept``), causal."""
+    exactly the tokens a ``cuattn.KVCache`` keeps (``cache.kept``), causal; ``softcap`` as for
+    :func:`dense_attention`."""
     q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
     batch, heads, t_q, head_dim = q.shape
     group = heads // cache.kv_heads
@@ -221,5 +224,5 @@ def kept_attention(cache: Any, q: Any, scale: float | None = None) -> np.ndarray
             mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
             keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
             one = (q[b : b + 1, rows], keys[None, None], values[None, None])
-            out[b, rows] = dense_attention(*one, mask, scale)[0][0]
+            out[b, rows] = dense_attention(*one, mask, scale, softcap=softcap)[0][0]
     return out

@@ -91,6 +91,36 @@ def test_page_sizes_splits_and_scores_on_the_interpreter(
     assert np.allclose(got, want, rtol=TOLERANCE[dtype], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_softcap_on_the_interpreter_and_the_reference(dtype, monkeypatch):
+    """softcap= caps every score before the softmax on both backends (several splits, merged),
+    and HeavyHitters scores the capped probabilities alike: scores spread by 3 so that the cap
+    bends them."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 16)
+    softcap, spread = 1.5, 3.0
+    caches = {
+        backend: cuattn.KVCache(2, 1, 64, dtype, page_size=16, policy=P.HeavyHitters(120, 16))
+        for backend in ("interp", "numpy")
+    }
+    outs = {}
+    for backend, cache in caches.items():
+        rng = np.random.default_rng(11)
+        q = _fill(cache, rng, np, steps=2, group=2, t_q=1, prefill=150)
+        q = (q.astype(np.float32) * spread).astype(q.dtype)
+        outs[backend] = cuattn.decode_attention(q, cache, softcap=softcap, backend=backend)
+        want = kept_attention(cache, q, 64**-0.5, softcap=softcap)
+        error = np.abs(outs[backend].astype(np.float64) - want).max()
+        assert error <= TOLERANCE[dtype] * np.abs(want).max(), backend
+        uncapped = kept_attention(cache, q, 64**-0.5)
+        assert np.abs(uncapped - want).max() > 0.1 * np.abs(want).max()  # the cap matters
+        cache.append(*(np.zeros((2, 1, 1, 64), q.dtype) for _ in range(2)))  # scores evict
+    assert np.array_equal(caches["interp"].positions(), caches["numpy"].positions())
+    got, want = caches["interp"].slot_score, caches["numpy"].slot_score
+    assert np.allclose(got, want, rtol=TOLERANCE[dtype], atol=1e-6)
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        cuattn.decode_attention(q, caches["numpy"], softcap=-2.0)
+
+
 def test_more_splits_than_a_warp_has_lanes(monkeypatch):
     """The merge's lanes each read every 32nd split's lse: past 32 splits a lane takes two,
     and the warp's max and sum still cover all of them."""

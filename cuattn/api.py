@@ -23,6 +23,7 @@ from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
 from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
+from cuattn.layout.extended import UNBOUNDED
 from cuattn.layout.layout import Layout
 from cuattn.layout.pattern import Pattern
 
@@ -30,6 +31,9 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DENSE_MODES = ("all", "local", "strided")
 # Block size the dense masked path `attention` computes with; any length works (ragged blocks).
 DENSE_BLOCKSIZE = 32
+# Block size of the layouts causal= / window_size= stand for: the kernels' measured-fastest
+# forward shape (64-row tiles, docs/kernels.md "The forward").
+IMPLICIT_BLOCKSIZE = 64
 
 
 def _dtype_name(x: Any) -> str:
@@ -134,17 +138,22 @@ def sparse_attention(
     q: Any,
     k: Any,
     v: Any,
-    layout: Layout | Pattern,
+    layout: Layout | Pattern | None = None,
     scale: float | None = None,
     recompute: bool = False,
     return_lse: bool = False,
     *,
+    causal: bool | None = None,
+    window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
     """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`
-    (one length) or a :class:`Pattern` (built for each call's lengths).
+    (one length) or a :class:`Pattern` (built for each call's lengths); without one, dense
+    attention as FlashAttention's keywords say: ``causal`` (default False) and ``window_size``
+    ``(left, right)`` (query at position p sees keys p - left .. p + right, -1 for no limit;
+    causal makes right 0), on the ``window`` pattern's IMPLICIT_BLOCKSIZE blocks.
 
     q is [batch, heads, time_q, head_dim]; k and v are [batch, kv_heads, time_k, head_dim] with
     kv_heads dividing heads (GQA/MQA: query head h reads kv head h // (heads / kv_heads); nothing
@@ -161,6 +170,13 @@ def sparse_attention(
     """
     _warn_deterministic(deterministic)
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
+    if layout is None:
+        layout = _implicit_pattern(int(q.shape[1]), causal, window_size)
+    elif causal is not None or window_size is not None:
+        raise ValueError(
+            "causal= and window_size= describe the layout when none is given; this call gives "
+            f"a {type(layout).__name__}, whose own rule applies: pass one or the other"
+        )
     if not isinstance(layout, (Layout, Pattern)):
         raise TypeError(
             f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks) or a "
@@ -191,6 +207,38 @@ def sparse_attention(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
     return _route(q, k, v, call)
+
+
+def _implicit_pattern(heads: int, causal: object, window_size: object) -> Pattern:
+    """The Pattern FlashAttention's ``causal`` and ``window_size`` keywords describe."""
+    if causal is None:
+        causal = False
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if window_size is None:
+        window_size = (UNBOUNDED, UNBOUNDED)
+    pair = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if not pair or any(
+        isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in window_size
+    ):
+        raise TypeError(
+            "window_size must be a pair of ints (left, right), -1 for no limit, got "
+            f"{window_size!r}"
+        )
+    left, right = (int(x) for x in window_size)
+    if min(left, right) < UNBOUNDED:
+        raise ValueError(f"window_size sides must be >= 0, or -1 for no limit, got {window_size!r}")
+    right = 0 if causal else right  # as FlashAttention: causal bounds the right side at the query
+    if left == UNBOUNDED and right == (0 if causal else UNBOUNDED):  # no window: all of it
+        return Pattern("all", heads, IMPLICIT_BLOCKSIZE, causal=bool(causal))
+    return Pattern(
+        "window",
+        heads,
+        IMPLICIT_BLOCKSIZE,
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+    )
 
 
 def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:

@@ -1,5 +1,6 @@
-"""Patterns beyond the original: Longformer, BigBird and DeepSpeed's ``variable``, each a
-registered constructor whose docstring states its element rule (docs/design.md §2).
+"""Patterns beyond the original: FlashAttention's sliding ``window``, Longformer, BigBird and
+DeepSpeed's ``variable``, each a registered constructor whose docstring states its element rule
+(docs/design.md §2).
 
 Their block rules are written once, as bool [nb, nb] block-array builders (``band_blocks``,
 ``local_windows``, ``global_blocks``, ``bigbird_blocks``, ``variable_blocks``), which the
@@ -176,6 +177,48 @@ def _block_level_layout(
 
 
 # -- the registered patterns -------------------------------------------------------------------
+
+
+UNBOUNDED = -1  # a window side with no limit (FlashAttention's -1)
+
+
+def _window_side(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (-1: no limit), got {value!r}")
+    if value < UNBOUNDED:
+        raise ValueError(f"{name} must be >= 0, or -1 for no limit, got {value}")
+    return int(value)
+
+
+@register("window")
+def window_layout(
+    n_ctx: int,
+    heads: int,
+    blocksize: int,
+    causal: bool = True,
+    window_left: int = UNBOUNDED,
+    window_right: int = UNBOUNDED,
+) -> Layout:
+    """``window``: FlashAttention's ``window_size=(window_left, window_right)``:
+    allowed(h, q, k) = q - window_left <= k <= q + window_right, -1 leaving that side unbounded;
+    ``causal`` also requires k <= q (so window_right must then be 0 or -1). (-1, -1) without
+    causal is full attention, (w - 1, 0) is ``local`` with ``local_attn_ctx=w``.
+    """
+    left = _window_side("window_left", window_left)
+    right = _window_side("window_right", window_right)
+    if causal and right > 0:
+        raise ValueError(
+            f"window_right={right} looks past the query, which causal forbids: pass "
+            "causal=False, or window_right=0"
+        )
+    right = 0 if causal else right
+    # the element rule's bounds are exclusive (q - k < left, k - q < right); n_ctx is no limit
+    rule_left = n_ctx if left == UNBOUNDED else left + 1
+    rule_right = n_ctx if right == UNBOUNDED else right + 1
+    nb = block_count(n_ctx, blocksize)
+    blocks = window_blocks(nb, blocksize, rule_left, rule_right, n_ctx)
+    rule = ElementRule("window", window_left=rule_left, window_right=rule_right)
+    return Layout(np.broadcast_to(blocks, (heads, nb, nb)), blocksize, n_ctx, rule, name="window")
 
 
 @register("longformer")

@@ -76,7 +76,9 @@ class Pattern:
         key = repr((mode, int(heads), int(blocksize), plain))
         # Arguments are checked here, not at the first call: names always; values by one trial
         # build per distinct key, outside torch.compile's tracing (a Layout is not traceable).
-        trial = key not in _CHECKED and not _tracing()
+        # Tracing is asked first: a compiled graph must not guard on the checked set (a key
+        # checked later, by an eager call, would make it compile again).
+        trial = not _tracing() and key not in _CHECKED
         check_pattern(mode, heads, blocksize, trial=trial, **options)
         if trial:
             _CHECKED.add(key)

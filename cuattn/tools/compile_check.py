@@ -5,8 +5,12 @@ spills, prints a table, and fails (exit status 1) on any compile error or any sp
 
     python -m cuattn compile [--arch sm_80,sm_90] [--jobs N]
 
-Each instantiation is its own NVRTC program (one name expression) so its ptxas log stands alone;
-programs compile in a process pool so every core works.
+Instantiations of one file compile together, COMPILE_BATCH at a time, as one NVRTC program with
+a name expression each (the file's headers are parsed once per batch: ~20% less time than one
+program each); ptxas reports every entry function by its mangled name, so each instantiation's
+registers and spills stand alone. A batch that fails to compile is compiled again one
+instantiation at a time, so an error names its instantiation. Batches compile in a process pool
+so every core works.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ MAX_REASON_CHARS = 160  # of a load error quoted in the one-line message
 # all 1265 attention, decode and layout instantiations the most is 40 (fp32 dQ at head dim 256;
 # bench/NOTES.md, "The test suite's NVRTC sweep").
 ARCH_REGISTER_MARGIN = 48
+# Instantiations of one file per NVRTC program: enough to parse the headers once for several,
+# few enough that a job's batches still spread over every core.
+COMPILE_BATCH = 8
 # A block kernel's score-modifier variant (MODS_SCORE) uses at most 78 registers more than its
 # plain twin on sm_90 (all 1152 pairs, NVRTC 12.9, 2026-11-26; bench/NOTES.md, change 16): a
 # plain instantiation this far below its cap has a variant that cannot spill there.
@@ -86,40 +93,67 @@ def compile_unit(
     source: str, unit: CompileUnit, arch: str, options: Sequence[str]
 ) -> CompileResult:
     """Compile one instantiation with NVRTC to a cubin; never raises for compile errors."""
+    return compile_units(source, [unit], arch, options)[0]
+
+
+def compile_units(
+    source: str, units: Sequence[CompileUnit], arch: str, options: Sequence[str]
+) -> list[CompileResult]:
+    """Compile instantiations of one source file as one NVRTC program; a result per unit, in
+    order, each timed as its share of the program's time. Never raises for compile errors: a
+    failing program of several units is compiled again unit by unit, so that each error is
+    reported by the instantiation it belongs to."""
     from cupy_backends.cuda.libs import nvrtc
 
     start = time.perf_counter()
-    program = nvrtc.createProgram(source, unit.source_file, [], [])
+    program = nvrtc.createProgram(source, units[0].source_file, [], [])
     try:
-        nvrtc.addNameExpression(program, unit.name_expression)
+        for unit in units:
+            nvrtc.addNameExpression(program, unit.name_expression)
         all_options = [arch_option(arch), PTXAS_VERBOSE_OPTION, *options, *CUPY_IMPLICIT_OPTIONS]
         try:
             nvrtc.compileProgram(program, all_options)
         except nvrtc.NVRTCError as exc:
+            if len(units) > 1:
+                return [r for u in units for r in compile_units(source, [u], arch, options)]
             log = nvrtc.getProgramLog(program).rstrip("\x00")
-            return CompileResult(unit, arch, time.perf_counter() - start, error=f"{exc}\n{log}")
+            return [CompileResult(units[0], arch, time.perf_counter() - start, f"{exc}\n{log}")]
         log = nvrtc.getProgramLog(program).rstrip("\x00")
-        lowered = nvrtc.getLoweredName(program, unit.name_expression)
+        lowered = [nvrtc.getLoweredName(program, unit.name_expression) for unit in units]
     finally:
         nvrtc.destroyProgram(program)
+    seconds = (time.perf_counter() - start) / len(units)
     report = parse_ptxas_log(log)
-    if lowered not in report.functions:
-        return CompileResult(
-            unit, arch, time.perf_counter() - start, error=f"no ptxas report for {lowered}\n{log}"
-        )
-    entry = report.functions[lowered]
+    # Spills in non-inlined device functions count against every entry of the program.
     callee_spills = sum(
         f.spill_store_bytes + f.spill_load_bytes
         for name, f in report.functions.items()
-        if name != lowered and name.startswith("_Z") and f.spills
+        if name not in lowered and name.startswith("_Z") and f.spills
     )
-    return CompileResult(
-        unit,
-        arch,
-        time.perf_counter() - start,
-        stats=entry,
-        callee_spill_bytes=callee_spills,
-    )
+    results = []
+    for unit, name in zip(units, lowered, strict=True):
+        if name not in report.functions:
+            error = f"no ptxas report for {name}\n{log}"
+            results.append(CompileResult(unit, arch, seconds, error=error))
+        else:
+            stats = report.functions[name]
+            results.append(CompileResult(unit, arch, seconds, None, stats, callee_spills))
+    return results
+
+
+def _batches(
+    units: Sequence[CompileUnit], archs: Sequence[str]
+) -> list[tuple[str, list[CompileUnit]]]:
+    """(arch, units) programs of at most COMPILE_BATCH units of one source file each."""
+    batches = []
+    for arch in archs:
+        by_file: dict[str, list[CompileUnit]] = {}
+        for unit in units:
+            by_file.setdefault(unit.source_file, []).append(unit)
+        for group in by_file.values():
+            for first in range(0, len(group), COMPILE_BATCH):
+                batches.append((arch, group[first : first + COMPILE_BATCH]))
+    return batches
 
 
 def run_check(
@@ -130,30 +164,34 @@ def run_check(
     jobs: int,
     progress: TextIO | None = sys.stderr,
 ) -> list[CompileResult]:
-    """Compile every (unit, arch) pair in `jobs` processes; results in submission order."""
+    """Compile every (unit, arch) pair in `jobs` processes, in programs of COMPILE_BATCH units
+    of one file; results in submission order (by arch, then unit)."""
     tasks = [(unit, arch) for arch in archs for unit in units]
+    batches = _batches(units, archs)
     results: dict[tuple[CompileUnit, str], CompileResult] = {}
-    if jobs <= 1:
-        for done, (unit, arch) in enumerate(tasks, 1):
-            result = compile_unit(sources[unit.source_file], unit, arch, options)
-            results[(unit, arch)] = result
+    done = 0
+
+    def collect(batch_results: list[CompileResult]) -> None:
+        nonlocal done
+        for result in batch_results:
+            results[(result.unit, result.arch)] = result
+            done += 1
             _report_progress(progress, done, len(tasks), result)
+
+    if jobs <= 1:
+        for arch, group in batches:
+            collect(compile_units(sources[group[0].source_file], group, arch, options))
     else:
         # spawn, not fork: the caller may have threads (jax, BLAS), and a forked child of a
         # multithreaded process can deadlock.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {
-                pool.submit(compile_unit, sources[unit.source_file], unit, arch, options): (
-                    unit,
-                    arch,
-                )
-                for unit, arch in tasks
-            }
-            for done, future in enumerate(as_completed(futures), 1):
-                result = future.result()
-                results[futures[future]] = result
-                _report_progress(progress, done, len(tasks), result)
+            futures = [
+                pool.submit(compile_units, sources[group[0].source_file], group, arch, options)
+                for arch, group in batches
+            ]
+            for future in as_completed(futures):
+                collect(future.result())
     return [results[task] for task in tasks]
 
 

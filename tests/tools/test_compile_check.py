@@ -81,6 +81,28 @@ def test_compile_error_is_reported_not_raised():
     assert not result.ok
 
 
+def test_one_program_of_several_instantiations_reports_each_alone():
+    """A batch (one NVRTC program) gives each instantiation its own ptxas figures, the same as
+    compiling it alone; a batch that fails is compiled again one by one, so the error names the
+    instantiation that has it and the others still compile."""
+    from cuattn.tools.compile_check import compile_units
+
+    units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]
+    together = compile_units(TINY_KERNEL, units, "sm_80", STANDALONE_OPTIONS)
+    alone = [compile_unit(TINY_KERNEL, u, "sm_80", STANDALONE_OPTIONS) for u in units]
+    assert [r.unit for r in together] == units
+    for a, b in zip(together, alone, strict=True):
+        assert a.ok and (a.stats.registers, a.stats.static_smem_bytes) == (
+            b.stats.registers,
+            b.stats.static_smem_bytes,
+        )
+    assert [r.stats.static_smem_bytes for r in together] == [128, 256, 512]
+    refusing = TINY_KERNEL.replace("{", '{\n  static_assert(N != 64, "no 64 here");', 1)
+    mixed = compile_units(refusing, units, "sm_80", STANDALONE_OPTIONS)
+    assert [r.ok for r in mixed] == [True, False, True]
+    assert "no 64 here" in mixed[1].error and mixed[0].stats.registers > 0
+
+
 def test_spill_fails_the_check():
     unit = CompileUnit("spill.cu", "spill")
     result = compile_unit(SPILLING_KERNEL, unit, "sm_80", STANDALONE_OPTIONS)

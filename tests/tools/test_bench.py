@@ -61,7 +61,7 @@ def test_sweeps_cover_the_issue():
     sparse = [c for c in full if not c.pattern.dense]
     assert {(c.n_ctx, c.head_dim) for c in sparse} == {(8192, 128)}
     # every sparse pattern in both directions, once
-    assert len(sparse) == 2 * len({c.pattern.label for c in sparse}) == 26
+    assert len(sparse) == 2 * len({c.pattern.label for c in sparse}) == 30
     gqa = [c for c in full if c.kv != c.heads]
     assert {(c.pattern.label, c.n_ctx, c.head_dim, c.heads // c.kv) for c in gqa} == {
         ("dense-causal", 8192, 128, 4)

@@ -23,6 +23,7 @@ LOCAL_WINDOW = 512
 # swept T >= 1024 at b = 64 in that form.
 STRIDE = 16
 FIXED_GROUP = 128
+WINDOW_LEFT, WINDOW_RIGHT = 4095, 512  # window pattern: keys q - 4095 .. q (+ 512 bidirectional)
 LONGFORMER_WINDOW = 256
 DOCUMENTS = 8  # documents packed per sequence in the document (varlen) pattern
 GQA_GROUP = 4  # query heads per kv head in the GQA cases (32 query / 8 kv heads at d = 64)
@@ -79,6 +80,9 @@ SPARSE_PATTERNS = (
     _pattern("strided-bidir", "strided", False, local_attn_ctx=STRIDE),
     _pattern("fixed", "fixed", True, local_attn_ctx=FIXED_GROUP, num_verts=2, vertsize=1),
     _pattern("fixed-bidir", "fixed", False, local_attn_ctx=FIXED_GROUP, num_verts=2, vertsize=1),
+    # FlashAttention's window_size: Mistral's causal 4096-token window, and an asymmetric one
+    _pattern("window-causal", "window", True, window_left=WINDOW_LEFT, window_right=0),
+    _pattern("window", "window", False, window_left=WINDOW_LEFT, window_right=WINDOW_RIGHT),
     _pattern("longformer", "longformer", False, local_attn_ctx=LONGFORMER_WINDOW),
     _pattern("longformer-causal", "longformer", True, local_attn_ctx=LONGFORMER_WINDOW),
     _pattern("bigbird", "bigbird", False),

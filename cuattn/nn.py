@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from cuattn import api
+from cuattn.backends.call import ScoreMods
 from cuattn.layout.layout import Layout
 from cuattn.layout.pattern import Pattern
 
@@ -50,7 +51,7 @@ class SparseSelfAttention(nn.Module):
 
     ``SparseSelfAttention("strided", heads=8, blocksize=64, local_attn_ctx=128)``, or with a
     Layout/Pattern. ``scale`` defaults to 1/sqrt(head_dim); ``recompute`` keeps only q, k, v
-    for backward.
+    for backward; ``softcap`` (keyword) caps the scores as in ``cuattn.sparse_attention``.
     """
 
     def __init__(
@@ -60,18 +61,27 @@ class SparseSelfAttention(nn.Module):
         blocksize: int = 32,
         scale: float | None = None,
         recompute: bool = False,
+        *,
+        softcap: float | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
         self.layout = _as_layout(layout, heads, blocksize, pattern_options)
         self.scale = scale
         self.recompute = recompute
+        ScoreMods.from_arguments(softcap)  # checked now, not at the first forward
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return api.sparse_attention(q, k, v, self.layout, self.scale, self.recompute)
+        return api.sparse_attention(
+            q, k, v, self.layout, self.scale, self.recompute, softcap=self.softcap
+        )
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout!r}, scale={self.scale}, recompute={self.recompute}"
+        return (
+            f"layout={self.layout!r}, scale={self.scale}, recompute={self.recompute}, "
+            f"softcap={self.softcap}"
+        )
 
 
 class SparseMultiheadAttention(nn.Module):
@@ -81,7 +91,8 @@ class SparseMultiheadAttention(nn.Module):
     value default to query: self-attention; key/value may be longer than query, end-aligned)
     returns [batch, time_q, embed_dim]. ``kv_heads`` (default ``heads``) must divide ``heads``;
     k_proj and v_proj then map embed_dim to kv_heads * head_dim. Parameters: q_proj, k_proj,
-    v_proj, out_proj (``nn.Linear``, ``bias`` on all four).
+    v_proj, out_proj (``nn.Linear``, ``bias`` on all four). ``softcap`` as in
+    :class:`SparseSelfAttention`.
     """
 
     def __init__(
@@ -96,6 +107,8 @@ class SparseMultiheadAttention(nn.Module):
         recompute: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        softcap: float | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -115,7 +128,7 @@ class SparseMultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_heads * self.head_dim, **made)
         self.out_proj = nn.Linear(embed_dim, embed_dim, **made)
         self.attention = SparseSelfAttention(
-            layout, heads, blocksize, scale, recompute, **pattern_options
+            layout, heads, blocksize, scale, recompute, softcap=softcap, **pattern_options
         )
         if self.attention.layout.heads != heads:
             raise ValueError(

@@ -79,6 +79,22 @@ def test_self_attention_module_with_a_layout_and_with_a_name():
     assert "Pattern('local'" in repr(SparseSelfAttention("local", heads=HEADS, **LOCAL))
 
 
+def test_modules_take_a_softcap():
+    """softcap= on both modules is sparse_attention's; a bad one is refused when the module is
+    built, not at its first forward."""
+    layout = cuattn.make_layout("local", 32, HEADS, BLOCK, **LOCAL)
+    q, k, v = (3 * torch.randn(1, HEADS, 32, 8, dtype=torch.float64) for _ in range(3))
+    capped = SparseSelfAttention(layout, softcap=1.5)
+    assert torch.equal(capped(q, k, v), cuattn.sparse_attention(q, k, v, layout, softcap=1.5))
+    assert not torch.equal(capped(q, k, v), SparseSelfAttention(layout)(q, k, v))
+    assert "softcap=1.5" in repr(capped)
+    module, plain = _module(softcap=2.0), _module()
+    x = torch.randn(2, 32, EMBED, dtype=torch.float64)
+    assert module.attention.softcap == 2.0 and not torch.equal(module(x), plain(x))
+    with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+        SparseSelfAttention(layout, softcap=-1.0)
+
+
 def test_compiled_module_one_graph_for_every_length():
     module = _module(seed=3)
     counter = CompileCounter()

@@ -73,10 +73,18 @@ def _scores(
     """S = Q_i K_j^T * scale for R blocks at once, modified (softcap), then -inf where the
     element rule forbids."""
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
-    if mods.softcap:
-        s = mods.softcap * np.tanh(s / mods.softcap)
+    s = modified_scores(s, mods, np)
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf)
+
+
+def modified_scores(s: Any, mods: ScoreMods, xp: Any) -> Any:
+    """Scaled scores ``s`` (NumPy or CuPy, module ``xp``) with the score modifiers applied:
+    softcap's ``softcap * tanh(s / softcap)``. The one statement of them for the references
+    (this one and decode_attention's)."""
+    if mods.softcap:
+        return mods.softcap * xp.tanh(s / mods.softcap)
+    return s
 
 
 def _mods_gradient(s: np.ndarray, ds: np.ndarray, mods: ScoreMods) -> np.ndarray:

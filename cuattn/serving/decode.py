@@ -43,6 +43,7 @@ from cuattn._util import stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
 __all__ = ["decode_attention", "kernel_call"]
@@ -276,8 +277,7 @@ def _reference(
             keys = cache.k_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
             values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
             s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
-            if mods.softcap:
-                s = mods.softcap * xp.tanh(s / mods.softcap)
+            s = modified_scores(s, mods, xp)
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)

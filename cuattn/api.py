@@ -199,6 +199,8 @@ def sparse_attention(
             f"keys, but q has heads={heads}, time={n_q} ({tuple(q.shape)}) and k time={n_k} "
             f"({tuple(k.shape)}); build it with make_layout(..., n_ctx={n_k}, n_q={n_q})"
         )
+    # the common call (no modifier) does not step into backends/call.py at all: a warm
+    # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked

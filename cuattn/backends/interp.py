@@ -7,8 +7,8 @@ kernel source, the generated entry code, the flags and the compiler version. Lau
 ctypes with the grid, block and shared-memory size of backends/geometry.py, exactly as the
 GPU launch; before each launch the Python geometry is checked against the kernel's own C++ traits.
 
-Select it with backend="interp" or CUATTN_BACKEND=interp. Slow (one host thread per CUDA
-thread), meant for debugging and CI on small shapes.
+Select it with backend="interp" or CUATTN_BACKEND=interp. Slow (every CUDA thread is a fiber on
+one host thread, every mma is emulated lane by lane), meant for debugging and CI on small shapes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from cuattn.backends.toolchain import kernel_dir, sources_digest
 CXX = os.environ.get("CXX", "g++")
 CXX_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DCUATTN_INTERP=1")
 ENTRY_PREFIX = "cuattn_launch_"
-LAUNCH_MISALIGNED = 3  # cuattn_interp::LaunchStatus in kernels/interp/cuda_shim.h
+# cuattn_interp::LaunchStatus in kernels/interp/cuda_shim.h
+LAUNCH_MISALIGNED = 3
+LAUNCH_DEADLOCK = 4
 TRAITS_PREFIX = "cuattn_traits_"
 
 
@@ -106,6 +108,11 @@ class Library:
                 f"interpreter launch of {expression}: a cp.async, ldmatrix or paired store used "
                 "an address that is not aligned to its size; a GPU would fault on it"
             )
+        if status == LAUNCH_DEADLOCK:
+            raise RuntimeError(
+                f"interpreter launch of {expression}: lanes wait at a warp shuffle, mma, ldmatrix "
+                "or __syncwarp that the rest of their warp never reaches; a GPU would hang"
+            )
         if status != 0:
             raise RuntimeError(f"interpreter launch of {expression} failed with status {status}")
 
@@ -119,6 +126,7 @@ def build_library(
     expressions: Sequence[str],
     traits: Sequence[str | None] | None = None,
     include_dirs: Iterable[Path] = (),
+    defines: Iterable[str] = (),
 ) -> Library:
     """Compile (or fetch from the cache) one library exporting every expression of `source`.
 
@@ -140,7 +148,7 @@ def build_library(
             )
     code = "\n".join(lines) + "\n"
     includes = [root, *include_dirs]
-    flags = [*CXX_FLAGS, *[f"-I{path}" for path in includes]]
+    flags = [*CXX_FLAGS, *[f"-D{d}" for d in defines], *[f"-I{path}" for path in includes]]
     key = hashlib.sha256()
     for part in (code, " ".join(flags), _compiler_version(), sources_digest(root)):
         key.update(part.encode())

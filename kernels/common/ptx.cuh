@@ -132,20 +132,14 @@ namespace cuattn_interp {
 // are gone from the moment of issue. The CPU version poisons the destination (0xFF = NaN) at
 // issue and lands the data at the wait, so a kernel that reads before waiting, or another warp
 // that still reads the old contents without a barrier, sees NaN here too.
-struct PendingCopy {
-  void* dst;
-  const void* src;
-  bool valid;
-  int group;  // index of the commit group, -1 while not committed yet
-};
-inline thread_local std::vector<PendingCopy> pending_copies;
-inline thread_local int committed_groups = 0;
+// The copies in flight are per thread: ThreadState::pending_copies in kernels/interp/cuda_shim.h.
 
-// Completes every committed copy except those of the `keep` most recent groups.
+// Completes every committed copy of this thread except those of the `keep` most recent groups.
 inline void complete_copies(int keep) {
+  ThreadState& me = self();
   std::vector<PendingCopy> still_pending;
-  for (const auto& copy : pending_copies) {
-    if (copy.group >= 0 && copy.group < committed_groups - keep) {
+  for (const auto& copy : me.pending_copies) {
+    if (copy.group >= 0 && copy.group < me.committed_groups - keep) {
       if (copy.valid) {
         std::memcpy(copy.dst, copy.src, 16);
       } else {
@@ -155,7 +149,7 @@ inline void complete_copies(int keep) {
       still_pending.push_back(copy);
     }
   }
-  pending_copies.swap(still_pending);
+  me.pending_copies.swap(still_pending);
 }
 }  // namespace cuattn_interp
 #endif
@@ -167,7 +161,7 @@ __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem
   cuattn_interp::require_aligned(dst_smem, 16);
   if (valid) cuattn_interp::require_aligned(src_gmem, 16);
   std::memset(dst_smem, 0xFF, 16);
-  cuattn_interp::pending_copies.push_back({dst_smem, src_gmem, valid, -1});
+  cuattn_interp::self().pending_copies.push_back({dst_smem, src_gmem, valid, -1});
 #else
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst_smem));
   const int src_bytes = valid ? 16 : 0;
@@ -179,10 +173,11 @@ __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem
 // Closes the current group of cp_async_16 copies (the unit cp_async_wait_group counts).
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef CUATTN_INTERP
-  for (auto& copy : cuattn_interp::pending_copies) {
-    if (copy.group < 0) copy.group = cuattn_interp::committed_groups;
+  cuattn_interp::ThreadState& me = cuattn_interp::self();
+  for (auto& copy : me.pending_copies) {
+    if (copy.group < 0) copy.group = me.committed_groups;
   }
-  ++cuattn_interp::committed_groups;
+  ++me.committed_groups;
 #else
   asm volatile("cp.async.commit_group;\n" ::);
 #endif

@@ -1,17 +1,25 @@
 // CPU shim that makes kernels/*.cu valid C++20 under g++ (the cuattn kernel interpreter).
 //
 // Execution model (docs/design.md §5):
-//   * every CUDA thread of a block is a host std::thread; threadIdx/blockIdx are thread_locals;
-//   * blocks run one after another: the same host threads walk the grid in order, with a block-wide
-//     barrier between blocks, so `__shared__` (a function-local static here) is valid for one block
-//     at a time and shared by exactly that block's threads;
+//   * every CUDA thread of a block is a fiber (its own stack, switched in user space) and one host
+//     thread runs them all: a lane runs until it reaches a warp-collective operation, a barrier
+//     or its end, then hands control back to the scheduler below, so no lane ever needs a kernel
+//     futex or a host context switch (with a host thread per CUDA thread, half of the
+//     interpreter's time went to the operating system's scheduler);
+//   * blocks run one after another, so `__shared__` (a function-local static here) is valid for
+//     one block at a time and shared by exactly that block's threads;
 //   * warps take turns: between two __syncthreads exactly one warp runs, in an order shuffled
 //     at every barrier (seeded by CUATTN_INTERP_SEED, default 0, so a run is reproducible). A
 //     read of shared memory another warp writes without a barrier in between therefore sees
 //     the wrong data in some order, every time that order comes up, instead of by timing luck;
-//   * __syncthreads is that turn-taking barrier, __syncwarp a std::barrier over the warp;
-//   * warp-collective operations (shuffles, votes, and the CPU versions of mma/ldmatrix in kernels/common)
-//     exchange registers through a per-warp scratch area guarded by the warp barrier;
+//   * inside a warp, lanes run one after another between two warp-collective operations, in
+//     ascending and then descending order, so a lane that reads what another lane of its warp
+//     writes without __syncwarp sees the old data in one of the two directions;
+//   * warp-collective operations (shuffles, votes, __syncwarp, and the CPU versions of mma and
+//     ldmatrix in kernels/common) exchange registers through a per-warp scratch area: every lane
+//     publishes, waits until the whole warp has, then reads;
+//   * a lane that waits at a warp-collective operation that another lane of its warp never
+//     reaches fails the launch (LAUNCH_DEADLOCK) instead of hanging;
 //   * atomicAdd is std::atomic_ref.
 // Dynamic shared memory is filled with 0xFF (a NaN pattern) before every block, so a kernel that
 // reads shared memory it never wrote produces NaN in the tests instead of passing by luck.
@@ -27,25 +35,29 @@
 #define CUATTN_INTERP 1
 #endif
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <bit>
-#include <condition_variable>
-#include <cstdlib>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cmath>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) && !defined(CUATTN_INTERP_UCONTEXT)
+#define CUATTN_INTERP_SWITCH_ASM 1
+#else
+#include <ucontext.h>
+#endif
 
 #include "half_types.h"
 
@@ -72,93 +84,200 @@ struct alignas(8) float2 {
 };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
-inline thread_local uint3 threadIdx;
-inline thread_local uint3 blockIdx;
+// One host thread runs a whole launch (launches are serialised), so these are plain globals that
+// the scheduler sets before it resumes a lane.
+inline uint3 threadIdx;
+inline uint3 blockIdx;
 inline dim3 blockDim;
 inline dim3 gridDim;
+
+#ifdef CUATTN_INTERP_SWITCH_ASM
+// cuattn_interp_switch(save, load): pushes the callee-saved registers (System V x86-64) on the
+// running stack, stores its stack pointer in *save, loads `load` and pops the registers of the
+// context saved there. Everything else a C++ caller may keep across a call lives on its stack.
+asm(R"(
+  .text
+  .weak cuattn_interp_switch
+  .hidden cuattn_interp_switch
+  .type cuattn_interp_switch, @function
+cuattn_interp_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuattn_interp_switch, .-cuattn_interp_switch
+)");
+extern "C" __attribute__((visibility("hidden"))) void cuattn_interp_switch(void** save, void* load);
+#endif
 
 namespace cuattn_interp {
 
 constexpr int WARP_SIZE = 32;
 // 32-bit words each lane may publish in one warp exchange (mma publishes 6: A and B fragments).
 constexpr int EXCHANGE_WORDS = 8;
+// Address space reserved per lane stack; only the pages a kernel touches are ever committed.
+constexpr size_t LANE_STACK_BYTES = size_t(1) << 20;
+// An inaccessible page below every stack, so an overflow faults instead of corrupting a neighbour.
+constexpr size_t STACK_GUARD_BYTES = 4096;
 
-// Registers exchanged inside one warp. Two buffers alternate, so one barrier per exchange is
-// enough: a lane overwrites buffer p only at exchange n+2, after every lane has passed the
-// barrier of exchange n+1, i.e. after every lane has finished reading exchange n.
+// A suspended execution context: a lane's, or the scheduler's while a lane runs.
+struct Context {
+#ifdef CUATTN_INTERP_SWITCH_ASM
+  void* sp = nullptr;
+#else
+  ucontext_t context;
+#endif
+};
+
+inline void switch_context(Context& save, Context& load) {
+#ifdef CUATTN_INTERP_SWITCH_ASM
+  cuattn_interp_switch(&save.sp, load.sp);
+#else
+  swapcontext(&save.context, &load.context);
+#endif
+}
+
+// Prepares `context` to start `entry` (which never returns) on the stack [stack, stack + bytes).
+inline void start_context(Context& context, unsigned char* stack, size_t bytes, void (*entry)()) {
+#ifdef CUATTN_INTERP_SWITCH_ASM
+  // The frame cuattn_interp_switch pops: six zeroed registers, then `entry` as the return
+  // address, then an empty slot where entry finds its own return address; the stack pointer
+  // ends 8 bytes below a 16-byte boundary, as at any function's first instruction.
+  auto* top = reinterpret_cast<uintptr_t*>(reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t(15));
+  uintptr_t* sp = top - 8;
+  std::fill(sp, top, uintptr_t(0));
+  sp[6] = reinterpret_cast<uintptr_t>(entry);
+  context.sp = sp;
+#else
+  getcontext(&context.context);
+  context.context.uc_stack.ss_sp = stack;
+  context.context.uc_stack.ss_size = bytes;
+  context.context.uc_link = nullptr;
+  makecontext(&context.context, entry, 0);
+#endif
+}
+
+// A cp.async copy issued but not yet landed (kernels/common/ptx.cuh).
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  bool valid;
+  int group;  // index of the commit group, -1 while not committed yet
+};
+
+enum class LaneState : unsigned char {
+  READY,            // may run
+  AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
+  AT_BLOCK_BARRIER, // reached __syncthreads
+  EXITED,
+};
+
+// Registers exchanged inside one warp. Two buffers alternate: a lane overwrites buffer p only at
+// exchange n+2, after every lane has passed exchange n+1, i.e. after every lane has finished
+// reading exchange n.
 struct WarpState {
-  explicit WarpState() : barrier(WARP_SIZE) {}
-  std::barrier<> barrier;
   alignas(64) uint32_t words[2][WARP_SIZE][EXCHANGE_WORDS];
 };
 
+// One CUDA thread.
 struct ThreadState {
+  Context context;
+  uint3 thread_idx;
   WarpState* warp = nullptr;
   int warp_index = 0;
   int lane = 0;
   int parity = 0;
+  LaneState state = LaneState::READY;
+  std::vector<PendingCopy> pending_copies;
+  int committed_groups = 0;
 };
 
-// The block barrier, which also makes warps take turns: between two barriers only the warp whose
-// turn it is runs; when all its lanes have arrived the turn passes to the next warp of this
-// phase's order, and when every warp has arrived a new phase starts in a freshly shuffled order.
-// Kernels reach every barrier with all their threads (early returns are uniform over the block
-// and meet at the launch's end-of-block barrier), so a phase always completes.
-class WarpTurns {
+// Reserved lane stacks, kept for the process (launches are serialised, so one set serves all).
+class StackPool {
  public:
-  WarpTurns(int num_warps, unsigned seed)
-      : order_(num_warps), arrived_(num_warps, 0), wake_(num_warps), rng_(seed) {
-    std::iota(order_.begin(), order_.end(), 0);
-    std::shuffle(order_.begin(), order_.end(), rng_);
-    turn_ = order_[0];
-  }
-
-  // Waits for this warp's first turn.
-  void enter(int warp) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    wake_[warp].wait(lock, [&] { return turn_ == warp; });
-  }
-
-  // __syncthreads for one thread of `warp`.
-  void sync(int warp) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const long phase = phase_;
-    arrive(warp);
-    wake_[warp].wait(lock, [&] { return phase_ != phase && turn_ == warp; });
-  }
-
-  // The last barrier of a launch: arrive (the next warp gets its turn) and run on to the exit.
-  void leave(int warp) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    arrive(warp);
+  unsigned char* stack(size_t index) {
+    while (index >= stacks_.size()) grow();
+    return stacks_[index];
   }
 
  private:
-  void arrive(int warp) {
-    if (++arrived_[warp] < WARP_SIZE) return;
-    arrived_[warp] = 0;
-    if (++position_ == int(order_.size())) {
-      position_ = 0;
-      ++phase_;
-      std::shuffle(order_.begin(), order_.end(), rng_);
-    }
-    turn_ = order_[position_];
-    wake_[turn_].notify_all();
+  void grow() {
+    void* region = mmap(nullptr, STACK_GUARD_BYTES + LANE_STACK_BYTES, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (region == MAP_FAILED) std::abort();
+    mprotect(region, STACK_GUARD_BYTES, PROT_NONE);
+    stacks_.push_back(static_cast<unsigned char*>(region) + STACK_GUARD_BYTES);
   }
-
-  std::mutex mutex_;
-  std::vector<int> order_;
-  std::vector<int> arrived_;
-  std::vector<std::condition_variable> wake_;
-  std::mt19937 rng_;
-  int position_ = 0;
-  long phase_ = 0;
-  int turn_ = 0;
+  std::vector<unsigned char*> stacks_;
 };
 
-inline thread_local ThreadState current_thread;
-inline WarpTurns* block_barrier = nullptr;
+// The grid being run: its lanes, their warps' exchange areas and the scheduler's own context.
+struct Launch {
+  std::vector<ThreadState> threads;
+  std::vector<WarpState> warps;
+  Context scheduler;
+  void (*run_kernel)(void*) = nullptr;
+  void* kernel = nullptr;
+};
+
+inline Launch* active = nullptr;
+inline ThreadState* current = nullptr;
+inline StackPool stacks;
 inline unsigned char* dynamic_smem = nullptr;
+
+inline ThreadState& self() { return *current; }
+inline int lane_id() { return current->lane; }
+
+// Suspends the running lane in `state` and returns to the scheduler, which resumes it when the
+// warp (AT_WARP_BARRIER) or the block (AT_BLOCK_BARRIER) has caught up.
+inline void suspend(LaneState state) {
+  current->state = state;
+  switch_context(current->context, active->scheduler);
+}
+
+// Every lane starts here, on its own stack.
+inline void lane_main() {
+  active->run_kernel(active->kernel);
+  suspend(LaneState::EXITED);
+  std::abort();  // an exited lane is never resumed
+}
+
+inline void resume(ThreadState& thread) {
+  current = &thread;
+  threadIdx = thread.thread_idx;
+  thread.state = LaneState::READY;
+  switch_context(active->scheduler, thread.context);
+}
+
+// Runs warp `w` until each of its lanes waits at the block barrier or has exited. Returns false
+// when some lanes wait at a warp exchange that the others (at the block barrier or exited) never
+// reach: a GPU would hang there.
+inline bool run_warp(Launch& launch, int w, bool& descending) {
+  ThreadState* lanes = &launch.threads[size_t(w) * WARP_SIZE];
+  for (;;) {
+    for (int i = 0; i < WARP_SIZE; ++i) {
+      ThreadState& lane = lanes[descending ? WARP_SIZE - 1 - i : i];
+      if (lane.state == LaneState::READY) resume(lane);
+    }
+    descending = !descending;
+    int waiting = 0;
+    for (int i = 0; i < WARP_SIZE; ++i) waiting += lanes[i].state == LaneState::AT_WARP_BARRIER;
+    if (waiting == 0) return true;
+    if (waiting < WARP_SIZE) return false;
+    for (int i = 0; i < WARP_SIZE; ++i) lanes[i].state = LaneState::READY;
+  }
+}
 
 // The first address a GPU would have faulted on in this launch (see the header).
 inline std::atomic<bool> misaligned{false};
@@ -175,16 +294,14 @@ inline unsigned seed_from_environment() {
   return text ? unsigned(std::strtoul(text, nullptr, 10)) : 0u;
 }
 
-inline int lane_id() { return current_thread.lane; }
-
 // Publish `bytes` of this lane's data, wait for the whole warp, return the base of everyone's
 // published words: lane L's data starts at result + L * EXCHANGE_WORDS.
 inline const uint32_t* warp_exchange(const void* data, size_t bytes) {
-  ThreadState& self = current_thread;
-  uint32_t(*buffer)[EXCHANGE_WORDS] = self.warp->words[self.parity];
-  std::memcpy(buffer[self.lane], data, bytes);
-  self.warp->barrier.arrive_and_wait();
-  self.parity ^= 1;
+  ThreadState& me = self();
+  uint32_t(*buffer)[EXCHANGE_WORDS] = me.warp->words[me.parity];
+  std::memcpy(buffer[me.lane], data, bytes);
+  suspend(LaneState::AT_WARP_BARRIER);
+  me.parity ^= 1;
   return &buffer[0][0];
 }
 
@@ -208,11 +325,12 @@ enum LaunchStatus : int {
   LAUNCH_BAD_BLOCK = 1,   // block size not a positive multiple of the warp size
   LAUNCH_BAD_GRID = 2,    // empty grid
   LAUNCH_MISALIGNED = 3,  // an address a GPU would fault on (see the header)
+  LAUNCH_DEADLOCK = 4,    // lanes wait at a warp exchange the rest of their warp never reaches
 };
 
 inline std::mutex launch_mutex;
 
-// Runs the whole grid: one host thread per CUDA thread of a block, blocks in order.
+// Runs the whole grid: every block's threads as fibers on this host thread, blocks in order.
 template <typename... Args>
 inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned* block,
                   size_t smem_bytes, void** args) {
@@ -220,44 +338,74 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   if (threads == 0 || threads % WARP_SIZE != 0) return LAUNCH_BAD_BLOCK;
   const size_t num_blocks = size_t(grid[0]) * grid[1] * grid[2];
   if (num_blocks == 0) return LAUNCH_BAD_GRID;
+  const int num_warps = int(threads / WARP_SIZE);
 
   std::lock_guard<std::mutex> guard(launch_mutex);
   gridDim = dim3{grid[0], grid[1], grid[2]};
   blockDim = dim3{block[0], block[1], block[2]};
   std::vector<unsigned char> smem(std::max<size_t>(smem_bytes, 16));
   dynamic_smem = smem.data();
-  WarpTurns barrier(int(threads / WARP_SIZE), seed_from_environment());
-  block_barrier = &barrier;
   misaligned = false;
   misaligned_address = nullptr;
-  std::vector<std::unique_ptr<WarpState>> warps;
-  for (unsigned w = 0; w < threads / WARP_SIZE; ++w) warps.push_back(std::make_unique<WarpState>());
-  auto body = [&](unsigned tid) {
-    threadIdx = uint3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
-    const int warp = int(tid / WARP_SIZE);
-    current_thread = ThreadState{warps[warp].get(), warp, int(tid % WARP_SIZE), 0};
-    barrier.enter(warp);
-    for (size_t b = 0; b < num_blocks; ++b) {
-      if (tid == 0) std::memset(smem.data(), 0xFF, smem.size());
-      barrier.sync(warp);
-      blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
-                       unsigned(b / (size_t(grid[0]) * grid[1]))};
-      call_kernel(kernel, args, std::index_sequence_for<Args...>{});
-      // Threads that returned early still meet here; kernels in this project only return early
-      // uniformly across the block, before any __syncthreads.
-      if (b + 1 < num_blocks) {
-        barrier.sync(warp);
-      } else {
-        barrier.leave(warp);
-      }
-    }
+
+  struct Body {
+    void (*kernel)(Args...);
+    void** args;
+  } body{kernel, args};
+  Launch state;
+  state.threads.resize(threads);
+  state.warps.resize(num_warps);
+  state.kernel = &body;
+  state.run_kernel = [](void* data) {
+    auto* b = static_cast<Body*>(data);
+    call_kernel(b->kernel, b->args, std::index_sequence_for<Args...>{});
   };
-  std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (unsigned t = 0; t < threads; ++t) pool.emplace_back(body, t);
-  for (auto& t : pool) t.join();
-  block_barrier = nullptr;
+  active = &state;
+
+  std::mt19937 rng(seed_from_environment());
+  std::vector<int> order(num_warps);
+  std::iota(order.begin(), order.end(), 0);
+  int status = LAUNCH_OK;
+  for (size_t b = 0; b < num_blocks && status == LAUNCH_OK; ++b) {
+    std::memset(smem.data(), 0xFF, smem.size());
+    blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
+                     unsigned(b / (size_t(grid[0]) * grid[1]))};
+    for (unsigned tid = 0; tid < threads; ++tid) {
+      ThreadState& t = state.threads[tid];
+      t.thread_idx = uint3{tid % block[0], (tid / block[0]) % block[1], tid / (block[0] * block[1])};
+      t.warp_index = int(tid / WARP_SIZE);
+      t.warp = &state.warps[t.warp_index];
+      t.lane = int(tid % WARP_SIZE);
+      t.parity = 0;
+      t.state = LaneState::READY;
+      t.pending_copies.clear();
+      t.committed_groups = 0;
+      start_context(t.context, stacks.stack(tid), LANE_STACK_BYTES, &lane_main);
+    }
+    bool descending = false;
+    for (;;) {
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int w : order) {
+        if (!run_warp(state, w, descending)) status = LAUNCH_DEADLOCK;
+        if (status != LAUNCH_OK) break;
+      }
+      if (status != LAUNCH_OK) break;
+      // Every lane now waits at the block barrier or has exited: the barrier opens. (Kernels in
+      // this project return early only uniformly over the block, before any __syncthreads.)
+      bool running = false;
+      for (ThreadState& t : state.threads) {
+        if (t.state == LaneState::AT_BLOCK_BARRIER) {
+          t.state = LaneState::READY;
+          running = true;
+        }
+      }
+      if (!running) break;
+    }
+  }
+  active = nullptr;
+  current = nullptr;
   dynamic_smem = nullptr;
+  if (status != LAUNCH_OK) return status;
   return misaligned ? LAUNCH_MISALIGNED : LAUNCH_OK;
 }
 
@@ -265,11 +413,9 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
 
 // ---- CUDA built-ins used by the kernels -------------------------------------------------------
 
-inline void __syncthreads() {
-  cuattn_interp::block_barrier->sync(cuattn_interp::current_thread.warp_index);
-}
+inline void __syncthreads() { cuattn_interp::suspend(cuattn_interp::LaneState::AT_BLOCK_BARRIER); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
-  cuattn_interp::current_thread.warp->barrier.arrive_and_wait();
+  cuattn_interp::suspend(cuattn_interp::LaneState::AT_WARP_BARRIER);
 }
 
 template <typename T>

@@ -29,6 +29,10 @@ EXPRESSIONS = [
     "test_tile_load_groups",
     "test_buffer_reuse<true>",
     "test_buffer_reuse<false>",
+    "test_warp_neighbour<true>",
+    "test_warp_neighbour<false>",
+    "test_divergent_shuffle",
+    "test_lane_stack",
 ]
 
 
@@ -203,3 +207,40 @@ def test_misaligned_cp_async_fails_the_launch(lib):
     out = np.full((16, 32), np.nan, np.float32)
     with pytest.raises(RuntimeError, match="aligned"):
         run(lib, "test_tile_load", 1, 64, misaligned, out, 16, smem=16 * 36 * 4)
+
+
+def test_lanes_of_a_warp_expose_a_missing_syncwarp(lib):
+    """Lanes run one after another between warp collectives, ascending then descending, so a
+    read of a value another lane of the warp writes without __syncwarp sees the old data."""
+    values = np.arange(1, 33, dtype=np.float32)
+    expected = np.roll(values, -1)
+    synced = np.full(32, np.nan, np.float32)
+    run(lib, "test_warp_neighbour<true>", 1, 32, values, synced)
+    np.testing.assert_array_equal(synced, expected)
+    racy = np.full(32, np.nan, np.float32)
+    run(lib, "test_warp_neighbour<false>", 1, 32, values, racy)
+    assert not np.array_equal(racy, expected)
+
+
+def test_a_warp_collective_half_the_warp_skips_fails_the_launch(lib):
+    """A GPU hangs; the interpreter says why instead."""
+    out = np.full(32, np.nan, np.float32)
+    with pytest.raises(RuntimeError, match="warp"):
+        run(lib, "test_divergent_shuffle", 1, 32, np.ones(32, np.float32), out)
+
+
+def test_every_lane_has_its_own_stack(lib):
+    threads = 128
+    out = np.full(threads, np.nan, np.float32)
+    run(lib, "test_lane_stack", 2, threads, out)
+    lanes = np.arange(threads, dtype=np.float64)
+    np.testing.assert_array_equal(out, (4096 * lanes + 4095 * 4096 / 2).astype(np.float32))
+
+
+def test_portable_context_switch_runs_the_same_kernels():
+    """Where the hand-written x86-64 switch is not used, ucontext switches the lanes."""
+    lib = interp.build_library(SOURCE, EXPRESSIONS, defines=("CUATTN_INTERP_UCONTEXT",))
+    first, out = _buffer_reuse(lib, barrier=True)
+    np.testing.assert_array_equal(out, first)
+    test_shuffles(lib)
+    test_a_warp_collective_half_the_warp_skips_fails_the_launch(lib)

@@ -175,3 +175,34 @@ __global__ void test_buffer_reuse(const float* first, const float* second, float
   __syncthreads();
   for (int c = 0; c < COLS; ++c) out[row * COLS + c] = seen[c];
 }
+
+// Each lane writes its value to shared memory and reads its neighbour's (lane + 1, within the
+// warp); only __syncwarp between the two makes that read well defined.
+template <bool SYNC>
+__global__ void test_warp_neighbour(const float* in, float* out) {
+  __shared__ float values[32];
+  const int lane = int(threadIdx.x) % 32;
+  values[lane] = in[lane];
+  if constexpr (SYNC) __syncwarp();
+  out[lane] = values[(lane + 1) % 32];
+}
+
+// The lower half of the warp shuffles, the upper half returns first: a warp collective that
+// half the warp never reaches, which hangs a GPU.
+__global__ void test_divergent_shuffle(const float* in, float* out) {
+  const int lane = int(threadIdx.x) % 32;
+  if (lane >= 16) return;
+  out[lane] = __shfl_xor_sync(0x0000ffffu, in[lane], 1);
+}
+
+// Deep recursion through a large frame, to show that a lane's stack holds what a kernel's
+// registers and local arrays need (and that the interpreter's lane stacks are separate).
+__global__ void test_lane_stack(float* out) {
+  float local[4096];
+  const int lane = int(threadIdx.x);
+  for (int i = 0; i < 4096; ++i) local[i] = float(lane + i);
+  __syncthreads();
+  float sum = 0.0f;
+  for (int i = 0; i < 4096; ++i) sum += local[i];
+  out[lane] = sum;
+}

@@ -37,8 +37,12 @@
 // cuattn/backends/geometry.py and passed in; the traits only derive the rest and check it.
 template <int BLOCK, int TILE_M, int TILE_N, int NUM_WARPS_, int HEAD_DIM, typename T>
 struct attn_fwd_traits {
-  static constexpr int M_TILES_PER_BLOCK = BLOCK / TILE_M;
+  // Query layout blocks per CTA: 1, or 2 when TILE_M = 2 * BLOCK (geometry.py pairs adjacent
+  // 64-blocks: each K/V tile read through L2 then feeds 128 rows; the walk merges both rows).
+  static constexpr int ROW_BLOCKS = TILE_M > BLOCK ? TILE_M / BLOCK : 1;
+  static constexpr int M_TILES_PER_BLOCK = TILE_M > BLOCK ? 1 : BLOCK / TILE_M;
   static constexpr int NUM_WARPS = NUM_WARPS_;
+  static constexpr int WARPS_PER_ROW_BLOCK = NUM_WARPS_ / ROW_BLOCKS;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = TILE_M / NUM_WARPS;  // query rows per warp
   static constexpr int M_FRAGS = WARP_M / 16;
@@ -51,7 +55,9 @@ struct attn_fwd_traits {
   static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE_N + 4);
   static constexpr int SMEM_BYTES = (TILE_M + 2 * TILE_N) * LD * int(sizeof(T)) +
                                     NUM_WARPS * SCRATCH_FLOATS * int(sizeof(float));
-  static_assert(BLOCK % TILE_M == 0 && BLOCK % TILE_N == 0 && TILE_N % 16 == 0);
+  static_assert((BLOCK % TILE_M == 0 || TILE_M == 2 * BLOCK) && BLOCK % TILE_N == 0 &&
+                TILE_N % 16 == 0);
+  static_assert(BLOCK % WARP_M == 0, "a warp's rows lie in one layout block");
   static_assert(TILE_M % NUM_WARPS == 0 && WARP_M % 16 == 0, "whole 16-row fragments per warp");
   static_assert(HEAD_DIM % 16 == 0);
 };
@@ -72,12 +78,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
   constexpr int M_FRAGS = Traits::M_FRAGS;
 
-  const int q_block = int(blockIdx.x) / Traits::M_TILES_PER_BLOCK;
+  // The CTA's first query block, and where its rows start in it.
+  const int q_block = int(blockIdx.x) * Traits::ROW_BLOCKS / Traits::M_TILES_PER_BLOCK;
   const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * TILE_M;
   if (q_start >= n_q) return;  // ragged last block: this sub-tile holds no query at all
   const int head = int(blockIdx.y);
   const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
+  // 0, or 1 for a pair's second block (a constant 0 where the CTA owns one block)
+  const int row_block = Traits::ROW_BLOCKS == 2 ? warp / Traits::WARPS_PER_ROW_BLOCK : 0;
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   T* q_smem = dynamic_smem<T>();
@@ -103,11 +112,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     cp_async_commit();
   };
 
-  ActiveTiles<RULE, BLOCK, TILE_N, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
-                                             row_mask);
-  const int q_last = q_start + TILE_M - 1;
-  ActiveTile tile;
-  bool active = walk.next(tile, rule, q_start, q_last);
+  auto walk = [&] {
+    const int* entries = row_ptr + head * (num_blocks + 1) + q_block;
+    if constexpr (Traits::ROW_BLOCKS == 2) {
+      return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
+                                                 row_mask, row_block);
+    } else {
+      return ActiveTiles<RULE, BLOCK, TILE_N, true>(entries, col_idx, row_mask);
+    }
+  }();
+  using Walk = decltype(walk);
+  // The rows the walk tests: the CTA's, or in a paired CTA the warp's own (PairedRowTiles).
+  const int walk_first = q_start + (Traits::ROW_BLOCKS == 2 ? warp * Traits::WARP_M : 0);
+  const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? Traits::WARP_M : TILE_M) - 1;
+  typename Walk::Tile tile;
+  bool active = walk.next(tile, rule, walk_first, walk_last);
   load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
       q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
@@ -129,27 +148,32 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     __syncthreads();           // ... visible to all; every warp is done reading V(t - 1)
     load_v(tile.start);
 
+    // Only the warps this tile's diagonal or window edge crosses test elements. In a paired
+    // CTA a warp whose rows the tile does not reach (the other block's tile, or above the
+    // diagonal) skips it; one-block CTAs compute such a tile as all -inf (adding nothing):
+    // the branch cost them ~35 instructions per tile (and 72 bytes of spill at d128 b128) for
+    // a tile they rarely meet (static model, bench/NOTES.md change 17).
+    const WarpTile mine =
+        warp_view<RULE, TILE_N>(tile, row_block, rule, q_warp, q_warp + Traits::WARP_M - 1);
+    const bool computes = Traits::ROW_BLOCKS == 1 || mine.coverage != TILE_EMPTY;
     float s_frag[M_FRAGS][TILE_N / 8][4] = {};
-    {
-      // Only the warps this tile's diagonal or window edge crosses test elements.
-      const int coverage = narrowed_coverage<RULE, TILE_N, true>(rule, tile, q_warp,
-                                                                 q_warp + Traits::WARP_M - 1);
+    if (computes) {
       warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
 #pragma unroll
       for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
-      if (coverage != TILE_FULL) {
-        mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(s_frag, rule, q_warp, tile.start,
-                                                             q_block, tile.block, tile.mask_id);
+      if (mine.coverage != TILE_FULL) {
+        mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(
+            s_frag, rule, q_warp, tile.start, q_block + row_block, tile.block, mine.mask_id);
       }
     }
 
-    ActiveTile next_tile;
-    const bool has_next = walk.next(next_tile, rule, q_start, q_last);
+    typename Walk::Tile next_tile;
+    const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
     cp_async_wait_group<0>();  // V(t)
     __syncthreads();           // ... visible to all; every warp is done reading K(t)
     if (has_next) load_k(next_tile.start);
 
-    {
+    if (computes) {
       // Online softmax: rescale what was accumulated so far to the new running max.
 #pragma unroll
       for (int m = 0; m < M_FRAGS; ++m) {

@@ -341,6 +341,13 @@ FWD_WIDE_ROWS_PER_WARP = 32
 # floats per thread) and a 64-key score tile (64 floats) do not fit in 255 registers unspilled
 # (ptxas: 56-388 bytes of spills at 64 keys, none at 32); FlashAttention-2 makes the same cut.
 FWD_WIDE_TILE_N_LARGE_HEAD = 32
+# 16-bit 64-blocks may also run in pairs: one CTA of 8 warps (16 rows each) owns two adjacent query
+# blocks and walks the union of their rows, so each K/V tile read through L2 feeds 128 rows, as in
+# SDPA-flash, at the 64-row CTA's registers (bench/NOTES.md, change 17). Chosen per layout by
+# backends/kernels.py where the union adds few tiles (dense, causal, windows); head dims up to
+# 128 (at 256 the 16-row accumulator already fills the registers).
+FWD_PAIRED_BLOCK = 64
+FWD_PAIRED_MAX_HEAD_DIM = 128
 MMA_ROWS = 16  # rows of one mma fragment
 # Backward: each CTA owns BWD_OWN_TILE rows of its own axis (keys of dK/dV, queries of dQ; 16 per
 # warp) and steps over the other axis in double-buffered tiles of BWD_STEP_TILE rows; head dims
@@ -366,9 +373,24 @@ HUGE_HEAD_OWN_TILE_FP32 = 32
 HUGE_HEAD_DKDV_SPLITS = 2
 
 
-def tile_sizes(kernel: str, block: int, head_dim: int, dtype: str) -> tuple[int, int, int]:
+def pairs_rows(kernel: str, block: int, head_dim: int, dtype: str) -> bool:
+    """Whether an instantiation has a paired forward variant (two query blocks per CTA)."""
+    return (
+        kernel == "attn_fwd"
+        and block == FWD_PAIRED_BLOCK
+        and dtype != "float32"
+        and head_dim <= FWD_PAIRED_MAX_HEAD_DIM
+    )
+
+
+def tile_sizes(
+    kernel: str, block: int, head_dim: int, dtype: str, paired: bool = False
+) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of a block kernel: rows per CTA, columns per shared-memory
-    tile, warps per CTA."""
+    tile, warps per CTA. ``paired``: the forward's two-block CTAs (``pairs_rows``)."""
+    if paired:
+        assert pairs_rows(kernel, block, head_dim, dtype), (kernel, block, head_dim, dtype)
+        return 2 * block, block, 2 * block // MMA_ROWS
     if head_dim == HUGE_HEAD_DIM:
         fp32 = dtype == "float32"
         backward = kernel != "attn_fwd"
@@ -412,7 +434,8 @@ class KernelConfig(_Launch):
     """Geometry of one launch of one kernel instantiation.
 
     ``block`` and ``rule`` are ignored (must be None) for the row kernels, ``mods`` (the
-    score-modifier variant) is for the block kernels only. ``n_rows`` is the
+    score-modifier variant) is for the block kernels only, ``paired`` (two query blocks per
+    CTA) for the forward where ``pairs_rows`` allows it. ``n_rows`` is the
     length of the axis the grid covers: queries (attn_fwd, attn_bwd_dq, attn_bwd_preprocess) or
     keys (attn_bwd_dkdv); ``heads`` counts query heads.
     """
@@ -426,6 +449,7 @@ class KernelConfig(_Launch):
     block: int | None = None
     rule: str | None = None
     mods: bool = False
+    paired: bool = False
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -463,7 +487,7 @@ class KernelConfig(_Launch):
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
-                self.kernel, self.block, self.head_dim, self.dtype
+                self.kernel, self.block, self.head_dim, self.dtype, self.paired
             )
             if self.kernel == "attn_fwd":
                 scratch = 0 if half else 16 * (tile_n + 4)
@@ -475,7 +499,8 @@ class KernelConfig(_Launch):
                 smem += num_warps * scratch * 4
                 if self.kernel == "attn_bwd_dkdv":
                     smem += BWD_STAGES * 2 * tile_n * 4  # lse, delta of each stage's queries
-            assert self.block % tile_m == 0 and tile_m % 16 == 0 and tile_n % 16 == 0
+            assert self.block % tile_m == 0 or self.paired
+            assert tile_m % 16 == 0 and tile_n % 16 == 0
             rows_per_warp = tile_m // num_warps
             assert tile_m % num_warps == 0 and rows_per_warp in (MMA_ROWS, FWD_WIDE_ROWS_PER_WARP)
         huge = self.kernel == "attn_bwd_dkdv" and self.head_dim == HUGE_HEAD_DIM
@@ -517,6 +542,8 @@ class KernelConfig(_Launch):
             return (self.n_rows, self.heads, self.batch)
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
+        if self.paired:
+            return (ceil_div(num_blocks, 2), self.heads, self.batch)
         return (num_blocks * (self.block // self.tile_m) * self.splits, self.heads, self.batch)
 
     @property
@@ -722,6 +749,12 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
             BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES, CXX_MODS
         ):
             configs.append(KernelConfig(kernel, head_dim, dtype, block=block, rule=rule, mods=mods))
+            if pairs_rows(kernel, block, head_dim, dtype):
+                configs.append(
+                    KernelConfig(
+                        kernel, head_dim, dtype, block=block, rule=rule, mods=mods, paired=True
+                    )
+                )
     for kernel in ROW_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))

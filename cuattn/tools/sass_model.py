@@ -101,7 +101,8 @@ PARTIAL_TILE_CODE = (
     ColdRegion("function", "mask_score_tile"),
     # dK/dV's zeroing of rows past n_q: behind a uniform branch taken on a ragged last step only
     ColdRegion("function", "zero_columns_past"),
-    ColdRegion("statement", "narrowed_coverage", r"return\s+coverage_of"),
+    # a forward warp's own coverage of a partial tile (walk.cuh's warp_view)
+    ColdRegion("statement", "warp_view", r":\s*coverage_of"),
 )
 # The dK/dV step's lse/delta loads: `for (int i = tid; i < TILE...; i += NUM_THREADS)` over the
 # step's query rows, which only the first TILE / 32 warps enter (see _Counter.strided_weight).
@@ -272,11 +273,19 @@ class HotSpec:
 
 
 def _geometry_spec(
-    label: str, kernel: str, head_dim: int, dtype: str, block: int, mods: bool = False
+    label: str,
+    kernel: str,
+    head_dim: int,
+    dtype: str,
+    block: int,
+    mods: bool = False,
+    paired: bool = False,
 ) -> HotSpec:
     from cuattn.backends.geometry import ITEMSIZE, KernelConfig
 
-    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal", mods=mods)
+    config = KernelConfig(
+        kernel, head_dim, dtype, block=block, rule="causal", mods=mods, paired=paired
+    )
     tile_m, tile_n, warps = config.tile_m, config.tile_n, config.num_warps
     rows_per_warp = tile_m // warps
     m16 = rows_per_warp // 16
@@ -341,8 +350,9 @@ HOT_BLOCKS = (64, 128)
 
 def hot_specs() -> list[HotSpec]:
     """Every hot instantiation: the forward, dK/dV, dQ at d = 64/128 and 64-/128-blocks in bf16;
-    the forward d128 b64 in fp16 too; the three at d128 b64 with a softcap (their MODS_SCORE
-    variants: what the modifier costs); decode."""
+    the forward d128 b64 in fp16 too; the paired forward (two 64-blocks per CTA) at d = 64/128;
+    the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs);
+    decode."""
     names = {
         "attn_fwd": "fwd",
         "attn_bwd_dkdv": "dkdv",
@@ -355,6 +365,9 @@ def hot_specs() -> list[HotSpec]:
                 label = f"{name} d{head_dim} b{block}"
                 specs.append(_geometry_spec(label, kernel, head_dim, HOT_DTYPE, block))
     specs.append(_geometry_spec("fwd d128 b64 fp16", "attn_fwd", 128, "float16", 64))
+    for head_dim in HOT_HEAD_DIMS:
+        label = f"fwd d{head_dim} b64 paired"
+        specs.append(_geometry_spec(label, "attn_fwd", head_dim, HOT_DTYPE, 64, paired=True))
     for kernel, name in names.items():
         label = f"{name} d128 b64 softcap"
         specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, mods=True))

@@ -33,6 +33,7 @@ __device__ __forceinline__ int coverage_of(const RuleParams& rule, int own_first
 
 template <int RULE, int BLOCK, int OTHER_TILE, bool OWN_IS_QUERY>
 struct ActiveTiles {
+  using Tile = ActiveTile;
   static constexpr int SUB_TILES = BLOCK / OTHER_TILE;
   static_assert(BLOCK % OTHER_TILE == 0, "a block is whole sub-tiles");
 
@@ -75,14 +76,103 @@ struct ActiveTiles {
   int sub_ = 0;
 };
 
-// A tile's coverage for a narrower range of own positions (one warp's rows of the CTA's tile):
-// a FULL tile stays FULL; a PARTIAL one may be FULL or EMPTY for these rows alone.
-template <int RULE, int OTHER_TILE, bool OWN_IS_QUERY>
-__device__ __forceinline__ int narrowed_coverage(const RuleParams& rule, const ActiveTile& tile,
-                                                 int own_first, int own_last) {
-  if (tile.coverage == TILE_FULL) return TILE_FULL;
-  return coverage_of<RULE, OTHER_TILE, OWN_IS_QUERY>(rule, own_first, own_last, tile.start,
-                                                     tile.mask_id);
+// The forward's walk when one CTA owns the queries of two adjacent layout blocks (a and b =
+// a + 1; geometry.py pairs 64-blocks so that each K/V tile read through L2 feeds 128 rows, not
+// 64): the union of the two CSR rows, merged in key order (host layouts list each row's blocks in
+// ascending order), each key sub-tile yielded once, to every warp with its own block's entry
+// mask and its own rows' coverage: TILE_EMPTY where its block's row does not hold the tile (the
+// warp skips it). The walk only reads the warp's own block's mask and tests the warp's own rows:
+// the yield itself depends on the two rows' blocks alone, so it stays uniform across the CTA.
+struct PairedTile {
+  int start;     // first key
+  int block;     // the key block it lies in
+  int mask_id;   // the warp's block's entry mask (-1: a full block, or none held)
+  int coverage;  // of the warp's own rows
+};
+
+// Past every key block: where one row of the pair is walked to its end.
+constexpr int PAST_LAST_BLOCK = 0x7fffffff;
+
+template <int RULE, int BLOCK, int TILE_N>
+struct PairedRowTiles {
+  using Tile = PairedTile;
+  static constexpr int SUB_TILES = BLOCK / TILE_N;
+  static_assert(BLOCK % TILE_N == 0, "a block is whole sub-tiles");
+
+  // row_a: block a's [begin, end) pair of the CSR row_ptr; has_b: whether block a + 1 exists
+  // (the last query block may have no partner); row_block: the calling warp's block (0: a).
+  __device__ __forceinline__ PairedRowTiles(const int* row_a, bool has_b, const int* col_idx,
+                                            const int* row_mask, int row_block)
+      : blocks_(col_idx),
+        masks_(row_mask),
+        entry_a_(row_a[0]),
+        end_a_(row_a[1]),
+        entry_b_(row_a[1]),
+        end_b_(has_b ? row_a[2] : row_a[1]),
+        row_block_(row_block) {}
+
+  // The next sub-tile of either row, for the calling warp's rows own_first..own_last; false
+  // when both rows are walked.
+  __device__ __forceinline__ bool next(PairedTile& tile, const RuleParams& rule, int own_first,
+                                       int own_last) {
+    while (entry_a_ < end_a_ || entry_b_ < end_b_) {
+      const int block_a = entry_a_ < end_a_ ? blocks_[entry_a_] : PAST_LAST_BLOCK;
+      const int block_b = entry_b_ < end_b_ ? blocks_[entry_b_] : PAST_LAST_BLOCK;
+      const int block = block_a < block_b ? block_a : block_b;
+      const bool in_a = block_a == block, in_b = block_b == block;
+      const bool held = row_block_ ? in_b : in_a;
+      const int mask_id = held ? masks_[row_block_ ? entry_b_ : entry_a_] : -1;
+      if (sub_ < SUB_TILES) {
+        const int start = block * BLOCK + sub_ * TILE_N;
+        ++sub_;
+        if (start < rule.n_k) {  // else a ragged last block's rest
+          const int coverage =
+              held ? coverage_of<RULE, TILE_N, true>(rule, own_first, own_last, start, mask_id)
+                   : TILE_EMPTY;
+          tile = PairedTile{start, block, mask_id, coverage};
+          return true;
+        }
+      }
+      entry_a_ += in_a;
+      entry_b_ += in_b;
+      sub_ = 0;
+    }
+    return false;
+  }
+
+ private:
+  const int* blocks_;
+  const int* masks_;
+  int entry_a_;
+  int end_a_;
+  int entry_b_;
+  int end_b_;
+  int row_block_;
+  int sub_ = 0;
+};
+
+// One warp's view of a forward tile: the entry mask of the query block its rows lie in (`row` 0,
+// or 1 for the second block of a paired CTA) and the coverage narrowed to the warp's own rows
+// first..last: a FULL tile stays FULL, a PARTIAL one may be FULL or EMPTY for these rows alone.
+struct WarpTile {
+  int mask_id;
+  int coverage;
+};
+
+template <int RULE, int TILE_N>
+__device__ __forceinline__ WarpTile warp_view(const ActiveTile& tile, int, const RuleParams& rule,
+                                             int first, int last) {
+  const int coverage =
+      tile.coverage == TILE_FULL
+          ? TILE_FULL
+          : coverage_of<RULE, TILE_N, true>(rule, first, last, tile.start, tile.mask_id);
+  return {tile.mask_id, coverage};
+}
+
+template <int RULE, int TILE_N>
+__device__ __forceinline__ WarpTile warp_view(const PairedTile& tile, int, const RuleParams&, int,
+                                             int) {
+  return {tile.mask_id, tile.coverage};  // the walk tested the warp's own rows already
 }
 
 // The double-buffered walk of the backward kernels: every active tile of `walk` in order, with

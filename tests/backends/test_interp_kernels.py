@@ -11,12 +11,14 @@ NaN-poisoned before launch.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuattn.backends import geometry, interp
+from cuattn.backends import geometry, interp, kernels
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
 from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
@@ -67,6 +69,11 @@ def make_test_layout(rule: str, block: int, n_ctx: int) -> Layout:
     return Layout.from_blocks(np.ones((HEADS, nb, nb), bool), block, bitmask_fn, n_ctx=n_ctx)
 
 
+def forced_pairing(paired: bool = True):
+    """Run the forward in paired CTAs (or not) whatever the layout's own choice."""
+    return mock.patch.object(kernels, "layout_pairs_rows", lambda layout: paired)
+
+
 def random_inputs(shape, dtype: str, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(shape).astype(NUMPY_DTYPES[dtype]) for _ in range(4)]
@@ -99,6 +106,11 @@ def run_forward_backward(block: int, head_dim: int, dtype: str, rule: str) -> No
 
     out, lse = interp.forward(q, k, v, layout, scale)
     check_forward(out, lse, q, k, v, layout, scale, dtype)
+    if geometry.pairs_rows("attn_fwd", block, head_dim, dtype):
+        # the paired forward instantiation too (these layouts are too short to choose it)
+        with forced_pairing():
+            paired = interp.forward(q, k, v, layout, scale)
+        check_forward(*paired, q, k, v, layout, scale, dtype)
 
     refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
     grads = interp.backward(q, k, v, out, lse, dout, layout, scale)

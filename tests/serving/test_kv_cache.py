@@ -197,16 +197,24 @@ def test_evicted_pages_are_reused_and_the_pool_stops_growing():
     assert h2o.page_tables()[1][0, 0] <= 3 and h2o.num_pages == 3  # its budget's pages, never grew
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize(
     "policy",
-    [P.SlidingWindow(32), P.StreamingLLM(4, 28), P.HeavyHitters(32, 8), P.SlidingWindow([8, 40])],
-    ids=["sliding", "streaming", "h2o", "per-head"],
+    [
+        P.SlidingWindow(32),
+        P.StreamingLLM(4, 28),
+        P.HeavyHitters(32, 8),
+        P.SlidingWindow([8, 40]),
+        P.HeavyHitters([12, 44], 4),
+    ],
+    ids=["sliding", "streaming", "h2o", "per-head", "h2o-per-head"],
 )
-def test_a_budgeted_cache_holds_memory_for_its_budget(policy):
+def test_a_budgeted_cache_holds_memory_for_its_budget(policy, page):
     """nbytes follows the budget from the first step (issue: 574 KB held for 66 KB of kept
     tokens): within 1.25x the kept tokens' bytes plus one page per (sequence, kv head), through a
-    long prefill, ragged lengths and 300 decode steps, and the pool never grows."""
-    batch, kv_heads, head_dim, page = 2, 2, 32, 16
+    long prefill, ragged lengths and 300 decode steps with GQA queries, and the pool never
+    grows."""
+    batch, kv_heads, head_dim = 2, 2, 32
     cache = cuattn.KVCache(batch, kv_heads, head_dim, "float64", page_size=page, policy=policy)
     budgets = policy.budgets()
     kept_bytes = batch * int(budgets.sum()) * head_dim * 8 * 2  # K and V

@@ -1,8 +1,9 @@
 """Serving: a paged KV cache with eviction policies, and decode attention over what it keeps.
 
 KVCache(batch, kv_heads, head_dim, dtype, page_size=16, capacity=None, policy=None, like=None)
+    .append(k, v, lengths=None, q=None)
 decode_attention(q, cache, scale=None, return_lse=False)
-policies: SlidingWindow, StreamingLLM, HeavyHitters, Quest, head_adaptive, pyramid
+policies: SlidingWindow, StreamingLLM, HeavyHitters, SnapKV, Quest, head_adaptive, pyramid
 """
 
 from cuattn.serving import policies

@@ -18,10 +18,12 @@ every (sequence, kv head) pair at once: gather the pairs' slots, the policy's ke
 compact the tables and push emptied pages, place the kept tokens in the holes eviction left
 (table order, then offset) and then in pages popped from the stack, one scatter of K, V and
 positions (a cache that never evicts looks only at each pair's last page, the only one with
-room, so its append costs what the incoming tokens do). Nothing is read back: the pool and
-table width are sized on the host from a bound (a pair never holds more than
-ceil(min(length, budget) / page_size) pages, because tokens fill holes before new pages are
-taken), so a page is always there to pop. Only ``positions()``, ``kept()`` and
+room, so its append costs what the incoming tokens do). A policy that reads queries (SnapKV)
+gets the append's queries and the candidates' keys to vote with, when ``append`` is given them.
+Nothing is read back: the pool and table width are sized on the host from a bound (a pair never
+holds more than ceil(most / page_size) pages, ``most`` the tokens it may keep: min(length,
+budget) for a policy that always evicts, because tokens fill holes before new pages are taken),
+so a page is always there to pop. Only ``positions()``, ``kept()`` and
 ``page_tables()`` copy to the host, when asked.
 """
 
@@ -71,11 +73,13 @@ def _positive(name: str, value: object) -> int:
 class KVCache:
     """Paged KV cache for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``.
 
-    ``append(k, v, lengths=None)`` adds [batch, kv_heads, t, head_dim] tokens (sequence b takes
-    the first ``lengths[b]`` of them), then the ``policy`` evicts. ``len(cache)``: tokens the
+    ``append(k, v, lengths=None, q=None)`` adds [batch, kv_heads, t, head_dim] tokens (sequence
+    b takes the first ``lengths[b]`` of them), then the ``policy`` evicts (SnapKV: by the votes
+    of the queries ``q``, when given). ``len(cache)``: tokens the
     longest sequence was given (``cache.lengths`` per sequence); ``positions()``: the kept
     positions; ``nbytes``: bytes held. ``capacity``: tokens per sequence (kv head) the cache may
-    keep; without a policy, an append past it is refused.
+    keep; an append after which a kv head might keep more (no policy, or SnapKV's decoding) is
+    refused.
     """
 
     def __init__(
@@ -120,6 +124,8 @@ class KVCache:
         )
         self.xp = _array_module(self.info)
         self.lengths = np.zeros(self.batch, dtype=np.int64)
+        # the most tokens each pair may keep (host): what the pool and tables are sized by
+        self._most = np.zeros((self.batch, self.kv_heads), dtype=np.int64)
         xp = self.xp
         with _on_device(self.info):
             self._allocate(self._first_pool_pages())
@@ -141,8 +147,9 @@ class KVCache:
     def _first_pool_pages(self) -> int:
         """Pages of the first pool. A budgeted pair never holds more than ceil(budget /
         page_size) pages (the bound in ``_reserve``; a budget above ``capacity`` is refused when
-        the cache is built), so a budgeted cache starts at what its budgets need and never grows:
-        its ``nbytes`` follows the budget. Without a budget, room for ``capacity`` (or
+        the cache is built), so a budgeted cache starts at what its budgets need and never grows
+        (SnapKV's grows as decoding adds the tokens it keeps): its ``nbytes`` follows the
+        budget. Without a budget, room for ``capacity`` (or
         DEFAULT_TOKENS) tokens and a page of slack per pair; it grows on demand."""
         if self._budgets is not None:
             return self.batch * int(ceil_div(self._budgets, self.page_size).sum())
@@ -188,17 +195,24 @@ class KVCache:
         self.page_table = xp.full((self.batch, self.kv_heads, width), EMPTY, dtype=xp.int32)
         self.page_table[..., : table.shape[2]] = table
 
-    def _reserve(self, lengths: np.ndarray) -> None:
+    def _most_after(self, given: np.ndarray, voted: bool) -> np.ndarray:
+        """int64 [batch, kv_heads]: the most tokens each pair may keep after an append of
+        ``given`` tokens per sequence (``voted``: with queries): what it might have kept, plus
+        them, cut to the budget where the policy applies it (always, or SnapKV's only when it
+        votes)."""
+        most = self._most + given[:, None]
+        if self._budgets is not None and (voted or not self.policy.reads_queries):
+            most = np.minimum(most, self._budgets[None, :])
+        return most
+
+    def _reserve(self, most: np.ndarray) -> None:
         """Grow the pool and widen the tables, from the host, for every pair to hold the most
-        pages it may after an append that brings the sequences to ``lengths``.
+        pages it may after an append that leaves it at most ``most`` [batch, kv_heads] tokens.
 
         The bound: tokens fill a pair's holes before a page is taken, so a new page is taken
         only when every page is full, and then the pair holds ceil(kept / page_size) pages;
-        otherwise it holds at most what it held. kept <= min(length, budget) throughout."""
-        most = lengths[:, None]
-        if self._budgets is not None:
-            most = np.minimum(most, self._budgets[None, :])
-        pages = ceil_div(np.broadcast_to(most, (self.batch, self.kv_heads)), self.page_size)
+        otherwise it holds at most what it held. kept <= most throughout."""
+        pages = ceil_div(most, self.page_size)
         if int(pages.sum()) > self.num_pages:
             self._grow(max(2 * self.num_pages, int(pages.sum())))
         if int(pages.max()) > self.width:
@@ -308,18 +322,49 @@ class KVCache:
             raise ValueError(f"lengths must lie in [0, t={t}], got {given.tolist()}")
         return given.astype(np.int64)
 
-    def _check_capacity(self, given: np.ndarray, lengths: np.ndarray) -> None:
-        """Without an evicting policy every token stays: refuse what would pass capacity."""
-        if self.capacity is None or self._budgets is not None:
+    def _check_capacity(self, given: np.ndarray, most: np.ndarray) -> None:
+        """Refuse an append after which a pair might keep more than capacity (without an
+        evicting policy every token stays; SnapKV keeps what decoding adds)."""
+        if self.capacity is None:
             return
-        over = np.flatnonzero(lengths > self.capacity)
+        over = np.flatnonzero(most.max(axis=1) > self.capacity)
         if over.size:
             b = int(over[0])
             raise ValueError(
                 f"k: appending {int(given[b])} tokens to sequence {b} would keep "
-                f"{int(lengths[b])} tokens in each kv head, past capacity={self.capacity}; give "
-                "the cache a policy or a larger capacity"
+                f"{int(most[b].max())} tokens in a kv head, past capacity={self.capacity}; give "
+                "the cache a policy that evicts them or a larger capacity"
             )
+
+    def _check_queries(self, q: Any, k: Any, given: np.ndarray, lengths: np.ndarray) -> None:
+        """q [batch, heads, t, head_dim] of the tokens k brings, for a policy that reads them."""
+        if self.policy is None or not self.policy.reads_queries:
+            raise ValueError(
+                f"q: only a policy that reads queries (SnapKV) takes them, the cache's policy is "
+                f"{self.policy!r}; append without q"
+            )
+        if not hasattr(q, "shape") or not hasattr(q, "dtype"):
+            raise TypeError(f"q must be an array, got {type(q).__name__}")
+        shape = tuple(int(d) for d in q.shape)
+        t = int(k.shape[2])
+        if (
+            len(shape) != 4
+            or shape[0] != self.batch
+            or shape[1] % self.kv_heads
+            or shape[1] == 0
+            or shape[2:] != (t, self.head_dim)
+        ):
+            raise ValueError(
+                f"q must be [batch={self.batch}, heads (a multiple of kv_heads={self.kv_heads}), "
+                f"t={t}, head_dim={self.head_dim}], got {shape}"
+            )
+        if _dtype_name(q.dtype) != self.dtype:
+            raise TypeError(
+                f"q has dtype {_dtype_name(q.dtype)}, the cache holds {self.dtype} "
+                "(cuattn never casts silently)"
+            )
+        self._check_device("q", q)
+        self.policy.check_queries(given, lengths)
 
     def _check_device(self, name: str, x: Any) -> None:
         info = dlpack.describe(x, name)
@@ -330,23 +375,29 @@ class KVCache:
                 "cuattn never moves data between devices"
             )
 
-    def append(self, k: Any, v: Any, lengths: Any = None) -> None:
+    def append(self, k: Any, v: Any, lengths: Any = None, q: Any = None) -> None:
         """Add tokens [batch, kv_heads, t, head_dim] (sequence b: the first lengths[b]), then
-        evict by the policy. Every check runs before anything is written; nothing is read
-        back from the device."""
+        evict by the policy. ``q`` [batch, heads, t, head_dim]: the same tokens' queries, for a
+        policy that reads them (SnapKV, at the end of a prefill; it keeps everything without).
+        Every check runs before anything is written; nothing is read back from the device."""
         given = self._check_tokens(k, v, lengths)
         new_lengths = self.lengths + given
-        self._check_capacity(given, new_lengths)
+        if q is not None:
+            self._check_queries(q, k, given, new_lengths)
+        most = self._most_after(given, q is not None)
+        self._check_capacity(given, most)
         info = dlpack.describe(k, "k")
         if int(given.max()) > 0:
             with dlpack.stream_for(info), _on_device(self.info):
-                self._reserve(new_lengths)
+                self._reserve(most)
                 kb = dlpack.to_backend(k, info, "k")
                 vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
-                self._place(kb, vb, given)
+                qb = None if q is None else dlpack.to_backend(q, dlpack.describe(q, "q"), "q")
+                self._place(kb, vb, given, qb)
         self.lengths = new_lengths
+        self._most = most
 
-    def _place(self, kb: Any, vb: Any, given: np.ndarray) -> None:
+    def _place(self, kb: Any, vb: Any, given: np.ndarray, qb: Any | None) -> None:
         """One append over every pair at once (module doc): decide, evict, place, write."""
         xp, ps = self.xp, self.page_size
         batch, heads, t, head_dim = (int(d) for d in kb.shape)
@@ -369,7 +420,7 @@ class KVCache:
             last = xp.take_along_axis(table, xp.maximum(count - 1, 0)[:, None], axis=1)
             slot, in_table = self._slots(last, xp.minimum(count, 1))
         else:
-            compact, count, keep_new = self._evict(table, count, new_pos)
+            compact, count, keep_new = self._evict(table, count, new_pos, kb, qb)
             slot, in_table = self._slots(compact[:, :width], count)
 
         # the kept incoming tokens go to the holes (table order, then offset), then new pages
@@ -403,11 +454,14 @@ class KVCache:
         if self._bounds_pages:
             self._bound_pages(xp.where(keep_new, target // ps, SPARE), min(t, width))
 
-    def _evict(self, table: Any, count: Any, new_pos: Any) -> tuple[Any, Any, Any]:
-        """The policy's decision over every kept and incoming token; the evicted slots emptied,
-        the pages left empty pushed onto the free stack and closed up in the tables. Returns
-        (tables [pairs, width + 1] with a last column for masked writes, page counts, which
-        incoming tokens are kept [pairs, t])."""
+    def _evict(
+        self, table: Any, count: Any, new_pos: Any, kb: Any, qb: Any | None
+    ) -> tuple[Any, Any, Any]:
+        """The policy's decision over every kept and incoming token (kb: the incoming keys; qb:
+        their queries, for a policy's vote, or None); the evicted slots emptied, the pages left
+        empty pushed onto the free stack and closed up in the tables. Returns (tables [pairs,
+        width + 1] with a last column for masked writes, page counts, which incoming tokens are
+        kept [pairs, t])."""
         xp, ps = self.xp, self.page_size
         pairs, width = table.shape
         flat_pos = self.slot_pos.reshape(-1)
@@ -419,6 +473,8 @@ class KVCache:
         if self.slot_score is not None:
             old = xp.where(in_table, self.slot_score.reshape(-1)[slot], 0.0)
             scores = xp.concatenate([old, xp.zeros(new_pos.shape)], axis=1).reshape(shape)
+        if qb is not None:
+            scores = self._vote(slot, new_pos, kb, qb, positions)
         keep = self.policy.keep(
             xp, self._lengths_device, positions, scores, self._budgets_device
         ).reshape(pairs, -1)
@@ -436,6 +492,19 @@ class KVCache:
         compact[xp.arange(pairs)[:, None], column] = table
         self._push(xp.where(freed, table, EMPTY), freed)
         return compact, stay.sum(axis=1), keep_new
+
+    def _vote(self, slot: Any, new_pos: Any, kb: Any, qb: Any, positions: Any) -> Any:
+        """The policy's vote over the candidates (kept slots ``slot``, then the incoming
+        tokens at ``new_pos``) from the queries qb, in float64 (a slot not in the table is
+        no candidate, whatever its key holds)."""
+        xp = self.xp
+        batch, _, t, head_dim = (int(d) for d in qb.shape)
+        old_keys = self.k_pages.reshape(-1, head_dim)[slot]  # [pairs, slots, head_dim]
+        keys = xp.concatenate([old_keys, kb.reshape(-1, t, head_dim)], axis=1)
+        keys = widened(keys, xp).astype(xp.float64).reshape(batch, self.kv_heads, -1, head_dim)
+        queries = widened(qb, xp).astype(xp.float64)
+        query_pos = new_pos.reshape(batch, self.kv_heads, t)[:, 0]  # every head's are the same
+        return self.policy.vote(xp, self._lengths_device, queries, query_pos, keys, positions)
 
     def _push(self, pages: Any, freed: Any) -> None:
         """Push ``pages`` [pairs, width] where ``freed`` onto the free stack (device only)."""

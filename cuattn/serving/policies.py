@@ -17,10 +17,22 @@ even for a moment; ``decode_attention`` only adds scores (HeavyHitters) or choos
                                    with the largest bound sum_i max(q_i*min_i, q_i*max_i) over
                                    the page's element-wise key min and max, among all pages but
                                    the newest, plus the newest page. Ties read the lower page.
+    SnapKV(budget, window, kernel_size=7, pooling="max")
+                                   at an append given its queries (the end of a prefill): the
+                                   last `window` queries vote for the older tokens: per query
+                                   head the sum over the window of their softmax probabilities
+                                   (causal, over every candidate, scale 1/sqrt(head_dim)),
+                                   pooled over the older tokens by position (a 'same' max or
+                                   average pool of `kernel_size`; a missing position counts as
+                                   nothing), averaged over the query heads of the kv group; keep
+                                   the window and the budget - window best-voted older tokens
+                                   (ties: the newer). Appends without queries keep everything
+                                   (decode grows the cache, as in SnapKV).
 Budgets (window, budget) are tokens: an int for every kv head, a sequence with one per kv head,
 or (HeavyHitters) ``head_adaptive(total)``: ``total`` tokens per sequence shared by the layer's
-kv heads, each head keeping its ``recent`` and the rest going to the globally highest scores
-(ties: newer, then the lower head). ``pyramid(total, num_layers)`` gives per-layer budgets.
+kv heads, each head keeping its ``recent`` (SnapKV: its ``window``) and the rest going to the
+globally highest scores (ties: newer, then the lower head). ``pyramid(total, num_layers)``
+gives per-layer budgets.
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ import numpy as np
 from cuattn._util import stable_kind
 
 EMPTY = -1  # a position that is no candidate
+POOLINGS = ("max", "avg")  # SnapKV's pools along the key axis
+DEFAULT_KERNEL = 7  # SnapKV's pool width (the paper's choice)
+NAN_VOTE = -0.5  # a NaN vote ranks below every real one (>= 0) and above no candidate (-1)
 
 __all__ = [
     "HeadAdaptive",
@@ -41,6 +56,7 @@ __all__ = [
     "Policy",
     "Quest",
     "SlidingWindow",
+    "SnapKV",
     "StreamingLLM",
     "head_adaptive",
     "pyramid",
@@ -103,9 +119,27 @@ class Policy:
     def bind(self, kv_heads: int, page_size: int, capacity: int | None) -> None:
         self.kv_heads = kv_heads
 
+    #: True when the policy chooses only at an append given the tokens' queries (SnapKV);
+    #: its budget binds only there
+    reads_queries = False
+
     def budgets(self) -> np.ndarray | None:
         """Most tokens each kv head keeps (None: no limit)."""
         return None
+
+    def check_queries(self, given: np.ndarray, lengths: np.ndarray) -> None:
+        """Refuse (ValueError) an append of ``given`` tokens per sequence, bringing them to
+        ``lengths``, whose queries do not hold what ``vote`` reads (host arrays; only called
+        when ``reads_queries``)."""
+
+    def vote(
+        self, xp: Any, lengths: Any, queries: Any, query_positions: Any, keys: Any, positions: Any
+    ) -> Any:
+        """float64 [batch, kv_heads, n]: the candidates' scores, given to ``keep``, from the
+        queries of an append (only when ``reads_queries``). queries float64 [batch, heads, t,
+        head_dim] at query_positions int64 [batch, t] (-1: none); keys float64 [batch,
+        kv_heads, n, head_dim] of the candidates at ``positions`` (as ``keep``'s)."""
+        raise NotImplementedError
 
     def keep(
         self, xp: Any, lengths: Any, positions: Any, scores: Any | None, budgets: Any | None
@@ -115,7 +149,8 @@ class Policy:
         (NumPy, or CuPy on the cache's device; nothing is read back). lengths int64 [batch]:
         tokens each sequence was given, this append included; positions int64 [batch, kv_heads,
         n], -1 where there is no candidate (never kept); scores float64 like positions, or None
-        unless ``scores_tokens``; budgets: ``budgets()`` on the cache's device."""
+        unless ``scores_tokens`` (or ``vote``'s at an append given queries); budgets:
+        ``budgets()`` on the cache's device."""
         raise NotImplementedError
 
 
@@ -175,6 +210,35 @@ def _ranks(xp: Any, keys: list[Any]) -> Any:
     return rank
 
 
+def _keep_best(
+    xp: Any,
+    lengths: Any,
+    positions: Any,
+    scores: Any,
+    recent: int,
+    budgets: Any,
+    total: int | None,
+) -> Any:
+    """bool like positions: the ``recent`` newest candidates of each (sequence, kv head) and
+    the others by score (>= 0, ties: the newer), ``budgets`` per kv head in all, or, with a
+    ``total`` (head-adaptive), ``total`` per sequence over its kv heads (ties: the lower
+    head)."""
+    batch, kv_heads, n = positions.shape
+    valid = positions != EMPTY
+    newest = valid & (positions >= lengths[:, None, None] - recent)
+    # the recent first (an infinite score), then the others by score, newer first; no
+    # candidate last (-1)
+    worth = xp.where(newest, xp.inf, xp.where(valid, scores, -1.0))
+    keys = [-positions, -worth]
+    if total is None:
+        rank = _ranks(xp, [key.reshape(batch * kv_heads, n) for key in keys])
+        return valid & (rank.reshape(positions.shape) < budgets[None, :, None])
+    # head-adaptive: one ranking over the sequence's heads, laid out head by head, so the
+    # stable sorts leave ties to the lower head
+    rank = _ranks(xp, [key.reshape(batch, kv_heads * n) for key in keys])
+    return valid & (rank.reshape(positions.shape) < total)
+
+
 class HeavyHitters(Policy):
     """H2O: the ``recent`` newest tokens plus the highest-scored others, ``budget`` in all."""
 
@@ -208,23 +272,157 @@ class HeavyHitters(Policy):
         return self._budget
 
     def keep(self, xp, lengths, positions, scores, budgets):
-        batch, kv_heads, n = positions.shape
-        valid = positions != EMPTY
-        recent = valid & (positions >= lengths[:, None, None] - self.recent)
-        # the recent first (an infinite score), then the others by score (>= 0), newer first;
-        # no candidate last (-1)
-        worth = xp.where(recent, xp.inf, xp.where(valid, scores, -1.0))
-        keys = [-positions, -worth]
-        if self._budget is not None:
-            rank = _ranks(xp, [key.reshape(batch * kv_heads, n) for key in keys])
-            return valid & (rank.reshape(positions.shape) < budgets[None, :, None])
-        # head-adaptive: one ranking over the sequence's heads, laid out head by head, so the
-        # stable sorts leave ties to the lower head
-        rank = _ranks(xp, [key.reshape(batch, kv_heads * n) for key in keys])
-        return valid & (rank.reshape(positions.shape) < self.budget.total)
+        total = None if self._budget is not None else self.budget.total
+        return _keep_best(xp, lengths, positions, scores, self.recent, budgets, total)
 
     def __repr__(self) -> str:
         return f"HeavyHitters(budget={self.budget!r}, recent={self.recent})"
+
+
+class SnapKV(Policy):
+    """SnapKV: at an append given its queries (the end of a prefill), the last ``window``
+    tokens and the older ones those queries attend to most, ``budget`` in all (an int, one per
+    kv head, or ``head_adaptive(total)``: Ada-KV's budget shared by the layer's kv heads); see
+    the module doc. Appends without queries keep everything: SnapKV compresses the prompt and
+    leaves the generated tokens alone, so decoding grows the cache again."""
+
+    reads_queries = True
+
+    def __init__(
+        self,
+        budget: int | Sequence[int] | HeadAdaptive,
+        window: int,
+        kernel_size: int = DEFAULT_KERNEL,
+        pooling: str = "max",
+    ) -> None:
+        self.window = _count("window", window)
+        self.kernel_size = _count("kernel_size", kernel_size)
+        if self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"kernel_size must be an odd int >= 1 (a 'same' pool centred on each token), "
+                f"got {kernel_size}"
+            )
+        if not isinstance(pooling, str):
+            raise TypeError(f"pooling must be one of {POOLINGS}, got {type(pooling).__name__}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.pooling = pooling
+        if isinstance(budget, str):
+            raise TypeError(
+                "budget must be an int, a sequence of ints (one per kv head) or "
+                f"head_adaptive(total), got str {budget!r}"
+            )
+        self.budget = budget
+        if isinstance(budget, HeadAdaptive):
+            return
+        if isinstance(budget, (Sequence, np.ndarray)):
+            named = [(f"budget[{i}]", value) for i, value in enumerate(budget)]
+        else:
+            named = [("budget", budget)]
+        for name, value in named:
+            if _count(name, value) < self.window:
+                raise ValueError(
+                    f"{name} must be >= window={self.window} (the window is always kept), "
+                    f"got {value}"
+                )
+
+    def bind(self, kv_heads: int, page_size: int, capacity: int | None) -> None:
+        super().bind(kv_heads, page_size, capacity)
+        if isinstance(self.budget, HeadAdaptive):
+            if self.budget.total < kv_heads * self.window:
+                raise ValueError(
+                    f"budget: head_adaptive({self.budget.total}) cannot keep window={self.window} "
+                    f"tokens in each of {kv_heads} kv heads; accepted: a total >= "
+                    f"{kv_heads * self.window}"
+                )
+            self._budget = None
+            return
+        self._budget = _per_head("budget", self.budget, kv_heads)
+
+    def budgets(self) -> np.ndarray:
+        if self._budget is None:  # head-adaptive: one head may take all but the others' window
+            total = self.budget.total
+            return np.full(self.kv_heads, total - (self.kv_heads - 1) * self.window)
+        return self._budget
+
+    def check_queries(self, given: np.ndarray, lengths: np.ndarray) -> None:
+        short = np.flatnonzero(given < np.minimum(self.window, lengths))
+        if short.size:
+            b = int(short[0])
+            raise ValueError(
+                f"q: SnapKV(window={self.window}) votes with each sequence's last {self.window} "
+                f"queries, but sequence {b} appends {int(given[b])} of its {int(lengths[b])} "
+                "tokens; give q with an append that brings every sequence at least "
+                "min(window, its length) tokens"
+            )
+
+    def vote(self, xp, lengths, queries, query_positions, keys, positions):
+        # NaN and inf take their course (a dense softmax's); a NaN vote ranks last (NAN_VOTE)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return self._vote(xp, lengths, queries, query_positions, keys, positions)
+
+    def _vote(self, xp, lengths, queries, query_positions, keys, positions):
+        batch, heads, _, head_dim = queries.shape
+        kv_heads = positions.shape[1]
+        group, w = heads // kv_heads, self.window
+        # the window: each sequence's last w queries (check_queries: all in this append)
+        row = (query_positions != EMPTY).sum(axis=1)[:, None] - w + xp.arange(w)  # [batch, w]
+        at = xp.maximum(row, 0)
+        q_pos = xp.where(row >= 0, xp.take_along_axis(query_positions, at, axis=1), EMPTY)
+        window = xp.take_along_axis(queries, at[:, None, :, None], axis=2)
+        window = window.reshape(batch, kv_heads, group, w, head_dim)
+        s = window @ xp.swapaxes(keys, -1, -2)[:, :, None] * head_dim**-0.5  # [.., g, w, n]
+        key_pos = positions[:, :, None, None, :]
+        query_pos = q_pos[:, None, None, :, None]
+        allowed = (key_pos != EMPTY) & (query_pos != EMPTY) & (key_pos <= query_pos)
+        s = xp.where(allowed, s, -xp.inf)
+        m = s.max(axis=-1, keepdims=True)
+        p = xp.where(allowed, xp.exp(s - xp.where(m == -xp.inf, 0.0, m)), 0.0)
+        total = p.sum(axis=-1, keepdims=True)
+        votes = (p / xp.where(total > 0, total, 1.0)).sum(axis=3)  # [batch, kv, g, n]
+        older = (positions != EMPTY) & (positions < lengths[:, None, None] - w)
+        pooled = self._pool(xp, votes, positions, older).mean(axis=2)
+        return xp.where(older, xp.where(xp.isnan(pooled), NAN_VOTE, pooled), 0.0)
+
+    def _pool(self, xp: Any, votes: Any, positions: Any, older: Any) -> Any:
+        """votes [batch, kv_heads, g, n] pooled over the older candidates by position: a
+        'same' pool of kernel_size centred on each, a position that is no older candidate
+        counting as nothing (-inf to a max, 0 to an average, which divides by kernel_size):
+        over a whole prefix, the pool SnapKV runs on its key axis. The candidates come in slot
+        order, so they are sorted by position; a neighbour within the radius by position is
+        within the radius in that order, positions being distinct."""
+        radius = self.kernel_size // 2
+        n = positions.shape[-1]
+        order = xp.argsort(xp.where(older, positions, xp.iinfo(xp.int64).max), axis=-1)
+        pos = xp.take_along_axis(positions, order, axis=-1)
+        ok = xp.take_along_axis(older, order, axis=-1)
+        ordered = xp.take_along_axis(votes, order[:, :, None], axis=-1)
+        average = self.pooling == "avg"
+        nothing = 0.0 if average else -xp.inf
+        pooled = xp.full(ordered.shape, nothing)
+        for shift in range(-radius, radius + 1):
+            j = xp.arange(n) + shift
+            at = xp.clip(j, 0, n - 1)
+            near = (j >= 0) & (j < n) & ok[..., at] & (xp.abs(pos[..., at] - pos) <= radius)
+            other = xp.where(near[:, :, None], ordered[..., at], nothing)
+            pooled = pooled + other if average else xp.maximum(pooled, other)
+        if average:
+            pooled = pooled / self.kernel_size
+        out = xp.empty_like(pooled)
+        xp.put_along_axis(out, xp.broadcast_to(order[:, :, None], out.shape), pooled, axis=-1)
+        return out
+
+    def keep(self, xp, lengths, positions, scores, budgets):
+        if scores is None:  # an append without queries keeps everything
+            return positions != EMPTY
+        total = None if self._budget is not None else self.budget.total
+        return _keep_best(xp, lengths, positions, scores, self.window, budgets, total)
+
+    def __repr__(self) -> str:
+        return (
+            f"SnapKV(budget={self.budget!r}, window={self.window}, "
+            f"kernel_size={self.kernel_size}, pooling={self.pooling!r})"
+        )
 
 
 class Quest(Policy):

@@ -271,3 +271,46 @@ def test_a_second_vote_pools_over_the_kept_positions(pooling, budget):
     for b in range(batch):
         for h in range(kv_heads):
             assert [int(p) for p in got[b, h] if p >= 0] == want[b][h], (b, h)
+
+
+def test_the_pool_stays_one_partition_of_its_pages():
+    """Votes, decode growth (ragged, sometimes nothing) and a second vote: every real page is
+    in one table or on the free stack, none held empty, no pair above the host bound the pool
+    is sized by, every kept slot holding its own token."""
+    rng = np.random.default_rng(21)
+    batch, kv_heads, page = 3, 2, 4
+    cache = cuattn.KVCache(
+        batch, kv_heads, D, "float32", page_size=page, policy=P.SnapKV(P.head_adaptive(20), 3)
+    )
+    tokens = {}
+
+    def append(t, lengths, with_q):
+        k = rng.standard_normal((batch, kv_heads, t, D)).astype(np.float32)
+        q = rng.standard_normal((batch, 2 * kv_heads, t, D)).astype(np.float32)
+        for b in range(batch):
+            for i in range(lengths[b]):
+                tokens[b, int(cache.lengths[b]) + i] = k[b, :, i]
+        cache.append(k, k, lengths=lengths, q=q if with_q else None)
+
+    append(30, [30, 17, 9], True)
+    for step in range(12):
+        append(2, rng.integers(0, 3, size=batch), False)
+        if step == 7:
+            append(4, [4, 4, 4], True)
+        table, count = cache.page_tables()
+        slot_pos = np.asarray(cache.slot_pos)
+        free = list(cache.free_stack[: int(cache.free_top[0])])
+        held = []
+        for b in range(batch):
+            for h in range(kv_heads):
+                pages = list(table[b, h, : count[b, h]])
+                assert len(pages) <= -(-cache._most[b, h] // page)
+                assert all((slot_pos[p] >= 0).any() for p in pages)
+                for p in pages:
+                    for o in np.flatnonzero(slot_pos[p] >= 0):
+                        np.testing.assert_array_equal(
+                            cache.k_pages[p, o], tokens[b, int(slot_pos[p, o])][h]
+                        )
+                held += pages
+        assert sorted(held + free) == list(range(1, cache.num_pages + 1))
+        assert all((slot_pos[p] == -1).all() for p in free)

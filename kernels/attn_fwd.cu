@@ -10,7 +10,9 @@
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout query
-// blocks times BLOCK / TILE_M sub-tiles. NUM_WARPS warps each own TILE_M / NUM_WARPS query rows
+// blocks times BLOCK / TILE_M sub-tiles, or, with TILE_M = 2 * BLOCK (paired 64-blocks), pairs
+// of query blocks: the CTA walks the union of the two blocks' CSR rows (walk.cuh,
+// PairedRowTiles) and each warp skips the tiles its own block's row does not hold. NUM_WARPS warps each own TILE_M / NUM_WARPS query rows
 // (M_FRAGS fragments of 16). geometry.py gives warps 16 rows (M_FRAGS = 1: 64-row CTAs of 4
 // warps at 64-blocks, the faster shape there on an H100, 2026-11-25), and 32 rows (M_FRAGS = 2:
 // every K and V fragment read from shared memory feeds two mma) in the 128-row CTAs of fp16/bf16

@@ -29,6 +29,7 @@ from cuattn.layout import (
     Pattern,
     make_layout,
 )
+from cuattn.sdpa import scaled_dot_product_attention
 from cuattn.serving import KVCache, decode_attention, policies
 
 # The public modules' import paths from before the layer folders keep working.
@@ -56,6 +57,7 @@ __all__ = [
     "ops",
     "policies",
     "recompute",
+    "scaled_dot_product_attention",
     "sparse_attention",
     "sparse_attention_varlen",
     "split_heads",

@@ -1,0 +1,175 @@
+"""``cuattn.scaled_dot_product_attention``: PyTorch's SDPA signature and semantics on cuattn.
+
+Replacing ``torch.nn.functional.scaled_dot_product_attention`` is one import: the same
+arguments, the same masks, the same output, computed by :func:`cuattn.sparse_attention`, which
+visits only the blocks a mask allows. A mask becomes a layout: 64-blocks holding at least one
+allowed element, each with a bitmask of its elements (a causal mask, or none, takes the
+element rule instead, with no table). What cuattn cannot compute exactly is refused by name
+before any work: attention dropout, additive masks other than 0 / -inf (a score bias), masks
+that differ between batch elements, and masks that carry a gradient.
+
+A query row with nothing to attend to gives 0 and adds nothing to the gradients (as PyTorch
+2.13's CPU implementation does). The mask is read on the host to build the layout, once per
+call: for repeated calls build the :class:`Layout` once (``Layout.from_blocks``) and call
+``sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from cuattn.api import IMPLICIT_BLOCKSIZE, sparse_attention
+from cuattn.layout.layout import Layout
+
+__all__ = ["scaled_dot_product_attention"]
+
+# q/k/v ranks SDPA takes here: [batch, heads, time, head_dim], or [batch, time, head_dim]
+# (one head). PyTorch's further leading dimensions have no cuattn layout axis.
+RANKS = (3, 4)
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """``softmax(query @ key^T * scale + mask) @ value`` as PyTorch's
+    ``scaled_dot_product_attention``: query [batch, heads, L, E] (or [batch, L, E]), key and
+    value [batch, kv_heads, S, E]; ``attn_mask`` boolean (True: take part) or additive (0 or
+    -inf) broadcastable to [batch, heads, L, S], the same for every batch element;
+    ``is_causal`` PyTorch's top-left causal mask (query i sees keys 0..i; for L == S the same as
+    cuattn's end-aligned one); ``scale`` default 1/sqrt(E); ``enable_gqa`` lets kv_heads divide
+    heads (query head h reads kv head h // (heads / kv_heads)). ``dropout_p`` must be 0.
+    Gradients flow to query, key and value through the framework's autograd, as from
+    :func:`cuattn.sparse_attention`.
+    """
+    _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    one_head = query.ndim == 3
+    if one_head:
+        query, key, value = query[:, None], key[:, None], value[:, None]
+    heads, n_q, n_k = int(query.shape[1]), int(query.shape[2]), int(key.shape[2])
+    causal = bool(is_causal)
+    layout = None
+    if attn_mask is not None:
+        layout, causal = _mask_layout(_host_mask(attn_mask), int(query.shape[0]), heads, n_q, n_k)
+    elif causal and n_q != n_k:  # PyTorch's causal mask is top-left; cuattn's is end-aligned
+        layout, causal = _mask_layout(np.tri(n_q, n_k, dtype=bool), 1, heads, n_q, n_k)
+    if layout is None:
+        out = sparse_attention(query, key, value, scale=scale, causal=causal)
+    else:
+        out = sparse_attention(query, key, value, layout, scale=scale)
+    return out[:, 0] if one_head else out
+
+
+def _check_arguments(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    dropout_p: object,
+    is_causal: object,
+    enable_gqa: object,
+) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) not in RANKS:
+            raise ValueError(
+                f"{name} must be [batch, heads, time, head_dim] or [batch, time, head_dim], got "
+                f"shape {tuple(getattr(x, 'shape', ()))}"
+            )
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(
+            f"query, key and value must have the same rank, got {query.ndim}, {key.ndim}, "
+            f"{value.ndim}"
+        )
+    if int(value.shape[-1]) != int(query.shape[-1]):
+        raise ValueError(
+            f"value's head dim must equal query's (cuattn's kernels share one head_dim), got "
+            f"{int(value.shape[-1])} and {int(query.shape[-1])}"
+        )
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(
+            f"dropout_p: attention dropout is not supported by cuattn yet, got {dropout_p}; "
+            "accepted: 0.0"
+        )
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True both given: pass one (as PyTorch)")
+    heads, kv_heads = int(query.shape[1]), int(key.shape[1])
+    if query.ndim == 4 and kv_heads != heads and (not enable_gqa or heads % kv_heads):
+        raise ValueError(
+            f"key has {kv_heads} heads and query {heads}: pass enable_gqa=True with kv heads "
+            "dividing the query heads (as PyTorch)"
+        )
+
+
+def _host_mask(attn_mask: Any) -> np.ndarray:
+    """The mask on the host: a torch tensor (no gradient) or a NumPy array."""
+    if type(attn_mask).__module__.startswith("torch"):
+        if attn_mask.requires_grad:
+            raise ValueError(
+                "attn_mask requires grad: an additive mask as a learned bias is not supported "
+                "(cuattn reads the mask as allowed / not allowed and would return no gradient)"
+            )
+        return attn_mask.detach().cpu().numpy()
+    if isinstance(attn_mask, np.ndarray):
+        return attn_mask
+    raise TypeError(
+        f"attn_mask must be a torch.Tensor or a numpy.ndarray, got {type(attn_mask).__name__}"
+    )
+
+
+def _mask_layout(
+    mask: np.ndarray, batch: int, heads: int, n_q: int, n_k: int
+) -> tuple[Layout | None, bool]:
+    """(layout, causal) of a host mask: (None, False) when it allows everything, (None, True)
+    when it is the square causal mask (the kernels' element rule, no bitmask table), else a
+    bitmask Layout over the 64-blocks it touches."""
+    if mask.dtype == np.bool_:
+        keep = mask
+    elif np.issubdtype(mask.dtype, np.floating):
+        finite_other = np.isfinite(mask) & (mask != 0)
+        if finite_other.any() or np.isnan(mask).any() or (mask == np.inf).any():
+            raise ValueError(
+                "attn_mask: an additive mask must hold only 0 (take part) and -inf (masked); "
+                "other values are a score bias, which cuattn does not take yet"
+            )
+        keep = mask == 0
+    else:
+        raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
+    try:
+        keep = np.broadcast_to(keep, (batch, heads, n_q, n_k))
+    except ValueError:
+        raise ValueError(
+            f"attn_mask of shape {mask.shape} does not broadcast to [batch, heads, L, S] = "
+            f"{[batch, heads, n_q, n_k]}"
+        ) from None
+    if batch > 1 and not (keep == keep[:1]).all():
+        raise ValueError(
+            "attn_mask differs between batch elements; cuattn's layouts are per head: call "
+            "sparse_attention_varlen for padded batches, or once per batch element"
+        )
+    keep = keep[0]
+    if keep.all():
+        return None, False
+    if n_q == n_k and (keep == np.tri(n_q, dtype=bool)).all():
+        return None, True
+    block = IMPLICIT_BLOCKSIZE
+    nbq, nb = math.ceil(n_q / block), math.ceil(n_k / block)
+    padded = np.zeros((heads, nbq * block, nb * block), dtype=bool)
+    padded[:, :n_q, :n_k] = keep
+    blocks = padded.reshape(heads, nbq, block, nb, block).any(axis=(2, 4))
+    dense = np.ascontiguousarray(keep)
+    layout = Layout.from_blocks(blocks, block, lambda h, q, k: dense[h, q, k], n_ctx=n_k, n_q=n_q)
+    return layout, False

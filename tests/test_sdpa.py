@@ -1,0 +1,123 @@
+"""cuattn.scaled_dot_product_attention against PyTorch's own, mask by mask, forward and gradients,
+and every refusal by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import sdpa
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def inputs(n_q: int, n_k: int, dtype=torch.float64, kv_heads: int = KV_HEADS, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, n_q, HEAD_DIM, dtype=dtype, generator=gen)
+    k, v = (torch.randn(BATCH, kv_heads, n_k, HEAD_DIM, dtype=dtype, generator=gen) for _ in "kv")
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def masks(n_q: int, n_k: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    per_head = torch.rand(HEADS, n_q, n_k, generator=gen) > 0.4
+    per_head[1, 3] = False  # a row with nothing to attend to
+    additive = torch.zeros(1, 1, n_q, n_k, dtype=torch.float64)
+    additive[..., ::3] = -torch.inf
+    return {
+        "none": {},
+        "is_causal": {"is_causal": True},
+        "bool per head": {"attn_mask": per_head},
+        "bool shared": {"attn_mask": per_head[0]},
+        "additive": {"attn_mask": additive},
+    }
+
+
+MASKS = ("none", "is_causal", "bool per head", "bool shared", "additive")
+CASES = [(n_q, n_k, name) for n_q, n_k in ((70, 70), (50, 90), (90, 50)) for name in MASKS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n_q, n_k, mask", CASES)
+def test_matches_pytorch_forward_and_gradients(n_q, n_k, mask, dtype):
+    kwargs = masks(n_q, n_k)[mask]
+    if dtype == torch.float32 and "attn_mask" in kwargs and kwargs["attn_mask"].is_floating_point():
+        kwargs = {"attn_mask": kwargs["attn_mask"].float()}
+    ours_in, theirs_in = inputs(n_q, n_k, dtype), inputs(n_q, n_k, dtype)
+    ours = cuattn.scaled_dot_product_attention(*ours_in, enable_gqa=True, **kwargs)
+    theirs = F.scaled_dot_product_attention(*theirs_in, enable_gqa=True, **kwargs)
+    if mask == "bool per head":  # a row with nothing to attend to gives 0 in both
+        assert (ours[:, 1, 3] == 0).all() and (theirs[:, 1, 3] == 0).all()
+    torch.testing.assert_close(ours, theirs, atol=TOLERANCE[dtype], rtol=0)
+    dout = torch.randn_like(ours)
+    ours.backward(dout)
+    theirs.backward(dout)
+    for a, b in zip(ours_in, theirs_in, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=10 * TOLERANCE[dtype], rtol=0)
+
+
+def test_three_dimensional_inputs_and_a_custom_scale():
+    q, k, v = (x[:, 0].detach() for x in inputs(40, 40, kv_heads=HEADS))
+    ours = cuattn.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+
+
+def test_numpy_inputs_and_mask():
+    q, k, v = (x.detach().numpy() for x in inputs(33, 33, kv_heads=HEADS))
+    mask = np.random.default_rng(2).random((33, 33)) > 0.5
+    mask[:, 0] = True
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    theirs = F.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v, mask)))
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-12, rtol=0)
+
+
+def test_masks_take_the_element_rules_where_they_can():
+    """An all-True mask runs dense, the square causal mask the causal rule (no bitmask table);
+    anything else a bitmask layout over the blocks it touches."""
+    n = 100
+    assert sdpa._mask_layout(np.ones((n, n), bool), 1, HEADS, n, n) == (None, False)
+    assert sdpa._mask_layout(np.tri(n, dtype=bool), 1, HEADS, n, n) == (None, True)
+    banded = np.tri(n, dtype=bool) & ~np.tri(n, k=-70, dtype=bool)
+    layout, causal = sdpa._mask_layout(banded, 1, HEADS, n, n)
+    assert not causal and layout.rule.kind == "bitmask"
+    np.testing.assert_array_equal(layout.to_mask(), np.broadcast_to(banded, (HEADS, n, n)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"dropout_p": 0.1}, ValueError, "dropout_p"),
+        ({"dropout_p": "0"}, TypeError, "dropout_p"),
+        ({"is_causal": 1}, TypeError, "is_causal"),
+        ({"attn_mask": torch.ones(8, 8, dtype=torch.bool), "is_causal": True}, ValueError, "both"),
+        ({"attn_mask": torch.full((8, 8), 0.5)}, ValueError, "bias"),
+        ({"attn_mask": [[True]]}, TypeError, "attn_mask"),
+        ({"attn_mask": torch.ones(8, 8, dtype=torch.int32)}, TypeError, "attn_mask"),
+        ({"attn_mask": torch.ones(3, 8, 8, dtype=torch.bool)}, ValueError, "broadcast"),
+        ({"attn_mask": torch.zeros(8, 8, requires_grad=True)}, ValueError, "requires grad"),
+    ],
+)
+def test_refusals_name_the_argument(kwargs, error, match):
+    q, k, v = (x.detach() for x in inputs(8, 8, kv_heads=HEADS))
+    with pytest.raises(error, match=match):
+        cuattn.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def test_refusals_of_shapes():
+    q, k, v = (x.detach() for x in inputs(8, 8))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        cuattn.scaled_dot_product_attention(q, k, v)  # 4 query heads, 2 kv heads
+    with pytest.raises(ValueError, match="value's head dim"):
+        cuattn.scaled_dot_product_attention(q, k, v[..., :8], enable_gqa=True)
+    with pytest.raises(ValueError, match="query must be"):
+        cuattn.scaled_dot_product_attention(q[None], k, v, enable_gqa=True)
+    padding = torch.ones(BATCH, 1, 1, 8, dtype=torch.bool)
+    padding[1, ..., 5:] = False
+    with pytest.raises(ValueError, match="differs between batch elements"):
+        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=padding, enable_gqa=True)

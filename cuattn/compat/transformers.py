@@ -30,6 +30,10 @@ size T x T is built and every sequence gets its own layout, aligned to its own f
 
 Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
 
+``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
+paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
+compresses at the prefill and at every decode step; its layers attend through this function.
+
 Not supported, each a ValueError naming it: dropout in training, ``position_bias``,
 ``s_aux`` (attention sinks), ``output_attentions``, a model's own extra mask functions
 (``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
@@ -48,11 +52,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from cuattn import api
+from cuattn.compat.hf_cache import Cache, take_layer
 from cuattn.layout.pattern import Pattern
 from cuattn.layout.registry import modes
 
 __all__ = [
     "DEFAULT_PATTERN",
+    "Cache",
     "NAME",
     "attention_forward",
     "check_config",
@@ -335,6 +341,41 @@ def _documents(position_ids: Any, batch: int, q_len: int, kv_len: int) -> torch.
     return torch.cat((first, end))
 
 
+def _check_cached(
+    config: Any,
+    causal: bool,
+    window: int | None,
+    attention_mask: Any,
+    kwargs: dict[str, Any],
+    batch: int,
+    q_len: int,
+) -> None:
+    """Refuse what a layer stored in a cuattn Cache cannot attend exactly: its decode steps
+    attend every kept token, causally, with no other rule."""
+    what, mode = None, _spec(config)[0]
+    if not causal:
+        what = "a bidirectional layer"
+    elif window is not None:
+        what = f"sliding_window={window} (the decode steps would attend past the window)"
+    elif mode != DENSE_MODE:
+        what = (
+            f"config.{CONFIG_ATTRIBUTE} with attn_mode={mode!r} (the decode steps attend every "
+            "kept token; use the dense default)"
+        )
+    elif kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        what = "packed rows (cu_seq_lens_q / cu_seq_lens_k)"
+    elif (
+        attention_mask is None
+        and _documents(kwargs.get("position_ids"), batch, q_len, q_len) is not None
+    ):
+        what = "position_ids that split a row into documents (packed rows)"
+    if what is not None:
+        _refuse(
+            f"{what} with cuattn.compat.transformers.Cache",
+            "its KV cache holds one causal sequence per row",
+        )
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -363,6 +404,21 @@ def attention_forward(
     pattern = pattern_of(module.config, query.shape[1], causal, window)
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
+    layer = take_layer(key)
+    if layer is not None:
+        _check_cached(module.config, causal, window, attention_mask, kwargs, batch, q_len)
+        out = layer.attend(
+            query,
+            key,
+            value,
+            attention_mask,
+            lambda: attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+            )[0],
+            scaling,
+            scores["softcap"],
+        )
+        return out, None
 
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):

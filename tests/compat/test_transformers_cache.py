@@ -106,7 +106,7 @@ def _kept_counts(cache, layers=2):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("policy", [None, "sliding", "snapkv"])
+@pytest.mark.parametrize("policy", [None, "sliding", "snapkv", "quest"])
 def test_a_budget_that_keeps_everything_generates_sdpas_tokens_and_logits(arch, policy):
     sdpa, ours, _ = _models(arch)
     total = PROMPT + NEW
@@ -114,6 +114,8 @@ def test_a_budget_that_keeps_everything_generates_sdpas_tokens_and_logits(arch, 
         None: lambda: None,
         "sliding": lambda: policies.SlidingWindow(total),
         "snapkv": lambda: policies.SnapKV(total, window=4),
+        # Quest reading every page: its page choice, through the HF path, changes nothing
+        "quest": lambda: policies.Quest(pages=total // PAGE + 1, page_size=PAGE),
     }[policy]
     ids = _ids()
     kwargs = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)

@@ -52,7 +52,7 @@ from cuattn.serving.policies import Policy
 __all__ = ["Cache", "take_layer"]
 
 DEFAULT_PAGE_SIZE = 16  # KVCache's own default
-NAME = "cuattn.compat.transformers.Cache"
+CLASS_NAME = "cuattn.compat.transformers.Cache"
 
 # The cache whose update is waiting for its attention, per thread: a layer's update and its
 # attention run one after the other on the thread that runs the model.
@@ -112,7 +112,7 @@ class _Layer(cache_utils.CacheLayerMixin):
 
     def _refuse(self, what: str) -> None:
         raise ValueError(
-            f"{NAME} does not support {what}: the kept tokens are chosen per (sequence, kv "
+            f"{CLASS_NAME} does not support {what}: the kept tokens are chosen per (sequence, kv "
             "head) and cannot be reordered, repeated or rolled back"
         )
 
@@ -137,19 +137,19 @@ class _Layer(cache_utils.CacheLayerMixin):
         if attention_mask is None:
             if (kv.lengths != self.seen).any():
                 raise ValueError(
-                    f"attention_mask is None, but the cache holds padded sequences ({NAME} "
+                    f"attention_mask is None, but the cache holds padded sequences ({CLASS_NAME} "
                     f"stored {kv.lengths.tolist()} real tokens of {self.seen}); pass the 2-D "
                     "mask that covers them, as generate does"
                 )
             return None
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
             raise ValueError(
-                f"attention_mask must be a 2-D [batch, kv_len] padding mask (or None) with {NAME}"
-                f", got {_described(attention_mask)}"
+                "attention_mask must be a 2-D [batch, kv_len] padding mask (or None) with "
+                f"{CLASS_NAME}, got {_described(attention_mask)}"
             )
         if tuple(attention_mask.shape) != (batch, self.seen + q_len):
             raise ValueError(
-                f"attention_mask of shape {tuple(attention_mask.shape)} does not fit {NAME}: "
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not fit {CLASS_NAME}: "
                 f"[batch={batch}, {self.seen} cached + {q_len} new tokens] expected"
             )
         if (
@@ -162,13 +162,13 @@ class _Layer(cache_utils.CacheLayerMixin):
         if (stored != kv.lengths).any():
             raise ValueError(
                 f"attention_mask marks {stored.tolist()} real cached tokens per sequence, but "
-                f"{NAME} stored {kv.lengths.tolist()}"
+                f"{CLASS_NAME} stored {kv.lengths.tolist()}"
             )
         new = real[:, self.seen :]
         if self.seen and not bool(new.all()):
             raise ValueError(
-                f"attention_mask pads new tokens after the first forward; {NAME} takes padding "
-                "in the prefill only (generate's later steps bring real tokens)"
+                f"attention_mask pads new tokens after the first forward; {CLASS_NAME} takes "
+                "padding in the prefill only (generate's later steps bring real tokens)"
             )
         return None if bool(new.all()) else new
 
@@ -281,8 +281,8 @@ class Cache(cache_utils.Cache):
         if self._pending is not None:
             self._pending = None
             raise ValueError(
-                f"{NAME} stores a layer's tokens in cuattn's attention function, but the last "
-                "layer's attention did not run through it: load the model with "
+                f"{CLASS_NAME} stores a layer's tokens in cuattn's attention function, but the "
+                "last layer's attention did not run through it: load the model with "
                 'attn_implementation="cuattn" (import cuattn.compat.transformers registers it)'
             )
         for name, x in (("key_states", key_states), ("value_states", value_states)):

@@ -1,4 +1,12 @@
-import pytest
+import os
+
+# One thread per math library in each test process, set before NumPy or torch load: the suite's
+# workers already fill every core (pyproject's addopts), and libraries' own thread pools on top
+# would spin and wait on each other for every tiny product the tests make.
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
+
+import pytest  # noqa: E402
 
 
 def _cuda_available() -> bool:

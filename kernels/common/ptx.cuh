@@ -179,18 +179,22 @@ __device__ __forceinline__ void cp_async_commit() {
   }
   ++me.committed_groups;
 #else
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 // Waits until at most PENDING of this thread's most recent commit groups are still in flight
-// (a __syncthreads must follow before other threads read the data).
+// (a __syncthreads must follow before other threads read the data). The "memory" clobbers here
+// and on commit: the copies write shared memory behind the compiler's back, so it must not keep
+// shared-memory values in registers across a wait, nor move this thread's own reads of the
+// landed data above it (a __syncthreads, also a compiler barrier, always follows today; the wait
+// must be right without one).
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait_group() {
 #ifdef CUATTN_INTERP
   cuattn_interp::complete_copies(PENDING);
 #else
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 #endif
 }
 
@@ -201,6 +205,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   cp_async_commit();
   cuattn_interp::complete_copies(0);
 #else
-  asm volatile("cp.async.wait_all;\n" ::);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }

@@ -141,6 +141,31 @@ def test_backward_is_bit_identical_run_to_run(dtype):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def test_float16_gradients_where_ds_falls_into_subnormals():
+    """Long rows spread P thin (~1/n_k) and a small dout keeps dP small, so dS = P * (dP - delta)
+    falls below fp16's smallest normal (6.1e-5) where the backward rounds it to fp16 for the dQ
+    and dK products: the gradients must still meet fp16's tolerance against float64."""
+    n_q, n_k, head_dim, block = 64, 2048, 64, 64
+    layout = Layout(np.ones((1, 1, n_k // block), bool), block, n_k, ElementRule("none"), n_q=n_q)
+    rng = np.random.default_rng(17)
+    q = (0.1 * rng.standard_normal((1, 1, n_q, head_dim))).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, n_k, head_dim)).astype(np.float16) for _ in range(2))
+    dout = (1e-3 * rng.standard_normal((1, 1, n_q, head_dim))).astype(np.float16)
+    scale = head_dim**-0.5
+    out, lse = interp.forward(q, k, v, layout, scale)
+    check_forward(out, lse, q, k, v, layout, scale, "float16")
+    mask = layout.to_mask()
+    q64, k64, v64, dout64 = (x.astype(np.float64) for x in (q, k, v, dout))
+    p = np.exp(scale * q64 @ k64.swapaxes(-1, -2) - lse[..., None])
+    dp = dout64 @ v64.swapaxes(-1, -2)
+    ds = p * (dp - (dout64 * out.astype(np.float64)).sum(-1, keepdims=True))
+    assert np.median(np.abs(ds)) < np.finfo(np.float16).tiny  # the regime this test is about
+    refs = dense_attention_grads(q, k, v, dout, mask, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    for name, grad, ref in zip("qkv", grads, refs, strict=True):
+        assert rel_err(grad, ref) <= TOLERANCE["float16"], f"d{name}"
+
+
 @pytest.mark.parametrize("scale", [0.7, -0.45])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_and_custom_scale(dtype, scale):

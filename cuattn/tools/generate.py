@@ -11,11 +11,24 @@ argmax, same inputs), perplexity on the held-out characters, and decode tokens p
 
     cuattn generate                       # about 2 minutes on 2 CPU cores
     cuattn generate --steps 60 --windows 2 --png generate.png
+
+``--task passkey`` measures what the character model cannot show: it trains the same
+transformer on passkey prompts (cuattn.tools.longtasks: a needle of digits at a chosen depth
+in random filler, asked for at the end), checks its full-cache accuracy on held-out prompts,
+then answers them under every policy at budgets of 10, 25, 50 and 75 % of the context: the
+prompt as one prefill through the cache (SnapKV votes with its queries there), the answer
+decoded greedily one digit at a time over what the cache keeps. H2O reads the prompt as
+decode steps instead: its scores are the attention decode queries pay, and a prefill gives
+none. Printed per row: kept KV bytes at the end, exact-match accuracy overall and per needle
+depth, and decode tokens per second.
+
+    cuattn generate --task passkey --markdown passkey.md --png passkey.png
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import math
 import time
@@ -26,6 +39,7 @@ import numpy as np
 
 import cuattn
 from cuattn import policies
+from cuattn.tools import longtasks
 from cuattn.tools.bench.report import rows_table
 from cuattn.tools.tinylm import TinyConfig, adam_step, init_params, loss, prefill, step_logits
 
@@ -37,6 +51,20 @@ BUDGET_SHARES = (0.25, 0.5)
 SINKS = 4
 RECENT_SHARE = 4  # HeavyHitters keeps budget // RECENT_SHARE recent tokens
 POLICY_NAMES = ("sliding", "streaming", "h2o", "quest")
+TASKS = ("text", "passkey")
+
+# --task passkey: the issue's shortest context, 512, which the 2-layer model still learns on
+# one CPU core in minutes (a step of the tape's NumPy attention takes about 0.7 s there)
+PASSKEY_CONFIG = TinyConfig(
+    n_ctx=512, width=64, heads=4, blocksize=64, layer_modes=({"attn_mode": "all"},) * 2
+)
+PASSKEY_SHARES = (0.1, 0.25, 0.5, 0.75)
+PASSKEY_POLICIES = ("sliding", "streaming", "h2o", "quest", "snapkv", "ada-snapkv")
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle depth: 0 the prompt's start, 1 its end
+DEPTH_PLOT_SHARE = 0.25  # the budget whose accuracy-vs-depth curves are plotted
+SNAP_WINDOW = 8  # SnapKV's observation window: the smallest budget (10 % of 512) holds it
+STREAMED = ("h2o",)  # policies that read the prompt as decode steps (module doc)
+FULL_ACCURACY_FLOOR = 0.95  # below it, policies' accuracies say nothing; the header says so
 
 
 def texts() -> tuple[str, str]:
@@ -47,13 +75,18 @@ def texts() -> tuple[str, str]:
     return inspect.getsource(train_module), inspect.getsource(held_module)
 
 
-def make_policy(name: str, budget: int) -> Any:
+def make_policy(name: str, budget: int, kv_heads: int = CONFIG.heads) -> Any:
+    """The policy ``name`` keeping ``budget`` tokens per kv head (Quest: reading them)."""
     if name == "sliding":
         return policies.SlidingWindow(budget)
     if name == "streaming":
         return policies.StreamingLLM(SINKS, budget - SINKS)
     if name == "h2o":
         return policies.HeavyHitters(budget, budget // RECENT_SHARE)
+    if name == "snapkv":
+        return policies.SnapKV(budget, SNAP_WINDOW)
+    if name == "ada-snapkv":  # the same tokens per layer, spent where the votes are highest
+        return policies.SnapKV(policies.head_adaptive(budget * kv_heads), SNAP_WINDOW)
     return policies.Quest(max(budget // PAGE_SIZE - 1, 1), PAGE_SIZE)  # + the newest page
 
 
@@ -105,25 +138,46 @@ def read(params: dict, held: np.ndarray, prompt: int, policy_name: str | None, b
     return chosen, logits.argmax(-1), kv_bytes, seconds
 
 
+# per task: training steps, batch, learning rate (passkey: more steps on larger batches)
+TRAINING = {"text": (400, 8, 3e-3), "passkey": (800, 16, 3e-3)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=400, help="training steps")
-    parser.add_argument("--batch", type=int, default=8, help="training batch")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--windows", type=int, default=4, help="held-out windows read at once")
-    parser.add_argument("--prompt", type=int, default=16, help="prefill characters per window")
+    parser.add_argument("--task", choices=TASKS, default="text", help="what the model learns")
+    parser.add_argument("--steps", type=int, help="training steps (text: 400, passkey: 800)")
+    parser.add_argument("--batch", type=int, help="training batch (text: 8, passkey: 16)")
+    parser.add_argument("--lr", type=float, help="Adam's learning rate (3e-3)")
+    parser.add_argument("--context", type=int, help="passkey: tokens per prompt and answer (512)")
+    parser.add_argument(
+        "--prompts", type=int, default=20, help="passkey: held-out prompts per needle depth"
+    )
+    parser.add_argument("--windows", type=int, default=4, help="text: windows read at once")
+    parser.add_argument("--prompt", type=int, default=16, help="text: prefill characters/window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--png", type=Path, help="also plot perplexity vs KV bytes here")
 
 
+def _training(args: argparse.Namespace) -> tuple[int, int, float]:
+    steps, batch, lr = TRAINING[args.task]
+    return (
+        steps if args.steps is None else args.steps,
+        batch if args.batch is None else args.batch,
+        lr if args.lr is None else args.lr,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.task == "passkey":
+        return run_passkey(args)
+    steps, batch, lr = _training(args)
     train_text, held_text = texts()
     chars = sorted(set(train_text) | set(held_text))
     encode = {c: i for i, c in enumerate(chars)}
     data = np.array([encode[c] for c in train_text], dtype=np.int64)
     held_ids = np.array([encode[c] for c in held_text], dtype=np.int64)
     start = time.perf_counter()
-    params, last_loss = train(data, len(chars), args.steps, args.batch, args.lr, args.seed)
+    params, last_loss = train(data, len(chars), steps, batch, lr, args.seed)
     train_seconds = time.perf_counter() - start
     stride = (len(held_ids) - CONFIG.n_ctx) // max(args.windows, 1)
     held = np.stack([held_ids[i * stride : i * stride + CONFIG.n_ctx] for i in range(args.windows)])
@@ -140,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row(name, f"{budget}", kv_bytes, agreement, lp, decoded / seconds))
     header = (
         f"tiny char LM: {sum(t.size for t in params.values())} parameters, context "
-        f"{CONFIG.n_ctx}, trained {args.steps} steps in {train_seconds:.0f} s (last batch loss "
+        f"{CONFIG.n_ctx}, trained {steps} steps in {train_seconds:.0f} s (last batch loss "
         f"{last_loss:.3f} nats/char); read {args.windows} held-out windows of {CONFIG.n_ctx} "
         f"characters, prompt {args.prompt}"
     )
@@ -151,6 +205,131 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         _plot(rows, args.png)
     return 0
+
+
+def answer_passkeys(
+    params: dict, prompts: np.ndarray, config: TinyConfig, policy_name: str | None, budget: int
+) -> tuple[np.ndarray, float, float]:
+    """Greedy answers [count, PASSKEY_DIGITS] to ``prompts`` through a KVCache per layer under
+    the policy (None: the full cache), the kept KV bytes per prompt at the end (all layers),
+    and decode tokens per second. The prompt goes in as one prefill (full attention, then the
+    policy chooses; SnapKV from the prompt's queries) and its last position gives the first
+    digit, as in serving; every later digit is a decode step over what the cache keeps. A
+    STREAMED policy reads the prompt after its first token as decode steps, so that its
+    scores see every query."""
+    count, prompt_len = prompts.shape
+    caches = [
+        cuattn.KVCache(
+            count,
+            config.heads,
+            config.head_dim,
+            "float32",
+            page_size=PAGE_SIZE,
+            policy=None if policy_name is None else make_policy(policy_name, budget, config.heads),
+        )
+        for _ in config.layer_modes
+    ]
+    first = 1 if policy_name in STREAMED else prompt_len
+    logits = prefill(params, prompts[:, :first], caches, config)[:, -1]
+    decoded = 0
+    start = time.perf_counter()
+    for position in range(first, prompt_len):
+        logits = step_logits(params, prompts[:, position], position, caches, config)
+        decoded += count
+    digits = [logits.argmax(-1)]
+    for position in range(prompt_len, prompt_len + longtasks.PASSKEY_DIGITS - 1):
+        logits = step_logits(params, digits[-1], position, caches, config)
+        digits.append(logits.argmax(-1))
+        decoded += count
+    seconds = time.perf_counter() - start
+    kept = sum(int((c.positions() >= 0).sum()) for c in caches) / count
+    kv_bytes = kept * config.head_dim * 4 * 2  # float32 keys and values
+    return np.stack(digits, axis=1), kv_bytes, decoded / seconds
+
+
+def run_passkey(args: argparse.Namespace) -> int:
+    """Train on passkey prompts, then tabulate accuracy by policy, budget and needle depth."""
+    steps, batch, lr = _training(args)
+    context = PASSKEY_CONFIG.n_ctx if args.context is None else args.context
+    if int(min(PASSKEY_SHARES) * context) < SNAP_WINDOW:
+        least = math.ceil(SNAP_WINDOW / min(PASSKEY_SHARES))
+        raise ValueError(
+            f"--context {context} leaves the smallest budget ({min(PASSKEY_SHARES):.0%}) under "
+            f"SnapKV's window of {SNAP_WINDOW} tokens; accepted: a context >= {least}"
+        )
+    config = dataclasses.replace(PASSKEY_CONFIG, n_ctx=context)
+    start = time.perf_counter()
+    params, last_loss, last_match = longtasks.train_passkey(config, steps, batch, lr, args.seed)
+    train_seconds = time.perf_counter() - start
+    # held-out prompts from their own stream: args.prompts at each depth
+    depth = np.repeat(DEPTHS, args.prompts)
+    prompts, answers = longtasks.passkey_prompts(
+        np.random.default_rng([args.seed, 1]), depth.size, context, depth
+    )
+
+    def row(name: str, budget: str, share: str, predicted, kv_bytes, tokens_per_s) -> dict:
+        right = longtasks.exact_match(predicted, answers)
+        cells = {"policy": name, "budget (tokens)": budget, "budget (share)": share}
+        cells |= {"KV bytes": int(kv_bytes), "accuracy": float(right.mean())}
+        for d in DEPTHS:
+            cells[f"depth {d:g}"] = float(right[depth == d].mean())
+        return cells | {"tokens/s": tokens_per_s}
+
+    rows = [row("full cache", "-", "-", *answer_passkeys(params, prompts, config, None, 0))]
+    full = rows[0]["accuracy"]
+    for share in PASSKEY_SHARES:
+        budget = int(share * context)
+        for name in PASSKEY_POLICIES:
+            result = answer_passkeys(params, prompts, config, name, budget)
+            rows.append(row(name, str(budget), f"{share:g}", *result))
+    header = (
+        f"tiny transformer on passkey retrieval: {sum(t.size for t in params.values())} "
+        f"parameters, context {context} (prompt {prompts.shape[1]} tokens, a "
+        f"{longtasks.PASSKEY_DIGITS}-digit answer), trained {steps} steps of {batch} prompts "
+        f"in {train_seconds:.0f} s (last batch: loss {last_loss:.3f} nats/digit, exact match "
+        f"{last_match:.3f}); answered {depth.size} held-out prompts, {args.prompts} at each "
+        f"needle depth; full-cache accuracy {full:.3f}"
+    )
+    if full < FULL_ACCURACY_FLOOR:
+        header += f", under {FULL_ACCURACY_FLOOR}: the policies' rows say little"
+    table = rows_table(rows)
+    print(header, "", table, sep="\n")
+    if args.markdown:
+        args.markdown.write_text(header + "\n\n" + table + "\n")
+    if args.png:
+        _plot_passkey(rows, args.png, context)
+    return 0
+
+
+def _plot_passkey(rows: list[dict], path: Path, context: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_budget, by_depth) = plt.subplots(1, 2, figsize=(11, 4))
+    full = rows[0]["accuracy"]
+    by_budget.axhline(full, color="black", linestyle="--", label="full cache")
+    by_depth.axhline(full, color="black", linestyle="--", label="full cache")
+    for name in PASSKEY_POLICIES:
+        mine = [r for r in rows if r["policy"] == name]
+        by_budget.plot(
+            [100 * float(r["budget (share)"]) for r in mine],
+            [r["accuracy"] for r in mine],
+            "o-",
+            label=name,
+        )
+        (at,) = [r for r in mine if float(r["budget (share)"]) == DEPTH_PLOT_SHARE]
+        by_depth.plot(DEPTHS, [at[f"depth {d:g}"] for d in DEPTHS], "o-", label=name)
+    by_budget.set_xlabel(f"KV budget (% of the {context}-token context)")
+    by_budget.set_ylabel("passkey exact match")
+    by_budget.set_title("accuracy vs budget (all depths)")
+    by_depth.set_xlabel("needle depth (0: prompt start, 1: just before the question)")
+    by_depth.set_title(f"accuracy vs depth at {DEPTH_PLOT_SHARE:.0%} budget")
+    by_budget.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _row(policy, budget, kv_bytes, agreement, log_probs, tokens_per_s):

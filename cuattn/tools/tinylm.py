@@ -150,7 +150,8 @@ def adam_step(p: dict, state: dict, step: int, lr: float) -> None:
 
 def prefill(p: dict, idx: Any, caches: list, config: TinyConfig) -> Any:
     """Logits of every prompt position (full attention over the prompt, as the model was
-    trained), with each layer's keys and values appended to its cache (the policy evicts)."""
+    trained), with each layer's keys and values appended to its cache (the policy evicts;
+    one that reads queries, SnapKV, is given the prompt's, as it chooses from them)."""
     heads = config.heads
     with cuattn.no_grad():
         x = _embed(p, idx)
@@ -160,7 +161,9 @@ def prefill(p: dict, idx: Any, caches: list, config: TinyConfig) -> Any:
             a = cuattn.blocksparse_attention(
                 q, k, v, heads=heads, blocksize=config.blocksize, **config.layer_modes[layer]
             )
-            cache.append(*(cuattn.split_heads(t.data, heads) for t in (k, v)))
+            reads = cache.policy is not None and cache.policy.reads_queries
+            queries = cuattn.split_heads(q.data, heads) if reads else None
+            cache.append(*(cuattn.split_heads(t.data, heads) for t in (k, v)), q=queries)
             x = _mlp(x + a @ p[f"{layer}.wo"], p, layer)
         return (layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data
 

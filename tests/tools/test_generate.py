@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from cuattn.tools import generate
+import numpy as np
+
+from cuattn.tools import generate, longtasks
 
 
 def test_generate_smoke(tmp_path, capsys):
@@ -31,3 +33,65 @@ def test_generate_smoke(tmp_path, capsys):
     assert int(table[("quest", "64")][2]) == int(table[("full cache", "-")][2])  # evicts nothing
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "held-out windows" in capsys.readouterr().out
+
+
+def test_passkey_prompt_holds_the_needle_at_its_depth():
+    rng = np.random.default_rng(3)
+    depth = np.array([0.0, 0.25, 0.5, 1.0])
+    context = 40
+    prompts, answers = longtasks.passkey_prompts(rng, depth.size, context, depth)
+    digits = longtasks.PASSKEY_DIGITS
+    prompt_len = context - digits + 1
+    assert prompts.shape == (depth.size, prompt_len) and answers.shape == (depth.size, digits)
+    starts = longtasks.needle_start(depth, prompt_len)
+    assert starts.tolist() == [0, 8, 16, prompt_len - 1 - digits]  # depth 1: before the question
+    assert (prompts[:, -1] == longtasks.ASK).all()
+    for prompt, answer, start in zip(prompts, answers, starts, strict=True):
+        needle = prompt[start : start + digits]
+        place = np.arange(digits)
+        assert (needle == longtasks.PLACED + longtasks.DIGITS * place + answer).all()
+        rest = np.delete(prompt[:-1], start + place)
+        assert ((rest >= longtasks.FILLER) & (rest < longtasks.ASK)).all()  # filler only
+        assert len(set(answer.tolist())) == digits  # distinct digits
+    assert (answers >= 0).all() and (answers < longtasks.DIGITS).all()
+
+
+def test_exact_match_needs_every_digit():
+    answers = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3]])
+    predicted = np.array([[1, 2, 3, 4], [5, 6, 7, 9], [3, 2, 1, 0]])
+    assert longtasks.exact_match(predicted, answers).tolist() == [True, False, False]
+
+
+def test_generate_passkey_smoke(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    context = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
+    args = parser.parse_args(
+        ["--task", "passkey", "--steps", "2", "--context", str(context), "--prompts", "1"]
+        + ["--markdown", str(tmp_path / "t.md"), "--png", str(tmp_path / "p.png")]
+    )
+    assert generate.run(args) == 0
+    lines = (tmp_path / "t.md").read_text().splitlines()
+    columns = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert columns[5:10] == [f"depth {d:g}" for d in generate.DEPTHS]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
+    table = {(r[0], r[1]): dict(zip(columns, r, strict=True)) for r in rows}
+    budgets = [int(share * context) for share in generate.PASSKEY_SHARES]
+    assert set(table) == {("full cache", "-")} | {
+        (name, str(b)) for name in generate.PASSKEY_POLICIES for b in budgets
+    }
+    config = generate.PASSKEY_CONFIG
+    per_token = config.head_dim * 4 * 2 * config.heads * len(config.layer_modes)
+    decoded = longtasks.PASSKEY_DIGITS - 1  # the answer digits fed back to the cache
+    full = table[("full cache", "-")]
+    assert int(full["KV bytes"]) == context * per_token  # the prompt and the answer fed back
+    for budget in budgets:
+        assert int(table[("sliding", str(budget))]["KV bytes"]) == budget * per_token
+        assert table[("quest", str(budget))]["KV bytes"] == full["KV bytes"]  # evicts nothing
+        # SnapKV chose from the prefill's queries (without them it keeps everything), then
+        # decoding grew the cache
+        snap = int(table[("snapkv", str(budget))]["KV bytes"])
+        assert snap == (budget + decoded) * per_token
+        assert 0.0 <= float(table[("h2o", str(budget))]["accuracy"]) <= 1.0
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "full-cache accuracy" in capsys.readouterr().out

@@ -139,12 +139,12 @@ def read(params: dict, held: np.ndarray, prompt: int, policy_name: str | None, b
 
 
 # per task: training steps, batch, learning rate (passkey: more steps on larger batches)
-TRAINING = {"text": (400, 8, 3e-3), "passkey": (800, 16, 3e-3)}
+TRAINING = {"text": (400, 8, 3e-3), "passkey": (600, 16, 3e-3)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=TASKS, default="text", help="what the model learns")
-    parser.add_argument("--steps", type=int, help="training steps (text: 400, passkey: 800)")
+    parser.add_argument("--steps", type=int, help="training steps (text: 400, passkey: 600)")
     parser.add_argument("--batch", type=int, help="training batch (text: 8, passkey: 16)")
     parser.add_argument("--lr", type=float, help="Adam's learning rate (3e-3)")
     parser.add_argument("--context", type=int, help="passkey: tokens per prompt and answer (512)")

@@ -4,6 +4,7 @@ differ, and chosen only where the union adds few steps."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -43,17 +44,24 @@ def differing_rows_layout(rule: str) -> Layout:
     return Layout(blocks, BLOCK, N_K, ElementRule(rule), n_q=N_Q)
 
 
-def forward(q, k, v, layout, paired: bool):
+@contextlib.contextmanager
+def launched_configs():
+    """The configs of every interpreter launch inside the block."""
     launched = []
-    launch = interp.backend.launch
+    launch = interp.InterpBackend.launch
 
-    def spy(config, **values):
+    def spy(self, config, **values):
         launched.append(config)
-        return launch(config, **values)
+        return launch(self, config, **values)
 
+    with mock.patch.object(interp.InterpBackend, "launch", spy):
+        yield launched
+
+
+def forward(q, k, v, layout, paired: bool):
     with (
         mock.patch.object(kernels, "layout_pairs_rows", lambda layout: paired),
-        mock.patch.object(interp.backend, "launch", spy),
+        launched_configs() as launched,
     ):
         out, lse = interp.forward(q, k, v, layout, HEAD_DIM**-0.5)
     assert [c.paired for c in launched if c.kernel == "attn_fwd"] == [paired]
@@ -99,3 +107,19 @@ def test_pairs_are_chosen_where_the_union_adds_few_steps():
     parity = np.add.outer(np.arange(nb), np.arange(nb)) % 2 == 0
     alternating = Layout(np.broadcast_to(parity, (2, nb, nb)).copy(), BLOCK)
     assert not kernels.layout_pairs_rows(alternating)
+
+
+@pytest.mark.parametrize("n, paired", [(1024, True), (200, False)])
+def test_a_long_causal_call_runs_paired_and_a_short_one_does_not(n, paired):
+    """Through the public call: FlashAttention's causal keyword on 64-blocks pairs at 1024
+    tokens (6 % more steps) and not at 200 (the last block alone)."""
+    import cuattn
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, n, HEAD_DIM)).astype(ml_dtypes.bfloat16) for _ in "qkv")
+    with launched_configs() as launched:
+        out = cuattn.sparse_attention(q, k, v, causal=True, backend="interp")
+    assert [c.paired for c in launched if c.kernel == "attn_fwd"] == [paired]
+    mask = np.broadcast_to(np.tri(n, dtype=bool), (2, n, n))
+    ref, _ = dense_attention(*(x.astype(np.float64) for x in (q, k, v)), mask, HEAD_DIM**-0.5)
+    assert rel_err(out, ref) <= TOLERANCE["bfloat16"]

@@ -159,23 +159,45 @@ def causal_tiles(n_ctx: int, block: int, own: int, step: int, own_is_query: bool
     return ctas, tiles, partial
 
 
+def paired_causal_tiles(n_ctx: int, block: int, step: int) -> tuple[int, int, int, int]:
+    """(CTAs, steps, tiles, partial tiles) one head of a dense causal layout takes in the paired
+    forward (two query blocks per CTA, walk.cuh's PairedRowTiles): a step per key sub-tile of
+    the union of the two rows (the second block's row, which holds the first's), each read once
+    from L2; tiles and partial tiles per query block, which only that block's warps work."""
+    blocks = -(-n_ctx // block)
+    _, tiles, partial = causal_tiles(n_ctx, block, block, step, own_is_query=True)
+    steps = 0
+    for first in range(0, blocks, 2):
+        last = min(first + 1, blocks - 1)
+        steps += len(range(0, min((last + 1) * block, n_ctx), step))
+    return -(-blocks // 2), steps, tiles, partial
+
+
 def kernel_work(model: TileModel, shape: Shape) -> Work:
     """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
     spec = model.spec
-    ctas, tiles, partial = causal_tiles(
-        shape.n_ctx, spec.block, spec.tile_m, spec.tile_n, own_is_query=spec.kind != "dkdv"
-    )
-    ctas, tiles, partial = (x * shape.pairs for x in (ctas, tiles, partial))
-    warps = spec.warps
+    warps = tile_warps = spec.warps
+    if spec.kind == "fwd" and spec.tile_m > spec.block:  # paired: a block's tiles, its warps
+        ctas, steps, tiles, partial = paired_causal_tiles(shape.n_ctx, spec.block, spec.tile_n)
+        tile_warps = warps * spec.block // spec.tile_m
+    else:
+        ctas, tiles, partial = causal_tiles(
+            shape.n_ctx, spec.block, spec.tile_m, spec.tile_n, own_is_query=spec.kind != "dkdv"
+        )
+        steps = tiles
+    ctas, steps, tiles, partial = (x * shape.pairs for x in (ctas, steps, tiles, partial))
     per_tile = sum(model.per_tile.values())
     per_partial = sum(model.partial.values())
     per_cta = sum(model.per_cta.values())
     return Work(
-        instructions=warps * (ctas * per_cta + tiles * per_tile + partial * per_partial),
-        hmma=warps * tiles * model.hmma,
-        ld_wavefronts=warps * (tiles * model.ld_wavefronts + partial * model.partial_ld_wavefronts),
-        st_wavefronts=warps * (tiles * model.st_wavefronts + partial * model.partial_st_wavefronts),
-        l2_bytes=tiles * spec.step_bytes + ctas * spec.own_bytes,
+        instructions=warps * ctas * per_cta
+        + tile_warps * (tiles * per_tile + partial * per_partial),
+        hmma=tile_warps * tiles * model.hmma,
+        ld_wavefronts=tile_warps
+        * (tiles * model.ld_wavefronts + partial * model.partial_ld_wavefronts),
+        st_wavefronts=tile_warps
+        * (tiles * model.st_wavefronts + partial * model.partial_st_wavefronts),
+        l2_bytes=steps * spec.step_bytes + ctas * spec.own_bytes,
         warps_per_sm=model.warps_per_sm,
     )
 
@@ -462,8 +484,13 @@ def hot_times(models: Sequence[TileModel], n_ctx: int = PREDICTION_T) -> dict[st
     return out
 
 
-# Columns of the ratio table: (name, forward label, block of the backward kernels).
-RATIO_VARIANTS = (("b64", "fwd", 64), ("b128", "fwd", 128))
+# Columns of the ratio table: (name, forward label, block of the backward kernels). Dense causal
+# 64-block layouts from 1k tokens run the paired forward (backends/kernels.layout_pairs_rows).
+RATIO_VARIANTS = (
+    ("b64", "fwd d{d} b64", 64),
+    ("b64 paired", "fwd d{d} b64 paired", 64),
+    ("b128", "fwd d{d} b128", 128),
+)
 
 
 def ratio_rows(models: Sequence[TileModel], profile_dir: Path = PROFILE_DIR) -> list[dict]:
@@ -480,7 +507,7 @@ def ratio_rows(models: Sequence[TileModel], profile_dir: Path = PROFILE_DIR) -> 
         s = bench_shape(n_ctx, d)
         row = {"T": n_ctx, "d": d, "direction": direction, "flash_ms": flash * MS}
         for name, forward, block in RATIO_VARIANTS:
-            labels = [f"{forward} d{d} b{block}", f"dkdv d{d} b{block}", f"dq d{d} b{block}"]
+            labels = [forward.format(d=d), f"dkdv d{d} b{block}", f"dq d{d} b{block}"]
             if not all(label in by_label for label in labels):
                 continue
             seconds = [predict_seconds(kernel_work(by_label[label], s)) for label in labels]

@@ -169,6 +169,12 @@ def test_causal_tiles_follow_the_walk():
     assert (ctas, tiles, partial) == (2, 3, 2)
 
 
+def test_paired_causal_tiles_read_each_union_step_once():
+    # five 64-blocks: pairs (0, 1), (2, 3) and (4) alone; the unions hold 2, 4 and 5 key tiles;
+    # the blocks' own rows 1 + 2 + 3 + 4 + 5 tiles, of which the 5 diagonals are partial
+    assert sass_roofline.paired_causal_tiles(5 * 64, 64, 64) == (3, 11, 15, 5)
+
+
 def test_roofline_reproduces_sdpa_flash_from_its_profile():
     csv_path = sass_roofline.PROFILE_DIR / sass_roofline.PROFILE_CSV
     if not csv_path.exists():

@@ -40,6 +40,8 @@ ENTRY_PREFIX = "cuattn_launch_"
 # cuattn_interp::LaunchStatus in kernels/interp/cuda_shim.h
 LAUNCH_MISALIGNED = 3
 LAUNCH_DEADLOCK = 4
+LAUNCH_HAZARD = 5
+ERROR_SYMBOL = "cuattn_interp_error"  # what failed a DEADLOCK or HAZARD launch
 TRAITS_PREFIX = "cuattn_traits_"
 
 
@@ -108,11 +110,11 @@ class Library:
                 f"interpreter launch of {expression}: a cp.async, ldmatrix or paired store used "
                 "an address that is not aligned to its size; a GPU would fault on it"
             )
-        if status == LAUNCH_DEADLOCK:
-            raise RuntimeError(
-                f"interpreter launch of {expression}: lanes wait at a warp shuffle, mma, ldmatrix "
-                "or __syncwarp that the rest of their warp never reaches; a GPU would hang"
-            )
+        if status in (LAUNCH_DEADLOCK, LAUNCH_HAZARD):
+            error = getattr(self._lib, ERROR_SYMBOL)
+            error.restype = ctypes.c_char_p
+            what = "a GPU would hang" if status == LAUNCH_DEADLOCK else "a GPU would not say so"
+            raise RuntimeError(f"interpreter launch of {expression}: {error().decode()}; {what}")
         if status != 0:
             raise RuntimeError(f"interpreter launch of {expression} failed with status {status}")
 

@@ -8,6 +8,7 @@
 #endif
 
 using u32 = unsigned int;
+using u64 = unsigned long long;
 
 // The member mask of a shuffle or vote that the whole warp takes part in.
 constexpr unsigned FULL_WARP = 0xffffffffu;

@@ -48,6 +48,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -180,7 +181,20 @@ enum class LaneState : unsigned char {
   READY,            // may run
   AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
   AT_BLOCK_BARRIER, // reached __syncthreads
+  AT_MBARRIER,      // waits for a phase of an mbarrier to complete (ThreadState::waits_on)
   EXITED,
+};
+
+// An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier"):
+// the 8 bytes the kernel reserves in shared memory stand for it; its state lives here, keyed by
+// their address, so that the accounting a GPU keeps hidden can be checked. A phase completes
+// when its pending arrivals and its pending transaction bytes both reach zero; then the phase
+// (and its parity) advances and the arrival count is re-armed.
+struct MBarrier {
+  int expected = 0;     // arrivals per phase (mbarrier.init's count)
+  int pending = 0;      // arrivals still missing in the current phase
+  long long tx = 0;     // transaction bytes expected and not yet completed in this phase
+  unsigned phase = 0;   // completed phases; a wait for parity P returns once phase % 2 != P
 };
 
 // Registers exchanged inside one warp. Two buffers alternate: a lane overwrites buffer p only at
@@ -199,6 +213,8 @@ struct ThreadState {
   int lane = 0;
   int parity = 0;
   LaneState state = LaneState::READY;
+  const void* waits_on = nullptr;  // the mbarrier of an AT_MBARRIER lane
+  unsigned wait_parity = 0;        // ... and the parity of the phase it waits to complete
   std::vector<PendingCopy> pending_copies;
   int committed_groups = 0;
 };
@@ -223,9 +239,20 @@ class StackPool {
 };
 
 // The grid being run: its lanes, their warps' exchange areas and the scheduler's own context.
+// A bulk copy (cp.async.bulk) issued and not landed: its bytes count against its mbarrier's
+// phase at issue, and the data lands when that phase completes.
+struct BulkCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+  const void* mbarrier;
+};
+
 struct Launch {
   std::vector<ThreadState> threads;
   std::vector<WarpState> warps;
+  std::vector<std::pair<const void*, MBarrier>> mbarriers;  // of the block being run
+  std::vector<BulkCopy> bulk_copies;
   Context scheduler;
   void (*run_kernel)(void*) = nullptr;
   void* kernel = nullptr;
@@ -233,6 +260,8 @@ struct Launch {
 
 inline Launch* active = nullptr;
 inline ThreadState* current = nullptr;
+// What failed the launch (a hazard, a deadlock), for cuattn_interp_error.
+inline std::string launch_error;
 inline StackPool stacks;
 inline unsigned char* dynamic_smem = nullptr;
 
@@ -240,7 +269,8 @@ inline ThreadState& self() { return *current; }
 inline int lane_id() { return current->lane; }
 
 // Suspends the running lane in `state` and returns to the scheduler, which resumes it when the
-// warp (AT_WARP_BARRIER) or the block (AT_BLOCK_BARRIER) has caught up.
+// warp (AT_WARP_BARRIER), the block (AT_BLOCK_BARRIER) or an mbarrier's phase (AT_MBARRIER) has
+// caught up.
 inline void suspend(LaneState state) {
   current->state = state;
   switch_context(current->context, active->scheduler);
@@ -260,23 +290,102 @@ inline void resume(ThreadState& thread) {
   switch_context(active->scheduler, thread.context);
 }
 
-// Runs warp `w` until each of its lanes waits at the block barrier or has exited. Returns false
-// when some lanes wait at a warp exchange that the others (at the block barrier or exited) never
-// reach: a GPU would hang there.
-inline bool run_warp(Launch& launch, int w, bool& descending) {
+inline MBarrier* find_mbarrier(const void* address) {
+  for (auto& [at, barrier] : active->mbarriers) {
+    if (at == address) return &barrier;
+  }
+  return nullptr;
+}
+
+// Whether the phase an AT_MBARRIER lane waits for has completed (its parity is no longer the
+// current phase's).
+inline bool wait_is_over(const ThreadState& lane) {
+  const MBarrier* barrier = find_mbarrier(lane.waits_on);
+  return barrier && (barrier->phase & 1u) != lane.wait_parity;
+}
+
+enum class WarpRun {
+  PARKED,    // every lane waits at the block barrier or has exited
+  BLOCKED,   // some lanes wait for an mbarrier phase that has not completed
+  DEADLOCK,  // lanes wait at a warp exchange the others (parked) never reach
+};
+
+// Runs warp `w` until it is parked or blocked; `ran` is set when a lane ran.
+inline WarpRun run_warp(Launch& launch, int w, bool& descending, bool& ran) {
   ThreadState* lanes = &launch.threads[size_t(w) * WARP_SIZE];
   for (;;) {
     for (int i = 0; i < WARP_SIZE; ++i) {
       ThreadState& lane = lanes[descending ? WARP_SIZE - 1 - i : i];
-      if (lane.state == LaneState::READY) resume(lane);
+      if (lane.state == LaneState::AT_MBARRIER && wait_is_over(lane)) lane.state = LaneState::READY;
+      if (lane.state == LaneState::READY) {
+        resume(lane);
+        ran = true;
+      }
     }
     descending = !descending;
-    int waiting = 0;
-    for (int i = 0; i < WARP_SIZE; ++i) waiting += lanes[i].state == LaneState::AT_WARP_BARRIER;
-    if (waiting == 0) return true;
-    if (waiting < WARP_SIZE) return false;
+    int at_warp = 0, blocked = 0, released = 0;
+    for (int i = 0; i < WARP_SIZE; ++i) {
+      at_warp += lanes[i].state == LaneState::AT_WARP_BARRIER;
+      if (lanes[i].state == LaneState::AT_MBARRIER) {
+        ++blocked;
+        released += wait_is_over(lanes[i]);
+      }
+    }
+    if (released) continue;  // this warp's own arrivals completed a phase it waits for
+    if (blocked) return WarpRun::BLOCKED;
+    if (at_warp == 0) return WarpRun::PARKED;
+    if (at_warp < WARP_SIZE) return WarpRun::DEADLOCK;
     for (int i = 0; i < WARP_SIZE; ++i) lanes[i].state = LaneState::READY;
   }
+}
+
+// The launch's first hazard: kept for cuattn_interp_error, and the launch fails.
+inline std::atomic<bool> hazard{false};
+inline void report_hazard(const std::string& message) {
+  if (!hazard.exchange(true)) launch_error = message;
+}
+
+inline long long smem_offset(const void* address) {
+  return static_cast<const unsigned char*>(address) - dynamic_smem;
+}
+
+inline std::string describe(const void* address, const MBarrier& b) {
+  return "mbarrier at shared-memory offset " + std::to_string(smem_offset(address)) + " (" +
+         std::to_string(b.expected) + " arrivals per phase, " + std::to_string(b.pending) +
+         " still missing, " + std::to_string(b.tx) + " transaction bytes pending, " +
+         std::to_string(b.phase) + " phases completed)";
+}
+
+// The deadlock message: which barrier phases the waiting threads wait for, one entry per
+// (barrier, parity) with how many threads wait and the first of them.
+inline std::string describe_waits(const Launch& launch) {
+  struct Wait {
+    const void* barrier;
+    unsigned parity;
+    size_t first;
+    int threads;
+  };
+  std::vector<Wait> waits;
+  for (size_t i = 0; i < launch.threads.size(); ++i) {
+    const ThreadState& t = launch.threads[i];
+    if (t.state != LaneState::AT_MBARRIER) continue;
+    auto same = [&](const Wait& w) { return w.barrier == t.waits_on && w.parity == t.wait_parity; };
+    auto found = std::find_if(waits.begin(), waits.end(), same);
+    if (found == waits.end()) {
+      waits.push_back({t.waits_on, t.wait_parity, i, 1});
+    } else {
+      ++found->threads;
+    }
+  }
+  std::string text = "threads wait for mbarrier phases that can never complete: ";
+  for (size_t i = 0; i < waits.size(); ++i) {
+    const Wait& w = waits[i];
+    const MBarrier* b = find_mbarrier(w.barrier);
+    text += (i ? "; " : "") + std::to_string(w.threads) + " (the first: thread " +
+            std::to_string(w.first) + ") wait for parity " + std::to_string(w.parity) + " of " +
+            (b ? describe(w.barrier, *b) : std::string("an mbarrier never initialised"));
+  }
+  return text;
 }
 
 // The first address a GPU would have faulted on in this launch (see the header).
@@ -305,6 +414,81 @@ inline const uint32_t* warp_exchange(const void* data, size_t bytes) {
   return &buffer[0][0];
 }
 
+// ---- mbarrier and bulk copies (kernels/common/mbarrier.cuh calls these) ----------------------
+
+inline MBarrier& mbarrier_at(const void* address) {
+  MBarrier* barrier = find_mbarrier(address);
+  if (barrier) return *barrier;
+  report_hazard("an mbarrier at shared-memory offset " + std::to_string(smem_offset(address)) +
+                " is used before mbarrier.init");
+  active->mbarriers.emplace_back(address, MBarrier{});
+  return active->mbarriers.back().second;
+}
+
+// Completes the phase if nothing is missing: the bulk copies counted against it land, the
+// arrival count is re-armed.
+inline void complete_phase_if_done(const void* address, MBarrier& b) {
+  if (b.pending != 0 || b.tx != 0) return;
+  std::vector<BulkCopy> still;
+  for (const BulkCopy& copy : active->bulk_copies) {
+    if (copy.mbarrier == address) {
+      std::memcpy(copy.dst, copy.src, copy.bytes);
+    } else {
+      still.push_back(copy);
+    }
+  }
+  active->bulk_copies.swap(still);
+  ++b.phase;
+  b.pending = b.expected;
+}
+
+inline void mbarrier_init(void* address, int count) {
+  if (count < 1) report_hazard("mbarrier.init with count " + std::to_string(count) + " (< 1)");
+  if (MBarrier* b = find_mbarrier(address)) {
+    *b = MBarrier{count, count, 0, 0};
+  } else {
+    active->mbarriers.emplace_back(address, MBarrier{count, count, 0, 0});
+  }
+}
+
+inline void mbarrier_expect_tx(void* address, long long bytes) { mbarrier_at(address).tx += bytes; }
+
+inline void mbarrier_arrive(void* address) {
+  MBarrier& b = mbarrier_at(address);
+  if (b.pending == 0) {
+    // every arrival of the phase is in and only transaction bytes are missing
+    report_hazard("an arrival past the phase: " + describe(address, b));
+    return;
+  }
+  --b.pending;
+  complete_phase_if_done(address, b);
+}
+
+// The asynchronous proxy's side of a bulk copy: its bytes count against the phase at issue;
+// the destination is poisoned (0xFF) until the phase completes.
+inline void bulk_copy(void* dst, const void* src, size_t bytes, void* address) {
+  require_aligned(dst, 16);
+  require_aligned(src, 16);
+  MBarrier& b = mbarrier_at(address);
+  std::memset(dst, 0xFF, bytes);
+  active->bulk_copies.push_back({dst, src, bytes, address});
+  b.tx -= static_cast<long long>(bytes);
+  if (b.tx < 0) {
+    report_hazard("a bulk copy of " + std::to_string(bytes) + " bytes exceeds the transaction "
+                  "bytes its phase expects (too few bytes expected): " + describe(address, b));
+    return;
+  }
+  complete_phase_if_done(address, b);
+}
+
+inline void mbarrier_wait_parity(void* address, unsigned parity) {
+  ThreadState& me = self();
+  me.waits_on = address;
+  me.wait_parity = parity & 1u;
+  if (!wait_is_over(me)) suspend(LaneState::AT_MBARRIER);
+  me.waits_on = nullptr;
+}
+
 template <typename T>
 inline T exchanged_value(const uint32_t* all, int lane) {
   static_assert(sizeof(T) <= EXCHANGE_WORDS * sizeof(uint32_t));
@@ -325,7 +509,8 @@ enum LaunchStatus : int {
   LAUNCH_BAD_BLOCK = 1,   // block size not a positive multiple of the warp size
   LAUNCH_BAD_GRID = 2,    // empty grid
   LAUNCH_MISALIGNED = 3,  // an address a GPU would fault on (see the header)
-  LAUNCH_DEADLOCK = 4,    // lanes wait at a warp exchange the rest of their warp never reaches
+  LAUNCH_DEADLOCK = 4,    // lanes wait for what never comes (launch_error says what)
+  LAUNCH_HAZARD = 5,      // an mbarrier or bulk-copy misuse a GPU would not report (launch_error)
 };
 
 inline std::mutex launch_mutex;
@@ -347,6 +532,8 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   dynamic_smem = smem.data();
   misaligned = false;
   misaligned_address = nullptr;
+  hazard = false;
+  launch_error.clear();
 
   struct Body {
     void (*kernel)(Args...);
@@ -382,13 +569,33 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       t.committed_groups = 0;
       start_context(t.context, stacks.stack(tid), LANE_STACK_BYTES, &lane_main);
     }
+    state.mbarriers.clear();
+    state.bulk_copies.clear();
     bool descending = false;
     for (;;) {
-      std::shuffle(order.begin(), order.end(), rng);
-      for (int w : order) {
-        if (!run_warp(state, w, descending)) status = LAUNCH_DEADLOCK;
-        if (status != LAUNCH_OK) break;
+      // Warps take turns until each is parked at the block barrier (or exited); a warp blocked
+      // on an mbarrier hands over, and the order is shuffled again at every round.
+      bool parked = false;
+      while (!parked && status == LAUNCH_OK && !hazard) {
+        std::shuffle(order.begin(), order.end(), rng);
+        parked = true;
+        bool ran = false;
+        for (int w : order) {
+          const WarpRun run = run_warp(state, w, descending, ran);
+          if (run == WarpRun::DEADLOCK) {
+            status = LAUNCH_DEADLOCK;
+            launch_error = "lanes wait at a warp shuffle, mma, ldmatrix or __syncwarp that the "
+                           "rest of their warp never reaches";
+            break;
+          }
+          parked = parked && run == WarpRun::PARKED;
+        }
+        if (!parked && !ran && status == LAUNCH_OK) {
+          status = LAUNCH_DEADLOCK;
+          launch_error = describe_waits(state);
+        }
       }
+      if (hazard) status = LAUNCH_HAZARD;
       if (status != LAUNCH_OK) break;
       // Every lane now waits at the block barrier or has exited: the barrier opens. (Kernels in
       // this project return early only uniformly over the block, before any __syncthreads.)
@@ -459,6 +666,9 @@ inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
+
+// What failed the last launch (LAUNCH_DEADLOCK, LAUNCH_HAZARD), for the Python side.
+extern "C" const char* cuattn_interp_error() { return cuattn_interp::launch_error.c_str(); }
 
 // Exported launch entry for one kernel instantiation:
 //   int SYMBOL(const unsigned grid[3], const unsigned block[3], size_t smem_bytes, void** args)

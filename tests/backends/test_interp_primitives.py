@@ -33,6 +33,7 @@ EXPRESSIONS = [
     "test_warp_neighbour<false>",
     "test_divergent_shuffle",
     "test_lane_stack",
+    *[f"test_bulk_pipeline<{bug}>" for bug in range(6)],
 ]
 
 
@@ -244,3 +245,68 @@ def test_portable_context_switch_runs_the_same_kernels():
     np.testing.assert_array_equal(out, first)
     test_shuffles(lib)
     test_a_warp_collective_half_the_warp_skips_fails_the_launch(lib)
+
+
+PIPE_FLOATS, PIPE_SMEM = 2 * 64, 2 * (64 * 4 + 16)
+
+
+def _pipeline(lib, bug: int) -> tuple[np.ndarray, np.ndarray]:
+    data = np.random.default_rng(9).standard_normal(PIPE_FLOATS).astype(np.float32)
+    out = np.full(PIPE_FLOATS, np.nan, np.float32)
+    run(lib, f"test_bulk_pipeline<{bug}>", 1, 64, data, out, smem=PIPE_SMEM)
+    return data, out
+
+
+def test_bulk_copies_land_when_their_mbarrier_phase_completes(lib, monkeypatch):
+    for seed in range(4):  # whichever warp runs first, the consumer waits for the data
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        data, out = _pipeline(lib, 0)
+        np.testing.assert_array_equal(out, data, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize(
+    "bug, match",
+    [
+        (1, r"exceeds the transaction bytes its phase expects \(too few bytes expected\)"),
+        (
+            2,
+            r"can never complete: 32 \(the first: thread 32\) wait for parity 0 of mbarrier "
+            r"at shared-memory offset 512 \(1 arrivals per phase, 0 still missing, 256 ",
+        ),
+        (4, r"an arrival past the phase: mbarrier at shared-memory offset 512"),
+        (5, r"used before mbarrier.init"),
+    ],
+)
+def test_mbarrier_misuse_fails_the_launch_and_says_how(lib, bug, match):
+    with pytest.raises(RuntimeError, match=match):
+        _pipeline(lib, bug)
+
+
+def test_a_wait_on_the_wrong_parity_never_passes(lib, monkeypatch):
+    """Waiting for parity 1 in phase 0 returns at once (the PTX ISA's rule): a consumer that
+    runs first reads the stage before its copy lands and sees the poison; one that runs after
+    the producer waits for phase 1, which never completes, and the launch says so."""
+    outcomes = set()
+    for seed in range(8):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        try:
+            _, out = _pipeline(lib, 3)
+        except RuntimeError as error:
+            assert "wait for parity 1" in str(error)
+            outcomes.add("hang")
+        else:
+            assert np.isnan(out).any(), f"seed {seed}: the early read went unseen"
+            outcomes.add("poison")
+    assert outcomes == {"hang", "poison"}
+
+
+def test_the_mbarrier_and_bulk_copy_ptx_assembles_for_sm_90():
+    """The GPU side of kernels/common/mbarrier.cuh, which the interpreter never compiles."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options
+    from cuattn.tools.compile_check import CompileUnit, compile_units
+
+    units = [CompileUnit(SOURCE.name, f"test_bulk_pipeline<{bug}>") for bug in (0, 4)]
+    options = [*common_options(), f"-I{SOURCE.parent}"]
+    for result in compile_units(SOURCE.read_text(), units, "sm_90", options):
+        assert result.ok, result.error

@@ -2,6 +2,7 @@
 // tests/backends/test_interp_primitives.py and compared with NumPy). Each kernel moves data between
 // global memory and the documented per-lane fragment layouts by plain indexing, so the PTX
 // wrappers are checked against the PTX ISA's layouts, not against each other.
+#include "common/mbarrier.cuh"
 #include "common/smem.cuh"
 #include "common/warp_gemm.cuh"
 
@@ -205,4 +206,47 @@ __global__ void test_lane_stack(float* out) {
   float sum = 0.0f;
   for (int i = 0; i < 4096; ++i) sum += local[i];
   out[lane] = sum;
+}
+
+// A two-stage bulk-copy pipeline: lane 0 of warp 0 copies each stage's 64 floats into shared
+// memory (one mbarrier per stage, one arrival, the stage's bytes announced); warp 1 waits for
+// each stage and writes it out. BUG plants one of the mistakes the interpreter must catch.
+enum PipelineBug {
+  PIPE_OK = 0,
+  PIPE_FEW_BYTES = 1,      // announces half the bytes: the copy overflows the phase
+  PIPE_MANY_BYTES = 2,     // announces twice the bytes: the phase never completes
+  PIPE_WRONG_PARITY = 3,   // waits for parity 1 first: returns at once, before the data
+  PIPE_EXTRA_ARRIVAL = 4,  // arrives twice on a barrier that expects one arrival a phase
+  PIPE_NO_INIT = 5,        // never initialises the barriers
+};
+constexpr int PIPE_STAGES = 2;
+constexpr int PIPE_FLOATS = 64;
+constexpr int PIPE_SMEM = PIPE_STAGES * (PIPE_FLOATS * 4 + 16);
+
+template <int BUG>
+__global__ void test_bulk_pipeline(const float* in, float* out) {
+  constexpr unsigned BYTES = PIPE_FLOATS * sizeof(float);
+  float* tiles = dynamic_smem<float>();
+  u64* bars = reinterpret_cast<u64*>(tiles + PIPE_STAGES * PIPE_FLOATS);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (BUG != PIPE_NO_INIT && threadIdx.x == 0) {
+    for (int s = 0; s < PIPE_STAGES; ++s) mbarrier_init(&bars[s], 1);
+  }
+  __syncthreads();
+  if (warp == 0 && lane == 0) {
+    for (int s = 0; s < PIPE_STAGES; ++s) {
+      const unsigned announced =
+          BUG == PIPE_FEW_BYTES ? BYTES / 2 : (BUG == PIPE_MANY_BYTES ? 2 * BYTES : BYTES);
+      mbarrier_arrive_expect_tx(&bars[s], announced);
+      if (BUG == PIPE_EXTRA_ARRIVAL) mbarrier_arrive(&bars[s]);
+      bulk_copy_g2s(tiles + s * PIPE_FLOATS, in + s * PIPE_FLOATS, BYTES, &bars[s]);
+    }
+  }
+  if (warp == 1) {
+    for (int s = 0; s < PIPE_STAGES; ++s) {
+      mbarrier_wait_parity(&bars[s], BUG == PIPE_WRONG_PARITY ? 1u : 0u);
+      out[s * PIPE_FLOATS + lane] = tiles[s * PIPE_FLOATS + lane];
+      out[s * PIPE_FLOATS + 32 + lane] = tiles[s * PIPE_FLOATS + 32 + lane];
+    }
+  }
 }

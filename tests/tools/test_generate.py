@@ -95,3 +95,56 @@ def test_generate_passkey_smoke(tmp_path, capsys):
         assert 0.0 <= float(table[("h2o", str(budget))]["accuracy"]) <= 1.0
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "full-cache accuracy" in capsys.readouterr().out
+
+
+def test_recall_prompt_asks_the_pair_at_its_depth():
+    rng = np.random.default_rng(5)
+    depth = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
+    context = 64
+    prompts, answers = longtasks.recall_prompts(rng, depth.size, context, depth)
+    value_len = longtasks.VALUE_DIGITS
+    prompt_len = context - value_len + 1
+    assert prompts.shape == (depth.size, prompt_len) and answers.shape == (depth.size, value_len)
+    span, question = longtasks.PAIR_SPAN, longtasks.RECALL_QUESTION
+    starts = longtasks.needle_start(depth, prompt_len, span, question)
+    assert starts[0] == 0 and starts[-1] == prompt_len - question - span  # before the question
+    assert (prompts[:, -1] == longtasks.ASK).all()
+    for prompt, answer, start in zip(prompts, answers, starts, strict=True):
+        asked = prompt[-question]
+        assert prompt[start] == asked  # the asked pair's key sits at its depth
+        value = longtasks.value_tokens(asked - longtasks.KEY, answer)
+        assert (prompt[start + 1 : start + span] == value).all()  # and its value
+        keys = np.flatnonzero((prompt >= longtasks.KEY) & (prompt < longtasks.VALUE))[:-1]
+        assert len(keys) == longtasks.RECALL_PAIRS  # the asked pair and its decoys
+        assert len(set(prompt[keys].tolist())) == len(keys)  # distinct keys: one answer
+        for at in keys:  # every key is followed by a whole value of its own
+            digits = prompt[at + 1 : at + span] - longtasks.value_tokens(
+                prompt[at] - longtasks.KEY, 0
+            )
+            assert ((digits >= 0) & (digits < longtasks.DIGITS)).all()
+        pairs = (keys[:, None] + np.arange(span)).ravel()
+        rest = np.delete(prompt[:-question], pairs)
+        assert ((rest >= longtasks.FILLER) & (rest < longtasks.ASK)).all()  # filler only
+    assert (answers >= 0).all() and (answers < longtasks.DIGITS).all()
+
+
+def test_generate_recall_smoke(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    context = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
+    args = parser.parse_args(
+        ["--task", "recall", "--steps", "2", "--context", str(context), "--prompts", "1"]
+        + ["--markdown", str(tmp_path / "t.md"), "--png", str(tmp_path / "p.png")]
+    )
+    assert generate.run(args) == 0
+    lines = (tmp_path / "t.md").read_text().splitlines()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
+    config = generate.PASSKEY_CONFIG
+    per_token = config.head_dim * 4 * 2 * config.heads * len(config.layer_modes)
+    kv_bytes = {(r[0], r[1]): int(r[3]) for r in rows}
+    assert kv_bytes[("full cache", "-")] == context * per_token  # prompt + the value fed back
+    budget = int(min(generate.PASSKEY_SHARES) * context)
+    decoded = longtasks.VALUE_DIGITS - 1
+    assert kv_bytes[("snapkv", str(budget))] == (budget + decoded) * per_token
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "tiny transformer on recall" in capsys.readouterr().out

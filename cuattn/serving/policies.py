@@ -210,6 +210,32 @@ def _ranks(xp: Any, keys: list[Any]) -> Any:
     return rank
 
 
+def _bind_budget(
+    budget: int | Sequence[int] | HeadAdaptive, kv_heads: int, kept_name: str, kept: int
+) -> np.ndarray | None:
+    """Per-kv-head budgets of a policy that always keeps its ``kept`` newest tokens (HeavyHitters'
+    recent, SnapKV's window), or None for a head-adaptive budget, checked to leave every head
+    its newest tokens."""
+    if not isinstance(budget, HeadAdaptive):
+        return _per_head("budget", budget, kv_heads)
+    if budget.total < kv_heads * kept:
+        raise ValueError(
+            f"budget: head_adaptive({budget.total}) cannot keep {kept_name}={kept} tokens in each "
+            f"of {kv_heads} kv heads; accepted: a total >= {kv_heads * kept}"
+        )
+    return None
+
+
+def _head_budgets(
+    budget: int | Sequence[int] | HeadAdaptive, bound: np.ndarray | None, kv_heads: int, kept: int
+) -> np.ndarray:
+    """Most tokens each kv head keeps: the bound budgets, or under a head-adaptive budget all of
+    the total but the other heads' ``kept`` newest."""
+    if bound is not None:
+        return bound
+    return np.full(kv_heads, budget.total - (kv_heads - 1) * kept)
+
+
 def _keep_best(
     xp: Any,
     lengths: Any,
@@ -253,23 +279,14 @@ class HeavyHitters(Policy):
 
     def bind(self, kv_heads: int, page_size: int, capacity: int | None) -> None:
         super().bind(kv_heads, page_size, capacity)
-        if isinstance(self.budget, HeadAdaptive):
-            if self.budget.total < kv_heads * self.recent:
-                raise ValueError(
-                    f"budget: head_adaptive({self.budget.total}) cannot keep recent={self.recent} "
-                    f"tokens in each of {kv_heads} kv heads"
-                )
-            self._budget = None
+        self._budget = _bind_budget(self.budget, kv_heads, "recent", self.recent)
+        if self._budget is None:
             return
-        self._budget = _per_head("budget", self.budget, kv_heads)
         if (self._budget < self.recent).any():
             raise ValueError(f"recent={self.recent} must not exceed any budget, got {self.budget}")
 
     def budgets(self) -> np.ndarray:
-        if self._budget is None:  # head-adaptive: one head may take all but the others' recent
-            total = self.budget.total
-            return np.full(self.kv_heads, total - (self.kv_heads - 1) * self.recent)
-        return self._budget
+        return _head_budgets(self.budget, self._budget, self.kv_heads, self.recent)
 
     def keep(self, xp, lengths, positions, scores, budgets):
         total = None if self._budget is not None else self.budget.total
@@ -328,22 +345,10 @@ class SnapKV(Policy):
 
     def bind(self, kv_heads: int, page_size: int, capacity: int | None) -> None:
         super().bind(kv_heads, page_size, capacity)
-        if isinstance(self.budget, HeadAdaptive):
-            if self.budget.total < kv_heads * self.window:
-                raise ValueError(
-                    f"budget: head_adaptive({self.budget.total}) cannot keep window={self.window} "
-                    f"tokens in each of {kv_heads} kv heads; accepted: a total >= "
-                    f"{kv_heads * self.window}"
-                )
-            self._budget = None
-            return
-        self._budget = _per_head("budget", self.budget, kv_heads)
+        self._budget = _bind_budget(self.budget, kv_heads, "window", self.window)
 
     def budgets(self) -> np.ndarray:
-        if self._budget is None:  # head-adaptive: one head may take all but the others' window
-            total = self.budget.total
-            return np.full(self.kv_heads, total - (self.kv_heads - 1) * self.window)
-        return self._budget
+        return _head_budgets(self.budget, self._budget, self.kv_heads, self.window)
 
     def check_queries(self, given: np.ndarray, lengths: np.ndarray) -> None:
         short = np.flatnonzero(given < np.minimum(self.window, lengths))

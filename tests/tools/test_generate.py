@@ -62,21 +62,28 @@ def test_exact_match_needs_every_digit():
     assert longtasks.exact_match(predicted, answers).tolist() == [True, False, False]
 
 
-def test_generate_passkey_smoke(tmp_path, capsys):
+SMOKE_CONTEXT = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
+
+
+def _smoke_table(task: str, tmp_path) -> list[str]:
+    """The markdown table of a tiny `cuattn generate --task TASK` run (2 steps, 1 prompt)."""
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)
-    context = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
     args = parser.parse_args(
-        ["--task", "passkey", "--steps", "2", "--context", str(context), "--prompts", "1"]
+        ["--task", task, "--steps", "2", "--context", str(SMOKE_CONTEXT), "--prompts", "1"]
         + ["--markdown", str(tmp_path / "t.md"), "--png", str(tmp_path / "p.png")]
     )
     assert generate.run(args) == 0
-    lines = (tmp_path / "t.md").read_text().splitlines()
+    return (tmp_path / "t.md").read_text().splitlines()
+
+
+def test_generate_passkey_smoke(tmp_path, capsys):
+    lines = _smoke_table("passkey", tmp_path)
     columns = [c.strip() for c in lines[2].split("|")[1:-1]]
     assert columns[5:10] == [f"depth {d:g}" for d in generate.DEPTHS]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
     table = {(r[0], r[1]): dict(zip(columns, r, strict=True)) for r in rows}
-    budgets = [int(share * context) for share in generate.PASSKEY_SHARES]
+    budgets = [int(share * SMOKE_CONTEXT) for share in generate.PASSKEY_SHARES]
     assert set(table) == {("full cache", "-")} | {
         (name, str(b)) for name in generate.PASSKEY_POLICIES for b in budgets
     }
@@ -84,7 +91,7 @@ def test_generate_passkey_smoke(tmp_path, capsys):
     per_token = config.head_dim * 4 * 2 * config.heads * len(config.layer_modes)
     decoded = longtasks.PASSKEY_DIGITS - 1  # the answer digits fed back to the cache
     full = table[("full cache", "-")]
-    assert int(full["KV bytes"]) == context * per_token  # the prompt and the answer fed back
+    assert int(full["KV bytes"]) == SMOKE_CONTEXT * per_token  # the prompt and the answer fed back
     for budget in budgets:
         assert int(table[("sliding", str(budget))]["KV bytes"]) == budget * per_token
         assert table[("quest", str(budget))]["KV bytes"] == full["KV bytes"]  # evicts nothing
@@ -129,21 +136,13 @@ def test_recall_prompt_asks_the_pair_at_its_depth():
 
 
 def test_generate_recall_smoke(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    generate.add_arguments(parser)
-    context = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
-    args = parser.parse_args(
-        ["--task", "recall", "--steps", "2", "--context", str(context), "--prompts", "1"]
-        + ["--markdown", str(tmp_path / "t.md"), "--png", str(tmp_path / "p.png")]
-    )
-    assert generate.run(args) == 0
-    lines = (tmp_path / "t.md").read_text().splitlines()
+    lines = _smoke_table("recall", tmp_path)
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
     config = generate.PASSKEY_CONFIG
     per_token = config.head_dim * 4 * 2 * config.heads * len(config.layer_modes)
     kv_bytes = {(r[0], r[1]): int(r[3]) for r in rows}
-    assert kv_bytes[("full cache", "-")] == context * per_token  # prompt + the value fed back
-    budget = int(min(generate.PASSKEY_SHARES) * context)
+    assert kv_bytes[("full cache", "-")] == SMOKE_CONTEXT * per_token  # prompt + the value fed back
+    budget = int(min(generate.PASSKEY_SHARES) * SMOKE_CONTEXT)
     decoded = longtasks.VALUE_DIGITS - 1
     assert kv_bytes[("snapkv", str(budget))] == (budget + decoded) * per_token
     assert (tmp_path / "p.png").stat().st_size > 0

@@ -304,12 +304,7 @@ class KVCache:
                     f"{name} must be [batch={self.batch}, kv_heads={self.kv_heads}, t, "
                     f"head_dim={self.head_dim}], got {shape}"
                 )
-            if _dtype_name(x.dtype) != self.dtype:
-                raise TypeError(
-                    f"{name} has dtype {_dtype_name(x.dtype)}, the cache holds {self.dtype} "
-                    "(cuattn never casts silently)"
-                )
-            self._check_device(name, x)
+            self._check_dtype_and_device(name, x)
         if tuple(k.shape) != tuple(v.shape):
             raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         t = int(k.shape[2])
@@ -358,15 +353,15 @@ class KVCache:
                 f"q must be [batch={self.batch}, heads (a multiple of kv_heads={self.kv_heads}), "
                 f"t={t}, head_dim={self.head_dim}], got {shape}"
             )
-        if _dtype_name(q.dtype) != self.dtype:
-            raise TypeError(
-                f"q has dtype {_dtype_name(q.dtype)}, the cache holds {self.dtype} "
-                "(cuattn never casts silently)"
-            )
-        self._check_device("q", q)
+        self._check_dtype_and_device("q", q)
         self.policy.check_queries(given, lengths)
 
-    def _check_device(self, name: str, x: Any) -> None:
+    def _check_dtype_and_device(self, name: str, x: Any) -> None:
+        if _dtype_name(x.dtype) != self.dtype:
+            raise TypeError(
+                f"{name} has dtype {_dtype_name(x.dtype)}, the cache holds {self.dtype} "
+                "(cuattn never casts silently)"
+            )
         info = dlpack.describe(x, name)
         if (info.device, info.device_id) != (self.info.device, self.info.device_id):
             raise ValueError(

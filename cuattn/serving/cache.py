@@ -362,6 +362,9 @@ class KVCache:
                 f"{name} has dtype {_dtype_name(x.dtype)}, the cache holds {self.dtype} "
                 "(cuattn never casts silently)"
             )
+        self._check_device(name, x)
+
+    def _check_device(self, name: str, x: Any) -> None:
         info = dlpack.describe(x, name)
         if (info.device, info.device_id) != (self.info.device, self.info.device_id):
             raise ValueError(

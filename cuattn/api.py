@@ -146,6 +146,7 @@ def sparse_attention(
     causal: bool | None = None,
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
+    alibi_slopes: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -163,7 +164,11 @@ def sparse_attention(
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True`` (lse float32, float64
     for float64 input, [batch, heads, time_q], -inf on rows with nothing to attend to).
     ``scale`` defaults to 1/sqrt(head_dim). ``softcap`` (> 0; None or 0: off) caps each scaled
-    score s as ``softcap * tanh(s / softcap)`` before the mask (Gemma 2). ``backend``: 'numpy',
+    score s as ``softcap * tanh(s / softcap)`` before the mask (Gemma 2). ``alibi_slopes``
+    (float32 [heads] or [batch, heads], an array of q's kind and device) adds ALiBi's
+    ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j after the softcap
+    (FlashAttention's convention); a gradient reaches the slopes where they carry one (torch,
+    cuattn.Tensor; not on the jax route yet). ``backend``: 'numpy',
     'interp' or 'cuda' (default: from the arrays' device and CUATTN_BACKEND). ``recompute``
     keeps only q, k, v for backward and recomputes the forward there. Every backward is
     bit-identical run to run (``deterministic=`` is deprecated and does nothing).
@@ -202,13 +207,61 @@ def sparse_attention(
     # the common call (no modifier) does not step into backends/call.py at all: a warm
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
+    if alibi_slopes is not None:
+        _check_alibi_slopes(alibi_slopes, q, batch, heads, layout)
+        mods = ScoreMods(mods.softcap, alibi=True)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
-    return _route(q, k, v, call)
+    return _route(q, k, v, call, alibi_slopes)
+
+
+def _check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object) -> None:
+    """ALiBi's slopes: a float32 array [heads] or [batch, heads] of q's array library, for a
+    layout in the natural token order."""
+    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+        raise TypeError(
+            "alibi_slopes must be a float32 array [heads] or [batch, heads] of the same kind as "
+            f"q, got {type(slopes).__name__}"
+        )
+    if _dtype_name(slopes) != "float32":
+        raise TypeError(
+            f"alibi_slopes must be float32 (as FlashAttention takes them), got "
+            f"{_dtype_name(slopes)}; cuattn never casts silently"
+        )
+    shape = _dims(slopes)
+    if shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = "
+            f"({batch}, {heads}), got {tuple(shape)}"
+        )
+    library, q_library = array_library(slopes), array_library(q)
+    if isinstance(slopes, Tensor) or isinstance(q, Tensor):
+        library, q_library = _tape_library(slopes), _tape_library(q)
+    if library != q_library:
+        raise TypeError(
+            f"alibi_slopes is a {type(slopes).__module__}.{type(slopes).__name__} but q is a "
+            f"{type(q).__module__}.{type(q).__name__}: pass the slopes as the same kind of "
+            "array, on q's device"
+        )
+    if library == "jax":
+        raise TypeError(
+            "alibi_slopes: the jax route has no ALiBi yet (torch, NumPy, CuPy and "
+            "cuattn.Tensor have it); leave it out for jax arrays"
+        )
+    if isinstance(layout, Layout) and layout.perm is not None:
+        raise ValueError(
+            f"alibi_slopes needs the natural token order, but the layout {layout.name!r} is "
+            "permuted (its perm reorders tokens, and ALiBi's distances would follow)"
+        )
+
+
+def _tape_library(x: Any) -> str:
+    """The array library under a cuattn.Tensor (or of a plain array)."""
+    return array_library(x.data if isinstance(x, Tensor) else x)
 
 
 def _implicit_pattern(heads: int, causal: object, window_size: object) -> Pattern:
@@ -243,7 +296,7 @@ def _implicit_pattern(heads: int, causal: object, window_size: object) -> Patter
     )
 
 
-def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
+def _route(q: Any, k: Any, v: Any, call: AttentionCall, alibi_slopes: Any = None) -> Any:
     """The validated call on the path for the caller's arrays; every path ends in
     cuattn.backends.forward (and backward), so all of them compute alike.
 
@@ -259,12 +312,15 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
     if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         from cuattn.adapters import torch_ops
 
-        return torch_ops.attend(q, k, v, call)
+        return torch_ops.attend(q, k, v, call, alibi_slopes)
     call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in (q, k, v)):
         from cuattn.autograd import attention
 
-        return attention.attend(*_dispatch.tape_args(q, k, v), call)
+        slopes = alibi_slopes
+        if slopes is not None and not isinstance(slopes, Tensor):
+            slopes = Tensor(slopes)  # a constant of the tape
+        return attention.attend(*_dispatch.tape_args(q, k, v), call, slopes)
     named = {"q": q, "k": k, "v": v}
     info = _dlpack.common_info(named)
     if info.framework == "jax":
@@ -272,9 +328,18 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
 
         return jax_vjp.attend(q, k, v, call)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
+    if alibi_slopes is not None:
+        named["alibi_slopes"] = alibi_slopes
+        info = _dlpack.common_info(named)
     args = (call.layout, call.scale, call.backend, call.mods)
-    out, lse = _dlpack.call(backends.forward, named, *args, info=info)
+    out, lse = _dlpack.call(_forward_with_slopes, named, *args, info=info)
     return (out, lse) if call.return_lse else out
+
+
+def _forward_with_slopes(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
+    """backends.forward with the optional slopes array (the first of ``rest`` when given)."""
+    *slopes, layout, scale, backend, mods = rest
+    return backends.forward(q, k, v, layout, scale, backend, mods, *slopes)
 
 
 def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:

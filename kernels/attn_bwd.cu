@@ -8,7 +8,9 @@
 //   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K * scale,
 //   dK = dS^T Q * scale, with delta = rowsum(dO * O) - dlse (dlse: the gradient reaching lse);
 //   with MODS = MODS_SCORE and softcap > 0, S is capped as in attn_fwd and dS carries the cap's
-//   slope 1 - (S / softcap)^2.
+//   slope 1 - (S / softcap)^2; with use_alibi, S carries ALiBi's bias as in attn_fwd, and with
+//   use_alibi_grad attn_bwd_dq writes each query row's share of the slope's gradient,
+//   -sum_k dS * |q_pos - k_pos| (the caller sums the rows).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE, MODS> one CTA per (TILE_K keys,
@@ -155,6 +157,7 @@ __global__ void __launch_bounds__(
                   const int* __restrict__ col_mask, const u32* __restrict__ mask_table, int n_q,
                   int n_k, int q_offset, int kv_group, int num_blocks, float scale,
                   int window_left, int window_right, float softcap,
+                  const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                   long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -217,7 +220,8 @@ __global__ void __launch_bounds__(
 
   float dk_acc[D_OUT / 8][4] = {};
   float dv_acc[D_OUT / 8][4] = {};
-  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
+  const ScoreScale score_scale = ScoreScale::make<MODS>(
+      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
   const int k_warp = k_start + warp * 16;
   const int k_last = k_start + TILE_K - 1;
 
@@ -235,6 +239,11 @@ __global__ void __launch_bounds__(
     float p_t[TILE_Q / 8][4] = {};
     warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(p_t, k_smem + warp * 16 * LD, LD, q_smem, LD);
     score_tile<MODS, TILE_Q>(p_t, score_scale);
+    if constexpr (MODS == MODS_SCORE) {
+      if (score_scale.alibi_log2 != 0.f) {
+        alibi_tile<TILE_Q, false>(p_t, score_scale, q_offset, k_warp, q_start);
+      }
+    }
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
                                                   tile.mask_id);
@@ -253,12 +262,14 @@ __global__ void __launch_bounds__(
     if constexpr (MODS == MODS_SCORE) {
       // From here P^T only forms dS^T: it takes the softcap's slope now, before dP^T's tile is
       // live (at head dim 128 this kernel is at the register limit). The capped score comes
-      // back from P as log2(P) + lse, so no tile of scores is kept.
+      // back from P as log2(P) + lse less ALiBi's bias, so no tile of scores is kept.
 #pragma unroll
       for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)];
+          const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
+          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
+                              alibi_bias(score_scale, q_minus_k);
           p_t[j][e] *= softcap_slope<MODS>(score, score_scale);
         }
       }
@@ -304,6 +315,8 @@ __global__ void __launch_bounds__(
                 const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                 const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
                 int num_blocks, float scale, int window_left, int window_right, float softcap,
+                const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
+                float* __restrict__ alibi_grad, int use_alibi_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -363,7 +376,10 @@ __global__ void __launch_bounds__(
     delta_row[r] = q_row < n_q ? delta[head_offset + q_row] : 0.f;
   }
   float dq_acc[HEAD_DIM / 8][4] = {};
-  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
+  // sum over this lane's keys of dS * |q_pos - k_pos| per row (ALiBi's slope gradient)
+  float alibi_dist_ds[2] = {};
+  const ScoreScale score_scale = ScoreScale::make<MODS>(
+      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
 
   ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
                                               row_mask);
@@ -382,19 +398,35 @@ __global__ void __launch_bounds__(
     }
     float ds[TILE_K / 8][4] = {};
     warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+    // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
+    // differ by constants, so each element's distance is one add.
+    const float q_minus_k_first =
+        float(q_offset + q_warp - k_start) + float(frag.row(0) - frag.col(0, 0));
 #pragma unroll
     for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float slope = softcap_slope<MODS>(p[j][e], score_scale);  // from the score
+        const float slope = softcap_slope<MODS>(p[j][e], score_scale);  // from the capped score
+        float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
+        if constexpr (MODS == MODS_SCORE) {
+          distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
+          p[j][e] += score_scale.alibi_log2 * distance;  // 0 without ALiBi
+        }
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
-        if constexpr (MODS == MODS_SCORE) ds[j][e] *= slope;
+        if constexpr (MODS == MODS_SCORE) {
+          alibi_dist_ds[e / 2] += ds[j][e] * distance;  // before the cap's slope: d/d bias
+          ds[j][e] *= slope;
+        }
       }
     }
     warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);
   });
 
+  if constexpr (MODS == MODS_SCORE) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) alibi_dist_ds[r] = quad_sum(alibi_dist_ds[r]);  // whole warp
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q_row = q_warp + frag.row(2 * r);
@@ -403,6 +435,10 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
       store_pair(dq_row + frag.pair_col(j), dq_acc[j][2 * r] * scale, dq_acc[j][2 * r + 1] * scale);
+    }
+    if constexpr (MODS == MODS_SCORE) {
+      // d bias / d slope = -|q_pos - k_pos|: the row's share of the slope's gradient
+      if (use_alibi_grad && frag.t == 0) alibi_grad[head_offset + q_row] = -alibi_dist_ds[r];
     }
   }
 }

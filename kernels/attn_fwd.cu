@@ -2,7 +2,8 @@
 //
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
-// with MODS = MODS_SCORE and softcap > 0, S = softcap * tanh(Q K^T * scale / softcap).
+// with MODS = MODS_SCORE and softcap > 0, S = softcap * tanh(Q K^T * scale / softcap); with
+// use_alibi, S gets -slope[batch, head] * |q + n_k - n_q - k| (ALiBi, end-aligned positions).
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -72,7 +73,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              const int* __restrict__ col_idx, const int* __restrict__ row_mask,
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
              int kv_group, int num_blocks, float scale, int window_left, int window_right,
-             float softcap, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
+             int alibi_batch_stride, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -140,7 +142,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   float l_i[M_FRAGS][2] = {};
 #pragma unroll
   for (int m = 0; m < M_FRAGS; ++m) m_i[m][0] = m_i[m][1] = -INFINITY;
-  const ScoreScale score_scale = ScoreScale::make<MODS>(scale, softcap);
+  const ScoreScale score_scale = ScoreScale::make<MODS>(
+      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
   const int q_warp = q_start + warp * Traits::WARP_M;
   const T* q_warp_smem = q_smem + warp * Traits::WARP_M * LD;
 
@@ -163,6 +166,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
 #pragma unroll
       for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
+      if constexpr (MODS == MODS_SCORE) {
+        if (score_scale.alibi_log2 != 0.f) {
+          alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
+        }
+      }
       if (mine.coverage != TILE_FULL) {
         mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(
             s_frag, rule, q_warp, tile.start, q_block + row_block, tile.block, mine.mask_id);

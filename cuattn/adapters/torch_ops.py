@@ -2,9 +2,12 @@
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
-                          softcap, backend, recompute, index)                 -> (out, lse)
+                          softcap, backend, recompute, index, alibi_slopes=None) -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
-                          window_right, scale, softcap, backend, index)      -> (dq, dk, dv)
+                          window_right, scale, softcap, backend, index, alibi_slopes=None)
+                                                        -> (dq, dk, dv, dslopes)
+``alibi_slopes`` (float32 [heads] or [batch, heads], or None) is ALiBi's operand; ``dslopes`` is
+its gradient, an empty tensor without slopes.
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -127,9 +130,9 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
-def _mods(softcap: float) -> ScoreMods:
+def _mods(softcap: float, alibi: bool = False) -> ScoreMods:
     """The ops' modifier arguments as the backends take them."""
-    return ScoreMods(softcap) if softcap else NO_MODS
+    return ScoreMods(softcap, alibi) if softcap or alibi else NO_MODS
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -151,17 +154,26 @@ def attention_fwd(
     backend: str,
     recompute: bool,
     index: list[torch.Tensor],
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
+    if alibi_slopes is not None:
+        named["alibi_slopes"] = alibi_slopes
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        args = (lay, scale, backend or None, _mods(softcap))
-        out, lse = dlpack.call(_backend.forward, named, *args, info=info)
+        args = (lay, scale, backend or None, _mods(softcap, alibi_slopes is not None))
+        out, lse = dlpack.call(_forward_arrays, named, *args, info=info)
     return out.contiguous(), lse.contiguous()
+
+
+def _forward_arrays(q, k, v, *rest):
+    """backends.forward with the optional slopes array (the first of ``rest`` when given)."""
+    *slopes, layout, scale, backend, mods = rest
+    return _backend.forward(q, k, v, layout, scale, backend, mods, *slopes)
 
 
 @attention_fwd.register_fake
@@ -187,40 +199,54 @@ def attention_bwd(
     softcap: float,
     backend: str,
     index: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the saved inputs, output and lse, and the gradients reaching out
-    (dout) and lse (dlse, None when nothing reached it)."""
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dslopes) from the saved inputs, output and lse, and the gradients reaching
+    out (dout) and lse (dlse, None when nothing reached it); dslopes is empty without slopes."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
+    if alibi_slopes is not None:
+        named["alibi_slopes"] = alibi_slopes
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        args = (lay, scale, backend or None, _mods(softcap))
+        mods = _mods(softcap, alibi_slopes is not None)
+        args = (dlse is not None, lay, scale, backend or None, mods)
         grads = dlpack.call(_backward_arrays, named, *args, info=info)
-    return tuple(g.contiguous() for g in grads)
+    grads = tuple(g.contiguous() for g in grads)
+    return grads if alibi_slopes is not None else (*grads, _no_slopes(q))
+
+
+def _no_slopes(q: torch.Tensor) -> torch.Tensor:
+    """attention_bwd's dslopes without slopes."""
+    return q.new_empty(0, dtype=torch.float32)
 
 
 def _backward_arrays(q, k, v, out, lse, dout, *rest):
-    """backends.backward with the optional dlse array (the first of ``rest`` when given)."""
-    *dlse, layout, scale, backend, mods = rest
-    dlse = dlse[0] if dlse else None
-    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse, mods)
+    """backends.backward with the optional dlse and slopes arrays (in that order in ``rest``,
+    each when given)."""
+    *optional, has_dlse, layout, scale, backend, mods = rest
+    dlse = optional.pop(0) if has_dlse else None
+    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse, mods, *optional)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    slopes = rest[-1]
+    dslopes = _no_slopes(q) if slopes is None else slopes.new_empty(slopes.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dslopes
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, softcap, backend, recompute, index = inputs
+    q, k, v, *layout_args, scale, softcap, backend, recompute, index, alibi_slopes = inputs
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
-    ctx.save_for_backward(*saved, *index)
+    ctx.save_for_backward(*saved, *index, *([] if alibi_slopes is None else [alibi_slopes]))
     ctx.saved_count = len(saved)
+    ctx.index_count = len(index)
     ctx.args = (*layout_args, scale, softcap, backend, recompute)
 
 
@@ -228,20 +254,23 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     *layout_args, scale, softcap, backend, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
-    index = list(tensors[ctx.saved_count :])
+    after = tensors[ctx.saved_count :]
+    index = list(after[: ctx.index_count])
+    slopes = after[ctx.index_count] if len(after) > ctx.index_count else None
     if recompute:
-        saved = attention_fwd(q, k, v, *layout_args, scale, softcap, backend, False, index)
+        saved = attention_fwd(q, k, v, *layout_args, scale, softcap, backend, False, index, slopes)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    grads = attention_bwd(
-        q, k, v, out, lse, dout, dlse, *layout_args, scale, softcap, backend, index
+    *grads, dslopes = attention_bwd(
+        q, k, v, out, lse, dout, dlse, *layout_args, scale, softcap, backend, index, slopes
     )
-    # None for each plain argument, and a None for each tensor of index
-    return (*grads, *[None] * (len(layout_args) + 4), [None] * len(index))
+    # None for each plain argument and each tensor of index, then the slopes' gradient
+    plain = [None] * (len(layout_args) + 4)
+    return (*grads, *plain, [None] * len(index), None if slopes is None else dslopes)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -262,12 +291,16 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothin
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: AttentionCall,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
     carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device))
+    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), alibi_slopes)
     return (out, lse) if call.return_lse else out
 
 

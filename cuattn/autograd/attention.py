@@ -24,26 +24,45 @@ class SparseAttention(Function):
     """
 
     @staticmethod
-    def forward(ctx: Context, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
-        out, lse = _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(
+        ctx: Context, q: Any, k: Any, v: Any, alibi_slopes: Any | None, call: AttentionCall
+    ) -> tuple[Any, Any]:
+        out, lse = _backend.forward(
+            q, k, v, call.layout, call.scale, call.backend, call.mods, alibi_slopes
+        )
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
         ctx.call = call
         return out, lse
 
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
         call = ctx.call
-        dq, dk, dv = _backend.backward(
-            q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse, call.mods
+        grads = _backend.backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            call.layout,
+            call.scale,
+            call.backend,
+            dlse,
+            call.mods,
+            alibi_slopes,
         )
-        return dq, dk, dv, None
+        dslopes = grads[3] if alibi_slopes is not None else None
+        return (*grads[:3], dslopes, None)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, alibi_slopes: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
-    head_dim] and the validated call (its layout concrete). ``call.recompute`` keeps only q, k,
-    v on the tape and re-runs the forward in backward."""
+    head_dim] and the validated call (its layout concrete); ALiBi's slopes a Tensor (a
+    gradient reaches them when they require one) or None. ``call.recompute`` keeps only q, k,
+    v (and the slopes) on the tape and re-runs the forward in backward."""
     with recompute_region(call.recompute):
-        out, lse = SparseAttention.apply(q, k, v, call)
+        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, call)
     return (out, lse) if call.return_lse else out

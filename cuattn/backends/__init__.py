@@ -1,10 +1,12 @@
 """Backend selection and the permutation-aware forward/backward every public path goes through.
 
 A backend computes attention on arrays of one array library in the layout's computed token
-order: ``forward(q, k, v, layout, scale, mods) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods) -> (dq, dk, dv)``, where
-``dlse`` (like lse, or None) is the gradient reaching the lse output and ``mods`` the score
-modifiers (backends/call.py ScoreMods).
+order: ``forward(q, k, v, layout, scale, mods, alibi_slopes) -> (out, lse)`` and
+``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes) -> (dq, dk, dv)``
+(and the slopes' gradient after dv when slopes are given), where ``dlse`` (like lse, or None) is
+the gradient reaching the lse output, ``mods`` the score modifiers (backends/call.py ScoreMods)
+and ``alibi_slopes`` ALiBi's float32 [heads] or [batch, heads] slopes (or None), an array of the
+same library and device as q.
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
@@ -37,7 +39,14 @@ class Backend(Protocol):
     on_gpu: bool  # computes on a CUDA device (its occupancy is that device's)
 
     def forward(
-        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layout: Layout,
+        scale: float,
+        mods: ScoreMods = NO_MODS,
+        alibi_slopes: Any | None = None,
     ) -> tuple[Any, Any]: ...
 
     def backward(
@@ -52,7 +61,8 @@ class Backend(Protocol):
         scale: float,
         dlse: Any | None = None,
         mods: ScoreMods = NO_MODS,
-    ) -> tuple[Any, Any, Any]: ...
+        alibi_slopes: Any | None = None,
+    ) -> tuple[Any, ...]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
 
@@ -64,13 +74,17 @@ class NumpyBackend:
     runs_kernels = False
     on_gpu = False
 
-    def forward(self, q, k, v, layout, scale, mods=NO_MODS):
+    def forward(self, q, k, v, layout, scale, mods=NO_MODS, alibi_slopes=None):
         reference.check_arrays(q)
-        return reference.attention_forward(q, k, v, layout, scale, mods)
+        return reference.attention_forward(q, k, v, layout, scale, mods, alibi_slopes)
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS):
+    def backward(
+        self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, alibi_slopes=None
+    ):
         reference.check_arrays(q)
-        return reference.attention_backward(q, k, v, out, lse, dout, layout, scale, dlse, mods)
+        return reference.attention_backward(
+            q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes
+        )
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return reference.merge_states(out_a, lse_a, out_b, lse_b)
@@ -153,6 +167,21 @@ def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
         )
 
 
+def _check_alibi(mods: ScoreMods, alibi_slopes: Any | None, layout: Layout) -> None:
+    """Slopes come with ``mods.alibi`` and only with it (the kernel variant follows mods), and
+    with a layout in the natural token order (a Pattern may build a permuted one)."""
+    if mods.alibi != (alibi_slopes is not None):
+        raise ValueError(
+            f"alibi_slopes: mods.alibi={mods.alibi} but slopes "
+            f"{'were' if alibi_slopes is not None else 'were not'} given"
+        )
+    if alibi_slopes is not None and layout.perm is not None:
+        raise ValueError(
+            f"alibi_slopes needs the natural token order, but the layout {layout.name!r} is "
+            "permuted (its perm reorders tokens, and ALiBi's distances would follow)"
+        )
+
+
 def forward(
     q: Any,
     k: Any,
@@ -161,14 +190,17 @@ def forward(
     scale: float,
     backend: str | None = None,
     mods: ScoreMods = NO_MODS,
+    alibi_slopes: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
 
     The single call into the backends for every route (public API, tape, torch, jax), so all
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
+    _check_alibi(mods, alibi_slopes, layout)
     impl = _resolve_for(q, backend, layout)
-    out, lse = impl.forward(*(_prepare(x, layout) for x in (q, k, v)), layout, scale, mods)
+    arrays = (_prepare(x, layout) for x in (q, k, v))
+    out, lse = impl.forward(*arrays, layout, scale, mods, alibi_slopes)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
@@ -184,15 +216,18 @@ def backward(
     backend: str | None = None,
     dlse: Any | None = None,
     mods: ScoreMods = NO_MODS,
-) -> tuple[Any, Any, Any]:
+    alibi_slopes: Any | None = None,
+) -> tuple[Any, ...]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
     (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
-    are the forward's."""
+    and ``alibi_slopes`` are the forward's. With slopes, their gradient follows dv (like them).
+    ALiBi needs the natural token order: a permuted layout is refused by the public calls."""
+    _check_alibi(mods, alibi_slopes, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, dlse, mods)
-    return tuple(_to_natural(g, layout) for g in grads)
+    grads = impl.backward(*arrays, layout, scale, dlse, mods, alibi_slopes)
+    return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
 
 def merge_states(

@@ -22,6 +22,8 @@ class ScoreMods:
     """What changes the scores between ``scale * q.k`` and the mask, as every backend takes it.
 
     softcap   > 0: each score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0: off
+    alibi     the call carries ALiBi slopes (an array operand beside q, k, v, since arrays are
+              not hashable): each score gets ``-slope[batch, head] * |q_pos - k_pos|``
 
     The public calls build it with ``from_arguments``, which checks the keywords; nothing
     downstream checks it again.
@@ -31,10 +33,11 @@ class ScoreMods:
     """
 
     softcap: float = 0.0
+    alibi: bool = False
 
     @property
     def any(self) -> bool:
-        return self.softcap > 0.0
+        return self.softcap > 0.0 or self.alibi
 
     @classmethod
     def from_arguments(cls, softcap: object = None) -> ScoreMods:

@@ -131,6 +131,11 @@ _RULE_SCALARS = (
     ("window_left", "i32"),
     ("window_right", "i32"),
     ("softcap", "f32"),
+    # ALiBi (read by the score-modifier variant only): [batch, heads] float32 slopes at this
+    # batch stride (0: one slope per head), or a one-element stand-in with use_alibi 0
+    ("alibi_slopes", "ptr"),
+    ("use_alibi", "i32"),
+    ("alibi_batch_stride", "i32"),
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -313,6 +318,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dq", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
+        # ALiBi's slope gradient: per query row, sum over keys of dS * |q_pos - k_pos| (float32
+        # [batch, heads, n_q]), written when use_alibi_grad
+        ("alibi_grad", "ptr"),
+        ("use_alibi_grad", "i32"),
         *_BWD_STRIDES,
     ),
 }

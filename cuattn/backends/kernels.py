@@ -277,7 +277,14 @@ class KernelBackend:
         }
 
     def forward(
-        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layout: Layout,
+        scale: float,
+        mods: ScoreMods = NO_MODS,
+        alibi_slopes: Any | None = None,
     ) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
@@ -310,12 +317,27 @@ class KernelBackend:
                 lse=lse,
                 scale=scale,
                 softcap=mods.softcap,
+                **self._alibi_values(alibi_slopes),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
                 **self._strides("v", v),
             )
         return out, lse
+
+    def _alibi_values(self, slopes: Any | None) -> dict[str, Any]:
+        """The block kernels' ALiBi arguments: the slopes (contiguous float32 [heads] or
+        [batch, heads], checked by the public call) and their batch stride, or a one-element
+        stand-in the kernels do not read."""
+        if slopes is None:
+            return {
+                "alibi_slopes": self.xp.zeros(1, self.xp.float32),
+                "use_alibi": 0,
+                "alibi_batch_stride": 0,
+            }
+        slopes = self.xp.ascontiguousarray(slopes)
+        stride = 0 if slopes.ndim == 1 else slopes.shape[1]
+        return {"alibi_slopes": slopes, "use_alibi": 1, "alibi_batch_stride": stride}
 
     def backward(
         self,
@@ -329,10 +351,13 @@ class KernelBackend:
         scale: float,
         dlse: Any | None = None,
         mods: ScoreMods = NO_MODS,
-    ) -> tuple[Any, Any, Any]:
+        alibi_slopes: Any | None = None,
+    ) -> tuple[Any, ...]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
-        ``mods`` are the forward's score modifiers.
+        ``mods`` and ``alibi_slopes`` are the forward's. With slopes, their gradient follows:
+        the dQ pass writes each query row's share, summed here over the rows (and the batch for
+        one slope per head) in a fixed order.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
@@ -385,6 +410,7 @@ class KernelBackend:
             dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
             tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
             variant = {"block": layout.blocksize, "rule": layout.rule.kind, "mods": mods.any}
+            alibi = self._alibi_values(alibi_slopes)
             self.launch(
                 KernelConfig("attn_bwd_dkdv", *per_head, n_k, **variant),
                 **tensors,
@@ -392,8 +418,14 @@ class KernelBackend:
                 dv=dv,
                 scale=scale,
                 softcap=mods.softcap,
+                **alibi,
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
                 **strides,
+            )
+            # ALiBi's slope gradient per query row (a stand-in the kernel does not write
+            # without slopes)
+            alibi_rows = self.output(
+                (batch, heads, n_q) if alibi_slopes is not None else (1,), xp.float32
             )
             self.launch(
                 KernelConfig("attn_bwd_dq", *per_head, n_q, **variant),
@@ -401,6 +433,9 @@ class KernelBackend:
                 dq=dq,
                 scale=scale,
                 softcap=mods.softcap,
+                **alibi,
+                alibi_grad=alibi_rows,
+                use_alibi_grad=int(alibi_slopes is not None),
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
                 **strides,
             )
@@ -413,7 +448,12 @@ class KernelBackend:
                         config, per_head=per_head, summed=summed[-1], n_k=n_k, kv_group=kv_group
                     )
                 dk, dv = summed
-        return dq, dk, dv
+        if alibi_slopes is None:
+            return dq, dk, dv
+        dslopes = alibi_rows.sum(axis=2)  # [batch, heads]
+        if alibi_slopes.ndim == 1:
+            dslopes = dslopes.sum(axis=0)
+        return dq, dk, dv, dslopes.astype(xp.float32)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         """The merge kernel (kernels/merge_states.cu) over every row of out [..., head_dim]."""

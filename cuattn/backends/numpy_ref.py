@@ -68,14 +68,43 @@ def _walk(
 
 
 def _scores(
-    qb: np.ndarray, kb: np.ndarray, layout: Layout, h, i, j, mask_id, scale: float, mods: ScoreMods
-) -> np.ndarray:
-    """S = Q_i K_j^T * scale for R blocks at once, modified (softcap), then -inf where the
-    element rule forbids."""
+    qb: np.ndarray,
+    kb: np.ndarray,
+    layout: Layout,
+    h,
+    i,
+    j,
+    mask_id,
+    scale: float,
+    mods: ScoreMods,
+    slopes: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | float]:
+    """(S, bias) for R blocks at once: S = Q_i K_j^T * scale, modified (softcap), plus ALiBi's
+    bias (``slopes`` [B, H] or None), then -inf where the element rule forbids; ``bias`` is
+    what ALiBi added (0 without it), for the gradients."""
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     s = modified_scores(s, mods, np)
+    bias: np.ndarray | float = 0.0
+    if slopes is not None:
+        bias = -slopes[:, h, None, None] * _distances(layout, i, j)
+        s = s + bias
     allowed = layout.block_masks(h, i, j, mask_id)
-    return np.where(allowed, s, -np.inf)
+    return np.where(allowed, s, -np.inf), bias
+
+
+def _distances(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """|q_pos - k_pos| [R, b, b] of query blocks i against key blocks j, with the end-aligned
+    query positions q + q_offset (ALiBi's distances, as FlashAttention places them)."""
+    b = layout.blocksize
+    offsets = np.arange(b)
+    q_pos = (i[:, None] * b + offsets) + layout.q_offset
+    k_pos = j[:, None] * b + offsets
+    return np.abs(q_pos[:, :, None] - k_pos[:, None, :]).astype(np.float64)
+
+
+def alibi_slopes_2d(slopes: np.ndarray, batch: int) -> np.ndarray:
+    """ALiBi slopes [heads] or [batch, heads] as [batch, heads] (a view)."""
+    return np.broadcast_to(slopes, (batch, slopes.shape[-1])) if slopes.ndim == 1 else slopes
 
 
 def modified_scores(s: Any, mods: ScoreMods, xp: Any) -> Any:
@@ -132,15 +161,18 @@ def attention_forward(
     layout: Layout,
     scale: float,
     mods: ScoreMods = NO_MODS,
+    alibi_slopes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to)."""
+    """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to).
+    ``alibi_slopes``: float32 [H] or [B, H] (with ``mods.alibi``), or None."""
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
+    slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
     m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        s = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods)
+        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes)
         m_old = m_i[:, h, i]
         m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
         # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
@@ -174,12 +206,16 @@ def attention_backward(
     scale: float,
     dlse: np.ndarray | None = None,
     mods: ScoreMods = NO_MODS,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    alibi_slopes: np.ndarray | None = None,
+) -> tuple[np.ndarray, ...]:
     """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
     None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
     enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed. ``mods``
-    must be the forward's."""
+    and ``alibi_slopes`` must be the forward's; with slopes, their gradient (like them, float32)
+    follows dv: -sum of dS * |q_pos - k_pos| over the keys and queries (and the batch for [H])."""
     acc_t = _acc_dtype(q.dtype)
+    slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
+    dslopes = None if slopes is None else np.zeros_like(slopes)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
     if dlse is not None:
@@ -192,33 +228,48 @@ def attention_backward(
     lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
-        s = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods)
+        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
-        return p, _mods_gradient(s, p * (dp - delta[:, h, i][..., None]), mods)
+        ds_biased = p * (dp - delta[:, h, i][..., None])  # d / d(the score with its bias)
+        return p, ds_biased, _mods_gradient(s - bias, ds_biased, mods)
 
     dq = np.zeros_like(qb)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        _, ds = probs_and_dscores(h, i, j, mask_id)
+        _, ds_biased, ds = probs_and_dscores(h, i, j, mask_id)
         dq[:, h, i] += np.matmul(ds, kb[:, _kv_head(h, qb, kb), j]) * scale
+        if dslopes is not None:  # d bias / d slope = -|q_pos - k_pos|
+            moment = np.einsum("brqk,rqk->br", ds_biased, _distances(layout, i, j))
+            np.add.at(dslopes.T, h, -moment.T)
     # Per query head first (a walk step may hold several heads of one kv group, which an
     # indexed += would collapse), then each group summed in head order.
     heads, kv_heads = qb.shape[1], kb.shape[1]
     dk = np.zeros(kb.shape[:1] + (heads,) + kb.shape[2:], dtype=acc_t)
     dv = np.zeros_like(dk)
     for h, j, i, mask_id in _walk(layout, layout.col_ptr, layout.row_idx, layout.col_mask):
-        p, ds = probs_and_dscores(h, i, j, mask_id)
+        p, _, ds = probs_and_dscores(h, i, j, mask_id)
         dv[:, h, j] += np.matmul(p.swapaxes(-1, -2), dob[:, h, i])
         dk[:, h, j] += np.matmul(ds.swapaxes(-1, -2), qb[:, h, i]) * scale
     group = heads // kv_heads
     dk, dv = (g.reshape((g.shape[0], kv_heads, group) + g.shape[2:]).sum(axis=2) for g in (dk, dv))
     n_q, n_k = q.shape[2], k.shape[2]
-    return (
+    grads = (
         _unblocked(dq, n_q).astype(q.dtype),
         _unblocked(dk, n_k).astype(k.dtype),
         _unblocked(dv, n_k).astype(v.dtype),
     )
+    if dslopes is None:
+        return grads
+    summed = dslopes if alibi_slopes.ndim == 2 else dslopes.sum(axis=0)
+    return (*grads, summed.astype(alibi_slopes.dtype))
+
+
+def _slopes(alibi_slopes: np.ndarray | None, batch: int, acc: type) -> np.ndarray | None:
+    """The slopes as [B, H] in the accumulation dtype, or None."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes_2d(alibi_slopes, batch).astype(acc)
 
 
 @_quiet_specials

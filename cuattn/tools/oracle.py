@@ -39,6 +39,17 @@ GRAD_FLOOR = 0.1
 T = TypeVar("T")
 
 
+def alibi_bias(slopes: Any, batch: int, n_q: int, n_k: int) -> Any:
+    """ALiBi's additive bias [batch, heads, n_q, n_k] in float64 from slopes [heads] or [batch,
+    heads]: -slope * |i + n_k - n_q - j| (end-aligned query positions, FlashAttention's)."""
+    xp = get_array_module(slopes)
+    (slopes,) = _float64(slopes)
+    slopes = xp.broadcast_to(slopes, (batch, slopes.shape[-1]))
+    q_pos = xp.arange(n_q, dtype=xp.float64) + (n_k - n_q)
+    distance = xp.abs(q_pos[:, None] - xp.arange(n_k, dtype=xp.float64)[None, :])
+    return -slopes[:, :, None, None] * distance
+
+
 def _scores(q: Any, k: Any, scale: float, score_dtype: Any, softcap: float) -> tuple[Any, Any]:
     """(S, dS_capped/dS_scaled): scale * q.k, capped as ``softcap * tanh(s / softcap)`` when
     softcap > 0, and the cap's slope 1 - tanh^2 (1 without a cap), before any mask."""
@@ -55,12 +66,20 @@ def _scores(q: Any, k: Any, scale: float, score_dtype: Any, softcap: float) -> t
 
 
 def _probs(
-    q: Any, k: Any, mask: Any, scale: float, score_dtype: Any = None, softcap: float = 0.0
+    q: Any,
+    k: Any,
+    mask: Any,
+    scale: float,
+    score_dtype: Any = None,
+    softcap: float = 0.0,
+    bias: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
     """(P, row max, row sum, the cap's slope) of the masked softmax in float64 (l_sum == 0: an
-    empty row)."""
+    empty row); ``bias`` (or None) is added after the cap, before the mask."""
     xp = get_array_module(q)
     s, slope = _scores(q, k, scale, score_dtype, softcap)
+    if bias is not None:
+        s = s + bias
     s = xp.where(mask[None], s, -xp.inf)  # replaced, never multiplied
     m = s.max(axis=-1, keepdims=True)  # NaN-propagating
     m = xp.where(m == -xp.inf, 0.0, m)  # nothing but -inf: exp gives 0; NaN and +inf stay
@@ -141,14 +160,16 @@ def dense_attention(
     computed: Any = None,
     score_dtype: Any = None,
     softcap: float = 0.0,
+    bias: Any = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key (or only
     -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring; ``softcap``
-    > 0 caps the scaled scores (``softcap * tanh(s / softcap)``) before the mask."""
+    > 0 caps the scaled scores (``softcap * tanh(s / softcap)``) before the mask; ``bias``
+    ([batch, heads, n_q, n_k], e.g. :func:`alibi_bias`) is added after the cap."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
-    p, m, l_sum, _ = _probs(q, k, mask, scale, score_dtype, softcap)
+    p, m, l_sum, _ = _probs(q, k, mask, scale, score_dtype, softcap, bias)
     empty = l_sum[..., 0] == 0
     out = xp.where(empty[..., None], 0.0, _rows_of(p, v, computed))
     lse = xp.where(empty, -xp.inf, m[..., 0] + xp.log(xp.where(empty, 1.0, l_sum[..., 0])))
@@ -167,15 +188,17 @@ def dense_attention_grads(
     computed: Any = None,
     score_dtype: Any = None,
     softcap: float = 0.0,
-) -> tuple[Any, Any, Any]:
+    bias: Any = None,
+) -> tuple[Any, ...]:
     """(dq, dk, dv) in float64 of sum(out * dout) + sum(lse * dlse) (dlse [batch, heads, n_q]
     or None; rows with no allowed key take no part); dk, dv with k's and v's heads.
-    ``computed``, ``score_dtype``, ``softcap``: as for :func:`dense_attention`."""
+    ``computed``, ``score_dtype``, ``softcap``: as for :func:`dense_attention`. With ``bias``,
+    its gradient [batch, heads, n_q, n_k] follows (the gradient of each biased score)."""
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
-    p, _, l_sum, slope = _probs(q, k, mask, scale, score_dtype, softcap)
+    p, _, l_sum, slope = _probs(q, k, mask, scale, score_dtype, softcap, bias)
     dv = _cols_of(p, dout, computed)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
     if computed is not None:  # a pair outside takes no part in dS either
@@ -187,10 +210,12 @@ def dense_attention_grads(
     if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P * (dP - (delta - dlse))
         (dlse,) = _float64(dlse)
         delta = delta - dlse[..., None]
-    ds = p * (dp - delta) * slope
+    ds_biased = p * (dp - delta)
+    ds = ds_biased * slope
     dq = _rows_of(ds, k, computed) * scale
     dk = _cols_of(ds, q, computed) * scale
-    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+    grads = dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+    return grads if bias is None else (*grads, ds_biased)
 
 
 def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:

@@ -107,20 +107,65 @@ __device__ __forceinline__ void mask_score_tile(float (&s)[N / 8][4], const Rule
 }
 
 // How a q.k product becomes the log2-domain score the softmax uses: scale * LOG2E * q.k, or
-// with a softcap, softcap * LOG2E * tanh(scale * q.k / softcap) (Gemma 2's logit capping).
+// with a softcap, softcap * LOG2E * tanh(scale * q.k / softcap) (Gemma 2's logit capping); with
+// ALiBi the score then gets -slope * LOG2E * |q_pos - k_pos| (alibi_frags).
 struct ScoreScale {
   float factor;        // multiplies q.k: scale * LOG2E, or scale / softcap when capped
   float cap_log2;      // softcap * LOG2E when capped, else 0
   float inv_cap_log2;  // 1 / cap_log2 when capped, else 0
+  float alibi_log2;    // -slope * LOG2E of this (batch, head) with ALiBi, else 0
 
+  // slopes: the ALiBi slopes ([batch, heads] float32 at batch stride slopes_batch_stride, 0 for
+  // one slope per head), or null; read only by the MODS_SCORE variant.
   template <int MODS>
-  __device__ __forceinline__ static ScoreScale make(float scale, float softcap) {
-    if (MODS == MODS_SCORE && softcap > 0.f) {
-      return {scale / softcap, softcap * LOG2E, 1.f / (softcap * LOG2E)};
+  __device__ __forceinline__ static ScoreScale make(float scale, float softcap,
+                                                    const float* slopes, int slopes_batch_stride,
+                                                    int batch, int head) {
+    float alibi_log2 = 0.f;
+    if (MODS == MODS_SCORE && slopes != nullptr) {
+      alibi_log2 = -slopes[batch * slopes_batch_stride + head] * LOG2E;
     }
-    return {scale * LOG2E, 0.f, 0.f};
+    if (MODS == MODS_SCORE && softcap > 0.f) {
+      return {scale / softcap, softcap * LOG2E, 1.f / (softcap * LOG2E), alibi_log2};
+    }
+    return {scale * LOG2E, 0.f, 0.f, alibi_log2};
   }
 };
+
+// ALiBi's bias in the log2 domain for a query at position q_pos = q + q_offset (end-aligned, as
+// the rules and FlashAttention place it) and a key at k_pos: alibi_log2 * |q_pos - k_pos|.
+// Positions are exact in float up to 2^24.
+__device__ __forceinline__ float alibi_bias(const ScoreScale& sc, int q_minus_k) {
+  return sc.alibi_log2 * fabsf(float(q_minus_k));
+}
+
+// Adds ALiBi's bias to M_FRAGS stacked score fragments (the layout of mask_score_frags: rows
+// row_first, row_first + 16, ...; ROWS_ARE_QUERIES tells which axis holds the queries). A
+// masked -inf stays -inf. The caller skips it when alibi_log2 is 0 (no ALiBi).
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void alibi_frags(float (&s)[M_FRAGS][N / 8][4], const ScoreScale& sc,
+                                            int q_offset, int row_first, int col_first) {
+  const AccLayout frag;
+#pragma unroll
+  for (int m = 0; m < M_FRAGS; ++m) {
+    const int base = q_offset + (ROWS_ARE_QUERIES ? row_first + 16 * m - col_first
+                                                  : col_first - row_first - 16 * m);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = frag.row(e), col = frag.col(j, e);
+        s[m][j][e] += alibi_bias(sc, base + (ROWS_ARE_QUERIES ? row - col : col - row));
+      }
+    }
+  }
+}
+
+template <int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void alibi_tile(float (&s)[N / 8][4], const ScoreScale& sc,
+                                           int q_offset, int row_first, int col_first) {
+  alibi_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), sc, q_offset, row_first, col_first);
+}
 
 // A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
 // allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a

@@ -234,8 +234,9 @@ def _backward_arrays(q, k, v, out, lse, dout, *rest):
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
-    slopes = rest[-1]
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *plain, alibi_slopes=None):
+    # plain: pattern .. index; the slopes come as the tenth of them or as the keyword
+    slopes = plain[9] if len(plain) > 9 else alibi_slopes
     dslopes = _no_slopes(q) if slopes is None else slopes.new_empty(slopes.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dslopes
 
@@ -268,9 +269,12 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     *grads, dslopes = attention_bwd(
         q, k, v, out, lse, dout, dlse, *layout_args, scale, softcap, backend, index, slopes
     )
-    # None for each plain argument and each tensor of index, then the slopes' gradient
+    # None for each plain argument and each tensor of index, then the slopes' gradient; torch
+    # drops a trailing argument left at its default (slopes None) from the inputs the backward
+    # answers, so the answer has as many entries as needs_input_grad
     plain = [None] * (len(layout_args) + 4)
-    return (*grads, *plain, [None] * len(index), None if slopes is None else dslopes)
+    answer = (*grads, *plain, [None] * len(index), None if slopes is None else dslopes)
+    return answer[: len(ctx.needs_input_grad)]
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

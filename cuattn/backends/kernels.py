@@ -422,11 +422,12 @@ class KernelBackend:
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
                 **strides,
             )
-            # ALiBi's slope gradient per query row (a stand-in the kernel does not write
-            # without slopes)
-            alibi_rows = self.output(
-                (batch, heads, n_q) if alibi_slopes is not None else (1,), xp.float32
-            )
+            # ALiBi's slope gradient per query row; without slopes a one-element input the
+            # kernel does not write (no output of the launch)
+            if alibi_slopes is None:
+                alibi_rows = xp.zeros(1, xp.float32)
+            else:
+                alibi_rows = self.output((batch, heads, n_q), xp.float32)
             self.launch(
                 KernelConfig("attn_bwd_dq", *per_head, n_q, **variant),
                 **tensors,

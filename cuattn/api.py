@@ -168,7 +168,7 @@ def sparse_attention(
     (float32 [heads] or [batch, heads], an array of q's kind and device) adds ALiBi's
     ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j after the softcap
     (FlashAttention's convention); a gradient reaches the slopes where they carry one (torch,
-    cuattn.Tensor; not on the jax route yet). ``backend``: 'numpy',
+    jax, cuattn.Tensor). ``backend``: 'numpy',
     'interp' or 'cuda' (default: from the arrays' device and CUATTN_BACKEND). ``recompute``
     keeps only q, k, v for backward and recomputes the forward there. Every backward is
     bit-identical run to run (``deterministic=`` is deprecated and does nothing).
@@ -247,11 +247,6 @@ def _check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: obj
             f"{type(q).__module__}.{type(q).__name__}: pass the slopes as the same kind of "
             "array, on q's device"
         )
-    if library == "jax":
-        raise TypeError(
-            "alibi_slopes: the jax route has no ALiBi yet (torch, NumPy, CuPy and "
-            "cuattn.Tensor have it); leave it out for jax arrays"
-        )
     if isinstance(layout, Layout) and layout.perm is not None:
         raise ValueError(
             f"alibi_slopes needs the natural token order, but the layout {layout.name!r} is "
@@ -326,7 +321,7 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall, alibi_slopes: Any = None
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp
 
-        return jax_vjp.attend(q, k, v, call)
+        return jax_vjp.attend(q, k, v, call, alibi_slopes)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
     if alibi_slopes is not None:
         named["alibi_slopes"] = alibi_slopes

@@ -131,14 +131,34 @@ def test_bad_slopes_are_refused_before_anything_runs(slopes, error, message):
         cuattn.sparse_attention(q, k, v, _layout(), alibi_slopes=slopes)
 
 
-def test_permuted_layouts_and_jax_are_refused():
+def test_permuted_layouts_are_refused():
     rng = np.random.default_rng(7)
     q = rng.standard_normal((1, 2, 64, 8))
     strided = cuattn.make_layout("strided", 64, 2, 16, local_attn_ctx=4)
     assert strided.perm is not None
     with pytest.raises(ValueError, match="natural token order"):
         cuattn.sparse_attention(q, q, q, strided, alibi_slopes=np.ones(2, np.float32))
-    jnp = pytest.importorskip("jax.numpy")
-    qj = jnp.asarray(q, dtype=jnp.float32)
-    with pytest.raises(TypeError, match="the jax route has no ALiBi yet"):
-        cuattn.sparse_attention(qj, qj, qj, strided, alibi_slopes=jnp.ones(2, dtype=jnp.float32))
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_jax_eager_jit_and_grad_reach_the_slopes(per_batch):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    q, k, v, dout, slopes = _arrays(8, per_batch)
+    layout = _layout()
+    ref_out, _, refs, ref_dslopes = _oracle(q, k, v, dout, slopes, layout, SOFTCAP)
+    arrays = [jax.numpy.asarray(x) for x in (q, k, v, slopes)]
+
+    def loss(q, k, v, slopes):
+        out = cuattn.sparse_attention(q, k, v, layout, softcap=SOFTCAP, alibi_slopes=slopes)
+        return (out * dout).sum()
+
+    out = cuattn.sparse_attention(*arrays[:3], layout, softcap=SOFTCAP, alibi_slopes=arrays[3])
+    assert rel_err(np.asarray(out), ref_out) <= RTOL
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    for fn in (grad, jax.jit(grad)):
+        *grads, dslopes = fn(*arrays)
+        for name, g, ref in zip("qkv", grads, refs, strict=True):
+            assert rel_err(np.asarray(g), ref) <= RTOL, name
+        assert dslopes.dtype == np.float32
+        assert rel_err(np.asarray(dslopes), ref_dslopes) <= SLOPES_RTOL

@@ -64,78 +64,97 @@ def _device_target(backend: str | None) -> int | None:
     return target
 
 
-def _host_forward(call: AttentionCall, q, k, v):
-    arrays = (np.asarray(x) for x in (q, k, v))
-    return _backend.forward(*arrays, call.layout, call.scale, call.backend, call.mods)
+def _host_forward(call: AttentionCall, q, k, v, *slopes):
+    arrays = (np.asarray(x) for x in (q, k, v, *slopes))
+    return _eager_forward(*arrays, call)
 
 
-def _host_backward(call: AttentionCall, q, k, v, out, lse, dout, dlse):
-    arrays = [np.asarray(x) for x in (q, k, v, out, lse, dout)]
-    return _eager_backward(*arrays, np.asarray(dlse), call)
+def _host_backward(call: AttentionCall, *arrays):
+    return _eager_backward(*(np.asarray(x) for x in arrays), call)
 
 
-def _forward(q, k, v, call: AttentionCall):
-    if _traced(q, k, v):
+def _forward(q, k, v, slopes, call: AttentionCall):
+    """(out, lse); ``slopes``: ALiBi's (with call.mods.alibi) or None."""
+    optional = () if slopes is None else (slopes,)
+    if _traced(q, k, v, *optional):
         target = _device_target(call.backend)
         if target is not None:
-            return _xla.forward(q, k, v, call.layout, call.scale, call.mods, target)
+            args = (call.layout, call.scale, call.mods, target, slopes)
+            return _xla.forward(q, k, v, *args)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
         )
         host = functools.partial(_host_forward, call)
-        return jax.pure_callback(host, shapes, q, k, v, vmap_method="sequential")
-    named = {"q": q, "k": k, "v": v}
-    args = (call.layout, call.scale, call.backend, call.mods)
-    return dlpack.call(_backend.forward, named, *args)
+        return jax.pure_callback(host, shapes, q, k, v, *optional, vmap_method="sequential")
+    named = {"q": q, "k": k, "v": v, **({} if slopes is None else {"alibi_slopes": slopes})}
+    return dlpack.call(_eager_forward, named, call)
 
 
-def _backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
+def _eager_forward(q, k, v, *rest):
+    *slopes, call = rest
+    return _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods, *slopes)
+
+
+def _backward(q, k, v, slopes, out, lse, dout, dlse, call: AttentionCall):
+    """(dq, dk, dv, dslopes), dslopes None without slopes."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dlse": dlse}
+    if slopes is not None:
+        named["alibi_slopes"] = slopes
     if _traced(*named.values()):
         target = _device_target(call.backend)
         if target is not None:
-            return _xla.backward(*named.values(), call.layout, call.scale, call.mods, target)
-        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        host = functools.partial(_host_backward, call)
-        return jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
-    return dlpack.call(_eager_backward, named, call)
+            arrays = list(named.values())[:7]
+            grads = _xla.backward(*arrays, call.layout, call.scale, call.mods, target, slopes)
+        else:
+            outputs = (q, k, v) if slopes is None else (q, k, v, slopes)
+            shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs)
+            host = functools.partial(_host_backward, call)
+            grads = jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
+    else:
+        grads = dlpack.call(_eager_backward, named, call)
+    return (*grads[:3], grads[3] if slopes is not None else None)
 
 
-def _eager_backward(q, k, v, out, lse, dout, dlse, call: AttentionCall):
+def _eager_backward(q, k, v, out, lse, dout, dlse, *rest):
+    *slopes, call = rest
     return _backend.backward(
-        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse=dlse, mods=call.mods
+        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse, call.mods, *slopes
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, call):
-    return _forward(q, k, v, call)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, slopes, call):
+    return _forward(q, k, v, slopes, call)
 
 
-def _attention_fwd(q, k, v, call):
-    out, lse = _forward(q, k, v, call)
-    residuals = (q, k, v) if call.recompute else (q, k, v, out, lse)
+def _attention_fwd(q, k, v, slopes, call):
+    out, lse = _forward(q, k, v, slopes, call)
+    residuals = (q, k, v, slopes) if call.recompute else (q, k, v, slopes, out, lse)
     return (out, lse), residuals
 
 
 def _attention_bwd(call, residuals, cotangents):
     dout, dlse = cotangents
     if call.recompute:
-        q, k, v = residuals
-        out, lse = _forward(q, k, v, call)
+        q, k, v, slopes = residuals
+        out, lse = _forward(q, k, v, slopes, call)
     else:
-        q, k, v, out, lse = residuals
-    return _backward(q, k, v, out, lse, dout, dlse, call)
+        q, k, v, slopes, out, lse = residuals
+    return _backward(q, k, v, slopes, out, lse, dout, dlse, call)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, call: AttentionCall
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    call: AttentionCall,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
-    layout concrete)."""
-    out, lse = _attention(q, k, v, call)
+    layout concrete); ALiBi's slopes (float32 [heads] or [batch, heads]) differentiable too."""
+    out, lse = _attention(q, k, v, alibi_slopes, call)
     return (out, lse) if call.return_lse else out

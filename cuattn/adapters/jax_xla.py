@@ -566,14 +566,27 @@ class XlaBackend(KernelBackend):
         return call(*operands, opaque=opaque)
 
     def forward(
-        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, mods: ScoreMods = NO_MODS
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layout: Layout,
+        scale: float,
+        mods: ScoreMods = NO_MODS,
+        alibi_slopes: Any | None = None,
     ) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, layout, scale, mods)
+        out, lse = super().forward(q, k, v, layout, scale, mods, alibi_slopes)
         return out.get(), lse.get()
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods)
-        return tuple(g.get() for g in grads)
+    def backward(
+        self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, alibi_slopes=None
+    ):
+        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes)
+        return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
+
+    def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
+        # the rows are the dQ launch's result, a jax array once that launch is staged
+        return super()._slopes_gradient(rows.get(), slopes_ndim)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         raise NotImplementedError("merge_attention_states is not staged into jax programs yet")
@@ -629,16 +642,27 @@ def forward(
     scale: float,
     mods: ScoreMods,
     compute_capability: int,
+    alibi_slopes: Any | None = None,
 ) -> tuple[Any, Any]:
-    """(out, lse) of traced jax arrays in the caller's token order, as custom calls."""
+    """(out, lse) of traced jax arrays in the caller's token order, as custom calls; ALiBi's
+    slopes (if any) as [batch, heads], so that a vmap folds them with the batch."""
     backend = backend_for(compute_capability)
 
-    def run(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    def run(q: Any, k: Any, v: Any, *slopes: Any) -> tuple[Any, Any]:
         prepared = (_prepare(x, layout) for x in (q, k, v))
-        out, lse = backend.forward(*prepared, layout, scale, mods)
+        out, lse = backend.forward(*prepared, layout, scale, mods, *slopes)
         return _to_natural(out, layout), _to_natural(lse, layout)
 
-    return folding_vmap(run)(q, k, v)
+    return folding_vmap(run)(q, k, v, *_batched_slopes(alibi_slopes, q))
+
+
+def _batched_slopes(alibi_slopes: Any | None, q: Any) -> tuple[Any, ...]:
+    """() without slopes, else the slopes broadcast to [batch, heads]."""
+    if alibi_slopes is None:
+        return ()
+    import jax.numpy as jnp
+
+    return (jnp.broadcast_to(alibi_slopes, q.shape[:2]),)
 
 
 def backward(
@@ -653,14 +677,20 @@ def backward(
     scale: float,
     mods: ScoreMods,
     compute_capability: int,
-) -> tuple[Any, Any, Any]:
+    alibi_slopes: Any | None = None,
+) -> tuple[Any, ...]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
-    (like lse) is the cotangent of the lse output."""
+    (like lse) is the cotangent of the lse output. With slopes, their gradient (like them)
+    follows."""
     backend = backend_for(compute_capability)
+    slopes = _batched_slopes(alibi_slopes, q)
 
-    def run(*arrays: Any) -> tuple[Any, Any, Any]:
-        *tensors, dlse = (_prepare(x, layout) for x in arrays)
-        grads = backend.backward(*tensors, layout, scale, dlse, mods)
-        return tuple(_to_natural(g, layout) for g in grads)
+    def run(*arrays: Any) -> tuple[Any, ...]:
+        *tensors, dlse = (_prepare(x, layout) for x in arrays[:7])
+        grads = backend.backward(*tensors, layout, scale, dlse, mods, *arrays[7:])
+        return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
-    return folding_vmap(run)(q, k, v, out, lse, dout, dlse)
+    grads = folding_vmap(run)(q, k, v, out, lse, dout, dlse, *slopes)
+    if alibi_slopes is None or alibi_slopes.ndim == 2:
+        return grads
+    return (*grads[:3], grads[3].sum(axis=0))

@@ -451,10 +451,13 @@ class KernelBackend:
                 dk, dv = summed
         if alibi_slopes is None:
             return dq, dk, dv
-        dslopes = alibi_rows.sum(axis=2)  # [batch, heads]
-        if alibi_slopes.ndim == 1:
-            dslopes = dslopes.sum(axis=0)
-        return dq, dk, dv, dslopes.astype(xp.float32)
+        return dq, dk, dv, self._slopes_gradient(alibi_rows, alibi_slopes.ndim)
+
+    def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
+        """ALiBi's slope gradient from the dQ pass's per-row shares [batch, heads, n_q]: summed
+        over the rows, and over the batch for one slope per head (float32, fixed order)."""
+        summed = rows.sum(axis=2)
+        return (summed.sum(axis=0) if slopes_ndim == 1 else summed).astype(self.xp.float32)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         """The merge kernel (kernels/merge_states.cu) over every row of out [..., head_dim]."""

@@ -624,6 +624,50 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     assert _rel(out, reference) <= 1e-2
 
 
+@needs_nvrtc
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_staged_alibi_program_runs_on_the_kernel_interpreter(monkeypatch, per_batch):
+    """ALiBi's slopes cross the staged program as an operand (as [batch, heads], so a vmap
+    folds them with the batch) and their gradient comes back from the dQ launch's rows: bit for
+    bit the eager interpreter's, for one slope per head and one per (batch, head)."""
+    backend = _Interpreted(CC)
+    backend.staged = []
+    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
+    batch, heads, kv_heads, n, head_dim = 2, 2, 1, 64, 32
+    layout = cuattn.make_layout("fixed", n, heads, blocksize=16, local_attn_ctx=32, num_verts=1)
+    q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
+    rng = np.random.default_rng(4)
+    slopes = rng.uniform(0.05, 0.5, (batch, heads) if per_batch else (heads,)).astype(np.float32)
+    weight = rng.standard_normal(q.shape[1:]).astype(np.float32)
+    scale, softcap = head_dim**-0.5, 1.5
+    mods = ScoreMods(softcap, alibi=True)
+
+    def f(q, k, v, slopes):
+        return cuattn.sparse_attention(q, k, v, layout, softcap=softcap, alibi_slopes=slopes)
+
+    def loss(q, k, v, slopes):
+        return (f(q, k, v, slopes).astype(jnp.float32) * weight).sum()
+
+    with xla.lowering_for_cuda(CC):
+        out = jax.jit(f)(q[0], k[0], v[0], slopes)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q[0], k[0], v[0], slopes)
+        mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, slopes)
+    host = [np.asarray(x) for x in (q[0], k[0], v[0])]
+    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods, slopes)
+    dout = weight.astype(want_out.dtype)
+    want = backends.backward(
+        *host, want_out, want_lse, dout, layout, scale, "interp", None, mods, slopes
+    )
+    assert np.array_equal(np.asarray(out), want_out)
+    for name, got, expected in zip("qkv", grads[:3], want[:3], strict=True):
+        assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name
+    # the rows' sums: XLA's reduction order, not NumPy's
+    assert grads[3].shape == slopes.shape
+    np.testing.assert_allclose(np.asarray(grads[3]), want[3], rtol=1e-6, atol=0)
+    assert np.array_equal(np.asarray(mapped[0]), want_out)
+
+
 def test_cpu_jit_keeps_the_host_callback():
     layout = _layout("mha")
     q, k, v = _qkv(1, 2, 2, 64, 64, jnp.float32)

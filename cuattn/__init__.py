@@ -10,6 +10,7 @@ out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, h
 import sys as _sys
 
 from cuattn.api import (
+    alibi_slopes,
     attention,
     blocksparse_attention,
     merge_attention_states,
@@ -47,6 +48,7 @@ __all__ = [
     "Layout",
     "Pattern",
     "Tensor",
+    "alibi_slopes",
     "attention",
     "blocksparse_attention",
     "decode_attention",

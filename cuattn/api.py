@@ -254,6 +254,18 @@ def _check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: obj
         )
 
 
+def alibi_slopes(heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for ``heads`` heads, float32 [heads] (BLOOM's, MPT's): with
+    ``p`` the largest power of two <= heads, head h < p gets ``2 ** (-8 (h + 1) / p)`` and the
+    rest the odd powers of ``2 ** (-4 / p)`` (the slopes of 2p heads that p lacks)."""
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads <= 0:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    p = 2 ** int(math.floor(math.log2(int(heads))))
+    slopes = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)]
+    slopes += [2.0 ** (-4.0 * (2 * i + 1) / p) for i in range(int(heads) - p)]
+    return np.asarray(slopes, dtype=np.float32)
+
+
 def _tape_library(x: Any) -> str:
     """The array library under a cuattn.Tensor (or of a plain array)."""
     return array_library(x.data if isinstance(x, Tensor) else x)
@@ -461,6 +473,7 @@ def blocksparse_attention(
     *,
     kv_heads: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -469,7 +482,8 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap`` as in :func:`sparse_attention`. ``deterministic=`` is deprecated and does nothing.
+    ``softcap`` and ``alibi_slopes`` as in :func:`sparse_attention`. ``deterministic=`` is
+    deprecated and does nothing.
     """
     _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -495,6 +509,7 @@ def blocksparse_attention(
         scale=scale,
         recompute=recompute,
         softcap=softcap,
+        alibi_slopes=alibi_slopes,
         backend=backend,
     )
 
@@ -579,14 +594,22 @@ def _varlen_layout(
     layouts: Sequence[Layout | None] | LayoutFn,
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
+    alibi: bool = False,
 ) -> Layout:
-    """The packed layout of a varlen call, its arguments checked (host values only)."""
+    """The packed layout of a varlen call, its arguments checked (host values only); ``alibi``:
+    the call has ALiBi slopes, which need each sequence's queries to be its keys."""
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
     cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(k.shape[0]))
     if len(cu_q) != len(cu_k):
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"{len(cu_q) - 1} and {len(cu_k) - 1}"
+        )
+    if alibi and not np.array_equal(cu_q, cu_k):
+        raise ValueError(
+            "alibi_slopes with sparse_attention_varlen needs cu_seqlens_q equal to cu_seqlens_k "
+            "(each sequence's queries are its keys): the packed call has one query offset, "
+            "and ALiBi's end-aligned distances would differ per sequence otherwise"
         )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
@@ -624,6 +647,7 @@ def sparse_attention_varlen(
     return_lse: bool = False,
     *,
     softcap: float | None = None,
+    alibi_slopes: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
@@ -635,7 +659,10 @@ def sparse_attention_varlen(
     own keys; there is no padding. ``layouts``: one Layout per sequence, built for its
     (n_q, n_k), or a callable ``(n_q, n_k) -> Layout`` (e.g. ``lambda n_q, n_k:
     make_layout("local", n_k, heads, 64, local_attn_ctx=256, n_q=n_q)``). ``max_seqlen_*`` are
-    optional and only checked; ``softcap`` as in :func:`sparse_attention`. Returns ``out``
+    optional and only checked; ``softcap`` as in :func:`sparse_attention`; ``alibi_slopes``
+    float32 [heads] (one slope per head for every sequence) where each sequence's queries are its
+    keys (cu_seqlens_q equal to cu_seqlens_k), so that ALiBi's distances are the sequence's own
+    |i - j|. Returns ``out``
     [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
 
     The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
@@ -657,10 +684,24 @@ def sparse_attention_varlen(
         layouts,
         max_seqlen_q,
         max_seqlen_k,
+        alibi_slopes is not None,
     )
+    if alibi_slopes is not None and tuple(_dims(alibi_slopes)) != (int(q.shape[1]),):
+        raise ValueError(
+            f"alibi_slopes of a varlen call must have shape [heads] = ({int(q.shape[1])},), one "
+            f"slope per head for every sequence, got {tuple(_dims(alibi_slopes))}"
+        )
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
     result = sparse_attention(
-        q4, k4, v4, lay, scale, return_lse=return_lse, softcap=softcap, backend=backend
+        q4,
+        k4,
+        v4,
+        lay,
+        scale,
+        return_lse=return_lse,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        backend=backend,
     )
     out, lse = result if return_lse else (result, None)
     out = _permute(out, (0, 2, 1, 3)).reshape(tuple(q.shape))

@@ -51,7 +51,10 @@ class SparseSelfAttention(nn.Module):
 
     ``SparseSelfAttention("strided", heads=8, blocksize=64, local_attn_ctx=128)``, or with a
     Layout/Pattern. ``scale`` defaults to 1/sqrt(head_dim); ``recompute`` keeps only q, k, v
-    for backward; ``softcap`` (keyword) caps the scores as in ``cuattn.sparse_attention``.
+    for backward; ``softcap`` (keyword) caps the scores as in ``cuattn.sparse_attention``;
+    ``alibi_slopes`` (keyword: a float32 [heads] tensor, e.g. ``torch.from_numpy(
+    cuattn.alibi_slopes(heads))``) adds ALiBi's bias: a buffer of the module (moved with it by
+    ``.to()``), or a parameter that learns if it is an ``nn.Parameter``.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class SparseSelfAttention(nn.Module):
         recompute: bool = False,
         *,
         softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -71,16 +75,32 @@ class SparseSelfAttention(nn.Module):
         self.recompute = recompute
         ScoreMods.from_arguments(softcap)  # checked now, not at the first forward
         self.softcap = softcap
+        if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(
+                "alibi_slopes must be a float32 torch tensor [heads] (or an nn.Parameter), got "
+                f"{type(alibi_slopes).__name__}"
+            )
+        if isinstance(alibi_slopes, nn.Parameter):
+            self.alibi_slopes = alibi_slopes
+        else:
+            self.register_buffer("alibi_slopes", alibi_slopes)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return api.sparse_attention(
-            q, k, v, self.layout, self.scale, self.recompute, softcap=self.softcap
+            q,
+            k,
+            v,
+            self.layout,
+            self.scale,
+            self.recompute,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
         )
 
     def extra_repr(self) -> str:
         return (
             f"layout={self.layout!r}, scale={self.scale}, recompute={self.recompute}, "
-            f"softcap={self.softcap}"
+            f"softcap={self.softcap}, alibi={self.alibi_slopes is not None}"
         )
 
 
@@ -91,8 +111,8 @@ class SparseMultiheadAttention(nn.Module):
     value default to query: self-attention; key/value may be longer than query, end-aligned)
     returns [batch, time_q, embed_dim]. ``kv_heads`` (default ``heads``) must divide ``heads``;
     k_proj and v_proj then map embed_dim to kv_heads * head_dim. Parameters: q_proj, k_proj,
-    v_proj, out_proj (``nn.Linear``, ``bias`` on all four). ``softcap`` as in
-    :class:`SparseSelfAttention`.
+    v_proj, out_proj (``nn.Linear``, ``bias`` on all four). ``softcap`` and ``alibi_slopes``
+    as in :class:`SparseSelfAttention`.
     """
 
     def __init__(
@@ -109,6 +129,7 @@ class SparseMultiheadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -128,7 +149,14 @@ class SparseMultiheadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_heads * self.head_dim, **made)
         self.out_proj = nn.Linear(embed_dim, embed_dim, **made)
         self.attention = SparseSelfAttention(
-            layout, heads, blocksize, scale, recompute, softcap=softcap, **pattern_options
+            layout,
+            heads,
+            blocksize,
+            scale,
+            recompute,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            **pattern_options,
         )
         if self.attention.layout.heads != heads:
             raise ValueError(

@@ -162,3 +162,50 @@ def test_jax_eager_jit_and_grad_reach_the_slopes(per_batch):
             assert rel_err(np.asarray(g), ref) <= RTOL, name
         assert dslopes.dtype == np.float32
         assert rel_err(np.asarray(dslopes), ref_dslopes) <= SLOPES_RTOL
+
+
+def test_varlen_equals_each_sequence_alone():
+    rng = np.random.default_rng(9)
+    cu = np.array([0, 23, 23, 64, 90])
+    q, k, v = (rng.standard_normal((int(cu[-1]), HEADS, HEAD_DIM)) for _ in range(3))
+    slopes = rng.uniform(0.05, 0.5, HEADS).astype(np.float32)
+
+    def layout(n_q, n_k):
+        return cuattn.make_layout("local", n_k, HEADS, BLOCK, local_attn_ctx=16, n_q=n_q)
+
+    out = cuattn.sparse_attention_varlen(q, k, v, cu, cu, layout, alibi_slopes=slopes)
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        if a == b:
+            continue
+        one = [x[a:b].transpose(1, 0, 2)[None] for x in (q, k, v)]
+        alone = cuattn.sparse_attention(*one, layout(b - a, b - a), alibi_slopes=slopes)
+        np.testing.assert_allclose(out[a:b], alone[0].transpose(1, 0, 2), rtol=1e-12, atol=0)
+
+
+def test_varlen_refuses_per_sequence_offsets_and_slopes():
+    rng = np.random.default_rng(10)
+    cu_q, cu_k = np.array([0, 10, 30]), np.array([0, 16, 36])
+    q = rng.standard_normal((30, HEADS, HEAD_DIM))
+    k = rng.standard_normal((36, HEADS, HEAD_DIM))
+
+    def layout(n_q, n_k):
+        return cuattn.make_layout("all", n_k, HEADS, BLOCK, n_q=n_q)
+
+    slopes = np.full(HEADS, 0.25, np.float32)
+    with pytest.raises(ValueError, match="needs cu_seqlens_q equal to cu_seqlens_k"):
+        cuattn.sparse_attention_varlen(q, k, k, cu_q, cu_k, layout, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"one slope per head for every sequence"):
+        cuattn.sparse_attention_varlen(
+            q, q, q, cu_q, cu_q, layout, alibi_slopes=np.full((2, HEADS), 0.25, np.float32)
+        )
+
+
+def test_blocksparse_attention_takes_alibi():
+    q, k, v, _, slopes = _arrays(11)
+    heads_last = [x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1) for x in (q, k, v)]
+    out = cuattn.blocksparse_attention(
+        *heads_last, HEADS, "all", blocksize=BLOCK, kv_heads=KV_HEADS, alibi_slopes=slopes
+    )
+    want = cuattn.sparse_attention(q, k, v, _layout(), alibi_slopes=slopes)
+    np.testing.assert_allclose(out, cuattn.merge_heads(want), rtol=1e-12, atol=0)

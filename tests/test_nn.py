@@ -95,6 +95,37 @@ def test_modules_take_a_softcap():
         SparseSelfAttention(layout, softcap=-1.0)
 
 
+def test_modules_take_alibi_slopes_as_a_buffer_or_a_learned_parameter():
+    layout = cuattn.make_layout("local", 32, HEADS, BLOCK, **LOCAL)
+    q, k, v = (torch.randn(1, HEADS, 32, 8, dtype=torch.float64) for _ in range(3))
+    slopes = torch.from_numpy(cuattn.alibi_slopes(HEADS))
+    fixed = SparseSelfAttention(layout, alibi_slopes=slopes)
+    want = cuattn.sparse_attention(q, k, v, layout, alibi_slopes=slopes)
+    assert torch.equal(fixed(q, k, v), want)
+    assert "alibi_slopes" in dict(fixed.named_buffers()) and not list(fixed.parameters())
+    assert "alibi=True" in repr(fixed)
+    learned = SparseSelfAttention(layout, alibi_slopes=torch.nn.Parameter(slopes.clone()))
+    learned(q, k, v).sum().backward()
+    assert learned.alibi_slopes.grad is not None and learned.alibi_slopes.grad.abs().sum() > 0
+    module = _module(alibi_slopes=slopes)
+    x = torch.randn(2, 32, EMBED, dtype=torch.float64)
+    assert not torch.equal(module(x), _module()(x))
+    with pytest.raises(TypeError, match="alibi_slopes must be a float32 torch tensor"):
+        SparseSelfAttention(layout, alibi_slopes=[0.5] * HEADS)
+
+
+def test_alibi_slopes_are_the_papers():
+    """BLOOM's slopes (transformers' build_alibi_tensor) for power-of-two heads and others."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    for heads in (1, 4, 6, 8, 12, 16):
+        alibi = bloom.build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)
+        torch.testing.assert_close(
+            torch.from_numpy(cuattn.alibi_slopes(heads)), alibi[:, 0, 1], rtol=1e-6, atol=0
+        )
+    with pytest.raises(ValueError, match="heads must be a positive int"):
+        cuattn.alibi_slopes(0)
+
+
 def test_compiled_module_one_graph_for_every_length():
     module = _module(seed=3)
     counter = CompileCounter()

@@ -208,7 +208,7 @@ def sparse_attention(
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     if alibi_slopes is not None:
-        _check_alibi_slopes(alibi_slopes, q, batch, heads, layout)
+        check_alibi_slopes(alibi_slopes, q, batch, heads, layout)
         mods = ScoreMods(mods.softcap, alibi=True)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
@@ -219,9 +219,10 @@ def sparse_attention(
     return _route(q, k, v, call, alibi_slopes)
 
 
-def _check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object) -> None:
+def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object = None) -> None:
     """ALiBi's slopes: a float32 array [heads] or [batch, heads] of q's array library, for a
-    layout in the natural token order."""
+    layout (if any: decode has none) in the natural token order. Shared by the attention calls
+    and decode_attention."""
     if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
         raise TypeError(
             "alibi_slopes must be a float32 array [heads] or [batch, heads] of the same kind as "

@@ -10,7 +10,8 @@
 //   head kv_head * kv_group + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q).
 //   A token counts for a row when its position slot_pos >= 0 (not evicted), <= the row's
 //   position (causal) and, with use_chosen, the row's Quest choice reads its page. A score is
-//   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0.
+//   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0
+//   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position).
 //   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
 //   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
 //   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
@@ -133,7 +134,8 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       float* __restrict__ part_out, float* __restrict__ part_lse,
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
                       int page_size, int max_pages, int splits, int pages_per_split, float scale,
-                      float softcap, int use_chosen, int keep_scores) {
+                      float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
+                      int alibi_batch_stride, int use_chosen, int keep_scores) {
   using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int LPT = Traits::LANES_PER_TOKEN;
@@ -241,10 +243,15 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       if (i >= rows) break;
 #pragma unroll
       for (int offset = TPW; offset < 32; offset *= 2) s[i] += __shfl_xor_sync(FULL_WARP, s[i], offset);
+      const long long query_pos = first_query_pos + query_smem[i];
       if constexpr (MODS == MODS_SCORE) {
         if (softcap > 0.f) s[i] = softcap * tanhf(s[i] / softcap);  // Gemma 2's capped score
+        if (use_alibi) {  // the row's query head: kv_head * kv_group + row / t_q
+          const int head = kv_head * kv_group + (first_row + i) / t_q;
+          s[i] -= alibi_slopes[b * alibi_batch_stride + head] * float(query_pos - pos);
+        }
       }
-      bool counts = pos >= 0 && pos <= first_query_pos + query_smem[i];
+      bool counts = pos >= 0 && pos <= query_pos;
       if (use_chosen && counts) counts = chosen[q_row_of(i) * max_pages + entry] != 0;
       s[i] = counts ? s[i] : -INFINITY;
       if (keep_scores && in_run && part == 0) {

@@ -510,12 +510,14 @@ class KernelBackend:
         mods: ScoreMods,
         keep_scores: bool,
         resident_ctas: int,
+        alibi_slopes: Any | None = None,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
-        page count and not past them). ``mods``: the score modifiers (softcap). Shapes as the
+        page count and not past them). ``mods``: the score modifiers (softcap, and ALiBi with
+        ``alibi_slopes``, float32 [heads] or [batch, heads]). Shapes as the
         kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
         against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
@@ -590,6 +592,7 @@ class KernelBackend:
                 pages_per_split=per_split,
                 scale=scale,
                 softcap=mods.softcap,
+                **self._alibi_values(alibi_slopes),
                 use_chosen=int(use_chosen),
                 keep_scores=int(keep_scores),
             )

@@ -185,6 +185,7 @@ def kernel_call(
     chosen: Any | None = None,
     keep_scores: bool = False,
     mods: ScoreMods = NO_MODS,
+    alibi_slopes: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
     (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
@@ -202,11 +203,12 @@ def kernel_call(
         mods,
         keep_scores,
         _resident_ctas(impl, cache.head_dim, cache.dtype),
+        alibi_slopes,
     )
 
 
 def _kernel_decode(
-    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods
+    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods, slopes: Any | None
 ) -> tuple[Any, Any]:
     quest = cache.policy is not None and cache.policy.selects_pages
     keep_scores = cache.policy is not None and cache.policy.scores_tokens
@@ -214,7 +216,7 @@ def _kernel_decode(
     if quest:
         table, count = cache.device_tables()
         chosen = _quest_chosen(cache, qb, table, count)
-    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods)
+    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods, slopes)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)
     return out, lse
@@ -227,6 +229,7 @@ def decode_attention(
     return_lse: bool = False,
     *,
     softcap: float | None = None,
+    alibi_slopes: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
@@ -234,27 +237,38 @@ def decode_attention(
     :func:`cuattn.sparse_attention` (HeavyHitters then scores the capped probabilities, and
     Quest's page bounds keep their order: the cap is monotone); returns out like q
     (and lse [batch, heads, t_q]: float32 from the kernels, float64 from the NumPy reference
-    on float64; -inf where nothing is attended). ``backend``: "numpy" (the reference, default
+    on float64; -inf where nothing is attended). ``alibi_slopes`` (float32 [heads] or [batch,
+    heads], q's kind of array) adds ALiBi's ``-slope * (query position - token position)``
+    after the cap, with the positions the cache keeps (an evicted token's neighbours keep their
+    distance); Quest's page bounds leave it out. ``backend``: "numpy" (the reference, default
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
     group, scale = _check(q, cache, scale)
     mods = ScoreMods.from_arguments(softcap)
+    if alibi_slopes is not None:
+        from cuattn.api import check_alibi_slopes
+
+        check_alibi_slopes(alibi_slopes, q, int(q.shape[0]), int(q.shape[1]))
+        mods = ScoreMods(mods.softcap, alibi=True)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
+        slopes = (
+            None if alibi_slopes is None else dlpack.to_backend(alibi_slopes, info, "alibi_slopes")
+        )
         if impl.runs_kernels:
-            out, lse = _kernel_decode(impl, cache, qb, scale, mods)
+            out, lse = _kernel_decode(impl, cache, qb, scale, mods, slopes)
         else:
-            out, lse = _reference(cache, qb, group, scale, mods)
+            out, lse = _reference(cache, qb, group, scale, mods, slopes)
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
 
 
 @_quiet_specials
 def _reference(
-    cache: KVCache, qb: Any, group: int, scale: float, mods: ScoreMods
+    cache: KVCache, qb: Any, group: int, scale: float, mods: ScoreMods, slopes: Any | None
 ) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf."""
@@ -278,6 +292,10 @@ def _reference(
             values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
             s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
             s = modified_scores(s, mods, xp)
+            if slopes is not None:  # ALiBi: -slope * (query position - token position)
+                slope = xp.broadcast_to(slopes, (batch, heads))[b, heads_of].astype(acc)
+                distance = xp.asarray((q_pos[:, None] - pos[None, :]).astype(np.float64))
+                s = s - slope[:, None, None] * distance.astype(acc)
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)

@@ -121,6 +121,42 @@ def test_softcap_on_the_interpreter_and_the_reference(dtype, monkeypatch):
         cuattn.decode_attention(q, caches["numpy"], softcap=-2.0)
 
 
+@pytest.mark.parametrize(("dtype", "per_batch"), [("float32", True), ("float16", False)])
+def test_alibi_on_the_interpreter_and_the_reference(dtype, per_batch, monkeypatch):
+    """alibi_slopes= biases each score by the kept positions' distance on both backends (several
+    splits, merged; with a softcap first), over a cache whose StreamingLLM policy evicted the
+    middle: the distances of the tokens left are their own positions', not slot indices."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 16)
+    rng = np.random.default_rng(12)
+    slopes = rng.uniform(0.02, 0.3, (2, 2) if per_batch else (2,)).astype(np.float32)
+    for backend in ("interp", "numpy"):
+        cache = cuattn.KVCache(2, 1, 64, dtype, page_size=16, policy=P.StreamingLLM(4, 60))
+        q = _fill(cache, np.random.default_rng(13), np, steps=2, group=2, t_q=2, prefill=150)
+        assert cache.positions()[0][0].max() - cache.positions()[0][0].min() > 100
+        out = cuattn.decode_attention(q, cache, softcap=2.0, alibi_slopes=slopes, backend=backend)
+        want = kept_attention(cache, q, 64**-0.5, softcap=2.0, alibi_slopes=slopes)
+        error = np.abs(out.astype(np.float64) - want).max()
+        assert error <= TOLERANCE[dtype] * np.abs(want).max(), backend
+        plain = kept_attention(cache, q, 64**-0.5, softcap=2.0)
+        assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()  # ALiBi matters
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[heads\]"):
+        cuattn.decode_attention(q, cache, alibi_slopes=np.ones(3, np.float32))
+
+
+def test_alibi_decode_equals_the_full_forward():
+    """Nothing evicted: decode's ALiBi is sparse_attention's end-aligned causal ALiBi."""
+    cache = cuattn.KVCache(1, 2, 16, "float64", page_size=8)
+    rng = np.random.default_rng(14)
+    k, v = (rng.standard_normal((1, 2, 40, 16)) for _ in range(2))
+    cache.append(k, v)
+    q = rng.standard_normal((1, 4, 3, 16))
+    slopes = cuattn.alibi_slopes(4)
+    out = cuattn.decode_attention(q, cache, alibi_slopes=slopes)
+    layout = cuattn.make_layout("all", 40, 4, 8, n_q=3)
+    want = cuattn.sparse_attention(q, k, v, layout, alibi_slopes=slopes)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14)
+
+
 def test_more_splits_than_a_warp_has_lanes(monkeypatch):
     """The merge's lanes each read every 32nd split's lse: past 32 splits a lane takes two,
     and the warp's max and sum still cover all of them."""

@@ -10,7 +10,9 @@
 //   with MODS = MODS_SCORE and softcap > 0, S is capped as in attn_fwd and dS carries the cap's
 //   slope 1 - (S / softcap)^2; with use_alibi, S carries ALiBi's bias as in attn_fwd, and with
 //   use_alibi_grad attn_bwd_dq writes each query row's share of the slope's gradient,
-//   -sum_k dS * |q_pos - k_pos| (the caller sums the rows).
+//   -sum_k dS * |q_pos - k_pos| (the caller sums the rows); with use_key_bias S carries the key
+//   bias, and with use_key_bias_grad attn_bwd_dkdv writes its gradient per query head,
+//   sum_q dS [batch, heads, n_k] (dS of the biased score, before the cap's slope).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE, MODS> one CTA per (TILE_K keys,
@@ -158,6 +160,9 @@ __global__ void __launch_bounds__(
                   int n_k, int q_offset, int kv_group, int num_blocks, float scale,
                   int window_left, int window_right, float softcap,
                   const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
+                  const float* __restrict__ key_bias, int use_key_bias,
+                  long long key_bias_batch_stride, long long key_bias_head_stride,
+                  float* __restrict__ key_bias_grad, int use_key_bias_grad,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                   long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -224,6 +229,17 @@ __global__ void __launch_bounds__(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
   const int k_warp = k_start + warp * 16;
   const int k_last = k_start + TILE_K - 1;
+  // The key bias of this lane's two keys (rows g and g + 8 of S^T), log2 domain, for every
+  // step; and the sums over queries of their dS (the bias's gradient).
+  float key_bias_log2[2] = {}, key_ds[2] = {};
+  if constexpr (MODS == MODS_SCORE) {
+    if (use_key_bias) {
+      const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
+                       n_k};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) key_bias_log2[r] = kb.log2_at(k_warp + frag.row(2 * r));
+    }
+  }
 
   ActiveTiles<RULE, BLOCK, TILE_Q, false> walk(col_ptr + head * (num_blocks + 1) + k_block, row_idx,
                                                col_mask);
@@ -243,6 +259,11 @@ __global__ void __launch_bounds__(
       if (score_scale.alibi_log2 != 0.f) {
         alibi_tile<TILE_Q, false>(p_t, score_scale, q_offset, k_warp, q_start);
       }
+#pragma unroll
+      for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p_t[j][e] += key_bias_log2[e / 2];  // 0 without one
+      }
     }
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
@@ -259,21 +280,6 @@ __global__ void __launch_bounds__(
     const bool ragged = q_start + TILE_Q > n_q;
     if (ragged) zero_columns_past<TILE_Q>(p_t, frag, n_q - q_start);
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
-    if constexpr (MODS == MODS_SCORE) {
-      // From here P^T only forms dS^T: it takes the softcap's slope now, before dP^T's tile is
-      // live (at head dim 128 this kernel is at the register limit). The capped score comes
-      // back from P as log2(P) + lse less ALiBi's bias, so no tile of scores is kept.
-#pragma unroll
-      for (int j = 0; j < TILE_Q / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
-          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
-                              alibi_bias(score_scale, q_minus_k);
-          p_t[j][e] *= softcap_slope<MODS>(score, score_scale);
-        }
-      }
-    }
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
     float ds_t[TILE_Q / 8][4] = {};
@@ -286,13 +292,39 @@ __global__ void __launch_bounds__(
       }
     }
     if (ragged) zero_columns_past<TILE_Q>(ds_t, frag, n_q - q_start);
+    if constexpr (MODS == MODS_SCORE) {
+      // The biased score's gradient first (the key bias's), then the softcap's slope from the
+      // capped score, which comes back from P as log2(P) + lse less the biases: no tile of
+      // scores is kept (at head dim 128 this kernel is at the register limit).
+#pragma unroll
+      for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          key_ds[e / 2] += ds_t[j][e];
+          const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
+          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
+                              alibi_bias(score_scale, q_minus_k) - key_bias_log2[e / 2];
+          ds_t[j][e] *= softcap_slope<MODS>(score, score_scale);
+        }
+      }
+    }
     warp_gemm_regs_kn<D_OUT, TILE_Q>(dk_acc, ds_t, q_smem + d_first, LD, scratch);
   });
 
+  if constexpr (MODS == MODS_SCORE) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) key_ds[r] = quad_sum(key_ds[r]);  // whole warp
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int k_row = k_warp + frag.row(2 * r);
     if (k_row >= n_k) continue;
+    if constexpr (MODS == MODS_SCORE) {
+      // one head-dim split writes it (every split computes the whole of dS)
+      if (use_key_bias_grad && frag.t == 0 && d_first == 0) {
+        key_bias_grad[batch_head * size_t(n_k) + k_row] = key_ds[r];
+      }
+    }
     const size_t row = (batch_head * size_t(n_k) + k_row) * HEAD_DIM + d_first;  // per query head
     T* dk_row = dk + row;
     T* dv_row = dv + row;
@@ -316,6 +348,8 @@ __global__ void __launch_bounds__(
                 const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset, int kv_group,
                 int num_blocks, float scale, int window_left, int window_right, float softcap,
                 const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
+                const float* __restrict__ key_bias, int use_key_bias,
+                long long key_bias_batch_stride, long long key_bias_head_stride,
                 float* __restrict__ alibi_grad, int use_alibi_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -378,6 +412,7 @@ __global__ void __launch_bounds__(
   float dq_acc[HEAD_DIM / 8][4] = {};
   // sum over this lane's keys of dS * |q_pos - k_pos| per row (ALiBi's slope gradient)
   float alibi_dist_ds[2] = {};
+  const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
 
@@ -396,6 +431,17 @@ __global__ void __launch_bounds__(
       mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
                                                  tile.mask_id);
     }
+    // this lane's two keys per n-tile: their key bias (log2 domain; 0 without one)
+    float key_bias_log2[TILE_K / 8][2] = {};
+    if constexpr (MODS == MODS_SCORE) {
+      if (use_key_bias) {
+#pragma unroll
+        for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) key_bias_log2[j][c] = kb.log2_at(k_start + frag.col(j, c));
+        }
+      }
+    }
     float ds[TILE_K / 8][4] = {};
     warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
     // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
@@ -410,7 +456,7 @@ __global__ void __launch_bounds__(
         float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
         if constexpr (MODS == MODS_SCORE) {
           distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
-          p[j][e] += score_scale.alibi_log2 * distance;  // 0 without ALiBi
+          p[j][e] += score_scale.alibi_log2 * distance + key_bias_log2[j][e % 2];  // 0: none
         }
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);

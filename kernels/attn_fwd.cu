@@ -3,7 +3,8 @@
 // Computes, for every (batch, head, query) row, over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // with MODS = MODS_SCORE and softcap > 0, S = softcap * tanh(Q K^T * scale / softcap); with
-// use_alibi, S gets -slope[batch, head] * |q + n_k - n_q - k| (ALiBi, end-aligned positions).
+// use_alibi, S gets -slope[batch, head] * |q + n_k - n_q - k| (ALiBi, end-aligned positions),
+// and with use_key_bias key_bias[batch, head, k] (a per-key bias: padding masks as -inf).
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -74,7 +75,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
              int kv_group, int num_blocks, float scale, int window_left, int window_right,
              float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
-             int alibi_batch_stride, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             int alibi_batch_stride, const float* __restrict__ key_bias, int use_key_bias,
+             long long key_bias_batch_stride, long long key_bias_head_stride,
+             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -169,6 +172,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       if constexpr (MODS == MODS_SCORE) {
         if (score_scale.alibi_log2 != 0.f) {
           alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
+        }
+        if (use_key_bias) {
+          const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride +
+                               head * key_bias_head_stride,
+                           n_k};
+          key_bias_frags<M_FRAGS, TILE_N>(s_frag, kb, tile.start);
         }
       }
       if (mine.coverage != TILE_FULL) {

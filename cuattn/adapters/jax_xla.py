@@ -574,19 +574,21 @@ class XlaBackend(KernelBackend):
         scale: float,
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, layout, scale, mods, alibi_slopes)
+        out, lse = super().forward(q, k, v, layout, scale, mods, alibi_slopes, key_bias)
         return out.get(), lse.get()
 
-    def backward(
-        self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, alibi_slopes=None
-    ):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes)
+    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, *biases):
+        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *biases)
         return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
 
     def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
         # the rows are the dQ launch's result, a jax array once that launch is staged
         return super()._slopes_gradient(rows.get(), slopes_ndim)
+
+    def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
+        return super()._key_bias_gradient(rows.get(), bias_ndim)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         raise NotImplementedError("merge_attention_states is not staged into jax programs yet")

@@ -47,6 +47,7 @@ class Backend(Protocol):
         scale: float,
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, Any]: ...
 
     def backward(
@@ -62,6 +63,7 @@ class Backend(Protocol):
         dlse: Any | None = None,
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, ...]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
@@ -74,16 +76,28 @@ class NumpyBackend:
     runs_kernels = False
     on_gpu = False
 
-    def forward(self, q, k, v, layout, scale, mods=NO_MODS, alibi_slopes=None):
+    def forward(self, q, k, v, layout, scale, mods=NO_MODS, alibi_slopes=None, key_bias=None):
         reference.check_arrays(q)
-        return reference.attention_forward(q, k, v, layout, scale, mods, alibi_slopes)
+        return reference.attention_forward(q, k, v, layout, scale, mods, alibi_slopes, key_bias)
 
     def backward(
-        self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, alibi_slopes=None
+        self,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        layout,
+        scale,
+        dlse=None,
+        mods=NO_MODS,
+        alibi_slopes=None,
+        key_bias=None,
     ):
         reference.check_arrays(q)
         return reference.attention_backward(
-            q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes
+            q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes, key_bias
         )
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
@@ -167,19 +181,27 @@ def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
         )
 
 
-def _check_alibi(mods: ScoreMods, alibi_slopes: Any | None, layout: Layout) -> None:
-    """Slopes come with ``mods.alibi`` and only with it (the kernel variant follows mods), and
-    with a layout in the natural token order (a Pattern may build a permuted one)."""
-    if mods.alibi != (alibi_slopes is not None):
-        raise ValueError(
-            f"alibi_slopes: mods.alibi={mods.alibi} but slopes "
-            f"{'were' if alibi_slopes is not None else 'were not'} given"
-        )
-    if alibi_slopes is not None and layout.perm is not None:
-        raise ValueError(
-            f"alibi_slopes needs the natural token order, but the layout {layout.name!r} is "
-            "permuted (its perm reorders tokens, and ALiBi's distances would follow)"
-        )
+def _check_operands(
+    mods: ScoreMods, alibi_slopes: Any | None, key_bias: Any | None, layout: Layout
+) -> None:
+    """Each score operand comes with its flag in ``mods`` and only with it (the kernel variant
+    follows mods), and with a layout in the natural token order (a Pattern may build a permuted
+    one)."""
+    for name, flag, operand in (
+        ("alibi_slopes", "alibi", alibi_slopes),
+        ("key_bias", "key_bias", key_bias),
+    ):
+        flagged = getattr(mods, flag)
+        if flagged != (operand is not None):
+            raise ValueError(
+                f"{name}: mods.{flag}={flagged} but it "
+                f"{'was' if operand is not None else 'was not'} given"
+            )
+        if operand is not None and layout.perm is not None:
+            raise ValueError(
+                f"{name} needs the natural token order, but the layout {layout.name!r} is "
+                "permuted (its perm reorders tokens, and the bias would not follow)"
+            )
 
 
 def forward(
@@ -191,16 +213,17 @@ def forward(
     backend: str | None = None,
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
+    key_bias: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
 
     The single call into the backends for every route (public API, tape, torch, jax), so all
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
-    _check_alibi(mods, alibi_slopes, layout)
+    _check_operands(mods, alibi_slopes, key_bias, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = (_prepare(x, layout) for x in (q, k, v))
-    out, lse = impl.forward(*arrays, layout, scale, mods, alibi_slopes)
+    out, lse = impl.forward(*arrays, layout, scale, mods, alibi_slopes, key_bias)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
@@ -217,16 +240,18 @@ def backward(
     dlse: Any | None = None,
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
+    key_bias: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
-    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
-    and ``alibi_slopes`` are the forward's. With slopes, their gradient follows dv (like them).
+    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``,
+    ``alibi_slopes`` and ``key_bias`` are the forward's. With slopes, their gradient follows dv
+    (like them), then with a key bias its gradient (like it).
     ALiBi needs the natural token order: a permuted layout is refused by the public calls."""
-    _check_alibi(mods, alibi_slopes, layout)
+    _check_operands(mods, alibi_slopes, key_bias, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, dlse, mods, alibi_slopes)
+    grads = impl.backward(*arrays, layout, scale, dlse, mods, alibi_slopes, key_bias)
     return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
 

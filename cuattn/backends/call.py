@@ -24,6 +24,8 @@ class ScoreMods:
     softcap   > 0: each score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0: off
     alibi     the call carries ALiBi slopes (an array operand beside q, k, v, since arrays are
               not hashable): each score gets ``-slope[batch, head] * |q_pos - k_pos|``
+    key_bias  the call carries a key bias (an array operand too): each score of key k gets
+              ``key_bias[batch, (head,) k]``
 
     The public calls build it with ``from_arguments``, which checks the keywords; nothing
     downstream checks it again.
@@ -34,10 +36,11 @@ class ScoreMods:
 
     softcap: float = 0.0
     alibi: bool = False
+    key_bias: bool = False
 
     @property
     def any(self) -> bool:
-        return self.softcap > 0.0 or self.alibi
+        return self.softcap > 0.0 or self.alibi or self.key_bias
 
     @classmethod
     def from_arguments(cls, softcap: object = None) -> ScoreMods:

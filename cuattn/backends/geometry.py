@@ -136,6 +136,13 @@ _RULE_SCALARS = (
     ("alibi_slopes", "ptr"),
     ("use_alibi", "i32"),
     ("alibi_batch_stride", "i32"),
+    # a per-key bias (score-modifier variant only): float32 rows of n_k keys at these element
+    # strides of batch and query head (0: one row for every head), or a stand-in with
+    # use_key_bias 0
+    ("key_bias", "ptr"),
+    ("use_key_bias", "i32"),
+    ("key_bias_batch_stride", "i64"),
+    ("key_bias_head_stride", "i64"),
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -309,6 +316,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dv", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,
+        # the key bias's gradient per query head: sum over queries of dS (float32 [batch, heads,
+        # n_k]), written when use_key_bias_grad
+        ("key_bias_grad", "ptr"),
+        ("use_key_bias_grad", "i32"),
         *_BWD_STRIDES,
     ),
     "attn_bwd_dq": (

@@ -285,6 +285,7 @@ class KernelBackend:
         scale: float,
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
@@ -318,6 +319,7 @@ class KernelBackend:
                 scale=scale,
                 softcap=mods.softcap,
                 **self._alibi_values(alibi_slopes),
+                **self._key_bias_values(key_bias),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
@@ -339,6 +341,27 @@ class KernelBackend:
         stride = 0 if slopes.ndim == 1 else slopes.shape[1]
         return {"alibi_slopes": slopes, "use_alibi": 1, "alibi_batch_stride": stride}
 
+    def _key_bias_values(self, key_bias: Any | None) -> dict[str, Any]:
+        """The block kernels' key-bias arguments: float32 [batch, n_k] or [batch, heads, n_k]
+        (checked by the public call) made contiguous and its element strides (head 0 for one
+        row per batch), or a one-element stand-in the kernels do not read."""
+        if key_bias is None:
+            return {
+                "key_bias": self.xp.zeros(1, self.xp.float32),
+                "use_key_bias": 0,
+                "key_bias_batch_stride": 0,
+                "key_bias_head_stride": 0,
+            }
+        key_bias = self.xp.ascontiguousarray(key_bias)
+        n_k = key_bias.shape[-1]
+        heads = key_bias.shape[1] if key_bias.ndim == 3 else 1
+        return {
+            "key_bias": key_bias,
+            "use_key_bias": 1,
+            "key_bias_batch_stride": heads * n_k,
+            "key_bias_head_stride": n_k if key_bias.ndim == 3 else 0,
+        }
+
     def backward(
         self,
         q: Any,
@@ -352,6 +375,7 @@ class KernelBackend:
         dlse: Any | None = None,
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, ...]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
@@ -410,7 +434,13 @@ class KernelBackend:
             dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
             tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
             variant = {"block": layout.blocksize, "rule": layout.rule.kind, "mods": mods.any}
-            alibi = self._alibi_values(alibi_slopes)
+            biases = {**self._alibi_values(alibi_slopes), **self._key_bias_values(key_bias)}
+            # the key bias's gradient per query head (a stand-in the kernel does not write
+            # without a key bias)
+            if key_bias is None:
+                key_rows = xp.zeros(1, xp.float32)
+            else:
+                key_rows = self.output((batch, heads, n_k), xp.float32)
             self.launch(
                 KernelConfig("attn_bwd_dkdv", *per_head, n_k, **variant),
                 **tensors,
@@ -418,7 +448,9 @@ class KernelBackend:
                 dv=dv,
                 scale=scale,
                 softcap=mods.softcap,
-                **alibi,
+                **biases,
+                key_bias_grad=key_rows,
+                use_key_bias_grad=int(key_bias is not None),
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
                 **strides,
             )
@@ -434,7 +466,7 @@ class KernelBackend:
                 dq=dq,
                 scale=scale,
                 softcap=mods.softcap,
-                **alibi,
+                **biases,
                 alibi_grad=alibi_rows,
                 use_alibi_grad=int(alibi_slopes is not None),
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
@@ -449,9 +481,17 @@ class KernelBackend:
                         config, per_head=per_head, summed=summed[-1], n_k=n_k, kv_group=kv_group
                     )
                 dk, dv = summed
-        if alibi_slopes is None:
-            return dq, dk, dv
-        return dq, dk, dv, self._slopes_gradient(alibi_rows, alibi_slopes.ndim)
+        grads: tuple[Any, ...] = (dq, dk, dv)
+        if alibi_slopes is not None:
+            grads += (self._slopes_gradient(alibi_rows, alibi_slopes.ndim),)
+        if key_bias is not None:
+            grads += (self._key_bias_gradient(key_rows, key_bias.ndim),)
+        return grads
+
+    def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
+        """The key bias's gradient from the dK/dV pass's per-query-head sums [batch, heads,
+        n_k]: as they are, or summed over the heads (in order) for one row per batch."""
+        return rows if bias_ndim == 3 else rows.sum(axis=1)
 
     def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
         """ALiBi's slope gradient from the dQ pass's per-row shares [batch, heads, n_q]: summed

@@ -78,16 +78,20 @@ def _scores(
     scale: float,
     mods: ScoreMods,
     slopes: np.ndarray | None,
+    key_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | float]:
     """(S, bias) for R blocks at once: S = Q_i K_j^T * scale, modified (softcap), plus ALiBi's
-    bias (``slopes`` [B, H] or None), then -inf where the element rule forbids; ``bias`` is
-    what ALiBi added (0 without it), for the gradients."""
+    bias (``slopes`` [B, H] or None) and the key bias (blocked [B, H, nb, b] or None), then
+    -inf where the element rule forbids; ``bias`` is what the biases added (0 without them),
+    for the gradients."""
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     s = modified_scores(s, mods, np)
     bias: np.ndarray | float = 0.0
     if slopes is not None:
         bias = -slopes[:, h, None, None] * _distances(layout, i, j)
-        s = s + bias
+    if key_bias is not None:
+        bias = bias + key_bias[:, h, j][:, :, None, :]
+    s = s + bias
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf), bias
 
@@ -162,17 +166,20 @@ def attention_forward(
     scale: float,
     mods: ScoreMods = NO_MODS,
     alibi_slopes: np.ndarray | None = None,
+    key_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to).
-    ``alibi_slopes``: float32 [H] or [B, H] (with ``mods.alibi``), or None."""
+    ``alibi_slopes``: float32 [H] or [B, H] (with ``mods.alibi``), or None; ``key_bias``:
+    float32 [B, n_k] or [B, H, n_k] (with ``mods.key_bias``), or None."""
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
     slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
+    key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes)
+        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b)
         m_old = m_i[:, h, i]
         m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
         # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
@@ -207,15 +214,19 @@ def attention_backward(
     dlse: np.ndarray | None = None,
     mods: ScoreMods = NO_MODS,
     alibi_slopes: np.ndarray | None = None,
+    key_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
     None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
     enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed. ``mods``
     and ``alibi_slopes`` must be the forward's; with slopes, their gradient (like them, float32)
-    follows dv: -sum of dS * |q_pos - k_pos| over the keys and queries (and the batch for [H])."""
+    follows dv: -sum of dS * |q_pos - k_pos| over the keys and queries (and the batch for [H]);
+    then with a key bias its gradient (like it, float32): the sum of dS over the queries (and
+    the heads for [B, n_k])."""
     acc_t = _acc_dtype(q.dtype)
     slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
     dslopes = None if slopes is None else np.zeros_like(slopes)
+    key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
     if dlse is not None:
@@ -228,12 +239,14 @@ def attention_backward(
     lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
-        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes)
+        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
         ds_biased = p * (dp - delta[:, h, i][..., None])  # d / d(the score with its bias)
-        return p, ds_biased, _mods_gradient(s - bias, ds_biased, mods)
+        # the capped score is the score less its biases; a -inf bias leaves -inf (p = 0)
+        capped = np.where(s == -np.inf, -np.inf, s - bias)
+        return p, ds_biased, _mods_gradient(capped, ds_biased, mods)
 
     dq = np.zeros_like(qb)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
@@ -247,8 +260,11 @@ def attention_backward(
     heads, kv_heads = qb.shape[1], kb.shape[1]
     dk = np.zeros(kb.shape[:1] + (heads,) + kb.shape[2:], dtype=acc_t)
     dv = np.zeros_like(dk)
+    dkey = None if key_b is None else np.zeros_like(key_b)  # per query head, blocked
     for h, j, i, mask_id in _walk(layout, layout.col_ptr, layout.row_idx, layout.col_mask):
-        p, _, ds = probs_and_dscores(h, i, j, mask_id)
+        p, ds_biased, ds = probs_and_dscores(h, i, j, mask_id)
+        if dkey is not None:
+            dkey[:, h, j] += ds_biased.sum(axis=-2)
         dv[:, h, j] += np.matmul(p.swapaxes(-1, -2), dob[:, h, i])
         dk[:, h, j] += np.matmul(ds.swapaxes(-1, -2), qb[:, h, i]) * scale
     group = heads // kv_heads
@@ -259,10 +275,25 @@ def attention_backward(
         _unblocked(dk, n_k).astype(k.dtype),
         _unblocked(dv, n_k).astype(v.dtype),
     )
-    if dslopes is None:
-        return grads
-    summed = dslopes if alibi_slopes.ndim == 2 else dslopes.sum(axis=0)
-    return (*grads, summed.astype(alibi_slopes.dtype))
+    if dslopes is not None:
+        summed = dslopes if alibi_slopes.ndim == 2 else dslopes.sum(axis=0)
+        grads = (*grads, summed.astype(alibi_slopes.dtype))
+    if dkey is not None:
+        dkey = dkey.reshape(dkey.shape[:2] + (-1,))[:, :, :n_k]
+        summed = dkey if key_bias.ndim == 3 else dkey.sum(axis=1)
+        grads = (*grads, summed.astype(key_bias.dtype))
+    return grads
+
+
+def _key_bias(
+    key_bias: np.ndarray | None, heads: int, layout: Layout, acc: type
+) -> np.ndarray | None:
+    """The key bias as [B, H, nb, b] in the accumulation dtype (padded keys 0), or None."""
+    if key_bias is None:
+        return None
+    full = key_bias if key_bias.ndim == 3 else key_bias[:, None, :]
+    full = np.broadcast_to(full, (full.shape[0], heads, full.shape[-1]))
+    return _blocked(full, layout, acc)
 
 
 def _slopes(alibi_slopes: np.ndarray | None, batch: int, acc: type) -> np.ndarray | None:

@@ -167,6 +167,37 @@ __device__ __forceinline__ void alibi_tile(float (&s)[N / 8][4], const ScoreScal
   alibi_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), sc, q_offset, row_first, col_first);
 }
 
+// A per-key additive bias (key_bias, in natural units), this (batch, head)'s row: keys
+// n_k and beyond are never read (a ragged tile's rest is masked anyway).
+struct KeyBias {
+  const float* row;  // null: no key bias
+  int n_k;
+  __device__ __forceinline__ float log2_at(int key) const {
+    return key < n_k ? row[key] * LOG2E : 0.f;
+  }
+};
+
+// Adds the key bias to M_FRAGS stacked score fragments whose columns are keys col_first + ...
+// (forward, dQ); every fragment and both rows of a lane share its two columns per n-tile, so a
+// tile costs two loads per n-tile. -inf stays -inf; a -inf bias is a masked key.
+template <int M_FRAGS, int N>
+__device__ __forceinline__ void key_bias_frags(float (&s)[M_FRAGS][N / 8][4], const KeyBias& kb,
+                                               int col_first) {
+  const AccLayout frag;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const float lo = kb.log2_at(col_first + frag.col(j, 0));
+    const float hi = kb.log2_at(col_first + frag.col(j, 1));
+#pragma unroll
+    for (int m = 0; m < M_FRAGS; ++m) {
+      s[m][j][0] += lo;
+      s[m][j][1] += hi;
+      s[m][j][2] += lo;
+      s[m][j][3] += hi;
+    }
+  }
+}
+
 // A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
 // allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a
 // plain multiply.

@@ -20,7 +20,14 @@ from cuattn._util import array_library
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
-from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
+from cuattn.backends.call import (
+    NO_MODS,
+    SCORE_OPERANDS,
+    AttentionCall,
+    ScoreMods,
+    given_operands,
+    placed_operands,
+)
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
 from cuattn.layout.extended import UNBOUNDED
@@ -147,6 +154,7 @@ def sparse_attention(
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: Any = None,
+    key_bias: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -167,8 +175,10 @@ def sparse_attention(
     score s as ``softcap * tanh(s / softcap)`` before the mask (Gemma 2). ``alibi_slopes``
     (float32 [heads] or [batch, heads], an array of q's kind and device) adds ALiBi's
     ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j after the softcap
-    (FlashAttention's convention); a gradient reaches the slopes where they carry one (torch,
-    jax, cuattn.Tensor). ``backend``: 'numpy',
+    (FlashAttention's convention); ``key_bias`` (float32 [batch, time_k] or [batch, heads,
+    time_k], q's kind of array; any finite value or -inf, e.g. a key padding mask) adds
+    ``key_bias[b, (h,) j]`` to every query's score of key j. A gradient reaches the slopes and
+    the key bias where they carry one (torch, jax, cuattn.Tensor). ``backend``: 'numpy',
     'interp' or 'cuda' (default: from the arrays' device and CUATTN_BACKEND). ``recompute``
     keeps only q, k, v for backward and recomputes the forward there. Every backward is
     bit-identical run to run (``deterministic=`` is deprecated and does nothing).
@@ -209,14 +219,42 @@ def sparse_attention(
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, q, batch, heads, layout)
-        mods = ScoreMods(mods.softcap, alibi=True)
+    if key_bias is not None:
+        _check_key_bias(key_bias, q, batch, heads, n_k, layout)
+    if alibi_slopes is not None or key_bias is not None:
+        mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
-    return _route(q, k, v, call, alibi_slopes)
+    return _route(q, k, v, call, (alibi_slopes, key_bias))
+
+
+def _check_key_bias(bias: Any, q: Any, batch: int, heads: int, n_k: int, layout: object) -> None:
+    """A key bias: a float32 array [batch, time_k] or [batch, heads, time_k] of q's array
+    library (float64 too for float64 q, which only the NumPy reference computes), for a layout
+    in the natural token order."""
+    if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+        raise TypeError(
+            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k] of the "
+            f"same kind as q, got {type(bias).__name__}"
+        )
+    allowed = ("float32", "float64") if _dtype_name(q) == "float64" else ("float32",)
+    if _dtype_name(bias) not in allowed:
+        raise TypeError(
+            f"key_bias must be float32 (or float64 beside float64 q), got {_dtype_name(bias)} "
+            f"for q {_dtype_name(q)}; cuattn never casts silently"
+        )
+    shape = tuple(_dims(bias))
+    if shape not in ((batch, n_k), (batch, heads, n_k)):
+        raise ValueError(
+            f"key_bias must have shape [batch, time_k] = ({batch}, {n_k}) or [batch, heads, "
+            f"time_k] = ({batch}, {heads}, {n_k}), got {shape} (a [.., time_q, time_k] bias is "
+            "O(T^2), which cuattn never builds)"
+        )
+    _check_operand_kind("key_bias", bias, q, layout)
 
 
 def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object = None) -> None:
@@ -239,19 +277,25 @@ def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: obje
             f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = "
             f"({batch}, {heads}), got {tuple(shape)}"
         )
-    library, q_library = array_library(slopes), array_library(q)
-    if isinstance(slopes, Tensor) or isinstance(q, Tensor):
-        library, q_library = _tape_library(slopes), _tape_library(q)
+    _check_operand_kind("alibi_slopes", slopes, q, layout)
+
+
+def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
+    """A score operand is q's kind of array (a cuattn.Tensor's library beside Tensors), for a
+    layout (if any) in the natural token order."""
+    library, q_library = array_library(x), array_library(q)
+    if isinstance(x, Tensor) or isinstance(q, Tensor):
+        library, q_library = _tape_library(x), _tape_library(q)
     if library != q_library:
         raise TypeError(
-            f"alibi_slopes is a {type(slopes).__module__}.{type(slopes).__name__} but q is a "
-            f"{type(q).__module__}.{type(q).__name__}: pass the slopes as the same kind of "
-            "array, on q's device"
+            f"{name} is a {type(x).__module__}.{type(x).__name__} but q is a "
+            f"{type(q).__module__}.{type(q).__name__}: pass it as the same kind of array, on "
+            "q's device"
         )
     if isinstance(layout, Layout) and layout.perm is not None:
         raise ValueError(
-            f"alibi_slopes needs the natural token order, but the layout {layout.name!r} is "
-            "permuted (its perm reorders tokens, and ALiBi's distances would follow)"
+            f"{name} needs the natural token order, but the layout {layout.name!r} is "
+            "permuted (its perm reorders tokens, and the bias would not follow)"
         )
 
 
@@ -304,7 +348,9 @@ def _implicit_pattern(heads: int, causal: object, window_size: object) -> Patter
     )
 
 
-def _route(q: Any, k: Any, v: Any, call: AttentionCall, alibi_slopes: Any = None) -> Any:
+def _route(
+    q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = (None,) * len(SCORE_OPERANDS)
+) -> Any:
     """The validated call on the path for the caller's arrays; every path ends in
     cuattn.backends.forward (and backward), so all of them compute alike.
 
@@ -315,39 +361,43 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall, alibi_slopes: Any = None
     * jax arrays (eager or traced) -> jax.custom_vjp (adapters/jax_vjp.py)
     * NumPy, CuPy, any other __dlpack__ producer -> computed and handed back as the caller's own
       type on its device, sharing memory (other producers get NumPy/CuPy arrays)
+    ``operands``: the score modifiers that are arrays, one per SCORE_OPERANDS name (None where
+    the call has none); every route carries them beside q, k, v.
     """
     torch = sys.modules.get("torch")
     if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         from cuattn.adapters import torch_ops
 
-        return torch_ops.attend(q, k, v, call, alibi_slopes)
+        return torch_ops.attend(q, k, v, call, *operands)
     call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in (q, k, v)):
         from cuattn.autograd import attention
 
-        slopes = alibi_slopes
-        if slopes is not None and not isinstance(slopes, Tensor):
-            slopes = Tensor(slopes)  # a constant of the tape
-        return attention.attend(*_dispatch.tape_args(q, k, v), call, slopes)
+        # plain arrays beside Tensors are constants of the tape
+        tensors = tuple(x if x is None or isinstance(x, Tensor) else Tensor(x) for x in operands)
+        return attention.attend(*_dispatch.tape_args(q, k, v), call, *tensors)
     named = {"q": q, "k": k, "v": v}
     info = _dlpack.common_info(named)
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp
 
-        return jax_vjp.attend(q, k, v, call, alibi_slopes)
+        return jax_vjp.attend(q, k, v, call, *operands)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
-    if alibi_slopes is not None:
-        named["alibi_slopes"] = alibi_slopes
+    extra, given = given_operands(operands)
+    if extra:
+        named.update(extra)
         info = _dlpack.common_info(named)
-    args = (call.layout, call.scale, call.backend, call.mods)
-    out, lse = _dlpack.call(_forward_with_slopes, named, *args, info=info)
+    args = (given, call.layout, call.scale, call.backend, call.mods)
+    out, lse = _dlpack.call(_forward_with_operands, named, *args, info=info)
     return (out, lse) if call.return_lse else out
 
 
-def _forward_with_slopes(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
-    """backends.forward with the optional slopes array (the first of ``rest`` when given)."""
-    *slopes, layout, scale, backend, mods = rest
-    return backends.forward(q, k, v, layout, scale, backend, mods, *slopes)
+def _forward_with_operands(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
+    """backends.forward with the score operands given (first in ``rest``, those ``given`` says
+    are there, in SCORE_OPERANDS order)."""
+    *present, given, layout, scale, backend, mods = rest
+    operands = placed_operands(present, given)
+    return backends.forward(q, k, v, layout, scale, backend, mods, *operands)
 
 
 def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
@@ -475,6 +525,7 @@ def blocksparse_attention(
     kv_heads: int | None = None,
     softcap: float | None = None,
     alibi_slopes: Any = None,
+    key_bias: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -483,8 +534,8 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap`` and ``alibi_slopes`` as in :func:`sparse_attention`. ``deterministic=`` is
-    deprecated and does nothing.
+    ``softcap``, ``alibi_slopes`` and ``key_bias`` as in :func:`sparse_attention`.
+    ``deterministic=`` is deprecated and does nothing.
     """
     _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -511,6 +562,7 @@ def blocksparse_attention(
         recompute=recompute,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        key_bias=key_bias,
         backend=backend,
     )
 

@@ -39,7 +39,12 @@ import numpy as np
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.adapters import jax_xla as _xla
-from cuattn.backends.call import AttentionCall
+from cuattn.backends.call import (
+    AttentionCall,
+    given_operands,
+    operand_gradients,
+    placed_operands,
+)
 
 __all__ = ["attend"]
 
@@ -64,84 +69,90 @@ def _device_target(backend: str | None) -> int | None:
     return target
 
 
-def _host_forward(call: AttentionCall, q, k, v, *slopes):
-    arrays = (np.asarray(x) for x in (q, k, v, *slopes))
-    return _eager_forward(*arrays, call)
+def _host_forward(call: AttentionCall, given: tuple, q, k, v, *present):
+    arrays = (np.asarray(x) for x in (q, k, v))
+    rebuilt = placed_operands([np.asarray(x) for x in present], given)
+    return _backend.forward(*arrays, call.layout, call.scale, call.backend, call.mods, *rebuilt)
 
 
-def _host_backward(call: AttentionCall, *arrays):
-    return _eager_backward(*(np.asarray(x) for x in arrays), call)
+def _host_backward(call: AttentionCall, given: tuple, *arrays):
+    host = [np.asarray(x) for x in arrays]
+    rebuilt = placed_operands(host[7:], given)
+    return _backend.backward(
+        *host[:6], call.layout, call.scale, call.backend, host[6], call.mods, *rebuilt
+    )
 
 
-def _forward(q, k, v, slopes, call: AttentionCall):
-    """(out, lse); ``slopes``: ALiBi's (with call.mods.alibi) or None."""
-    optional = () if slopes is None else (slopes,)
-    if _traced(q, k, v, *optional):
+def _forward(q, k, v, operands, call: AttentionCall):
+    """(out, lse); ``operands``: the score operands (SCORE_OPERANDS order, None if absent)."""
+    extra, given = given_operands(operands)
+    if _traced(q, k, v, *extra.values()):
         target = _device_target(call.backend)
         if target is not None:
-            args = (call.layout, call.scale, call.mods, target, slopes)
-            return _xla.forward(q, k, v, *args)
+            return _xla.forward(q, k, v, call.layout, call.scale, call.mods, target, *operands)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
         )
-        host = functools.partial(_host_forward, call)
-        return jax.pure_callback(host, shapes, q, k, v, *optional, vmap_method="sequential")
-    named = {"q": q, "k": k, "v": v, **({} if slopes is None else {"alibi_slopes": slopes})}
-    return dlpack.call(_eager_forward, named, call)
+        # the operands cross the callback as arrays; which ones, as a static value
+        host = functools.partial(_host_forward, call, given)
+        return jax.pure_callback(host, shapes, q, k, v, *extra.values(), vmap_method="sequential")
+    named = {"q": q, "k": k, "v": v, **extra}
+    return dlpack.call(_eager_forward, named, given, call)
 
 
 def _eager_forward(q, k, v, *rest):
-    *slopes, call = rest
-    return _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods, *slopes)
+    *present, given, call = rest
+    operands = placed_operands(present, given)
+    return _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods, *operands)
 
 
-def _backward(q, k, v, slopes, out, lse, dout, dlse, call: AttentionCall):
-    """(dq, dk, dv, dslopes), dslopes None without slopes."""
+def _backward(q, k, v, operands, out, lse, dout, dlse, call: AttentionCall):
+    """(dq, dk, dv, gradients of the operands: None for those absent)."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dlse": dlse}
-    if slopes is not None:
-        named["alibi_slopes"] = slopes
-    if _traced(*named.values()):
+    extra, given = given_operands(operands)
+    if _traced(*named.values(), *extra.values()):
         target = _device_target(call.backend)
         if target is not None:
-            arrays = list(named.values())[:7]
-            grads = _xla.backward(*arrays, call.layout, call.scale, call.mods, target, slopes)
+            args = (call.layout, call.scale, call.mods, target)
+            grads = _xla.backward(*named.values(), *args, *operands)
         else:
-            outputs = (q, k, v) if slopes is None else (q, k, v, slopes)
+            outputs = (q, k, v, *extra.values())
             shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs)
-            host = functools.partial(_host_backward, call)
-            grads = jax.pure_callback(host, shapes, *named.values(), vmap_method="sequential")
+            host = functools.partial(_host_backward, call, given)
+            arrays = (*named.values(), *extra.values())
+            grads = jax.pure_callback(host, shapes, *arrays, vmap_method="sequential")
     else:
-        grads = dlpack.call(_eager_backward, named, call)
-    return (*grads[:3], grads[3] if slopes is not None else None)
+        grads = dlpack.call(_eager_backward, {**named, **extra}, given, call)
+    return (*grads[:3], operand_gradients(tuple(grads), operands))
 
 
 def _eager_backward(q, k, v, out, lse, dout, dlse, *rest):
-    *slopes, call = rest
-    return _backend.backward(
-        q, k, v, out, lse, dout, call.layout, call.scale, call.backend, dlse, call.mods, *slopes
-    )
+    *present, given, call = rest
+    operands = placed_operands(present, given)
+    args = (call.layout, call.scale, call.backend, dlse, call.mods)
+    return _backend.backward(q, k, v, out, lse, dout, *args, *operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, slopes, call):
-    return _forward(q, k, v, slopes, call)
+def _attention(q, k, v, operands, call):
+    return _forward(q, k, v, operands, call)
 
 
-def _attention_fwd(q, k, v, slopes, call):
-    out, lse = _forward(q, k, v, slopes, call)
-    residuals = (q, k, v, slopes) if call.recompute else (q, k, v, slopes, out, lse)
+def _attention_fwd(q, k, v, operands, call):
+    out, lse = _forward(q, k, v, operands, call)
+    residuals = (q, k, v, operands) if call.recompute else (q, k, v, operands, out, lse)
     return (out, lse), residuals
 
 
 def _attention_bwd(call, residuals, cotangents):
     dout, dlse = cotangents
     if call.recompute:
-        q, k, v, slopes = residuals
-        out, lse = _forward(q, k, v, slopes, call)
+        q, k, v, operands = residuals
+        out, lse = _forward(q, k, v, operands, call)
     else:
-        q, k, v, slopes, out, lse = residuals
-    return _backward(q, k, v, slopes, out, lse, dout, dlse, call)
+        q, k, v, operands, out, lse = residuals
+    return _backward(q, k, v, operands, out, lse, dout, dlse, call)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -153,8 +164,9 @@ def attend(
     v: jax.Array,
     call: AttentionCall,
     alibi_slopes: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
-    layout concrete); ALiBi's slopes (float32 [heads] or [batch, heads]) differentiable too."""
-    out, lse = _attention(q, k, v, alibi_slopes, call)
+    layout concrete); ALiBi's slopes and the key bias differentiable too."""
+    out, lse = _attention(q, k, v, (alibi_slopes, key_bias), call)
     return (out, lse) if call.return_lse else out

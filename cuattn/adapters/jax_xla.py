@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import NO_MODS, ScoreMods, placed_operands
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import COPY_ALIGNMENT, LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import (
@@ -645,26 +645,34 @@ def forward(
     mods: ScoreMods,
     compute_capability: int,
     alibi_slopes: Any | None = None,
+    key_bias: Any | None = None,
 ) -> tuple[Any, Any]:
-    """(out, lse) of traced jax arrays in the caller's token order, as custom calls; ALiBi's
-    slopes (if any) as [batch, heads], so that a vmap folds them with the batch."""
+    """(out, lse) of traced jax arrays in the caller's token order, as custom calls; the score
+    operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads]), so that a
+    vmap folds them with the batch."""
     backend = backend_for(compute_capability)
+    present, template = _batched_operands((alibi_slopes, key_bias), q)
 
-    def run(q: Any, k: Any, v: Any, *slopes: Any) -> tuple[Any, Any]:
+    def run(q: Any, k: Any, v: Any, *given: Any) -> tuple[Any, Any]:
         prepared = (_prepare(x, layout) for x in (q, k, v))
-        out, lse = backend.forward(*prepared, layout, scale, mods, *slopes)
+        out, lse = backend.forward(
+            *prepared, layout, scale, mods, *placed_operands(given, template)
+        )
         return _to_natural(out, layout), _to_natural(lse, layout)
 
-    return folding_vmap(run)(q, k, v, *_batched_slopes(alibi_slopes, q))
+    return folding_vmap(run)(q, k, v, *present)
 
 
-def _batched_slopes(alibi_slopes: Any | None, q: Any) -> tuple[Any, ...]:
-    """() without slopes, else the slopes broadcast to [batch, heads]."""
-    if alibi_slopes is None:
-        return ()
+def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple]:
+    """(the operands given, batch axis first; which were given): ALiBi's [heads] slopes are
+    broadcast to [batch, heads]; a key bias has its batch axis already."""
     import jax.numpy as jnp
 
-    return (jnp.broadcast_to(alibi_slopes, q.shape[:2]),)
+    alibi_slopes, key_bias = operands
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.broadcast_to(alibi_slopes, q.shape[:2])
+    given = (alibi_slopes, key_bias)
+    return tuple(x for x in given if x is not None), tuple(x is not None for x in given)
 
 
 def backward(
@@ -680,19 +688,22 @@ def backward(
     mods: ScoreMods,
     compute_capability: int,
     alibi_slopes: Any | None = None,
+    key_bias: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
-    (like lse) is the cotangent of the lse output. With slopes, their gradient (like them)
-    follows."""
+    (like lse) is the cotangent of the lse output. The gradients of the score operands given
+    follow, each like its operand."""
     backend = backend_for(compute_capability)
-    slopes = _batched_slopes(alibi_slopes, q)
+    present, template = _batched_operands((alibi_slopes, key_bias), q)
 
     def run(*arrays: Any) -> tuple[Any, ...]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays[:7])
-        grads = backend.backward(*tensors, layout, scale, dlse, mods, *arrays[7:])
+        operands = placed_operands(arrays[7:], template)
+        grads = backend.backward(*tensors, layout, scale, dlse, mods, *operands)
         return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
-    grads = folding_vmap(run)(q, k, v, out, lse, dout, dlse, *slopes)
+    grads = folding_vmap(run)(q, k, v, out, lse, dout, dlse, *present)
     if alibi_slopes is None or alibi_slopes.ndim == 2:
         return grads
-    return (*grads[:3], grads[3].sum(axis=0))
+    # the slopes' gradient came back per batch (the slopes went in broadcast): sum it
+    return (*grads[:3], grads[3].sum(axis=0), *grads[4:])

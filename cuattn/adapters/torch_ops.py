@@ -2,12 +2,15 @@
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
-                          softcap, backend, recompute, index, alibi_slopes=None) -> (out, lse)
+                          softcap, backend, recompute, index, alibi_slopes=None,
+                          key_bias=None)                                      -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
-                          window_right, scale, softcap, backend, index, alibi_slopes=None)
-                                                        -> (dq, dk, dv, dslopes)
-``alibi_slopes`` (float32 [heads] or [batch, heads], or None) is ALiBi's operand; ``dslopes`` is
-its gradient, an empty tensor without slopes.
+                          window_right, scale, softcap, backend, index, alibi_slopes=None,
+                          key_bias=None)             -> (dq, dk, dv, dslopes, dkey_bias)
+``alibi_slopes`` (float32 [heads] or [batch, heads]) and ``key_bias`` (float32 [batch, n_k] or
+[batch, heads, n_k]) are the score modifiers that are arrays (backends/call.py
+SCORE_OPERANDS), None when absent; ``dslopes`` and ``dkey_bias`` their gradients, empty tensors
+without them.
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -38,7 +41,14 @@ from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
-from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
+from cuattn.backends.call import (
+    NO_MODS,
+    AttentionCall,
+    ScoreMods,
+    given_operands,
+    operand_gradients,
+    placed_operands,
+)
 from cuattn.backends.kernels import kernel_layout
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.layout import RULE_KINDS, Layout
@@ -130,9 +140,31 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
-def _mods(softcap: float, alibi: bool = False) -> ScoreMods:
-    """The ops' modifier arguments as the backends take them."""
-    return ScoreMods(softcap, alibi) if softcap or alibi else NO_MODS
+def _mods(softcap: float, operands: tuple) -> ScoreMods:
+    """The ops' modifier arguments (softcap, and the score operands given or None) as the
+    backends take them."""
+    alibi, key_bias = (x is not None for x in operands)
+    return ScoreMods(softcap, alibi, key_bias) if softcap or alibi or key_bias else NO_MODS
+
+
+# No score operand: the common call, which never steps into backends/call.py
+# (tests/adapters/test_call_path.py)
+_NONE_GIVEN = (False, False)
+_NO_OPERANDS = (None, None)
+
+
+def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[bool, ...]:
+    """``named`` with the score operands given added (under their names), and which were."""
+    if operands == _NO_OPERANDS:
+        return _NONE_GIVEN
+    extra, given = given_operands(operands)
+    named.update(extra)
+    return given
+
+
+def _placed(present: Any, given: tuple[bool, ...]) -> tuple:
+    """The operands in order from the arrays present (placed_operands, or none at all)."""
+    return _NO_OPERANDS if given == _NONE_GIVEN else placed_operands(present, given)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -155,25 +187,27 @@ def attention_fwd(
     recompute: bool,
     index: list[torch.Tensor],
     alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
-    if alibi_slopes is not None:
-        named["alibi_slopes"] = alibi_slopes
+    operands = (alibi_slopes, key_bias)
+    given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        args = (lay, scale, backend or None, _mods(softcap, alibi_slopes is not None))
+        args = (given, lay, scale, backend or None, _mods(softcap, operands))
         out, lse = dlpack.call(_forward_arrays, named, *args, info=info)
     return out.contiguous(), lse.contiguous()
 
 
 def _forward_arrays(q, k, v, *rest):
-    """backends.forward with the optional slopes array (the first of ``rest`` when given)."""
-    *slopes, layout, scale, backend, mods = rest
-    return _backend.forward(q, k, v, layout, scale, backend, mods, *slopes)
+    """backends.forward with the score operands given (first in ``rest``)."""
+    *present, given, layout, scale, backend, mods = rest
+    operands = _placed(present, given)
+    return _backend.forward(q, k, v, layout, scale, backend, mods, *operands)
 
 
 @attention_fwd.register_fake
@@ -200,54 +234,70 @@ def attention_bwd(
     backend: str,
     index: list[torch.Tensor],
     alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dslopes) from the saved inputs, output and lse, and the gradients reaching
-    out (dout) and lse (dlse, None when nothing reached it); dslopes is empty without slopes."""
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dslopes, dkey_bias) from the saved inputs, output and lse, and the
+    gradients reaching out (dout) and lse (dlse, None when nothing reached it); an operand's
+    gradient is empty without it."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
-    if alibi_slopes is not None:
-        named["alibi_slopes"] = alibi_slopes
+    operands = (alibi_slopes, key_bias)
+    given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        mods = _mods(softcap, alibi_slopes is not None)
-        args = (dlse is not None, lay, scale, backend or None, mods)
+        args = (dlse is not None, given, lay, scale, backend or None, _mods(softcap, operands))
         grads = dlpack.call(_backward_arrays, named, *args, info=info)
     grads = tuple(g.contiguous() for g in grads)
-    return grads if alibi_slopes is not None else (*grads, _no_slopes(q))
+    wrt = operand_gradients(grads, operands)
+    return (*grads[:3], *(_absent(q) if g is None else g for g in wrt))
 
 
-def _no_slopes(q: torch.Tensor) -> torch.Tensor:
-    """attention_bwd's dslopes without slopes."""
+def _absent(q: torch.Tensor) -> torch.Tensor:
+    """attention_bwd's gradient of an operand the call does not have."""
     return q.new_empty(0, dtype=torch.float32)
 
 
 def _backward_arrays(q, k, v, out, lse, dout, *rest):
-    """backends.backward with the optional dlse and slopes arrays (in that order in ``rest``,
-    each when given)."""
-    *optional, has_dlse, layout, scale, backend, mods = rest
+    """backends.backward with the optional dlse and the score operands given (in that order
+    in ``rest``)."""
+    *optional, has_dlse, given, layout, scale, backend, mods = rest
     dlse = optional.pop(0) if has_dlse else None
-    return _backend.backward(q, k, v, out, lse, dout, layout, scale, backend, dlse, mods, *optional)
+    operands = _placed(optional, given)
+    args = (layout, scale, backend, dlse, mods)
+    return _backend.backward(q, k, v, out, lse, dout, *args, *operands)
+
+
+# attention_bwd's plain arguments (pattern .. index) before the score operands
+_BWD_PLAIN = 9
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *plain, alibi_slopes=None):
-    # plain: pattern .. index; the slopes come as the tenth of them or as the keyword
-    slopes = plain[9] if len(plain) > 9 else alibi_slopes
-    dslopes = _no_slopes(q) if slopes is None else slopes.new_empty(slopes.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dslopes
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *plain, alibi_slopes=None, key_bias=None):
+    # the operands come after the plain arguments, or as keywords
+    extra = (*plain[_BWD_PLAIN:], None, None)
+    operands = (
+        extra[0] if alibi_slopes is None else alibi_slopes,
+        extra[1] if key_bias is None else key_bias,
+    )
+    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in operands)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *wrt
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, softcap, backend, recompute, index, alibi_slopes = inputs
+    q, k, v, *layout_args, scale, softcap, backend, recompute, index, alibi_slopes, key_bias = (
+        inputs
+    )
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
-    ctx.save_for_backward(*saved, *index, *([] if alibi_slopes is None else [alibi_slopes]))
+    operands = (alibi_slopes, key_bias)
+    ctx.save_for_backward(*saved, *index, *(x for x in operands if x is not None))
     ctx.saved_count = len(saved)
     ctx.index_count = len(index)
+    ctx.given = tuple(x is not None for x in operands)
     ctx.args = (*layout_args, scale, softcap, backend, recompute)
 
 
@@ -257,23 +307,24 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     q, k, v, *saved = tensors[: ctx.saved_count]
     after = tensors[ctx.saved_count :]
     index = list(after[: ctx.index_count])
-    slopes = after[ctx.index_count] if len(after) > ctx.index_count else None
+    operands = _placed(after[ctx.index_count :], ctx.given)
     if recompute:
-        saved = attention_fwd(q, k, v, *layout_args, scale, softcap, backend, False, index, slopes)
+        args = (*layout_args, scale, softcap, backend, False, index, *operands)
+        saved = attention_fwd(q, k, v, *args)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    *grads, dslopes = attention_bwd(
-        q, k, v, out, lse, dout, dlse, *layout_args, scale, softcap, backend, index, slopes
-    )
-    # None for each plain argument and each tensor of index, then the slopes' gradient; torch
-    # drops a trailing argument left at its default (slopes None) from the inputs the backward
+    plain = (*layout_args, scale, softcap, backend, index)
+    dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, *operands)
+    # None for each plain argument and each tensor of index, then the operands' gradients;
+    # torch drops trailing arguments left at their default (None) from the inputs the backward
     # answers, so the answer has as many entries as needs_input_grad
-    plain = [None] * (len(layout_args) + 4)
-    answer = (*grads, *plain, [None] * len(index), None if slopes is None else dslopes)
+    nones = [None] * (len(layout_args) + 4)
+    wrt = (None if x is None else g for x, g in zip(operands, wrt, strict=True))
+    answer = (dq, dk, dv, *nones, [None] * len(index), *wrt)
     return answer[: len(ctx.needs_input_grad)]
 
 
@@ -300,11 +351,12 @@ def attend(
     v: torch.Tensor,
     call: AttentionCall,
     alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
     carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), alibi_slopes)
+    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), alibi_slopes, key_bias)
     return (out, lse) if call.return_lse else out
 
 

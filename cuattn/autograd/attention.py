@@ -11,7 +11,7 @@ from typing import Any
 from cuattn import backends as _backend
 from cuattn.autograd.tape import Context, Function, Tensor
 from cuattn.autograd.tape import recompute as recompute_region
-from cuattn.backends.call import AttentionCall
+from cuattn.backends.call import AttentionCall, operand_gradients
 
 __all__ = ["SparseAttention", "attend"]
 
@@ -25,44 +25,42 @@ class SparseAttention(Function):
 
     @staticmethod
     def forward(
-        ctx: Context, q: Any, k: Any, v: Any, alibi_slopes: Any | None, call: AttentionCall
+        ctx: Context,
+        q: Any,
+        k: Any,
+        v: Any,
+        alibi_slopes: Any | None,
+        key_bias: Any | None,
+        call: AttentionCall,
     ) -> tuple[Any, Any]:
-        out, lse = _backend.forward(
-            q, k, v, call.layout, call.scale, call.backend, call.mods, alibi_slopes
-        )
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+        operands = (alibi_slopes, key_bias)
+        args = (call.layout, call.scale, call.backend, call.mods)
+        out, lse = _backend.forward(q, k, v, *args, *operands)
+        ctx.save_for_backward(q, k, v, out, lse, *operands)
         ctx.call = call
         return out, lse
 
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, *operands = ctx.saved_tensors
         call = ctx.call
-        grads = _backend.backward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dout,
-            call.layout,
-            call.scale,
-            call.backend,
-            dlse,
-            call.mods,
-            alibi_slopes,
-        )
-        dslopes = grads[3] if alibi_slopes is not None else None
-        return (*grads[:3], dslopes, None)
+        args = (call.layout, call.scale, call.backend, dlse, call.mods)
+        grads = _backend.backward(q, k, v, out, lse, dout, *args, *operands)
+        return (*grads[:3], *operand_gradients(grads, tuple(operands)), None)
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, alibi_slopes: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    call: AttentionCall,
+    alibi_slopes: Tensor | None = None,
+    key_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
-    head_dim] and the validated call (its layout concrete); ALiBi's slopes a Tensor (a
-    gradient reaches them when they require one) or None. ``call.recompute`` keeps only q, k,
-    v (and the slopes) on the tape and re-runs the forward in backward."""
+    head_dim] and the validated call (its layout concrete); ALiBi's slopes and the key bias
+    Tensors (a gradient reaches them when they require one) or None. ``call.recompute`` keeps
+    only q, k, v (and the operands) on the tape and re-runs the forward in backward."""
     with recompute_region(call.recompute):
-        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, call)
+        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, key_bias, call)
     return (out, lse) if call.return_lse else out

@@ -9,7 +9,9 @@ code that uses it, and nothing in between. Nothing downstream re-checks what the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -94,3 +96,29 @@ class AttentionCall:
         if isinstance(self.layout, Pattern):
             return replace(self, layout=self.layout.layout(n_q, n_k))
         return self
+
+
+# The score modifiers that are arrays (not hashable: they travel beside q, k, v, never in the
+# call), in the order every route passes them after ``mods``: a None where the call has none.
+SCORE_OPERANDS = ("alibi_slopes", "key_bias")
+
+
+def operand_gradients(grads: tuple, operands: tuple) -> tuple:
+    """A backward's gradients of ``operands`` (one per SCORE_OPERANDS name, None where the call
+    has none) from its results: (dq, dk, dv) then one gradient per operand given, in order."""
+    given = iter(grads[3:])
+    return tuple(None if x is None else next(given) for x in operands)
+
+
+def given_operands(operands: tuple) -> tuple[dict[str, Any], tuple[bool, ...]]:
+    """The score operands a call has, by name (to cross an adapter beside q, k, v), and which
+    of SCORE_OPERANDS they are (a plain value that rebuilds the tuple on the other side)."""
+    named = {n: x for n, x in zip(SCORE_OPERANDS, operands, strict=True) if x is not None}
+    return named, tuple(x is not None for x in operands)
+
+
+def placed_operands(present: Sequence[Any], given: tuple[bool, ...]) -> tuple:
+    """The operands in SCORE_OPERANDS order from the arrays ``present`` (those ``given`` says
+    the call has, in order), None for the others."""
+    arrays = iter(present)
+    return tuple(next(arrays) if g else None for g in given)

@@ -69,10 +69,12 @@ anything is computed):
 
 - ``rpe`` (an additive relative-position bias) is refused: cuattn's kernels take no score bias
   yet; it comes with the score modifiers (issue 29, ``rel_bias``).
-- In mode 'add', a finite value other than 0 (such as -10000) is refused: in
-  ``key_padding_mask`` it is a per-key score bias (issue 29's ``key_bias``), in ``attn_mask`` a
-  dense score bias; 'add' takes 0 (keep) and -inf (drop). A bool mask counts as 0/1 (True adds
-  1: refused); +inf is refused. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops.
+- In mode 'add', a ``key_padding_mask`` that holds a finite value other than 0 (such as -10000,
+  or a learned bias) is added as it is: cuattn's per-key bias (``key_bias``), with its
+  gradient when the mask carries one (-inf entries drop their keys there too). In
+  ``attn_mask`` such a value is a dense score bias and is refused; 'add' takes 0 (keep) and
+  -inf (drop) there. +inf is refused in both. Cast to float16, -1e5 is -inf, as in DeepSpeed,
+  and drops.
 - NaN in a mask is refused (DeepSpeed would keep it in 'mul' and poison the row in 'add').
 - An ``attn_mask`` that is no band (a general [seq_len, seq_len] mask, a mask with gaps) is
   refused: put the pattern into the sparsity config's blocks.
@@ -456,6 +458,47 @@ def _check_tensor(name: str, x: Any) -> None:
         )
 
 
+def _additive_key_bias(mask: Any, batch: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """An 'add' key padding mask that adds more than 0 and -inf: float32 (float64 for float64
+    queries) [batch, seq_len], the
+    per-key bias it adds after DeepSpeed's cast to the query's dtype (gradient kept); None when
+    it only keeps (0) and drops (-inf), which the layouts follow without a bias. Shapes and
+    NaN/+inf are _keep's to check and refuse."""
+    values = _mask_values("key_padding_mask", mask, (batch,), (n,), "[batch, seq_len]", dtype)
+    finite = torch.isfinite(values)
+    if bool(((values == 0) | (values == float("-inf"))).all()) or not bool(
+        (finite | (values == float("-inf"))).all()
+    ):
+        return None
+    return values.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _mask_values(
+    name: str,
+    mask: Any,
+    head: tuple[int, ...],
+    tail: tuple[int, ...],
+    layout: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The mask shaped ``head`` + ``tail`` (singleton dimensions between squeezed, as DeepSpeed
+    does), cast to ``dtype`` as DeepSpeed casts it (a bool mask: 0/1), its autograd kept."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(mask).__name__}")
+    dims, shape = tuple(mask.shape), head + tail
+    middle = dims[len(head) : len(dims) - len(tail)]
+    if (
+        len(dims) < len(shape)
+        or dims[: len(head)] != head
+        or dims[len(dims) - len(tail) :] != tail
+        or any(d != 1 for d in middle)
+    ):
+        raise ValueError(f"{name} must be {layout} = {list(shape)}, got shape {list(dims)}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be real or bool, got {mask.dtype}")
+    return mask.reshape(shape).to(dtype)
+
+
 def _keep(
     name: str,
     mask: Any,
@@ -474,20 +517,7 @@ def _keep(
     which cuattn can follow only for 0 (keep) and -inf (drop). NaN is refused in both modes: it
     would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'.
     """
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(mask).__name__}")
-    dims, shape = tuple(mask.shape), head + tail
-    middle = dims[len(head) : len(dims) - len(tail)]
-    if (
-        len(dims) < len(shape)
-        or dims[: len(head)] != head
-        or dims[len(dims) - len(tail) :] != tail
-        or any(d != 1 for d in middle)
-    ):
-        raise ValueError(f"{name} must be {layout} = {list(shape)}, got shape {list(dims)}")
-    if mask.is_complex():
-        raise TypeError(f"{name} must be real or bool, got {mask.dtype}")
-    values = mask.detach().reshape(shape).to(dtype)  # DeepSpeed's cast (a bool mask: 0/1)
+    values = _mask_values(name, mask, head, tail, layout, dtype).detach()
     if bool(values.isnan().any()):
         raise ValueError(
             f"{name} holds NaN; a mask must keep or drop each key ({name}_mode={mode!r} takes "
@@ -499,12 +529,7 @@ def _keep(
     bad = ~(keep | (values == float("-inf")))
     if bool(bad.any()):
         value = values[bad][0].item()
-        if name == "key_padding_mask" and math.isfinite(value):
-            why = (
-                "a finite value other than 0 is a per-key score bias, which cuattn's kernels "
-                f"do not add yet (it comes as key_bias with {SCORE_MODIFIERS_ISSUE})"
-            )
-        elif math.isfinite(value):
+        if math.isfinite(value):
             why = (
                 "a finite value other than 0 is a score bias on each (query, key) pair, a "
                 "dense [seq_len, seq_len] tensor that cuattn does not take"
@@ -757,6 +782,14 @@ class SparseSelfAttention(nn.Module):
             )
             band = _band(keep_qk)
             del keep_qk
+        scale = float(head_dim) ** -0.5
+        if key_padding_mask is not None and self.key_padding_mask_mode == "add":
+            key_bias = _additive_key_bias(key_padding_mask, batch, n, query.dtype)
+            if key_bias is not None:  # a per-key bias: added to the scores as it is
+                layout = self._layout(n, n, band, None)
+                return api.sparse_attention(
+                    query, key, value, layout, scale=scale, key_bias=key_bias
+                )
         groups: list[tuple[np.ndarray, int, np.ndarray | None]] = [(np.arange(batch), n, None)]
         if key_padding_mask is not None:
             keep_k = _keep(
@@ -769,7 +802,6 @@ class SparseSelfAttention(nn.Module):
                 query.dtype,
             )
             groups = _padding_groups(keep_k.cpu().numpy())
-        scale = float(head_dim) ** -0.5
         if len(groups) == 1 and groups[0][1] == n:
             _, _, keep_row = groups[0]
             return api.sparse_attention(

@@ -177,7 +177,7 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, st
             *layout_args, _, index = _op_layout(sub, q, scale, backend)
             bwd = torch_ops.attention_bwd
             args = (q, kv[0], kv[1], out, lse, dout, dlse, *layout_args, index)
-            dq_s, dk_s, dv_s, _ = _timed(stats, bwd, *args)  # no ALiBi slopes here
+            dq_s, dk_s, dv_s, *_ = _timed(stats, bwd, *args)  # no score operands here
             dq += dq_s
             dkv[0] += dk_s
             dkv[1] += dv_s

@@ -32,8 +32,8 @@ def spy(monkeypatch):
     seen = {}
     real = be.forward
 
-    def forward(q, k, v, layout, scale, backend=None, mods=NO_MODS):
-        out, lse = real(q, k, v, layout, scale, backend, mods)
+    def forward(q, k, v, layout, scale, backend=None, mods=NO_MODS, *operands):
+        out, lse = real(q, k, v, layout, scale, backend, mods, *operands)
         seen["inputs"] = (q, k, v)
         if isinstance(out, np.ndarray):
             out, lse = _aligned_copy(out), _aligned_copy(lse)

@@ -627,10 +627,11 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
 @needs_nvrtc
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
 @pytest.mark.parametrize("per_batch", [False, True])
-def test_staged_alibi_program_runs_on_the_kernel_interpreter(monkeypatch, per_batch):
-    """ALiBi's slopes cross the staged program as an operand (as [batch, heads], so a vmap
-    folds them with the batch) and their gradient comes back from the dQ launch's rows: bit for
-    bit the eager interpreter's, for one slope per head and one per (batch, head)."""
+def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_batch):
+    """ALiBi's slopes and a key bias cross the staged program as operands (batch axis first:
+    the slopes as [batch, heads], so a vmap folds them with the batch); the slopes' gradient
+    comes back from the dQ launch's rows, the key bias's from dK/dV's: bit for bit the eager
+    interpreter's, for one slope per head and one per (batch, head)."""
     backend = _Interpreted(CC)
     backend.staged = []
     monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
@@ -639,32 +640,38 @@ def test_staged_alibi_program_runs_on_the_kernel_interpreter(monkeypatch, per_ba
     q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
     rng = np.random.default_rng(4)
     slopes = rng.uniform(0.05, 0.5, (batch, heads) if per_batch else (heads,)).astype(np.float32)
+    key_bias = rng.standard_normal((batch, n)).astype(np.float32)
+    key_bias[1, -7:] = -np.inf
     weight = rng.standard_normal(q.shape[1:]).astype(np.float32)
     scale, softcap = head_dim**-0.5, 1.5
-    mods = ScoreMods(softcap, alibi=True)
+    mods = ScoreMods(softcap, alibi=True, key_bias=True)
 
-    def f(q, k, v, slopes):
-        return cuattn.sparse_attention(q, k, v, layout, softcap=softcap, alibi_slopes=slopes)
+    def f(q, k, v, slopes, key_bias):
+        kw = dict(softcap=softcap, alibi_slopes=slopes, key_bias=key_bias)
+        return cuattn.sparse_attention(q, k, v, layout, **kw)
 
-    def loss(q, k, v, slopes):
-        return (f(q, k, v, slopes).astype(jnp.float32) * weight).sum()
+    def loss(q, k, v, slopes, key_bias):
+        return (f(q, k, v, slopes, key_bias).astype(jnp.float32) * weight).sum()
 
     with xla.lowering_for_cuda(CC):
-        out = jax.jit(f)(q[0], k[0], v[0], slopes)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q[0], k[0], v[0], slopes)
-        mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, slopes)
+        out = jax.jit(f)(q[0], k[0], v[0], slopes, key_bias)
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        grads = jax.jit(grad)(q[0], k[0], v[0], slopes, key_bias)
+        mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None, None)))(q, k, v, slopes, key_bias)
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
-    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods, slopes)
+    operands = (slopes, key_bias)
+    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods, *operands)
     dout = weight.astype(want_out.dtype)
     want = backends.backward(
-        *host, want_out, want_lse, dout, layout, scale, "interp", None, mods, slopes
+        *host, want_out, want_lse, dout, layout, scale, "interp", None, mods, *operands
     )
     assert np.array_equal(np.asarray(out), want_out)
     for name, got, expected in zip("qkv", grads[:3], want[:3], strict=True):
         assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name
-    # the rows' sums: XLA's reduction order, not NumPy's
+    # the slopes' rows summed in XLA's reduction order, not NumPy's
     assert grads[3].shape == slopes.shape
     np.testing.assert_allclose(np.asarray(grads[3]), want[3], rtol=1e-6, atol=0)
+    assert grads[4].shape == key_bias.shape and np.array_equal(np.asarray(grads[4]), want[4])
     assert np.array_equal(np.asarray(mapped[0]), want_out)
 
 

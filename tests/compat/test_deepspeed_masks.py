@@ -194,7 +194,7 @@ def test_masks_in_both_modes_equal_deepspeeds_semantics(modes, attn):
 
 def test_float16_casts_masks_as_deepspeed_does():
     """DeepSpeed casts a mask to the query's dtype first: in float16, -1e5 is -inf (a drop),
-    in float32 it stays a finite bias (refused)."""
+    in float32 it stays a finite bias (added: exp(-1e5) is 0 there too)."""
     module = ds.SparseSelfAttention(_configs()[1], max_seq_length=MAX_LEN)
     q, k, v = (x.detach().half() for x in _qkv(3))
     keep = _padding_keep(torch.Generator().manual_seed(3))
@@ -206,8 +206,15 @@ def test_float16_casts_masks_as_deepspeed_does():
         *(x.double() for x in (q, k, v)), module.get_layout(SEQ), minus_inf, None, "add", "mul"
     )
     assert rel(got.double(), want) <= 2e-3
-    with pytest.raises(ValueError, match="key_padding_mask holds -100000.0"):
-        module(q.float(), k.float(), v.float(), key_padding_mask=big)
+    # in float32 a row whose keys all hold -1e5 attends to all of them alike, as in DeepSpeed;
+    # there a score s - 1e5 keeps s to float32's ulp at 1e5 (2^-7), hence the tolerance
+    as_float = [x.float() for x in (q, k, v)]
+    biased = module(*as_float, key_padding_mask=big)
+    as_double = (x.double() for x in as_float)
+    want, _ = deepspeed_attention(
+        *as_double, module.get_layout(SEQ), big.double(), None, "add", "mul"
+    )
+    assert rel(biased.double(), want) <= 5e-3
 
 
 def test_the_kernels_follow_a_band_with_the_keys_cut_to_a_padding_length(monkeypatch):
@@ -319,16 +326,6 @@ REFUSALS = [
         r"rpe \(a relative.*rel_bias with issue 29",
     ),
     (
-        dict(key_padding_mask=_bias(-1e4, (BATCH, SEQ))),
-        ("add", "mul"),
-        r"key_padding_mask holds -10000.0: .*per-key score bias.*key_bias with issue 29",
-    ),
-    (
-        dict(key_padding_mask=torch.ones(BATCH, SEQ, dtype=torch.bool)),
-        ("add", "mul"),
-        "key_padding_mask holds 1.0: .*per-key score bias",
-    ),
-    (
         dict(key_padding_mask=_bias(float("inf"), (BATCH, SEQ))),
         ("add", "mul"),
         r"key_padding_mask holds inf: .*\+inf",
@@ -365,6 +362,28 @@ REFUSALS = [
         "attn_mask must be real or bool",
     ),
 ]
+
+
+@pytest.mark.parametrize("attn", [None, "causal"])
+def test_an_additive_padding_mask_with_finite_values_is_a_key_bias(attn):
+    """'add' mode adds a key padding mask to the scores as it is: -10000 on padded keys, a
+    learned bias (its gradient too), -inf beside finite values, and a bool mask (True adds 1),
+    all as DeepSpeed's softmax adds them."""
+    cfg = _configs()[1]
+    module = ds.SparseSelfAttention(cfg, "add", "mul", max_seq_length=MAX_LEN)
+    g = torch.Generator().manual_seed(21)
+    learned = torch.randn(BATCH, SEQ, generator=g, dtype=torch.float64)
+    learned[0, -4:] = INF
+    learned.requires_grad_(True)
+    masks = [_bias(-1e4, (BATCH, SEQ)), learned, torch.rand(BATCH, SEQ, generator=g) > 0.5]
+    attn_mask = None if attn is None else _band_keep(attn).to(torch.float64)
+    blocks = module.get_layout(SEQ)
+    for i, padding in enumerate(masks):
+        q, k, v = _qkv(30 + i)
+        got = module(q, k, v, key_padding_mask=padding, attn_mask=attn_mask)
+        want, _ = deepspeed_attention(q, k, v, blocks, padding, attn_mask, "add", "mul")
+        inputs = (q, k, v, learned) if padding is learned else (q, k, v)
+        _check(got, want, inputs)
 
 
 @pytest.mark.parametrize("kwargs,modes,match", REFUSALS)

@@ -20,11 +20,19 @@ compact the tables and push emptied pages, place the kept tokens in the holes ev
 positions (a cache that never evicts looks only at each pair's last page, the only one with
 room, so its append costs what the incoming tokens do). A policy that reads queries (SnapKV)
 gets the append's queries and the candidates' keys to vote with, when ``append`` is given them.
-Nothing is read back: the pool and table width are sized on the host from a bound (a pair never
-holds more than ceil(most / page_size) pages, ``most`` the tokens it may keep: min(length,
-budget) for a policy that always evicts, because tokens fill holes before new pages are taken),
-so a page is always there to pop. Only ``positions()``, ``kept()`` and
-``page_tables()`` copy to the host, when asked.
+
+Nothing is read back: the pool and table width are sized on the host from bounds. A pair never
+holds more than ceil(most / page_size) pages, ``most`` the tokens it may keep (min(length,
+budget) for a policy that always evicts), because tokens fill holes before new pages are
+taken. An eviction that can shrink a pair and leave holes anywhere (a budget the kv heads
+share, a vote) is followed by a close-up that moves the pair's tokens out of its
+least-filled pages into the others' holes, so no pair holds a page's worth of holes; then a
+sequence's pairs hold at most (kept + kv_heads * (page_size - 1)) // page_size pages, kept the
+tokens the sequence keeps, which the host knows exactly. The pool is the pages a full budget
+needs by these bounds, so a page is always there to pop, and ``nbytes`` stays within 1.25x the
+kept tokens' keys and values plus a page per (sequence, kv head) (with the bookkeeping of 8
+bytes per slot, 16 for HeavyHitters, small beside a token's key and value). Only
+``positions()``, ``kept()`` and ``page_tables()`` copy to the host, when asked.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import array_library, ceil_div, host_array, widened
+from cuattn._util import array_library, ceil_div, host_array, stable_kind, widened
 from cuattn.adapters import dlpack
 from cuattn.layout.layout import check_positive_int
 from cuattn.serving.policies import EMPTY, Policy
@@ -44,6 +52,7 @@ __all__ = ["KVCache"]
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 SPARE = 0  # the spare page (see module doc); slot 0 of it is the spare slot
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
+GROWTH = 16  # a budgeted pool that must grow takes 1/GROWTH of its kept tokens as slack
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -108,10 +117,11 @@ class KVCache:
             raise TypeError(
                 f"policy must be a cuattn.policies policy or None, got {type(policy).__name__}"
             )
-        self._budgets = None
+        self._budgets = self._shared = None
         if policy is not None:
             policy.bind(self.kv_heads, self.page_size, self.capacity)
             self._budgets = policy.budgets()
+            self._shared = policy.shared_budget()
             if self.capacity is not None and self._budgets is not None:
                 if self._budgets.max() > capacity:
                     raise ValueError(
@@ -124,8 +134,10 @@ class KVCache:
         )
         self.xp = _array_module(self.info)
         self.lengths = np.zeros(self.batch, dtype=np.int64)
-        # the most tokens each pair may keep (host): what the pool and tables are sized by
+        # the most tokens each pair may keep, and the tokens each sequence keeps over its kv
+        # heads (host): what the pool and tables are sized by
         self._most = np.zeros((self.batch, self.kv_heads), dtype=np.int64)
+        self._kept = np.zeros(self.batch, dtype=np.int64)
         xp = self.xp
         with _on_device(self.info):
             self._allocate(self._first_pool_pages())
@@ -145,16 +157,28 @@ class KVCache:
         return self.policy is not None and self.policy.selects_pages
 
     def _first_pool_pages(self) -> int:
-        """Pages of the first pool. A budgeted pair never holds more than ceil(budget /
-        page_size) pages (the bound in ``_reserve``; a budget above ``capacity`` is refused when
-        the cache is built), so a budgeted cache starts at what its budgets need and never grows
-        (SnapKV's grows as decoding adds the tokens it keeps): its ``nbytes`` follows the
-        budget. Without a budget, room for ``capacity`` (or
+        """Pages of the first pool. A budgeted cache starts at the pages its budgets need
+        (``_pages_needed`` of a full budget; a budget above ``capacity`` is refused when the
+        cache is built) and never grows (SnapKV's grows as decoding adds the tokens it keeps):
+        its ``nbytes`` follows the budget. Without a budget, room for ``capacity`` (or
         DEFAULT_TOKENS) tokens and a page of slack per pair; it grows on demand."""
         if self._budgets is not None:
-            return self.batch * int(ceil_div(self._budgets, self.page_size).sum())
+            most = np.broadcast_to(self._budgets, (self.batch, self.kv_heads))
+            kept = most.sum(axis=1) if self._shared is None else self._shared
+            return self._pages_needed(most, np.broadcast_to(kept, (self.batch,)))
         per_pair = ceil_div(self.capacity or DEFAULT_TOKENS, self.page_size) + 1
         return self.batch * self.kv_heads * per_pair
+
+    def _pages_needed(self, most: np.ndarray, kept: np.ndarray) -> int:
+        """Pages the pairs may hold at once when each keeps at most ``most`` [batch, kv_heads]
+        tokens and each sequence ``kept`` [batch] over its kv heads: ceil(most / page_size) per
+        pair (module doc), and at most (kept + kv_heads * (page_size - 1)) // page_size per
+        sequence, as no pair holds a page's worth of holes (``_close_up``). The second is the
+        bound for a head-adaptive budget, whose heads share the sequence's total."""
+        ps = self.page_size
+        per_pair = ceil_div(most, ps).sum(axis=1)
+        per_sequence = (kept + self.kv_heads * (ps - 1)) // ps
+        return int(np.minimum(per_pair, per_sequence).sum())
 
     def _allocate(self, pages: int) -> None:
         """A pool of ``pages`` free pages (plus the spare), every slot empty."""
@@ -190,33 +214,79 @@ class KVCache:
         self.free_stack[top + xp.arange(added)] = xp.arange(old + 1, pages + 1, dtype=xp.int32)
         self.free_top = top + added
 
+    def _shrink(self, pages: int, width: int) -> None:
+        """A pool of ``pages`` pages holding the pairs' pages, renumbered 1, 2, ... in table
+        order (pair by pair), the rest free, and tables ``width`` wide; the host knows only
+        that they fit (``pages`` >= ``_pages_needed``, ``width`` >= a pair's ceil(most /
+        page_size)), the device how many there are."""
+        xp, rows = self.xp, 1 + pages
+        table, count = self._pairs()
+        in_table = xp.arange(table.shape[1])[None, :] < count[:, None]
+        renumbered = xp.cumsum(in_table.reshape(-1)).reshape(table.shape)
+        source = xp.zeros(rows + 1, dtype=xp.int64)  # new page -> old page; cell `rows`: masked
+        source[xp.where(in_table, renumbered, rows)] = table
+        source = source[:rows]
+        keep = {name: getattr(self, name) for name in _POOL_ARRAYS}
+        self._allocate(pages)
+        for name, previous in keep.items():
+            if previous is not None and previous.shape[0]:
+                getattr(self, name)[:] = previous[source]
+        self.slot_pos[source == SPARE] = EMPTY  # the free pages (the spare's means nothing)
+        if self.slot_score is not None:
+            self.slot_score[source == SPARE] = 0.0
+        used = count.sum(keepdims=True).astype(xp.int64)
+        self.free_top = pages - used
+        table = xp.where(in_table, renumbered, EMPTY).astype(xp.int32)[:, :width]
+        self.page_table = xp.ascontiguousarray(table).reshape(self.batch, self.kv_heads, width)
+
     def _widen(self, width: int) -> None:
         xp, table = self.xp, self.page_table
         self.page_table = xp.full((self.batch, self.kv_heads, width), EMPTY, dtype=xp.int32)
         self.page_table[..., : table.shape[2]] = table
 
-    def _most_after(self, given: np.ndarray, voted: bool) -> np.ndarray:
-        """int64 [batch, kv_heads]: the most tokens each pair may keep after an append of
-        ``given`` tokens per sequence (``voted``: with queries): what it might have kept, plus
-        them, cut to the budget where the policy applies it (always, or SnapKV's only when it
-        votes)."""
-        most = self._most + given[:, None]
-        if self._budgets is not None and (voted or not self.policy.reads_queries):
-            most = np.minimum(most, self._budgets[None, :])
-        return most
+    def _evicts(self, voted: bool) -> bool:
+        """Whether the policy applies its budget at this append (always, or SnapKV's only when
+        it votes)."""
+        return self._budgets is not None and (voted or not self.policy.reads_queries)
 
-    def _reserve(self, most: np.ndarray) -> None:
+    def _after(self, given: np.ndarray, voted: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(most int64 [batch, kv_heads], kept int64 [batch]) after an append of ``given``
+        tokens per sequence (``voted``: with queries): the most tokens each pair may keep (what
+        it might have kept, plus them, cut to its budget where the policy evicts), and the
+        tokens each sequence keeps over its kv heads, exactly (every candidate is kept up to
+        the budget: per head, or the shared total of a head-adaptive one)."""
+        most = self._most + given[:, None]
+        kept = self._kept + self.kv_heads * given
+        if self._evicts(voted):
+            most = np.minimum(most, self._budgets[None, :])
+            kept = most.sum(axis=1) if self._shared is None else np.minimum(kept, self._shared)
+        return most, kept
+
+    def _pool_for(self, most: np.ndarray, kept: np.ndarray) -> int:
+        """Pages of a budgeted pool that must grow (or, after a vote, may shrink): what the
+        pairs need, plus a sixteenth (GROWTH) of the kept tokens as slack."""
+        slack = int(kept.sum()) // (GROWTH * self.page_size)
+        return self._pages_needed(most, kept) + slack
+
+    def _reserve(self, most: np.ndarray, kept: np.ndarray) -> None:
         """Grow the pool and widen the tables, from the host, for every pair to hold the most
-        pages it may after an append that leaves it at most ``most`` [batch, kv_heads] tokens.
+        pages it may after an append that leaves it at most ``most`` [batch, kv_heads] tokens,
+        ``kept`` [batch] per sequence.
 
         The bound: tokens fill a pair's holes before a page is taken, so a new page is taken
         only when every page is full, and then the pair holds ceil(kept / page_size) pages;
-        otherwise it holds at most what it held. kept <= most throughout."""
-        pages = ceil_div(most, self.page_size)
-        if int(pages.sum()) > self.num_pages:
-            self._grow(max(2 * self.num_pages, int(pages.sum())))
-        if int(pages.max()) > self.width:
-            self._widen(int(pages.max()))
+        otherwise it holds at most what it held. kept <= most throughout. An unbudgeted pool
+        doubles; a budgeted one (SnapKV's, as decoding adds tokens) takes what it needs plus
+        a sixteenth of its kept tokens (GROWTH), so its nbytes stays near the kept tokens'."""
+        need = self._pages_needed(most, kept)
+        if need > self.num_pages:
+            if self._budgets is None:
+                self._grow(max(2 * self.num_pages, need))
+            else:
+                self._grow(self._pool_for(most, kept))
+        widest = int(ceil_div(most, self.page_size).max())
+        if widest > self.width:
+            self._widen(widest)
 
     @property
     def num_pages(self) -> int:
@@ -382,21 +452,42 @@ class KVCache:
         new_lengths = self.lengths + given
         if q is not None:
             self._check_queries(q, k, given, new_lengths)
-        most = self._most_after(given, q is not None)
+        voted = q is not None
+        most, kept = self._after(given, voted)
         self._check_capacity(given, most)
         info = dlpack.describe(k, "k")
         if int(given.max()) > 0:
             with dlpack.stream_for(info), _on_device(self.info):
-                self._reserve(most)
+                self._reserve(most, kept)
                 kb = dlpack.to_backend(k, info, "k")
                 vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
                 qb = None if q is None else dlpack.to_backend(q, dlpack.describe(q, "q"), "q")
-                self._place(kb, vb, given, qb)
+                self._place(kb, vb, given, qb, self._moves(given, kept, voted))
+                if voted:  # decoding may have grown the pool past what the vote kept
+                    pages = max(self._first_pool_pages(), self._pool_for(most, kept))
+                    if self.num_pages > pages:
+                        self._shrink(pages, int(ceil_div(most, self.page_size).max()))
         self.lengths = new_lengths
-        self._most = most
+        self._most, self._kept = most, kept
 
-    def _place(self, kb: Any, vb: Any, given: np.ndarray, qb: Any | None) -> None:
-        """One append over every pair at once (module doc): decide, evict, place, write."""
+    def _moves(self, given: np.ndarray, kept: np.ndarray, voted: bool) -> int | None:
+        """Tokens per pair ``_close_up`` may move at this append, or None where it is not
+        needed: a per-head budget evicts a pair's oldest or lowest-scored tokens but its kept
+        count never falls, so new tokens refill its holes (module doc); a shared budget or a
+        vote can shrink a pair and leave holes anywhere. A pair holds fewer than page_size
+        holes before the append (the invariant ``_close_up`` keeps) plus the tokens evicted
+        from its sequence (what it kept and was given, less what it keeps), and moves at most
+        that many."""
+        if not self._evicts(voted) or (self._shared is None and not voted):
+            return None
+        evicted = int((self._kept + self.kv_heads * given - kept).max())
+        return min(self.width * self.page_size, self.page_size - 1 + evicted)
+
+    def _place(
+        self, kb: Any, vb: Any, given: np.ndarray, qb: Any | None, moves: int | None
+    ) -> None:
+        """One append over every pair at once (module doc): decide, evict, close up (at most
+        ``moves`` tokens per pair; None: no need), place, write."""
         xp, ps = self.xp, self.page_size
         batch, heads, t, head_dim = (int(d) for d in kb.shape)
         pairs, step, width = batch * heads, xp.arange(t), self.width
@@ -419,6 +510,8 @@ class KVCache:
             slot, in_table = self._slots(last, xp.minimum(count, 1))
         else:
             compact, count, keep_new = self._evict(table, count, new_pos, kb, qb)
+            if moves is not None:
+                compact, count = self._close_up(compact, count, moves)
             slot, in_table = self._slots(compact[:, :width], count)
 
         # the kept incoming tokens go to the holes (table order, then offset), then new pages
@@ -490,6 +583,54 @@ class KVCache:
         compact[xp.arange(pairs)[:, None], column] = table
         self._push(xp.where(freed, table, EMPTY), freed)
         return compact, stay.sum(axis=1), keep_new
+
+    def _close_up(self, table: Any, count: Any, moves: int) -> tuple[Any, Any]:
+        """After an eviction that may leave holes anywhere in a pair (a shared budget, a vote):
+        keep its ceil(kept / page_size) fullest pages (ties: the earlier), move the tokens of
+        the others into their holes (at most ``moves`` per pair, slot order to slot order) and
+        push the emptied pages, so no pair holds a page's worth of holes and the pool sized by
+        the kept tokens (``_pages_needed``) always has a page to pop. The least-filled pages
+        hold no more tokens than there are holes, so ``moves`` (the holes' host bound) covers
+        them. table [pairs, width + 1] (the last column masked) and count [pairs], as
+        ``_evict`` returns them; returns the same, closed up. Device only."""
+        xp, ps = self.xp, self.page_size
+        pairs, width = table.shape[0], table.shape[1] - 1
+        rows = xp.arange(pairs)[:, None]
+        flat_pos = self.slot_pos.reshape(-1)
+        slot, in_table = self._slots(table[:, :width], count)
+        used = in_table & (flat_pos[slot] != EMPTY)
+        fill = used.reshape(pairs, width, ps).sum(axis=2)
+        in_page = in_table.reshape(pairs, width, ps)[:, :, 0]
+        by_fill = xp.argsort(xp.where(in_page, -fill, 1), axis=1, **stable_kind(xp))
+        rank = xp.empty((pairs, width), dtype=xp.int64)
+        rank[rows, by_fill] = xp.arange(width)
+        stay = in_page & (rank < ceil_div(fill.sum(axis=1), ps)[:, None])
+        leave = in_page & ~stay
+
+        def first(mask: Any) -> Any:  # [pairs, moves]: the first slots where mask, then SPARE
+            at = xp.cumsum(mask, axis=1) - 1
+            out = xp.full((pairs, moves + 1), SPARE, dtype=xp.int64)
+            out[rows, xp.where(mask & (at < moves), at, moves)] = slot
+            return out[:, :moves]
+
+        source = first(xp.repeat(leave, ps, axis=1) & used)
+        moved = xp.arange(moves)[None, :] < (source != SPARE).sum(axis=1)[:, None]
+        target = xp.where(moved, first(xp.repeat(stay, ps, axis=1) & ~used), SPARE)
+        source, target = source.reshape(-1), target.reshape(-1)
+        head_dim = self.head_dim
+        for pages in (self.k_pages, self.v_pages):
+            pages.reshape(-1, head_dim)[target] = pages.reshape(-1, head_dim)[source]
+        emptied = xp.where(moved.reshape(-1), source, SPARE)
+        flat_pos[target] = flat_pos[source]
+        flat_pos[emptied] = EMPTY
+        if self.slot_score is not None:  # an empty slot scores 0, as after an eviction
+            flat_score = self.slot_score.reshape(-1)
+            flat_score[target] = flat_score[source]
+            flat_score[emptied] = 0.0
+        closed = xp.full((pairs, width + 1), EMPTY, dtype=xp.int32)
+        closed[rows, xp.where(stay, xp.cumsum(stay, axis=1) - 1, width)] = table[:, :width]
+        self._push(xp.where(leave, table[:, :width], EMPTY), leave)
+        return closed, stay.sum(axis=1)
 
     def _vote(self, slot: Any, new_pos: Any, kb: Any, qb: Any, positions: Any) -> Any:
         """The policy's vote over the candidates (kept slots ``slot``, then the incoming

@@ -127,6 +127,12 @@ class Policy:
         """Most tokens each kv head keeps (None: no limit)."""
         return None
 
+    def shared_budget(self) -> int | None:
+        """Tokens per sequence the kv heads share (a head-adaptive budget), or None: the cache
+        sizes its pool by this total, not by each head's most."""
+        budget = getattr(self, "budget", None)
+        return budget.total if isinstance(budget, HeadAdaptive) else None
+
     def check_queries(self, given: np.ndarray, lengths: np.ndarray) -> None:
         """Refuse (ValueError) an append of ``given`` tokens per sequence, bringing them to
         ``lengths``, whose queries do not hold what ``vote`` reads (host arrays; only called
@@ -289,8 +295,9 @@ class HeavyHitters(Policy):
         return _head_budgets(self.budget, self._budget, self.kv_heads, self.recent)
 
     def keep(self, xp, lengths, positions, scores, budgets):
-        total = None if self._budget is not None else self.budget.total
-        return _keep_best(xp, lengths, positions, scores, self.recent, budgets, total)
+        return _keep_best(
+            xp, lengths, positions, scores, self.recent, budgets, self.shared_budget()
+        )
 
     def __repr__(self) -> str:
         return f"HeavyHitters(budget={self.budget!r}, recent={self.recent})"
@@ -420,8 +427,9 @@ class SnapKV(Policy):
     def keep(self, xp, lengths, positions, scores, budgets):
         if scores is None:  # an append without queries keeps everything
             return positions != EMPTY
-        total = None if self._budget is not None else self.budget.total
-        return _keep_best(xp, lengths, positions, scores, self.window, budgets, total)
+        return _keep_best(
+            xp, lengths, positions, scores, self.window, budgets, self.shared_budget()
+        )
 
     def __repr__(self) -> str:
         return (

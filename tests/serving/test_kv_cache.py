@@ -197,38 +197,103 @@ def test_evicted_pages_are_reused_and_the_pool_stops_growing():
     assert h2o.page_tables()[1][0, 0] <= 3 and h2o.num_pages == 3  # its budget's pages, never grew
 
 
-@pytest.mark.parametrize("page", [1, 16])
-@pytest.mark.parametrize(
-    "policy",
-    [
-        P.SlidingWindow(32),
-        P.StreamingLLM(4, 28),
-        P.HeavyHitters(32, 8),
-        P.SlidingWindow([8, 40]),
-        P.HeavyHitters([12, 44], 4),
-    ],
-    ids=["sliding", "streaming", "h2o", "per-head", "h2o-per-head"],
-)
-def test_a_budgeted_cache_holds_memory_for_its_budget(policy, page):
+# name: per-layer policies (pyramid: one per layer, from policies.pyramid budgets)
+BUDGETED = {
+    "sliding": lambda: [P.SlidingWindow(32)],
+    "sliding-per-head": lambda: [P.SlidingWindow([8, 40])],
+    "streaming": lambda: [P.StreamingLLM(4, 28)],
+    "h2o": lambda: [P.HeavyHitters(32, 8)],
+    "h2o-per-head": lambda: [P.HeavyHitters([12, 44], 4)],
+    "h2o-head-adaptive": lambda: [P.HeavyHitters(P.head_adaptive(64), 4)],
+    "snapkv": lambda: [P.SnapKV(32, 8)],
+    "snapkv-per-head": lambda: [P.SnapKV([16, 48], 8)],
+    "snapkv-head-adaptive": lambda: [P.SnapKV(P.head_adaptive(64), 8)],
+    "pyramid-h2o": lambda: [P.HeavyHitters(b, 2) for b in P.pyramid(128, 4)],
+    "pyramid-snapkv": lambda: [P.SnapKV(P.head_adaptive(2 * b), 4) for b in P.pyramid(96, 3)],
+}
+MEASURED = {0, 1, 2, 5, 20, 100, 150, 151, 200, 299}  # decode steps nbytes is checked after
+
+
+def _kept_tokens(cache):
+    """Tokens the cache's budget lets it keep over its sequences (the shared total of a
+    head-adaptive budget, else the kv heads' budgets), or the tokens it keeps if more (SnapKV
+    keeps what decoding adds)."""
+    policy = cache.policy
+    budget = policy.shared_budget() or int(policy.budgets().sum())
+    return max(cache.batch * budget, int((cache.positions() >= 0).sum()))
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [("float64", 32), ("float32", 64)])
+@pytest.mark.parametrize("page", [1, 5, 16])
+@pytest.mark.parametrize("name", sorted(BUDGETED))
+def test_a_budgeted_cache_holds_memory_for_its_budget(name, page, dtype, head_dim):
     """nbytes follows the budget from the first step (issue: 574 KB held for 66 KB of kept
-    tokens): within 1.25x the kept tokens' bytes plus one page per (sequence, kv head), through a
-    long prefill, ragged lengths and 300 decode steps with GQA queries, and the pool never
-    grows."""
-    batch, kv_heads, head_dim = 2, 2, 32
-    cache = cuattn.KVCache(batch, kv_heads, head_dim, "float64", page_size=page, policy=policy)
-    budgets = policy.budgets()
-    kept_bytes = batch * int(budgets.sum()) * head_dim * 8 * 2  # K and V
-    bound = 1.25 * kept_bytes + batch * kv_heads * page * head_dim * 8 * 2
-    first = cache.num_pages
+    tokens): within 1.25x the kept tokens' bytes plus one page per (sequence, kv head), for
+    every budget kind (per head, shared by the heads, per layer), through a long ragged
+    prefill (SnapKV votes on it), decode steps with GQA queries (HeavyHitters scores them,
+    SnapKV keeps them) and a second vote; the pool never grows but as SnapKV's decoding adds
+    tokens."""
+    batch, kv_heads, item = 2, 2, np.dtype(dtype).itemsize
+    token_bytes = 2 * head_dim * item  # a key and a value
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((batch, kv_heads, 100, head_dim))
-    cache.append(x, x, lengths=[100, 57])
-    q = rng.standard_normal((batch, 2 * kv_heads, 1, head_dim))
-    for _ in range(300):
-        x = rng.standard_normal((batch, kv_heads, 1, head_dim))
-        cache.append(x, x)
-        cuattn.decode_attention(q, cache)
-        assert cache.num_pages == first and cache.nbytes <= bound
+    caches = [
+        cuattn.KVCache(batch, kv_heads, head_dim, dtype, page_size=page, policy=policy)
+        for policy in BUDGETED[name]()
+    ]
+    first = [cache.num_pages for cache in caches]
+
+    def append(cache, t, lengths=None):
+        x = rng.standard_normal((batch, kv_heads, t, head_dim)).astype(dtype)
+        q = rng.standard_normal((batch, 2 * kv_heads, t, head_dim)).astype(dtype)
+        cache.append(x, x, lengths=lengths, q=q if cache.policy.reads_queries and t > 1 else None)
+
+    def check(cache, pages):
+        bound = 1.25 * _kept_tokens(cache) * token_bytes
+        bound += batch * kv_heads * page * token_bytes
+        assert cache.nbytes <= bound
+        assert cache.num_pages == pages or cache.policy.reads_queries
+
+    for cache, pages in zip(caches, first, strict=True):
+        check(cache, pages)
+        append(cache, 100, lengths=[100, 57])
+        q = rng.standard_normal((batch, 2 * kv_heads, 1, head_dim)).astype(dtype)
+        for step in range(300):
+            append(cache, 8 if step == 150 else 1)  # SnapKV votes again at step 150
+            cuattn.decode_attention(q, cache)
+            if step in MEASURED:
+                check(cache, pages)
+
+
+def test_a_shared_budget_moving_between_heads_keeps_its_pages():
+    """A head-adaptive budget whose scores move from one kv head to the other: the losing
+    head evicts its tokens from everywhere (holes in every page) while the other takes new
+    pages. The pool sized by the shared total always has a page to pop, as each pair is
+    closed up to ceil(kept / page_size) pages, and every token stays where it belongs."""
+    batch, kv_heads, ps = 1, 2, 4
+    cache = cuattn.KVCache(
+        batch, kv_heads, D, "float32", page_size=ps, policy=P.HeavyHitters(P.head_adaptive(40), 1)
+    )
+    first = cache.num_pages
+    assert first == (40 + kv_heads * (ps - 1)) // ps  # 11, where per-head sizing took 20
+    rng = np.random.default_rng(12)
+    tokens = [[{} for _ in range(kv_heads)]]
+    kept = []
+    for step in range(120):
+        k = rng.standard_normal((batch, kv_heads, 40 if step == 0 else 1, D)).astype(np.float32)
+        for h in range(kv_heads):
+            for i in range(k.shape[2]):
+                tokens[0][h][int(cache.lengths[0]) + i] = k[0, h, i]
+        cache.append(k, k)
+        table, count = cache.page_tables()
+        favoured = 0 if step < 60 else 1  # its tokens outscore all the other's (at random)
+        for h in range(kv_heads):
+            pages = table[0, h, : count[0, h]]
+            boost = 100.0 ** (1 + favoured) if h == favoured else rng.random((len(pages), ps))
+            cache.slot_score[pages] += boost
+        _check_pool(cache, tokens)
+        assert cache.num_pages == first
+        kept.append([int((p >= 0).sum()) for p in cache.positions()[0]])
+    assert kept[59][0] > 30 and kept[-1][1] > 30  # the budget did move between the heads
 
 
 def _state(cache):
@@ -342,26 +407,33 @@ def _steps(rng, batch, kv_heads, steps=16):
 
 def _check_pool(cache, tokens):
     """Every real page is in exactly one table or on the free stack; a table page keeps a
-    token, a free page none; no pair holds more pages than the host bound the pool is sized
-    by; every kept slot holds the token appended at its position."""
+    token, a free page none; no pair holds a page's worth of holes (ceil(kept / page_size)
+    pages at most); every kept slot holds the token appended at its position. Returns the
+    pages the pool must hold by the host bound it is sized by: per sequence, the pairs'
+    ceil(min(length, budget) / page_size), or (kept + kv_heads * (page_size - 1)) // page_size
+    if fewer."""
     table, count = cache.page_tables()
     slot_pos = np.asarray(cache.slot_pos)
     free = list(np.asarray(cache.free_stack)[: int(np.asarray(cache.free_top)[0])])
-    held, bound = [], 0
+    held, bound, ps = [], 0, cache.page_size
     budgets = cache.policy.budgets() if cache.policy is not None else None
     for b in range(cache.batch):
+        per_pair, kept = 0, 0
         for h in range(cache.kv_heads):
             pages = list(table[b, h, : count[b, h]])
             assert (table[b, h, count[b, h] :] == -1).all()
             assert all((slot_pos[p] >= 0).any() for p in pages)
+            kept_here = int((slot_pos[pages] >= 0).sum()) if pages else 0
+            assert len(pages) <= -(-kept_here // ps)
             most = cache.lengths[b] if budgets is None else min(cache.lengths[b], budgets[h])
-            bound += -(-most // cache.page_size)
-            assert len(pages) <= -(-most // cache.page_size)
+            per_pair += -(-most // ps)
+            kept += kept_here
             for p in pages:
                 for o in np.flatnonzero(slot_pos[p] >= 0):
                     want = tokens[b][h][slot_pos[p, o]]
                     np.testing.assert_array_equal(cache.k_pages[p, o], want)
             held += pages
+        bound += min(per_pair, (kept + cache.kv_heads * (ps - 1)) // ps)
     assert sorted(held + free) == list(range(1, cache.num_pages + 1))  # page 0: the spare
     assert all((slot_pos[p] == -1).all() for p in free)
     return bound

@@ -176,8 +176,10 @@ def test_decode_on_the_kernels_after_a_prefill():
 
 
 def test_appending_with_queries_reads_nothing_back(monkeypatch):
-    """The vote runs in whole-array operations on the cache's device: a cache whose arrays
-    refuse to reach the host keeps what a plain NumPy cache keeps."""
+    """The vote runs in whole-array operations on the cache's device, and so do the
+    close-up after it, the growth as decoding adds tokens and the smaller pool a second vote
+    leaves: a cache whose arrays refuse to reach the host keeps what a plain NumPy cache
+    keeps, at every step."""
     from cuattn.serving import cache as cache_module
     from tests.serving.test_kv_cache import _DeviceModule
 
@@ -191,6 +193,14 @@ def test_appending_with_queries_reads_nothing_back(monkeypatch):
         cache.append(k[:, :, :10], k[:, :, :10])
         cache.append(k[:, :, 10:], k[:, :, 10:], lengths=[20, 15], q=q[:, :, 10:])
     np.testing.assert_array_equal(device.positions(), plain.positions())
+    first = plain.num_pages
+    for step in range(40):
+        t = 5 if step == 30 else 1  # decoding grows the pool, a second vote shrinks it
+        for cache in (plain, device):
+            cache.append(k[:, :, :t], k[:, :, :t], q=q[:, :, :t] if t > 1 else None)
+        np.testing.assert_array_equal(device.positions(), plain.positions())
+        assert device.num_pages == plain.num_pages
+        assert (plain.num_pages > first) == (step != 30)
 
 
 def test_bad_arguments_are_refused_by_name():

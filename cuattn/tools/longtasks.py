@@ -29,6 +29,16 @@ from the token before it): one trial (context 256, 4 pairs of 8 keys, batch 16, 
 3e-3) was at 11 % held-out exact match after 950 steps. The fused tokens with 4 pairs of 8 keys
 were at 5-12 % after 1200 steps at context 256 and 2050 at 128, so the task keeps 2 pairs of 4
 keys, which one trial at context 128 (batch 32) learned to 92-98 % from step 2000.
+
+Copy: a span of ``COPY_LEN`` random digits at a chosen depth in filler, and the question at the
+end; the answer is the whole span, in order, in plain digits. Its digits are written as the
+passkey's are, with a token of their place (place j, digit d; places of their own, so the
+passkey's vocabulary stays as it was), found by content in one hop. What the copy adds is
+length: the span is an eighth of the default context, longer than the smallest budget (10 %),
+and every one of its tokens is needed, so a policy keeps all of a long contiguous span or
+fails the prompt; and only the first answer digit comes from the prefill, the other
+``COPY_LEN - 1`` from decode steps over what the cache keeps. Digits repeat (unlike the
+passkey's), so no digit can be inferred from the others.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ __all__ = [
     "LongTask",
     "exact_match",
     "needle_start",
+    "copy_prompts",
     "passkey_prompts",
     "recall_prompts",
     "value_tokens",
@@ -74,6 +85,11 @@ RECALL_VOCAB = VALUE + DIGITS * VALUE_DIGITS * RECALL_KEYS
 PAIR_SPAN = 1 + VALUE_DIGITS  # a key token, then its value
 RECALL_QUESTION = 2  # the asked key, then ASK
 
+# copy: the recall vocabulary plus the span's placed digits, the earlier tasks' ids unchanged
+COPY_LEN = 16  # digits in the span and the answer
+COPY = RECALL_VOCAB  # place j, digit d of the span is COPY + DIGITS * j + d
+COPY_VOCAB = COPY + DIGITS * COPY_LEN
+
 
 def needle_start(
     depth: np.ndarray, prompt_len: int, span: int = PASSKEY_DIGITS, question: int = 1
@@ -93,13 +109,31 @@ def passkey_prompts(
     prompt_len = context - PASSKEY_DIGITS + 1
     if prompt_len < PASSKEY_DIGITS + 1:
         raise ValueError(f"context={context} cannot hold a {PASSKEY_DIGITS}-digit passkey prompt")
+
+    def distinct_digits() -> np.ndarray:
+        return np.stack([rng.permutation(DIGITS)[:PASSKEY_DIGITS] for _ in range(count)])
+
+    return _placed_span(rng, count, prompt_len, depth, distinct_digits, PLACED)
+
+
+def _placed_span(
+    rng: np.random.Generator,
+    count: int,
+    prompt_len: int,
+    depth: np.ndarray | None,
+    digits: Callable[[], np.ndarray],
+    first: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts int64 [count, prompt_len], answers [count, span]): filler, the answers
+    ``digits()`` draws written as placed digits (place j, digit d: first + DIGITS * j + d) at
+    each prompt's ``depth`` (uniform at random when None), and ASK last."""
     if depth is None:
         depth = rng.random(count)
     prompts = rng.integers(FILLER, FILLER + FILLER_TOKENS, size=(count, prompt_len))
-    answers = np.stack([rng.permutation(DIGITS)[:PASSKEY_DIGITS] for _ in range(count)])
-    at = needle_start(depth, prompt_len)[:, None] + np.arange(PASSKEY_DIGITS)
-    placed = PLACED + DIGITS * np.arange(PASSKEY_DIGITS) + answers
-    np.put_along_axis(prompts, at, placed, axis=1)
+    answers = digits()
+    span = answers.shape[1]
+    at = needle_start(depth, prompt_len, span)[:, None] + np.arange(span)
+    np.put_along_axis(prompts, at, first + DIGITS * np.arange(span) + answers, axis=1)
     prompts[:, -1] = ASK
     return prompts, answers
 
@@ -148,6 +182,22 @@ def recall_prompts(
     return prompts, values[:, 0]
 
 
+def copy_prompts(
+    rng: np.random.Generator, count: int, context: int, depth: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts int64 [count, context - COPY_LEN + 1], answers int64 [count, COPY_LEN]): each
+    prompt's span of COPY_LEN placed digits at its ``depth`` (one per prompt; uniform at random
+    when None) in filler, then ASK. The answer is the span's digits."""
+    prompt_len = context - COPY_LEN + 1
+    if prompt_len < COPY_LEN + 1:
+        raise ValueError(f"context={context} cannot hold a {COPY_LEN}-digit copy prompt")
+
+    def any_digits() -> np.ndarray:
+        return rng.integers(0, DIGITS, size=(count, COPY_LEN))
+
+    return _placed_span(rng, count, prompt_len, depth, any_digits, COPY)
+
+
 def exact_match(predicted: np.ndarray, answers: np.ndarray) -> np.ndarray:
     """bool [count]: whether every answer token was predicted."""
     return (np.asarray(predicted) == np.asarray(answers)).all(axis=-1)
@@ -182,6 +232,7 @@ TASKS = {
         VALUE_DIGITS,
         f"the {VALUE_DIGITS}-digit value of 1 of {RECALL_PAIRS} keys",
     ),
+    "copy": LongTask("copy", copy_prompts, COPY_VOCAB, COPY_LEN, f"a {COPY_LEN}-digit span"),
 }
 
 

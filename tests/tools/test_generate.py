@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from cuattn.tools import generate, longtasks
 
@@ -135,15 +136,54 @@ def test_recall_prompt_asks_the_pair_at_its_depth():
     assert (answers >= 0).all() and (answers < longtasks.DIGITS).all()
 
 
-def test_generate_recall_smoke(tmp_path, capsys):
-    lines = _smoke_table("recall", tmp_path)
+def _kv_bytes(lines: list[str]) -> tuple[dict, int]:
+    """({(policy, budget): KV bytes} of a smoke table, a token's bytes over both layers)."""
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
     config = generate.PASSKEY_CONFIG
     per_token = config.head_dim * 4 * 2 * config.heads * len(config.layer_modes)
-    kv_bytes = {(r[0], r[1]): int(r[3]) for r in rows}
+    return {(r[0], r[1]): int(r[3]) for r in rows}, per_token
+
+
+def test_generate_recall_smoke(tmp_path, capsys):
+    kv_bytes, per_token = _kv_bytes(_smoke_table("recall", tmp_path))
     assert kv_bytes[("full cache", "-")] == SMOKE_CONTEXT * per_token  # prompt + the value fed back
     budget = int(min(generate.PASSKEY_SHARES) * SMOKE_CONTEXT)
     decoded = longtasks.VALUE_DIGITS - 1
     assert kv_bytes[("snapkv", str(budget))] == (budget + decoded) * per_token
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "tiny transformer on recall" in capsys.readouterr().out
+
+
+def test_copy_prompt_holds_the_span_at_its_depth():
+    rng = np.random.default_rng(7)
+    depth = np.array([0.0, 0.5, 1.0])
+    context = 48
+    prompts, answers = longtasks.copy_prompts(rng, depth.size, context, depth)
+    span = longtasks.COPY_LEN
+    prompt_len = context - span + 1
+    assert prompts.shape == (depth.size, prompt_len) and answers.shape == (depth.size, span)
+    starts = longtasks.needle_start(depth, prompt_len, span)
+    assert starts.tolist() == [0, (prompt_len - 1 - span) // 2, prompt_len - 1 - span]
+    assert (prompts[:, -1] == longtasks.ASK).all()
+    for prompt, answer, start in zip(prompts, answers, starts, strict=True):
+        place = np.arange(span)
+        written = prompt[start : start + span]
+        assert (written == longtasks.COPY + longtasks.DIGITS * place + answer).all()
+        rest = np.delete(prompt[:-1], start + place)
+        assert ((rest >= longtasks.FILLER) & (rest < longtasks.ASK)).all()  # filler only
+    assert (answers >= 0).all() and (answers < longtasks.DIGITS).all()
+    assert prompts.max() < longtasks.COPY_VOCAB
+    with pytest.raises(ValueError, match="context=20 cannot hold a 16-digit copy prompt"):
+        longtasks.copy_prompts(rng, 1, 20)
+
+
+def test_generate_copy_smoke(tmp_path, capsys):
+    kv_bytes, per_token = _kv_bytes(_smoke_table("copy", tmp_path))
+    assert kv_bytes[("full cache", "-")] == SMOKE_CONTEXT * per_token  # prompt + the span fed back
+    decoded = longtasks.COPY_LEN - 1  # all but the first answer digit are decode steps
+    for share in generate.PASSKEY_SHARES:
+        budget = int(share * SMOKE_CONTEXT)
+        assert kv_bytes[("sliding", str(budget))] == budget * per_token
+        assert kv_bytes[("snapkv", str(budget))] == (budget + decoded) * per_token
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "tiny transformer on copy" in capsys.readouterr().out

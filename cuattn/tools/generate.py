@@ -370,9 +370,7 @@ def _plot_long(rows: list[dict], path: Path, context: int, task: str) -> None:
     by_budget.set_xlabel(f"KV budget (% of the {context}-token context)")
     by_budget.set_ylabel(f"{task} exact match")
     by_budget.set_title("accuracy vs budget (all depths)")
-    by_depth.set_xlabel(
-        "needle (recall: asked pair, copy: span) depth (0: prompt start, 1: question)"
-    )
+    by_depth.set_xlabel("depth of the needle, asked pair or span (0: start, 1: question)")
     by_depth.set_title(f"accuracy vs depth at {DEPTH_PLOT_SHARE:.0%} budget")
     by_budget.legend(fontsize=8)
     fig.tight_layout()

@@ -231,9 +231,10 @@ class KVCache:
         for name, previous in keep.items():
             if previous is not None and previous.shape[0]:
                 getattr(self, name)[:] = previous[source]
-        self.slot_pos[source == SPARE] = EMPTY  # the free pages (the spare's means nothing)
+        free = (source == SPARE)[:, None]  # the free pages (and the spare: it means nothing)
+        self.slot_pos = xp.where(free, EMPTY, self.slot_pos)
         if self.slot_score is not None:
-            self.slot_score[source == SPARE] = 0.0
+            self.slot_score = xp.where(free, 0.0, self.slot_score)
         used = count.sum(keepdims=True).astype(xp.int64)
         self.free_top = pages - used
         table = xp.where(in_table, renumbered, EMPTY).astype(xp.int32)[:, :width]

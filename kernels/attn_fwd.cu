@@ -167,9 +167,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     float s_frag[M_FRAGS][TILE_N / 8][4] = {};
     if (computes) {
       warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
-#pragma unroll
-      for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
+      // the plain kernels keep q.k as it is: their scale rides in the softmax (row_probs)
       if constexpr (MODS == MODS_SCORE) {
+#pragma unroll
+        for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
         if (score_scale.alibi_log2 != 0.f) {
           alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
         }
@@ -203,20 +204,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
           for (int j = 0; j < TILE_N / 8; ++j) {
             tile_max = fmaxf(tile_max, fmaxf(s_frag[m][j][2 * r], s_frag[m][j][2 * r + 1]));
           }
-          const float m_new = fmaxf(m_i[m][r], quad_max(tile_max));
+          const float m_new = fmaxf(m_i[m][r], scaled_max<MODS>(quad_max(tile_max), score_scale));
           // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
           // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
           const float m_base = m_new == -INFINITY ? 0.f : m_new;
           const float alpha = exp2f(m_i[m][r] - m_base);
-          float row_sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < TILE_N / 8; ++j) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              s_frag[m][j][2 * r + c] = exp2f(s_frag[m][j][2 * r + c] - m_base);
-              row_sum += s_frag[m][j][2 * r + c];
-            }
-          }
+          const float row_sum = row_probs<MODS, TILE_N>(s_frag[m], r, score_scale, m_base);
           l_i[m][r] = l_i[m][r] * alpha + row_sum;
           m_i[m][r] = m_new;
 #pragma unroll

@@ -47,6 +47,13 @@ PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
 
 
+def modifier_variant(mods: ScoreMods, scale: float) -> bool:
+    """Whether a block-kernel call runs the score-modifier variant (MODS_SCORE): with a
+    modifier, and for a scale that is not positive, since the plain kernels fold their scale
+    into the softmax's exp2 FMA, which a positive scale allows (kernels/common/score_tile.cuh)."""
+    return mods.any or not scale > 0
+
+
 def kernel_layout(layout: Layout) -> Layout:
     """The layout the kernels walk: ``layout`` itself, or for a block size below the smallest
     kernel block (8) the same elements on the smallest kernel block, built once per layout."""
@@ -305,7 +312,7 @@ class KernelBackend:
                 n_q,
                 layout.blocksize,
                 layout.rule.kind,
-                mods.any,
+                modifier_variant(mods, scale),
                 geometry.pairs_rows("attn_fwd", layout.blocksize, head_dim, dtype)
                 and layout_pairs_rows(layout),
             )
@@ -433,7 +440,11 @@ class KernelBackend:
             # dK, dV per query head; with kv_group == 1 that is already k's shape.
             dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
             tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta}
-            variant = {"block": layout.blocksize, "rule": layout.rule.kind, "mods": mods.any}
+            variant = {
+                "block": layout.blocksize,
+                "rule": layout.rule.kind,
+                "mods": modifier_variant(mods, scale),
+            }
             biases = {**self._alibi_values(alibi_slopes), **self._key_bias_values(key_bias)}
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias)

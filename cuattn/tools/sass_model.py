@@ -103,6 +103,8 @@ PARTIAL_TILE_CODE = (
     ColdRegion("function", "zero_columns_past"),
     # a forward warp's own coverage of a partial tile (walk.cuh's warp_view)
     ColdRegion("statement", "warp_view", r":\s*coverage_of"),
+    # the forward's rows whose max score is past SCALE_FOLD_MAX (score_tile.cuh): no model's
+    ColdRegion("function", "huge_score_probs", partial=False),
 )
 # The dK/dV step's lse/delta loads: `for (int i = tid; i < TILE...; i += NUM_THREADS)` over the
 # step's query rows, which only the first TILE / 32 warps enter (see _Counter.strided_weight).

@@ -200,7 +200,7 @@ __device__ __forceinline__ void key_bias_frags(float (&s)[M_FRAGS][N / 8][4], co
 
 // A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
 // allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a
-// plain multiply.
+// plain multiply. (The forward's plain kernels skip it: row_probs.)
 template <int MODS, int N>
 __device__ __forceinline__ void score_tile(float (&s)[N / 8][4], const ScoreScale& sc) {
 #pragma unroll
@@ -213,6 +213,67 @@ __device__ __forceinline__ void score_tile(float (&s)[N / 8][4], const ScoreScal
       }
     }
   }
+}
+
+// The forward's plain kernels (MODS_NONE) keep q.k as the mma made it: their scale is positive
+// (the host sends any other to the score-modifier variant, backends/kernels.modifier_variant),
+// so the row max of the scores is the scale times the max of the values (rounding is monotone:
+// bit for bit), and exp2(score - max) is one FFMA, fma(q.k, scale * log2(e), -max), where
+// scaling first costs an FMUL and an FADD. The FMA's exact product leaves the row's largest
+// score a residual of up to half an ulp of the max instead of 0; below this magnitude of the
+// max (log2 domain) that is under 2^-15, a score's own rounding. Rows past it (scores no model
+// makes, but finite) take the unfolded order, huge_score_probs: exactly the variant's rounding.
+constexpr float SCALE_FOLD_MAX = 512.f;
+
+// What multiplies a tile's values to make them log2-domain scores: 1 where score_tile scaled
+// them already (the variant), scale * log2(e) in the plain forward.
+template <int MODS>
+__device__ __forceinline__ float score_factor(const ScoreScale& sc) {
+  return MODS == MODS_SCORE ? 1.f : sc.factor;
+}
+
+// The log2-domain max of a tile row from the max of its values. -inf stays -inf.
+template <int MODS>
+__device__ __forceinline__ float scaled_max(float value_max, const ScoreScale& sc) {
+  return value_max * score_factor<MODS>(sc);
+}
+
+// Row r's probabilities exp2(score - base) in place (elements 2r, 2r + 1 of each n-tile of a
+// fragment), scores rounded first: the exact order past SCALE_FOLD_MAX (and for a NaN or
+// infinite base, where it gives what the variant gives). Returns their sum.
+template <int N>
+__device__ __forceinline__ float huge_score_probs(float (&s)[N / 8][4], int r, float factor,
+                                               float base) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      s[j][2 * r + c] = exp2f(__fmul_rn(s[j][2 * r + c], factor) - base);  // not contracted
+      sum += s[j][2 * r + c];
+    }
+  }
+  return sum;
+}
+
+// Row r's probabilities exp2(score - base) of a forward tile in place; returns their sum.
+template <int MODS, int N>
+__device__ __forceinline__ float row_probs(float (&s)[N / 8][4], int r, const ScoreScale& sc,
+                                           float base) {
+  const float factor = score_factor<MODS>(sc);
+  if (MODS == MODS_NONE && !(fabsf(base) < SCALE_FOLD_MAX)) {
+    return huge_score_probs<N>(s, r, factor, base);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      s[j][2 * r + c] = exp2f(fmaf(s[j][2 * r + c], factor, -base));
+      sum += s[j][2 * r + c];
+    }
+  }
+  return sum;
 }
 
 // The softcap's derivative d(capped score) / d(scaled score) = 1 - tanh^2 from a capped log2

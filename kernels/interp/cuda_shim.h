@@ -662,6 +662,8 @@ inline int atomicAdd(int* address, int value) {
 
 inline float __expf(float x) { return std::exp(x); }
 inline float __exp2f(float x) { return std::exp2(x); }
+// x86-64's baseline (the interpreter's build) has no FMA: a product is never contracted.
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __int_as_float(int x) { return std::bit_cast<float>(x); }

@@ -149,3 +149,22 @@ def test_no_mods_runs_the_plain_kernels():
     assert plain.name_expression.endswith("MODS_NONE>")
     assert capped.name_expression.endswith("MODS_SCORE>")
     assert plain.group != capped.group  # a call without modifiers never builds their library
+
+
+def test_a_scale_that_is_not_positive_runs_the_variant(mods_kernels):
+    """The plain kernels fold a positive scale into the forward's exp2 FMA; a negative or zero
+    scale (the softmax favouring the smallest scores; uniform attention) runs the variant,
+    which scales each score first, and matches the reference."""
+    from cuattn.backends.kernels import modifier_variant
+
+    assert not modifier_variant(NO_MODS, 0.125)
+    assert modifier_variant(NO_MODS, -0.125) and modifier_variant(NO_MODS, 0.0)
+    n = n_ctx_for(16)
+    layout = make_test_layout("causal", 16, n)
+    q, k, v, dout = _inputs((1, HEADS, n, HEAD_DIM), "float32", seed=21)
+    for scale in (-0.3, 0.0):
+        out, lse = interp.forward(q, k, v, layout, scale)
+        ref_out, ref_lse = REFERENCE.forward(q, k, v, layout, scale)
+        assert rel_err(out, ref_out) <= TOLERANCE["float32"]
+        empty = np.isneginf(ref_lse)
+        assert rel_err(lse[~empty], ref_lse[~empty]) <= TOLERANCE["float32"]

@@ -394,6 +394,13 @@ HUGE_HEAD_STEP_TILE = 32
 HUGE_HEAD_STEP_TILE_FP32 = 16
 HUGE_HEAD_OWN_TILE_FP32 = 32
 HUGE_HEAD_DKDV_SPLITS = 2
+# The score-modifier variant (softcap, ALiBi, key bias) keeps a few more values per lane than
+# the plain kernels; where those sit at the register limit it takes smaller tiles (ptxas on
+# sm_80 and sm_90, every instantiation, 2026-11-26: 8-96 bytes of spill otherwise): the 128-block
+# forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
+# dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
+# dim 80 on (at least 16 rows); dQ is not capped for three CTAs per SM (BWD_DQ_MIN_CTAS).
+MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
 
 
 def pairs_rows(kernel: str, block: int, head_dim: int, dtype: str) -> bool:
@@ -407,10 +414,21 @@ def pairs_rows(kernel: str, block: int, head_dim: int, dtype: str) -> bool:
 
 
 def tile_sizes(
-    kernel: str, block: int, head_dim: int, dtype: str, paired: bool = False
+    kernel: str, block: int, head_dim: int, dtype: str, paired: bool = False, mods: bool = False
 ) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of a block kernel: rows per CTA, columns per shared-memory
-    tile, warps per CTA. ``paired``: the forward's two-block CTAs (``pairs_rows``)."""
+    tile, warps per CTA. ``paired``: the forward's two-block CTAs (``pairs_rows``); ``mods``:
+    the score-modifier variant (its smaller tiles: MODS_DKDV_HALF_STEP_FROM_HEAD_DIM)."""
+    own, step, warps = _plain_tile_sizes(kernel, block, head_dim, dtype, paired, mods)
+    if mods and kernel == "attn_bwd_dkdv" and head_dim >= MODS_DKDV_HALF_STEP_FROM_HEAD_DIM:
+        step = max(step // 2, MMA_ROWS)
+    return own, step, warps
+
+
+def _plain_tile_sizes(
+    kernel: str, block: int, head_dim: int, dtype: str, paired: bool, mods: bool
+) -> tuple[int, int, int]:
+    """tile_sizes before the score-modifier variant's halved dK/dV step."""
     if paired:
         assert pairs_rows(kernel, block, head_dim, dtype), (kernel, block, head_dim, dtype)
         return 2 * block, block, 2 * block // MMA_ROWS
@@ -418,10 +436,13 @@ def tile_sizes(
         fp32 = dtype == "float32"
         backward = kernel != "attn_fwd"
         own_tile = (HUGE_HEAD_OWN_TILE_FP32 if fp32 else BWD_OWN_TILE) if backward else FWD_MAX_TILE
+        if mods and fp32 and not backward:
+            own_tile = HUGE_HEAD_OWN_TILE_FP32
         own = min(block, own_tile)
         step = min(block, HUGE_HEAD_STEP_TILE_FP32 if fp32 and backward else HUGE_HEAD_STEP_TILE)
         return own, step, own // MMA_ROWS
-    if kernel == "attn_fwd" and dtype != "float32" and block >= FWD_WIDE_MIN_BLOCK:
+    wide = kernel == "attn_fwd" and dtype != "float32" and block >= FWD_WIDE_MIN_BLOCK
+    if wide and not (mods and head_dim >= LARGE_HEAD_DIM):
         tile_n = FWD_WIDE_TILE_N_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else FWD_MAX_TILE
         return FWD_WIDE_TILE_M, tile_n, FWD_WIDE_TILE_M // FWD_WIDE_ROWS_PER_WARP
     if kernel == "attn_fwd":
@@ -510,7 +531,7 @@ class KernelConfig(_Launch):
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
-                self.kernel, self.block, self.head_dim, self.dtype, self.paired
+                self.kernel, self.block, self.head_dim, self.dtype, self.paired, self.mods
             )
             if self.kernel == "attn_fwd":
                 scratch = 0 if half else 16 * (tile_n + 4)
@@ -540,8 +561,9 @@ class KernelConfig(_Launch):
 
     @property
     def min_ctas(self) -> int:
-        """CTAs per SM the kernel's registers are capped for (dQ only; 1 elsewhere)."""
-        if self.kernel != "attn_bwd_dq":
+        """CTAs per SM the kernel's registers are capped for (dQ's plain kernels only; 1
+        elsewhere)."""
+        if self.kernel != "attn_bwd_dq" or self.mods:
             return 1
         return BWD_DQ_MIN_CTAS.get((self.head_dim, self.dtype), 1)
 

@@ -701,6 +701,7 @@ def sparse_attention_varlen(
     *,
     softcap: float | None = None,
     alibi_slopes: Any = None,
+    key_bias: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
@@ -715,7 +716,8 @@ def sparse_attention_varlen(
     optional and only checked; ``softcap`` as in :func:`sparse_attention`; ``alibi_slopes``
     float32 [heads] (one slope per head for every sequence) where each sequence's queries are its
     keys (cu_seqlens_q equal to cu_seqlens_k), so that ALiBi's distances are the sequence's own
-    |i - j|. Returns ``out``
+    |i - j|; ``key_bias`` float32 [total_k] or [heads, total_k] (each sequence's keys' bias, at
+    their packed positions). Returns ``out``
     [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
 
     The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
@@ -744,6 +746,18 @@ def sparse_attention_varlen(
             f"alibi_slopes of a varlen call must have shape [heads] = ({int(q.shape[1])},), one "
             f"slope per head for every sequence, got {tuple(_dims(alibi_slopes))}"
         )
+    if key_bias is not None:
+        total_k, heads = int(k.shape[0]), int(q.shape[1])
+        if not hasattr(key_bias, "shape") or tuple(_dims(key_bias)) not in (
+            (total_k,),
+            (heads, total_k),
+        ):
+            got = tuple(_dims(key_bias)) if hasattr(key_bias, "shape") else type(key_bias).__name__
+            raise ValueError(
+                f"key_bias of a varlen call must have shape [total_k] = ({total_k},) or [heads, "
+                f"total_k] = ({heads}, {total_k}), got {got}"
+            )
+        key_bias = key_bias.reshape((1,) + tuple(key_bias.shape))  # a batch of one: the packing
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
     result = sparse_attention(
         q4,
@@ -754,6 +768,7 @@ def sparse_attention_varlen(
         return_lse=return_lse,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        key_bias=key_bias,
         backend=backend,
     )
     out, lse = result if return_lse else (result, None)

@@ -171,3 +171,30 @@ def test_bad_key_bias_is_refused_before_anything_runs(key_bias, error, message):
     q, k, v, _, _ = _arrays(7)
     with pytest.raises(error, match=message):
         cuattn.sparse_attention(q, k, v, _layout(), key_bias=key_bias)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_varlen_equals_each_sequence_alone(per_head):
+    """A packed key bias [total_k] (or [heads, total_k]): each sequence gets its own keys'."""
+    rng = np.random.default_rng(8)
+    cu_q, cu_k = np.array([0, 17, 17, 40]), np.array([0, 23, 30, 56])
+    q = rng.standard_normal((int(cu_q[-1]), HEADS, HEAD_DIM))
+    k, v = (rng.standard_normal((int(cu_k[-1]), KV_HEADS, HEAD_DIM)) for _ in range(2))
+    key_bias = (rng.standard_normal((HEADS, 56) if per_head else (56,)) * 2).astype(np.float32)
+    key_bias[..., 20:23] = -np.inf  # the first sequence's last keys are padding
+
+    def layout(n_q, n_k):
+        return cuattn.make_layout("all", n_k, HEADS, BLOCK, n_q=n_q)
+
+    out = cuattn.sparse_attention_varlen(q, k, v, cu_q, cu_k, layout, key_bias=key_bias)
+    for s in range(len(cu_q) - 1):
+        (a, b), (c, d) = cu_q[s : s + 2], cu_k[s : s + 2]
+        if a == b or c == d:
+            continue
+        one = [x.transpose(1, 0, 2)[None] for x in (q[a:b], k[c:d], v[c:d])]
+        alone = cuattn.sparse_attention(
+            *one, layout(b - a, d - c), key_bias=np.ascontiguousarray(key_bias[..., c:d])[None]
+        )
+        np.testing.assert_allclose(out[a:b], alone[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match=r"key_bias of a varlen call must have shape \[total_k\]"):
+        cuattn.sparse_attention_varlen(q, k, v, cu_q, cu_k, layout, key_bias=key_bias[None])

@@ -254,7 +254,7 @@ def _check_key_bias(bias: Any, q: Any, batch: int, heads: int, n_k: int, layout:
             f"time_k] = ({batch}, {heads}, {n_k}), got {shape} (a [.., time_q, time_k] bias is "
             "O(T^2), which cuattn never builds)"
         )
-    _check_operand_kind("key_bias", bias, q, layout)
+    check_operand_kind("key_bias", bias, q, layout)
 
 
 def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object = None) -> None:
@@ -277,10 +277,10 @@ def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: obje
             f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = "
             f"({batch}, {heads}), got {tuple(shape)}"
         )
-    _check_operand_kind("alibi_slopes", slopes, q, layout)
+    check_operand_kind("alibi_slopes", slopes, q, layout)
 
 
-def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
+def check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
     """A score operand is q's kind of array (a cuattn.Tensor's library beside Tensors), for a
     layout (if any) in the natural token order."""
     library, q_library = array_library(x), array_library(q)

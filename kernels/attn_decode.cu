@@ -11,7 +11,8 @@
 //   A token counts for a row when its position slot_pos >= 0 (not evicted), <= the row's
 //   position (causal) and, with use_chosen, the row's Quest choice reads its page. A score is
 //   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0
-//   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position).
+//   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position), and
+//   with use_key_bias the key bias of the token's position, key_bias[b, (head,) position].
 //   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
 //   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
 //   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
@@ -135,7 +136,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
                       int page_size, int max_pages, int splits, int pages_per_split, float scale,
                       float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
-                      int alibi_batch_stride, int use_chosen, int keep_scores) {
+                      int alibi_batch_stride, const float* __restrict__ key_bias,
+                      int use_key_bias, long long key_bias_batch_stride,
+                      long long key_bias_head_stride, int use_chosen, int keep_scores) {
   using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int LPT = Traits::LANES_PER_TOKEN;
@@ -246,9 +249,10 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       const long long query_pos = first_query_pos + query_smem[i];
       if constexpr (MODS == MODS_SCORE) {
         if (softcap > 0.f) s[i] = softcap * tanhf(s[i] / softcap);  // Gemma 2's capped score
-        if (use_alibi) {  // the row's query head: kv_head * kv_group + row / t_q
-          const int head = kv_head * kv_group + (first_row + i) / t_q;
-          s[i] -= alibi_slopes[b * alibi_batch_stride + head] * float(query_pos - pos);
+        const int head = kv_head * kv_group + (first_row + i) / t_q;  // the row's query head
+        if (use_alibi) s[i] -= alibi_slopes[b * alibi_batch_stride + head] * float(query_pos - pos);
+        if (use_key_bias && pos >= 0) {  // an evicted slot (pos -1) counts for nothing anyway
+          s[i] += key_bias[b * key_bias_batch_stride + head * key_bias_head_stride + pos];
         }
       }
       bool counts = pos >= 0 && pos <= query_pos;

@@ -562,13 +562,15 @@ class KernelBackend:
         keep_scores: bool,
         resident_ctas: int,
         alibi_slopes: Any | None = None,
+        key_bias: Any | None = None,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
-        page count and not past them). ``mods``: the score modifiers (softcap, and ALiBi with
-        ``alibi_slopes``, float32 [heads] or [batch, heads]). Shapes as the
+        page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
+        ``alibi_slopes``, float32 [heads] or [batch, heads], and ``key_bias``, float32 [batch,
+        time_k] or [batch, heads, time_k] by token position). Shapes as the
         kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
         against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
@@ -644,6 +646,7 @@ class KernelBackend:
                 scale=scale,
                 softcap=mods.softcap,
                 **self._alibi_values(alibi_slopes),
+                **self._key_bias_values(key_bias),
                 use_chosen=int(use_chosen),
                 keep_scores=int(keep_scores),
             )

@@ -186,6 +186,7 @@ def kernel_call(
     keep_scores: bool = False,
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
+    key_bias: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
     (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
@@ -204,11 +205,12 @@ def kernel_call(
         keep_scores,
         _resident_ctas(impl, cache.head_dim, cache.dtype),
         alibi_slopes,
+        key_bias,
     )
 
 
 def _kernel_decode(
-    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods, slopes: Any | None
+    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods, operands: tuple
 ) -> tuple[Any, Any]:
     quest = cache.policy is not None and cache.policy.selects_pages
     keep_scores = cache.policy is not None and cache.policy.scores_tokens
@@ -216,7 +218,7 @@ def _kernel_decode(
     if quest:
         table, count = cache.device_tables()
         chosen = _quest_chosen(cache, qb, table, count)
-    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods, slopes)
+    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods, *operands)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)
     return out, lse
@@ -230,6 +232,7 @@ def decode_attention(
     *,
     softcap: float | None = None,
     alibi_slopes: Any = None,
+    key_bias: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
@@ -240,7 +243,9 @@ def decode_attention(
     on float64; -inf where nothing is attended). ``alibi_slopes`` (float32 [heads] or [batch,
     heads], q's kind of array) adds ALiBi's ``-slope * (query position - token position)``
     after the cap, with the positions the cache keeps (an evicted token's neighbours keep their
-    distance); Quest's page bounds leave it out. ``backend``: "numpy" (the reference, default
+    distance); ``key_bias`` (float32 [batch, time_k] or [batch, heads, time_k], time_k at least
+    the longest sequence) adds key_bias[b, (h,) position] to each kept token's score. Quest's
+    page bounds leave both out. ``backend``: "numpy" (the reference, default
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
@@ -250,25 +255,57 @@ def decode_attention(
         from cuattn.api import check_alibi_slopes
 
         check_alibi_slopes(alibi_slopes, q, int(q.shape[0]), int(q.shape[1]))
-        mods = ScoreMods(mods.softcap, alibi=True)
+    if key_bias is not None:
+        _check_key_bias(key_bias, q, cache)
+    if alibi_slopes is not None or key_bias is not None:
+        mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
-        slopes = (
-            None if alibi_slopes is None else dlpack.to_backend(alibi_slopes, info, "alibi_slopes")
+        operands = tuple(
+            None if x is None else dlpack.to_backend(x, info, name)
+            for name, x in (("alibi_slopes", alibi_slopes), ("key_bias", key_bias))
         )
         if impl.runs_kernels:
-            out, lse = _kernel_decode(impl, cache, qb, scale, mods, slopes)
+            out, lse = _kernel_decode(impl, cache, qb, scale, mods, operands)
         else:
-            out, lse = _reference(cache, qb, group, scale, mods, slopes)
+            out, lse = _reference(cache, qb, group, scale, mods, *operands)
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
 
 
+def _check_key_bias(key_bias: Any, q: Any, cache: KVCache) -> None:
+    """A decode call's key bias: float32 [batch, time_k] or [batch, heads, time_k] of q's kind
+    of array, time_k covering every position the cache holds."""
+    from cuattn.api import check_operand_kind
+
+    batch, heads = int(q.shape[0]), int(q.shape[1])
+    longest = int(cache.lengths.max(initial=0))
+    shape = tuple(int(d) for d in getattr(key_bias, "shape", ()))
+    if str(getattr(key_bias, "dtype", "")).replace("torch.", "") != "float32":
+        raise TypeError(
+            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k], got "
+            f"{type(key_bias).__name__} {getattr(key_bias, 'dtype', '')}"
+        )
+    if len(shape) < 2 or shape[:-1] not in ((batch,), (batch, heads)) or shape[-1] < longest:
+        raise ValueError(
+            f"key_bias must have shape [batch, time_k] = ({batch}, >= {longest}) or [batch, "
+            f"heads, time_k] = ({batch}, {heads}, >= {longest}) (time_k covering the cache's "
+            f"positions), got {shape}"
+        )
+    check_operand_kind("key_bias", key_bias, q, None)
+
+
 @_quiet_specials
 def _reference(
-    cache: KVCache, qb: Any, group: int, scale: float, mods: ScoreMods, slopes: Any | None
+    cache: KVCache,
+    qb: Any,
+    group: int,
+    scale: float,
+    mods: ScoreMods,
+    slopes: Any | None,
+    key_bias: Any | None,
 ) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf."""
@@ -296,6 +333,9 @@ def _reference(
                 slope = xp.broadcast_to(slopes, (batch, heads))[b, heads_of].astype(acc)
                 distance = xp.asarray((q_pos[:, None] - pos[None, :]).astype(np.float64))
                 s = s - slope[:, None, None] * distance.astype(acc)
+            if key_bias is not None:  # the bias of each kept token's position
+                rows = key_bias[b] if key_bias.ndim == 2 else key_bias[b, heads_of]
+                s = s + rows[..., xp.asarray(pos)].astype(acc)[..., None, :]
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)

@@ -229,13 +229,19 @@ def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
 
 
 def kept_attention(
-    cache: Any, q: Any, scale: float | None = None, softcap: float = 0.0, alibi_slopes: Any = None
+    cache: Any,
+    q: Any,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    key_bias: Any = None,
 ) -> np.ndarray:
     """float64 [batch, heads, t_q, head_dim] on the host: decode attention of q (each
     sequence's newest t_q positions, query head h on kv head h // (heads / kv_heads)) over
     exactly the tokens a ``cuattn.KVCache`` keeps (``cache.kept``), causal; ``softcap`` as for
     :func:`dense_attention`; ``alibi_slopes`` ([heads] or [batch, heads]) adds ALiBi's
-    ``-slope * (query position - token position)``."""
+    ``-slope * (query position - token position)``, ``key_bias`` ([batch, time_k] or [batch,
+    heads, time_k]) the bias of each token's position."""
     q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
     batch, heads, t_q, head_dim = q.shape
     group = heads // cache.kv_heads
@@ -250,10 +256,16 @@ def kept_attention(
             mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
             keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
             one = (q[b : b + 1, rows], keys[None, None], values[None, None])
-            bias = None
+            bias = np.zeros((1, group, 1, len(pos)))
             if alibi_slopes is not None:
                 slopes = np.broadcast_to(host_array(alibi_slopes), (batch, heads))[b, rows]
                 distance = (q_pos[:, None] - pos[None, :]).astype(np.float64)
-                bias = -slopes.astype(np.float64)[None, :, None, None] * distance
+                bias = bias - slopes.astype(np.float64)[None, :, None, None] * distance
+            if key_bias is not None:
+                kb = host_array(key_bias).astype(np.float64)
+                kb = np.broadcast_to(
+                    kb[b][None] if kb.ndim == 2 else kb[b, rows], (group, kb.shape[-1])
+                )
+                bias = bias + kb[:, pos][None, :, None, :]
             out[b, rows] = dense_attention(*one, mask, scale, softcap=softcap, bias=bias)[0][0]
     return out

@@ -143,6 +143,31 @@ def test_alibi_on_the_interpreter_and_the_reference(dtype, per_batch, monkeypatc
         cuattn.decode_attention(q, cache, alibi_slopes=np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize(("dtype", "per_head"), [("float32", True), ("bfloat16", False)])
+def test_key_bias_on_the_interpreter_and_the_reference(dtype, per_head, monkeypatch):
+    """key_bias= adds the bias of each kept token's position on both backends (several splits,
+    with a softcap and ALiBi too), over a cache that evicted the middle; -inf drops a token."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 16)
+    rng = np.random.default_rng(15)
+    slopes = cuattn.alibi_slopes(2)
+    for backend in ("interp", "numpy"):
+        cache = cuattn.KVCache(2, 1, 64, dtype, page_size=16, policy=P.StreamingLLM(4, 60))
+        q = _fill(cache, np.random.default_rng(16), np, steps=2, group=2, t_q=2, prefill=150)
+        longest = int(cache.lengths.max())
+        shape = (2, 2, longest + 3) if per_head else (2, longest + 3)
+        key_bias = (rng.standard_normal(shape) * 2).astype(np.float32)
+        key_bias[..., :2] = -np.inf  # the first two sinks drop
+        kw = dict(softcap=2.0, alibi_slopes=slopes, key_bias=key_bias)
+        out = cuattn.decode_attention(q, cache, backend=backend, **kw)
+        want = kept_attention(cache, q, 64**-0.5, **kw)
+        error = np.abs(out.astype(np.float64) - want).max()
+        assert error <= TOLERANCE[dtype] * np.abs(want).max(), backend
+        plain = kept_attention(cache, q, 64**-0.5, softcap=2.0, alibi_slopes=slopes)
+        assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()  # the bias matters
+    with pytest.raises(ValueError, match=r"time_k covering the cache's positions"):
+        cuattn.decode_attention(q, cache, key_bias=key_bias[..., :10])
+
+
 def test_alibi_decode_equals_the_full_forward():
     """Nothing evicted: decode's ALiBi is sparse_attention's end-aligned causal ALiBi."""
     cache = cuattn.KVCache(1, 2, 16, "float64", page_size=8)

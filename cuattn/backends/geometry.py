@@ -121,6 +121,19 @@ SCAN_CTAS = 2  # layout_scan: CTA 0 the rows (CSR), CTA 1 the columns (CSC)
 # scalars. Inputs q, k, v and dout come with the element strides of their batch, head and row
 # axes (their last axis is contiguous); every output is contiguous.
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
+# The score operands (backends/call.py SCORE_OPERANDS), read by the score-modifier variants only
+# (block and decode kernels): ALiBi's [batch, heads] float32 slopes at a batch stride (0: one
+# slope per head), and a per-key bias, float32 rows of keys at element strides of batch and
+# query head (0: one row for every head); each a one-element stand-in when its use_ flag is 0.
+_SCORE_OPERAND_ARGS = (
+    ("alibi_slopes", "ptr"),
+    ("use_alibi", "i32"),
+    ("alibi_batch_stride", "i32"),
+    ("key_bias", "ptr"),
+    ("use_key_bias", "i32"),
+    ("key_bias_batch_stride", "i64"),
+    ("key_bias_head_stride", "i64"),
+)
 _RULE_SCALARS = (
     ("n_q", "i32"),
     ("n_k", "i32"),
@@ -131,18 +144,7 @@ _RULE_SCALARS = (
     ("window_left", "i32"),
     ("window_right", "i32"),
     ("softcap", "f32"),
-    # ALiBi (read by the score-modifier variant only): [batch, heads] float32 slopes at this
-    # batch stride (0: one slope per head), or a one-element stand-in with use_alibi 0
-    ("alibi_slopes", "ptr"),
-    ("use_alibi", "i32"),
-    ("alibi_batch_stride", "i32"),
-    # a per-key bias (score-modifier variant only): float32 rows of n_k keys at these element
-    # strides of batch and query head (0: one row for every head), or a stand-in with
-    # use_key_bias 0
-    ("key_bias", "ptr"),
-    ("use_key_bias", "i32"),
-    ("key_bias_batch_stride", "i64"),
-    ("key_bias_head_stride", "i64"),
+    *_SCORE_OPERAND_ARGS,
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -211,13 +213,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("pages_per_split", "i32"),
         ("scale", "f32"),
         ("softcap", "f32"),
-        ("alibi_slopes", "ptr"),
-        ("use_alibi", "i32"),
-        ("alibi_batch_stride", "i32"),
-        ("key_bias", "ptr"),
-        ("use_key_bias", "i32"),
-        ("key_bias_batch_stride", "i64"),
-        ("key_bias_head_stride", "i64"),
+        *_SCORE_OPERAND_ARGS,
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
     ),

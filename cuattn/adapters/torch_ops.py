@@ -271,19 +271,28 @@ def _backward_arrays(q, k, v, out, lse, dout, *rest):
     return _backend.backward(q, k, v, out, lse, dout, *args, *operands)
 
 
-# attention_bwd's plain arguments (pattern .. index) before the score operands
-_BWD_PLAIN = 9
-
-
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *plain, alibi_slopes=None, key_bias=None):
-    # the operands come after the plain arguments, or as keywords
-    extra = (*plain[_BWD_PLAIN:], None, None)
-    operands = (
-        extra[0] if alibi_slopes is None else alibi_slopes,
-        extra[1] if key_bias is None else key_bias,
-    )
-    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in operands)
+def _attention_bwd_fake(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dlse,
+    pattern,
+    blocksize,
+    rule,
+    window_left,
+    window_right,
+    scale,
+    softcap,
+    backend,
+    index,
+    alibi_slopes=None,
+    key_bias=None,
+):
+    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in (alibi_slopes, key_bias))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *wrt
 
 

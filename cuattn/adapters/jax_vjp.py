@@ -69,18 +69,12 @@ def _device_target(backend: str | None) -> int | None:
     return target
 
 
-def _host_forward(call: AttentionCall, given: tuple, q, k, v, *present):
-    arrays = (np.asarray(x) for x in (q, k, v))
-    rebuilt = placed_operands([np.asarray(x) for x in present], given)
-    return _backend.forward(*arrays, call.layout, call.scale, call.backend, call.mods, *rebuilt)
+def _host_forward(call: AttentionCall, given: tuple, *arrays):
+    return _eager_forward(*(np.asarray(x) for x in arrays), given, call)
 
 
 def _host_backward(call: AttentionCall, given: tuple, *arrays):
-    host = [np.asarray(x) for x in arrays]
-    rebuilt = placed_operands(host[7:], given)
-    return _backend.backward(
-        *host[:6], call.layout, call.scale, call.backend, host[6], call.mods, *rebuilt
-    )
+    return _eager_backward(*(np.asarray(x) for x in arrays), given, call)
 
 
 def _forward(q, k, v, operands, call: AttentionCall):

@@ -106,11 +106,6 @@ def _distances(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
     return np.abs(q_pos[:, :, None] - k_pos[:, None, :]).astype(np.float64)
 
 
-def alibi_slopes_2d(slopes: np.ndarray, batch: int) -> np.ndarray:
-    """ALiBi slopes [heads] or [batch, heads] as [batch, heads] (a view)."""
-    return np.broadcast_to(slopes, (batch, slopes.shape[-1])) if slopes.ndim == 1 else slopes
-
-
 def modified_scores(s: Any, mods: ScoreMods, xp: Any) -> Any:
     """Scaled scores ``s`` (NumPy or CuPy, module ``xp``) with the score modifiers applied:
     softcap's ``softcap * tanh(s / softcap)``. The one statement of them for the references
@@ -300,7 +295,7 @@ def _slopes(alibi_slopes: np.ndarray | None, batch: int, acc: type) -> np.ndarra
     """The slopes as [B, H] in the accumulation dtype, or None."""
     if alibi_slopes is None:
         return None
-    return alibi_slopes_2d(alibi_slopes, batch).astype(acc)
+    return np.broadcast_to(alibi_slopes, (batch, alibi_slopes.shape[-1])).astype(acc)
 
 
 @_quiet_specials

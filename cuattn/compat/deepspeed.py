@@ -458,19 +458,17 @@ def _check_tensor(name: str, x: Any) -> None:
         )
 
 
-def _additive_key_bias(mask: Any, batch: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """An 'add' key padding mask that adds more than 0 and -inf: float32 (float64 for float64
-    queries) [batch, seq_len], the
-    per-key bias it adds after DeepSpeed's cast to the query's dtype (gradient kept); None when
-    it only keeps (0) and drops (-inf), which the layouts follow without a bias. Shapes and
-    NaN/+inf are _keep's to check and refuse."""
-    values = _mask_values("key_padding_mask", mask, (batch,), (n,), "[batch, seq_len]", dtype)
-    finite = torch.isfinite(values)
-    if bool(((values == 0) | (values == float("-inf"))).all()) or not bool(
-        (finite | (values == float("-inf"))).all()
-    ):
+def _additive_key_bias(values: torch.Tensor) -> torch.Tensor | None:
+    """The per-key bias an 'add' key padding mask adds (``_mask_values``: [batch, seq_len],
+    cast as DeepSpeed casts it, gradient kept), float32 (float64 beside float64 queries); None
+    when it only keeps (0) and drops (-inf), which the layouts follow without a bias, or holds
+    NaN or +inf, which ``_keep`` refuses. One read of two flags from the device."""
+    kept_or_dropped = (values == 0) | (values == float("-inf"))
+    refused = values.isnan() | (values == float("inf"))
+    plain, has_refused = torch.stack([(kept_or_dropped | refused).all(), refused.any()]).tolist()
+    if plain or has_refused:
         return None
-    return values.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
 
 
 def _mask_values(
@@ -499,25 +497,18 @@ def _mask_values(
     return mask.reshape(shape).to(dtype)
 
 
-def _keep(
-    name: str,
-    mask: Any,
-    mode: str,
-    head: tuple[int, ...],
-    tail: tuple[int, ...],
-    layout: str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """bool [*head, *tail] on the mask's device: where DeepSpeed's softmax keeps a key.
+def _keep(name: str, values: torch.Tensor, mode: str) -> torch.Tensor:
+    """bool, like ``values`` (a mask as ``_mask_values`` shapes and casts it), on its device:
+    where DeepSpeed's softmax keeps a key.
 
-    The mask is shaped ``head``, then any singleton dimensions (squeezed, as DeepSpeed does),
-    then ``tail``. Its values are read as DeepSpeed reads them: cast to the query's dtype first
-    (so in float16 -1e5 is -inf), then 'mul' drops where the value is 0 and keeps any other
-    value (its kernel adds ``where(m == 0, -inf, 0)``), and 'add' adds the value to the score,
-    which cuattn can follow only for 0 (keep) and -inf (drop). NaN is refused in both modes: it
-    would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'.
+    The values are read as DeepSpeed reads them after its cast to the query's dtype (so in
+    float16 -1e5 is -inf): 'mul' drops where the value is 0 and keeps any other value (its
+    kernel adds ``where(m == 0, -inf, 0)``), and 'add' adds the value to the score, which the
+    layouts can follow only for 0 (keep) and -inf (drop); other finite values of a key padding
+    mask are a key bias (``_additive_key_bias``) and never reach here. NaN is refused in both
+    modes: it would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'.
     """
-    values = _mask_values(name, mask, head, tail, layout, dtype).detach()
+    values = values.detach()
     if bool(values.isnan().any()):
         raise ValueError(
             f"{name} holds NaN; a mask must keep or drop each key ({name}_mode={mode!r} takes "
@@ -771,36 +762,29 @@ class SparseSelfAttention(nn.Module):
         n = seq_len
         band = None
         if attn_mask is not None:
-            keep_qk = _keep(
-                "attn_mask",
-                attn_mask,
-                self.attn_mask_mode,
-                (),
-                (n, n),
-                "[seq_len, seq_len]",
-                query.dtype,
-            )
+            qk = _mask_values("attn_mask", attn_mask, (), (n, n), "[seq_len, seq_len]", query.dtype)
+            keep_qk = _keep("attn_mask", qk, self.attn_mask_mode)
             band = _band(keep_qk)
             del keep_qk
         scale = float(head_dim) ** -0.5
-        if key_padding_mask is not None and self.key_padding_mask_mode == "add":
-            key_bias = _additive_key_bias(key_padding_mask, batch, n, query.dtype)
-            if key_bias is not None:  # a per-key bias: added to the scores as it is
-                layout = self._layout(n, n, band, None)
-                return api.sparse_attention(
-                    query, key, value, layout, scale=scale, key_bias=key_bias
-                )
         groups: list[tuple[np.ndarray, int, np.ndarray | None]] = [(np.arange(batch), n, None)]
         if key_padding_mask is not None:
-            keep_k = _keep(
+            padding = _mask_values(
                 "key_padding_mask",
                 key_padding_mask,
-                self.key_padding_mask_mode,
                 (batch,),
                 (n,),
                 "[batch, seq_len]",
                 query.dtype,
             )
+            mode = self.key_padding_mask_mode
+            key_bias = _additive_key_bias(padding) if mode == "add" else None
+            if key_bias is not None:  # a per-key bias: added to the scores as it is
+                layout = self._layout(n, n, band, None)
+                return api.sparse_attention(
+                    query, key, value, layout, scale=scale, key_bias=key_bias
+                )
+            keep_k = _keep("key_padding_mask", padding, mode)
             groups = _padding_groups(keep_k.cpu().numpy())
         if len(groups) == 1 and groups[0][1] == n:
             _, _, keep_row = groups[0]

@@ -1,0 +1,66 @@
+"""One check of a backend with the score operands (ALiBi's slopes, a key bias; either or both,
+with a softcap) against the float64 dense oracle: forward, dq, dk, dv and each operand's
+gradient. Shared by tests/backends/test_alibi.py and test_key_bias.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cuattn.backends.call import ScoreMods
+from cuattn.tools.oracle import alibi_bias, dense_attention, dense_attention_grads, rel_err
+
+# An operand's gradient comes back in float32, as the operand; it sums n_q x n_k products of dS
+# (and a distance, for the slopes): the float32 rounding bounds it for float64 inputs.
+OPERAND_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+def check_operands(
+    backend, q, k, v, dout, layout, tolerance, softcap=0.0, slopes=None, key_bias=None, dlse=None
+):
+    """``backend``'s (out, lse, grads) with these operands, each checked against the oracle;
+    grads: dq, dk, dv, then the gradient of each operand given (slopes first)."""
+    scale = q.shape[-1] ** -0.5
+    mods = ScoreMods(softcap, alibi=slopes is not None, key_bias=key_bias is not None)
+    mask = layout.to_mask()
+    batch, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
+    bias = np.zeros((1, 1, 1, 1))
+    if slopes is not None:
+        alibi = alibi_bias(slopes, batch, n_q, n_k)
+        bias = bias + alibi
+    if key_bias is not None:
+        per_key = key_bias.astype(np.float64)
+        bias = bias + (per_key if per_key.ndim == 3 else per_key[:, None, :])[:, :, None, :]
+    operands = (slopes, key_bias)
+    out, lse = backend.forward(q, k, v, layout, scale, mods, *operands)
+    ref_out, ref_lse = dense_attention(q, k, v, mask, scale, softcap=softcap, bias=bias)
+    empty = np.isneginf(ref_lse)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    assert rel_err(out, ref_out) <= tolerance
+    assert rel_err(lse[~empty], ref_lse[~empty]) <= tolerance
+    grads = backend.backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands)
+    *refs, dbias = dense_attention_grads(
+        q, k, v, dout, mask, scale, dlse, softcap=softcap, bias=bias
+    )
+    for name, grad, ref in zip("qkv", grads[:3], refs, strict=True):
+        assert not np.isnan(np.asarray(grad, np.float32)).any(), f"d{name}"
+        assert rel_err(grad, ref) <= tolerance, f"d{name}"
+    dbias = np.nan_to_num(dbias, nan=0.0)  # a -inf bias: p = 0, no gradient
+    dtype = "float64" if q.dtype == np.float64 else str(np.dtype(q.dtype))
+    limit = OPERAND_TOLERANCE.get(dtype, tolerance)
+    wrt = iter(grads[3:])
+    if slopes is not None:
+        distance = -alibi / np.broadcast_to(slopes, (batch, slopes.shape[-1]))[:, :, None, None]
+        ref_dslopes = -(dbias * distance).sum(axis=(2, 3))
+        ref_dslopes = ref_dslopes if slopes.ndim == 2 else ref_dslopes.sum(axis=0)
+        dslopes = next(wrt)
+        assert dslopes.dtype == np.float32 and dslopes.shape == slopes.shape
+        assert rel_err(dslopes, ref_dslopes) <= limit, "dslopes"
+    if key_bias is not None:
+        ref_dkey = dbias.sum(axis=2)
+        ref_dkey = ref_dkey if key_bias.ndim == 3 else ref_dkey.sum(axis=1)
+        dkey = next(wrt)
+        assert dkey.dtype == np.float32 and dkey.shape == key_bias.shape
+        assert not np.isnan(dkey).any()
+        assert rel_err(dkey, ref_dkey) <= limit, "dkey_bias"
+    return out, lse, grads

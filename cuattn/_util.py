@@ -17,6 +17,19 @@ def array_library(x: Any) -> str:
     return "jax" if root == "jaxlib" else root
 
 
+def dtype_name(x: Any) -> str:
+    """The NumPy name of an array's dtype (torch's without its "torch." prefix)."""
+    return str(x.dtype).replace("torch.", "")
+
+
+def dims(x: Any) -> tuple:
+    """x's shape as a tuple; torch's stays as it is, so that torch.compile keeps a dynamic
+    length symbolic (int() would specialise the compiled graph to one length)."""
+    if isinstance(x.shape, tuple):
+        return tuple(x.shape)
+    return tuple(int(d) for d in x.shape)
+
+
 def ceil_div(a: Any, b: int) -> Any:
     """ceil(a / b) in exact integer arithmetic, for an int or an integer array a >= 0 and an
     int b > 0."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cuattn import backends
-from cuattn._util import array_library
+from cuattn._util import array_library, dims, dtype_name
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
@@ -25,6 +25,9 @@ from cuattn.backends.call import (
     SCORE_OPERANDS,
     AttentionCall,
     ScoreMods,
+    check_alibi_slopes,
+    check_key_bias,
+    check_same_kind,
     given_operands,
     placed_operands,
 )
@@ -43,18 +46,6 @@ DENSE_BLOCKSIZE = 32
 IMPLICIT_BLOCKSIZE = 64
 
 
-def _dtype_name(x: Any) -> str:
-    return str(x.dtype).replace("torch.", "")
-
-
-def _dims(x: Any) -> tuple:
-    """x's shape as a tuple; torch's stays as it is, so that torch.compile keeps a dynamic
-    length symbolic (int() would specialise the compiled graph to one length)."""
-    if isinstance(x.shape, tuple):
-        return tuple(x.shape)
-    return tuple(int(d) for d in x.shape)
-
-
 def _check_array(name: str, x: Any, ndim: int, layout_doc: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(
@@ -63,8 +54,8 @@ def _check_array(name: str, x: Any, ndim: int, layout_doc: str) -> None:
         )
     if len(x.shape) != ndim:
         raise ValueError(f"{name} must have rank {ndim} {layout_doc}, got shape {tuple(x.shape)}")
-    if _dtype_name(x) not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have a floating dtype {FLOAT_DTYPES}, got {_dtype_name(x)}")
+    if dtype_name(x) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype {FLOAT_DTYPES}, got {dtype_name(x)}")
 
 
 def _check_qkv(
@@ -75,7 +66,7 @@ def _check_qkv(
     batch, heads and times may be 0 (head_dim never)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, ndim, layout_doc)
-    q_shape, k_shape = _dims(q), _dims(k)
+    q_shape, k_shape = dims(q), dims(k)
     if ndim == 4:
         batch, heads, _, head_dim = q_shape
         kv_heads = k_shape[1]
@@ -87,7 +78,7 @@ def _check_qkv(
             )
     elif k_shape != q_shape:
         raise ValueError(f"k must have the same shape as q {q_shape}, got {k_shape}")
-    if _dims(v) != k_shape:
+    if dims(v) != k_shape:
         raise ValueError(f"v must have the same shape as k {k_shape}, got {tuple(v.shape)}")
     _check_dtypes(q, k, v)
     if allow_empty:
@@ -98,15 +89,15 @@ def _check_qkv(
             )
         return
     for name, x in (("q", q), ("k", k)):
-        if any(d == 0 for d in _dims(x)):
+        if any(d == 0 for d in dims(x)):
             raise ValueError(f"{name} must not have an empty dimension, got shape {tuple(x.shape)}")
 
 
 def _check_dtypes(q: Any, k: Any, v: Any) -> None:
     for name, x in (("k", k), ("v", v)):
-        if _dtype_name(x) != _dtype_name(q):
+        if dtype_name(x) != dtype_name(q):
             raise TypeError(
-                f"{name} must have the same dtype as q ({_dtype_name(q)}), got {_dtype_name(x)} "
+                f"{name} must have the same dtype as q ({dtype_name(q)}), got {dtype_name(x)} "
                 "(cuattn never casts silently)"
             )
 
@@ -197,8 +188,8 @@ def sparse_attention(
             f"layout must be a cuattn.Layout (cuattn.make_layout or Layout.from_blocks) or a "
             f"cuattn.Pattern, got {type(layout).__name__}"
         )
-    batch, heads, n_q, _ = _dims(q)
-    head_dim, n_k = int(q.shape[3]), _dims(k)[2]
+    batch, heads, n_q, _ = dims(q)
+    head_dim, n_k = int(q.shape[3]), dims(k)[2]
     # An empty axis (as SDPA: batch, heads, time_q or time_k 0) fits any layout on that axis.
     empty = 0 in (batch, heads, n_q, n_k)
     axes = [(layout.heads, heads)]  # (what the layout is for, what q and k have)
@@ -218,9 +209,11 @@ def sparse_attention(
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, q, batch, heads, layout)
+        check_alibi_slopes(alibi_slopes, batch, heads)
+        _check_operand_kind("alibi_slopes", alibi_slopes, q, layout)
     if key_bias is not None:
-        _check_key_bias(key_bias, q, batch, heads, n_k, layout)
+        check_key_bias(key_bias, q, batch, heads, n_k)
+        _check_operand_kind("key_bias", key_bias, q, layout)
     if alibi_slopes is not None or key_bias is not None:
         mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
     if empty:
@@ -232,66 +225,10 @@ def sparse_attention(
     return _route(q, k, v, call, (alibi_slopes, key_bias))
 
 
-def _check_key_bias(bias: Any, q: Any, batch: int, heads: int, n_k: int, layout: object) -> None:
-    """A key bias: a float32 array [batch, time_k] or [batch, heads, time_k] of q's array
-    library (float64 too for float64 q, which only the NumPy reference computes), for a layout
-    in the natural token order."""
-    if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
-        raise TypeError(
-            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k] of the "
-            f"same kind as q, got {type(bias).__name__}"
-        )
-    allowed = ("float32", "float64") if _dtype_name(q) == "float64" else ("float32",)
-    if _dtype_name(bias) not in allowed:
-        raise TypeError(
-            f"key_bias must be float32 (or float64 beside float64 q), got {_dtype_name(bias)} "
-            f"for q {_dtype_name(q)}; cuattn never casts silently"
-        )
-    shape = tuple(_dims(bias))
-    if shape not in ((batch, n_k), (batch, heads, n_k)):
-        raise ValueError(
-            f"key_bias must have shape [batch, time_k] = ({batch}, {n_k}) or [batch, heads, "
-            f"time_k] = ({batch}, {heads}, {n_k}), got {shape} (a [.., time_q, time_k] bias is "
-            "O(T^2), which cuattn never builds)"
-        )
-    check_operand_kind("key_bias", bias, q, layout)
-
-
-def check_alibi_slopes(slopes: Any, q: Any, batch: int, heads: int, layout: object = None) -> None:
-    """ALiBi's slopes: a float32 array [heads] or [batch, heads] of q's array library, for a
-    layout (if any: decode has none) in the natural token order. Shared by the attention calls
-    and decode_attention."""
-    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
-        raise TypeError(
-            "alibi_slopes must be a float32 array [heads] or [batch, heads] of the same kind as "
-            f"q, got {type(slopes).__name__}"
-        )
-    if _dtype_name(slopes) != "float32":
-        raise TypeError(
-            f"alibi_slopes must be float32 (as FlashAttention takes them), got "
-            f"{_dtype_name(slopes)}; cuattn never casts silently"
-        )
-    shape = _dims(slopes)
-    if shape not in ((heads,), (batch, heads)):
-        raise ValueError(
-            f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = "
-            f"({batch}, {heads}), got {tuple(shape)}"
-        )
-    check_operand_kind("alibi_slopes", slopes, q, layout)
-
-
-def check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
+def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
     """A score operand is q's kind of array (a cuattn.Tensor's library beside Tensors), for a
-    layout (if any) in the natural token order."""
-    library, q_library = array_library(x), array_library(q)
-    if isinstance(x, Tensor) or isinstance(q, Tensor):
-        library, q_library = _tape_library(x), _tape_library(q)
-    if library != q_library:
-        raise TypeError(
-            f"{name} is a {type(x).__module__}.{type(x).__name__} but q is a "
-            f"{type(q).__module__}.{type(q).__name__}: pass it as the same kind of array, on "
-            "q's device"
-        )
+    layout in the natural token order."""
+    check_same_kind(name, _untaped(x), _untaped(q))
     if isinstance(layout, Layout) and layout.perm is not None:
         raise ValueError(
             f"{name} needs the natural token order, but the layout {layout.name!r} is "
@@ -311,9 +248,9 @@ def alibi_slopes(heads: int) -> np.ndarray:
     return np.asarray(slopes, dtype=np.float32)
 
 
-def _tape_library(x: Any) -> str:
-    """The array library under a cuattn.Tensor (or of a plain array)."""
-    return array_library(x.data if isinstance(x, Tensor) else x)
+def _untaped(x: Any) -> Any:
+    """The array under a cuattn.Tensor (a plain array as it is)."""
+    return x.data if isinstance(x, Tensor) else x
 
 
 def _implicit_pattern(heads: int, causal: object, window_size: object) -> Pattern:
@@ -406,7 +343,7 @@ def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
     caller's own kind of array on its device. torch and jax results come from q, k and v
     through where(False, ...), so autograd and tracing see the inputs (gradients: zeros) and no
     value of theirs (a NaN) can leak; tape Tensors through a tape op of zero gradient."""
-    lse_dtype = "float64" if _dtype_name(q) == "float64" else "float32"
+    lse_dtype = "float64" if dtype_name(q) == "float64" else "float32"
     if any(isinstance(x, Tensor) for x in (q, k, v)):
         out, lse = _NoKeys.apply(*_dispatch.tape_args(q, k, v), lse_dtype)
     elif array_library(q) == "torch":
@@ -454,7 +391,7 @@ def split_heads(x: Any, heads: int) -> Any:
     _check_int("heads", heads)
     if len(x.shape) != 3:
         raise ValueError(f"x must have rank 3 [batch, time, embd], got shape {tuple(x.shape)}")
-    batch, time, embd = _dims(x)
+    batch, time, embd = dims(x)
     if embd % heads:
         raise ValueError(f"embd={embd} (last dim of x) must be divisible by heads={heads}")
     return _permute(x.reshape(batch, time, heads, embd // heads), (0, 2, 1, 3))
@@ -466,7 +403,7 @@ def merge_heads(x: Any) -> Any:
         raise ValueError(
             f"x must have rank 4 [batch, heads, time, head_dim], got shape {tuple(x.shape)}"
         )
-    batch, heads, time, head_dim = _dims(x)
+    batch, heads, time, head_dim = dims(x)
     return _permute(x, (0, 2, 1, 3)).reshape(batch, time, heads * head_dim)
 
 
@@ -488,18 +425,18 @@ def _check_bte(
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (GQA/MQA)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, 3, "[batch, time, heads * head_dim]")
-    _, n_q, embd = _dims(q)
+    _, n_q, embd = dims(q)
     if embd % heads:
         raise ValueError(f"embd={embd} (last dim of q) must be divisible by heads={heads}")
-    kv_shape = (_dims(q)[0], _dims(k)[1], embd // heads * kv_heads)
+    kv_shape = (dims(q)[0], dims(k)[1], embd // heads * kv_heads)
     for name, x in (("k", k), ("v", v)):
-        if _dims(x) != kv_shape:
+        if dims(x) != kv_shape:
             raise ValueError(
                 f"{name} must be [batch, time_k, kv_heads * head_dim] = {list(kv_shape)} "
                 f"(kv_heads={kv_heads}, head_dim={embd // heads}), got shape {tuple(x.shape)}"
             )
     _check_dtypes(q, k, v)
-    return heads, kv_heads, n_q, _dims(k)[1]
+    return heads, kv_heads, n_q, dims(k)[1]
 
 
 def _attend_bte(
@@ -741,18 +678,18 @@ def sparse_attention_varlen(
         max_seqlen_k,
         alibi_slopes is not None,
     )
-    if alibi_slopes is not None and tuple(_dims(alibi_slopes)) != (int(q.shape[1]),):
+    if alibi_slopes is not None and tuple(dims(alibi_slopes)) != (int(q.shape[1]),):
         raise ValueError(
             f"alibi_slopes of a varlen call must have shape [heads] = ({int(q.shape[1])},), one "
-            f"slope per head for every sequence, got {tuple(_dims(alibi_slopes))}"
+            f"slope per head for every sequence, got {tuple(dims(alibi_slopes))}"
         )
     if key_bias is not None:
         total_k, heads = int(k.shape[0]), int(q.shape[1])
-        if not hasattr(key_bias, "shape") or tuple(_dims(key_bias)) not in (
+        if not hasattr(key_bias, "shape") or tuple(dims(key_bias)) not in (
             (total_k,),
             (heads, total_k),
         ):
-            got = tuple(_dims(key_bias)) if hasattr(key_bias, "shape") else type(key_bias).__name__
+            got = tuple(dims(key_bias)) if hasattr(key_bias, "shape") else type(key_bias).__name__
             raise ValueError(
                 f"key_bias of a varlen call must have shape [total_k] = ({total_k},) or [heads, "
                 f"total_k] = ({heads}, {total_k}), got {got}"
@@ -796,28 +733,28 @@ def merge_attention_states(
     for name, x in (("out_a", out_a), ("out_b", out_b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if len(x.shape) < 1 or _dtype_name(x) not in FLOAT_DTYPES:
+        if len(x.shape) < 1 or dtype_name(x) not in FLOAT_DTYPES:
             raise TypeError(
-                f"{name} must be a floating array [..., head_dim], got {_dtype_name(x)} "
+                f"{name} must be a floating array [..., head_dim], got {dtype_name(x)} "
                 f"of shape {tuple(x.shape)}"
             )
     shape = tuple(int(d) for d in out_a.shape)
-    if tuple(int(d) for d in out_b.shape) != shape or _dtype_name(out_b) != _dtype_name(out_a):
+    if tuple(int(d) for d in out_b.shape) != shape or dtype_name(out_b) != dtype_name(out_a):
         raise ValueError(
-            f"out_b must match out_a ({shape}, {_dtype_name(out_a)}), got "
-            f"{tuple(out_b.shape)}, {_dtype_name(out_b)}"
+            f"out_b must match out_a ({shape}, {dtype_name(out_a)}), got "
+            f"{tuple(out_b.shape)}, {dtype_name(out_b)}"
         )
-    lse_dtype = "float64" if _dtype_name(out_a) == "float64" else "float32"
+    lse_dtype = "float64" if dtype_name(out_a) == "float64" else "float32"
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if not hasattr(x, "shape") or tuple(int(d) for d in x.shape) != shape[:-1]:
             raise ValueError(
                 f"{name} must have shape {shape[:-1]} (out's without head_dim), got "
                 f"{tuple(getattr(x, 'shape', ()))}"
             )
-        if _dtype_name(x) != lse_dtype:
+        if dtype_name(x) != lse_dtype:
             raise TypeError(
                 f"{name} must be {lse_dtype} (as sparse_attention returns it for "
-                f"{_dtype_name(out_a)}), got {_dtype_name(x)}"
+                f"{dtype_name(out_a)}), got {dtype_name(x)}"
             )
     arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
     if _dispatch.wants_gradient(arrays.values()):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_library, dims, dtype_name
 from cuattn.layout.layout import Layout
 from cuattn.layout.pattern import Pattern
 
@@ -122,3 +123,71 @@ def placed_operands(present: Sequence[Any], given: tuple[bool, ...]) -> tuple:
     the call has, in order), None for the others."""
     arrays = iter(present)
     return tuple(next(arrays) if g else None for g in given)
+
+
+def check_alibi_slopes(slopes: Any, batch: int, heads: int) -> None:
+    """ALiBi's slopes: float32 [heads] or [batch, heads] (their array kind is the caller's
+    check: check_same_kind, or the API's through cuattn.Tensor)."""
+    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+        raise TypeError(
+            "alibi_slopes must be a float32 array [heads] or [batch, heads] of the same kind as "
+            f"q, got {type(slopes).__name__}"
+        )
+    if dtype_name(slopes) != "float32":
+        raise TypeError(
+            f"alibi_slopes must be float32 (as FlashAttention takes them), got "
+            f"{dtype_name(slopes)}; cuattn never casts silently"
+        )
+    shape = dims(slopes)
+    if shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape [heads] = ({heads},) or [batch, heads] = "
+            f"({batch}, {heads}), got {tuple(shape)}"
+        )
+
+
+def check_key_bias(
+    bias: Any, q: Any, batch: int, heads: int, n_k: int, *, covering: bool = False
+) -> None:
+    """A key bias: float32 [batch, time_k] or [batch, heads, time_k] (float64 too beside
+    float64 q, which only the NumPy reference computes), time_k = n_k, or at least n_k with
+    ``covering`` (decode: the cache's positions)."""
+    if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+        raise TypeError(
+            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k] of the "
+            f"same kind as q, got {type(bias).__name__}"
+        )
+    _check_operand_dtype("key_bias", bias, q)
+    shape = tuple(dims(bias))
+    fits = len(shape) >= 2 and shape[:-1] in ((batch,), (batch, heads))
+    if not fits or (shape[-1] < n_k if covering else shape[-1] != n_k):
+        keys = f">= {n_k}" if covering else f"{n_k}"
+        raise ValueError(
+            f"key_bias must have shape [batch, time_k] = ({batch}, {keys}) or [batch, heads, "
+            f"time_k] = ({batch}, {heads}, {keys}), got {shape}"
+            + (
+                " (time_k covering the cache's positions)"
+                if covering
+                else " (a [.., time_q, time_k] bias is O(T^2), which cuattn never builds)"
+            )
+        )
+
+
+def _check_operand_dtype(name: str, x: Any, q: Any) -> None:
+    """A bias in float32 (float64 too beside float64 q)."""
+    allowed = ("float32", "float64") if dtype_name(q) == "float64" else ("float32",)
+    if dtype_name(x) not in allowed:
+        raise TypeError(
+            f"{name} must be float32 (or float64 beside float64 q), got {dtype_name(x)} "
+            f"for q {dtype_name(q)}; cuattn never casts silently"
+        )
+
+
+def check_same_kind(name: str, x: Any, q: Any) -> None:
+    """A score operand is q's kind of array (the kernels read it where q lives)."""
+    if array_library(x) != array_library(q):
+        raise TypeError(
+            f"{name} is a {type(x).__module__}.{type(x).__name__} but q is a "
+            f"{type(q).__module__}.{type(q).__name__}: pass it as the same kind of array, on "
+            "q's device"
+        )

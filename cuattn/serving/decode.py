@@ -42,7 +42,13 @@ from cuattn import backends as _backends
 from cuattn._util import stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import (
+    NO_MODS,
+    ScoreMods,
+    check_alibi_slopes,
+    check_key_bias,
+    check_same_kind,
+)
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
@@ -251,12 +257,14 @@ def decode_attention(
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
     group, scale = _check(q, cache, scale)
     mods = ScoreMods.from_arguments(softcap)
+    batch, heads = int(q.shape[0]), int(q.shape[1])
     if alibi_slopes is not None:
-        from cuattn.api import check_alibi_slopes
-
-        check_alibi_slopes(alibi_slopes, q, int(q.shape[0]), int(q.shape[1]))
+        check_alibi_slopes(alibi_slopes, batch, heads)
+        check_same_kind("alibi_slopes", alibi_slopes, q)
     if key_bias is not None:
-        _check_key_bias(key_bias, q, cache)
+        longest = int(cache.lengths.max(initial=0))
+        check_key_bias(key_bias, q, batch, heads, longest, covering=True)
+        check_same_kind("key_bias", key_bias, q)
     if alibi_slopes is not None or key_bias is not None:
         mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
     info = dlpack.describe(q, "q")
@@ -273,28 +281,6 @@ def decode_attention(
             out, lse = _reference(cache, qb, group, scale, mods, *operands)
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
-
-
-def _check_key_bias(key_bias: Any, q: Any, cache: KVCache) -> None:
-    """A decode call's key bias: float32 [batch, time_k] or [batch, heads, time_k] of q's kind
-    of array, time_k covering every position the cache holds."""
-    from cuattn.api import check_operand_kind
-
-    batch, heads = int(q.shape[0]), int(q.shape[1])
-    longest = int(cache.lengths.max(initial=0))
-    shape = tuple(int(d) for d in getattr(key_bias, "shape", ()))
-    if str(getattr(key_bias, "dtype", "")).replace("torch.", "") != "float32":
-        raise TypeError(
-            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k], got "
-            f"{type(key_bias).__name__} {getattr(key_bias, 'dtype', '')}"
-        )
-    if len(shape) < 2 or shape[:-1] not in ((batch,), (batch, heads)) or shape[-1] < longest:
-        raise ValueError(
-            f"key_bias must have shape [batch, time_k] = ({batch}, >= {longest}) or [batch, "
-            f"heads, time_k] = ({batch}, {heads}, >= {longest}) (time_k covering the cache's "
-            f"positions), got {shape}"
-        )
-    check_operand_kind("key_bias", key_bias, q, None)
 
 
 @_quiet_specials

@@ -27,6 +27,7 @@ from cuattn.backends.call import (
     ScoreMods,
     check_alibi_slopes,
     check_key_bias,
+    check_rel_bias,
     check_same_kind,
     given_operands,
     placed_operands,
@@ -146,6 +147,7 @@ def sparse_attention(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     key_bias: Any = None,
+    rel_bias: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -168,11 +170,16 @@ def sparse_attention(
     ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j after the softcap
     (FlashAttention's convention); ``key_bias`` (float32 [batch, time_k] or [batch, heads,
     time_k], q's kind of array; any finite value or -inf, e.g. a key padding mask) adds
-    ``key_bias[b, (h,) j]`` to every query's score of key j. A gradient reaches the slopes and
-    the key bias where they carry one (torch, jax, cuattn.Tensor). ``backend``: 'numpy',
-    'interp' or 'cuda' (default: from the arrays' device and CUATTN_BACKEND). ``recompute``
-    keeps only q, k, v for backward and recomputes the forward there. Every backward is
-    bit-identical run to run (``deterministic=`` is deprecated and does nothing).
+    ``key_bias[b, (h,) j]`` to every query's score of key j; ``rel_bias`` (float32 [heads,
+    2 M + 1] or [batch, heads, 2 M + 1], q's kind of array: a learned bias by relative
+    position, T5's and Swin's) adds ``rel_bias[(b,) h, clamp(j - (i + time_k - time_q), -M, M)
+    + M]``. A gradient reaches the slopes, the key bias and the table where they carry one
+    (torch, jax, cuattn.Tensor); the table's is summed over the batch for [heads, 2 M + 1]
+    (its backward keeps float32 [batch, heads, time_q, 2 M + 1] for that while it runs).
+    ``backend``: 'numpy', 'interp' or 'cuda' (default: from the arrays' device and
+    CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward and recomputes the forward
+    there. Every backward is bit-identical run to run (``deterministic=`` is deprecated and
+    does nothing).
     """
     _warn_deterministic(deterministic)
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
@@ -214,15 +221,18 @@ def sparse_attention(
     if key_bias is not None:
         check_key_bias(key_bias, q, batch, heads, n_k)
         _check_operand_kind("key_bias", key_bias, q, layout)
-    if alibi_slopes is not None or key_bias is not None:
-        mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
+    if rel_bias is not None:
+        check_rel_bias(rel_bias, q, batch, heads)
+        _check_operand_kind("rel_bias", rel_bias, q, layout)
+    operands = (alibi_slopes, key_bias, rel_bias)
+    mods = mods.with_operands(operands)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
-    return _route(q, k, v, call, (alibi_slopes, key_bias))
+    return _route(q, k, v, call, operands)
 
 
 def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
@@ -463,6 +473,7 @@ def blocksparse_attention(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     key_bias: Any = None,
+    rel_bias: Any = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -471,8 +482,8 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap``, ``alibi_slopes`` and ``key_bias`` as in :func:`sparse_attention`.
-    ``deterministic=`` is deprecated and does nothing.
+    ``softcap``, ``alibi_slopes``, ``key_bias`` and ``rel_bias`` as in
+    :func:`sparse_attention`. ``deterministic=`` is deprecated and does nothing.
     """
     _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -500,6 +511,7 @@ def blocksparse_attention(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
+        rel_bias=rel_bias,
         backend=backend,
     )
 
@@ -584,10 +596,11 @@ def _varlen_layout(
     layouts: Sequence[Layout | None] | LayoutFn,
     max_seqlen_q: int | None,
     max_seqlen_k: int | None,
-    alibi: bool = False,
+    positional: str | None = None,
 ) -> Layout:
-    """The packed layout of a varlen call, its arguments checked (host values only); ``alibi``:
-    the call has ALiBi slopes, which need each sequence's queries to be its keys."""
+    """The packed layout of a varlen call, its arguments checked (host values only);
+    ``positional``: the name of a score operand the call has that reads positions (ALiBi's
+    slopes, a relative-position table), which needs each sequence's queries to be its keys."""
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]))
     cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(k.shape[0]))
     if len(cu_q) != len(cu_k):
@@ -595,11 +608,11 @@ def _varlen_layout(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"{len(cu_q) - 1} and {len(cu_k) - 1}"
         )
-    if alibi and not np.array_equal(cu_q, cu_k):
+    if positional and not np.array_equal(cu_q, cu_k):
         raise ValueError(
-            "alibi_slopes with sparse_attention_varlen needs cu_seqlens_q equal to cu_seqlens_k "
-            "(each sequence's queries are its keys): the packed call has one query offset, "
-            "and ALiBi's end-aligned distances would differ per sequence otherwise"
+            f"{positional} with sparse_attention_varlen needs cu_seqlens_q equal to "
+            "cu_seqlens_k (each sequence's queries are its keys): the packed call has one query "
+            "offset, and the end-aligned distances would differ per sequence otherwise"
         )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
@@ -639,6 +652,7 @@ def sparse_attention_varlen(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     key_bias: Any = None,
+    rel_bias: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
@@ -654,7 +668,9 @@ def sparse_attention_varlen(
     float32 [heads] (one slope per head for every sequence) where each sequence's queries are its
     keys (cu_seqlens_q equal to cu_seqlens_k), so that ALiBi's distances are the sequence's own
     |i - j|; ``key_bias`` float32 [total_k] or [heads, total_k] (each sequence's keys' bias, at
-    their packed positions). Returns ``out``
+    their packed positions); ``rel_bias`` float32 [heads, 2 M + 1] (a relative-position table,
+    each sequence's own distances: cu_seqlens_q equal to cu_seqlens_k as for ALiBi). Returns
+    ``out``
     [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
 
     The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
@@ -676,7 +692,11 @@ def sparse_attention_varlen(
         layouts,
         max_seqlen_q,
         max_seqlen_k,
-        alibi_slopes is not None,
+        "alibi_slopes"
+        if alibi_slopes is not None
+        else "rel_bias"
+        if rel_bias is not None
+        else None,
     )
     if alibi_slopes is not None and tuple(dims(alibi_slopes)) != (int(q.shape[1]),):
         raise ValueError(
@@ -695,6 +715,12 @@ def sparse_attention_varlen(
                 f"total_k] = ({heads}, {total_k}), got {got}"
             )
         key_bias = key_bias.reshape((1,) + tuple(key_bias.shape))  # a batch of one: the packing
+    if hasattr(rel_bias, "shape") and (len(dims(rel_bias)) != 2 or dims(rel_bias)[0] != q.shape[1]):
+        got = tuple(dims(rel_bias))
+        raise ValueError(
+            f"rel_bias of a varlen call must have shape [heads, 2 * max_distance + 1] = "
+            f"({int(q.shape[1])}, odd), one table for every sequence, got {got}"
+        )
     q4, k4, v4 = (_permute(x.reshape((1,) + tuple(x.shape)), (0, 2, 1, 3)) for x in (q, k, v))
     result = sparse_attention(
         q4,
@@ -706,6 +732,7 @@ def sparse_attention_varlen(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
+        rel_bias=rel_bias,
         backend=backend,
     )
     out, lse = result if return_lse else (result, None)

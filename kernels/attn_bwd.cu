@@ -12,7 +12,11 @@
 //   use_alibi_grad attn_bwd_dq writes each query row's share of the slope's gradient,
 //   -sum_k dS * |q_pos - k_pos| (the caller sums the rows); with use_key_bias S carries the key
 //   bias, and with use_key_bias_grad attn_bwd_dkdv writes its gradient per query head,
-//   sum_q dS [batch, heads, n_k] (dS of the biased score, before the cap's slope).
+//   sum_q dS [batch, heads, n_k] (dS of the biased score, before the cap's slope); with
+//   use_rel_bias S carries the relative-position table's bias, and with use_rel_bias_grad
+//   attn_bwd_dq writes each query row's share of the table's gradient, [batch, heads, n_q,
+//   2M + 1] zeroed by the caller: dS of the one key a middle column reaches in the row, the sum
+//   of dS over the keys clamped to the first and last columns (the caller sums the rows).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE, MODS> one CTA per (TILE_K keys,
@@ -162,6 +166,8 @@ __global__ void __launch_bounds__(
                   const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
                   const float* __restrict__ key_bias, int use_key_bias,
                   long long key_bias_batch_stride, long long key_bias_head_stride,
+                  const float* __restrict__ rel_bias, int use_rel_bias,
+                  int rel_bias_batch_stride, int rel_max_distance,
                   float* __restrict__ key_bias_grad, int use_key_bias_grad,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -232,6 +238,8 @@ __global__ void __launch_bounds__(
   // The key bias of this lane's two keys (rows g and g + 8 of S^T), log2 domain, for every
   // step; and the sums over queries of their dS (the bias's gradient).
   float key_bias_log2[2] = {}, key_ds[2] = {};
+  const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
+                                   rel_max_distance, int(blockIdx.z), head);
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
       const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
@@ -264,6 +272,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int e = 0; e < 4; ++e) p_t[j][e] += key_bias_log2[e / 2];  // 0 without one
       }
+      if (use_rel_bias) rel_bias_tile<TILE_Q, false>(p_t, rb, q_offset, k_warp, q_start);
     }
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
@@ -302,8 +311,9 @@ __global__ void __launch_bounds__(
         for (int e = 0; e < 4; ++e) {
           key_ds[e / 2] += ds_t[j][e];
           const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
+          const float rel_log2 = use_rel_bias ? rb.log2_at(q_minus_k) : 0.f;
           const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
-                              alibi_bias(score_scale, q_minus_k) - key_bias_log2[e / 2];
+                              alibi_bias(score_scale, q_minus_k) - key_bias_log2[e / 2] - rel_log2;
           ds_t[j][e] *= softcap_slope<MODS>(score, score_scale);
         }
       }
@@ -350,7 +360,9 @@ __global__ void __launch_bounds__(
                 const float* __restrict__ alibi_slopes, int use_alibi, int alibi_batch_stride,
                 const float* __restrict__ key_bias, int use_key_bias,
                 long long key_bias_batch_stride, long long key_bias_head_stride,
-                float* __restrict__ alibi_grad, int use_alibi_grad,
+                const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
+                int rel_max_distance, float* __restrict__ alibi_grad, int use_alibi_grad,
+                float* __restrict__ rel_bias_grad, int use_rel_bias_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -412,6 +424,12 @@ __global__ void __launch_bounds__(
   float dq_acc[HEAD_DIM / 8][4] = {};
   // sum over this lane's keys of dS * |q_pos - k_pos| per row (ALiBi's slope gradient)
   float alibi_dist_ds[2] = {};
+  // with a relative-position table: the sums of dS over this lane's keys that clamp to its
+  // first and last columns (the columns between hold one key per row: stored as they come)
+  float rel_first_ds[2] = {}, rel_last_ds[2] = {};
+  const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
+                                   rel_max_distance, int(blockIdx.z), head);
+  const int rel_width = 2 * rel_max_distance + 1;
   const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
@@ -446,22 +464,34 @@ __global__ void __launch_bounds__(
     warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
     // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
     // differ by constants, so each element's distance is one add.
-    const float q_minus_k_first =
-        float(q_offset + q_warp - k_start) + float(frag.row(0) - frag.col(0, 0));
+    const int q_minus_k_first = q_offset + q_warp - k_start + frag.row(0) - frag.col(0, 0);
 #pragma unroll
     for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float slope = softcap_slope<MODS>(p[j][e], score_scale);  // from the capped score
         float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
+        const int q_minus_k = q_minus_k_first + 8 * (e / 2) - 8 * j - e % 2;
         if constexpr (MODS == MODS_SCORE) {
-          distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
+          distance = fabsf(float(q_minus_k));
           p[j][e] += score_scale.alibi_log2 * distance + key_bias_log2[j][e % 2];  // 0: none
+          if (use_rel_bias) p[j][e] += rb.log2_at(q_minus_k);
         }
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
         if constexpr (MODS == MODS_SCORE) {
           alibi_dist_ds[e / 2] += ds[j][e] * distance;  // before the cap's slope: d/d bias
+          if (use_rel_bias_grad) {
+            const int column = rb.column(q_minus_k);
+            const int q_row = q_warp + frag.row(e);
+            if (column == 0) {
+              rel_first_ds[e / 2] += ds[j][e];
+            } else if (column == rel_width - 1) {
+              rel_last_ds[e / 2] += ds[j][e];
+            } else if (q_row < n_q) {  // one key of this row reads this column
+              rel_bias_grad[(head_offset + q_row) * rel_width + column] = ds[j][e];
+            }
+          }
           ds[j][e] *= slope;
         }
       }
@@ -471,7 +501,11 @@ __global__ void __launch_bounds__(
 
   if constexpr (MODS == MODS_SCORE) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) alibi_dist_ds[r] = quad_sum(alibi_dist_ds[r]);  // whole warp
+    for (int r = 0; r < 2; ++r) {  // whole warp
+      alibi_dist_ds[r] = quad_sum(alibi_dist_ds[r]);
+      rel_first_ds[r] = quad_sum(rel_first_ds[r]);
+      rel_last_ds[r] = quad_sum(rel_last_ds[r]);
+    }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -485,6 +519,12 @@ __global__ void __launch_bounds__(
     if constexpr (MODS == MODS_SCORE) {
       // d bias / d slope = -|q_pos - k_pos|: the row's share of the slope's gradient
       if (use_alibi_grad && frag.t == 0) alibi_grad[head_offset + q_row] = -alibi_dist_ds[r];
+      // the table's clamped columns: this row's sums (one column when the table has one)
+      if (use_rel_bias_grad && frag.t == 0) {
+        float* rel_row = rel_bias_grad + (head_offset + q_row) * rel_width;
+        rel_row[0] = rel_first_ds[r];
+        if (rel_width > 1) rel_row[rel_width - 1] = rel_last_ds[r];
+      }
     }
   }
 }

@@ -12,7 +12,9 @@
 //   position (causal) and, with use_chosen, the row's Quest choice reads its page. A score is
 //   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0
 //   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position), and
-//   with use_key_bias the key bias of the token's position, key_bias[b, (head,) position].
+//   with use_key_bias the key bias of the token's position, key_bias[b, (head,) position], and
+//   with use_rel_bias the relative-position table's rel_bias[b, head, clamp(position - query
+//   position, -M, M) + M].
 //   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
 //   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
 //   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
@@ -138,7 +140,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
                       int alibi_batch_stride, const float* __restrict__ key_bias,
                       int use_key_bias, long long key_bias_batch_stride,
-                      long long key_bias_head_stride, int use_chosen, int keep_scores) {
+                      long long key_bias_head_stride, const float* __restrict__ rel_bias,
+                      int use_rel_bias, int rel_bias_batch_stride, int rel_max_distance,
+                      int use_chosen, int keep_scores) {
   using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int LPT = Traits::LANES_PER_TOKEN;
@@ -253,6 +257,12 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
         if (use_alibi) s[i] -= alibi_slopes[b * alibi_batch_stride + head] * float(query_pos - pos);
         if (use_key_bias && pos >= 0) {  // an evicted slot (pos -1) counts for nothing anyway
           s[i] += key_bias[b * key_bias_batch_stride + head * key_bias_head_stride + pos];
+        }
+        if (use_rel_bias && pos >= 0) {
+          const long long reach = rel_max_distance;
+          const long long rel = pos - query_pos;
+          const long long column = rel < -reach ? 0 : rel > reach ? 2 * reach : rel + reach;
+          s[i] += rel_bias[b * rel_bias_batch_stride + head * (2 * reach + 1) + column];
         }
       }
       bool counts = pos >= 0 && pos <= query_pos;

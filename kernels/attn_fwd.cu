@@ -4,7 +4,9 @@
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // with MODS = MODS_SCORE and softcap > 0, S = softcap * tanh(Q K^T * scale / softcap); with
 // use_alibi, S gets -slope[batch, head] * |q + n_k - n_q - k| (ALiBi, end-aligned positions),
-// and with use_key_bias key_bias[batch, head, k] (a per-key bias: padding masks as -inf).
+// with use_key_bias key_bias[batch, head, k] (a per-key bias: padding masks as -inf), and with
+// use_rel_bias a relative-position table's rel_bias[batch, head, clamp(k - q_pos, -M, M) + M]
+// (M = rel_max_distance, q_pos the end-aligned query position; T5's learned bias by distance).
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -77,7 +79,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
              int alibi_batch_stride, const float* __restrict__ key_bias, int use_key_bias,
              long long key_bias_batch_stride, long long key_bias_head_stride,
-             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
+             int rel_max_distance, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -179,6 +182,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
                                head * key_bias_head_stride,
                            n_k};
           key_bias_frags<M_FRAGS, TILE_N>(s_frag, kb, tile.start);
+        }
+        if (use_rel_bias) {
+          const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
+                                           rel_max_distance, int(blockIdx.z), head);
+          rel_bias_frags<M_FRAGS, TILE_N, true>(s_frag, rb, q_offset, q_warp, tile.start);
         }
       }
       if (mine.coverage != TILE_FULL) {

@@ -159,8 +159,10 @@ def attend(
     call: AttentionCall,
     alibi_slopes: jax.Array | None = None,
     key_bias: jax.Array | None = None,
+    rel_bias: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
-    layout concrete); ALiBi's slopes and the key bias differentiable too."""
-    out, lse = _attention(q, k, v, (alibi_slopes, key_bias), call)
+    layout concrete); ALiBi's slopes, the key bias and the relative-position table
+    differentiable too."""
+    out, lse = _attention(q, k, v, (alibi_slopes, key_bias, rel_bias), call)
     return (out, lse) if call.return_lse else out

@@ -414,14 +414,16 @@ def check_jaxlib() -> None:
 
 class _Pending:
     """An output buffer not written yet: its launch makes it an aliased operand and binds the
-    call's result to ``value``, which later launches read and the caller gets back."""
+    call's result to ``value``, which later launches read and the caller gets back. ``zeroed``:
+    the launch writes part of it, the rest is 0."""
 
-    __slots__ = ("shape", "dtype", "value")
+    __slots__ = ("shape", "dtype", "value", "zeroed")
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: Any, zeroed: bool = False) -> None:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.value: Any = None
+        self.zeroed = zeroed
 
     @property
     def ndim(self) -> int:
@@ -495,6 +497,9 @@ class XlaBackend(KernelBackend):
     def output(self, shape: tuple[int, ...], dtype: Any) -> _Pending:
         return _Pending(shape, dtype)
 
+    def zeroed_output(self, shape: tuple[int, ...], dtype: Any) -> _Pending:
+        return _Pending(shape, dtype, zeroed=True)
+
     def index_arrays(self, layout: Layout) -> SimpleNamespace:
         import jax.dlpack
         import jax.numpy as jnp
@@ -539,7 +544,7 @@ class XlaBackend(KernelBackend):
                 if value.value is None:  # written by this launch: an aliased output
                     aliases[len(operands)] = len(written)
                     written.append(value)
-                    value = jnp.empty(value.shape, value.dtype)
+                    value = (jnp.zeros if value.zeroed else jnp.empty)(value.shape, value.dtype)
                 else:  # written by an earlier launch
                     value = value.value
             operands.append(value)
@@ -573,10 +578,9 @@ class XlaBackend(KernelBackend):
         layout: Layout,
         scale: float,
         mods: ScoreMods = NO_MODS,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
+        *operands: Any,
     ) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, layout, scale, mods, alibi_slopes, key_bias)
+        out, lse = super().forward(q, k, v, layout, scale, mods, *operands)
         return out.get(), lse.get()
 
     def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, *biases):
@@ -589,6 +593,9 @@ class XlaBackend(KernelBackend):
 
     def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
         return super()._key_bias_gradient(rows.get(), bias_ndim)
+
+    def _rel_bias_gradient(self, rows: Any, table_ndim: int) -> Any:
+        return super()._rel_bias_gradient(rows.get(), table_ndim)
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         raise NotImplementedError("merge_attention_states is not staged into jax programs yet")
@@ -646,12 +653,13 @@ def forward(
     compute_capability: int,
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
+    rel_bias: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) of traced jax arrays in the caller's token order, as custom calls; the score
-    operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads]), so that a
-    vmap folds them with the batch."""
+    operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads], a table as
+    [batch, heads, 2 M + 1]), so that a vmap folds them with the batch."""
     backend = backend_for(compute_capability)
-    present, template = _batched_operands((alibi_slopes, key_bias), q)
+    present, template, _ = _batched_operands((alibi_slopes, key_bias, rel_bias), q)
 
     def run(q: Any, k: Any, v: Any, *given: Any) -> tuple[Any, Any]:
         prepared = (_prepare(x, layout) for x in (q, k, v))
@@ -663,16 +671,25 @@ def forward(
     return folding_vmap(run)(q, k, v, *present)
 
 
-def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple]:
-    """(the operands given, batch axis first; which were given): ALiBi's [heads] slopes are
-    broadcast to [batch, heads]; a key bias has its batch axis already."""
+def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple, tuple]:
+    """(the operands given, batch axis first; which were given; which of those were broadcast
+    to it): ALiBi's [heads] slopes become [batch, heads] and a table [heads, 2 M + 1] becomes
+    [batch, heads, 2 M + 1]; a key bias has its batch axis already."""
     import jax.numpy as jnp
 
-    alibi_slopes, key_bias = operands
-    if alibi_slopes is not None:
+    alibi_slopes, key_bias, rel_bias = operands
+    broadcast = (
+        alibi_slopes is not None and alibi_slopes.ndim == 1,
+        False,
+        rel_bias is not None and rel_bias.ndim == 2,
+    )
+    if broadcast[0]:
         alibi_slopes = jnp.broadcast_to(alibi_slopes, q.shape[:2])
-    given = (alibi_slopes, key_bias)
-    return tuple(x for x in given if x is not None), tuple(x is not None for x in given)
+    if broadcast[2]:
+        rel_bias = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
+    given = (alibi_slopes, key_bias, rel_bias)
+    present = tuple(x for x in given if x is not None)
+    return present, tuple(x is not None for x in given), broadcast
 
 
 def backward(
@@ -689,12 +706,13 @@ def backward(
     compute_capability: int,
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
+    rel_bias: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
     (like lse) is the cotangent of the lse output. The gradients of the score operands given
     follow, each like its operand."""
     backend = backend_for(compute_capability)
-    present, template = _batched_operands((alibi_slopes, key_bias), q)
+    present, template, broadcast = _batched_operands((alibi_slopes, key_bias, rel_bias), q)
 
     def run(*arrays: Any) -> tuple[Any, ...]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays[:7])
@@ -703,7 +721,6 @@ def backward(
         return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
     grads = folding_vmap(run)(q, k, v, out, lse, dout, dlse, *present)
-    if alibi_slopes is None or alibi_slopes.ndim == 2:
-        return grads
-    # the slopes' gradient came back per batch (the slopes went in broadcast): sum it
-    return (*grads[:3], grads[3].sum(axis=0), *grads[4:])
+    # an operand that went in broadcast along the batch has its gradient per batch: summed
+    wide = (b for b, g in zip(broadcast, template, strict=True) if g)
+    return (*grads[:3], *(g.sum(axis=0) if b else g for g, b in zip(grads[3:], wide, strict=True)))

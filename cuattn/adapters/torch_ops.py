@@ -3,14 +3,15 @@
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
                           softcap, backend, recompute, index, alibi_slopes=None,
-                          key_bias=None)                                      -> (out, lse)
+                          key_bias=None, rel_bias=None)                       -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
                           window_right, scale, softcap, backend, index, alibi_slopes=None,
-                          key_bias=None)             -> (dq, dk, dv, dslopes, dkey_bias)
-``alibi_slopes`` (float32 [heads] or [batch, heads]) and ``key_bias`` (float32 [batch, n_k] or
-[batch, heads, n_k]) are the score modifiers that are arrays (backends/call.py
-SCORE_OPERANDS), None when absent; ``dslopes`` and ``dkey_bias`` their gradients, empty tensors
-without them.
+                          key_bias=None, rel_bias=None)
+                                                     -> (dq, dk, dv, dslopes, dkey_bias, drel_bias)
+``alibi_slopes`` (float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch, n_k] or
+[batch, heads, n_k]) and ``rel_bias`` (float32 [(batch,) heads, 2 M + 1]) are the score
+modifiers that are arrays (backends/call.py SCORE_OPERANDS), None when absent; ``dslopes``,
+``dkey_bias`` and ``drel_bias`` their gradients, empty tensors without them.
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -143,14 +144,15 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
 def _mods(softcap: float, operands: tuple) -> ScoreMods:
     """The ops' modifier arguments (softcap, and the score operands given or None) as the
     backends take them."""
-    alibi, key_bias = (x is not None for x in operands)
-    return ScoreMods(softcap, alibi, key_bias) if softcap or alibi or key_bias else NO_MODS
+    if operands == _NO_OPERANDS:
+        return ScoreMods(softcap) if softcap else NO_MODS
+    return ScoreMods(softcap).with_operands(operands)
 
 
 # No score operand: the common call, which never steps into backends/call.py
 # (tests/adapters/test_call_path.py)
-_NONE_GIVEN = (False, False)
-_NO_OPERANDS = (None, None)
+_NONE_GIVEN = (False, False, False)
+_NO_OPERANDS = (None, None, None)
 
 
 def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[bool, ...]:
@@ -188,10 +190,11 @@ def attention_fwd(
     index: list[torch.Tensor],
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
-    operands = (alibi_slopes, key_bias)
+    operands = (alibi_slopes, key_bias, rel_bias)
     given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
@@ -235,14 +238,15 @@ def attention_bwd(
     index: list[torch.Tensor],
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dslopes, dkey_bias) from the saved inputs, output and lse, and the
-    gradients reaching out (dout) and lse (dlse, None when nothing reached it); an operand's
-    gradient is empty without it."""
+    rel_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dslopes, dkey_bias, drel_bias) from the saved inputs, output and lse, and
+    the gradients reaching out (dout) and lse (dlse, None when nothing reached it); an
+    operand's gradient is empty without it."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
-    operands = (alibi_slopes, key_bias)
+    operands = (alibi_slopes, key_bias, rel_bias)
     given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
@@ -291,18 +295,18 @@ def _attention_bwd_fake(
     index,
     alibi_slopes=None,
     key_bias=None,
+    rel_bias=None,
 ):
-    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in (alibi_slopes, key_bias))
+    operands = (alibi_slopes, key_bias, rel_bias)
+    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in operands)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *wrt
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, softcap, backend, recompute, index, alibi_slopes, key_bias = (
-        inputs
-    )
+    q, k, v, *layout_args, scale, softcap, backend, recompute, index = inputs[:13]
+    operands = inputs[13:]
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
-    operands = (alibi_slopes, key_bias)
     ctx.save_for_backward(*saved, *index, *(x for x in operands if x is not None))
     ctx.saved_count = len(saved)
     ctx.index_count = len(index)
@@ -361,11 +365,13 @@ def attend(
     call: AttentionCall,
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
     carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), alibi_slopes, key_bias)
+    operands = (alibi_slopes, key_bias, rel_bias)
+    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), *operands)
     return (out, lse) if call.return_lse else out
 
 

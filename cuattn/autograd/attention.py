@@ -31,9 +31,10 @@ class SparseAttention(Function):
         v: Any,
         alibi_slopes: Any | None,
         key_bias: Any | None,
+        rel_bias: Any | None,
         call: AttentionCall,
     ) -> tuple[Any, Any]:
-        operands = (alibi_slopes, key_bias)
+        operands = (alibi_slopes, key_bias, rel_bias)
         args = (call.layout, call.scale, call.backend, call.mods)
         out, lse = _backend.forward(q, k, v, *args, *operands)
         ctx.save_for_backward(q, k, v, out, lse, *operands)
@@ -56,11 +57,13 @@ def attend(
     call: AttentionCall,
     alibi_slopes: Tensor | None = None,
     key_bias: Tensor | None = None,
+    rel_bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
-    head_dim] and the validated call (its layout concrete); ALiBi's slopes and the key bias
-    Tensors (a gradient reaches them when they require one) or None. ``call.recompute`` keeps
+    head_dim] and the validated call (its layout concrete); ALiBi's slopes, the key bias and
+    the relative-position table Tensors (a gradient reaches them when they require one) or
+    None. ``call.recompute`` keeps
     only q, k, v (and the operands) on the tape and re-runs the forward in backward."""
     with recompute_region(call.recompute):
-        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, key_bias, call)
+        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, key_bias, rel_bias, call)
     return (out, lse) if call.return_lse else out

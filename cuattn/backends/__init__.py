@@ -1,12 +1,12 @@
 """Backend selection and the permutation-aware forward/backward every public path goes through.
 
 A backend computes attention on arrays of one array library in the layout's computed token
-order: ``forward(q, k, v, layout, scale, mods, alibi_slopes) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes) -> (dq, dk, dv)``
-(and the slopes' gradient after dv when slopes are given), where ``dlse`` (like lse, or None) is
-the gradient reaching the lse output, ``mods`` the score modifiers (backends/call.py ScoreMods)
-and ``alibi_slopes`` ALiBi's float32 [heads] or [batch, heads] slopes (or None), an array of the
-same library and device as q.
+order: ``forward(q, k, v, layout, scale, mods, *operands) -> (out, lse)`` and
+``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands) -> (dq, dk, dv, ...)``
+(and each given operand's gradient after dv), where ``dlse`` (like lse, or None) is the
+gradient reaching the lse output, ``mods`` the score modifiers (backends/call.py ScoreMods) and
+``operands`` the score operands (backends/call.py SCORE_OPERANDS: ALiBi's slopes, a key bias, a
+relative-position table; None where absent), arrays of the same library and device as q.
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cuattn.backends import numpy_ref as reference
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import NO_MODS, SCORE_OPERANDS, ScoreMods
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
@@ -48,6 +48,7 @@ class Backend(Protocol):
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
+        rel_bias: Any | None = None,
     ) -> tuple[Any, Any]: ...
 
     def backward(
@@ -64,6 +65,7 @@ class Backend(Protocol):
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
+        rel_bias: Any | None = None,
     ) -> tuple[Any, ...]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
@@ -76,9 +78,9 @@ class NumpyBackend:
     runs_kernels = False
     on_gpu = False
 
-    def forward(self, q, k, v, layout, scale, mods=NO_MODS, alibi_slopes=None, key_bias=None):
+    def forward(self, q, k, v, layout, scale, mods=NO_MODS, *operands):
         reference.check_arrays(q)
-        return reference.attention_forward(q, k, v, layout, scale, mods, alibi_slopes, key_bias)
+        return reference.attention_forward(q, k, v, layout, scale, mods, *operands)
 
     def backward(
         self,
@@ -92,12 +94,11 @@ class NumpyBackend:
         scale,
         dlse=None,
         mods=NO_MODS,
-        alibi_slopes=None,
-        key_bias=None,
+        *operands,
     ):
         reference.check_arrays(q)
         return reference.attention_backward(
-            q, k, v, out, lse, dout, layout, scale, dlse, mods, alibi_slopes, key_bias
+            q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands
         )
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
@@ -181,16 +182,12 @@ def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
         )
 
 
-def _check_operands(
-    mods: ScoreMods, alibi_slopes: Any | None, key_bias: Any | None, layout: Layout
-) -> None:
-    """Each score operand comes with its flag in ``mods`` and only with it (the kernel variant
-    follows mods), and with a layout in the natural token order (a Pattern may build a permuted
-    one)."""
-    for name, flag, operand in (
-        ("alibi_slopes", "alibi", alibi_slopes),
-        ("key_bias", "key_bias", key_bias),
-    ):
+def _check_operands(mods: ScoreMods, operands: tuple, layout: Layout) -> None:
+    """Each score operand (SCORE_OPERANDS order) comes with its flag in ``mods`` and only with
+    it (the kernel variant follows mods), and with a layout in the natural token order (a
+    Pattern may build a permuted one)."""
+    flags = ("alibi", "key_bias", "rel_bias")
+    for name, flag, operand in zip(SCORE_OPERANDS, flags, operands, strict=True):
         flagged = getattr(mods, flag)
         if flagged != (operand is not None):
             raise ValueError(
@@ -214,16 +211,18 @@ def forward(
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
+    rel_bias: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
 
     The single call into the backends for every route (public API, tape, torch, jax), so all
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
-    _check_operands(mods, alibi_slopes, key_bias, layout)
+    operands = (alibi_slopes, key_bias, rel_bias)
+    _check_operands(mods, operands, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = (_prepare(x, layout) for x in (q, k, v))
-    out, lse = impl.forward(*arrays, layout, scale, mods, alibi_slopes, key_bias)
+    out, lse = impl.forward(*arrays, layout, scale, mods, *operands)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
@@ -241,17 +240,19 @@ def backward(
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
+    rel_bias: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
-    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``,
-    ``alibi_slopes`` and ``key_bias`` are the forward's. With slopes, their gradient follows dv
-    (like them), then with a key bias its gradient (like it).
+    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
+    and the score operands are the forward's. The gradient of each operand given follows dv,
+    like it, in SCORE_OPERANDS order.
     ALiBi needs the natural token order: a permuted layout is refused by the public calls."""
-    _check_operands(mods, alibi_slopes, key_bias, layout)
+    operands = (alibi_slopes, key_bias, rel_bias)
+    _check_operands(mods, operands, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, dlse, mods, alibi_slopes, key_bias)
+    grads = impl.backward(*arrays, layout, scale, dlse, mods, *operands)
     return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
 

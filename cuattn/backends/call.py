@@ -29,6 +29,8 @@ class ScoreMods:
               not hashable): each score gets ``-slope[batch, head] * |q_pos - k_pos|``
     key_bias  the call carries a key bias (an array operand too): each score of key k gets
               ``key_bias[batch, (head,) k]``
+    rel_bias  the call carries a relative-position table [(batch,) heads, 2 M + 1] (an array
+              operand): each score gets ``table[(batch,) head, clamp(k_pos - q_pos, -M, M) + M]``
 
     The public calls build it with ``from_arguments``, which checks the keywords; nothing
     downstream checks it again.
@@ -40,10 +42,19 @@ class ScoreMods:
     softcap: float = 0.0
     alibi: bool = False
     key_bias: bool = False
+    rel_bias: bool = False
 
     @property
     def any(self) -> bool:
-        return self.softcap > 0.0 or self.alibi or self.key_bias
+        return self.softcap > 0.0 or self.alibi or self.key_bias or self.rel_bias
+
+    def with_operands(self, operands: Sequence[Any]) -> ScoreMods:
+        """These modifiers with a flag for each score operand given (SCORE_OPERANDS order,
+        None where absent)."""
+        alibi, key_bias, rel_bias = (x is not None for x in operands)
+        if not (alibi or key_bias or rel_bias):
+            return self
+        return replace(self, alibi=alibi, key_bias=key_bias, rel_bias=rel_bias)
 
     @classmethod
     def from_arguments(cls, softcap: object = None) -> ScoreMods:
@@ -101,7 +112,7 @@ class AttentionCall:
 
 # The score modifiers that are arrays (not hashable: they travel beside q, k, v, never in the
 # call), in the order every route passes them after ``mods``: a None where the call has none.
-SCORE_OPERANDS = ("alibi_slopes", "key_bias")
+SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias")
 
 
 def operand_gradients(grads: tuple, operands: tuple) -> tuple:
@@ -171,6 +182,32 @@ def check_key_bias(
                 else " (a [.., time_q, time_k] bias is O(T^2), which cuattn never builds)"
             )
         )
+
+
+def check_rel_bias(table: Any, q: Any, batch: int, heads: int) -> None:
+    """A relative-position table: float32 (float64 too beside float64 q) [heads, 2 M + 1] or
+    [batch, heads, 2 M + 1], M >= 0 the largest distance it tells apart."""
+    if not hasattr(table, "shape") or not hasattr(table, "dtype"):
+        raise TypeError(
+            "rel_bias must be a float32 array [heads, 2 * max_distance + 1] of the same kind as "
+            f"q, got {type(table).__name__}"
+        )
+    _check_operand_dtype("rel_bias", table, q)
+    shape = tuple(dims(table))
+    if (
+        len(shape) not in (2, 3)
+        or shape[:-1] not in ((heads,), (batch, heads))
+        or shape[-1] % 2 != 1
+    ):
+        raise ValueError(
+            f"rel_bias must have shape [heads, 2 * max_distance + 1] = ({heads}, odd) or "
+            f"[batch, heads, 2 * max_distance + 1] = ({batch}, {heads}, odd), got {shape}"
+        )
+
+
+def rel_max_distance(table: Any) -> int:
+    """M of a relative-position table [.., 2 M + 1]."""
+    return (int(table.shape[-1]) - 1) // 2
 
 
 def _check_operand_dtype(name: str, x: Any, q: Any) -> None:

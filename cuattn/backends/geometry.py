@@ -123,8 +123,10 @@ SCAN_CTAS = 2  # layout_scan: CTA 0 the rows (CSR), CTA 1 the columns (CSC)
 _LAYOUT_ARGS = (("ptr", "ptr"), ("idx", "ptr"), ("mask", "ptr"), ("mask_table", "ptr"))
 # The score operands (backends/call.py SCORE_OPERANDS), read by the score-modifier variants only
 # (block and decode kernels): ALiBi's [batch, heads] float32 slopes at a batch stride (0: one
-# slope per head), and a per-key bias, float32 rows of keys at element strides of batch and
-# query head (0: one row for every head); each a one-element stand-in when its use_ flag is 0.
+# slope per head), a per-key bias, float32 rows of keys at element strides of batch and query
+# head (0: one row for every head), and a relative-position table [batch, heads, 2M + 1] at a
+# batch stride (0: one table per head) with its M; each a one-element stand-in when its use_
+# flag is 0.
 _SCORE_OPERAND_ARGS = (
     ("alibi_slopes", "ptr"),
     ("use_alibi", "i32"),
@@ -133,6 +135,10 @@ _SCORE_OPERAND_ARGS = (
     ("use_key_bias", "i32"),
     ("key_bias_batch_stride", "i64"),
     ("key_bias_head_stride", "i64"),
+    ("rel_bias", "ptr"),
+    ("use_rel_bias", "i32"),
+    ("rel_bias_batch_stride", "i32"),
+    ("rel_max_distance", "i32"),
 )
 _RULE_SCALARS = (
     ("n_q", "i32"),
@@ -336,6 +342,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         # [batch, heads, n_q]), written when use_alibi_grad
         ("alibi_grad", "ptr"),
         ("use_alibi_grad", "i32"),
+        # the relative-position table's gradient: per query row, dS by table column (float32
+        # [batch, heads, n_q, 2M + 1], zeroed), written when use_rel_bias_grad
+        ("rel_bias_grad", "ptr"),
+        ("use_rel_bias_grad", "i32"),
         *_BWD_STRIDES,
     ),
 }

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
 from cuattn.backends.geometry import KernelConfig
 from cuattn.layout.derived import coarsened
 from cuattn.layout.device import DeviceLayout
@@ -121,6 +121,10 @@ class KernelBackend:
     def output(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A buffer every element of which the kernels write."""
         raise NotImplementedError
+
+    def zeroed_output(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A buffer the kernels write in part: zeros where they do not."""
+        return self.xp.zeros(shape, dtype)
 
     def index_arrays(self, layout: Layout) -> Any:
         """Object with row_ptr, col_idx, row_mask, col_ptr, row_idx, col_mask, mask_table."""
@@ -293,6 +297,7 @@ class KernelBackend:
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
+        rel_bias: Any | None = None,
     ) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
@@ -325,14 +330,40 @@ class KernelBackend:
                 lse=lse,
                 scale=scale,
                 softcap=mods.softcap,
-                **self._alibi_values(alibi_slopes),
-                **self._key_bias_values(key_bias),
+                **self._operand_values(alibi_slopes, key_bias, rel_bias),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
                 **self._strides("v", v),
             )
         return out, lse
+
+    def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:
+        """The block and decode kernels' arguments for the score operands (None: absent)."""
+        return {
+            **self._alibi_values(alibi_slopes),
+            **self._key_bias_values(key_bias),
+            **self._rel_bias_values(rel_bias),
+        }
+
+    def _rel_bias_values(self, table: Any | None) -> dict[str, Any]:
+        """The kernels' relative-position arguments: the table (contiguous float32 [heads,
+        2M + 1] or [batch, heads, 2M + 1], checked by the public call), its batch stride (0: one
+        table per head) and M, or a one-element stand-in the kernels do not read."""
+        if table is None:
+            return {
+                "rel_bias": self.xp.zeros(1, self.xp.float32),
+                "use_rel_bias": 0,
+                "rel_bias_batch_stride": 0,
+                "rel_max_distance": 0,
+            }
+        table = self.xp.ascontiguousarray(table)
+        return {
+            "rel_bias": table,
+            "use_rel_bias": 1,
+            "rel_bias_batch_stride": 0 if table.ndim == 2 else table.shape[1] * table.shape[2],
+            "rel_max_distance": rel_max_distance(table),
+        }
 
     def _alibi_values(self, slopes: Any | None) -> dict[str, Any]:
         """The block kernels' ALiBi arguments: the slopes (contiguous float32 [heads] or
@@ -383,12 +414,14 @@ class KernelBackend:
         mods: ScoreMods = NO_MODS,
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
+        rel_bias: Any | None = None,
     ) -> tuple[Any, ...]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
-        ``mods`` and ``alibi_slopes`` are the forward's. With slopes, their gradient follows:
-        the dQ pass writes each query row's share, summed here over the rows (and the batch for
-        one slope per head) in a fixed order.
+        ``mods`` and the score operands are the forward's. Each given operand's gradient
+        follows, in SCORE_OPERANDS order: the slopes' and the table's from per-row shares of
+        the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, summed here in
+        a fixed order.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
@@ -445,7 +478,7 @@ class KernelBackend:
                 "rule": layout.rule.kind,
                 "mods": modifier_variant(mods, scale),
             }
-            biases = {**self._alibi_values(alibi_slopes), **self._key_bias_values(key_bias)}
+            biases = self._operand_values(alibi_slopes, key_bias, rel_bias)
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias)
             if key_bias is None:
@@ -471,6 +504,14 @@ class KernelBackend:
                 alibi_rows = xp.zeros(1, xp.float32)
             else:
                 alibi_rows = self.output((batch, heads, n_q), xp.float32)
+            # the table's gradient per query row and column: the kernel writes only the
+            # columns a row's visited keys reach, so the rest must be 0
+            if rel_bias is None:
+                rel_rows = xp.zeros(1, xp.float32)
+            else:
+                rel_rows = self.zeroed_output(
+                    (batch, heads, n_q, int(rel_bias.shape[-1])), xp.float32
+                )
             self.launch(
                 KernelConfig("attn_bwd_dq", *per_head, n_q, **variant),
                 **tensors,
@@ -480,6 +521,8 @@ class KernelBackend:
                 **biases,
                 alibi_grad=alibi_rows,
                 use_alibi_grad=int(alibi_slopes is not None),
+                rel_bias_grad=rel_rows,
+                use_rel_bias_grad=int(rel_bias is not None),
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
                 **strides,
             )
@@ -497,7 +540,16 @@ class KernelBackend:
             grads += (self._slopes_gradient(alibi_rows, alibi_slopes.ndim),)
         if key_bias is not None:
             grads += (self._key_bias_gradient(key_rows, key_bias.ndim),)
+        if rel_bias is not None:
+            grads += (self._rel_bias_gradient(rel_rows, rel_bias.ndim),)
         return grads
+
+    def _rel_bias_gradient(self, rows: Any, table_ndim: int) -> Any:
+        """The relative-position table's gradient from the dQ pass's per-row shares [batch,
+        heads, n_q, 2M + 1]: summed over the rows, and over the batch for one table per head
+        (fixed order)."""
+        summed = rows.sum(axis=2)
+        return summed if table_ndim == 3 else summed.sum(axis=0)
 
     def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
         """The key bias's gradient from the dK/dV pass's per-query-head sums [batch, heads,
@@ -563,14 +615,16 @@ class KernelBackend:
         resident_ctas: int,
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
+        rel_bias: Any | None = None,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
         page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
-        ``alibi_slopes``, float32 [heads] or [batch, heads], and ``key_bias``, float32 [batch,
-        time_k] or [batch, heads, time_k] by token position). Shapes as the
+        ``alibi_slopes``, float32 [heads] or [batch, heads], ``key_bias``, float32 [batch,
+        time_k] or [batch, heads, time_k] by token position, and ``rel_bias``, float32 [heads,
+        2M + 1] or [batch, heads, 2M + 1] by token minus query position). Shapes as the
         kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
         against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
@@ -645,8 +699,7 @@ class KernelBackend:
                 pages_per_split=per_split,
                 scale=scale,
                 softcap=mods.softcap,
-                **self._alibi_values(alibi_slopes),
-                **self._key_bias_values(key_bias),
+                **self._operand_values(alibi_slopes, key_bias, rel_bias),
                 use_chosen=int(use_chosen),
                 keep_scores=int(keep_scores),
             )

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
 from cuattn.layout.layout import Layout
 
 SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
@@ -79,31 +79,41 @@ def _scores(
     mods: ScoreMods,
     slopes: np.ndarray | None,
     key_bias: np.ndarray | None = None,
+    rel_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | float]:
     """(S, bias) for R blocks at once: S = Q_i K_j^T * scale, modified (softcap), plus ALiBi's
-    bias (``slopes`` [B, H] or None) and the key bias (blocked [B, H, nb, b] or None), then
-    -inf where the element rule forbids; ``bias`` is what the biases added (0 without them),
-    for the gradients."""
+    bias (``slopes`` [B, H] or None), the key bias (blocked [B, H, nb, b] or None) and the
+    relative-position bias (``rel_bias`` [B, H, 2 M + 1] or None), then -inf where the element
+    rule forbids; ``bias`` is what the biases added (0 without them), for the gradients."""
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     s = modified_scores(s, mods, np)
     bias: np.ndarray | float = 0.0
     if slopes is not None:
-        bias = -slopes[:, h, None, None] * _distances(layout, i, j)
+        bias = -slopes[:, h, None, None] * np.abs(_q_minus_k(layout, i, j))
     if key_bias is not None:
         bias = bias + key_bias[:, h, j][:, :, None, :]
+    if rel_bias is not None:
+        bias = bias + rel_bias[:, h[:, None, None], _rel_index(layout, i, j, rel_bias)]
     s = s + bias
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf), bias
 
 
-def _distances(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-    """|q_pos - k_pos| [R, b, b] of query blocks i against key blocks j, with the end-aligned
-    query positions q + q_offset (ALiBi's distances, as FlashAttention places them)."""
+def _q_minus_k(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """q_pos - k_pos [R, b, b] of query blocks i against key blocks j, with the end-aligned
+    query positions q + q_offset (as FlashAttention places them for ALiBi)."""
     b = layout.blocksize
     offsets = np.arange(b)
     q_pos = (i[:, None] * b + offsets) + layout.q_offset
     k_pos = j[:, None] * b + offsets
-    return np.abs(q_pos[:, :, None] - k_pos[:, None, :]).astype(np.float64)
+    return q_pos[:, :, None] - k_pos[:, None, :]
+
+
+def _rel_index(layout: Layout, i: np.ndarray, j: np.ndarray, rel_bias: np.ndarray) -> np.ndarray:
+    """The relative-position table's column [R, b, b] of each element: clamp(k_pos - q_pos,
+    -M, M) + M for a table of 2 M + 1 columns."""
+    m = rel_max_distance(rel_bias)
+    return np.clip(-_q_minus_k(layout, i, j), -m, m) + m
 
 
 def modified_scores(s: Any, mods: ScoreMods, xp: Any) -> Any:
@@ -162,19 +172,22 @@ def attention_forward(
     mods: ScoreMods = NO_MODS,
     alibi_slopes: np.ndarray | None = None,
     key_bias: np.ndarray | None = None,
+    rel_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to).
     ``alibi_slopes``: float32 [H] or [B, H] (with ``mods.alibi``), or None; ``key_bias``:
-    float32 [B, n_k] or [B, H, n_k] (with ``mods.key_bias``), or None."""
+    float32 [B, n_k] or [B, H, n_k] (with ``mods.key_bias``), or None; ``rel_bias``: float32
+    [H, 2 M + 1] or [B, H, 2 M + 1] (with ``mods.rel_bias``), or None."""
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
-    slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
+    slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
+    rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
     m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b)
+        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b, rel_b)
         m_old = m_i[:, h, i]
         m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
         # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
@@ -210,6 +223,7 @@ def attention_backward(
     mods: ScoreMods = NO_MODS,
     alibi_slopes: np.ndarray | None = None,
     key_bias: np.ndarray | None = None,
+    rel_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
     None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
@@ -217,10 +231,13 @@ def attention_backward(
     and ``alibi_slopes`` must be the forward's; with slopes, their gradient (like them, float32)
     follows dv: -sum of dS * |q_pos - k_pos| over the keys and queries (and the batch for [H]);
     then with a key bias its gradient (like it, float32): the sum of dS over the queries (and
-    the heads for [B, n_k])."""
+    the heads for [B, n_k]); then with a relative-position table its gradient (like it): the
+    sum of dS over the elements each column reaches (and the batch for [H, 2 M + 1])."""
     acc_t = _acc_dtype(q.dtype)
-    slopes = _slopes(alibi_slopes, q.shape[0], acc_t)
+    slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     dslopes = None if slopes is None else np.zeros_like(slopes)
+    rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
+    drel = None if rel_b is None else np.zeros_like(rel_b)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
@@ -234,7 +251,7 @@ def attention_backward(
     lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
-        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b)
+        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b, rel_b)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
@@ -248,8 +265,15 @@ def attention_backward(
         _, ds_biased, ds = probs_and_dscores(h, i, j, mask_id)
         dq[:, h, i] += np.matmul(ds, kb[:, _kv_head(h, qb, kb), j]) * scale
         if dslopes is not None:  # d bias / d slope = -|q_pos - k_pos|
-            moment = np.einsum("brqk,rqk->br", ds_biased, _distances(layout, i, j))
+            moment = np.einsum("brqk,rqk->br", ds_biased, np.abs(_q_minus_k(layout, i, j)))
             np.add.at(dslopes.T, h, -moment.T)
+        if drel is not None:  # each element adds its dS to the table column it read
+            width = drel.shape[-1]
+            column = h[:, None, None] * width + _rel_index(layout, i, j, rel_b)
+            for b in range(drel.shape[0]):
+                drel[b] += np.bincount(
+                    column.ravel(), ds_biased[b].ravel(), minlength=drel[b].size
+                ).reshape(drel[b].shape)
     # Per query head first (a walk step may hold several heads of one kv group, which an
     # indexed += would collapse), then each group summed in head order.
     heads, kv_heads = qb.shape[1], kb.shape[1]
@@ -277,6 +301,9 @@ def attention_backward(
         dkey = dkey.reshape(dkey.shape[:2] + (-1,))[:, :, :n_k]
         summed = dkey if key_bias.ndim == 3 else dkey.sum(axis=1)
         grads = (*grads, summed.astype(key_bias.dtype))
+    if drel is not None:
+        summed = drel if rel_bias.ndim == 3 else drel.sum(axis=0)
+        grads = (*grads, summed.astype(rel_bias.dtype))
     return grads
 
 
@@ -291,11 +318,14 @@ def _key_bias(
     return _blocked(full, layout, acc)
 
 
-def _slopes(alibi_slopes: np.ndarray | None, batch: int, acc: type) -> np.ndarray | None:
-    """The slopes as [B, H] in the accumulation dtype, or None."""
-    if alibi_slopes is None:
+def _per_batch(operand: np.ndarray | None, batch: int, acc: type, ndim: int) -> np.ndarray | None:
+    """An operand that may leave out its batch axis (ALiBi's slopes [H] of [B, H], ndim 2; a
+    relative-position table [H, W] of [B, H, W], ndim 3) with that axis, in the accumulation
+    dtype; or None."""
+    if operand is None:
         return None
-    return np.broadcast_to(alibi_slopes, (batch, alibi_slopes.shape[-1])).astype(acc)
+    shape = operand.shape if operand.ndim == ndim else (batch, *operand.shape)
+    return np.broadcast_to(operand, shape).astype(acc)
 
 
 @_quiet_specials

@@ -44,10 +44,13 @@ from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import (
     NO_MODS,
+    SCORE_OPERANDS,
     ScoreMods,
     check_alibi_slopes,
     check_key_bias,
+    check_rel_bias,
     check_same_kind,
+    rel_max_distance,
 )
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
@@ -193,6 +196,7 @@ def kernel_call(
     mods: ScoreMods = NO_MODS,
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
+    rel_bias: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
     (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
@@ -212,6 +216,7 @@ def kernel_call(
         _resident_ctas(impl, cache.head_dim, cache.dtype),
         alibi_slopes,
         key_bias,
+        rel_bias,
     )
 
 
@@ -239,6 +244,7 @@ def decode_attention(
     softcap: float | None = None,
     alibi_slopes: Any = None,
     key_bias: Any = None,
+    rel_bias: Any = None,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
@@ -250,8 +256,10 @@ def decode_attention(
     heads], q's kind of array) adds ALiBi's ``-slope * (query position - token position)``
     after the cap, with the positions the cache keeps (an evicted token's neighbours keep their
     distance); ``key_bias`` (float32 [batch, time_k] or [batch, heads, time_k], time_k at least
-    the longest sequence) adds key_bias[b, (h,) position] to each kept token's score. Quest's
-    page bounds leave both out. ``backend``: "numpy" (the reference, default
+    the longest sequence) adds key_bias[b, (h,) position] to each kept token's score;
+    ``rel_bias`` (float32 [heads, 2 M + 1] or [batch, heads, 2 M + 1]) adds the table's column
+    clamp(token position - query position, -M, M) + M. Quest's page bounds leave
+    them out. ``backend``: "numpy" (the reference, default
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
@@ -265,15 +273,17 @@ def decode_attention(
         longest = int(cache.lengths.max(initial=0))
         check_key_bias(key_bias, q, batch, heads, longest, covering=True)
         check_same_kind("key_bias", key_bias, q)
-    if alibi_slopes is not None or key_bias is not None:
-        mods = ScoreMods(mods.softcap, alibi_slopes is not None, key_bias is not None)
+    if rel_bias is not None:
+        check_rel_bias(rel_bias, q, batch, heads)
+        check_same_kind("rel_bias", rel_bias, q)
+    mods = mods.with_operands((alibi_slopes, key_bias, rel_bias))
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
         operands = tuple(
             None if x is None else dlpack.to_backend(x, info, name)
-            for name, x in (("alibi_slopes", alibi_slopes), ("key_bias", key_bias))
+            for name, x in zip(SCORE_OPERANDS, (alibi_slopes, key_bias, rel_bias), strict=True)
         )
         if impl.runs_kernels:
             out, lse = _kernel_decode(impl, cache, qb, scale, mods, operands)
@@ -292,6 +302,7 @@ def _reference(
     mods: ScoreMods,
     slopes: Any | None,
     key_bias: Any | None,
+    rel_bias: Any | None,
 ) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf."""
@@ -322,6 +333,11 @@ def _reference(
             if key_bias is not None:  # the bias of each kept token's position
                 rows = key_bias[b] if key_bias.ndim == 2 else key_bias[b, heads_of]
                 s = s + rows[..., xp.asarray(pos)].astype(acc)[..., None, :]
+            if rel_bias is not None:  # the table's column of (token - query position)
+                reach = rel_max_distance(rel_bias)
+                table = rel_bias if rel_bias.ndim == 2 else rel_bias[b]
+                column = np.clip(pos[None, :] - q_pos[:, None], -reach, reach) + reach
+                s = s + table[heads_of][:, xp.asarray(column)].astype(acc)
             allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
             if quest:
                 chosen = _quest_pages(cache, b, h, q_group, length)

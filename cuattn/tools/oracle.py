@@ -50,6 +50,36 @@ def alibi_bias(slopes: Any, batch: int, n_q: int, n_k: int) -> Any:
     return -slopes[:, :, None, None] * distance
 
 
+def rel_columns(n_q: int, n_k: int, max_distance: int) -> np.ndarray:
+    """The relative-position table's column [n_q, n_k] of each (query, key): clamp(k_pos -
+    q_pos, -M, M) + M with end-aligned query positions q_pos = i + n_k - n_q."""
+    q_pos = np.arange(n_q) + (n_k - n_q)
+    rel = np.arange(n_k)[None, :] - q_pos[:, None]
+    return np.clip(rel, -max_distance, max_distance) + max_distance
+
+
+def rel_position_bias(table: Any, batch: int, n_q: int, n_k: int) -> Any:
+    """A relative-position table's additive bias [batch, heads, n_q, n_k] in float64 from the
+    table [heads, 2 M + 1] or [batch, heads, 2 M + 1]: table[.., rel_columns(n_q, n_k, M)]."""
+    xp = get_array_module(table)
+    (table,) = _float64(table)
+    table = xp.broadcast_to(table, (batch, *table.shape[-2:]))
+    columns = xp.asarray(rel_columns(n_q, n_k, (table.shape[-1] - 1) // 2))
+    return table[:, :, columns]
+
+
+def rel_table_gradient(dbias: np.ndarray, max_distance: int, per_batch: bool) -> np.ndarray:
+    """A relative-position table's gradient [(batch,) heads, 2 M + 1] from the gradient of each
+    biased score [batch, heads, n_q, n_k]: each column sums the scores that read it."""
+    batch, heads, n_q, n_k = dbias.shape
+    columns = rel_columns(n_q, n_k, max_distance).ravel()
+    grad = np.zeros((batch, heads, 2 * max_distance + 1))
+    for b in range(batch):
+        for h in range(heads):
+            np.add.at(grad[b, h], columns, dbias[b, h].ravel())
+    return grad if per_batch else grad.sum(axis=0)
+
+
 def _scores(q: Any, k: Any, scale: float, score_dtype: Any, softcap: float) -> tuple[Any, Any]:
     """(S, dS_capped/dS_scaled): scale * q.k, capped as ``softcap * tanh(s / softcap)`` when
     softcap > 0, and the cap's slope 1 - tanh^2 (1 without a cap), before any mask."""

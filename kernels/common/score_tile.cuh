@@ -139,12 +139,15 @@ __device__ __forceinline__ float alibi_bias(const ScoreScale& sc, int q_minus_k)
   return sc.alibi_log2 * fabsf(float(q_minus_k));
 }
 
-// Adds ALiBi's bias to M_FRAGS stacked score fragments (the layout of mask_score_frags: rows
-// row_first, row_first + 16, ...; ROWS_ARE_QUERIES tells which axis holds the queries). A
-// masked -inf stays -inf. The caller skips it when alibi_log2 is 0 (no ALiBi).
-template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES>
-__device__ __forceinline__ void alibi_frags(float (&s)[M_FRAGS][N / 8][4], const ScoreScale& sc,
-                                            int q_offset, int row_first, int col_first) {
+// Adds a bias that depends on the query and key positions, bias_of(q_pos - k_pos) (log2
+// domain), to M_FRAGS stacked score fragments (the layout of mask_score_frags: rows row_first,
+// row_first + 16, ...; ROWS_ARE_QUERIES tells which axis holds the queries). Query positions
+// are end-aligned, q + q_offset, as the rules and FlashAttention place them. A masked -inf
+// stays -inf.
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES, typename BiasOf>
+__device__ __forceinline__ void position_bias_frags(float (&s)[M_FRAGS][N / 8][4], int q_offset,
+                                                    int row_first, int col_first,
+                                                    const BiasOf& bias_of) {
   const AccLayout frag;
 #pragma unroll
   for (int m = 0; m < M_FRAGS; ++m) {
@@ -155,16 +158,62 @@ __device__ __forceinline__ void alibi_frags(float (&s)[M_FRAGS][N / 8][4], const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = frag.row(e), col = frag.col(j, e);
-        s[m][j][e] += alibi_bias(sc, base + (ROWS_ARE_QUERIES ? row - col : col - row));
+        s[m][j][e] += bias_of(base + (ROWS_ARE_QUERIES ? row - col : col - row));
       }
     }
   }
+}
+
+// ALiBi's bias on stacked fragments. The caller skips it when alibi_log2 is 0 (no ALiBi).
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void alibi_frags(float (&s)[M_FRAGS][N / 8][4], const ScoreScale& sc,
+                                            int q_offset, int row_first, int col_first) {
+  position_bias_frags<M_FRAGS, N, ROWS_ARE_QUERIES>(
+      s, q_offset, row_first, col_first, [&](int q_minus_k) { return alibi_bias(sc, q_minus_k); });
 }
 
 template <int N, bool ROWS_ARE_QUERIES>
 __device__ __forceinline__ void alibi_tile(float (&s)[N / 8][4], const ScoreScale& sc,
                                            int q_offset, int row_first, int col_first) {
   alibi_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), sc, q_offset, row_first, col_first);
+}
+
+// A relative-position table's row for this (batch, head): 2 * max_distance + 1 biases (natural
+// units, T5's and Swin's learned bias by distance); a score of keys k_pos - q_pos apart reads
+// column clamp(k_pos - q_pos, -max_distance, max_distance) + max_distance, so every read is in
+// the row whatever the positions (a ragged tile's rest is masked anyway). The row is a few
+// hundred floats that every CTA of the head reads: L1 holds it after the first tile.
+struct RelBias {
+  const float* row;  // null: no table
+  int max_distance;
+  __device__ __forceinline__ int column(int q_minus_k) const {
+    const int rel = -q_minus_k;  // k_pos - q_pos
+    return (rel < -max_distance ? 0 : rel > max_distance ? 2 * max_distance : rel + max_distance);
+  }
+  __device__ __forceinline__ float log2_at(int q_minus_k) const {
+    return row[column(q_minus_k)] * LOG2E;
+  }
+  // The table of (batch, head) [batch, heads, 2M + 1] at batch stride batch_stride (0: one table
+  // for every batch), or null without one.
+  __device__ __forceinline__ static RelBias make(const float* table, int use, int batch_stride,
+                                                 int max_distance, int batch, int head) {
+    if (!use) return {nullptr, 0};
+    return {table + size_t(batch) * batch_stride + size_t(head) * (2 * max_distance + 1),
+            max_distance};
+  }
+};
+
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void rel_bias_frags(float (&s)[M_FRAGS][N / 8][4], const RelBias& rb,
+                                               int q_offset, int row_first, int col_first) {
+  position_bias_frags<M_FRAGS, N, ROWS_ARE_QUERIES>(
+      s, q_offset, row_first, col_first, [&](int q_minus_k) { return rb.log2_at(q_minus_k); });
+}
+
+template <int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void rel_bias_tile(float (&s)[N / 8][4], const RelBias& rb,
+                                              int q_offset, int row_first, int col_first) {
+  rel_bias_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), rb, q_offset, row_first, col_first);
 }
 
 // A per-key additive bias (key_bias, in natural units), this (batch, head)'s row: keys

@@ -1,13 +1,21 @@
-"""One check of a backend with the score operands (ALiBi's slopes, a key bias; either or both,
-with a softcap) against the float64 dense oracle: forward, dq, dk, dv and each operand's
-gradient. Shared by tests/backends/test_alibi.py and test_key_bias.py."""
+"""One check of a backend with the score operands (ALiBi's slopes, a key bias, a relative-position
+table; any of them, with a softcap) against the float64 dense oracle: forward, dq, dk, dv and
+each operand's gradient. Shared by tests/backends/test_alibi.py, test_key_bias.py and
+test_rel_bias.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from cuattn.backends.call import ScoreMods
-from cuattn.tools.oracle import alibi_bias, dense_attention, dense_attention_grads, rel_err
+from cuattn.tools.oracle import (
+    alibi_bias,
+    dense_attention,
+    dense_attention_grads,
+    rel_err,
+    rel_position_bias,
+    rel_table_gradient,
+)
 
 # An operand's gradient comes back in float32, as the operand; it sums n_q x n_k products of dS
 # (and a distance, for the slopes): the float32 rounding bounds it for float64 inputs.
@@ -15,12 +23,24 @@ OPERAND_TOLERANCE = {"float64": 1e-6, "float32": 1e-5, "float16": 1e-2, "bfloat1
 
 
 def check_operands(
-    backend, q, k, v, dout, layout, tolerance, softcap=0.0, slopes=None, key_bias=None, dlse=None
+    backend,
+    q,
+    k,
+    v,
+    dout,
+    layout,
+    tolerance,
+    softcap=0.0,
+    slopes=None,
+    key_bias=None,
+    dlse=None,
+    rel_bias=None,
 ):
     """``backend``'s (out, lse, grads) with these operands, each checked against the oracle;
     grads: dq, dk, dv, then the gradient of each operand given (slopes first)."""
     scale = q.shape[-1] ** -0.5
-    mods = ScoreMods(softcap, alibi=slopes is not None, key_bias=key_bias is not None)
+    operands = (slopes, key_bias, rel_bias)
+    mods = ScoreMods(softcap).with_operands(operands)
     mask = layout.to_mask()
     batch, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
     bias = np.zeros((1, 1, 1, 1))
@@ -30,7 +50,8 @@ def check_operands(
     if key_bias is not None:
         per_key = key_bias.astype(np.float64)
         bias = bias + (per_key if per_key.ndim == 3 else per_key[:, None, :])[:, :, None, :]
-    operands = (slopes, key_bias)
+    if rel_bias is not None:
+        bias = bias + rel_position_bias(rel_bias, batch, n_q, n_k)
     out, lse = backend.forward(q, k, v, layout, scale, mods, *operands)
     ref_out, ref_lse = dense_attention(q, k, v, mask, scale, softcap=softcap, bias=bias)
     empty = np.isneginf(ref_lse)
@@ -63,4 +84,11 @@ def check_operands(
         assert dkey.dtype == np.float32 and dkey.shape == key_bias.shape
         assert not np.isnan(dkey).any()
         assert rel_err(dkey, ref_dkey) <= limit, "dkey_bias"
+    if rel_bias is not None:
+        max_distance = (rel_bias.shape[-1] - 1) // 2
+        ref_drel = rel_table_gradient(dbias, max_distance, per_batch=rel_bias.ndim == 3)
+        drel = next(wrt)
+        assert drel.dtype == rel_bias.dtype and drel.shape == rel_bias.shape
+        assert not np.isnan(drel).any()
+        assert rel_err(drel, ref_drel) <= limit, "drel_bias"
     return out, lse, grads

@@ -42,6 +42,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DENSE_MODES = ("all", "local", "strided")
 # Block size the dense masked path `attention` computes with; any length works (ragged blocks).
 DENSE_BLOCKSIZE = 32
+_NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
 # Block size of the layouts causal= / window_size= stand for: the kernels' measured-fastest
 # forward shape (64-row tiles, docs/kernels.md "The forward").
 IMPLICIT_BLOCKSIZE = 64
@@ -225,7 +226,8 @@ def sparse_attention(
         check_rel_bias(rel_bias, q, batch, heads)
         _check_operand_kind("rel_bias", rel_bias, q, layout)
     operands = (alibi_slopes, key_bias, rel_bias)
-    mods = mods.with_operands(operands)
+    if operands != _NO_OPERANDS:
+        mods = mods.with_operands(operands)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked
         return _empty_attention(q, k, v, bool(return_lse))
@@ -295,9 +297,7 @@ def _implicit_pattern(heads: int, causal: object, window_size: object) -> Patter
     )
 
 
-def _route(
-    q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = (None,) * len(SCORE_OPERANDS)
-) -> Any:
+def _route(q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = _NO_OPERANDS) -> Any:
     """The validated call on the path for the caller's arrays; every path ends in
     cuattn.backends.forward (and backward), so all of them compute alike.
 

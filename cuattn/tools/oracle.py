@@ -265,13 +265,15 @@ def kept_attention(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     key_bias: Any = None,
+    rel_bias: Any = None,
 ) -> np.ndarray:
     """float64 [batch, heads, t_q, head_dim] on the host: decode attention of q (each
     sequence's newest t_q positions, query head h on kv head h // (heads / kv_heads)) over
     exactly the tokens a ``cuattn.KVCache`` keeps (``cache.kept``), causal; ``softcap`` as for
     :func:`dense_attention`; ``alibi_slopes`` ([heads] or [batch, heads]) adds ALiBi's
     ``-slope * (query position - token position)``, ``key_bias`` ([batch, time_k] or [batch,
-    heads, time_k]) the bias of each token's position."""
+    heads, time_k]) the bias of each token's position, ``rel_bias`` ([heads, 2 M + 1] or
+    [batch, heads, 2 M + 1]) the table's column clamp(token - query position, -M, M) + M."""
     q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
     batch, heads, t_q, head_dim = q.shape
     group = heads // cache.kv_heads
@@ -297,5 +299,11 @@ def kept_attention(
                     kb[b][None] if kb.ndim == 2 else kb[b, rows], (group, kb.shape[-1])
                 )
                 bias = bias + kb[:, pos][None, :, None, :]
+            if rel_bias is not None:
+                table = host_array(rel_bias).astype(np.float64)
+                table = table if table.ndim == 2 else table[b]
+                reach = (table.shape[-1] - 1) // 2
+                column = np.clip(pos[None, :] - q_pos[:, None], -reach, reach) + reach
+                bias = bias + table[rows][:, column][None]
             out[b, rows] = dense_attention(*one, mask, scale, softcap=softcap, bias=bias)[0][0]
     return out

@@ -168,6 +168,27 @@ def test_key_bias_on_the_interpreter_and_the_reference(dtype, per_head, monkeypa
         cuattn.decode_attention(q, cache, key_bias=key_bias[..., :10])
 
 
+@pytest.mark.parametrize(("dtype", "per_batch"), [("float32", True), ("float16", False)])
+def test_rel_bias_on_the_interpreter_and_the_reference(dtype, per_batch, monkeypatch):
+    """rel_bias= adds the table's column of (token - query position) on both backends over a
+    cache that evicted the middle (the kept tokens keep their positions), beside a softcap."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 16)
+    rng = np.random.default_rng(17)
+    shape = (2, 2, 2 * 40 + 1) if per_batch else (2, 2 * 40 + 1)
+    table = (rng.standard_normal(shape) * 2).astype(np.float32)
+    for backend in ("interp", "numpy"):
+        cache = cuattn.KVCache(2, 1, 64, dtype, page_size=16, policy=P.StreamingLLM(4, 60))
+        q = _fill(cache, np.random.default_rng(18), np, steps=2, group=2, t_q=2, prefill=150)
+        out = cuattn.decode_attention(q, cache, backend=backend, softcap=2.0, rel_bias=table)
+        want = kept_attention(cache, q, 64**-0.5, softcap=2.0, rel_bias=table)
+        error = np.abs(out.astype(np.float64) - want).max()
+        assert error <= TOLERANCE[dtype] * np.abs(want).max(), backend
+        plain = kept_attention(cache, q, 64**-0.5, softcap=2.0)
+        assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()  # the table matters
+    with pytest.raises(ValueError, match=r"rel_bias must have shape \[heads, 2 \* max_distance"):
+        cuattn.decode_attention(q, cache, rel_bias=table[..., :-1])
+
+
 def test_alibi_decode_equals_the_full_forward():
     """Nothing evicted: decode's ALiBi is sparse_attention's end-aligned causal ALiBi."""
     cache = cuattn.KVCache(1, 2, 16, "float64", page_size=8)

@@ -226,7 +226,7 @@ def sparse_attention(
         check_rel_bias(rel_bias, q, batch, heads)
         _check_operand_kind("rel_bias", rel_bias, q, layout)
     operands = (alibi_slopes, key_bias, rel_bias)
-    if operands != _NO_OPERANDS:
+    if any(x is not None for x in operands):
         mods = mods.with_operands(operands)
     if empty:
         _resolve_scale(scale, head_dim)  # still checked

@@ -29,13 +29,21 @@ size T x T is built and every sequence gets its own layout, aligned to its own f
   keyword arguments (DataCollatorWithFlattening).
 
 Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
+T5's relative-position bias (the ``position_bias`` [1 or batch, heads, q_len, kv_len] its
+layers pass, a function of key minus query position) runs as cuattn's ``rel_bias``: a table
+of one column per distance, read from the bias tensor (its first query row and first key
+column) after checking that every entry is its distance's (once per bias tensor: T5 passes one
+tensor to every layer), so autograd takes the gradient back to T5's bucket embedding through
+that read. A bias that is not a function of the distance is refused by name; so is a leaf bias
+tensor that requires a gradient (its gradient would be the table's, not each entry's), except
+the all-zero placeholder T5's layers without a table pass, which adds nothing and is dropped.
 
 ``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
 paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
 compresses at the prefill and at every decode step; its layers attend through this function.
 
-Not supported, each a ValueError naming it: dropout in training, ``position_bias``,
-``s_aux`` (attention sinks), ``output_attentions``, a model's own extra mask functions
+Not supported, each a ValueError naming it: dropout in training, a ``position_bias`` as above,
+``s_aux (attention sinks), ``output_attentions``, a model's own extra mask functions
 (``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
 is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
 tracing, ``position_ids`` that split a row are a RuntimeError when the compiled call runs.
@@ -177,6 +185,76 @@ def _refuse(name: str, why: str) -> None:
     raise ValueError(f"attn_implementation='cuattn' does not support {name}: {why}")
 
 
+# Set on a position_bias tensor once read: (its _version then, whether it is all zeros), and
+# only once it was found to be zeros or a function of key minus query position, so that the
+# same tensor (T5 hands one to every layer) is checked once.
+_CHECKED = "_cuattn_distance_bias"
+
+
+@torch.compiler.disable
+def _rel_table(bias: Any, q_shape: torch.Size, kv_len: int) -> torch.Tensor | None:
+    """The relative-position table ([heads, 2 kv_len - 1], or [batch, heads, ..] for a bias per
+    batch row) of a position_bias [1 or batch, 1 or heads, q_len, kv_len] that is a function of
+    k_pos - q_pos (queries end-aligned); None for T5's all-zero placeholder. Column c holds
+    distance c - (kv_len - 1), read at the first query row or the first key column (a gather:
+    autograd takes the table's gradient back to whatever made the bias). An all-zero bias
+    that carries no gradient to anything (T5's placeholder in layers without a table, a leaf
+    under gradient checkpointing) adds nothing: None."""
+    batch, heads, q_len, _ = q_shape
+    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point:
+        raise TypeError(
+            "position_bias must be a floating torch.Tensor [batch or 1, heads or 1, q_len, "
+            f"kv_len], got {type(bias).__name__} {getattr(bias, 'dtype', '')}"
+        )
+    if (
+        bias.ndim != 4
+        or bias.shape[0] not in (1, batch)
+        or bias.shape[1] not in (1, heads)
+        or tuple(bias.shape[2:]) != (q_len, kv_len)
+    ):
+        raise ValueError(
+            f"position_bias of shape {tuple(bias.shape)} does not fit {batch} x {heads} heads "
+            f"with {q_len} queries and {kv_len} keys: [batch or 1, heads or 1, q_len, kv_len]"
+        )
+    leaf = bias.requires_grad and bias.grad_fn is None
+    checked = getattr(bias, _CHECKED, None)
+    fresh = checked is None or checked[0] != bias._version
+    zero = not bool(bias.any()) if fresh else checked[1]
+    if zero and (leaf or not bias.requires_grad):
+        setattr(bias, _CHECKED, (bias._version, True))
+        return None
+    if leaf:
+        _refuse(
+            "a position_bias that is a leaf requiring a gradient",
+            "cuattn reads it as a table by distance and would give that table's gradient, not "
+            "each entry's; pass it as a function of a table (T5's bucket embedding)",
+        )
+    offset, reach = kv_len - q_len, kv_len - 1
+    device = bias.device
+    rel = torch.arange(-reach, reach + 1, device=device)
+    first_row = rel >= -offset  # distance rel at (0, rel + offset), else at (-rel - offset, 0)
+    rows = torch.where(first_row, 0, -rel - offset)
+    cols = torch.where(first_row, rel + offset, 0)
+    valid = (rows < q_len) & (cols < kv_len)  # distances past the keys' reach: never read
+    table = bias[:, :, rows.clamp(max=q_len - 1), cols.clamp(max=kv_len - 1)]
+    table = torch.where(valid, table, torch.zeros((), dtype=bias.dtype, device=device))
+    if fresh:
+        q_pos = torch.arange(q_len, device=device)[:, None] + offset
+        columns = torch.arange(kv_len, device=device)[None, :] - q_pos + reach
+        if not bool((table.detach()[:, :, columns] == bias.detach()).all()):
+            _refuse(
+                f"a position_bias of shape {tuple(bias.shape)} that is not a function of key "
+                "minus query position",
+                "cuattn adds a bias by distance (rel_bias) or by key (key_bias), never a "
+                "[q_len, kv_len] one",
+            )
+        setattr(bias, _CHECKED, (bias._version, zero))
+    # a bfloat16 / float16 model's bias widens to float32 exactly (the kernels' table dtype)
+    table = table if bias.dtype == torch.float64 else table.float()
+    table = table.expand(table.shape[0], heads, table.shape[2]).contiguous()
+    return table[0] if table.shape[0] == 1 else table
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[batch, heads, time, dim] -> [batch * time, heads, dim] (the varlen token order)."""
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
@@ -277,18 +355,27 @@ def _padded(
     value: torch.Tensor,
     keep: torch.Tensor,
     pattern: Pattern,
-    scores: dict[str, float | None],
+    scores: dict[str, Any],
+    causal: bool,
 ) -> torch.Tensor:
     """Attention of a padded batch: ``keep`` [batch, L] marks the real tokens of the first L
-    keys (L < kv_len only with a static cache, whose tail past the mask is unused); the queries
-    are the last q_len of them."""
+    keys (L < kv_len only with a static cache, whose tail past the mask is unused). A causal
+    layer's queries are the last q_len of them (decoding with a cache); a bidirectional layer
+    with fewer queries than keys attends across (an encoder-decoder's cross attention: the mask
+    is the encoder's, and every query is one)."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    if keep.shape[0] != batch or not q_len <= keep.shape[1] <= kv_len:
+    queries_in_mask = causal or q_len == keep.shape[1]
+    if (
+        keep.shape[0] != batch
+        or keep.shape[1] > kv_len
+        or queries_in_mask
+        and q_len > keep.shape[1]
+    ):
         raise ValueError(
             f"attention_mask of shape {tuple(keep.shape)} does not fit a batch of {batch} with "
-            f"{q_len} queries and {kv_len} keys: a 2-D mask is [batch, kv_len], the queries "
-            "being its last q_len positions"
+            f"{q_len} queries and {kv_len} keys: a 2-D mask is [batch, kv_len], a causal "
+            "layer's queries being its last q_len positions"
         )
     if keep.dtype != torch.bool:
         if not ((keep == 0) | (keep == 1)).all():
@@ -303,13 +390,37 @@ def _padded(
         )
         return out.transpose(1, 2)
     length = keep.shape[1]
+    if "rel_bias" in scores:
+        _check_padding_keeps_distances(keep, q_len)
     key, value = key[:, :, :length], value[:, :, :length]
-    keep_q = keep[:, length - q_len :]
+    if queries_in_mask:
+        keep_q = keep[:, length - q_len :]
+    else:
+        keep_q = torch.ones(batch, q_len, dtype=torch.bool, device=keep.device)
     flat_k = torch.nonzero(keep.reshape(-1)).reshape(-1)
     flat_q = torch.nonzero(keep_q.reshape(-1)).reshape(-1)
     cu_k = _cu_seqlens(keep.sum(1))
     cu_q = _cu_seqlens(keep_q.sum(1))
     return _varlen(query, key, value, pattern, scores, cu_q, cu_k, flat_q, flat_k)
+
+
+def _check_padding_keeps_distances(keep: torch.Tensor, q_len: int) -> None:
+    """A position_bias over a padded batch runs on each row's tokens packed together: right
+    only where padding is at a row's ends (the distances between its tokens do not change) and
+    the queries are all the tokens (a packed call has one query offset)."""
+    if q_len != keep.shape[1]:
+        _refuse(
+            "position_bias with padding while decoding (queries fewer than keys)",
+            "the packed sequences would need one query offset each",
+        )
+    position = torch.arange(keep.shape[1], device=keep.device)
+    first = torch.where(keep, position, keep.shape[1]).amin(1)
+    last = torch.where(keep, position, -1).amax(1)
+    if bool(((last - first + 1).clamp(min=0) != keep.sum(1)).any()):
+        _refuse(
+            "position_bias with padding between a row's tokens",
+            "packing the row's tokens would change the distances between them",
+        )
 
 
 def _documents(position_ids: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
@@ -392,11 +503,16 @@ def attention_forward(
     None)."""
     if dropout and module.training:
         _refuse("attention dropout", f"dropout={dropout} while training")
-    for name in ("position_bias", "s_aux"):
-        if kwargs.get(name) is not None:
-            _refuse(name, "the kernels add nothing of it to the scores")
-    # how the scores are formed: the layer's scale and logit soft-capping (Gemma 2)
+    if kwargs.get("s_aux") is not None:
+        _refuse("s_aux", "the kernels add nothing of it to the scores")
+    # how the scores are formed: the layer's scale, logit soft-capping (Gemma 2) and a
+    # relative-position bias (T5)
     scores = {"scale": scaling, "softcap": kwargs.get("softcap")}
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        table = _rel_table(position_bias, query.shape, key.shape[2])
+        if table is not None:
+            scores["rel_bias"] = table
     if kwargs.get("output_attentions"):
         _refuse("output_attentions", "the probabilities are never materialised")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -406,6 +522,11 @@ def attention_forward(
     kv_len = key.shape[2]
     layer = take_layer(key)
     if layer is not None:
+        if "rel_bias" in scores:
+            _refuse(
+                "position_bias with cuattn.compat.transformers.Cache",
+                "its decode path adds no bias by distance",
+            )
         _check_cached(module.config, causal, window, attention_mask, kwargs, batch, q_len)
         out = layer.attend(
             query,
@@ -433,7 +554,7 @@ def attention_forward(
                 "attention_mask must be 2-D [batch, kv_len] (padding) or 4-D [batch, heads, "
                 f"q_len, kv_len], got shape {tuple(attention_mask.shape)}"
             )
-        out = _padded(query, key, value, attention_mask, pattern, scores)
+        out = _padded(query, key, value, attention_mask, pattern, scores, causal)
         return out.contiguous(), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

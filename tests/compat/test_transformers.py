@@ -380,7 +380,6 @@ def test_a_sliding_window_with_a_sparse_pattern_is_refused_by_name():
     ("kwargs", "message"),
     [
         (dict(dropout=0.1), "attention dropout"),
-        (dict(position_bias=torch.zeros(1)), "position_bias"),
         (dict(s_aux=torch.zeros(4)), "s_aux"),
         (dict(output_attentions=True), "output_attentions"),
     ],
@@ -455,6 +454,84 @@ def test_gemma2_softcap_on_a_padded_batch_equals_eager_on_each_sequence_alone():
     for row in range(len(ids)):
         alone = _out(eager, ids[row, kept[row]][None])[0]
         assert rel(got[row, kept[row]], alone) <= EAGER_RTOL, row
+
+
+def _t5_pair():
+    """A tiny T5 (encoder-decoder: bidirectional and causal relative-position tables of 32
+    buckets reaching 20 tokens, cross attention without one) under eager attention and under
+    cuattn; float64, same weights, eval mode, dropout 0."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=20,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    auto = transformers.AutoModelForSeq2SeqLM
+    eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64)
+    ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
+    ours.load_state_dict(eager.state_dict())
+    return eager.eval(), ours.eval()
+
+
+def test_t5_relative_bias_logits_gradients_and_greedy_tokens_equal_eager():
+    """T5's position_bias runs as a rel_bias table: logits, every parameter's gradient (the
+    bucket embeddings' included) and greedy decoding (with its KV cache) equal eager."""
+    eager, ours = _t5_pair()
+    ids, labels = _ids(seed=5, n=60), _ids(seed=6, n=30)
+    got, want = (m(input_ids=ids, labels=labels) for m in (ours, eager))
+    assert rel(got.logits.detach(), want.logits.detach()) <= LOGITS_RTOL
+    got.loss.backward()
+    want.loss.backward()
+    named = dict(eager.named_parameters())
+    for name, param in ours.named_parameters():
+        assert rel(param.grad, named[name].grad) <= GRAD_RTOL, name
+    table = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    assert table.grad.abs().max() > 0  # the buckets' gradient came back through the table
+    kwargs = dict(max_new_tokens=10, do_sample=False)
+    assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("decoder_len", [12, 64])
+def test_t5_on_a_padded_batch_equals_eager_on_each_sequence_alone(decoder_len):
+    """The encoder's padding (right and left) through its tables; the decoder's cross attention
+    reads the encoder's mask for its keys only: every decoder query is one, however many."""
+    eager, ours = _t5_pair()
+    ids = _ids(seed=7, batch=3, n=50)
+    mask = _padding(50, [50, 37, 21], ["right", "right", "left"])
+    decoder_ids = _ids(seed=8, batch=3, n=decoder_len)
+    got = ours(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    kept = mask.bool()
+    for row in range(len(ids)):
+        alone = eager(input_ids=ids[row, kept[row]][None], decoder_input_ids=decoder_ids[row][None])
+        assert rel(got[row].detach(), alone.logits[0].detach()) <= PADDED_RTOL, row
+
+
+def test_a_position_bias_that_is_not_by_distance_is_refused_by_name():
+    _, ours = _t5_pair()
+    layer = ours.encoder.block[0].layer[0].SelfAttention
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float64)
+    bias = torch.zeros(1, 4, 8, 8, dtype=torch.float64)
+    bias[0, 1, 3, 5] = 1.0  # one entry off its diagonal's value
+    with pytest.raises(ValueError, match="not a function of key minus query position"):
+        hf.attention_forward(layer, q, q, q, None, scaling=1.0, position_bias=bias)
+    leaf = torch.ones(1, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="a leaf requiring a gradient"):
+        hf.attention_forward(layer, q, q, q, None, scaling=1.0, position_bias=leaf)
+    with pytest.raises(ValueError, match=r"position_bias of shape \(1,\) does not fit"):
+        hf.attention_forward(layer, q, q, q, None, scaling=1.0, position_bias=torch.zeros(1))
+    placeholder = torch.zeros(1, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    out, _ = hf.attention_forward(layer, q, q, q, None, scaling=1.0, position_bias=placeholder)
+    plain, _ = hf.attention_forward(layer, q, q, q, None, scaling=1.0)
+    assert torch.equal(out, plain)
 
 
 # --------------------------------------------------------------------------- a real model

@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -71,6 +72,7 @@
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
+#define __grid_constant__
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -131,6 +133,10 @@ constexpr int EXCHANGE_WORDS = 8;
 constexpr size_t LANE_STACK_BYTES = size_t(1) << 20;
 // An inaccessible page below every stack, so an overflow faults instead of corrupting a neighbour.
 constexpr size_t STACK_GUARD_BYTES = 4096;
+// Alignment of the dynamic shared memory: the largest a kernel may rely on (the repeat of the
+// 128-byte swizzle pattern, kernels/common/tma.cuh), so the swizzle of an address computed from
+// its bits matches the GPU's for any offset into the buffer.
+constexpr size_t SMEM_ALIGNMENT = 1024;
 
 // A suspended execution context: a lane's, or the scheduler's while a lane runs.
 struct Context {
@@ -177,6 +183,13 @@ struct PendingCopy {
   int group;  // index of the commit group, -1 while not committed yet
 };
 
+// An asynchronous-proxy operation of one thread tracked by bulk async-groups (a TMA store,
+// kernels/common/tma.cuh): `finish` runs when cp.async.bulk.wait_group retires its group.
+struct BulkGroupOp {
+  int group;  // index of the commit group, -1 while not committed yet
+  std::function<void()> finish;
+};
+
 enum class LaneState : unsigned char {
   READY,            // may run
   AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
@@ -217,6 +230,8 @@ struct ThreadState {
   unsigned wait_parity = 0;        // ... and the parity of the phase it waits to complete
   std::vector<PendingCopy> pending_copies;
   int committed_groups = 0;
+  std::vector<BulkGroupOp> bulk_ops;  // TMA stores still reading shared memory
+  int bulk_committed_groups = 0;
 };
 
 // Reserved lane stacks, kept for the process (launches are serialised, so one set serves all).
@@ -238,21 +253,23 @@ class StackPool {
   std::vector<unsigned char*> stacks_;
 };
 
-// The grid being run: its lanes, their warps' exchange areas and the scheduler's own context.
-// A bulk copy (cp.async.bulk) issued and not landed: its bytes count against its mbarrier's
-// phase at issue, and the data lands when that phase completes.
+// A copy into shared memory through the asynchronous proxy (cp.async.bulk, a TMA load). It is
+// in flight from its issue until the issuing warp hands control back to the scheduler; then its
+// bytes complete on its mbarrier's phase (mbarrier::complete_tx), and `land` writes the data
+// when that phase completes. Until then the destination holds the poison of the issue.
 struct BulkCopy {
-  void* dst;
-  const void* src;
-  size_t bytes;
   const void* mbarrier;
+  size_t bytes;
+  std::function<void()> land;
 };
 
+// The grid being run: its lanes, their warps' exchange areas and the scheduler's own context.
 struct Launch {
   std::vector<ThreadState> threads;
   std::vector<WarpState> warps;
   std::vector<std::pair<const void*, MBarrier>> mbarriers;  // of the block being run
-  std::vector<BulkCopy> bulk_copies;
+  std::vector<BulkCopy> in_flight;    // issued, bytes not yet completed on the barrier
+  std::vector<BulkCopy> bulk_copies;  // bytes completed, waiting for the phase to land
   Context scheduler;
   void (*run_kernel)(void*) = nullptr;
   void* kernel = nullptr;
@@ -429,15 +446,12 @@ inline MBarrier& mbarrier_at(const void* address) {
 // arrival count is re-armed.
 inline void complete_phase_if_done(const void* address, MBarrier& b) {
   if (b.pending != 0 || b.tx != 0) return;
-  std::vector<BulkCopy> still;
-  for (const BulkCopy& copy : active->bulk_copies) {
-    if (copy.mbarrier == address) {
-      std::memcpy(copy.dst, copy.src, copy.bytes);
-    } else {
-      still.push_back(copy);
-    }
+  std::vector<BulkCopy> landing, still;
+  for (BulkCopy& copy : active->bulk_copies) {
+    (copy.mbarrier == address ? landing : still).push_back(std::move(copy));
   }
   active->bulk_copies.swap(still);
+  for (const BulkCopy& copy : landing) copy.land();
   ++b.phase;
   b.pending = b.expected;
 }
@@ -464,21 +478,62 @@ inline void mbarrier_arrive(void* address) {
   complete_phase_if_done(address, b);
 }
 
-// The asynchronous proxy's side of a bulk copy: its bytes count against the phase at issue;
-// the destination is poisoned (0xFF) until the phase completes.
+// The asynchronous proxy's side of a copy into shared memory (the caller has poisoned the
+// destination): in flight until the issuing warp yields.
+inline void async_copy_to_shared(void* address, size_t bytes, std::function<void()> land) {
+  mbarrier_at(address);
+  active->in_flight.push_back({address, bytes, std::move(land)});
+}
+
+// The copies in flight complete their bytes on their barriers' phases (the scheduler calls this
+// whenever a warp hands control back, so a copy and the expect_tx its thread issues right after
+// it count in either order, as on a GPU, and no reader that skips the wait sees the data).
+inline void complete_in_flight(Launch& launch) {
+  std::vector<BulkCopy> delivered;
+  delivered.swap(launch.in_flight);
+  for (BulkCopy& copy : delivered) {
+    const void* address = copy.mbarrier;
+    MBarrier& b = mbarrier_at(address);
+    b.tx -= static_cast<long long>(copy.bytes);
+    if (b.tx < 0) {
+      report_hazard("a bulk copy of " + std::to_string(copy.bytes) + " bytes exceeds the "
+                    "transaction bytes its phase expects (too few bytes expected): " +
+                    describe(address, b));
+      return;
+    }
+    launch.bulk_copies.push_back(std::move(copy));
+    complete_phase_if_done(address, b);
+  }
+}
+
+// cp.async.bulk: the destination is poisoned (0xFF) until the phase completes.
 inline void bulk_copy(void* dst, const void* src, size_t bytes, void* address) {
   require_aligned(dst, 16);
   require_aligned(src, 16);
-  MBarrier& b = mbarrier_at(address);
   std::memset(dst, 0xFF, bytes);
-  active->bulk_copies.push_back({dst, src, bytes, address});
-  b.tx -= static_cast<long long>(bytes);
-  if (b.tx < 0) {
-    report_hazard("a bulk copy of " + std::to_string(bytes) + " bytes exceeds the transaction "
-                  "bytes its phase expects (too few bytes expected): " + describe(address, b));
-    return;
+  async_copy_to_shared(address, bytes, [=] { std::memcpy(dst, src, bytes); });
+}
+
+// Retires every committed bulk async-group of this thread except the `keep` most recent ones.
+inline void bulk_wait_group(int keep) {
+  ThreadState& me = self();
+  std::vector<BulkGroupOp> still;
+  for (BulkGroupOp& op : me.bulk_ops) {
+    if (op.group >= 0 && op.group < me.bulk_committed_groups - keep) {
+      op.finish();
+    } else {
+      still.push_back(std::move(op));
+    }
   }
-  complete_phase_if_done(address, b);
+  me.bulk_ops.swap(still);
+}
+
+inline void bulk_commit_group() {
+  ThreadState& me = self();
+  for (BulkGroupOp& op : me.bulk_ops) {
+    if (op.group < 0) op.group = me.bulk_committed_groups;
+  }
+  ++me.bulk_committed_groups;
 }
 
 inline void mbarrier_wait_parity(void* address, unsigned parity) {
@@ -510,10 +565,25 @@ enum LaunchStatus : int {
   LAUNCH_BAD_GRID = 2,    // empty grid
   LAUNCH_MISALIGNED = 3,  // an address a GPU would fault on (see the header)
   LAUNCH_DEADLOCK = 4,    // lanes wait for what never comes (launch_error says what)
-  LAUNCH_HAZARD = 5,      // an mbarrier or bulk-copy misuse a GPU would not report (launch_error)
+  LAUNCH_HAZARD = 5,      // an mbarrier, bulk-copy or TMA misuse a GPU would not report
+                          // (launch_error)
 };
 
 inline std::mutex launch_mutex;
+
+// What a block may not leave behind when its threads have all exited: a TMA store still
+// reading the shared memory the next block gets.
+inline int check_block_end(const Launch& launch) {
+  for (size_t i = 0; i < launch.threads.size(); ++i) {
+    if (launch.threads[i].bulk_ops.empty()) continue;
+    report_hazard("thread " + std::to_string(i) + " exits with " +
+                  std::to_string(launch.threads[i].bulk_ops.size()) +
+                  " TMA store(s) still reading shared memory (no cp.async.bulk.wait_group.read "
+                  "after them)");
+    return LAUNCH_HAZARD;
+  }
+  return LAUNCH_OK;
+}
 
 // Runs the whole grid: every block's threads as fibers on this host thread, blocks in order.
 template <typename... Args>
@@ -528,8 +598,11 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   std::lock_guard<std::mutex> guard(launch_mutex);
   gridDim = dim3{grid[0], grid[1], grid[2]};
   blockDim = dim3{block[0], block[1], block[2]};
-  std::vector<unsigned char> smem(std::max<size_t>(smem_bytes, 16));
-  dynamic_smem = smem.data();
+  const size_t smem_size = std::max<size_t>(smem_bytes, 16);
+  std::vector<unsigned char> smem_storage(smem_size + SMEM_ALIGNMENT);
+  const auto smem_base = reinterpret_cast<uintptr_t>(smem_storage.data());
+  unsigned char* smem = smem_storage.data() + (SMEM_ALIGNMENT - smem_base % SMEM_ALIGNMENT);
+  dynamic_smem = smem;
   misaligned = false;
   misaligned_address = nullptr;
   hazard = false;
@@ -554,7 +627,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   std::iota(order.begin(), order.end(), 0);
   int status = LAUNCH_OK;
   for (size_t b = 0; b < num_blocks && status == LAUNCH_OK; ++b) {
-    std::memset(smem.data(), 0xFF, smem.size());
+    std::memset(smem, 0xFF, smem_size);
     blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                      unsigned(b / (size_t(grid[0]) * grid[1]))};
     for (unsigned tid = 0; tid < threads; ++tid) {
@@ -567,9 +640,12 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       t.state = LaneState::READY;
       t.pending_copies.clear();
       t.committed_groups = 0;
+      t.bulk_ops.clear();
+      t.bulk_committed_groups = 0;
       start_context(t.context, stacks.stack(tid), LANE_STACK_BYTES, &lane_main);
     }
     state.mbarriers.clear();
+    state.in_flight.clear();
     state.bulk_copies.clear();
     bool descending = false;
     for (;;) {
@@ -582,6 +658,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
         bool ran = false;
         for (int w : order) {
           const WarpRun run = run_warp(state, w, descending, ran);
+          complete_in_flight(state);
           if (run == WarpRun::DEADLOCK) {
             status = LAUNCH_DEADLOCK;
             launch_error = "lanes wait at a warp shuffle, mma, ldmatrix or __syncwarp that the "
@@ -608,6 +685,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       }
       if (!running) break;
     }
+    if (status == LAUNCH_OK) status = check_block_end(state);
   }
   active = nullptr;
   current = nullptr;

@@ -3,13 +3,13 @@ documented per-lane fragment layouts (g = lane // 4, t = lane % 4)."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cuattn.backends import interp
+from tests.helpers.interp_run import run
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -40,16 +40,6 @@ EXPRESSIONS = [
 @pytest.fixture(scope="module")
 def lib() -> interp.Library:
     return interp.build_library(SOURCE, EXPRESSIONS)
-
-
-def run(lib, expression, grid, block, *args, smem=0):
-    values = []
-    for arg in args:
-        if isinstance(arg, np.ndarray):
-            values.append(ctypes.c_void_p(arg.ctypes.data))
-        else:
-            values.append(ctypes.c_int32(arg))
-    lib.launch(expression, (grid, 1, 1), (block, 1, 1), smem, values)
 
 
 def _pairs_to_u32(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -1,0 +1,74 @@
+// Test kernels for the Hopper primitives of kernels/common/tma.cuh, run through the CPU
+// interpreter by tests/backends/test_interp_hopper.py and compiled for sm_90a with NVRTC. Each
+// kernel moves raw bytes between global memory and what the primitive put in shared memory, so
+// the test compares them with the layouts the PTX ISA documents, not with the interpreter's own
+// decoders. A hazard test has a kernel with the mistake and the same kernel without it.
+#include "common/smem.cuh"
+#include "common/tma.cuh"
+
+// Shared-memory layout of the TMA kernels: the mbarrier first, the tile at TILE_OFFSET (the
+// largest swizzle repeat, so that every mode is aligned there) or wherever the test moves it.
+constexpr int TILE_OFFSET = 1024;
+constexpr int THREADS = 64;
+
+// One TMA load of the box at (x, y) into shared memory at `tile_offset`, announced as
+// `announced` bytes (before the copy is issued, or after it with COPY_FIRST, as the CUDA
+// programming guide's examples do); every thread then waits for the phase (unless WAIT is
+// false: the read then sees what the destination holds at issue) and `out` receives the tile's
+// raw bytes.
+template <bool WAIT, bool COPY_FIRST>
+__global__ void test_tma_load(const __grid_constant__ TensorMap2D map, int x, int y,
+                              int tile_offset, int announced, unsigned char* out, int bytes) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  u64* bar = reinterpret_cast<u64*>(smem);
+  if (threadIdx.x == 0) mbarrier_init(bar, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (!COPY_FIRST) mbarrier_arrive_expect_tx(bar, unsigned(announced));
+    tma_load_2d(smem + tile_offset, map, x, y, bar);
+    if (COPY_FIRST) mbarrier_arrive_expect_tx(bar, unsigned(announced));
+  }
+  if (WAIT) mbarrier_wait_parity(bar, 0);
+  for (int i = int(threadIdx.x); i < bytes; i += THREADS) out[i] = smem[tile_offset + i];
+  if (!WAIT) mbarrier_wait_parity(bar, 0);
+}
+
+// How test_tma_round_trip goes wrong.
+enum RoundTripBug {
+  TRIP_OK = 0,
+  TRIP_NO_WAIT_READ = 1,  // the store's group is never retired before the block ends
+  TRIP_EARLY_REUSE = 2,   // the tile is overwritten while the store still reads it
+};
+
+// A float tile through shared memory and back: a TMA load of the box at (x, y) of `in` (both
+// maps have boxes of TRIP_BOX elements), every thread doubling its share of the elements in
+// place, a TMA store to the box at (x, y) of `out`.
+constexpr int TRIP_BOX = 32 * 8;
+
+template <int BUG>
+__global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
+                                    const __grid_constant__ TensorMap2D out, int x, int y) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  u64* bar = reinterpret_cast<u64*>(smem);
+  float* tile = reinterpret_cast<float*>(smem + TILE_OFFSET);
+  if (threadIdx.x == 0) mbarrier_init(bar, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(bar, unsigned(TRIP_BOX * sizeof(float)));
+    tma_load_2d(tile, in, x, y, bar);
+  }
+  mbarrier_wait_parity(bar, 0);
+  for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] *= 2.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma_store_2d(out, x, y, tile);
+    tma_store_commit();
+    if (BUG != TRIP_NO_WAIT_READ && BUG != TRIP_EARLY_REUSE) tma_store_wait_read<0>();
+  }
+  if (BUG == TRIP_EARLY_REUSE) {
+    __syncthreads();
+    for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] = 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) tma_store_wait_read<0>();
+  }
+}

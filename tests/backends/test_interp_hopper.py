@@ -1,0 +1,276 @@
+"""The Hopper primitives of kernels/common/tma.cuh under the CPU interpreter, against the layouts
+the PTX ISA documents, and their misuse, which the interpreter reports where a GPU would not.
+
+Expected shared-memory layouts come from the PTX ISA's "Swizzling Modes" tables (section
+"Tensors"), written out below as the document prints them; the rules for tensor-map copies from
+its "Tiled Mode" ("Out of Boundary Access": zero fill) and the CUDA programming guide's
+"Shared-Memory Bank Swizzling" (alignment of each swizzle mode)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuattn.backends import interp
+from cuattn.backends.tensor_map import Swizzle, TensorMap2D
+from tests.helpers.interp_run import run
+
+SOURCE = Path(__file__).parent / "kernels" / "hopper.cu"
+THREADS = 64
+TILE_OFFSET = 1024  # hopper.cu: the tile's place in shared memory, after the mbarrier
+SMEM = 4096
+LINE = 128  # bytes of one shared-memory line of the swizzle tables
+CHUNK = 16  # bytes of one numbered cell of the tables
+
+# PTX ISA, "Swizzling Modes": for each mode, which 16-byte chunk of the line (as it would be
+# laid out without swizzle) each 16-byte cell of a 128-byte shared-memory line holds, line
+# after line until the pattern repeats.
+SWIZZLE_TABLES = {
+    Swizzle.NONE: [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+    ],
+    Swizzle.B32: [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [1, 0, 3, 2, 5, 4, 7, 6],
+    ],
+    Swizzle.B64: [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [1, 0, 3, 2, 5, 4, 7, 6],
+        [2, 3, 0, 1, 6, 7, 4, 5],
+        [3, 2, 1, 0, 7, 6, 5, 4],
+    ],
+    Swizzle.B128: [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [1, 0, 3, 2, 5, 4, 7, 6],
+        [2, 3, 0, 1, 6, 7, 4, 5],
+        [3, 2, 1, 0, 7, 6, 5, 4],
+        [4, 5, 6, 7, 0, 1, 2, 3],
+        [5, 4, 7, 6, 1, 0, 3, 2],
+        [6, 7, 4, 5, 2, 3, 0, 1],
+        [7, 6, 5, 4, 3, 2, 1, 0],
+    ],
+}
+# Bytes of a box row each mode allows (the widest is used below; no swizzle: one line).
+SWIZZLE_WIDTH = {Swizzle.NONE: 128, Swizzle.B32: 32, Swizzle.B64: 64, Swizzle.B128: 128}
+# CUDA programming guide, "Shared-Memory Bank Swizzling": bytes after which the pattern repeats.
+SWIZZLE_REPEAT = {Swizzle.B32: 256, Swizzle.B64: 512, Swizzle.B128: 1024}
+GLOBAL_ALIGNMENT = 128  # the guide's global alignment for the swizzled modes
+
+EXPRESSIONS = [
+    "test_tma_load<true, false>",
+    "test_tma_load<false, false>",
+    "test_tma_load<true, true>",
+    *[f"test_tma_round_trip<{bug}>" for bug in range(3)],
+]
+
+
+@pytest.fixture(scope="module")
+def lib() -> interp.Library:
+    return interp.build_library(SOURCE, EXPRESSIONS)
+
+
+def aligned_array(shape: tuple[int, int], dtype, alignment: int = GLOBAL_ALIGNMENT) -> np.ndarray:
+    """A zeroed C-contiguous array whose first element is `alignment`-byte aligned."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(shape[0] * shape[1] * itemsize + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + shape[0] * shape[1] * itemsize].view(dtype).reshape(shape)
+
+
+# A u16 tensor of 20 rows x 66 columns in rows padded to 72 elements (144 bytes, a multiple of
+# 16 as tensor-map strides must be); every element distinct and non-zero.
+ROWS, COLUMNS, PITCH = 20, 66, 72
+
+
+def u16_tensor() -> np.ndarray:
+    tensor = aligned_array((ROWS, PITCH), np.uint16)
+    tensor[:] = np.arange(1, ROWS * PITCH + 1, dtype=np.uint16).reshape(ROWS, PITCH)
+    return tensor
+
+
+def documented_tile(tensor: np.ndarray, box, x: int, y: int, swizzle: Swizzle) -> np.ndarray:
+    """The tile's bytes as the PTX ISA's tables lay them out: cell p of line L holds chunk
+    TABLE[L % repeat][p] of the unswizzled line L, whose elements are those of box row
+    (offset // row bytes) or zero outside the tensor."""
+    table = SWIZZLE_TABLES[swizzle]
+    itemsize = tensor.itemsize
+    row_bytes = box[0] * itemsize
+    tile = np.zeros(row_bytes * box[1], np.uint8)
+    for line in range(len(tile) // LINE):
+        for cell in range(LINE // CHUNK):
+            unswizzled = line * LINE + table[line % len(table)][cell] * CHUNK
+            box_row, column_bytes = divmod(unswizzled, row_bytes)
+            row, first = y + box_row, x + column_bytes // itemsize
+            chunk = np.zeros(CHUNK // itemsize, tensor.dtype)
+            for j in range(len(chunk)):
+                if 0 <= row < tensor.shape[0] and 0 <= first + j < COLUMNS:
+                    chunk[j] = tensor[row, first + j]
+            start = line * LINE + cell * CHUNK
+            tile[start : start + CHUNK] = chunk.view(np.uint8)
+    return tile
+
+
+def load(
+    lib, map_, x, y, *, tile_offset=TILE_OFFSET, announced=None, wait=True, copy_first=False
+) -> np.ndarray:
+    box_bytes = map_.box[0] * map_.box[1] * map_.element_bytes
+    out = np.zeros(box_bytes, np.uint8)
+    run(
+        lib,
+        f"test_tma_load<{str(wait).lower()}, {str(copy_first).lower()}>",
+        1,
+        THREADS,
+        map_.interp_struct(),
+        x,
+        y,
+        tile_offset,
+        box_bytes if announced is None else announced,
+        out,
+        box_bytes,
+        smem=SMEM,
+    )
+    return out
+
+
+def widest_box(swizzle: Swizzle) -> tuple[int, int]:
+    return SWIZZLE_WIDTH[swizzle] // 2, 8
+
+
+@pytest.mark.parametrize("swizzle", list(Swizzle), ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "x, y",
+    [(0, 0), (48, 16), (-8, -3)],
+    ids=["inside", "past the last row and column", "before the first row and column"],
+)
+def test_tma_load_lays_the_box_out_as_the_ptx_isa_swizzle_tables(lib, swizzle, x, y):
+    tensor = u16_tensor()
+    box = widest_box(swizzle)
+    map_ = TensorMap2D.of(tensor, box, swizzle, columns=COLUMNS)
+    tile = load(lib, map_, x, y)
+    np.testing.assert_array_equal(tile, documented_tile(tensor, box, x, y, swizzle))
+
+
+def test_the_documented_tables_are_the_chunk_xor_line_rule():
+    """The CUDA guide's index relation smem[y][x] <-> smem[y][(y % n) ^ x] for a buffer aligned
+    to the repeat: a second reading of the same documentation that the tables above must agree
+    with (a typo in a table would otherwise make the test expect the wrong layout)."""
+    for swizzle, table in SWIZZLE_TABLES.items():
+        for line, cells in enumerate(table):
+            assert cells == [line ^ cell for cell in range(LINE // CHUNK)], swizzle
+
+
+def test_the_destination_reads_as_poison_until_the_phase_completes(lib):
+    """A reader that skips the mbarrier wait sees the 0xFF the destination holds from the issue
+    (warp 0 reads in the producer's own turn), the waiting readers the data."""
+    tensor = u16_tensor()
+    map_ = TensorMap2D.of(tensor, widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    early = load(lib, map_, 0, 0, wait=False)
+    expected = documented_tile(tensor, map_.box, 0, 0, Swizzle.B128)
+    first_warp = np.arange(len(early)) % THREADS < 32
+    assert (early[first_warp] == 0xFF).all()
+    np.testing.assert_array_equal(early[~first_warp], expected[~first_warp])
+
+
+def test_the_bytes_may_be_announced_after_the_copy(lib):
+    """The CUDA guide's examples issue the TMA, then arrive with expect_tx: on a GPU the copy's
+    bytes complete on the barrier later, so the transaction count never runs short."""
+    tensor = u16_tensor()
+    map_ = TensorMap2D.of(tensor, widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    tile = load(lib, map_, 0, 0, copy_first=True)
+    np.testing.assert_array_equal(tile, documented_tile(tensor, map_.box, 0, 0, Swizzle.B128))
+
+
+@pytest.mark.parametrize(
+    "swizzle, offset, match",
+    [
+        (Swizzle.NONE, TILE_OFFSET + 64, "not 128-byte aligned"),
+        *[
+            (s, TILE_OFFSET + 128, f"not aligned to the pattern's {SWIZZLE_REPEAT[s]}-byte repeat")
+            for s in (Swizzle.B32, Swizzle.B64, Swizzle.B128)
+        ],
+    ],
+)
+def test_a_destination_misaligned_for_its_swizzle_fails_the_launch(lib, swizzle, offset, match):
+    """The fixed twin is the layout test above (the same load at an aligned offset)."""
+    map_ = TensorMap2D.of(u16_tensor(), widest_box(swizzle), swizzle, columns=COLUMNS)
+    with pytest.raises(RuntimeError, match=match):
+        load(lib, map_, 0, 0, tile_offset=offset)
+
+
+def test_a_box_wider_than_its_swizzle_fails_the_launch(lib):
+    map_ = TensorMap2D.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B64, columns=COLUMNS)
+    with pytest.raises(RuntimeError, match="128 bytes, wider than the 64-byte swizzle"):
+        load(lib, map_, 0, 0)
+
+
+def test_the_whole_box_counts_against_expect_tx_even_outside_the_tensor(lib):
+    """A box past the tensor's edge still completes all its bytes (the zero-filled ones too):
+    announcing only the elements inside leaves too few bytes expected. The fixed twin is the
+    layout test's "past the last row and column" case, which announces the whole box."""
+    map_ = TensorMap2D.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    inside = (COLUMNS - 48) * (ROWS - 16) * 2
+    with pytest.raises(RuntimeError, match=r"too few bytes expected"):
+        load(lib, map_, 48, 16, announced=inside)
+
+
+# The round trip: a float tensor of 12 rows x 36 columns in rows padded to 40, a box of 32 x 8
+# (128-byte rows, the 128-byte swizzle) at (16, 8), past both edges.
+TRIP_ROWS, TRIP_COLUMNS, TRIP_PITCH, TRIP_BOX, TRIP_X, TRIP_Y = 12, 36, 40, (32, 8), 16, 8
+UNTOUCHED = -1.0
+
+
+def round_trip(lib, bug: int) -> tuple[np.ndarray, np.ndarray]:
+    source = aligned_array((TRIP_ROWS, TRIP_PITCH), np.float32)
+    source[:] = np.random.default_rng(11).standard_normal(source.shape)
+    target = aligned_array((TRIP_ROWS, TRIP_PITCH), np.float32)
+    target[:] = UNTOUCHED
+    maps = [
+        TensorMap2D.of(a, TRIP_BOX, Swizzle.B128, columns=TRIP_COLUMNS).interp_struct()
+        for a in (source, target)
+    ]
+    run(lib, f"test_tma_round_trip<{bug}>", 1, THREADS, *maps, TRIP_X, TRIP_Y, smem=SMEM)
+    return source, target
+
+
+def test_tma_store_writes_the_box_back_inside_the_tensor_only(lib):
+    source, target = round_trip(lib, 0)
+    expected = np.full_like(source, UNTOUCHED)
+    rows = slice(TRIP_Y, TRIP_ROWS)
+    columns = slice(TRIP_X, TRIP_COLUMNS)
+    expected[rows, columns] = 2 * source[rows, columns]
+    np.testing.assert_array_equal(target, expected)
+
+
+@pytest.mark.parametrize(
+    "bug, match",
+    [
+        (1, r"exits with 1 TMA store\(s\) still reading shared memory"),
+        (2, r"changed before cp.async.bulk.wait_group.read retired it"),
+    ],
+)
+def test_tma_store_misuse_fails_the_launch(lib, bug, match):
+    with pytest.raises(RuntimeError, match=match):
+        round_trip(lib, bug)
+
+
+def test_the_tma_ptx_assembles_for_sm_90a_to_utmaldg_and_utmastg():
+    """The GPU side of kernels/common/tma.cuh, which the interpreter never compiles: NVRTC
+    compiles it for sm_90a, and the SASS holds the TMA unit's load and store."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options
+    from cuattn.tools import sass, sass_model
+
+    problem = sass_model.missing_tools()
+    if problem is not None:
+        pytest.skip(f"no SASS tools: {problem}")
+    options = [*common_options(), f"-I{SOURCE.parent}"]
+    lowered, cubin, _ = sass_model.compile_cubin(
+        SOURCE.read_text(), SOURCE.name, "test_tma_round_trip<0>", options, arch="sm_90a"
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        kernel = sass.parse(sass.disassemble(cubin, Path(workdir)))[lowered]
+    opcodes = {instruction.base for instruction in kernel.instructions}
+    assert {"UTMALDG", "UTMASTG"} <= opcodes, sorted(opcodes)

@@ -2,7 +2,7 @@
 // each behind one small named device function like the instructions of ptx.cuh and
 // mbarrier.cuh. A load lands in shared memory through the asynchronous proxy and completes the
 // transaction bytes of an mbarrier phase; a store reads shared memory through the asynchronous
-// proxy.
+// proxy, so the plain stores that wrote its source must be followed by fence_proxy_async().
 //
 // The tensor map is a kernel parameter (`const __grid_constant__ TensorMap2D`, the PTX ISA's
 // "Tensor-map": a 128-byte object in .param space, accessed by address). On a GPU its bytes are
@@ -172,15 +172,16 @@ inline void for_each_box_chunk(const TensorMap2D& map, int x, int y, const void*
 inline void tma_load_2d(void* dst, const TensorMap2D& map, int x, int y, void* bar) {
   if (!tma_operands_ok(map, dst, "a TMA load")) return;
   for_each_box_chunk(map, x, y, dst, [](unsigned char* at, const unsigned char*, size_t, size_t) {
-    std::memset(at, 0xFF, TMA_CHUNK_BYTES);
+    async_proxy_fill(at, 0xFF, TMA_CHUNK_BYTES);
   });
   const size_t bytes = size_t(map.box[0]) * map.box[1] * map.element_bytes;
   async_copy_to_shared(bar, bytes, [=] {
     for_each_box_chunk(map, x, y, dst, [](unsigned char* at, const unsigned char* global,
                                           size_t offset, size_t bytes_inside) {
       // zero fill mode: elements outside the tensor land as 0
-      std::memset(at, 0, TMA_CHUNK_BYTES);
-      if (global) std::memcpy(at + offset, global, bytes_inside);
+      unsigned char chunk[TMA_CHUNK_BYTES] = {};
+      if (global) std::memcpy(chunk + offset, global, bytes_inside);
+      async_proxy_write(at, chunk, TMA_CHUNK_BYTES);
     });
   });
 }
@@ -195,10 +196,13 @@ inline void tma_store_2d(const TensorMap2D& map, int x, int y, const void* src) 
   }
   // The source is read until the store's group is retired: kept here to show a change to it.
   std::vector<unsigned char> issued;
+  bool fenced = true;
   for_each_box_chunk(map, x, y, src,
                      [&](const unsigned char* at, const unsigned char*, size_t, size_t) {
+                       fenced = fenced && async_proxy_read_ok(at, TMA_CHUNK_BYTES, "a TMA store");
                        issued.insert(issued.end(), at, at + TMA_CHUNK_BYTES);
                      });
+  if (!fenced) return;
   self().bulk_ops.push_back({-1, [=] {
     size_t i = 0;
     bool changed = false;
@@ -276,5 +280,17 @@ __device__ __forceinline__ void tma_store_wait_read() {
   cuattn_interp::tma_store_wait(PENDING);
 #else
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// Orders this thread's earlier plain (generic-proxy) shared-memory stores before its later
+// asynchronous-proxy accesses, e.g. a TMA store of the tile the threads wrote (each writer
+// fences, then a __syncthreads, then one thread issues the store): without it the asynchronous
+// proxy may read the memory as it was before those stores (PTX ISA, "Async Proxy").
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef CUATTN_INTERP
+  cuattn_interp::fence_proxy_async();
+#else
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }

@@ -281,6 +281,10 @@ inline ThreadState* current = nullptr;
 inline std::string launch_error;
 inline StackPool stacks;
 inline unsigned char* dynamic_smem = nullptr;
+inline size_t dynamic_smem_bytes = 0;
+// Dynamic shared memory as the asynchronous proxy sees it: as of the last fence.proxy.async,
+// plus what the asynchronous proxy itself wrote since (kernels/common/tma.cuh).
+inline std::vector<unsigned char> async_view;
 
 inline ThreadState& self() { return *current; }
 inline int lane_id() { return current->lane; }
@@ -431,6 +435,56 @@ inline const uint32_t* warp_exchange(const void* data, size_t bytes) {
   return &buffer[0][0];
 }
 
+// ---- the generic and the asynchronous proxy --------------------------------------------------
+// Plain loads and stores go through the generic proxy; bulk and tensor copies and wgmma operand
+// reads through the asynchronous proxy, which need not see a plain store to shared memory until
+// a fence.proxy.async orders it (PTX ISA, "Async Proxy"). The interpreter keeps the shared
+// memory as of the last fence (async_view) and reports an asynchronous read of bytes that
+// differ from it. A fence by any thread covers every store made before it in the interpreter's
+// order, so what is caught is a missing fence, not one in the wrong thread; static __shared__
+// arrays are not tracked (the Hopper kernels use dynamic shared memory).
+
+// Where `address` lies in dynamic shared memory, or -1 outside it.
+inline long long tracked_offset(const void* address, size_t bytes) {
+  const long long offset = smem_offset(address);
+  if (!dynamic_smem || offset < 0 || size_t(offset) + bytes > dynamic_smem_bytes) return -1;
+  return offset;
+}
+
+inline void fence_proxy_async() {
+  std::memcpy(async_view.data(), dynamic_smem, dynamic_smem_bytes);
+}
+
+// A write by the asynchronous proxy: both views see it.
+inline void async_proxy_write(void* dst, const void* src, size_t bytes) {
+  std::memcpy(dst, src, bytes);
+  const long long offset = tracked_offset(dst, bytes);
+  if (offset >= 0) std::memcpy(async_view.data() + offset, src, bytes);
+}
+
+inline void async_proxy_fill(void* dst, unsigned char value, size_t bytes) {
+  std::memset(dst, value, bytes);
+  const long long offset = tracked_offset(dst, bytes);
+  if (offset >= 0) std::memset(async_view.data() + offset, value, bytes);
+}
+
+// A read by the asynchronous proxy (`what`): false, and a hazard, when plain stores changed the
+// bytes since the last fence.proxy.async.
+inline bool async_proxy_read_ok(const void* src, size_t bytes, const char* what) {
+  const long long offset = tracked_offset(src, bytes);
+  if (offset < 0) return true;
+  const auto* now = static_cast<const unsigned char*>(src);
+  const unsigned char* seen = async_view.data() + offset;
+  for (size_t i = 0; i < bytes; ++i) {
+    if (now[i] == seen[i]) continue;
+    report_hazard(std::string(what) + " reads shared-memory offset " +
+                  std::to_string(offset + static_cast<long long>(i)) +
+                  ", written by plain stores with no fence.proxy.async after them");
+    return false;
+  }
+  return true;
+}
+
 // ---- mbarrier and bulk copies (kernels/common/mbarrier.cuh calls these) ----------------------
 
 inline MBarrier& mbarrier_at(const void* address) {
@@ -510,8 +564,8 @@ inline void complete_in_flight(Launch& launch) {
 inline void bulk_copy(void* dst, const void* src, size_t bytes, void* address) {
   require_aligned(dst, 16);
   require_aligned(src, 16);
-  std::memset(dst, 0xFF, bytes);
-  async_copy_to_shared(address, bytes, [=] { std::memcpy(dst, src, bytes); });
+  async_proxy_fill(dst, 0xFF, bytes);
+  async_copy_to_shared(address, bytes, [=] { async_proxy_write(dst, src, bytes); });
 }
 
 // Retires every committed bulk async-group of this thread except the `keep` most recent ones.
@@ -603,6 +657,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   const auto smem_base = reinterpret_cast<uintptr_t>(smem_storage.data());
   unsigned char* smem = smem_storage.data() + (SMEM_ALIGNMENT - smem_base % SMEM_ALIGNMENT);
   dynamic_smem = smem;
+  dynamic_smem_bytes = smem_size;
   misaligned = false;
   misaligned_address = nullptr;
   hazard = false;
@@ -628,6 +683,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   int status = LAUNCH_OK;
   for (size_t b = 0; b < num_blocks && status == LAUNCH_OK; ++b) {
     std::memset(smem, 0xFF, smem_size);
+    async_view.assign(smem, smem + smem_size);
     blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                      unsigned(b / (size_t(grid[0]) * grid[1]))};
     for (unsigned tid = 0; tid < threads; ++tid) {
@@ -690,6 +746,7 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   active = nullptr;
   current = nullptr;
   dynamic_smem = nullptr;
+  dynamic_smem_bytes = 0;
   if (status != LAUNCH_OK) return status;
   return misaligned ? LAUNCH_MISALIGNED : LAUNCH_OK;
 }

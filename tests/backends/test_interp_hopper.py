@@ -63,7 +63,7 @@ EXPRESSIONS = [
     "test_tma_load<true, false>",
     "test_tma_load<false, false>",
     "test_tma_load<true, true>",
-    *[f"test_tma_round_trip<{bug}>" for bug in range(3)],
+    *[f"test_tma_round_trip<{bug}>" for bug in range(4)],
 ]
 
 
@@ -249,9 +249,15 @@ def test_tma_store_writes_the_box_back_inside_the_tensor_only(lib):
     [
         (1, r"exits with 1 TMA store\(s\) still reading shared memory"),
         (2, r"changed before cp.async.bulk.wait_group.read retired it"),
+        (
+            3,
+            r"a TMA store reads shared-memory offset \d+, written by plain stores with no "
+            r"fence.proxy.async after them",
+        ),
     ],
 )
 def test_tma_store_misuse_fails_the_launch(lib, bug, match):
+    """The fixed twin of each is the round trip above."""
     with pytest.raises(RuntimeError, match=match):
         round_trip(lib, bug)
 

@@ -38,11 +38,12 @@ enum RoundTripBug {
   TRIP_OK = 0,
   TRIP_NO_WAIT_READ = 1,  // the store's group is never retired before the block ends
   TRIP_EARLY_REUSE = 2,   // the tile is overwritten while the store still reads it
+  TRIP_NO_FENCE = 3,      // no fence.proxy.async between the doubling and the store
 };
 
 // A float tile through shared memory and back: a TMA load of the box at (x, y) of `in` (both
 // maps have boxes of TRIP_BOX elements), every thread doubling its share of the elements in
-// place, a TMA store to the box at (x, y) of `out`.
+// place (plain stores, then a proxy fence), a TMA store to the box at (x, y) of `out`.
 constexpr int TRIP_BOX = 32 * 8;
 
 template <int BUG>
@@ -59,6 +60,7 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
   }
   mbarrier_wait_parity(bar, 0);
   for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] *= 2.0f;
+  if (BUG != TRIP_NO_FENCE) fence_proxy_async();
   __syncthreads();
   if (threadIdx.x == 0) {
     tma_store_2d(out, x, y, tile);

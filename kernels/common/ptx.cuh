@@ -173,11 +173,8 @@ __device__ __forceinline__ void cp_async_16(void* dst_smem, const void* src_gmem
 // Closes the current group of cp_async_16 copies (the unit cp_async_wait_group counts).
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef CUATTN_INTERP
-  cuattn_interp::ThreadState& me = cuattn_interp::self();
-  for (auto& copy : me.pending_copies) {
-    if (copy.group < 0) copy.group = me.committed_groups;
-  }
-  ++me.committed_groups;
+  cuattn_interp::commit_group(cuattn_interp::self().pending_copies,
+                              cuattn_interp::self().committed_groups);
 #else
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif

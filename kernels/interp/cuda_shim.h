@@ -190,6 +190,16 @@ struct BulkGroupOp {
   std::function<void()> finish;
 };
 
+// A wgmma.mma_async of one thread (kernels/common/wgmma.cuh), computed at issue: its
+// accumulators hold NaN until wgmma.wait_group retires its group and writes `result`; `check`
+// reports operand shared memory that changed in between.
+struct WgmmaOp {
+  int group;  // index of the commit group, -1 while not committed yet
+  float* d;
+  std::vector<float> result;
+  std::function<void()> check;
+};
+
 enum class LaneState : unsigned char {
   READY,            // may run
   AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
@@ -232,6 +242,12 @@ struct ThreadState {
   int committed_groups = 0;
   std::vector<BulkGroupOp> bulk_ops;  // TMA stores still reading shared memory
   int bulk_committed_groups = 0;
+  std::vector<WgmmaOp> wgmma_ops;  // issued, not yet retired by wgmma.wait_group
+  int wgmma_committed_groups = 0;
+  bool wgmma_fenced = false;  // a wgmma.fence since the accumulators were last handed back
+  // Every wgmma.mma_async this thread issued, folded into one number: the threads of a
+  // warpgroup must all issue the same ones (.aligned).
+  uint64_t wgmma_digest = 0;
 };
 
 // Reserved lane stacks, kept for the process (launches are serialised, so one set serves all).
@@ -582,13 +598,17 @@ inline void bulk_wait_group(int keep) {
   me.bulk_ops.swap(still);
 }
 
-inline void bulk_commit_group() {
-  ThreadState& me = self();
-  for (BulkGroupOp& op : me.bulk_ops) {
-    if (op.group < 0) op.group = me.bulk_committed_groups;
+// Closes a thread's current commit group of asynchronous operations (cp.async, bulk, wgmma):
+// the operations issued since the last commit get the group's index.
+template <typename Op>
+inline void commit_group(std::vector<Op>& ops, int& committed_groups) {
+  for (Op& op : ops) {
+    if (op.group < 0) op.group = committed_groups;
   }
-  ++me.bulk_committed_groups;
+  ++committed_groups;
 }
+
+inline void bulk_commit_group() { commit_group(self().bulk_ops, self().bulk_committed_groups); }
 
 inline void mbarrier_wait_parity(void* address, unsigned parity) {
   ThreadState& me = self();
@@ -625,15 +645,33 @@ enum LaunchStatus : int {
 
 inline std::mutex launch_mutex;
 
+// Threads of a warpgroup (wgmma.mma_async runs on four consecutive warps).
+constexpr size_t WARPGROUP_THREADS = 128;
+
 // What a block may not leave behind when its threads have all exited: a TMA store still
-// reading the shared memory the next block gets.
+// reading the shared memory the next block gets, a wgmma never waited for, a wgmma that only
+// part of its warpgroup issued.
 inline int check_block_end(const Launch& launch) {
   for (size_t i = 0; i < launch.threads.size(); ++i) {
-    if (launch.threads[i].bulk_ops.empty()) continue;
-    report_hazard("thread " + std::to_string(i) + " exits with " +
-                  std::to_string(launch.threads[i].bulk_ops.size()) +
-                  " TMA store(s) still reading shared memory (no cp.async.bulk.wait_group.read "
-                  "after them)");
+    const ThreadState& t = launch.threads[i];
+    std::string left;
+    if (!t.bulk_ops.empty()) {
+      left = std::to_string(t.bulk_ops.size()) +
+             " TMA store(s) still reading shared memory (no cp.async.bulk.wait_group.read after "
+             "them)";
+    } else if (!t.wgmma_ops.empty()) {
+      left = std::to_string(t.wgmma_ops.size()) +
+             " wgmma.mma_async never retired by a wgmma.wait_group";
+    } else if (t.wgmma_digest != launch.threads[i - i % WARPGROUP_THREADS].wgmma_digest ||
+               (t.wgmma_digest != 0 && i - i % WARPGROUP_THREADS + WARPGROUP_THREADS >
+                                           launch.threads.size())) {
+      report_hazard("thread " + std::to_string(i) + " issued other wgmma.mma_async than thread " +
+                    std::to_string(i - i % WARPGROUP_THREADS) +
+                    " of its warpgroup (.aligned: all 128 threads issue the same ones)");
+      return LAUNCH_HAZARD;
+    }
+    if (left.empty()) continue;
+    report_hazard("thread " + std::to_string(i) + " exits with " + left);
     return LAUNCH_HAZARD;
   }
   return LAUNCH_OK;
@@ -698,6 +736,10 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       t.committed_groups = 0;
       t.bulk_ops.clear();
       t.bulk_committed_groups = 0;
+      t.wgmma_ops.clear();
+      t.wgmma_committed_groups = 0;
+      t.wgmma_fenced = false;
+      t.wgmma_digest = 0;
       start_context(t.context, stacks.stack(tid), LANE_STACK_BYTES, &lane_main);
     }
     state.mbarriers.clear();
@@ -786,6 +828,19 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
 }
 
 inline int __popc(unsigned x) { return std::popcount(x); }
+
+// The shared-memory window address of a pointer: here its offset into dynamic shared memory,
+// the only shared memory whose addresses the interpreter can turn back into pointers (a wgmma
+// descriptor holds one).
+inline size_t __cvta_generic_to_shared(const void* address) {
+  const long long offset = cuattn_interp::tracked_offset(address, 1);
+  if (offset < 0) {
+    cuattn_interp::report_hazard(
+        "a shared-memory window address taken of memory outside dynamic shared memory");
+    return 0;
+  }
+  return size_t(offset);
+}
 
 inline float atomicAdd(float* address, float value) {
   return std::atomic_ref<float>(*address).fetch_add(value, std::memory_order_relaxed);

@@ -1,10 +1,11 @@
-// Test kernels for the Hopper primitives of kernels/common/tma.cuh, run through the CPU
-// interpreter by tests/backends/test_interp_hopper.py and compiled for sm_90a with NVRTC. Each
-// kernel moves raw bytes between global memory and what the primitive put in shared memory, so
-// the test compares them with the layouts the PTX ISA documents, not with the interpreter's own
-// decoders. A hazard test has a kernel with the mistake and the same kernel without it.
+// Test kernels for the Hopper primitives of kernels/common/tma.cuh and wgmma.cuh, run through
+// the CPU interpreter by tests/backends/test_interp_hopper.py and compiled for sm_90a with
+// NVRTC. Each kernel moves raw bytes between global memory and what the primitive put in (or
+// read from) shared memory, so the test compares them with the layouts the PTX ISA documents,
+// not with the interpreter's own decoders. A hazard test has a kernel with the mistake and the
+// same kernel without it.
 #include "common/smem.cuh"
-#include "common/tma.cuh"
+#include "common/wgmma.cuh"
 
 // Shared-memory layout of the TMA kernels: the mbarrier first, the tile at TILE_OFFSET (the
 // largest swizzle repeat, so that every mode is aligned there) or wherever the test moves it.
@@ -72,5 +73,70 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
     for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] = 0.0f;
     __syncthreads();
     if (threadIdx.x == 0) tma_store_wait_read<0>();
+  }
+}
+
+// out[0] = the descriptor of the operand at shared-memory offset `offset`.
+__global__ void test_wgmma_descriptor(int offset, int leading, int stride, int swizzle, u64* out) {
+  if (threadIdx.x == 0) {
+    out[0] = wgmma_descriptor(dynamic_smem<unsigned char>() + offset, unsigned(leading),
+                              unsigned(stride), WgmmaSwizzle(swizzle));
+  }
+}
+
+// How test_wgmma goes wrong.
+enum WgmmaBug {
+  MMA_OK = 0,
+  MMA_NO_PROXY_FENCE = 1,   // the operands' plain stores have no fence.proxy.async after them
+  MMA_NO_WGMMA_FENCE = 2,   // no wgmma.fence before the first wgmma.mma_async
+  MMA_EARLY_READ = 3,       // the accumulators are read before wgmma.wait_group
+  MMA_TOUCHED = 4,          // an accumulator is written before wgmma.wait_group
+  MMA_OPERAND_CHANGED = 5,  // B's shared memory is overwritten before wgmma.wait_group
+  MMA_PARTIAL = 6,          // the warpgroup's last warp does not issue the wgmma.mma_async
+};
+constexpr int WARPGROUP = 128;
+
+// D = A * B for one warpgroup. `image` is the shared memory the test built: A (64 rows of K)
+// at a_offset and B (N rows of K) at b_offset in a K-major canonical layout of the PTX ISA.
+// STEPS wgmma.mma_async of K = 16 each, chained on the same accumulators, the descriptors'
+// start addresses `step_bytes` further each time (a compile-time count: a loop ptxas cannot
+// unroll makes it inject waits between the instructions); out[thread][i] = accumulator i.
+template <typename T, int N, int STEPS, int BUG>
+__global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_offset,
+                           int b_offset, int leading, int stride, int swizzle, int step_bytes,
+                           float* out) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  const int tid = int(threadIdx.x);
+  for (int i = tid; i < image_bytes; i += WARPGROUP) smem[i] = image[i];
+  if (BUG != MMA_NO_PROXY_FENCE) fence_proxy_async();
+  __syncthreads();
+  float d[N / 2];
+  wgmma_fence_operands(d);
+  if (BUG != MMA_NO_WGMMA_FENCE) wgmma_fence();
+  if (BUG != MMA_PARTIAL || tid / 32 != WARPGROUP_WARPS - 1) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const WgmmaSwizzle mode = WgmmaSwizzle(swizzle);
+      const u64 desc_a = wgmma_descriptor(smem + a_offset + s * step_bytes, unsigned(leading),
+                                          unsigned(stride), mode);
+      const u64 desc_b = wgmma_descriptor(smem + b_offset + s * step_bytes, unsigned(leading),
+                                          unsigned(stride), mode);
+      wgmma_m64k16<T, N>(d, desc_a, desc_b, s > 0);
+    }
+  }
+  wgmma_commit_group();
+  if (BUG == MMA_TOUCHED) d[0] = 0.0f;
+  if (BUG == MMA_EARLY_READ) {
+    for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
+  }
+  if (BUG == MMA_OPERAND_CHANGED) {
+    __syncthreads();
+    for (int i = tid; i < image_bytes - b_offset; i += WARPGROUP) smem[b_offset + i] ^= 1;
+    __syncthreads();
+  }
+  wgmma_wait_group<0>();
+  wgmma_fence_operands(d);
+  if (BUG != MMA_EARLY_READ) {
+    for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
   }
 }

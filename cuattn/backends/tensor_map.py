@@ -27,15 +27,24 @@ class Swizzle(enum.IntEnum):
     B128 = 3
 
 
+_DESCRIPTION_FIELDS = [
+    ("global_address", ctypes.c_void_p),
+    ("dims", ctypes.c_uint64 * 2),
+    ("row_stride", ctypes.c_uint64),
+    ("box", ctypes.c_uint32 * 2),
+    ("element_bytes", ctypes.c_uint32),
+    ("swizzle", ctypes.c_uint32),
+]
+
+
+class _Description(ctypes.Structure):
+    _fields_ = _DESCRIPTION_FIELDS
+
+
 class _InterpTensorMap(ctypes.Structure):
     _fields_ = [
-        ("global_address", ctypes.c_void_p),
-        ("dims", ctypes.c_uint64 * 2),
-        ("row_stride", ctypes.c_uint64),
-        ("box", ctypes.c_uint32 * 2),
-        ("element_bytes", ctypes.c_uint32),
-        ("swizzle", ctypes.c_uint32),
-        ("unused", ctypes.c_ubyte * (TENSOR_MAP_BYTES - 48)),
+        *_DESCRIPTION_FIELDS,
+        ("unused", ctypes.c_ubyte * (TENSOR_MAP_BYTES - ctypes.sizeof(_Description))),
     ]
 
 

@@ -39,7 +39,7 @@ struct alignas(64) TensorMap2D {
   u32 box[2];          // elements per copy, innermost first
   u32 element_bytes;
   u32 swizzle;  // TmaSwizzle
-  unsigned char unused[TENSOR_MAP_BYTES - 48];  // the rest of the object's 128 bytes
+  unsigned char unused[TENSOR_MAP_BYTES - sizeof(void*) - 3 * sizeof(u64) - 4 * sizeof(u32)];
 #else
   u64 opaque[TENSOR_MAP_BYTES / 8];
 #endif

@@ -67,8 +67,13 @@ Neither becomes a dense seq_len x seq_len tensor here:
 What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
 anything is computed):
 
-- ``rpe`` (an additive relative-position bias) is refused: cuattn's kernels take no score bias
-  yet; it comes with the score modifiers (issue 29, ``rel_bias``).
+- ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes) must be a
+  function of key minus query position (Toeplitz, as relative-position embeddings are): it
+  runs as cuattn's ``rel_bias``, one column per distance read from it
+  (``cuattn.compat.distance_bias``), and any other rpe is refused by name. Unlike DeepSpeed,
+  whose softmax returns no gradient for it, rpe gets one when it carries one: through the read
+  columns, exact for an rpe built from a table by distance; a leaf rpe that requires a
+  gradient is refused (its entries are free).
 - In mode 'add', a ``key_padding_mask`` that holds a finite value other than 0 (such as -10000,
   or a learned bias) is added as it is: cuattn's per-key bias (``key_bias``), with its
   gradient when the mask carries one (-inf entries drop their keys there too). In
@@ -100,6 +105,7 @@ from torch import distributed as dist
 from torch import nn
 
 from cuattn import api
+from cuattn.compat.distance_bias import distance_table
 from cuattn.layout.extended import band_blocks, bigbird_blocks, variable_blocks
 from cuattn.layout.layout import ElementRule, Layout
 
@@ -446,7 +452,6 @@ MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 LAYOUT_CACHE_SIZE = 64
 # The band no query attends in: lo > hi (an attn_mask that drops every pair).
 NOTHING = (1, 0)
-SCORE_MODIFIERS_ISSUE = "issue 29, score modifiers"
 
 
 def _check_tensor(name: str, x: Any) -> None:
@@ -740,12 +745,6 @@ class SparseSelfAttention(nn.Module):
         cuts, rebuilt for every new batch; grouped calls reuse one cached table-free layout
         per length.
         """
-        if rpe is not None:
-            raise ValueError(
-                "rpe (a relative position embedding added to the scores) is not supported yet: "
-                "cuattn's kernels add no score bias; it comes as rel_bias with "
-                f"{SCORE_MODIFIERS_ISSUE} (for an rpe that depends on k - q only); pass rpe=None"
-            )
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x)
         batch, heads, seq_len, head_dim = query.shape
@@ -760,6 +759,9 @@ class SparseSelfAttention(nn.Module):
             )
         self._check_lengths(seq_len, heads)
         n = seq_len
+        table = None
+        if rpe is not None:
+            table = distance_table("rpe", rpe, query.shape, n)
         band = None
         if attn_mask is not None:
             qk = _mask_values("attn_mask", attn_mask, (), (n, n), "[seq_len, seq_len]", query.dtype)
@@ -782,15 +784,14 @@ class SparseSelfAttention(nn.Module):
             if key_bias is not None:  # a per-key bias: added to the scores as it is
                 layout = self._layout(n, n, band, None)
                 return api.sparse_attention(
-                    query, key, value, layout, scale=scale, key_bias=key_bias
+                    query, key, value, layout, scale=scale, key_bias=key_bias, rel_bias=table
                 )
             keep_k = _keep("key_padding_mask", padding, mode)
             groups = _padding_groups(keep_k.cpu().numpy())
         if len(groups) == 1 and groups[0][1] == n:
             _, _, keep_row = groups[0]
-            return api.sparse_attention(
-                query, key, value, self._layout(n, n, band, keep_row), scale=scale
-            )
+            layout = self._layout(n, n, band, keep_row)
+            return api.sparse_attention(query, key, value, layout, scale=scale, rel_bias=table)
         parts = []
         for rows, n_keys, keep_row in groups:
             # rows with no key at all: the call returns zeros; any layout for the heads will do
@@ -801,7 +802,12 @@ class SparseSelfAttention(nn.Module):
             )
             pick = torch.as_tensor(rows, device=query.device)
             q, k, v = query[pick], key[pick, :, :n_keys], value[pick, :, :n_keys]
-            parts.append(api.sparse_attention(q, k, v, layout, scale=scale))
+            rel = (
+                None
+                if table is None
+                else _shifted(table if table.ndim == 2 else table[pick], n - n_keys)
+            )
+            parts.append(api.sparse_attention(q, k, v, layout, scale=scale, rel_bias=rel))
         order = np.argsort(np.concatenate([rows for rows, _, _ in groups]))
         return torch.cat(parts)[torch.as_tensor(order, device=query.device)]
 
@@ -813,6 +819,15 @@ class SparseSelfAttention(nn.Module):
             f"attn_mask_mode={self.attn_mask_mode!r}, "
             f"max_seq_length={self.master_layout.shape[-1] * cfg.block}"
         )
+
+
+def _shifted(table: torch.Tensor, cut: int) -> torch.Tensor:
+    """A table by distance k - q for a call whose keys were cut by ``cut`` from the end: the
+    kernels place the queries end-aligned on the keys left (q_pos = q - cut), so distance r is
+    read at column r + cut; the columns before them are never read (zeros)."""
+    if cut == 0:
+        return table
+    return nn.functional.pad(table[..., : table.shape[-1] - cut], (cut, 0))
 
 
 def _padding_groups(keep_k: np.ndarray) -> list[tuple[np.ndarray, int, np.ndarray | None]]:

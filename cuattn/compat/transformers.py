@@ -31,12 +31,10 @@ size T x T is built and every sequence gets its own layout, aligned to its own f
 Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
 T5's relative-position bias (the ``position_bias`` [1 or batch, heads, q_len, kv_len] its
 layers pass, a function of key minus query position) runs as cuattn's ``rel_bias``: a table
-of one column per distance, read from the bias tensor (its first query row and first key
-column) after checking that every entry is its distance's (once per bias tensor: T5 passes one
-tensor to every layer), so autograd takes the gradient back to T5's bucket embedding through
-that read. A bias that is not a function of the distance is refused by name; so is a leaf bias
-tensor that requires a gradient (its gradient would be the table's, not each entry's), except
-the all-zero placeholder T5's layers without a table pass, which adds nothing and is dropped.
+of one column per distance, read from the bias tensor (``cuattn.compat.distance_bias``: checked
+once per tensor, its gradient back to T5's bucket embedding through the read). A bias that is
+not a function of the distance, or a leaf one that requires a gradient, is refused by name;
+T5's all-zero placeholder (layers without a table) adds nothing and is dropped.
 
 ``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
 paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
@@ -60,6 +58,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from cuattn import api
+from cuattn.compat.distance_bias import distance_table
 from cuattn.compat.hf_cache import Cache, take_layer
 from cuattn.layout.pattern import Pattern
 from cuattn.layout.registry import modes
@@ -183,76 +182,6 @@ def pattern_of(config: Any, heads: int, causal: bool, sliding_window: int | None
 
 def _refuse(name: str, why: str) -> None:
     raise ValueError(f"attn_implementation='cuattn' does not support {name}: {why}")
-
-
-# Set on a position_bias tensor once read: (its _version then, whether it is all zeros), and
-# only once it was found to be zeros or a function of key minus query position, so that the
-# same tensor (T5 hands one to every layer) is checked once.
-_CHECKED = "_cuattn_distance_bias"
-
-
-@torch.compiler.disable
-def _rel_table(bias: Any, q_shape: torch.Size, kv_len: int) -> torch.Tensor | None:
-    """The relative-position table ([heads, 2 kv_len - 1], or [batch, heads, ..] for a bias per
-    batch row) of a position_bias [1 or batch, 1 or heads, q_len, kv_len] that is a function of
-    k_pos - q_pos (queries end-aligned); None for T5's all-zero placeholder. Column c holds
-    distance c - (kv_len - 1), read at the first query row or the first key column (a gather:
-    autograd takes the table's gradient back to whatever made the bias). An all-zero bias
-    that carries no gradient to anything (T5's placeholder in layers without a table, a leaf
-    under gradient checkpointing) adds nothing: None."""
-    batch, heads, q_len, _ = q_shape
-    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point:
-        raise TypeError(
-            "position_bias must be a floating torch.Tensor [batch or 1, heads or 1, q_len, "
-            f"kv_len], got {type(bias).__name__} {getattr(bias, 'dtype', '')}"
-        )
-    if (
-        bias.ndim != 4
-        or bias.shape[0] not in (1, batch)
-        or bias.shape[1] not in (1, heads)
-        or tuple(bias.shape[2:]) != (q_len, kv_len)
-    ):
-        raise ValueError(
-            f"position_bias of shape {tuple(bias.shape)} does not fit {batch} x {heads} heads "
-            f"with {q_len} queries and {kv_len} keys: [batch or 1, heads or 1, q_len, kv_len]"
-        )
-    leaf = bias.requires_grad and bias.grad_fn is None
-    checked = getattr(bias, _CHECKED, None)
-    fresh = checked is None or checked[0] != bias._version
-    zero = not bool(bias.any()) if fresh else checked[1]
-    if zero and (leaf or not bias.requires_grad):
-        setattr(bias, _CHECKED, (bias._version, True))
-        return None
-    if leaf:
-        _refuse(
-            "a position_bias that is a leaf requiring a gradient",
-            "cuattn reads it as a table by distance and would give that table's gradient, not "
-            "each entry's; pass it as a function of a table (T5's bucket embedding)",
-        )
-    offset, reach = kv_len - q_len, kv_len - 1
-    device = bias.device
-    rel = torch.arange(-reach, reach + 1, device=device)
-    first_row = rel >= -offset  # distance rel at (0, rel + offset), else at (-rel - offset, 0)
-    rows = torch.where(first_row, 0, -rel - offset)
-    cols = torch.where(first_row, rel + offset, 0)
-    valid = (rows < q_len) & (cols < kv_len)  # distances past the keys' reach: never read
-    table = bias[:, :, rows.clamp(max=q_len - 1), cols.clamp(max=kv_len - 1)]
-    table = torch.where(valid, table, torch.zeros((), dtype=bias.dtype, device=device))
-    if fresh:
-        q_pos = torch.arange(q_len, device=device)[:, None] + offset
-        columns = torch.arange(kv_len, device=device)[None, :] - q_pos + reach
-        if not bool((table.detach()[:, :, columns] == bias.detach()).all()):
-            _refuse(
-                f"a position_bias of shape {tuple(bias.shape)} that is not a function of key "
-                "minus query position",
-                "cuattn adds a bias by distance (rel_bias) or by key (key_bias), never a "
-                "[q_len, kv_len] one",
-            )
-        setattr(bias, _CHECKED, (bias._version, zero))
-    # a bfloat16 / float16 model's bias widens to float32 exactly (the kernels' table dtype)
-    table = table if bias.dtype == torch.float64 else table.float()
-    table = table.expand(table.shape[0], heads, table.shape[2]).contiguous()
-    return table[0] if table.shape[0] == 1 else table
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -510,7 +439,7 @@ def attention_forward(
     scores = {"scale": scaling, "softcap": kwargs.get("softcap")}
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
-        table = _rel_table(position_bias, query.shape, key.shape[2])
+        table = distance_table("position_bias", position_bias, query.shape, key.shape[2])
         if table is not None:
             scores["rel_bias"] = table
     if kwargs.get("output_attentions"):

@@ -487,7 +487,7 @@ def _refuse_compute(monkeypatch):
 
 
 BAD_CALLS = [
-    (dict(rpe=torch.zeros(BATCH, HEADS, SEQ, SEQ)), ValueError, "rpe"),
+    (dict(rpe=torch.rand(BATCH, HEADS, SEQ, SEQ)), ValueError, "rpe of shape .* is not a func"),
     (dict(attn_mask=torch.rand(SEQ, SEQ) < 0.5), ValueError, "attn_mask is not a pattern"),
     (dict(key_padding_mask=torch.zeros(BATCH, 1, SEQ + 1)), ValueError, r"key_padding_mask m"),
     (dict(key_padding_mask=torch.zeros(SEQ)), ValueError, r"\[batch, seq_len\]"),

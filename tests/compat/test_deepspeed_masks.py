@@ -45,9 +45,11 @@ def _added(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return mask
 
 
-def deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode):
+def deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode, rpe=None):
     """The scores DeepSpeed's softmax sees, -inf outside the layout's blocks."""
     scores = (q @ k.transpose(-1, -2)) * float(q.shape[-1]) ** -0.5
+    if rpe is not None:
+        scores = scores + rpe
     if key_padding_mask is not None:
         kp = _added(_squeezed_padding(key_padding_mask, q.dtype), kp_mode)
         scores = scores + kp[:, None, None, :]
@@ -58,10 +60,11 @@ def deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mo
     return scores.masked_fill(~inside, INF)
 
 
-def deepspeed_attention(q, k, v, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode):
+def deepspeed_attention(q, k, v, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode, rpe=None):
     """(out, empty): DeepSpeed's attention, with rows that have nothing to attend to (NaN in
     DeepSpeed) set to 0 as cuattn documents, so that gradients exist; ``empty`` marks them."""
-    scores = deepspeed_scores(q, k, blocks, key_padding_mask, attn_mask, kp_mode, attn_mode)
+    masks = (key_padding_mask, attn_mask, kp_mode, attn_mode)
+    scores = deepspeed_scores(q, k, blocks, *masks, rpe)
     empty = (scores == INF).all(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
     return probs @ v, empty
@@ -321,9 +324,14 @@ def _bias(value: float, shape: tuple[int, ...]) -> torch.Tensor:
 
 REFUSALS = [
     (
-        dict(rpe=torch.zeros(BATCH, HEADS, SEQ, SEQ)),
+        dict(rpe=torch.rand(BATCH, HEADS, SEQ, SEQ, generator=torch.Generator().manual_seed(1))),
         ("add", "mul"),
-        r"rpe \(a relative.*rel_bias with issue 29",
+        r"rpe of shape \(6, 4, 48, 48\) is not a function of key minus query position",
+    ),
+    (
+        dict(rpe=torch.ones(HEADS, SEQ, SEQ, dtype=torch.float64, requires_grad=True)),
+        ("add", "mul"),
+        "rpe: a leaf requiring a gradient is not supported",
     ),
     (
         dict(key_padding_mask=_bias(float("inf"), (BATCH, SEQ))),
@@ -384,6 +392,29 @@ def test_an_additive_padding_mask_with_finite_values_is_a_key_bias(attn):
         want, _ = deepspeed_attention(q, k, v, blocks, padding, attn_mask, "add", "mul")
         inputs = (q, k, v, learned) if padding is learned else (q, k, v)
         _check(got, want, inputs)
+
+
+@pytest.mark.parametrize("modes", [("add", "mul"), ("mul", "mul")], ids=lambda m: f"kp-{m[0]}")
+@pytest.mark.parametrize("attn", [None, "causal", "window"])
+def test_an_rpe_by_distance_runs_as_a_table_with_its_gradient(modes, attn):
+    """An rpe that is a function of k - q (a learned embedding per distance, gathered as
+    relative-position models build it) through every padding kind (keys cut for right
+    padding, a per-key rule for the others, whole rows empty): output and the gradients of
+    q, k, v and the embedding equal DeepSpeed's semantics with the rpe added densely."""
+    module = ds.SparseSelfAttention(_configs()[0], *modes, max_seq_length=MAX_LEN)
+    g = torch.Generator().manual_seed(23)
+    embedding = torch.randn(HEADS, 2 * SEQ - 1, generator=g, dtype=torch.float64)
+    embedding.requires_grad_(True)
+    distance = torch.arange(SEQ)[None, :] - torch.arange(SEQ)[:, None]  # k - q
+    padding = _encode(_padding_keep(g), modes[0], g, 0)
+    attn_mask = None if attn is None else _band_keep(attn).to(torch.float64)
+    q, k, v = _qkv(40)
+    rpe = embedding[:, distance + SEQ - 1][None]  # [1, heads, SEQ, SEQ]
+    got = module(q, k, v, rpe=rpe, key_padding_mask=padding, attn_mask=attn_mask)
+    blocks = module.get_layout(SEQ)
+    rpe = embedding[:, distance + SEQ - 1][None]  # its own graph: each side differentiates
+    want, _ = deepspeed_attention(q, k, v, blocks, padding, attn_mask, *modes, rpe=rpe)
+    _check(got, want, (q, k, v, embedding))
 
 
 @pytest.mark.parametrize("kwargs,modes,match", REFUSALS)

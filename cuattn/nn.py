@@ -54,7 +54,11 @@ class SparseSelfAttention(nn.Module):
     for backward; ``softcap`` (keyword) caps the scores as in ``cuattn.sparse_attention``;
     ``alibi_slopes`` (keyword: a float32 [heads] tensor, e.g. ``torch.from_numpy(
     cuattn.alibi_slopes(heads))``) adds ALiBi's bias: a buffer of the module (moved with it by
-    ``.to()``), or a parameter that learns if it is an ``nn.Parameter``.
+    ``.to()``), or a parameter that learns if it is an ``nn.Parameter``. ``rel_max_distance``
+    (keyword: an int M >= 0) gives the module a learned relative-position bias (T5's, Swin's):
+    the parameter ``rel_bias`` [heads, 2 M + 1] (float32, zeros at first), whose column
+    clamp(k_pos - q_pos, -M, M) + M is added to each score (``cuattn.sparse_attention``'s
+    ``rel_bias``).
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class SparseSelfAttention(nn.Module):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        rel_max_distance: int | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -84,6 +89,13 @@ class SparseSelfAttention(nn.Module):
             self.alibi_slopes = alibi_slopes
         else:
             self.register_buffer("alibi_slopes", alibi_slopes)
+        self.rel_bias: nn.Parameter | None = None
+        if rel_max_distance is not None:
+            bad = isinstance(rel_max_distance, bool) or not isinstance(rel_max_distance, int)
+            if bad or rel_max_distance < 0:
+                raise ValueError(f"rel_max_distance must be an int >= 0, got {rel_max_distance!r}")
+            width = 2 * rel_max_distance + 1
+            self.rel_bias = nn.Parameter(torch.zeros(self.layout.heads, width))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return api.sparse_attention(
@@ -95,12 +107,15 @@ class SparseSelfAttention(nn.Module):
             self.recompute,
             softcap=self.softcap,
             alibi_slopes=self.alibi_slopes,
+            rel_bias=self.rel_bias,
         )
 
     def extra_repr(self) -> str:
+        rel = None if self.rel_bias is None else (self.rel_bias.shape[-1] - 1) // 2
         return (
             f"layout={self.layout!r}, scale={self.scale}, recompute={self.recompute}, "
-            f"softcap={self.softcap}, alibi={self.alibi_slopes is not None}"
+            f"softcap={self.softcap}, alibi={self.alibi_slopes is not None}, "
+            f"rel_max_distance={rel}"
         )
 
 
@@ -111,8 +126,9 @@ class SparseMultiheadAttention(nn.Module):
     value default to query: self-attention; key/value may be longer than query, end-aligned)
     returns [batch, time_q, embed_dim]. ``kv_heads`` (default ``heads``) must divide ``heads``;
     k_proj and v_proj then map embed_dim to kv_heads * head_dim. Parameters: q_proj, k_proj,
-    v_proj, out_proj (``nn.Linear``, ``bias`` on all four). ``softcap`` and ``alibi_slopes``
-    as in :class:`SparseSelfAttention`.
+    v_proj, out_proj (``nn.Linear``, ``bias`` on all four); with ``rel_max_distance``, also
+    attention.rel_bias. ``softcap``, ``alibi_slopes`` and ``rel_max_distance`` as in
+    :class:`SparseSelfAttention`.
     """
 
     def __init__(
@@ -130,6 +146,7 @@ class SparseMultiheadAttention(nn.Module):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        rel_max_distance: int | None = None,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -156,6 +173,7 @@ class SparseMultiheadAttention(nn.Module):
             recompute,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            rel_max_distance=rel_max_distance,
             **pattern_options,
         )
         if self.attention.layout.heads != heads:

@@ -114,6 +114,26 @@ def test_modules_take_alibi_slopes_as_a_buffer_or_a_learned_parameter():
         SparseSelfAttention(layout, alibi_slopes=[0.5] * HEADS)
 
 
+def test_modules_learn_a_relative_position_table():
+    """rel_max_distance gives a parameter [heads, 2M + 1] (zeros: the plain attention at
+    first) that is cuattn.sparse_attention's rel_bias and learns (its gradient arrives)."""
+    layout = cuattn.make_layout("local", 32, HEADS, BLOCK, **LOCAL)
+    q, k, v = (torch.randn(1, HEADS, 32, 8, dtype=torch.float64) for _ in range(3))
+    module = SparseSelfAttention(layout, rel_max_distance=6)
+    assert dict(module.named_parameters())["rel_bias"].shape == (HEADS, 13)
+    assert torch.equal(module(q, k, v), cuattn.sparse_attention(q, k, v, layout))
+    with torch.no_grad():
+        module.rel_bias.normal_()
+    want = cuattn.sparse_attention(q, k, v, layout, rel_bias=module.rel_bias.detach())
+    assert torch.equal(module(q, k, v), want)
+    module(q, k, v).sum().backward()
+    assert module.rel_bias.grad.abs().sum() > 0 and "rel_max_distance=6" in repr(module)
+    mha = _module(rel_max_distance=3)
+    assert dict(mha.named_parameters())["attention.rel_bias"].shape == (HEADS, 7)
+    with pytest.raises(ValueError, match="rel_max_distance must be an int >= 0"):
+        SparseSelfAttention(layout, rel_max_distance=-1)
+
+
 def test_alibi_slopes_are_the_papers():
     """BLOOM's slopes (transformers' build_alibi_tensor) for power-of-two heads and others."""
     bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")

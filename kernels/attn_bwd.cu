@@ -302,19 +302,32 @@ __global__ void __launch_bounds__(
     }
     if (ragged) zero_columns_past<TILE_Q>(ds_t, frag, n_q - q_start);
     if constexpr (MODS == MODS_SCORE) {
-      // The biased score's gradient first (the key bias's), then the softcap's slope from the
-      // capped score, which comes back from P as log2(P) + lse less the biases: no tile of
-      // scores is kept (at head dim 128 this kernel is at the register limit).
+      // The biased score's gradient first (the key bias's), then, with a cap, the cap's slope
+      // from the capped score, which comes back from P as log2(P) + lse less the biases: no
+      // tile of scores is kept (at head dim 128 this kernel is at the register limit).
 #pragma unroll
       for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          key_ds[e / 2] += ds_t[j][e];
-          const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
-          const float rel_log2 = use_rel_bias ? rb.log2_at(q_minus_k) : 0.f;
-          const float score = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
-                              alibi_bias(score_scale, q_minus_k) - key_bias_log2[e / 2] - rel_log2;
-          ds_t[j][e] *= softcap_slope<MODS>(score, score_scale);
+        for (int e = 0; e < 4; ++e) key_ds[e / 2] += ds_t[j][e];
+      }
+      if (score_scale.cap_log2 > 0.f) {  // P is dead after dS: the capped score in its place
+#pragma unroll
+        for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int q_minus_k = q_offset + q_start + frag.col(j, e) - k_warp - frag.row(e);
+            p_t[j][e] = log2f(p_t[j][e]) + lse_smem[frag.col(j, e)] -
+                        alibi_bias(score_scale, q_minus_k) - key_bias_log2[e / 2];
+          }
+        }
+        if (use_rel_bias) {
+          position_bias_frags<1, TILE_Q, false>(as_frags<TILE_Q>(p_t), q_offset, k_warp, q_start,
+                                                [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
+        }
+#pragma unroll
+        for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ds_t[j][e] *= softcap_slope<MODS>(p_t[j][e], score_scale);
         }
       }
     }
@@ -460,40 +473,48 @@ __global__ void __launch_bounds__(
         }
       }
     }
-    float ds[TILE_K / 8][4] = {};
-    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+    // the softcap's slope of each score, from the capped score before any bias is added
+    float slope[TILE_K / 8][4];
+#pragma unroll
+    for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
+    }
     // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
     // differ by constants, so each element's distance is one add.
-    const int q_minus_k_first = q_offset + q_warp - k_start + frag.row(0) - frag.col(0, 0);
+    const float q_minus_k_first =
+        float(q_offset + q_warp - k_start) + float(frag.row(0) - frag.col(0, 0));
+    if constexpr (MODS == MODS_SCORE) {
+      if (use_rel_bias) rel_bias_tile<TILE_K, true>(p, rb, q_offset, q_warp, k_start);
+    }
+    float ds[TILE_K / 8][4] = {};
+    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
 #pragma unroll
     for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float slope = softcap_slope<MODS>(p[j][e], score_scale);  // from the capped score
         float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
-        const int q_minus_k = q_minus_k_first + 8 * (e / 2) - 8 * j - e % 2;
         if constexpr (MODS == MODS_SCORE) {
-          distance = fabsf(float(q_minus_k));
+          distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
           p[j][e] += score_scale.alibi_log2 * distance + key_bias_log2[j][e % 2];  // 0: none
-          if (use_rel_bias) p[j][e] += rb.log2_at(q_minus_k);
         }
         p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
         ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
         if constexpr (MODS == MODS_SCORE) {
           alibi_dist_ds[e / 2] += ds[j][e] * distance;  // before the cap's slope: d/d bias
-          if (use_rel_bias_grad) {
-            const int column = rb.column(q_minus_k);
-            const int q_row = q_warp + frag.row(e);
-            if (column == 0) {
-              rel_first_ds[e / 2] += ds[j][e];
-            } else if (column == rel_width - 1) {
-              rel_last_ds[e / 2] += ds[j][e];
-            } else if (q_row < n_q) {  // one key of this row reads this column
-              rel_bias_grad[(head_offset + q_row) * rel_width + column] = ds[j][e];
-            }
-          }
-          ds[j][e] *= slope;
         }
+      }
+    }
+    if constexpr (MODS == MODS_SCORE) {
+      // the table's gradient from dS of the biased scores, before the cap's slope
+      if (use_rel_bias_grad) {
+        rel_grad_tile<TILE_K>(ds, rb, q_offset, q_warp, k_start, n_q,
+                              rel_bias_grad + head_offset * rel_width, rel_first_ds, rel_last_ds);
+      }
+#pragma unroll
+      for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[j][e] *= slope[j][e];
       }
     }
     warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);
@@ -522,8 +543,12 @@ __global__ void __launch_bounds__(
       // the table's clamped columns: this row's sums (one column when the table has one)
       if (use_rel_bias_grad && frag.t == 0) {
         float* rel_row = rel_bias_grad + (head_offset + q_row) * rel_width;
-        rel_row[0] = rel_first_ds[r];
-        if (rel_width > 1) rel_row[rel_width - 1] = rel_last_ds[r];
+        if (rel_width > 1) {
+          rel_row[0] = rel_first_ds[r];
+          rel_row[rel_width - 1] = rel_last_ds[r];
+        } else {  // one column: every key reads it (rel_grad_tile splits them at distance 0)
+          rel_row[0] = rel_first_ds[r] + rel_last_ds[r];
+        }
       }
     }
   }

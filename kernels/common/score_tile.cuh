@@ -184,22 +184,20 @@ __device__ __forceinline__ void alibi_tile(float (&s)[N / 8][4], const ScoreScal
 // the row whatever the positions (a ragged tile's rest is masked anyway). The row is a few
 // hundred floats that every CTA of the head reads: L1 holds it after the first tile.
 struct RelBias {
-  const float* row;  // null: no table
+  const float* center;  // the row's column for distance 0; null: no table
   int max_distance;
-  __device__ __forceinline__ int column(int q_minus_k) const {
-    const int rel = -q_minus_k;  // k_pos - q_pos
-    return (rel < -max_distance ? 0 : rel > max_distance ? 2 * max_distance : rel + max_distance);
-  }
   __device__ __forceinline__ float log2_at(int q_minus_k) const {
-    return row[column(q_minus_k)] * LOG2E;
+    const int rel = -q_minus_k;  // k_pos - q_pos
+    const int clamped = rel < -max_distance ? -max_distance : (rel > max_distance ? max_distance : rel);
+    return center[clamped] * LOG2E;
   }
   // The table of (batch, head) [batch, heads, 2M + 1] at batch stride batch_stride (0: one table
   // for every batch), or null without one.
   __device__ __forceinline__ static RelBias make(const float* table, int use, int batch_stride,
                                                  int max_distance, int batch, int head) {
     if (!use) return {nullptr, 0};
-    return {table + size_t(batch) * batch_stride + size_t(head) * (2 * max_distance + 1),
-            max_distance};
+    const size_t row = size_t(batch) * batch_stride + size_t(head) * (2 * max_distance + 1);
+    return {table + row + max_distance, max_distance};
   }
 };
 
@@ -214,6 +212,43 @@ template <int N, bool ROWS_ARE_QUERIES>
 __device__ __forceinline__ void rel_bias_tile(float (&s)[N / 8][4], const RelBias& rb,
                                               int q_offset, int row_first, int col_first) {
   rel_bias_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), rb, q_offset, row_first, col_first);
+}
+
+// The relative-position table's gradient from one dQ warp tile of dS (rows: queries q_first +
+// 16 rows, columns: keys k_first + N): a middle column of a row is reached by exactly one key,
+// so its dS is stored as it comes into that row's part of rows_grad ([n_q rows of 2M + 1],
+// zeroed by the caller); the keys at distance <= -M and >= M (the first and last columns) add
+// their dS to first_ds / last_ds (this lane's share of its two rows; with M = 0, distance 0
+// goes to first_ds and the rest to last_ds, both the one column). Rows past n_q are not stored.
+template <int N>
+__device__ __forceinline__ void rel_grad_tile(const float (&ds)[N / 8][4], const RelBias& rb,
+                                              int q_offset, int q_first, int k_first, int n_q,
+                                              float* rows_grad, float (&first_ds)[2],
+                                              float (&last_ds)[2]) {
+  const AccLayout frag;
+  const int reach = rb.max_distance;
+  // k_pos - q_pos of this lane's element (0, 0); the others differ by compile-time constants
+  const int rel_first = k_first + frag.col(0, 0) - q_offset - q_first - frag.row(0);
+  float* row_grad[2];
+  bool row_valid[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q_row = q_first + frag.row(2 * r);
+    row_valid[r] = q_row < n_q;
+    row_grad[r] = rows_grad + size_t(row_valid[r] ? q_row : 0) * (2 * reach + 1) + reach;
+  }
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // selects and a predicated store, no branches: lanes of a warp take different ways
+      const int rel = rel_first + 8 * j + e % 2 - 8 * (e / 2);
+      const bool first = rel <= -reach, last = !first && rel >= reach;
+      first_ds[e / 2] += first ? ds[j][e] : 0.f;
+      last_ds[e / 2] += last ? ds[j][e] : 0.f;
+      if (!first && !last && row_valid[e / 2]) row_grad[e / 2][rel] = ds[j][e];
+    }
+  }
 }
 
 // A per-key additive bias (key_bias, in natural units), this (batch, head)'s row: keys

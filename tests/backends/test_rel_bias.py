@@ -95,3 +95,13 @@ def test_kernels_rel_bias_with_everything_else_bit_identical(mods_kernels, max_d
     again = check_operands(*args, rel_bias=table)
     for a, b in zip((first[0], first[1], *first[2]), (again[0], again[1], *again[2]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_kernels_one_column_table_gets_every_scores_gradient(mods_kernels):  # noqa: F811
+    """max_distance 0: one column that every score reads; its gradient is the sum of every dS,
+    which is the lse's gradient (a row's dS sums to its dlse), so dlse is given."""
+    layout = make_layout("all", 40, HEADS, 16, causal=False)  # keys on both sides
+    q, k, v, dout = _inputs((2, HEADS, 40, HEAD_DIM), "float32", seed=14)
+    dlse = np.random.default_rng(15).standard_normal(q.shape[:3]).astype(np.float32)
+    table = _table(None, HEADS, 0, 16)
+    check_operands(interp, q, k, v, dout, layout, TOLERANCE["float32"], dlse=dlse, rel_bias=table)

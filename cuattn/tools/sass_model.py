@@ -397,13 +397,27 @@ def compile_cubin(
 ) -> tuple[str, bytes, str]:
     """(lowered name, cubin, ptxas log) of one instantiation: NVRTC with the compile check's
     options plus ``-lineinfo`` (line info only: the code is the same). Raises on an error."""
+    lowered, cubin, log = compile_module(source, source_file, [name_expression], options, arch)
+    return lowered[name_expression], cubin, log
+
+
+def compile_module(
+    source: str,
+    source_file: str,
+    name_expressions: Sequence[str],
+    options: Sequence[str],
+    arch: str = ARCH,
+) -> tuple[dict[str, str], bytes, str]:
+    """({name expression: lowered name}, cubin, ptxas log): every instantiation in one NVRTC
+    program, as compile_cubin compiles one. Raises on an error."""
     from cupy_backends.cuda.libs import nvrtc
 
     from cuattn.backends.toolchain import CUPY_IMPLICIT_OPTIONS, PTXAS_VERBOSE_OPTION, arch_option
 
     program = nvrtc.createProgram(source, source_file, [], [])
     try:
-        nvrtc.addNameExpression(program, name_expression)
+        for name_expression in name_expressions:
+            nvrtc.addNameExpression(program, name_expression)
         all_options = [
             arch_option(arch),
             PTXAS_VERBOSE_OPTION,
@@ -415,9 +429,10 @@ def compile_cubin(
             nvrtc.compileProgram(program, all_options)
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(program).rstrip("\x00")
-            raise RuntimeError(f"{name_expression}: {exc}\n{log}") from exc
+            raise RuntimeError(f"{', '.join(name_expressions)}: {exc}\n{log}") from exc
         log = nvrtc.getProgramLog(program).rstrip("\x00")
-        return nvrtc.getLoweredName(program, name_expression), nvrtc.getCUBIN(program), log
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in name_expressions}
+        return lowered, nvrtc.getCUBIN(program), log
     finally:
         nvrtc.destroyProgram(program)
 

@@ -47,21 +47,65 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* bar, unsigned byt
 #endif
 }
 
+#ifndef CUATTN_INTERP
+// One mbarrier.try_wait (BLOCKING: the hardware may suspend the thread for a while first) or
+// mbarrier.test_wait (returns at once) on the phase with parity `parity`: whether it completed.
+template <bool BLOCKING>
+__device__ __forceinline__ bool mbarrier_poll_parity(u64* bar, unsigned parity) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned done;
+#define CUATTN_MBARRIER_POLL(INSTRUCTION)                                                    \
+  asm volatile("{\n.reg .pred p;\nmbarrier." INSTRUCTION ".parity.shared::cta.b64 p, [%1], %2;\n" \
+               "selp.u32 %0, 1, 0, p;\n}\n"                                                   \
+               : "=r"(done)                                                                  \
+               : "r"(address), "r"(parity)                                                   \
+               : "memory")
+  if constexpr (BLOCKING) {
+    CUATTN_MBARRIER_POLL("try_wait");
+  } else {
+    CUATTN_MBARRIER_POLL("test_wait");
+  }
+#undef CUATTN_MBARRIER_POLL
+  return done != 0;
+}
+#endif
+
+// Whether the phase with parity `parity` has completed, without blocking (mbarrier.test_wait:
+// `parity` names the current phase or the one before it, so right after mbarrier.init parity 1
+// reads as completed, which is what lets a producer's first wait on an empty stage pass).
+__device__ __forceinline__ bool mbarrier_test_wait_parity(u64* bar, unsigned parity) {
+#ifdef CUATTN_INTERP
+  return cuattn_interp::mbarrier_phase_completed(bar, parity);
+#else
+  return mbarrier_poll_parity<false>(bar, parity);
+#endif
+}
+
 // Blocks until the phase with parity `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait_parity(u64* bar, unsigned parity) {
 #ifdef CUATTN_INTERP
   cuattn_interp::mbarrier_wait_parity(bar, parity);
 #else
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(address),
-      "r"(parity)
-      : "memory");
+  while (!mbarrier_poll_parity<true>(bar, parity)) {
+  }
+#endif
+}
+
+// Clock cycles a bounded wait spins before it traps: about a second at Hopper's clocks, far
+// beyond any phase a working kernel waits for.
+constexpr long long MBARRIER_SPIN_LIMIT_CYCLES = 1LL << 31;
+
+// mbarrier_wait_parity for code run on a GPU to find out whether it works (probes, tests): a
+// phase that never completes traps (the launch fails with an error) instead of hanging the GPU.
+// The interpreter reports such a wait itself, with the barrier and the parity, so it just waits.
+__device__ __forceinline__ void mbarrier_wait_parity_or_trap(u64* bar, unsigned parity) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::mbarrier_wait_parity(bar, parity);
+#else
+  const long long start = clock64();
+  while (!mbarrier_poll_parity<true>(bar, parity)) {
+    if (clock64() - start > MBARRIER_SPIN_LIMIT_CYCLES) __trap();
+  }
 #endif
 }
 

@@ -1,21 +1,30 @@
 // wgmma (sm_90a): the warpgroup's asynchronous matrix multiply-accumulate
-// D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulators, fp16 or bf16 operands read from
-// shared memory through matrix descriptors, each instruction behind one small named device
-// function like those of ptx.cuh. Both operands are K-major (imm-trans-a = imm-trans-b = 0):
-// A as 64 rows of K, B as N rows of K.
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulators, fp16 or bf16 operands, N = 16, 32,
+// 64, 128 or 256, each instruction behind one small named device function like those of
+// ptx.cuh. B is read from shared memory through a matrix descriptor, K-major (N rows of K,
+// imm-trans-b = 0); A either the same way (64 rows of K, imm-trans-a = 0: wgmma_m64k16, the form
+// of QK^T) or from four 32-bit registers per thread (wgmma_m64k16_rs, the form of P.V, whose P
+// is the softmax of an accumulator fragment).
 //
 // Under the CPU interpreter each thread computes its own accumulator fragment when it issues
 // the instruction, from the operands as they are then, and the PTX ISA's rules a GPU does not
 // check are reported as launch hazards: an issue with no wgmma.fence since the accumulators were
 // last handed back to other instructions, accumulators written before the wgmma.wait_group that
-// retires their group (they read as NaN until then), operand shared memory that changes between
-// issue and retirement or that plain stores wrote with no fence.proxy.async after them, and a
-// warpgroup whose threads do not all issue the same instructions (.aligned).
+// retires their group (they read as NaN until then), operand shared memory or A registers that
+// change between issue and retirement, shared memory that plain stores wrote with no
+// fence.proxy.async after them, and a warpgroup whose threads do not all issue the same
+// instructions (.aligned).
 //
-// Accumulator fragment (PTX ISA, "Register Fragments", wgmma .m64nNk16 matrix D; the same as
-// CUTLASS's CLayout_64xN): warp w of the warpgroup holds rows 16w..16w+15; with g = lane / 4 and
-// t = lane % 4, element i of a thread's N/2 floats is row 16w + g + 8 * ((i / 2) % 2), column
-// 8 * (i / 4) + 2t + i % 2.
+// Fragments (PTX ISA, "Register Fragments": the figures of the wgmma .m64nNk16 A and D
+// fragments; their text forms are CUTLASS's ALayout_64x16 and CLayout_64xN). Warp w of the
+// warpgroup holds rows 16w..16w+15; with g = lane / 4 and t = lane % 4:
+//   D: element i of a thread's N/2 floats is row 16w + g + 8 * ((i / 2) % 2), column
+//      8 * (i / 4) + 2t + i % 2;
+//   A: element v of a thread's 8 halves (register v / 2, the low half first) is row
+//      16w + g + 8 * ((v / 2) % 2), k = 2t + v % 2 + 8 * (v / 4).
+// The two agree: the accumulators of columns 16j .. 16j + 15 of an N-wide D, elements
+// 8j .. 8j + 7, are in the places of A's elements 0..7 of the K-block j, so P.V takes P from
+// the QK^T accumulators without leaving the thread.
 #pragma once
 
 #include "tma.cuh"
@@ -32,6 +41,8 @@ enum WgmmaSwizzle : unsigned {
 constexpr int WGMMA_M = 64;
 constexpr int WGMMA_K = 16;
 constexpr int WARPGROUP_WARPS = 4;
+// 32-bit registers a thread holds of A (8 fp16/bf16 elements, two to a register).
+constexpr int WGMMA_A_REGISTERS = 4;
 // Matrix Descriptor Format: each of the start address, leading and stride byte offsets is
 // stored as matrix-descriptor-encode(x) = (x & 0x3FFFF) >> 4 in a 14-bit field.
 constexpr u64 DESCRIPTOR_ENCODE_MASK = 0x3FFFF;
@@ -125,27 +136,49 @@ inline float read_operand(const MatrixDescriptor& d, int row, int k,
   return to_float(value);
 }
 
+// Index (0..7) of A's element (row, k) among the 8 halves of the thread holding it, lane
+// 4 * (row % 8) + (k % 8) / 2 of warp row / 16 (the A fragment above).
+inline int wgmma_a_element_index(int row, int k) {
+  return k % 2 + 2 * ((row / 8) % 2) + 4 * (k / 8);
+}
+
 inline uint64_t mix_digest(uint64_t digest, uint64_t value) {
   // FNV-1a's prime: order-sensitive, so the same instructions in another order differ too
   constexpr uint64_t PRIME = 0x100000001b3ULL;
   return (digest ^ value) * PRIME;
 }
 
-template <typename T, int N>
-inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
+// What the digest of an instruction with A in registers records in place of A's descriptor.
+constexpr u64 A_IN_REGISTERS = ~0ULL;
+
+// Folds the identity of one wgmma.mma_async into the thread's digest (.aligned: the threads of
+// a warpgroup must all issue the same ones) and checks what every issue needs: a wgmma.fence
+// since the accumulators were last handed back, and descriptors whose matrix base offset is 0.
+inline bool wgmma_issue_ok(u64 operand_a, u64 desc_b, int n, bool accumulate) {
   ThreadState& me = self();
   if (!me.wgmma_fenced) {
     report_hazard("wgmma.mma_async with no wgmma.fence since the warpgroup's registers were "
                   "last accessed by other instructions");
   }
-  me.wgmma_digest = mix_digest(mix_digest(mix_digest(me.wgmma_digest, desc_a), desc_b),
-                               u64(N) * 2 + u64(accumulate));
-  const MatrixDescriptor a = decode_descriptor(desc_a), b = decode_descriptor(desc_b);
-  if (a.base_offset != 0 || b.base_offset != 0) {
+  me.wgmma_digest = mix_digest(mix_digest(mix_digest(me.wgmma_digest, operand_a), desc_b),
+                               u64(n) * 2 + u64(accumulate));
+  for (u64 descriptor : {operand_a, desc_b}) {
+    if (descriptor == A_IN_REGISTERS || decode_descriptor(descriptor).base_offset == 0) continue;
     report_hazard("a wgmma descriptor with a non-zero matrix base offset (operands here start "
                   "on their swizzle pattern's repeat)");
-    return;
+    return false;
   }
+  return true;
+}
+
+// Computes this thread's N / 2 accumulators of D = A * B (+ D) at issue: A's element (row, k)
+// from a_element(row, k, reads), B's from shared memory through `b`, each shared-memory element
+// recorded in `reads`. The accumulators read NaN until the wgmma.wait_group retiring the
+// instruction, which runs `check_a` and reports any element read here that changed since.
+template <typename T, int N, typename AElement>
+inline void wgmma_fragment(float* d, const MatrixDescriptor& b, bool accumulate,
+                           AElement a_element, std::function<void()> check_a) {
+  ThreadState& me = self();
   // What the accumulators hold for this instruction: the result of the latest one still in
   // flight on the same registers (chained instructions are ordered by the hardware), else the
   // registers themselves.
@@ -164,12 +197,13 @@ inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
     const int col = 8 * (i / 4) + 2 * t + i % 2;
     float sum = accumulate ? c[i] : 0.0f;
     for (int k = 0; k < WGMMA_K; ++k) {
-      sum = std::fma(read_operand<T>(a, row, k, reads), read_operand<T>(b, col, k, reads), sum);
+      sum = std::fma(a_element(row, k, reads), read_operand<T>(b, col, k, reads), sum);
     }
     result[i] = sum;
   }
   std::memset(d, 0xFF, sizeof(float) * (N / 2));
-  auto check = [reads = std::move(reads)] {
+  auto check = [reads = std::move(reads), check_a = std::move(check_a)] {
+    check_a();
     for (const OperandRead& read : reads) {
       unsigned short now;
       std::memcpy(&now, dynamic_smem + read.offset, sizeof(now));
@@ -180,6 +214,42 @@ inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
     }
   };
   me.wgmma_ops.push_back({-1, d, std::move(result), std::move(check)});
+}
+
+template <typename T, int N>
+inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
+  if (!wgmma_issue_ok(desc_a, desc_b, N, accumulate)) return;
+  const MatrixDescriptor a = decode_descriptor(desc_a);
+  auto a_element = [&](int row, int k, std::vector<OperandRead>& reads) {
+    return read_operand<T>(a, row, k, reads);
+  };
+  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), accumulate, a_element, [] {});
+}
+
+// The A operand from registers: the rows of A a thread's accumulators need are held by the four
+// threads of its quad (lanes 4g .. 4g + 3 of its warp), so the warp exchanges its registers
+// first (every thread of the warpgroup issues the instruction: .aligned).
+template <typename T, int N>
+inline void wgmma_issue_rs(float* d, const u32* a, u64 desc_b, bool accumulate) {
+  const uint32_t* all = warp_exchange(a, WGMMA_A_REGISTERS * sizeof(u32));
+  if (!wgmma_issue_ok(A_IN_REGISTERS, desc_b, N, accumulate)) return;
+  const int quad = 4 * (self().lane / 4);
+  auto a_element = [=](int row, int k, std::vector<OperandRead>&) {
+    const int holder = quad + (k % 8) / 2;
+    const int v = wgmma_a_element_index(row, k);
+    const u32 word = all[holder * EXCHANGE_WORDS + v / 2];
+    const unsigned short bits = static_cast<unsigned short>(v % 2 ? word >> 16 : word);
+    T value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return to_float(value);
+  };
+  std::array<u32, WGMMA_A_REGISTERS> issued;
+  std::memcpy(issued.data(), a, sizeof(issued));
+  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), accumulate, a_element, [a, issued] {
+    if (std::memcmp(a, issued.data(), sizeof(issued)) == 0) return;
+    report_hazard("the A fragment registers of a wgmma.mma_async changed between its issue and "
+                  "the wgmma.wait_group retiring it");
+  });
 }
 
 inline void wgmma_commit() { commit_group(self().wgmma_ops, self().wgmma_committed_groups); }
@@ -259,46 +329,115 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[COUNT]) {
 }
 
 #ifndef CUATTN_INTERP
-// The accumulator operands of one wgmma: a "+f" constraint per register of d, in order.
+// The asm operands of one wgmma: first the accumulators, a "+f" constraint per register of d in
+// order; the PTX operand numbers of groups of 8 of them; the numbers of the 6 operands that
+// follow COUNT accumulators (numbered operands only: NVRTC rejects named ones).
 #define CUATTN_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CUATTN_D8(i) CUATTN_D4(i), CUATTN_D4(i + 4)
-#define CUATTN_D32(i) CUATTN_D8(i), CUATTN_D8(i + 8), CUATTN_D8(i + 16), CUATTN_D8(i + 24)
-// The wgmma with scale-d from `accumulate` (0: D = A * B), imm-scale-a/b 1, both K-major.
-#define CUATTN_WGMMA(SHAPE_TYPES, REGISTERS, DESC_A, DESC_B, ACCUMULATE, ...)                   \
+#define CUATTN_D16(i) CUATTN_D8(i), CUATTN_D8(i + 8)
+#define CUATTN_D32(i) CUATTN_D16(i), CUATTN_D16(i + 16)
+#define CUATTN_D64(i) CUATTN_D32(i), CUATTN_D32(i + 32)
+#define CUATTN_D128(i) CUATTN_D64(i), CUATTN_D64(i + 64)
+#define CUATTN_ACC_0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define CUATTN_ACC_1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define CUATTN_ACC_2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define CUATTN_ACC_3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define CUATTN_ACC_4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define CUATTN_ACC_5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define CUATTN_ACC_6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define CUATTN_ACC_7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define CUATTN_ACC_8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define CUATTN_ACC_9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define CUATTN_ACC_10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define CUATTN_ACC_11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define CUATTN_ACC_12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define CUATTN_ACC_13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define CUATTN_ACC_14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define CUATTN_ACC_15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define CUATTN_ACC_0_3 CUATTN_ACC_0 ", " CUATTN_ACC_1 ", " CUATTN_ACC_2 ", " CUATTN_ACC_3
+#define CUATTN_ACC_4_7 CUATTN_ACC_4 ", " CUATTN_ACC_5 ", " CUATTN_ACC_6 ", " CUATTN_ACC_7
+#define CUATTN_ACC_8_11 CUATTN_ACC_8 ", " CUATTN_ACC_9 ", " CUATTN_ACC_10 ", " CUATTN_ACC_11
+#define CUATTN_ACC_12_15 CUATTN_ACC_12 ", " CUATTN_ACC_13 ", " CUATTN_ACC_14 ", " CUATTN_ACC_15
+#define CUATTN_REGS_8 "{" CUATTN_ACC_0 "}"
+#define CUATTN_REGS_16 "{" CUATTN_ACC_0 ", " CUATTN_ACC_1 "}"
+#define CUATTN_REGS_32 "{" CUATTN_ACC_0_3 "}"
+#define CUATTN_REGS_64 "{" CUATTN_ACC_0_3 ", " CUATTN_ACC_4_7 "}"
+#define CUATTN_REGS_128 \
+  "{" CUATTN_ACC_0_3 ", " CUATTN_ACC_4_7 ", " CUATTN_ACC_8_11 ", " CUATTN_ACC_12_15 "}"
+#define CUATTN_AFTER_8 "%8", "%9", "%10", "%11", "%12", "%13"
+#define CUATTN_AFTER_16 "%16", "%17", "%18", "%19", "%20", "%21"
+#define CUATTN_AFTER_32 "%32", "%33", "%34", "%35", "%36", "%37"
+#define CUATTN_AFTER_64 "%64", "%65", "%66", "%67", "%68", "%69"
+#define CUATTN_AFTER_128 "%128", "%129", "%130", "%131", "%132", "%133"
+// The wgmma with scale-d from `accumulate` (0: D = A * B), imm-scale-a/b 1, K-major operands;
+// A from a descriptor (SS: operands desc_a, desc_b, accumulate) or from registers (RS: a[0..3],
+// desc_b, accumulate; that form has no imm-trans-a).
+#define CUATTN_WGMMA_ASM(SHAPE_TYPES, OPERANDS, ACCUMULATE, INPUTS, ...)                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                          \
-               "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " REGISTERS ", " DESC_A           \
-               ", " DESC_B ", p, 1, 1, 0, 0;\n}\n"                                              \
-               : __VA_ARGS__                                                                    \
-               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
+               "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " OPERANDS ";\n}\n"               \
+               : __VA_ARGS__                                                                     \
+               : INPUTS)
+#define CUATTN_WGMMA_SS(SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                          \
+  CUATTN_WGMMA_ASM(SHAPE_TYPES, REGS ", " N0 ", " N1 ", p, 1, 1, 0, 0", N2,                       \
+                   CUATTN_SS_INPUTS, __VA_ARGS__)
+#define CUATTN_WGMMA_RS(SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                          \
+  CUATTN_WGMMA_ASM(SHAPE_TYPES,                                                                  \
+                   REGS ", {" N0 ", " N1 ", " N2 ", " N3 "}, " N4 ", p, 1, 1, 0", N5,            \
+                   CUATTN_RS_INPUTS, __VA_ARGS__)
+#define CUATTN_SS_INPUTS "l"(desc_a), "l"(desc_b), "r"(int(accumulate))
+#define CUATTN_RS_INPUTS \
+  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))
+// FORM (CUATTN_WGMMA_SS or _RS) for N = N_TEXT, fp16 or bf16 by T: COUNT = N / 2 accumulators.
+#define CUATTN_WGMMA_N(FORM, N_TEXT, REGS, AFTER, ACCUMULATORS)                                  \
+  if constexpr (is_same_type<T, __half>::value) {                                                \
+    FORM("m64n" N_TEXT "k16.f32.f16.f16", REGS, AFTER, ACCUMULATORS);                            \
+  } else {                                                                                       \
+    FORM("m64n" N_TEXT "k16.f32.bf16.bf16", REGS, AFTER, ACCUMULATORS);                          \
+  }
+// Every N of FORM.
+#define CUATTN_WGMMA_ALL_N(FORM)                                                                 \
+  if constexpr (N == 16) {                                                                       \
+    CUATTN_WGMMA_N(FORM, "16", CUATTN_REGS_8, CUATTN_AFTER_8, CUATTN_D8(0))                      \
+  } else if constexpr (N == 32) {                                                                \
+    CUATTN_WGMMA_N(FORM, "32", CUATTN_REGS_16, CUATTN_AFTER_16, CUATTN_D16(0))                   \
+  } else if constexpr (N == 64) {                                                                \
+    CUATTN_WGMMA_N(FORM, "64", CUATTN_REGS_32, CUATTN_AFTER_32, CUATTN_D32(0))                   \
+  } else if constexpr (N == 128) {                                                               \
+    CUATTN_WGMMA_N(FORM, "128", CUATTN_REGS_64, CUATTN_AFTER_64, CUATTN_D64(0))                  \
+  } else {                                                                                       \
+    CUATTN_WGMMA_N(FORM, "256", CUATTN_REGS_128, CUATTN_AFTER_128, CUATTN_D128(0))               \
+  }
 #endif
 
+// The shapes written out above.
+template <typename T, int N>
+constexpr bool WGMMA_SHAPE_OK =
+    is_half_type<T>::value && (N == 16 || N == 32 || N == 64 || N == 128 || N == 256);
+
 // d (the N / 2 accumulators of this thread) = A * B (+ d when `accumulate`): one
-// wgmma.mma_async.m64nNk16.f32 of T (__half or __nv_bfloat16) operands; N is 16 or 64.
+// wgmma.mma_async.m64nNk16.f32 of T (__half or __nv_bfloat16) operands, both from shared memory.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 desc_b,
                                              bool accumulate) {
-  static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16 operands here");
-  static_assert(N == 16 || N == 64, "wgmma_m64k16 is written out for N = 16 and 64");
+  static_assert(WGMMA_SHAPE_OK<T, N>, "fp16 or bf16 operands, N = 16, 32, 64, 128 or 256");
 #ifdef CUATTN_INTERP
   cuattn_interp::wgmma_issue<T, N>(d, desc_a, desc_b, accumulate);
 #else
-  constexpr bool HALF = is_same_type<T, __half>::value;
-  if constexpr (N == 16 && HALF) {
-    CUATTN_WGMMA("m64n16k16.f32.f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "%8", "%9", "%10",
-                 CUATTN_D8(0));
-  } else if constexpr (N == 16) {
-    CUATTN_WGMMA("m64n16k16.f32.bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "%8", "%9",
-                 "%10", CUATTN_D8(0));
-  } else if constexpr (HALF) {
-    CUATTN_WGMMA("m64n64k16.f32.f16.f16",
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                 "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                 "%32", "%33", "%34", CUATTN_D32(0));
-  } else {
-    CUATTN_WGMMA("m64n64k16.f32.bf16.bf16",
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, "
-                 "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                 "%32", "%33", "%34", CUATTN_D32(0));
-  }
+  CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS)
+#endif
+}
+
+// The same with A from registers: `a` holds this thread's A fragment (the header's layout), and
+// neither its registers nor the accumulators may be touched until the wgmma.wait_group that
+// retires the instruction.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2],
+                                                const u32 (&a)[WGMMA_A_REGISTERS], u64 desc_b,
+                                                bool accumulate) {
+  static_assert(WGMMA_SHAPE_OK<T, N>, "fp16 or bf16 operands, N = 16, 32, 64, 128 or 256");
+#ifdef CUATTN_INTERP
+  cuattn_interp::wgmma_issue_rs<T, N>(d, a, desc_b, accumulate);
+#else
+  CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_RS)
 #endif
 }

@@ -38,6 +38,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cstddef>
@@ -609,6 +610,12 @@ inline void commit_group(std::vector<Op>& ops, int& committed_groups) {
 }
 
 inline void bulk_commit_group() { commit_group(self().bulk_ops, self().bulk_committed_groups); }
+
+// mbarrier.test_wait.parity: whether the phase with that parity (the current one or the one
+// before it) has completed.
+inline bool mbarrier_phase_completed(void* address, unsigned parity) {
+  return (mbarrier_at(address).phase & 1u) != (parity & 1u);
+}
 
 inline void mbarrier_wait_parity(void* address, unsigned parity) {
   ThreadState& me = self();

@@ -22,6 +22,23 @@ import pytest
 from cuattn.backends import interp
 from cuattn.backends.tensor_map import Swizzle, TensorMap2D
 from tests.helpers.interp_run import run
+from tests.helpers.ptx_layouts import (
+    CHUNK,
+    DESCRIPTOR_SWIZZLE,
+    ELEMENT_BYTES,
+    LINE,
+    PIPELINE_OBSERVED,
+    SWIZZLE_TABLES,
+    WARPGROUP,
+    WGMMA_K,
+    WGMMA_STEPS,
+    a_fragments,
+    accumulator_positions,
+    aligned_array,
+    documented_tile,
+    wgmma_image,
+    widest_box,
+)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -29,75 +46,51 @@ SOURCE = Path(__file__).parent / "kernels" / "hopper.cu"
 THREADS = 64
 TILE_OFFSET = 1024  # hopper.cu: the tile's place in shared memory, after the mbarrier
 SMEM = 4096
-LINE = 128  # bytes of one shared-memory line of the swizzle tables
-CHUNK = 16  # bytes of one numbered cell of the tables
-
-# PTX ISA, "Swizzling Modes": for each mode, which 16-byte chunk of the line (as it would be
-# laid out without swizzle) each 16-byte cell of a 128-byte shared-memory line holds, line
-# after line until the pattern repeats.
-SWIZZLE_TABLES = {
-    Swizzle.NONE: [
-        [0, 1, 2, 3, 4, 5, 6, 7],
-    ],
-    Swizzle.B32: [
-        [0, 1, 2, 3, 4, 5, 6, 7],
-        [1, 0, 3, 2, 5, 4, 7, 6],
-    ],
-    Swizzle.B64: [
-        [0, 1, 2, 3, 4, 5, 6, 7],
-        [1, 0, 3, 2, 5, 4, 7, 6],
-        [2, 3, 0, 1, 6, 7, 4, 5],
-        [3, 2, 1, 0, 7, 6, 5, 4],
-    ],
-    Swizzle.B128: [
-        [0, 1, 2, 3, 4, 5, 6, 7],
-        [1, 0, 3, 2, 5, 4, 7, 6],
-        [2, 3, 0, 1, 6, 7, 4, 5],
-        [3, 2, 1, 0, 7, 6, 5, 4],
-        [4, 5, 6, 7, 0, 1, 2, 3],
-        [5, 4, 7, 6, 1, 0, 3, 2],
-        [6, 7, 4, 5, 2, 3, 0, 1],
-        [7, 6, 5, 4, 3, 2, 1, 0],
-    ],
-}
-# Bytes of a box row each mode allows (the widest is used below; no swizzle: one line).
-SWIZZLE_WIDTH = {Swizzle.NONE: 128, Swizzle.B32: 32, Swizzle.B64: 64, Swizzle.B128: 128}
 # CUDA programming guide, "Shared-Memory Bank Swizzling": bytes after which the pattern repeats.
 SWIZZLE_REPEAT = {Swizzle.B32: 256, Swizzle.B64: 512, Swizzle.B128: 1024}
-GLOBAL_ALIGNMENT = 128  # the guide's global alignment for the swizzled modes
 
-WGMMA_BUGS = 7  # hopper.cu's WgmmaBug
-WGMMA_SHAPES = [("__nv_bfloat16", 64), ("__half", 16)]
-# wgmma.mma_async chained along K per swizzle mode: one swizzle row of 16-bit elements (no
-# swizzle: 16 elements).
-WGMMA_STEPS = {Swizzle.NONE: 1, Swizzle.B32: 1, Swizzle.B64: 2, Swizzle.B128: 4}
-BUGGY_SHAPE = "__nv_bfloat16, 64, 4"  # the misuse tests: bf16, N = 64, the 128B swizzle
+WGMMA_BUGS = 8  # hopper.cu's WgmmaBug
+HALF_TYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16}
+WGMMA_N = [16, 32, 64, 128, 256]
+# Every swizzle mode for these; the 128B swizzle (the forward's) for every N and type.
+SWIZZLE_SWEEP_SHAPES = [("__nv_bfloat16", 64), ("__half", 16)]
+BUGGY = ("__nv_bfloat16", 64, Swizzle.B128)  # the misuse tests' shape
+PIPELINE_EXPRESSIONS = ["test_mbarrier_pipeline<false>", "test_mbarrier_pipeline<true>"]
+
+
+def wgmma_expression(cxx_type: str, n: int, steps: int, bug: int, registers: bool) -> str:
+    return f"test_wgmma<{cxx_type}, {n}, {steps}, {bug}, {str(registers).lower()}>"
+
+
+WGMMA_CASES = sorted(
+    {(t, n, Swizzle.B128) for t in HALF_TYPES for n in WGMMA_N}
+    | {(t, n, s) for t, n in SWIZZLE_SWEEP_SHAPES for s in Swizzle}
+)
 EXPRESSIONS = [
     "test_wgmma_descriptor",
+    *sorted(
+        {
+            wgmma_expression(t, n, WGMMA_STEPS[s], 0, registers)
+            for t, n, s in WGMMA_CASES
+            for registers in (False, True)
+        }
+    ),
     *[
-        f"test_wgmma<{t}, {n}, {steps}, 0>"
-        for t, n in WGMMA_SHAPES
-        for steps in sorted(set(WGMMA_STEPS.values()))
+        wgmma_expression(BUGGY[0], BUGGY[1], WGMMA_STEPS[BUGGY[2]], bug, registers)
+        for bug in range(1, WGMMA_BUGS)
+        for registers in (False, True)
     ],
-    *[f"test_wgmma<{BUGGY_SHAPE}, {bug}>" for bug in range(1, WGMMA_BUGS)],
     "test_tma_load<true, false>",
     "test_tma_load<false, false>",
     "test_tma_load<true, true>",
     *[f"test_tma_round_trip<{bug}>" for bug in range(4)],
+    *PIPELINE_EXPRESSIONS,
 ]
 
 
 @pytest.fixture(scope="module")
 def lib() -> interp.Library:
     return interp.build_library(SOURCE, EXPRESSIONS)
-
-
-def aligned_array(shape: tuple[int, int], dtype, alignment: int = GLOBAL_ALIGNMENT) -> np.ndarray:
-    """A zeroed C-contiguous array whose first element is `alignment`-byte aligned."""
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.zeros(shape[0] * shape[1] * itemsize + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + shape[0] * shape[1] * itemsize].view(dtype).reshape(shape)
 
 
 # A u16 tensor of 20 rows x 66 columns in rows padded to 72 elements (144 bytes, a multiple of
@@ -109,28 +102,6 @@ def u16_tensor() -> np.ndarray:
     tensor = aligned_array((ROWS, PITCH), np.uint16)
     tensor[:] = np.arange(1, ROWS * PITCH + 1, dtype=np.uint16).reshape(ROWS, PITCH)
     return tensor
-
-
-def documented_tile(tensor: np.ndarray, box, x: int, y: int, swizzle: Swizzle) -> np.ndarray:
-    """The tile's bytes as the PTX ISA's tables lay them out: cell p of line L holds chunk
-    TABLE[L % repeat][p] of the unswizzled line L, whose elements are those of box row
-    (offset // row bytes) or zero outside the tensor."""
-    table = SWIZZLE_TABLES[swizzle]
-    itemsize = tensor.itemsize
-    row_bytes = box[0] * itemsize
-    tile = np.zeros(row_bytes * box[1], np.uint8)
-    for line in range(len(tile) // LINE):
-        for cell in range(LINE // CHUNK):
-            unswizzled = line * LINE + table[line % len(table)][cell] * CHUNK
-            box_row, column_bytes = divmod(unswizzled, row_bytes)
-            row, first = y + box_row, x + column_bytes // itemsize
-            chunk = np.zeros(CHUNK // itemsize, tensor.dtype)
-            for j in range(len(chunk)):
-                if 0 <= row < tensor.shape[0] and 0 <= first + j < COLUMNS:
-                    chunk[j] = tensor[row, first + j]
-            start = line * LINE + cell * CHUNK
-            tile[start : start + CHUNK] = chunk.view(np.uint8)
-    return tile
 
 
 def load(
@@ -155,10 +126,6 @@ def load(
     return out
 
 
-def widest_box(swizzle: Swizzle) -> tuple[int, int]:
-    return SWIZZLE_WIDTH[swizzle] // 2, 8
-
-
 @pytest.mark.parametrize("swizzle", list(Swizzle), ids=lambda s: s.name)
 @pytest.mark.parametrize(
     "x, y",
@@ -170,7 +137,7 @@ def test_tma_load_lays_the_box_out_as_the_ptx_isa_swizzle_tables(lib, swizzle, x
     box = widest_box(swizzle)
     map_ = TensorMap2D.of(tensor, box, swizzle, columns=COLUMNS)
     tile = load(lib, map_, x, y)
-    np.testing.assert_array_equal(tile, documented_tile(tensor, box, x, y, swizzle))
+    np.testing.assert_array_equal(tile, documented_tile(tensor, COLUMNS, box, x, y, swizzle))
 
 
 def test_the_documented_tables_are_the_chunk_xor_line_rule():
@@ -199,7 +166,9 @@ def test_the_bytes_may_be_announced_after_the_copy(lib):
     tensor = u16_tensor()
     map_ = TensorMap2D.of(tensor, widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
     tile = load(lib, map_, 0, 0, copy_first=True)
-    np.testing.assert_array_equal(tile, documented_tile(tensor, map_.box, 0, 0, Swizzle.B128))
+    np.testing.assert_array_equal(
+        tile, documented_tile(tensor, COLUMNS, map_.box, 0, 0, Swizzle.B128)
+    )
 
 
 @pytest.mark.parametrize(
@@ -296,9 +265,9 @@ def test_tma_store_misuse_fails_the_launch(lib, bug, match):
         round_trip(lib, bug)
 
 
-def test_the_tma_ptx_assembles_for_sm_90a_to_utmaldg_and_utmastg():
-    """The GPU side of kernels/common/tma.cuh, which the interpreter never compiles: NVRTC
-    compiles it for sm_90a, and the SASS holds the TMA unit's load and store."""
+def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
+    """The SASS opcodes of each test kernel compiled by NVRTC for sm_90a (one program), and the
+    ptxas log; skips without NVRTC or a disassembler."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from cuattn.tools import sass, sass_model
@@ -307,19 +276,23 @@ def test_the_tma_ptx_assembles_for_sm_90a_to_utmaldg_and_utmastg():
     if problem is not None:
         pytest.skip(f"no SASS tools: {problem}")
     options = [*common_options(), f"-I{SOURCE.parent}"]
-    lowered, cubin, _ = sass_model.compile_cubin(
-        SOURCE.read_text(), SOURCE.name, "test_tma_round_trip<0>", options, arch="sm_90a"
+    lowered, cubin, log = sass_model.compile_module(
+        SOURCE.read_text(), SOURCE.name, expressions, options, "sm_90a"
     )
     with tempfile.TemporaryDirectory() as workdir:
-        kernel = sass.parse(sass.disassemble(cubin, Path(workdir)))[lowered]
-    opcodes = {instruction.base for instruction in kernel.instructions}
-    assert {"UTMALDG", "UTMASTG"} <= opcodes, sorted(opcodes)
+        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    opcodes = {e: [i.base for i in kernels[lowered[e]].instructions] for e in expressions}
+    return opcodes, log
+
+
+def test_the_tma_ptx_assembles_for_sm_90a_to_utmaldg_and_utmastg():
+    """The GPU side of kernels/common/tma.cuh, which the interpreter never compiles: NVRTC
+    compiles it for sm_90a, and the SASS holds the TMA unit's load and store."""
+    opcodes, _ = sm90a_opcodes(["test_tma_round_trip<0>"])
+    assert {"UTMALDG", "UTMASTG"} <= set(opcodes["test_tma_round_trip<0>"]), opcodes
 
 
 # ---- wgmma ------------------------------------------------------------------------------------
-
-# PTX ISA, "Matrix Descriptor Format": the swizzle field's values.
-DESCRIPTOR_SWIZZLE = {Swizzle.NONE: 0, Swizzle.B128: 1, Swizzle.B64: 2, Swizzle.B32: 3}
 
 
 @pytest.mark.parametrize(
@@ -355,77 +328,19 @@ def test_wgmma_descriptor_is_the_documented_bit_layout(
     assert int(out[0]) == expected, hex(int(out[0]))
 
 
-WARPGROUP = 128
-HALF_TYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16}
-ELEMENT_BYTES = 2
-PER_CHUNK = CHUNK // ELEMENT_BYTES  # T of the canonical layouts for 16-bit elements
-NO_SWIZZLE_CORE_BYTES = 8 * CHUNK  # one 8 x 16-byte core matrix
-
-
-def canonical_offset(row: int, k: int, swizzle: Swizzle, leading: int, stride: int) -> int:
-    """Byte offset of element (row, k) in the PTX ISA's K-major canonical layouts (in elements,
-    T = 8): no swizzle ((8,m),(T,2k)):((1T,SBO),(1,LBO)); 32/64/128B swizzle
-    ((8,m),(T,2k)):((2T|4T|8T,SBO),(1,T)), unswizzled."""
-    row_pitch = CHUNK if swizzle == Swizzle.NONE else SWIZZLE_WIDTH[swizzle]
-    chunk_step = leading if swizzle == Swizzle.NONE else CHUNK
-    return (
-        (row % 8) * row_pitch
-        + (row // 8) * stride
-        + (k % PER_CHUNK) * ELEMENT_BYTES
-        + (k // PER_CHUNK) * chunk_step
-    )
-
-
-def place(image: np.ndarray, matrix: np.ndarray, base: int, swizzle, leading, stride) -> None:
-    """Writes a K-major matrix into the shared-memory image, moving each 16-byte chunk to the
-    cell the swizzle table gives it."""
-    table = SWIZZLE_TABLES[swizzle]
-    raw = matrix.view(np.uint16)
-    for row in range(matrix.shape[0]):
-        for k in range(matrix.shape[1]):
-            unswizzled = base + canonical_offset(row, k, swizzle, leading, stride)
-            line, cell = divmod(unswizzled, LINE)
-            chunk, within = divmod(cell, CHUNK)
-            moved = table[line % len(table)].index(chunk)
-            at = line * LINE + moved * CHUNK + within
-            image[at : at + ELEMENT_BYTES] = np.frombuffer(raw[row, k].tobytes(), np.uint8)
-
-
-def accumulator_positions(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of accumulator i of thread t: CUTLASS's CLayout_64xN, shape
-    ((4, 8, 4), (2, 2, N/8)), stride ((128, 1, 16), (64, 8, 512)), into a column-major 64 x N."""
-    t = np.arange(WARPGROUP)[:, None]
-    i = np.arange(n // 2)[None, :]
-    index = 128 * (t % 4) + (t // 4 % 8) + 16 * (t // 32) + 64 * (i % 2) + 8 * (i // 2 % 2)
-    index = index + 512 * (i // 4)
-    return index % 64, index // 64
-
-
-# (leading, stride) bytes per mode, for operands whose K is one swizzle row (16 elements
-# without swizzle: two core matrices side by side).
-def operand_strides(swizzle: Swizzle) -> tuple[int, int]:
-    if swizzle == Swizzle.NONE:
-        return NO_SWIZZLE_CORE_BYTES, 2 * NO_SWIZZLE_CORE_BYTES
-    return CHUNK, 8 * SWIZZLE_WIDTH[swizzle]
-
-
-def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug: int = 0, seed: int = 12):
+def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug=0, registers=False, seed=12):
+    """A (64 x K) and B (N x K) random, K one swizzle row; A in the shared-memory image or, with
+    `registers`, in each thread's registers. Returns A, B and every thread's accumulators."""
     dtype = HALF_TYPES[cxx_type]
     steps = WGMMA_STEPS[swizzle]
-    k_total = 16 * steps
     rng = np.random.default_rng(seed)
-    a = rng.standard_normal((64, k_total)).astype(dtype)
-    b = rng.standard_normal((n, k_total)).astype(dtype)
-    leading, stride = operand_strides(swizzle)
-    a_offset = TILE_OFFSET
-    b_offset = a_offset + 8 * stride
-    image = np.zeros(b_offset + (n // 8) * stride, np.uint8)
-    place(image, a, a_offset, swizzle, leading, stride)
-    place(image, b, b_offset, swizzle, leading, stride)
+    a = rng.standard_normal((64, WGMMA_K * steps)).astype(dtype)
+    b = rng.standard_normal((n, WGMMA_K * steps)).astype(dtype)
+    image, a_offset, b_offset, leading, stride = wgmma_image(a, b, swizzle, TILE_OFFSET)
     out = np.zeros((WARPGROUP, n // 2), np.float32)
     run(
         lib,
-        f"test_wgmma<{cxx_type}, {n}, {steps}, {bug}>",
+        wgmma_expression(cxx_type, n, steps, bug, registers),
         1,
         WARPGROUP,
         image,
@@ -435,69 +350,143 @@ def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug: int = 0, seed: int 
         leading,
         stride,
         DESCRIPTOR_SWIZZLE[swizzle],
-        16 * ELEMENT_BYTES,
+        WGMMA_K * ELEMENT_BYTES,
+        np.ascontiguousarray(a_fragments(a)),
         out,
         smem=len(image),
     )
     return a, b, out
 
 
-@pytest.mark.parametrize("swizzle", list(Swizzle), ids=lambda s: s.name)
-@pytest.mark.parametrize("cxx_type, n", WGMMA_SHAPES)
+@pytest.mark.parametrize("registers", [False, True], ids=["A in shared memory", "A in registers"])
+@pytest.mark.parametrize("cxx_type, n, swizzle", WGMMA_CASES, ids=str)
 def test_wgmma_multiplies_the_documented_layouts_into_the_documented_fragment(
-    lib, cxx_type, n, swizzle
+    lib, cxx_type, n, swizzle, registers
 ):
     """A and B laid out as the PTX ISA documents each swizzle mode (the 64B and 128B cases chain
-    2 and 4 instructions along K, the descriptors advancing 32 bytes inside the swizzle row),
-    each thread's accumulators at the places CUTLASS's CLayout_64xN gives."""
-    a, b, out = wgmma(lib, cxx_type, n, swizzle)
+    2 and 4 instructions along K, the descriptors advancing 32 bytes inside the swizzle row) or
+    A in registers as CUTLASS's ALayout_64x16 places it; each thread's accumulators at the
+    places CUTLASS's CLayout_64xN gives."""
+    a, b, out = wgmma(lib, cxx_type, n, swizzle, registers=registers)
     expected = a.astype(np.float64) @ b.astype(np.float64).T
     rows, columns = accumulator_positions(n)
     np.testing.assert_allclose(out, expected[rows, columns], rtol=1e-5, atol=1e-5)
 
 
-def test_accumulators_read_before_wait_group_are_nan(lib):
-    _, _, out = wgmma(lib, "__nv_bfloat16", 64, Swizzle.B128, bug=3)
+@pytest.mark.parametrize("registers", [False, True], ids=["A in shared memory", "A in registers"])
+def test_accumulators_read_before_wait_group_are_nan(lib, registers):
+    _, _, out = wgmma(lib, *BUGGY, bug=3, registers=registers)
     assert np.isnan(out).all()
 
 
+MISUSE = [
+    (
+        1,
+        r"a wgmma.mma_async operand reads shared-memory offset \d+, written by plain stores "
+        r"with no fence.proxy.async",
+    ),
+    (2, r"wgmma.mma_async with no wgmma.fence"),
+    (4, r"accumulator registers of a wgmma.mma_async written before the wgmma.wait_group"),
+    (5, r"wgmma operand shared memory at offset \d+ changed between wgmma.mma_async and"),
+    (6, r"thread 96 issued other wgmma.mma_async than thread 0 of its warpgroup"),
+]
+
+
 @pytest.mark.parametrize(
-    "bug, match",
+    "registers, bug, match",
     [
+        *[(False, bug, match) for bug, match in MISUSE],
+        *[(True, bug, match) for bug, match in MISUSE],
         (
-            1,
-            r"a wgmma.mma_async operand reads shared-memory offset \d+, written by plain stores "
-            r"with no fence.proxy.async",
+            True,
+            7,
+            r"the A fragment registers of a wgmma.mma_async changed between its issue and the "
+            r"wgmma.wait_group retiring it",
         ),
-        (2, r"wgmma.mma_async with no wgmma.fence"),
-        (4, r"accumulator registers of a wgmma.mma_async written before the wgmma.wait_group"),
-        (5, r"wgmma operand shared memory at offset \d+ changed between wgmma.mma_async and"),
-        (6, r"thread 96 issued other wgmma.mma_async than thread 0 of its warpgroup"),
     ],
 )
-def test_wgmma_misuse_fails_the_launch(lib, bug, match):
+def test_wgmma_misuse_fails_the_launch(lib, registers, bug, match):
     """The fixed twin of each is the layout test above (the same kernel without the bug)."""
     with pytest.raises(RuntimeError, match=match):
-        wgmma(lib, "__nv_bfloat16", 64, Swizzle.B128, bug=bug)
+        wgmma(lib, *BUGGY, bug=bug, registers=registers)
+
+
+def test_the_a_fragment_is_the_accumulator_fragment_of_16_columns():
+    """The PTX ISA's mma.m16n8k16 A layout per warp (a0, a1: row g, columns 2t, 2t + 1; a2, a3:
+    row g + 8; a4..a7: the same 8 columns on), which the wgmma A figure repeats for the four
+    warps, agrees with CUTLASS's ALayout_64x16 used above: a second reading of the layout the
+    RS test relies on, and the reason P can feed P.V straight from the QK^T accumulators."""
+    rows, ks = accumulator_positions(WGMMA_K)
+    thread = np.arange(WARPGROUP)[:, None]
+    v = np.arange(8)[None, :]
+    g, t = thread % 32 // 4, thread % 4
+    np.testing.assert_array_equal(rows, 16 * (thread // 32) + g + 8 * (v // 2 % 2))
+    np.testing.assert_array_equal(ks, 2 * t + v % 2 + 8 * (v // 4))
 
 
 def test_the_wgmma_ptx_assembles_for_sm_90a_to_hgmma():
-    """NVRTC compiles kernels/common/wgmma.cuh for sm_90a; the SASS holds HGMMA."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cuattn.backends.toolchain import common_options
-    from cuattn.tools import sass, sass_model
+    """NVRTC compiles kernels/common/wgmma.cuh for sm_90a, both forms, every N and type: the
+    SASS holds one HGMMA per chained instruction, and ptxas neither injects waits between them
+    (C7519) nor serialises them."""
+    steps = WGMMA_STEPS[Swizzle.B128]
+    expressions = [
+        wgmma_expression(t, n, steps, 0, registers)
+        for t in HALF_TYPES
+        for n in WGMMA_N
+        for registers in (False, True)
+    ]
+    opcodes, log = sm90a_opcodes(expressions)
+    for expression, ops in opcodes.items():
+        assert ops.count("HGMMA") == steps, (expression, sorted(set(ops)))
+    assert "C7519" not in log and "serialized" not in log, log
 
-    problem = sass_model.missing_tools()
-    if problem is not None:
-        pytest.skip(f"no SASS tools: {problem}")
-    options = [*common_options(), f"-I{SOURCE.parent}"]
-    for cxx_type, n in WGMMA_SHAPES:
-        lowered, cubin, log = sass_model.compile_cubin(
-            SOURCE.read_text(), SOURCE.name, f"test_wgmma<{cxx_type}, {n}, 4, 0>", options, "sm_90a"
-        )
-        with tempfile.TemporaryDirectory() as workdir:
-            kernel = sass.parse(sass.disassemble(cubin, Path(workdir)))[lowered]
-        assert any(i.base == "HGMMA" for i in kernel.instructions), cxx_type
-        # no ptxas note of waits injected between the instructions (C7519) or of the
-        # instructions serialized
-        assert "C7519" not in log and "serialized" not in log, log
+
+def test_the_mbarrier_ptx_assembles_for_sm_90a():
+    """The bounded waits, test_wait and bulk copies of the pipeline compile for sm_90a: the SASS
+    holds the SYNCS unit's barrier instructions and the bulk copy."""
+    opcodes, _ = sm90a_opcodes(PIPELINE_EXPRESSIONS[:1])
+    ops = set(opcodes[PIPELINE_EXPRESSIONS[0]])
+    assert any(op.startswith("SYNCS") for op in ops), sorted(ops)
+    assert "UBLKCP" in ops, sorted(ops)
+
+
+# ---- mbarrier pipeline ------------------------------------------------------------------------
+
+PIPE_THREADS = 96  # hopper.cu: a producer warp and PIPE_CONSUMERS = 64 threads
+PIPE_BYTES = 6 * 1024  # PIPE_CHUNKS chunks of PIPE_CHUNK_BYTES
+PIPE_SMEM = 128 + 2 * 1024  # the barriers, then PIPE_STAGES stages
+
+
+def pipeline(lib, deadlock: bool):
+    source = aligned_array((1, PIPE_BYTES), np.uint8)
+    source[:] = np.random.default_rng(5).integers(0, 256, source.shape, dtype=np.uint8)
+    out = np.zeros_like(source)
+    observed = np.zeros(4, np.uint32)
+    run(
+        lib,
+        PIPELINE_EXPRESSIONS[deadlock],
+        1,
+        PIPE_THREADS,
+        source,
+        out,
+        observed,
+        smem=PIPE_SMEM,
+    )
+    return source, out, observed
+
+
+def test_the_mbarrier_pipeline_streams_every_chunk_and_test_wait_reads_the_phase_before(
+    lib, monkeypatch
+):
+    for seed in range(4):  # whichever warp runs first
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        source, out, observed = pipeline(lib, deadlock=False)
+        np.testing.assert_array_equal(out, source, err_msg=f"seed {seed}")
+        assert observed.tolist() == PIPELINE_OBSERVED, f"seed {seed}"
+
+
+def test_a_phase_that_never_completes_is_reported_not_waited_for(lib):
+    """The pipeline's producer announcing a byte more than it copies: a GPU would trap at the
+    bounded wait (scripts/hopper_probe.py checks it does); the fixed twin is the test above."""
+    with pytest.raises(RuntimeError, match=r"wait for parity 0 of mbarrier at shared-memory"):
+        pipeline(lib, deadlock=True)

@@ -1,9 +1,10 @@
 // Test kernels for the Hopper primitives of kernels/common/tma.cuh and wgmma.cuh, run through
 // the CPU interpreter by tests/backends/test_interp_hopper.py and compiled for sm_90a with
-// NVRTC. Each kernel moves raw bytes between global memory and what the primitive put in (or
-// read from) shared memory, so the test compares them with the layouts the PTX ISA documents,
-// not with the interpreter's own decoders. A hazard test has a kernel with the mistake and the
-// same kernel without it.
+// NVRTC; scripts/hopper_probe.py runs the same kernels on a GPU. Each kernel moves raw bytes
+// between global memory and what the primitive put in (or read from) shared memory, so the test
+// compares them with the layouts the PTX ISA documents, not with the interpreter's own decoders.
+// A hazard test has a kernel with the mistake and the same kernel without it. Every mbarrier
+// wait is bounded, so a kernel that would hang a GPU traps there instead.
 #include "common/smem.cuh"
 #include "common/wgmma.cuh"
 
@@ -29,9 +30,9 @@ __global__ void test_tma_load(const __grid_constant__ TensorMap2D map, int x, in
     tma_load_2d(smem + tile_offset, map, x, y, bar);
     if (COPY_FIRST) mbarrier_arrive_expect_tx(bar, unsigned(announced));
   }
-  if (WAIT) mbarrier_wait_parity(bar, 0);
+  if (WAIT) mbarrier_wait_parity_or_trap(bar, 0);
   for (int i = int(threadIdx.x); i < bytes; i += THREADS) out[i] = smem[tile_offset + i];
-  if (!WAIT) mbarrier_wait_parity(bar, 0);
+  if (!WAIT) mbarrier_wait_parity_or_trap(bar, 0);
 }
 
 // How test_tma_round_trip goes wrong.
@@ -59,7 +60,7 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
     mbarrier_arrive_expect_tx(bar, unsigned(TRIP_BOX * sizeof(float)));
     tma_load_2d(tile, in, x, y, bar);
   }
-  mbarrier_wait_parity(bar, 0);
+  mbarrier_wait_parity_or_trap(bar, 0);
   for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] *= 2.0f;
   if (BUG != TRIP_NO_FENCE) fence_proxy_async();
   __syncthreads();
@@ -73,6 +74,60 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
     for (int i = int(threadIdx.x); i < TRIP_BOX; i += THREADS) tile[i] = 0.0f;
     __syncthreads();
     if (threadIdx.x == 0) tma_store_wait_read<0>();
+  }
+}
+
+// The mbarrier pipeline of the Hopper forward in small: thread 0 streams PIPE_CHUNKS chunks of
+// `in` through PIPE_STAGES shared-memory stages with bulk copies, each stage behind a full
+// barrier (one arrival and the copy's bytes) and an empty barrier (one arrival per consumer
+// thread); the other PIPE_CONSUMERS threads copy each chunk to `out`. observed[0..1] are
+// mbarrier.test_wait on full[0] for parity 0 and 1 right after init, observed[2..3] the same
+// after the last chunk. With DEADLOCK the producer announces a byte more than it copies, so the
+// first full phase never completes: the bounded waits trap on a GPU.
+constexpr int PIPE_STAGES = 2;
+constexpr int PIPE_CHUNKS = 6;
+constexpr int PIPE_CHUNK_BYTES = 1024;
+constexpr int PIPE_PRODUCER_THREADS = 32;  // a whole warp, of which thread 0 issues the copies
+constexpr int PIPE_CONSUMERS = 64;
+constexpr int PIPE_STAGE_OFFSET = 128;  // after the barriers, aligned for bulk copies
+
+template <bool DEADLOCK>
+__global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* out,
+                                       unsigned* observed) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  u64* full = reinterpret_cast<u64*>(smem);
+  u64* empty = full + PIPE_STAGES;
+  const int tid = int(threadIdx.x);
+  if (tid == 0) {
+    for (int s = 0; s < PIPE_STAGES; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], PIPE_CONSUMERS);
+    }
+    observed[0] = mbarrier_test_wait_parity(&full[0], 0);
+    observed[1] = mbarrier_test_wait_parity(&full[0], 1);
+  }
+  __syncthreads();
+  for (int c = 0; c < PIPE_CHUNKS; ++c) {
+    const int s = c % PIPE_STAGES;
+    const unsigned round = unsigned(c / PIPE_STAGES);
+    unsigned char* stage = smem + PIPE_STAGE_OFFSET + s * PIPE_CHUNK_BYTES;
+    if (tid == 0) {
+      // round 0 waits for the phase before the first, complete from the start
+      mbarrier_wait_parity_or_trap(&empty[s], (round & 1) ^ 1);
+      mbarrier_arrive_expect_tx(&full[s], unsigned(PIPE_CHUNK_BYTES + (DEADLOCK ? 1 : 0)));
+      bulk_copy_g2s(stage, in + c * PIPE_CHUNK_BYTES, PIPE_CHUNK_BYTES, &full[s]);
+    } else if (tid >= PIPE_PRODUCER_THREADS) {
+      mbarrier_wait_parity_or_trap(&full[s], round & 1);
+      for (int i = tid - PIPE_PRODUCER_THREADS; i < PIPE_CHUNK_BYTES; i += PIPE_CONSUMERS) {
+        out[c * PIPE_CHUNK_BYTES + i] = stage[i];
+      }
+      mbarrier_arrive(&empty[s]);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    observed[2] = mbarrier_test_wait_parity(&full[0], 0);
+    observed[3] = mbarrier_test_wait_parity(&full[0], 1);
   }
 }
 
@@ -93,23 +148,34 @@ enum WgmmaBug {
   MMA_TOUCHED = 4,          // an accumulator is written before wgmma.wait_group
   MMA_OPERAND_CHANGED = 5,  // B's shared memory is overwritten before wgmma.wait_group
   MMA_PARTIAL = 6,          // the warpgroup's last warp does not issue the wgmma.mma_async
+  MMA_A_CHANGED = 7,        // (A from registers) an A register is written before wait_group
 };
 constexpr int WARPGROUP = 128;
 
-// D = A * B for one warpgroup. `image` is the shared memory the test built: A (64 rows of K)
-// at a_offset and B (N rows of K) at b_offset in a K-major canonical layout of the PTX ISA.
-// STEPS wgmma.mma_async of K = 16 each, chained on the same accumulators, the descriptors'
-// start addresses `step_bytes` further each time (a compile-time count: a loop ptxas cannot
-// unroll makes it inject waits between the instructions); out[thread][i] = accumulator i.
-template <typename T, int N, int STEPS, int BUG>
+// D = A * B for one warpgroup. `image` is the shared memory the test built: B (N rows of K) at
+// b_offset and, unless A_IN_REGISTERS, A (64 rows of K) at a_offset, in a K-major canonical
+// layout of the PTX ISA; with A_IN_REGISTERS `a_fragments[step][thread][register]` holds each
+// thread's A fragment. STEPS wgmma.mma_async of K = 16 each, chained on the same accumulators,
+// the descriptors' start addresses `step_bytes` further each time (a compile-time count: a loop
+// ptxas cannot unroll makes it inject waits between the instructions); out[thread][i] =
+// accumulator i.
+template <typename T, int N, int STEPS, int BUG, bool A_IN_REGISTERS>
 __global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_offset,
                            int b_offset, int leading, int stride, int swizzle, int step_bytes,
-                           float* out) {
+                           const u32* a_fragments, float* out) {
   unsigned char* smem = dynamic_smem<unsigned char>();
   const int tid = int(threadIdx.x);
   for (int i = tid; i < image_bytes; i += WARPGROUP) smem[i] = image[i];
   if (BUG != MMA_NO_PROXY_FENCE) fence_proxy_async();
   __syncthreads();
+  u32 a[STEPS][WGMMA_A_REGISTERS];
+  if constexpr (A_IN_REGISTERS) {
+    for (int s = 0; s < STEPS; ++s) {
+      for (int r = 0; r < WGMMA_A_REGISTERS; ++r) {
+        a[s][r] = a_fragments[(s * WARPGROUP + tid) * WGMMA_A_REGISTERS + r];
+      }
+    }
+  }
   float d[N / 2];
   wgmma_fence_operands(d);
   if (BUG != MMA_NO_WGMMA_FENCE) wgmma_fence();
@@ -117,15 +183,20 @@ __global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_of
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const WgmmaSwizzle mode = WgmmaSwizzle(swizzle);
-      const u64 desc_a = wgmma_descriptor(smem + a_offset + s * step_bytes, unsigned(leading),
-                                          unsigned(stride), mode);
       const u64 desc_b = wgmma_descriptor(smem + b_offset + s * step_bytes, unsigned(leading),
                                           unsigned(stride), mode);
-      wgmma_m64k16<T, N>(d, desc_a, desc_b, s > 0);
+      if constexpr (A_IN_REGISTERS) {
+        wgmma_m64k16_rs<T, N>(d, a[s], desc_b, s > 0);
+      } else {
+        const u64 desc_a = wgmma_descriptor(smem + a_offset + s * step_bytes, unsigned(leading),
+                                            unsigned(stride), mode);
+        wgmma_m64k16<T, N>(d, desc_a, desc_b, s > 0);
+      }
     }
   }
   wgmma_commit_group();
   if (BUG == MMA_TOUCHED) d[0] = 0.0f;
+  if constexpr (A_IN_REGISTERS && BUG == MMA_A_CHANGED) a[0][0] ^= 1u;
   if (BUG == MMA_EARLY_READ) {
     for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
   }

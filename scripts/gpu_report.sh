@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine has to say, in one command that fits one 10-minute call.
-# Steps, named on the command line (default: tests sanitize quick):
+# Steps, named on the command line (default: probe tests sanitize quick):
+#   probe     the Hopper probes (scripts/hopper_probe.py, < 1 min): wgmma fragments, TMA swizzle
+#             bytes and an mbarrier pipeline against what the CPU interpreter emulates, as
+#             hopper-probe.json; first, so that an emulator the GPU contradicts is known before
+#             anything built on it is judged
 #   tests     compile every kernel instantiation for this GPU in parallel (CuPy's disk cache),
 #             then every gpu-marked test (tests/backends/test_cuda_kernels.py: every pattern/dtype/block/
 #             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
@@ -18,7 +22,7 @@
 #   dynamic   the dynamic-sparsity benchmark (scripts/dynamic_bench.py --quick: block selection
 #             time, attention on the chosen layout vs FlexAttention on the same blocks and SDPA)
 # Run from the repository root:
-#   PYTHONPATH=. bash scripts/gpu_report.sh                  # tests, sanitizers, quick bench
+#   PYTHONPATH=. bash scripts/gpu_report.sh                  # probes, tests, sanitizers, quick bench
 #   PYTHONPATH=. bash scripts/gpu_report.sh tests sanitize full
 #   CUATTN_BENCH_ARGS="--blocksizes 64,128" PYTHONPATH=. bash scripts/gpu_report.sh quick
 #                                     # extra benchmark arguments: only 64- and 128-blocks
@@ -33,10 +37,11 @@ STAMP="$(date -u +%Y-%m-%d)"
 REPORT_DIR="${OUT:-bench/results/gpu-report-$STAMP}"
 mkdir -p "$REPORT_DIR" bench/results
 SUMMARY="$REPORT_DIR/summary.md"
-STEPS="${*:-tests sanitize quick}"
+STEPS="${*:-probe tests sanitize quick}"
 # Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
 # Each can be set from the environment, to fit a session's device minutes.
 CALL_S=${CALL_S:-580}
+PROBE_S=${PROBE_S:-200}  # the probe's own limit per group is 45 s, its 4 groups take ~40 s
 WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
@@ -103,6 +108,9 @@ find_sanitizer() {
 
 for name in $STEPS; do
   case "$name" in
+    probe)
+      step hopper-probe "$PROBE_S" "$PY" scripts/hopper_probe.py "$REPORT_DIR/hopper-probe.json"
+      ;;
     tests)
       step warm "$WARM_S" "$PY" scripts/warm_kernels.py --jobs "$(nproc)"
       step gpu-tests "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
@@ -184,8 +192,8 @@ for name in $STEPS; do
         --markdown "$REPORT_DIR/dynamic-bench.md"
       ;;
     *)
-      echo "unknown step '$name': expected tests, sanitize, profile, counters, quick, full, decode" \
-        "or dynamic" >&2
+      echo "unknown step '$name': expected probe, tests, sanitize, profile, counters, quick, full," \
+        "decode or dynamic" >&2
       exit 2
       ;;
   esac

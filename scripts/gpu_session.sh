@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # A whole GPU session in one call (~9.5 minutes): what a task lent 15 device-minutes can afford.
+#   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min)
 #   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test;
 #            compute-sanitizer memcheck, racecheck and synccheck on every kernel family
 #   phase 2, alone (timings): Nsight counters and warp stall reasons of every kernel at d=128
@@ -17,7 +18,10 @@ RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 start=$SECONDS
-rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{correct,sanitize,timed} "$ARCHIVE_DIR"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{probe,correct,sanitize,timed} "$ARCHIVE_DIR"
+
+OUT="$RESULTS/probe" bash scripts/gpu_report.sh probe > "$RESULTS/probe.txt" 2>&1
+echo "phase 0 (probes) done at $((SECONDS - start)) s"
 
 (OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests \
   > "$RESULTS/correct.txt" 2>&1) &
@@ -37,6 +41,7 @@ echo "phase 2 done at $((SECONDS - start)) s"
 
 cp bench/results/"$(date -u +%Y-%m-%d)"-*-quick.* "$RESULTS/timed/" 2>/dev/null
 tar czf "$ARCHIVE_DIR/report.tgz" -C "$RESULTS" .
+grep -h '^FAIL\| probes agree' "$RESULTS/probe/hopper-probe.log"
 grep -h '^|' "$RESULTS"/*/summary.md
 grep -h " passed\| failed" "$RESULTS/correct/gpu-tests.log" | tail -n 2
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$RESULTS"/sanitize/*.log

@@ -43,6 +43,7 @@ DENSE_MODES = ("all", "local", "strided")
 # Block size the dense masked path `attention` computes with; any length works (ragged blocks).
 DENSE_BLOCKSIZE = 32
 _NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
+MAX_DRAWN_SEED = 2**63 - 1  # a drawn dropout seed: a non-negative int64
 # Block size of the layouts causal= / window_size= stand for: the kernels' measured-fastest
 # forward shape (64-row tiles, docs/kernels.md "The forward").
 IMPLICIT_BLOCKSIZE = 64
@@ -149,6 +150,8 @@ def sparse_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -177,6 +180,13 @@ def sparse_attention(
     + M]``. A gradient reaches the slopes, the key bias and the table where they carry one
     (torch, jax, cuattn.Tensor); the table's is summed over the batch for [heads, 2 M + 1]
     (its backward keeps float32 [batch, heads, time_q, 2 M + 1] for that while it runs).
+    ``dropout_p`` (0 <= p < 1) drops each attention probability with probability p after the
+    softmax (the lse stays that of every score) and scales the kept ones by 1 / (1 - p); which
+    ones is a pure function of ``dropout_seed`` (an int in [0, 2^63)) and the element's (batch,
+    head, query, key), from Philox-4x32-10 (cuattn/backends/dropout.py), so the backward
+    regenerates the mask and stores nothing of size T x T. Without a seed one is drawn: from
+    torch's default generator for torch tensors (``torch.manual_seed`` repeats it), from NumPy's
+    global one otherwise; jax has no global generator, so jax calls pass the seed.
     ``backend``: 'numpy', 'interp' or 'cuda' (default: from the arrays' device and
     CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward and recomputes the forward
     there. Every backward is bit-identical run to run (``deterministic=`` is deprecated and
@@ -216,6 +226,10 @@ def sparse_attention(
     # the common call (no modifier) does not step into backends/call.py at all: a warm
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
+    if dropout_p:
+        mods = mods.with_dropout(dropout_p, _dropout_seed(q, dropout_seed))
+    elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
+        mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, batch, heads)
         _check_operand_kind("alibi_slopes", alibi_slopes, q, layout)
@@ -235,6 +249,25 @@ def sparse_attention(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
     return _route(q, k, v, call, operands)
+
+
+def _dropout_seed(q: Any, seed: object) -> object:
+    """The seed of a call with dropout: the caller's (checked with dropout_p), or one drawn from
+    torch's default generator (torch tensors) or NumPy's global one; jax has none."""
+    if seed is not None:
+        return seed
+    library = array_library(_untaped(q))
+    if library == "torch":
+        import torch
+
+        return int(torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64).item())
+    if library == "jax":
+        raise ValueError(
+            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass an "
+            "int in [0, 2^63), e.g. drawn from your PRNG key"
+        )
+    # NumPy's global state, so that np.random.seed repeats a run's masks
+    return int(np.random.randint(0, MAX_DRAWN_SEED, dtype=np.int64))  # noqa: NPY002
 
 
 def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
@@ -474,6 +507,8 @@ def blocksparse_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -482,8 +517,9 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap``, ``alibi_slopes``, ``key_bias`` and ``rel_bias`` as in
-    :func:`sparse_attention`. ``deterministic=`` is deprecated and does nothing.
+    ``softcap``, ``alibi_slopes``, ``key_bias``, ``rel_bias``, ``dropout_p`` and
+    ``dropout_seed`` as in :func:`sparse_attention`. ``deterministic=`` is deprecated and does
+    nothing.
     """
     _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -512,6 +548,8 @@ def blocksparse_attention(
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
         rel_bias=rel_bias,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
         backend=backend,
     )
 
@@ -653,6 +691,8 @@ def sparse_attention_varlen(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
@@ -669,7 +709,9 @@ def sparse_attention_varlen(
     keys (cu_seqlens_q equal to cu_seqlens_k), so that ALiBi's distances are the sequence's own
     |i - j|; ``key_bias`` float32 [total_k] or [heads, total_k] (each sequence's keys' bias, at
     their packed positions); ``rel_bias`` float32 [heads, 2 M + 1] (a relative-position table,
-    each sequence's own distances: cu_seqlens_q equal to cu_seqlens_k as for ALiBi). Returns
+    each sequence's own distances: cu_seqlens_q equal to cu_seqlens_k as for ALiBi);
+    ``dropout_p``/``dropout_seed`` as in :func:`sparse_attention` (positions in the packing).
+    Returns
     ``out``
     [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
 
@@ -733,6 +775,8 @@ def sparse_attention_varlen(
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
         rel_bias=rel_bias,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
         backend=backend,
     )
     out, lse = result if return_lse else (result, None)

@@ -16,7 +16,9 @@
 //   use_rel_bias S carries the relative-position table's bias, and with use_rel_bias_grad
 //   attn_bwd_dq writes each query row's share of the table's gradient, [batch, heads, n_q,
 //   2M + 1] zeroed by the caller: dS of the one key a middle column reaches in the row, the sum
-//   of dS over the keys clamped to the first and last columns (the caller sums the rows).
+//   of dS over the keys clamped to the first and last columns (the caller sums the rows); with
+//   dropout_threshold > 0, dV takes the dropped probabilities and dP is taken through the same
+//   mask (kernels/common/philox.cuh regenerates the forward's), dS = P * (dP - delta).
 // Kernels, in launch order:
 //   attn_bwd_preprocess<HEAD_DIM, T>       delta [batch, heads, n_q] float32 (from dlse too)
 //   attn_bwd_dkdv<BLOCK, TILE_K, TILE_Q, SPLITS, HEAD_DIM, T, RULE, MODS> one CTA per (TILE_K keys,
@@ -34,7 +36,7 @@
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
-#include "common/score_tile.cuh"
+#include "common/philox.cuh"
 #include "common/row_kernel.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
@@ -167,7 +169,8 @@ __global__ void __launch_bounds__(
                   const float* __restrict__ key_bias, int use_key_bias,
                   long long key_bias_batch_stride, long long key_bias_head_stride,
                   const float* __restrict__ rel_bias, int use_rel_bias,
-                  int rel_bias_batch_stride, int rel_max_distance,
+                  int rel_bias_batch_stride, int rel_max_distance, long long dropout_threshold,
+                  long long dropout_seed, float dropout_scale,
                   float* __restrict__ key_bias_grad, int use_key_bias_grad,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -240,6 +243,8 @@ __global__ void __launch_bounds__(
   float key_bias_log2[2] = {}, key_ds[2] = {};
   const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
                                    rel_max_distance, int(blockIdx.z), head);
+  const Dropout dropout =
+      Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
       const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
@@ -288,11 +293,26 @@ __global__ void __launch_bounds__(
     // They are no rows of the problem, so they are zeroed (a uniform branch, rarely taken).
     const bool ragged = q_start + TILE_Q > n_q;
     if (ragged) zero_columns_past<TILE_Q>(p_t, frag, n_q - q_start);
-    warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
+    if constexpr (MODS == MODS_SCORE) {
+      // dV takes the dropped probabilities (dS below needs every P: a copy, dead after dV)
+      float p_kept[TILE_Q / 8][4];
+#pragma unroll
+      for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p_kept[j][e] = p_t[j][e];
+      }
+      if (dropout.on()) dropout_tile<TILE_Q, false>(p_kept, dropout, k_warp, q_start);
+      warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_kept, do_smem + d_first, LD, scratch);
+    } else {
+      warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_t, do_smem + d_first, LD, scratch);
+    }
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - delta) in place.
     float ds_t[TILE_Q / 8][4] = {};
     warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
+    if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
+      if (dropout.on()) dropout_tile<TILE_Q, false>(ds_t, dropout, k_warp, q_start);
+    }
 #pragma unroll
     for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
@@ -374,7 +394,8 @@ __global__ void __launch_bounds__(
                 const float* __restrict__ key_bias, int use_key_bias,
                 long long key_bias_batch_stride, long long key_bias_head_stride,
                 const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
-                int rel_max_distance, float* __restrict__ alibi_grad, int use_alibi_grad,
+                int rel_max_distance, long long dropout_threshold, long long dropout_seed,
+                float dropout_scale, float* __restrict__ alibi_grad, int use_alibi_grad,
                 float* __restrict__ rel_bias_grad, int use_rel_bias_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -443,6 +464,8 @@ __global__ void __launch_bounds__(
   const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
                                    rel_max_distance, int(blockIdx.z), head);
   const int rel_width = 2 * rel_max_distance + 1;
+  const Dropout dropout =
+      Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
   const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
@@ -489,6 +512,9 @@ __global__ void __launch_bounds__(
     }
     float ds[TILE_K / 8][4] = {};
     warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+    if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
+      if (dropout.on()) dropout_tile<TILE_K, true>(ds, dropout, q_warp, k_start);
+    }
 #pragma unroll
     for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll

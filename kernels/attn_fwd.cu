@@ -7,6 +7,8 @@
 // with use_key_bias key_bias[batch, head, k] (a per-key bias: padding masks as -inf), and with
 // use_rel_bias a relative-position table's rel_bias[batch, head, clamp(k - q_pos, -M, M) + M]
 // (M = rel_max_distance, q_pos the end-aligned query position; T5's learned bias by distance).
+// With dropout_threshold > 0 (MODS_SCORE), P's entries are dropped or scaled by dropout_scale
+// before P V (kernels/common/philox.cuh; lse stays that of every score).
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -34,7 +36,7 @@
 // (MaskRule, kernels/common/types.cuh), MODS (ScoreModsFlag: MODS_NONE is the plain kernel). Run: through cuattn (backend "cuda" or "interp"); every
 // size comes from cuattn/backends/geometry.py, e.g. `attn_fwd<64, 64, 64, 4, 128, __half,
 // MASK_CAUSAL, MODS_NONE>`.
-#include "common/score_tile.cuh"
+#include "common/philox.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
 #include "common/warp_gemm.cuh"
@@ -80,7 +82,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              int alibi_batch_stride, const float* __restrict__ key_bias, int use_key_bias,
              long long key_bias_batch_stride, long long key_bias_head_stride,
              const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
-             int rel_max_distance, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             int rel_max_distance, long long dropout_threshold, long long dropout_seed,
+             float dropout_scale, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -226,6 +229,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
             acc[m][j][2 * r + 1] *= alpha;
           }
         }
+      }
+      if constexpr (MODS == MODS_SCORE) {  // the row sums above are of every probability
+        const Dropout dropout =
+            Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
+        if (dropout.on()) dropout_frags<M_FRAGS, TILE_N, true>(s_frag, dropout, q_warp, tile.start);
       }
       warp_gemm_regs_kn<M_FRAGS, HEAD_DIM, TILE_N>(acc, s_frag, v_smem, LD, scratch);
     }

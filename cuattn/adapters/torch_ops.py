@@ -2,11 +2,11 @@
 
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
-                          softcap, backend, recompute, index, alibi_slopes=None,
-                          key_bias=None, rel_bias=None)                       -> (out, lse)
+                          softcap, dropout_p, dropout_seed, backend, recompute, index,
+                          alibi_slopes=None, key_bias=None, rel_bias=None)    -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
-                          window_right, scale, softcap, backend, index, alibi_slopes=None,
-                          key_bias=None, rel_bias=None)
+                          window_right, scale, softcap, dropout_p, dropout_seed, backend,
+                          index, alibi_slopes=None, key_bias=None, rel_bias=None)
                                                      -> (dq, dk, dv, dslopes, dkey_bias, drel_bias)
 ``alibi_slopes`` (float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch, n_k] or
 [batch, heads, n_k]) and ``rel_bias`` (float32 [(batch,) heads, 2 M + 1]) are the score
@@ -141,12 +141,17 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
-def _mods(softcap: float, operands: tuple) -> ScoreMods:
-    """The ops' modifier arguments (softcap, and the score operands given or None) as the
-    backends take them."""
-    if operands == _NO_OPERANDS:
+# attention_fwd's arguments before the score operands: q, k, v, the five of the layout, scale,
+# softcap, dropout_p, dropout_seed, backend, recompute, index
+OP_ARGUMENTS = 15
+
+
+def _mods(softcap: float, dropout_p: float, dropout_seed: int, operands: tuple) -> ScoreMods:
+    """The ops' modifier arguments (softcap, dropout, and the score operands given or None) as
+    the backends take them."""
+    if operands == _NO_OPERANDS and not dropout_p:
         return ScoreMods(softcap) if softcap else NO_MODS
-    return ScoreMods(softcap).with_operands(operands)
+    return ScoreMods(softcap).with_operands(operands).with_dropout(dropout_p, dropout_seed)
 
 
 # No score operand: the common call, which never steps into backends/call.py
@@ -185,6 +190,8 @@ def attention_fwd(
     window_right: int,
     scale: float,
     softcap: float,
+    dropout_p: float,
+    dropout_seed: int,
     backend: str,
     recompute: bool,
     index: list[torch.Tensor],
@@ -201,7 +208,8 @@ def attention_fwd(
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        args = (given, lay, scale, backend or None, _mods(softcap, operands))
+        mods = _mods(softcap, dropout_p, dropout_seed, operands)
+        args = (given, lay, scale, backend or None, mods)
         out, lse = dlpack.call(_forward_arrays, named, *args, info=info)
     return out.contiguous(), lse.contiguous()
 
@@ -234,6 +242,8 @@ def attention_bwd(
     window_right: int,
     scale: float,
     softcap: float,
+    dropout_p: float,
+    dropout_seed: int,
     backend: str,
     index: list[torch.Tensor],
     alibi_slopes: torch.Tensor | None = None,
@@ -253,7 +263,8 @@ def attention_bwd(
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        args = (dlse is not None, given, lay, scale, backend or None, _mods(softcap, operands))
+        mods = _mods(softcap, dropout_p, dropout_seed, operands)
+        args = (dlse is not None, given, lay, scale, backend or None, mods)
         grads = dlpack.call(_backward_arrays, named, *args, info=info)
     grads = tuple(g.contiguous() for g in grads)
     wrt = operand_gradients(grads, operands)
@@ -291,6 +302,8 @@ def _attention_bwd_fake(
     window_right,
     scale,
     softcap,
+    dropout_p,
+    dropout_seed,
     backend,
     index,
     alibi_slopes=None,
@@ -303,26 +316,29 @@ def _attention_bwd_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, softcap, backend, recompute, index = inputs[:13]
-    operands = inputs[13:]
+    q, k, v, *layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute, index = (
+        inputs[:OP_ARGUMENTS]
+    )
+    operands = inputs[OP_ARGUMENTS:]
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
     ctx.save_for_backward(*saved, *index, *(x for x in operands if x is not None))
     ctx.saved_count = len(saved)
     ctx.index_count = len(index)
     ctx.given = tuple(x is not None for x in operands)
-    ctx.args = (*layout_args, scale, softcap, backend, recompute)
+    ctx.args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute)
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    *layout_args, scale, softcap, backend, recompute = ctx.args
+    *layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     after = tensors[ctx.saved_count :]
     index = list(after[: ctx.index_count])
     operands = _placed(after[ctx.index_count :], ctx.given)
     if recompute:
-        args = (*layout_args, scale, softcap, backend, False, index, *operands)
+        args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, False, index)
+        args = (*args, *operands)
         saved = attention_fwd(q, k, v, *args)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
@@ -330,12 +346,12 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    plain = (*layout_args, scale, softcap, backend, index)
+    plain = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, index)
     dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, *operands)
     # None for each plain argument and each tensor of index, then the operands' gradients;
     # torch drops trailing arguments left at their default (None) from the inputs the backward
     # answers, so the answer has as many entries as needs_input_grad
-    nones = [None] * (len(layout_args) + 4)
+    nones = [None] * (OP_ARGUMENTS - 4)  # every argument but q, k, v and index
     wrt = (None if x is None else g for x, g in zip(operands, wrt, strict=True))
     answer = (dq, dk, dv, *nones, [None] * len(index), *wrt)
     return answer[: len(ctx.needs_input_grad)]
@@ -376,15 +392,16 @@ def attend(
 
 
 def op_arguments(call: AttentionCall, device: torch.device) -> tuple:
-    """(pattern, blocksize, rule, window_left, window_right, scale, softcap, backend, recompute,
-    index):
+    """(pattern, blocksize, rule, window_left, window_right, scale, softcap, dropout_p,
+    dropout_seed, backend, recompute, index):
     the call as attention_fwd's arguments after q, k, v for q on ``device`` (attention_bwd takes
     the same but recompute), the one place that spells them. A Pattern's ints are unused (0)."""
-    layout, backend, softcap = call.layout, call.backend or "", call.mods.softcap
+    layout, backend, mods = call.layout, call.backend or "", call.mods
+    scores = (call.scale, mods.softcap, mods.dropout_p, mods.dropout_seed)
     if isinstance(layout, Pattern):
-        return layout.key, 0, 0, 0, 0, call.scale, softcap, backend, call.recompute, []
+        return layout.key, 0, 0, 0, 0, *scores, backend, call.recompute, []
     index = index_tensors(layout, device)
-    return "", *_layout_ints(layout), call.scale, softcap, backend, call.recompute, index
+    return "", *_layout_ints(layout), *scores, backend, call.recompute, index
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

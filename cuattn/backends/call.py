@@ -31,6 +31,10 @@ class ScoreMods:
               ``key_bias[batch, (head,) k]``
     rel_bias  the call carries a relative-position table [(batch,) heads, 2 M + 1] (an array
               operand): each score gets ``table[(batch,) head, clamp(k_pos - q_pos, -M, M) + M]``
+    dropout_p     0 <= p < 1: each probability is dropped with probability p (after the softmax,
+                  whose log-sum-exp is of every score), a kept one scaled by 1 / (1 - p), by the
+                  counter-based generator of backends/dropout.py
+    dropout_seed  its seed, 0 <= seed < 2^63: the backward regenerates the forward's mask
 
     The public calls build it with ``from_arguments``, which checks the keywords; nothing
     downstream checks it again.
@@ -43,10 +47,13 @@ class ScoreMods:
     alibi: bool = False
     key_bias: bool = False
     rel_bias: bool = False
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
     @property
     def any(self) -> bool:
-        return self.softcap > 0.0 or self.alibi or self.key_bias or self.rel_bias
+        biased = self.alibi or self.key_bias or self.rel_bias
+        return self.softcap > 0.0 or biased or self.dropout_p > 0.0
 
     def with_operands(self, operands: Sequence[Any]) -> ScoreMods:
         """These modifiers with a flag for each score operand given (SCORE_OPERANDS order,
@@ -55,6 +62,26 @@ class ScoreMods:
         if not (alibi or key_bias or rel_bias):
             return self
         return replace(self, alibi=alibi, key_bias=key_bias, rel_bias=rel_bias)
+
+    def with_dropout(self, dropout_p: object, dropout_seed: object) -> ScoreMods:
+        """These modifiers with dropout, its arguments checked (a TypeError or ValueError naming
+        the argument): dropout_p a real in [0, 1) (0: off), dropout_seed an int in [0, 2^63)
+        (a torch op's int64)."""
+        real = (int, float, np.floating, np.integer)
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, real):
+            raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+        if not 0.0 <= float(dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1) (0: no dropout), got {dropout_p}")
+        if not dropout_p:
+            return self
+        integer = (int, np.integer)
+        if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, integer):
+            raise TypeError(
+                f"dropout_seed must be an int in [0, 2^63), got {type(dropout_seed).__name__}"
+            )
+        if not 0 <= int(dropout_seed) < 2 ** (SEED_BITS - 1):
+            raise ValueError(f"dropout_seed must be in [0, 2^63), got {dropout_seed}")
+        return replace(self, dropout_p=float(dropout_p), dropout_seed=int(dropout_seed))
 
     @classmethod
     def from_arguments(cls, softcap: object = None) -> ScoreMods:
@@ -77,6 +104,7 @@ class ScoreMods:
 
 
 NO_MODS = ScoreMods()
+SEED_BITS = 64  # a dropout seed is the generator's 64-bit key
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,10 @@ _RULE_SCALARS = (
     ("window_right", "i32"),
     ("softcap", "f32"),
     *_SCORE_OPERAND_ARGS,
+    # dropout (block kernels only): floor(p * 2^32) (0: off), the 64-bit seed, 1 / (1 - p)
+    ("dropout_threshold", "i64"),
+    ("dropout_seed", "i64"),
+    ("dropout_scale", "f32"),
 )
 STRIDE_AXES = ("batch", "head", "row")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends import geometry
+from cuattn.backends import dropout, geometry
 from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
 from cuattn.backends.geometry import KernelConfig
 from cuattn.layout.derived import coarsened
@@ -45,6 +45,19 @@ _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionar
 # 128 blocks, 6 % at 16; strided and BigBird layouts: up to 100 %).
 PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
+
+
+def _dropout_values(mods: ScoreMods) -> dict[str, Any]:
+    """The block kernels' dropout arguments (kernels/common/philox.cuh): the threshold (0: off),
+    the seed (below 2^63: a signed 64-bit parameter as it is) and the kept probabilities'
+    scale."""
+    if not mods.dropout_p:
+        return {"dropout_threshold": 0, "dropout_seed": 0, "dropout_scale": 1.0}
+    return {
+        "dropout_threshold": dropout.threshold(mods.dropout_p),
+        "dropout_seed": mods.dropout_seed,
+        "dropout_scale": 1.0 / (1.0 - mods.dropout_p),
+    }
 
 
 def modifier_variant(mods: ScoreMods, scale: float) -> bool:
@@ -331,6 +344,7 @@ class KernelBackend:
                 scale=scale,
                 softcap=mods.softcap,
                 **self._operand_values(alibi_slopes, key_bias, rel_bias),
+                **_dropout_values(mods),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
@@ -478,7 +492,10 @@ class KernelBackend:
                 "rule": layout.rule.kind,
                 "mods": modifier_variant(mods, scale),
             }
-            biases = self._operand_values(alibi_slopes, key_bias, rel_bias)
+            biases = {
+                **self._operand_values(alibi_slopes, key_bias, rel_bias),
+                **_dropout_values(mods),
+            }
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias)
             if key_bias is None:

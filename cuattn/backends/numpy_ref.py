@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
+from cuattn.backends.dropout import keep_mask
 from cuattn.layout.layout import Layout
 
 SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
@@ -97,6 +98,20 @@ def _scores(
     s = s + bias
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf), bias
+
+
+def _dropped(x: np.ndarray, layout: Layout, h, i, j, mods: ScoreMods) -> np.ndarray:
+    """x [B, R, b, b] (probabilities, or their gradient) of R blocks with dropout applied:
+    kept elements times 1 / (1 - p), dropped ones 0 (backends/dropout.py's generator)."""
+    if not mods.dropout_p:
+        return x
+    b = layout.blocksize
+    offsets = np.arange(b)
+    q = (i[:, None] * b + offsets)[None, :, :, None]
+    k = (j[:, None] * b + offsets)[None, :, None, :]
+    batch = np.arange(x.shape[0])[:, None, None, None]
+    keep = keep_mask(mods.dropout_p, mods.dropout_seed, batch, h[None, :, None, None], q, k)
+    return np.where(keep, x / (1.0 - mods.dropout_p), 0.0)
 
 
 def _q_minus_k(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -195,7 +210,8 @@ def attention_forward(
         m_safe = np.where(m_new == -np.inf, 0.0, m_new)
         p = np.exp(s - m_safe[..., None])
         alpha = np.exp(m_old - m_safe)
-        l_i[:, h, i] = l_i[:, h, i] * alpha + p.sum(axis=-1)
+        l_i[:, h, i] = l_i[:, h, i] * alpha + p.sum(axis=-1)  # of every score, dropped or not
+        p = _dropped(p, layout, h, i, j, mods)
         acc[:, h, i] = acc[:, h, i] * alpha[..., None] + np.matmul(p, vb[:, _kv_head(h, qb, vb), j])
         m_i[:, h, i] = m_new
     # l_i == 0: no allowed key, or only -inf scores (zero probability everywhere): out 0 and
@@ -255,6 +271,7 @@ def attention_backward(
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))
+        dp = _dropped(dp, layout, h, i, j, mods)  # d / d(the probability, before dropout)
         ds_biased = p * (dp - delta[:, h, i][..., None])  # d / d(the score with its bias)
         # the capped score is the score less its biases; a -inf bias leaves -inf (p = 0)
         capped = np.where(s == -np.inf, -np.inf, s - bias)
@@ -284,6 +301,7 @@ def attention_backward(
         p, ds_biased, ds = probs_and_dscores(h, i, j, mask_id)
         if dkey is not None:
             dkey[:, h, j] += ds_biased.sum(axis=-2)
+        p = _dropped(p, layout, h, i, j, mods)
         dv[:, h, j] += np.matmul(p.swapaxes(-1, -2), dob[:, h, i])
         dk[:, h, j] += np.matmul(ds.swapaxes(-1, -2), qb[:, h, i]) * scale
     group = heads // kv_heads

@@ -29,6 +29,7 @@ import numpy as np
 
 from cuattn._util import host_array
 from cuattn.autograd.tape import get_array_module
+from cuattn.backends.dropout import keep_mask
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
 # arithmetic (a row with a single key) comes out as rounding noise, which has no relative size.
@@ -48,6 +49,20 @@ def alibi_bias(slopes: Any, batch: int, n_q: int, n_k: int) -> Any:
     q_pos = xp.arange(n_q, dtype=xp.float64) + (n_k - n_q)
     distance = xp.abs(q_pos[:, None] - xp.arange(n_k, dtype=xp.float64)[None, :])
     return -slopes[:, :, None, None] * distance
+
+
+def dropout_factors(p: float, seed: int, batch: int, heads: int, n_q: int, n_k: int) -> np.ndarray:
+    """What dropout multiplies each probability by, float64 [batch, heads, n_q, n_k]: 0 where
+    cuattn's generator drops it (backends/dropout.py), 1 / (1 - p) where it keeps it."""
+    keep = keep_mask(
+        p,
+        seed,
+        np.arange(batch)[:, None, None, None],
+        np.arange(heads)[None, :, None, None],
+        np.arange(n_q)[None, None, :, None],
+        np.arange(n_k)[None, None, None, :],
+    )
+    return np.where(keep, 1.0 / (1.0 - p), 0.0)
 
 
 def rel_columns(n_q: int, n_k: int, max_distance: int) -> np.ndarray:
@@ -191,16 +206,21 @@ def dense_attention(
     score_dtype: Any = None,
     softcap: float = 0.0,
     bias: Any = None,
+    dropout: Any = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in float64; mask bool [heads, n_q, n_k]. Rows with no allowed key (or only
     -inf scores): 0, -inf. ``computed``, ``score_dtype``: see the module docstring; ``softcap``
     > 0 caps the scaled scores (``softcap * tanh(s / softcap)``) before the mask; ``bias``
-    ([batch, heads, n_q, n_k], e.g. :func:`alibi_bias`) is added after the cap."""
+    ([batch, heads, n_q, n_k], e.g. :func:`alibi_bias`) is added after the cap; ``dropout``
+    ([batch, heads, n_q, n_k]: 0 for a dropped probability, 1 / (1 - p) for a kept one, e.g.
+    :func:`dropout_factors`) multiplies the probabilities (the lse is of every score)."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
     p, m, l_sum, _ = _probs(q, k, mask, scale, score_dtype, softcap, bias)
     empty = l_sum[..., 0] == 0
+    if dropout is not None:
+        p = p * dropout
     out = xp.where(empty[..., None], 0.0, _rows_of(p, v, computed))
     lse = xp.where(empty, -xp.inf, m[..., 0] + xp.log(xp.where(empty, 1.0, l_sum[..., 0])))
     return out, lse
@@ -219,23 +239,28 @@ def dense_attention_grads(
     score_dtype: Any = None,
     softcap: float = 0.0,
     bias: Any = None,
+    dropout: Any = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) in float64 of sum(out * dout) + sum(lse * dlse) (dlse [batch, heads, n_q]
     or None; rows with no allowed key take no part); dk, dv with k's and v's heads.
-    ``computed``, ``score_dtype``, ``softcap``: as for :func:`dense_attention`. With ``bias``,
-    its gradient [batch, heads, n_q, n_k] follows (the gradient of each biased score)."""
+    ``computed``, ``score_dtype``, ``softcap``, ``dropout``: as for :func:`dense_attention`.
+    With ``bias``, its gradient [batch, heads, n_q, n_k] follows (the gradient of each biased
+    score)."""
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
     xp = get_array_module(q)
     p, _, l_sum, slope = _probs(q, k, mask, scale, score_dtype, softcap, bias)
-    dv = _cols_of(p, dout, computed)
+    kept = p if dropout is None else p * dropout  # what multiplies v
+    dv = _cols_of(kept, dout, computed)
     dp = xp.einsum("bhqd,bhkd->bhqk", dout, v)
+    if dropout is not None:  # d out / d p passes through the kept ones, scaled
+        dp = dp * dropout
     if computed is not None:  # a pair outside takes no part in dS either
         dp = xp.where(computed[None], dp, 0.0)
     # delta = rowsum(dO * O), as the backends form it: an empty row's O is a written 0, so its
     # delta is 0 whatever 0 * NaN its P V would have held
-    out = xp.where(l_sum == 0, 0.0, _rows_of(p, v, computed))
+    out = xp.where(l_sum == 0, 0.0, _rows_of(kept, v, computed))
     delta = (dout * out).sum(axis=-1, keepdims=True)
     if dlse is not None:  # d lse_i / d s_ij = p_ij: dS = P * (dP - (delta - dlse))
         (dlse,) = _float64(dlse)

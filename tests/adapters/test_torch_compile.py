@@ -88,7 +88,8 @@ def _op_args(q, k, v, layout, recompute=False, mods=NO_MODS):
 
 
 @pytest.mark.parametrize(
-    "case", ["square_f64", "gqa_fewer_queries_f32", "strided_q_recompute", "pattern", "softcap"]
+    "case",
+    ["square_f64", "gqa_fewer_queries_f32", "strided_q_recompute", "pattern", "softcap", "dropout"],
 )
 def test_opcheck_passes_on_both_ops(case):
     dtype = torch.float32 if case.endswith("f32") else torch.float64
@@ -99,7 +100,10 @@ def test_opcheck_passes_on_both_ops(case):
     q, k, v = _leaves(7, [(2, HEADS, n_q, HEAD_DIM), *[(2, kv_heads, 64, HEAD_DIM)] * 2], dtype)
     if case.startswith("strided"):
         q = torch.randn(2, n_q, HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2).requires_grad_()
-    mods = ScoreMods(softcap=0.7) if case == "softcap" else NO_MODS
+    mods = {
+        "softcap": ScoreMods(softcap=0.7),
+        "dropout": ScoreMods().with_dropout(0.25, 2**62 + 5),
+    }.get(case, NO_MODS)
     args = _op_args(q, k, v, layout, recompute="recompute" in case, mods=mods)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
@@ -128,7 +132,7 @@ def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
     layout = cuattn.Layout.from_blocks(blocks, BLOCK, mask_fn=lambda h, q, k: k <= q + h)
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
     *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)
-    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, 0.0, ""]
+    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, 0.0, 0.0, 0, ""]
     assert index[1].data_ptr() == layout.row_ptr.ctypes.data  # shared, not copied
     again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-1]
     assert all(a is b for a, b in zip(index, again, strict=True))

@@ -82,6 +82,10 @@ struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM
   static_assert(MIN_CTAS >= 1);
   static constexpr int SMEM_BYTES =
       Base::TILE_BYTES + Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
+  // The score-modifier variant takes the softcap's slopes before adding biases, into a tile of
+  // registers; an fp32 d = 256 warp, whose dQ accumulator alone is 128 registers, has no room
+  // for them and recovers each capped score from P instead (log2(P) + lse less the biases).
+  static constexpr bool KEEP_SLOPES = !(HEAD_DIM >= 256 && sizeof(T) == sizeof(float));
 };
 
 // lse in the log2 domain as the backward uses it; a row with nothing to attend (lse = -inf) or
@@ -498,10 +502,12 @@ __global__ void __launch_bounds__(
     }
     // the softcap's slope of each score, from the capped score before any bias is added
     float slope[TILE_K / 8][4];
+    if constexpr (MODS == MODS_SCORE && Traits::KEEP_SLOPES) {
 #pragma unroll
-    for (int j = 0; j < TILE_K / 8; ++j) {
+      for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
+        for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
+      }
     }
     // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
     // differ by constants, so each element's distance is one add.
@@ -537,10 +543,33 @@ __global__ void __launch_bounds__(
         rel_grad_tile<TILE_K>(ds, rb, q_offset, q_warp, k_start, n_q,
                               rel_bias_grad + head_offset * rel_width, rel_first_ds, rel_last_ds);
       }
+      // With a cap, its slope: kept, or (KEEP_SLOPES false) from the capped score, which comes
+      // back from P as log2(P) + lse less the biases (P is dead after dS).
+      if constexpr (Traits::KEEP_SLOPES) {
 #pragma unroll
-      for (int j = 0; j < TILE_K / 8; ++j) {
+        for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ds[j][e] *= slope[j][e];
+          for (int e = 0; e < 4; ++e) ds[j][e] *= slope[j][e];
+        }
+      } else if (score_scale.cap_log2 > 0.f) {
+#pragma unroll
+        for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
+            p[j][e] = log2f(p[j][e]) + lse_row[e / 2] - score_scale.alibi_log2 * distance -
+                      key_bias_log2[j][e % 2];
+          }
+        }
+        if (use_rel_bias) {
+          position_bias_frags<1, TILE_K, true>(as_frags<TILE_K>(p), q_offset, q_warp, k_start,
+                                               [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
+        }
+#pragma unroll
+        for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ds[j][e] *= softcap_slope<MODS>(p[j][e], score_scale);
+        }
       }
     }
     warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);

@@ -109,6 +109,13 @@ PARTIAL_TILE_CODE = (
 # The dK/dV step's lse/delta loads: `for (int i = tid; i < TILE...; i += NUM_THREADS)` over the
 # step's query rows, which only the first TILE / 32 warps enter (see _Counter.strided_weight).
 STEP_ROW_LOOP = ColdRegion("loop", "", r"for\s*\(\s*int\s+i\s*=\s*tid\s*;", partial=False)
+# Dropout's generator and mask (kernels/common/philox.cuh): off in the softcap call the
+# variant's specs model; the dropout specs count it.
+DROPOUT_CODE = (
+    ColdRegion("function", "philox4x32_10", partial=False),
+    ColdRegion("function", "dropout_frags", partial=False),
+    ColdRegion("function", "dropout_tile", partial=False),
+)
 DECODE_OPTIONAL_CODE = (
     ColdRegion("if", "use_chosen", partial=False),
     ColdRegion("if", "keep_scores", partial=False),
@@ -282,6 +289,7 @@ def _geometry_spec(
     block: int,
     mods: bool = False,
     paired: bool = False,
+    regions: tuple[ColdRegion, ...] = PARTIAL_TILE_CODE,
 ) -> HotSpec:
     from cuattn.backends.geometry import ITEMSIZE, KernelConfig
 
@@ -318,6 +326,7 @@ def _geometry_spec(
         hmma_per_warp_tile=hmma,
         own_copies=own,
         stats_per_step=stats,
+        regions=regions,
     )
 
 
@@ -353,7 +362,8 @@ HOT_BLOCKS = (64, 128)
 def hot_specs() -> list[HotSpec]:
     """Every hot instantiation: the forward, dK/dV, dQ at d = 64/128 and 64-/128-blocks in bf16;
     the forward d128 b64 in fp16 too; the paired forward (two 64-blocks per CTA) at d = 64/128;
-    the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs);
+    the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs)
+    and with dropout (the same instantiations, dropout's generator counted);
     decode."""
     names = {
         "attn_fwd": "fwd",
@@ -370,8 +380,12 @@ def hot_specs() -> list[HotSpec]:
     for head_dim in HOT_HEAD_DIMS:
         label = f"fwd d{head_dim} b64 paired"
         specs.append(_geometry_spec(label, "attn_fwd", head_dim, HOT_DTYPE, 64, paired=True))
+    softcap_call = PARTIAL_TILE_CODE + DROPOUT_CODE
     for kernel, name in names.items():
         label = f"{name} d128 b64 softcap"
+        specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, True, regions=softcap_call))
+    for kernel, name in names.items():
+        label = f"{name} d128 b64 dropout"
         specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, mods=True))
     specs.extend(_decode_spec(d, HOT_DTYPE) for d in HOT_HEAD_DIMS)
     return specs

@@ -1,7 +1,7 @@
 """One check of a backend with the score operands (ALiBi's slopes, a key bias, a relative-position
-table; any of them, with a softcap) against the float64 dense oracle: forward, dq, dk, dv and
-each operand's gradient. Shared by tests/backends/test_alibi.py, test_key_bias.py and
-test_rel_bias.py."""
+table; any of them, with a softcap and dropout) against the float64 dense oracle: forward, dq,
+dk, dv and each operand's gradient. Shared by the kernel-level tests of tests/backends:
+test_alibi.py, test_key_bias.py, test_rel_bias.py and test_dropout.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from cuattn.tools.oracle import (
     alibi_bias,
     dense_attention,
     dense_attention_grads,
+    dropout_factors,
     rel_err,
     rel_position_bias,
     rel_table_gradient,
@@ -35,12 +36,17 @@ def check_operands(
     key_bias=None,
     dlse=None,
     rel_bias=None,
+    dropout=None,
 ):
     """``backend``'s (out, lse, grads) with these operands, each checked against the oracle;
     grads: dq, dk, dv, then the gradient of each operand given (slopes first)."""
     scale = q.shape[-1] ** -0.5
     operands = (slopes, key_bias, rel_bias)
     mods = ScoreMods(softcap).with_operands(operands)
+    factors = None
+    if dropout is not None:  # (p, seed)
+        mods = mods.with_dropout(*dropout)
+        factors = dropout_factors(*dropout, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = layout.to_mask()
     batch, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
     bias = np.zeros((1, 1, 1, 1))
@@ -53,7 +59,9 @@ def check_operands(
     if rel_bias is not None:
         bias = bias + rel_position_bias(rel_bias, batch, n_q, n_k)
     out, lse = backend.forward(q, k, v, layout, scale, mods, *operands)
-    ref_out, ref_lse = dense_attention(q, k, v, mask, scale, softcap=softcap, bias=bias)
+    ref_out, ref_lse = dense_attention(
+        q, k, v, mask, scale, softcap=softcap, bias=bias, dropout=factors
+    )
     empty = np.isneginf(ref_lse)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     np.testing.assert_array_equal(np.isneginf(lse), empty)
@@ -61,7 +69,7 @@ def check_operands(
     assert rel_err(lse[~empty], ref_lse[~empty]) <= tolerance
     grads = backend.backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands)
     *refs, dbias = dense_attention_grads(
-        q, k, v, dout, mask, scale, dlse, softcap=softcap, bias=bias
+        q, k, v, dout, mask, scale, dlse, softcap=softcap, bias=bias, dropout=factors
     )
     for name, grad, ref in zip("qkv", grads[:3], refs, strict=True):
         assert not np.isnan(np.asarray(grad, np.float32)).any(), f"d{name}"

@@ -7,7 +7,8 @@
 ``layout`` is a :class:`cuattn.Layout` (one length), a :class:`cuattn.Pattern`, or a pattern
 name with its options (``"fixed", blocksize=64, local_attn_ctx=128, ...``), which becomes a
 Pattern: built for each length the module meets, one compiled graph for all of them.
-No dropout (cuattn's kernels have none); compiled, traced and CUDA-graphed as cuattn's ops are.
+``dropout`` drops attention probabilities in training mode (cuattn's generator, its seed from
+torch's); compiled, traced and CUDA-graphed as cuattn's ops are.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class SparseSelfAttention(nn.Module):
     (keyword: an int M >= 0) gives the module a learned relative-position bias (T5's, Swin's):
     the parameter ``rel_bias`` [heads, 2 M + 1] (float32, zeros at first), whose column
     clamp(k_pos - q_pos, -M, M) + M is added to each score (``cuattn.sparse_attention``'s
-    ``rel_bias``).
+    ``rel_bias``). ``dropout`` (keyword, 0 <= p < 1) is attention dropout while the module is
+    training (``cuattn.sparse_attention``'s ``dropout_p``; each call draws its seed from torch's
+    default generator), none in eval mode.
     """
 
     def __init__(
@@ -72,10 +75,13 @@ class SparseSelfAttention(nn.Module):
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         rel_max_distance: int | None = None,
+        dropout: float = 0.0,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
         self.layout = _as_layout(layout, heads, blocksize, pattern_options)
+        ScoreMods().with_dropout(dropout, 0)  # checked now, not at the first forward
+        self.dropout = float(dropout)
         self.scale = scale
         self.recompute = recompute
         ScoreMods.from_arguments(softcap)  # checked now, not at the first forward
@@ -108,6 +114,7 @@ class SparseSelfAttention(nn.Module):
             softcap=self.softcap,
             alibi_slopes=self.alibi_slopes,
             rel_bias=self.rel_bias,
+            dropout_p=self.dropout if self.training else 0.0,
         )
 
     def extra_repr(self) -> str:
@@ -115,7 +122,7 @@ class SparseSelfAttention(nn.Module):
         return (
             f"layout={self.layout!r}, scale={self.scale}, recompute={self.recompute}, "
             f"softcap={self.softcap}, alibi={self.alibi_slopes is not None}, "
-            f"rel_max_distance={rel}"
+            f"rel_max_distance={rel}, dropout={self.dropout}"
         )
 
 
@@ -127,8 +134,8 @@ class SparseMultiheadAttention(nn.Module):
     returns [batch, time_q, embed_dim]. ``kv_heads`` (default ``heads``) must divide ``heads``;
     k_proj and v_proj then map embed_dim to kv_heads * head_dim. Parameters: q_proj, k_proj,
     v_proj, out_proj (``nn.Linear``, ``bias`` on all four); with ``rel_max_distance``, also
-    attention.rel_bias. ``softcap``, ``alibi_slopes`` and ``rel_max_distance`` as in
-    :class:`SparseSelfAttention`.
+    attention.rel_bias. ``softcap``, ``alibi_slopes``, ``rel_max_distance`` and ``dropout`` as
+    in :class:`SparseSelfAttention`.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class SparseMultiheadAttention(nn.Module):
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         rel_max_distance: int | None = None,
+        dropout: float = 0.0,
         **pattern_options: Any,
     ) -> None:
         super().__init__()
@@ -174,6 +182,7 @@ class SparseMultiheadAttention(nn.Module):
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             rel_max_distance=rel_max_distance,
+            dropout=dropout,
             **pattern_options,
         )
         if self.attention.layout.heads != heads:

@@ -5,8 +5,10 @@ arguments, the same masks, the same output, computed by :func:`cuattn.sparse_att
 visits only the blocks a mask allows. A mask becomes a layout: 64-blocks holding at least one
 allowed element, each with a bitmask of its elements (a causal mask, or none, takes the
 element rule instead, with no table). What cuattn cannot compute exactly is refused by name
-before any work: attention dropout, additive masks other than 0 / -inf (a score bias), masks
-that differ between batch elements, and masks that carry a gradient.
+before any work: additive masks other than 0 / -inf (a score bias), masks that differ between
+batch elements, and masks that carry a gradient. ``dropout_p`` is cuattn's attention dropout
+(its generator is not PyTorch's: the masks differ from SDPA's, their law is the same), with a
+seed drawn from torch's default generator, so ``torch.manual_seed`` repeats it.
 
 A query row with nothing to attend to gives 0 and adds nothing to the gradients (as PyTorch
 2.13's CPU implementation does). The mask is read on the host to build the layout, once per
@@ -47,7 +49,9 @@ def scaled_dot_product_attention(
     -inf) broadcastable to [batch, heads, L, S], the same for every batch element;
     ``is_causal`` PyTorch's top-left causal mask (query i sees keys 0..i; for L == S the same as
     cuattn's end-aligned one); ``scale`` default 1/sqrt(E); ``enable_gqa`` lets kv_heads divide
-    heads (query head h reads kv head h // (heads / kv_heads)). ``dropout_p`` must be 0.
+    heads (query head h reads kv head h // (heads / kv_heads)). ``dropout_p`` (0 <= p < 1)
+    drops attention probabilities as :func:`cuattn.sparse_attention` does (apply it in training
+    only, as with PyTorch's).
     Gradients flow to query, key and value through the framework's autograd, as from
     :func:`cuattn.sparse_attention`.
     """
@@ -63,9 +67,9 @@ def scaled_dot_product_attention(
     elif causal and n_q != n_k:  # PyTorch's causal mask is top-left; cuattn's is end-aligned
         layout, causal = _mask_layout(np.tri(n_q, n_k, dtype=bool), 1, heads, n_q, n_k)
     if layout is None:
-        out = sparse_attention(query, key, value, scale=scale, causal=causal)
+        out = sparse_attention(query, key, value, scale=scale, causal=causal, dropout_p=dropout_p)
     else:
-        out = sparse_attention(query, key, value, layout, scale=scale)
+        out = sparse_attention(query, key, value, layout, scale=scale, dropout_p=dropout_p)
     return out[:, 0] if one_head else out
 
 
@@ -99,11 +103,8 @@ def _check_arguments(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise ValueError(
-            f"dropout_p: attention dropout is not supported by cuattn yet, got {dropout_p}; "
-            "accepted: 0.0"
-        )
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True both given: pass one (as PyTorch)")
     heads, kv_heads = int(query.shape[1]), int(key.shape[1])

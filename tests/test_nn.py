@@ -168,3 +168,22 @@ def test_module_errors_name_the_argument():
         SparseSelfAttention("all")
     with pytest.raises(TypeError, match="apply to a pattern name"):
         SparseSelfAttention(cuattn.Pattern("all", 2), local_attn_ctx=3)
+
+
+def test_modules_drop_attention_only_while_training():
+    layout = cuattn.make_layout("local", 32, HEADS, BLOCK, **LOCAL)
+    q, k, v = (torch.randn(1, HEADS, 32, 8, dtype=torch.float64) for _ in range(3))
+    module = SparseSelfAttention(layout, dropout=0.3)
+    torch.manual_seed(1)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    torch.manual_seed(1)
+    want = cuattn.sparse_attention(q, k, v, layout, dropout_p=0.3, dropout_seed=seed)
+    assert torch.equal(module.train()(q, k, v), want)
+    assert torch.equal(module.eval()(q, k, v), cuattn.sparse_attention(q, k, v, layout))
+    assert "dropout=0.3" in repr(module)
+    mha = _module(dropout=0.1).train()
+    x = torch.randn(2, 32, EMBED, dtype=torch.float64)
+    mha(x).sum().backward()
+    assert all(p.grad is not None for p in mha.parameters())
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        SparseSelfAttention(layout, dropout=1.5)

@@ -89,10 +89,27 @@ def test_masks_take_the_element_rules_where_they_can():
     np.testing.assert_array_equal(layout.to_mask(), np.broadcast_to(banded, (HEADS, n, n)))
 
 
+def test_dropout_is_cuattns_with_a_seed_from_torchs_generator():
+    """dropout_p drops probabilities as sparse_attention does, masks and all: equal to it under
+    the seed torch's generator gives after manual_seed; a kept fraction of the (square, causal)
+    scores near 1 - p, read back through one-hot values."""
+    n, p = 64, 0.2
+    q = torch.zeros(1, 1, n, n)
+    v = torch.eye(n)[None, None]
+    torch.manual_seed(3)
+    out = cuattn.scaled_dot_product_attention(q, q, v, is_causal=True, dropout_p=p)
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    want = cuattn.sparse_attention(q, q, v, causal=True, dropout_p=p, dropout_seed=seed)
+    assert torch.equal(out, want)
+    kept = (out > 0).sum().item() / (n * (n + 1) / 2)
+    assert abs(kept - (1 - p)) < 0.05
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"dropout_p": 0.1}, ValueError, "dropout_p"),
+        ({"dropout_p": 1.0}, ValueError, "dropout_p"),
         ({"dropout_p": "0"}, TypeError, "dropout_p"),
         ({"is_causal": 1}, TypeError, "is_causal"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.bool), "is_causal": True}, ValueError, "both"),

@@ -40,7 +40,11 @@ T5's all-zero placeholder (layers without a table) adds nothing and is dropped.
 paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
 compresses at the prefill and at every decode step; its layers attend through this function.
 
-Not supported, each a ValueError naming it: dropout in training, a ``position_bias`` as above,
+Attention dropout while training (the ``dropout`` a layer passes, BERT's
+``attention_probs_dropout_prob``) is cuattn's ``dropout_p``, its seed drawn from torch's default
+generator at each call; its masks are cuattn's generator's, not torch's.
+
+Not supported, each a ValueError naming it: a ``position_bias`` as above,
 ``s_aux (attention sinks), ``output_attentions``, a model's own extra mask functions
 (``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
 is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
@@ -430,13 +434,13 @@ def attention_forward(
     """transformers' attention-function signature: query [batch, heads, q_len, head_dim], key
     and value [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim],
     None)."""
-    if dropout and module.training:
-        _refuse("attention dropout", f"dropout={dropout} while training")
     if kwargs.get("s_aux") is not None:
         _refuse("s_aux", "the kernels add nothing of it to the scores")
     # how the scores are formed: the layer's scale, logit soft-capping (Gemma 2) and a
     # relative-position bias (T5)
     scores = {"scale": scaling, "softcap": kwargs.get("softcap")}
+    if dropout and module.training:  # as eager's dropout(p, training=module.training)
+        scores["dropout_p"] = float(dropout)
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         table = distance_table("position_bias", position_bias, query.shape, key.shape[2])
@@ -451,11 +455,9 @@ def attention_forward(
     kv_len = key.shape[2]
     layer = take_layer(key)
     if layer is not None:
-        if "rel_bias" in scores:
-            _refuse(
-                "position_bias with cuattn.compat.transformers.Cache",
-                "its decode path adds no bias by distance",
-            )
+        for name, what in (("rel_bias", "position_bias"), ("dropout_p", "attention dropout")):
+            if name in scores:
+                _refuse(f"{what} with cuattn.compat.transformers.Cache", "its decode path has none")
         _check_cached(module.config, causal, window, attention_mask, kwargs, batch, q_len)
         out = layer.attend(
             query,

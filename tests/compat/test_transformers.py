@@ -379,7 +379,6 @@ def test_a_sliding_window_with_a_sparse_pattern_is_refused_by_name():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(dropout=0.1), "attention dropout"),
         (dict(s_aux=torch.zeros(4)), "s_aux"),
         (dict(output_attentions=True), "output_attentions"),
     ],
@@ -532,6 +531,44 @@ def test_a_position_bias_that_is_not_by_distance_is_refused_by_name():
     out, _ = hf.attention_forward(layer, q, q, q, None, scaling=1.0, position_bias=placeholder)
     plain, _ = hf.attention_forward(layer, q, q, q, None, scaling=1.0)
     assert torch.equal(out, plain)
+
+
+def test_bert_trains_with_its_attention_dropout():
+    """BERT's attention_probs_dropout_prob reaches cuattn as dropout_p in training mode: a
+    training step equals sparse_attention's dropout under the seeds torch's generator gives
+    (the layer's probabilities and every parameter's gradient finite), a few steps lower the
+    loss, and eval mode drops nothing (SDPA's outputs)."""
+    sdpa, ours = _pair("bert", attention_probs_dropout_prob=0.2, hidden_dropout_prob=0.0)
+    ids = _ids(seed=9, n=40)
+    assert rel(_out(ours, ids), _out(sdpa, ids)) <= LOGITS_RTOL  # eval: no dropout
+    ours.train()
+    torch.manual_seed(4)
+    first = _out(ours, ids)
+    torch.manual_seed(4)
+    assert torch.equal(_out(ours, ids), first)  # the seeds come from torch's generator
+    assert rel(_out(ours, ids), first) > 1e-3  # another draw, other masks
+    layer = ours.encoder.layer[0].attention.self
+    q = torch.randn(2, 4, 40, 16, dtype=torch.float64)
+    torch.manual_seed(5)
+    out, _ = hf.attention_forward(layer, q, q, q, None, dropout=0.2, scaling=0.25, is_causal=False)
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    pattern = cuattn.Pattern("all", 4, 64, causal=False)
+    want = cuattn.sparse_attention(q, q, q, pattern, 0.25, dropout_p=0.2, dropout_seed=seed)
+    assert torch.equal(out, want.transpose(1, 2))
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.05)
+    head = torch.nn.Linear(64, VOCAB, dtype=torch.float64)
+    losses = []
+    for step in range(8):
+        torch.manual_seed(step)
+        logits = head(ours(ids).last_hidden_state)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad is None or p.grad.isfinite().all() for p in ours.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
 
 
 # --------------------------------------------------------------------------- a real model

@@ -4,9 +4,12 @@ Replacing ``torch.nn.functional.scaled_dot_product_attention`` is one import: th
 arguments, the same masks, the same output, computed by :func:`cuattn.sparse_attention`, which
 visits only the blocks a mask allows. A mask becomes a layout: 64-blocks holding at least one
 allowed element, each with a bitmask of its elements (a causal mask, or none, takes the
-element rule instead, with no table). What cuattn cannot compute exactly is refused by name
-before any work: additive masks other than 0 / -inf (a score bias), masks that differ between
-batch elements, and masks that carry a gradient. ``dropout_p`` is cuattn's attention dropout
+element rule instead, with no table). A mask that differs between batch elements by padded
+keys (HF's and PyTorch's padding masks, [batch, 1, 1, S] or combined with a causal rule) and an
+additive mask whose finite values are one per key run as the rule plus a per-key bias
+(``key_bias``). What cuattn cannot compute exactly is refused by name before any work: a bias
+on each (query, key) pair, masks that differ between batch elements otherwise, and masks that
+carry a gradient. ``dropout_p`` is cuattn's attention dropout
 (its generator is not PyTorch's: the masks differ from SDPA's, their law is the same), with a
 seed drawn from torch's default generator, so ``torch.manual_seed`` repeats it.
 
@@ -61,15 +64,18 @@ def scaled_dot_product_attention(
         query, key, value = query[:, None], key[:, None], value[:, None]
     heads, n_q, n_k = int(query.shape[1]), int(query.shape[2]), int(key.shape[2])
     causal = bool(is_causal)
-    layout = None
+    layout = key_bias = None
     if attn_mask is not None:
-        layout, causal = _mask_layout(_host_mask(attn_mask), int(query.shape[0]), heads, n_q, n_k)
+        batch = int(query.shape[0])
+        layout, causal, key_bias = _mask_layout(_host_mask(attn_mask), batch, heads, n_q, n_k)
     elif causal and n_q != n_k:  # PyTorch's causal mask is top-left; cuattn's is end-aligned
-        layout, causal = _mask_layout(np.tri(n_q, n_k, dtype=bool), 1, heads, n_q, n_k)
+        top_left = np.broadcast_to(np.tri(n_q, n_k, dtype=bool), (heads, n_q, n_k))
+        layout, causal = _rule_layout(top_left, heads, n_q, n_k)
+    kw = dict(scale=scale, dropout_p=dropout_p, key_bias=_like(key_bias, query))
     if layout is None:
-        out = sparse_attention(query, key, value, scale=scale, causal=causal, dropout_p=dropout_p)
+        out = sparse_attention(query, key, value, causal=causal, **kw)
     else:
-        out = sparse_attention(query, key, value, layout, scale=scale, dropout_p=dropout_p)
+        out = sparse_attention(query, key, value, layout, **kw)
     return out[:, 0] if one_head else out
 
 
@@ -115,6 +121,21 @@ def _check_arguments(
         )
 
 
+def _like(key_bias: np.ndarray | None, query: Any) -> Any:
+    """A mask's key bias as the kernels take it: float32 (float64 beside float64 query), the
+    query's kind of array on its device (a copy of O(batch x heads x S) from the host, where the
+    mask was read)."""
+    if key_bias is None:
+        return None
+    dtype = np.float64 if str(query.dtype).endswith("float64") else np.float32
+    key_bias = np.ascontiguousarray(key_bias, dtype=dtype)
+    if type(query).__module__.startswith("torch"):
+        import torch
+
+        return torch.from_numpy(key_bias).to(query.device)
+    return key_bias
+
+
 def _host_mask(attn_mask: Any) -> np.ndarray:
     """The mask on the host: a torch tensor (no gradient) or a NumPy array."""
     if type(attn_mask).__module__.startswith("torch"):
@@ -133,35 +154,65 @@ def _host_mask(attn_mask: Any) -> np.ndarray:
 
 def _mask_layout(
     mask: np.ndarray, batch: int, heads: int, n_q: int, n_k: int
-) -> tuple[Layout | None, bool]:
-    """(layout, causal) of a host mask: (None, False) when it allows everything, (None, True)
-    when it is the square causal mask (the kernels' element rule, no bitmask table), else a
-    bitmask Layout over the 64-blocks it touches."""
+) -> tuple[Layout | None, bool, np.ndarray | None]:
+    """(layout, causal, key_bias) of a host mask. The mask is a rule the same for every batch
+    element (allowed pairs) and, per batch element, a bias by key (-inf for a padded key, or
+    the finite value an additive mask adds to every query's score of that key); anything else
+    is refused by name. The rule: (None, False) when it allows everything, (None, True) when it
+    is the square causal mask (the kernels' element rule, no bitmask table), else a bitmask
+    Layout over the 64-blocks it touches. key_bias: float64 [batch, heads, n_k], or None when
+    no key is padded or biased."""
     if mask.dtype == np.bool_:
-        keep = mask
+        allowed, values = mask, None
     elif np.issubdtype(mask.dtype, np.floating):
-        finite_other = np.isfinite(mask) & (mask != 0)
-        if finite_other.any() or np.isnan(mask).any() or (mask == np.inf).any():
-            raise ValueError(
-                "attn_mask: an additive mask must hold only 0 (take part) and -inf (masked); "
-                "other values are a score bias, which cuattn does not take yet"
-            )
-        keep = mask == 0
+        if np.isnan(mask).any() or (mask == np.inf).any():
+            raise ValueError("attn_mask: an additive mask must not hold NaN or +inf")
+        allowed, values = np.isfinite(mask), mask.astype(np.float64)
     else:
         raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
+    shape = (batch, heads, n_q, n_k)
     try:
-        keep = np.broadcast_to(keep, (batch, heads, n_q, n_k))
+        allowed = np.broadcast_to(allowed, shape)
     except ValueError:
         raise ValueError(
             f"attn_mask of shape {mask.shape} does not broadcast to [batch, heads, L, S] = "
-            f"{[batch, heads, n_q, n_k]}"
+            f"{list(shape)}"
         ) from None
-    if batch > 1 and not (keep == keep[:1]).all():
+    biased = values is not None and bool((np.isfinite(values) & (values != 0)).any())
+    if not biased and (allowed == allowed[:1]).all():  # one rule for the batch, no key bias
+        return (*_rule_layout(allowed[0], heads, n_q, n_k), None)
+    # keys a batch element's mask lets some query see, and the rule every element shares
+    seen = allowed.any(axis=2)
+    rule = allowed.any(axis=0)
+    if not (allowed == (rule[None] & seen[:, :, None, :])).all():
         raise ValueError(
-            "attn_mask differs between batch elements; cuattn's layouts are per head: call "
-            "sparse_attention_varlen for padded batches, or once per batch element"
+            "attn_mask differs between batch elements other than by padded keys (a rule the "
+            "same for every element, and keys each element masks for all its queries); call "
+            "sparse_attention_varlen, or once per batch element"
         )
-    keep = keep[0]
+    key_bias = None
+    if values is not None:
+        values = np.broadcast_to(values, shape)
+        # a finite value added to the scores must be one per key (a bias by key): the value at
+        # the key's first allowed query, checked at every other (0 where nothing sees the key)
+        first = np.argmax(allowed, axis=2)[:, :, None, :]
+        per_key = np.where(seen, np.take_along_axis(values, first, axis=2)[:, :, 0, :], 0.0)
+        if not (np.where(allowed, values == per_key[:, :, None, :], True)).all():
+            raise ValueError(
+                "attn_mask: an additive mask's finite values must be 0 or a bias by key (the "
+                "same for every query of a key); a bias on each (query, key) pair is O(L x S), "
+                "which cuattn does not take"
+            )
+        if per_key.any():
+            key_bias = per_key
+    if not seen.all():
+        key_bias = np.where(seen, 0.0 if key_bias is None else key_bias, -np.inf)
+    layout, causal = _rule_layout(rule, heads, n_q, n_k)
+    return layout, causal, key_bias
+
+
+def _rule_layout(keep: np.ndarray, heads: int, n_q: int, n_k: int) -> tuple[Layout | None, bool]:
+    """(layout, causal) of allowed pairs [heads, n_q, n_k] (see _mask_layout)."""
     if keep.all():
         return None, False
     if n_q == n_k and (keep == np.tri(n_q, dtype=bool)).all():

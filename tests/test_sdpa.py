@@ -81,10 +81,10 @@ def test_masks_take_the_element_rules_where_they_can():
     """An all-True mask runs dense, the square causal mask the causal rule (no bitmask table);
     anything else a bitmask layout over the blocks it touches."""
     n = 100
-    assert sdpa._mask_layout(np.ones((n, n), bool), 1, HEADS, n, n) == (None, False)
-    assert sdpa._mask_layout(np.tri(n, dtype=bool), 1, HEADS, n, n) == (None, True)
+    assert sdpa._mask_layout(np.ones((n, n), bool), 1, HEADS, n, n) == (None, False, None)
+    assert sdpa._mask_layout(np.tri(n, dtype=bool), 1, HEADS, n, n) == (None, True, None)
     banded = np.tri(n, dtype=bool) & ~np.tri(n, k=-70, dtype=bool)
-    layout, causal = sdpa._mask_layout(banded, 1, HEADS, n, n)
+    layout, causal, _ = sdpa._mask_layout(banded, 1, HEADS, n, n)
     assert not causal and layout.rule.kind == "bitmask"
     np.testing.assert_array_equal(layout.to_mask(), np.broadcast_to(banded, (HEADS, n, n)))
 
@@ -113,7 +113,7 @@ def test_dropout_is_cuattns_with_a_seed_from_torchs_generator():
         ({"dropout_p": "0"}, TypeError, "dropout_p"),
         ({"is_causal": 1}, TypeError, "is_causal"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.bool), "is_causal": True}, ValueError, "both"),
-        ({"attn_mask": torch.full((8, 8), 0.5)}, ValueError, "bias"),
+        ({"attn_mask": torch.arange(64.0).reshape(8, 8)}, ValueError, "bias on each"),
         ({"attn_mask": [[True]]}, TypeError, "attn_mask"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.int32)}, TypeError, "attn_mask"),
         ({"attn_mask": torch.ones(3, 8, 8, dtype=torch.bool)}, ValueError, "broadcast"),
@@ -134,7 +134,40 @@ def test_refusals_of_shapes():
         cuattn.scaled_dot_product_attention(q, k, v[..., :8], enable_gqa=True)
     with pytest.raises(ValueError, match="query must be"):
         cuattn.scaled_dot_product_attention(q[None], k, v, enable_gqa=True)
-    padding = torch.ones(BATCH, 1, 1, 8, dtype=torch.bool)
-    padding[1, ..., 5:] = False
-    with pytest.raises(ValueError, match="differs between batch elements"):
-        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=padding, enable_gqa=True)
+    per_batch = torch.ones(BATCH, 1, 8, 8, dtype=torch.bool)
+    per_batch[1, :, 2, 3] = False  # one pair, not a key: no rule plus padding
+    with pytest.raises(ValueError, match="differs between batch elements other than by padded"):
+        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=per_batch, enable_gqa=True)
+
+
+@pytest.mark.parametrize("form", ["bool_padding", "causal_padding_4d", "additive_key_bias"])
+def test_padding_and_per_key_masks_run_as_a_key_bias(form):
+    """Masks that differ between batch elements by padded keys (HF's [batch, 1, 1, S] and its
+    4-D causal-plus-padding form) and additive masks with one finite value per key equal
+    PyTorch's SDPA, forward and gradients, on the rows that attend to something."""
+    q, k, v = inputs(12, 12)
+    keep = torch.ones(BATCH, 12, dtype=torch.bool)
+    keep[1, 8:] = False
+    keep[0, :2] = False  # left padding
+    if form == "bool_padding":
+        mask = keep[:, None, None, :]
+    elif form == "causal_padding_4d":
+        mask = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    else:
+        bias = torch.randn(
+            BATCH, 1, 1, 12, dtype=q.dtype, generator=torch.Generator().manual_seed(3)
+        )
+        mask = torch.where(keep[:, None, None, :], bias, float("-inf"))
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True
+    )
+    rows = mask.expand(BATCH, HEADS, 12, 12)
+    rows = rows.any(-1) if rows.dtype == torch.bool else rows.isfinite().any(-1)
+    tolerance = TOLERANCE[torch.float64]
+    torch.testing.assert_close(ours[rows], want[rows], atol=tolerance, rtol=0)
+    w = torch.randn(ours.shape, dtype=ours.dtype) * rows[..., None]
+    grads = torch.autograd.grad((ours * w).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for g, ref in zip(grads, wants, strict=True):
+        torch.testing.assert_close(g, ref, atol=10 * tolerance, rtol=0)

@@ -163,7 +163,15 @@ def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
             ) from err
     import cupy
 
-    with cupy.cuda.Device(info.device_id):
+    # A torch tensor is imported on torch's current stream: DLPack's handshake then has nothing
+    # to order, where CuPy's own stream (the legacy default) would be made to wait on torch's,
+    # which CUDA refuses while torch captures a graph (found on an H200, 2026-11-26).
+    on_torch_stream = (
+        cupy_stream_of_torch(info.device_id)
+        if info.framework == "torch"
+        else contextlib.nullcontext()
+    )
+    with cupy.cuda.Device(info.device_id), on_torch_stream:
         try:
             return cupy.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError, ValueError) as err:

@@ -208,3 +208,37 @@ def test_one_place_tells_array_libraries_apart():
         assert array_library(x) == want, x
     assert dlpack.describe(jnp.zeros(2), "q").framework == "jax"
     assert dlpack.describe(torch.zeros(2), "q").framework == "torch"
+
+
+def test_a_torch_cuda_tensor_is_imported_on_torchs_current_stream(monkeypatch):
+    """CuPy imports a torch CUDA tensor inside torch's current stream: its DLPack handshake then
+    orders nothing. From CuPy's own (legacy default) stream, torch makes that stream wait on
+    its own, which CUDA refuses while torch captures a graph: a dynamic layout step under
+    torch.cuda.graph failed so on an H200 (2026-11-26). Checked here without a GPU: the import
+    must happen while the torch-stream context is entered."""
+    cupy = pytest.importorskip("cupy")
+    events = []
+
+    class TorchStream:
+        def __enter__(self):
+            events.append("enter torch stream")
+
+        def __exit__(self, *exc):
+            events.append("exit torch stream")
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(dlpack, "cupy_stream_of_torch", lambda device_id=None: TorchStream())
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy, "from_dlpack", lambda x: events.append("import") or x)
+    tensor = torch.zeros(3)
+    dlpack.to_backend(tensor, dlpack.ArrayInfo("torch", "cuda", 0), "q")
+    assert events == ["enter torch stream", "import", "exit torch stream"]

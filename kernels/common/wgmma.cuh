@@ -2,9 +2,11 @@
 // D[64 x N] (+)= A[64 x 16] * B[16 x N], fp32 accumulators, fp16 or bf16 operands, N = 16, 32,
 // 64, 128 or 256, each instruction behind one small named device function like those of
 // ptx.cuh. B is read from shared memory through a matrix descriptor, K-major (N rows of K,
-// imm-trans-b = 0); A either the same way (64 rows of K, imm-trans-a = 0: wgmma_m64k16, the form
-// of QK^T) or from four 32-bit registers per thread (wgmma_m64k16_rs, the form of P.V, whose P
-// is the softmax of an accumulator fragment).
+// imm-trans-b = 0: K^T of QK^T, stored as K's rows) or MN-major (K rows of N, imm-trans-b = 1:
+// V of P.V, stored as V's rows, which 16-bit types allow); A either K-major from shared memory
+// (64 rows of K, imm-trans-a = 0: wgmma_m64k16, the form of QK^T) or from four 32-bit registers
+// per thread (wgmma_m64k16_rs, the form of P.V, whose P is the softmax of an accumulator
+// fragment).
 //
 // Under the CPU interpreter each thread computes its own accumulator fragment when it issues
 // the instruction, from the operands as they are then, and the PTX ISA's rules a GPU does not
@@ -38,6 +40,12 @@ enum WgmmaSwizzle : unsigned {
   WGMMA_SWIZZLE_32B = 3,
 };
 
+// Which way an operand's elements run in shared memory (imm-trans-a/b: 0 K-major, 1 MN-major).
+enum WgmmaMajor : int {
+  WGMMA_K_MAJOR = 0,
+  WGMMA_MN_MAJOR = 1,
+};
+
 constexpr int WGMMA_M = 64;
 constexpr int WGMMA_K = 16;
 constexpr int WARPGROUP_WARPS = 4;
@@ -58,11 +66,14 @@ __device__ __forceinline__ u64 descriptor_encode(u64 x) {
   return (x & DESCRIPTOR_ENCODE_MASK) >> DESCRIPTOR_ENCODE_SHIFT;
 }
 
-// Descriptor of a K-major operand at `smem` (PTX ISA, "Canonical Layouts"): 8-row groups
+// Descriptor of an operand at `smem` (PTX ISA, "Canonical Layouts"). K-major: 8-row groups
 // `stride_bytes` apart; without swizzle each 8x16-byte core matrix is contiguous and the next
 // along K is `leading_bytes` on, with a swizzle a row is the swizzle width and the leading
-// offset is unused. The pattern's base offset is 0: the operand's swizzle atoms start on the
-// pattern's repeat, as TMA destinations here always do.
+// offset is unused. MN-major with a swizzle: a K row is one swizzle width of MN, 8 K rows make
+// an atom, the next atom along K is `stride_bytes` on and the next along MN `leading_bytes` on;
+// without swizzle the roles swap (core matrices of 8 K rows x 16 bytes, `stride_bytes` apart
+// along MN, `leading_bytes` along K). The pattern's base offset is 0: the operand's swizzle
+// atoms start on the pattern's repeat, as TMA destinations here always do.
 __device__ __forceinline__ u64 wgmma_descriptor(const void* smem, unsigned leading_bytes,
                                                 unsigned stride_bytes, WgmmaSwizzle swizzle) {
   const u64 address = static_cast<u64>(__cvta_generic_to_shared(smem));
@@ -98,17 +109,37 @@ inline unsigned descriptor_swizzle_bits(unsigned field) {
   return field == WGMMA_SWIZZLE_NONE ? TMA_SWIZZLE_NONE : TMA_SWIZZLE_128B + 1 - field;
 }
 
-// Shared-memory offset of element (row, k) of a K-major operand, row < 64 (A) or < N (B),
-// k < 16: the K-major canonical layout ((8, m), (T, 2)) : ((row pitch, stride), (1, chunk
-// step)) in bytes, T elements to a 16-byte chunk, then the swizzle of the address.
-inline size_t operand_offset(const MatrixDescriptor& d, int row, int k, size_t element_bytes) {
+// Rows of a canonical layout's core matrix or swizzle atom (K rows when MN-major).
+constexpr int CANONICAL_GROUP_ROWS = 8;
+
+// Shared-memory offset of element (row, k) of an operand, row < 64 (A) or < N (B), k < 16, in
+// bytes, then the swizzle of the address; T elements to a 16-byte chunk, W of them to a
+// swizzle width (PTX ISA, "Canonical Layouts", in elements):
+//   K-major:                ((8, m), (T, 2k)) : ((row pitch, SBO), (1, chunk step))
+//   MN-major, no swizzle:   ((T, 1, m), (8, k)) : ((1, T, SBO), (T, LBO))
+//   MN-major, swizzled:     ((T, W, m), (8, k)) : ((1, T, LBO), (W T, SBO))
+inline size_t operand_offset(const MatrixDescriptor& d, int row, int k, size_t element_bytes,
+                             WgmmaMajor major) {
   const int per_chunk = int(TMA_CHUNK_BYTES / element_bytes);
   const unsigned mode = descriptor_swizzle_bits(d.swizzle);
-  const size_t row_pitch = mode == TMA_SWIZZLE_NONE ? TMA_CHUNK_BYTES : swizzle_width(mode);
-  const size_t chunk_step = mode == TMA_SWIZZLE_NONE ? d.leading : TMA_CHUNK_BYTES;
-  const size_t unswizzled = d.start + size_t(row % 8) * row_pitch + size_t(row / 8) * d.stride +
-                            size_t(k % per_chunk) * element_bytes +
-                            size_t(k / per_chunk) * chunk_step;
+  const int group = CANONICAL_GROUP_ROWS;
+  size_t unswizzled;
+  if (major == WGMMA_K_MAJOR) {
+    const size_t row_pitch = mode == TMA_SWIZZLE_NONE ? TMA_CHUNK_BYTES : swizzle_width(mode);
+    const size_t chunk_step = mode == TMA_SWIZZLE_NONE ? d.leading : TMA_CHUNK_BYTES;
+    unswizzled = d.start + size_t(row % group) * row_pitch + size_t(row / group) * d.stride +
+                 size_t(k % per_chunk) * element_bytes + size_t(k / per_chunk) * chunk_step;
+  } else if (mode == TMA_SWIZZLE_NONE) {
+    unswizzled = d.start + size_t(row % per_chunk) * element_bytes +
+                 size_t(row / per_chunk) * d.stride + size_t(k % group) * TMA_CHUNK_BYTES +
+                 size_t(k / group) * d.leading;
+  } else {
+    const size_t width = swizzle_width(mode);
+    const int per_width = int(width / element_bytes);
+    unswizzled = d.start + size_t(row % per_width) * element_bytes +
+                 size_t(row / per_width) * d.leading + size_t(k % group) * width +
+                 size_t(k / group) * d.stride;
+  }
   return swizzle(unswizzled, mode);
 }
 
@@ -119,9 +150,9 @@ struct OperandRead {
 };
 
 template <typename T>
-inline float read_operand(const MatrixDescriptor& d, int row, int k,
+inline float read_operand(const MatrixDescriptor& d, int row, int k, WgmmaMajor major,
                           std::vector<OperandRead>& reads) {
-  const size_t offset = operand_offset(d, row, k, sizeof(T));
+  const size_t offset = operand_offset(d, row, k, sizeof(T), major);
   if (offset + sizeof(T) > dynamic_smem_bytes) {
     report_hazard("a wgmma operand element at shared-memory offset " + std::to_string(offset) +
                   ", past the end of dynamic shared memory");
@@ -154,14 +185,15 @@ constexpr u64 A_IN_REGISTERS = ~0ULL;
 // Folds the identity of one wgmma.mma_async into the thread's digest (.aligned: the threads of
 // a warpgroup must all issue the same ones) and checks what every issue needs: a wgmma.fence
 // since the accumulators were last handed back, and descriptors whose matrix base offset is 0.
-inline bool wgmma_issue_ok(u64 operand_a, u64 desc_b, int n, bool accumulate) {
+inline bool wgmma_issue_ok(u64 operand_a, u64 desc_b, WgmmaMajor b_major, int n,
+                           bool accumulate) {
   ThreadState& me = self();
   if (!me.wgmma_fenced) {
     report_hazard("wgmma.mma_async with no wgmma.fence since the warpgroup's registers were "
                   "last accessed by other instructions");
   }
   me.wgmma_digest = mix_digest(mix_digest(mix_digest(me.wgmma_digest, operand_a), desc_b),
-                               u64(n) * 2 + u64(accumulate));
+                               (u64(n) * 2 + u64(b_major)) * 2 + u64(accumulate));
   for (u64 descriptor : {operand_a, desc_b}) {
     if (descriptor == A_IN_REGISTERS || decode_descriptor(descriptor).base_offset == 0) continue;
     report_hazard("a wgmma descriptor with a non-zero matrix base offset (operands here start "
@@ -172,12 +204,13 @@ inline bool wgmma_issue_ok(u64 operand_a, u64 desc_b, int n, bool accumulate) {
 }
 
 // Computes this thread's N / 2 accumulators of D = A * B (+ D) at issue: A's element (row, k)
-// from a_element(row, k, reads), B's from shared memory through `b`, each shared-memory element
+// from a_element(row, k, reads), B's from shared memory through `b` (laid out `b_major`), each
+// shared-memory element
 // recorded in `reads`. The accumulators read NaN until the wgmma.wait_group retiring the
 // instruction, which runs `check_a` and reports any element read here that changed since.
 template <typename T, int N, typename AElement>
-inline void wgmma_fragment(float* d, const MatrixDescriptor& b, bool accumulate,
-                           AElement a_element, std::function<void()> check_a) {
+inline void wgmma_fragment(float* d, const MatrixDescriptor& b, WgmmaMajor b_major,
+                           bool accumulate, AElement a_element, std::function<void()> check_a) {
   ThreadState& me = self();
   // What the accumulators hold for this instruction: the result of the latest one still in
   // flight on the same registers (chained instructions are ordered by the hardware), else the
@@ -197,7 +230,7 @@ inline void wgmma_fragment(float* d, const MatrixDescriptor& b, bool accumulate,
     const int col = 8 * (i / 4) + 2 * t + i % 2;
     float sum = accumulate ? c[i] : 0.0f;
     for (int k = 0; k < WGMMA_K; ++k) {
-      sum = std::fma(a_element(row, k, reads), read_operand<T>(b, col, k, reads), sum);
+      sum = std::fma(a_element(row, k, reads), read_operand<T>(b, col, k, b_major, reads), sum);
     }
     result[i] = sum;
   }
@@ -216,23 +249,23 @@ inline void wgmma_fragment(float* d, const MatrixDescriptor& b, bool accumulate,
   me.wgmma_ops.push_back({-1, d, std::move(result), std::move(check)});
 }
 
-template <typename T, int N>
+template <typename T, int N, WgmmaMajor B_MAJOR>
 inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
-  if (!wgmma_issue_ok(desc_a, desc_b, N, accumulate)) return;
+  if (!wgmma_issue_ok(desc_a, desc_b, B_MAJOR, N, accumulate)) return;
   const MatrixDescriptor a = decode_descriptor(desc_a);
   auto a_element = [&](int row, int k, std::vector<OperandRead>& reads) {
-    return read_operand<T>(a, row, k, reads);
+    return read_operand<T>(a, row, k, WGMMA_K_MAJOR, reads);
   };
-  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), accumulate, a_element, [] {});
+  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), B_MAJOR, accumulate, a_element, [] {});
 }
 
 // The A operand from registers: the rows of A a thread's accumulators need are held by the four
 // threads of its quad (lanes 4g .. 4g + 3 of its warp), so the warp exchanges its registers
 // first (every thread of the warpgroup issues the instruction: .aligned).
-template <typename T, int N>
+template <typename T, int N, WgmmaMajor B_MAJOR>
 inline void wgmma_issue_rs(float* d, const u32* a, u64 desc_b, bool accumulate) {
   const uint32_t* all = warp_exchange(a, WGMMA_A_REGISTERS * sizeof(u32));
-  if (!wgmma_issue_ok(A_IN_REGISTERS, desc_b, N, accumulate)) return;
+  if (!wgmma_issue_ok(A_IN_REGISTERS, desc_b, B_MAJOR, N, accumulate)) return;
   const int quad = 4 * (self().lane / 4);
   auto a_element = [=](int row, int k, std::vector<OperandRead>&) {
     const int holder = quad + (k % 8) / 2;
@@ -245,7 +278,8 @@ inline void wgmma_issue_rs(float* d, const u32* a, u64 desc_b, bool accumulate) 
   };
   std::array<u32, WGMMA_A_REGISTERS> issued;
   std::memcpy(issued.data(), a, sizeof(issued));
-  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), accumulate, a_element, [a, issued] {
+  wgmma_fragment<T, N>(d, decode_descriptor(desc_b), B_MAJOR, accumulate, a_element,
+                       [a, issued] {
     if (std::memcmp(a, issued.data(), sizeof(issued)) == 0) return;
     report_hazard("the A fragment registers of a wgmma.mma_async changed between its issue and "
                   "the wgmma.wait_group retiring it");
@@ -369,25 +403,30 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[COUNT]) {
 #define CUATTN_AFTER_32 "%32", "%33", "%34", "%35", "%36", "%37"
 #define CUATTN_AFTER_64 "%64", "%65", "%66", "%67", "%68", "%69"
 #define CUATTN_AFTER_128 "%128", "%129", "%130", "%131", "%132", "%133"
-// The wgmma with scale-d from `accumulate` (0: D = A * B), imm-scale-a/b 1, K-major operands;
-// A from a descriptor (SS: operands desc_a, desc_b, accumulate) or from registers (RS: a[0..3],
-// desc_b, accumulate; that form has no imm-trans-a).
+// The wgmma with scale-d from `accumulate` (0: D = A * B), imm-scale-a/b 1, A K-major and B
+// K-major (imm-trans-b 0: the _K forms) or MN-major (1: the _MN forms); A from a descriptor (SS:
+// operands desc_a, desc_b, accumulate) or from registers (RS: a[0..3], desc_b, accumulate; that
+// form has no imm-trans-a).
 #define CUATTN_WGMMA_ASM(SHAPE_TYPES, OPERANDS, ACCUMULATE, INPUTS, ...)                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                          \
                "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " OPERANDS ";\n}\n"               \
                : __VA_ARGS__                                                                     \
                : INPUTS)
-#define CUATTN_WGMMA_SS(SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                          \
-  CUATTN_WGMMA_ASM(SHAPE_TYPES, REGS ", " N0 ", " N1 ", p, 1, 1, 0, 0", N2,                       \
+#define CUATTN_WGMMA_SS(TRANS_B, SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                 \
+  CUATTN_WGMMA_ASM(SHAPE_TYPES, REGS ", " N0 ", " N1 ", p, 1, 1, 0, " TRANS_B, N2,                \
                    CUATTN_SS_INPUTS, __VA_ARGS__)
-#define CUATTN_WGMMA_RS(SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                          \
+#define CUATTN_WGMMA_RS(TRANS_B, SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                 \
   CUATTN_WGMMA_ASM(SHAPE_TYPES,                                                                  \
-                   REGS ", {" N0 ", " N1 ", " N2 ", " N3 "}, " N4 ", p, 1, 1, 0", N5,            \
+                   REGS ", {" N0 ", " N1 ", " N2 ", " N3 "}, " N4 ", p, 1, 1, " TRANS_B, N5,     \
                    CUATTN_RS_INPUTS, __VA_ARGS__)
+#define CUATTN_WGMMA_SS_K(...) CUATTN_WGMMA_SS("0", __VA_ARGS__)
+#define CUATTN_WGMMA_SS_MN(...) CUATTN_WGMMA_SS("1", __VA_ARGS__)
+#define CUATTN_WGMMA_RS_K(...) CUATTN_WGMMA_RS("0", __VA_ARGS__)
+#define CUATTN_WGMMA_RS_MN(...) CUATTN_WGMMA_RS("1", __VA_ARGS__)
 #define CUATTN_SS_INPUTS "l"(desc_a), "l"(desc_b), "r"(int(accumulate))
 #define CUATTN_RS_INPUTS \
   "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))
-// FORM (CUATTN_WGMMA_SS or _RS) for N = N_TEXT, fp16 or bf16 by T: COUNT = N / 2 accumulators.
+// FORM (CUATTN_WGMMA_SS_K, _SS_MN, _RS_K or _RS_MN) for N = N_TEXT, fp16 or bf16 by T: COUNT = N / 2 accumulators.
 #define CUATTN_WGMMA_N(FORM, N_TEXT, REGS, AFTER, ACCUMULATORS)                                  \
   if constexpr (is_same_type<T, __half>::value) {                                                \
     FORM("m64n" N_TEXT "k16.f32.f16.f16", REGS, AFTER, ACCUMULATORS);                            \
@@ -415,29 +454,38 @@ constexpr bool WGMMA_SHAPE_OK =
     is_half_type<T>::value && (N == 16 || N == 32 || N == 64 || N == 128 || N == 256);
 
 // d (the N / 2 accumulators of this thread) = A * B (+ d when `accumulate`): one
-// wgmma.mma_async.m64nNk16.f32 of T (__half or __nv_bfloat16) operands, both from shared memory.
-template <typename T, int N>
+// wgmma.mma_async.m64nNk16.f32 of T (__half or __nv_bfloat16) operands, both from shared memory,
+// A K-major, B laid out B_MAJOR.
+template <typename T, int N, WgmmaMajor B_MAJOR = WGMMA_K_MAJOR>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 desc_b,
                                              bool accumulate) {
   static_assert(WGMMA_SHAPE_OK<T, N>, "fp16 or bf16 operands, N = 16, 32, 64, 128 or 256");
 #ifdef CUATTN_INTERP
-  cuattn_interp::wgmma_issue<T, N>(d, desc_a, desc_b, accumulate);
+  cuattn_interp::wgmma_issue<T, N, B_MAJOR>(d, desc_a, desc_b, accumulate);
 #else
-  CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS)
+  if constexpr (B_MAJOR == WGMMA_K_MAJOR) {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_K)
+  } else {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_MN)
+  }
 #endif
 }
 
 // The same with A from registers: `a` holds this thread's A fragment (the header's layout), and
 // neither its registers nor the accumulators may be touched until the wgmma.wait_group that
 // retires the instruction.
-template <typename T, int N>
+template <typename T, int N, WgmmaMajor B_MAJOR = WGMMA_K_MAJOR>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2],
                                                 const u32 (&a)[WGMMA_A_REGISTERS], u64 desc_b,
                                                 bool accumulate) {
   static_assert(WGMMA_SHAPE_OK<T, N>, "fp16 or bf16 operands, N = 16, 32, 64, 128 or 256");
 #ifdef CUATTN_INTERP
-  cuattn_interp::wgmma_issue_rs<T, N>(d, a, desc_b, accumulate);
+  cuattn_interp::wgmma_issue_rs<T, N, B_MAJOR>(d, a, desc_b, accumulate);
 #else
-  CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_RS)
+  if constexpr (B_MAJOR == WGMMA_K_MAJOR) {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_RS_K)
+  } else {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_RS_MN)
+  }
 #endif
 }

@@ -37,6 +37,7 @@ from tests.helpers.ptx_layouts import (
     aligned_array,
     documented_tile,
     wgmma_image,
+    wgmma_image_mn_major,
     widest_box,
 )
 
@@ -62,6 +63,10 @@ def wgmma_expression(cxx_type: str, n: int, steps: int, bug: int, registers: boo
     return f"test_wgmma<{cxx_type}, {n}, {steps}, {bug}, {str(registers).lower()}>"
 
 
+def mn_major_expression(cxx_type: str, n: int, steps: int, registers: bool) -> str:
+    return f"test_wgmma_mn_major<{cxx_type}, {n}, {steps}, {str(registers).lower()}>"
+
+
 WGMMA_CASES = sorted(
     {(t, n, Swizzle.B128) for t in HALF_TYPES for n in WGMMA_N}
     | {(t, n, s) for t, n in SWIZZLE_SWEEP_SHAPES for s in Swizzle}
@@ -80,6 +85,13 @@ EXPRESSIONS = [
         for bug in range(1, WGMMA_BUGS)
         for registers in (False, True)
     ],
+    *sorted(
+        {
+            mn_major_expression(t, n, WGMMA_STEPS[s], registers)
+            for t, n, s in WGMMA_CASES
+            for registers in (False, True)
+        }
+    ),
     "test_tma_load<true, false>",
     "test_tma_load<false, false>",
     "test_tma_load<true, true>",
@@ -328,14 +340,19 @@ def test_wgmma_descriptor_is_the_documented_bit_layout(
     assert int(out[0]) == expected, hex(int(out[0]))
 
 
+def random_operands(cxx_type: str, n: int, swizzle: Swizzle, seed: int):
+    """A (64 x K) and B (N x K) random, K one swizzle row (WGMMA_STEPS instructions)."""
+    dtype = HALF_TYPES[cxx_type]
+    k = WGMMA_K * WGMMA_STEPS[swizzle]
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((64, k)).astype(dtype), rng.standard_normal((n, k)).astype(dtype)
+
+
 def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug=0, registers=False, seed=12):
     """A (64 x K) and B (N x K) random, K one swizzle row; A in the shared-memory image or, with
     `registers`, in each thread's registers. Returns A, B and every thread's accumulators."""
-    dtype = HALF_TYPES[cxx_type]
     steps = WGMMA_STEPS[swizzle]
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((64, WGMMA_K * steps)).astype(dtype)
-    b = rng.standard_normal((n, WGMMA_K * steps)).astype(dtype)
+    a, b = random_operands(cxx_type, n, swizzle, seed)
     image, a_offset, b_offset, leading, stride = wgmma_image(a, b, swizzle, TILE_OFFSET)
     out = np.zeros((WARPGROUP, n // 2), np.float32)
     run(
@@ -358,17 +375,59 @@ def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug=0, registers=False, 
     return a, b, out
 
 
+def wgmma_mn_major(lib, cxx_type: str, n: int, swizzle: Swizzle, registers: bool, seed=13):
+    """wgmma's inputs as in `wgmma`, B (K rows of N) MN-major in the canonical layout of the
+    PTX ISA. Returns A, B and every thread's accumulators."""
+    steps = WGMMA_STEPS[swizzle]
+    a, b_rows_of_n = random_operands(cxx_type, n, swizzle, seed)
+    b = np.ascontiguousarray(b_rows_of_n.T)
+    image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, b_step = (
+        wgmma_image_mn_major(a, b, swizzle, TILE_OFFSET)
+    )
+    out = np.zeros((WARPGROUP, n // 2), np.float32)
+    run(
+        lib,
+        mn_major_expression(cxx_type, n, steps, registers),
+        1,
+        WARPGROUP,
+        image,
+        len(image),
+        a_offset,
+        b_offset,
+        a_leading,
+        a_stride,
+        b_leading,
+        b_stride,
+        DESCRIPTOR_SWIZZLE[swizzle],
+        WGMMA_K * ELEMENT_BYTES,
+        b_step,
+        np.ascontiguousarray(a_fragments(a)),
+        out,
+        smem=len(image),
+    )
+    return a, b, out
+
+
+@pytest.mark.parametrize("b_major", ["K-major B", "MN-major B"])
 @pytest.mark.parametrize("registers", [False, True], ids=["A in shared memory", "A in registers"])
 @pytest.mark.parametrize("cxx_type, n, swizzle", WGMMA_CASES, ids=str)
 def test_wgmma_multiplies_the_documented_layouts_into_the_documented_fragment(
-    lib, cxx_type, n, swizzle, registers
+    lib, cxx_type, n, swizzle, registers, b_major
 ):
     """A and B laid out as the PTX ISA documents each swizzle mode (the 64B and 128B cases chain
     2 and 4 instructions along K, the descriptors advancing 32 bytes inside the swizzle row) or
     A in registers as CUTLASS's ALayout_64x16 places it; each thread's accumulators at the
-    places CUTLASS's CLayout_64xN gives."""
-    a, b, out = wgmma(lib, cxx_type, n, swizzle, registers=registers)
-    expected = a.astype(np.float64) @ b.astype(np.float64).T
+    places CUTLASS's CLayout_64xN gives. B is K-major (N rows of K) or, with imm-trans-b = 1,
+    MN-major by the PTX ISA's MN-major canonical layout (K rows of N, the swizzle-wide columns
+    of atoms LBO apart, the 8-row groups along K SBO apart; without swizzle 8 x 16-byte core
+    matrices SBO apart along N, LBO along K): the layout in which P.V reads V's rows as they
+    are stored."""
+    if b_major == "K-major B":
+        a, b, out = wgmma(lib, cxx_type, n, swizzle, registers=registers)
+        b_rows_of_n = b.T
+    else:
+        a, b_rows_of_n, out = wgmma_mn_major(lib, cxx_type, n, swizzle, registers)
+    expected = a.astype(np.float64) @ b_rows_of_n.astype(np.float64)
     rows, columns = accumulator_positions(n)
     np.testing.assert_allclose(out, expected[rows, columns], rtol=1e-5, atol=1e-5)
 
@@ -425,12 +484,19 @@ def test_the_a_fragment_is_the_accumulator_fragment_of_16_columns():
 
 
 def test_the_wgmma_ptx_assembles_for_sm_90a_to_hgmma():
-    """NVRTC compiles kernels/common/wgmma.cuh for sm_90a, both forms, every N and type: the
+    """NVRTC compiles kernels/common/wgmma.cuh for sm_90a, both forms with B K-major and
+    MN-major, every N and type: the
     SASS holds one HGMMA per chained instruction, and ptxas neither injects waits between them
     (C7519) nor serialises them."""
     steps = WGMMA_STEPS[Swizzle.B128]
     expressions = [
         wgmma_expression(t, n, steps, 0, registers)
+        for t in HALF_TYPES
+        for n in WGMMA_N
+        for registers in (False, True)
+    ]
+    expressions += [
+        mn_major_expression(t, n, steps, registers)
         for t in HALF_TYPES
         for n in WGMMA_N
         for registers in (False, True)

@@ -4,8 +4,8 @@ tests/backends/kernels/hopper.cu must produce, on the CPU interpreter
 
 Nothing here comes from the code under test. The swizzle tables are the PTX ISA's "Swizzling
 Modes" tables (section "Tensors") as the document prints them; wgmma operands follow its K-major
-"Canonical Layouts"; the register fragments of wgmma .m64nNk16 ("Register Fragments", which
-gives them as figures) are placed by their text forms in CUTLASS
+and MN-major "Canonical Layouts"; the register fragments of wgmma .m64nNk16 ("Register
+Fragments", which gives them as figures) are placed by their text forms in CUTLASS
 (cute/atom/mma_traits_sm90_gmma.hpp): CLayout_64xN for the accumulators D, ALayout_64x16
 (defined there as CLayout_64x16) for A.
 """
@@ -102,6 +102,8 @@ NO_SWIZZLE_CORE_BYTES = 8 * CHUNK  # one 8 x 16-byte core matrix
 # swizzle: 16 elements).
 WGMMA_STEPS = {Swizzle.NONE: 1, Swizzle.B32: 1, Swizzle.B64: 2, Swizzle.B128: 4}
 A_REGISTERS = 4  # 32-bit registers of a thread's A fragment, two 16-bit elements each
+# The 128B swizzle's repeat, the largest: an operand starting on it starts on every mode's.
+PATTERN_REPEAT_MAX = 1024
 
 
 def canonical_offset(row: int, k: int, swizzle: Swizzle, leading: int, stride: int) -> int:
@@ -118,19 +120,46 @@ def canonical_offset(row: int, k: int, swizzle: Swizzle, leading: int, stride: i
     )
 
 
+def mn_major_offset(n: int, k: int, swizzle: Swizzle, leading: int, stride: int) -> int:
+    """Byte offset of element (n, k) in the PTX ISA's MN-major canonical layouts (in elements,
+    T = 8, W = 2, 4, 8 chunks to the 32, 64, 128B swizzle width): no swizzle
+    ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)); swizzled ((T,W,m),(8,k)):((1,T,LBO),(WT,SBO)),
+    unswizzled."""
+    if swizzle == Swizzle.NONE:
+        along_n = (n % PER_CHUNK) * ELEMENT_BYTES + (n // PER_CHUNK) * stride
+        return along_n + (k % 8) * CHUNK + (k // 8) * leading
+    per_width = SWIZZLE_WIDTH[swizzle] // ELEMENT_BYTES
+    along_n = (n % per_width) * ELEMENT_BYTES + (n // per_width) * leading
+    return along_n + (k % 8) * SWIZZLE_WIDTH[swizzle] + (k // 8) * stride
+
+
+def _place_element(image: np.ndarray, value: np.ndarray, unswizzled: int, swizzle) -> None:
+    """Writes one 16-bit element where the swizzle table moves its 16-byte chunk."""
+    table = SWIZZLE_TABLES[swizzle]
+    line, cell = divmod(unswizzled, LINE)
+    chunk, within = divmod(cell, CHUNK)
+    moved = table[line % len(table)].index(chunk)
+    at = line * LINE + moved * CHUNK + within
+    image[at : at + ELEMENT_BYTES] = np.frombuffer(value.tobytes(), np.uint8)
+
+
 def place(image: np.ndarray, matrix: np.ndarray, base: int, swizzle, leading, stride) -> None:
     """Writes a K-major matrix into the shared-memory image, moving each 16-byte chunk to the
     cell the swizzle table gives it."""
-    table = SWIZZLE_TABLES[swizzle]
     raw = matrix.view(np.uint16)
     for row in range(matrix.shape[0]):
         for k in range(matrix.shape[1]):
-            unswizzled = base + canonical_offset(row, k, swizzle, leading, stride)
-            line, cell = divmod(unswizzled, LINE)
-            chunk, within = divmod(cell, CHUNK)
-            moved = table[line % len(table)].index(chunk)
-            at = line * LINE + moved * CHUNK + within
-            image[at : at + ELEMENT_BYTES] = np.frombuffer(raw[row, k].tobytes(), np.uint8)
+            offset = base + canonical_offset(row, k, swizzle, leading, stride)
+            _place_element(image, raw[row, k], offset, swizzle)
+
+
+def place_mn_major(image: np.ndarray, b: np.ndarray, base: int, swizzle, leading, stride) -> None:
+    """Writes B (K rows of N) MN-major into the shared-memory image, swizzled as `place`."""
+    raw = b.view(np.uint16)
+    for k in range(b.shape[0]):
+        for n in range(b.shape[1]):
+            offset = base + mn_major_offset(n, k, swizzle, leading, stride)
+            _place_element(image, raw[k, n], offset, swizzle)
 
 
 def operand_strides(swizzle: Swizzle) -> tuple[int, int]:
@@ -152,6 +181,39 @@ def wgmma_image(a: np.ndarray, b: np.ndarray, swizzle: Swizzle, first: int):
     place(image, a, a_offset, swizzle, leading, stride)
     place(image, b, b_offset, swizzle, leading, stride)
     return image, a_offset, b_offset, leading, stride
+
+
+def mn_major_strides(swizzle: Swizzle, n: int, k: int) -> tuple[int, int]:
+    """(leading, stride) bytes of a dense MN-major B of K rows of N: swizzled, the atoms of 8 K
+    rows one after another along K (SBO: one atom), the swizzle-wide columns of atoms after that
+    (LBO: K / 8 atoms); without swizzle, core matrices along N first (SBO: one core matrix), the
+    groups of 8 K rows after that (LBO: N / 8 core matrices)."""
+    if swizzle == Swizzle.NONE:
+        return (n // PER_CHUNK) * NO_SWIZZLE_CORE_BYTES, NO_SWIZZLE_CORE_BYTES
+    atom = 8 * SWIZZLE_WIDTH[swizzle]
+    return (k // 8) * atom, atom
+
+
+def wgmma_image_mn_major(a: np.ndarray, b: np.ndarray, swizzle: Swizzle, first: int):
+    """The shared memory of a wgmma test with B (K rows of N) MN-major: A (64 rows of K,
+    K-major as in wgmma_image) at `first`, B after it, both in the canonical layouts of
+    `swizzle`. Returns (image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride,
+    b_step): b_step is the bytes from one K-step of 16 rows of B to the next."""
+    a_leading, a_stride = operand_strides(swizzle)
+    k, n = b.shape
+    b_leading, b_stride = mn_major_strides(swizzle, n, k)
+    a_offset = first
+    a_end = a_offset + (WGMMA_M // 8) * a_stride
+    b_offset = -(-a_end // PATTERN_REPEAT_MAX) * PATTERN_REPEAT_MAX
+    if swizzle == Swizzle.NONE:
+        b_bytes = (k // 8) * b_leading
+    else:
+        b_bytes = -(-n * ELEMENT_BYTES // SWIZZLE_WIDTH[swizzle]) * b_leading
+    image = np.zeros(b_offset + b_bytes, np.uint8)
+    place(image, a, a_offset, swizzle, a_leading, a_stride)
+    place_mn_major(image, b, b_offset, swizzle, b_leading, b_stride)
+    b_step = 2 * (b_leading if swizzle == Swizzle.NONE else b_stride)
+    return image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, b_step
 
 
 def accumulator_positions(n: int) -> tuple[np.ndarray, np.ndarray]:

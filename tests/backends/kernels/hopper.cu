@@ -159,16 +159,17 @@ constexpr int WARPGROUP = 128;
 // the descriptors' start addresses `step_bytes` further each time (a compile-time count: a loop
 // ptxas cannot unroll makes it inject waits between the instructions); out[thread][i] =
 // accumulator i.
-template <typename T, int N, int STEPS, int BUG, bool A_IN_REGISTERS>
-__global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_offset,
-                           int b_offset, int leading, int stride, int swizzle, int step_bytes,
-                           const u32* a_fragments, float* out) {
+// The test kernels' operands: `image` copied into shared memory (plain stores, so a proxy fence
+// follows unless PROXY_FENCE is false) and, with A_IN_REGISTERS, each thread's A registers.
+template <int STEPS, bool A_IN_REGISTERS>
+__device__ __forceinline__ void stage_operands(const unsigned char* image, int image_bytes,
+                                               const u32* a_fragments, bool proxy_fence,
+                                               u32 (&a)[STEPS][WGMMA_A_REGISTERS]) {
   unsigned char* smem = dynamic_smem<unsigned char>();
   const int tid = int(threadIdx.x);
   for (int i = tid; i < image_bytes; i += WARPGROUP) smem[i] = image[i];
-  if (BUG != MMA_NO_PROXY_FENCE) fence_proxy_async();
+  if (proxy_fence) fence_proxy_async();
   __syncthreads();
-  u32 a[STEPS][WGMMA_A_REGISTERS];
   if constexpr (A_IN_REGISTERS) {
     for (int s = 0; s < STEPS; ++s) {
       for (int r = 0; r < WGMMA_A_REGISTERS; ++r) {
@@ -176,6 +177,17 @@ __global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_of
       }
     }
   }
+}
+
+template <typename T, int N, int STEPS, int BUG, bool A_IN_REGISTERS>
+__global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_offset,
+                           int b_offset, int leading, int stride, int swizzle, int step_bytes,
+                           const u32* a_fragments, float* out) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  const int tid = int(threadIdx.x);
+  u32 a[STEPS][WGMMA_A_REGISTERS];
+  stage_operands<STEPS, A_IN_REGISTERS>(image, image_bytes, a_fragments,
+                                        BUG != MMA_NO_PROXY_FENCE, a);
   float d[N / 2];
   wgmma_fence_operands(d);
   if (BUG != MMA_NO_WGMMA_FENCE) wgmma_fence();
@@ -210,4 +222,40 @@ __global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_of
   if (BUG != MMA_EARLY_READ) {
     for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
   }
+}
+
+// D = A * B for one warpgroup with B MN-major (imm-trans-b = 1: K rows of N, the way P.V reads V
+// as stored), A K-major from shared memory or from registers as in test_wgmma; `image` holds A
+// at a_offset (unless A_IN_REGISTERS) and B at b_offset in the canonical layouts of `swizzle`.
+// STEPS chained instructions of K = 16, the descriptors advancing a_step_bytes (A) and
+// b_step_bytes (B: two groups of 8 K rows) each time; out[thread][i] = accumulator i.
+template <typename T, int N, int STEPS, bool A_IN_REGISTERS>
+__global__ void test_wgmma_mn_major(const unsigned char* image, int image_bytes, int a_offset,
+                                    int b_offset, int a_leading, int a_stride, int b_leading,
+                                    int b_stride, int swizzle, int a_step_bytes,
+                                    int b_step_bytes, const u32* a_fragments, float* out) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  const int tid = int(threadIdx.x);
+  u32 a[STEPS][WGMMA_A_REGISTERS];
+  stage_operands<STEPS, A_IN_REGISTERS>(image, image_bytes, a_fragments, true, a);
+  float d[N / 2];
+  wgmma_fence_operands(d);
+  wgmma_fence();
+  const WgmmaSwizzle mode = WgmmaSwizzle(swizzle);
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const u64 desc_b = wgmma_descriptor(smem + b_offset + s * b_step_bytes, unsigned(b_leading),
+                                        unsigned(b_stride), mode);
+    if constexpr (A_IN_REGISTERS) {
+      wgmma_m64k16_rs<T, N, WGMMA_MN_MAJOR>(d, a[s], desc_b, s > 0);
+    } else {
+      const u64 desc_a = wgmma_descriptor(smem + a_offset + s * a_step_bytes, unsigned(a_leading),
+                                          unsigned(a_stride), mode);
+      wgmma_m64k16<T, N, WGMMA_MN_MAJOR>(d, desc_a, desc_b, s > 0);
+    }
+  }
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operands(d);
+  for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
 }

@@ -151,6 +151,22 @@ struct PairedRowTiles {
   int sub_ = 0;
 };
 
+// The forward's walk over a CTA's query rows: ActiveTiles over query block q_block's CSR row,
+// or with ROW_BLOCKS = 2 PairedRowTiles over blocks q_block and q_block + 1 (row_block: which
+// of the two the caller's rows lie in; the last query block may have no partner).
+template <int ROW_BLOCKS, int RULE, int BLOCK, int TILE_N>
+__device__ __forceinline__ auto forward_walk(const int* row_ptr, const int* col_idx,
+                                             const int* row_mask, int head, int num_blocks,
+                                             int q_block, int row_block) {
+  const int* entries = row_ptr + head * (num_blocks + 1) + q_block;
+  if constexpr (ROW_BLOCKS == 2) {
+    return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
+                                               row_mask, row_block);
+  } else {
+    return ActiveTiles<RULE, BLOCK, TILE_N, true>(entries, col_idx, row_mask);
+  }
+}
+
 // One warp's view of a forward tile: the entry mask of the query block its rows lie in (`row` 0,
 // or 1 for the second block of a paired CTA) and the coverage narrowed to the warp's own rows
 // first..last: a FULL tile stays FULL, a PARTIAL one may be FULL or EMPTY for these rows alone.

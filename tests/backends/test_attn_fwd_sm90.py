@@ -1,0 +1,174 @@
+"""The sm_90a forward (kernels/attn_fwd_sm90.cu, issue 27 step 3a) through the CPU interpreter
+against the float64 dense oracle, with every Hopper hazard check on (the interpreter's
+default), and compiled for sm_90a by NVRTC: every instantiation without spills, with HGMMA in
+its SASS and no serialised wgmma.
+
+Shapes are small on purpose (every wgmma is emulated thread by thread): a ragged last block,
+layouts with a query row or a whole query block that attends to nothing, and a key block no
+query attends to. Outputs are NaN-poisoned before launch. The kernel is not wired into the
+backends yet, so the tests launch it themselves with the argument list of its signature.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuattn.backends import interp
+from cuattn.backends.toolchain import kernel_dir
+from cuattn.layout.layout import Layout
+from cuattn.layout.registry import make_layout
+from tests.backends.test_interp_kernels import HEADS, check_forward, make_test_layout, n_ctx_for
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+SOURCE = "attn_fwd_sm90.cu"
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+CXX_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+RULES = {"none": "MASK_NONE", "causal": "MASK_CAUSAL", "window": "MASK_WINDOW"}
+RULES["bitmask"] = "MASK_BITMASK"
+TILE_M = 128  # query rows per CTA: two warpgroups of 64
+# (block, key tile) per head dim: 128-blocks take 128-key tiles up to d = 128 (S and O then
+# hold 64 + 64 accumulators a thread), 64-key tiles at d = 256 (128 for O alone); 64-blocks
+# take 64-key tiles.
+SHAPES = [(64, 64, d) for d in (64, 128, 256)] + [(128, 128, 64), (128, 128, 128), (128, 64, 256)]
+
+
+def expression(block: int, tile_n: int, head_dim: int, dtype: str, rule: str) -> str:
+    return f"attn_fwd_sm90<{block}, {tile_n}, {head_dim}, {CXX_TYPES[dtype]}, {RULES[rule]}>"
+
+
+def traits(block: int, tile_n: int, head_dim: int, dtype: str) -> str:
+    return f"attn_fwd_sm90_traits<{block}, {tile_n}, {head_dim}, {CXX_TYPES[dtype]}>"
+
+
+# The interpreter runs, one per case: (block, key tile, head dim, dtype, rule, layout case).
+# Each rule with each dtype and head dims 64 and 128 on 128-blocks; the paired 64-block CTAs
+# with two rules; d = 256 once per block size; then GQA with strided inputs, queries != keys
+# and a query count that leaves the second warpgroup of the last CTA without rows.
+RUN_CASES = (
+    [(128, 128, 64, "bfloat16", rule, "square") for rule in RULES]
+    + [(128, 128, 128, "float16", rule, "square") for rule in RULES]
+    + [
+        (64, 64, 64, "float16", "causal", "square"),
+        (64, 64, 128, "bfloat16", "bitmask", "square"),
+        (64, 64, 256, "bfloat16", "none", "square"),
+        (128, 64, 256, "float16", "causal", "square"),
+        (128, 128, 64, "bfloat16", "causal", "gqa"),
+        (128, 128, 128, "bfloat16", "causal", "fewer queries"),
+        (64, 64, 64, "bfloat16", "window", "fewer queries"),
+        (64, 64, 128, "float16", "causal", "one warpgroup of rows"),
+    ]
+)
+
+
+def case_layout(rule: str, block: int, case: str) -> tuple[Layout, int, int]:
+    """(layout, batch, kv heads) of a run case."""
+    if case == "square":
+        return make_test_layout(rule, block, n_ctx_for(block)), 1, HEADS
+    if case == "gqa":  # 4 query heads on 2 kv heads, two batches
+        return make_layout("all", n_ctx_for(block), 4, block), 2, 2
+    kwargs = {"local_attn_ctx": block // 2 + 3} if rule == "window" else {}
+    mode = "local" if rule == "window" else "all"
+    if case == "fewer queries":  # n_q < n_k, end-aligned: q_offset > 0
+        return make_layout(mode, 2 * block + 9, HEADS, block, n_q=block + 5, **kwargs), 1, HEADS
+    # 64-blocks: 70 queries, so the last CTA's second warpgroup has no block at all
+    return make_layout(mode, 70, HEADS, block, **kwargs), 1, HEADS
+
+
+def strided_view(x: np.ndarray) -> np.ndarray:
+    """x [batch, heads, rows, d] as a view of a [batch, rows, heads, d] array (a projection's
+    output seen head-major): non-contiguous batch, head and row strides."""
+    stored = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    return stored.transpose(0, 2, 1, 3)
+
+
+def element_strides(x: np.ndarray) -> list[int]:
+    return [stride // x.itemsize for stride in x.strides[:3]]
+
+
+@pytest.fixture(scope="module")
+def lib() -> interp.Library:
+    cases = sorted({(b, t, d, dtype, rule) for b, t, d, dtype, rule, _ in RUN_CASES})
+    return interp.build_library(
+        SOURCE, [expression(*c) for c in cases], [traits(*c[:4]) for c in cases]
+    )
+
+
+def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
+    """One launch of the kernel `config` (block, key tile, head dim, dtype, rule) on the
+    interpreter; returns (out, lse)."""
+    batch, heads, n_q, head_dim = q.shape
+    out = np.full((batch, heads, n_q, head_dim), np.nan, q.dtype)
+    lse = np.full((batch, heads, n_q), np.nan, np.float32)
+    index = interp.backend.index_arrays(layout)
+    name = expression(*config)
+    threads, smem = lib.traits(name)
+    pointers = [q, k, v, out, lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
+    args: list = [ctypes.c_void_p(a.ctypes.data) for a in pointers]
+    rule = layout.rule
+    ints = [layout.n_q, layout.n_ctx, layout.q_offset, heads // k.shape[1], layout.num_q_blocks]
+    args += [ctypes.c_int32(i) for i in ints]
+    args.append(ctypes.c_float(scale))
+    args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
+    args += [ctypes.c_int64(s) for x in (q, k, v) for s in element_strides(x)]
+    grid = (-(-n_q // TILE_M), heads, batch)
+    lib.launch(name, grid, (threads, 1, 1), smem, args)
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "block, tile_n, head_dim, dtype, rule, case", RUN_CASES, ids=lambda x: str(x)
+)
+def test_the_sm90a_forward_matches_the_dense_oracle(
+    lib, block, tile_n, head_dim, dtype, rule, case
+):
+    layout, batch, kv_heads = case_layout(rule, block, case)
+    assert layout.rule.kind == rule
+    rng = np.random.default_rng(block + head_dim)
+    shape_q = (batch, layout.heads, layout.n_q, head_dim)
+    shape_kv = (batch, kv_heads, layout.n_ctx, head_dim)
+    q, k, v = (
+        rng.standard_normal(s).astype(NUMPY_DTYPES[dtype]) for s in (shape_q, *[shape_kv] * 2)
+    )
+    if case == "gqa":
+        q, k, v = strided_view(q), strided_view(k), strided_view(v)
+    scale = head_dim**-0.5
+    out, lse = run_forward(lib, (block, tile_n, head_dim, dtype, rule), layout, q, k, v, scale)
+    check_forward(out, lse, q, k, v, layout, scale, dtype)
+
+
+def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():
+    """NVRTC compiles the whole family (every block and key tile, head dim, dtype and rule) for
+    sm_90a: no spills, HGMMA in the SASS of each kernel, and ptxas neither injects waits
+    between wgmma (C7519) nor serialises them."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options
+    from cuattn.tools import sass, sass_model
+    from cuattn.tools.ptxas import parse_ptxas_log
+
+    problem = sass_model.missing_tools()
+    if problem is not None:
+        pytest.skip(f"no SASS tools: {problem}")
+    expressions = [
+        expression(block, tile_n, head_dim, dtype, rule)
+        for block, tile_n, head_dim in SHAPES
+        for dtype in CXX_TYPES
+        for rule in RULES
+    ]
+    source = (kernel_dir() / SOURCE).read_text()
+    lowered, cubin, log = sass_model.compile_module(
+        source, SOURCE, expressions, common_options(), "sm_90a"
+    )
+    assert "C7519" not in log and "serialized" not in log, log
+    stats = parse_ptxas_log(log)
+    with tempfile.TemporaryDirectory() as workdir:
+        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    for name in expressions:
+        assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
+        opcodes = {i.base for i in kernels[lowered[name]].instructions}
+        assert "HGMMA" in opcodes, (name, sorted(opcodes))

@@ -83,9 +83,10 @@ struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM
   static constexpr int SMEM_BYTES =
       Base::TILE_BYTES + Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
   // The score-modifier variant takes the softcap's slopes before adding biases, into a tile of
-  // registers; an fp32 d = 256 warp, whose dQ accumulator alone is 128 registers, has no room
-  // for them and recovers each capped score from P instead (log2(P) + lse less the biases).
-  static constexpr bool KEEP_SLOPES = !(HEAD_DIM >= 256 && sizeof(T) == sizeof(float));
+  // registers; a d = 256 warp, whose dQ accumulator alone is 128 registers, has no room for
+  // them (ptxas spilled on sm_80 and sm_90) and recovers each capped score from P instead
+  // (log2(P) + lse less the biases).
+  static constexpr bool KEEP_SLOPES = HEAD_DIM < 256;
 };
 
 // lse in the log2 domain as the backward uses it; a row with nothing to attend (lse = -inf) or
@@ -245,10 +246,15 @@ __global__ void __launch_bounds__(
   // The key bias of this lane's two keys (rows g and g + 8 of S^T), log2 domain, for every
   // step; and the sums over queries of their dS (the bias's gradient).
   float key_bias_log2[2] = {}, key_ds[2] = {};
-  const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
-                                   rel_max_distance, int(blockIdx.z), head);
-  const Dropout dropout =
-      Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
+  // The table's row and dropout's key are rebuilt from the parameters where used (constant
+  // bank): held across the loop they cost registers the fp32 d = 256 kernels do not have.
+  auto rel_bias_of = [&] {
+    return RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride, rel_max_distance,
+                         int(blockIdx.z), head);
+  };
+  auto dropout_of = [&] {
+    return Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+  };
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
       const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
@@ -281,7 +287,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int e = 0; e < 4; ++e) p_t[j][e] += key_bias_log2[e / 2];  // 0 without one
       }
-      if (use_rel_bias) rel_bias_tile<TILE_Q, false>(p_t, rb, q_offset, k_warp, q_start);
+      if (use_rel_bias) rel_bias_tile<TILE_Q, false>(p_t, rel_bias_of(), q_offset, k_warp, q_start);
     }
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
@@ -305,6 +311,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int e = 0; e < 4; ++e) p_kept[j][e] = p_t[j][e];
       }
+      const Dropout dropout = dropout_of();
       if (dropout.on()) dropout_tile<TILE_Q, false>(p_kept, dropout, k_warp, q_start);
       warp_gemm_regs_kn<D_OUT, TILE_Q>(dv_acc, p_kept, do_smem + d_first, LD, scratch);
     } else {
@@ -315,6 +322,7 @@ __global__ void __launch_bounds__(
     float ds_t[TILE_Q / 8][4] = {};
     warp_gemm_rs_nk<TILE_Q, HEAD_DIM>(ds_t, v_smem + warp * 16 * LD, LD, do_smem, LD);
     if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
+      const Dropout dropout = dropout_of();
       if (dropout.on()) dropout_tile<TILE_Q, false>(ds_t, dropout, k_warp, q_start);
     }
 #pragma unroll
@@ -345,6 +353,7 @@ __global__ void __launch_bounds__(
           }
         }
         if (use_rel_bias) {
+          const RelBias rb = rel_bias_of();
           position_bias_frags<1, TILE_Q, false>(as_frags<TILE_Q>(p_t), q_offset, k_warp, q_start,
                                                 [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
         }
@@ -459,152 +468,173 @@ __global__ void __launch_bounds__(
     lse_row[r] = lse_log2_or_inf(lse, head_offset + q_row, q_row < n_q);
     delta_row[r] = q_row < n_q ? delta[head_offset + q_row] : 0.f;
   }
-  float dq_acc[HEAD_DIM / 8][4] = {};
-  // sum over this lane's keys of dS * |q_pos - k_pos| per row (ALiBi's slope gradient)
-  float alibi_dist_ds[2] = {};
-  // with a relative-position table: the sums of dS over this lane's keys that clamp to its
-  // first and last columns (the columns between hold one key per row: stored as they come)
-  float rel_first_ds[2] = {}, rel_last_ds[2] = {};
-  const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
-                                   rel_max_distance, int(blockIdx.z), head);
+  // The table's row and dropout's key are rebuilt from the parameters where used (constant
+  // bank): held across the loop they cost registers the fp32 d = 256 kernels do not have.
+  auto rel_bias_of = [&] {
+    return RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride, rel_max_distance,
+                         int(blockIdx.z), head);
+  };
   const int rel_width = 2 * rel_max_distance + 1;
-  const Dropout dropout =
-      Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
+  auto dropout_of = [&] {
+    return Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+  };
   const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
 
-  ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
-                                              row_mask);
-  // The inner loop: one active key tile per step, the next one's copy in flight.
-  walk_double_buffered(walk, rule, q_start, q_last, load_step, [&](const ActiveTile& tile, int stage) {
-    const int k_start = tile.start;
-    const T* k_smem = step_smem + stage * 2 * TILE_K * LD;
-    const T* v_smem = k_smem + TILE_K * LD;
+  // The score-modifier variant at head dim 256 computes dQ's columns in DQ_PASSES passes of
+  // D_OUT over the row, S and dP again in each: its state beside a 256-column accumulator
+  // spilled (sm_80 and sm_90). The operands' gradients come from the first pass.
+  constexpr int DQ_PASSES_FROM_HEAD_DIM = 256;
+  constexpr int DQ_PASSES = MODS == MODS_SCORE && HEAD_DIM >= DQ_PASSES_FROM_HEAD_DIM ? 2 : 1;
+  constexpr int D_OUT = HEAD_DIM / DQ_PASSES;
+#pragma unroll 1
+  for (int pass = 0; pass < DQ_PASSES; ++pass) {
+    const int d_first = pass * D_OUT;
+    const bool operand_grads = pass == 0;
+    float dq_acc[D_OUT / 8][4] = {};
+    // sum over this lane's keys of dS * |q_pos - k_pos| per row (ALiBi's slope gradient)
+    float alibi_dist_ds[2] = {};
+    // with a relative-position table: the sums of dS over this lane's keys that clamp to its
+    // first and last columns (the columns between hold one key per row: stored as they come)
+    float rel_first_ds[2] = {}, rel_last_ds[2] = {};
+    ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
+                                                row_mask);
+    // The inner loop: one active key tile per step, the next one's copy in flight.
+    walk_double_buffered(walk, rule, q_start, q_last, load_step, [&](const ActiveTile& tile, int stage) {
+      const int k_start = tile.start;
+      const T* k_smem = step_smem + stage * 2 * TILE_K * LD;
+      const T* v_smem = k_smem + TILE_K * LD;
 
-    float p[TILE_K / 8][4] = {};
-    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
-    score_tile<MODS, TILE_K>(p, score_scale);
-    if (tile.coverage == TILE_PARTIAL) {
-      mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
-                                                 tile.mask_id);
-    }
-    // this lane's two keys per n-tile: their key bias (log2 domain; 0 without one)
-    float key_bias_log2[TILE_K / 8][2] = {};
-    if constexpr (MODS == MODS_SCORE) {
-      if (use_key_bias) {
+      float p[TILE_K / 8][4] = {};
+      warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+      score_tile<MODS, TILE_K>(p, score_scale);
+      if (tile.coverage == TILE_PARTIAL) {
+        mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
+                                                   tile.mask_id);
+      }
+      // this lane's two keys per n-tile: their key bias (log2 domain; 0 without one)
+      float key_bias_log2[TILE_K / 8][2] = {};
+      if constexpr (MODS == MODS_SCORE) {
+        if (use_key_bias) {
+#pragma unroll
+          for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) key_bias_log2[j][c] = kb.log2_at(k_start + frag.col(j, c));
+          }
+        }
+      }
+      // the softcap's slope of each score, from the capped score before any bias is added
+      float slope[TILE_K / 8][4];
+      if constexpr (MODS == MODS_SCORE && Traits::KEEP_SLOPES) {
 #pragma unroll
         for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) key_bias_log2[j][c] = kb.log2_at(k_start + frag.col(j, c));
+          for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
         }
       }
-    }
-    // the softcap's slope of each score, from the capped score before any bias is added
-    float slope[TILE_K / 8][4];
-    if constexpr (MODS == MODS_SCORE && Traits::KEEP_SLOPES) {
+      // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
+      // differ by constants, so each element's distance is one add.
+      const float q_minus_k_first =
+          float(q_offset + q_warp - k_start) + float(frag.row(0) - frag.col(0, 0));
+      if constexpr (MODS == MODS_SCORE) {
+        if (use_rel_bias) rel_bias_tile<TILE_K, true>(p, rel_bias_of(), q_offset, q_warp, k_start);
+      }
+      float ds[TILE_K / 8][4] = {};
+      warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+      if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
+        const Dropout dropout = dropout_of();
+        if (dropout.on()) dropout_tile<TILE_K, true>(ds, dropout, q_warp, k_start);
+      }
 #pragma unroll
       for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
-      }
-    }
-    // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
-    // differ by constants, so each element's distance is one add.
-    const float q_minus_k_first =
-        float(q_offset + q_warp - k_start) + float(frag.row(0) - frag.col(0, 0));
-    if constexpr (MODS == MODS_SCORE) {
-      if (use_rel_bias) rel_bias_tile<TILE_K, true>(p, rb, q_offset, q_warp, k_start);
-    }
-    float ds[TILE_K / 8][4] = {};
-    warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
-    if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
-      if (dropout.on()) dropout_tile<TILE_K, true>(ds, dropout, q_warp, k_start);
-    }
-#pragma unroll
-    for (int j = 0; j < TILE_K / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
-        if constexpr (MODS == MODS_SCORE) {
-          distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
-          p[j][e] += score_scale.alibi_log2 * distance + key_bias_log2[j][e % 2];  // 0: none
-        }
-        p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
-        ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
-        if constexpr (MODS == MODS_SCORE) {
-          alibi_dist_ds[e / 2] += ds[j][e] * distance;  // before the cap's slope: d/d bias
-        }
-      }
-    }
-    if constexpr (MODS == MODS_SCORE) {
-      // the table's gradient from dS of the biased scores, before the cap's slope
-      if (use_rel_bias_grad) {
-        rel_grad_tile<TILE_K>(ds, rb, q_offset, q_warp, k_start, n_q,
-                              rel_bias_grad + head_offset * rel_width, rel_first_ds, rel_last_ds);
-      }
-      // With a cap, its slope: kept, or (KEEP_SLOPES false) from the capped score, which comes
-      // back from P as log2(P) + lse less the biases (P is dead after dS).
-      if constexpr (Traits::KEEP_SLOPES) {
-#pragma unroll
-        for (int j = 0; j < TILE_K / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ds[j][e] *= slope[j][e];
-        }
-      } else if (score_scale.cap_log2 > 0.f) {
-#pragma unroll
-        for (int j = 0; j < TILE_K / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
-            p[j][e] = log2f(p[j][e]) + lse_row[e / 2] - score_scale.alibi_log2 * distance -
-                      key_bias_log2[j][e % 2];
+        for (int e = 0; e < 4; ++e) {
+          float distance = 0.f;  // |q_pos - k_pos|, ALiBi's factor
+          if constexpr (MODS == MODS_SCORE) {
+            distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
+            p[j][e] += score_scale.alibi_log2 * distance + key_bias_log2[j][e % 2];  // 0: none
+          }
+          p[j][e] = exp2f(p[j][e] - lse_row[e / 2]);
+          ds[j][e] = p[j][e] * (ds[j][e] - delta_row[e / 2]);
+          if constexpr (MODS == MODS_SCORE) {
+            alibi_dist_ds[e / 2] += ds[j][e] * distance;  // before the cap's slope: d/d bias
           }
         }
-        if (use_rel_bias) {
-          position_bias_frags<1, TILE_K, true>(as_frags<TILE_K>(p), q_offset, q_warp, k_start,
-                                               [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
+      }
+      if constexpr (MODS == MODS_SCORE) {
+        // the table's gradient from dS of the biased scores, before the cap's slope
+        if (use_rel_bias_grad && operand_grads) {
+          rel_grad_tile<TILE_K>(ds, rel_bias_of(), q_offset, q_warp, k_start, n_q,
+                                rel_bias_grad + head_offset * rel_width, rel_first_ds, rel_last_ds);
         }
+        // With a cap, its slope: kept, or (KEEP_SLOPES false) from the capped score, which comes
+        // back from P as log2(P) + lse less the biases (P is dead after dS).
+        if constexpr (Traits::KEEP_SLOPES) {
 #pragma unroll
-        for (int j = 0; j < TILE_K / 8; ++j) {
+          for (int j = 0; j < TILE_K / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ds[j][e] *= softcap_slope<MODS>(p[j][e], score_scale);
+            for (int e = 0; e < 4; ++e) ds[j][e] *= slope[j][e];
+          }
+        } else if (score_scale.cap_log2 > 0.f) {
+#pragma unroll
+          for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float distance = fabsf(q_minus_k_first + float(8 * (e / 2) - 8 * j - e % 2));
+              p[j][e] = log2f(p[j][e]) + lse_row[e / 2] - score_scale.alibi_log2 * distance -
+                        key_bias_log2[j][e % 2];
+            }
+          }
+          if (use_rel_bias) {
+            const RelBias rb = rel_bias_of();
+            position_bias_frags<1, TILE_K, true>(as_frags<TILE_K>(p), q_offset, q_warp, k_start,
+                                                 [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
+          }
+#pragma unroll
+          for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[j][e] *= softcap_slope<MODS>(p[j][e], score_scale);
+          }
         }
       }
-    }
-    warp_gemm_regs_kn<HEAD_DIM, TILE_K>(dq_acc, ds, k_smem, LD, scratch);
-  });
+      warp_gemm_regs_kn<D_OUT, TILE_K>(dq_acc, ds, k_smem + d_first, LD, scratch);
+    });
 
-  if constexpr (MODS == MODS_SCORE) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // whole warp
-      alibi_dist_ds[r] = quad_sum(alibi_dist_ds[r]);
-      rel_first_ds[r] = quad_sum(rel_first_ds[r]);
-      rel_last_ds[r] = quad_sum(rel_last_ds[r]);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int q_row = q_warp + frag.row(2 * r);
-    if (q_row >= n_q) continue;
-    T* dq_row = dq + (head_offset + q_row) * HEAD_DIM;
-#pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      store_pair(dq_row + frag.pair_col(j), dq_acc[j][2 * r] * scale, dq_acc[j][2 * r + 1] * scale);
-    }
     if constexpr (MODS == MODS_SCORE) {
-      // d bias / d slope = -|q_pos - k_pos|: the row's share of the slope's gradient
-      if (use_alibi_grad && frag.t == 0) alibi_grad[head_offset + q_row] = -alibi_dist_ds[r];
-      // the table's clamped columns: this row's sums (one column when the table has one)
-      if (use_rel_bias_grad && frag.t == 0) {
-        float* rel_row = rel_bias_grad + (head_offset + q_row) * rel_width;
-        if (rel_width > 1) {
-          rel_row[0] = rel_first_ds[r];
-          rel_row[rel_width - 1] = rel_last_ds[r];
-        } else {  // one column: every key reads it (rel_grad_tile splits them at distance 0)
-          rel_row[0] = rel_first_ds[r] + rel_last_ds[r];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // whole warp
+        alibi_dist_ds[r] = quad_sum(alibi_dist_ds[r]);
+        rel_first_ds[r] = quad_sum(rel_first_ds[r]);
+        rel_last_ds[r] = quad_sum(rel_last_ds[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int q_row = q_warp + frag.row(2 * r);
+      if (q_row >= n_q) continue;
+      T* dq_row = dq + (head_offset + q_row) * HEAD_DIM + d_first;
+#pragma unroll
+      for (int j = 0; j < D_OUT / 8; ++j) {
+        store_pair(dq_row + frag.pair_col(j), dq_acc[j][2 * r] * scale, dq_acc[j][2 * r + 1] * scale);
+      }
+      if constexpr (MODS == MODS_SCORE) {
+        // d bias / d slope = -|q_pos - k_pos|: the row's share of the slope's gradient
+        if (use_alibi_grad && operand_grads && frag.t == 0) {
+          alibi_grad[head_offset + q_row] = -alibi_dist_ds[r];
+        }
+        // the table's clamped columns: this row's sums (one column when the table has one)
+        if (use_rel_bias_grad && operand_grads && frag.t == 0) {
+          float* rel_row = rel_bias_grad + (head_offset + q_row) * rel_width;
+          if (rel_width > 1) {
+            rel_row[0] = rel_first_ds[r];
+            rel_row[rel_width - 1] = rel_last_ds[r];
+          } else {  // one column: every key reads it (rel_grad_tile splits them at distance 0)
+            rel_row[0] = rel_first_ds[r] + rel_last_ds[r];
+          }
         }
       }
     }
+    __syncthreads();  // every warp is done with the step buffers the next pass refills
   }
 }

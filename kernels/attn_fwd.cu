@@ -125,143 +125,158 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
     cp_async_commit();
   };
 
-  auto walk = [&] {
-    const int* entries = row_ptr + head * (num_blocks + 1) + q_block;
-    if constexpr (Traits::ROW_BLOCKS == 2) {
-      return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
-                                                 row_mask, row_block);
-    } else {
-      return ActiveTiles<RULE, BLOCK, TILE_N, true>(entries, col_idx, row_mask);
-    }
-  }();
-  using Walk = decltype(walk);
-  // The rows the walk tests: the CTA's, or in a paired CTA the warp's own (PairedRowTiles).
-  const int walk_first = q_start + (Traits::ROW_BLOCKS == 2 ? warp * Traits::WARP_M : 0);
-  const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? Traits::WARP_M : TILE_M) - 1;
-  typename Walk::Tile tile;
-  bool active = walk.next(tile, rule, walk_first, walk_last);
   load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
       q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();
-  if (active) load_k(tile.start);
-
-  float acc[M_FRAGS][HEAD_DIM / 8][4] = {};
-  float m_i[M_FRAGS][2];  // rows g and g + 8 of each fragment, log2 domain
-  float l_i[M_FRAGS][2] = {};
-#pragma unroll
-  for (int m = 0; m < M_FRAGS; ++m) m_i[m][0] = m_i[m][1] = -INFINITY;
-  const ScoreScale score_scale = ScoreScale::make<MODS>(
-      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
-  const int q_warp = q_start + warp * Traits::WARP_M;
-  const T* q_warp_smem = q_smem + warp * Traits::WARP_M * LD;
-
-  // The inner loop: one active K/V tile per iteration.
-  while (active) {
-    cp_async_wait_group<0>();  // Q and K(t)
-    __syncthreads();           // ... visible to all; every warp is done reading V(t - 1)
-    load_v(tile.start);
-
-    // Only the warps this tile's diagonal or window edge crosses test elements. In a paired
-    // CTA a warp whose rows the tile does not reach (the other block's tile, or above the
-    // diagonal) skips it; one-block CTAs compute such a tile as all -inf (adding nothing):
-    // the branch cost them ~35 instructions per tile (and 72 bytes of spill at d128 b128) for
-    // a tile they rarely meet (static model, bench/NOTES.md change 17).
-    const WarpTile mine =
-        warp_view<RULE, TILE_N>(tile, row_block, rule, q_warp, q_warp + Traits::WARP_M - 1);
-    const bool computes = Traits::ROW_BLOCKS == 1 || mine.coverage != TILE_EMPTY;
-    float s_frag[M_FRAGS][TILE_N / 8][4] = {};
-    if (computes) {
-      warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
-      // the plain kernels keep q.k as it is: their scale rides in the softmax (row_probs)
-      if constexpr (MODS == MODS_SCORE) {
-#pragma unroll
-        for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
-        if (score_scale.alibi_log2 != 0.f) {
-          alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
-        }
-        if (use_key_bias) {
-          const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride +
-                               head * key_bias_head_stride,
-                           n_k};
-          key_bias_frags<M_FRAGS, TILE_N>(s_frag, kb, tile.start);
-        }
-        if (use_rel_bias) {
-          const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
-                                           rel_max_distance, int(blockIdx.z), head);
-          rel_bias_frags<M_FRAGS, TILE_N, true>(s_frag, rb, q_offset, q_warp, tile.start);
-        }
+  // The score-modifier variant in fp32 at head dim 256 computes out's columns in FWD_PASSES
+  // passes of D_OUT over the row, S and the softmax again in each (the lse from the first): its
+  // state beside a 256-column fp32 accumulator spilled on sm_80 once dropout's generator was in.
+  constexpr int FWD_PASSES_FROM_HEAD_DIM = 256;
+  constexpr int FWD_PASSES =
+      MODS == MODS_SCORE && HEAD_DIM >= FWD_PASSES_FROM_HEAD_DIM && sizeof(T) == sizeof(float) ? 2
+                                                                                               : 1;
+  constexpr int D_OUT = HEAD_DIM / FWD_PASSES;
+#pragma unroll 1
+  for (int pass = 0; pass < FWD_PASSES; ++pass) {
+    const int d_first = pass * D_OUT;
+    auto walk = [&] {
+      const int* entries = row_ptr + head * (num_blocks + 1) + q_block;
+      if constexpr (Traits::ROW_BLOCKS == 2) {
+        return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
+                                                   row_mask, row_block);
+      } else {
+        return ActiveTiles<RULE, BLOCK, TILE_N, true>(entries, col_idx, row_mask);
       }
-      if (mine.coverage != TILE_FULL) {
-        mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(
-            s_frag, rule, q_warp, tile.start, q_block + row_block, tile.block, mine.mask_id);
-      }
-    }
+    }();
+    using Walk = decltype(walk);
+    // The rows the walk tests: the CTA's, or in a paired CTA the warp's own (PairedRowTiles).
+    const int walk_first = q_start + (Traits::ROW_BLOCKS == 2 ? warp * Traits::WARP_M : 0);
+    const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? Traits::WARP_M : TILE_M) - 1;
+    typename Walk::Tile tile;
+    bool active = walk.next(tile, rule, walk_first, walk_last);
+    if (active) load_k(tile.start);
 
-    typename Walk::Tile next_tile;
-    const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
-    cp_async_wait_group<0>();  // V(t)
-    __syncthreads();           // ... visible to all; every warp is done reading K(t)
-    if (has_next) load_k(next_tile.start);
+    float acc[M_FRAGS][D_OUT / 8][4] = {};
+    float m_i[M_FRAGS][2];  // rows g and g + 8 of each fragment, log2 domain
+    float l_i[M_FRAGS][2] = {};
+#pragma unroll
+    for (int m = 0; m < M_FRAGS; ++m) m_i[m][0] = m_i[m][1] = -INFINITY;
+    const ScoreScale score_scale = ScoreScale::make<MODS>(
+        scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
+    const int q_warp = q_start + warp * Traits::WARP_M;
+    const T* q_warp_smem = q_smem + warp * Traits::WARP_M * LD;
 
-    if (computes) {
-      // Online softmax: rescale what was accumulated so far to the new running max.
+    // The inner loop: one active K/V tile per iteration.
+    while (active) {
+      cp_async_wait_group<0>();  // Q and K(t)
+      __syncthreads();           // ... visible to all; every warp is done reading V(t - 1)
+      load_v(tile.start);
+
+      // Only the warps this tile's diagonal or window edge crosses test elements. In a paired
+      // CTA a warp whose rows the tile does not reach (the other block's tile, or above the
+      // diagonal) skips it; one-block CTAs compute such a tile as all -inf (adding nothing):
+      // the branch cost them ~35 instructions per tile (and 72 bytes of spill at d128 b128) for
+      // a tile they rarely meet (static model, bench/NOTES.md change 17).
+      const WarpTile mine =
+          warp_view<RULE, TILE_N>(tile, row_block, rule, q_warp, q_warp + Traits::WARP_M - 1);
+      const bool computes = Traits::ROW_BLOCKS == 1 || mine.coverage != TILE_EMPTY;
+      float s_frag[M_FRAGS][TILE_N / 8][4] = {};
+      if (computes) {
+        warp_gemm_rs_nk<M_FRAGS, TILE_N, HEAD_DIM>(s_frag, q_warp_smem, LD, k_smem, LD);
+        // the plain kernels keep q.k as it is: their scale rides in the softmax (row_probs)
+        if constexpr (MODS == MODS_SCORE) {
 #pragma unroll
-      for (int m = 0; m < M_FRAGS; ++m) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float tile_max = -INFINITY;
-#pragma unroll
-          for (int j = 0; j < TILE_N / 8; ++j) {
-            tile_max = fmaxf(tile_max, fmaxf(s_frag[m][j][2 * r], s_frag[m][j][2 * r + 1]));
+          for (int m = 0; m < M_FRAGS; ++m) score_tile<MODS, TILE_N>(s_frag[m], score_scale);
+          if (score_scale.alibi_log2 != 0.f) {
+            alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
           }
-          const float m_new = fmaxf(m_i[m][r], scaled_max<MODS>(quad_max(tile_max), score_scale));
-          // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
-          // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
-          const float m_base = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = exp2f(m_i[m][r] - m_base);
-          const float row_sum = row_probs<MODS, TILE_N>(s_frag[m], r, score_scale, m_base);
-          l_i[m][r] = l_i[m][r] * alpha + row_sum;
-          m_i[m][r] = m_new;
-#pragma unroll
-          for (int j = 0; j < HEAD_DIM / 8; ++j) {
-            acc[m][j][2 * r] *= alpha;
-            acc[m][j][2 * r + 1] *= alpha;
+          if (use_key_bias) {
+            const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride +
+                                 head * key_bias_head_stride,
+                             n_k};
+            key_bias_frags<M_FRAGS, TILE_N>(s_frag, kb, tile.start);
+          }
+          if (use_rel_bias) {
+            const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
+                                             rel_max_distance, int(blockIdx.z), head);
+            rel_bias_frags<M_FRAGS, TILE_N, true>(s_frag, rb, q_offset, q_warp, tile.start);
           }
         }
+        if (mine.coverage != TILE_FULL) {
+          mask_score_frags<RULE, BLOCK, M_FRAGS, TILE_N, true>(
+              s_frag, rule, q_warp, tile.start, q_block + row_block, tile.block, mine.mask_id);
+        }
       }
-      if constexpr (MODS == MODS_SCORE) {  // the row sums above are of every probability
-        const Dropout dropout =
-            Dropout::make(dropout_threshold, dropout_seed, dropout_scale, int(blockIdx.z), head);
-        if (dropout.on()) dropout_frags<M_FRAGS, TILE_N, true>(s_frag, dropout, q_warp, tile.start);
-      }
-      warp_gemm_regs_kn<M_FRAGS, HEAD_DIM, TILE_N>(acc, s_frag, v_smem, LD, scratch);
-    }
-    tile = next_tile;
-    active = has_next;
-  }
-  cp_async_wait_all();  // a row with no active tile still retires its Q copy
 
-  const AccLayout frag;
+      typename Walk::Tile next_tile;
+      const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
+      cp_async_wait_group<0>();  // V(t)
+      __syncthreads();           // ... visible to all; every warp is done reading K(t)
+      if (has_next) load_k(next_tile.start);
+
+      if (computes) {
+        // Online softmax: rescale what was accumulated so far to the new running max.
 #pragma unroll
-  for (int m = 0; m < M_FRAGS; ++m) {
+        for (int m = 0; m < M_FRAGS; ++m) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(l_i[m][r]);
-      const int q_row = q_warp + 16 * m + frag.row(2 * r);
-      if (q_row >= n_q) continue;
-      // l == 0: no allowed key (or only -inf scores): out 0 and lse -inf, written, since acc
-      // may hold 0 * NaN from a masked key's v. A NaN or +inf allowed score left l NaN: the row
-      // is NaN, as in a dense computation (fmaxf drops NaN from the max, exp2f does not).
-      const bool empty = l == 0.f;
-      const float inv_l = 1.f / l;
-      T* out_row = out + (head_offset + q_row) * HEAD_DIM;
+          for (int r = 0; r < 2; ++r) {
+            float tile_max = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < HEAD_DIM / 8; ++j) {
-        store_pair(out_row + frag.pair_col(j), empty ? 0.f : acc[m][j][2 * r] * inv_l,
-                   empty ? 0.f : acc[m][j][2 * r + 1] * inv_l);
+            for (int j = 0; j < TILE_N / 8; ++j) {
+              tile_max = fmaxf(tile_max, fmaxf(s_frag[m][j][2 * r], s_frag[m][j][2 * r + 1]));
+            }
+            const float m_new = fmaxf(m_i[m][r], scaled_max<MODS>(quad_max(tile_max), score_scale));
+            // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
+            // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
+            const float m_base = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = exp2f(m_i[m][r] - m_base);
+            const float row_sum = row_probs<MODS, TILE_N>(s_frag[m], r, score_scale, m_base);
+            l_i[m][r] = l_i[m][r] * alpha + row_sum;
+            m_i[m][r] = m_new;
+#pragma unroll
+            for (int j = 0; j < D_OUT / 8; ++j) {
+              acc[m][j][2 * r] *= alpha;
+              acc[m][j][2 * r + 1] *= alpha;
+            }
+          }
+        }
+        if constexpr (MODS == MODS_SCORE) {  // the row sums above are of every probability
+          const Dropout dropout =
+              Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+          if (dropout.on()) dropout_frags<M_FRAGS, TILE_N, true>(s_frag, dropout, q_warp, tile.start);
+        }
+        warp_gemm_regs_kn<M_FRAGS, D_OUT, TILE_N>(acc, s_frag, v_smem + d_first, LD, scratch);
       }
-      if (frag.t == 0) lse[head_offset + q_row] = empty ? -INFINITY : (m_i[m][r] + log2f(l)) * LN2;
+      tile = next_tile;
+      active = has_next;
     }
+    cp_async_wait_all();  // a row with no active tile still retires its Q copy
+
+    const AccLayout frag;
+#pragma unroll
+    for (int m = 0; m < M_FRAGS; ++m) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_i[m][r]);
+        const int q_row = q_warp + 16 * m + frag.row(2 * r);
+        if (q_row >= n_q) continue;
+        // l == 0: no allowed key (or only -inf scores): out 0 and lse -inf, written, since acc
+        // may hold 0 * NaN from a masked key's v. A NaN or +inf allowed score left l NaN: the row
+        // is NaN, as in a dense computation (fmaxf drops NaN from the max, exp2f does not).
+        const bool empty = l == 0.f;
+        const float inv_l = 1.f / l;
+        T* out_row = out + (head_offset + q_row) * HEAD_DIM + d_first;
+#pragma unroll
+        for (int j = 0; j < D_OUT / 8; ++j) {
+          store_pair(out_row + frag.pair_col(j), empty ? 0.f : acc[m][j][2 * r] * inv_l,
+                     empty ? 0.f : acc[m][j][2 * r + 1] * inv_l);
+        }
+        if (frag.t == 0 && pass == 0) {
+          lse[head_offset + q_row] = empty ? -INFINITY : (m_i[m][r] + log2f(l)) * LN2;
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with the K/V buffers the next pass refills
   }
 }

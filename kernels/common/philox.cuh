@@ -45,16 +45,17 @@ __device__ __forceinline__ void philox4x32_10(u32 (&c)[4], u32 k0, u32 k1) {
   }
 }
 
-// A call's dropout: off (threshold 0) or the keep rule above for one (batch, head).
+// A call's dropout: off (threshold 0) or the keep rule above. The block kernels' grids put the
+// head on blockIdx.y and the batch on blockIdx.z, which words() reads where it needs them (held
+// in registers they cost the fp32 d = 256 kernels a spill).
 struct Dropout {
   u32 threshold;  // floor(p * 2^32): a word below it drops its score; 0: no dropout
   u32 key0, key1;  // the seed's low and high words
-  u32 head, batch;
   float scale;  // 1 / (1 - p)
 
   __device__ __forceinline__ static Dropout make(long long threshold, long long seed,
-                                                 float scale, int batch, int head) {
-    return {u32(threshold), u32(seed), u32(u64(seed) >> 32), u32(head), u32(batch), scale};
+                                                 float scale) {
+    return {u32(threshold), u32(seed), u32(u64(seed) >> 32), scale};
   }
   __device__ __forceinline__ bool on() const { return threshold != 0u; }
   // The four words for the 2 x 2 elements {q, q + 8} x {k, k + 8} of a 16 x 16 block, q and k
@@ -62,8 +63,8 @@ struct Dropout {
   __device__ __forceinline__ void words(u32 (&w)[4], int q, int k) const {
     w[0] = u32((k / 16) * 8 + k % 8);
     w[1] = u32((q / 16) * 8 + q % 8);
-    w[2] = head;
-    w[3] = batch;
+    w[2] = blockIdx.y;  // the head
+    w[3] = blockIdx.z;  // the batch
     philox4x32_10(w, key0, key1);
   }
 };

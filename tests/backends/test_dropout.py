@@ -130,3 +130,29 @@ def test_no_dropout_is_the_plain_kernels():
 def test_bad_dropout_arguments_are_refused(p, seed, error, message):
     with pytest.raises(error, match=message):
         ScoreMods().with_dropout(p, seed)
+
+
+@pytest.mark.parametrize(("block", "dtype"), [(16, "float32"), (64, "bfloat16")])
+def test_head_dim_256_in_passes_matches_the_oracle(block, dtype):
+    """At head dim 256 the variant's dQ (every dtype) and its fp32 forward compute their output
+    columns in two passes over the row (registers): every modifier at once, exact as elsewhere,
+    the operands' gradients from the first pass only."""
+    n = 40
+    layout = make_test_layout("causal", block, n)
+    q, k, v, dout = _inputs((1, HEADS, n, 256), dtype, seed=20)
+    rng = np.random.default_rng(21)
+    slopes = rng.uniform(0.05, 0.5, HEADS).astype(np.float32)
+    table = rng.standard_normal((HEADS, 9)).astype(np.float32)
+    check_operands(
+        interp,
+        q,
+        k,
+        v,
+        dout,
+        layout,
+        TOLERANCE[dtype],
+        SOFTCAP,
+        slopes,
+        rel_bias=table,
+        dropout=(0.2, SEED),
+    )

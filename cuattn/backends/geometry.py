@@ -413,12 +413,13 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # sm_80 and sm_90, every instantiation, 2026-11-26: 8-96 bytes of spill otherwise): the 128-block
 # forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
 # dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
-# dim 80 on (at least 16 rows), and at most MODS_DKDV_MAX_STEP from head dim 48 on (dropout's
-# copy of P for dV spilled its 64-row steps at d48/d64, 2026-11-26); dQ is not capped for three
-# CTAs per SM (BWD_DQ_MIN_CTAS).
+# dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
+# head dim 48 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
+# 64-row steps at d48-d80, 2026-11-26); dQ is not capped for three CTAs per SM
+# (BWD_DQ_MIN_CTAS).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
-MODS_DKDV_CAPPED_STEP_FROM_HEAD_DIM = 48
-MODS_DKDV_MAX_STEP = 32
+MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 48
+MODS_BWD_MAX_STEP = 32
 
 
 def pairs_rows(kernel: str, block: int, head_dim: int, dtype: str) -> bool:
@@ -440,8 +441,9 @@ def tile_sizes(
     own, step, warps = _plain_tile_sizes(kernel, block, head_dim, dtype, paired, mods)
     if mods and kernel == "attn_bwd_dkdv" and head_dim >= MODS_DKDV_HALF_STEP_FROM_HEAD_DIM:
         step = max(step // 2, MMA_ROWS)
-    if mods and kernel == "attn_bwd_dkdv" and head_dim >= MODS_DKDV_CAPPED_STEP_FROM_HEAD_DIM:
-        step = min(step, MODS_DKDV_MAX_STEP)
+    backward = kernel in ("attn_bwd_dkdv", "attn_bwd_dq")
+    if mods and backward and head_dim >= MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM:
+        step = min(step, MODS_BWD_MAX_STEP)
     return own, step, warps
 
 

@@ -94,6 +94,10 @@ def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     return arr, info
 
 
+# The pooled products one chunk of block_products holds (64 MiB of float32).
+SCORE_CHUNK_ELEMENTS = 1 << 24
+
+
 def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     """[heads, n, d] -> [heads, nb, d] in float32 (float64 for float64)."""
     if isinstance(x, np.ndarray):
@@ -145,8 +149,27 @@ def _scores(qa: Any, ka: Any, blocksize: int, pool: str) -> Any:
     pq, pk = _pooled(qa, blocksize, pool), _pooled(ka, blocksize, pool)
     nb = pq.shape[1]
     grouped = pq.reshape(kv_heads, heads // kv_heads, nb, d)
-    scores = grouped @ pk.transpose(0, 2, 1)[:, None]  # [kv_heads, group, nb, nb]
+    if isinstance(pq, np.ndarray):
+        scores = grouped @ pk.transpose(0, 2, 1)[:, None]  # [kv_heads, group, nb, nb]
+    else:
+        import cupy
+
+        scores = block_products(grouped, pk, cupy)
     return scores.reshape(heads, nb, nb)
+
+
+def block_products(grouped: Any, pk: Any, xp: Any) -> Any:
+    """[kv_heads, group, nb, nb]: each pooled query block (grouped [kv_heads, group, nb, d])
+    dotted with each pooled key block of its kv head (pk [kv_heads, nb, d]), as elementwise
+    products summed over d, SCORE_CHUNK_ELEMENTS products at a time: no cuBLAS, which a CUDA
+    graph capture refuses (CuPy's matmul is cuBLAS; found on an H200, 2026-11-26)."""
+    kv_heads, group, nb, d = grouped.shape
+    scores = xp.empty((kv_heads, group, nb, nb), dtype=grouped.dtype)
+    rows = max(1, SCORE_CHUNK_ELEMENTS // max(kv_heads * group * nb * d, 1))
+    for first in range(0, nb, rows):
+        products = grouped[:, :, first : first + rows, None, :] * pk[:, None, None, :, :]
+        scores[:, :, first : first + rows] = products.sum(axis=-1)
+    return scores
 
 
 def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int, sorts: bool = True) -> Any:

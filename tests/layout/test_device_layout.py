@@ -468,3 +468,24 @@ def test_on_the_gpu_vertical_slash_equals_the_host_rule():
     got = cuattn.sparse_attention(q, k, v, layout)
     want = cuattn.sparse_attention(q, k, v, host)
     assert torch.equal(got, want)
+
+
+def test_block_scores_on_the_device_take_no_cublas_and_equal_the_matmul(monkeypatch):
+    """On CuPy the pooled block scores are products summed over d, never a matmul: CuPy's matmul
+    is cuBLAS, which a CUDA graph capture refuses (a dynamic step under torch.cuda.graph failed
+    so on an H200, 2026-11-26). Checked here with NumPy standing in for CuPy, with every
+    matrix-product entry point removed, and chunks small enough to take several."""
+    rng = np.random.default_rng(30)
+    grouped = rng.standard_normal((2, 3, 9, 8))
+    pk = rng.standard_normal((2, 9, 8))
+
+    class NoMatmul:
+        def __getattr__(self, name):
+            if name in ("matmul", "dot", "einsum", "tensordot", "inner", "vdot"):
+                raise AssertionError(f"block_products called {name} (cuBLAS on CuPy)")
+            return getattr(np, name)
+
+    monkeypatch.setattr(dynamic, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 9 * 8 * 2)  # 2 rows a chunk
+    got = dynamic.block_products(grouped, pk, NoMatmul())
+    want = grouped @ pk.transpose(0, 2, 1)[:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

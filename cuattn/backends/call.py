@@ -167,11 +167,7 @@ def placed_operands(present: Sequence[Any], given: tuple[bool, ...]) -> tuple:
 def check_alibi_slopes(slopes: Any, batch: int, heads: int) -> None:
     """ALiBi's slopes: float32 [heads] or [batch, heads] (their array kind is the caller's
     check: check_same_kind, or the API's through cuattn.Tensor)."""
-    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
-        raise TypeError(
-            "alibi_slopes must be a float32 array [heads] or [batch, heads] of the same kind as "
-            f"q, got {type(slopes).__name__}"
-        )
+    _require_array("alibi_slopes", slopes, "[heads] or [batch, heads]")
     if dtype_name(slopes) != "float32":
         raise TypeError(
             f"alibi_slopes must be float32 (as FlashAttention takes them), got "
@@ -191,11 +187,7 @@ def check_key_bias(
     """A key bias: float32 [batch, time_k] or [batch, heads, time_k] (float64 too beside
     float64 q, which only the NumPy reference computes), time_k = n_k, or at least n_k with
     ``covering`` (decode: the cache's positions)."""
-    if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
-        raise TypeError(
-            "key_bias must be a float32 array [batch, time_k] or [batch, heads, time_k] of the "
-            f"same kind as q, got {type(bias).__name__}"
-        )
+    _require_array("key_bias", bias, "[batch, time_k] or [batch, heads, time_k]")
     _check_operand_dtype("key_bias", bias, q)
     shape = tuple(dims(bias))
     fits = len(shape) >= 2 and shape[:-1] in ((batch,), (batch, heads))
@@ -215,11 +207,7 @@ def check_key_bias(
 def check_rel_bias(table: Any, q: Any, batch: int, heads: int) -> None:
     """A relative-position table: float32 (float64 too beside float64 q) [heads, 2 M + 1] or
     [batch, heads, 2 M + 1], M >= 0 the largest distance it tells apart."""
-    if not hasattr(table, "shape") or not hasattr(table, "dtype"):
-        raise TypeError(
-            "rel_bias must be a float32 array [heads, 2 * max_distance + 1] of the same kind as "
-            f"q, got {type(table).__name__}"
-        )
+    _require_array("rel_bias", table, "[heads, 2 * max_distance + 1]")
     _check_operand_dtype("rel_bias", table, q)
     shape = tuple(dims(table))
     if (
@@ -236,6 +224,14 @@ def check_rel_bias(table: Any, q: Any, batch: int, heads: int) -> None:
 def rel_max_distance(table: Any) -> int:
     """M of a relative-position table [.., 2 M + 1]."""
     return (int(table.shape[-1]) - 1) // 2
+
+
+def _require_array(name: str, x: Any, shapes: str) -> None:
+    """A score operand is an array (a TypeError naming it and the shapes it takes otherwise)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(
+            f"{name} must be a float32 array {shapes} of the same kind as q, got {type(x).__name__}"
+        )
 
 
 def _check_operand_dtype(name: str, x: Any, q: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import dtype_name
 from cuattn.api import IMPLICIT_BLOCKSIZE, sparse_attention
 from cuattn.layout.layout import Layout
 
@@ -127,7 +128,7 @@ def _like(key_bias: np.ndarray | None, query: Any) -> Any:
     mask was read)."""
     if key_bias is None:
         return None
-    dtype = np.float64 if str(query.dtype).endswith("float64") else np.float32
+    dtype = np.float64 if dtype_name(query) == "float64" else np.float32
     key_bias = np.ascontiguousarray(key_bias, dtype=dtype)
     if type(query).__module__.startswith("torch"):
         import torch

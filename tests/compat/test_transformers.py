@@ -417,7 +417,12 @@ def _gemma2_pair(softcap=GEMMA_SOFTCAP):
         attn_logit_softcapping=softcap,
         query_pre_attn_scalar=1,  # scale 1: scores of several units, bent by the cap
     )
-    auto = transformers.AutoModelForCausalLM
+    return _eager_and_ours(transformers.AutoModelForCausalLM, cfg)
+
+
+def _eager_and_ours(auto, cfg):
+    """The same random weights of ``auto``'s model of ``cfg`` under eager attention and under
+    cuattn, float64, in eval mode."""
     eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64)
     ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
     ours.load_state_dict(eager.state_dict())
@@ -474,11 +479,7 @@ def _t5_pair():
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    auto = transformers.AutoModelForSeq2SeqLM
-    eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64)
-    ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
-    ours.load_state_dict(eager.state_dict())
-    return eager.eval(), ours.eval()
+    return _eager_and_ours(transformers.AutoModelForSeq2SeqLM, cfg)
 
 
 def test_t5_relative_bias_logits_gradients_and_greedy_tokens_equal_eager():

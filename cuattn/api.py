@@ -151,7 +151,7 @@ def sparse_attention(
     key_bias: Any = None,
     rel_bias: Any = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Any | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -182,11 +182,15 @@ def sparse_attention(
     (its backward keeps float32 [batch, heads, time_q, 2 M + 1] for that while it runs).
     ``dropout_p`` (0 <= p < 1) drops each attention probability with probability p after the
     softmax (the lse stays that of every score) and scales the kept ones by 1 / (1 - p); which
-    ones is a pure function of ``dropout_seed`` (an int in [0, 2^63)) and the element's (batch,
-    head, query, key), from Philox-4x32-10 (cuattn/backends/dropout.py), so the backward
-    regenerates the mask and stores nothing of size T x T. Without a seed one is drawn: from
-    torch's default generator for torch tensors (``torch.manual_seed`` repeats it), from NumPy's
-    global one otherwise; jax has no global generator, so jax calls pass the seed.
+    ones is a pure function of ``dropout_seed`` and the element's (batch, head, query, key),
+    from Philox-4x32-10 (cuattn/backends/dropout.py), so the backward regenerates the mask and
+    stores nothing of size T x T. The seed is an int in [0, 2^63) or an array of q's kind on
+    its device holding the 64-bit key (int64/uint64 [] or [1], uint32/int32 [2] low word
+    first), which the kernels read there: a traced jax seed (``jax.random.bits(key, (2,),
+    jnp.uint32)``) runs one compiled program for every seed. Without a seed one is drawn: on
+    q's device from torch's generator for torch tensors (``torch.manual_seed`` repeats it; a
+    CUDA graph's replay or a compiled graph draws anew), from NumPy's global one otherwise; jax
+    has no global generator, so jax calls pass the seed.
     ``backend``: 'numpy', 'interp' or 'cuda' (default: from the arrays' device and
     CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward and recomputes the forward
     there. Every backward is bit-identical run to run (``deterministic=`` is deprecated and
@@ -226,8 +230,13 @@ def sparse_attention(
     # the common call (no modifier) does not step into backends/call.py at all: a warm
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
+    seed_words = None  # a seed held in an array travels as a score operand
     if dropout_p:
-        mods = mods.with_dropout(dropout_p, _dropout_seed(q, dropout_seed))
+        seed = _dropout_seed(q, dropout_seed)
+        mods = mods.with_dropout(dropout_p, seed)
+        if mods.seed_words:
+            check_same_kind("dropout_seed", _untaped(seed), _untaped(q))
+            seed_words = seed
     elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
         mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
     if alibi_slopes is not None:
@@ -239,7 +248,7 @@ def sparse_attention(
     if rel_bias is not None:
         check_rel_bias(rel_bias, q, batch, heads)
         _check_operand_kind("rel_bias", rel_bias, q, layout)
-    operands = (alibi_slopes, key_bias, rel_bias)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
     if any(x is not None for x in operands):
         mods = mods.with_operands(operands)
     if empty:
@@ -253,18 +262,21 @@ def sparse_attention(
 
 def _dropout_seed(q: Any, seed: object) -> object:
     """The seed of a call with dropout: the caller's (checked with dropout_p), or one drawn from
-    torch's default generator (torch tensors) or NumPy's global one; jax has none."""
+    torch's generator of q's device (torch tensors: an int64 tensor there, so that nothing
+    waits for the host and a CUDA graph's replays draw anew) or NumPy's global one; jax has
+    none."""
     if seed is not None:
         return seed
     library = array_library(_untaped(q))
     if library == "torch":
         import torch
 
-        return int(torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64).item())
+        return torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64, device=q.device)
     if library == "jax":
         raise ValueError(
-            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass an "
-            "int in [0, 2^63), e.g. drawn from your PRNG key"
+            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass "
+            "jax.random.bits(key, (2,), jnp.uint32) (traced: a new seed does not retrace) or an "
+            "int in [0, 2^63)"
         )
     # NumPy's global state, so that np.random.seed repeats a run's masks
     return int(np.random.randint(0, MAX_DRAWN_SEED, dtype=np.int64))  # noqa: NPY002
@@ -508,7 +520,7 @@ def blocksparse_attention(
     key_bias: Any = None,
     rel_bias: Any = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Any | None = None,
     backend: str | None = None,
     deterministic: bool | None = None,
 ) -> Any:
@@ -692,7 +704,7 @@ def sparse_attention_varlen(
     key_bias: Any = None,
     rel_bias: Any = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Any | None = None,
     backend: str | None = None,
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.

@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(
                   const float* __restrict__ rel_bias, int use_rel_bias,
                   int rel_bias_batch_stride, int rel_max_distance, long long dropout_threshold,
                   long long dropout_seed, float dropout_scale,
+                  const u32* __restrict__ dropout_seed_words, int use_seed_words,
                   float* __restrict__ key_bias_grad, int use_key_bias_grad,
                   long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                   long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -253,7 +254,8 @@ __global__ void __launch_bounds__(
                          int(blockIdx.z), head);
   };
   auto dropout_of = [&] {
-    return Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+    return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
+                         dropout_scale);
   };
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
@@ -408,7 +410,8 @@ __global__ void __launch_bounds__(
                 long long key_bias_batch_stride, long long key_bias_head_stride,
                 const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
                 int rel_max_distance, long long dropout_threshold, long long dropout_seed,
-                float dropout_scale, float* __restrict__ alibi_grad, int use_alibi_grad,
+                float dropout_scale, const u32* __restrict__ dropout_seed_words, int use_seed_words,
+                float* __restrict__ alibi_grad, int use_alibi_grad,
                 float* __restrict__ rel_bias_grad, int use_rel_bias_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -476,7 +479,8 @@ __global__ void __launch_bounds__(
   };
   const int rel_width = 2 * rel_max_distance + 1;
   auto dropout_of = [&] {
-    return Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+    return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
+                         dropout_scale);
   };
   const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(

@@ -8,7 +8,8 @@
 // use_rel_bias a relative-position table's rel_bias[batch, head, clamp(k - q_pos, -M, M) + M]
 // (M = rel_max_distance, q_pos the end-aligned query position; T5's learned bias by distance).
 // With dropout_threshold > 0 (MODS_SCORE), P's entries are dropped or scaled by dropout_scale
-// before P V (kernels/common/philox.cuh; lse stays that of every score).
+// before P V (kernels/common/philox.cuh; lse stays that of every score), under the seed
+// dropout_seed or, with use_seed_words, the two words at dropout_seed_words.
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
 // of T; q, k, v at any element strides with contiguous, 16-byte aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
 // [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
@@ -83,7 +84,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              long long key_bias_batch_stride, long long key_bias_head_stride,
              const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
              int rel_max_distance, long long dropout_threshold, long long dropout_seed,
-             float dropout_scale, long long q_batch_stride, long long q_head_stride, long long q_row_stride,
+             float dropout_scale, const u32* __restrict__ dropout_seed_words, int use_seed_words,
+             long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
              long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
   using Traits = attn_fwd_traits<BLOCK, TILE_M, TILE_N, NUM_WARPS, HEAD_DIM, T>;
@@ -243,7 +245,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
         }
         if constexpr (MODS == MODS_SCORE) {  // the row sums above are of every probability
           const Dropout dropout =
-              Dropout::make(dropout_threshold, dropout_seed, dropout_scale);
+              Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
+                         dropout_scale);
           if (dropout.on()) dropout_frags<M_FRAGS, TILE_N, true>(s_frag, dropout, q_warp, tile.start);
         }
         warp_gemm_regs_kn<M_FRAGS, D_OUT, TILE_N>(acc, s_frag, v_smem + d_first, LD, scratch);

@@ -209,7 +209,8 @@ def call(
     fn: Callable[..., Any], named: dict[str, Any], *args: Any, info: ArrayInfo | None = None
 ) -> Any:
     """``fn(*arrays, *args)`` on the backend arrays of ``named`` (in order), on the caller's
-    stream; every array ``fn`` returns (one, or a tuple) comes back as the caller's type.
+    stream; every array ``fn`` returns (one, or a tuple, whose Nones stay None) comes back as
+    the caller's type.
     ``info``: ``named``'s common_info, when the caller has it already.
 
     The one crossing between a framework's arrays and the backends, for every route: inputs are
@@ -221,7 +222,7 @@ def call(
         arrays = [to_backend(x, info, name) for name, x in named.items()]
         result = fn(*arrays, *args)
         if isinstance(result, tuple):
-            return tuple(from_backend(r, info) for r in result)
+            return tuple(None if r is None else from_backend(r, info) for r in result)
         return from_backend(result, info)
 
 

@@ -40,6 +40,7 @@ from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.adapters import jax_xla as _xla
 from cuattn.backends.call import (
+    SCORE_OPERANDS,
     AttentionCall,
     given_operands,
     operand_gradients,
@@ -47,6 +48,8 @@ from cuattn.backends.call import (
 )
 
 __all__ = ["attend"]
+
+SEED_OPERAND = SCORE_OPERANDS[-1]  # dropout's seed held in an array: no gradient
 
 
 def _lse_dtype(dtype: Any) -> Any:
@@ -74,7 +77,8 @@ def _host_forward(call: AttentionCall, given: tuple, *arrays):
 
 
 def _host_backward(call: AttentionCall, given: tuple, *arrays):
-    return _eager_backward(*(np.asarray(x) for x in arrays), given, call)
+    grads = _eager_backward(*(np.asarray(x) for x in arrays), given, call)
+    return tuple(g for g in grads if g is not None)  # a seed array has no gradient
 
 
 def _forward(q, k, v, operands, call: AttentionCall):
@@ -111,11 +115,12 @@ def _backward(q, k, v, operands, out, lse, dout, dlse, call: AttentionCall):
             args = (call.layout, call.scale, call.mods, target)
             grads = _xla.backward(*named.values(), *args, *operands)
         else:
-            outputs = (q, k, v, *extra.values())
-            shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs)
+            wrt = (x for name, x in extra.items() if name != SEED_OPERAND)
+            shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *wrt))
             host = functools.partial(_host_backward, call, given)
             arrays = (*named.values(), *extra.values())
             grads = jax.pure_callback(host, shapes, *arrays, vmap_method="sequential")
+            grads = (*grads, None) if SEED_OPERAND in extra else grads
     else:
         grads = dlpack.call(_eager_backward, {**named, **extra}, given, call)
     return (*grads[:3], operand_gradients(tuple(grads), operands))
@@ -160,9 +165,10 @@ def attend(
     alibi_slopes: jax.Array | None = None,
     key_bias: jax.Array | None = None,
     rel_bias: jax.Array | None = None,
+    seed_words: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
     layout concrete); ALiBi's slopes, the key bias and the relative-position table
-    differentiable too."""
-    out, lse = _attention(q, k, v, (alibi_slopes, key_bias, rel_bias), call)
+    differentiable too. ``seed_words``: dropout's seed as an array (traced or not), or None."""
+    out, lse = _attention(q, k, v, (alibi_slopes, key_bias, rel_bias, seed_words), call)
     return (out, lse) if call.return_lse else out

@@ -467,7 +467,9 @@ def _zeros(shape: Any, dtype: Any) -> Any:
     return jnp.zeros(shape, dtype)
 
 
-_XP = SimpleNamespace(float32=np.float32, ascontiguousarray=lambda x: x, zeros=_zeros)
+_XP = SimpleNamespace(
+    float32=np.float32, uint32=np.uint32, ascontiguousarray=lambda x: x, zeros=_zeros
+)
 
 
 class XlaBackend(KernelBackend):
@@ -621,10 +623,14 @@ def _to_natural(x: Any, layout: Layout) -> Any:
     return x if layout.perm is None else x[:, :, np.argsort(layout.perm)]
 
 
-def folding_vmap(fun: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+def folding_vmap(
+    fun: Callable[..., tuple[Any, ...]], seeded: bool = False
+) -> Callable[..., tuple[Any, ...]]:
     """``fun`` on [batch, ...] arrays returning a tuple of [batch, ...] arrays, whose vmap folds
     the mapped axis into the batch axis: [V, B, ...] -> [V * B, ...], one call, and back.
-    Unbatched arguments are broadcast along the mapped axis first."""
+    Unbatched arguments are broadcast along the mapped axis first. ``seeded``: the last
+    argument is dropout's seed, one for the whole call: it is not folded, and a vmap that maps
+    it is refused (the kernels take one seed)."""
     import jax
     import jax.numpy as jnp
 
@@ -632,11 +638,22 @@ def folding_vmap(fun: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any
 
     @mapped.def_vmap
     def rule(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
+        seed = ()
+        if seeded:
+            if in_batched[-1]:
+                raise ValueError(
+                    "dropout_seed is mapped by this vmap, but one call takes one seed (the "
+                    "generator's counter holds the batch index, so the mapped elements' masks "
+                    "differ already): pass one seed, unmapped (in_axes=None)"
+                )
+            *args, seed = args
+            in_batched, seed = in_batched[:-1], (seed,)
         full = [
             x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(args, in_batched, strict=True)
         ]
-        outs = mapped(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in full))
+        folded = (x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in full)
+        outs = mapped(*folded, *seed)
         outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
@@ -654,12 +671,15 @@ def forward(
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
     rel_bias: Any | None = None,
+    seed_words: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) of traced jax arrays in the caller's token order, as custom calls; the score
     operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads], a table as
-    [batch, heads, 2 M + 1]), so that a vmap folds them with the batch."""
+    [batch, heads, 2 M + 1]), so that a vmap folds them with the batch; a seed array as the
+    two 32-bit words the kernels read."""
     backend = backend_for(compute_capability)
-    present, template, _ = _batched_operands((alibi_slopes, key_bias, rel_bias), q)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
+    present, template, _ = _batched_operands(operands, q)
 
     def run(q: Any, k: Any, v: Any, *given: Any) -> tuple[Any, Any]:
         prepared = (_prepare(x, layout) for x in (q, k, v))
@@ -668,26 +688,31 @@ def forward(
         )
         return _to_natural(out, layout), _to_natural(lse, layout)
 
-    return folding_vmap(run)(q, k, v, *present)
+    return folding_vmap(run, seed_words is not None)(q, k, v, *present)
 
 
 def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple, tuple]:
     """(the operands given, batch axis first; which were given; which of those were broadcast
     to it): ALiBi's [heads] slopes become [batch, heads] and a table [heads, 2 M + 1] becomes
-    [batch, heads, 2 M + 1]; a key bias has its batch axis already."""
+    [batch, heads, 2 M + 1]; a key bias has its batch axis already; a 64-bit seed becomes its
+    two 32-bit words (the low first, as the kernels read them), with no batch axis."""
+    import jax
     import jax.numpy as jnp
 
-    alibi_slopes, key_bias, rel_bias = operands
+    alibi_slopes, key_bias, rel_bias, seed_words = operands
     broadcast = (
         alibi_slopes is not None and alibi_slopes.ndim == 1,
         False,
         rel_bias is not None and rel_bias.ndim == 2,
+        False,
     )
     if broadcast[0]:
         alibi_slopes = jnp.broadcast_to(alibi_slopes, q.shape[:2])
     if broadcast[2]:
         rel_bias = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
-    given = (alibi_slopes, key_bias, rel_bias)
+    if seed_words is not None and seed_words.dtype.itemsize == 8:  # one 64-bit value
+        seed_words = jax.lax.bitcast_convert_type(seed_words.reshape(()), jnp.uint32)
+    given = (alibi_slopes, key_bias, rel_bias, seed_words)
     present = tuple(x for x in given if x is not None)
     return present, tuple(x is not None for x in given), broadcast
 
@@ -707,20 +732,25 @@ def backward(
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
     rel_bias: Any | None = None,
+    seed_words: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
     (like lse) is the cotangent of the lse output. The gradients of the score operands given
-    follow, each like its operand."""
+    follow, each like its operand (None for a seed)."""
     backend = backend_for(compute_capability)
-    present, template, broadcast = _batched_operands((alibi_slopes, key_bias, rel_bias), q)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
+    present, template, broadcast = _batched_operands(operands, q)
+    seeded = seed_words is not None
 
     def run(*arrays: Any) -> tuple[Any, ...]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays[:7])
         operands = placed_operands(arrays[7:], template)
         grads = backend.backward(*tensors, layout, scale, dlse, mods, *operands)
+        grads = grads[:-1] if seeded else grads  # the seed's None: not an array to map
         return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
-    grads = folding_vmap(run)(q, k, v, out, lse, dout, dlse, *present)
+    grads = folding_vmap(run, seeded)(q, k, v, out, lse, dout, dlse, *present)
     # an operand that went in broadcast along the batch has its gradient per batch: summed
-    wide = (b for b, g in zip(broadcast, template, strict=True) if g)
-    return (*grads[:3], *(g.sum(axis=0) if b else g for g, b in zip(grads[3:], wide, strict=True)))
+    wide = (b for b, g in zip(broadcast[:-1], template[:-1], strict=True) if g)
+    summed = (g.sum(axis=0) if b else g for g, b in zip(grads[3:], wide, strict=True))
+    return (*grads[:3], *summed, *((None,) if seeded else ()))

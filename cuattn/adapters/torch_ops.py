@@ -3,15 +3,20 @@
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
                           softcap, dropout_p, dropout_seed, backend, recompute, index,
-                          alibi_slopes=None, key_bias=None, rel_bias=None)    -> (out, lse)
+                          alibi_slopes=None, key_bias=None, rel_bias=None,
+                          seed_words=None)                            -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
                           window_right, scale, softcap, dropout_p, dropout_seed, backend,
-                          index, alibi_slopes=None, key_bias=None, rel_bias=None)
+                          index, alibi_slopes=None, key_bias=None, rel_bias=None,
+                          seed_words=None)
                                                      -> (dq, dk, dv, dslopes, dkey_bias, drel_bias)
 ``alibi_slopes`` (float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch, n_k] or
 [batch, heads, n_k]) and ``rel_bias`` (float32 [(batch,) heads, 2 M + 1]) are the score
 modifiers that are arrays (backends/call.py SCORE_OPERANDS), None when absent; ``dslopes``,
-``dkey_bias`` and ``drel_bias`` their gradients, empty tensors without them.
+``dkey_bias`` and ``drel_bias`` their gradients, empty tensors without them. ``seed_words``
+is dropout's seed held in a tensor on q's device (int64 [] or uint32 [2]: the seed torch draws
+on the device when the caller gives none, so a CUDA graph's replay draws a new mask), which
+replaces ``dropout_seed``; it has no gradient.
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -44,6 +49,8 @@ from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.backends.call import (
     NO_MODS,
+    NO_OPERANDS,
+    SCORE_OPERANDS,
     AttentionCall,
     ScoreMods,
     given_operands,
@@ -156,8 +163,10 @@ def _mods(softcap: float, dropout_p: float, dropout_seed: int, operands: tuple) 
 
 # No score operand: the common call, which never steps into backends/call.py
 # (tests/adapters/test_call_path.py)
-_NONE_GIVEN = (False, False, False)
-_NO_OPERANDS = (None, None, None)
+_NONE_GIVEN = (False,) * len(SCORE_OPERANDS)
+_NO_OPERANDS = NO_OPERANDS
+# attention_bwd answers a gradient for the operands before the seed (which has none)
+BIAS_OPERANDS = len(SCORE_OPERANDS) - 1
 
 
 def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[bool, ...]:
@@ -198,10 +207,12 @@ def attention_fwd(
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
+    seed_words: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); ``recompute`` only shapes the backward."""
+    """(out, lse); ``recompute`` only shapes the backward. ``seed_words``: dropout's seed held
+    in a tensor on q's device (then ``dropout_seed`` is unused)."""
     named = {"q": q, "k": k, "v": v}
-    operands = (alibi_slopes, key_bias, rel_bias)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
     given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
@@ -249,14 +260,15 @@ def attention_bwd(
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
+    seed_words: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dslopes, dkey_bias, drel_bias) from the saved inputs, output and lse, and
     the gradients reaching out (dout) and lse (dlse, None when nothing reached it); an
-    operand's gradient is empty without it."""
+    operand's gradient is empty without it (and the seed has none)."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
-    operands = (alibi_slopes, key_bias, rel_bias)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
     given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
@@ -266,8 +278,8 @@ def attention_bwd(
         mods = _mods(softcap, dropout_p, dropout_seed, operands)
         args = (dlse is not None, given, lay, scale, backend or None, mods)
         grads = dlpack.call(_backward_arrays, named, *args, info=info)
-    grads = tuple(g.contiguous() for g in grads)
-    wrt = operand_gradients(grads, operands)
+    grads = tuple(None if g is None else g.contiguous() for g in grads)
+    wrt = operand_gradients(grads, operands)[:BIAS_OPERANDS]
     return (*grads[:3], *(_absent(q) if g is None else g for g in wrt))
 
 
@@ -309,6 +321,7 @@ def _attention_bwd_fake(
     alibi_slopes=None,
     key_bias=None,
     rel_bias=None,
+    seed_words=None,
 ):
     operands = (alibi_slopes, key_bias, rel_bias)
     wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in operands)
@@ -352,7 +365,8 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     # torch drops trailing arguments left at their default (None) from the inputs the backward
     # answers, so the answer has as many entries as needs_input_grad
     nones = [None] * (OP_ARGUMENTS - 4)  # every argument but q, k, v and index
-    wrt = (None if x is None else g for x, g in zip(operands, wrt, strict=True))
+    wrt = (None if x is None else g for x, g in zip(operands[:BIAS_OPERANDS], wrt, strict=True))
+    wrt = (*wrt, None)  # the seed
     answer = (dq, dk, dv, *nones, [None] * len(index), *wrt)
     return answer[: len(ctx.needs_input_grad)]
 
@@ -382,11 +396,12 @@ def attend(
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
+    seed_words: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
     carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    operands = (alibi_slopes, key_bias, rel_bias)
+    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
     out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), *operands)
     return (out, lse) if call.return_lse else out
 

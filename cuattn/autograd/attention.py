@@ -32,9 +32,10 @@ class SparseAttention(Function):
         alibi_slopes: Any | None,
         key_bias: Any | None,
         rel_bias: Any | None,
+        seed_words: Any | None,
         call: AttentionCall,
     ) -> tuple[Any, Any]:
-        operands = (alibi_slopes, key_bias, rel_bias)
+        operands = (alibi_slopes, key_bias, rel_bias, seed_words)
         args = (call.layout, call.scale, call.backend, call.mods)
         out, lse = _backend.forward(q, k, v, *args, *operands)
         ctx.save_for_backward(q, k, v, out, lse, *operands)
@@ -58,12 +59,15 @@ def attend(
     alibi_slopes: Tensor | None = None,
     key_bias: Tensor | None = None,
     rel_bias: Tensor | None = None,
+    seed_words: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
     head_dim] and the validated call (its layout concrete); ALiBi's slopes, the key bias and
     the relative-position table Tensors (a gradient reaches them when they require one) or
-    None. ``call.recompute`` keeps
+    None; ``seed_words`` dropout's seed held in an array (a constant), or None.
+    ``call.recompute`` keeps
     only q, k, v (and the operands) on the tape and re-runs the forward in backward."""
     with recompute_region(call.recompute):
-        out, lse = SparseAttention.apply(q, k, v, alibi_slopes, key_bias, rel_bias, call)
+        operands = (alibi_slopes, key_bias, rel_bias, seed_words)
+        out, lse = SparseAttention.apply(q, k, v, *operands, call)
     return (out, lse) if call.return_lse else out

@@ -6,7 +6,8 @@ order: ``forward(q, k, v, layout, scale, mods, *operands) -> (out, lse)`` and
 (and each given operand's gradient after dv), where ``dlse`` (like lse, or None) is the
 gradient reaching the lse output, ``mods`` the score modifiers (backends/call.py ScoreMods) and
 ``operands`` the score operands (backends/call.py SCORE_OPERANDS: ALiBi's slopes, a key bias, a
-relative-position table; None where absent), arrays of the same library and device as q.
+relative-position table, a dropout seed held in an array; None where absent), arrays of the
+same library and device as q.
     numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
 
+from cuattn.backends import dropout
 from cuattn.backends import numpy_ref as reference
 from cuattn.backends.call import NO_MODS, SCORE_OPERANDS, ScoreMods
 from cuattn.layout.device import DeviceLayout
@@ -49,6 +52,7 @@ class Backend(Protocol):
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
+        dropout_seed: Any | None = None,
     ) -> tuple[Any, Any]: ...
 
     def backward(
@@ -66,9 +70,19 @@ class Backend(Protocol):
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
+        dropout_seed: Any | None = None,
     ) -> tuple[Any, ...]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
+
+
+def _host_seed(mods: ScoreMods, operands: tuple) -> tuple[ScoreMods, tuple]:
+    """The reference's modifiers and bias operands: a seed array (the last operand) read into
+    the modifiers as the value it holds (the reference's arrays are on the host)."""
+    if len(operands) < len(SCORE_OPERANDS) or operands[-1] is None:
+        return mods, operands[: len(SCORE_OPERANDS) - 1]
+    seed = dropout.seed_of(operands[-1])
+    return replace(mods, dropout_seed=seed, seed_words=False), operands[:-1]
 
 
 class NumpyBackend:
@@ -80,7 +94,8 @@ class NumpyBackend:
 
     def forward(self, q, k, v, layout, scale, mods=NO_MODS, *operands):
         reference.check_arrays(q)
-        return reference.attention_forward(q, k, v, layout, scale, mods, *operands)
+        mods, biases = _host_seed(mods, operands)
+        return reference.attention_forward(q, k, v, layout, scale, mods, *biases)
 
     def backward(
         self,
@@ -97,9 +112,12 @@ class NumpyBackend:
         *operands,
     ):
         reference.check_arrays(q)
-        return reference.attention_backward(
-            q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands
+        mods, biases = _host_seed(mods, operands)
+        grads = reference.attention_backward(
+            q, k, v, out, lse, dout, layout, scale, dlse, mods, *biases
         )
+        seeded = len(operands) == len(SCORE_OPERANDS) and operands[-1] is not None
+        return (*grads, None) if seeded else grads  # a seed has no gradient
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return reference.merge_states(out_a, lse_a, out_b, lse_b)
@@ -186,7 +204,7 @@ def _check_operands(mods: ScoreMods, operands: tuple, layout: Layout) -> None:
     """Each score operand (SCORE_OPERANDS order) comes with its flag in ``mods`` and only with
     it (the kernel variant follows mods), and with a layout in the natural token order (a
     Pattern may build a permuted one)."""
-    flags = ("alibi", "key_bias", "rel_bias")
+    flags = ("alibi", "key_bias", "rel_bias", "seed_words")
     for name, flag, operand in zip(SCORE_OPERANDS, flags, operands, strict=True):
         flagged = getattr(mods, flag)
         if flagged != (operand is not None):
@@ -194,7 +212,7 @@ def _check_operands(mods: ScoreMods, operands: tuple, layout: Layout) -> None:
                 f"{name}: mods.{flag}={flagged} but it "
                 f"{'was' if operand is not None else 'was not'} given"
             )
-        if operand is not None and layout.perm is not None:
+        if operand is not None and flag != "seed_words" and layout.perm is not None:
             raise ValueError(
                 f"{name} needs the natural token order, but the layout {layout.name!r} is "
                 "permuted (its perm reorders tokens, and the bias would not follow)"
@@ -212,13 +230,14 @@ def forward(
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
     rel_bias: Any | None = None,
+    dropout_seed: Any | None = None,
 ) -> tuple[Any, Any]:
     """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
 
     The single call into the backends for every route (public API, tape, torch, jax), so all
     of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
     """
-    operands = (alibi_slopes, key_bias, rel_bias)
+    operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
     _check_operands(mods, operands, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = (_prepare(x, layout) for x in (q, k, v))
@@ -241,13 +260,15 @@ def backward(
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
     rel_bias: Any | None = None,
+    dropout_seed: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
     (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
     and the score operands are the forward's. The gradient of each operand given follows dv,
     like it, in SCORE_OPERANDS order.
-    ALiBi needs the natural token order: a permuted layout is refused by the public calls."""
-    operands = (alibi_slopes, key_bias, rel_bias)
+    ALiBi needs the natural token order: a permuted layout is refused by the public calls.
+    A seed array's gradient is None."""
+    operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
     _check_operands(mods, operands, layout)
     impl = _resolve_for(q, backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]

@@ -35,6 +35,9 @@ class ScoreMods:
                   whose log-sum-exp is of every score), a kept one scaled by 1 / (1 - p), by the
                   counter-based generator of backends/dropout.py
     dropout_seed  its seed, 0 <= seed < 2^63: the backward regenerates the forward's mask
+    seed_words    the seed is an array operand instead (8 bytes on q's device, read there as the
+                  generator's 64-bit key: a traced jax seed, a seed torch drew on the GPU);
+                  dropout_seed is then unused (0)
 
     The public calls build it with ``from_arguments``, which checks the keywords; nothing
     downstream checks it again.
@@ -49,6 +52,7 @@ class ScoreMods:
     rel_bias: bool = False
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    seed_words: bool = False
 
     @property
     def any(self) -> bool:
@@ -58,15 +62,17 @@ class ScoreMods:
     def with_operands(self, operands: Sequence[Any]) -> ScoreMods:
         """These modifiers with a flag for each score operand given (SCORE_OPERANDS order,
         None where absent)."""
-        alibi, key_bias, rel_bias = (x is not None for x in operands)
-        if not (alibi or key_bias or rel_bias):
+        alibi, key_bias, rel_bias, seed_words = (x is not None for x in operands)
+        if not (alibi or key_bias or rel_bias or seed_words):
             return self
-        return replace(self, alibi=alibi, key_bias=key_bias, rel_bias=rel_bias)
+        flags = dict(alibi=alibi, key_bias=key_bias, rel_bias=rel_bias, seed_words=seed_words)
+        return replace(self, **flags)
 
     def with_dropout(self, dropout_p: object, dropout_seed: object) -> ScoreMods:
         """These modifiers with dropout, its arguments checked (a TypeError or ValueError naming
         the argument): dropout_p a real in [0, 1) (0: off), dropout_seed an int in [0, 2^63)
-        (a torch op's int64)."""
+        (a torch op's int64) or a seed array (check_seed_words; it then travels as an operand
+        and the call's flag says so)."""
         real = (int, float, np.floating, np.integer)
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, real):
             raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
@@ -74,10 +80,14 @@ class ScoreMods:
             raise ValueError(f"dropout_p must be in [0, 1) (0: no dropout), got {dropout_p}")
         if not dropout_p:
             return self
+        if is_seed_array(dropout_seed):
+            check_seed_words(dropout_seed)
+            return replace(self, dropout_p=float(dropout_p), dropout_seed=0, seed_words=True)
         integer = (int, np.integer)
         if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, integer):
             raise TypeError(
-                f"dropout_seed must be an int in [0, 2^63), got {type(dropout_seed).__name__}"
+                "dropout_seed must be an int in [0, 2^63) or an integer array of 8 bytes (int64 "
+                f"[] or [1], uint32 [2]) on q's device, got {type(dropout_seed).__name__}"
             )
         if not 0 <= int(dropout_seed) < 2 ** (SEED_BITS - 1):
             raise ValueError(f"dropout_seed must be in [0, 2^63), got {dropout_seed}")
@@ -105,6 +115,37 @@ class ScoreMods:
 
 NO_MODS = ScoreMods()
 SEED_BITS = 64  # a dropout seed is the generator's 64-bit key
+# A seed array: its 8 bytes are the key, little-endian (the low word first, as the kernels read
+# two 32-bit words). Shapes by dtype: one 64-bit integer or two 32-bit words.
+SEED_ARRAY_SHAPES = {
+    "int64": ((), (1,)),
+    "uint64": ((), (1,)),
+    "uint32": ((2,),),
+    "int32": ((2,),),
+}
+
+
+def is_seed_array(seed: object) -> bool:
+    """Whether a dropout seed is an array (anything with a shape and a dtype) and not an int."""
+    return hasattr(seed, "shape") and hasattr(seed, "dtype") and not isinstance(seed, np.generic)
+
+
+def check_seed_words(seed: Any) -> None:
+    """A seed array holds the 64-bit key in 8 bytes: int64/uint64 [] or [1], uint32/int32 [2]
+    (jax's ``jax.random.bits(key, (2,), jnp.uint32)``); its kind and device are q's (the
+    caller's check_same_kind). Its value is never read on the host."""
+    shapes = SEED_ARRAY_SHAPES.get(dtype_name(seed))
+    if shapes is None:
+        raise TypeError(
+            f"dropout_seed as an array must be int64 or uint64 (one value) or uint32 or int32 "
+            f"(two words, the low one first), got {dtype_name(seed)}; cuattn never casts silently"
+        )
+    if tuple(dims(seed)) not in shapes:
+        raise ValueError(
+            f"dropout_seed as a {dtype_name(seed)} array must have shape "
+            f"{' or '.join(str(s) for s in shapes)} (8 bytes: the generator's 64-bit key), got "
+            f"{tuple(dims(seed))}"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,7 +181,10 @@ class AttentionCall:
 
 # The score modifiers that are arrays (not hashable: they travel beside q, k, v, never in the
 # call), in the order every route passes them after ``mods``: a None where the call has none.
-SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias")
+# The dropout seed, when it is an array, is the last: it has no gradient (operand_gradients gives
+# None for it).
+SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias", "dropout_seed")
+NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
 
 
 def operand_gradients(grads: tuple, operands: tuple) -> tuple:

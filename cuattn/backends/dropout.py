@@ -42,6 +42,12 @@ def threshold(p: float) -> int:
     return int(np.floor(np.float64(p) * 2.0**WORD_BITS))
 
 
+def seed_of(words: np.ndarray) -> int:
+    """The 64-bit key a seed array holds (backends/call.py check_seed_words: 8 bytes, the low
+    word first), read on the host: the NumPy reference's arrays are there already."""
+    return int.from_bytes(np.ascontiguousarray(words).tobytes(), "little")
+
+
 def keep_mask(
     p: float, seed: int, batch: np.ndarray, head: np.ndarray, q: np.ndarray, k: np.ndarray
 ) -> np.ndarray:

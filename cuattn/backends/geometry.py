@@ -151,10 +151,14 @@ _RULE_SCALARS = (
     ("window_right", "i32"),
     ("softcap", "f32"),
     *_SCORE_OPERAND_ARGS,
-    # dropout (block kernels only): floor(p * 2^32) (0: off), the 64-bit seed, 1 / (1 - p)
+    # dropout (block kernels only): floor(p * 2^32) (0: off), the 64-bit seed, 1 / (1 - p), and
+    # the seed's two 32-bit words in memory (a traced or device-drawn seed; read with
+    # use_seed_words, a one-element stand-in otherwise)
     ("dropout_threshold", "i64"),
     ("dropout_seed", "i64"),
     ("dropout_scale", "f32"),
+    ("dropout_seed_words", "ptr"),
+    ("use_seed_words", "i32"),
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -414,11 +418,11 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
 # dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
 # dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
-# head dim 48 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
-# 64-row steps at d48-d80, 2026-11-26); dQ is not capped for three CTAs per SM
-# (BWD_DQ_MIN_CTAS).
+# head dim 32 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
+# 64-row steps at d48-d80, 2026-11-26; dK/dV's at d32 with the bitmask rule once dropout's seed
+# could come from memory, change 23); dQ is not capped for three CTAs per SM (BWD_DQ_MIN_CTAS).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
-MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 48
+MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 32
 MODS_BWD_MAX_STEP = 32
 
 

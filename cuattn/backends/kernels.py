@@ -47,17 +47,29 @@ PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
 
 
-def _dropout_values(mods: ScoreMods) -> dict[str, Any]:
+def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
     """The block kernels' dropout arguments (kernels/common/philox.cuh): the threshold (0: off),
-    the seed (below 2^63: a signed 64-bit parameter as it is) and the kept probabilities'
-    scale."""
+    the seed (below 2^63: a signed 64-bit parameter as it is), or the array ``seed_words`` that
+    holds it (8 bytes, read by the kernels, never by the host), and the kept probabilities'
+    scale. A one-element stand-in takes the array's place when the seed is a value."""
+    words = {"dropout_seed_words": xp.zeros(1, xp.uint32), "use_seed_words": 0}
+    if seed_words is not None:
+        words = {"dropout_seed_words": _seed_words(seed_words, xp), "use_seed_words": 1}
     if not mods.dropout_p:
-        return {"dropout_threshold": 0, "dropout_seed": 0, "dropout_scale": 1.0}
+        return {"dropout_threshold": 0, "dropout_seed": 0, "dropout_scale": 1.0, **words}
     return {
         "dropout_threshold": dropout.threshold(mods.dropout_p),
         "dropout_seed": mods.dropout_seed,
         "dropout_scale": 1.0 / (1.0 - mods.dropout_p),
+        **words,
     }
+
+
+def _seed_words(seed: Any, xp: Any) -> Any:
+    """A seed array (call.check_seed_words: 8 bytes) as the two 32-bit words the kernels read,
+    low first: a view of the same memory."""
+    seed = xp.ascontiguousarray(seed).reshape(-1)
+    return seed if seed.dtype.itemsize == 4 else seed.view(xp.uint32)
 
 
 def modifier_variant(mods: ScoreMods, scale: float) -> bool:
@@ -311,6 +323,7 @@ class KernelBackend:
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
+        dropout_seed: Any | None = None,
     ) -> tuple[Any, Any]:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
@@ -344,7 +357,7 @@ class KernelBackend:
                 scale=scale,
                 softcap=mods.softcap,
                 **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                **_dropout_values(mods),
+                **_dropout_values(mods, dropout_seed, xp),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
@@ -429,13 +442,14 @@ class KernelBackend:
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
+        dropout_seed: Any | None = None,
     ) -> tuple[Any, ...]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
         ``mods`` and the score operands are the forward's. Each given operand's gradient
         follows, in SCORE_OPERANDS order: the slopes' and the table's from per-row shares of
         the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, summed here in
-        a fixed order.
+        a fixed order; a seed array's is None.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
@@ -494,7 +508,7 @@ class KernelBackend:
             }
             biases = {
                 **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                **_dropout_values(mods),
+                **_dropout_values(mods, dropout_seed, xp),
             }
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias)
@@ -559,6 +573,8 @@ class KernelBackend:
             grads += (self._key_bias_gradient(key_rows, key_bias.ndim),)
         if rel_bias is not None:
             grads += (self._rel_bias_gradient(rel_rows, rel_bias.ndim),)
+        if dropout_seed is not None:
+            grads += (None,)  # a seed has no gradient
         return grads
 
     def _rel_bias_gradient(self, rows: Any, table_ndim: int) -> Any:

@@ -57,6 +57,8 @@ from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
 __all__ = ["decode_attention", "kernel_call"]
 
+BIAS_NAMES = SCORE_OPERANDS[:3]  # decode takes the bias operands; it has no dropout (no seed)
+
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
 T = TypeVar("T")
@@ -276,14 +278,14 @@ def decode_attention(
     if rel_bias is not None:
         check_rel_bias(rel_bias, q, batch, heads)
         check_same_kind("rel_bias", rel_bias, q)
-    mods = mods.with_operands((alibi_slopes, key_bias, rel_bias))
+    mods = mods.with_operands((alibi_slopes, key_bias, rel_bias, None))  # no dropout here
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
         operands = tuple(
             None if x is None else dlpack.to_backend(x, info, name)
-            for name, x in zip(SCORE_OPERANDS, (alibi_slopes, key_bias, rel_bias), strict=True)
+            for name, x in zip(BIAS_NAMES, (alibi_slopes, key_bias, rel_bias), strict=True)
         )
         if impl.runs_kernels:
             out, lse = _kernel_decode(impl, cache, qb, scale, mods, operands)

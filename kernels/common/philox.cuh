@@ -53,8 +53,11 @@ struct Dropout {
   u32 key0, key1;  // the seed's low and high words
   float scale;  // 1 / (1 - p)
 
+  // The seed is a parameter, or with use_words two 32-bit words in global memory, the low one
+  // first (a seed jax traced or torch drew on the device: no host ever reads it).
   __device__ __forceinline__ static Dropout make(long long threshold, long long seed,
-                                                 float scale) {
+                                                 const u32* words, int use_words, float scale) {
+    if (use_words) return {u32(threshold), words[0], words[1], scale};
     return {u32(threshold), u32(seed), u32(u64(seed) >> 32), scale};
   }
   __device__ __forceinline__ bool on() const { return threshold != 0u; }

@@ -675,6 +675,58 @@ def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_bat
     assert np.array_equal(np.asarray(mapped[0]), want_out)
 
 
+@needs_nvrtc
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
+def test_staged_dropout_program_takes_a_traced_seed(monkeypatch):
+    """Dropout's seed crosses the staged program as an operand (two 32-bit words the kernels
+    read): one trace serves every seed, each gives bit for bit the eager interpreter's result
+    for its key, forward and backward; a vmap that maps the seed is refused (one seed per
+    launch), an unmapped one serves the folded batch."""
+    backend = _Interpreted(CC)
+    backend.staged = []
+    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
+    batch, heads, kv_heads, n, head_dim = 2, 2, 1, 64, 32
+    layout = cuattn.make_layout("fixed", n, heads, blocksize=16, local_attn_ctx=32, num_verts=1)
+    q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
+    weight = np.random.default_rng(5).standard_normal(q.shape[1:]).astype(np.float32)
+    scale, p = head_dim**-0.5, 0.25
+
+    def f(q, k, v, seed):
+        return cuattn.sparse_attention(q, k, v, layout, dropout_p=p, dropout_seed=seed)
+
+    def loss(q, k, v, seed):
+        return (f(q, k, v, seed).astype(jnp.float32) * weight).sum()
+
+    host = [np.asarray(x) for x in (q[0], k[0], v[0])]
+    with xla.lowering_for_cuda(CC):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        forward = jax.jit(f)
+        for key in (2**40 + 17, 2**63 + 5):
+            words = jnp.asarray([key & 0xFFFFFFFF, key >> 32], jnp.uint32)
+            out = forward(q[0], k[0], v[0], words)
+            _, grads = step(q[0], k[0], v[0], words)
+            mods = ScoreMods().with_dropout(p, np.asarray(words))
+            want_out, want_lse = backends.forward(
+                *host, layout, scale, "interp", mods, None, None, None, np.asarray(words)
+            )
+            assert np.array_equal(np.asarray(out), want_out)
+            want = backends.backward(
+                *host, want_out, want_lse, weight.astype(want_out.dtype), layout, scale,
+                "interp", None, mods, None, None, None, np.asarray(words),
+            )  # fmt: skip
+            for name, got, expected in zip("qkv", grads, want[:3], strict=True):
+                assert np.array_equal(np.asarray(got), expected), name
+        mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, words)
+        assert np.array_equal(np.asarray(mapped[0]), want_out)
+        with pytest.raises(ValueError, match="dropout_seed is mapped by this vmap"):
+            jax.jit(jax.vmap(f))(q, k, v, jnp.stack([words, words]))
+    backward = ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", *["attn_bwd_sum_groups"] * 2]
+    # one trace of each program for both seeds; each vmap's body traced unbatched (then folded,
+    # or refused)
+    staged = ["attn_fwd", "attn_fwd", *backward, "attn_fwd", "attn_fwd", "attn_fwd"]
+    assert backend.staged == staged
+
+
 def test_cpu_jit_keeps_the_host_callback():
     layout = _layout("mha")
     q, k, v = _qkv(1, 2, 2, 64, 64, jnp.float32)

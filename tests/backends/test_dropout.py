@@ -110,6 +110,49 @@ def test_kernels_dropout_with_everything_else_bit_identical(mods_kernels):  # no
     assert not np.array_equal(first[0], other[0])
 
 
+# Seeds held in arrays (a traced jax seed, one torch drew on the device): the same key as an int
+# seed gives the same mask; above 2^63 too (the whole 64-bit key, which an int seed cannot be).
+SEED_ARRAYS = [
+    np.array(SEED, np.int64),
+    np.array([SEED], np.uint64),
+    np.array([SEED & 0xFFFFFFFF, SEED >> 32], np.uint32),
+    np.array([0x89ABCDEF, 0xF1234567], np.uint32),  # a key of 2^63 and more
+]
+
+
+@pytest.mark.parametrize("words", SEED_ARRAYS, ids=["int64", "uint64[1]", "uint32[2]", "high"])
+def test_a_seed_array_gives_the_mask_of_the_key_it_holds(mods_kernels, words):  # noqa: F811
+    """The kernels read the seed's two words from memory: their kept set is the reference's for
+    the key the array holds, element by element (the one-hot read-back above), and the whole
+    forward and backward match the oracle on both backends."""
+    n, p = 48, 0.3
+    layout = make_layout("all", n, HEADS, 16, causal=False)
+    q = np.zeros((2, HEADS, n, n), np.float32)
+    v = np.broadcast_to(np.eye(n, dtype=np.float32), q.shape).copy()
+    mods = ScoreMods().with_dropout(p, words)
+    assert mods.seed_words and mods.with_operands((None, None, None, words)) == mods
+    out, _ = interp.forward(q, q, v, layout, 1.0, mods, None, None, None, words)
+    kept = np.round(out * n * (1 - p)) == 1
+    key = dropout.seed_of(words)
+    want = dropout.keep_mask(p, key, *np.indices(q.shape, sparse=True))
+    np.testing.assert_array_equal(kept, want)
+    layout = make_test_layout("causal", 16, n_ctx_for(16))
+    q, k, v, dout = _inputs((2, HEADS, layout.n_q, HEAD_DIM), "float32", seed=3)
+    for backend, tolerance in ((REFERENCE, 1e-6), (interp, TOLERANCE["float32"])):
+        check_operands(backend, q, k, v, dout, layout, tolerance, dropout=(0.2, words))
+
+
+def test_a_seed_array_equals_its_int_bit_for_bit():
+    layout = make_test_layout("causal", 16, n_ctx_for(16))
+    q, k, v, _ = _inputs((2, HEADS, layout.n_q, HEAD_DIM), "float32", seed=4)
+    by_value = interp.forward(q, k, v, layout, 0.5, ScoreMods().with_dropout(0.2, SEED))
+    words = SEED_ARRAYS[2]
+    mods = ScoreMods().with_dropout(0.2, words)
+    by_array = interp.forward(q, k, v, layout, 0.5, mods, None, None, None, words)
+    for a, b in zip(by_value, by_array, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_no_dropout_is_the_plain_kernels():
     """dropout_p = 0 adds no modifier: the call runs the plain kernels (ScoreMods.any)."""
     assert not ScoreMods().with_dropout(0.0, SEED).any
@@ -125,6 +168,9 @@ def test_no_dropout_is_the_plain_kernels():
         (0.1, -1, ValueError, r"dropout_seed must be in \[0, 2\^63\)"),
         (0.1, 2**63, ValueError, r"dropout_seed must be in \[0, 2\^63\)"),
         (0.1, 1.5, TypeError, "dropout_seed must be an int"),
+        (0.1, np.zeros(2, np.float32), TypeError, "must be int64 or uint64 .* or uint32"),
+        (0.1, np.zeros(2, np.int64), ValueError, r"int64 array must have shape \(\) or \(1,\)"),
+        (0.1, np.zeros((1, 2), np.uint32), ValueError, r"must have shape \(2,\)"),
     ],
 )
 def test_bad_dropout_arguments_are_refused(p, seed, error, message):

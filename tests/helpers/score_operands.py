@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn.backends.call import ScoreMods
+from cuattn.backends.call import ScoreMods, is_seed_array
+from cuattn.backends.dropout import seed_of
 from cuattn.tools.oracle import (
     alibi_bias,
     dense_attention,
@@ -41,12 +42,16 @@ def check_operands(
     """``backend``'s (out, lse, grads) with these operands, each checked against the oracle;
     grads: dq, dk, dv, then the gradient of each operand given (slopes first)."""
     scale = q.shape[-1] ** -0.5
-    operands = (slopes, key_bias, rel_bias)
+    seed_words = None  # dropout's seed as an array (an operand of its own)
+    if dropout is not None and is_seed_array(dropout[1]):
+        seed_words = dropout[1]
+    operands = (slopes, key_bias, rel_bias, seed_words)
     mods = ScoreMods(softcap).with_operands(operands)
     factors = None
-    if dropout is not None:  # (p, seed)
+    if dropout is not None:  # (p, seed: an int or an array holding one)
         mods = mods.with_dropout(*dropout)
-        factors = dropout_factors(*dropout, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        seed = dropout[1] if seed_words is None else seed_of(seed_words)
+        factors = dropout_factors(dropout[0], seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = layout.to_mask()
     batch, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
     bias = np.zeros((1, 1, 1, 1))
@@ -99,4 +104,7 @@ def check_operands(
         assert drel.dtype == rel_bias.dtype and drel.shape == rel_bias.shape
         assert not np.isnan(drel).any()
         assert rel_err(drel, ref_drel) <= limit, "drel_bias"
+    if seed_words is not None:
+        assert next(wrt) is None, "a seed has no gradient"
+    assert next(wrt, "none left") == "none left"
     return out, lse, grads

@@ -29,6 +29,7 @@ from cuattn.backends.call import (
     check_key_bias,
     check_rel_bias,
     check_same_kind,
+    dropout_seed_for,
     given_operands,
     placed_operands,
 )
@@ -43,7 +44,6 @@ DENSE_MODES = ("all", "local", "strided")
 # Block size the dense masked path `attention` computes with; any length works (ragged blocks).
 DENSE_BLOCKSIZE = 32
 _NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
-MAX_DRAWN_SEED = 2**63 - 1  # a drawn dropout seed: a non-negative int64
 # Block size of the layouts causal= / window_size= stand for: the kernels' measured-fastest
 # forward shape (64-row tiles, docs/kernels.md "The forward").
 IMPLICIT_BLOCKSIZE = 64
@@ -232,7 +232,7 @@ def sparse_attention(
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     seed_words = None  # a seed held in an array travels as a score operand
     if dropout_p:
-        seed = _dropout_seed(q, dropout_seed)
+        seed = dropout_seed_for(_untaped(q), dropout_seed)
         mods = mods.with_dropout(dropout_p, seed)
         if mods.seed_words:
             check_same_kind("dropout_seed", _untaped(seed), _untaped(q))
@@ -258,28 +258,6 @@ def sparse_attention(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
     return _route(q, k, v, call, operands)
-
-
-def _dropout_seed(q: Any, seed: object) -> object:
-    """The seed of a call with dropout: the caller's (checked with dropout_p), or one drawn from
-    torch's generator of q's device (torch tensors: an int64 tensor there, so that nothing
-    waits for the host and a CUDA graph's replays draw anew) or NumPy's global one; jax has
-    none."""
-    if seed is not None:
-        return seed
-    library = array_library(_untaped(q))
-    if library == "torch":
-        import torch
-
-        return torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64, device=q.device)
-    if library == "jax":
-        raise ValueError(
-            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass "
-            "jax.random.bits(key, (2,), jnp.uint32) (traced: a new seed does not retrace) or an "
-            "int in [0, 2^63)"
-        )
-    # NumPy's global state, so that np.random.seed repeats a run's masks
-    return int(np.random.randint(0, MAX_DRAWN_SEED, dtype=np.int64))  # noqa: NPY002
 
 
 def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:

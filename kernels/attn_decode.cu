@@ -14,7 +14,10 @@
 //   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position), and
 //   with use_key_bias the key bias of the token's position, key_bias[b, (head,) position], and
 //   with use_rel_bias the relative-position table's rel_bias[b, head, clamp(position - query
-//   position, -M, M) + M].
+//   position, -M, M) + M]. With dropout_threshold > 0 each probability a row gives a token is
+//   dropped or scaled by dropout_scale before P.V (l_i, the lse and HeavyHitters' scores are of
+//   every probability), by the generator at (query position, token position, query head, b)
+//   (kernels/common/philox.cuh dropout_keeps).
 //   The run is cut in sub-tiles of TOKENS_PER_WARP = TILE / 4 tokens; warp w takes sub-tiles
 //   w, w + 4, ... and copies each one's K and V rows into its own two shared stages (cp.async:
 //   the next sub-tile is in flight while this one is computed) and computes it alone: no CTA
@@ -50,6 +53,7 @@
 // Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); TILE, ROWS
 // and the split count come from cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta,
 // decode_splits).
+#include "common/philox.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
@@ -142,6 +146,8 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       int use_key_bias, long long key_bias_batch_stride,
                       long long key_bias_head_stride, const float* __restrict__ rel_bias,
                       int use_rel_bias, int rel_bias_batch_stride, int rel_max_distance,
+                      long long dropout_threshold, long long dropout_seed, float dropout_scale,
+                      const u32* __restrict__ dropout_seed_words, int use_seed_words,
                       int use_chosen, int keep_scores) {
   using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
@@ -293,6 +299,14 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
 #pragma unroll
       for (int e = 0; e < Traits::LANE_ELEMS; ++e) acc[i][e] *= correction;
       s[i] = p;
+      if constexpr (MODS == MODS_SCORE) {  // l_i above is of every probability, dropped or not
+        const Dropout dropout = Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words,
+                                              use_seed_words, dropout_scale);
+        if (dropout.on()) {
+          const int head = kv_head * kv_group + (first_row + i) / t_q;
+          s[i] = dropout_keeps(dropout, b, head, query_pos, pos) ? p * dropout.scale : 0.f;
+        }
+      }
     }
 
     // acc += P V: each token's V elements read once, its probability per row from its lane

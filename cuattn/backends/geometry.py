@@ -140,6 +140,16 @@ _SCORE_OPERAND_ARGS = (
     ("rel_bias_batch_stride", "i32"),
     ("rel_max_distance", "i32"),
 )
+# dropout (block and decode kernels): floor(p * 2^32) (0: off), the 64-bit seed, 1 / (1 - p), and
+# the seed's two 32-bit words in memory (a traced or device-drawn seed; read with use_seed_words,
+# a one-element stand-in otherwise)
+_DROPOUT_ARGS = (
+    ("dropout_threshold", "i64"),
+    ("dropout_seed", "i64"),
+    ("dropout_scale", "f32"),
+    ("dropout_seed_words", "ptr"),
+    ("use_seed_words", "i32"),
+)
 _RULE_SCALARS = (
     ("n_q", "i32"),
     ("n_k", "i32"),
@@ -151,14 +161,7 @@ _RULE_SCALARS = (
     ("window_right", "i32"),
     ("softcap", "f32"),
     *_SCORE_OPERAND_ARGS,
-    # dropout (block kernels only): floor(p * 2^32) (0: off), the 64-bit seed, 1 / (1 - p), and
-    # the seed's two 32-bit words in memory (a traced or device-drawn seed; read with
-    # use_seed_words, a one-element stand-in otherwise)
-    ("dropout_threshold", "i64"),
-    ("dropout_seed", "i64"),
-    ("dropout_scale", "f32"),
-    ("dropout_seed_words", "ptr"),
-    ("use_seed_words", "i32"),
+    *_DROPOUT_ARGS,
 )
 STRIDE_AXES = ("batch", "head", "row")
 
@@ -228,6 +231,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("scale", "f32"),
         ("softcap", "f32"),
         *_SCORE_OPERAND_ARGS,
+        *_DROPOUT_ARGS,
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
     ),

@@ -649,6 +649,7 @@ class KernelBackend:
         alibi_slopes: Any | None = None,
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
+        dropout_seed: Any | None = None,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu): (out like q, lse
@@ -657,7 +658,8 @@ class KernelBackend:
         page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
         ``alibi_slopes``, float32 [heads] or [batch, heads], ``key_bias``, float32 [batch,
         time_k] or [batch, heads, time_k] by token position, and ``rel_bias``, float32 [heads,
-        2M + 1] or [batch, heads, 2M + 1] by token minus query position). Shapes as the
+        2M + 1] or [batch, heads, 2M + 1] by token minus query position; dropout, its seed
+        in ``dropout_seed`` when an array holds it). Shapes as the
         kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
         against them."""
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
@@ -733,6 +735,7 @@ class KernelBackend:
                 scale=scale,
                 softcap=mods.softcap,
                 **self._operand_values(alibi_slopes, key_bias, rel_bias),
+                **_dropout_values(mods, dropout_seed, xp),
                 use_chosen=int(use_chosen),
                 keep_scores=int(keep_scores),
             )

@@ -50,14 +50,14 @@ from cuattn.backends.call import (
     check_key_bias,
     check_rel_bias,
     check_same_kind,
+    dropout_seed_for,
     rel_max_distance,
 )
+from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
 __all__ = ["decode_attention", "kernel_call"]
-
-BIAS_NAMES = SCORE_OPERANDS[:3]  # decode takes the bias operands; it has no dropout (no seed)
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
@@ -199,6 +199,7 @@ def kernel_call(
     alibi_slopes: Any | None = None,
     key_bias: Any | None = None,
     rel_bias: Any | None = None,
+    dropout_seed: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
     (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
@@ -219,6 +220,7 @@ def kernel_call(
         alibi_slopes,
         key_bias,
         rel_bias,
+        dropout_seed,
     )
 
 
@@ -247,6 +249,8 @@ def decode_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Any | None = None,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
@@ -261,7 +265,11 @@ def decode_attention(
     the longest sequence) adds key_bias[b, (h,) position] to each kept token's score;
     ``rel_bias`` (float32 [heads, 2 M + 1] or [batch, heads, 2 M + 1]) adds the table's column
     clamp(token position - query position, -M, M) + M. Quest's page bounds leave
-    them out. ``backend``: "numpy" (the reference, default
+    them out. ``dropout_p`` and ``dropout_seed`` as in :func:`cuattn.sparse_attention` (an
+    inference call computes no gradient, so this is Monte Carlo dropout: each row's probability
+    of a token is dropped or scaled by 1 / (1 - p) after the softmax, by the generator at (query
+    position, token position, query head, batch); the lse and HeavyHitters' scores are of
+    every probability). ``backend``: "numpy" (the reference, default
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
@@ -278,14 +286,24 @@ def decode_attention(
     if rel_bias is not None:
         check_rel_bias(rel_bias, q, batch, heads)
         check_same_kind("rel_bias", rel_bias, q)
-    mods = mods.with_operands((alibi_slopes, key_bias, rel_bias, None))  # no dropout here
+    seed_words = None  # a seed held in an array travels as a score operand
+    if dropout_p:
+        seed = dropout_seed_for(q, dropout_seed)
+        mods = mods.with_dropout(dropout_p, seed)
+        if mods.seed_words:
+            check_same_kind("dropout_seed", seed, q)
+            seed_words = seed
+    elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
+        mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
+    given = (alibi_slopes, key_bias, rel_bias, seed_words)
+    mods = mods.with_operands(given)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
         operands = tuple(
             None if x is None else dlpack.to_backend(x, info, name)
-            for name, x in zip(BIAS_NAMES, (alibi_slopes, key_bias, rel_bias), strict=True)
+            for name, x in zip(SCORE_OPERANDS, given, strict=True)
         )
         if impl.runs_kernels:
             out, lse = _kernel_decode(impl, cache, qb, scale, mods, operands)
@@ -305,10 +323,14 @@ def _reference(
     slopes: Any | None,
     key_bias: Any | None,
     rel_bias: Any | None,
+    seed_words: Any | None,
 ) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf."""
     xp = cache.xp
+    seed = mods.dropout_seed
+    if seed_words is not None:  # the reference reads the key on the host
+        seed = seed_of(seed_words.get() if xp is not np else seed_words)
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     acc = xp.float64 if cache.dtype == "float64" else xp.float32
     scores = cache.policy is not None and cache.policy.scores_tokens
@@ -358,7 +380,12 @@ def _reference(
             # p @ values holds (0 * NaN from a kept v); a NaN total gives NaN for both
             empty = total == 0
             safe = xp.where(empty, 1.0, total)
-            out[b, heads_of] = xp.where(empty, 0.0, (p @ values) / safe)
+            kept = p
+            if mods.dropout_p:  # after the sums: the lse and the scores are of every p
+                query_heads = np.arange(heads_of.start, heads_of.stop)[:, None, None]
+                mask = keep_mask(mods.dropout_p, seed, b, query_heads, q_pos[:, None], pos)
+                kept = xp.where(xp.asarray(mask), p / (1.0 - mods.dropout_p), 0.0)
+            out[b, heads_of] = xp.where(empty, 0.0, (kept @ values) / safe)
             lse[b, heads_of] = xp.where(empty, -xp.inf, m + xp.log(safe))[..., 0]
             if scores:
                 # a NaN probability (a NaN row) adds nothing: the scores stay finite

@@ -291,6 +291,7 @@ def kept_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    dropout: tuple[float, int] | None = None,
 ) -> np.ndarray:
     """float64 [batch, heads, t_q, head_dim] on the host: decode attention of q (each
     sequence's newest t_q positions, query head h on kv head h // (heads / kv_heads)) over
@@ -298,7 +299,9 @@ def kept_attention(
     :func:`dense_attention`; ``alibi_slopes`` ([heads] or [batch, heads]) adds ALiBi's
     ``-slope * (query position - token position)``, ``key_bias`` ([batch, time_k] or [batch,
     heads, time_k]) the bias of each token's position, ``rel_bias`` ([heads, 2 M + 1] or
-    [batch, heads, 2 M + 1]) the table's column clamp(token - query position, -M, M) + M."""
+    [batch, heads, 2 M + 1]) the table's column clamp(token - query position, -M, M) + M;
+    ``dropout`` (p, seed) drops probabilities by cuattn's generator at (query position, token
+    position, query head, batch)."""
     q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
     batch, heads, t_q, head_dim = q.shape
     group = heads // cache.kv_heads
@@ -330,5 +333,12 @@ def kept_attention(
                 reach = (table.shape[-1] - 1) // 2
                 column = np.clip(pos[None, :] - q_pos[:, None], -reach, reach) + reach
                 bias = bias + table[rows][:, column][None]
-            out[b, rows] = dense_attention(*one, mask, scale, softcap=softcap, bias=bias)[0][0]
+            factors = None
+            if dropout is not None:
+                p, seed = dropout
+                query_heads = np.arange(rows.start, rows.stop)[:, None, None]
+                keep = keep_mask(p, seed, b, query_heads, q_pos[:, None], pos)
+                factors = np.where(keep, 1.0 / (1.0 - p), 0.0)[None]
+            kw = dict(softcap=softcap, bias=bias, dropout=factors)
+            out[b, rows] = dense_attention(*one, mask, scale, **kw)[0][0]
     return out

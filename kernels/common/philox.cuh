@@ -72,6 +72,18 @@ struct Dropout {
   }
 };
 
+// Whether element (q, k) of (batch, head) is kept: the word the 16 x 16 block rule above gives
+// it, from one generator call of its own (the decode kernel's rows are single queries at their
+// positions, its columns the tokens at theirs; both below 2^31).
+__device__ __forceinline__ bool dropout_keeps(const Dropout& d, int batch, int head, long long q,
+                                              long long k) {
+  u32 w[4] = {u32((k / 16) * 8 + k % 8), u32((q / 16) * 8 + q % 8), u32(head), u32(batch)};
+  philox4x32_10(w, d.key0, d.key1);
+  const bool key_half = (k / 8) % 2, query_half = (q / 8) % 2;
+  const u32 word = query_half ? (key_half ? w[3] : w[2]) : (key_half ? w[1] : w[0]);
+  return word >= d.threshold;
+}
+
 // Dropout on M_FRAGS stacked score fragments (the layout of mask_score_frags: rows row_first,
 // row_first + 16, ...; ROWS_ARE_QUERIES tells which axis holds the queries; row_first and
 // col_first multiples of 16, N a multiple of 16) in place: a kept value times the scale, a

@@ -9,6 +9,7 @@ import cuattn
 from cuattn import policies as P
 from cuattn.backends import geometry
 from cuattn.backends.cuda_runtime import cuda_available
+from cuattn.backends.dropout import seed_of
 from cuattn.serving import decode
 from cuattn.tools.oracle import kept_attention
 from tests.helpers.no_sync import refuse_host_round_trips
@@ -187,6 +188,33 @@ def test_rel_bias_on_the_interpreter_and_the_reference(dtype, per_batch, monkeyp
         assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()  # the table matters
     with pytest.raises(ValueError, match=r"rel_bias must have shape \[heads, 2 \* max_distance"):
         cuattn.decode_attention(q, cache, rel_bias=table[..., :-1])
+
+
+@pytest.mark.parametrize(("dtype", "seed"), [("float32", 2**40 + 3), ("bfloat16", "words")])
+def test_dropout_on_the_interpreter_and_the_reference(dtype, seed, monkeypatch):
+    """dropout_p= drops each row's probability of a kept token by the generator at (query
+    position, token position, query head, batch), after the softmax: both backends against the
+    oracle with the same mask, over an evicting cache, beside a softcap; a seed held in an
+    array (the key above 2^63) equals that key; the lse is of every probability."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 16)
+    p = 0.3
+    if seed == "words":
+        seed = np.array([0x01234567, 0x89ABCDEF], np.uint32)
+    key = seed_of(seed) if isinstance(seed, np.ndarray) else seed
+    for backend in ("interp", "numpy"):
+        cache = cuattn.KVCache(2, 1, 64, dtype, page_size=16, policy=P.StreamingLLM(4, 60))
+        q = _fill(cache, np.random.default_rng(19), np, steps=2, group=2, t_q=2, prefill=150)
+        kw = dict(softcap=2.0, dropout_p=p, dropout_seed=seed, return_lse=True)
+        out, lse = cuattn.decode_attention(q, cache, backend=backend, **kw)
+        want = kept_attention(cache, q, 64**-0.5, softcap=2.0, dropout=(p, key))
+        error = np.abs(out.astype(np.float64) - want).max()
+        assert error <= TOLERANCE[dtype] * np.abs(want).max(), backend
+        plain, plain_lse = cuattn.decode_attention(q, cache, backend=backend, softcap=2.0,
+                                                   return_lse=True)  # fmt: skip
+        assert np.abs(plain.astype(np.float64) - want).max() > 0.1 * np.abs(want).max()
+        np.testing.assert_array_equal(lse, plain_lse)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        cuattn.decode_attention(q, cache, dropout_p=1.0)
 
 
 def test_alibi_decode_equals_the_full_forward():

@@ -624,6 +624,16 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     assert _rel(out, reference) <= 1e-2
 
 
+def _interpreted_modifier_case(monkeypatch):
+    """(the interpreting backend, installed; a layout; q, k, v mapped twice) of the modifier
+    programs below: batch 2, 2 heads on 1 kv head, 64 tokens, head dim 32, bf16."""
+    backend = _Interpreted(CC)
+    backend.staged = []
+    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
+    layout = cuattn.make_layout("fixed", 64, 2, blocksize=16, local_attn_ctx=32, num_verts=1)
+    return backend, layout, _qkv(2, 2, 1, 64, 32, jnp.bfloat16, vmapped=2)
+
+
 @needs_nvrtc
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
 @pytest.mark.parametrize("per_batch", [False, True])
@@ -632,12 +642,8 @@ def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_bat
     the slopes as [batch, heads], so a vmap folds them with the batch); the slopes' gradient
     comes back from the dQ launch's rows, the key bias's from dK/dV's: bit for bit the eager
     interpreter's, for one slope per head and one per (batch, head)."""
-    backend = _Interpreted(CC)
-    backend.staged = []
-    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
-    batch, heads, kv_heads, n, head_dim = 2, 2, 1, 64, 32
-    layout = cuattn.make_layout("fixed", n, heads, blocksize=16, local_attn_ctx=32, num_verts=1)
-    q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
+    backend, layout, (q, k, v) = _interpreted_modifier_case(monkeypatch)
+    batch, heads, n, head_dim = 2, 2, 64, 32
     rng = np.random.default_rng(4)
     slopes = rng.uniform(0.05, 0.5, (batch, heads) if per_batch else (heads,)).astype(np.float32)
     key_bias = rng.standard_normal((batch, n)).astype(np.float32)
@@ -682,12 +688,8 @@ def test_staged_dropout_program_takes_a_traced_seed(monkeypatch):
     read): one trace serves every seed, each gives bit for bit the eager interpreter's result
     for its key, forward and backward; a vmap that maps the seed is refused (one seed per
     launch), an unmapped one serves the folded batch."""
-    backend = _Interpreted(CC)
-    backend.staged = []
-    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
-    batch, heads, kv_heads, n, head_dim = 2, 2, 1, 64, 32
-    layout = cuattn.make_layout("fixed", n, heads, blocksize=16, local_attn_ctx=32, num_verts=1)
-    q, k, v = _qkv(batch, heads, kv_heads, n, head_dim, jnp.bfloat16, vmapped=2)
+    backend, layout, (q, k, v) = _interpreted_modifier_case(monkeypatch)
+    head_dim = 32
     weight = np.random.default_rng(5).standard_normal(q.shape[1:]).astype(np.float32)
     scale, p = head_dim**-0.5, 0.25
 

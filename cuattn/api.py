@@ -22,14 +22,13 @@ from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
 from cuattn.backends.call import (
     NO_MODS,
-    SCORE_OPERANDS,
+    NO_OPERANDS,
     AttentionCall,
     ScoreMods,
     check_alibi_slopes,
     check_key_bias,
     check_rel_bias,
     check_same_kind,
-    dropout_seed_for,
     given_operands,
     placed_operands,
 )
@@ -43,7 +42,6 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 DENSE_MODES = ("all", "local", "strided")
 # Block size the dense masked path `attention` computes with; any length works (ragged blocks).
 DENSE_BLOCKSIZE = 32
-_NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
 # Block size of the layouts causal= / window_size= stand for: the kernels' measured-fastest
 # forward shape (64-row tiles, docs/kernels.md "The forward").
 IMPLICIT_BLOCKSIZE = 64
@@ -231,14 +229,8 @@ def sparse_attention(
     # forward's module count is tested (tests/adapters/test_call_path.py)
     mods = NO_MODS if softcap is None else ScoreMods.from_arguments(softcap)
     seed_words = None  # a seed held in an array travels as a score operand
-    if dropout_p:
-        seed = dropout_seed_for(_untaped(q), dropout_seed)
-        mods = mods.with_dropout(dropout_p, seed)
-        if mods.seed_words:
-            check_same_kind("dropout_seed", _untaped(seed), _untaped(q))
-            seed_words = seed
-    elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
-        mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
+    if not (isinstance(dropout_p, float) and dropout_p == 0.0):  # the default stays here
+        mods, seed_words = _dispatch.dropout_mods(mods, _untaped(q), dropout_p, dropout_seed)
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, batch, heads)
         _check_operand_kind("alibi_slopes", alibi_slopes, q, layout)
@@ -320,7 +312,7 @@ def _implicit_pattern(heads: int, causal: object, window_size: object) -> Patter
     )
 
 
-def _route(q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = _NO_OPERANDS) -> Any:
+def _route(q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = NO_OPERANDS) -> Any:
     """The validated call on the path for the caller's arrays; every path ends in
     cuattn.backends.forward (and backward), so all of them compute alike.
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cuattn
-from cuattn.backends.call import dropout_seed_for
+from cuattn.adapters.dispatch import dropout_seed_for
 from cuattn.tools.oracle import dense_attention, dense_attention_grads, dropout_factors, rel_err
 
 HEADS, KV_HEADS, N_Q, N_K, HEAD_DIM, BLOCK = 4, 2, 40, 56, 16, 8

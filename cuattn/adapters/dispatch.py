@@ -1,7 +1,8 @@
 """What the public calls ask about the caller's arrays across routes: whether a gradient is
-wanted, whether torch.compile is tracing, raw arrays beside tape Tensors, and the differentiable
-merge of two partial attentions. The route of one attention call itself is ``cuattn.api``'s
-last step (``_route``), so a warm call goes from the API straight to its route's adapter.
+wanted, whether torch.compile is tracing, raw arrays beside tape Tensors, a dropout seed drawn
+from the caller's own generator, and the differentiable merge of two partial attentions. The
+route of one attention call itself is ``cuattn.api``'s last step (``_route``), so a warm call
+goes from the API straight to its route's adapter.
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from cuattn import backends as _backend
 from cuattn._util import array_library
 from cuattn.adapters import dlpack
 from cuattn.autograd.tape import Tensor
+from cuattn.backends.call import ScoreMods, check_same_kind
 
-__all__ = ["merge_states", "outside_graph", "tape_args", "wants_gradient"]
+__all__ = ["dropout_mods", "merge_states", "outside_graph", "tape_args", "wants_gradient"]
+
+MAX_DRAWN_SEED = 2**63 - 1  # a drawn dropout seed: a non-negative int64
 
 T = TypeVar("T")
 
@@ -67,3 +73,41 @@ def wants_gradient(xs: Any) -> bool:
 def merge_states(arrays: dict[str, Any], backend: str | None) -> tuple[Any, Any]:
     """merge_attention_states on any framework's arrays, handed back as the caller's type."""
     return dlpack.call(_backend.merge_states, arrays, backend)
+
+
+def dropout_mods(mods: ScoreMods, q: Any, dropout_p: object, dropout_seed: object) -> tuple:
+    """(``mods`` with a call's dropout, the seed array that travels as a score operand or None):
+    the arguments checked by ScoreMods.with_dropout (a TypeError or ValueError naming them, a
+    seed array of q's kind), the seed drawn when the caller gives none (dropout_seed_for). q is
+    the caller's array (a tape Tensor's data)."""
+    if not dropout_p:
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
+            mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
+        return mods, None
+    seed = dropout_seed_for(q, dropout_seed)
+    mods = mods.with_dropout(dropout_p, seed)
+    if not mods.seed_words:
+        return mods, None
+    check_same_kind("dropout_seed", seed.data if isinstance(seed, Tensor) else seed, q)
+    return mods, seed
+
+
+def dropout_seed_for(q: Any, seed: object) -> object:
+    """The seed of a call with dropout: the caller's, or one drawn from torch's generator of q's
+    device (torch tensors: an int64 tensor there, so that nothing waits for the host and a CUDA
+    graph's replays draw anew) or NumPy's global one; jax has none."""
+    if seed is not None:
+        return seed
+    library = array_library(q)
+    if library == "torch":
+        import torch
+
+        return torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64, device=q.device)
+    if library == "jax":
+        raise ValueError(
+            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass "
+            "jax.random.bits(key, (2,), jnp.uint32) (traced: a new seed does not retrace) or an "
+            "int in [0, 2^63)"
+        )
+    # NumPy's global state, so that np.random.seed repeats a run's masks
+    return int(np.random.randint(0, MAX_DRAWN_SEED, dtype=np.int64))  # noqa: NPY002

@@ -156,7 +156,7 @@ OP_ARGUMENTS = 15
 def _mods(softcap: float, dropout_p: float, dropout_seed: int, operands: tuple) -> ScoreMods:
     """The ops' modifier arguments (softcap, dropout, and the score operands given or None) as
     the backends take them."""
-    if operands == _NO_OPERANDS and not dropout_p:
+    if operands == NO_OPERANDS and not dropout_p:
         return ScoreMods(softcap) if softcap else NO_MODS
     return ScoreMods(softcap).with_operands(operands).with_dropout(dropout_p, dropout_seed)
 
@@ -164,14 +164,13 @@ def _mods(softcap: float, dropout_p: float, dropout_seed: int, operands: tuple) 
 # No score operand: the common call, which never steps into backends/call.py
 # (tests/adapters/test_call_path.py)
 _NONE_GIVEN = (False,) * len(SCORE_OPERANDS)
-_NO_OPERANDS = NO_OPERANDS
 # attention_bwd answers a gradient for the operands before the seed (which has none)
 BIAS_OPERANDS = len(SCORE_OPERANDS) - 1
 
 
 def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[bool, ...]:
     """``named`` with the score operands given added (under their names), and which were."""
-    if operands == _NO_OPERANDS:
+    if operands == NO_OPERANDS:
         return _NONE_GIVEN
     extra, given = given_operands(operands)
     named.update(extra)
@@ -180,7 +179,7 @@ def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[boo
 
 def _placed(present: Any, given: tuple[bool, ...]) -> tuple:
     """The operands in order from the arrays present (placed_operands, or none at all)."""
-    return _NO_OPERANDS if given == _NONE_GIVEN else placed_operands(present, given)
+    return NO_OPERANDS if given == _NONE_GIVEN else placed_operands(present, given)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:

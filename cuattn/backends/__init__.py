@@ -27,7 +27,7 @@ import numpy as np
 
 from cuattn.backends import dropout
 from cuattn.backends import numpy_ref as reference
-from cuattn.backends.call import NO_MODS, SCORE_OPERANDS, ScoreMods
+from cuattn.backends.call import NO_MODS, NO_OPERANDS, SCORE_OPERANDS, ScoreMods
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
@@ -76,13 +76,14 @@ class Backend(Protocol):
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
 
 
-def _host_seed(mods: ScoreMods, operands: tuple) -> tuple[ScoreMods, tuple]:
-    """The reference's modifiers and bias operands: a seed array (the last operand) read into
-    the modifiers as the value it holds (the reference's arrays are on the host)."""
-    if len(operands) < len(SCORE_OPERANDS) or operands[-1] is None:
-        return mods, operands[: len(SCORE_OPERANDS) - 1]
-    seed = dropout.seed_of(operands[-1])
-    return replace(mods, dropout_seed=seed, seed_words=False), operands[:-1]
+def _host_seed(mods: ScoreMods, operands: tuple) -> tuple[ScoreMods, tuple, bool]:
+    """The reference's modifiers and bias operands from the score operands (SCORE_OPERANDS
+    order, trailing ones possibly left out), and whether a seed array came: its key (the
+    reference's arrays are on the host) read into the modifiers."""
+    *biases, seed = (*operands, *NO_OPERANDS)[: len(SCORE_OPERANDS)]
+    if seed is None:
+        return mods, tuple(biases), False
+    return replace(mods, dropout_seed=dropout.seed_of(seed), seed_words=False), tuple(biases), True
 
 
 class NumpyBackend:
@@ -94,7 +95,7 @@ class NumpyBackend:
 
     def forward(self, q, k, v, layout, scale, mods=NO_MODS, *operands):
         reference.check_arrays(q)
-        mods, biases = _host_seed(mods, operands)
+        mods, biases, _ = _host_seed(mods, operands)
         return reference.attention_forward(q, k, v, layout, scale, mods, *biases)
 
     def backward(
@@ -112,11 +113,10 @@ class NumpyBackend:
         *operands,
     ):
         reference.check_arrays(q)
-        mods, biases = _host_seed(mods, operands)
+        mods, biases, seeded = _host_seed(mods, operands)
         grads = reference.attention_backward(
             q, k, v, out, lse, dout, layout, scale, dlse, mods, *biases
         )
-        seeded = len(operands) == len(SCORE_OPERANDS) and operands[-1] is not None
         return (*grads, None) if seeded else grads  # a seed has no gradient
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):

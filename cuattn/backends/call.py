@@ -125,31 +125,6 @@ SEED_ARRAY_SHAPES = {
 }
 
 
-MAX_DRAWN_SEED = 2**63 - 1  # a drawn dropout seed: a non-negative int64
-
-
-def dropout_seed_for(q: Any, seed: object) -> object:
-    """The seed of a call with dropout: the caller's (checked with dropout_p), or one drawn from
-    torch's generator of q's device (torch tensors: an int64 tensor there, so that nothing
-    waits for the host and a CUDA graph's replays draw anew) or NumPy's global one; jax has
-    none."""
-    if seed is not None:
-        return seed
-    library = array_library(q)
-    if library == "torch":
-        import torch
-
-        return torch.randint(0, MAX_DRAWN_SEED, (), dtype=torch.int64, device=q.device)
-    if library == "jax":
-        raise ValueError(
-            "dropout_seed is needed with jax arrays (jax keeps no global random state): pass "
-            "jax.random.bits(key, (2,), jnp.uint32) (traced: a new seed does not retrace) or an "
-            "int in [0, 2^63)"
-        )
-    # NumPy's global state, so that np.random.seed repeats a run's masks
-    return int(np.random.randint(0, MAX_DRAWN_SEED, dtype=np.int64))  # noqa: NPY002
-
-
 def is_seed_array(seed: object) -> bool:
     """Whether a dropout seed is an array (anything with a shape and a dtype) and not an int."""
     return hasattr(seed, "shape") and hasattr(seed, "dtype") and not isinstance(seed, np.generic)

@@ -50,7 +50,6 @@ from cuattn.backends.call import (
     check_key_bias,
     check_rel_bias,
     check_same_kind,
-    dropout_seed_for,
     rel_max_distance,
 )
 from cuattn.backends.dropout import keep_mask, seed_of
@@ -286,15 +285,8 @@ def decode_attention(
     if rel_bias is not None:
         check_rel_bias(rel_bias, q, batch, heads)
         check_same_kind("rel_bias", rel_bias, q)
-    seed_words = None  # a seed held in an array travels as a score operand
-    if dropout_p:
-        seed = dropout_seed_for(q, dropout_seed)
-        mods = mods.with_dropout(dropout_p, seed)
-        if mods.seed_words:
-            check_same_kind("dropout_seed", seed, q)
-            seed_words = seed
-    elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.number)):
-        mods.with_dropout(dropout_p, dropout_seed)  # refused there, by name
+    # a seed held in an array travels as a score operand
+    mods, seed_words = dispatch.dropout_mods(mods, q, dropout_p, dropout_seed)
     given = (alibi_slopes, key_bias, rel_bias, seed_words)
     mods = mods.with_operands(given)
     info = dlpack.describe(q, "q")

@@ -72,16 +72,19 @@ PASSKEY_CONFIG = TinyConfig(
 )
 PASSKEY_SHARES = (0.1, 0.25, 0.5, 0.75)
 PASSKEY_POLICIES = ("sliding", "streaming", "h2o", "quest", "snapkv", "ada-snapkv")
-# --task copy: context 128, 1200 steps of 16 prompts (about 2 minutes on one core). In a trial
-# the model was at 92-100 % held-out exact match (64 prompts) from step 550 on; at context 256
-# with a 32-digit span it was at 80-98 % from step 1100 to 1600 (5.5 minutes), too unsteady
-COPY_CONTEXT = 128
-COPY_STEPS = 1200
-# per long task: the default context. Recall's 128, 2 pairs, batch 32: in a trial the model was
-# at 92-98 % held-out exact match (64 prompts) from step 2000 to 2450; 4 pairs did not learn at
-# 128 or 256 (cuattn.tools.longtasks), and 2 pairs at 256 were not tried
-LONG_CONTEXT = {"passkey": PASSKEY_CONFIG.n_ctx, "recall": 128, "copy": COPY_CONTEXT}
-RECALL_STEPS = 3000
+# --task copy and recall: context 512, as the passkey, trained until a held-out check passes
+# STOP_MATCH (longtasks.train_task's stop_at) or the steps run out. In trials at 512 (seed 0, one
+# core beside other work) copy's held-out exact match (64 prompts) was 0.73-0.80 at steps
+# 800-1050 and 0.95-1.00 from step 1300 to 1900 (batch 16, 0.7 s a step); recall's rose from
+# 0.23 at step 400 to 0.45 at 850 (batch 32, 1.5-2.4 s a step), still climbing. At 128, 1200
+# steps of copy and 3000 of recall had sufficed (tables of 2026-11-26, commits 51c38a6, 52278f9).
+COPY_CONTEXT = 512
+COPY_STEPS = 3000
+RECALL_CONTEXT = 512
+RECALL_STEPS = 4000
+STOP_MATCH = 0.98
+# per long task: the default context
+LONG_CONTEXT = {"passkey": PASSKEY_CONFIG.n_ctx, "recall": RECALL_CONTEXT, "copy": COPY_CONTEXT}
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle depth: 0 the prompt's start, 1 its end
 DEPTH_PLOT_SHARE = 0.25  # the budget whose accuracy-vs-depth curves are plotted
 SNAP_WINDOW = 8  # SnapKV's observation window: the smallest budget (10 % of 512) holds it
@@ -160,13 +163,16 @@ def read(params: dict, held: np.ndarray, prompt: int, policy_name: str | None, b
     return chosen, logits.argmax(-1), kv_bytes, seconds
 
 
-# per task: training steps, batch, learning rate (passkey: more steps on larger batches)
+# per task: training steps (at most, where a stop applies), batch, learning rate
 TRAINING = {
     "text": (400, 8, 3e-3),
     "passkey": (600, 16, 3e-3),
     "recall": (RECALL_STEPS, 32, 3e-3),
     "copy": (COPY_STEPS, 16, 3e-3),
 }
+# per long task: the held-out share that ends training early (None: every step runs; the
+# passkey's committed table was trained so)
+STOP_AT = {"passkey": None, "recall": STOP_MATCH, "copy": STOP_MATCH}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,18 +180,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        help=f"training steps (text 400, passkey 600, recall {RECALL_STEPS}, copy {COPY_STEPS})",
+        help=(
+            f"training steps (text 400, passkey 600; at most: recall {RECALL_STEPS}, copy "
+            f"{COPY_STEPS})"
+        ),
     )
     parser.add_argument(
         "--batch", type=int, help="training batch (text 8, passkey 16, recall 32, copy 16)"
+    )
+    parser.add_argument(
+        "--stop-at",
+        type=float,
+        help=(
+            "recall, copy: stop training once a held-out check (128 prompts every 100 steps) "
+            f"reaches this exact-match share (default {STOP_MATCH}; above 1: never)"
+        ),
     )
     parser.add_argument("--lr", type=float, help="Adam's learning rate (3e-3)")
     parser.add_argument(
         "--context",
         type=int,
         help=(
-            "passkey, recall, copy: tokens per prompt and answer (passkey: 512, recall: 128, "
-            f"copy: {COPY_CONTEXT})"
+            "passkey, recall, copy: tokens per prompt and answer (passkey: 512, recall: "
+            f"{RECALL_CONTEXT}, copy: {COPY_CONTEXT})"
         ),
     )
     parser.add_argument(
@@ -303,9 +320,11 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
             f"SnapKV's window of {SNAP_WINDOW} tokens; accepted: a context >= {least}"
         )
     config = dataclasses.replace(PASSKEY_CONFIG, n_ctx=context)
+    stop_at = STOP_AT[task.name] if args.stop_at is None else args.stop_at
     start = time.perf_counter()
-    params, last_loss, last_match = longtasks.train_task(task, config, steps, batch, lr, args.seed)
+    trained = longtasks.train_task(task, config, steps, batch, lr, args.seed, stop_at)
     train_seconds = time.perf_counter() - start
+    params = trained.params
     # held-out prompts from their own stream: args.prompts at each depth
     depth = np.repeat(DEPTHS, args.prompts)
     held_rng = np.random.default_rng([args.seed, 1])
@@ -331,8 +350,9 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
     header = (
         f"tiny transformer on {task.name}: {sum(t.size for t in params.values())} "
         f"parameters, context {context} (prompt {prompts.shape[1]} tokens, answer: "
-        f"{task.answer}), trained {steps} steps of {batch} prompts in {train_seconds:.0f} s "
-        f"(last batch: loss {last_loss:.3f} nats/digit, exact match {last_match:.3f}); "
+        f"{task.answer}), trained {trained.steps} steps of {batch} prompts in "
+        f"{train_seconds:.0f} s{_stop_note(trained, stop_at, steps)} (last batch: loss "
+        f"{trained.loss:.3f} nats/digit, exact match {trained.matched:.3f}); "
         f"answered {depth.size} held-out prompts, {args.prompts} at each needle depth; "
         f"full-cache accuracy {full:.3f}"
     )
@@ -345,6 +365,18 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
     if args.png:
         _plot_long(rows, args.png, context, task.name)
     return 0
+
+
+def _stop_note(trained: longtasks.Trained, stop_at: float | None, steps: int) -> str:
+    """How training ended, for the table's header."""
+    if stop_at is None or stop_at > 1:
+        return ""
+    if math.isnan(trained.checked):
+        return f", the step limit reached before the first held-out check (target {stop_at})"
+    held = f"{longtasks.CHECK_PROMPTS} held-out prompts at {trained.checked:.3f}"
+    if trained.steps < steps:
+        return f", stopped at {held} (target {stop_at})"
+    return f", the step limit reached with {held} (target {stop_at})"
 
 
 def _plot_long(rows: list[dict], path: Path, context: int, task: str) -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuattn.autograd.tape import Tensor
+from cuattn.autograd.tape import Tensor, no_grad
 from cuattn.tools.tinylm import TinyConfig, _embed, adam_step, block, init_params
 from cuattn.tools.tinylm_ops import cross_entropy, layer_norm
 
@@ -57,7 +57,9 @@ __all__ = [
     "TASKS",
     "VOCAB",
     "LongTask",
+    "Trained",
     "exact_match",
+    "held_out_match",
     "needle_start",
     "copy_prompts",
     "passkey_prompts",
@@ -84,6 +86,13 @@ VALUE = KEY + RECALL_KEYS  # key k, place j, digit d is VALUE + DIGITS * (VALUE_
 RECALL_VOCAB = VALUE + DIGITS * VALUE_DIGITS * RECALL_KEYS
 PAIR_SPAN = 1 + VALUE_DIGITS  # a key token, then its value
 RECALL_QUESTION = 2  # the asked key, then ASK
+
+# training's held-out check (train_task's stop_at): its prompts come from their own stream
+# ([seed, CHECK_STREAM]; the table's held-out prompts are [seed, 1]), run CHECK_BATCH at a time
+CHECK_EVERY = 100
+CHECK_PROMPTS = 128
+CHECK_STREAM = 2
+CHECK_BATCH = 32
 
 # copy: the recall vocabulary plus the span's placed digits, the earlier tasks' ids unchanged
 COPY_LEN = 16  # digits in the span and the answer
@@ -250,16 +259,58 @@ def _answer_logits(params: dict, idx: np.ndarray, config: TinyConfig, answer_len
     return layer_norm(h, params["lnf.w"], params["lnf.b"]) @ params["head"]
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What ``train_task`` returns: the parameters, the steps taken, the last batch's answer
+    loss (nats per answer token) and exact-match share, and the last held-out check's share
+    (NaN when none ran)."""
+
+    params: dict
+    steps: int
+    loss: float
+    matched: float
+    checked: float
+
+
+def held_out_match(
+    params: dict, task: LongTask, config: TinyConfig, prompts: np.ndarray, answers: np.ndarray
+) -> float:
+    """Exact-match share of ``answers`` under teacher forcing (each answer token predicted from
+    the prompt and the right tokens before it): what greedy decoding with the full cache
+    answers whenever it gets every token right."""
+    idx = np.concatenate([prompts, answers[:, :-1]], axis=1)
+    right = []
+    with no_grad():
+        for first in range(0, len(idx), CHECK_BATCH):
+            rows = slice(first, first + CHECK_BATCH)
+            logits = _answer_logits(params, idx[rows], config, task.answer_len)
+            right.append(exact_match(logits.data.argmax(-1), answers[rows]))
+    return float(np.concatenate(right).mean())
+
+
 def train_task(
-    task: LongTask, config: TinyConfig, steps: int, batch: int, lr: float, seed: int
-) -> tuple[dict, float, float]:
-    """(parameters, last batch's answer loss in nats per answer token, its exact-match share)
-    after ``steps`` Adam steps on fresh ``task`` prompts of ``config.n_ctx`` positions."""
+    task: LongTask,
+    config: TinyConfig,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    stop_at: float | None = None,
+) -> Trained:
+    """Adam steps on fresh ``task`` prompts of ``config.n_ctx`` positions: ``steps`` of them,
+    or fewer when ``stop_at`` is given and a held-out check (CHECK_PROMPTS prompts of their own
+    random stream, every CHECK_EVERY steps) reaches that exact-match share."""
     rng = np.random.default_rng(seed)
     params = init_params(np, task.vocab, rng, config)
+    check = None
+    if stop_at is not None:
+        check_rng = np.random.default_rng([seed, CHECK_STREAM])
+        check = task.prompts(check_rng, CHECK_PROMPTS, config.n_ctx, None)
     state: dict = {}
-    value, matched = float("nan"), float("nan")
-    for step in range(1, steps + 1):
+    value, matched, checked = float("nan"), float("nan"), float("nan")
+    step = 0
+    while step < steps:
+        step += 1
         prompts, answers = task.prompts(rng, batch, config.n_ctx, None)
         idx = np.concatenate([prompts, answers[:, :-1]], axis=1)
         logits = _answer_logits(params, idx, config, task.answer_len)
@@ -268,4 +319,8 @@ def train_task(
         adam_step(params, state, step, lr)
         value = loss.item()
         matched = float(exact_match(logits.data.argmax(-1), answers).mean())
-    return params, value, matched
+        if check is not None and step % CHECK_EVERY == 0:
+            checked = held_out_match(params, task, config, *check)
+            if checked >= stop_at:
+                break
+    return Trained(params, step, value, matched, checked)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -187,3 +188,42 @@ def test_generate_copy_smoke(tmp_path, capsys):
         assert kv_bytes[("snapkv", str(budget))] == (budget + decoded) * per_token
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "tiny transformer on copy" in capsys.readouterr().out
+
+
+def test_training_stops_at_its_held_out_check_and_not_before():
+    """train_task's stop: a target every model meets ends training at the first check, one no
+    model meets runs every step; the check equals the exact match the table would count."""
+    config = dataclasses.replace(generate.PASSKEY_CONFIG, n_ctx=SMOKE_CONTEXT, width=16)
+    task = longtasks.TASKS["copy"]
+    steps = longtasks.CHECK_EVERY + 3
+    stopped = longtasks.train_task(task, config, steps, 2, 3e-3, seed=0, stop_at=0.0)
+    assert stopped.steps == longtasks.CHECK_EVERY and 0.0 <= stopped.checked <= 1.0
+    ran = longtasks.train_task(task, config, steps, 2, 3e-3, seed=0, stop_at=1.5)
+    assert ran.steps == steps
+    # the same seed: the stopped run is the first CHECK_EVERY steps of the full one
+    unchecked = longtasks.train_task(task, config, longtasks.CHECK_EVERY, 2, 3e-3, seed=0)
+    assert np.isnan(unchecked.checked)
+    for name, tensor in stopped.params.items():
+        np.testing.assert_array_equal(tensor.data, unchecked.params[name].data)
+    rng = np.random.default_rng([0, longtasks.CHECK_STREAM])
+    prompts, answers = task.prompts(rng, longtasks.CHECK_PROMPTS, config.n_ctx, None)
+    assert stopped.checked == longtasks.held_out_match(
+        stopped.params, task, config, prompts, answers
+    )
+    predicted, _, _ = generate.answer_prompts(
+        stopped.params, prompts, task.answer_len, config, None, 0
+    )
+    assert stopped.checked == longtasks.exact_match(predicted, answers).mean()
+
+
+def test_generate_copy_says_how_training_ended(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(
+        ["--task", "copy", "--steps", "2", "--context", str(SMOKE_CONTEXT), "--prompts", "1"]
+        + ["--stop-at", "0.5"]
+    )
+    assert generate.run(args) == 0
+    out = capsys.readouterr().out
+    assert "trained 2 steps of 16 prompts" in out
+    assert "the step limit reached before the first held-out check (target 0.5)" in out

@@ -997,6 +997,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also rebuild f532ccd's kernels from git and compare with its H100 profile",
     )
     parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="also rebuild e6a0613's kernels from git and compare with its H200 counters"
+        " (out of sample: nothing is fitted on them)",
+    )
+    parser.add_argument(
         "--write-baseline",
         metavar="FILE",
         default=None,
@@ -1025,7 +1031,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     models = model_specs(specs, current_sources(specs), common_options(), kernel_dir(), args.jobs)
     calibration = sass_roofline.calibrate(args.jobs) if args.calibrate else None
-    report = sass_roofline.report(models, calibration)
+    validation = sass_roofline.validate(args.jobs) if args.validate else None
+    report = sass_roofline.report(models, calibration, validation)
     print(report)
     print(f"\n{len(models)} instantiations in {time.perf_counter() - start:.0f}s")
     if args.markdown:

@@ -22,6 +22,7 @@ the profile), the instruction cache, DRAM (the attention kernels hit L2 95-97 %)
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import subprocess
 import tempfile
@@ -467,6 +468,138 @@ def bench_times(profile_dir: Path = PROFILE_DIR) -> dict[tuple, dict[str, float]
 
 
 # ----------------------------------------------------------------------------------------------
+# Out of sample: the H200 run's counters (nothing above is fitted on them)
+
+VALIDATION_DIR = PROFILE_DIR.parent / "2026-11-26-h200"
+VALIDATION_COMMIT = "e6a0613"  # the tree that ran (bench/results/2026-11-26-h200/summary.md)
+VALIDATION_LOGS = {128: "counters-d128.log", 64: "counters-d64.log"}
+# The instantiations scripts/profile_kernels.py ran there (dense causal 64-blocks from 1k tokens
+# pair the forward's query blocks), by their labels in sass_model.hot_specs().
+VALIDATION_LABELS = {"fwd": "fwd d{d} b64 paired", "dkdv": "dkdv d{d} b64", "dq": "dq d{d} b64"}
+_TEMPLATE_CONSTANTS = {"MASK_CAUSAL": "1", "MODS_NONE": "0"}
+
+
+def validation_shape(head_dim: int) -> Shape:
+    """scripts/profile_kernels.py's problem: batch 4, T = 4096, heads x d = 2048."""
+    return Shape(PROFILE_SHAPE.n_ctx, PROFILE_SHAPE.batch, BENCH_WIDTH // head_dim, head_dim)
+
+
+def profiled_instantiations(path: Path) -> dict[str, str]:
+    """label (fwd, dkdv, dq, fa2 fwd, fa2 bwd) -> the kernel's name as ncu printed it."""
+    names = {}
+    for row in csv.reader(path.read_text().splitlines()):
+        if len(row) < 15:
+            continue
+        label = next((lab for key, lab in _KERNEL_OF.items() if key in row[4]), None)
+        if label is not None:
+            names[label] = row[4].removeprefix("void ").split("(")[0]
+    return names
+
+
+def _template_arguments(name: str) -> list[str]:
+    inner = name[name.index("<") + 1 : name.rindex(">")]
+    return [_TEMPLATE_CONSTANTS.get(a.strip(), a.strip()) for a in inner.split(",")]
+
+
+def _same_sizes(expression: str, profiled: str) -> bool:
+    """Whether today's ``expression`` has the sizes of the ``profiled`` instantiation: equal
+    arguments, but for the CTA count (the fourth) the dQ kernel took until change 25."""
+    ours, theirs = _template_arguments(expression), _template_arguments(profiled)
+    if profiled.startswith("attn_bwd_dq<") and len(theirs) == len(ours) + 1:
+        theirs = theirs[:3] + theirs[4:]
+    return ours == theirs
+
+
+def validate(jobs: int = 1, profile_dir: Path = VALIDATION_DIR) -> list[dict]:
+    """Rebuild VALIDATION_COMMIT's kernels, model the instantiations the H200 profiled (d = 64
+    and 128) and set each beside its counters: instructions and shared-load wavefronts (which do
+    not depend on the device) and time by the H100 roofline as fitted (H200: the same 132 SMs
+    and L2, 1.80 GHz in the run against the model's 1.83). SDPA-flash's rows: its time only."""
+    from cuattn.backends.toolchain import CXX_STANDARD_OPTION, cuda_include_options
+    from cuattn.tools.sass_model import hot_specs
+
+    # Today's specs with the profiled names: the sizes are today's (asserted below through the
+    # template arguments both share); the name is the tree's (dQ then took a CTA count too).
+    specs = []
+    for d, log in VALIDATION_LOGS.items():
+        names = profiled_instantiations(profile_dir / log)
+        by_label = {s.label: s for s in hot_specs()}
+        for kernel, label in VALIDATION_LABELS.items():
+            spec = by_label[label.format(d=d)]
+            if not _same_sizes(spec.name_expression, names[kernel]):
+                raise RuntimeError(f"{spec.name_expression} is not the profiled {names[kernel]}")
+            specs.append(dataclasses.replace(spec, name_expression=names[kernel]))
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = checkout_kernels(VALIDATION_COMMIT, Path(tmp))
+        sources = {s.source_file: (kernels / s.source_file).read_text() for s in specs}
+        options = (CXX_STANDARD_OPTION, f"-I{kernels}", *cuda_include_options())
+        models = {m.spec.label: m for m in model_specs(specs, sources, options, kernels, jobs)}
+    rows = []
+    for d, log in VALIDATION_LOGS.items():
+        profile = read_profile(profile_dir / log)
+        shape = validation_shape(d)
+        for kernel, label in VALIDATION_LABELS.items():
+            work, measured = kernel_work(models[label.format(d=d)], shape), profile[kernel]
+            rows.append(_validation_row(f"{kernel} d{d}", work, measured, ours=True))
+        for kernel in ("fa2 fwd", "fa2 bwd"):
+            work = fa2_work(kernel, profile[kernel], shape)
+            rows.append(_validation_row(f"{kernel} d{d}", work, profile[kernel], ours=False))
+    return rows
+
+
+def _validation_row(kernel: str, work: Work, measured: Profiled, ours: bool) -> dict:
+    return {
+        "kernel": kernel,
+        "instructions": work.instructions,
+        "ncu_instructions": measured.instructions,
+        "ld_wavefronts": work.ld_wavefronts,
+        "ncu_ld_wavefronts": measured.ld_wavefronts,
+        "hmma": work.hmma,
+        "seconds": predict_seconds(work),
+        "ncu_seconds": measured.seconds,
+        "bound": bound(work),
+        "ours": ours,
+    }
+
+
+def backward_wavefront_ratio(rows: Sequence[dict], head_dim: int) -> float:
+    """Measured shared-load wavefronts of our backward (dK/dV + dQ) over SDPA-flash's for the
+    same problem (its backward kernel; its dQ conversion and preprocess load nothing shared)."""
+    by_kernel = {r["kernel"]: r for r in rows}
+    ours = sum(by_kernel[f"{k} d{head_dim}"]["ncu_ld_wavefronts"] for k in ("dkdv", "dq"))
+    return ours / by_kernel[f"fa2 bwd d{head_dim}"]["ncu_ld_wavefronts"]
+
+
+def format_validation(rows: Sequence[dict]) -> str:
+    lines = [
+        f"| kernel ({VALIDATION_COMMIT}, H200, T=4096 B4, heads x d = 2048) | instructions model"
+        " / ncu | error | shared ld wavefronts model / ncu | error | time model / ncu ms | error"
+        " | bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r["ours"]:
+            inst = f"{r['instructions'] / 1e6:.0f}M / {r['ncu_instructions'] / 1e6:.0f}M"
+            wave = f"{r['ld_wavefronts'] / 1e6:.1f}M / {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
+            inst_err = _pct(r["instructions"], r["ncu_instructions"])
+            wave_err = _pct(r["ld_wavefronts"], r["ncu_ld_wavefronts"])
+        else:
+            inst = f"(ncu) {r['ncu_instructions'] / 1e6:.0f}M"
+            wave = f"(ncu) {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
+            inst_err = wave_err = "-"
+        lines.append(
+            f"| {r['kernel']} | {inst} | {inst_err} | {wave} | {wave_err}"
+            f" | {r['seconds'] * MS:.3f} / {r['ncu_seconds'] * MS:.3f}"
+            f" | {_pct(r['seconds'], r['ncu_seconds'])} | {r['bound']} |"
+        )
+    ratios = ", ".join(
+        f"d{d} {backward_wavefront_ratio(rows, d):.2f}x" for d in sorted(VALIDATION_LOGS)
+    )
+    lines += ["", f"Backward shared-load wavefronts, ours (dK/dV + dQ) / SDPA-flash's: {ratios}."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # Report
 
 PREDICTION_T = 8192  # the shape of the hot table's time column (bench sweep, dense causal)
@@ -642,7 +775,11 @@ def format_ratios(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(models: Sequence[TileModel], calibration: Calibration | None) -> str:
+def report(
+    models: Sequence[TileModel],
+    calibration: Calibration | None,
+    validation: Sequence[dict] | None = None,
+) -> str:
     """The markdown report of ``cuattn sass``."""
     csv_path = PROFILE_DIR / PROFILE_CSV
     profile = read_profile(csv_path) if csv_path.exists() else {}
@@ -669,6 +806,13 @@ def report(models: Sequence[TileModel], calibration: Calibration | None) -> str:
             "## Calibration: f532ccd rebuilt and modelled vs its H100 profile",
             "",
             format_calibration(calibration),
+        ]
+    if validation is not None:
+        parts += [
+            "",
+            f"## Out of sample: {VALIDATION_COMMIT} rebuilt and modelled vs its H200 counters",
+            "",
+            format_validation(validation),
         ]
     labels = {m.spec.label for m in models}
     needed = {f"{k} d{d} b64" for k in ("fwd", "dkdv", "dq") for d in (64, 128)}

@@ -281,6 +281,31 @@ def test_model_reproduces_the_f532ccd_profile():
         assert abs(row["seconds"] / row["ncu_seconds"] - 1) < 0.25, row
 
 
+@pytest.mark.slow
+def test_model_predicts_the_h200_counters_out_of_sample():
+    """e6a0613 rebuilt from git against the H200 run's counters, which nothing in the model was
+    fitted on: shared wavefronts within 2 %, instructions within 20 % (dK/dV: +14-16 %), the
+    backward's times within 15 %. The forward's time is not held to anything: the model is
+    28-41 % optimistic for the paired forward there (bench/NOTES.md, "The static model out of
+    sample"), a gap this test records rather than hides."""
+    _tools_or_skip()
+    logs = sass_roofline.VALIDATION_LOGS.values()
+    if not all((sass_roofline.VALIDATION_DIR / log).exists() for log in logs):
+        pytest.skip("the H200 counters are not in this checkout")
+    try:
+        rows = sass_roofline.validate(jobs=1)
+    except (OSError, RuntimeError) as exc:  # no git, or no e6a0613 in a shallow clone
+        pytest.skip(f"e6a0613's kernels cannot be rebuilt here: {exc}")
+    ours = [r for r in rows if r["ours"]]
+    assert len(ours) == 6
+    for row in ours:
+        assert abs(row["ld_wavefronts"] / row["ncu_ld_wavefronts"] - 1) < 0.02, row
+        assert abs(row["instructions"] / row["ncu_instructions"] - 1) < 0.20, row
+        if not row["kernel"].startswith("fwd"):
+            assert abs(row["seconds"] / row["ncu_seconds"] - 1) < 0.15, row
+    assert 1.8 < sass_roofline.backward_wavefront_ratio(rows, 128) < 2.1
+
+
 def test_cuattn_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys):
     _tools_or_skip()
     from cuattn.tools.cli import main

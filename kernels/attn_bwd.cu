@@ -25,7 +25,7 @@
 //       head dim split, head, batch) walks the CSC column of its key block
 //       (kernels/common/walk.cuh) in steps of TILE_Q queries; its HEAD_DIM / SPLITS columns of
 //       dK, dV accumulate in registers (each warp owns 16 keys).
-//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T, RULE, MODS> one CTA per TILE_Q queries walks the
+//   attn_bwd_dq<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T, RULE, MODS> one CTA per TILE_Q queries walks the
 //       CSR row in steps of TILE_K keys and recomputes P and dS; dQ accumulates in registers,
 //       so the backward is bit-identical across runs.
 //   attn_bwd_sum_groups<HEAD_DIM, T>   (GQA/MQA only) dK, dV of each kv head from the per query
@@ -74,12 +74,9 @@ struct attn_bwd_dkdv_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_D
                                     Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
 };
 
-template <int BLOCK, int TILE_OWN, int TILE_STEP, int MIN_CTAS, int HEAD_DIM, typename T>
+template <int BLOCK, int TILE_OWN, int TILE_STEP, int HEAD_DIM, typename T>
 struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T> {
   using Base = attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM, T>;
-  // CTAs per SM the register budget is capped for (__launch_bounds__), chosen by geometry.py.
-  static constexpr int MIN_CTAS_PER_SM = MIN_CTAS;
-  static_assert(MIN_CTAS >= 1);
   static constexpr int SMEM_BYTES =
       Base::TILE_BYTES + Base::NUM_WARPS * Base::SCRATCH_FLOATS * int(sizeof(float));
   // The score-modifier variant takes the softcap's slopes before adding biases, into a tile of
@@ -87,6 +84,14 @@ struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM
   // them (ptxas spilled on sm_80 and sm_90) and recovers each capped score from P instead
   // (log2(P) + lse less the biases).
   static constexpr bool KEEP_SLOPES = HEAD_DIM < 256;
+  // Q and dO never change across the walk: the plain half-precision kernels up to d = 128 hold
+  // their A fragments in registers (2 x HEAD_DIM / 4 a thread) instead of re-reading them from
+  // shared memory at every key step (bench/NOTES.md change 25). The variant is at its register
+  // limit, fp32 has no ldmatrix fragments, and d = 256's would be 128 registers.
+  static constexpr int OWN_FRAGS_MAX_HEAD_DIM = 128;
+  template <int MODS>
+  static constexpr bool OWN_FRAGS =
+      is_half_type<T>::value && MODS == MODS_NONE && HEAD_DIM <= OWN_FRAGS_MAX_HEAD_DIM;
 };
 
 // lse in the log2 domain as the backward uses it; a row with nothing to attend (lse = -inf) or
@@ -395,10 +400,8 @@ __global__ void __launch_bounds__(
   }
 }
 
-template <int BLOCK, int TILE_Q, int TILE_K, int MIN_CTAS, int HEAD_DIM, typename T, int RULE,
-          int MODS>
-__global__ void __launch_bounds__(
-    attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T>::NUM_THREADS, MIN_CTAS)
+template <int BLOCK, int TILE_Q, int TILE_K, int HEAD_DIM, typename T, int RULE, int MODS>
+__global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse,
                 const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ row_ptr,
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
                 long long dout_batch_stride, long long dout_head_stride, long long dout_row_stride) {
-  using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, MIN_CTAS, HEAD_DIM, T>;
+  using Traits = attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD_DIM, T>;
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
@@ -504,6 +507,16 @@ __global__ void __launch_bounds__(
     float rel_first_ds[2] = {}, rel_last_ds[2] = {};
     ActiveTiles<RULE, BLOCK, TILE_K, true> walk(row_ptr + head * (num_blocks + 1) + q_block, col_idx,
                                                 row_mask);
+    constexpr bool OWN_FRAGS = Traits::template OWN_FRAGS<MODS>;
+    constexpr int FRAG_STEPS = OWN_FRAGS ? HEAD_DIM / 16 : 1;
+    u32 q_frags[FRAG_STEPS][4], do_frags[FRAG_STEPS][4];
+    if constexpr (OWN_FRAGS) {
+      // The own tiles land first (the walk's first step then waits for nothing of theirs).
+      cp_async_wait_group<0>();
+      __syncthreads();
+      load_a_frags<HEAD_DIM>(q_frags, q_smem + warp * 16 * LD, LD);
+      load_a_frags<HEAD_DIM>(do_frags, do_smem + warp * 16 * LD, LD);
+    }
     // The inner loop: one active key tile per step, the next one's copy in flight.
     walk_double_buffered(walk, rule, q_start, q_last, load_step, [&](const ActiveTile& tile, int stage) {
       const int k_start = tile.start;
@@ -511,7 +524,11 @@ __global__ void __launch_bounds__(
       const T* v_smem = k_smem + TILE_K * LD;
 
       float p[TILE_K / 8][4] = {};
-      warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+      if constexpr (OWN_FRAGS) {
+        warp_gemm_fs_nk<TILE_K, HEAD_DIM>(p, q_frags, k_smem, LD);
+      } else {
+        warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
+      }
       score_tile<MODS, TILE_K>(p, score_scale);
       if (tile.coverage == TILE_PARTIAL) {
         mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
@@ -545,7 +562,11 @@ __global__ void __launch_bounds__(
         if (use_rel_bias) rel_bias_tile<TILE_K, true>(p, rel_bias_of(), q_offset, q_warp, k_start);
       }
       float ds[TILE_K / 8][4] = {};
-      warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+      if constexpr (OWN_FRAGS) {
+        warp_gemm_fs_nk<TILE_K, HEAD_DIM>(ds, do_frags, v_smem, LD);
+      } else {
+        warp_gemm_rs_nk<TILE_K, HEAD_DIM>(ds, do_smem + warp * 16 * LD, LD, v_smem, LD);
+      }
       if constexpr (MODS == MODS_SCORE) {  // dP of the probabilities before dropout
         const Dropout dropout = dropout_of();
         if (dropout.on()) dropout_tile<TILE_K, true>(ds, dropout, q_warp, k_start);

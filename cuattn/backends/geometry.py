@@ -399,11 +399,6 @@ MMA_ROWS = 16  # rows of one mma fragment
 # 96 and 128 step by 32 so that the dK and dV accumulators (2 x 64 floats per thread) and the
 # score tiles fit in registers unspilled (bench/NOTES.md, change 3).
 BWD_OWN_TILE = 64
-# dQ CTAs per SM its registers are capped for (the kernel's __launch_bounds__): at head dim 128
-# in fp16/bf16 three 4-warp CTAs fit in 168 registers a thread with no spill, where one CTA's
-# budget let ptxas take 180 and leave two per SM (static model, bench/NOTES.md change 11); at
-# head dim 64 the cap spills (16 bytes), so every other case keeps 1.
-BWD_DQ_MIN_CTAS = {(128, "float16"): 3, (128, "bfloat16"): 3}
 BWD_STEP_TILE = 64
 BWD_STEP_TILE_LARGE_HEAD = 32
 BWD_STAGES = 2  # step tiles in shared memory (kernels/attn_bwd.cu BWD_STAGES)
@@ -424,7 +419,7 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
 # head dim 32 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
 # 64-row steps at d48-d80, 2026-11-26; dK/dV's at d32 with the bitmask rule once dropout's seed
-# could come from memory, change 23); dQ is not capped for three CTAs per SM (BWD_DQ_MIN_CTAS).
+# could come from memory, change 23).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
 MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 32
 MODS_BWD_MAX_STEP = 32
@@ -590,22 +585,14 @@ class KernelConfig(_Launch):
         return self.num_warps * WARP_SIZE
 
     @property
-    def min_ctas(self) -> int:
-        """CTAs per SM the kernel's registers are capped for (dQ's plain kernels only; 1
-        elsewhere)."""
-        if self.kernel != "attn_bwd_dq" or self.mods:
-            return 1
-        return BWD_DQ_MIN_CTAS.get((self.head_dim, self.dtype), 1)
-
-    @property
     def register_cap(self) -> int | None:
         """Registers per thread ptxas may give this instantiation: the ISA's 255, or fewer where
-        its __launch_bounds__ asks for ``min_ctas`` resident CTAs of ``threads`` (the attention
-        block kernels, whose launch bounds this module chooses); None for the kernels whose
+        one CTA of ``threads`` must fit an SM's register file (the attention block kernels,
+        whose launch bounds ask for one resident CTA of ``threads``); None for the kernels whose
         launch bounds only their .cu file states."""
         if self.kernel not in BLOCK_KERNELS:
             return None
-        per_thread = SM_LIMITS["sm_80"]["registers"] // (self.threads * self.min_ctas)
+        per_thread = SM_LIMITS["sm_80"]["registers"] // self.threads
         granule = REGISTER_ALLOCATION_UNIT // WARP_SIZE  # a thread's registers come in 8s
         return min(MAX_REGISTERS_PER_THREAD, per_thread // granule * granule)
 
@@ -632,8 +619,7 @@ class KernelConfig(_Launch):
         """C++ name of this instantiation, e.g. ``attn_fwd<64, 64, 64, 4, 128, __half,
         MASK_CAUSAL, MODS_NONE>`` (block, tile_m, tile_n, warps, head dim, type, rule, modifier
         flag) or
-        ``attn_bwd_dq<64, 64, 32, 3, 128, ...>`` (block, own tile, step tile, CTAs per SM its
-        registers are capped for, ...)."""
+        ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
@@ -661,7 +647,7 @@ class KernelConfig(_Launch):
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
         assert self.kernel == "attn_bwd_dq", self.kernel
-        return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.min_ctas}"
+        return f"{self.block}, {self.tile_m}, {self.tile_n}"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@
 //   rs_nk:   A row-major in smem [16][K];       B stored as rows of N: [N][K]  (B = that^T)
 //   ts_kn:   A stored transposed in smem [K][16]; B stored [K][N]
 //   regs_kn: A in registers, accumulator layout float[K / 8][4]; B stored [K][N]
+//   fs_nk:   A's ldmatrix fragments held in registers (load_a_frags, half types only): a tile
+//            that stays put across a loop is read from shared memory once; B as rs_nk
 #pragma once
 
 #include "ptx.cuh"
@@ -90,6 +92,35 @@ template <int N, int K, typename T>
 __device__ __forceinline__ void warp_gemm_rs_nk(float (&acc)[N / 8][4], const T* a, int lda,
                                                 const T* b, int ldb) {
   warp_gemm_rs_nk<1, N, K>(*reinterpret_cast<float (*)[1][N / 8][4]>(&acc), a, lda, b, ldb);
+}
+
+// The A fragments of a warp's row-major 16 x K tile at `a` (lda elements a row), one
+// ldmatrix.x4 per 16-column k-step, for warp_gemm_fs_nk: 2 K / 16 registers a thread.
+template <int K, typename T>
+__device__ __forceinline__ void load_a_frags(u32 (&frags)[K / 16][4], const T* a, int lda) {
+  static_assert(is_half_type<T>::value && K % 16 == 0, "ldmatrix fragments of 16-bit types");
+  const int lane = int(threadIdx.x) % 32;
+#pragma unroll
+  for (int step = 0; step < K / 16; ++step) {
+    ldmatrix_x4(frags[step], a + (lane % 16) * lda + 16 * step + (lane / 16) * 8);
+  }
+}
+
+// acc[16 x N] += A B^T, A from load_a_frags, B stored as rows of N ([N][K], as rs_nk).
+template <int N, int K, typename T>
+__device__ __forceinline__ void warp_gemm_fs_nk(float (&acc)[N / 8][4], const u32 (&a_frags)[K / 16][4],
+                                                const T* b, int ldb) {
+  static_assert(is_half_type<T>::value && N % 16 == 0 && K % 16 == 0);
+  const int lane = int(threadIdx.x) % 32;
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+#pragma unroll
+    for (int n0 = 0; n0 < N; n0 += 16) {
+      u32 b_frag[4];
+      ldmatrix_x4(b_frag, b + (n0 + lane % 8 + (lane / 16) * 8) * ldb + k0 + ((lane / 8) % 2) * 8);
+      mma_pair<T>(acc, n0, a_frags[k0 / 16], b_frag);
+    }
+  }
 }
 
 template <int N, int K, typename T>

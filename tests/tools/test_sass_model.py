@@ -314,6 +314,6 @@ def test_cuattn_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys)
     args = ["sass", "--filter", "dq d128 b64", "--jobs", "1", "--markdown", str(out)]
     assert main([*args, "--check", str(BASELINE)]) == 0
     printed = capsys.readouterr().out
-    row = "| dq d128 b64 `attn_bwd_dq<64, 64, 32, 3, 128, __nv_bfloat16, MASK_CAUSAL, MODS_NONE>`"
+    row = "| dq d128 b64 `attn_bwd_dq<64, 64, 32, 128, __nv_bfloat16, MASK_CAUSAL, MODS_NONE>`"
     assert row in printed
     assert "## Hot instantiations" in out.read_text()

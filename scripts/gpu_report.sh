@@ -9,6 +9,9 @@
 #             then every gpu-marked test (tests/backends/test_cuda_kernels.py: every pattern/dtype/block/
 #             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
+#   sm90a     the gpu-marked kernel tests again with CUATTN_KERNELS=sm90a: the wgmma forward
+#             (kernels/attn_fwd_sm90.cu) through the backends wherever it applies, forward and
+#             the backward on its out and lse (needs an H100/H200; elsewhere they run attn_fwd)
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
@@ -116,6 +119,11 @@ for name in $STEPS; do
       step gpu-tests "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
         --continue-on-collection-errors --junitxml="$REPORT_DIR/gpu-tests.xml" tests
       ;;
+    sm90a)
+      CUATTN_KERNELS=sm90a step gpu-tests-sm90a "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE \
+        -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-sm90a.xml" \
+        tests/backends/test_cuda_kernels.py
+      ;;
     sanitize)
       SANITIZER="$(find_sanitizer)"
       if [ -z "$SANITIZER" ]; then
@@ -192,8 +200,8 @@ for name in $STEPS; do
         --markdown "$REPORT_DIR/dynamic-bench.md"
       ;;
     *)
-      echo "unknown step '$name': expected probe, tests, sanitize, profile, counters, quick, full," \
-        "decode or dynamic" >&2
+      echo "unknown step '$name': expected probe, tests, sm90a, sanitize, profile, counters, quick," \
+        "full, decode or dynamic" >&2
       exit 2
       ;;
   esac

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, cupy_module
-from cuattn.backends.geometry import KernelConfig, LayoutKernelConfig
+from cuattn.backends.geometry import SM90_COMPUTE_CAPABILITY, KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import KernelBackend
 from cuattn.layout.device import DeviceLayout
 
@@ -32,7 +32,9 @@ def launch(config: KernelConfig | LayoutKernelConfig, **values: Any) -> None:
             args.append(value)
         else:
             args.append(_SCALAR_TYPES[kind](value))
-    kernel = KERNELS.kernel(config.source_file, config.name_expression, config.smem_bytes)
+    kernel = KERNELS.kernel(
+        config.source_file, config.name_expression, config.smem_bytes, arch=config.arch
+    )
     kernel(config.grid, config.block_dims, tuple(args), shared_mem=config.smem_bytes)
 
 
@@ -71,3 +73,6 @@ class CudaBackend(KernelBackend):
 
     def launch(self, config: KernelConfig, **values: Any) -> None:
         launch(config, **values)
+
+    def runs_sm90a(self, x: Any) -> bool:
+        return x.device.compute_capability == SM90_COMPUTE_CAPABILITY

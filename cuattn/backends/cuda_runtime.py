@@ -11,14 +11,23 @@ Importing this module needs neither CuPy nor a GPU; the first launch does.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cuattn.backends.kernels import LAYOUT_FIELDS
-from cuattn.backends.toolchain import common_options, kernel_program
+from cuattn.backends.toolchain import (
+    CUPY_IMPLICIT_OPTIONS,
+    arch_option,
+    common_options,
+    kernel_program,
+    nvrtc_cubin,
+)
 
 if TYPE_CHECKING:
     import cupy
@@ -26,6 +35,9 @@ if TYPE_CHECKING:
 # Above this a kernel must opt in to more dynamic shared memory
 # (cudaFuncAttributeMaxDynamicSharedMemorySize).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+# Where NVRTC's cubins for an explicit architecture are kept (cubin_module); default
+# ~/.cache/cuattn/cubin.
+CUBIN_CACHE_ENV = "CUATTN_CUBIN_CACHE"
 # First CuPy release whose disk cache keeps modules built with name_expressions.
 MIN_CUPY_FOR_DISK_CACHE = (14, 2)
 
@@ -72,21 +84,29 @@ class KernelCache:
         name_expression: str,
         dynamic_smem_bytes: int = 0,
         extra_options: Sequence[str] = (),
+        arch: str | None = None,
     ) -> Any:
         """The cupy.RawKernel for one instantiation on the current device, ready to launch
-        with `dynamic_smem_bytes` of dynamic shared memory."""
+        with `dynamic_smem_bytes` of dynamic shared memory. ``arch`` None: CuPy compiles for
+        the device's own architecture; else NVRTC builds a cubin for ``arch`` (sm_90a, which
+        CuPy cannot ask for) and CuPy loads it (``cubin_module``)."""
         cupy = cupy_module()
         device = cupy.cuda.runtime.getDevice()
-        key = _ModuleKey(device, source_file, (*common_options(), *extra_options), name_expression)
+        options = (*common_options(), *extra_options)
+        key = _ModuleKey(device, source_file, (*options, arch or ""), name_expression)
         with self._lock:
             kernel = self._kernels.get(key)
             if kernel is None:
-                module = cupy.RawModule(
-                    code=kernel_program(source_file),
-                    options=key.options,
-                    name_expressions=[name_expression],
-                )
-                kernel = module.get_function(name_expression)  # compiles (or loads) here
+                if arch is None:
+                    module = cupy.RawModule(
+                        code=kernel_program(source_file),
+                        options=options,
+                        name_expressions=[name_expression],
+                    )
+                    kernel = module.get_function(name_expression)  # compiles (or loads) here
+                else:
+                    module, lowered = cubin_module(source_file, name_expression, options, arch)
+                    kernel = module.get_function(lowered)
                 self._kernels[key] = kernel
             # The attribute is per function and per device (the key holds both).
             if dynamic_smem_bytes > max(DEFAULT_DYNAMIC_SMEM_LIMIT, self._smem_opt_in.get(key, 0)):
@@ -101,6 +121,33 @@ class KernelCache:
 
 
 KERNELS = KernelCache()
+
+
+def cubin_cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cuattn" / "cubin"
+    path = Path(os.environ.get(CUBIN_CACHE_ENV, default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cubin_module(
+    source_file: str, name_expression: str, options: Sequence[str], arch: str
+) -> tuple[Any, str]:
+    """(cupy.RawModule, the kernel's lowered name) of one instantiation built by NVRTC for
+    ``arch`` into a cubin, kept on disk under a key of the program text (which names the digest
+    of every kernel source), the options and the name, as CuPy keys its own cache."""
+    program = kernel_program(source_file)
+    all_options = [arch_option(arch), *options, *CUPY_IMPLICIT_OPTIONS]
+    key = hashlib.sha256("\n".join([program, *all_options, name_expression]).encode())
+    stem = cubin_cache_dir() / f"{Path(source_file).stem}-{key.hexdigest()[:24]}"
+    cubin_path, name_path = stem.with_suffix(".cubin"), stem.with_suffix(".name")
+    if not (cubin_path.exists() and name_path.exists()):
+        lowered, cubin, _ = nvrtc_cubin(program, source_file, [name_expression], all_options)
+        for path, data in ((cubin_path, cubin), (name_path, lowered[name_expression].encode())):
+            staged = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
+            staged.write_bytes(data)
+            os.replace(staged, path)  # atomic: concurrent processes never read half a file
+    return cupy_module().RawModule(path=str(cubin_path)), name_path.read_text()
 
 
 @dataclass(frozen=True)

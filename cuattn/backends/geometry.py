@@ -24,6 +24,7 @@ Compile: kernels/ must be on the include path (-I); -std=c++17; fast-math is not
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,9 +71,35 @@ KERNEL_FILES = {
     "layout_scan": "layout_build.cu",
     "layout_fill": "layout_build.cu",
     "mask_vertical_slash": "layout_build.cu",
+    "attn_fwd_sm90": "attn_fwd_sm90.cu",
 }
 # Templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>.
 BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+
+# The sm_90a forward (kernels/attn_fwd_sm90.cu, issue 27): wgmma over 128-byte-swizzled tiles,
+# two warpgroups of 64 query rows per CTA, fp16/bf16 only, no score modifiers. It builds for
+# sm_90a alone (NVRTC to a cubin: neither sm_80 nor CuPy's own build of the device's sm_90 takes
+# wgmma), so all_configs() leaves it out and sm90_configs() lists it. CUATTN_KERNELS=sm90a
+# chooses it for every forward it supports, on an sm_90 GPU and on the interpreter; by default
+# (CUATTN_KERNELS unset or "mma") every forward runs attn_fwd, until a GPU run of this family
+# through the backends (the GPU issue) has checked it there.
+SM90_FWD = "attn_fwd_sm90"
+SM90_ARCH = "sm_90a"
+SM90_COMPUTE_CAPABILITY = "90"  # CuPy's spelling of an H100/H200's 9.0
+SM90_TILE_M = 128  # query rows per CTA: two warpgroups of wgmma's M = 64
+SM90_WARPS = 8
+SM90_BLOCKS = (64, 128)  # a warpgroup's 64 rows lie in one layout block
+SM90_HEAD_DIMS = (64, 128, 256)  # whole 128-byte panels; N <= 256 for O += P V
+SM90_DTYPES = ("float16", "bfloat16")
+# 128-blocks take 128-key tiles up to d = 128 (S and O: 64 + 64 accumulators a thread) and
+# 64-key tiles at d = 256 (O alone is 128); 64-blocks take 64-key tiles.
+SM90_WIDE_TILE_N = 128
+SM90_TILE_N = 64
+SM90_WIDE_MAX_HEAD_DIM = 128
+SM90_SWIZZLE_ROW_BYTES = 128  # a panel row: the 128-byte swizzle's unit
+SM90_SWIZZLE_REPEAT_BYTES = 1024  # room to start the tiles on the swizzle's repeat
+KERNELS_ENV = "CUATTN_KERNELS"
+KERNEL_FAMILIES = ("mma", "sm90a")  # the first is the default
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
 # Split-KV decode over a paged cache, templated on <TILE, ROWS, HEAD_DIM, T>; traits in
@@ -185,6 +212,14 @@ _FWD_ARGS = (
 _BWD_STRIDES = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("dout"))
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
+    SM90_FWD: (
+        *_FWD_ARGS[:5],
+        *_LAYOUT_ARGS,
+        *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
+        *_strides("q"),
+        *_strides("k"),
+        *_strides("v"),
+    ),
     "attn_bwd_preprocess": (
         ("out", "ptr"),
         ("dout", "ptr"),
@@ -494,6 +529,12 @@ class _Launch:
         return KERNEL_FILES[self.kernel]
 
     @property
+    def arch(self) -> str | None:
+        """The architecture this kernel must be built for, where it is not the device's own
+        (CuPy's choice): sm_90a for the wgmma forward."""
+        return SM90_ARCH if self.kernel == SM90_FWD else None
+
+    @property
     def args(self) -> tuple[tuple[str, str], ...]:
         return KERNEL_ARGS[self.kernel]
 
@@ -552,6 +593,17 @@ class KernelConfig(_Launch):
             stages = DECODE_STAGES * 2 * tile_n * ld * itemsize
             merge = num_warps * tile_m * (self.head_dim + 2) * 4
             smem = q_bytes + max(stages, merge)
+        elif self.kernel == SM90_FWD:
+            assert sm90_forward_supports(self.block, self.head_dim, self.dtype), self
+            assert self.rule in RULES and not self.mods and not self.paired, self
+            tile_m, tile_n, num_warps = (
+                SM90_TILE_M,
+                sm90_tile_n(self.block, self.head_dim),
+                SM90_WARPS,
+            )
+            panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
+            smem = panels * (tile_m + 2 * tile_n) * SM90_SWIZZLE_ROW_BYTES
+            smem += SM90_SWIZZLE_REPEAT_BYTES
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
@@ -602,6 +654,8 @@ class KernelConfig(_Launch):
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel in DECODE_KERNELS:
             return (self.n_rows, self.heads, self.batch)
+        if self.kernel == SM90_FWD:
+            return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
         if self.paired:
@@ -627,6 +681,8 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
+        if self.kernel == SM90_FWD:
+            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
     @property
@@ -644,6 +700,8 @@ class KernelConfig(_Launch):
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
+        if self.kernel == SM90_FWD:
+            return f"{self.block}, {self.tile_n}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
         assert self.kernel == "attn_bwd_dq", self.kernel
@@ -828,6 +886,41 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS)
     configs.append(DecodeMassConfig())
     return configs
+
+
+def sm90_forward_supports(block: int | None, head_dim: int, dtype: str) -> bool:
+    """Whether the sm_90a forward has an instantiation for this block, head dim and dtype."""
+    return block in SM90_BLOCKS and head_dim in SM90_HEAD_DIMS and dtype in SM90_DTYPES
+
+
+def sm90_tile_n(block: int, head_dim: int) -> int:
+    """Keys per tile of the sm_90a forward (see SM90_WIDE_TILE_N)."""
+    wide = block >= SM90_WIDE_TILE_N and head_dim <= SM90_WIDE_MAX_HEAD_DIM
+    return SM90_WIDE_TILE_N if wide else SM90_TILE_N
+
+
+def sm90_configs() -> list[KernelConfig]:
+    """One config per instantiation of the sm_90a forward (48: blocks x head dims x dtypes x
+    rules)."""
+    return [
+        KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
+        for block, head_dim, dtype, rule in itertools.product(
+            SM90_BLOCKS, SM90_HEAD_DIMS, SM90_DTYPES, RULES
+        )
+    ]
+
+
+def kernel_family() -> str:
+    """The forward family CUATTN_KERNELS asks for: "mma" (unset: attn_fwd everywhere) or
+    "sm90a" (attn_fwd_sm90 where it applies: sm_90 GPUs and the interpreter, fp16/bf16, the
+    block sizes and head dims of SM90_*, no score modifier)."""
+    family = os.environ.get(KERNELS_ENV, "") or KERNEL_FAMILIES[0]
+    if family not in KERNEL_FAMILIES:
+        raise ValueError(
+            f"{KERNELS_ENV}={family!r} is not a kernel family; accepted: "
+            f"{', '.join(KERNEL_FAMILIES)} (unset: {KERNEL_FAMILIES[0]})"
+        )
+    return family
 
 
 def decode_tile(head_dim: int, dtype: str) -> int:

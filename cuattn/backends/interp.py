@@ -184,7 +184,7 @@ def build_library(
 
 
 def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
-    return [c for c in geometry.all_configs() if c.group == group]
+    return [c for c in (*geometry.all_configs(), *geometry.sm90_configs()) if c.group == group]
 
 
 _group_libraries: dict[tuple, Library] = {}
@@ -286,6 +286,9 @@ class InterpBackend(KernelBackend):
 
     def launch(self, config: KernelConfig, **values: Any) -> None:
         launch(config, **values)
+
+    def runs_sm90a(self, x: Any) -> bool:
+        return True  # the interpreter emulates wgmma, TMA and mbarriers (kernels/interp/)
 
 
 backend = InterpBackend()

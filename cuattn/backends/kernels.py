@@ -158,6 +158,10 @@ class KernelBackend:
     def launch(self, config: KernelConfig, **values: Any) -> None:
         raise NotImplementedError
 
+    def runs_sm90a(self, x: Any) -> bool:
+        """Whether the device of x runs sm_90a code (wgmma: an H100 or H200)."""
+        raise NotImplementedError
+
     @contextlib.contextmanager
     def on_device_of(self, x: Any) -> Iterator[None]:
         yield
@@ -332,21 +336,28 @@ class KernelBackend:
         with self.on_device_of(q):
             self._check_strides({"q": q, "k": k, "v": v})
             self._check_alignment({"q": q, "k": k, "v": v})
+            variant = modifier_variant(mods, scale)
+            block, rule = layout.blocksize, layout.rule.kind
+            if not variant and self._sm90a_forward(q, block, head_dim, dtype):
+                config = KernelConfig(
+                    geometry.SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule
+                )
+            else:
+                config = KernelConfig(
+                    "attn_fwd",
+                    head_dim,
+                    dtype,
+                    batch,
+                    heads,
+                    n_q,
+                    block,
+                    rule,
+                    variant,
+                    geometry.pairs_rows("attn_fwd", block, head_dim, dtype)
+                    and layout_pairs_rows(layout),
+                )
             out = self.output(q.shape, q.dtype)
             lse = self.output((batch, heads, n_q), xp.float32)
-            config = KernelConfig(
-                "attn_fwd",
-                head_dim,
-                dtype,
-                batch,
-                heads,
-                n_q,
-                layout.blocksize,
-                layout.rule.kind,
-                modifier_variant(mods, scale),
-                geometry.pairs_rows("attn_fwd", layout.blocksize, head_dim, dtype)
-                and layout_pairs_rows(layout),
-            )
             self.launch(
                 config,
                 q=q,
@@ -364,6 +375,15 @@ class KernelBackend:
                 **self._strides("v", v),
             )
         return out, lse
+
+    def _sm90a_forward(self, q: Any, block: int, head_dim: int, dtype: str) -> bool:
+        """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, and
+        supported for these sizes on this device)."""
+        return (
+            geometry.kernel_family() == geometry.KERNEL_FAMILIES[1]
+            and geometry.sm90_forward_supports(block, head_dim, dtype)
+            and self.runs_sm90a(q)
+        )
 
     def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:
         """The block and decode kernels' arguments for the score operands (None: absent)."""

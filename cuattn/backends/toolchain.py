@@ -169,3 +169,29 @@ def ptx_arch_option(compute_capability: int) -> str:
     if not 50 <= compute_capability < 1000:
         raise ValueError(f"compute_capability must look like 80 or 90, got {compute_capability}")
     return f"--gpu-architecture=compute_{compute_capability}"
+
+
+def nvrtc_cubin(
+    source: str, source_file: str, name_expressions: list[str] | tuple[str, ...], options: list[str]
+) -> tuple[dict[str, str], bytes, str]:
+    """({name expression: lowered name}, cubin, compiler log) of one NVRTC program holding every
+    instantiation in ``name_expressions``; ``options`` must name the architecture (a cubin needs
+    a real one: ``arch_option``). For the kernels CuPy cannot build (it compiles for the
+    device's own architecture, and sm_90a's wgmma needs the 'a'), and for the static model.
+    Raises RuntimeError with the log on a compile error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, source_file, [], [])
+    try:
+        for name_expression in name_expressions:
+            nvrtc.addNameExpression(program, name_expression)
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(program).rstrip("\x00")
+            raise RuntimeError(f"{', '.join(name_expressions)}: {exc}\n{log}") from exc
+        log = nvrtc.getProgramLog(program).rstrip("\x00")
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in name_expressions}
+        return lowered, nvrtc.getCUBIN(program), log
+    finally:
+        nvrtc.destroyProgram(program)

@@ -424,31 +424,21 @@ def compile_module(
 ) -> tuple[dict[str, str], bytes, str]:
     """({name expression: lowered name}, cubin, ptxas log): every instantiation in one NVRTC
     program, as compile_cubin compiles one. Raises on an error."""
-    from cupy_backends.cuda.libs import nvrtc
+    from cuattn.backends.toolchain import (
+        CUPY_IMPLICIT_OPTIONS,
+        PTXAS_VERBOSE_OPTION,
+        arch_option,
+        nvrtc_cubin,
+    )
 
-    from cuattn.backends.toolchain import CUPY_IMPLICIT_OPTIONS, PTXAS_VERBOSE_OPTION, arch_option
-
-    program = nvrtc.createProgram(source, source_file, [], [])
-    try:
-        for name_expression in name_expressions:
-            nvrtc.addNameExpression(program, name_expression)
-        all_options = [
-            arch_option(arch),
-            PTXAS_VERBOSE_OPTION,
-            LINEINFO_OPTION,
-            *options,
-            *CUPY_IMPLICIT_OPTIONS,
-        ]
-        try:
-            nvrtc.compileProgram(program, all_options)
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(program).rstrip("\x00")
-            raise RuntimeError(f"{', '.join(name_expressions)}: {exc}\n{log}") from exc
-        log = nvrtc.getProgramLog(program).rstrip("\x00")
-        lowered = {name: nvrtc.getLoweredName(program, name) for name in name_expressions}
-        return lowered, nvrtc.getCUBIN(program), log
-    finally:
-        nvrtc.destroyProgram(program)
+    all_options = [
+        arch_option(arch),
+        PTXAS_VERBOSE_OPTION,
+        LINEINFO_OPTION,
+        *options,
+        *CUPY_IMPLICIT_OPTIONS,
+    ]
+    return nvrtc_cubin(source, source_file, list(name_expressions), all_options)
 
 
 def compile_spec(spec: HotSpec, source: str, options: Sequence[str], arch: str = ARCH) -> Compiled:

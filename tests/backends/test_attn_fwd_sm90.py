@@ -5,8 +5,8 @@ its SASS and no serialised wgmma.
 
 Shapes are small on purpose (every wgmma is emulated thread by thread): a ragged last block,
 layouts with a query row or a whole query block that attends to nothing, and a key block no
-query attends to. Outputs are NaN-poisoned before launch. The kernel is not wired into the
-backends yet, so the tests launch it themselves with the argument list of its signature.
+query attends to. Outputs are NaN-poisoned before launch. The launches here spell out the
+kernel's signature themselves; tests/backends/test_sm90a_family.py runs it through the backends.
 """
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""The sm_90a forward as a kernel family of the backends (issue 27): CUATTN_KERNELS=sm90a
+chooses kernels/attn_fwd_sm90.cu for every forward it supports, on the interpreter as on an
+sm_90 GPU, and the mma.sync forward for the rest; the backward runs on its out and lse.
+
+On the interpreter (its wgmma, swizzle and async-proxy checks on), against the float64 oracle
+with NaN-poisoned outputs, and against the mma.sync forward of the same call. The GPU side
+that needs no GPU: the cubin NVRTC builds for sm_90a, cached on disk and handed to CuPy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from cuattn.backends import cuda_runtime, geometry, interp
+from cuattn.layout.layout import Layout
+from cuattn.layout.registry import make_layout
+from tests.backends.test_interp_kernels import (
+    HEADS,
+    NUMPY_DTYPES,
+    TOLERANCE,
+    check_forward,
+    make_test_layout,
+    n_ctx_for,
+)
+from tests.helpers.oracle import dense_attention_grads, rel_err
+
+pytest.importorskip("ml_dtypes")
+
+
+@pytest.fixture
+def sm90a(monkeypatch):
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
+
+
+def launched(fn, *args):
+    """(fn's result, the name expressions of every kernel it launched)."""
+    names = []
+    launch = interp.launch
+
+    def spy(config, **values):
+        names.append(config.name_expression)
+        return launch(config, **values)
+
+    with mock.patch.object(interp, "launch", spy):
+        return fn(*args), names
+
+
+def inputs(layout: Layout, batch: int, kv_heads: int, head_dim: int, dtype: str, seed: int):
+    rng = np.random.default_rng(seed)
+    shape_q = (batch, layout.heads, layout.n_q, head_dim)
+    shape_kv = (batch, kv_heads, layout.n_ctx, head_dim)
+    return [
+        rng.standard_normal(shape).astype(NUMPY_DTYPES[dtype])
+        for shape in (shape_q, shape_kv, shape_kv, shape_q)
+    ]
+
+
+# (block, head dim, dtype, rule, case): each rule, both block sizes and dtypes, every head dim;
+# GQA with strided inputs, and queries != keys
+CASES = [
+    (64, 64, "bfloat16", "causal", "square"),
+    (64, 128, "float16", "bitmask", "square"),
+    (128, 64, "float16", "none", "square"),
+    (128, 128, "bfloat16", "window", "square"),
+    (128, 256, "bfloat16", "causal", "square"),
+    (64, 64, "float16", "causal", "gqa"),
+    (128, 128, "bfloat16", "causal", "fewer queries"),
+]
+
+
+def case_layout(block: int, rule: str, case: str) -> tuple[Layout, int, int]:
+    """(layout, batch, kv heads)."""
+    if case == "square":
+        return make_test_layout(rule, block, n_ctx_for(block)), 1, HEADS
+    if case == "gqa":  # 4 query heads on 2 kv heads, two batches
+        return make_layout("all", n_ctx_for(block), 4, block), 2, 2
+    return make_layout("all", 2 * block + 9, HEADS, block, n_q=block + 5), 1, HEADS
+
+
+@pytest.mark.parametrize("block, head_dim, dtype, rule, case", CASES, ids=str)
+def test_the_family_runs_forward_and_backward_against_the_oracle(
+    sm90a, block, head_dim, dtype, rule, case
+):
+    layout, batch, kv_heads = case_layout(block, rule, case)
+    q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed=block + head_dim)
+    if case == "gqa":  # a projection's output seen head-major: strided batch, head and row
+        q, k, v = (
+            np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v)
+        )
+    scale = head_dim**-0.5
+    (out, lse), names = launched(interp.forward, q, k, v, layout, scale)
+    tile_n = geometry.sm90_tile_n(block, head_dim)
+    cxx = geometry.CXX_TYPE[dtype]
+    rule_cxx = geometry.CXX_RULE[rule]
+    assert names == [f"attn_fwd_sm90<{block}, {tile_n}, {head_dim}, {cxx}, {rule_cxx}>"]
+    group = layout.heads // kv_heads
+    k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+    check_forward(out, lse, q, k_full, v_full, layout, scale, dtype)
+
+    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), scale)
+    refs = (refs[0], *(r.reshape(batch, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for name, grad, ref in zip("qkv", grads, refs, strict=True):
+        assert not np.isnan(grad.astype(np.float32)).any(), f"d{name} left poisoned"
+        assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
+
+
+def test_it_agrees_with_the_mma_forward(monkeypatch):
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    q, k, v, _ = inputs(layout, 1, HEADS, 128, "bfloat16", seed=3)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
+    (mma, _), names = launched(interp.forward, q, k, v, layout, 0.1)
+    assert names[0].startswith("attn_fwd<")
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
+    (wgmma, _), names = launched(interp.forward, q, k, v, layout, 0.1)
+    assert names[0].startswith("attn_fwd_sm90<")
+    # fp32 accumulation of the same products in the same key order: at most bf16 rounding apart
+    assert rel_err(wgmma, mma.astype(np.float64)) <= TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block, softcap",
+    [("float32", 64, 64, 0.0), ("bfloat16", 32, 64, 0.0), ("float16", 64, 32, 0.0)]
+    + [("bfloat16", 64, 64, 20.0)],
+    ids=["fp32", "d32", "block32", "softcap"],
+)
+def test_what_it_does_not_support_keeps_the_mma_forward(sm90a, dtype, head_dim, block, softcap):
+    from cuattn.backends.call import ScoreMods
+
+    layout = make_test_layout("causal", block, n_ctx_for(block))
+    q, k, v, _ = inputs(layout, 1, HEADS, head_dim, dtype, seed=5)
+    mods = ScoreMods(softcap=softcap)
+    (out, lse), names = launched(interp.forward, q, k, v, layout, head_dim**-0.5, mods)
+    assert names and names[0].startswith("attn_fwd<")
+    if not softcap:
+        check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
+
+
+def test_an_unknown_family_is_refused_by_name_before_any_launch(monkeypatch):
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    q, k, v, _ = inputs(layout, 1, HEADS, 64, "float16", seed=7)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "wgmma")
+    with pytest.raises(ValueError, match="CUATTN_KERNELS='wgmma'.*accepted: mma, sm90a"):
+        launched(interp.forward, q, k, v, layout, 0.1)
+    monkeypatch.delenv(geometry.KERNELS_ENV)
+    assert geometry.kernel_family() == "mma"
+
+
+def test_geometry_matches_every_instantiation_s_traits():
+    configs = geometry.sm90_configs()
+    assert len(configs) == len(set(c.name_expression for c in configs)) == 48
+    assert not {c.name_expression for c in configs} & {
+        getattr(c, "name_expression", None) for c in geometry.all_configs()
+    }
+    for config in configs:
+        library = interp.library_for(config)
+        assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
+        assert config.arch == "sm_90a"
+
+
+def test_the_cuda_runtime_builds_an_sm90a_cubin_and_loads_it_from_disk(monkeypatch, tmp_path):
+    """No GPU here: CuPy's module loader is a stand-in; NVRTC's cubin and its cache are real."""
+    from cuattn.tools.sass import disassemble
+
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    cache = tmp_path / "cubins"
+    monkeypatch.setenv(cuda_runtime.CUBIN_CACHE_ENV, str(cache))
+    loaded = []
+
+    class FakeCupy:
+        @staticmethod
+        def RawModule(path):  # noqa: N802 (CuPy's name)
+            loaded.append(path)
+            return path
+
+    monkeypatch.setattr(cuda_runtime, "cupy_module", lambda: FakeCupy)
+    config = geometry.KernelConfig("attn_fwd_sm90", 64, "bfloat16", block=64, rule="causal")
+    options = cuda_runtime.common_options()
+    path, lowered = cuda_runtime.cubin_module(
+        config.source_file, config.name_expression, options, config.arch
+    )
+    assert lowered.startswith("_Z") and "attn_fwd_sm90" in lowered
+    cubin = Path(path).read_bytes()
+    try:
+        text = disassemble(cubin, tmp_path)
+    except FileNotFoundError:
+        pytest.skip("nvdisasm is not installed")
+    assert "HGMMA" in text
+    stamp = [p.stat().st_mtime_ns for p in sorted(cache.glob("*.cubin"))]
+    again, lowered_again = cuda_runtime.cubin_module(
+        config.source_file, config.name_expression, options, config.arch
+    )
+    assert (again, lowered_again) == (path, lowered) and loaded == [path, path]
+    assert [p.stat().st_mtime_ns for p in sorted(cache.glob("*.cubin"))] == stamp  # no rebuild

@@ -205,3 +205,29 @@ def test_jax_s_xla_path_keeps_the_mma_forward():
 
     assert not XlaBackend(90).runs_sm90a(None)
     assert interp.backend.runs_sm90a(None)
+
+
+def test_a_packed_varlen_call_runs_on_it(sm90a):
+    """sparse_attention_varlen packs its sequences into one block-diagonal bitmask layout: the
+    family runs it like any other (64-blocks, bf16), each sequence equal to its own oracle."""
+    import cuattn
+    from tests.helpers.oracle import dense_attention
+
+    lengths = [70, 100]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rng = np.random.default_rng(11)
+    dtype = NUMPY_DTYPES["bfloat16"]
+    q, k, v = (rng.standard_normal((int(cu[-1]), HEADS, 64)).astype(dtype) for _ in range(3))
+    layouts = [make_layout("all", n, HEADS, 64) for n in lengths]
+    (out, lse), names = launched(
+        lambda: cuattn.sparse_attention_varlen(
+            q, k, v, cu, cu, layouts, return_lse=True, backend="interp"
+        )
+    )
+    assert any(name.startswith("attn_fwd_sm90<64, 64, 64,") for name in names)
+    for s, layout in enumerate(layouts):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        one = [x[rows].transpose(1, 0, 2)[None] for x in (q, k, v)]
+        ref_out, ref_lse = dense_attention(*one, layout.to_mask(), 64**-0.5)
+        assert rel_err(out[rows], ref_out[0].transpose(1, 0, 2)) <= TOLERANCE["bfloat16"]
+        assert rel_err(lse[:, rows], ref_lse[0]) <= TOLERANCE["bfloat16"]

@@ -35,6 +35,11 @@ longer than the smallest budget: a policy must keep all of it, and all but its f
 decoded over what the cache keeps. Its depth axis is the span's.
 
     cuattn generate --task copy --markdown copy.md --png copy.png
+
+``--transformers`` answers the same prompts again through ``transformers``' ``generate``: the
+trained model as a GPT-2 (cuattn.tools.tinylm_hf) with attention by cuattn and
+``cuattn.compat.transformers.Cache`` holding each policy, as a user's model would run it. Two
+columns say what that path scores and on what share of prompts it answers exactly as the table.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import dataclasses
 import inspect
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +95,10 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle depth: 0 the prompt's start, 1 it
 DEPTH_PLOT_SHARE = 0.25  # the budget whose accuracy-vs-depth curves are plotted
 SNAP_WINDOW = 8  # SnapKV's observation window: the smallest budget (10 % of 512) holds it
 STREAMED = ("h2o",)  # policies that read the prompt as decode steps (module doc)
+# --transformers: the columns it adds, and prompts per generate call
+HF_ACCURACY = "generate accuracy"
+HF_SAME = "same answers"
+HF_BATCH = 50
 FULL_ACCURACY_FLOOR = 0.95  # below it, policies' accuracies say nothing; the header says so
 
 
@@ -207,6 +217,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompts", type=int, default=20, help="passkey, recall, copy: held-out prompts per depth"
+    )
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help=(
+            "passkey, recall, copy: also answer every prompt through transformers' generate "
+            "(the model as a GPT-2, cuattn.compat.transformers.Cache with each policy)"
+        ),
     )
     parser.add_argument("--windows", type=int, default=4, help="text: windows read at once")
     parser.add_argument("--prompt", type=int, default=16, help="text: prefill characters/window")
@@ -338,15 +356,21 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
             cells[f"depth {d:g}"] = float(right[depth == d].mean())
         return cells | {"tokens/s": tokens_per_s}
 
-    def answer(name: str | None, budget: int) -> tuple[np.ndarray, float, float]:
-        return answer_prompts(params, prompts, task.answer_len, config, name, budget)
+    through_hf = _through_generate(args, params, config, task, prompts, answers)
 
-    rows = [row("full cache", "-", "-", *answer(None, 0))]
+    def answered(name: str | None, budget: int, label: str, budget_cell: str, share: str) -> dict:
+        predicted, kv_bytes, tokens_per_s = answer_prompts(
+            params, prompts, task.answer_len, config, name, budget
+        )
+        cells = row(label, budget_cell, share, predicted, kv_bytes, tokens_per_s)
+        return cells | (through_hf(name, budget, predicted) if through_hf else {})
+
+    rows = [answered(None, 0, "full cache", "-", "-")]
     full = rows[0]["accuracy"]
     for share in PASSKEY_SHARES:
         budget = int(share * context)
         for name in PASSKEY_POLICIES:
-            rows.append(row(name, str(budget), f"{share:g}", *answer(name, budget)))
+            rows.append(answered(name, budget, name, str(budget), f"{share:g}"))
     header = (
         f"tiny transformer on {task.name}: {sum(t.size for t in params.values())} "
         f"parameters, context {context} (prompt {prompts.shape[1]} tokens, answer: "
@@ -365,6 +389,42 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
     if args.png:
         _plot_long(rows, args.png, context, task.name)
     return 0
+
+
+def _through_generate(
+    args: argparse.Namespace,
+    params: dict,
+    config: TinyConfig,
+    task: longtasks.LongTask,
+    prompts: np.ndarray,
+    answers: np.ndarray,
+) -> Callable[[str | None, int, np.ndarray], dict] | None:
+    """With --transformers: a function of (policy, budget, the table's answers) giving the
+    columns of the same prompts answered through transformers' generate (the trained model as a
+    GPT-2, attn_implementation "cuattn", cuattn.compat.transformers.Cache with the policy): its
+    accuracy and the share of prompts whose answer equals the table's. A STREAMED policy's
+    table row reads the prompt as decode steps, which generate's one prefill does not: "-"."""
+    if not args.transformers:
+        return None
+    import cuattn.compat.transformers as hf
+    from cuattn.tools import tinylm_hf
+
+    model = tinylm_hf.to_gpt2(params, config, task.vocab, hf.NAME)
+
+    def columns(name: str | None, budget: int, table_answers: np.ndarray) -> dict:
+        if name in STREAMED:
+            return {HF_ACCURACY: "-", HF_SAME: "-"}
+
+        def cache() -> Any:
+            policy = None if name is None else make_policy(name, budget, config.heads)
+            return hf.Cache(policy, page_size=PAGE_SIZE)
+
+        got = tinylm_hf.answer_through_generate(model, prompts, task.answer_len, cache, HF_BATCH)
+        right = longtasks.exact_match(got, answers)
+        same = (got == table_answers).all(axis=1)
+        return {HF_ACCURACY: float(right.mean()), HF_SAME: float(same.mean())}
+
+    return columns
 
 
 def _stop_note(trained: longtasks.Trained, stop_at: float | None, steps: int) -> str:

@@ -227,3 +227,62 @@ def test_generate_copy_says_how_training_ended(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trained 2 steps of 16 prompts" in out
     assert "the step limit reached before the first held-out check (target 0.5)" in out
+
+
+def test_the_trained_model_answers_alike_through_transformers_generate():
+    """The demo model as a GPT-2 inside transformers' generate, with cuattn's Cache and each
+    policy that evicts at prefill or decode, answers every prompt token for token as the table's
+    own decode loop does (the NumPy tape's prefill and decode_attention over a KVCache)."""
+    pytest.importorskip("transformers")
+    import cuattn.compat.transformers as hf
+    from cuattn.tools import tinylm_hf
+
+    config = dataclasses.replace(generate.PASSKEY_CONFIG, n_ctx=SMOKE_CONTEXT)
+    task = longtasks.TASKS["copy"]
+    trained = longtasks.train_task(task, config, 60, 8, 3e-3, seed=0)
+    depth = np.linspace(0, 1, 6)
+    prompts, _ = task.prompts(np.random.default_rng(5), depth.size, SMOKE_CONTEXT, depth)
+    model = tinylm_hf.to_gpt2(trained.params, config, task.vocab, hf.NAME)
+    budget = int(0.3 * SMOKE_CONTEXT)  # under the prompt's 65 tokens: every policy evicts
+    for name in (None, "sliding", "streaming", "snapkv", "ada-snapkv", "quest"):
+        ours, _, _ = generate.answer_prompts(
+            trained.params, prompts, task.answer_len, config, name, budget
+        )
+
+        def cache(name=name):
+            policy = None if name is None else generate.make_policy(name, budget, config.heads)
+            return hf.Cache(policy, page_size=generate.PAGE_SIZE)
+
+        got = tinylm_hf.answer_through_generate(model, prompts, task.answer_len, cache, 4)
+        np.testing.assert_array_equal(got, ours, err_msg=str(name))
+        assert len(np.unique(ours)) > 1  # a model that says one digit would prove nothing
+
+
+def test_only_dense_causal_layers_map_to_gpt2():
+    pytest.importorskip("transformers")
+    from cuattn.tools import tinylm, tinylm_hf
+
+    config = tinylm.TinyConfig()  # local and strided layers
+    params = tinylm.init_params(np, 10, np.random.default_rng(0), config)
+    with pytest.raises(ValueError, match="only dense causal layers"):
+        tinylm_hf.to_gpt2(params, config, 10, "sdpa")
+
+
+def test_generate_transformers_flag_adds_its_columns(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(
+        ["--task", "recall", "--steps", "2", "--context", str(SMOKE_CONTEXT), "--prompts", "1"]
+        + ["--transformers", "--markdown", str(tmp_path / "t.md")]
+    )
+    assert generate.run(args) == 0
+    lines = (tmp_path / "t.md").read_text().splitlines()
+    columns = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert columns[-2:] == [generate.HF_ACCURACY, generate.HF_SAME]
+    for line in lines[4:]:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if cells[0] in generate.STREAMED:
+            assert cells[-2:] == ["-", "-"]
+        else:
+            assert cells[-1] == "1.000", line  # the same answers on every prompt

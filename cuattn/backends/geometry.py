@@ -99,7 +99,9 @@ SM90_WIDE_MAX_HEAD_DIM = 128
 SM90_SWIZZLE_ROW_BYTES = 128  # a panel row: the 128-byte swizzle's unit
 SM90_SWIZZLE_REPEAT_BYTES = 1024  # room to start the tiles on the swizzle's repeat
 KERNELS_ENV = "CUATTN_KERNELS"
-KERNEL_FAMILIES = ("mma", "sm90a")  # the first is the default
+MMA_FAMILY = "mma"  # the default
+SM90_FAMILY = "sm90a"
+KERNEL_FAMILIES = (MMA_FAMILY, SM90_FAMILY)
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
 # Split-KV decode over a paged cache, templated on <TILE, ROWS, HEAD_DIM, T>; traits in
@@ -914,11 +916,11 @@ def kernel_family() -> str:
     """The forward family CUATTN_KERNELS asks for: "mma" (unset: attn_fwd everywhere) or
     "sm90a" (attn_fwd_sm90 where it applies: sm_90 GPUs and the interpreter, fp16/bf16, the
     block sizes and head dims of SM90_*, no score modifier)."""
-    family = os.environ.get(KERNELS_ENV, "") or KERNEL_FAMILIES[0]
+    family = os.environ.get(KERNELS_ENV, "") or MMA_FAMILY
     if family not in KERNEL_FAMILIES:
         raise ValueError(
             f"{KERNELS_ENV}={family!r} is not a kernel family; accepted: "
-            f"{', '.join(KERNEL_FAMILIES)} (unset: {KERNEL_FAMILIES[0]})"
+            f"{', '.join(KERNEL_FAMILIES)} (unset: {MMA_FAMILY})"
         )
     return family
 

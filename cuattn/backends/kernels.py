@@ -381,7 +381,7 @@ class KernelBackend:
         """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, and
         supported for these sizes on this device)."""
         return (
-            geometry.kernel_family() == geometry.KERNEL_FAMILIES[1]
+            geometry.kernel_family() == geometry.SM90_FAMILY
             and geometry.sm90_forward_supports(block, head_dim, dtype)
             and self.runs_sm90a(q)
         )

@@ -387,19 +387,7 @@ def calibrate(
     rows = []
     for kernel, work in works.items():
         measured = profile[kernel]
-        rows.append(
-            {
-                "kernel": kernel,
-                "instructions": work.instructions,
-                "ncu_instructions": measured.instructions,
-                "ld_wavefronts": work.ld_wavefronts,
-                "ncu_ld_wavefronts": measured.ld_wavefronts,
-                "seconds": predict_seconds(work),
-                "ncu_seconds": measured.seconds,
-                "bound": bound(work),
-                "ours": not kernel.startswith("fa2"),
-            }
-        )
+        rows.append(_model_vs_ncu(kernel, work, measured, ours=not kernel.startswith("fa2")))
     hmma_rate = [
         works[k].hmma / SMS / (PROFILE_ACTIVE_CYCLES[k] * profile[k].tensor_pct / 100)
         for k in works
@@ -540,14 +528,15 @@ def validate(jobs: int = 1, profile_dir: Path = VALIDATION_DIR) -> list[dict]:
         shape = validation_shape(d)
         for kernel, label in VALIDATION_LABELS.items():
             work, measured = kernel_work(models[label.format(d=d)], shape), profile[kernel]
-            rows.append(_validation_row(f"{kernel} d{d}", work, measured, ours=True))
+            rows.append(_model_vs_ncu(f"{kernel} d{d}", work, measured, ours=True))
         for kernel in ("fa2 fwd", "fa2 bwd"):
             work = fa2_work(kernel, profile[kernel], shape)
-            rows.append(_validation_row(f"{kernel} d{d}", work, profile[kernel], ours=False))
+            rows.append(_model_vs_ncu(f"{kernel} d{d}", work, profile[kernel], ours=False))
     return rows
 
 
-def _validation_row(kernel: str, work: Work, measured: Profiled, ours: bool) -> dict:
+def _model_vs_ncu(kernel: str, work: Work, measured: Profiled, ours: bool) -> dict:
+    """One row of the calibration and validation tables: the model's work beside ncu's."""
     return {
         "kernel": kernel,
         "instructions": work.instructions,
@@ -571,27 +560,7 @@ def backward_wavefront_ratio(rows: Sequence[dict], head_dim: int) -> float:
 
 
 def format_validation(rows: Sequence[dict]) -> str:
-    lines = [
-        f"| kernel ({VALIDATION_COMMIT}, H200, T=4096 B4, heads x d = 2048) | instructions model"
-        " / ncu | error | shared ld wavefronts model / ncu | error | time model / ncu ms | error"
-        " | bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        if r["ours"]:
-            inst = f"{r['instructions'] / 1e6:.0f}M / {r['ncu_instructions'] / 1e6:.0f}M"
-            wave = f"{r['ld_wavefronts'] / 1e6:.1f}M / {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
-            inst_err = _pct(r["instructions"], r["ncu_instructions"])
-            wave_err = _pct(r["ld_wavefronts"], r["ncu_ld_wavefronts"])
-        else:
-            inst = f"(ncu) {r['ncu_instructions'] / 1e6:.0f}M"
-            wave = f"(ncu) {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
-            inst_err = wave_err = "-"
-        lines.append(
-            f"| {r['kernel']} | {inst} | {inst_err} | {wave} | {wave_err}"
-            f" | {r['seconds'] * MS:.3f} / {r['ncu_seconds'] * MS:.3f}"
-            f" | {_pct(r['seconds'], r['ncu_seconds'])} | {r['bound']} |"
-        )
+    lines = _model_vs_ncu_table(f"{VALIDATION_COMMIT}, H200, T=4096 B4, heads x d = 2048", rows)
     ratios = ", ".join(
         f"d{d} {backward_wavefront_ratio(rows, d):.2f}x" for d in sorted(VALIDATION_LOGS)
     )
@@ -656,13 +625,14 @@ def _pct(model: float, measured: float) -> str:
     return f"{model / measured - 1:+.0%}"
 
 
-def format_calibration(cal: Calibration) -> str:
+def _model_vs_ncu_table(kernels: str, rows: Sequence[dict]) -> list[str]:
+    """Markdown lines of _model_vs_ncu rows; ``kernels`` says which run's kernels they are."""
     lines = [
-        "| kernel (f532ccd, T=4096 B4 H16 d128) | instructions model / ncu | error"
-        " | shared ld wavefronts model / ncu | error | time model / ncu ms | error | bound |",
+        f"| kernel ({kernels}) | instructions model / ncu | error | shared ld wavefronts model /"
+        " ncu | error | time model / ncu ms | error | bound |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in cal.rows:
+    for r in rows:
         if r["ours"]:
             inst = f"{r['instructions'] / 1e6:.0f}M / {r['ncu_instructions'] / 1e6:.0f}M"
             wave = f"{r['ld_wavefronts'] / 1e6:.1f}M / {r['ncu_ld_wavefronts'] / 1e6:.1f}M"
@@ -677,6 +647,11 @@ def format_calibration(cal: Calibration) -> str:
             f" | {r['seconds'] * MS:.3f} / {r['ncu_seconds'] * MS:.3f}"
             f" | {_pct(r['seconds'], r['ncu_seconds'])} | {r['bound']} |"
         )
+    return lines
+
+
+def format_calibration(cal: Calibration) -> str:
+    lines = _model_vs_ncu_table("f532ccd, T=4096 B4 H16 d128", cal.rows)
     lines.append("")
     lines.append(
         f"Fitted overlap {cal.overlap_fit:.3f} (model constant {OVERLAP}); HMMA per SM cycle "

@@ -509,9 +509,9 @@ def validate(jobs: int = 1, profile_dir: Path = VALIDATION_DIR) -> list[dict]:
     # Today's specs with the profiled names: the sizes are today's (asserted below through the
     # template arguments both share); the name is the tree's (dQ then took a CTA count too).
     specs = []
+    by_label = {s.label: s for s in hot_specs()}
     for d, log in VALIDATION_LOGS.items():
         names = profiled_instantiations(profile_dir / log)
-        by_label = {s.label: s for s in hot_specs()}
         for kernel, label in VALIDATION_LABELS.items():
             spec = by_label[label.format(d=d)]
             if not _same_sizes(spec.name_expression, names[kernel]):

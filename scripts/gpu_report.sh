@@ -8,6 +8,8 @@
 #   tests     compile every kernel instantiation for this GPU in parallel (CuPy's disk cache),
 #             then every gpu-marked test (tests/backends/test_cuda_kernels.py: every pattern/dtype/block/
 #             head dim; the CuPy and torch-on-CUDA tests of the other modules), a line per test
+#   modifiers the score modifiers and dropout on the GPU against the float64 reference, out and
+#             every gradient (scripts/gpu_modifiers_check.py)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
 #   sm90a     the gpu-marked kernel tests again with CUATTN_KERNELS=sm90a: the wgmma forward
 #             (kernels/attn_fwd_sm90.cu) through the backends wherever it applies, forward and
@@ -45,7 +47,8 @@ STEPS="${*:-probe tests sanitize quick}"
 # Each can be set from the environment, to fit a session's device minutes.
 CALL_S=${CALL_S:-580}
 PROBE_S=${PROBE_S:-200}  # the probe's own limit per group is 45 s, its 4 groups take ~40 s
-WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MEMCHECK_S=${MEMCHECK_S:-60}
+WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; SM90A_S=${SM90A_S:-$TESTS_S}
+MODIFIERS_S=${MODIFIERS_S:-60}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
 COUNTERS_S=${COUNTERS_S:-50}; DECODE_S=${DECODE_S:-150}; DYNAMIC_S=${DYNAMIC_S:-150}
@@ -120,9 +123,12 @@ for name in $STEPS; do
         --continue-on-collection-errors --junitxml="$REPORT_DIR/gpu-tests.xml" tests
       ;;
     sm90a)
-      CUATTN_KERNELS=sm90a step gpu-tests-sm90a "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE \
+      CUATTN_KERNELS=sm90a step gpu-tests-sm90a "$SM90A_S" "$PY" -m pytest -m gpu -v -rfE \
         -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-sm90a.xml" \
         tests/backends/test_cuda_kernels.py
+      ;;
+    modifiers)
+      step modifiers "$MODIFIERS_S" "$PY" scripts/gpu_modifiers_check.py
       ;;
     sanitize)
       SANITIZER="$(find_sanitizer)"
@@ -200,7 +206,7 @@ for name in $STEPS; do
         --markdown "$REPORT_DIR/dynamic-bench.md"
       ;;
     *)
-      echo "unknown step '$name': expected probe, tests, sm90a, sanitize, profile, counters, quick," \
+      echo "unknown step '$name': expected probe, tests, sm90a, modifiers, sanitize, profile, counters, quick," \
         "full, decode or dynamic" >&2
       exit 2
       ;;

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # A whole GPU session in one call (~9.5 minutes): what a task lent 15 device-minutes can afford.
-#   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min)
-#   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test;
-#            compute-sanitizer memcheck, racecheck and synccheck on every kernel family
-#   phase 2, alone (timings): Nsight counters and warp stall reasons of every kernel at d=128
-#            and d=64; the quick sweep's dense causal cases at 64- and 128-blocks; decode at the
-#            sizes the last run did not reach; the dynamic-layout benchmark
+#   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min; PROBE=0 skips it)
+#   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test,
+#            then the kernel tests again with CUATTN_KERNELS=sm90a, then the score modifiers;
+#            beside them compute-sanitizer memcheck, racecheck and synccheck on every family
+#   phase 2, alone (timings): TIMED (default: the quick sweep's dense causal cases at 64- and
+#            128-blocks), then TIMED_SM90A with CUATTN_KERNELS=sm90a (default: the same quick
+#            sweep), then TIMED_REST (default: Nsight counters and warp stall reasons of every
+#            kernel at d=128 and d=64, decode at the sizes earlier runs did not reach, the
+#            dynamic-layout benchmark)
 # Then everything under $OUT/report.tgz (the device tool brings back 8 files at most) and the
 # summaries on stdout. Run from the repository root on the GPU machine:
 #   CUATTN_COMMIT=<the tree's commit> PYTHONPATH=. PYTHON=python3 bash scripts/gpu_session.sh
@@ -16,33 +19,49 @@ cd "$(dirname "$0")/.."
 SESSION_S="${SESSION_S:-565}"
 RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
+TIMED="${TIMED:-quick}"
+TIMED_SM90A="${TIMED_SM90A:-quick}"
+TIMED_REST="${TIMED_REST:-counters decode dynamic}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export CUATTN_BENCH_ARGS="${CUATTN_BENCH_ARGS:---blocksizes 64,128 --patterns dense-causal}"
 start=$SECONDS
-rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{probe,correct,sanitize,timed} "$ARCHIVE_DIR"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{probe,correct,sanitize,timed,timed-sm90a,timed-rest} \
+  "$ARCHIVE_DIR"
 
-OUT="$RESULTS/probe" bash scripts/gpu_report.sh probe > "$RESULTS/probe.txt" 2>&1
-echo "phase 0 (probes) done at $((SECONDS - start)) s"
+if [ "${PROBE:-1}" != 0 ]; then
+  OUT="$RESULTS/probe" bash scripts/gpu_report.sh probe > "$RESULTS/probe.txt" 2>&1
+  echo "phase 0 (probes) done at $((SECONDS - start)) s"
+fi
 
-(OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests \
-  > "$RESULTS/correct.txt" 2>&1) &
+(OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests sm90a \
+  modifiers > "$RESULTS/correct.txt" 2>&1) &
 (sleep 15; OUT="$RESULTS/sanitize" bash scripts/gpu_report.sh sanitize \
   > "$RESULTS/sanitize.txt" 2>&1) &
 wait
 echo "phase 1 done at $((SECONDS - start)) s"
 
-left=$((SESSION_S - (SECONDS - start)))
-OUT="$RESULTS/timed" COUNTERS_S="${COUNTERS_S:-60}" BENCH_S="${BENCH_S:-110}" \
-  QUICK_BUDGET_S="${QUICK_BUDGET_S:-80}" DECODE_S="${DECODE_S:-90}" DYNAMIC_S="${DYNAMIC_S:-80}" \
-  CUATTN_BENCH_ARGS="${CUATTN_BENCH_ARGS:---blocksizes 64,128 --patterns dense-causal}" \
-  DECODE_ARGS="${DECODE_ARGS:---cases 64x32768,1x131072 --policies full h2o quest}" \
-  timeout -k 5 "$left" bash scripts/gpu_report.sh counters quick decode dynamic \
-  > "$RESULTS/timed.txt" 2>&1
-echo "phase 2 done at $((SECONDS - start)) s"
+timed() {  # timed DIR STEPS...: gpu_report.sh's STEPS, cut at SESSION_S
+  local dir="$1" left=$((SESSION_S - (SECONDS - start)))
+  shift
+  [ "$left" -gt 10 ] || { echo "no time left for: $*"; return; }
+  OUT="$RESULTS/$dir" COUNTERS_S="${COUNTERS_S:-60}" BENCH_S="${BENCH_S:-110}" \
+    QUICK_BUDGET_S="${QUICK_BUDGET_S:-80}" DECODE_S="${DECODE_S:-90}" DYNAMIC_S="${DYNAMIC_S:-80}" \
+    DECODE_ARGS="${DECODE_ARGS:---cases 64x32768,1x131072 --policies full h2o quest}" \
+    timeout -k 5 "$left" bash scripts/gpu_report.sh "$@" > "$RESULTS/$dir.txt" 2>&1
+  echo "$dir ($*) done at $((SECONDS - start)) s"
+}
+# shellcheck disable=SC2086  # the step lists are lists of words on purpose
+{
+  [ -z "$TIMED" ] || timed timed $TIMED
+  [ -z "$TIMED_SM90A" ] || CUATTN_KERNELS=sm90a timed timed-sm90a $TIMED_SM90A
+  [ -z "$TIMED_REST" ] || timed timed-rest $TIMED_REST
+}
 
-cp bench/results/"$(date -u +%Y-%m-%d)"-*-quick.* "$RESULTS/timed/" 2>/dev/null
 tar czf "$ARCHIVE_DIR/report.tgz" -C "$RESULTS" .
-grep -h '^FAIL\| probes agree' "$RESULTS/probe/hopper-probe.log"
+[ ! -f "$RESULTS/probe/hopper-probe.log" ] ||
+  grep -h '^FAIL\| probes agree' "$RESULTS/probe/hopper-probe.log"
 grep -h '^|' "$RESULTS"/*/summary.md
-grep -h " passed\| failed" "$RESULTS/correct/gpu-tests.log" | tail -n 2
+grep -h " passed\| failed" "$RESULTS"/correct/gpu-tests*.log | tail -n 4
+grep -h "ALL OK\|FAILURES" "$RESULTS/correct/modifiers.log"
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$RESULTS"/sanitize/*.log
-grep -h "x[0-9]" "$RESULTS/timed/bench-quick.log" | head -n 20
+grep -h "^| dense\|^forward kernels" "$RESULTS"/timed/*-quick.md "$RESULTS"/timed-sm90a/*-quick-sm90a.md

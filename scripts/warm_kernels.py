@@ -1,8 +1,9 @@
-"""Compile every kernel instantiation for this machine's GPU into CuPy's disk cache, in parallel.
+"""Compile every kernel instantiation for this machine's GPU into the disk caches, in parallel.
 
     PYTHONPATH=. python scripts/warm_kernels.py [--jobs N] [--filter TEXT]
 
-Run before the GPU tests or the benchmark so that neither spends minutes compiling serially.
+Run before the GPU tests or the benchmark so that neither spends minutes compiling serially. On
+an sm_90 GPU (H100/H200) the sm_90a forward's cubins (CUATTN_KERNELS=sm90a) are built too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import time
 
 from cuattn.backends import geometry
-from cuattn.backends.cuda_runtime import warm_disk_cache
+from cuattn.backends.cuda_runtime import cupy_module, warm_disk_cache
 
 
 def main() -> int:
@@ -29,6 +30,15 @@ def main() -> int:
     ]
     start = time.perf_counter()
     warm_disk_cache(units, args.jobs, progress=sys.stderr)
+    device = cupy_module().cuda.Device()
+    sm90_units = [
+        (config.source_file, config.name_expression)
+        for config in geometry.sm90_configs()
+        if args.filter in config.name_expression
+    ]
+    if device.compute_capability == geometry.SM90_COMPUTE_CAPABILITY and sm90_units:
+        warm_disk_cache(sm90_units, args.jobs, progress=sys.stderr, arch=geometry.SM90_ARCH)
+        units += sm90_units
     sys.stderr.write(f"{len(units)} instantiations in {time.perf_counter() - start:.0f}s\n")
     return 0
 

@@ -207,16 +207,22 @@ def _to_device(cupy: Any, host: Any) -> Any:
 LAYOUTS = LayoutDeviceCache()
 
 
-def _warm_one(source_file: str, name_expression: str) -> str:
-    """Compile one instantiation in this (worker) process; CuPy writes it to its disk cache."""
-    KERNELS.kernel(source_file, name_expression)
+def _warm_one(source_file: str, name_expression: str, arch: str | None) -> str:
+    """Compile one instantiation in this (worker) process; CuPy (or, for an explicit ``arch``,
+    cubin_module) writes it to its disk cache."""
+    KERNELS.kernel(source_file, name_expression, arch=arch)
     return name_expression
 
 
 def warm_disk_cache(
-    units: Sequence[tuple[str, str]], jobs: int, progress: TextIO | None = None
+    units: Sequence[tuple[str, str]],
+    jobs: int,
+    progress: TextIO | None = None,
+    arch: str | None = None,
 ) -> None:
-    """Compile (source file, name expression) pairs for the current GPU in `jobs` processes.
+    """Compile (source file, name expression) pairs for the current GPU in `jobs` processes
+    (``arch`` as KernelCache.kernel takes it: None for the device's own, "sm_90a" for the wgmma
+    forward's cubins).
 
     A process compiles one NVRTC program at a time, so a test run or benchmark that needs
     hundreds of instantiations would spend minutes compiling them one by one; compiled here in
@@ -236,7 +242,7 @@ def warm_disk_cache(
     # spawn, not fork: a forked child must not inherit the parent's CUDA context.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = [pool.submit(_warm_one, source, name) for source, name in units]
+        futures = [pool.submit(_warm_one, source, name, arch) for source, name in units]
         for done, future in enumerate(as_completed(futures), 1):
             name = future.result()
             if progress is not None:

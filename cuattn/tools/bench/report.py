@@ -58,6 +58,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"timer: {report['timer']}; median of {report['repeats']} runs after {report['warmup']}"
         " warm-up runs; TFLOP/s count computed blocks only; `x peer` = peer time / our time"
         " (> 1 means cuattn is faster).",
+        f"forward kernels: {report.get('kernels', 'mma')} (CUATTN_KERNELS).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

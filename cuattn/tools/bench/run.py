@@ -332,6 +332,7 @@ def _report(
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": env.device_name,
         "timer": env.timer.name,
+        "kernels": _kernel_family(),
         "warmup": env.warmup,
         "repeats": env.repeats,
         "ours": env.ours.name,
@@ -370,6 +371,14 @@ def warm_kernels_for(cases: Sequence[BenchCase], progress: TextIO | None) -> Non
     from cuattn.backends.cuda_runtime import warm_disk_cache
 
     warm_disk_cache(kernel_units_for(cases), jobs=os.cpu_count() or 1, progress=progress)
+
+
+def _kernel_family() -> str:
+    """The forward family the backends run (CUATTN_KERNELS), part of the report and its file
+    names: two runs with different families must not overwrite each other."""
+    from cuattn.backends import geometry
+
+    return geometry.kernel_family()
 
 
 def _versions() -> dict[str, str]:
@@ -454,7 +463,10 @@ def run(args: argparse.Namespace) -> int:
     env = build_environment(dry_run, args.backend)
     if args.repeats:
         env.repeats = args.repeats
-    suffix = "" if mode == "full" else f"-{mode}"
+    from cuattn.backends.geometry import MMA_FAMILY
+
+    family = _kernel_family()
+    suffix = ("" if mode == "full" else f"-{mode}") + ("" if family == MMA_FAMILY else f"-{family}")
     out_dir = args.out
     if out_dir is None:
         out_dir = DRY_RUN_RESULTS_DIR if dry_run else DEFAULT_RESULTS_DIR

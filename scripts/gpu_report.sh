@@ -41,6 +41,7 @@ PY="${PYTHON:-python}"
 STAMP="$(date -u +%Y-%m-%d)"
 REPORT_DIR="${OUT:-bench/results/gpu-report-$STAMP}"
 mkdir -p "$REPORT_DIR" bench/results
+STARTED="$(mktemp)"  # its time stamp marks what this run wrote
 SUMMARY="$REPORT_DIR/summary.md"
 STEPS="${*:-probe tests sanitize quick}"
 # Step time limits in seconds, under the 600-second call (each step may take 10 s more to kill).
@@ -212,9 +213,11 @@ for name in $STEPS; do
       ;;
   esac
 done
-for result in bench/results/"$STAMP"-*.{json,md,png}; do  # the benchmarks' (not the static model's)
-  case "$result" in *-static-*) ;; *) cp "$result" "$REPORT_DIR"/ 2>/dev/null ;; esac
-done
+# The benchmarks' results of this run: files older than its start (committed results of the
+# same day, the static model's reports) stay behind.
+find bench/results -maxdepth 1 -newer "$STARTED" \( -name '*.json' -o -name '*.md' -o -name '*.png' \) \
+  -exec cp {} "$REPORT_DIR"/ \;
+rm -f "$STARTED"
 echo >> "$SUMMARY"
 for log in "$REPORT_DIR"/*.log; do
   printf '\n## %s (last lines)\n\n```\n' "$(basename "$log")" >> "$SUMMARY"

@@ -11,9 +11,9 @@
 #   modifiers the score modifiers and dropout on the GPU against the float64 reference, out and
 #             every gradient (scripts/gpu_modifiers_check.py)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
-#   sm90a     the gpu-marked kernel tests again with CUATTN_KERNELS=sm90a: the wgmma forward
-#             (kernels/attn_fwd_sm90.cu) through the backends wherever it applies, forward and
-#             the backward on its out and lse (needs an H100/H200; elsewhere they run attn_fwd)
+#   mma       the gpu-marked kernel tests again with CUATTN_KERNELS=mma: on an H100/H200, whose
+#             forwards run the wgmma kernel (kernels/attn_fwd_sm90.cu) by default, the mma.sync
+#             forward (attn_fwd) that other GPUs and the score modifiers run
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
@@ -48,7 +48,7 @@ STEPS="${*:-probe tests sanitize quick}"
 # Each can be set from the environment, to fit a session's device minutes.
 CALL_S=${CALL_S:-580}
 PROBE_S=${PROBE_S:-200}  # the probe's own limit per group is 45 s, its 4 groups take ~40 s
-WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; SM90A_S=${SM90A_S:-$TESTS_S}
+WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MMA_S=${MMA_S:-$TESTS_S}
 MODIFIERS_S=${MODIFIERS_S:-60}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
@@ -123,9 +123,9 @@ for name in $STEPS; do
       step gpu-tests "$TESTS_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
         --continue-on-collection-errors --junitxml="$REPORT_DIR/gpu-tests.xml" tests
       ;;
-    sm90a)
-      CUATTN_KERNELS=sm90a step gpu-tests-sm90a "$SM90A_S" "$PY" -m pytest -m gpu -v -rfE \
-        -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-sm90a.xml" \
+    mma)
+      CUATTN_KERNELS=mma step gpu-tests-mma "$MMA_S" "$PY" -m pytest -m gpu -v -rfE \
+        -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-mma.xml" \
         tests/backends/test_cuda_kernels.py
       ;;
     modifiers)
@@ -207,7 +207,7 @@ for name in $STEPS; do
         --markdown "$REPORT_DIR/dynamic-bench.md"
       ;;
     *)
-      echo "unknown step '$name': expected probe, tests, sm90a, modifiers, sanitize, profile, counters, quick," \
+      echo "unknown step '$name': expected probe, tests, mma, modifiers, sanitize, profile, counters, quick," \
         "full, decode or dynamic" >&2
       exit 2
       ;;

@@ -2,10 +2,11 @@
 # A whole GPU session in one call (~9.5 minutes): what a task lent 15 device-minutes can afford.
 #   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min; PROBE=0 skips it)
 #   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test,
-#            then the kernel tests again with CUATTN_KERNELS=sm90a, then the score modifiers;
+#            then the kernel tests again with CUATTN_KERNELS=mma (an H100/H200 runs the wgmma
+#            forward by default), then the score modifiers;
 #            beside them compute-sanitizer memcheck, racecheck and synccheck on every family
 #   phase 2, alone (timings): TIMED (default: the quick sweep's dense causal cases at 64- and
-#            128-blocks), then TIMED_SM90A with CUATTN_KERNELS=sm90a (default: the same quick
+#            128-blocks), then TIMED_MMA with CUATTN_KERNELS=mma (default: the same quick
 #            sweep), then TIMED_REST (default: Nsight counters and warp stall reasons of every
 #            kernel at d=128 and d=64, decode at the sizes earlier runs did not reach, the
 #            dynamic-layout benchmark)
@@ -20,12 +21,12 @@ SESSION_S="${SESSION_S:-565}"
 RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
 TIMED="${TIMED:-quick}"
-TIMED_SM90A="${TIMED_SM90A:-quick}"
+TIMED_MMA="${TIMED_MMA:-quick}"
 TIMED_REST="${TIMED_REST:-counters decode dynamic}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export CUATTN_BENCH_ARGS="${CUATTN_BENCH_ARGS:---blocksizes 64,128 --patterns dense-causal}"
 start=$SECONDS
-rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{probe,correct,sanitize,timed,timed-sm90a,timed-rest} \
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"/{probe,correct,sanitize,timed,timed-mma,timed-rest} \
   "$ARCHIVE_DIR"
 
 if [ "${PROBE:-1}" != 0 ]; then
@@ -33,7 +34,7 @@ if [ "${PROBE:-1}" != 0 ]; then
   echo "phase 0 (probes) done at $((SECONDS - start)) s"
 fi
 
-(OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests sm90a \
+(OUT="$RESULTS/correct" TESTS_S="${TESTS_S:-200}" bash scripts/gpu_report.sh tests mma \
   modifiers > "$RESULTS/correct.txt" 2>&1) &
 (sleep 15; OUT="$RESULTS/sanitize" bash scripts/gpu_report.sh sanitize \
   > "$RESULTS/sanitize.txt" 2>&1) &
@@ -53,7 +54,7 @@ timed() {  # timed DIR STEPS...: gpu_report.sh's STEPS, cut at SESSION_S
 # shellcheck disable=SC2086  # the step lists are lists of words on purpose
 {
   [ -z "$TIMED" ] || timed timed $TIMED
-  [ -z "$TIMED_SM90A" ] || CUATTN_KERNELS=sm90a timed timed-sm90a $TIMED_SM90A
+  [ -z "$TIMED_MMA" ] || CUATTN_KERNELS=mma timed timed-mma $TIMED_MMA
   [ -z "$TIMED_REST" ] || timed timed-rest $TIMED_REST
 }
 
@@ -64,4 +65,4 @@ grep -h '^|' "$RESULTS"/*/summary.md
 grep -h " passed\| failed" "$RESULTS"/correct/gpu-tests*.log | tail -n 4
 grep -h "ALL OK\|FAILURES" "$RESULTS/correct/modifiers.log"
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$RESULTS"/sanitize/*.log
-grep -h "^| dense\|^forward kernels" "$RESULTS"/timed/*-quick.md "$RESULTS"/timed-sm90a/*-quick-sm90a.md
+grep -h "^| dense\|^forward kernels" "$RESULTS"/timed/*-quick.md "$RESULTS"/timed-mma/*-quick-mma.md

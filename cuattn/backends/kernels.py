@@ -163,6 +163,11 @@ class KernelBackend:
         (jax's XLA path hands jaxlib PTX for the device's plain architecture)."""
         return False
 
+    # Whether CUATTN_KERNELS=auto (the default) runs attn_fwd_sm90 where runs_sm90a: a GPU
+    # backend does (it is the faster forward there); the interpreter, which emulates both
+    # families, keeps attn_fwd unless CUATTN_KERNELS=sm90a asks.
+    sm90a_by_default = False
+
     @contextlib.contextmanager
     def on_device_of(self, x: Any) -> Iterator[None]:
         yield
@@ -378,12 +383,14 @@ class KernelBackend:
         return out, lse
 
     def _sm90a_forward(self, q: Any, block: int, head_dim: int, dtype: str) -> bool:
-        """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, and
-        supported for these sizes on this device)."""
+        """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, or by
+        default on this backend; supported for these sizes on this device)."""
+        family = geometry.kernel_family()
+        wanted = family == geometry.SM90_FAMILY or (
+            family == geometry.AUTO_FAMILY and self.sm90a_by_default
+        )
         return (
-            geometry.kernel_family() == geometry.SM90_FAMILY
-            and geometry.sm90_forward_supports(block, head_dim, dtype)
-            and self.runs_sm90a(q)
+            wanted and geometry.sm90_forward_supports(block, head_dim, dtype) and self.runs_sm90a(q)
         )
 
     def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:

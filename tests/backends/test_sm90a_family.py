@@ -144,10 +144,50 @@ def test_an_unknown_family_is_refused_by_name_before_any_launch(monkeypatch):
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     q, k, v, _ = inputs(layout, 1, HEADS, 64, "float16", seed=7)
     monkeypatch.setenv(geometry.KERNELS_ENV, "wgmma")
-    with pytest.raises(ValueError, match="CUATTN_KERNELS='wgmma'.*accepted: mma, sm90a"):
+    with pytest.raises(ValueError, match="CUATTN_KERNELS='wgmma'.*accepted: auto, mma, sm90a"):
         launched(interp.forward, q, k, v, layout, 0.1)
     monkeypatch.delenv(geometry.KERNELS_ENV)
-    assert geometry.kernel_family() == "mma"
+    assert geometry.kernel_family() == "auto"
+
+
+class _GpuLikeBackend(interp.InterpBackend):
+    """The interpreter deciding as a GPU backend on an sm_90 device does."""
+
+    sm90a_by_default = True
+
+
+@pytest.mark.parametrize(
+    "family, by_default, expected",
+    [
+        ("", False, "attn_fwd<"),  # the interpreter, unset: attn_fwd
+        ("auto", False, "attn_fwd<"),
+        ("", True, "attn_fwd_sm90<"),  # an sm_90 GPU, unset: the wgmma forward
+        ("auto", True, "attn_fwd_sm90<"),
+        ("mma", True, "attn_fwd<"),  # asked for attn_fwd: everywhere
+        ("sm90a", False, "attn_fwd_sm90<"),  # asked for the wgmma forward: the interpreter too
+    ],
+)
+def test_the_default_family_is_the_backend_s_choice(monkeypatch, family, by_default, expected):
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    q, k, v, _ = inputs(layout, 1, HEADS, 64, "bfloat16", seed=11)
+    monkeypatch.setenv(geometry.KERNELS_ENV, family)
+    backend = _GpuLikeBackend() if by_default else interp.InterpBackend()
+    (out, lse), names = launched(backend.forward, q, k, v, layout, 0.125)
+    assert names[0].startswith(expected)
+    check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
+
+
+def test_the_cuda_backend_runs_the_wgmma_forward_by_default_on_sm_90_alone():
+    from types import SimpleNamespace
+
+    from cuattn.backends.cuda import CudaBackend
+
+    assert CudaBackend.sm90a_by_default and not interp.InterpBackend.sm90a_by_default
+    on = SimpleNamespace
+    backend = CudaBackend()
+    assert backend.runs_sm90a(on(device=on(compute_capability="90")))
+    for capability in ("80", "86", "89", "100", "120"):  # A100 .. Blackwell: no sm_90a code
+        assert not backend.runs_sm90a(on(device=on(compute_capability=capability)))
 
 
 def test_geometry_matches_every_instantiation_s_traits():

@@ -58,7 +58,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"timer: {report['timer']}; median of {report['repeats']} runs after {report['warmup']}"
         " warm-up runs; TFLOP/s count computed blocks only; `x peer` = peer time / our time"
         " (> 1 means cuattn is faster).",
-        f"forward kernels: {report.get('kernels', 'mma')} (CUATTN_KERNELS).",
+        f"forward kernels: {report.get('kernels', 'mma')} (CUATTN_KERNELS; auto: attn_fwd_sm90"
+        " where it applies on sm_90, else attn_fwd).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

@@ -463,10 +463,12 @@ def run(args: argparse.Namespace) -> int:
     env = build_environment(dry_run, args.backend)
     if args.repeats:
         env.repeats = args.repeats
-    from cuattn.backends.geometry import MMA_FAMILY
+    from cuattn.backends.geometry import AUTO_FAMILY
 
     family = _kernel_family()
-    suffix = ("" if mode == "full" else f"-{mode}") + ("" if family == MMA_FAMILY else f"-{family}")
+    suffix = ("" if mode == "full" else f"-{mode}") + (
+        "" if family == AUTO_FAMILY else f"-{family}"
+    )
     out_dir = args.out
     if out_dir is None:
         out_dir = DRY_RUN_RESULTS_DIR if dry_run else DEFAULT_RESULTS_DIR

@@ -30,20 +30,23 @@
 //                             to T), B = V from shared memory MN-major (imm-trans-b = 1: V's
 //                             rows as stored, keys x head dim)
 //
-// Shared memory: Q (128 rows), K and V (TILE_N rows each), every tile in 64-column panels of
-// 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), each
-// panel on a 1024-byte boundary: the canonical layout wgmma's descriptors read, K-major for Q
-// and K, MN-major for V (the same bytes; only the descriptor's strides differ).
+// Shared memory: Q (128 rows) and two stages of K and V (TILE_N rows each), every tile in
+// 64-column panels of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8)), each panel on a 1024-byte boundary: the canonical layout wgmma's descriptors
+// read, K-major for Q and K, MN-major for V (the same bytes; only the descriptor's strides
+// differ).
 //
-// Pipeline (stage a; attn_fwd's order, single K and V buffers): every thread copies its share
-// of each tile with cp.async, which writes through the generic proxy, so each thread issues
+// Pipeline (K and V in two stages, bench/NOTES.md change 26): every thread copies its share of
+// each tile with cp.async, which writes through the generic proxy, so each thread issues
 // fence.proxy.async after its copies land and before the barrier that lets wgmma (the async
-// proxy) read them. Per tile:
-//   wait K(t), fence, sync | copy V(t) | S = QK^T, mask | wait V(t), fence, sync | copy K(t+1) |
-//   softmax | O += PV
-// Each wgmma batch is waited for at once (wgmma.wait_group 0). Stage (b) replaces the copies by
-// a TMA producer warp on an mbarrier ring and overlaps the two warpgroups (bench/NOTES.md,
-// "sm_90a forward, stage (a)").
+// proxy) read them. K(t) and V(t) are one commit group in stage t % 2. Per tile:
+//   wait K(t) V(t), fence, sync | copy K(t+1) V(t+1) into the other stage |
+//   S = QK^T, mask | softmax | O += PV
+// The one barrier a tile also says that every warpgroup is done with tile t - 1, whose stage the
+// copies of t + 1 overwrite; those copies have all of tile t to land in. Each wgmma batch is
+// waited for at once (wgmma.wait_group 0). Stage (b) replaces the copies by a TMA producer warp
+// on an mbarrier ring and overlaps the two warpgroups (bench/NOTES.md, "sm_90a forward, stage
+// (a)").
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
@@ -84,9 +87,12 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
-  // Q, K, V, and room to start them on the swizzle's repeat wherever the block's dynamic shared
-  // memory begins.
-  static constexpr int SMEM_BYTES = Q_BYTES + 2 * KV_BYTES + SWIZZLE_REPEAT_BYTES;
+  // K and V of one tile (K first); tile t's in stage t % KV_STAGES.
+  static constexpr int KV_STAGES = 2;
+  static constexpr int STAGE_BYTES = 2 * KV_BYTES;
+  // Q, the K/V stages, and room to start them on the swizzle's repeat wherever the block's
+  // dynamic shared memory begins.
+  static constexpr int SMEM_BYTES = Q_BYTES + KV_STAGES * STAGE_BYTES + SWIZZLE_REPEAT_BYTES;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
   static constexpr int PV_STEPS = TILE_N / WGMMA_K;    // wgmma of O += P V
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
@@ -174,8 +180,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   unsigned char* q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
-  unsigned char* k_tile = q_tile + Traits::Q_BYTES;
-  unsigned char* v_tile = k_tile + Traits::KV_BYTES;
+  unsigned char* kv_stages = q_tile + Traits::Q_BYTES;
   const int kv_head = head / kv_group;
   // The keys k_start .. k_start + TILE_N - 1 of `from` (k or v) into `tile`.
   auto load_keys = [&](unsigned char* tile, const T* from, long long batch_stride,
@@ -183,13 +188,12 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     load_tile_swizzled<TILE_N, HEAD_DIM, NUM_THREADS>(
         tile, from + strided_row(batch_stride, head_stride, row_stride, blockIdx.z, kv_head, k_start),
         int(row_stride), n_k - k_start);
+  };
+  // K and V of the tile at k_start into `stage`, one commit group.
+  auto load_kv = [&](unsigned char* stage, int k_start) {
+    load_keys(stage, k, k_batch_stride, k_head_stride, k_row_stride, k_start);
+    load_keys(stage + Traits::KV_BYTES, v, v_batch_stride, v_head_stride, v_row_stride, k_start);
     cp_async_commit();
-  };
-  auto load_k = [&](int k_start) {
-    load_keys(k_tile, k, k_batch_stride, k_head_stride, k_row_stride, k_start);
-  };
-  auto load_v = [&](int k_start) {
-    load_keys(v_tile, v, v_batch_stride, v_head_stride, v_row_stride, k_start);
   };
   // Copies that landed, made visible to the async proxy (wgmma) and to every thread.
   auto land_copies = [] {
@@ -211,7 +215,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();
-  if (active) load_k(tile.start);
+  int stage = 0;
+  if (active) load_kv(kv_stages, tile.start);
 
   // The warpgroup's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
   float o[HEAD_DIM / 8][4] = {};
@@ -223,8 +228,13 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
 
   // The inner loop: one active K/V tile per iteration.
   while (active) {
-    land_copies();  // Q and K(t); every warpgroup is done reading V(t - 1)
-    load_v(tile.start);
+    land_copies();  // Q, K(t) and V(t); every warpgroup is done with tile t - 1 and its stage
+    const unsigned char* k_tile = kv_stages + stage * Traits::STAGE_BYTES;
+    const unsigned char* v_tile = k_tile + Traits::KV_BYTES;
+    typename Walk::Tile next_tile;
+    const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
+    stage ^= 1;
+    if (has_next) load_kv(kv_stages + stage * Traits::STAGE_BYTES, next_tile.start);
 
     // A warpgroup whose rows the tile does not reach (the other block's tile in a paired CTA,
     // or above the diagonal) skips it; the coverage is the warpgroup's, uniform across it.
@@ -261,11 +271,6 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
         }
       }
     }
-
-    typename Walk::Tile next_tile;
-    const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
-    land_copies();  // V(t); every warpgroup is done reading K(t)
-    if (has_next) load_k(next_tile.start);
 
     if (computes) {
       // Online softmax: rescale what was accumulated so far to the new running max.

@@ -49,7 +49,9 @@ def traits(block: int, tile_n: int, head_dim: int, dtype: str) -> str:
 # The interpreter runs, one per case: (block, key tile, head dim, dtype, rule, layout case).
 # Each rule with each dtype and head dims 64 and 128 on 128-blocks; the paired 64-block CTAs
 # with two rules; d = 256 once per block size; then GQA with strided inputs, queries != keys
-# and a query count that leaves the second warpgroup of the last CTA without rows.
+# and a query count that leaves the second warpgroup of the last CTA without rows; then walks
+# of 5 to 9 key tiles, so each K/V stage is filled again while the other is read (two-tile
+# layouts never reuse one).
 RUN_CASES = (
     [(128, 128, 64, "bfloat16", rule, "square") for rule in RULES]
     + [(128, 128, 128, "float16", rule, "square") for rule in RULES]
@@ -62,8 +64,12 @@ RUN_CASES = (
         (128, 128, 128, "bfloat16", "causal", "fewer queries"),
         (64, 64, 64, "bfloat16", "window", "fewer queries"),
         (64, 64, 128, "float16", "causal", "one warpgroup of rows"),
+        (128, 128, 128, "bfloat16", "none", "long walk"),
+        (64, 64, 64, "float16", "none", "long walk"),
+        (128, 64, 256, "bfloat16", "causal", "long walk"),
     ]
 )
+LONG_WALK_BLOCKS = 4  # key blocks before the ragged fifth
 
 
 def case_layout(rule: str, block: int, case: str) -> tuple[Layout, int, int]:
@@ -74,6 +80,10 @@ def case_layout(rule: str, block: int, case: str) -> tuple[Layout, int, int]:
         return make_layout("all", n_ctx_for(block), 4, block), 2, 2
     kwargs = {"local_attn_ctx": block // 2 + 3} if rule == "window" else {}
     mode = "local" if rule == "window" else "all"
+    if case == "long walk":  # one CTA of queries (both warpgroups) over five key blocks
+        n_k = LONG_WALK_BLOCKS * block + 9
+        layout = make_layout("all", n_k, HEADS, block, causal=rule == "causal", n_q=TILE_M - 3)
+        return layout, 1, HEADS
     if case == "fewer queries":  # n_q < n_k, end-aligned: q_offset > 0
         return make_layout(mode, 2 * block + 9, HEADS, block, n_q=block + 5, **kwargs), 1, HEADS
     # 64-blocks: 70 queries, so the last CTA's second warpgroup has no block at all

@@ -52,8 +52,8 @@
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
 // only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
 // interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
-// `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
-// batch), 256 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory.
+// `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (heads, batch,
+// ceil(n_q / 128)), 256 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory.
 #include "common/score_tile.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
@@ -167,11 +167,15 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
-  const int q_start = int(blockIdx.x) * Traits::TILE_M;
+  // CTAs start x fastest: every (head, batch) of the last query tile before any of the one
+  // above it, so the longest rows of a causal layout start first and the shortest fill the tail
+  // (bench/NOTES.md change 27).
+  const int head = int(blockIdx.x);
+  const int batch = int(blockIdx.y);
+  const int q_start = (int(gridDim.z) - 1 - int(blockIdx.z)) * Traits::TILE_M;
   if (q_start >= n_q) return;  // (a grid rounded up past the queries)
   const int q_block = q_start / BLOCK;
-  const int head = int(blockIdx.y);
-  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
+  const size_t head_offset = (size_t(batch) * gridDim.x + head) * size_t(n_q);
   const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
   const int row_block = Traits::ROW_BLOCKS == 2 ? warpgroup : 0;  // the warpgroup's own block
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   auto load_keys = [&](unsigned char* tile, const T* from, long long batch_stride,
                        long long head_stride, long long row_stride, int k_start) {
     load_tile_swizzled<TILE_N, HEAD_DIM, NUM_THREADS>(
-        tile, from + strided_row(batch_stride, head_stride, row_stride, blockIdx.z, kv_head, k_start),
+        tile, from + strided_row(batch_stride, head_stride, row_stride, batch, kv_head, k_start),
         int(row_stride), n_k - k_start);
   };
   // K and V of the tile at k_start into `stage`, one commit group.
@@ -212,7 +216,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   bool active = walk.next(tile, rule, walk_first, walk_last);
   load_tile_swizzled<Traits::TILE_M, HEAD_DIM, NUM_THREADS>(
       q_tile,
-      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
+      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, batch, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();
   int stage = 0;

@@ -36,7 +36,6 @@ from cuattn.layout.layout import Layout
 LAYOUT_FIELDS = ("row_ptr", "col_idx", "row_mask", "col_ptr", "row_idx", "col_mask", "mask_table")
 # cp.async and ldmatrix move 16-byte chunks: every q/k/v/out/dout row must start 16-byte aligned.
 COPY_ALIGNMENT = 16
-GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y (heads) and grid.z (batch)
 ROW_STRIDE_LIMIT = 2**31  # the kernels step between rows with a 32-bit element stride
 _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionary()
 # A paired forward CTA (geometry.FWD_PAIRED_BLOCK) takes one step per tile of the union of its two
@@ -211,10 +210,11 @@ class KernelBackend:
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
         for name, size in (("heads", heads), ("batch", batch)):
-            if size > GRID_YZ_LIMIT:
+            limit = geometry.GRID_YZ_LIMIT
+            if size > limit:
                 raise ValueError(
-                    f"q: {name} = {size} exceeds the kernels' grid limit of {GRID_YZ_LIMIT}; "
-                    f"split the call into chunks of at most {GRID_YZ_LIMIT} {name}"
+                    f"q: {name} = {size} exceeds the kernels' grid limit of {limit}; "
+                    f"split the call into chunks of at most {limit} {name}"
                 )
         if (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
             raise ValueError(
@@ -390,7 +390,10 @@ class KernelBackend:
             family == geometry.AUTO_FAMILY and self.sm90a_by_default
         )
         return (
-            wanted and geometry.sm90_forward_supports(block, head_dim, dtype) and self.runs_sm90a(q)
+            wanted
+            and geometry.sm90_forward_supports(block, head_dim, dtype)
+            and geometry.sm90_forward_fits(q.shape[2])  # its query tiles on grid.z
+            and self.runs_sm90a(q)
         )
 
     def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:

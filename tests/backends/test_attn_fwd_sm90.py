@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import interp
+from cuattn.backends.geometry import SM90_FWD, KernelConfig
 from cuattn.backends.toolchain import kernel_dir
 from cuattn.layout.layout import Layout
 from cuattn.layout.registry import make_layout
@@ -126,7 +127,10 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
     args.append(ctypes.c_float(scale))
     args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
     args += [ctypes.c_int64(s) for x in (q, k, v) for s in element_strides(x)]
-    grid = (-(-n_q // TILE_M), heads, batch)
+    block, tile_n, _, dtype, rule_kind = config
+    geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
+    assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config
+    grid = geometry_config.grid
     lib.launch(name, grid, (threads, 1, 1), smem, args)
     return out, lse
 

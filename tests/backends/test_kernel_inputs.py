@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import interp
-from cuattn.backends.kernels import GRID_YZ_LIMIT
+from cuattn.backends.geometry import GRID_YZ_LIMIT
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout
 from tests.backends.test_interp_kernels import (

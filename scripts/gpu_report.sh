@@ -78,6 +78,9 @@ QUICK_BUDGET_S=${QUICK_BUDGET_S:-70}  # the quick bench starts no new case after
 LAST_CASE_S=60     # room left after a bench's budget for its last case (FlexAttention compiles)
 # jax (imported by the adapter tests) would otherwise take 75% of the GPU's memory at import.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# A step killed at its limit keeps what it printed (the 23e0a72 run's decode step left an empty
+# log: Python had held its output back).
+export PYTHONUNBUFFERED=1
 
 echo "# GPU report $(date -u '+%Y-%m-%d %H:%M UTC'): $STEPS" > "$SUMMARY"
 {

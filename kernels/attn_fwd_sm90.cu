@@ -12,9 +12,10 @@
 // mask_score_frags). Queries are the last n_q of n_k positions (q_offset = n_k - n_q). A row
 // with no allowed key gets out = 0 and lse = -inf.
 //
-// Work decomposition: one CTA per (128 query rows, head, batch) in two warpgroups of 128
-// threads; warpgroup w owns rows 64w .. 64w + 63, the M = 64 of one wgmma. With 128-blocks the
-// CTA owns one layout block and walks its CSR row; with 64-blocks it owns two adjacent blocks,
+// Work decomposition: one CTA per (128 query rows, head, batch), the last rows' CTAs of every
+// head started first (cta_tile in common/types.cuh), in two warpgroups of 128 threads;
+// warpgroup w owns rows 64w .. 64w + 63, the M = 64 of one wgmma. With 128-blocks the CTA owns
+// one layout block and walks its CSR row; with 64-blocks it owns two adjacent blocks,
 // one per warpgroup, and walks the union of their rows (PairedRowTiles), each warpgroup skipping
 // the key tiles its own block's row lacks (wgmma is issued by a whole warpgroup, so that is the
 // grain of every skip).
@@ -52,8 +53,8 @@
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
 // only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
 // interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
-// `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (heads, batch,
-// ceil(n_q / 128)), 256 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory.
+// `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
+// batch), 256 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory.
 #include "common/score_tile.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
@@ -167,15 +168,13 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
-  // CTAs start x fastest: every (head, batch) of the last query tile before any of the one
-  // above it, so the longest rows of a causal layout start first and the shortest fill the tail
-  // (bench/NOTES.md change 27).
-  const int head = int(blockIdx.x);
-  const int batch = int(blockIdx.y);
-  const int q_start = (int(gridDim.z) - 1 - int(blockIdx.z)) * Traits::TILE_M;
+  const CtaTile cta = cta_tile<true>();  // the last query tile starts first
+  const int head = cta.head;
+  const int batch = cta.batch;
+  const int q_start = cta.tile * Traits::TILE_M;
   if (q_start >= n_q) return;  // (a grid rounded up past the queries)
   const int q_block = q_start / BLOCK;
-  const size_t head_offset = (size_t(batch) * gridDim.x + head) * size_t(n_q);
+  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
   const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
   const int row_block = Traits::ROW_BLOCKS == 2 ? warpgroup : 0;  // the warpgroup's own block

@@ -51,6 +51,9 @@ CXX_MODS = {False: "MODS_NONE", True: "MODS_SCORE"}
 WARP_SIZE = 32
 SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
 GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y and grid.z
+# The block kernels number their CTAs in 32 bits (kernels/common/types.cuh, cta_tile): a call's
+# batch x heads x rows (its tiles hold one row or more) must stay under this.
+CTA_COUNT_LIMIT = 2**32
 SM80_SMEM_LIMIT = 163 * 1024  # opt-in maximum per block on sm_80
 SM90_SMEM_LIMIT = 227 * 1024  # on sm_90: the limit of the kernels that run there alone
 ROWS_PER_CTA_ELEMENTWISE = 16  # rows per CTA of the row kernels (one warp per row)
@@ -663,8 +666,8 @@ class KernelConfig(_Launch):
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel in DECODE_KERNELS:
             return (self.n_rows, self.heads, self.batch)
-        if self.kernel == SM90_FWD:  # query tiles slowest: see kernels/attn_fwd_sm90.cu
-            return (self.heads, self.batch, ceil_div(self.n_rows, SM90_TILE_M))
+        if self.kernel == SM90_FWD:
+            return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
         if self.paired:
@@ -900,11 +903,6 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
 def sm90_forward_supports(block: int | None, head_dim: int, dtype: str) -> bool:
     """Whether the sm_90a forward has an instantiation for this block, head dim and dtype."""
     return block in SM90_BLOCKS and head_dim in SM90_HEAD_DIMS and dtype in SM90_DTYPES
-
-
-def sm90_forward_fits(n_q: int) -> bool:
-    """Whether the sm_90a forward's grid (query tiles on grid.z) holds n_q queries."""
-    return ceil_div(n_q, SM90_TILE_M) <= GRID_YZ_LIMIT
 
 
 def sm90_tile_n(block: int, head_dim: int) -> int:

@@ -216,6 +216,13 @@ class KernelBackend:
                     f"q: {name} = {size} exceeds the kernels' grid limit of {limit}; "
                     f"split the call into chunks of at most {limit} {name}"
                 )
+        rows = batch * heads * max(n_q, n_k)
+        if rows >= geometry.CTA_COUNT_LIMIT:
+            raise ValueError(
+                f"q: batch x heads x max(n_q, n_k) = {batch} x {heads} x {max(n_q, n_k)} reaches "
+                f"the kernels' limit of {geometry.CTA_COUNT_LIMIT}; split the call along batch "
+                "or heads"
+            )
         if (layout.heads, layout.n_q, layout.n_ctx) != (heads, n_q, n_k):
             raise ValueError(
                 f"layout: built for heads={layout.heads}, n_q={layout.n_q}, n_ctx={layout.n_ctx}; "
@@ -390,10 +397,7 @@ class KernelBackend:
             family == geometry.AUTO_FAMILY and self.sm90a_by_default
         )
         return (
-            wanted
-            and geometry.sm90_forward_supports(block, head_dim, dtype)
-            and geometry.sm90_forward_fits(q.shape[2])  # its query tiles on grid.z
-            and self.runs_sm90a(q)
+            wanted and geometry.sm90_forward_supports(block, head_dim, dtype) and self.runs_sm90a(q)
         )
 
     def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:

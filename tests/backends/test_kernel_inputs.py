@@ -43,6 +43,13 @@ def test_grid_limit_is_a_clear_error(axis, name):
         interp.forward(q, q, q, all_layout(16, HEADS, 16), 0.5)
 
 
+def test_a_grid_of_2_to_the_32_ctas_is_a_clear_error():
+    heads = GRID_YZ_LIMIT
+    q = np.broadcast_to(np.float16(1), (GRID_YZ_LIMIT, heads, 16, 32))  # each within the grid
+    with pytest.raises(ValueError, match=r"65535 x 65535 x 16 reaches the kernels' limit"):
+        interp.forward(q, q, q, all_layout(16, heads, 16), 0.5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_ragged_block_without_a_mask_entry(dtype):
     """A full-block entry (mask -1) on the ragged last block: the kernels must still drop the

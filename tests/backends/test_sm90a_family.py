@@ -271,15 +271,3 @@ def test_a_packed_varlen_call_runs_on_it(sm90a):
         ref_out, ref_lse = dense_attention(*one, layout.to_mask(), 64**-0.5)
         assert rel_err(out[rows], ref_out[0].transpose(1, 0, 2)) <= TOLERANCE["bfloat16"]
         assert rel_err(lse[:, rows], ref_lse[0]) <= TOLERANCE["bfloat16"]
-
-
-def test_more_query_tiles_than_grid_z_holds_keep_the_mma_forward(sm90a, monkeypatch):
-    # its query tiles lie on grid.z (longest rows first); past CUDA's 65535, attn_fwd takes it
-    layout = make_layout("all", n_ctx_for(128), 1, 128)  # two query tiles, one head
-    q, k, v, _ = inputs(layout, 1, 1, 64, "bfloat16", seed=13)
-    assert geometry.sm90_forward_fits(geometry.GRID_YZ_LIMIT * geometry.SM90_TILE_M)
-    assert not geometry.sm90_forward_fits(geometry.GRID_YZ_LIMIT * geometry.SM90_TILE_M + 1)
-    monkeypatch.setattr(geometry, "GRID_YZ_LIMIT", 1)  # one batch and one head still pass
-    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
-    assert names[0].startswith("attn_fwd<")
-    check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")

@@ -33,8 +33,6 @@
 // Both double-buffer their steps: the next step's copy is in flight while the current one is
 // computed, one barrier per step. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
 //       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
-// CTAs start a tile of every head before the next tile (cta_tile in common/types.cuh): dK/dV's
-// first key tiles first, dQ's last query tiles first, a causal layout's longest walks.
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
@@ -194,15 +192,13 @@ __global__ void __launch_bounds__(
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
   constexpr int D_OUT = Traits::D_OUT;
 
-  const CtaTile cta = cta_tile<false>();  // the first key tile starts first
-  const int d_first = (cta.tile % SPLITS) * D_OUT;  // the dK/dV columns of this CTA
-  const int key_tile = cta.tile / SPLITS;
+  const int d_first = (int(blockIdx.x) % SPLITS) * D_OUT;  // the dK/dV columns of this CTA
+  const int key_tile = int(blockIdx.x) / SPLITS;
   const int k_block = key_tile / Traits::OWN_TILES_PER_BLOCK;
   const int k_start = k_block * BLOCK + (key_tile % Traits::OWN_TILES_PER_BLOCK) * TILE_K;
   if (k_start >= n_k) return;  // ragged last block: this sub-tile holds no key
-  const int head = cta.head;
-  const int batch = cta.batch;
-  const size_t batch_head = size_t(batch) * gridDim.y + head;
+  const int head = int(blockIdx.y);
+  const size_t batch_head = size_t(blockIdx.z) * gridDim.y + head;
   const size_t head_offset = batch_head * size_t(n_q);  // rows of q, dout, lse, delta
   const int tid = int(threadIdx.x);
   const int warp = tid / 32;
@@ -218,10 +214,10 @@ __global__ void __launch_bounds__(
 
   const int kv_head = head / kv_group;
   load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
-      k_smem, LD, k + strided_row(k_batch_stride, k_head_stride, k_row_stride, batch, kv_head, k_start),
+      k_smem, LD, k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
       int(k_row_stride), n_k - k_start);
   load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
-      v_smem, LD, v + strided_row(v_batch_stride, v_head_stride, v_row_stride, batch, kv_head, k_start),
+      v_smem, LD, v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
       int(v_row_stride), n_k - k_start);
   cp_async_commit();
 
@@ -231,11 +227,11 @@ __global__ void __launch_bounds__(
     T* q_stage = step_smem + stage * 2 * TILE_Q * LD;
     load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
         q_stage, LD,
-        q + strided_row(q_batch_stride, q_head_stride, q_row_stride, batch, head, q_start),
+        q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
         int(q_row_stride), n_q - q_start);
     load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
         q_stage + TILE_Q * LD, LD,
-        dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, batch, head,
+        dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, blockIdx.z, head,
                            q_start),
         int(dout_row_stride), n_q - q_start);
     cp_async_commit();
@@ -250,7 +246,7 @@ __global__ void __launch_bounds__(
   float dk_acc[D_OUT / 8][4] = {};
   float dv_acc[D_OUT / 8][4] = {};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
-      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, batch, head);
+      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
   const int k_warp = k_start + warp * 16;
   const int k_last = k_start + TILE_K - 1;
   // The key bias of this lane's two keys (rows g and g + 8 of S^T), log2 domain, for every
@@ -260,7 +256,7 @@ __global__ void __launch_bounds__(
   // bank): held across the loop they cost registers the fp32 d = 256 kernels do not have.
   auto rel_bias_of = [&] {
     return RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride, rel_max_distance,
-                         batch, head);
+                         int(blockIdx.z), head);
   };
   auto dropout_of = [&] {
     return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
@@ -268,7 +264,7 @@ __global__ void __launch_bounds__(
   };
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
-      const KeyBias kb{key_bias + batch * key_bias_batch_stride + head * key_bias_head_stride,
+      const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
                        n_k};
 #pragma unroll
       for (int r = 0; r < 2; ++r) key_bias_log2[r] = kb.log2_at(k_warp + frag.row(2 * r));
@@ -428,13 +424,11 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
   constexpr int LD = Traits::LD;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
-  const CtaTile cta = cta_tile<true>();  // the last query tile starts first
-  const int q_block = cta.tile / Traits::OWN_TILES_PER_BLOCK;
-  const int q_start = q_block * BLOCK + (cta.tile % Traits::OWN_TILES_PER_BLOCK) * TILE_Q;
+  const int q_block = int(blockIdx.x) / Traits::OWN_TILES_PER_BLOCK;
+  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::OWN_TILES_PER_BLOCK) * TILE_Q;
   if (q_start >= n_q) return;
-  const int head = cta.head;
-  const int batch = cta.batch;
-  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
+  const int head = int(blockIdx.y);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   const AccLayout frag;
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
@@ -448,11 +442,11 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
 
   load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
       q_smem, LD,
-      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, batch, head, q_start),
+      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   load_tile_async<TILE_Q, HEAD_DIM, NUM_THREADS>(
       do_smem, LD,
-      dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, batch, head,
+      dout + strided_row(dout_batch_stride, dout_head_stride, dout_row_stride, blockIdx.z, head,
                          q_start),
       int(dout_row_stride), n_q - q_start);
   cp_async_commit();
@@ -462,11 +456,11 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
     const int kv_head = head / kv_group;
     load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
         k_stage, LD,
-        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, batch, kv_head, k_start),
+        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
         int(k_row_stride), n_k - k_start);
     load_tile_async<TILE_K, HEAD_DIM, NUM_THREADS>(
         k_stage + TILE_K * LD, LD,
-        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, batch, kv_head, k_start),
+        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
         int(v_row_stride), n_k - k_start);
     cp_async_commit();
   };
@@ -484,16 +478,16 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
   // bank): held across the loop they cost registers the fp32 d = 256 kernels do not have.
   auto rel_bias_of = [&] {
     return RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride, rel_max_distance,
-                         batch, head);
+                         int(blockIdx.z), head);
   };
   const int rel_width = 2 * rel_max_distance + 1;
   auto dropout_of = [&] {
     return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
                          dropout_scale);
   };
-  const KeyBias kb{key_bias + batch * key_bias_batch_stride + head * key_bias_head_stride, n_k};
+  const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
-      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, batch, head);
+      scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
 
   // The score-modifier variant at head dim 256 computes dQ's columns in DQ_PASSES passes of
   // D_OUT over the row, S and dP again in each: its state beside a 256-column accumulator

@@ -16,9 +16,8 @@
 // each query block; only those are visited, so nothing of size n_q x n_k exists.
 // A row with no allowed key gets out = 0 and lse = -inf.
 //
-// Work decomposition: one CTA per (TILE_M query rows, head, batch), the last rows' CTAs of every
-// head started first (cta_tile in common/types.cuh); grid.x walks layout query blocks times
-// BLOCK / TILE_M sub-tiles, or, with TILE_M = 2 * BLOCK (paired 64-blocks), pairs
+// Work decomposition: one CTA per (TILE_M query rows, head, batch); grid.x walks layout query
+// blocks times BLOCK / TILE_M sub-tiles, or, with TILE_M = 2 * BLOCK (paired 64-blocks), pairs
 // of query blocks: the CTA walks the union of the two blocks' CSR rows (walk.cuh,
 // PairedRowTiles) and each warp skips the tiles its own block's row does not hold. NUM_WARPS warps each own TILE_M / NUM_WARPS query rows
 // (M_FRAGS fragments of 16). geometry.py gives warps 16 rows (M_FRAGS = 1: 64-row CTAs of 4
@@ -94,14 +93,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
   constexpr int M_FRAGS = Traits::M_FRAGS;
 
-  // The CTA's first query block, and where its rows start in it: the last tile starts first.
-  const CtaTile cta = cta_tile<true>();
-  const int q_block = cta.tile * Traits::ROW_BLOCKS / Traits::M_TILES_PER_BLOCK;
-  const int q_start = q_block * BLOCK + (cta.tile % Traits::M_TILES_PER_BLOCK) * TILE_M;
+  // The CTA's first query block, and where its rows start in it.
+  const int q_block = int(blockIdx.x) * Traits::ROW_BLOCKS / Traits::M_TILES_PER_BLOCK;
+  const int q_start = q_block * BLOCK + (int(blockIdx.x) % Traits::M_TILES_PER_BLOCK) * TILE_M;
   if (q_start >= n_q) return;  // ragged last block: this sub-tile holds no query at all
-  const int head = cta.head;
-  const int batch = cta.batch;
-  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
+  const int head = int(blockIdx.y);
+  const size_t head_offset = (size_t(blockIdx.z) * gridDim.y + head) * size_t(n_q);
   const int warp = int(threadIdx.x) / 32;
   // 0, or 1 for a pair's second block (a constant 0 where the CTA owns one block)
   const int row_block = Traits::ROW_BLOCKS == 2 ? warp / Traits::WARPS_PER_ROW_BLOCK : 0;
@@ -118,20 +115,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
   auto load_k = [&](int k_start) {
     load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
         k_smem, LD,
-        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, batch, kv_head, k_start),
+        k + strided_row(k_batch_stride, k_head_stride, k_row_stride, blockIdx.z, kv_head, k_start),
         int(k_row_stride), n_k - k_start);
     cp_async_commit();
   };
   auto load_v = [&](int k_start) {
     load_tile_async<TILE_N, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
         v_smem, LD,
-        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, batch, kv_head, k_start),
+        v + strided_row(v_batch_stride, v_head_stride, v_row_stride, blockIdx.z, kv_head, k_start),
         int(v_row_stride), n_k - k_start);
     cp_async_commit();
   };
 
   load_tile_async<TILE_M, HEAD_DIM, NUM_THREADS, Traits::UNROLL_COPIES>(
-      q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, batch, head, q_start),
+      q_smem, LD, q + strided_row(q_batch_stride, q_head_stride, q_row_stride, blockIdx.z, head, q_start),
       int(q_row_stride), n_q - q_start);
   cp_async_commit();
   // The score-modifier variant in fp32 at head dim 256 computes out's columns in FWD_PASSES
@@ -168,7 +165,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 #pragma unroll
     for (int m = 0; m < M_FRAGS; ++m) m_i[m][0] = m_i[m][1] = -INFINITY;
     const ScoreScale score_scale = ScoreScale::make<MODS>(
-        scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, batch, head);
+        scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
     const int q_warp = q_start + warp * Traits::WARP_M;
     const T* q_warp_smem = q_smem + warp * Traits::WARP_M * LD;
 
@@ -197,14 +194,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
             alibi_frags<M_FRAGS, TILE_N, true>(s_frag, score_scale, q_offset, q_warp, tile.start);
           }
           if (use_key_bias) {
-            const KeyBias kb{key_bias + batch * key_bias_batch_stride +
+            const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride +
                                  head * key_bias_head_stride,
                              n_k};
             key_bias_frags<M_FRAGS, TILE_N>(s_frag, kb, tile.start);
           }
           if (use_rel_bias) {
             const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
-                                             rel_max_distance, batch, head);
+                                             rel_max_distance, int(blockIdx.z), head);
             rel_bias_frags<M_FRAGS, TILE_N, true>(s_frag, rb, q_offset, q_warp, tile.start);
           }
         }

@@ -13,9 +13,9 @@
 // with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (128 query rows, head, batch), the last rows' CTAs of every
-// head started first (cta_tile in common/types.cuh), in two warpgroups of 128 threads;
-// warpgroup w owns rows 64w .. 64w + 63, the M = 64 of one wgmma. With 128-blocks the CTA owns
-// one layout block and walks its CSR row; with 64-blocks it owns two adjacent blocks,
+// head started first (cta_tile_longest_first in common/types.cuh), in two warpgroups of 128
+// threads; warpgroup w owns rows 64w .. 64w + 63, the M = 64 of one wgmma. With 128-blocks the
+// CTA owns one layout block and walks its CSR row; with 64-blocks it owns two adjacent blocks,
 // one per warpgroup, and walks the union of their rows (PairedRowTiles), each warpgroup skipping
 // the key tiles its own block's row lacks (wgmma is issued by a whole warpgroup, so that is the
 // grain of every skip).
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   constexpr int NUM_THREADS = Traits::NUM_THREADS;
 
-  const CtaTile cta = cta_tile<true>();  // the last query tile starts first
+  const CtaTile cta = cta_tile_longest_first();
   const int head = cta.head;
   const int batch = cta.batch;
   const int q_start = cta.tile * Traits::TILE_M;

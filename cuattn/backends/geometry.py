@@ -51,8 +51,8 @@ CXX_MODS = {False: "MODS_NONE", True: "MODS_SCORE"}
 WARP_SIZE = 32
 SMEM_PAD_BYTES = 16  # row padding of shared tiles (kernels/common/smem.cuh SmemStride)
 GRID_YZ_LIMIT = 65535  # CUDA's limit on grid.y and grid.z
-# The block kernels number their CTAs in 32 bits (kernels/common/types.cuh, cta_tile): a call's
-# batch x heads x rows (its tiles hold one row or more) must stay under this.
+# attn_fwd_sm90 numbers its CTAs in 32 bits (kernels/common/types.cuh, cta_tile_longest_first):
+# a call's batch x heads x rows (its tiles hold one row or more) must stay under this.
 CTA_COUNT_LIMIT = 2**32
 SM80_SMEM_LIMIT = 163 * 1024  # opt-in maximum per block on sm_80
 SM90_SMEM_LIMIT = 227 * 1024  # on sm_90: the limit of the kernels that run there alone

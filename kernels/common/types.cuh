@@ -103,28 +103,25 @@ __device__ __forceinline__ float unpack_element(u32 packed, int index) {
   return to_float(from_bits<T>((unsigned short)(index ? packed >> 16 : packed & 0xffffu)));
 }
 
-// A block kernel's CTA on a grid (tiles, heads, batch): its tile, head and batch, numbered in the
-// order CTAs start (x fastest) so that every (head, batch) of one tile starts before any of the
-// next. Launched head by head, the longest rows of the last head would start last and the SMs
-// done early would idle while they run; in this order the longest rows start first and the
-// shortest fill the tail whatever the head count (bench/NOTES.md changes 27-28). LAST_FIRST:
-// the last tile first (forward, dQ: a causal layout's longest query rows are its last), else the
-// first (dK/dV: its longest key columns are its first).
+// The CTA of attn_fwd_sm90's grid (query tiles, heads, batch): its tile, head and batch,
+// numbered in the order CTAs start (x fastest) so that every (head, batch) of the last query tile
+// starts first, then of the one before it. Launched head by head, the longest rows of a causal
+// layout's last head would start last and the SMs done early would idle while they run; in this
+// order the longest rows start first and the shortest fill the tail whatever the head count
+// (bench/NOTES.md changes 27-28).
 struct CtaTile {
   int tile;
   int head;
   int batch;
 };
 
-template <bool LAST_FIRST>
-__device__ __forceinline__ CtaTile cta_tile() {
-  // 32-bit: the backends refuse a grid of 2^32 CTAs or more (kernels.CTA_COUNT_LIMIT).
+__device__ __forceinline__ CtaTile cta_tile_longest_first() {
+  // 32-bit: the backends refuse a grid of 2^32 CTAs or more (geometry.CTA_COUNT_LIMIT).
   const unsigned heads = gridDim.y;
   const unsigned started = blockIdx.x + gridDim.x * (blockIdx.y + heads * blockIdx.z);
   const unsigned rank = started / (heads * gridDim.z);
   const unsigned head_batch = started % (heads * gridDim.z);
-  const int tile = int(LAST_FIRST ? gridDim.x - 1 - rank : rank);
-  return {tile, int(head_batch % heads), int(head_batch / heads)};
+  return {int(gridDim.x - 1 - rank), int(head_batch % heads), int(head_batch / heads)};
 }
 
 // Element offset of row `row` of head `head` in batch `batch` of a [batch, heads, rows, HEAD_DIM]

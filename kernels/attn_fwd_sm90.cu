@@ -88,7 +88,8 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
-  // K and V of one tile (K first); tile t's in stage t % KV_STAGES.
+  // K and V of one tile (K first); tile t's in stage t % KV_STAGES. The loop alternates the
+  // two (stage ^= 1) with one commit group in flight, so the count is fixed.
   static constexpr int KV_STAGES = 2;
   static constexpr int STAGE_BYTES = 2 * KV_BYTES;
   // Q, the K/V stages, and room to start them on the swizzle's repeat wherever the block's
@@ -103,6 +104,7 @@ struct attn_fwd_sm90_traits {
   static constexpr int MASK_PASSES = TILE_N > MASK_PASS_COLUMNS ? TILE_N / MASK_PASS_COLUMNS : 1;
   static constexpr int MASK_COLUMNS = TILE_N / MASK_PASSES;
   static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16 (fp32 keeps attn_fwd)");
+  static_assert(KV_STAGES == 2, "the main loop flips between two K/V stages");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
   static_assert(BLOCK % TILE_N == 0 && (TILE_N == 64 || TILE_N == 128),
                 "key tiles of 64 or 128 inside one block");

@@ -44,6 +44,7 @@ class CudaBackend(KernelBackend):
     name = "cuda"
     array_kind = "CuPy arrays"
     on_gpu = True
+    sm90a_by_default = True
 
     @property
     def xp(self) -> Any:
@@ -73,8 +74,6 @@ class CudaBackend(KernelBackend):
 
     def launch(self, config: KernelConfig, **values: Any) -> None:
         launch(config, **values)
-
-    sm90a_by_default = True
 
     def runs_sm90a(self, x: Any) -> bool:
         return x.device.compute_capability == SM90_COMPUTE_CAPABILITY

@@ -209,8 +209,8 @@ class KernelBackend:
             raise ValueError(
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
+        limit = geometry.GRID_YZ_LIMIT
         for name, size in (("heads", heads), ("batch", batch)):
-            limit = geometry.GRID_YZ_LIMIT
             if size > limit:
                 raise ValueError(
                     f"q: {name} = {size} exceeds the kernels' grid limit of {limit}; "

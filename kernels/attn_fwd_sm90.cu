@@ -1,26 +1,34 @@
-// Block-sparse attention forward for sm_90a (Hopper): warpgroup MMA (wgmma), stage (a) of issue 27.
+// Block-sparse attention forward for sm_90a (Hopper): warpgroup MMA (wgmma) fed by TMA from a
+// producer warpgroup, issue 27 stage (b).
 //
 // Computes what kernels/attn_fwd.cu computes without score modifiers, for every (batch, head,
 // query) row over the keys its layout allows:
 //   S = Q K^T * scale,  P = softmax(S),  out = P V,  lse = log(sum(exp(S)))
 // Shapes: q, out [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k, HEAD_DIM]
-// of T (__half or __nv_bfloat16); q, k, v at any element strides with contiguous, 16-byte
-// aligned rows, out contiguous; query head h reads kv head h / kv_group (GQA/MQA); lse float32
-// [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
-// each query block, and the element rule RULE (none, causal, window, bitmask) applies inside the
-// blocks whose entry mask is >= 0, exactly as in attn_fwd (kernels/common/walk.cuh and
-// mask_score_frags). Queries are the last n_q of n_k positions (q_offset = n_k - n_q). A row
-// with no allowed key gets out = 0 and lse = -inf.
+// of T (__half or __nv_bfloat16); q, k and v are read through rank-4 TMA tensor maps (innermost
+// first: columns, rows, heads, batch; any strides the maps can describe), each map's columns
+// starting at q_col / k_col / v_col (the host may move a map's base down to the 128 bytes a
+// swizzled map needs and start the columns further in); out contiguous; query head h reads kv
+// head h / kv_group (GQA/MQA); lse float32 [batch, heads, n_q]. The layout's CSR arrays
+// (docs/design.md §2) name the active key blocks of each query block, and the element rule RULE
+// (none, causal, window, bitmask) applies inside the blocks whose entry mask is >= 0, exactly
+// as in attn_fwd (kernels/common/walk.cuh and mask_score_frags). Queries are the last n_q of n_k
+// positions (q_offset = n_k - n_q). A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (128 query rows, head, batch), the last rows' CTAs of every
-// head started first (cta_tile_longest_first in common/types.cuh), in two warpgroups of 128
-// threads; warpgroup w owns rows 64w .. 64w + 63, the M = 64 of one wgmma. With 128-blocks the
-// CTA owns one layout block and walks its CSR row; with 64-blocks it owns two adjacent blocks,
-// one per warpgroup, and walks the union of their rows (PairedRowTiles), each warpgroup skipping
-// the key tiles its own block's row lacks (wgmma is issued by a whole warpgroup, so that is the
-// grain of every skip).
+// head started first (cta_tile_longest_first in common/types.cuh), in three warpgroups of 128
+// threads (warp specialisation, common/warpgroup.cuh):
+//   warpgroup 0, the producer, gives its registers up (setmaxnreg.dec); one thread walks the
+//     layout and issues every TMA copy: Q once, then K and V of each active key tile into a
+//     ring of KV_STAGES stages;
+//   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
+//     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile.
+// With 128-blocks the CTA owns one layout block and walks its CSR row; with 64-blocks it owns
+// two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
+// each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
+// warpgroup, so that is the grain of every skip). Every thread that walks walks the same tiles.
 //
-// Per active key tile of TILE_N keys, for each warpgroup:
+// Per active key tile of TILE_N keys, for each consumer:
 //   S[64 x TILE_N]  = Q K^T   HEAD_DIM / 16 wgmma m64nTILE_Nk16, A = Q and B = K from shared
 //                             memory (K-major: the head dim runs along each row of both)
 //   mask, online softmax      in the accumulator layout: a thread holds rows g and g + 8 of its
@@ -31,34 +39,36 @@
 //                             to T), B = V from shared memory MN-major (imm-trans-b = 1: V's
 //                             rows as stored, keys x head dim)
 //
-// Shared memory: Q (128 rows) and two stages of K and V (TILE_N rows each), every tile in
-// 64-column panels of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk
-// c ^ (r % 8)), each panel on a 1024-byte boundary: the canonical layout wgmma's descriptors
-// read, K-major for Q and K, MN-major for V (the same bytes; only the descriptor's strides
-// differ).
+// Shared memory: Q (128 rows), KV_STAGES stages of K and V (TILE_N rows each), then the
+// mbarriers. Every tile is in 64-column panels of 128-byte rows with the 128-byte swizzle
+// (16-byte chunk c of row r at chunk c ^ (r % 8)), each panel on a 1024-byte boundary: what a
+// TMA box of 64 columns with the 128-byte swizzle writes, and the canonical layout wgmma's
+// descriptors read, K-major for Q and K, MN-major for V (the same bytes; only the descriptor's
+// strides differ). Both TMA and wgmma are the asynchronous proxy: no proxy fence between them.
 //
-// Pipeline (K and V in two stages, bench/NOTES.md change 26): every thread copies its share of
-// each tile with cp.async, which writes through the generic proxy, so each thread issues
-// fence.proxy.async after its copies land and before the barrier that lets wgmma (the async
-// proxy) read them. K(t) and V(t) are one commit group in stage t % 2. Per tile:
-//   wait K(t) V(t), fence, sync | copy K(t+1) V(t+1) into the other stage |
-//   S = QK^T, mask | softmax | O += PV
-// The one barrier a tile also says that every warpgroup is done with tile t - 1, whose stage the
-// copies of t + 1 overwrite; those copies have all of tile t to land in. Each wgmma batch is
-// waited for at once (wgmma.wait_group 0). Stage (b) replaces the copies by a TMA producer warp
-// on an mbarrier ring and overlaps the two warpgroups (bench/NOTES.md, "sm_90a forward, stage
-// (a)").
+// Pipeline (the mbarrier ring, common/mbarrier.cuh): tile t of the walk goes to stage
+// t % KV_STAGES in round t / KV_STAGES. kv_full[s] completes when the producer's arrival and
+// the bytes of K and V have landed; kv_empty[s] when all 256 consumer threads have arrived,
+// each after its last wgmma reading the stage was retired. The producer waits on kv_empty[s]
+// (round 0 passes at once: the phase before the first counts as complete) before it overwrites
+// a stage, so copies run up to KV_STAGES - 1 tiles ahead of the slower consumer, and the
+// consumers never wait for each other. q_full completes with Q's bytes. Every copy issued is
+// waited for by the consumers (they walk the same tiles and always wait for Q), so no copy is
+// in flight when the CTA ends. Each wgmma batch is waited for at once (wgmma.wait_group 0);
+// what the next steps overlap is in bench/NOTES.md ("The Hopper path").
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
 // only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
 // interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
-// batch), 256 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory.
+// batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
+// maps' boxes PANEL_COLUMNS x TILE_M (q) and PANEL_COLUMNS x TILE_N (k, v) x 1 x 1.
 #include "common/score_tile.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
 #include "common/warp_gemm.cuh"
+#include "common/warpgroup.cuh"
 #include "common/wgmma.cuh"
 
 // The 128-byte swizzle of every tile: a shared-memory row is one 128-byte panel row, the
@@ -66,7 +76,6 @@
 constexpr int SWIZZLE_ROW_BYTES = 128;
 constexpr int SWIZZLE_GROUP_ROWS = 8;
 constexpr int SWIZZLE_REPEAT_BYTES = SWIZZLE_ROW_BYTES * SWIZZLE_GROUP_ROWS;
-constexpr int COPY_CHUNK_BYTES = 16;  // one cp.async, the swizzle's unit
 // The leading byte offset of a swizzled K-major operand is unused (the PTX ISA: "assumed 1",
 // one 16-byte unit).
 constexpr unsigned SWIZZLED_K_MAJOR_LEADING = 16;
@@ -76,11 +85,17 @@ constexpr int MASK_PASS_COLUMNS = 64;
 // Every size of the kernel, chosen here and checked.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_traits {
-  static constexpr int WARPGROUPS = 2;
   static constexpr int WARPGROUP_SIZE = WARPGROUP_WARPS * 32;
-  static constexpr int NUM_THREADS = WARPGROUPS * WARPGROUP_SIZE;
-  static constexpr int TILE_M = WARPGROUPS * WGMMA_M;  // query rows per CTA
-  // Layout blocks per CTA: 1 (128-blocks: the warpgroups split it), or 2 (64-blocks: one each).
+  static constexpr int CONSUMERS = 2;  // warpgroups computing, after the producer
+  static constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_SIZE;
+  static constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_SIZE;
+  // Registers per thread after setmaxnreg: the producer keeps what issuing copies needs, the
+  // consumers take the rest. With one CTA of 384 threads per SM the launch gives each thread
+  // 168 (65536 / 384, in steps of 8); 128 x (24 + 2 x 240) = 64512 is what the launch holds.
+  static constexpr int PRODUCER_REGISTERS = 24;
+  static constexpr int CONSUMER_REGISTERS = 240;
+  static constexpr int TILE_M = CONSUMERS * WGMMA_M;  // query rows per CTA
+  // Layout blocks per CTA: 1 (128-blocks: the consumers split it), or 2 (64-blocks: one each).
   static constexpr int ROW_BLOCKS = TILE_M / BLOCK;
   static constexpr int PANEL_COLUMNS = SWIZZLE_ROW_BYTES / int(sizeof(T));
   static constexpr int PANELS = HEAD_DIM / PANEL_COLUMNS;
@@ -88,13 +103,16 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
-  // K and V of one tile (K first); tile t's in stage t % KV_STAGES. The loop alternates the
-  // two (stage ^= 1) with one commit group in flight, so the count is fixed.
+  // K and V of one tile (K first); tile t's in stage t % KV_STAGES.
   static constexpr int KV_STAGES = 2;
   static constexpr int STAGE_BYTES = 2 * KV_BYTES;
-  // Q, the K/V stages, and room to start them on the swizzle's repeat wherever the block's
-  // dynamic shared memory begins.
-  static constexpr int SMEM_BYTES = Q_BYTES + KV_STAGES * STAGE_BYTES + SWIZZLE_REPEAT_BYTES;
+  // q_full, then kv_full and kv_empty of every stage: 8 bytes each.
+  static constexpr int BARRIERS = 1 + 2 * KV_STAGES;
+  static constexpr int BARRIER_BYTES = BARRIERS * int(sizeof(u64));
+  // Q, the K/V stages, the barriers, and room to start the tiles on the swizzle's repeat
+  // wherever the block's dynamic shared memory begins.
+  static constexpr int SMEM_BYTES =
+      Q_BYTES + KV_STAGES * STAGE_BYTES + BARRIER_BYTES + SWIZZLE_REPEAT_BYTES;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
   static constexpr int PV_STEPS = TILE_N / WGMMA_K;    // wgmma of O += P V
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
@@ -104,7 +122,10 @@ struct attn_fwd_sm90_traits {
   static constexpr int MASK_PASSES = TILE_N > MASK_PASS_COLUMNS ? TILE_N / MASK_PASS_COLUMNS : 1;
   static constexpr int MASK_COLUMNS = TILE_N / MASK_PASSES;
   static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16 (fp32 keeps attn_fwd)");
-  static_assert(KV_STAGES == 2, "the main loop flips between two K/V stages");
+  static_assert(KV_STAGES >= 2, "a ring: the producer copies ahead while a stage computes");
+  static_assert((PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) * WARPGROUP_SIZE <=
+                    65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
+                "setmaxnreg requests the launch's registers cannot cover hang the GPU");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
   static_assert(BLOCK % TILE_N == 0 && (TILE_N == 64 || TILE_N == 128),
                 "key tiles of 64 or 128 inside one block");
@@ -119,38 +140,6 @@ __device__ __forceinline__ unsigned char* align_to_swizzle_repeat(unsigned char*
   return p + (SWIZZLE_REPEAT_BYTES - address % SWIZZLE_REPEAT_BYTES) % SWIZZLE_REPEAT_BYTES;
 }
 
-// Starts the cp.async copies of a ROWS x HEAD_DIM tile (gmem rows `gmem_ld` elements apart)
-// into `tile` in the swizzled panel layout of the header; rows >= valid_rows are zero-filled
-// (a masked key's V must be 0, not stale data: its P is 0, and 0 * NaN is NaN). Each thread
-// copies one 16-byte column chunk of rows ROW_STEP apart; ROW_STEP is a multiple of the
-// swizzle's 8 rows, so all of a thread's copies land in the same swizzled chunk and only the
-// row offset changes.
-template <int ROWS, int HEAD_DIM, int NUM_THREADS, typename T>
-__device__ __forceinline__ void load_tile_swizzled(unsigned char* tile, const T* gmem,
-                                                   int gmem_ld, int valid_rows) {
-  constexpr int CHUNK_ELEMENTS = COPY_CHUNK_BYTES / int(sizeof(T));
-  constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK_ELEMENTS;
-  constexpr int CHUNKS_PER_PANEL_ROW = SWIZZLE_ROW_BYTES / COPY_CHUNK_BYTES;
-  constexpr int ROW_STEP = NUM_THREADS / CHUNKS_PER_ROW;
-  constexpr int COPIES = ROWS / ROW_STEP;
-  static_assert(NUM_THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % SWIZZLE_GROUP_ROWS == 0 &&
-                ROWS % ROW_STEP == 0);
-  const int tid = int(threadIdx.x);
-  const int row = tid / CHUNKS_PER_ROW;
-  const int chunk = tid % CHUNKS_PER_ROW;
-  const int panel = chunk / CHUNKS_PER_PANEL_ROW;
-  const int swizzled = (chunk % CHUNKS_PER_PANEL_ROW) ^ (row % SWIZZLE_GROUP_ROWS);
-  unsigned char* dst = tile + panel * ROWS * SWIZZLE_ROW_BYTES + row * SWIZZLE_ROW_BYTES +
-                       swizzled * COPY_CHUNK_BYTES;
-  const T* src = gmem + row * gmem_ld + chunk * CHUNK_ELEMENTS;
-#pragma unroll
-  for (int i = 0; i < COPIES; ++i) {
-    const bool valid = row + i * ROW_STEP < valid_rows;
-    cp_async_16(dst + i * ROW_STEP * SWIZZLE_ROW_BYTES, valid ? src + i * ROW_STEP * gmem_ld : gmem,
-                valid);
-  }
-}
-
 // The descriptor of a swizzled operand at `at` (K-major: 8-row groups one repeat apart; MN-major:
 // the same, and the next 64 columns `panel_bytes` on).
 __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsigned panel_bytes) {
@@ -159,16 +148,14 @@ __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsi
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
-    attn_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                  const __grid_constant__ TensorMap v_map, int q_col, int k_col, int v_col,
                   T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
                   const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-                  int kv_group, int num_blocks, float scale, int window_left, int window_right,
-                  long long q_batch_stride, long long q_head_stride, long long q_row_stride,
-                  long long k_batch_stride, long long k_head_stride, long long k_row_stride,
-                  long long v_batch_stride, long long v_head_stride, long long v_row_stride) {
+                  int kv_group, int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  constexpr int NUM_THREADS = Traits::NUM_THREADS;
+  constexpr int KV_STAGES = Traits::KV_STAGES;
 
   const CtaTile cta = cta_tile_longest_first();
   const int head = cta.head;
@@ -176,72 +163,91 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int q_start = cta.tile * Traits::TILE_M;
   if (q_start >= n_q) return;  // (a grid rounded up past the queries)
   const int q_block = q_start / BLOCK;
-  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
   const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
-  const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
-  const int row_block = Traits::ROW_BLOCKS == 2 ? warpgroup : 0;  // the warpgroup's own block
-  const int group_first = q_start + warpgroup * WGMMA_M;
-  const int warp_first = group_first + warp_in_group * 16;
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   unsigned char* q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
   unsigned char* kv_stages = q_tile + Traits::Q_BYTES;
-  const int kv_head = head / kv_group;
-  // The keys k_start .. k_start + TILE_N - 1 of `from` (k or v) into `tile`.
-  auto load_keys = [&](unsigned char* tile, const T* from, long long batch_stride,
-                       long long head_stride, long long row_stride, int k_start) {
-    load_tile_swizzled<TILE_N, HEAD_DIM, NUM_THREADS>(
-        tile, from + strided_row(batch_stride, head_stride, row_stride, batch, kv_head, k_start),
-        int(row_stride), n_k - k_start);
-  };
-  // K and V of the tile at k_start into `stage`, one commit group.
-  auto load_kv = [&](unsigned char* stage, int k_start) {
-    load_keys(stage, k, k_batch_stride, k_head_stride, k_row_stride, k_start);
-    load_keys(stage + Traits::KV_BYTES, v, v_batch_stride, v_head_stride, v_row_stride, k_start);
-    cp_async_commit();
-  };
-  // Copies that landed, made visible to the async proxy (wgmma) and to every thread.
-  auto land_copies = [] {
-    cp_async_wait_group<0>();
-    fence_proxy_async();
-    __syncthreads();
-  };
+  u64* q_full = reinterpret_cast<u64*>(kv_stages + KV_STAGES * Traits::STAGE_BYTES);
+  u64* kv_full = q_full + 1;
+  u64* kv_empty = kv_full + KV_STAGES;
+  if (threadIdx.x == 0) {
+    mbarrier_init(q_full, 1);
+    for (int s = 0; s < KV_STAGES; ++s) {
+      mbarrier_init(&kv_full[s], 1);
+      mbarrier_init(&kv_empty[s], Traits::CONSUMER_THREADS);
+    }
+  }
+  __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
 
+  if (warpgroup == 0) {
+    // The producer: one thread issues every copy; the warpgroup's registers go to the others.
+    warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
+    if (threadIdx.x != 0) return;
+    const int kv_head = head / kv_group;
+    mbarrier_arrive_expect_tx(q_full, unsigned(Traits::Q_BYTES));
+#pragma unroll
+    for (int panel = 0; panel < Traits::PANELS; ++panel) {
+      tma_load_4d(q_tile + panel * Traits::Q_PANEL_BYTES, q_map,
+                  q_col + panel * Traits::PANEL_COLUMNS, q_start, head, batch, q_full);
+    }
+    // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
+    auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
+        row_ptr, col_idx, row_mask, head, num_blocks, q_block, 0);
+    const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+    typename decltype(walk)::Tile tile;
+    for (int t = 0; walk.next(tile, rule, q_start, walk_last); ++t) {
+      const int stage = t % KV_STAGES;
+      const unsigned round = unsigned(t / KV_STAGES);
+      mbarrier_wait_parity(&kv_empty[stage], (round & 1u) ^ 1u);  // every consumer is done
+      unsigned char* k_tile = kv_stages + stage * Traits::STAGE_BYTES;
+      unsigned char* v_tile = k_tile + Traits::KV_BYTES;
+      mbarrier_arrive_expect_tx(&kv_full[stage], unsigned(Traits::STAGE_BYTES));
+#pragma unroll
+      for (int panel = 0; panel < Traits::PANELS; ++panel) {
+        tma_load_4d(k_tile + panel * Traits::KV_PANEL_BYTES, k_map,
+                    k_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch,
+                    &kv_full[stage]);
+        tma_load_4d(v_tile + panel * Traits::KV_PANEL_BYTES, v_map,
+                    v_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch,
+                    &kv_full[stage]);
+      }
+    }
+    return;
+  }
+
+  // A consumer: rows 64 (warpgroup - 1) on of the CTA.
+  warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
+  const int consumer = warpgroup - 1;
+  const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
+  const int row_block = Traits::ROW_BLOCKS == 2 ? consumer : 0;  // the consumer's own block
+  const int group_first = q_start + consumer * WGMMA_M;
+  const int warp_first = group_first + warp_in_group * 16;
+  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
-  using Walk = decltype(walk);
-  // The rows the walk tests: the CTA's, or in a paired CTA the warpgroup's own.
+  // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
   const int walk_first = Traits::ROW_BLOCKS == 2 ? group_first : q_start;
   const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
-  typename Walk::Tile tile;
-  bool active = walk.next(tile, rule, walk_first, walk_last);
-  load_tile_swizzled<Traits::TILE_M, HEAD_DIM, NUM_THREADS>(
-      q_tile,
-      q + strided_row(q_batch_stride, q_head_stride, q_row_stride, batch, head, q_start),
-      int(q_row_stride), n_q - q_start);
-  cp_async_commit();
-  int stage = 0;
-  if (active) load_kv(kv_stages, tile.start);
 
-  // The warpgroup's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
+  // The consumer's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
   float o[HEAD_DIM / 8][4] = {};
   float(&o_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(o);
   float m_i[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
   float l_i[2] = {};                      // this thread's columns only
   const ScoreScale score_scale = ScoreScale::make<MODS_NONE>(scale, 0.f, nullptr, 0, 0, 0);
-  const unsigned char* q_group = q_tile + warpgroup * WGMMA_M * SWIZZLE_ROW_BYTES;
+  const unsigned char* q_group = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
+  mbarrier_wait_parity(q_full, 0);  // always: no copy may be in flight when the CTA ends
 
   // The inner loop: one active K/V tile per iteration.
-  while (active) {
-    land_copies();  // Q, K(t) and V(t); every warpgroup is done with tile t - 1 and its stage
+  typename decltype(walk)::Tile tile;
+  for (int t = 0; walk.next(tile, rule, walk_first, walk_last); ++t) {
+    const int stage = t % KV_STAGES;
+    mbarrier_wait_parity(&kv_full[stage], unsigned(t / KV_STAGES) & 1u);
     const unsigned char* k_tile = kv_stages + stage * Traits::STAGE_BYTES;
     const unsigned char* v_tile = k_tile + Traits::KV_BYTES;
-    typename Walk::Tile next_tile;
-    const bool has_next = walk.next(next_tile, rule, walk_first, walk_last);
-    stage ^= 1;
-    if (has_next) load_kv(kv_stages + stage * Traits::STAGE_BYTES, next_tile.start);
 
-    // A warpgroup whose rows the tile does not reach (the other block's tile in a paired CTA,
+    // A consumer whose rows the tile does not reach (the other block's tile in a paired CTA,
     // or above the diagonal) skips it; the coverage is the warpgroup's, uniform across it.
     const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
                                                    group_first + WGMMA_M - 1);
@@ -324,10 +330,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       wgmma_wait_group<0>();
       wgmma_fence_operands(o_acc);
     }
-    tile = next_tile;
-    active = has_next;
+    mbarrier_arrive(&kv_empty[stage]);  // its wgmma retired: the stage is the producer's again
   }
-  cp_async_wait_all();  // a row with no active tile still retires its Q copy
 
   const AccLayout frag;
 #pragma unroll

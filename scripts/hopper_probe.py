@@ -40,7 +40,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from cuattn.backends.tensor_map import Swizzle, TensorMap2D
+from cuattn.backends.tensor_map import Swizzle, TensorMap
 from tests.helpers.ptx_layouts import (
     DESCRIPTOR_SWIZZLE,
     ELEMENT_BYTES,
@@ -294,7 +294,7 @@ def probe_tma(device) -> list[dict]:
     results = []
     for swizzle in Swizzle:
         box = widest_box(swizzle)
-        map_ = device.tensor_map(TensorMap2D.of(tensor, box, swizzle, columns=TMA_COLUMNS))
+        map_ = device.tensor_map(TensorMap.of(tensor, box, swizzle, columns=TMA_COLUMNS))
         box_bytes = box[0] * box[1] * host.itemsize
         for where, (x, y) in TMA_POSITIONS.items():
             out = device.upload(np.zeros(box_bytes, np.uint8))

@@ -8,6 +8,7 @@ CPU interpreter, so the two kernel backends can only differ in where the code ru
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,12 +25,18 @@ _SCALAR_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.
 def launch(config: KernelConfig | LayoutKernelConfig, **values: Any) -> None:
     """One launch on the current device and CuPy stream; `values` names every kernel argument."""
     args = []
+    tensor_maps = []  # the encoded maps, alive until the launch has copied its parameters
     for name, kind in config.args:
         value = values[name]
         if kind == "ptr":
             if value.size > 1 and value.strides[-1] != value.itemsize:
                 raise AssertionError(f"{config.name_expression}: {name}'s rows are not contiguous")
             args.append(value)
+        elif kind == "tmap":
+            # a tensor_map.TensorMap, passed by value: CuPy hands the driver a pointer to each
+            # argument's bytes, and a CPointer is that pointer as it is
+            tensor_maps.append(value.driver_struct())
+            args.append(cupy_module().cuda.function.CPointer(ctypes.addressof(tensor_maps[-1])))
         else:
             args.append(_SCALAR_TYPES[kind](value))
     kernel = KERNELS.kernel(

@@ -92,8 +92,8 @@ BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 SM90_FWD = "attn_fwd_sm90"
 SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = "90"  # CuPy's spelling of an H100/H200's 9.0
-SM90_TILE_M = 128  # query rows per CTA: two warpgroups of wgmma's M = 64
-SM90_WARPS = 8
+SM90_TILE_M = 128  # query rows per CTA: two consumer warpgroups of wgmma's M = 64
+SM90_WARPS = 12  # a producer warpgroup (TMA) and the two consumers
 SM90_BLOCKS = (64, 128)  # a warpgroup's 64 rows lie in one layout block
 SM90_HEAD_DIMS = (64, 128, 256)  # whole 128-byte panels; N <= 256 for O += P V
 SM90_DTYPES = ("float16", "bfloat16")
@@ -103,8 +103,15 @@ SM90_WIDE_TILE_N = 128
 SM90_TILE_N = 64
 SM90_WIDE_MAX_HEAD_DIM = 128
 SM90_KV_STAGES = 2  # K and V of tile t + 1 copied while tile t computes
+SM90_BARRIERS = 1 + 2 * SM90_KV_STAGES  # q_full, and kv_full / kv_empty of each stage
+SM90_BARRIER_BYTES = 8
 SM90_SWIZZLE_ROW_BYTES = 128  # a panel row: the 128-byte swizzle's unit
 SM90_SWIZZLE_REPEAT_BYTES = 1024  # room to start the tiles on the swizzle's repeat
+# q, k and v reach attn_fwd_sm90 as rank-4 TMA tensor maps (kernels/common/tma.cuh; columns,
+# rows, heads, batch), each copy one 64-column panel (128 bytes, the 128-byte swizzle's width)
+# of the CTA's rows (q) or a key tile (k, v); a swizzled map's base is 128-byte aligned.
+SM90_PANEL_BYTES = 128
+SM90_MAP_ALIGNMENT = 128
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
@@ -222,13 +229,18 @@ _FWD_ARGS = (
 _BWD_STRIDES = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("dout"))
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
+    # "tmap": a TMA tensor map of the named array, its columns starting at the "_col" argument
     SM90_FWD: (
-        *_FWD_ARGS[:5],
+        ("q", "tmap"),
+        ("k", "tmap"),
+        ("v", "tmap"),
+        ("q_col", "i32"),
+        ("k_col", "i32"),
+        ("v_col", "i32"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
-        *_strides("q"),
-        *_strides("k"),
-        *_strides("v"),
     ),
     "attn_bwd_preprocess": (
         ("out", "ptr"),
@@ -614,7 +626,7 @@ class KernelConfig(_Launch):
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
             smem = panels * (tile_m + kv_rows) * SM90_SWIZZLE_ROW_BYTES
-            smem += SM90_SWIZZLE_REPEAT_BYTES
+            smem += SM90_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule

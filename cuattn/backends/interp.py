@@ -227,6 +227,8 @@ def _ctype_args(config: KernelConfig | LayoutKernelConfig, values: dict[str, Any
                 name
             )
             args.append(ctypes.c_void_p(value.ctypes.data))
+        elif kind == "tmap":
+            args.append(value.interp_struct())  # a tensor_map.TensorMap
         elif kind == "i32":
             args.append(ctypes.c_int32(int(value)))
         elif kind == "i64":

@@ -28,6 +28,7 @@ import numpy as np
 from cuattn.backends import dropout, geometry
 from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
 from cuattn.backends.geometry import KernelConfig
+from cuattn.backends.tensor_map import Swizzle, TensorMap
 from cuattn.layout.derived import coarsened
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
@@ -62,6 +63,41 @@ def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]
         "dropout_scale": 1.0 / (1.0 - mods.dropout_p),
         **words,
     }
+
+
+def panel_map(x: Any, address: int, rows: int) -> tuple[TensorMap, int]:
+    """The rank-4 tensor map attn_fwd_sm90 reads x [batch, heads, n, d] through (its data at
+    `address`), with a box of one 64-column panel of `rows` rows and the 128-byte swizzle
+    (geometry.SM90_*), and the column where x's rows start in it. A swizzled map's base must be
+    128-byte aligned; x's need only be 16-byte aligned (KernelBackend._check_alignment), so the
+    map starts at the 128-byte boundary at or before x's first element and its columns that many
+    elements further in: every element it reads is x's (the boxes start at that column, and the
+    map ends where x's rows end)."""
+    itemsize = x.dtype.itemsize
+    col = address % geometry.SM90_MAP_ALIGNMENT // itemsize
+    batch, heads, n, d = x.shape
+    batch_stride, head_stride, row_stride = x.strides[:3]
+    # the stride of a length-1 axis is never used: any valid one will do
+    row_stride = row_stride if n > 1 else d * itemsize
+    head_stride = head_stride if heads > 1 else row_stride * n
+    batch_stride = batch_stride if batch > 1 else head_stride * heads
+    map_ = TensorMap(
+        global_address=address - col * itemsize,
+        dims=(d + col, n, heads, batch),
+        strides=(row_stride, head_stride, batch_stride),
+        box=(geometry.SM90_PANEL_BYTES // itemsize, rows, 1, 1),
+        element_bytes=itemsize,
+        swizzle=Swizzle.B128,
+    )
+    return map_, col
+
+
+def _tma_describes(x: Any) -> bool:
+    """Whether a TMA tensor map can describe x [batch, heads, rows, d] (its strides checked by
+    KernelBackend._check_strides): not when an axis of length > 1 has stride 0 (a broadcast
+    view, e.g. one kv head expanded), which the driver's strides do not express; attn_fwd reads
+    those."""
+    return all(stride > 0 for stride, size in zip(x.strides, x.shape, strict=True) if size > 1)
 
 
 def _seed_words(seed: Any, xp: Any) -> Any:
@@ -351,24 +387,21 @@ class KernelBackend:
             self._check_alignment({"q": q, "k": k, "v": v})
             variant = modifier_variant(mods, scale)
             block, rule = layout.blocksize, layout.rule.kind
-            if not variant and self._sm90a_forward(q, block, head_dim, dtype):
-                config = KernelConfig(
-                    geometry.SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule
-                )
-            else:
-                config = KernelConfig(
-                    "attn_fwd",
-                    head_dim,
-                    dtype,
-                    batch,
-                    heads,
-                    n_q,
-                    block,
-                    rule,
-                    variant,
-                    geometry.pairs_rows("attn_fwd", block, head_dim, dtype)
-                    and layout_pairs_rows(layout),
-                )
+            if not variant and self._sm90a_forward((q, k, v), block, head_dim, dtype):
+                return self._forward_sm90(q, k, v, layout, scale, shape, dtype)
+            config = KernelConfig(
+                "attn_fwd",
+                head_dim,
+                dtype,
+                batch,
+                heads,
+                n_q,
+                block,
+                rule,
+                variant,
+                geometry.pairs_rows("attn_fwd", block, head_dim, dtype)
+                and layout_pairs_rows(layout),
+            )
             out = self.output(q.shape, q.dtype)
             lse = self.output((batch, heads, n_q), xp.float32)
             self.launch(
@@ -389,16 +422,56 @@ class KernelBackend:
             )
         return out, lse
 
-    def _sm90a_forward(self, q: Any, block: int, head_dim: int, dtype: str) -> bool:
+    def _forward_sm90(
+        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
+    ) -> tuple[Any, Any]:
+        """The forward on attn_fwd_sm90 (inputs checked, on their device): q, k and v reach it
+        as tensor maps."""
+        batch, heads, n_q, head_dim, kv_heads, _ = shape
+        config = KernelConfig(
+            geometry.SM90_FWD,
+            head_dim,
+            dtype,
+            batch,
+            heads,
+            n_q,
+            layout.blocksize,
+            layout.rule.kind,
+        )
+        out = self.output(q.shape, q.dtype)
+        lse = self.output((batch, heads, n_q), self.xp.float32)
+        self.launch(
+            config,
+            **self._panel_map("q", q, config.tile_m),
+            **self._panel_map("k", k, config.tile_n),
+            **self._panel_map("v", v, config.tile_n),
+            out=out,
+            lse=lse,
+            scale=scale,
+            **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
+        )
+        return out, lse
+
+    def _sm90a_forward(
+        self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str
+    ) -> bool:
         """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, or by
-        default on this backend; supported for these sizes on this device)."""
+        default on this backend; supported for these sizes and strides on this device)."""
         family = geometry.kernel_family()
         wanted = family == geometry.SM90_FAMILY or (
             family == geometry.AUTO_FAMILY and self.sm90a_by_default
         )
         return (
-            wanted and geometry.sm90_forward_supports(block, head_dim, dtype) and self.runs_sm90a(q)
+            wanted
+            and geometry.sm90_forward_supports(block, head_dim, dtype)
+            and all(_tma_describes(x) for x in qkv)
+            and self.runs_sm90a(qkv[0])
         )
+
+    def _panel_map(self, name: str, x: Any, rows: int) -> dict[str, Any]:
+        """attn_fwd_sm90's arguments for x: its tensor map and first column (panel_map)."""
+        map_, col = panel_map(x, self.data_address(x), rows)
+        return {name: map_, f"{name}_col": col}
 
     def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:
         """The block and decode kernels' arguments for the score operands (None: absent)."""

@@ -1,11 +1,11 @@
-"""Host-side description of a 2-D TMA tensor map (kernels/common/tma.cuh).
+"""Host-side description of a TMA tensor map of rank 1 to 5 (kernels/common/tma.cuh).
 
 A tensor map tells the TMA unit where a global tensor is and which box one copy moves. On a GPU
-it is the 128-byte opaque object cuTensorMapEncodeTiled writes from exactly these fields (rank 2,
-element strides 1, no interleave, zero fill for out-of-bounds elements; ``driver_struct``, through
+it is the 128-byte opaque object cuTensorMapEncodeTiled writes from exactly these fields (element
+strides 1, no interleave, zero fill for out-of-bounds elements; ``driver_struct``, through
 libcuda with ctypes: CuPy has no binding for it); the CPU interpreter takes the description
 itself in the same 128 bytes (``interp_struct``), laid out as the CUATTN_INTERP branch of
-``TensorMap2D`` in kernels/common/tma.cuh.
+``TensorMap`` in kernels/common/tma.cuh.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import ctypes
 import enum
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 TENSOR_MAP_BYTES = 128  # the PTX ISA's "Tensor-map" object
+MAX_RANK = 5  # cuTensorMapEncodeTiled without interleave, and cp.async.bulk.tensor's .5d
 
 
 class Swizzle(enum.IntEnum):
@@ -30,9 +30,10 @@ class Swizzle(enum.IntEnum):
 
 _DESCRIPTION_FIELDS = [
     ("global_address", ctypes.c_void_p),
-    ("dims", ctypes.c_uint64 * 2),
-    ("row_stride", ctypes.c_uint64),
-    ("box", ctypes.c_uint32 * 2),
+    ("dims", ctypes.c_uint64 * MAX_RANK),
+    ("strides", ctypes.c_uint64 * (MAX_RANK - 1)),
+    ("box", ctypes.c_uint32 * MAX_RANK),
+    ("rank", ctypes.c_uint32),
     ("element_bytes", ctypes.c_uint32),
     ("swizzle", ctypes.c_uint32),
 ]
@@ -54,7 +55,6 @@ assert ctypes.sizeof(_InterpTensorMap) == TENSOR_MAP_BYTES
 # cuTensorMapEncodeTiled's arguments (cuda.h): the unsigned CUtensorMapDataType of each element
 # size (the copy moves bytes; no float semantics are wanted), and the fixed modes.
 _DATA_TYPE_OF_SIZE = {1: 0, 2: 1, 4: 2, 8: 4}  # CU_TENSOR_MAP_DATA_TYPE_UINT8/16/32/64
-_RANK = 2
 _INTERLEAVE_NONE = 0
 _L2_PROMOTION_NONE = 0
 _OOB_FILL_NONE = 0  # out-of-bounds elements read as zero
@@ -62,35 +62,49 @@ _MAP_ALIGNMENT = 64  # the driver's alignment for the CUtensorMap it writes
 _CUDA_SUCCESS = 0
 
 
+def _pad(values: tuple[int, ...], length: int) -> tuple[int, ...]:
+    return (*values, *(0,) * (length - len(values)))
+
+
 @dataclass(frozen=True)
-class TensorMap2D:
-    """A row-major 2-D tensor and the box one TMA copies; sizes innermost (columns) first."""
+class TensorMap:
+    """A strided tensor (its innermost dimension contiguous) and the box one TMA copies; every
+    size innermost first, as cuTensorMapEncodeTiled and the PTX ISA take them."""
 
     global_address: int
-    dims: tuple[int, int]  # (columns, rows) in elements
-    row_stride: int  # bytes from one row to the next
-    box: tuple[int, int]  # (columns, rows) in elements
+    dims: tuple[int, ...]  # elements per dimension
+    strides: tuple[int, ...]  # bytes from one index of dimension d + 1 to the next
+    box: tuple[int, ...]  # elements per copy and dimension
     element_bytes: int
     swizzle: Swizzle = Swizzle.NONE
+
+    def __post_init__(self) -> None:
+        rank = len(self.dims)
+        assert 1 <= rank <= MAX_RANK and len(self.box) == rank and len(self.strides) == rank - 1
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
 
     @classmethod
     def of(
         cls,
-        array: np.ndarray,
-        box: tuple[int, int],
+        array: Any,
+        box: tuple[int, ...],
         swizzle: Swizzle = Swizzle.NONE,
         columns: int | None = None,
-    ) -> TensorMap2D:
-        """The map of a 2-D array (NumPy, or a device array such as CuPy's) whose rows may be
-        padded: only the first `columns` of each row (all by default) belong to the tensor."""
-        rows, width = array.shape
-        assert array.strides[1] == array.itemsize, "rows must be contiguous"
+    ) -> TensorMap:
+        """The map of an array (NumPy, or a device array such as CuPy's) whose last axis is
+        contiguous and whose rows may be padded: only the first `columns` of each row (all by
+        default) belong to the tensor. `box` is innermost first, one entry per axis."""
+        assert array.strides[-1] == array.itemsize, "rows must be contiguous"
         device = getattr(array, "__cuda_array_interface__", None)
+        width = array.shape[-1] if columns is None else columns
         return cls(
             global_address=device["data"][0] if device else array.ctypes.data,
-            dims=(width if columns is None else columns, rows),
-            row_stride=array.strides[0],
-            box=box,
+            dims=(width, *reversed(array.shape[:-1])),
+            strides=tuple(reversed(array.strides[:-1])),
+            box=tuple(box),
             element_bytes=array.itemsize,
             swizzle=swizzle,
         )
@@ -99,9 +113,10 @@ class TensorMap2D:
         """The kernel parameter the CPU interpreter takes for this map."""
         return _InterpTensorMap(
             global_address=self.global_address,
-            dims=(ctypes.c_uint64 * 2)(*self.dims),
-            row_stride=self.row_stride,
-            box=(ctypes.c_uint32 * 2)(*self.box),
+            dims=(ctypes.c_uint64 * MAX_RANK)(*_pad(self.dims, MAX_RANK)),
+            strides=(ctypes.c_uint64 * (MAX_RANK - 1))(*_pad(self.strides, MAX_RANK - 1)),
+            box=(ctypes.c_uint32 * MAX_RANK)(*_pad(self.box, MAX_RANK)),
+            rank=self.rank,
             element_bytes=self.element_bytes,
             swizzle=int(self.swizzle),
         )
@@ -112,17 +127,16 @@ class TensorMap2D:
         buffer = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + _MAP_ALIGNMENT))()
         offset = -ctypes.addressof(buffer) % _MAP_ALIGNMENT
         encoded = (ctypes.c_ubyte * TENSOR_MAP_BYTES).from_buffer(buffer, offset)
-        # the strides of every dimension but the innermost, in bytes
-        strides = (ctypes.c_uint64 * (_RANK - 1))(self.row_stride)
+        rank = self.rank
         status = _libcuda().cuTensorMapEncodeTiled(
             ctypes.byref(encoded),
             _DATA_TYPE_OF_SIZE[self.element_bytes],
-            _RANK,
+            rank,
             ctypes.c_void_p(self.global_address),
-            (ctypes.c_uint64 * _RANK)(*self.dims),
-            strides,
-            (ctypes.c_uint32 * _RANK)(*self.box),
-            (ctypes.c_uint32 * _RANK)(1, 1),
+            (ctypes.c_uint64 * rank)(*self.dims),
+            (ctypes.c_uint64 * max(rank - 1, 1))(*self.strides),
+            (ctypes.c_uint32 * rank)(*self.box),
+            (ctypes.c_uint32 * rank)(*(1,) * rank),
             _INTERLEAVE_NONE,
             int(self.swizzle),
             _L2_PROMOTION_NONE,

@@ -38,7 +38,7 @@ __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* bar, unsigned bytes) {
 #ifdef CUATTN_INTERP
   cuattn_interp::mbarrier_expect_tx(bar, bytes);
-  cuattn_interp::mbarrier_arrive(bar);
+  cuattn_interp::mbarrier_arrive_only(bar);
 #else
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(address),

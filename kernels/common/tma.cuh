@@ -4,7 +4,7 @@
 // transaction bytes of an mbarrier phase; a store reads shared memory through the asynchronous
 // proxy, so the plain stores that wrote its source must be followed by fence_proxy_async().
 //
-// The tensor map is a kernel parameter (`const __grid_constant__ TensorMap2D`, the PTX ISA's
+// The tensor map is a kernel parameter (`const __grid_constant__ TensorMap`, the PTX ISA's
 // "Tensor-map": a 128-byte object in .param space, accessed by address). On a GPU its bytes are
 // the opaque encoding cuTensorMapEncodeTiled writes; under the CPU interpreter the same 128 bytes
 // hold the description itself (cuattn/backends/tensor_map.py; its fields are the arguments
@@ -30,21 +30,25 @@ enum TmaSwizzle : unsigned {
 
 // Size of a tensor map object (PTX ISA "Tensor-map"); the driver requires 64-byte alignment.
 constexpr int TENSOR_MAP_BYTES = 128;
+// cuTensorMapEncodeTiled's largest rank without interleave (and cp.async.bulk.tensor's .5d).
+constexpr int TMA_MAX_RANK = 5;
 
-struct alignas(64) TensorMap2D {
+struct alignas(64) TensorMap {
 #ifdef CUATTN_INTERP
-  const void* global;  // element (0, 0)
-  u64 dims[2];         // elements per dimension, innermost first
-  u64 row_stride;      // bytes from one index of dimension 1 to the next
-  u32 box[2];          // elements per copy, innermost first
+  const void* global;              // element (0, ..., 0)
+  u64 dims[TMA_MAX_RANK];          // elements per dimension, innermost first
+  u64 strides[TMA_MAX_RANK - 1];   // bytes from one index of dimension d + 1 to the next
+  u32 box[TMA_MAX_RANK];           // elements per copy, innermost first
+  u32 rank;
   u32 element_bytes;
   u32 swizzle;  // TmaSwizzle
-  unsigned char unused[TENSOR_MAP_BYTES - sizeof(void*) - 3 * sizeof(u64) - 4 * sizeof(u32)];
+  unsigned char unused[TENSOR_MAP_BYTES - sizeof(void*) - (2 * TMA_MAX_RANK - 1) * sizeof(u64) -
+                       (TMA_MAX_RANK + 3) * sizeof(u32)];
 #else
   u64 opaque[TENSOR_MAP_BYTES / 8];
 #endif
 };
-static_assert(sizeof(TensorMap2D) == TENSOR_MAP_BYTES, "a tensor map is 128 bytes");
+static_assert(sizeof(TensorMap) == TENSOR_MAP_BYTES, "a tensor map is 128 bytes");
 
 #ifdef CUATTN_INTERP
 namespace cuattn_interp {
@@ -78,8 +82,14 @@ inline uintptr_t swizzle(uintptr_t address, unsigned mode) {
   return address ^ (line_bits << SWIZZLE_CHUNK_SHIFT);
 }
 
+// cuTensorMapEncodeTiled's limit on the byte strides of the outer dimensions.
+constexpr u64 TMA_STRIDE_LIMIT = u64(1) << 40;
+
 // What cuTensorMapEncodeTiled would refuse in `map`, or "" when it is valid.
-inline std::string tensor_map_error(const TensorMap2D& map) {
+inline std::string tensor_map_error(const TensorMap& map) {
+  if (map.rank < 1 || map.rank > u32(TMA_MAX_RANK)) {
+    return "rank " + std::to_string(map.rank) + " (1 to " + std::to_string(TMA_MAX_RANK) + ")";
+  }
   const u64 row_bytes = u64(map.box[0]) * map.element_bytes;
   const uintptr_t global = reinterpret_cast<uintptr_t>(map.global);
   if (map.swizzle > TMA_SWIZZLE_128B) return "unknown swizzle mode " + std::to_string(map.swizzle);
@@ -87,12 +97,18 @@ inline std::string tensor_map_error(const TensorMap2D& map) {
       map.element_bytes > 8) {
     return "element size " + std::to_string(map.element_bytes) + " bytes";
   }
-  for (int d = 0; d < 2; ++d) {
+  for (u32 d = 0; d < map.rank; ++d) {
     if (map.box[d] < 1 || map.box[d] > TMA_MAX_BOX) {
       return "box dimension " + std::to_string(d) + " of " + std::to_string(map.box[d]) +
              " elements (1 to 256)";
     }
     if (map.dims[d] < 1) return "tensor dimension " + std::to_string(d) + " is empty";
+  }
+  for (u32 d = 0; d + 1 < map.rank; ++d) {
+    if (map.strides[d] % TMA_CHUNK_BYTES != 0 || map.strides[d] >= TMA_STRIDE_LIMIT) {
+      return "a stride of " + std::to_string(map.strides[d]) + " bytes for dimension " +
+             std::to_string(d + 1) + " (a multiple of 16 under 2^40)";
+    }
   }
   if (row_bytes % TMA_CHUNK_BYTES != 0) {
     return "box rows of " + std::to_string(row_bytes) + " bytes (a multiple of 16)";
@@ -100,9 +116,6 @@ inline std::string tensor_map_error(const TensorMap2D& map) {
   if (map.swizzle != TMA_SWIZZLE_NONE && row_bytes > swizzle_width(map.swizzle)) {
     return "box rows of " + std::to_string(row_bytes) + " bytes, wider than the " +
            std::to_string(swizzle_width(map.swizzle)) + "-byte swizzle";
-  }
-  if (map.row_stride % TMA_CHUNK_BYTES != 0) {
-    return "a row stride of " + std::to_string(map.row_stride) + " bytes (a multiple of 16)";
   }
   const uintptr_t alignment =
       map.swizzle == TMA_SWIZZLE_NONE ? TMA_GLOBAL_ALIGNMENT : TMA_SWIZZLED_GLOBAL_ALIGNMENT;
@@ -114,10 +127,17 @@ inline std::string tensor_map_error(const TensorMap2D& map) {
 
 // Checks one TMA's tensor map and shared-memory address; false (and a hazard) when a GPU would
 // fault or lay the data out where no reader of this project looks for it.
-inline bool tma_operands_ok(const TensorMap2D& map, const void* smem, const char* what) {
+inline bool tma_operands_ok(const TensorMap& map, int coordinates, const void* smem,
+                            const char* what) {
   const std::string error = tensor_map_error(map);
   if (!error.empty()) {
     report_hazard(std::string(what) + " with an invalid tensor map: " + error);
+    return false;
+  }
+  if (u32(coordinates) != map.rank) {
+    // the instruction's .Nd names the rank; a GPU rejects a map of another
+    report_hazard(std::string(what) + " with " + std::to_string(coordinates) +
+                  " coordinates on a tensor map of rank " + std::to_string(map.rank));
     return false;
   }
   const uintptr_t address = reinterpret_cast<uintptr_t>(smem);
@@ -139,29 +159,40 @@ inline bool tma_operands_ok(const TensorMap2D& map, const void* smem, const char
   return true;
 }
 
-// Calls visit(at, global, offset, bytes) for every 16-byte chunk of the box at (x, y): `at` is
-// the chunk's swizzled shared-memory address; its bytes [offset, offset + bytes) hold elements
-// inside the tensor, which start at `global` (nullptr and 0 bytes when none does).
+// Calls visit(at, global, offset, bytes) for every 16-byte chunk of the box at `coords` (one per
+// dimension): `at` is the chunk's swizzled shared-memory address; its bytes [offset, offset +
+// bytes) hold elements inside the tensor, which start at `global` (nullptr and 0 bytes when none
+// does). The box lands as rows of box[0] elements, dimension 1 varying fastest, then 2, ...
 template <typename Visit>
-inline void for_each_box_chunk(const TensorMap2D& map, int x, int y, const void* smem,
+inline void for_each_box_chunk(const TensorMap& map, const int* coords, const void* smem,
                                Visit visit) {
   const size_t row_bytes = size_t(map.box[0]) * map.element_bytes;
   const int64_t chunk_elements = int64_t(TMA_CHUNK_BYTES / map.element_bytes);
   const auto base = reinterpret_cast<uintptr_t>(smem);
-  for (u32 r = 0; r < map.box[1]; ++r) {
-    const int64_t row = int64_t(y) + r;
-    const bool row_inside = row >= 0 && row < int64_t(map.dims[1]);
+  size_t rows = 1;
+  for (u32 d = 1; d < map.rank; ++d) rows *= map.box[d];
+  for (size_t r = 0; r < rows; ++r) {
+    // the row's place in the outer dimensions, and whether it lies inside the tensor
+    bool row_inside = true;
+    int64_t row_offset = 0;
+    size_t rest = r;
+    for (u32 d = 1; d < map.rank; ++d) {
+      const int64_t at = int64_t(coords[d]) + int64_t(rest % map.box[d]);
+      rest /= map.box[d];
+      row_inside = row_inside && at >= 0 && at < int64_t(map.dims[d]);
+      row_offset += at * int64_t(map.strides[d - 1]);
+    }
     for (size_t c = 0; c < row_bytes / TMA_CHUNK_BYTES; ++c) {
       auto* at = reinterpret_cast<unsigned char*>(
           swizzle(base + r * row_bytes + c * TMA_CHUNK_BYTES, map.swizzle));
-      const int64_t col = int64_t(x) + int64_t(c) * chunk_elements;
+      const int64_t col = int64_t(coords[0]) + int64_t(c) * chunk_elements;
       const int64_t first = std::max<int64_t>(0, -col);
       const int64_t last = std::min<int64_t>(chunk_elements, int64_t(map.dims[0]) - col);
       if (!row_inside || first >= last) {
         visit(at, nullptr, 0, 0);
         continue;
       }
-      const auto* global = static_cast<const unsigned char*>(map.global) + row * map.row_stride +
+      const auto* global = static_cast<const unsigned char*>(map.global) + row_offset +
                            (col + first) * map.element_bytes;
       visit(at, global, size_t(first) * map.element_bytes,
             size_t(last - first) * map.element_bytes);
@@ -169,15 +200,25 @@ inline void for_each_box_chunk(const TensorMap2D& map, int x, int y, const void*
   }
 }
 
-inline void tma_load_2d(void* dst, const TensorMap2D& map, int x, int y, void* bar) {
-  if (!tma_operands_ok(map, dst, "a TMA load")) return;
-  for_each_box_chunk(map, x, y, dst, [](unsigned char* at, const unsigned char*, size_t, size_t) {
-    async_proxy_fill(at, 0xFF, TMA_CHUNK_BYTES);
-  });
-  const size_t bytes = size_t(map.box[0]) * map.box[1] * map.element_bytes;
-  async_copy_to_shared(bar, bytes, [=] {
-    for_each_box_chunk(map, x, y, dst, [](unsigned char* at, const unsigned char* global,
-                                          size_t offset, size_t bytes_inside) {
+// The bytes one copy of `map`'s box moves (out-of-bounds elements included).
+inline size_t box_bytes(const TensorMap& map) {
+  size_t bytes = map.element_bytes;
+  for (u32 d = 0; d < map.rank; ++d) bytes *= map.box[d];
+  return bytes;
+}
+
+template <int RANK>
+inline void tma_load(void* dst, const TensorMap& map, const int (&coords)[RANK], void* bar) {
+  if (!tma_operands_ok(map, RANK, dst, "a TMA load")) return;
+  for_each_box_chunk(map, coords, dst,
+                     [](unsigned char* at, const unsigned char*, size_t, size_t) {
+                       async_proxy_fill(at, 0xFF, TMA_CHUNK_BYTES);
+                     });
+  std::array<int, RANK> kept;
+  std::copy(coords, coords + RANK, kept.begin());
+  async_copy_to_shared(bar, box_bytes(map), [=] {
+    for_each_box_chunk(map, kept.data(), dst, [](unsigned char* at, const unsigned char* global,
+                                                 size_t offset, size_t bytes_inside) {
       // zero fill mode: elements outside the tensor land as 0
       unsigned char chunk[TMA_CHUNK_BYTES] = {};
       if (global) std::memcpy(chunk + offset, global, bytes_inside);
@@ -186,8 +227,9 @@ inline void tma_load_2d(void* dst, const TensorMap2D& map, int x, int y, void* b
   });
 }
 
-inline void tma_store_2d(const TensorMap2D& map, int x, int y, const void* src) {
-  if (!tma_operands_ok(map, src, "a TMA store")) return;
+inline void tma_store_2d(const TensorMap& map, int x, int y, const void* src) {
+  const int coords[2] = {x, y};
+  if (!tma_operands_ok(map, 2, src, "a TMA store")) return;
   if (x < 0 || y < 0) {
     // PTX ISA, "Restriction on Tensor Copy instructions", the .global.shared::cta direction
     report_hazard("a TMA store at negative coordinates (" + std::to_string(x) + ", " +
@@ -197,7 +239,7 @@ inline void tma_store_2d(const TensorMap2D& map, int x, int y, const void* src) 
   // The source is read until the store's group is retired: kept here to show a change to it.
   std::vector<unsigned char> issued;
   bool fenced = true;
-  for_each_box_chunk(map, x, y, src,
+  for_each_box_chunk(map, coords, src,
                      [&](const unsigned char* at, const unsigned char*, size_t, size_t) {
                        fenced = fenced && async_proxy_read_ok(at, TMA_CHUNK_BYTES, "a TMA store");
                        issued.insert(issued.end(), at, at + TMA_CHUNK_BYTES);
@@ -206,8 +248,8 @@ inline void tma_store_2d(const TensorMap2D& map, int x, int y, const void* src) 
   self().bulk_ops.push_back({-1, [=] {
     size_t i = 0;
     bool changed = false;
-    for_each_box_chunk(map, x, y, src, [&](const unsigned char* at, const unsigned char* global,
-                                           size_t offset, size_t bytes_inside) {
+    for_each_box_chunk(map, coords, src, [&](const unsigned char* at, const unsigned char* global,
+                                             size_t offset, size_t bytes_inside) {
       changed = changed || std::memcmp(at, issued.data() + i, TMA_CHUNK_BYTES) != 0;
       // elements outside the tensor are not written
       if (global) {
@@ -228,13 +270,13 @@ inline void tma_store_wait(int pending) { bulk_wait_group(pending); }
 }  // namespace cuattn_interp
 #endif
 
-// Copies the box at (x, y) of `map` into shared memory at `dst` (128-byte aligned; aligned to
-// the pattern's repeat, 256/512/1024 bytes, when swizzled) and completes the box's bytes (out-
-// of-bounds elements included) on `bar`'s current phase.
-__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap2D& map, int x, int y,
+// Copies the box at (x, y) of a rank-2 `map` into shared memory at `dst` (128-byte aligned;
+// aligned to the pattern's repeat, 256/512/1024 bytes, when swizzled) and completes the box's
+// bytes (out-of-bounds elements included) on `bar`'s current phase.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int x, int y,
                                             u64* bar) {
 #ifdef CUATTN_INTERP
-  cuattn_interp::tma_load_2d(dst, map, x, y, bar);
+  cuattn_interp::tma_load<2>(dst, map, {x, y}, bar);
 #else
   const unsigned dst_address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   const unsigned bar_address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
@@ -246,10 +288,27 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap2D& map, i
 #endif
 }
 
-// Writes the box at (x, y) of `map` from shared memory at `src` (aligned as for a load); the
-// elements outside the tensor are not written. The read of `src` goes on after this returns,
-// until tma_store_wait_read.
-__device__ __forceinline__ void tma_store_2d(const TensorMap2D& map, int x, int y,
+// tma_load_2d for a rank-4 `map` (e.g. [batch, heads, rows, columns]: x the column, y the row,
+// z the head, w the batch); the box's rows land one after another, y varying fastest.
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap& map, int x, int y, int z,
+                                            int w, u64* bar) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::tma_load<4>(dst, map, {x, y, z, w}, bar);
+#else
+  const unsigned dst_address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const unsigned bar_address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst_address),
+      "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar_address)
+      : "memory");
+#endif
+}
+
+// Writes the box at (x, y) of a rank-2 `map` from shared memory at `src` (aligned as for a
+// load); the elements outside the tensor are not written. The read of `src` goes on after this
+// returns, until tma_store_wait_read.
+__device__ __forceinline__ void tma_store_2d(const TensorMap& map, int x, int y,
                                              const void* src) {
 #ifdef CUATTN_INTERP
   cuattn_interp::tma_store_2d(map, x, y, src);

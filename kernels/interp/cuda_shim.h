@@ -206,6 +206,7 @@ enum class LaneState : unsigned char {
   AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
   AT_BLOCK_BARRIER, // reached __syncthreads
   AT_MBARRIER,      // waits for a phase of an mbarrier to complete (ThreadState::waits_on)
+  YIELDED,          // arrived on an mbarrier: the other warps run before it goes on
   EXITED,
 };
 
@@ -249,6 +250,9 @@ struct ThreadState {
   // Every wgmma.mma_async this thread issued, folded into one number: the threads of a
   // warpgroup must all issue the same ones (.aligned).
   uint64_t wgmma_digest = 0;
+  // Registers per thread this thread's setmaxnreg asked for, in order (kernels/common/
+  // warpgroup.cuh): the threads of a warpgroup must all make the same requests (.aligned).
+  std::vector<int> register_requests;
 };
 
 // Reserved lane stacks, kept for the process (launches are serialised, so one set serves all).
@@ -287,6 +291,9 @@ struct Launch {
   std::vector<std::pair<const void*, MBarrier>> mbarriers;  // of the block being run
   std::vector<BulkCopy> in_flight;    // issued, bytes not yet completed on the barrier
   std::vector<BulkCopy> bulk_copies;  // bytes completed, waiting for the phase to land
+  // Warps with lanes waiting for a phase that just completed: the scheduler runs them next, so
+  // what a completion releases is taken up at once, as a GPU may (the release's hazards show).
+  std::vector<int> woken;
   Context scheduler;
   void (*run_kernel)(void*) = nullptr;
   void* kernel = nullptr;
@@ -344,13 +351,16 @@ inline bool wait_is_over(const ThreadState& lane) {
 
 enum class WarpRun {
   PARKED,    // every lane waits at the block barrier or has exited
-  BLOCKED,   // some lanes wait for an mbarrier phase that has not completed
+  BLOCKED,   // some lanes wait for an mbarrier phase that has not completed, or yielded
   DEADLOCK,  // lanes wait at a warp exchange the others (parked) never reach
 };
 
 // Runs warp `w` until it is parked or blocked; `ran` is set when a lane ran.
 inline WarpRun run_warp(Launch& launch, int w, bool& descending, bool& ran) {
   ThreadState* lanes = &launch.threads[size_t(w) * WARP_SIZE];
+  for (int i = 0; i < WARP_SIZE; ++i) {
+    if (lanes[i].state == LaneState::YIELDED) lanes[i].state = LaneState::READY;
+  }
   for (;;) {
     for (int i = 0; i < WARP_SIZE; ++i) {
       ThreadState& lane = lanes[descending ? WARP_SIZE - 1 - i : i];
@@ -364,6 +374,7 @@ inline WarpRun run_warp(Launch& launch, int w, bool& descending, bool& ran) {
     int at_warp = 0, blocked = 0, released = 0;
     for (int i = 0; i < WARP_SIZE; ++i) {
       at_warp += lanes[i].state == LaneState::AT_WARP_BARRIER;
+      blocked += lanes[i].state == LaneState::YIELDED;
       if (lanes[i].state == LaneState::AT_MBARRIER) {
         ++blocked;
         released += wait_is_over(lanes[i]);
@@ -525,6 +536,13 @@ inline void complete_phase_if_done(const void* address, MBarrier& b) {
   for (const BulkCopy& copy : landing) copy.land();
   ++b.phase;
   b.pending = b.expected;
+  for (const ThreadState& t : active->threads) {
+    if (t.state == LaneState::AT_MBARRIER && t.waits_on == address &&
+        std::find(active->woken.begin(), active->woken.end(), t.warp_index) ==
+            active->woken.end()) {
+      active->woken.push_back(t.warp_index);
+    }
+  }
 }
 
 inline void mbarrier_init(void* address, int count) {
@@ -538,7 +556,9 @@ inline void mbarrier_init(void* address, int count) {
 
 inline void mbarrier_expect_tx(void* address, long long bytes) { mbarrier_at(address).tx += bytes; }
 
-inline void mbarrier_arrive(void* address) {
+// One arrival on the current phase (the producer's mbarrier.arrive.expect_tx: its copies follow
+// at once, so it goes on).
+inline void mbarrier_arrive_only(void* address) {
   MBarrier& b = mbarrier_at(address);
   if (b.pending == 0) {
     // every arrival of the phase is in and only transaction bytes are missing
@@ -547,6 +567,15 @@ inline void mbarrier_arrive(void* address) {
   }
   --b.pending;
   complete_phase_if_done(address, b);
+}
+
+// mbarrier.arrive. What the arrival releases (a stage handed back, a result published) may be
+// taken up by another warp at once on a GPU: the other warps run before this one goes on (and
+// those it woke first), so a consumer that releases a stage before it is done with it finds
+// the stage refilled under it.
+inline void mbarrier_arrive(void* address) {
+  mbarrier_arrive_only(address);
+  suspend(LaneState::YIELDED);
 }
 
 // The asynchronous proxy's side of a copy into shared memory (the caller has poisoned the
@@ -655,10 +684,55 @@ inline std::mutex launch_mutex;
 // Threads of a warpgroup (wgmma.mma_async runs on four consecutive warps).
 constexpr size_t WARPGROUP_THREADS = 128;
 
+// The register file of an SM (sm_90): the pool setmaxnreg moves registers within.
+constexpr long long REGISTER_FILE = 65536;
+constexpr long long MAX_REGISTERS_PER_THREAD = 255;
+constexpr long long REGISTER_GRAIN = 8;
+
+// What is wrong with the block's setmaxnreg requests, or "": a warpgroup whose threads asked
+// for different counts (the instruction is .aligned), or last requests the register file
+// cannot hold together, which a GPU answers by waiting forever in setmaxnreg.inc. A warpgroup
+// that asked nothing keeps the launch's share, the most registers per thread the block size
+// allows (what __launch_bounds__ with one block per SM gives ptxas).
+inline std::string register_requests_error(const Launch& launch) {
+  const size_t threads = launch.threads.size();
+  bool any = false;
+  for (const ThreadState& t : launch.threads) any = any || !t.register_requests.empty();
+  if (!any) return "";
+  const long long fair = REGISTER_FILE / static_cast<long long>(threads);
+  const long long share =
+      std::min(MAX_REGISTERS_PER_THREAD, fair) / REGISTER_GRAIN * REGISTER_GRAIN;
+  long long total = 0;
+  for (size_t first = 0; first < threads; first += WARPGROUP_THREADS) {
+    const ThreadState& leader = launch.threads[first];
+    const size_t end = std::min(threads, first + WARPGROUP_THREADS);
+    for (size_t i = first; i < end; ++i) {
+      if (launch.threads[i].register_requests != leader.register_requests) {
+        return "thread " + std::to_string(i) + " made other setmaxnreg requests than thread " +
+               std::to_string(first) + " of its warpgroup (.aligned: all 128 threads make the "
+               "same ones)";
+      }
+    }
+    const long long last =
+        leader.register_requests.empty() ? share : leader.register_requests.back();
+    total += last * static_cast<long long>(end - first);
+  }
+  if (total > REGISTER_FILE) {
+    return "the warpgroups' setmaxnreg requests add up to " + std::to_string(total) +
+           " registers, more than the register file's " + std::to_string(REGISTER_FILE) +
+           ": a GPU waits forever in setmaxnreg.inc";
+  }
+  return "";
+}
+
 // What a block may not leave behind when its threads have all exited: a TMA store still
 // reading the shared memory the next block gets, a wgmma never waited for, a wgmma that only
 // part of its warpgroup issued.
 inline int check_block_end(const Launch& launch) {
+  if (const std::string error = register_requests_error(launch); !error.empty()) {
+    report_hazard(error);
+    return LAUNCH_HAZARD;
+  }
   for (size_t i = 0; i < launch.threads.size(); ++i) {
     const ThreadState& t = launch.threads[i];
     std::string left;
@@ -747,9 +821,11 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       t.wgmma_committed_groups = 0;
       t.wgmma_fenced = false;
       t.wgmma_digest = 0;
+      t.register_requests.clear();
       start_context(t.context, stacks.stack(tid), LANE_STACK_BYTES, &lane_main);
     }
     state.mbarriers.clear();
+    state.woken.clear();
     state.in_flight.clear();
     state.bulk_copies.clear();
     bool descending = false;
@@ -761,7 +837,16 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
         std::shuffle(order.begin(), order.end(), rng);
         parked = true;
         bool ran = false;
-        for (int w : order) {
+        size_t turn = 0;
+        while (turn < order.size() || !state.woken.empty()) {
+          // the shuffled order, with the warps a completed phase woke cutting in
+          int w;
+          if (state.woken.empty()) {
+            w = order[turn++];
+          } else {
+            w = state.woken.front();
+            state.woken.erase(state.woken.begin());
+          }
           const WarpRun run = run_warp(state, w, descending, ran);
           complete_in_flight(state);
           if (run == WarpRun::DEADLOCK) {

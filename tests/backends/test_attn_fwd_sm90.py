@@ -20,6 +20,7 @@ import pytest
 
 from cuattn.backends import interp
 from cuattn.backends.geometry import SM90_FWD, KernelConfig
+from cuattn.backends.kernels import panel_map
 from cuattn.backends.toolchain import kernel_dir
 from cuattn.layout.layout import Layout
 from cuattn.layout.registry import make_layout
@@ -98,10 +99,6 @@ def strided_view(x: np.ndarray) -> np.ndarray:
     return stored.transpose(0, 2, 1, 3)
 
 
-def element_strides(x: np.ndarray) -> list[int]:
-    return [stride // x.itemsize for stride in x.strides[:3]]
-
-
 @pytest.fixture(scope="module")
 def lib() -> interp.Library:
     cases = sorted({(b, t, d, dtype, rule) for b, t, d, dtype, rule, _ in RUN_CASES})
@@ -119,14 +116,18 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
     index = interp.backend.index_arrays(layout)
     name = expression(*config)
     threads, smem = lib.traits(name)
-    pointers = [q, k, v, out, lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
-    args: list = [ctypes.c_void_p(a.ctypes.data) for a in pointers]
+    block, tile_n, _, dtype, rule_kind = config
+    maps = [
+        panel_map(x, x.ctypes.data, rows) for x, rows in ((q, TILE_M), (k, tile_n), (v, tile_n))
+    ]
+    args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
+    pointers = [out, lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
+    args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
     rule = layout.rule
     ints = [layout.n_q, layout.n_ctx, layout.q_offset, heads // k.shape[1], layout.num_q_blocks]
     args += [ctypes.c_int32(i) for i in ints]
     args.append(ctypes.c_float(scale))
     args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
-    args += [ctypes.c_int64(s) for x in (q, k, v) for s in element_strides(x)]
     block, tile_n, _, dtype, rule_kind = config
     geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
     assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config

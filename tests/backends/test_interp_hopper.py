@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import interp
-from cuattn.backends.tensor_map import Swizzle, TensorMap2D
+from cuattn.backends.tensor_map import Swizzle, TensorMap
 from tests.helpers.interp_run import run
 from tests.helpers.ptx_layouts import (
     CHUNK,
@@ -57,6 +57,7 @@ WGMMA_N = [16, 32, 64, 128, 256]
 SWIZZLE_SWEEP_SHAPES = [("__nv_bfloat16", 64), ("__half", 16)]
 BUGGY = ("__nv_bfloat16", 64, Swizzle.B128)  # the misuse tests' shape
 PIPELINE_EXPRESSIONS = ["test_mbarrier_pipeline<false>", "test_mbarrier_pipeline<true>"]
+EARLY_RELEASE_EXPRESSION = "test_mbarrier_pipeline<false, true>"
 
 
 def wgmma_expression(cxx_type: str, n: int, steps: int, bug: int, registers: bool) -> str:
@@ -97,6 +98,10 @@ EXPRESSIONS = [
     "test_tma_load<true, true>",
     *[f"test_tma_round_trip<{bug}>" for bug in range(4)],
     *PIPELINE_EXPRESSIONS,
+    EARLY_RELEASE_EXPRESSION,
+    "test_tma_load_4d<false>",
+    "test_tma_load_4d<true>",
+    *[f"test_setmaxnreg<{bug}>" for bug in range(3)],
 ]
 
 
@@ -147,7 +152,7 @@ def load(
 def test_tma_load_lays_the_box_out_as_the_ptx_isa_swizzle_tables(lib, swizzle, x, y):
     tensor = u16_tensor()
     box = widest_box(swizzle)
-    map_ = TensorMap2D.of(tensor, box, swizzle, columns=COLUMNS)
+    map_ = TensorMap.of(tensor, box, swizzle, columns=COLUMNS)
     tile = load(lib, map_, x, y)
     np.testing.assert_array_equal(tile, documented_tile(tensor, COLUMNS, box, x, y, swizzle))
 
@@ -164,7 +169,7 @@ def test_the_documented_tables_are_the_chunk_xor_line_rule():
 def test_the_destination_reads_as_poison_until_the_phase_completes(lib, monkeypatch):
     """A reader that skips the mbarrier wait sees the 0xFF the destination holds from the issue:
     warp 0, which issues the copy, reads it in its own turn whichever warp runs first."""
-    map_ = TensorMap2D.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    map_ = TensorMap.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
     for seed in range(4):
         monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
         early = load(lib, map_, 0, 0, wait=False)
@@ -176,7 +181,7 @@ def test_the_bytes_may_be_announced_after_the_copy(lib):
     """The CUDA guide's examples issue the TMA, then arrive with expect_tx: on a GPU the copy's
     bytes complete on the barrier later, so the transaction count never runs short."""
     tensor = u16_tensor()
-    map_ = TensorMap2D.of(tensor, widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    map_ = TensorMap.of(tensor, widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
     tile = load(lib, map_, 0, 0, copy_first=True)
     np.testing.assert_array_equal(
         tile, documented_tile(tensor, COLUMNS, map_.box, 0, 0, Swizzle.B128)
@@ -195,7 +200,7 @@ def test_the_bytes_may_be_announced_after_the_copy(lib):
 )
 def test_a_destination_misaligned_for_its_swizzle_fails_the_launch(lib, swizzle, offset, match):
     """The fixed twin is the layout test above (the same load at an aligned offset)."""
-    map_ = TensorMap2D.of(u16_tensor(), widest_box(swizzle), swizzle, columns=COLUMNS)
+    map_ = TensorMap.of(u16_tensor(), widest_box(swizzle), swizzle, columns=COLUMNS)
     with pytest.raises(RuntimeError, match=match):
         load(lib, map_, 0, 0, tile_offset=offset)
 
@@ -214,7 +219,7 @@ def test_a_tensor_map_the_driver_would_refuse_fails_the_launch(
     """The CUDA guide's table for compute capability 9: a box row at most the swizzle width,
     global memory 128-byte aligned when swizzled. The fixed twins are the layout tests."""
     tensor = u16_tensor()[:, first_column:]
-    map_ = TensorMap2D.of(tensor, box, swizzle, columns=COLUMNS - first_column)
+    map_ = TensorMap.of(tensor, box, swizzle, columns=COLUMNS - first_column)
     with pytest.raises(RuntimeError, match=f"invalid tensor map: .*{match}"):
         load(lib, map_, 0, 0)
 
@@ -223,10 +228,78 @@ def test_the_whole_box_counts_against_expect_tx_even_outside_the_tensor(lib):
     """A box past the tensor's edge still completes all its bytes (the zero-filled ones too):
     announcing only the elements inside leaves too few bytes expected. The fixed twin is the
     layout test's "past the last row and column" case, which announces the whole box."""
-    map_ = TensorMap2D.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
+    map_ = TensorMap.of(u16_tensor(), widest_box(Swizzle.B128), Swizzle.B128, columns=COLUMNS)
     inside = (COLUMNS - 48) * (ROWS - 16) * 2
     with pytest.raises(RuntimeError, match=r"too few bytes expected"):
         load(lib, map_, 48, 16, announced=inside)
+
+
+# A rank-4 u16 tensor [batch 2, heads 3, rows 10, columns 64] stored [batch, rows, heads,
+# columns] (a projection's output seen head-major, as the forward reads q, k and v), and the
+# forward's box: one 128-byte panel of 8 rows.
+BATCH4, HEADS4, ROWS4, COLUMNS4, BOX4 = 2, 3, 10, 64, (64, 8, 1, 1)
+
+
+def u16_tensor_4d() -> np.ndarray:
+    stored = aligned_array((1, BATCH4 * ROWS4 * HEADS4 * COLUMNS4), np.uint16)
+    stored[:] = np.arange(1, stored.size + 1, dtype=np.uint16)
+    return stored.reshape(BATCH4, ROWS4, HEADS4, COLUMNS4).transpose(0, 2, 1, 3)
+
+
+def load_4d(lib, map_, coords, wrong_rank=False) -> np.ndarray:
+    bytes_ = int(np.prod(map_.box)) * map_.element_bytes
+    out = np.zeros(bytes_, np.uint8)
+    expression = f"test_tma_load_4d<{str(wrong_rank).lower()}>"
+    run(lib, expression, 1, THREADS, map_.interp_struct(), *coords, out, bytes_, smem=SMEM)
+    return out
+
+
+@pytest.mark.parametrize(
+    "coords", [(0, 0, 1, 1), (0, 6, 2, 0)], ids=["inside", "past the last row"]
+)
+def test_a_rank_4_load_lands_the_box_of_its_head_and_batch(lib, coords):
+    """Each box row comes from the (head, batch) its coordinates name, at the tensor's own
+    strides, with the 128-byte swizzle; rows past the end land as zeros."""
+    tensor = u16_tensor_4d()
+    map_ = TensorMap.of(tensor, BOX4, Swizzle.B128)
+    x, y, z, w = coords
+    expected = documented_tile(
+        np.ascontiguousarray(tensor[w, z]), COLUMNS4, BOX4[:2], x, y, Swizzle.B128
+    )
+    np.testing.assert_array_equal(load_4d(lib, map_, coords), expected)
+
+
+def test_a_load_of_another_rank_than_its_map_fails_the_launch(lib):
+    """cp.async.bulk.tensor.2d on a rank-4 map: the fixed twin is the test above."""
+    map_ = TensorMap.of(u16_tensor_4d(), BOX4, Swizzle.B128)
+    with pytest.raises(RuntimeError, match="2 coordinates on a tensor map of rank 4"):
+        load_4d(lib, map_, (0, 0, 1, 1), wrong_rank=True)
+
+
+# ---- setmaxnreg ------------------------------------------------------------------------------
+
+SETMAXNREG_THREADS = 384  # hopper.cu
+
+
+@pytest.mark.parametrize(
+    "bug, match",
+    [
+        (0, None),
+        (1, "add up to 66560 registers, more than the register file's 65536"),
+        (2, "thread 160 made other setmaxnreg requests than thread 128"),
+    ],
+    ids=["the forward's 24 / 240 / 240", "a producer keeping 40", "a warp asking 232"],
+)
+def test_setmaxnreg_requests_must_fit_the_register_file_and_agree_in_a_warpgroup(lib, bug, match):
+    """A GPU waits forever in setmaxnreg.inc for registers the file cannot give, and the
+    instruction is .aligned: the interpreter reports both when the block ends."""
+    out = np.full(SETMAXNREG_THREADS, -1, np.int32)
+    if match is None:
+        run(lib, f"test_setmaxnreg<{bug}>", 1, SETMAXNREG_THREADS, out)
+        np.testing.assert_array_equal(out, np.arange(SETMAXNREG_THREADS))
+        return
+    with pytest.raises(RuntimeError, match=match):
+        run(lib, f"test_setmaxnreg<{bug}>", 1, SETMAXNREG_THREADS, out)
 
 
 # The round trip: a float tensor of 12 rows x 36 columns in rows padded to 40, a box of 32 x 8
@@ -241,7 +314,7 @@ def round_trip(lib, bug: int) -> tuple[np.ndarray, np.ndarray]:
     target = aligned_array((TRIP_ROWS, TRIP_PITCH), np.float32)
     target[:] = UNTOUCHED
     maps = [
-        TensorMap2D.of(a, TRIP_BOX, Swizzle.B128, columns=TRIP_COLUMNS).interp_struct()
+        TensorMap.of(a, TRIP_BOX, Swizzle.B128, columns=TRIP_COLUMNS).interp_struct()
         for a in (source, target)
     ]
     run(lib, f"test_tma_round_trip<{bug}>", 1, THREADS, *maps, TRIP_X, TRIP_Y, smem=SMEM)
@@ -299,9 +372,17 @@ def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
 
 def test_the_tma_ptx_assembles_for_sm_90a_to_utmaldg_and_utmastg():
     """The GPU side of kernels/common/tma.cuh, which the interpreter never compiles: NVRTC
-    compiles it for sm_90a, and the SASS holds the TMA unit's load and store."""
-    opcodes, _ = sm90a_opcodes(["test_tma_round_trip<0>"])
+    compiles it for sm_90a, and the SASS holds the TMA unit's load and store (the rank-4 load
+    too)."""
+    opcodes, _ = sm90a_opcodes(["test_tma_round_trip<0>", "test_tma_load_4d<false>"])
     assert {"UTMALDG", "UTMASTG"} <= set(opcodes["test_tma_round_trip<0>"]), opcodes
+    assert "UTMALDG" in opcodes["test_tma_load_4d<false>"], opcodes
+
+
+def test_setmaxnreg_assembles_for_sm_90a():
+    """kernels/common/warpgroup.cuh's GPU side: both requests reach the SASS."""
+    opcodes, log = sm90a_opcodes(["test_setmaxnreg<0>"])
+    assert opcodes["test_setmaxnreg<0>"].count("USETMAXREG") == 2, (opcodes, log)
 
 
 # ---- wgmma ------------------------------------------------------------------------------------
@@ -523,14 +604,14 @@ PIPE_BYTES = 6 * 1024  # PIPE_CHUNKS chunks of PIPE_CHUNK_BYTES
 PIPE_SMEM = 128 + 2 * 1024  # the barriers, then PIPE_STAGES stages
 
 
-def pipeline(lib, deadlock: bool):
+def pipeline(lib, deadlock: bool, expression: str | None = None):
     source = aligned_array((1, PIPE_BYTES), np.uint8)
     source[:] = np.random.default_rng(5).integers(0, 256, source.shape, dtype=np.uint8)
     out = np.zeros_like(source)
     observed = np.zeros(4, np.uint32)
     run(
         lib,
-        PIPELINE_EXPRESSIONS[deadlock],
+        expression or PIPELINE_EXPRESSIONS[deadlock],
         1,
         PIPE_THREADS,
         source,
@@ -556,3 +637,14 @@ def test_a_phase_that_never_completes_is_reported_not_waited_for(lib):
     bounded wait (scripts/hopper_probe.py checks it does); the fixed twin is the test above."""
     with pytest.raises(RuntimeError, match=r"wait for parity 0 of mbarrier at shared-memory"):
         pipeline(lib, deadlock=True)
+
+
+def test_a_stage_released_before_it_is_read_is_overwritten_under_its_reader(lib, monkeypatch):
+    """Consumers that arrive on the empty barrier before they read the stage: on a GPU the
+    producer may refill it at once. The interpreter lets the other warps run at every arrival,
+    so the producer's next copy lands under the readers (its destination poisoned at issue)
+    whichever warp runs first. The fixed twin is the streaming test above."""
+    for seed in range(4):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        source, out, _ = pipeline(lib, deadlock=False, expression=EARLY_RELEASE_EXPRESSION)
+        assert (out != source).any(), f"seed {seed}"

@@ -27,6 +27,7 @@ from tests.backends.test_interp_kernels import (
     n_ctx_for,
 )
 from tests.helpers.oracle import dense_attention_grads, rel_err
+from tests.helpers.ptx_layouts import aligned_array
 
 pytest.importorskip("ml_dtypes")
 
@@ -271,3 +272,39 @@ def test_a_packed_varlen_call_runs_on_it(sm90a):
         ref_out, ref_lse = dense_attention(*one, layout.to_mask(), 64**-0.5)
         assert rel_err(out[rows], ref_out[0].transpose(1, 0, 2)) <= TOLERANCE["bfloat16"]
         assert rel_err(lse[:, rows], ref_lse[0]) <= TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("offset_bytes", [16, 48, 112])
+def test_inputs_off_the_128_byte_boundary_run_on_it(sm90a, offset_bytes):
+    """A swizzled tensor map's base must be 128-byte aligned; q, k and v need only be 16-byte
+    aligned. Each map then starts at the boundary before the data, its columns further in
+    (kernels.panel_map), and reads exactly the inputs' elements."""
+    from cuattn.backends.kernels import panel_map
+
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    fresh = inputs(layout, 1, HEADS, 64, "bfloat16", seed=offset_bytes)
+    views = []
+    for x in fresh[:3]:
+        buffer = aligned_array((1, x.nbytes + 128), np.uint8)
+        view = buffer[0, offset_bytes : offset_bytes + x.nbytes].view(x.dtype).reshape(x.shape)
+        view[...] = x
+        views.append(view)
+    q, k, v = views
+    map_, col = panel_map(q, q.ctypes.data, geometry.SM90_TILE_M)
+    assert col * q.itemsize == offset_bytes % 128 and map_.global_address % 128 == 0
+    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    assert names == [f"attn_fwd_sm90<64, 64, 64, __nv_bfloat16, {geometry.CXX_RULE['causal']}>"]
+    check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
+
+
+def test_a_broadcast_kv_head_keeps_the_mma_forward(sm90a):
+    """k and v expanded from one head (stride 0 over heads): a tensor map's strides cannot say
+    that, so attn_fwd reads them, exactly."""
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    q, k, v, _ = inputs(layout, 1, 1, 64, "bfloat16", seed=9)
+    k, v = (np.broadcast_to(x, (1, HEADS, *x.shape[2:])) for x in (k, v))
+    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    assert names[0].startswith("attn_fwd<")
+    check_forward(
+        out, lse, q, np.ascontiguousarray(k), np.ascontiguousarray(v), layout, 0.125, "bfloat16"
+    )

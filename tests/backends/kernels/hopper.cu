@@ -6,6 +6,7 @@
 // A hazard test has a kernel with the mistake and the same kernel without it. Every mbarrier
 // wait is bounded, so a kernel that would hang a GPU traps there instead.
 #include "common/smem.cuh"
+#include "common/warpgroup.cuh"
 #include "common/wgmma.cuh"
 
 // Shared-memory layout of the TMA kernels: the mbarrier first, the tile at TILE_OFFSET (the
@@ -19,7 +20,7 @@ constexpr int THREADS = 64;
 // false: the read then sees what the destination holds at issue) and `out` receives the tile's
 // raw bytes.
 template <bool WAIT, bool COPY_FIRST>
-__global__ void test_tma_load(const __grid_constant__ TensorMap2D map, int x, int y,
+__global__ void test_tma_load(const __grid_constant__ TensorMap map, int x, int y,
                               int tile_offset, int announced, unsigned char* out, int bytes) {
   unsigned char* smem = dynamic_smem<unsigned char>();
   u64* bar = reinterpret_cast<u64*>(smem);
@@ -33,6 +34,54 @@ __global__ void test_tma_load(const __grid_constant__ TensorMap2D map, int x, in
   if (WAIT) mbarrier_wait_parity_or_trap(bar, 0);
   for (int i = int(threadIdx.x); i < bytes; i += THREADS) out[i] = smem[tile_offset + i];
   if (!WAIT) mbarrier_wait_parity_or_trap(bar, 0);
+}
+
+// One TMA load of the box at (x, y, z, w) of a rank-4 map (the forward's [batch, heads, rows,
+// columns] operands), like test_tma_load; with WRONG_RANK issued as a 2-D load (x, y) instead.
+template <bool WRONG_RANK>
+__global__ void test_tma_load_4d(const __grid_constant__ TensorMap map, int x, int y, int z,
+                                 int w, unsigned char* out, int bytes) {
+  unsigned char* smem = dynamic_smem<unsigned char>();
+  u64* bar = reinterpret_cast<u64*>(smem);
+  if (threadIdx.x == 0) mbarrier_init(bar, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(bar, unsigned(bytes));
+    if (WRONG_RANK) {
+      tma_load_2d(smem + TILE_OFFSET, map, x, y, bar);
+    } else {
+      tma_load_4d(smem + TILE_OFFSET, map, x, y, z, w, bar);
+    }
+  }
+  mbarrier_wait_parity_or_trap(bar, 0);
+  for (int i = int(threadIdx.x); i < bytes; i += THREADS) out[i] = smem[TILE_OFFSET + i];
+}
+
+// How test_setmaxnreg goes wrong.
+enum RegisterBug {
+  REG_OK = 0,
+  REG_TOO_MANY = 1,  // the producer keeps 40: 128 x (40 + 240 + 240) > 65536
+  REG_UNALIGNED = 2, // one warp of the first consumer asks for 232 instead of 240
+};
+constexpr int SETMAXNREG_THREADS = 384;  // a producer warpgroup and two consumers, as the forward
+
+// The forward's register hand-over alone: warpgroup 0 gives up registers, 1 and 2 take them;
+// out[thread] = thread after it.
+template <int BUG>
+__global__ void __launch_bounds__(SETMAXNREG_THREADS, 1) test_setmaxnreg(int* out) {
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    if (BUG == REG_TOO_MANY) {
+      warpgroup_registers_decrease<40>();
+    } else {
+      warpgroup_registers_decrease<24>();
+    }
+  } else if (BUG == REG_UNALIGNED && threadIdx.x / 32 == 4) {
+    warpgroup_registers_increase<232>();
+  } else {
+    warpgroup_registers_increase<240>();
+  }
+  out[threadIdx.x] = int(threadIdx.x);
 }
 
 // How test_tma_round_trip goes wrong.
@@ -49,8 +98,8 @@ enum RoundTripBug {
 constexpr int TRIP_BOX = 32 * 8;
 
 template <int BUG>
-__global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
-                                    const __grid_constant__ TensorMap2D out, int x, int y) {
+__global__ void test_tma_round_trip(const __grid_constant__ TensorMap in,
+                                    const __grid_constant__ TensorMap out, int x, int y) {
   unsigned char* smem = dynamic_smem<unsigned char>();
   u64* bar = reinterpret_cast<u64*>(smem);
   float* tile = reinterpret_cast<float*>(smem + TILE_OFFSET);
@@ -83,7 +132,9 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap2D in,
 // thread); the other PIPE_CONSUMERS threads copy each chunk to `out`. observed[0..1] are
 // mbarrier.test_wait on full[0] for parity 0 and 1 right after init, observed[2..3] the same
 // after the last chunk. With DEADLOCK the producer announces a byte more than it copies, so the
-// first full phase never completes: the bounded waits trap on a GPU.
+// first full phase never completes: the bounded waits trap on a GPU. With EARLY_RELEASE each
+// consumer arrives on the empty barrier before it reads the stage, which the producer may then
+// refill under it.
 constexpr int PIPE_STAGES = 2;
 constexpr int PIPE_CHUNKS = 6;
 constexpr int PIPE_CHUNK_BYTES = 1024;
@@ -91,7 +142,7 @@ constexpr int PIPE_PRODUCER_THREADS = 32;  // a whole warp, of which thread 0 is
 constexpr int PIPE_CONSUMERS = 64;
 constexpr int PIPE_STAGE_OFFSET = 128;  // after the barriers, aligned for bulk copies
 
-template <bool DEADLOCK>
+template <bool DEADLOCK, bool EARLY_RELEASE = false>
 __global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* out,
                                        unsigned* observed) {
   unsigned char* smem = dynamic_smem<unsigned char>();
@@ -118,10 +169,11 @@ __global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* o
       bulk_copy_g2s(stage, in + c * PIPE_CHUNK_BYTES, PIPE_CHUNK_BYTES, &full[s]);
     } else if (tid >= PIPE_PRODUCER_THREADS) {
       mbarrier_wait_parity_or_trap(&full[s], round & 1);
+      if (EARLY_RELEASE) mbarrier_arrive(&empty[s]);
       for (int i = tid - PIPE_PRODUCER_THREADS; i < PIPE_CHUNK_BYTES; i += PIPE_CONSUMERS) {
         out[c * PIPE_CHUNK_BYTES + i] = stage[i];
       }
-      mbarrier_arrive(&empty[s]);
+      if (!EARLY_RELEASE) mbarrier_arrive(&empty[s]);
     }
   }
   __syncthreads();

@@ -46,16 +46,18 @@
 // descriptors read, K-major for Q and K, MN-major for V (the same bytes; only the descriptor's
 // strides differ). Both TMA and wgmma are the asynchronous proxy: no proxy fence between them.
 //
-// Pipeline (the mbarrier ring, common/mbarrier.cuh): tile t of the walk goes to stage
-// t % KV_STAGES in round t / KV_STAGES. kv_full[s] completes when the producer's arrival and
-// the bytes of K and V have landed; kv_empty[s] when all 256 consumer threads have arrived,
-// each after its last wgmma reading the stage was retired. The producer waits on kv_empty[s]
-// (round 0 passes at once: the phase before the first counts as complete) before it overwrites
-// a stage, so copies run up to KV_STAGES - 1 tiles ahead of the slower consumer, and the
-// consumers never wait for each other. q_full completes with Q's bytes. Every copy issued is
-// waited for by the consumers (they walk the same tiles and always wait for Q), so no copy is
-// in flight when the CTA ends. Each wgmma batch is waited for at once (wgmma.wait_group 0);
-// what the next steps overlap is in bench/NOTES.md ("The Hopper path").
+// Pipeline (two mbarrier rings, StageRing in common/mbarrier.cuh): K of tile t goes to stage
+// t % KV_STAGES of the K ring, V to the same stage of the V ring; the producer copies K(t), then
+// V(t), each once its stage is free. A consumer's iteration t issues QK^T(t) and then PV of the
+// previous tile it computed back to back, waits for QK^T(t) alone (wgmma.wait_group 1) and hands
+// K(t)'s stage back, masks and exponentiates S(t) while that PV runs, waits for it and hands its
+// V stage back, then rescales O to S(t)'s running max and packs P(t) (bench/NOTES.md, change
+// 30). Holding K(t) and V(t - 1) at once is why K and V have rings of their own: one shared ring
+// would keep both stages busy and leave the next copy no time to land. A consumer waits for
+// every item of both rings, computed on or not, before it hands the item back (StageRing). Both
+// TMA and wgmma are the asynchronous proxy: no proxy fence between them. q_full completes with
+// Q's bytes; every copy issued is waited for by the consumers (they walk the same tiles and
+// always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
@@ -103,16 +105,19 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
-  // K and V of one tile (K first); tile t's in stage t % KV_STAGES.
+  // Stages of each of the K and the V ring; tile t's K and V are in stage t % KV_STAGES of theirs.
   static constexpr int KV_STAGES = 2;
-  static constexpr int STAGE_BYTES = 2 * KV_BYTES;
-  // q_full, then kv_full and kv_empty of every stage: 8 bytes each.
-  static constexpr int BARRIERS = 1 + 2 * KV_STAGES;
-  static constexpr int BARRIER_BYTES = BARRIERS * int(sizeof(u64));
-  // Q, the K/V stages, the barriers, and room to start the tiles on the swizzle's repeat
-  // wherever the block's dynamic shared memory begins.
+  // q_full, then the K and the V ring (a full and an empty barrier a stage): 8 bytes each.
+  static constexpr int BARRIER_BYTES = int(sizeof(u64) + 2 * sizeof(StageRing<KV_STAGES>));
+  // Q, the K and the V stages, the barriers, and room to start the tiles on the swizzle's
+  // repeat wherever the block's dynamic shared memory begins.
   static constexpr int SMEM_BYTES =
-      Q_BYTES + KV_STAGES * STAGE_BYTES + BARRIER_BYTES + SWIZZLE_REPEAT_BYTES;
+      Q_BYTES + 2 * KV_STAGES * KV_BYTES + BARRIER_BYTES + SWIZZLE_REPEAT_BYTES;
+  // Whether the softmax of S(t) runs while PV(t - 1) does (change 30): P(t - 1) then stays live
+  // through it. At d = 256 O alone holds 128 of a consumer's 240 registers and that does not
+  // fit (the paired bitmask instantiations spill), so PV(t - 1) is waited for first there; it
+  // still follows QK^T(t) on the tensor pipe without a gap.
+  static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM <= 128;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
   static constexpr int PV_STEPS = TILE_N / WGMMA_K;    // wgmma of O += P V
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
                   int kv_group, int num_blocks, float scale, int window_left, int window_right) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  constexpr int KV_STAGES = Traits::KV_STAGES;
+  using Ring = StageRing<Traits::KV_STAGES>;
 
   const CtaTile cta = cta_tile_longest_first();
   const int head = cta.head;
@@ -167,16 +172,15 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
 
   unsigned char* q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
-  unsigned char* kv_stages = q_tile + Traits::Q_BYTES;
-  u64* q_full = reinterpret_cast<u64*>(kv_stages + KV_STAGES * Traits::STAGE_BYTES);
-  u64* kv_full = q_full + 1;
-  u64* kv_empty = kv_full + KV_STAGES;
+  unsigned char* k_stages = q_tile + Traits::Q_BYTES;
+  unsigned char* v_stages = k_stages + Traits::KV_STAGES * Traits::KV_BYTES;
+  u64* q_full = reinterpret_cast<u64*>(v_stages + Traits::KV_STAGES * Traits::KV_BYTES);
+  Ring* k_ring = reinterpret_cast<Ring*>(q_full + 1);
+  Ring* v_ring = k_ring + 1;
   if (threadIdx.x == 0) {
     mbarrier_init(q_full, 1);
-    for (int s = 0; s < KV_STAGES; ++s) {
-      mbarrier_init(&kv_full[s], 1);
-      mbarrier_init(&kv_empty[s], Traits::CONSUMER_THREADS);
-    }
+    k_ring->init(Traits::CONSUMER_THREADS);
+    v_ring->init(Traits::CONSUMER_THREADS);
   }
   __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
 
@@ -197,20 +201,20 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
     typename decltype(walk)::Tile tile;
     for (int t = 0; walk.next(tile, rule, q_start, walk_last); ++t) {
-      const int stage = t % KV_STAGES;
-      const unsigned round = unsigned(t / KV_STAGES);
-      mbarrier_wait_parity(&kv_empty[stage], (round & 1u) ^ 1u);  // every consumer is done
-      unsigned char* k_tile = kv_stages + stage * Traits::STAGE_BYTES;
-      unsigned char* v_tile = k_tile + Traits::KV_BYTES;
-      mbarrier_arrive_expect_tx(&kv_full[stage], unsigned(Traits::STAGE_BYTES));
+      // K first: the consumers read K(t) an iteration before V(t) (header)
+      u64* k_full = k_ring->acquire(t, unsigned(Traits::KV_BYTES));
+      unsigned char* k_tile = k_stages + Ring::stage(t) * Traits::KV_BYTES;
 #pragma unroll
       for (int panel = 0; panel < Traits::PANELS; ++panel) {
         tma_load_4d(k_tile + panel * Traits::KV_PANEL_BYTES, k_map,
-                    k_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch,
-                    &kv_full[stage]);
+                    k_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch, k_full);
+      }
+      u64* v_full = v_ring->acquire(t, unsigned(Traits::KV_BYTES));
+      unsigned char* v_tile = v_stages + Ring::stage(t) * Traits::KV_BYTES;
+#pragma unroll
+      for (int panel = 0; panel < Traits::PANELS; ++panel) {
         tma_load_4d(v_tile + panel * Traits::KV_PANEL_BYTES, v_map,
-                    v_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch,
-                    &kv_full[stage]);
+                    v_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch, v_full);
       }
     }
     return;
@@ -223,7 +227,6 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int row_block = Traits::ROW_BLOCKS == 2 ? consumer : 0;  // the consumer's own block
   const int group_first = q_start + consumer * WGMMA_M;
   const int warp_first = group_first + warp_in_group * 16;
-  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
   // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
@@ -233,107 +236,185 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // The consumer's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
   float o[HEAD_DIM / 8][4] = {};
   float(&o_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(o);
+  float s[TILE_N / 8][4];
+  float(&s_acc)[TILE_N / 2] = reinterpret_cast<float(&)[TILE_N / 2]>(s);
+  // P of the pending tile as T: the accumulators of keys 16 step .. 16 step + 15 are the A
+  // fragment of K-step `step` (kernels/common/wgmma.cuh); PV's operand until its wait.
+  u32 p[Traits::PV_STEPS][WGMMA_A_REGISTERS];
+  u32(&p_regs)[Traits::PV_STEPS * WGMMA_A_REGISTERS] =
+      reinterpret_cast<u32(&)[Traits::PV_STEPS * WGMMA_A_REGISTERS]>(p);
   float m_i[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
   float l_i[2] = {};                      // this thread's columns only
   const ScoreScale score_scale = ScoreScale::make<MODS_NONE>(scale, 0.f, nullptr, 0, 0, 0);
   const unsigned char* q_group = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
   mbarrier_wait_parity(q_full, 0);  // always: no copy may be in flight when the CTA ends
 
-  // The inner loop: one active K/V tile per iteration.
-  typename decltype(walk)::Tile tile;
-  for (int t = 0; walk.next(tile, rule, walk_first, walk_last); ++t) {
-    const int stage = t % KV_STAGES;
-    mbarrier_wait_parity(&kv_full[stage], unsigned(t / KV_STAGES) & 1u);
-    const unsigned char* k_tile = kv_stages + stage * Traits::STAGE_BYTES;
-    const unsigned char* v_tile = k_tile + Traits::KV_BYTES;
+  // The operands' descriptors, each advanced by offsets from these (descriptor_advance).
+  const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
+  const u64 k_desc = swizzled_descriptor(k_stages, SWIZZLED_K_MAJOR_LEADING);
+  const u64 v_desc = swizzled_descriptor(v_stages, unsigned(Traits::KV_PANEL_BYTES));
+  // S = Q K^T of tile t, one commit group.
+  auto issue_qk = [&](int t) {
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
+#pragma unroll
+    for (int step = 0; step < Traits::QK_STEPS; ++step) {
+      const int panel = step / Traits::STEPS_PER_PANEL;
+      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
+      const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
+      const u64 desc_k =
+          descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
+      wgmma_m64k16<T, TILE_N>(s_acc, desc_q, desc_k, step > 0);
+    }
+    wgmma_commit_group();
+  };
+  // O += P V with the V of tile t, one commit group.
+  auto issue_pv = [&](int t) {
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
+#pragma unroll
+    for (int step = 0; step < Traits::PV_STEPS; ++step) {
+      const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
+      wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
+    }
+    wgmma_commit_group();
+  };
+  // The registers the next wgmma reads or writes, settled before its wgmma.fence.
+  auto fence = [&] {
+    wgmma_fence_operands(s_acc);
+    wgmma_fence_operands(o_acc);
+    wgmma_fence_operands(p_regs);
+    wgmma_fence();
+  };
+  // After the last wait: O, and P's registers, which PV read until then (kept live to here so
+  // that none is reused while it runs).
+  auto settle_pv = [&] {
+    wgmma_fence_operands(o_acc);
+    wgmma_fence_operands(p_regs);
+  };
+  // The mask and the online softmax of S(t): S exponentiated in place against the new running
+  // max, l_i and m_i updated; alpha[r], the rescale O needs, returned for when PV is in.
+  auto softmax = [&](const typename decltype(walk)::Tile& tile, const WarpTile& mine,
+                     float (&alpha)[2]) {
+    if (mine.coverage != TILE_FULL) {
+#pragma unroll
+      for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
+        constexpr int COLUMNS = Traits::MASK_COLUMNS;
+        auto& columns = *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s[pass * COLUMNS / 8]);
+        mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(columns, rule, warp_first,
+                                                        tile.start + pass * COLUMNS,
+                                                        q_block + row_block, tile.block,
+                                                        mine.mask_id);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < TILE_N / 8; ++j) {
+        tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      }
+      const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
+      // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
+      // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
+      const float m_base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m_i[r] - m_base);
+      const float row_sum = row_probs<MODS_NONE, TILE_N>(s, r, score_scale, m_base);
+      l_i[r] = l_i[r] * alpha[r] + row_sum;
+      m_i[r] = m_new;
+    }
+  };
+  // O rescaled to the running max, P(t) packed for its PV.
+  auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+        o[j][2 * r] *= alpha[r];
+        o[j][2 * r + 1] *= alpha[r];
+      }
+    }
+#pragma unroll
+    for (int step = 0; step < Traits::PV_STEPS; ++step) {
+#pragma unroll
+      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+        const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+        p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
+      }
+    }
+  };
 
+  // The inner loop, one active key tile t per iteration: QK^T(t) and PV(t - 1), when this
+  // consumer computed tile t - 1, issued back to back; the mask and softmax of S(t) while PV
+  // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
+  // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
+  // serialise every wgmma, C7520).
+  bool pending = false;  // whether tile t - 1's PV is still to issue
+  int t = 0;
+  typename decltype(walk)::Tile tile;
+  for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
     // A consumer whose rows the tile does not reach (the other block's tile in a paired CTA,
     // or above the diagonal) skips it; the coverage is the warpgroup's, uniform across it.
     const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
                                                    group_first + WGMMA_M - 1);
-    const bool computes = mine.coverage != TILE_EMPTY;
-    float s[TILE_N / 8][4];
-    float(&s_acc)[TILE_N / 2] = reinterpret_cast<float(&)[TILE_N / 2]>(s);
-    if (computes) {
-      wgmma_fence_operands(s_acc);
-      wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < Traits::QK_STEPS; ++step) {
-        const int panel = step / Traits::STEPS_PER_PANEL;
-        const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
-        const u64 desc_q = swizzled_descriptor(q_group + panel * Traits::Q_PANEL_BYTES + within,
-                                               SWIZZLED_K_MAJOR_LEADING);
-        const u64 desc_k = swizzled_descriptor(k_tile + panel * Traits::KV_PANEL_BYTES + within,
-                                               SWIZZLED_K_MAJOR_LEADING);
-        wgmma_m64k16<T, TILE_N>(s_acc, desc_q, desc_k, step > 0);
-      }
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(s_acc);
-      if (mine.coverage != TILE_FULL) {
-#pragma unroll
-        for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
-          constexpr int COLUMNS = Traits::MASK_COLUMNS;
-          auto& columns = *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s[pass * COLUMNS / 8]);
-          mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(columns, rule, warp_first,
-                                                          tile.start + pass * COLUMNS,
-                                                          q_block + row_block, tile.block,
-                                                          mine.mask_id);
+    k_ring->wait(t);  // also when skipped: see StageRing
+    if (mine.coverage != TILE_EMPTY) {
+      float alpha[2];
+      if (pending) {
+        v_ring->wait(t - 1);
+        fence();
+        issue_qk(t);
+        issue_pv(t - 1);
+        if constexpr (Traits::SOFTMAX_UNDER_PV) {
+          wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
+          wgmma_fence_operands(s_acc);
+          k_ring->release(t);
+          softmax(tile, mine, alpha);
+          wgmma_wait_group<0>();
+          settle_pv();
+          v_ring->release(t - 1);
+        } else {
+          wgmma_wait_group<0>();
+          wgmma_fence_operands(s_acc);
+          settle_pv();
+          k_ring->release(t);
+          v_ring->release(t - 1);
+          softmax(tile, mine, alpha);
         }
+      } else {
+        fence();
+        issue_qk(t);
+        wgmma_wait_group<0>();
+        wgmma_fence_operands(s_acc);
+        k_ring->release(t);
+        softmax(tile, mine, alpha);
       }
+      rescale_and_pack(alpha);
+      pending = true;
+    } else {
+      k_ring->release(t);
+      if (pending) {
+        v_ring->wait(t - 1);
+        fence();
+        issue_pv(t - 1);
+        wgmma_wait_group<0>();
+        settle_pv();
+        v_ring->release(t - 1);
+      }
+      v_ring->wait(t);  // V(t) is never read, but waited for all the same (StageRing)
+      v_ring->release(t);
+      pending = false;
     }
-
-    if (computes) {
-      // Online softmax: rescale what was accumulated so far to the new running max.
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < TILE_N / 8; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        }
-        const float m_new =
-            fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
-        // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
-        // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
-        const float m_base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m_i[r] - m_base);
-        const float row_sum = row_probs<MODS_NONE, TILE_N>(s, r, score_scale, m_base);
-        l_i[r] = l_i[r] * alpha + row_sum;
-        m_i[r] = m_new;
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j) {
-          o[j][2 * r] *= alpha;
-          o[j][2 * r + 1] *= alpha;
-        }
-      }
-      // P as T: the accumulators of keys 16 step .. 16 step + 15 are the A fragment of K-step
-      // `step` (kernels/common/wgmma.cuh).
-      u32 p[Traits::PV_STEPS][WGMMA_A_REGISTERS];
-#pragma unroll
-      for (int step = 0; step < Traits::PV_STEPS; ++step) {
-#pragma unroll
-        for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-          const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
-          p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
-        }
-      }
-      wgmma_fence_operands(o_acc);
-      wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < Traits::PV_STEPS; ++step) {
-        const u64 desc_v = swizzled_descriptor(v_tile + step * Traits::PV_STEP_BYTES,
-                                               unsigned(Traits::KV_PANEL_BYTES));
-        wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
-      }
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(o_acc);
-    }
-    mbarrier_arrive(&kv_empty[stage]);  // its wgmma retired: the stage is the producer's again
+  }
+  if (pending) {  // the last tile's PV
+    v_ring->wait(t - 1);
+    fence();
+    issue_pv(t - 1);
+    wgmma_wait_group<0>();
+    settle_pv();
+    v_ring->release(t - 1);
   }
 
   const AccLayout frag;
+  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_i[r]);

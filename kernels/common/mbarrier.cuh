@@ -125,3 +125,39 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst_smem, const void* src_gm
       : "memory");
 #endif
 }
+
+// A ring of STAGES shared-memory stages that one producer thread fills with bulk copies and a
+// fixed set of consumer threads reads (the PTX ISA's producer-consumer pattern). Item t of the
+// stream goes to stage t % STAGES in round t / STAGES; full[s] completes a phase when the
+// producer's arrival and the bytes it announced are in, empty[s] when every consumer thread has
+// arrived. Waits are on parities, so no party may run a whole phase ahead: every consumer waits
+// for item t's full phase before it arrives on its empty barrier, even for an item it does not
+// read (arrivals only count: a consumer arriving for round r + 1 while another is still in round
+// r would complete round r's phase without it). The ring lives in shared memory; thread 0 calls
+// init, then a __syncthreads.
+template <int STAGES>
+struct StageRing {
+  u64 full[STAGES];
+  u64 empty[STAGES];
+
+  __device__ __forceinline__ void init(int consumer_threads) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], consumer_threads);
+    }
+  }
+  static __device__ __forceinline__ int stage(int t) { return t % STAGES; }
+  static __device__ __forceinline__ unsigned parity(int t) { return unsigned(t / STAGES) & 1u; }
+
+  // The producer: waits until item t's stage is free (round 0: the phase before the first
+  // counts as complete), announces `bytes` for it and returns the barrier its copies complete.
+  __device__ __forceinline__ u64* acquire(int t, unsigned bytes) {
+    mbarrier_wait_parity(&empty[stage(t)], parity(t) ^ 1u);
+    mbarrier_arrive_expect_tx(&full[stage(t)], bytes);
+    return &full[stage(t)];
+  }
+  // A consumer: waits until item t has landed.
+  __device__ __forceinline__ void wait(int t) { mbarrier_wait_parity(&full[stage(t)], parity(t)); }
+  // A consumer: done with item t (every asynchronous read of it retired).
+  __device__ __forceinline__ void release(int t) { mbarrier_arrive(&empty[stage(t)]); }
+};

@@ -82,6 +82,14 @@ __device__ __forceinline__ u64 wgmma_descriptor(const void* smem, unsigned leadi
          (u64(swizzle) << DESCRIPTOR_SWIZZLE_BIT);
 }
 
+// The descriptor of the same operand `bytes` further on in shared memory (a multiple of 16):
+// the start address field holds the address / 16, and shared memory (under 2^18 bytes) keeps
+// the sum inside its 14 bits, so a kernel computes one descriptor per buffer and adds offsets
+// (most of them compile-time constants) instead of encoding an address per instruction.
+__device__ __forceinline__ u64 descriptor_advance(u64 descriptor, unsigned bytes) {
+  return descriptor + (bytes >> DESCRIPTOR_ENCODE_SHIFT);
+}
+
 #ifdef CUATTN_INTERP
 namespace cuattn_interp {
 // A decoded matrix descriptor; byte quantities.
@@ -359,6 +367,15 @@ template <int COUNT>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[COUNT]) {
 #ifndef CUATTN_INTERP
   for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// The same for A fragments held in registers (wgmma_m64k16_rs): computed before the
+// wgmma.fence that precedes their wgmma, not sunk past it by the compiler.
+template <int COUNT>
+__device__ __forceinline__ void wgmma_fence_operands(u32 (&a)[COUNT]) {
+#ifndef CUATTN_INTERP
+  for (int i = 0; i < COUNT; ++i) asm volatile("" : "+r"(a[i])::"memory");
 #endif
 }
 

@@ -725,6 +725,11 @@ inline std::string register_requests_error(const Launch& launch) {
   return "";
 }
 
+// A warp of a block whose warps use mbarriers starts to sit out rounds with one chance in
+// HOLD_ODDS a round, for 1 to MAX_HOLD_ROUNDS rounds (launch).
+constexpr unsigned HOLD_ODDS = 4;
+constexpr unsigned MAX_HOLD_ROUNDS = 8;
+
 // What a block may not leave behind when its threads have all exited: a TMA store still
 // reading the shared memory the next block gets, a wgmma never waited for, a wgmma that only
 // part of its warpgroup issued.
@@ -797,6 +802,8 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   active = &state;
 
   std::mt19937 rng(seed_from_environment());
+  std::vector<int> held(num_warps);  // rounds each warp still sits out
+  bool release_holds = false;
   std::vector<int> order(num_warps);
   std::iota(order.begin(), order.end(), 0);
   int status = LAUNCH_OK;
@@ -835,6 +842,24 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       bool parked = false;
       while (!parked && status == LAUNCH_OK && !hazard) {
         std::shuffle(order.begin(), order.end(), rng);
+        // Where warps synchronise through mbarriers, a warp may start to sit out 1 to
+        // MAX_HOLD_ROUNDS rounds (one chance in HOLD_ODDS a round, seeded; never all warps), so
+        // that one warp or warpgroup falls behind the others, as a slow one does on a GPU: a
+        // warp that hands a stage back without having waited for it then completes a phase its
+        // slower peer is still in. When only held warps could go on, the holds end. (Between
+        // block barriers the order alone shows what a GPU punishes.)
+        bool holding = false;
+        for (int w = 0; w < num_warps; ++w) {
+          if (held[w] > 0) {
+            --held[w];
+          } else if (!state.mbarriers.empty() && !release_holds && rng() % HOLD_ODDS == 0) {
+            held[w] = int(1 + rng() % MAX_HOLD_ROUNDS);
+          }
+          if (release_holds) held[w] = 0;
+        }
+        held[order[0]] = 0;
+        release_holds = false;
+        for (int w = 0; w < num_warps; ++w) holding = holding || held[w] > 0;
         parked = true;
         bool ran = false;
         size_t turn = 0;
@@ -847,6 +872,10 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
             w = state.woken.front();
             state.woken.erase(state.woken.begin());
           }
+          if (held[w] > 0) {
+            parked = false;
+            continue;
+          }
           const WarpRun run = run_warp(state, w, descending, ran);
           complete_in_flight(state);
           if (run == WarpRun::DEADLOCK) {
@@ -857,7 +886,9 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
           }
           parked = parked && run == WarpRun::PARKED;
         }
-        if (!parked && !ran && status == LAUNCH_OK) {
+        if (!parked && !ran && holding) {
+          release_holds = true;  // only the held warps can go on: a round without holds next
+        } else if (!parked && !ran && status == LAUNCH_OK) {
           status = LAUNCH_DEADLOCK;
           launch_error = describe_waits(state);
         }

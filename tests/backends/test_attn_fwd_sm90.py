@@ -22,7 +22,7 @@ from cuattn.backends import interp
 from cuattn.backends.geometry import SM90_FWD, KernelConfig
 from cuattn.backends.kernels import panel_map
 from cuattn.backends.toolchain import kernel_dir
-from cuattn.layout.layout import Layout
+from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.registry import make_layout
 from tests.backends.test_interp_kernels import HEADS, check_forward, make_test_layout, n_ctx_for
 
@@ -69,8 +69,11 @@ RUN_CASES = (
         (128, 128, 128, "bfloat16", "none", "long walk"),
         (64, 64, 64, "float16", "none", "long walk"),
         (128, 64, 256, "bfloat16", "causal", "long walk"),
+        (64, 64, 64, "bfloat16", "none", "alternating rows"),
     ]
 )
+ALTERNATING_BLOCKS = 8
+ALTERNATING_SEEDS = range(3)  # warp orders: the case is about one consumer running ahead
 LONG_WALK_BLOCKS = 4  # key blocks before the ragged fifth
 
 
@@ -86,6 +89,15 @@ def case_layout(rule: str, block: int, case: str) -> tuple[Layout, int, int]:
         n_k = LONG_WALK_BLOCKS * block + 9
         layout = make_layout("all", n_k, HEADS, block, causal=rule == "causal", n_q=TILE_M - 3)
         return layout, 1, HEADS
+    if case == "alternating rows":
+        # paired 64-blocks whose two rows share no key block (even query blocks read the even
+        # key blocks, odd ones the odd): each consumer skips every other tile of the union and
+        # must still wait for each before handing its stages back (StageRing)
+        rows = np.arange(ALTERNATING_BLOCKS)
+        blocks = (rows[:, None] % 2) == (rows[None, :] % 2)
+        blocks = np.broadcast_to(blocks, (HEADS, *blocks.shape)).copy()
+        n_ctx = ALTERNATING_BLOCKS * block
+        return Layout(blocks, block, n_ctx, ElementRule("none")), 1, HEADS
     if case == "fewer queries":  # n_q < n_k, end-aligned: q_offset > 0
         return make_layout(mode, 2 * block + 9, HEADS, block, n_q=block + 5, **kwargs), 1, HEADS
     # 64-blocks: 70 queries, so the last CTA's second warpgroup has no block at all
@@ -140,7 +152,7 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
     "block, tile_n, head_dim, dtype, rule, case", RUN_CASES, ids=lambda x: str(x)
 )
 def test_the_sm90a_forward_matches_the_dense_oracle(
-    lib, block, tile_n, head_dim, dtype, rule, case
+    lib, monkeypatch, block, tile_n, head_dim, dtype, rule, case
 ):
     layout, batch, kv_heads = case_layout(rule, block, case)
     assert layout.rule.kind == rule
@@ -153,8 +165,12 @@ def test_the_sm90a_forward_matches_the_dense_oracle(
     if case == "gqa":
         q, k, v = strided_view(q), strided_view(k), strided_view(v)
     scale = head_dim**-0.5
-    out, lse = run_forward(lib, (block, tile_n, head_dim, dtype, rule), layout, q, k, v, scale)
-    check_forward(out, lse, q, k, v, layout, scale, dtype)
+    for seed in ALTERNATING_SEEDS if case == "alternating rows" else [None]:
+        if seed is not None:
+            monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        config = (block, tile_n, head_dim, dtype, rule)
+        out, lse = run_forward(lib, config, layout, q, k, v, scale)
+        check_forward(out, lse, q, k, v, layout, scale, dtype)
 
 
 def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():

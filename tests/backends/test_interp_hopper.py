@@ -58,6 +58,10 @@ SWIZZLE_SWEEP_SHAPES = [("__nv_bfloat16", 64), ("__half", 16)]
 BUGGY = ("__nv_bfloat16", 64, Swizzle.B128)  # the misuse tests' shape
 PIPELINE_EXPRESSIONS = ["test_mbarrier_pipeline<false>", "test_mbarrier_pipeline<true>"]
 EARLY_RELEASE_EXPRESSION = "test_mbarrier_pipeline<false, true>"
+SKIP_EXPRESSIONS = {
+    "waits": "test_mbarrier_pipeline<false, false, SKIP_WAITS>",
+    "runs ahead": "test_mbarrier_pipeline<false, false, SKIP_RUNS_AHEAD>",
+}
 
 
 def wgmma_expression(cxx_type: str, n: int, steps: int, bug: int, registers: bool) -> str:
@@ -99,6 +103,7 @@ EXPRESSIONS = [
     *[f"test_tma_round_trip<{bug}>" for bug in range(4)],
     *PIPELINE_EXPRESSIONS,
     EARLY_RELEASE_EXPRESSION,
+    *SKIP_EXPRESSIONS.values(),
     "test_tma_load_4d<false>",
     "test_tma_load_4d<true>",
     *[f"test_setmaxnreg<{bug}>" for bug in range(3)],
@@ -637,6 +642,39 @@ def test_a_phase_that_never_completes_is_reported_not_waited_for(lib):
     bounded wait (scripts/hopper_probe.py checks it does); the fixed twin is the test above."""
     with pytest.raises(RuntimeError, match=r"wait for parity 0 of mbarrier at shared-memory"):
         pipeline(lib, deadlock=True)
+
+
+SKIP_SEEDS = range(8)
+
+
+def test_a_consumer_that_waits_for_what_it_skips_keeps_the_ring_in_step(lib, monkeypatch):
+    """The fixed twin of the next test: the second consumer warp reads no odd chunk but waits
+    for each before it hands it back, so the first warp's copy is exact whatever the order."""
+    for seed in SKIP_SEEDS:
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        source, out, _ = pipeline(lib, deadlock=False, expression=SKIP_EXPRESSIONS["waits"])
+        np.testing.assert_array_equal(out, source, err_msg=f"seed {seed}")
+
+
+def test_a_consumer_that_hands_back_what_it_did_not_wait_for_is_caught(lib, monkeypatch):
+    """Arrivals only count: a warp that arrives for a stage it skipped without waiting for it
+    can arrive twice in one phase while its peer is still reading, and the phase completes
+    without the peer. The interpreter holds random warps back for rounds (as a slow warp is on
+    a GPU), so some seed shows it: a wrong copy or a wait that can never complete."""
+    caught = []
+    for seed in SKIP_SEEDS:
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        try:
+            source, out, _ = pipeline(
+                lib, deadlock=False, expression=SKIP_EXPRESSIONS["runs ahead"]
+            )
+        except RuntimeError as error:
+            assert "can never complete" in str(error) or "arrival past the phase" in str(error)
+            caught.append(seed)
+            continue
+        if (out != source).any():
+            caught.append(seed)
+    assert caught, "no warp order showed the run-ahead arrival"
 
 
 def test_a_stage_released_before_it_is_read_is_overwritten_under_its_reader(lib, monkeypatch):

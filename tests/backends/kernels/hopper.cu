@@ -134,7 +134,11 @@ __global__ void test_tma_round_trip(const __grid_constant__ TensorMap in,
 // after the last chunk. With DEADLOCK the producer announces a byte more than it copies, so the
 // first full phase never completes: the bounded waits trap on a GPU. With EARLY_RELEASE each
 // consumer arrives on the empty barrier before it reads the stage, which the producer may then
-// refill under it.
+// refill under it. SKIP > 0: the second consumer warp reads no odd chunk (the first copies
+// every byte of every chunk) and arrives for it all the same, after waiting for it (SKIP_WAITS)
+// or without (SKIP_RUNS_AHEAD: it may then arrive twice on a stage's empty barrier while the
+// first warp still reads it, completing that phase without it).
+enum PipelineSkip { SKIP_NONE = 0, SKIP_WAITS = 1, SKIP_RUNS_AHEAD = 2 };
 constexpr int PIPE_STAGES = 2;
 constexpr int PIPE_CHUNKS = 6;
 constexpr int PIPE_CHUNK_BYTES = 1024;
@@ -142,7 +146,7 @@ constexpr int PIPE_PRODUCER_THREADS = 32;  // a whole warp, of which thread 0 is
 constexpr int PIPE_CONSUMERS = 64;
 constexpr int PIPE_STAGE_OFFSET = 128;  // after the barriers, aligned for bulk copies
 
-template <bool DEADLOCK, bool EARLY_RELEASE = false>
+template <bool DEADLOCK, bool EARLY_RELEASE = false, int SKIP = SKIP_NONE>
 __global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* out,
                                        unsigned* observed) {
   unsigned char* smem = dynamic_smem<unsigned char>();
@@ -168,10 +172,19 @@ __global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* o
       mbarrier_arrive_expect_tx(&full[s], unsigned(PIPE_CHUNK_BYTES + (DEADLOCK ? 1 : 0)));
       bulk_copy_g2s(stage, in + c * PIPE_CHUNK_BYTES, PIPE_CHUNK_BYTES, &full[s]);
     } else if (tid >= PIPE_PRODUCER_THREADS) {
+      const bool skips = SKIP != SKIP_NONE && tid >= PIPE_PRODUCER_THREADS + 32 && c % 2 == 1;
+      if (skips) {
+        if (SKIP == SKIP_WAITS) mbarrier_wait_parity_or_trap(&full[s], round & 1);
+        mbarrier_arrive(&empty[s]);
+        continue;
+      }
       mbarrier_wait_parity_or_trap(&full[s], round & 1);
       if (EARLY_RELEASE) mbarrier_arrive(&empty[s]);
-      for (int i = tid - PIPE_PRODUCER_THREADS; i < PIPE_CHUNK_BYTES; i += PIPE_CONSUMERS) {
-        out[c * PIPE_CHUNK_BYTES + i] = stage[i];
+      // (with SKIP the first consumer warp copies the whole chunk)
+      const int first = tid - PIPE_PRODUCER_THREADS;
+      const int step = SKIP != SKIP_NONE ? 32 : PIPE_CONSUMERS;
+      if (SKIP == SKIP_NONE || first < 32) {
+        for (int i = first; i < PIPE_CHUNK_BYTES; i += step) out[c * PIPE_CHUNK_BYTES + i] = stage[i];
       }
       if (!EARLY_RELEASE) mbarrier_arrive(&empty[s]);
     }

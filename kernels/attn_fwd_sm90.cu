@@ -22,7 +22,8 @@
 //     layout and issues every TMA copy: Q once, then K and V of each active key tile into a
 //     ring of KV_STAGES stages;
 //   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
-//     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile.
+//     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile, the
+//     two taking turns at the tensor pipe.
 // With 128-blocks the CTA owns one layout block and walks its CSR row; with 64-blocks it owns
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
@@ -52,12 +53,14 @@
 // previous tile it computed back to back, waits for QK^T(t) alone (wgmma.wait_group 1) and hands
 // K(t)'s stage back, masks and exponentiates S(t) while that PV runs, waits for it and hands its
 // V stage back, then rescales O to S(t)'s running max and packs P(t) (bench/NOTES.md, change
-// 30). Holding K(t) and V(t - 1) at once is why K and V have rings of their own: one shared ring
-// would keep both stages busy and leave the next copy no time to land. A consumer waits for
-// every item of both rings, computed on or not, before it hands the item back (StageRing). Both
-// TMA and wgmma are the asynchronous proxy: no proxy fence between them. q_full completes with
-// Q's bytes; every copy issued is waited for by the consumers (they walk the same tiles and
-// always wait for Q), so no copy is in flight when the CTA ends.
+// 30). The two consumers take turns to issue (two named barriers, change 31): one's softmax runs
+// while the other's GEMMs do; a turn is taken every tile, issuing or not, and once more for the
+// last PV, so the turns pair up. Holding K(t) and V(t - 1) at once is why K and V have rings of
+// their own: one shared ring would keep both stages busy and leave the next copy no time to
+// land. A consumer waits for every item of both rings, computed on or not, before it hands the
+// item back (StageRing). Both TMA and wgmma are the asynchronous proxy: no proxy fence between
+// them. q_full completes with Q's bytes; every copy issued is waited for by the consumers (they
+// walk the same tiles and always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
@@ -118,6 +121,9 @@ struct attn_fwd_sm90_traits {
   // fit (the paired bitmask instantiations spill), so PV(t - 1) is waited for first there; it
   // still follows QK^T(t) on the tensor pipe without a gap.
   static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM <= 128;
+  // The consumers' turns at the tensor pipe (change 31): consumer c waits on named barrier
+  // TURN_BARRIER + c before it issues, and arrives on the other's after (256 threads each).
+  static constexpr int TURN_BARRIER = 1;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
   static constexpr int PV_STEPS = TILE_N / WGMMA_K;    // wgmma of O += P V
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
@@ -290,6 +296,12 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     wgmma_fence_operands(o_acc);
     wgmma_fence_operands(p_regs);
   };
+  // This consumer's turn to issue (named barriers: the two consumers alternate), and the
+  // other's after it. Taken every tile, issuing or not, so that the turns pair up.
+  const int my_turn = Traits::TURN_BARRIER + consumer;
+  const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
+  auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
+  auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
   // The mask and the online softmax of S(t): S exponentiated in place against the new running
   // max, l_i and m_i updated; alpha[r], the rescale O needs, returned for when PV is in.
   auto softmax = [&](const typename decltype(walk)::Tile& tile, const WarpTile& mine,
@@ -347,6 +359,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
   // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
   // serialise every wgmma, C7520).
+  if (consumer == 1) pass_turn();  // the first consumer issues first
   bool pending = false;  // whether tile t - 1's PV is still to issue
   int t = 0;
   typename decltype(walk)::Tile tile;
@@ -360,9 +373,11 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       float alpha[2];
       if (pending) {
         v_ring->wait(t - 1);
+        take_turn();
         fence();
         issue_qk(t);
         issue_pv(t - 1);
+        pass_turn();
         if constexpr (Traits::SOFTMAX_UNDER_PV) {
           wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
           wgmma_fence_operands(s_acc);
@@ -380,8 +395,10 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
           softmax(tile, mine, alpha);
         }
       } else {
+        take_turn();
         fence();
         issue_qk(t);
+        pass_turn();
         wgmma_wait_group<0>();
         wgmma_fence_operands(s_acc);
         k_ring->release(t);
@@ -393,11 +410,16 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       k_ring->release(t);
       if (pending) {
         v_ring->wait(t - 1);
+        take_turn();
         fence();
         issue_pv(t - 1);
+        pass_turn();
         wgmma_wait_group<0>();
         settle_pv();
         v_ring->release(t - 1);
+      } else {
+        take_turn();
+        pass_turn();
       }
       v_ring->wait(t);  // V(t) is never read, but waited for all the same (StageRing)
       v_ring->release(t);
@@ -406,12 +428,20 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   }
   if (pending) {  // the last tile's PV
     v_ring->wait(t - 1);
+    take_turn();
     fence();
     issue_pv(t - 1);
+    pass_turn();
     wgmma_wait_group<0>();
     settle_pv();
     v_ring->release(t - 1);
+  } else {
+    take_turn();
+    pass_turn();
   }
+  // The first consumer takes the turn the second passes last (the second opened with one):
+  // no named barrier phase is left half-arrived when the CTA ends.
+  if (consumer == 0) take_turn();
 
   const AccLayout frag;
   const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);

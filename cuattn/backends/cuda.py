@@ -17,6 +17,7 @@ import numpy as np
 from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, cupy_module
 from cuattn.backends.geometry import SM90_COMPUTE_CAPABILITY, KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import KernelBackend
+from cuattn.backends.tensor_map import TensorMap
 from cuattn.layout.device import DeviceLayout
 
 _SCALAR_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
@@ -84,3 +85,13 @@ class CudaBackend(KernelBackend):
 
     def runs_sm90a(self, x: Any) -> bool:
         return x.device.compute_capability == SM90_COMPUTE_CAPABILITY
+
+    def encodes(self, map_: TensorMap) -> bool:
+        """Whether cuTensorMapEncodeTiled takes the map. A map whose base panel_map moved down
+        to 128 bytes has rows wider than the tensor's; should the driver refuse such a map, the
+        forward runs on attn_fwd instead of failing (the same numbers, the mma.sync speed)."""
+        try:
+            map_.driver_struct()
+        except RuntimeError:
+            return False
+        return True

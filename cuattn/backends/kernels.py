@@ -77,8 +77,10 @@ def panel_map(x: Any, address: int, rows: int) -> tuple[TensorMap, int]:
     col = address % geometry.SM90_MAP_ALIGNMENT // itemsize
     batch, heads, n, d = x.shape
     batch_stride, head_stride, row_stride = x.strides[:3]
-    # the stride of a length-1 axis is never used: any valid one will do
-    row_stride = row_stride if n > 1 else d * itemsize
+    # the stride of a length-1 axis is never used: any valid one will do (the rows': a row's
+    # width in whole 16-byte units)
+    row_bytes = -(-(d + col) * itemsize // 16) * 16
+    row_stride = row_stride if n > 1 else row_bytes
     head_stride = head_stride if heads > 1 else row_stride * n
     batch_stride = batch_stride if batch > 1 else head_stride * heads
     map_ = TensorMap(
@@ -95,8 +97,8 @@ def panel_map(x: Any, address: int, rows: int) -> tuple[TensorMap, int]:
 def _tma_describes(x: Any) -> bool:
     """Whether a TMA tensor map can describe x [batch, heads, rows, d] (its strides checked by
     KernelBackend._check_strides): not when an axis of length > 1 has stride 0 (a broadcast
-    view, e.g. one kv head expanded), which the driver's strides do not express; attn_fwd reads
-    those."""
+    view, e.g. one kv head expanded), which a tensor map's strides do not express; attn_fwd
+    reads those."""
     return all(stride > 0 for stride, size in zip(x.strides, x.shape, strict=True) if size > 1)
 
 
@@ -466,7 +468,13 @@ class KernelBackend:
             and geometry.sm90_forward_supports(block, head_dim, dtype)
             and all(_tma_describes(x) for x in qkv)
             and self.runs_sm90a(qkv[0])
+            and all(self.encodes(panel_map(x, self.data_address(x), 1)[0]) for x in qkv)
         )
+
+    def encodes(self, map_: TensorMap) -> bool:
+        """Whether this backend's device takes the tensor map (the interpreter checks its own
+        reading of the driver's rules at launch and fails the launch on a violation)."""
+        return True
 
     def _panel_map(self, name: str, x: Any, rows: int) -> dict[str, Any]:
         """attn_fwd_sm90's arguments for x: its tensor map and first column (panel_map)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,9 @@ class TensorMap:
         return encoded
 
 
+@functools.cache
 def _libcuda() -> ctypes.CDLL:
+    """The driver library, opened once (every forward on the wgmma kernel encodes its maps)."""
     library = ctypes.CDLL("libcuda.so.1")
     library.cuTensorMapEncodeTiled.restype = ctypes.c_int
     return library

@@ -398,7 +398,18 @@ inline long long smem_offset(const void* address) {
   return static_cast<const unsigned char*>(address) - dynamic_smem;
 }
 
+// Addresses standing for the CTA's named barriers (bar.sync / bar.arrive with an id,
+// kernels/common/warpgroup.cuh), whose state is kept as an mbarrier's is.
+constexpr int NAMED_BARRIERS = 16;
+inline unsigned char named_barrier_keys[NAMED_BARRIERS];
+
 inline std::string describe(const void* address, const MBarrier& b) {
+  const auto* key = static_cast<const unsigned char*>(address);
+  if (key >= named_barrier_keys && key < named_barrier_keys + NAMED_BARRIERS) {
+    return "named barrier " + std::to_string(key - named_barrier_keys) + " (" +
+           std::to_string(b.expected) + " threads per phase, " + std::to_string(b.pending) +
+           " still missing, " + std::to_string(b.phase) + " phases completed)";
+  }
   return "mbarrier at shared-memory offset " + std::to_string(smem_offset(address)) + " (" +
          std::to_string(b.expected) + " arrivals per phase, " + std::to_string(b.pending) +
          " still missing, " + std::to_string(b.tx) + " transaction bytes pending, " +
@@ -652,6 +663,53 @@ inline void mbarrier_wait_parity(void* address, unsigned parity) {
   me.wait_parity = parity & 1u;
   if (!wait_is_over(me)) suspend(LaneState::AT_MBARRIER);
   me.waits_on = nullptr;
+}
+
+// bar.arrive / bar.sync on named barrier `id` for `threads` threads (PTX ISA, "bar"): a phase
+// completes when that many threads have arrived; bar.sync also waits for it. Threads are counted
+// one by one here (a GPU counts whole warps, which the .aligned kernels of this project arrive
+// with). Ids 1 to 15 (0 is __syncthreads'), counts a multiple of the warp size up to the block;
+// one phase with two different counts is a hazard (a GPU may hang or release early).
+inline MBarrier* named_barrier(int id, int threads) {
+  const int block_threads = int(active->threads.size());
+  if (id < 1 || id >= NAMED_BARRIERS || threads <= 0 || threads % WARP_SIZE != 0 ||
+      threads > block_threads) {
+    report_hazard("named barrier " + std::to_string(id) + " for " + std::to_string(threads) +
+                  " threads (ids 1 to 15, a multiple of 32 threads up to the block's " +
+                  std::to_string(block_threads) + ")");
+    return nullptr;
+  }
+  const void* key = &named_barrier_keys[id];
+  MBarrier* b = find_mbarrier(key);
+  if (!b) {
+    active->mbarriers.emplace_back(key, MBarrier{threads, threads, 0, 0});
+    return &active->mbarriers.back().second;
+  }
+  if (b->pending == b->expected) {
+    b->expected = b->pending = threads;  // a new phase: any count
+  } else if (b->expected != threads) {
+    report_hazard(describe(key, *b) + " arrived at for " + std::to_string(threads) +
+                  " threads in the same phase");
+    return nullptr;
+  }
+  return b;
+}
+
+inline void named_barrier_arrive(int id, int threads) {
+  MBarrier* b = named_barrier(id, threads);
+  if (!b) return;
+  --b->pending;
+  complete_phase_if_done(&named_barrier_keys[id], *b);
+  suspend(LaneState::YIELDED);  // as an mbarrier arrival: what it releases may run at once
+}
+
+inline void named_barrier_sync(int id, int threads) {
+  MBarrier* b = named_barrier(id, threads);
+  if (!b) return;
+  const unsigned parity = b->phase & 1u;
+  --b->pending;
+  complete_phase_if_done(&named_barrier_keys[id], *b);
+  mbarrier_wait_parity(&named_barrier_keys[id], parity);
 }
 
 template <typename T>

@@ -107,6 +107,7 @@ EXPRESSIONS = [
     "test_tma_load_4d<false>",
     "test_tma_load_4d<true>",
     *[f"test_setmaxnreg<{bug}>" for bug in range(3)],
+    *[f"test_named_barrier_turns<{bug}>" for bug in range(3)],
 ]
 
 
@@ -686,3 +687,38 @@ def test_a_stage_released_before_it_is_read_is_overwritten_under_its_reader(lib,
         monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
         source, out, _ = pipeline(lib, deadlock=False, expression=EARLY_RELEASE_EXPRESSION)
         assert (out != source).any(), f"seed {seed}"
+
+
+# ---- named barriers --------------------------------------------------------------------------
+
+TURN_ROUNDS, TURN_THREADS = 4, 256  # hopper.cu
+
+
+@pytest.mark.parametrize(
+    "bug, match",
+    [
+        (0, None),
+        (1, r"can never complete: .* wait for parity 0 of named barrier 1 \(256 threads"),
+        (2, r"named barrier 1 \(\d+ threads per phase.* arrived at for \d+ threads in the same"),
+    ],
+    ids=["turns", "no opening arrival", "128 threads against 256"],
+)
+def test_two_warpgroups_take_turns_on_named_barriers(lib, monkeypatch, bug, match):
+    """The forward's ping-pong in small: the log alternates whatever the warp order; without the
+    second warpgroup's opening arrival the first waits forever, and a phase arrived at with two
+    thread counts is caught (as a hazard or as the wait it leaves unfinished)."""
+    for seed in range(4):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        log = np.full(2 * TURN_ROUNDS, -1, np.int32)
+        if match is None:
+            run(lib, f"test_named_barrier_turns<{bug}>", 1, TURN_THREADS, log)
+            assert log.tolist() == [0, 1] * TURN_ROUNDS, f"seed {seed}"
+            continue
+        with pytest.raises(RuntimeError, match=match):
+            run(lib, f"test_named_barrier_turns<{bug}>", 1, TURN_THREADS, log)
+
+
+def test_named_barriers_assemble_for_sm_90a():
+    opcodes, log = sm90a_opcodes(["test_named_barrier_turns<0>"])
+    ops = opcodes["test_named_barrier_turns<0>"]
+    assert "BAR" in ops, (ops, log)

@@ -274,26 +274,48 @@ def test_a_packed_varlen_call_runs_on_it(sm90a):
         assert rel_err(lse[:, rows], ref_lse[0]) <= TOLERANCE["bfloat16"]
 
 
+def offset_views(arrays, offset_bytes: int, pitch: int) -> list[np.ndarray]:
+    """Copies of `arrays` [batch, heads, rows, d] in rows `pitch` elements apart, starting
+    `offset_bytes` past a 128-byte boundary (16-byte aligned, as the backends require)."""
+    views = []
+    for x in arrays:
+        padded = (*x.shape[:-1], pitch)
+        nbytes = int(np.prod(padded)) * x.itemsize
+        buffer = aligned_array((1, nbytes + 128), np.uint8)
+        flat = buffer[0, offset_bytes : offset_bytes + nbytes].view(x.dtype)
+        view = flat.reshape(padded)[..., : x.shape[-1]]
+        view[...] = x
+        views.append(view)
+    return views
+
+
+@pytest.mark.parametrize("pitch", [64, 128])
 @pytest.mark.parametrize("offset_bytes", [16, 48, 112])
-def test_inputs_off_the_128_byte_boundary_run_on_it(sm90a, offset_bytes):
+def test_inputs_off_the_128_byte_boundary_run_on_it(sm90a, offset_bytes, pitch):
     """A swizzled tensor map's base must be 128-byte aligned; q, k and v need only be 16-byte
     aligned. Each map then starts at the boundary before the data, its columns further in
-    (kernels.panel_map), and reads exactly the inputs' elements."""
+    (kernels.panel_map), and reads exactly the inputs' elements, with rows as far apart as their
+    width (pitch 64) or further (128)."""
     from cuattn.backends.kernels import panel_map
 
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     fresh = inputs(layout, 1, HEADS, 64, "bfloat16", seed=offset_bytes)
-    views = []
-    for x in fresh[:3]:
-        buffer = aligned_array((1, x.nbytes + 128), np.uint8)
-        view = buffer[0, offset_bytes : offset_bytes + x.nbytes].view(x.dtype).reshape(x.shape)
-        view[...] = x
-        views.append(view)
-    q, k, v = views
+    q, k, v = offset_views(fresh[:3], offset_bytes, pitch)
     map_, col = panel_map(q, q.ctypes.data, geometry.SM90_TILE_M)
     assert col * q.itemsize == offset_bytes % 128 and map_.global_address % 128 == 0
     (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
     assert names == [f"attn_fwd_sm90<64, 64, 64, __nv_bfloat16, {geometry.CXX_RULE['causal']}>"]
+    check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
+
+
+def test_a_map_the_device_refuses_keeps_the_mma_forward(sm90a, monkeypatch):
+    """Should a device refuse a tensor map (the CUDA backend asks the driver before the
+    launch), the forward runs on attn_fwd: the same numbers, nothing launched half-way."""
+    layout = make_test_layout("causal", 64, n_ctx_for(64))
+    q, k, v, _ = inputs(layout, 1, HEADS, 64, "bfloat16", seed=4)
+    monkeypatch.setattr(interp.backend, "encodes", lambda map_: False)
+    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    assert names[0].startswith("attn_fwd<")
     check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
 
 

@@ -324,3 +324,32 @@ __global__ void test_wgmma_mn_major(const unsigned char* image, int image_bytes,
   wgmma_fence_operands(d);
   for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
 }
+
+// How test_named_barrier_turns goes wrong.
+enum TurnBug {
+  TURNS_OK = 0,
+  TURNS_NO_OPENING = 1,   // the second warpgroup never opens: the first waits forever
+  TURNS_WRONG_COUNT = 2,  // the second warpgroup arrives for 128 threads, the first waits for 256
+};
+constexpr int TURN_ROUNDS = 4;
+constexpr int TURN_THREADS = 256;  // two warpgroups, as the forward's consumers
+
+// Two warpgroups take turns on named barriers 1 and 2 as the forward's consumers do: in each
+// of TURN_ROUNDS rounds warpgroup w waits for its turn, its first thread appends w to `log`, and
+// it passes the turn; the second opens, the first closes. log[0 .. 2 TURN_ROUNDS) = 0, 1, 0, ...
+template <int BUG>
+__global__ void test_named_barrier_turns(int* log) {
+  __shared__ int written;
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (threadIdx.x == 0) written = 0;
+  __syncthreads();
+  const int mine = 1 + warpgroup, theirs = 2 - warpgroup;
+  const int opening = BUG == TURNS_WRONG_COUNT ? 128 : TURN_THREADS;
+  if (warpgroup == 1 && BUG != TURNS_NO_OPENING) named_barrier_arrive(1, opening);
+  for (int round = 0; round < TURN_ROUNDS; ++round) {
+    named_barrier_sync(mine, TURN_THREADS);
+    if (threadIdx.x % 128 == 0) log[written++] = warpgroup;
+    named_barrier_arrive(theirs, TURN_THREADS);
+  }
+  if (warpgroup == 0) named_barrier_sync(mine, TURN_THREADS);
+}

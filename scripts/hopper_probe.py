@@ -18,7 +18,13 @@ the cubin, and compare every byte they write with the layouts the PTX ISA docume
   mbarrier  a two-stage bulk-copy pipeline whose waits trap after about a second instead of
             hanging: the data streamed through, and what mbarrier.test_wait says of the phases;
   trap      the same pipeline announcing a byte too many, whose first phase never completes: the
-            launch must fail (a trap on a GPU, a reported deadlock on the interpreter).
+            launch must fail (a trap on a GPU, a reported deadlock on the interpreter);
+  tma4d     a rank-4 TMA load of a [batch, heads, rows, columns] view of a [batch, rows, heads,
+            columns] tensor, as the forward reads q, k and v: the box of the named head and
+            batch, 128-byte swizzle, inside and past the last row;
+  turns     the forward's warp specialisation in small: two warpgroups taking turns on named
+            barriers (the order they logged), and the forward's setmaxnreg hand-over (24 / 240
+            / 240 registers) completing.
 Each group runs in a process of its own, because a trap leaves the CUDA context unusable. The
 JSON report names the device and lists every probe with pass or fail and its first differing
 entries; the exit status is 1 when any probe differs or fails.
@@ -348,12 +354,63 @@ def probe_trap(device) -> list[dict]:
     return [entry]
 
 
+# ---- rank-4 TMA and warp specialisation ------------------------------------------------------
+
+TMA_4D_EXPRESSION = "test_tma_load_4d<false>"
+# hopper.cu's shapes: [batch 2, heads 3, rows 10, columns 64] u16 stored [batch, rows, heads,
+# columns]; the box one 128-byte panel of 8 rows; two warpgroups x TURN_ROUNDS turns; 384
+# threads for the register hand-over.
+TMA_4D_SHAPE, TMA_4D_BOX = (2, 3, 10, 64), (64, 8, 1, 1)
+TMA_4D_POSITIONS = {"inside": (0, 0, 1, 1), "past the last row": (0, 6, 2, 0)}
+TURN_EXPRESSION, TURN_THREADS, TURN_ROUNDS = "test_named_barrier_turns<0>", 256, 4
+SETMAXNREG_EXPRESSION, SETMAXNREG_THREADS = "test_setmaxnreg<0>", 384
+
+
+def probe_tma_4d(device) -> list[dict]:
+    batch, heads, rows, columns = TMA_4D_SHAPE
+    stored = np.arange(1, batch * rows * heads * columns + 1, dtype=np.uint16)
+    stored = stored.reshape(batch, rows, heads, columns)
+    view = device.upload(stored).transpose(0, 2, 1, 3)
+    map_ = device.tensor_map(TensorMap.of(view, TMA_4D_BOX, Swizzle.B128))
+    box_bytes = int(np.prod(TMA_4D_BOX)) * stored.itemsize
+    results = []
+    for where, (x, y, z, w) in TMA_4D_POSITIONS.items():
+        out = device.upload(np.zeros(box_bytes, np.uint8))
+        device.launch(TMA_4D_EXPRESSION, TMA_THREADS, TMA_SMEM, map_, x, y, z, w, out, box_bytes)
+        head_rows = np.ascontiguousarray(stored[w, :, z, :])
+        expected = documented_tile(head_rows, columns, TMA_4D_BOX[:2], x, y, Swizzle.B128)
+        name = f"rank-4 TMA load, head {z} of batch {w}, rows from {y} ({where})"
+        results.append(compare(name, device.download(out), expected))
+    return results
+
+
+def probe_turns(device) -> list[dict]:
+    log = device.upload(np.full(2 * TURN_ROUNDS, -1, np.int32))
+    device.launch(TURN_EXPRESSION, TURN_THREADS, 0, log)
+    threads = device.upload(np.full(SETMAXNREG_THREADS, -1, np.int32))
+    device.launch(SETMAXNREG_EXPRESSION, SETMAXNREG_THREADS, 0, threads)
+    return [
+        compare(
+            "named barriers: two warpgroups take turns",
+            device.download(log),
+            np.array([0, 1] * TURN_ROUNDS, np.int32),
+        ),
+        compare(
+            "setmaxnreg 24 / 240 / 240 over 384 threads: every thread ran past it",
+            device.download(threads),
+            np.arange(SETMAXNREG_THREADS, dtype=np.int32),
+        ),
+    ]
+
+
 # name: (the kernels it launches, the probe)
 GROUPS: dict[str, tuple[Callable[[], list[str]], Callable]] = {
     "wgmma": (wgmma_expressions, probe_wgmma),
     "tma": (lambda: [TMA_EXPRESSION], probe_tma),
     "mbarrier": (lambda: [PIPELINE_EXPRESSION], probe_pipeline),
     "trap": (lambda: [TRAP_EXPRESSION], probe_trap),
+    "tma4d": (lambda: [TMA_4D_EXPRESSION], probe_tma_4d),
+    "turns": (lambda: [TURN_EXPRESSION, SETMAXNREG_EXPRESSION], probe_turns),
 }
 
 

@@ -8,7 +8,8 @@
 // of T (__half or __nv_bfloat16); q, k and v are read through rank-4 TMA tensor maps (innermost
 // first: columns, rows, heads, batch; any strides the maps can describe), each map's columns
 // starting at q_col / k_col / v_col (the host may move a map's base down to the 128 bytes a
-// swizzled map needs and start the columns further in); out contiguous; query head h reads kv
+// swizzled map needs and start the columns further in); out written through a fourth such map
+// (out_col) by TMA stores; query head h reads kv
 // head h / kv_group (GQA/MQA); lse float32 [batch, heads, n_q]. The layout's CSR arrays
 // (docs/design.md §2) name the active key blocks of each query block, and the element rule RULE
 // (none, causal, window, bitmask) applies inside the blocks whose entry mask is >= 0, exactly
@@ -68,7 +69,8 @@
 // interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
-// maps' boxes PANEL_COLUMNS x TILE_M (q) and PANEL_COLUMNS x TILE_N (k, v) x 1 x 1.
+// maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
+// (out) x 1 x 1.
 #include "common/score_tile.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
@@ -81,6 +83,7 @@
 constexpr int SWIZZLE_ROW_BYTES = 128;
 constexpr int SWIZZLE_GROUP_ROWS = 8;
 constexpr int SWIZZLE_REPEAT_BYTES = SWIZZLE_ROW_BYTES * SWIZZLE_GROUP_ROWS;
+constexpr int SWIZZLE_CHUNK_BYTES = 16;  // the unit the pattern moves
 // The leading byte offset of a swizzled K-major operand is unused (the PTX ISA: "assumed 1",
 // one 16-byte unit).
 constexpr unsigned SWIZZLED_K_MAJOR_LEADING = 16;
@@ -124,6 +127,8 @@ struct attn_fwd_sm90_traits {
   // The consumers' turns at the tensor pipe (change 31): consumer c waits on named barrier
   // TURN_BARRIER + c before it issues, and arrives on the other's after (256 threads each).
   static constexpr int TURN_BARRIER = 1;
+  // Consumer c's own 128 threads meet on named barrier STORE_BARRIER + c before its TMA stores.
+  static constexpr int STORE_BARRIER = TURN_BARRIER + CONSUMERS;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
   static constexpr int PV_STEPS = TILE_N / WGMMA_K;    // wgmma of O += P V
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
@@ -160,8 +165,9 @@ __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsi
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                  const __grid_constant__ TensorMap v_map, int q_col, int k_col, int v_col,
-                  T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ row_ptr,
+                  const __grid_constant__ TensorMap v_map,
+                  const __grid_constant__ TensorMap out_map, int q_col, int k_col, int v_col,
+                  int out_col, float* __restrict__ lse, const int* __restrict__ row_ptr,
                   const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
                   int kv_group, int num_blocks, float scale, int window_left, int window_right) {
@@ -443,23 +449,47 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // no named barrier phase is left half-arrived when the CTA ends.
   if (consumer == 0) take_turn();
 
+  // The epilogue through shared memory (change 32): O normalised, as T, into this consumer's
+  // 64 rows of the Q tile, which no wgmma reads any more, in the swizzled panel layout a TMA box
+  // of 64 columns writes back (the 8 rows of a warp's store land in 8 different 16-byte chunks:
+  // no bank conflict); then one thread stores a panel at a time, rows past n_q clipped by the
+  // unit.
   const AccLayout frag;
+  unsigned char* o_tile = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
   const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_i[r]);
-    const int q_row = warp_first + frag.row(2 * r);
-    if (q_row >= n_q) continue;
+    const int row = warp_in_group * 16 + frag.row(2 * r);  // in the consumer's 64
     // l == 0: no allowed key (or only -inf scores): out 0 and lse -inf, written, since o may
     // hold 0 * NaN from a masked key's v.
     const bool empty = l == 0.f;
     const float inv_l = 1.f / l;
-    T* out_row = out + (head_offset + q_row) * HEAD_DIM;
+    unsigned char* o_row = o_tile + row * SWIZZLE_ROW_BYTES;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      store_pair(out_row + frag.pair_col(j), empty ? 0.f : o[j][2 * r] * inv_l,
-                 empty ? 0.f : o[j][2 * r + 1] * inv_l);
+      const int col = frag.pair_col(j);
+      const int panel = col / Traits::PANEL_COLUMNS;
+      const int byte = (col % Traits::PANEL_COLUMNS) * int(sizeof(T));
+      const int chunk = (byte / SWIZZLE_CHUNK_BYTES) ^ (row % SWIZZLE_GROUP_ROWS);
+      *reinterpret_cast<u32*>(o_row + panel * Traits::Q_PANEL_BYTES + chunk * SWIZZLE_CHUNK_BYTES +
+                              byte % SWIZZLE_CHUNK_BYTES) =
+          pack_pair<T>(empty ? 0.f : o[j][2 * r] * inv_l, empty ? 0.f : o[j][2 * r + 1] * inv_l);
     }
-    if (frag.t == 0) lse[head_offset + q_row] = empty ? -INFINITY : (m_i[r] + log2f(l)) * LN2;
+    const int q_row = group_first + row;
+    if (frag.t == 0 && q_row < n_q) {
+      lse[head_offset + q_row] = empty ? -INFINITY : (m_i[r] + log2f(l)) * LN2;
+    }
+  }
+  fence_proxy_async();  // the plain stores, before the TMA unit reads them
+  named_barrier_sync(Traits::STORE_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+  if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) {
+#pragma unroll
+    for (int panel = 0; panel < Traits::PANELS; ++panel) {
+      tma_store_4d(out_map, out_col + panel * Traits::PANEL_COLUMNS, group_first, head, batch,
+                   o_tile + panel * Traits::Q_PANEL_BYTES);
+    }
+    tma_store_commit();
+    tma_store_wait_read<0>();  // the tile stays the CTA's until the unit has read it
   }
 }

@@ -112,6 +112,7 @@ SM90_SWIZZLE_REPEAT_BYTES = 1024  # room to start the tiles on the swizzle's rep
 # of the CTA's rows (q) or a key tile (k, v); a swizzled map's base is 128-byte aligned.
 SM90_PANEL_BYTES = 128
 SM90_MAP_ALIGNMENT = 128
+SM90_STORE_ROWS = 64  # out is stored a consumer warpgroup's rows at a time
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
@@ -234,10 +235,11 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("q", "tmap"),
         ("k", "tmap"),
         ("v", "tmap"),
+        ("out", "tmap"),
         ("q_col", "i32"),
         ("k_col", "i32"),
         ("v_col", "i32"),
-        ("out", "ptr"),
+        ("out_col", "i32"),
         ("lse", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],

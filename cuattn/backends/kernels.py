@@ -447,7 +447,7 @@ class KernelBackend:
             **self._panel_map("q", q, config.tile_m),
             **self._panel_map("k", k, config.tile_n),
             **self._panel_map("v", v, config.tile_n),
-            out=out,
+            **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
             lse=lse,
             scale=scale,
             **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),

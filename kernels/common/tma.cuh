@@ -227,19 +227,22 @@ inline void tma_load(void* dst, const TensorMap& map, const int (&coords)[RANK],
   });
 }
 
-inline void tma_store_2d(const TensorMap& map, int x, int y, const void* src) {
-  const int coords[2] = {x, y};
-  if (!tma_operands_ok(map, 2, src, "a TMA store")) return;
-  if (x < 0 || y < 0) {
+template <int RANK>
+inline void tma_store(const TensorMap& map, const int (&coords)[RANK], const void* src) {
+  if (!tma_operands_ok(map, RANK, src, "a TMA store")) return;
+  if (std::any_of(coords, coords + RANK, [](int c) { return c < 0; })) {
     // PTX ISA, "Restriction on Tensor Copy instructions", the .global.shared::cta direction
-    report_hazard("a TMA store at negative coordinates (" + std::to_string(x) + ", " +
-                  std::to_string(y) + ")");
+    std::string at;
+    for (int d = 0; d < RANK; ++d) at += (d ? ", " : "") + std::to_string(coords[d]);
+    report_hazard("a TMA store at negative coordinates (" + at + ")");
     return;
   }
+  std::array<int, RANK> kept;
+  std::copy(coords, coords + RANK, kept.begin());
   // The source is read until the store's group is retired: kept here to show a change to it.
   std::vector<unsigned char> issued;
   bool fenced = true;
-  for_each_box_chunk(map, coords, src,
+  for_each_box_chunk(map, kept.data(), src,
                      [&](const unsigned char* at, const unsigned char*, size_t, size_t) {
                        fenced = fenced && async_proxy_read_ok(at, TMA_CHUNK_BYTES, "a TMA store");
                        issued.insert(issued.end(), at, at + TMA_CHUNK_BYTES);
@@ -248,8 +251,9 @@ inline void tma_store_2d(const TensorMap& map, int x, int y, const void* src) {
   self().bulk_ops.push_back({-1, [=] {
     size_t i = 0;
     bool changed = false;
-    for_each_box_chunk(map, coords, src, [&](const unsigned char* at, const unsigned char* global,
-                                             size_t offset, size_t bytes_inside) {
+    for_each_box_chunk(map, kept.data(), src, [&](const unsigned char* at,
+                                                  const unsigned char* global, size_t offset,
+                                                  size_t bytes_inside) {
       changed = changed || std::memcmp(at, issued.data() + i, TMA_CHUNK_BYTES) != 0;
       // elements outside the tensor are not written
       if (global) {
@@ -311,13 +315,28 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap& map, int
 __device__ __forceinline__ void tma_store_2d(const TensorMap& map, int x, int y,
                                              const void* src) {
 #ifdef CUATTN_INTERP
-  cuattn_interp::tma_store_2d(map, x, y, src);
+  cuattn_interp::tma_store<2>(map, {x, y}, src);
 #else
   const unsigned src_address = static_cast<unsigned>(__cvta_generic_to_shared(src));
   asm volatile(
       "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
           reinterpret_cast<u64>(&map)),
       "r"(x), "r"(y), "r"(src_address)
+      : "memory");
+#endif
+}
+
+// tma_store_2d for a rank-4 `map` (x the column, y the row, z and w the outer dimensions).
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, int x, int y, int z, int w,
+                                             const void* src) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::tma_store<4>(map, {x, y, z, w}, src);
+#else
+  const unsigned src_address = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::
+          "l"(reinterpret_cast<u64>(&map)),
+      "r"(x), "r"(y), "r"(z), "r"(w), "r"(src_address)
       : "memory");
 #endif
 }

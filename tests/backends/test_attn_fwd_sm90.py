@@ -34,6 +34,7 @@ CXX_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 RULES = {"none": "MASK_NONE", "causal": "MASK_CAUSAL", "window": "MASK_WINDOW"}
 RULES["bitmask"] = "MASK_BITMASK"
 TILE_M = 128  # query rows per CTA: two warpgroups of 64
+STORE_ROWS = 64  # out is stored one warpgroup's rows at a time
 # (block, key tile) per head dim: 128-blocks take 128-key tiles up to d = 128 (S and O then
 # hold 64 + 64 accumulators a thread), 64-key tiles at d = 256 (128 for O alone); 64-blocks
 # take 64-key tiles.
@@ -129,11 +130,10 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
     name = expression(*config)
     threads, smem = lib.traits(name)
     block, tile_n, _, dtype, rule_kind = config
-    maps = [
-        panel_map(x, x.ctypes.data, rows) for x, rows in ((q, TILE_M), (k, tile_n), (v, tile_n))
-    ]
+    operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
+    maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
     args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
-    pointers = [out, lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
+    pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
     args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
     rule = layout.rule
     ints = [layout.n_q, layout.n_ctx, layout.q_offset, heads // k.shape[1], layout.num_q_blocks]
@@ -175,8 +175,8 @@ def test_the_sm90a_forward_matches_the_dense_oracle(
 
 def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():
     """NVRTC compiles the whole family (every block and key tile, head dim, dtype and rule) for
-    sm_90a: no spills, HGMMA in the SASS of each kernel, and ptxas neither injects waits
-    between wgmma (C7519) nor serialises them."""
+    sm_90a: no spills, HGMMA, TMA and setmaxnreg in the SASS of each kernel, and ptxas neither
+    injects waits between wgmma (C7519) nor serialises them (C7520)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from cuattn.tools import sass, sass_model
@@ -195,11 +195,12 @@ def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():
     lowered, cubin, log = sass_model.compile_module(
         source, SOURCE, expressions, common_options(), "sm_90a"
     )
-    assert "C7519" not in log and "serialized" not in log, log
+    assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
     stats = parse_ptxas_log(log)
     with tempfile.TemporaryDirectory() as workdir:
         kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
     for name in expressions:
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = {i.base for i in kernels[lowered[name]].instructions}
-        assert "HGMMA" in opcodes, (name, sorted(opcodes))
+        # the wgmma, the TMA loads and stores, the setmaxnreg hand-over
+        assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG"} <= opcodes, (name, sorted(opcodes))

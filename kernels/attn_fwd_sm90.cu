@@ -9,19 +9,19 @@
 // first: columns, rows, heads, batch; any strides the maps can describe), each map's columns
 // starting at q_col / k_col / v_col (the host may move a map's base down to the 128 bytes a
 // swizzled map needs and start the columns further in); out written through a fourth such map
-// (out_col) by TMA stores; query head h reads kv
-// head h / kv_group (GQA/MQA); lse float32 [batch, heads, n_q]. The layout's CSR arrays
-// (docs/design.md §2) name the active key blocks of each query block, and the element rule RULE
-// (none, causal, window, bitmask) applies inside the blocks whose entry mask is >= 0, exactly
-// as in attn_fwd (kernels/common/walk.cuh and mask_score_frags). Queries are the last n_q of n_k
+// (out_col) by TMA stores; query head h reads kv head h / kv_group (GQA/MQA); lse float32
+// [batch, heads, n_q]. The layout's CSR arrays (docs/design.md §2) name the active key blocks of
+// each query block, and the element rule RULE (none, causal, window, bitmask) applies inside
+// the blocks whose entry mask is >= 0, exactly as in attn_fwd (kernels/common/walk.cuh and
+// mask_score_frags). Queries are the last n_q of n_k
 // positions (q_offset = n_k - n_q). A row with no allowed key gets out = 0 and lse = -inf.
 //
 // Work decomposition: one CTA per (128 query rows, head, batch), the last rows' CTAs of every
 // head started first (cta_tile_longest_first in common/types.cuh), in three warpgroups of 128
 // threads (warp specialisation, common/warpgroup.cuh):
 //   warpgroup 0, the producer, gives its registers up (setmaxnreg.dec); one thread walks the
-//     layout and issues every TMA copy: Q once, then K and V of each active key tile into a
-//     ring of KV_STAGES stages;
+//     layout and issues every TMA copy: Q once, then K and V of each active key tile into
+//     rings of KV_STAGES stages;
 //   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
 //     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile, the
 //     two taking turns at the tensor pipe.
@@ -41,12 +41,12 @@
 //                             to T), B = V from shared memory MN-major (imm-trans-b = 1: V's
 //                             rows as stored, keys x head dim)
 //
-// Shared memory: Q (128 rows), KV_STAGES stages of K and V (TILE_N rows each), then the
-// mbarriers. Every tile is in 64-column panels of 128-byte rows with the 128-byte swizzle
-// (16-byte chunk c of row r at chunk c ^ (r % 8)), each panel on a 1024-byte boundary: what a
-// TMA box of 64 columns with the 128-byte swizzle writes, and the canonical layout wgmma's
-// descriptors read, K-major for Q and K, MN-major for V (the same bytes; only the descriptor's
-// strides differ). Both TMA and wgmma are the asynchronous proxy: no proxy fence between them.
+// Shared memory: Q (128 rows; each consumer's O rows on the way out), KV_STAGES stages of K,
+// then of V (TILE_N rows each), then the mbarriers. Every tile is in 64-column panels of
+// 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), each
+// panel on a 1024-byte boundary: what a TMA box of 64 columns with the 128-byte swizzle writes,
+// and the canonical layout wgmma's descriptors read, K-major for Q and K, MN-major for V (the
+// same bytes; only the descriptor's strides differ).
 //
 // Pipeline (two mbarrier rings, StageRing in common/mbarrier.cuh): K of tile t goes to stage
 // t % KV_STAGES of the K ring, V to the same stage of the V ring; the producer copies K(t), then

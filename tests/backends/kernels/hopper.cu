@@ -184,7 +184,9 @@ __global__ void test_mbarrier_pipeline(const unsigned char* in, unsigned char* o
       const int first = tid - PIPE_PRODUCER_THREADS;
       const int step = SKIP != SKIP_NONE ? 32 : PIPE_CONSUMERS;
       if (SKIP == SKIP_NONE || first < 32) {
-        for (int i = first; i < PIPE_CHUNK_BYTES; i += step) out[c * PIPE_CHUNK_BYTES + i] = stage[i];
+        for (int i = first; i < PIPE_CHUNK_BYTES; i += step) {
+          out[c * PIPE_CHUNK_BYTES + i] = stage[i];
+        }
       }
       if (!EARLY_RELEASE) mbarrier_arrive(&empty[s]);
     }

@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   float m_i[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
   float l_i[2] = {};                      // this thread's columns only
   const ScoreScale score_scale = ScoreScale::make<MODS_NONE>(scale, 0.f, nullptr, 0, 0, 0);
-  const unsigned char* q_group = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
+  unsigned char* q_group = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
   mbarrier_wait_parity(q_full, 0);  // always: no copy may be in flight when the CTA ends
 
   // The operands' descriptors, each advanced by offsets from these (descriptor_advance).
@@ -308,6 +308,23 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
   auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
   auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
+  // A turn with no QK^T to issue: PV(previous) alone when it is pending, issued and retired in
+  // this branch (see the loop's note on C7520), else an empty turn.
+  auto pv_turn = [&](bool has_pv, int previous) {
+    if (has_pv) {
+      v_ring->wait(previous);
+      take_turn();
+      fence();
+      issue_pv(previous);
+      pass_turn();
+      wgmma_wait_group<0>();
+      settle_pv();
+      v_ring->release(previous);
+    } else {
+      take_turn();
+      pass_turn();
+    }
+  };
   // The mask and the online softmax of S(t): S exponentiated in place against the new running
   // max, l_i and m_i updated; alpha[r], the rescale O needs, returned for when PV is in.
   auto softmax = [&](const typename decltype(walk)::Tile& tile, const WarpTile& mine,
@@ -414,37 +431,13 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       pending = true;
     } else {
       k_ring->release(t);
-      if (pending) {
-        v_ring->wait(t - 1);
-        take_turn();
-        fence();
-        issue_pv(t - 1);
-        pass_turn();
-        wgmma_wait_group<0>();
-        settle_pv();
-        v_ring->release(t - 1);
-      } else {
-        take_turn();
-        pass_turn();
-      }
+      pv_turn(pending, t - 1);
       v_ring->wait(t);  // V(t) is never read, but waited for all the same (StageRing)
       v_ring->release(t);
       pending = false;
     }
   }
-  if (pending) {  // the last tile's PV
-    v_ring->wait(t - 1);
-    take_turn();
-    fence();
-    issue_pv(t - 1);
-    pass_turn();
-    wgmma_wait_group<0>();
-    settle_pv();
-    v_ring->release(t - 1);
-  } else {
-    take_turn();
-    pass_turn();
-  }
+  pv_turn(pending, t - 1);  // the last tile's PV
   // The first consumer takes the turn the second passes last (the second opened with one):
   // no named barrier phase is left half-arrived when the CTA ends.
   if (consumer == 0) take_turn();
@@ -455,7 +448,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // no bank conflict); then one thread stores a panel at a time, rows past n_q clipped by the
   // unit.
   const AccLayout frag;
-  unsigned char* o_tile = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
+  unsigned char* o_tile = q_group;  // this consumer's rows of the Q tile
   const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

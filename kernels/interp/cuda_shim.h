@@ -695,20 +695,16 @@ inline MBarrier* named_barrier(int id, int threads) {
   return b;
 }
 
+// Once the phase's count is settled, an arrival (and a wait) is an mbarrier's.
 inline void named_barrier_arrive(int id, int threads) {
-  MBarrier* b = named_barrier(id, threads);
-  if (!b) return;
-  --b->pending;
-  complete_phase_if_done(&named_barrier_keys[id], *b);
-  suspend(LaneState::YIELDED);  // as an mbarrier arrival: what it releases may run at once
+  if (named_barrier(id, threads)) mbarrier_arrive(&named_barrier_keys[id]);
 }
 
 inline void named_barrier_sync(int id, int threads) {
-  MBarrier* b = named_barrier(id, threads);
+  const MBarrier* b = named_barrier(id, threads);
   if (!b) return;
   const unsigned parity = b->phase & 1u;
-  --b->pending;
-  complete_phase_if_done(&named_barrier_keys[id], *b);
+  mbarrier_arrive_only(&named_barrier_keys[id]);
   mbarrier_wait_parity(&named_barrier_keys[id], parity);
 }
 

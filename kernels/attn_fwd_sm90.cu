@@ -201,12 +201,17 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0) return;
     const int kv_head = head / kv_group;
-    mbarrier_arrive_expect_tx(q_full, unsigned(Traits::Q_BYTES));
+    // A tile is PANELS boxes of PANEL_COLUMNS columns side by side, each with its own copy.
+    auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
+                           int col, int row, int map_head, u64* full) {
 #pragma unroll
-    for (int panel = 0; panel < Traits::PANELS; ++panel) {
-      tma_load_4d(q_tile + panel * Traits::Q_PANEL_BYTES, q_map,
-                  q_col + panel * Traits::PANEL_COLUMNS, q_start, head, batch, q_full);
-    }
+      for (int panel = 0; panel < Traits::PANELS; ++panel) {
+        tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS,
+                    row, map_head, batch, full);
+      }
+    };
+    mbarrier_arrive_expect_tx(q_full, unsigned(Traits::Q_BYTES));
+    load_panels(q_tile, Traits::Q_PANEL_BYTES, q_map, q_col, q_start, head, q_full);
     // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
     auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
         row_ptr, col_idx, row_mask, head, num_blocks, q_block, 0);
@@ -214,20 +219,10 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     typename decltype(walk)::Tile tile;
     for (int t = 0; walk.next(tile, rule, q_start, walk_last); ++t) {
       // K first: the consumers read K(t) an iteration before V(t) (header)
-      u64* k_full = k_ring->acquire(t, unsigned(Traits::KV_BYTES));
-      unsigned char* k_tile = k_stages + Ring::stage(t) * Traits::KV_BYTES;
-#pragma unroll
-      for (int panel = 0; panel < Traits::PANELS; ++panel) {
-        tma_load_4d(k_tile + panel * Traits::KV_PANEL_BYTES, k_map,
-                    k_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch, k_full);
-      }
-      u64* v_full = v_ring->acquire(t, unsigned(Traits::KV_BYTES));
-      unsigned char* v_tile = v_stages + Ring::stage(t) * Traits::KV_BYTES;
-#pragma unroll
-      for (int panel = 0; panel < Traits::PANELS; ++panel) {
-        tma_load_4d(v_tile + panel * Traits::KV_PANEL_BYTES, v_map,
-                    v_col + panel * Traits::PANEL_COLUMNS, tile.start, kv_head, batch, v_full);
-      }
+      load_panels(k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map,
+                  k_col, tile.start, kv_head, k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+      load_panels(v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map,
+                  v_col, tile.start, kv_head, v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
     }
     return;
   }

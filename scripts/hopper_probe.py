@@ -154,7 +154,7 @@ class Gpu:
         return self.cupy.asnumpy(array)
 
     def tensor_map(self, map_):
-        return map_.driver_struct()
+        return map_.driver_struct
 
     def stopped_waiting(self, error: Exception) -> bool:
         """Whether `error` is what a trapping kernel gives: CUDA's launch failure or illegal

@@ -36,7 +36,7 @@ def launch(config: KernelConfig | LayoutKernelConfig, **values: Any) -> None:
         elif kind == "tmap":
             # a tensor_map.TensorMap, passed by value: CuPy hands the driver a pointer to each
             # argument's bytes, and a CPointer is that pointer as it is
-            tensor_maps.append(value.driver_struct())
+            tensor_maps.append(value.driver_struct)
             args.append(cupy_module().cuda.function.CPointer(ctypes.addressof(tensor_maps[-1])))
         else:
             args.append(_SCALAR_TYPES[kind](value))
@@ -89,9 +89,10 @@ class CudaBackend(KernelBackend):
     def encodes(self, map_: TensorMap) -> bool:
         """Whether cuTensorMapEncodeTiled takes the map. A map whose base panel_map moved down
         to 128 bytes has rows wider than the tensor's; should the driver refuse such a map, the
-        forward runs on attn_fwd instead of failing (the same numbers, the mma.sync speed)."""
+        forward runs on attn_fwd instead of failing (the same numbers, the mma.sync speed). The
+        encoding is kept on the map for its launch."""
         try:
-            map_.driver_struct()
+            map_.driver_struct  # noqa: B018 (encodes the map, or raises)
         except RuntimeError:
             return False
         return True

@@ -390,7 +390,9 @@ class KernelBackend:
             variant = modifier_variant(mods, scale)
             block, rule = layout.blocksize, layout.rule.kind
             if not variant and self._sm90a_forward((q, k, v), block, head_dim, dtype):
-                return self._forward_sm90(q, k, v, layout, scale, shape, dtype)
+                result = self._forward_sm90(q, k, v, layout, scale, shape, dtype)
+                if result is not None:
+                    return result
             config = KernelConfig(
                 "attn_fwd",
                 head_dim,
@@ -426,9 +428,10 @@ class KernelBackend:
 
     def _forward_sm90(
         self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, Any] | None:
         """The forward on attn_fwd_sm90 (inputs checked, on their device): q, k and v reach it
-        as tensor maps."""
+        as tensor maps. None, before anything is allocated or launched, when the device refuses
+        one of those maps (encodes): the caller runs attn_fwd."""
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         config = KernelConfig(
             geometry.SM90_FWD,
@@ -440,13 +443,18 @@ class KernelBackend:
             layout.blocksize,
             layout.rule.kind,
         )
+        input_maps = {
+            **self._panel_map("q", q, config.tile_m),
+            **self._panel_map("k", k, config.tile_n),
+            **self._panel_map("v", v, config.tile_n),
+        }
+        if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
+            return None
         out = self.output(q.shape, q.dtype)
         lse = self.output((batch, heads, n_q), self.xp.float32)
         self.launch(
             config,
-            **self._panel_map("q", q, config.tile_m),
-            **self._panel_map("k", k, config.tile_n),
-            **self._panel_map("v", v, config.tile_n),
+            **input_maps,
             **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
             lse=lse,
             scale=scale,
@@ -458,7 +466,8 @@ class KernelBackend:
         self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str
     ) -> bool:
         """Whether this forward runs the sm_90a family (geometry.kernel_family: asked for, or by
-        default on this backend; supported for these sizes and strides on this device)."""
+        default on this backend; supported for these sizes and strides on this device; whether
+        the device takes the tensor maps is _forward_sm90's to ask)."""
         family = geometry.kernel_family()
         wanted = family == geometry.SM90_FAMILY or (
             family == geometry.AUTO_FAMILY and self.sm90a_by_default
@@ -468,7 +477,6 @@ class KernelBackend:
             and geometry.sm90_forward_supports(block, head_dim, dtype)
             and all(_tma_describes(x) for x in qkv)
             and self.runs_sm90a(qkv[0])
-            and all(self.encodes(panel_map(x, self.data_address(x), 1)[0]) for x in qkv)
         )
 
     def encodes(self, map_: TensorMap) -> bool:

@@ -122,9 +122,11 @@ class TensorMap:
             swizzle=int(self.swizzle),
         )
 
+    @functools.cached_property
     def driver_struct(self) -> ctypes.Array:
         """The kernel parameter a GPU takes for this map (its global address must be device
-        memory): the CUtensorMap cuTensorMapEncodeTiled writes, 64-byte aligned."""
+        memory): the CUtensorMap cuTensorMapEncodeTiled writes, 64-byte aligned. Encoded once
+        per map: the backend's check that the driver takes it is the launch's encoding."""
         buffer = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + _MAP_ALIGNMENT))()
         offset = -ctypes.addressof(buffer) % _MAP_ALIGNMENT
         encoded = (ctypes.c_ubyte * TENSOR_MAP_BYTES).from_buffer(buffer, offset)

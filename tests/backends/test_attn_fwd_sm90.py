@@ -140,7 +140,6 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
     args += [ctypes.c_int32(i) for i in ints]
     args.append(ctypes.c_float(scale))
     args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
-    block, tile_n, _, dtype, rule_kind = config
     geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
     assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config
     grid = geometry_config.grid

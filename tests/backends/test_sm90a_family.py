@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import cuda_runtime, geometry, interp
+from cuattn.backends.kernels import panel_map
 from cuattn.layout.layout import Layout
 from cuattn.layout.registry import make_layout
 from tests.backends.test_interp_kernels import (
@@ -296,8 +297,6 @@ def test_inputs_off_the_128_byte_boundary_run_on_it(sm90a, offset_bytes, pitch):
     aligned. Each map then starts at the boundary before the data, its columns further in
     (kernels.panel_map), and reads exactly the inputs' elements, with rows as far apart as their
     width (pitch 64) or further (128)."""
-    from cuattn.backends.kernels import panel_map
-
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     fresh = inputs(layout, 1, HEADS, 64, "bfloat16", seed=offset_bytes)
     q, k, v = offset_views(fresh[:3], offset_bytes, pitch)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A whole GPU session in one call (~9.5 minutes): what a task lent 15 device-minutes can afford.
 #   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min; PROBE=0 skips it)
-#   phase 1, side by side (correctness only, so they may share the GPU): every gpu-marked test,
-#            then the kernel tests again with CUATTN_KERNELS=mma (an H100/H200 runs the wgmma
-#            forward by default), then the score modifiers;
+#   phase 1, side by side (correctness only, so they may share the GPU): CORRECT (default:
+#            every gpu-marked test, then the kernel tests again with CUATTN_KERNELS=mma (an
+#            H100/H200 runs the wgmma forward by default), then the score modifiers);
 #            beside them compute-sanitizer memcheck, racecheck and synccheck on every family
 #   phase 2, alone (timings): TIMED (default: the quick sweep's dense causal cases at 64- and
 #            128-blocks), then TIMED_MMA with CUATTN_KERNELS=mma (default: the same quick
@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 SESSION_S="${SESSION_S:-565}"
 RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
+CORRECT="${CORRECT:-tests mma modifiers}"
 TIMED="${TIMED:-quick}"
 TIMED_MMA="${TIMED_MMA:-quick}"
 TIMED_REST="${TIMED_REST:-counters decode dynamic}"
@@ -35,9 +36,9 @@ if [ "${PROBE:-1}" != 0 ]; then
 fi
 
 # The warm step compiled 1946 of 2601 instantiations in 90 s beside the sanitizers (23e0a72 run)
+# shellcheck disable=SC2086  # CORRECT is a list of steps on purpose
 (OUT="$RESULTS/correct" WARM_S="${WARM_S:-150}" TESTS_S="${TESTS_S:-200}" \
-  bash scripts/gpu_report.sh tests mma \
-  modifiers > "$RESULTS/correct.txt" 2>&1) &
+  bash scripts/gpu_report.sh $CORRECT > "$RESULTS/correct.txt" 2>&1) &
 (sleep 15; OUT="$RESULTS/sanitize" bash scripts/gpu_report.sh sanitize \
   > "$RESULTS/sanitize.txt" 2>&1) &
 wait

@@ -21,9 +21,9 @@ SESSION_S="${SESSION_S:-565}"
 RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
 CORRECT="${CORRECT:-tests mma modifiers}"
-TIMED="${TIMED:-quick}"
-TIMED_MMA="${TIMED_MMA:-quick}"
-TIMED_REST="${TIMED_REST:-counters decode dynamic}"
+TIMED="${TIMED-quick}"  # set empty to skip; likewise TIMED_MMA and TIMED_REST
+TIMED_MMA="${TIMED_MMA-quick}"
+TIMED_REST="${TIMED_REST-counters decode dynamic}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export CUATTN_BENCH_ARGS="${CUATTN_BENCH_ARGS:---blocksizes 64,128 --patterns dense-causal}"
 start=$SECONDS

@@ -16,9 +16,11 @@
 // mask_score_frags). Queries are the last n_q of n_k
 // positions (q_offset = n_k - n_q). A row with no allowed key gets out = 0 and lse = -inf.
 //
-// Work decomposition: one CTA per (128 query rows, head, batch), the last rows' CTAs of every
-// head started first (cta_tile_longest_first in common/types.cuh), in three warpgroups of 128
-// threads (warp specialisation, common/warpgroup.cuh):
+// Work decomposition: one CTA per (128 query rows, head, batch), started in cta_groups groups
+// of (head, batch) pairs, and within a group the last rows' CTAs of every pair first
+// (cta_tile_longest_first in common/types.cuh: the longest rows start first, and a group's K
+// and V fit the L2 its resident CTAs share), in three warpgroups of 128 threads (warp
+// specialisation, common/warpgroup.cuh):
 //   warpgroup 0, the producer, gives its registers up (setmaxnreg.dec); one thread walks the
 //     layout and issues every TMA copy: Q once, then K and V of each active key tile into
 //     rings of KV_STAGES stages;
@@ -170,11 +172,12 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                   int out_col, float* __restrict__ lse, const int* __restrict__ row_ptr,
                   const int* __restrict__ col_idx, const int* __restrict__ row_mask,
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-                  int kv_group, int num_blocks, float scale, int window_left, int window_right) {
+                  int kv_group, int num_blocks, float scale, int window_left, int window_right,
+                  int cta_groups) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
 
-  const CtaTile cta = cta_tile_longest_first();
+  const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
   const int head = cta.head;
   const int batch = cta.batch;
   const int q_start = cta.tile * Traits::TILE_M;

@@ -113,6 +113,12 @@ SM90_SWIZZLE_REPEAT_BYTES = 1024  # room to start the tiles on the swizzle's rep
 SM90_PANEL_BYTES = 128
 SM90_MAP_ALIGNMENT = 128
 SM90_STORE_ROWS = 64  # out is stored a consumer warpgroup's rows at a time
+# attn_fwd_sm90's CTAs start longest rows first within groups of (head, batch) pairs whose K and
+# V together are at most this many bytes (kernels/common/types.cuh, cta_tile_longest_first):
+# the resident CTAs then share their key tiles through the L2 (60 MB on an H200, ~30 MB of it
+# effective for this reuse) instead of each streaming its own head from DRAM (bench/NOTES.md,
+# change 34: ungrouped, the H200 read K and V 7-8 times over).
+SM90_L2_GROUP_BYTES = 16 * 2**20
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
@@ -243,6 +249,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("lse", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
+        ("cta_groups", "i32"),  # sm90_cta_groups
     ),
     "attn_bwd_preprocess": (
         ("out", "ptr"),
@@ -917,6 +924,18 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
 def sm90_forward_supports(block: int | None, head_dim: int, dtype: str) -> bool:
     """Whether the sm_90a forward has an instantiation for this block, head dim and dtype."""
     return block in SM90_BLOCKS and head_dim in SM90_HEAD_DIMS and dtype in SM90_DTYPES
+
+
+def sm90_cta_groups(
+    batch: int, heads: int, n_k: int, head_dim: int, dtype: str, kv_group: int
+) -> int:
+    """How many groups attn_fwd_sm90 starts its (head, batch) pairs in, one group after another:
+    as few as keep each group's K and V within SM90_L2_GROUP_BYTES (a group of query heads reads
+    the kv heads it shares once), at least one pair a group. The kernel sizes them evenly."""
+    pairs = batch * heads
+    kv_head_bytes = 2 * n_k * head_dim * ITEMSIZE[dtype]
+    most = max(1, SM90_L2_GROUP_BYTES * kv_group // max(kv_head_bytes, 1))
+    return ceil_div(pairs, min(most, pairs))
 
 
 def sm90_tile_n(block: int, head_dim: int) -> int:

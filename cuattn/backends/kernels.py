@@ -432,7 +432,7 @@ class KernelBackend:
         """The forward on attn_fwd_sm90 (inputs checked, on their device): q, k and v reach it
         as tensor maps. None, before anything is allocated or launched, when the device refuses
         one of those maps (encodes): the caller runs attn_fwd."""
-        batch, heads, n_q, head_dim, kv_heads, _ = shape
+        batch, heads, n_q, head_dim, kv_heads, n_k = shape
         config = KernelConfig(
             geometry.SM90_FWD,
             head_dim,
@@ -459,6 +459,9 @@ class KernelBackend:
             lse=lse,
             scale=scale,
             **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
+            cta_groups=geometry.sm90_cta_groups(
+                batch, heads, n_k, head_dim, dtype, heads // kv_heads
+            ),
         )
         return out, lse
 

@@ -104,24 +104,37 @@ __device__ __forceinline__ float unpack_element(u32 packed, int index) {
 }
 
 // The CTA of attn_fwd_sm90's grid (query tiles, heads, batch): its tile, head and batch,
-// numbered in the order CTAs start (x fastest) so that every (head, batch) of the last query tile
-// starts first, then of the one before it. Launched head by head, the longest rows of a causal
-// layout's last head would start last and the SMs done early would idle while they run; in this
-// order the longest rows start first and the shortest fill the tail whatever the head count
-// (bench/NOTES.md changes 27-28).
+// numbered in the order CTAs start (x fastest). The (head, batch) pairs (head fastest, so a
+// group of query heads shares its kv heads under GQA) are cut into `groups` groups of
+// pairs / groups or one more pair, started one group after another; within a group, every
+// pair's last query tile starts first, then the one before it. Launched head by head, the
+// longest rows of a causal layout's last head would start last and the SMs done early would
+// idle while they run (bench/NOTES.md changes 27-28); started over every head at once, the
+// resident CTAs would each stream a different head's K and V through the L2 and miss it (the
+// H200 read them 7-8 times over, change 34). The host sizes the groups so one group's K and V
+// fit the L2 (geometry.sm90_cta_groups).
 struct CtaTile {
   int tile;
   int head;
   int batch;
 };
 
-__device__ __forceinline__ CtaTile cta_tile_longest_first() {
+__device__ __forceinline__ CtaTile cta_tile_longest_first(unsigned groups) {
   // 32-bit: the backends refuse a grid of 2^32 CTAs or more (geometry.CTA_COUNT_LIMIT).
+  const unsigned tiles = gridDim.x;
   const unsigned heads = gridDim.y;
-  const unsigned started = blockIdx.x + gridDim.x * (blockIdx.y + heads * blockIdx.z);
-  const unsigned rank = started / (heads * gridDim.z);
-  const unsigned head_batch = started % (heads * gridDim.z);
-  return {int(gridDim.x - 1 - rank), int(head_batch % heads), int(head_batch / heads)};
+  const unsigned started = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
+  const unsigned narrow = heads * gridDim.z / groups;  // pairs of a group (1 <= groups <= pairs)
+  const unsigned wide_groups = heads * gridDim.z % groups;  // the first ones have one more
+  const unsigned wide_ctas = wide_groups * (narrow + 1) * tiles;
+  const bool in_wide = started < wide_ctas;
+  const unsigned size = in_wide ? narrow + 1 : narrow;
+  const unsigned later = in_wide ? started : started - wide_ctas;
+  const unsigned group = later / (size * tiles);
+  const unsigned in_group = later % (size * tiles);
+  const unsigned first_pair = (in_wide ? 0u : wide_ctas / tiles) + group * size;
+  const unsigned pair = first_pair + in_group % size;
+  return {int(tiles - 1 - in_group / size), int(pair % heads), int(pair / heads)};
 }
 
 // Element offset of row `row` of head `head` in batch `batch` of a [batch, heads, rows, HEAD_DIM]

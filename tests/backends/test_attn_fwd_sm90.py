@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import interp
-from cuattn.backends.geometry import SM90_FWD, KernelConfig
+from cuattn.backends.geometry import SM90_FWD, KernelConfig, sm90_cta_groups
 from cuattn.backends.kernels import panel_map
 from cuattn.backends.toolchain import kernel_dir
 from cuattn.layout.layout import ElementRule, Layout
@@ -76,6 +76,9 @@ RUN_CASES = (
 ALTERNATING_BLOCKS = 8
 ALTERNATING_SEEDS = range(3)  # warp orders: the case is about one consumer running ahead
 LONG_WALK_BLOCKS = 4  # key blocks before the ragged fifth
+# The gqa case's 8 (head, batch) pairs started in groups of 3, 3 and 2 (the backends choose one
+# group at these sizes): every CTA of an uneven grouping runs once, on its own tile, head and batch
+GQA_CTA_GROUPS = 3
 
 
 def case_layout(rule: str, block: int, case: str) -> tuple[Layout, int, int]:
@@ -120,26 +123,31 @@ def lib() -> interp.Library:
     )
 
 
-def run_forward(lib, config, layout: Layout, q, k, v, scale: float):
+def run_forward(lib, config, layout: Layout, q, k, v, scale: float, cta_groups: int = 0):
     """One launch of the kernel `config` (block, key tile, head dim, dtype, rule) on the
-    interpreter; returns (out, lse)."""
+    interpreter, its (head, batch) pairs started in `cta_groups` groups (0: as the backends
+    choose, geometry.sm90_cta_groups); returns (out, lse)."""
     batch, heads, n_q, head_dim = q.shape
+    block, tile_n, _, dtype, rule_kind = config
+    kv_group = heads // k.shape[1]
+    if not cta_groups:
+        cta_groups = sm90_cta_groups(batch, heads, layout.n_ctx, head_dim, dtype, kv_group)
     out = np.full((batch, heads, n_q, head_dim), np.nan, q.dtype)
     lse = np.full((batch, heads, n_q), np.nan, np.float32)
     index = interp.backend.index_arrays(layout)
     name = expression(*config)
     threads, smem = lib.traits(name)
-    block, tile_n, _, dtype, rule_kind = config
     operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
     maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
     args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
     pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
     args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
     rule = layout.rule
-    ints = [layout.n_q, layout.n_ctx, layout.q_offset, heads // k.shape[1], layout.num_q_blocks]
+    ints = [layout.n_q, layout.n_ctx, layout.q_offset, kv_group, layout.num_q_blocks]
     args += [ctypes.c_int32(i) for i in ints]
     args.append(ctypes.c_float(scale))
-    args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
+    ints = [rule.window_left, rule.window_right, cta_groups]
+    args += [ctypes.c_int32(i) for i in ints]
     geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
     assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config
     grid = geometry_config.grid
@@ -168,7 +176,8 @@ def test_the_sm90a_forward_matches_the_dense_oracle(
         if seed is not None:
             monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
         config = (block, tile_n, head_dim, dtype, rule)
-        out, lse = run_forward(lib, config, layout, q, k, v, scale)
+        groups = GQA_CTA_GROUPS if case == "gqa" else 0
+        out, lse = run_forward(lib, config, layout, q, k, v, scale, groups)
         check_forward(out, lse, q, k, v, layout, scale, dtype)
 
 

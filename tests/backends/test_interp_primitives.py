@@ -3,6 +3,7 @@ documented per-lane fragment layouts (g = lane // 4, t = lane % 4)."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from cuattn.backends import interp
 from tests.helpers.interp_run import run
+from tests.helpers.scripts import load_script
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -34,6 +36,7 @@ EXPRESSIONS = [
     "test_divergent_shuffle",
     "test_lane_stack",
     *[f"test_bulk_pipeline<{bug}>" for bug in range(6)],
+    "test_cta_order",
 ]
 
 
@@ -300,3 +303,20 @@ def test_the_mbarrier_and_bulk_copy_ptx_assembles_for_sm_90():
     options = [*common_options(), f"-I{SOURCE.parent}"]
     for result in compile_units(SOURCE.read_text(), units, "sm_90", options):
         assert result.ok, result.error
+
+
+@pytest.mark.parametrize(
+    "tiles, heads, batch, groups",
+    [(3, 4, 2, 1), (3, 4, 2, 3), (5, 3, 3, 4), (2, 5, 1, 5), (4, 1, 1, 1)],
+)
+def test_the_sm90_forward_starts_its_ctas_in_the_modelled_order(lib, tiles, heads, batch, groups):
+    """cta_tile_longest_first, every CTA of the grid at its place in start order, is the order
+    scripts/cta_order_model.py models (and bench/NOTES.md change 34 predicts from): groups of
+    pairs of one size or one more, one after another, each the last tile of every pair first.
+    Uneven groups included (8 pairs in 3, 9 in 4)."""
+    out = np.full((tiles * heads * batch, 3), -1, np.int32)
+    args = [ctypes.c_uint32(groups), ctypes.c_void_p(out.ctypes.data)]
+    lib.launch("test_cta_order", (tiles, heads, batch), (32, 1, 1), 0, args)
+    order = load_script("cta_order_model").start_order(tiles, heads * batch, groups)
+    expected = [(tile, pair % heads, pair // heads) for tile, pair in order]
+    assert [tuple(row) for row in out.tolist()] == expected

@@ -204,6 +204,27 @@ def test_geometry_matches_every_instantiation_s_traits():
         assert config.arch == "sm_90a"
 
 
+@pytest.mark.parametrize(
+    "batch, heads, n_k, head_dim, kv_group, groups",
+    [
+        (4, 16, 4096, 128, 1, 8),  # the profiled d128 shape: 2 MiB of K and V a head, 8 a group
+        (4, 32, 4096, 64, 1, 8),  # d64: 1 MiB a head, 16 a group
+        (4, 32, 4096, 128, 4, 4),  # GQA: 4 query heads share a kv head, 32 of them a group
+        (1, 8, 65536, 128, 1, 8),  # a head's K and V past the budget: one pair a group
+        (1, 2, 70, 64, 1, 1),  # the interpreter's sizes: one group
+        (3, 12, 4096, 128, 1, 5),  # 36 pairs of 8 at most: 5 groups (of 8, 7, 7, 7, 7)
+    ],
+)
+def test_cta_groups_keep_a_group_s_k_and_v_within_the_l2_budget(
+    batch, heads, n_k, head_dim, kv_group, groups
+):
+    assert geometry.sm90_cta_groups(batch, heads, n_k, head_dim, "bfloat16", kv_group) == groups
+    pairs_per_group = -(-batch * heads // groups)
+    kv_heads_per_group = -(-pairs_per_group // kv_group)
+    group_bytes = kv_heads_per_group * 2 * n_k * head_dim * 2
+    assert pairs_per_group == 1 or group_bytes <= geometry.SM90_L2_GROUP_BYTES
+
+
 def test_the_cuda_runtime_builds_an_sm90a_cubin_and_loads_it_from_disk(monkeypatch, tmp_path):
     """No GPU here: CuPy's module loader is a stand-in; NVRTC's cubin and its cache are real."""
     from cuattn.tools.sass import disassemble

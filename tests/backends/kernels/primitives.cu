@@ -250,3 +250,14 @@ __global__ void test_bulk_pipeline(const float* in, float* out) {
     }
   }
 }
+
+// Each CTA of a (tiles, heads, batch) grid as attn_fwd_sm90 numbers it (cta_tile_longest_first):
+// out[3 * s .. 3 * s + 2] = the tile, head and batch of the CTA that starts s-th (x fastest).
+__global__ void test_cta_order(unsigned groups, int* out) {
+  if (threadIdx.x != 0) return;
+  const unsigned started = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const CtaTile cta = cta_tile_longest_first(groups);
+  out[3 * started] = cta.tile;
+  out[3 * started + 1] = cta.head;
+  out[3 * started + 2] = cta.batch;
+}

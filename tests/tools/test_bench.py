@@ -218,3 +218,14 @@ def test_a_failing_peer_is_reported_and_the_sweep_goes_on():
         reason = record["skipped"]["broken"]
         assert reason.startswith(record["name"] + ": failed: RuntimeError: No valid triton")
         assert "\n" not in reason and "broken" not in record["speedup"]
+
+
+def test_head_dims_replace_the_sweep_s_and_a_wrong_one_is_refused(tmp_path):
+    args = ["--dry-run", "--out", str(tmp_path), "--patterns", "dense-causal"]
+    assert bench.main([*args, "--head-dims", "16"]) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    records = json.loads(json_path.read_text())["records"]
+    assert records and {r["case"]["head_dim"] for r in records} == {16}
+    for wrong in ("12", "64,x", "-64"):
+        with pytest.raises(SystemExit, match=f"--head-dims: got '{wrong}', expected .* of 16, 32"):
+            bench.main([*args, "--head-dims", wrong])

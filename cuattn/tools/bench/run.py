@@ -29,6 +29,7 @@ import numpy as np
 
 from cuattn._util import array_library, one_line
 from cuattn.adapters.dlpack import cupy_stream_of_torch
+from cuattn.backends.geometry import HEAD_DIMS
 from cuattn.tools.bench import report as bench_report
 from cuattn.tools.bench.cases import SWEEPS, BenchCase, Sweep
 from cuattn.tools.bench.runners import CuattnRunner, InputSet, Skip, peer_runners
@@ -429,6 +430,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated layout block sizes replacing the sweep's, e.g. 64,128",
     )
     parser.add_argument(
+        "--head-dims",
+        default="",
+        help="comma-separated head dims replacing the sweep's, e.g. 64 (the full sweep's d = 64 "
+        "cases alone; its sparse patterns stay at their own head dims)",
+    )
+    parser.add_argument(
         "--time-budget",
         type=float,
         default=None,
@@ -438,6 +445,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ")",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
+
+
+def _sizes(flag: str, text: str, example: str, accepted: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Comma-separated positive sizes (of ``accepted``, where given), or SystemExit saying what
+    came and what is accepted."""
+    try:
+        sizes = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or (accepted and not set(sizes) <= set(accepted)):
+        of = f" of {', '.join(map(str, accepted))}" if accepted else ""
+        raise SystemExit(
+            f"{flag}: got {text!r}, expected comma-separated sizes{of}, e.g. {example}"
+        )
+    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -453,13 +475,11 @@ def run(args: argparse.Namespace) -> int:
             **{**sweep.__dict__, "patterns": tuple(p for p in sweep.patterns if p.label in keep)}
         )
     if args.blocksizes:
-        try:
-            blocksizes = tuple(int(b) for b in args.blocksizes.split(","))
-        except ValueError as err:
-            raise SystemExit(
-                f"--blocksizes: got {args.blocksizes!r}, expected e.g. 64,128"
-            ) from err
+        blocksizes = _sizes("--blocksizes", args.blocksizes, "64,128")
         sweep = Sweep(**{**sweep.__dict__, "blocksizes": blocksizes})
+    if args.head_dims:
+        head_dims = _sizes("--head-dims", args.head_dims, "64", HEAD_DIMS)
+        sweep = Sweep(**{**sweep.__dict__, "head_dims": head_dims})
     env = build_environment(dry_run, args.backend)
     if args.repeats:
         env.repeats = args.repeats

@@ -117,7 +117,7 @@ SM90_STORE_ROWS = 64  # out is stored a consumer warpgroup's rows at a time
 # V together are at most this many bytes (kernels/common/types.cuh, cta_tile_longest_first):
 # the resident CTAs then share their key tiles through the L2 (60 MB on an H200, ~30 MB of it
 # effective for this reuse) instead of each streaming its own head from DRAM (bench/NOTES.md,
-# change 34: ungrouped, the H200 read K and V 7-8 times over).
+# change 34: ungrouped, the H200 read K and V 8 to 15 times over).
 SM90_L2_GROUP_BYTES = 16 * 2**20
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)

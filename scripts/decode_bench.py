@@ -7,7 +7,10 @@ choice, HeavyHitters' score update) and the decode kernels alone (split + merge)
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
 would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
 them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no
-eviction). GB/s counts the kept K and V bytes read.
+eviction). For a policy that chooses pages (Quest) the choice is timed alone (choice_ms) and
+the kernels read the pages it chose, as in a step. GB/s counts the K and V bytes the kernels
+read: every kept token, or with Quest every token of each page some query head of a kv group
+chose.
 
     PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
     PYTHONPATH=. python scripts/decode_bench.py --quick
@@ -94,20 +97,31 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
 
     step_ms = median_ms(step, sync, args.repeats)
     impl = resolve_backend(backend, on_device=xp is not np)
+    kept = int((cache.positions() >= 0).sum())
+    read_tokens, chosen, choice_ms = kept, None, None
+    if policy is not None and policy.selects_pages:  # the kernels read the pages Quest chose
+        choice_ms = median_ms(
+            lambda: decode_module.quest_chosen(cache, q, *cache.device_tables()),
+            sync,
+            args.repeats,
+        )
+        chosen = decode_module.quest_chosen(cache, q, *cache.device_tables())
+        by_kv_head = chosen.reshape(batch, KV_HEADS, -1, chosen.shape[-1]).any(axis=2)
+        read_tokens = int(by_kv_head.sum()) * page
     kernel_ms = median_ms(
-        lambda: decode_module.kernel_call(impl, cache, q, args.head_dim**-0.5),
+        lambda: decode_module.kernel_call(impl, cache, q, args.head_dim**-0.5, chosen),
         sync,
         args.repeats,
     )
-    kept = int((cache.positions() >= 0).sum())
     itemsize = 2 if dtype != "float32" else 4
-    kv_bytes = 2 * kept * args.head_dim * itemsize
+    kv_bytes = 2 * read_tokens * args.head_dim * itemsize
     row = dict(
         batch=batch,
         context=context,
         policy=policy_name,
         kept=kept // (batch * KV_HEADS),
         step_ms=step_ms,
+        choice_ms=choice_ms if choice_ms is not None else "-",
         kernel_ms=kernel_ms,
         gbps=kv_bytes / kernel_ms / 1e6,
     )

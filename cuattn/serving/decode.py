@@ -56,7 +56,7 @@ from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
-__all__ = ["decode_attention", "kernel_call"]
+__all__ = ["decode_attention", "kernel_call", "quest_chosen"]
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
@@ -165,7 +165,7 @@ def _device_resident_ctas(device_id: int, head_dim: int, dtype: str) -> int:
 
 
 @_quiet_specials
-def _quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
+def quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
     """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device, by the
     bound _page_bounds computes."""
     xp, policy = cache.xp, cache.policy
@@ -231,7 +231,7 @@ def _kernel_decode(
     chosen = None
     if quest:
         table, count = cache.device_tables()
-        chosen = _quest_chosen(cache, qb, table, count)
+        chosen = quest_chosen(cache, qb, table, count)
     out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods, *operands)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)

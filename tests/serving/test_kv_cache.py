@@ -509,7 +509,7 @@ def test_appending_and_scoring_read_nothing_back(name, monkeypatch):
         for cache in (plain, device):
             cache.append(k, v, lengths)
             if cache.policy is not None and cache.policy.selects_pages:
-                decode._quest_chosen(cache, q, *cache.device_tables())
+                decode.quest_chosen(cache, q, *cache.device_tables())
         if plain.slot_score is not None:  # the kernel's update, on the interpreter
             width = plain.width * plain.page_size
             scores = rng.standard_normal((batch, 2 * kv_heads, 1, width)).astype(np.float32)

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("dynamic_bench.py", ["--smoke"], "topk_select_ms"),
         ("decode_bench.py", ["--smoke", "--policies", "full"], "kernel_ms"),
+        ("decode_bench.py", ["--smoke", "--policies", "quest"], "choice_ms"),
         (
             "cp_bench.py",
             ["--n", "256", "--world", "2", "--patterns", "causal", "--project"],

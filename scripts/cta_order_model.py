@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cuattn.backends.geometry import SM90_TILE_M, sm90_cta_groups  # noqa: E402
+from cuattn.backends.geometry import SM90_TILE_M, sm90_cta_groups, sm90_tile_n  # noqa: E402
 
 SMS = 132  # an H100's / H200's SMs
 OVERHEAD_TILES = 0.3  # a CTA's prologue and epilogue, in key tiles (change 27's model)
@@ -98,7 +98,7 @@ def simulate(
 def model_row(n_ctx: int, pairs: int, head_dim: int, block: int) -> dict[str, tuple[float, float]]:
     """Each order's (makespan over balanced, DRAM bytes over compulsory) for dense causal."""
     tiles = n_ctx // SM90_TILE_M
-    tile_n = block  # 128-blocks take 128-key tiles (d <= 128), paired 64-blocks 64-key tiles
+    tile_n = sm90_tile_n(block, head_dim)
     tile_bytes = K_AND_V * tile_n * head_dim * BF16_BYTES
     per_cta = SM90_TILE_M // tile_n
 

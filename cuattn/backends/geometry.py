@@ -935,7 +935,7 @@ def sm90_cta_groups(
     pairs = batch * heads
     kv_head_bytes = 2 * n_k * head_dim * ITEMSIZE[dtype]
     most = max(1, SM90_L2_GROUP_BYTES * kv_group // max(kv_head_bytes, 1))
-    return ceil_div(pairs, min(most, pairs))
+    return ceil_div(pairs, most)
 
 
 def sm90_tile_n(block: int, head_dim: int) -> int:

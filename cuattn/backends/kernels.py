@@ -433,6 +433,7 @@ class KernelBackend:
         as tensor maps. None, before anything is allocated or launched, when the device refuses
         one of those maps (encodes): the caller runs attn_fwd."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
+        kv_group = heads // kv_heads
         config = KernelConfig(
             geometry.SM90_FWD,
             head_dim,
@@ -458,10 +459,8 @@ class KernelBackend:
             **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
             lse=lse,
             scale=scale,
-            **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
-            cta_groups=geometry.sm90_cta_groups(
-                batch, heads, n_k, head_dim, dtype, heads // kv_heads
-            ),
+            **self._layout_values(layout, columns=False, kv_group=kv_group),
+            cta_groups=geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group),
         )
         return out, lse
 

@@ -124,8 +124,9 @@ __device__ __forceinline__ CtaTile cta_tile_longest_first(unsigned groups) {
   const unsigned tiles = gridDim.x;
   const unsigned heads = gridDim.y;
   const unsigned started = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
-  const unsigned narrow = heads * gridDim.z / groups;  // pairs of a group (1 <= groups <= pairs)
-  const unsigned wide_groups = heads * gridDim.z % groups;  // the first ones have one more
+  const unsigned pairs = heads * gridDim.z;  // (head, batch), 1 <= groups <= pairs
+  const unsigned narrow = pairs / groups;  // pairs of a group
+  const unsigned wide_groups = pairs % groups;  // the first ones have one more
   const unsigned wide_ctas = wide_groups * (narrow + 1) * tiles;
   const bool in_wide = started < wide_ctas;
   const unsigned size = in_wide ? narrow + 1 : narrow;

@@ -12,7 +12,11 @@ BFLOAT16_SHIFT = 16  # a bfloat16's bits are the high 16 bits of the float32 it 
 def array_library(x: Any) -> str:
     """The library an array, tensor or dtype comes from, read off its type: "numpy", "cupy",
     "torch", "jax" (jaxlib's arrays too), else its module's top-level name. The one place
-    cuattn tells frameworks apart by type (cuattn.adapters.dlpack.describe builds on it)."""
+    cuattn tells frameworks apart by type (cuattn.adapters.dlpack.describe builds on it).
+    Every ``np.dtype`` is NumPy's, whoever defined its class: ml_dtypes >= 0.7 gives bfloat16
+    and the float8s dtype classes of its own module."""
+    if isinstance(x, np.dtype):
+        return "numpy"
     root = type(x).__module__.split(".")[0]
     return "jax" if root == "jaxlib" else root
 

@@ -162,7 +162,7 @@ def block_products(grouped: Any, pk: Any, xp: Any) -> Any:
     """[kv_heads, group, nb, nb]: each pooled query block (grouped [kv_heads, group, nb, d])
     dotted with each pooled key block of its kv head (pk [kv_heads, nb, d]), as elementwise
     products summed over d, SCORE_CHUNK_ELEMENTS products at a time: no cuBLAS, which a CUDA
-    graph capture refuses (CuPy's matmul is cuBLAS; found on an H200, 2026-11-26)."""
+    graph capture refuses (CuPy's matmul is cuBLAS)."""
     kv_heads, group, nb, d = grouped.shape
     scores = xp.empty((kv_heads, group, nb, nb), dtype=grouped.dtype)
     rows = max(1, SCORE_CHUNK_ELEMENTS // max(kv_heads * group * nb * d, 1))

@@ -32,7 +32,7 @@
 //       head gradients: the sum over its kv_group query heads, in float, in head order.
 // Both double-buffer their steps: the next step's copy is in flight while the current one is
 // computed, one barrier per step. (Adding dS K into a float32 dQ with scalar atomics inside the dK/dV kernel
-//       was measured 1.2-2.5x slower on an H100, L2-bound: bench/results/2026-11-23-h100/.)
+//       was measured 1.2-2.5x slower on an H100, L2-bound.)
 // The dK/dV kernel works on S^T (rows are keys), so masks are applied with the axes swapped.
 // Rows with lse = -inf (nothing to attend) contribute nothing: their P is exactly 0.
 // Run: through cuattn (backend "cuda" or "interp"); geometry from cuattn/backends/geometry.py.
@@ -86,7 +86,7 @@ struct attn_bwd_dq_traits : attn_bwd_traits<BLOCK, TILE_OWN, TILE_STEP, HEAD_DIM
   static constexpr bool KEEP_SLOPES = HEAD_DIM < 256;
   // Q and dO never change across the walk: the plain half-precision kernels up to d = 128 hold
   // their A fragments in registers (2 x HEAD_DIM / 4 a thread) instead of re-reading them from
-  // shared memory at every key step (bench/NOTES.md change 25). The variant is at its register
+  // shared memory at every key step. The variant is at its register
   // limit, fp32 has no ldmatrix fragments, and d = 256's would be 128 registers.
   static constexpr int OWN_FRAGS_MAX_HEAD_DIM = 128;
   template <int MODS>

@@ -21,7 +21,7 @@
 // of query blocks: the CTA walks the union of the two blocks' CSR rows (walk.cuh,
 // PairedRowTiles) and each warp skips the tiles its own block's row does not hold. NUM_WARPS warps each own TILE_M / NUM_WARPS query rows
 // (M_FRAGS fragments of 16). geometry.py gives warps 16 rows (M_FRAGS = 1: 64-row CTAs of 4
-// warps at 64-blocks, the faster shape there on an H100, 2026-11-25), and 32 rows (M_FRAGS = 2:
+// warps at 64-blocks, the faster shape there on an H100), and 32 rows (M_FRAGS = 2:
 // every K and V fragment read from shared memory feeds two mma) in the 128-row CTAs of fp16/bf16
 // 128-blocks. Each warp keeps m_i (running max, log2 domain), l_i (running sum, this lane's
 // columns only) and the output accumulator acc in registers.
@@ -58,7 +58,7 @@ struct attn_fwd_traits {
   // At 16 rows per warp and d <= 128 the forward holds <= 182 registers, room for every tile
   // copy's address at once: the copies unroll (~3 instructions per cp.async instead of ~12).
   // At 32 rows per warp, or d = 256 (a 128-float accumulator per thread), it is at the
-  // 255-register limit, where unrolled copies spill (bench/NOTES.md, changes 11 and 14).
+  // 255-register limit, where unrolled copies spill.
   static constexpr bool UNROLL_COPIES = M_FRAGS == 1 && HEAD_DIM <= 128;
   static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
   static constexpr int SCRATCH_FLOATS = is_half_type<T>::value ? 0 : 16 * (TILE_N + 4);
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
       // CTA a warp whose rows the tile does not reach (the other block's tile, or above the
       // diagonal) skips it; one-block CTAs compute such a tile as all -inf (adding nothing):
       // the branch cost them ~35 instructions per tile (and 72 bytes of spill at d128 b128) for
-      // a tile they rarely meet (static model, bench/NOTES.md change 17).
+      // a tile they rarely meet (static model).
       const WarpTile mine =
           warp_view<RULE, TILE_N>(tile, row_block, rule, q_warp, q_warp + Traits::WARP_M - 1);
       const bool computes = Traits::ROW_BLOCKS == 1 || mine.coverage != TILE_EMPTY;

@@ -55,8 +55,8 @@
 // V(t), each once its stage is free. A consumer's iteration t issues QK^T(t) and then PV of the
 // previous tile it computed back to back, waits for QK^T(t) alone (wgmma.wait_group 1) and hands
 // K(t)'s stage back, masks and exponentiates S(t) while that PV runs, waits for it and hands its
-// V stage back, then rescales O to S(t)'s running max and packs P(t) (bench/NOTES.md, change
-// 30). The two consumers take turns to issue (two named barriers, change 31): one's softmax runs
+// V stage back, then rescales O to S(t)'s running max and packs P(t). The
+// two consumers take turns to issue (two named barriers): one's softmax runs
 // while the other's GEMMs do; a turn is taken every tile, issuing or not, and once more for the
 // last PV, so the turns pair up. Holding K(t) and V(t - 1) at once is why K and V have rings of
 // their own: one shared ring would keep both stages busy and leave the next copy no time to
@@ -121,12 +121,12 @@ struct attn_fwd_sm90_traits {
   // repeat wherever the block's dynamic shared memory begins.
   static constexpr int SMEM_BYTES =
       Q_BYTES + 2 * KV_STAGES * KV_BYTES + BARRIER_BYTES + SWIZZLE_REPEAT_BYTES;
-  // Whether the softmax of S(t) runs while PV(t - 1) does (change 30): P(t - 1) then stays live
+  // Whether the softmax of S(t) runs while PV(t - 1) does: P(t - 1) then stays live
   // through it. At d = 256 O alone holds 128 of a consumer's 240 registers and that does not
   // fit (the paired bitmask instantiations spill), so PV(t - 1) is waited for first there; it
   // still follows QK^T(t) on the tensor pipe without a gap.
   static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM <= 128;
-  // The consumers' turns at the tensor pipe (change 31): consumer c waits on named barrier
+  // The consumers' turns at the tensor pipe: consumer c waits on named barrier
   // TURN_BARRIER + c before it issues, and arrives on the other's after (256 threads each).
   static constexpr int TURN_BARRIER = 1;
   // Consumer c's own 128 threads meet on named barrier STORE_BARRIER + c before its TMA stores.
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // no named barrier phase is left half-arrived when the CTA ends.
   if (consumer == 0) take_turn();
 
-  // The epilogue through shared memory (change 32): O normalised, as T, into this consumer's
+  // The epilogue through shared memory: O normalised, as T, into this consumer's
   // 64 rows of the Q tile, which no wgmma reads any more, in the swizzled panel layout a TMA box
   // of 64 columns writes back (the 8 rows of a warp's store land in 8 different 16-byte chunks:
   // no bank conflict); then one thread stores a panel at a time, rows past n_q clipped by the

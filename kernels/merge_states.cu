@@ -36,7 +36,7 @@ enum MergeEmpty : int {
 // bit for bit and the compiler drops the add.
 constexpr float SUM_IDENTITY = -0.f;
 // Decode merges are latency-bound (a few KB per row): the split walk keeps SPLITS_IN_FLIGHT x
-// LANE_ELEMS loads outstanding (bench/NOTES.md, change 13).
+// LANE_ELEMS loads outstanding.
 constexpr int SPLITS_IN_FLIGHT = 2;
 // Resident CTAs per SM the compiler is asked to allow: 16 CTAs of 4 warps fill the 64 warp slots
 // of an sm_80 or sm_90 SM, which caps a thread at 32 registers (no spill at any head dim). Both

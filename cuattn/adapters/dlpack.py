@@ -165,7 +165,7 @@ def to_backend(x: Any, info: ArrayInfo, name: str) -> Any:
 
     # A torch tensor is imported on torch's current stream: DLPack's handshake then has nothing
     # to order, where CuPy's own stream (the legacy default) would be made to wait on torch's,
-    # which CUDA refuses while torch captures a graph (found on an H200, 2026-11-26).
+    # which CUDA refuses while torch captures a graph (found on an H200).
     on_torch_stream = (
         cupy_stream_of_torch(info.device_id)
         if info.framework == "torch"

@@ -86,8 +86,8 @@ BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 # sm_90a alone (NVRTC to a cubin: neither sm_80 nor CuPy's own build of the device's sm_90 takes
 # wgmma), so all_configs() leaves it out and sm90_configs() lists it. By default (CUATTN_KERNELS
 # unset or "auto") an sm_90 GPU runs it for every forward it supports: on the H200 it passed every
-# kernel test and ran 1.39x (64-blocks) and 1.54x (128-blocks) faster than attn_fwd
-# (bench/results/2026-11-26-h200-23e0a72/); the interpreter, which emulates both, keeps attn_fwd
+# kernel test and ran 1.39x (64-blocks) and 1.54x (128-blocks) faster than attn_fwd; the
+# interpreter, which emulates both, keeps attn_fwd
 # unless asked. "sm90a" chooses it wherever it applies, the interpreter included; "mma" never.
 SM90_FWD = "attn_fwd_sm90"
 SM90_ARCH = "sm_90a"
@@ -116,8 +116,8 @@ SM90_STORE_ROWS = 64  # out is stored a consumer warpgroup's rows at a time
 # attn_fwd_sm90's CTAs start longest rows first within groups of (head, batch) pairs whose K and
 # V together are at most this many bytes (kernels/common/types.cuh, cta_tile_longest_first):
 # the resident CTAs then share their key tiles through the L2 (60 MB on an H200, ~30 MB of it
-# effective for this reuse) instead of each streaming its own head from DRAM (bench/NOTES.md,
-# change 34: ungrouped, the H200 read K and V 8 to 15 times over).
+# effective for this reuse) instead of each streaming its own head from DRAM (ungrouped, the
+# H200 read K and V 8 to 15 times over).
 SM90_L2_GROUP_BYTES = 16 * 2**20
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
@@ -130,7 +130,7 @@ ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "at
 # kernels/attn_decode.cu. A CTA's 4 warps each copy and compute sub-tiles of TILE / 4 tokens in
 # two cp.async stages of their own; TILE is chosen so one K tile is about DECODE_TILE_BYTES
 # (deep enough copies to keep HBM busy, 2 CTAs per SM at d = 128), and ROWS query rows of a kv
-# group share every K/V read (bench/NOTES.md, change 9).
+# group share every K/V read.
 DECODE_KERNELS = ("attn_decode_split",)
 # The kernels with a score-modifier variant (a last template flag, CXX_MODS).
 MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS
@@ -435,10 +435,10 @@ def _smem_stride(cols: int, itemsize: int) -> int:
 
 # Tile sizes (the one place they are chosen; the C++ traits take them as template arguments).
 # Forward: tiles of min(block, FWD_MAX_TILE) query rows and keys with 16 query rows (one mma
-# fragment) per warp, except 16-bit 128-blocks (below). Measured on an H100 (2026-11-25,
-# bench/NOTES.md change 12): at 64-blocks this shape (the former v1 forward's) was 9-11 % faster
-# on dense causal bf16 at d = 64 and 128 than 32 rows per warp in 2 warps (6.62 against 8.25
-# instructions per HMMA in Nsight; the static model puts attn_fwd at this shape at 6.77).
+# fragment) per warp, except 16-bit 128-blocks (below). Measured on an H100: at 64-blocks this shape
+# (the former v1 forward's) was 9-11 % faster on dense causal bf16 at d = 64 and 128 than 32 rows
+# per warp in 2 warps (6.62 against 8.25 instructions per HMMA in Nsight; the static model puts
+# attn_fwd at this shape at 6.77).
 FWD_MAX_TILE = 64
 # 16-bit 128-blocks keep 128-row CTAs of 4 warps, 32 rows (two fragments) per warp: each K/V tile
 # read through L2 then feeds 128 rows, not 64 (the 64-row forward moved 5.5 TB/s through L2 on the
@@ -454,7 +454,7 @@ FWD_WIDE_ROWS_PER_WARP = 32
 FWD_WIDE_TILE_N_LARGE_HEAD = 32
 # 16-bit 64-blocks may also run in pairs: one CTA of 8 warps (16 rows each) owns two adjacent query
 # blocks and walks the union of their rows, so each K/V tile read through L2 feeds 128 rows, as in
-# SDPA-flash, at the 64-row CTA's registers (bench/NOTES.md, change 17). Chosen per layout by
+# SDPA-flash, at the 64-row CTA's registers. Chosen per layout by
 # backends/kernels.py where the union adds few tiles (dense, causal, windows); head dims up to
 # 128 (at 256 the 16-row accumulator already fills the registers).
 FWD_PAIRED_BLOCK = 64
@@ -463,7 +463,7 @@ MMA_ROWS = 16  # rows of one mma fragment
 # Backward: each CTA owns BWD_OWN_TILE rows of its own axis (keys of dK/dV, queries of dQ; 16 per
 # warp) and steps over the other axis in double-buffered tiles of BWD_STEP_TILE rows; head dims
 # 96 and 128 step by 32 so that the dK and dV accumulators (2 x 64 floats per thread) and the
-# score tiles fit in registers unspilled (bench/NOTES.md, change 3).
+# score tiles fit in registers unspilled.
 BWD_OWN_TILE = 64
 BWD_STEP_TILE = 64
 BWD_STEP_TILE_LARGE_HEAD = 32
@@ -479,13 +479,13 @@ HUGE_HEAD_OWN_TILE_FP32 = 32
 HUGE_HEAD_DKDV_SPLITS = 2
 # The score-modifier variant (softcap, ALiBi, key bias) keeps a few more values per lane than
 # the plain kernels; where those sit at the register limit it takes smaller tiles (ptxas on
-# sm_80 and sm_90, every instantiation, 2026-11-26: 8-96 bytes of spill otherwise): the 128-block
+# sm_80 and sm_90, every instantiation: 8-96 bytes of spill otherwise): the 128-block
 # forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
 # dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
 # dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
 # head dim 32 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
-# 64-row steps at d48-d80, 2026-11-26; dK/dV's at d32 with the bitmask rule once dropout's seed
-# could come from memory, change 23).
+# 64-row steps at d48-d80; dK/dV's at d32 with the bitmask rule once dropout's seed could come
+# from memory).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
 MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 32
 MODS_BWD_MAX_STEP = 32

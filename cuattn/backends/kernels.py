@@ -578,8 +578,8 @@ class KernelBackend:
         a fixed order; a seed array's is None.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
-        1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel
-        (bench/results/2026-11-23-h100/), so the deterministic sequence is the only one.
+        1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel, so the
+        deterministic sequence is the only one.
         """
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
         dtype, shape = self._check_inputs(arrays, layout)

@@ -51,8 +51,8 @@ SIZES = ("quick", "standard", "full")
 DEFAULT_SIZE = {"cuda": "standard", "interp": "quick", "numpy": "standard"}
 # Ragged-length head dim per block size in the standard sweep: every head dim appears.
 STANDARD_RAGGED_HEAD_DIM = {16: 32, 32: 96, 64: 128, 128: 96}
-# Seconds per case measured on 2 CPU cores (2026-11-23; the interpreter's first compile
-# included) and a guess for a GPU: only for the "about" in the first line.
+# Seconds per case measured on 2 CPU cores (the interpreter's first compile included) and a guess
+# for a GPU: only for the "about" in the first line.
 SECONDS_PER_CASE = {"cuda": 0.05, "interp": 1.4, "numpy": 0.05}
 TOPK_PATTERN, TOPK_BLOCKS = "topk (chosen)", 2  # the data-chosen case: blocks kept per row
 # The serving case: a paged KVCache (pages of `blocksize` tokens) kept by HeavyHitters, ragged

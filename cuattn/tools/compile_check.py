@@ -42,14 +42,13 @@ MAX_ERROR_LINES = 12  # of one compiler error shown
 MAX_LISTED = 4  # instantiations named per distinct error
 MAX_REASON_CHARS = 160  # of a load error quoted in the one-line message
 # Registers by which sm_80 may use more than sm_90 on one instantiation, with room to spare: over
-# all 1265 attention, decode and layout instantiations the most is 40 (fp32 dQ at head dim 256;
-# bench/NOTES.md, "The test suite's NVRTC sweep").
+# all 1265 attention, decode and layout instantiations the most is 40 (fp32 dQ at head dim 256).
 ARCH_REGISTER_MARGIN = 48
 # Instantiations of one file per NVRTC program: enough to parse the headers once for several,
 # few enough that a job's batches still spread over every core.
 COMPILE_BATCH = 8
 # A block kernel's score-modifier variant (MODS_SCORE) uses at most 78 registers more than its
-# plain twin on sm_90 (all 1152 pairs, NVRTC 12.9, 2026-11-26; bench/NOTES.md, change 16): a
+# plain twin on sm_90 (all 1152 pairs, NVRTC 12.9): a
 # plain instantiation this far below its cap has a variant that cannot spill there.
 MODS_REGISTER_MARGIN = 80
 PLAIN_MODS, SCORE_MODS = "MODS_NONE>", "MODS_SCORE>"

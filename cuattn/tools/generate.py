@@ -83,7 +83,7 @@ PASSKEY_POLICIES = ("sliding", "streaming", "h2o", "quest", "snapkv", "ada-snapk
 # core beside other work) copy's held-out exact match (64 prompts) was 0.73-0.80 at steps
 # 800-1050 and 0.95-1.00 from step 1300 to 1900 (batch 16, 0.7 s a step); recall's rose from
 # 0.23 at step 400 to 0.45 at 850 (batch 32, 1.5-2.4 s a step), still climbing. At 128, 1200
-# steps of copy and 3000 of recall had sufficed (tables of 2026-11-26, commits 51c38a6, 52278f9).
+# steps of copy and 3000 of recall had sufficed.
 COPY_CONTEXT = 512
 COPY_STEPS = 3000
 RECALL_CONTEXT = 512

@@ -459,7 +459,7 @@ def bench_times(profile_dir: Path = PROFILE_DIR) -> dict[tuple, dict[str, float]
 # Out of sample: the H200 run's counters (nothing above is fitted on them)
 
 VALIDATION_DIR = PROFILE_DIR.parent / "2026-11-26-h200"
-VALIDATION_COMMIT = "e6a0613"  # the tree that ran (bench/results/2026-11-26-h200/summary.md)
+VALIDATION_COMMIT = "e6a0613"  # the tree that ran (summary.md in VALIDATION_DIR)
 VALIDATION_LOGS = {128: "counters-d128.log", 64: "counters-d64.log"}
 # The instantiations scripts/profile_kernels.py ran there (dense causal 64-blocks from 1k tokens
 # pair the forward's query blocks), by their labels in sass_model.hot_specs().
@@ -491,7 +491,7 @@ def _template_arguments(name: str) -> list[str]:
 
 def _same_sizes(expression: str, profiled: str) -> bool:
     """Whether today's ``expression`` has the sizes of the ``profiled`` instantiation: equal
-    arguments, but for the CTA count (the fourth) the dQ kernel took until change 25."""
+    arguments, but for the CTA count (the fourth) that the profiled dQ kernel still took."""
     ours, theirs = _template_arguments(expression), _template_arguments(profiled)
     if profiled.startswith("attn_bwd_dq<") and len(theirs) == len(ours) + 1:
         theirs = theirs[:3] + theirs[4:]

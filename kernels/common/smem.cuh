@@ -31,7 +31,7 @@ struct SmemStride {
 // column computed once, and constant-stride pointer steps. A loop over `chunk = tid; chunk <
 // CHUNKS; chunk += NUM_THREADS` instead has a trip count that depends on tid (the compiler does
 // not know tid < NUM_THREADS): a general loop with a remainder that recomputes row, column and
-// both addresses at every copy, ~22 instructions per cp.async (bench/NOTES.md, change 11).
+// both addresses at every copy, ~22 instructions per cp.async.
 // UNROLL: issue the COPIES copies unrolled (each a cp.async with its own address, no loop
 // counter or pointer steps), for kernels with the registers to keep those addresses live.
 template <int ROWS, int COLS, int NUM_THREADS, bool UNROLL = false, typename T>

@@ -109,9 +109,9 @@ __device__ __forceinline__ float unpack_element(u32 packed, int index) {
 // pairs / groups or one more pair, started one group after another; within a group, every
 // pair's last query tile starts first, then the one before it. Launched head by head, the
 // longest rows of a causal layout's last head would start last and the SMs done early would
-// idle while they run (bench/NOTES.md changes 27-28); started over every head at once, the
-// resident CTAs would each stream a different head's K and V through the L2 and miss it (the
-// H200 read them 8 (d = 128) to 15 (d = 64) times over, change 34). The host sizes the groups
+// idle while they run; started over every head at once, the resident CTAs would each stream a
+// different head's K and V through the L2 and miss it (the H200 read them 8 (d = 128) to 15
+// (d = 64) times over). The host sizes the groups
 // so one group's K and V fit the L2 (geometry.sm90_cta_groups).
 struct CtaTile {
   int tile;

@@ -7,8 +7,6 @@ layout = cuattn.make_layout("strided", n_ctx=1024, heads=4, blocksize=32, local_
 out = cuattn.sparse_attention(q4, k4, v4, layout)   # q4: [batch, heads, time, head_dim]
 """
 
-import sys as _sys
-
 from cuattn.api import (
     alibi_slopes,
     attention,
@@ -19,7 +17,7 @@ from cuattn.api import (
     sparse_attention_varlen,
     split_heads,
 )
-from cuattn.autograd import ops, tape
+from cuattn.autograd import tape
 from cuattn.autograd.tape import Function, Tensor, no_grad, recompute
 from cuattn.dynamic import vertical_slash_layout
 from cuattn.layout import (
@@ -32,10 +30,6 @@ from cuattn.layout import (
 )
 from cuattn.sdpa import scaled_dot_product_attention
 from cuattn.serving import KVCache, decode_attention, policies
-
-# The public modules' import paths from before the layer folders keep working.
-_sys.modules.setdefault("cuattn.tape", tape)
-_sys.modules.setdefault("cuattn.ops", ops)
 
 __version__ = "0.1.0"
 
@@ -56,12 +50,12 @@ __all__ = [
     "merge_attention_states",
     "merge_heads",
     "no_grad",
-    "ops",
     "policies",
     "recompute",
     "scaled_dot_product_attention",
     "sparse_attention",
     "sparse_attention_varlen",
     "split_heads",
+    "tape",
     "vertical_slash_layout",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,18 +120,6 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _warn_deterministic(deterministic: object) -> None:
-    """``deterministic=`` never changed anything: every backend's backward is bit-identical run
-    to run (the kernels compute dQ in its own pass, without atomics). Deprecated, then gone."""
-    if deterministic is not None:
-        warnings.warn(
-            "deterministic= is deprecated and does nothing: every cuattn backward is already "
-            "bit-identical run to run; drop the argument (it goes in the next release)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-
-
 def sparse_attention(
     q: Any,
     k: Any,
@@ -151,7 +138,6 @@ def sparse_attention(
     dropout_p: float = 0.0,
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
-    deterministic: bool | None = None,
 ) -> Any:
     """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`
     (one length) or a :class:`Pattern` (built for each call's lengths); without one, dense
@@ -191,10 +177,8 @@ def sparse_attention(
     has no global generator, so jax calls pass the seed.
     ``backend``: 'numpy', 'interp' or 'cuda' (default: from the arrays' device and
     CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward and recomputes the forward
-    there. Every backward is bit-identical run to run (``deterministic=`` is deprecated and
-    does nothing).
+    there. Every backward is bit-identical run to run.
     """
-    _warn_deterministic(deterministic)
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
     if layout is None:
         layout = _implicit_pattern(int(q.shape[1]), causal, window_size)
@@ -492,7 +476,6 @@ def blocksparse_attention(
     dropout_p: float = 0.0,
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
-    deterministic: bool | None = None,
 ) -> Any:
     """The original ``blocksparse_attention_impl``: q, k, v [batch, time, heads * head_dim].
 
@@ -500,10 +483,8 @@ def blocksparse_attention(
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
     ``softcap``, ``alibi_slopes``, ``key_bias``, ``rel_bias``, ``dropout_p`` and
-    ``dropout_seed`` as in :func:`sparse_attention`. ``deterministic=`` is deprecated and does
-    nothing.
+    ``dropout_seed`` as in :func:`sparse_attention`.
     """
-    _warn_deterministic(deterministic)
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
     if not isinstance(attn_mode, str) or attn_mode not in MODES:
         raise ValueError(f"attn_mode must be one of {MODES}, got {attn_mode!r}")

@@ -90,21 +90,3 @@ def test_env_var_selects_backend(monkeypatch):
     monkeypatch.setenv("CUATTN_BACKEND", "bogus")
     with pytest.raises(ValueError, match="backend must be one of"):
         be.resolve_backend(None, on_device=False)
-
-
-def test_deterministic_is_deprecated_and_changes_nothing():
-    """Every backward is bit-identical run to run: the flag never did anything, so it warns."""
-    import warnings
-
-    rng = np.random.default_rng(2)
-    q, k, v = (rng.standard_normal((1, 2, 32, 8)) for _ in range(3))
-    layout = cuattn.make_layout("all", 32, 2, blocksize=16)
-    with pytest.warns(DeprecationWarning, match="deterministic= is deprecated and does nothing"):
-        flagged = cuattn.sparse_attention(q, k, v, layout, deterministic=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        plain = cuattn.sparse_attention(q, k, v, layout)
-    assert np.array_equal(flagged, plain)
-    bte = [x.transpose(0, 2, 1, 3).reshape(1, 32, 16) for x in (q, k, v)]
-    with pytest.warns(DeprecationWarning, match="deterministic="):
-        cuattn.blocksparse_attention(*bte, heads=2, attn_mode="all", deterministic=False)

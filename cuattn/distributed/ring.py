@@ -240,7 +240,6 @@ def ring_attention(
     return_lse: bool = False,
     *,
     backend: str | None = None,
-    deterministic: bool | None = None,
     stats: RingStats | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a sequence sharded over the ranks of ``group``.
@@ -251,9 +250,8 @@ def ring_attention(
     ``return_lse``), equal to ``shard(sparse_attention(whole q, k, v, layout))``; gradients
     of out and lse flow to q, k, v through torch.autograd. Every rank calls it with the same
     layout and balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped,
-    compute time. ``deterministic=`` is deprecated and does nothing.
+    compute time.
     """
-    api._warn_deterministic(deterministic)
     group = _check_group(group)
     api._check_qkv(q, k, v, 4, "[batch, heads, time / world_size, head_dim]")
     if not isinstance(layout, Layout):

@@ -14,8 +14,6 @@ from cuattn.layout import original
 from cuattn.layout import extended
 
 # isort: on
-from typing import Any
-
 from cuattn.layout import dynamic
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import ElementRule, Layout
@@ -31,15 +29,9 @@ __all__ = [
     "ElementRule",
     "Layout",
     "Pattern",
+    "dynamic",
     "extended",
     "make_layout",
     "modes",
     "original",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """The deprecated ``cuattn.layout.vertical_slash_layout`` (see cuattn.layout.dynamic)."""
-    if name == "vertical_slash_layout":
-        return getattr(dynamic, name)  # warns
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,6 @@ host and the device choose from the same arithmetic.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -15,11 +14,6 @@ import numpy as np
 from cuattn._util import host_array, stable_kind
 from cuattn.layout.blocks import bitmask_layout, block_count, causal_cut
 from cuattn.layout.layout import Layout, check_positive_int
-
-VERTICAL_SLASH_DEPRECATION = (
-    "cuattn.layout.vertical_slash_layout is deprecated and will be removed in the next release: "
-    "use cuattn.vertical_slash_layout (any framework; NumPy arrays give the same host layout)"
-)
 
 
 def vertical_slash_tables(
@@ -151,12 +145,3 @@ def check_vertical_slash_args(
         ("last_q", last_q),
     ):
         check_positive_int(name, val)
-
-
-def __getattr__(name: str) -> Any:
-    """``vertical_slash_layout``, the old name of :func:`host_vertical_slash_layout`, kept one
-    release with a DeprecationWarning (``cuattn.vertical_slash_layout`` is the public call)."""
-    if name == "vertical_slash_layout":
-        warnings.warn(VERTICAL_SLASH_DEPRECATION, DeprecationWarning, stacklevel=2)
-        return host_vertical_slash_layout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,10 +21,7 @@ rule speak of computed order; ``to_mask()`` always answers in the caller's natur
 
 from __future__ import annotations
 
-import itertools
 import math
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,15 +39,6 @@ PICTURE_MAX_WIDTH = 64
 FULL_BLOCK = -1
 
 MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-
-# Deprecated (``Layout.uid`` / ``Layout.lookup``): a layout gets a serial number only when its
-# ``uid`` is read; nothing in cuattn reads it (layouts cross framework ops as their arrays).
-_SERIALS = itertools.count(1)
-_NAMED: weakref.WeakValueDictionary[int, Layout] = weakref.WeakValueDictionary()
-UID_DEPRECATION = (
-    "Layout.uid and Layout.lookup are deprecated and will be removed in the next release: "
-    "cuattn's torch ops take a Layout as its index arrays, not by number"
-)
 
 
 @dataclass(frozen=True)
@@ -185,28 +173,6 @@ class Layout:
             perm.setflags(write=False)
         self.perm = perm
         self._build(blocks)
-
-    @property
-    def uid(self) -> int:
-        """Deprecated: a number naming this layout for :meth:`lookup` while it lives."""
-        warnings.warn(UID_DEPRECATION, DeprecationWarning, stacklevel=2)
-        serial = self.__dict__.get("_uid")
-        if serial is None:
-            serial = self.__dict__["_uid"] = next(_SERIALS)
-            _NAMED[serial] = self
-        return serial
-
-    @staticmethod
-    def lookup(uid: int) -> Layout:
-        """Deprecated: the live layout whose ``uid`` this is; ValueError once it is freed."""
-        warnings.warn(UID_DEPRECATION, DeprecationWarning, stacklevel=2)
-        layout = _NAMED.get(uid)
-        if layout is None:
-            raise ValueError(
-                f"layout uid {uid} names no live Layout: keep the Layout object alive while "
-                "a compiled or recorded call that uses it can run"
-            )
-        return layout
 
     @classmethod
     def from_blocks(

@@ -127,7 +127,7 @@ def test_autocast_leaves_the_input_dtype():
 
 def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
     """No registry: a concrete Layout reaches the ops as tensors sharing its arrays (CPU), made
-    once and kept while the Layout lives; the deprecated uid/lookup still answer, with a warning."""
+    once and kept while the Layout lives."""
     blocks = np.ones((HEADS, 2, 2), dtype=bool)
     layout = cuattn.Layout.from_blocks(blocks, BLOCK, mask_fn=lambda h, q, k: k <= q + h)
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
@@ -138,10 +138,6 @@ def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
     assert all(a is b for a, b in zip(index, again, strict=True))
     out, _ = torch.ops.cuattn.attention_fwd(q, q, q, *layout_args, False, index)
     assert torch.equal(out, cuattn.sparse_attention(q, q, q, layout, scale=1.0))
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        uid = layout.uid
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        assert cuattn.Layout.lookup(uid) is layout
 
 
 def test_pattern_is_a_plain_value():

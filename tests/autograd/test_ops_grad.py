@@ -1,19 +1,13 @@
-"""Each general tape op's backward vs central finite differences and torch autograd (float64),
-and the old ``cuattn.autograd.ops`` names: they still work, with a warning naming the new place."""
+"""Each general tape op's backward vs central finite differences and torch autograd (float64)."""
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import cuattn
-from cuattn.autograd import attention
 from cuattn.autograd.tape import Tensor
-from cuattn.tools import tinylm_ops
 from cuattn.tools.tinylm_ops import (
     cross_entropy,
     embedding,
@@ -150,55 +144,3 @@ def test_op_on_cupy_matches_numpy(name):
     np.testing.assert_allclose(cupy.asnumpy(d_out.data), out, rtol=1e-12, atol=1e-12)
     for g, leaf in zip(grads, leaves, strict=True):
         np.testing.assert_allclose(cupy.asnumpy(leaf.grad), g, rtol=1e-12, atol=1e-12)
-
-
-# The public names of cuattn.autograd.ops (also cuattn.ops) before it was split, by new place.
-MOVED_TO_DEMO = (
-    "cross_entropy",
-    "embedding",
-    "gelu",
-    "layer_norm",
-    "merge_heads",
-    "softmax",
-    "split_heads",
-)
-NOW_TENSOR_METHODS = {
-    "add": "__add__",
-    "sub": "__sub__",
-    "mul": "__mul__",
-    "div": "__truediv__",
-    "matmul": "__matmul__",
-    "sum": "sum",
-    "mean": "mean",
-    "reshape": "reshape",
-    "transpose": "transpose",
-}
-
-
-@pytest.mark.parametrize("name", ["attend", *MOVED_TO_DEMO, *NOW_TENSOR_METHODS])
-def test_old_ops_names_still_resolve_and_warn_where_they_went(name):
-    if name == "attend":
-        new, where = attention.attend, "cuattn.autograd.attention.attend"
-    elif name in MOVED_TO_DEMO:
-        new, where = getattr(tinylm_ops, name), f"cuattn.tools.tinylm_ops.{name}"
-    else:
-        method = NOW_TENSOR_METHODS[name]
-        new, where = getattr(Tensor, method), f"cuattn.autograd.tape.Tensor.{method}"
-    with pytest.warns(DeprecationWarning, match=re.escape(f"ops.{name} is deprecated")) as caught:
-        old = getattr(cuattn.ops, name)
-    assert old is new
-    assert f"use {where} instead" in str(caught[0].message)
-
-
-def test_old_ops_calls_compute_what_they_did():
-    a = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
-    with pytest.warns(DeprecationWarning):
-        from cuattn.ops import add, gelu, mul, transpose
-        from cuattn.ops import sum as ops_sum
-
-        ops_sum(mul(add(a, 1.0), transpose(transpose(gelu(a)), None))).backward()
-    want = Tensor(a.data.copy(), requires_grad=True)
-    ((want + 1.0) * tinylm_ops.gelu(want).transpose().transpose(None)).sum().backward()
-    np.testing.assert_array_equal(a.grad, want.grad)
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        cuattn.ops.nothing  # noqa: B018

@@ -257,17 +257,3 @@ def test_a_new_pattern_is_one_registered_constructor(monkeypatch):
         cuattn.make_layout("every_other", 64, 2, blocksize=16, stride=3)
     with pytest.raises(ValueError, match="registered already"):
         registry.register("local")(every_other_layout)
-
-
-def test_the_old_host_vertical_slash_name_warns_and_still_works():
-    """cuattn.layout.vertical_slash_layout was a second public vertical-slash call; it is now
-    cuattn.layout.dynamic.host_vertical_slash_layout, the old name kept one release."""
-    rng = np.random.default_rng(3)
-    q, k = (rng.standard_normal((2, 64, 8)) for _ in "qk")
-    with pytest.warns(DeprecationWarning, match="use cuattn.vertical_slash_layout"):
-        old = cuattn.layout.vertical_slash_layout
-    assert old is host_vertical_slash_layout
-    np.testing.assert_array_equal(
-        old(q, k, 16, 4, 4, 16).to_mask(),
-        cuattn.vertical_slash_layout(q, k, 16, 4, 4, 16).to_mask(),
-    )

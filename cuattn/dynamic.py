@@ -75,10 +75,6 @@ DEVICE_TABLE_LIMIT_BYTES = 2 * 2**30
 MASS_SLACK = 1e-9
 
 
-def _as_array(name: str, x: Any) -> Any:
-    return _described(name, x)[0]
-
-
 def _described(name: str, x: Any) -> tuple[Any, dlpack.ArrayInfo]:
     """(x as a [heads, n, d] NumPy/CuPy array sharing its memory, where x lives)."""
     arr, info = _described_batch(name, x)

@@ -9,6 +9,7 @@ calls the constructor.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -134,8 +135,7 @@ def check_pattern(
             raise
 
 
-_CACHE: dict[tuple, Layout] = {}
-CACHE_SIZE = 64
+CACHE_SIZE = 64  # layouts make_layout keeps, least recently used out first
 
 
 def _freeze(value: object) -> object:
@@ -169,10 +169,11 @@ def make_layout(
     check_positive_int("n_ctx", n_ctx)
     if n_q is not None:
         check_positive_int("n_q", n_q)
-    pattern = check_arguments(
+    check_arguments(
         attn_mode, heads, blocksize, num_verts, vertsize, causal, pattern_args, ("n_ctx", "n_q")
     )
-    key = (
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items()))
+    return _built(
         attn_mode,
         n_ctx,
         heads,
@@ -182,10 +183,26 @@ def make_layout(
         vertsize,
         bool(causal),
         n_q,
-        tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items())),
+        frozen,
     )
-    if key in _CACHE:
-        return _CACHE[key]
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _built(
+    attn_mode: str,
+    n_ctx: int,
+    heads: int,
+    blocksize: int,
+    local_attn_ctx: int | None,
+    num_verts: int | None,
+    vertsize: int | None,
+    causal: bool,
+    n_q: int | None,
+    frozen_args: tuple,
+) -> Layout:
+    """make_layout's layout of checked arguments (pattern arguments as _freeze made them)."""
+    pattern = _PATTERNS[attn_mode]
+    pattern_args = dict(frozen_args)
     given = dict(local_attn_ctx=local_attn_ctx, num_verts=num_verts, vertsize=vertsize)
     # The original passes local_attn_ctx to every mode; a pattern without a window ignores it.
     named = {name: value for name, value in given.items() if name in pattern.params}
@@ -193,11 +210,8 @@ def make_layout(
     if rectangular and "transpose" in pattern.params and pattern_args.get("transpose") is None:
         pattern_args = {**pattern_args, "transpose": False}  # a permutation needs a square
     layout = pattern.build(
-        n_ctx=n_ctx, heads=heads, blocksize=blocksize, causal=bool(causal), **named, **pattern_args
+        n_ctx=n_ctx, heads=heads, blocksize=blocksize, causal=causal, **named, **pattern_args
     )
     if rectangular:
         layout = end_aligned(layout, n_q)
-    if len(_CACHE) >= CACHE_SIZE:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = layout
     return layout

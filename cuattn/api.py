@@ -19,7 +19,7 @@ from cuattn import backends
 from cuattn._util import array_library, dims, dtype_name
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
-from cuattn.autograd.tape import Context, Function, Tensor, get_array_module
+from cuattn.autograd.tape import Context, Function, Tensor
 from cuattn.backends.call import (
     NO_MODS,
     NO_OPERANDS,
@@ -377,7 +377,7 @@ def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
 
 def _no_keys_arrays(q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
     """NumPy or CuPy zeros like q and lse -inf, on q's device."""
-    xp = get_array_module(q)
+    xp = backends.array_module(q)
     with q.device if xp is not np else contextlib.nullcontext():
         return xp.zeros(q.shape, q.dtype), xp.full(q.shape[:3], -np.inf, lse_dtype)
 
@@ -392,7 +392,7 @@ class _NoKeys(Function):
 
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
-        xp = get_array_module(dout)
+        xp = backends.array_module(dout)
         return (*(xp.zeros(shape, dtype) for shape, dtype in ctx.shapes), None)
 
 

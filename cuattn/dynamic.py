@@ -50,7 +50,7 @@ import numpy as np
 
 from cuattn._util import ceil_div, host_array, widened
 from cuattn.adapters import dlpack
-from cuattn.backends import geometry, layout_build, resolve_backend
+from cuattn.backends import array_module, geometry, layout_build, resolve_backend
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import (
     VerticalSlashRule,
@@ -96,10 +96,7 @@ SCORE_CHUNK_ELEMENTS = 1 << 24
 
 def _pooled(x: Any, blocksize: int, pool: str) -> Any:
     """[heads, n, d] -> [heads, nb, d] in float32 (float64 for float64)."""
-    if isinstance(x, np.ndarray):
-        xp = np
-    else:
-        import cupy as xp
+    xp = array_module(x)
     acc = xp.float64 if x.dtype == xp.float64 else xp.float32
     heads, n, d = x.shape
     nb = ceil_div(n, blocksize)
@@ -148,9 +145,7 @@ def _scores(qa: Any, ka: Any, blocksize: int, pool: str) -> Any:
     if isinstance(pq, np.ndarray):
         scores = grouped @ pk.transpose(0, 2, 1)[:, None]  # [kv_heads, group, nb, nb]
     else:
-        import cupy
-
-        scores = block_products(grouped, pk, cupy)
+        scores = block_products(grouped, pk, array_module(pq))
     return scores.reshape(heads, nb, nb)
 
 

@@ -26,27 +26,18 @@ from typing import Any
 import numpy as np
 
 from cuattn._util import array_library
+from cuattn.backends import array_module
 
 __all__ = [
     "Context",
     "Function",
     "Tensor",
-    "get_array_module",
     "is_grad_enabled",
     "no_grad",
     "recompute",
     "saved_nbytes",
     "unbroadcast",
 ]
-
-
-def get_array_module(x: Any) -> ModuleType:
-    """numpy or cupy, chosen from the array's own type; never imports CuPy for a NumPy array."""
-    if array_library(x) == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 class _State(threading.local):
@@ -268,7 +259,7 @@ class Tensor:
 
     @property
     def xp(self) -> ModuleType:
-        return get_array_module(self.data)
+        return array_module(self.data)
 
     def __repr__(self) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -614,7 +605,7 @@ class Sum(Function):
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
-        xp = get_array_module(g)
+        xp = array_module(g)
         if not ctx.keepdims:
             g = xp.expand_dims(g, ctx.axes)
         return xp.broadcast_to(g, ctx.shape).copy()

@@ -21,10 +21,12 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import replace
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
 
+from cuattn._util import array_library
 from cuattn.backends import dropout
 from cuattn.backends import numpy_ref as reference
 from cuattn.backends.call import NO_MODS, NO_OPERANDS, SCORE_OPERANDS, ScoreMods
@@ -158,9 +160,19 @@ def resolve_backend(name: str | None, on_device: bool) -> Backend:
     return _INSTANCES[name]
 
 
-def _array_module(x: Any) -> Any:
-    """NumPy or CuPy, the two kinds of array a backend is handed (adapters/dlpack.py)."""
-    return np if isinstance(x, np.ndarray) else importlib.import_module("cupy")
+def array_module(x: Any) -> ModuleType:
+    """NumPy or CuPy: the module of a NumPy or CuPy array (the two kinds a backend is handed,
+    adapters/dlpack.py), read off its type; a NumPy array never imports CuPy. The one place
+    cuattn asks which array module to compute with."""
+    return importlib.import_module("cupy") if array_library(x) == "cupy" else np
+
+
+def device_module(device: str, name: str) -> ModuleType:
+    """NumPy for "cpu", CuPy for "cuda" (an ArrayInfo's device): the module that allocates
+    there; another device is a ValueError naming the argument ``name`` whose device it is."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be a CPU or CUDA array, got one on {device!r}")
+    return importlib.import_module("cupy") if device == "cuda" else np
 
 
 def _prepare(x: Any, layout: Layout) -> Any:
@@ -169,14 +181,14 @@ def _prepare(x: Any, layout: Layout) -> Any:
     16-byte-multiple strides and refuse others with a ValueError)."""
     if layout.perm is None:
         return x
-    xp = _array_module(x)
+    xp = array_module(x)
     return xp.ascontiguousarray(x[:, :, xp.asarray(layout.perm)])
 
 
 def _to_natural(x: Any, layout: Layout) -> Any:
     if layout.perm is None:
         return x
-    xp = _array_module(x)
+    xp = array_module(x)
     out = xp.empty_like(x)
     out[:, :, xp.asarray(layout.perm)] = x
     return out
@@ -185,12 +197,12 @@ def _to_natural(x: Any, layout: Layout) -> Any:
 def _resolve_for(x: Any, backend: str | None, layout: Layout | None = None) -> Backend:
     if isinstance(layout, DeviceLayout):
         _check_layout_place(x, layout)
-    return resolve_backend(backend, on_device=_array_module(x).__name__ == "cupy")
+    return resolve_backend(backend, on_device=array_module(x).__name__ == "cupy")
 
 
 def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
     """A device layout is read where it was built: q must be there too (no silent copies)."""
-    q_device = int(q.device.id) if _array_module(q).__name__ == "cupy" else None
+    q_device = int(q.device.id) if array_module(q).__name__ == "cupy" else None
     if q_device != layout.device:
         built = "on the CPU (NumPy)" if layout.device is None else f"on cuda:{layout.device}"
         where = "on the CPU" if q_device is None else f"on cuda:{q_device}"

@@ -44,6 +44,7 @@ import numpy as np
 
 from cuattn._util import array_library, ceil_div, host_array, stable_kind, widened
 from cuattn.adapters import dlpack
+from cuattn.backends import device_module
 from cuattn.layout.layout import check_positive_int
 from cuattn.serving.policies import EMPTY, Policy
 
@@ -132,7 +133,7 @@ class KVCache:
         self.info = (
             dlpack.ArrayInfo("numpy", "cpu") if like is None else dlpack.describe(like, "like")
         )
-        self.xp = _array_module(self.info)
+        self.xp = device_module(self.info.device, "like")
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         # the most tokens each pair may keep, and the tokens each sequence keeps over its kv
         # heads (host): what the pool and tables are sized by
@@ -702,16 +703,6 @@ class KVCache:
 # the arrays sized by the pool (copied when it grows), and the rest of the bookkeeping
 _POOL_ARRAYS = ("k_pages", "v_pages", "slot_pos", "slot_score", "key_min", "key_max")
 _BOOK_ARRAYS = ("free_stack", "free_top", "page_table", "page_count", "_lengths_device")
-
-
-def _array_module(info: dlpack.ArrayInfo) -> Any:
-    if info.device == "cuda":
-        import cupy
-
-        return cupy
-    if info.device != "cpu":
-        raise ValueError(f"like must be a CPU or CUDA array, got {info}")
-    return np
 
 
 def _storage_dtype(xp: Any, name: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cuattn._util import host_array
-from cuattn.autograd.tape import get_array_module
+from cuattn.backends import array_module
 from cuattn.backends.dropout import keep_mask
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact
@@ -43,7 +43,7 @@ T = TypeVar("T")
 def alibi_bias(slopes: Any, batch: int, n_q: int, n_k: int) -> Any:
     """ALiBi's additive bias [batch, heads, n_q, n_k] in float64 from slopes [heads] or [batch,
     heads]: -slope * |i + n_k - n_q - j| (end-aligned query positions, FlashAttention's)."""
-    xp = get_array_module(slopes)
+    xp = array_module(slopes)
     (slopes,) = _float64(slopes)
     slopes = xp.broadcast_to(slopes, (batch, slopes.shape[-1]))
     q_pos = xp.arange(n_q, dtype=xp.float64) + (n_k - n_q)
@@ -76,7 +76,7 @@ def rel_columns(n_q: int, n_k: int, max_distance: int) -> np.ndarray:
 def rel_position_bias(table: Any, batch: int, n_q: int, n_k: int) -> Any:
     """A relative-position table's additive bias [batch, heads, n_q, n_k] in float64 from the
     table [heads, 2 M + 1] or [batch, heads, 2 M + 1]: table[.., rel_columns(n_q, n_k, M)]."""
-    xp = get_array_module(table)
+    xp = array_module(table)
     (table,) = _float64(table)
     table = xp.broadcast_to(table, (batch, *table.shape[-2:]))
     columns = xp.asarray(rel_columns(n_q, n_k, (table.shape[-1] - 1) // 2))
@@ -98,7 +98,7 @@ def rel_table_gradient(dbias: np.ndarray, max_distance: int, per_batch: bool) ->
 def _scores(q: Any, k: Any, scale: float, score_dtype: Any, softcap: float) -> tuple[Any, Any]:
     """(S, dS_capped/dS_scaled): scale * q.k, capped as ``softcap * tanh(s / softcap)`` when
     softcap > 0, and the cap's slope 1 - tanh^2 (1 without a cap), before any mask."""
-    xp = get_array_module(q)
+    xp = array_module(q)
     s = xp.einsum("bhqd,bhkd->bhqk", q, k)
     if score_dtype is not None:  # formed as the backends do: q.k, then * scale, in that type
         s = (s.astype(score_dtype) * xp.dtype(score_dtype).type(scale)).astype(xp.float64)
@@ -121,7 +121,7 @@ def _probs(
 ) -> tuple[Any, Any, Any, Any]:
     """(P, row max, row sum, the cap's slope) of the masked softmax in float64 (l_sum == 0: an
     empty row); ``bias`` (or None) is added after the cap, before the mask."""
-    xp = get_array_module(q)
+    xp = array_module(q)
     s, slope = _scores(q, k, scale, score_dtype, softcap)
     if bias is not None:
         s = s + bias
@@ -136,7 +136,7 @@ def _probs(
 def _rows_of(w: Any, x: Any, computed: Any) -> Any:
     """sum over keys of w[b, h, q, k] x[b, h, k, d] -> [b, h, q, d]; with ``computed``, a pair
     outside it adds nothing (not 0 * x)."""
-    xp = get_array_module(w)
+    xp = array_module(w)
     if computed is None:
         return xp.einsum("bhqk,bhkd->bhqd", w, x)
     terms = w[..., None] * x[:, :, None, :, :]
@@ -145,7 +145,7 @@ def _rows_of(w: Any, x: Any, computed: Any) -> Any:
 
 def _cols_of(w: Any, x: Any, computed: Any) -> Any:
     """sum over queries of w[b, h, q, k] x[b, h, q, d] -> [b, h, k, d], as _rows_of."""
-    xp = get_array_module(w)
+    xp = array_module(w)
     if computed is None:
         return xp.einsum("bhqk,bhqd->bhkd", w, x)
     terms = w[..., None] * x[:, :, :, None, :]
@@ -169,14 +169,13 @@ def computed_pairs(layout: Any) -> np.ndarray:
 
 def _float64(*arrays: Any) -> list[Any]:
     return [
-        x.astype(get_array_module(x).float64) if hasattr(x, "astype") else np.float64(x)
-        for x in arrays
+        x.astype(array_module(x).float64) if hasattr(x, "astype") else np.float64(x) for x in arrays
     ]
 
 
 def _repeat_kv(q: Any, *kv: Any) -> list[Any]:
     group = q.shape[1] // kv[0].shape[1]
-    return [get_array_module(x).repeat(x, group, axis=1) for x in kv]
+    return [array_module(x).repeat(x, group, axis=1) for x in kv]
 
 
 def _sum_groups(grad: Any, kv_heads: int) -> Any:
@@ -216,7 +215,7 @@ def dense_attention(
     :func:`dropout_factors`) multiplies the probabilities (the lse is of every score)."""
     q, k, v = _float64(q, k, v)
     k, v = _repeat_kv(q, k, v)
-    xp = get_array_module(q)
+    xp = array_module(q)
     p, m, l_sum, _ = _probs(q, k, mask, scale, score_dtype, softcap, bias)
     empty = l_sum[..., 0] == 0
     if dropout is not None:
@@ -249,7 +248,7 @@ def dense_attention_grads(
     q, k, v, dout = _float64(q, k, v, dout)
     kv_heads = k.shape[1]
     k, v = _repeat_kv(q, k, v)
-    xp = get_array_module(q)
+    xp = array_module(q)
     p, _, l_sum, slope = _probs(q, k, mask, scale, score_dtype, softcap, bias)
     kept = p if dropout is None else p * dropout  # what multiplies v
     dv = _cols_of(kept, dout, computed)
@@ -278,7 +277,7 @@ def rel_err(x: Any, ref: Any, floor: float = REL_FLOOR) -> float:
     (x,) = _float64(x)
     if x.size == 0:
         return 0.0
-    xp = get_array_module(x)
+    xp = array_module(x)
     scale = max(float(xp.abs(ref).max()), floor)
     return float(xp.abs(x - ref).max() / scale)
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.autograd.tape import Context, Function, Tensor, get_array_module, unbroadcast
+from cuattn.autograd.tape import Context, Function, Tensor, unbroadcast
+from cuattn.backends import array_module
 
 __all__ = [
     "cross_entropy",
@@ -33,14 +34,14 @@ GELU_K = 0.044715
 class Gelu(Function):
     @staticmethod
     def forward(ctx: Context, x: Any) -> Any:
-        xp = get_array_module(x)
+        xp = array_module(x)
         ctx.save_for_backward(x)
         return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + GELU_K * x * x * x)))
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
         (x,) = ctx.saved_tensors
-        xp = get_array_module(x)
+        xp = array_module(x)
         t = xp.tanh(GELU_C * (x + GELU_K * x * x * x))
         dt = (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_K * x * x)
         return g * (0.5 * (1.0 + t) + 0.5 * x * dt)
@@ -49,7 +50,7 @@ class Gelu(Function):
 class Softmax(Function):
     @staticmethod
     def forward(ctx: Context, a: Any, axis: int = -1) -> Any:
-        xp = get_array_module(a)
+        xp = array_module(a)
         e = xp.exp(a - a.max(axis=axis, keepdims=True))
         out = e / e.sum(axis=axis, keepdims=True)
         ctx.axis = axis
@@ -67,7 +68,7 @@ class LayerNorm(Function):
 
     @staticmethod
     def forward(ctx: Context, x: Any, weight: Any, bias: Any, eps: float = 1e-5) -> Any:
-        xp = get_array_module(x)
+        xp = array_module(x)
         mu = x.mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(((x - mu) ** 2).mean(axis=-1, keepdims=True) + eps)
         xhat = (x - mu) * rstd
@@ -99,7 +100,7 @@ class CrossEntropy(Function):
 
     @staticmethod
     def forward(ctx: Context, logits: Any, targets: Any) -> Any:
-        xp = get_array_module(logits)
+        xp = array_module(logits)
         if targets.shape != logits.shape[:-1] or targets.dtype.kind not in "iu":
             raise ValueError(
                 f"targets must be an integer array of shape {logits.shape[:-1]}, "
@@ -115,7 +116,7 @@ class CrossEntropy(Function):
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         logp, targets = ctx.saved_tensors
-        xp = get_array_module(logp)
+        xp = array_module(logp)
         grad = xp.exp(logp)
         xp.put_along_axis(
             grad, targets[..., None], xp.take_along_axis(grad, targets[..., None], -1) - 1, -1
@@ -135,7 +136,7 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         (idx,) = ctx.saved_tensors
-        xp = get_array_module(g)
+        xp = array_module(g)
         grad = xp.zeros(ctx.shape, dtype=g.dtype)
         flat = g.reshape(-1, ctx.shape[-1])
         if xp is np:
@@ -152,7 +153,7 @@ class SplitHeads(Function):
 
     @staticmethod
     def forward(ctx: Context, x: Any, heads: int) -> Any:
-        xp = get_array_module(x)
+        xp = array_module(x)
         batch, time, width = _check_split(x.shape, heads)
         return xp.ascontiguousarray(
             x.reshape(batch, time, heads, width // heads).transpose(0, 2, 1, 3)
@@ -175,7 +176,7 @@ class MergeHeads(Function):
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
-        xp = get_array_module(g)
+        xp = array_module(g)
         batch, time, width = g.shape
         heads = ctx.heads
         return xp.ascontiguousarray(

@@ -501,7 +501,7 @@ def test_appending_and_scoring_read_nothing_back(name, monkeypatch):
     rng = np.random.default_rng(11)
     batch, kv_heads = 3, 2
     plain = cuattn.KVCache(batch, kv_heads, D, "float32", page_size=4, policy=POLICIES[name]())
-    monkeypatch.setattr(cache_module, "_array_module", lambda info: _DeviceModule("device"))
+    monkeypatch.setattr(cache_module, "device_module", lambda device, name: _DeviceModule("device"))
     device = cuattn.KVCache(batch, kv_heads, D, "float32", page_size=4, policy=POLICIES[name]())
     assert type(device.slot_pos) is _DeviceArray
     for k, v, lengths in _steps(rng, batch, kv_heads):

@@ -187,7 +187,7 @@ def test_appending_with_queries_reads_nothing_back(monkeypatch):
     k = rng.standard_normal((2, 2, 30, D)).astype(np.float32)
     q = rng.standard_normal((2, 4, 30, D)).astype(np.float32)
     plain = cuattn.KVCache(2, 2, D, "float32", page_size=4, policy=P.SnapKV(12, 3, 5, "avg"))
-    monkeypatch.setattr(cache_module, "_array_module", lambda info: _DeviceModule("device"))
+    monkeypatch.setattr(cache_module, "device_module", lambda device, name: _DeviceModule("device"))
     device = cuattn.KVCache(2, 2, D, "float32", page_size=4, policy=P.SnapKV(12, 3, 5, "avg"))
     for cache in (plain, device):
         cache.append(k[:, :, :10], k[:, :, :10])

@@ -62,7 +62,7 @@ NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.s
 NCU_METRICS="$NCU_METRICS,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
 NCU_METRICS="$NCU_METRICS,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"
 NCU_METRICS="$NCU_METRICS,smsp__inst_executed.sum,gpu__time_duration.sum"
-# The counters the static performance model predicts (cuattn/tools/sass_model.py), per kernel:
+# The counters the static performance model predicts (dev/sass_model.py), per kernel:
 # instructions by pipe and opcode, shared-memory wavefronts, L2/DRAM bytes. Names this ncu does
 # not know are dropped (it refuses a whole run over one unknown name).
 COUNTER_NAMES="smsp__inst_executed smsp__inst_executed_pipe_tensor_op_hmma smsp__inst_executed_op_ldsm

@@ -130,7 +130,7 @@ class Gpu:
         from cupy_backends.cuda.api import driver
 
         from cuattn.backends.toolchain import common_options
-        from cuattn.tools.sass_model import compile_module
+        from dev.sass_model import compile_module
 
         device = cupy.cuda.Device(0)
         capability = tuple(int(c) for c in device.compute_capability)

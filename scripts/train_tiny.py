@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from cuattn.autograd.tape import saved_nbytes  # noqa: E402
-from cuattn.tools.tinylm import TinyConfig, adam_step, init_params, loss, zen  # noqa: E402
+from dev.tinylm import TinyConfig, adam_step, init_params, loss, zen  # noqa: E402
 
 # "fixed": layer 0 "local", layer 1 "strided" with n_ctx / stride = 8 = one block per residue
 # class (the transposed strided layout); "dense": causal attention; "topk": both layers choose

@@ -1,6 +1,7 @@
 """kernels/*.cu ship in the wheel and are found from a non-editable install."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,3 +71,14 @@ def test_installed_cli_runs(installed_python):
     )
     assert res.returncode == 0, res.stderr
     assert "head 0" in res.stdout
+
+
+def test_the_library_never_imports_the_lab():
+    """dev/ (the static model, the compile check, the tiny LM) is not in the wheel: a module of
+    cuattn/ that imported it would fail in every installed copy."""
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "cuattn").rglob("*.py"))
+        if re.search(r"^\s*(from dev\b|import dev\b)", path.read_text(), re.MULTILINE)
+    ]
+    assert not importers

@@ -1,2 +1,2 @@
-"""The command line and its jobs (``cuattn check``, ``show``, ``compile``, ``bench``), the
-static SASS model, and the tiny demo transformer (``tinylm``, its tape ops in ``tinylm_ops``)."""
+"""The command line and its jobs (``cuattn check``, ``show``, ``bench``) and the float64
+oracle they check against. The lab (static SASS model, compile check, tiny LM) is dev/."""

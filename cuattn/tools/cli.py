@@ -12,10 +12,7 @@ from cuattn.layout import MODES, make_layout
 # Subcommands whose implementation lives in its own module, imported only when used:
 # name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
 _EXTERNAL = {
-    "compile": ("cuattn.tools.compile_check", "compile every kernel instantiation with NVRTC"),
-    "sass": ("cuattn.tools.sass_model", "static SASS model of the hot kernels: counts and time"),
     "bench": ("cuattn.tools.bench.run", "benchmark against torch SDPA and FlexAttention (GPU)"),
-    "generate": ("cuattn.tools.generate", "KV-cache policies on a tiny LM: quality vs memory"),
 }
 
 
@@ -23,11 +20,11 @@ EXAMPLES = """examples:
   cuattn check                       the correctness check on the best backend present
   cuattn check --backend numpy --full
   cuattn show strided --n-ctx 256 --blocksize 16 --local-attn-ctx 8
-  cuattn compile --arch sm_90 --jobs 4
-  cuattn sass --calibrate            per-tile SASS counts, predicted times, f532ccd calibration
   cuattn bench --quick               on a GPU: cuattn vs SDPA and FlexAttention
   cuattn bench --dry-run             on a CPU: the benchmark harness on the NumPy backend
-  cuattn generate --png gen.png      KV-cache policies: kept bytes, agreement, perplexity
+
+the lab (static SASS model, NVRTC compile check, tiny-LM tables) runs from a checkout:
+  python -m dev --help
 """
 
 

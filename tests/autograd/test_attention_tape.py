@@ -8,7 +8,7 @@ import torch
 
 import cuattn
 from cuattn.autograd.tape import Tensor, saved_nbytes
-from cuattn.tools.tinylm_ops import merge_heads, split_heads
+from dev.tinylm_ops import merge_heads, split_heads
 from tests.helpers.attn_cases import (
     BLOCK,
     GRAD_RTOL_F64,

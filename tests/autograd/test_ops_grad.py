@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cuattn.autograd.tape import Tensor
-from cuattn.tools.tinylm_ops import (
+from dev.tinylm_ops import (
     cross_entropy,
     embedding,
     gelu,

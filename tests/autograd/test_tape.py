@@ -7,7 +7,7 @@ import pytest
 
 import cuattn.autograd.tape as tape
 from cuattn.autograd.tape import Context, Function, Tensor, no_grad, recompute, saved_nbytes
-from cuattn.tools.tinylm_ops import cross_entropy, gelu, layer_norm, softmax
+from dev.tinylm_ops import cross_entropy, gelu, layer_norm, softmax
 
 
 def _leaf(rng, *shape):

@@ -187,8 +187,8 @@ def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():
     injects waits between wgmma (C7519) nor serialises them (C7520)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
-    from cuattn.tools import sass, sass_model
-    from cuattn.tools.ptxas import parse_ptxas_log
+    from dev import sass, sass_model
+    from dev.ptxas import parse_ptxas_log
 
     problem = sass_model.missing_tools()
     if problem is not None:

@@ -361,7 +361,7 @@ def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
     ptxas log; skips without NVRTC or a disassembler."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
-    from cuattn.tools import sass, sass_model
+    from dev import sass, sass_model
 
     problem = sass_model.missing_tools()
     if problem is not None:

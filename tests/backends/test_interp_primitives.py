@@ -297,7 +297,7 @@ def test_the_mbarrier_and_bulk_copy_ptx_assembles_for_sm_90():
     """The GPU side of kernels/common/mbarrier.cuh, which the interpreter never compiles."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
-    from cuattn.tools.compile_check import CompileUnit, compile_units
+    from dev.compile_check import CompileUnit, compile_units
 
     units = [CompileUnit(SOURCE.name, f"test_bulk_pipeline<{bug}>") for bug in (0, 4)]
     options = [*common_options(), f"-I{SOURCE.parent}"]

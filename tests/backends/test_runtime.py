@@ -15,7 +15,7 @@ from cuattn.backends import cuda_runtime as runtime
 from cuattn.backends import toolchain
 from cuattn.backends.geometry import KERNEL_FILES, all_configs
 from cuattn.backends.toolchain import kernel_dir
-from cuattn.tools.compile_check import kernel_instantiations
+from dev.compile_check import kernel_instantiations
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_imports_and_reports_no_cuda_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
         "import cuattn.backends.cuda_runtime as runtime, cuattn.backends.cuda as cuda\n"
-        "import cuattn.tools.compile_check, cuattn.tools.bench.run\n"
+        "import dev.compile_check, cuattn.tools.bench.run\n"
         "assert not runtime.cuda_available()\n"
         "assert cuda.CudaBackend.name == 'cuda'\n"
     )
@@ -112,7 +112,7 @@ def test_program_text_changes_with_any_header_and_keeps_line_numbers(tmp_path, m
     """CuPy's disk cache keys on the source text only: a header edit must change that text."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
-    from cuattn.tools.compile_check import CompileUnit, compile_unit
+    from dev.compile_check import CompileUnit, compile_unit
 
     (tmp_path / "common").mkdir()
     header = tmp_path / "common" / "h.cuh"

@@ -227,7 +227,7 @@ def test_cta_groups_keep_a_group_s_k_and_v_within_the_l2_budget(
 
 def test_the_cuda_runtime_builds_an_sm90a_cubin_and_loads_it_from_disk(monkeypatch, tmp_path):
     """No GPU here: CuPy's module loader is a stand-in; NVRTC's cubin and its cache are real."""
-    from cuattn.tools.sass import disassemble
+    from dev.sass import disassemble
 
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     cache = tmp_path / "cubins"

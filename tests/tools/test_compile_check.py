@@ -7,14 +7,14 @@ import os
 import pytest
 
 from cuattn.backends.toolchain import common_options
-from cuattn.tools.compile_check import (
+from dev.compile_check import (
     CompileUnit,
     compile_unit,
     format_table,
     run_check,
     summarize,
 )
-from cuattn.tools.ptxas import parse_ptxas_log
+from dev.ptxas import parse_ptxas_log
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -85,7 +85,7 @@ def test_one_program_of_several_instantiations_reports_each_alone():
     """A batch (one NVRTC program) gives each instantiation its own ptxas figures, the same as
     compiling it alone; a batch that fails is compiled again one by one, so the error names the
     instantiation that has it and the others still compile."""
-    from cuattn.tools.compile_check import compile_units
+    from dev.compile_check import compile_units
 
     units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]
     together = compile_units(TINY_KERNEL, units, "sm_80", STANDALONE_OPTIONS)
@@ -156,7 +156,7 @@ def test_every_kernel_instantiation_compiles_without_spills():
     sm_80 every compiled one that could spill there (within ARCH_REGISTER_MARGIN of its cap, or
     a cap not known here): each instantiation is compiled where it can tell something new."""
     geometry = pytest.importorskip("cuattn.backends.geometry")
-    from cuattn.tools.compile_check import (
+    from dev.compile_check import (
         SCORE_MODS,
         kernel_instantiations,
         load_sources,
@@ -186,8 +186,8 @@ def test_every_kernel_instantiation_compiles_without_spills():
 
 def test_only_instantiations_near_their_register_cap_need_a_second_arch():
     from cuattn.backends.geometry import KernelConfig
-    from cuattn.tools.compile_check import ARCH_REGISTER_MARGIN, CompileResult, needs_every_arch
-    from cuattn.tools.ptxas import FunctionStats
+    from dev.compile_check import ARCH_REGISTER_MARGIN, CompileResult, needs_every_arch
+    from dev.ptxas import FunctionStats
 
     dq = KernelConfig("attn_bwd_dq", 128, "bfloat16", block=64, rule="causal")
     assert dq.register_cap == 255  # one CTA of 128 threads: 512 a thread, the ISA's 255
@@ -209,13 +209,13 @@ def test_only_instantiations_near_their_register_cap_need_a_second_arch():
 
 
 def test_a_modifier_variant_is_compiled_only_near_its_twins_cap():
-    from cuattn.tools.compile_check import (
+    from dev.compile_check import (
         MODS_REGISTER_MARGIN,
         CompileResult,
         modifier_twin,
         needs_modifier_variant,
     )
-    from cuattn.tools.ptxas import FunctionStats
+    from dev.ptxas import FunctionStats
 
     plain = CompileUnit(
         "attn_fwd.cu", "attn_fwd<64, 64, 64, 4, 64, float, MASK_NONE, MODS_NONE>", 128, 0, 255
@@ -236,7 +236,7 @@ def test_a_modifier_variant_is_compiled_only_near_its_twins_cap():
 
 
 def test_one_header_mistake_is_reported_once():
-    from cuattn.tools.compile_check import format_errors
+    from dev.compile_check import format_errors
 
     broken = TINY_KERNEL.replace("__syncthreads();", "syncthreads_typo();")
     units = [CompileUnit("tiny.cu", f"tiny<{n}, __half>") for n in (32, 64, 128)]
@@ -246,10 +246,11 @@ def test_one_header_mistake_is_reported_once():
 
 
 def test_missing_nvrtc_is_one_line_naming_the_extra(monkeypatch, capsys):
-    """`cuattn compile` without NVRTC once died in a 50-line traceback (no libnvrtc.so.12)."""
+    """`python -m dev compile` without NVRTC once died in a 50-line traceback (no
+    libnvrtc.so.12)."""
     import cupy_backends.cuda.libs.nvrtc as nvrtc
 
-    from cuattn.tools import compile_check
+    from dev import compile_check
 
     def missing():
         raise RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: cannot open shared object")

@@ -1,4 +1,4 @@
-"""cuattn generate: the quality-vs-memory table runs, and its rows mean what they say."""
+"""python -m dev generate: the quality-vs-memory table runs, and its rows mean what they say."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cuattn.tools import generate, longtasks
+from dev import generate, longtasks
 
 
 def test_generate_smoke(tmp_path, capsys):
@@ -68,7 +68,7 @@ SMOKE_CONTEXT = 80  # the smallest budget, 10 %, holds SnapKV's window of 8
 
 
 def _smoke_table(task: str, tmp_path) -> list[str]:
-    """The markdown table of a tiny `cuattn generate --task TASK` run (2 steps, 1 prompt)."""
+    """The markdown table of a tiny `python -m dev generate --task TASK` run (2 steps, 1 prompt)."""
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)
     args = parser.parse_args(
@@ -235,7 +235,7 @@ def test_the_trained_model_answers_alike_through_transformers_generate():
     own decode loop does (the NumPy tape's prefill and decode_attention over a KVCache)."""
     pytest.importorskip("transformers")
     import cuattn.compat.transformers as hf
-    from cuattn.tools import tinylm_hf
+    from dev import tinylm_hf
 
     config = dataclasses.replace(generate.PASSKEY_CONFIG, n_ctx=SMOKE_CONTEXT)
     task = longtasks.TASKS["copy"]
@@ -260,7 +260,7 @@ def test_the_trained_model_answers_alike_through_transformers_generate():
 
 def test_only_dense_causal_layers_map_to_gpt2():
     pytest.importorskip("transformers")
-    from cuattn.tools import tinylm, tinylm_hf
+    from dev import tinylm, tinylm_hf
 
     config = tinylm.TinyConfig()  # local and strided layers
     params = tinylm.init_params(np, 10, np.random.default_rng(0), config)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cuattn.tools import sass, sass_model, sass_roofline
+from dev import sass, sass_model, sass_roofline
 
 BASELINE = Path(__file__).resolve().parents[2] / "bench" / "results" / "static-baseline-sm90.json"
-# The hot instantiations the CI test compiles (about 2 s each); `cuattn sass --check` covers all.
+# The hot instantiations the CI test compiles (about 2 s each); `python -m dev sass --check`
+# covers all.
 CI_HOT_SET = (
     "fwd d128 b64",
     "fwd d128 b128",
@@ -254,8 +255,8 @@ def test_hot_instantiations_stay_within_the_baseline():
     )
     problems = sass_model.regressions(models, baseline, sass_model.REGRESSION_TOLERANCE)
     assert not problems, "\n".join(problems) + (
-        f"\n(a deliberate change: cuattn sass --write-baseline {BASELINE.name}, with the reason in"
-        " bench/NOTES.md)"
+        f"\n(a deliberate change: python -m dev sass --write-baseline {BASELINE.name}, with the "
+        "reason in bench/NOTES.md)"
     )
     for model in models:
         # the attribution found exactly one tile of the expected mma count per iteration

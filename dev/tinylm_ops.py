@@ -1,4 +1,4 @@
-"""The transformer ops of the tiny demo model (:mod:`cuattn.tools.tinylm`) on cuattn's tape.
+"""The transformer ops of the tiny demo model (:mod:`dev.tinylm`) on cuattn's tape.
 
 ``softmax``, ``gelu``, ``layer_norm``, ``cross_entropy``, ``embedding``, ``split_heads`` and
 ``merge_heads``, each a ``Function`` of :mod:`cuattn.autograd.tape` and a function that applies

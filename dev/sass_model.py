@@ -2,10 +2,10 @@
 
 For each hot instantiation (``hot_specs``: forward, dK/dV, dQ, decode split; d = 64
 and 128; 64- and 128-blocks; bf16, one fp16) this compiles the kernel with NVRTC as ``cuattn
-compile`` does plus ``-lineinfo``, disassembles the cubin (cuattn/tools/sass.py) and counts,
+compile`` does plus ``-lineinfo``, disassembles the cubin (dev/sass.py) and counts,
 per warp and per tile of the main loop: instructions by class, HMMA, LDSM, shared-memory
 wavefronts, barriers, local-memory (spill) accesses. Occupancy comes from ptxas' registers and
-geometry's shared memory; cuattn/tools/sass_roofline.py turns the counts into a time.
+geometry's shared memory; dev/sass_roofline.py turns the counts into a time.
 
 How the main loop is found and counted (the attribution rules; each a stated heuristic):
 * Loops are natural loops of the converged-path control-flow graph (sass.py). The main loop is
@@ -58,7 +58,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cuattn.tools import sass
+from dev import sass
 
 ARCH = "sm_90"
 LINEINFO_OPTION = "-lineinfo"
@@ -443,7 +443,7 @@ def compile_module(
 
 def compile_spec(spec: HotSpec, source: str, options: Sequence[str], arch: str = ARCH) -> Compiled:
     """One hot instantiation compiled, with its ptxas statistics; raises on a compile error."""
-    from cuattn.tools.ptxas import parse_ptxas_log
+    from dev.ptxas import parse_ptxas_log
 
     lowered, cubin, log = compile_cubin(
         source, spec.source_file, spec.name_expression, options, arch
@@ -822,7 +822,7 @@ def current_sources(specs: Iterable[HotSpec]) -> dict[str, str]:
 
 def missing_tools() -> str | None:
     """What this machine lacks for the model, in one line; None when nothing."""
-    from cuattn.tools.compile_check import missing_toolchain
+    from dev.compile_check import missing_toolchain
 
     problem = missing_toolchain()
     if problem is not None:
@@ -938,7 +938,7 @@ def write_baseline(models: Sequence[TileModel], path: Path) -> None:
     data = {
         "arch": ARCH,
         **toolchain_versions(),
-        "note": "cuattn sass --write-baseline; tests/tools/test_sass_model.py fails when "
+        "note": "python -m dev sass --write-baseline; tests/tools/test_sass_model.py fails when "
         "instructions or LDSM per HMMA grow more than 10 % over these, or anything spills",
         "instantiations": {m.spec.label: baseline_entry(m) for m in models},
     }
@@ -969,7 +969,7 @@ def regressions(models: Sequence[TileModel], baseline: dict, tolerance: float) -
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI: cuattn sass
+# CLI: python -m dev sass
 
 DEFAULT_BASELINE = Path("bench/results/static-baseline-sm90.json")
 REGRESSION_TOLERANCE = 0.10
@@ -1008,11 +1008,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cuattn.backends.toolchain import common_options, kernel_dir
-    from cuattn.tools import sass_roofline
+    from dev import sass_roofline
 
     problem = missing_tools()
     if problem is not None:
-        sys.stderr.write(f"cuattn sass: {problem}\n")
+        sys.stderr.write(f"python -m dev sass: {problem}\n")
         return EXIT_FAILED
     specs = [s for s in hot_specs() if args.filter in s.label]
     if not specs:
@@ -1040,6 +1040,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cuattn sass", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dev sass", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,6 +1,6 @@
-"""``cuattn generate``: what each KV-cache policy costs a language model, measured.
+"""``python -m dev generate``: what each KV-cache policy costs a language model, measured.
 
-Trains the tiny character transformer of cuattn.tools.tinylm (scripts/train_tiny.py's model,
+Trains the tiny character transformer of dev.tinylm (scripts/train_tiny.py's model,
 with dense causal attention over a 256-character context) on the source of Python's argparse
 module, then reads held-out text (the source of optparse) token by token with a KVCache per
 layer: the first ``--prompt`` characters as a prefill (full attention, then the policy
@@ -9,11 +9,11 @@ keeps). Each policy runs at budgets of 25 % and 50 % of the context. Printed per
 bytes at the end (all layers, per sequence), next-token agreement with the full cache (greedy
 argmax, same inputs), perplexity on the held-out characters, and decode tokens per second.
 
-    cuattn generate                       # about 2 minutes on 2 CPU cores
-    cuattn generate --steps 60 --windows 2 --png generate.png
+    python -m dev generate                       # about 2 minutes on 2 CPU cores
+    python -m dev generate --steps 60 --windows 2 --png generate.png
 
 ``--task passkey`` measures what the character model cannot show: it trains the same
-transformer on passkey prompts (cuattn.tools.longtasks: a needle of digits at a chosen depth
+transformer on passkey prompts (dev.longtasks: a needle of digits at a chosen depth
 in random filler, asked for at the end), checks its full-cache accuracy on held-out prompts,
 then answers them under every policy at budgets of 10, 25, 50 and 75 % of the context: the
 prompt as one prefill through the cache (SnapKV votes with its queries there), the answer
@@ -22,22 +22,22 @@ decode steps instead: its scores are the attention decode queries pay, and a pre
 none. Printed per row: kept KV bytes at the end, exact-match accuracy overall and per needle
 depth, and decode tokens per second.
 
-    cuattn generate --task passkey --markdown passkey.md --png passkey.png
+    python -m dev generate --task passkey --markdown passkey.md --png passkey.png
 
-``--task recall`` is the same measurement on multi-key associative recall (cuattn.tools.
+``--task recall`` is the same measurement on multi-key associative recall (dev.
 longtasks: key-value pairs scattered in filler, one key asked for at the end): which span
 answers is known only from the prompt's last tokens. Its depth axis is the asked pair's.
 
-    cuattn generate --task recall --markdown recall.md --png recall.png
+    python -m dev generate --task recall --markdown recall.md --png recall.png
 
-``--task copy`` asks for a whole span of 16 digits at a chosen depth (cuattn.tools.longtasks),
+``--task copy`` asks for a whole span of 16 digits at a chosen depth (dev.longtasks),
 longer than the smallest budget: a policy must keep all of it, and all but its first digit are
 decoded over what the cache keeps. Its depth axis is the span's.
 
-    cuattn generate --task copy --markdown copy.md --png copy.png
+    python -m dev generate --task copy --markdown copy.md --png copy.png
 
 ``--transformers`` answers the same prompts again through ``transformers``' ``generate``: the
-trained model as a GPT-2 (cuattn.tools.tinylm_hf) with attention by cuattn and
+trained model as a GPT-2 (dev.tinylm_hf) with attention by cuattn and
 ``cuattn.compat.transformers.Cache`` holding each policy, as a user's model would run it. Two
 columns say what that path scores and on what share of prompts it answers exactly as the table.
 """
@@ -57,9 +57,9 @@ import numpy as np
 
 import cuattn
 from cuattn import policies
-from cuattn.tools import longtasks
 from cuattn.tools.bench.report import rows_table
-from cuattn.tools.tinylm import TinyConfig, adam_step, init_params, loss, prefill, step_logits
+from dev import longtasks
+from dev.tinylm import TinyConfig, adam_step, init_params, loss, prefill, step_logits
 
 CONFIG = TinyConfig(
     n_ctx=256, width=64, heads=4, blocksize=32, layer_modes=({"attn_mode": "all"},) * 2
@@ -407,7 +407,7 @@ def _through_generate(
     if not args.transformers:
         return None
     import cuattn.compat.transformers as hf
-    from cuattn.tools import tinylm_hf
+    from dev import tinylm_hf
 
     model = tinylm_hf.to_gpt2(params, config, task.vocab, hf.NAME)
 

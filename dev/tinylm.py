@@ -1,4 +1,5 @@
-"""A tiny character transformer on cuattn's tape, for scripts/train_tiny.py and ``cuattn generate``.
+"""A tiny character transformer on cuattn's tape, for scripts/train_tiny.py and
+``python -m dev generate``.
 
 Pre-norm blocks (layer norm, attention through ``cuattn.blocksparse_attention`` with each
 layer's pattern, a GELU MLP), learned token and position embeddings, a linear head; Adam.
@@ -6,7 +7,7 @@ A layer may choose its blocks from the data (``{"attn_mode": "topk", "topk": k}`
 cuattn.dynamic's top-k blocks per sequence, fresh every step). ``step_logits`` runs one new
 token per sequence with a :class:`cuattn.KVCache` per layer and ``cuattn.decode_attention``
 (what generation with a KV cache does), through the same ops: ``Tensor``'s arithmetic and
-:mod:`cuattn.tools.tinylm_ops`' layer norm, GELU, embedding and cross-entropy.
+:mod:`dev.tinylm_ops`' layer norm, GELU, embedding and cross-entropy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import cuattn
 from cuattn import dynamic
 from cuattn.autograd.tape import Tensor
-from cuattn.tools.tinylm_ops import cross_entropy, embedding, gelu, layer_norm
+from dev.tinylm_ops import cross_entropy, embedding, gelu, layer_norm
 
 BETAS = (0.9, 0.99)
 # A layer mode {"attn_mode": "topk", "topk": k} chooses its blocks from the data at every call.

@@ -1,6 +1,6 @@
 """Time from static counts: a four-resource roofline with partial overlap, calibrated on the one
 H100 profile we have (bench/results/2026-11-23-h100: ncu of f532ccd's kernels and SDPA-flash's
-in the same run), and the report of ``cuattn sass``.
+in the same run), and the report of ``python -m dev sass``.
 
 The model. A kernel's work on the whole GPU (warp instructions, HMMA, shared-memory wavefronts,
 bytes through L2) keeps four resources of each of the SMS SMs busy for
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cuattn.tools.sass_model import (
+from dev.sass_model import (
     PARTIAL_TILE_CODE,
     HotSpec,
     TileModel,
@@ -504,7 +504,7 @@ def validate(jobs: int = 1, profile_dir: Path = VALIDATION_DIR) -> list[dict]:
     not depend on the device) and time by the H100 roofline as fitted (H200: the same 132 SMs
     and L2, 1.80 GHz in the run against the model's 1.83). SDPA-flash's rows: its time only."""
     from cuattn.backends.toolchain import CXX_STANDARD_OPTION, cuda_include_options
-    from cuattn.tools.sass_model import hot_specs
+    from dev.sass_model import hot_specs
 
     # Today's specs with the profiled names: the sizes are today's (asserted below through the
     # template arguments both share); the name is the tree's (dQ then took a CTA count too).
@@ -755,16 +755,16 @@ def report(
     calibration: Calibration | None,
     validation: Sequence[dict] | None = None,
 ) -> str:
-    """The markdown report of ``cuattn sass``."""
+    """The markdown report of ``python -m dev sass``."""
     csv_path = PROFILE_DIR / PROFILE_CSV
     profile = read_profile(csv_path) if csv_path.exists() else {}
-    from cuattn.tools.sass_model import toolchain_versions
+    from dev.sass_model import toolchain_versions
 
     versions = toolchain_versions()
     parts = [
         f"NVRTC {versions['nvrtc']}, nvdisasm {versions['nvdisasm'] or '?'}; counts per warp per"
-        " tile by the attribution rules of cuattn/tools/sass_model.py, times by the roofline of"
-        " cuattn/tools/sass_roofline.py.",
+        " tile by the attribution rules of dev/sass_model.py, times by the roofline of"
+        " dev/sass_roofline.py.",
         "",
         f"## Hot instantiations (sm_90, per warp per tile of the main loop; predicted ms: dense"
         f" causal T={PREDICTION_T}, batch x T = 16k, heads x d = 2048)",

@@ -3,7 +3,7 @@
 Compiles each instantiation to a cubin with `-Xptxas=-v`, collects registers / shared memory /
 spills, prints a table, and fails (exit status 1) on any compile error or any spill. Run:
 
-    python -m cuattn compile [--arch sm_80,sm_90] [--jobs N]
+    python -m dev compile [--arch sm_80,sm_90] [--jobs N]
 
 Instantiations of one file compile together, COMPILE_BATCH at a time, as one NVRTC program with
 a name expression each (the file's headers are parsed once per batch: ~20% less time than one
@@ -34,7 +34,7 @@ from cuattn.backends.toolchain import (
     common_options,
     cuda_include_options,
 )
-from cuattn.tools.ptxas import FunctionStats, parse_ptxas_log
+from dev.ptxas import FunctionStats, parse_ptxas_log
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -288,7 +288,7 @@ def needs_every_arch(result: CompileResult, margin: int = ARCH_REGISTER_MARGIN) 
     here, or it uses more than its cap less ``margin`` (sm_80 uses at most 40 registers more
     than sm_90 on any instantiation, less than ``margin``; further from the cap it cannot spill).
     The test suite's sweep uses this to compile sm_90 for all and sm_80 for these; the
-    ``cuattn compile`` command compiles everything for every architecture it is given."""
+    ``python -m dev compile`` command compiles everything for every architecture it is given."""
     cap = result.unit.register_cap
     return not result.ok or not cap or result.stats.registers > cap - margin
 
@@ -306,7 +306,7 @@ def needs_modifier_variant(result: CompileResult, margin: int = MODS_REGISTER_MA
     too to know it is spill-free on the same architecture: the plain one failed or spilled, its
     cap is not known here, or it uses more than its cap less ``margin`` (the variant uses at
     most 78 registers more; further from the cap it cannot spill). The test suite's sweep uses
-    this; ``cuattn compile`` compiles every variant."""
+    this; ``python -m dev compile`` compiles every variant."""
     return needs_every_arch(result, margin)
 
 
@@ -345,7 +345,7 @@ def missing_toolchain() -> str | None:
 def run(args: argparse.Namespace) -> int:
     problem = missing_toolchain()
     if problem is not None:
-        sys.stderr.write(f"cuattn compile: {problem}\n")
+        sys.stderr.write(f"python -m dev compile: {problem}\n")
         return EXIT_FAILED
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     units = [u for u in kernel_instantiations() if args.filter in u.name_expression]
@@ -369,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cuattn compile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dev compile", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))

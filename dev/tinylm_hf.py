@@ -1,8 +1,8 @@
-"""The tiny transformer of ``cuattn generate --task`` as a Hugging Face GPT-2, so that the trained
-demo model answers its prompts through ``transformers``' ``generate`` with
+"""The tiny transformer of ``python -m dev generate --task`` as a Hugging Face GPT-2, so that
+the trained demo model answers its prompts through ``transformers``' ``generate`` with
 :class:`cuattn.compat.transformers.Cache` and a policy, as a user's model would.
 
-The tiny model (cuattn.tools.tinylm) is GPT-2's architecture: learned token and position
+The tiny model (dev.tinylm) is GPT-2's architecture: learned token and position
 embeddings, pre-norm blocks of layer norm (eps 1e-5), attention and a tanh-GELU MLP, a final
 layer norm, a linear head. Its weights map one to one: ``wq | wk | wv`` side by side are
 ``c_attn`` (GPT-2's Conv1D computes ``x @ W + b``, as the tape does), ``wo`` is the attention's
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.tools.tinylm import MLP_RATIO, TinyConfig
+from dev.tinylm import MLP_RATIO, TinyConfig
 
 GELU_TANH = "gelu_new"  # transformers' name for the tanh approximation tinylm_ops.gelu computes
 LAYER_NORM_EPS = 1e-5  # tinylm_ops.layer_norm's

@@ -1,6 +1,6 @@
 """SASS of one kernel as data: disassembly with source lines, instruction classes, loops.
 
-The static performance model (cuattn/tools/sass_model.py) reads what the GPU would execute
+The static performance model (dev/sass_model.py) reads what the GPU would execute
 without a GPU: NVRTC compiles a kernel with ``-lineinfo`` to a cubin, ``nvdisasm -c -gi``
 (PyPI ``nvidia-cuda-nvdisasm``) prints its SASS with each instruction's source line and the
 chain of inlined calls that led there, and this module turns that text into instructions

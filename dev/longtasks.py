@@ -1,6 +1,7 @@
-"""Synthetic long-range tasks for ``cuattn generate --task``: prompts whose answer is far back.
+"""Synthetic long-range tasks for ``python -m dev generate --task``: prompts whose answer is
+far back.
 
-The character model of ``cuattn generate`` gains almost nothing from context beyond a few
+The character model of ``python -m dev generate`` gains almost nothing from context beyond a few
 dozen characters, so no KV-cache policy can hurt it much. A passkey prompt cannot be answered
 without one particular span of it, wherever that span sits, so a policy that drops the span
 fails the prompt outright and accuracy separates the policies.
@@ -12,7 +13,7 @@ digit j by content alone, in one attention hop from the answer's j-th position: 
 lets the 2-layer demo transformer learn the task on a CPU in minutes. Plain digits need an
 induction circuit (find the digit after the one just written); one trial (context 256, learning
 rate 1e-2) had learned only that the digits are distinct after 425 steps, and they were not
-tried again at the rate ``cuattn generate`` uses. The answer is written in plain digits. A
+tried again at the rate ``python -m dev generate`` uses. The answer is written in plain digits. A
 prompt of ``context - PASSKEY_DIGITS + 1`` tokens and the answer fed back one digit at a time
 fill exactly ``context`` positions.
 
@@ -49,8 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cuattn.autograd.tape import Tensor, no_grad
-from cuattn.tools.tinylm import TinyConfig, _embed, adam_step, block, init_params
-from cuattn.tools.tinylm_ops import cross_entropy, layer_norm
+from dev.tinylm import TinyConfig, _embed, adam_step, block, init_params
+from dev.tinylm_ops import cross_entropy, layer_norm
 
 __all__ = [
     "PASSKEY_DIGITS",
@@ -219,7 +220,7 @@ Prompts = Callable[
 
 @dataclass(frozen=True)
 class LongTask:
-    """What ``cuattn generate`` needs of a task to train on it and score policies: its
+    """What ``python -m dev generate`` needs of a task to train on it and score policies: its
     prompt generator (rng, count, context, depth -> prompts, answers), the vocabulary it
     draws from, and what its answer is, for the table's header."""
 

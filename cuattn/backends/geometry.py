@@ -168,7 +168,7 @@ DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
-DECODE_GQA_HEAD_DIMS = (64, 128)
+DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
 DECODE_GQA_FULL_ARRIVALS = 2 * WARP_SIZE  # per producer lane: its copies landed, its masks
 DECODE_GQA_BARRIER_BYTES = 8
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the

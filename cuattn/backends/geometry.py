@@ -171,6 +171,7 @@ DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
 DECODE_GQA_FULL_ARRIVALS = 2 * WARP_SIZE  # per producer lane: its copies landed, its masks
 DECODE_GQA_BARRIER_BYTES = 8
+DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
 # NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8.
 DECODE_GQA_REGISTERS_ASSUMED = 168
@@ -1090,12 +1091,18 @@ def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
     return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES
 
 
-def decode_gqa_applies(head_dim: int, dtype: str, mods: bool, keep_scores: bool) -> bool:
+def decode_gqa_applies(
+    head_dim: int, dtype: str, mods: bool, keep_scores: bool, scale: float
+) -> bool:
     """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa), an instantiation
-    exists, no score modifier and no per-token scores (HeavyHitters). Otherwise, and by default,
-    attn_decode_split (the named fallback)."""
+    exists, no score modifier, no per-token scores (HeavyHitters), and in fp16 a ``scale`` with
+    |scale| log2(e) <= 1 (the kernel holds q scale log2(e) in q's type: so it stays within
+    fp16's range wherever q is). Otherwise, and by default, attn_decode_split (the named
+    fallback)."""
     wanted = decode_family() == DECODE_GQA_FAMILY
-    return wanted and decode_gqa_supports(head_dim, dtype) and not mods and not keep_scores
+    in_range = dtype != "float16" or abs(scale) * DECODE_GQA_LOG2E <= 1.0
+    plain = not mods and not keep_scores
+    return wanted and decode_gqa_supports(head_dim, dtype) and plain and in_range
 
 
 def decode_gqa_tile(head_dim: int, dtype: str) -> int:

@@ -813,12 +813,13 @@ class KernelBackend:
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
         xp = self.xp
-        if gqa and not geometry.decode_gqa_applies(head_dim, dtype, mods.any, keep_scores):
+        if gqa and not geometry.decode_gqa_applies(head_dim, dtype, mods.any, keep_scores, scale):
             raise ValueError(
                 f"gqa: attn_decode_gqa does not apply to head_dim {head_dim}, dtype {dtype}, "
-                f"score modifiers {mods.any}, per-token scores {keep_scores}; it takes head dims "
-                f"{geometry.DECODE_GQA_HEAD_DIMS}, {geometry.DECODE_GQA_DTYPES}, no modifiers "
-                f"and no scores, with {geometry.DECODE_ENV}={geometry.DECODE_GQA_FAMILY}"
+                f"score modifiers {mods.any}, per-token scores {keep_scores}, scale {scale}; it "
+                f"takes head dims {geometry.DECODE_GQA_HEAD_DIMS}, "
+                f"{geometry.DECODE_GQA_DTYPES}, no modifiers, no scores, in fp16 a scale of at "
+                f"most 1 / log2(e), with {geometry.DECODE_ENV}={geometry.DECODE_GQA_FAMILY}"
             )
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once

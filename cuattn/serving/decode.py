@@ -207,7 +207,7 @@ def kernel_call(
     (out, lse, per-token scores or None). No policy work: decode_attention adds that. The
     kernel route: attn_decode_gqa where CUATTN_DECODE=gqa asks for it and it applies
     (geometry.decode_gqa_applies), attn_decode_split otherwise."""
-    gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype, mods.any, keep_scores)
+    gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype, mods.any, keep_scores, scale)
     table, count = cache.device_tables()
     return impl.decode(
         qb,

@@ -160,13 +160,16 @@ def test_rows_with_nothing_to_attend_and_stale_slots(launched, monkeypatch):
 
 def test_the_route_keeps_the_split_kernel_by_default_and_for_what_gqa_lacks(monkeypatch):
     assert geometry.decode_family() == geometry.DECODE_SPLIT_FAMILY
-    assert not geometry.decode_gqa_applies(128, "bfloat16", False, False)
+    assert not geometry.decode_gqa_applies(128, "bfloat16", False, False, 0.1)
     monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    assert geometry.decode_gqa_applies(128, "bfloat16", False, False)
-    assert not geometry.decode_gqa_applies(128, "float32", False, False)  # fp32
-    assert not geometry.decode_gqa_applies(256, "float16", False, False)  # no instantiation
-    assert not geometry.decode_gqa_applies(64, "float16", True, False)  # score modifiers
-    assert not geometry.decode_gqa_applies(64, "float16", False, True)  # HeavyHitters' scores
+    assert geometry.decode_gqa_applies(128, "bfloat16", False, False, 0.1)
+    assert not geometry.decode_gqa_applies(128, "float32", False, False, 0.1)  # fp32
+    assert not geometry.decode_gqa_applies(256, "float16", False, False, 0.1)  # no instantiation
+    assert not geometry.decode_gqa_applies(64, "float16", True, False, 0.1)  # score modifiers
+    assert not geometry.decode_gqa_applies(64, "float16", False, True, 0.1)  # HeavyHitters' scores
+    # fp16 holds q scale log2(e): a scale past 1 / log2(e) could overflow it (bf16 cannot)
+    assert not geometry.decode_gqa_applies(64, "float16", False, False, 0.8)
+    assert geometry.decode_gqa_applies(64, "bfloat16", False, False, 0.8)
     monkeypatch.setenv(geometry.DECODE_ENV, "fast")
     with pytest.raises(ValueError, match=r"CUATTN_DECODE='fast' is not a decode kernel family"):
         geometry.decode_family()

@@ -15,12 +15,17 @@ chose.
     PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
     PYTHONPATH=. python scripts/decode_bench.py --quick
     python scripts/decode_bench.py --smoke                      # CPU: tiny, the interpreter
+    PYTHONPATH=. python scripts/decode_bench.py --decode gqa    # the tensor-core decode kernel
+
+The `decode` column names the kernel kernel_ms timed (--decode sets CUATTN_DECODE: "split",
+the default, or "gqa", attn_decode_gqa wherever it applies; the smoke runs it in bf16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cuattn  # noqa: E402
 from cuattn import policies  # noqa: E402
-from cuattn.backends import resolve_backend  # noqa: E402
+from cuattn.backends import geometry, resolve_backend  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
 from cuattn.tools.bench.report import rows_table  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
@@ -124,10 +129,18 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         choice_ms=choice_ms if choice_ms is not None else "-",
         kernel_ms=kernel_ms,
         gbps=kv_bytes / kernel_ms / 1e6,
+        decode=decode_kernel(args.head_dim, dtype),
     )
     if args.baselines:
         row.update(baselines(cache, q, kept // (batch * KV_HEADS), args, sync))
     return row
+
+
+def decode_kernel(head_dim: int, dtype: str) -> str:
+    """The kernel decode_attention's route takes for a plain t_q = 1 decode (kernel_ms)."""
+    scale = head_dim**-0.5
+    gqa = geometry.decode_gqa_applies(head_dim, dtype, False, False, scale)
+    return geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"
 
 
 def baselines(cache, q, kept, args, sync):
@@ -195,9 +208,20 @@ def main() -> None:
         "--cases", type=_cases, help="BATCHxCONTEXT,... instead of the sweep's, e.g. 64x32768"
     )
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--decode",
+        choices=geometry.DECODE_FAMILIES,
+        help=f"the decode kernel family ({geometry.DECODE_ENV}; default: the environment's)",
+    )
     args = parser.parse_args()
+    if args.decode:
+        os.environ[geometry.DECODE_ENV] = args.decode
     if args.smoke:
-        xp, dtype, backend, cases = np, "float32", "interp", args.cases or SMOKE
+        # the tensor-core kernel takes 16-bit types only
+        smoke_dtype = (
+            "bfloat16" if geometry.decode_family() == geometry.DECODE_GQA_FAMILY else "float32"
+        )
+        xp, dtype, backend, cases = np, smoke_dtype, "interp", args.cases or SMOKE
         args.head_dim, args.page, args.repeats, args.baselines = 16, 8, 2, False
     else:
         import cupy as xp

@@ -188,33 +188,51 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
     }
     // Quest's choices of the CTA's rows: [ROWS][max_pages] from here (a stand-in without Quest)
     const unsigned char* chosen_rows = chosen + (use_chosen ? first_q_row * max_pages : 0);
-    // Tile t's tokens, one a lane per round: slot (-1: none) and row mask.
-    int slot_next[Traits::TOKEN_ROUNDS];
-    u32 mask_next[Traits::TOKEN_ROUNDS];
-    auto read_tokens = [&](int t) {
+    // A tile's tokens, one a lane per round (token lane + 32 r): the table slot (-1: past the
+    // run) and the position there (-1: none kept). Read ahead: while tile t is issued, the
+    // positions of tile t + 1 and the table entries of tile t + 2 are loaded, so that the
+    // producer never waits for its own dependent pair of loads (table, then slot_pos).
+    struct Tokens {
+      int slot[Traits::TOKEN_ROUNDS];
+      long long pos[Traits::TOKEN_ROUNDS];
+    };
+    auto read_slots = [&](int t, Tokens& tokens) {
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         const int token = lane + 32 * r;
         const int f = slot_lo + t * TILE + token;
-        const bool in_run = token < TILE && f < slot_hi;
+        const bool in_run = t < tiles && token < TILE && f < slot_hi;
         const int entry = in_run ? f / page_size : 0;
-        const int slot = in_run ? table[entry] * page_size + (f - entry * page_size) : 0;
-        const long long pos = in_run ? slot_pos[slot] : -1;
-        mask_next[r] = row_mask<ROWS>(pos, first_query_pos, t_q, query_of, all_rows,
-                                      chosen_rows + entry, max_pages, use_chosen);
-        slot_next[r] = pos >= 0 ? slot : -1;
+        tokens.slot[r] = in_run ? table[entry] * page_size + (f - entry * page_size) : -1;
       }
     };
-    if (tiles > 0) read_tokens(0);
+    auto read_positions = [&](Tokens& tokens) {
+#pragma unroll
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
+      }
+    };
+    Tokens now, next, after;
+    read_slots(0, now);
+    read_slots(1, next);
+    read_positions(now);
     for (int t = 0; t < tiles; ++t) {
       const int s = t % STAGES;
-      int slot[Traits::TOKEN_ROUNDS];
+      read_positions(next);
+      read_slots(t + 2, after);
+      u32 mask[Traits::TOKEN_ROUNDS];
+      int kept_slot[Traits::TOKEN_ROUNDS];  // -1: zero-filled
 #pragma unroll
-      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) slot[r] = slot_next[r];
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        const int entry = use_chosen ? (slot_lo + t * TILE + lane + 32 * r) / page_size : 0;
+        mask[r] = row_mask<ROWS>(now.pos[r], first_query_pos, t_q, query_of, all_rows,
+                                 chosen_rows + entry, max_pages, use_chosen);
+        kept_slot[r] = now.pos[r] >= 0 ? now.slot[r] : -1;
+      }
       mbarrier_wait_parity(&empty[s], unsigned(t / STAGES & 1) ^ 1u);  // the stage is free
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-        if (lane + 32 * r < TILE) mask_smem[s * TILE + lane + 32 * r] = mask_next[r];
+        if (lane + 32 * r < TILE) mask_smem[s * TILE + lane + 32 * r] = mask[r];
       }
       T* k_tile = ring + s * Traits::STAGE_ELEMS;
       T* v_tile = k_tile + Traits::TILE_ELEMS;
@@ -224,7 +242,8 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
         const int row = chunk / Traits::CHUNKS_PER_ROW;  // the tile's token
         const int col = chunk % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
         // token `row` is lane row % 32's, in round c / CHUNKS_PER_ROW (= row / 32)
-        const int row_slot = __shfl_sync(FULL_WARP, slot[c / Traits::CHUNKS_PER_ROW], row % 32);
+        const int row_slot =
+            __shfl_sync(FULL_WARP, kept_slot[c / Traits::CHUNKS_PER_ROW], row % 32);
         const bool kept = row_slot >= 0;
         const size_t src = size_t(kept ? row_slot : 0) * HEAD_DIM + col;
         cp_async_16(k_tile + row * LD + col, k_pages + src, kept);
@@ -232,7 +251,8 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
       }
       cp_async_mbarrier_arrive_noinc(&full[s]);  // when this lane's copies have landed
       mbarrier_arrive(&full[s]);                 // and the mask words, now
-      if (t + 1 < tiles) read_tokens(t + 1);
+      now = next;
+      next = after;
     }
   } else {
     // Q's A fragments: reg r of k-step ks holds row g + 8 (r % 2), columns 16 ks + 2 t + 8 (r / 2)

@@ -89,11 +89,12 @@ def test_against_the_oracle_and_the_split_kernel(
 
 @pytest.mark.parametrize(
     ("head_dim", "dtype"),
-    [(16, "float16"), (32, "bfloat16"), (48, "float16"), (80, "bfloat16"), (96, "float16")],
+    [(16, "float16"), (48, "bfloat16"), (96, "float16")],
 )
 def test_the_other_head_dims(head_dim, dtype, launched, monkeypatch):
-    """Every head dim with an instantiation, one dtype each (64 and 128 take both above): t_q 2,
-    GQA 3, a few splits."""
+    """Head dims other than 64 and 128, one dtype each: tiles of 64 tokens with 2 and 6 copies a
+    K row, of 32 with 12 (32 and 80, the same shapes again, only compile: every interpreter
+    library costs a compile in CI); t_q 2, GQA 3, a few splits."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 8)
     cache, q = _cache(dtype, head_dim, page_size=16, t_q=2, group=3, seed=head_dim)
     out = cuattn.decode_attention(q, cache, backend="interp")

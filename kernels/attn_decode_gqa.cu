@@ -41,6 +41,7 @@
 //   "interp"); TILE and the split count come from cuattn/backends/geometry.py (decode_gqa_tile,
 //   decode_gqa_splits).
 #include "common/mbarrier.cuh"
+#include "common/merge_row.cuh"
 #include "common/smem.cuh"
 #include "common/warp_gemm.cuh"
 
@@ -123,7 +124,9 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
                     const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
                     const int* __restrict__ page_table, const int* __restrict__ page_count,
                     const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
-                    float* __restrict__ part_out, float* __restrict__ part_lse, int heads,
+                    float* __restrict__ part_out, float* __restrict__ part_lse,
+                    T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
+                    int heads,
                     int kv_heads, int t_q, int page_size, int max_pages, int splits,
                     int pages_per_split, float scale, int use_chosen) {
   using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T>;
@@ -377,15 +380,48 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
     // the merge multiplies by its weight 0; a NaN l_all gives NaN for both
     const bool none = l_all == 0.f;
     const float inv_l = none ? 1.f : 1.f / l_all;
-    const size_t out_row = (first_q_row + i) * splits + split;
+    // With one split the row's answer itself (what attn_decode_merge makes of one part),
+    // otherwise the split's partial
+    const size_t q_row = first_q_row + i;
     for (int d = lane; d < HEAD_DIM; d += 32) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
         sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
       }
-      part_out[out_row * HEAD_DIM + d] = sum * inv_l;
+      if (splits == 1) {
+        out[q_row * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_l);
+      } else {
+        part_out[(q_row * splits + split) * HEAD_DIM + d] = sum * inv_l;
+      }
     }
-    if (lane == 0) part_lse[out_row] = none ? -INFINITY : (m_all + log2f(l_all)) * LN2;
+    if (lane == 0) {
+      const float row_lse = none ? -INFINITY : (m_all + log2f(l_all)) * LN2;
+      if (splits == 1) {
+        lse[q_row] = row_lse;
+      } else {
+        part_lse[q_row * splits + split] = row_lse;
+      }
+    }
+  }
+  if (splits == 1) return;
+
+  // The CTA that writes the last split of its rows merges them all (no merge kernel): every
+  // thread's partials are fenced device-wide before the ticket counts them.
+  __shared__ int merges;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int ticket = atomicAdd(&tickets[size_t(blockIdx.z) * gridDim.y + blockIdx.y], 1);
+    merges = ticket == splits - 1;
+  }
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();  // the other splits' partials, read after their tickets
+  for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
+    const size_t q_row = first_q_row + i;
+    const SplitMajor<HEAD_DIM> parts{part_out + q_row * splits * HEAD_DIM,
+                                     part_lse + q_row * splits, splits};
+    merge_row<HEAD_DIM, MERGE_WEIGH_EMPTY>(parts, out + q_row * HEAD_DIM, lse + q_row, lane);
   }
 }

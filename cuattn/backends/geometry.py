@@ -354,6 +354,9 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("chosen", "ptr"),
         ("part_out", "ptr"),
         ("part_lse", "ptr"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: splits written
         ("heads", "i32"),
         ("kv_heads", "i32"),
         ("t_q", "i32"),

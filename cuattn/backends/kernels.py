@@ -778,9 +778,9 @@ class KernelBackend:
         dropout_seed: Any | None = None,
         gqa: bool = False,
     ) -> tuple[Any, Any, Any | None]:
-        """Split-KV decode over a paged cache (kernels/attn_decode.cu, or with ``gqa`` the
-        tensor-core kernels/attn_decode_gqa.cu where geometry.decode_gqa_applies, then the
-        splits' merge in kernels/merge_states.cu): (out like q, lse
+        """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
+        kernels/merge_states.cu; or with ``gqa`` the tensor-core kernels/attn_decode_gqa.cu,
+        where geometry.decode_gqa_applies, which merges its splits itself): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
         page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
@@ -834,8 +834,13 @@ class KernelBackend:
                 splits, per_split = geometry.decode_splits(
                     batch * kv_heads * chunks, max_pages, resident_ctas
                 )
-            part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
-            part_lse = self.output((batch, heads, t_q, splits), xp.float32)
+            out = self.output(q.shape, q.dtype)
+            lse = self.output((batch, heads, t_q), xp.float32)
+            if gqa and splits == 1:  # attn_decode_gqa writes out and lse itself
+                part_out = part_lse = xp.zeros(1, xp.float32)
+            else:
+                part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
+                part_lse = self.output((batch, heads, t_q, splits), xp.float32)
             tokens = max_pages * page_size
             # written below each table's page count only (attn_decode_mass reads no further)
             scores = (
@@ -865,6 +870,10 @@ class KernelBackend:
                     chosen=chosen,
                     part_out=part_out,
                     part_lse=part_lse,
+                    out=out,
+                    lse=lse,
+                    # the last CTA of a (sequence, kv head, row chunk) merges its splits
+                    tickets=xp.zeros((batch, kv_heads * chunks), xp.int32),
                     heads=heads,
                     kv_heads=kv_heads,
                     t_q=t_q,
@@ -912,18 +921,16 @@ class KernelBackend:
                     use_chosen=int(use_chosen),
                     keep_scores=int(keep_scores),
                 )
-            out = self.output(q.shape, q.dtype)
-            lse = self.output((batch, heads, t_q), xp.float32)
-            rows = batch * heads * t_q
-            self.launch(
-                KernelConfig("attn_decode_merge", head_dim, dtype, n_rows=rows),
-                part_out=part_out,
-                part_lse=part_lse,
-                out=out,
-                lse=lse,
-                rows=rows,
-                splits=splits,
-            )
+                rows = batch * heads * t_q
+                self.launch(
+                    KernelConfig("attn_decode_merge", head_dim, dtype, n_rows=rows),
+                    part_out=part_out,
+                    part_lse=part_lse,
+                    out=out,
+                    lse=lse,
+                    rows=rows,
+                    splits=splits,
+                )
         return out, lse, (scores if keep_scores else None)
 
     def decode_mass(

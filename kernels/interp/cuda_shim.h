@@ -1045,6 +1045,10 @@ inline int atomicAdd(int* address, int value) {
   return std::atomic_ref<int>(*address).fetch_add(value, std::memory_order_relaxed);
 }
 
+// Blocks run one after another here, so every write of an earlier block is already visible; a
+// sequentially consistent fence keeps this thread's order as the GPU's fence does.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
 inline float __expf(float x) { return std::exp(x); }
 inline float __exp2f(float x) { return std::exp2(x); }
 // x86-64's baseline (the interpreter's build) has no FMA: a product is never contracted.

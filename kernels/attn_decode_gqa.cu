@@ -11,9 +11,12 @@
 //   ROWS = 16 of the kv group's kv_group * t_q query rows (row r: query head kv_head * kv_group
 //   + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q). A token counts for a row
 //   when slot_pos >= 0 (kept), it is <= the row's position and, with use_chosen, the row's
-//   Quest choice reads its page; scores are scale * q.k. It writes the split's partial out
-//   [B, H, t_q, splits, HEAD_DIM] (float) and lse [B, H, t_q, splits] (-inf: nothing counted),
-//   which attn_decode_merge (kernels/merge_states.cu) merges.
+//   Quest choice reads its page; scores are scale * q.k. With one split it writes out [B, H,
+//   t_q, HEAD_DIM] (T) and lse [B, H, t_q] (float, natural log; -inf: nothing counted) itself;
+//   with more, the split's partial part_out [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H,
+//   t_q, splits] (float), and the CTA that writes the last split of its rows (counted in
+//   tickets [B, kv_heads * row_chunks], zeros at launch) merges them into out and lse as
+//   attn_decode_merge does (kernels/common/merge_row.cuh: no merge launch).
 //   How: the split's slots are cut in tiles of TILE tokens; tile t goes to stage t % STAGES and
 //   consumer warp t % CONSUMER_WARPS (STAGES a multiple of it, so a stage always has the same
 //   consumer). The producer warp (the last) gives each tile's token a lane: its table entry,
@@ -23,16 +26,17 @@
 //   run), so that whatever an unused slot holds (a NaN) meets no probability. Each producer lane
 //   arrives on the stage's `full` barrier twice: once when its copies land
 //   (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask words. Tile t + 1's
-//   table entries and positions are read before the producer waits for tile t's stage.
+//   positions and tile t + 2's table entries are loaded while tile t is issued.
 //   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e), computes
 //   S = Q K^T (ldmatrix), sets uncounted scores to -inf, runs an exp2 online softmax on the
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
 //   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
-//   stages, reused) and every warp writes rows of the split's partial.
+//   stages, reused) and every warp writes rows of the split's answer or partial.
 // Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
 //   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
-//   NaN; a row that counts nothing writes lse -inf and an out the merge multiplies by 0.
+//   NaN; a row that counts nothing in a split writes lse -inf and an out the merge multiplies
+//   by 0 (with one split: 0).
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
 //   contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
 //   [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8

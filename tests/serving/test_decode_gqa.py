@@ -38,24 +38,25 @@ def launched(monkeypatch):
     return names
 
 
-def _cache(dtype, head_dim, page_size, t_q, group, seed):
-    """Two ragged sequences (60 and 45 tokens, then a step of t_q) under a sliding window, every
-    slot the window evicted or never filled poisoned with NaN in K and V; and q."""
+def _cache(dtype, head_dim, page_size, t_q, group, seed, xp=np, prefill=60, window=WINDOW):
+    """Two ragged sequences (prefill and three quarters of it, then a step of t_q) under a
+    sliding window, every slot the window evicted or never filled poisoned with NaN in K and V;
+    and q. ``xp``: NumPy, or CuPy for a cache on the GPU."""
     rng = np.random.default_rng(seed)
     np_dtype = NUMPY_DTYPES[dtype]
-    cache = cuattn.KVCache(
-        2, 2, head_dim, dtype, page_size=page_size, policy=P.SlidingWindow(WINDOW)
-    )
-    k, v = (rng.standard_normal((2, 2, 60, head_dim)).astype(np_dtype) for _ in "kv")
-    cache.append(k, v, lengths=[60, 45])
+    like = None if xp is np else xp.zeros(1, dtype=xp.float32)
+    policy = P.SlidingWindow(window)
+    cache = cuattn.KVCache(2, 2, head_dim, dtype, page_size=page_size, policy=policy, like=like)
+    k, v = (rng.standard_normal((2, 2, prefill, head_dim)).astype(np_dtype) for _ in "kv")
+    cache.append(xp.asarray(k), xp.asarray(v), lengths=[prefill, prefill * 3 // 4])
     k, v = (rng.standard_normal((2, 2, t_q, head_dim)).astype(np_dtype) for _ in "kv")
-    cache.append(k, v)
+    cache.append(xp.asarray(k), xp.asarray(v))
     unused = cache.slot_pos < 0
-    assert unused.any()
+    assert bool(unused.any())
     cache.k_pages[unused] = np.nan
     cache.v_pages[unused] = np.nan
     q = rng.standard_normal((2, 2 * group, t_q, head_dim)).astype(np_dtype)
-    return cache, q
+    return cache, xp.asarray(q)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +86,19 @@ def test_against_the_oracle_and_the_split_kernel(
     np.testing.assert_allclose(lse, split_lse, rtol=1e-2, atol=1e-2)
     split = split_out.astype(np.float64)
     assert np.abs(got - split).max() <= TOLERANCE[dtype] * np.abs(want).max()
+
+
+def test_a_long_split_cycles_the_stage_ring(launched, monkeypatch):
+    """One split of ~420 kept tokens at d128 (32-token tiles): 14 tiles, so every stage of the
+    ring is refilled three times and each barrier's parity flips back and forth, and the online
+    softmax rescales O over many tiles."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
+    cache, q = _cache("bfloat16", 128, 16, 1, 4, seed=21, prefill=440, window=420)
+    out = cuattn.decode_attention(q, cache, backend="interp")
+    assert launched == [geometry.DECODE_GQA_KERNEL]
+    want = kept_attention(cache, q, 128**-0.5)
+    error = np.abs(out.astype(np.float64) - want).max()
+    assert error <= TOLERANCE["bfloat16"] * np.abs(want).max()
 
 
 @pytest.mark.parametrize(
@@ -202,3 +216,45 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
             continue  # the libraries the tests above built (one dtype of the other head dims)
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident_ctas", [1, 256])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "page_size", "t_q", "group"),
+    [
+        ("bfloat16", 128, 16, 1, 4),
+        ("float16", 128, 64, 4, 4),
+        ("bfloat16", 64, 1, 8, 2),
+        ("float16", 64, 16, 2, 8),
+    ],
+)
+def test_on_the_gpu(dtype, head_dim, page_size, t_q, group, resident_ctas, monkeypatch):
+    """The interpreter's cases on a CuPy cache (NaN in every slot the cache does not keep), one
+    split per table or many (the fused merge), against the float64 oracle; the route launched
+    attn_decode_gqa alone. What a GPU run must pass before CUATTN_DECODE=gqa can be the default."""
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    from cuattn.backends import cuda
+
+    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
+    monkeypatch.setattr(decode, "_resident_ctas", lambda impl, d, dt, gqa: resident_ctas)
+    names: list[str] = []
+    launch = cuda.CudaBackend.launch
+
+    def spy(self, config, **values):
+        names.append(config.kernel)
+        return launch(self, config, **values)
+
+    monkeypatch.setattr(cuda.CudaBackend, "launch", spy)
+    cache, q = _cache(dtype, head_dim, page_size, t_q, group, seed=3, xp=cupy, prefill=600)
+    out, lse = cuattn.decode_attention(q, cache, return_lse=True)
+    assert names == [geometry.DECODE_GQA_KERNEL]
+    got = cupy.asnumpy(out).astype(np.float64)
+    want = kept_attention(cache, q, head_dim**-0.5)
+    assert np.isfinite(got).all() and bool(cupy.isfinite(lse).all())
+    assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()

@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
                     const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
                     T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
-                    int heads,
-                    int kv_heads, int t_q, int page_size, int max_pages, int splits,
+                    int heads, int kv_heads, int t_q, int page_size, int max_pages, int splits,
                     int pages_per_split, float scale, int use_chosen) {
   using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T>;
   constexpr int ROWS = Traits::ROWS;

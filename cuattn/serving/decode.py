@@ -23,7 +23,10 @@ meeting a query element of 0 or of the other sign, 0 * inf) is read ahead of eve
 
 Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
 splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
-``backend="interp"`` on the CPU; a NumPy cache runs the reference by default: exact, written
+``backend="interp"`` on the CPU; with CUATTN_DECODE=gqa the tensor-core kernel
+(kernels/attn_decode_gqa.cu, which merges its own splits) takes the decodes it applies to
+(geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, no score modifier, no HeavyHitters
+scores), opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
 on the cache's device from the per-page key bounds; HeavyHitters turns the kernel's per-token
 scores into probabilities with the merged lse in one more kernel (no second pass over K) that

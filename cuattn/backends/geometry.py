@@ -169,7 +169,6 @@ DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
-DECODE_GQA_FULL_ARRIVALS = 2 * WARP_SIZE  # per producer lane: its copies landed, its masks
 DECODE_GQA_BARRIER_BYTES = 8
 DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
@@ -356,7 +355,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("part_lse", "ptr"),
         ("out", "ptr"),
         ("lse", "ptr"),
-        ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: splits written
+        ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: counts splits done
         ("heads", "i32"),
         ("kv_heads", "i32"),
         ("t_q", "i32"),

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("decode_bench.py", ["--smoke", "--policies", "quest"], "choice_ms"),
         (
             "decode_bench.py",
-            ["--smoke", "--policies", "full", "--decode", "gqa"],
+            ["--smoke", "--policies", "full", "--decode", "gqa", "--t-q", "4", "--page", "16"],
             "attn_decode_gqa",
         ),
         (

@@ -1,7 +1,8 @@
 """Decode benchmark: cuattn.decode_attention over a paged KVCache, per policy, against SDPA.
 
 For each case (batch, context, policy) a CuPy KVCache is prefilled with random bf16 tokens;
-then a decode step (append one token to every sequence, decode_attention with t_q = 1) is
+then a decode step (append t_q tokens to every sequence, decode_attention with those t_q
+queries; --t-q, default 1: speculative decoding checks more) is
 timed end to end (what a serving loop pays: the cache's bookkeeping on the device, Quest's
 choice, HeavyHitters' score update) and the decode kernels alone (split + merge). The baseline is
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
@@ -15,12 +16,18 @@ chose.
     PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
     PYTHONPATH=. python scripts/decode_bench.py --quick
     python scripts/decode_bench.py --smoke                      # CPU: tiny, the interpreter
+    PYTHONPATH=. python scripts/decode_bench.py --decode gqa    # the tensor-core decode kernel
+    PYTHONPATH=. python scripts/decode_bench.py --decode gqa --t-q 4 --page 64 --cases 64x32768
+
+The `decode` column names the kernel kernel_ms timed (--decode sets CUATTN_DECODE: "split",
+the default, or "gqa", attn_decode_gqa wherever it applies; the smoke runs it in bf16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cuattn  # noqa: E402
 from cuattn import policies  # noqa: E402
-from cuattn.backends import resolve_backend  # noqa: E402
+from cuattn.backends import geometry, resolve_backend  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
 from cuattn.tools.bench.report import rows_table  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
@@ -39,6 +46,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 FULL = [(1, n) for n in (4096, 16384, 65536, 131072)] + [(64, n) for n in (4096, 16384, 32768)]
 QUICK = [(1, 4096), (1, 16384), (64, 4096)]
 SMOKE = [(1, 96), (2, 64)]
+SMOKE_PAGE = 8
 PREFILL_CHUNK = 8192  # tokens appended at once while filling a cache
 REPEATS = 20
 FLEX_FALLBACK_PAGE = 128  # FlexAttention's default block size
@@ -85,9 +93,11 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         batch, KV_HEADS, args.head_dim, dtype, page_size=page, policy=policy, like=like
     )
     _fill(cache, xp, context, dtype, rng)
-    q = xp.asarray(rng.standard_normal((batch, HEADS, 1, args.head_dim), dtype=np.float32))
+    q_shape = (batch, HEADS, args.t_q, args.head_dim)
+    q = xp.asarray(rng.standard_normal(q_shape, dtype=np.float32))
     q = q.astype(storage(dtype))
-    token = xp.asarray(rng.standard_normal((batch, KV_HEADS, 1, args.head_dim), np.float32))
+    step_shape = (batch, KV_HEADS, args.t_q, args.head_dim)
+    token = xp.asarray(rng.standard_normal(step_shape, np.float32))
     token = token.astype(storage(dtype))
     sync = xp.cuda.Device().synchronize if xp is not np else (lambda: None)
 
@@ -118,16 +128,27 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
     row = dict(
         batch=batch,
         context=context,
+        t_q=args.t_q,
+        page=page,
         policy=policy_name,
         kept=kept // (batch * KV_HEADS),
         step_ms=step_ms,
         choice_ms=choice_ms if choice_ms is not None else "-",
         kernel_ms=kernel_ms,
         gbps=kv_bytes / kernel_ms / 1e6,
+        decode=decode_kernel(args.head_dim, dtype),
     )
     if args.baselines:
         row.update(baselines(cache, q, kept // (batch * KV_HEADS), args, sync))
     return row
+
+
+def decode_kernel(head_dim: int, dtype: str) -> str:
+    """The kernel decode_attention's route takes for a decode with no policy scores
+    (kernel_ms)."""
+    scale = head_dim**-0.5
+    gqa = geometry.decode_gqa_applies(head_dim, dtype, False, False, scale)
+    return geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"
 
 
 def baselines(cache, q, kept, args, sync):
@@ -138,7 +159,8 @@ def baselines(cache, q, kept, args, sync):
     shape = (cache.batch, KV_HEADS, kept, args.head_dim)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    tq = torch.randn(cache.batch, HEADS, 1, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    q_shape = (cache.batch, HEADS, args.t_q, args.head_dim)
+    tq = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
     out = {
         "sdpa_ms": median_ms(
             lambda: F.scaled_dot_product_attention(tq, k, v, enable_gqa=True),
@@ -195,16 +217,31 @@ def main() -> None:
         "--cases", type=_cases, help="BATCHxCONTEXT,... instead of the sweep's, e.g. 64x32768"
     )
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--t-q", type=int, default=1, help="queries per sequence and step")
+    parser.add_argument("--page", type=int, help=f"tokens per page (default {PAGE}; smoke: 8)")
+    parser.add_argument(
+        "--decode",
+        choices=geometry.DECODE_FAMILIES,
+        help=f"the decode kernel family ({geometry.DECODE_ENV}; default: the environment's)",
+    )
     args = parser.parse_args()
+    if args.decode:
+        os.environ[geometry.DECODE_ENV] = args.decode
     if args.smoke:
-        xp, dtype, backend, cases = np, "float32", "interp", args.cases or SMOKE
-        args.head_dim, args.page, args.repeats, args.baselines = 16, 8, 2, False
+        # the tensor-core kernel takes 16-bit types only
+        smoke_dtype = (
+            "bfloat16" if geometry.decode_family() == geometry.DECODE_GQA_FAMILY else "float32"
+        )
+        xp, dtype, backend, cases = np, smoke_dtype, "interp", args.cases or SMOKE
+        args.head_dim, args.repeats, args.baselines = 16, 2, False
+        args.page = args.page or SMOKE_PAGE
     else:
         import cupy as xp
 
         dtype, backend = "bfloat16", None
         cases = args.cases or (QUICK if args.quick else FULL)
-        args.head_dim, args.page, args.repeats, args.baselines = HEAD_DIM, PAGE, REPEATS, True
+        args.head_dim, args.repeats, args.baselines = HEAD_DIM, REPEATS, True
+        args.page = args.page or PAGE
     rows = []
     for b, n in cases:
         for p in args.policies:

@@ -70,6 +70,7 @@ KERNEL_FILES = {
     "attn_decode_split": "attn_decode.cu",
     "attn_decode_merge": "merge_states.cu",
     "attn_decode_mass": "attn_decode.cu",
+    "attn_decode_gqa": "attn_decode_gqa.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",
     "layout_count": "layout_build.cu",
@@ -151,6 +152,34 @@ DECODE_MASS_THREADS = 128
 # NVRTC report's count for d = 128, 16-bit, on sm_90 (234, allocated in steps of 8); occupancy
 # here only decides how many CTAs fill a GPU.
 DECODE_REGISTERS_ASSUMED = 240
+
+# The tensor-core decode (kernels/attn_decode_gqa.cu),
+# templated on <TILE, HEAD_DIM, T>: a producer warp streams tiles of TILE tokens' K and V through
+# DECODE_GQA_STAGES shared-memory stages (one per consumer warp) while 4 consumer warps compute
+# 16 query rows of a kv group (the M of mma.sync m16n8k16) against them. fp16/bf16, no score
+# modifiers, no per-token scores (HeavyHitters): those keep attn_decode_split. Opt-in: it has not
+# run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the default ("split")
+# never does.
+DECODE_GQA_KERNEL = "attn_decode_gqa"
+DECODE_GQA_ROWS = 16
+DECODE_GQA_WARPS = 5  # 4 consumers and the producer
+DECODE_GQA_STAGES = 4
+DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
+DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
+DECODE_GQA_MAX_TILE = 64
+DECODE_GQA_DTYPES = ("float16", "bfloat16")
+DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
+DECODE_GQA_BARRIER_BYTES = 8
+DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
+# Registers per thread assumed when sizing the split count before the kernel is loaded: the
+# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8.
+DECODE_GQA_REGISTERS_ASSUMED = 168
+# Split counts: the fewest whose wave efficiency is within this fraction of the best.
+DECODE_GQA_WAVE_SLACK = 0.9
+DECODE_ENV = "CUATTN_DECODE"
+DECODE_SPLIT_FAMILY = "split"
+DECODE_GQA_FAMILY = "gqa"
+DECODE_FAMILIES = (DECODE_SPLIT_FAMILY, DECODE_GQA_FAMILY)
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -312,6 +341,30 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("t_q", "i32"),
         ("page_size", "i32"),
         ("max_pages", "i32"),
+    ),
+    "attn_decode_gqa": (
+        ("q", "ptr"),
+        ("k_pages", "ptr"),
+        ("v_pages", "ptr"),
+        ("slot_pos", "ptr"),
+        ("page_table", "ptr"),
+        ("page_count", "ptr"),
+        ("lengths", "ptr"),
+        ("chosen", "ptr"),
+        ("part_out", "ptr"),
+        ("part_lse", "ptr"),
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: counts splits done
+        ("heads", "i32"),
+        ("kv_heads", "i32"),
+        ("t_q", "i32"),
+        ("page_size", "i32"),
+        ("max_pages", "i32"),
+        ("splits", "i32"),
+        ("pages_per_split", "i32"),
+        ("scale", "f32"),
+        ("use_chosen", "i32"),
     ),
     "attn_decode_merge": (
         ("part_out", "ptr"),
@@ -624,6 +677,20 @@ class KernelConfig(_Launch):
             stages = DECODE_STAGES * 2 * tile_n * ld * itemsize
             merge = num_warps * tile_m * (self.head_dim + 2) * 4
             smem = q_bytes + max(stages, merge)
+        elif self.kernel == DECODE_GQA_KERNEL:
+            # grid as attn_decode_split's; [barriers][row masks][stages], the final merge of the
+            # consumers' (O, m, l) rows reusing the stages
+            assert self.block is None and self.rule is None and not self.mods
+            assert decode_gqa_supports(self.head_dim, self.dtype), self
+            tile_m = DECODE_GQA_ROWS
+            tile_n = decode_gqa_tile(self.head_dim, self.dtype)
+            num_warps = DECODE_GQA_WARPS
+            consumers = num_warps - 1
+            barriers = 2 * DECODE_GQA_STAGES * DECODE_GQA_BARRIER_BYTES
+            masks = DECODE_GQA_STAGES * tile_n * 4
+            ring = DECODE_GQA_STAGES * 2 * tile_n * ld * itemsize
+            merge = consumers * tile_m * (self.head_dim + 2) * 4
+            smem = barriers + masks + max(ring, merge)
         elif self.kernel == SM90_FWD:
             assert sm90_forward_supports(self.block, self.head_dim, self.dtype), self
             assert self.rule in RULES and not self.mods and not self.paired, self
@@ -685,7 +752,7 @@ class KernelConfig(_Launch):
     def grid(self) -> tuple[int, int, int]:
         if self.kernel in ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
-        if self.kernel in DECODE_KERNELS:
+        if self.kernel in DECODE_KERNELS or self.kernel == DECODE_GQA_KERNEL:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
             return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
@@ -710,6 +777,8 @@ class KernelConfig(_Launch):
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_KERNEL:
+            return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
         mods = CXX_MODS[self.mods]
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
@@ -726,6 +795,8 @@ class KernelConfig(_Launch):
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_KERNEL:
+            return f"{self.kernel}_traits<{self.tile_n}, {self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -1003,6 +1074,88 @@ def decode_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: 
     config = KernelConfig("attn_decode_split", head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
+
+
+def decode_family() -> str:
+    """The decode kernel CUATTN_DECODE asks for: "split" (also when unset: attn_decode_split
+    everywhere) or "gqa" (attn_decode_gqa wherever ``decode_gqa_applies``)."""
+    family = os.environ.get(DECODE_ENV, "") or DECODE_SPLIT_FAMILY
+    if family not in DECODE_FAMILIES:
+        raise ValueError(
+            f"{DECODE_ENV}={family!r} is not a decode kernel family; accepted: "
+            f"{', '.join(DECODE_FAMILIES)} (unset: {DECODE_SPLIT_FAMILY})"
+        )
+    return family
+
+
+def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
+    """Whether attn_decode_gqa has an instantiation for this head dim and dtype."""
+    return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES
+
+
+def decode_gqa_applies(
+    head_dim: int, dtype: str, mods: bool, keep_scores: bool, scale: float
+) -> bool:
+    """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa), an instantiation
+    exists, no score modifier, no per-token scores (HeavyHitters), and in fp16 a ``scale`` with
+    |scale| log2(e) <= 1 (the kernel holds q scale log2(e) in q's type: so it stays within
+    fp16's range wherever q is). Otherwise, and by default, attn_decode_split (the named
+    fallback)."""
+    wanted = decode_family() == DECODE_GQA_FAMILY
+    in_range = dtype != "float16" or abs(scale) * DECODE_GQA_LOG2E <= 1.0
+    plain = not mods and not keep_scores
+    return wanted and decode_gqa_supports(head_dim, dtype) and plain and in_range
+
+
+def decode_gqa_tile(head_dim: int, dtype: str) -> int:
+    """Tokens per stage of attn_decode_gqa: the power of two whose K tile is about
+    DECODE_GQA_TILE_BYTES, within [DECODE_GQA_MIN_TILE, DECODE_GQA_MAX_TILE]."""
+    tokens = DECODE_GQA_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
+    tokens = 1 << (tokens.bit_length() - 1)
+    return min(max(tokens, DECODE_GQA_MIN_TILE), DECODE_GQA_MAX_TILE)
+
+
+def decode_gqa_row_chunks(kv_group: int, t_q: int) -> int:
+    """CTAs of attn_decode_gqa along one kv head's kv_group x t_q query rows."""
+    return ceil_div(kv_group * t_q, DECODE_GQA_ROWS)
+
+
+def wave_efficiency(ctas: int, resident_ctas: int) -> float:
+    """The busy fraction of the waves a grid of ``ctas`` takes on a device holding
+    ``resident_ctas`` at once: the last wave's empty slots are lost."""
+    return ctas / (resident_ctas * ceil_div(ctas, resident_ctas))
+
+
+def decode_gqa_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, pages per split) of attn_decode_gqa over ``ctas`` (batch x kv heads x row
+    chunks) page tables of at most ``max_pages`` pages: the fewest splits (at most
+    DECODE_MAX_SPLITS and the pages) whose wave efficiency is within DECODE_GQA_WAVE_SLACK of
+    the best, since each split adds a partial to merge (bench/NOTES.md, change 35)."""
+    pages = max(max_pages, 1)
+    ctas = max(ctas, 1)
+    candidates = range(1, min(DECODE_MAX_SPLITS, pages) + 1)
+    efficiency = {s: wave_efficiency(ctas * s, resident_ctas) for s in candidates}
+    best = max(efficiency.values())
+    splits = min(s for s, e in efficiency.items() if e >= DECODE_GQA_WAVE_SLACK * best)
+    per_split = ceil_div(pages, splits)
+    return ceil_div(pages, per_split), per_split
+
+
+def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
+    """attn_decode_gqa CTAs a device of ``multiprocessors`` SMs holds at once."""
+    config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+    per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
+    return multiprocessors * per_sm
+
+
+def decode_gqa_configs() -> list[KernelConfig]:
+    """One config per attn_decode_gqa instantiation (head dims x dtypes). Kept out of
+    all_configs, as the sm_90a forward is: the opt-in kernel's libraries are built by its own
+    tests (tests/serving/test_decode_gqa.py), and the compile check lists it itself."""
+    return [
+        KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+        for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+    ]
 
 
 def all_instantiations() -> dict[str, list[str]]:

@@ -776,9 +776,11 @@ class KernelBackend:
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
         dropout_seed: Any | None = None,
+        gqa: bool = False,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
-        kernels/merge_states.cu): (out like q, lse
+        kernels/merge_states.cu; or with ``gqa`` the tensor-core kernels/attn_decode_gqa.cu,
+        where geometry.decode_gqa_applies, which merges its splits itself): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
         page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
@@ -811,15 +813,34 @@ class KernelBackend:
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
         xp = self.xp
+        if gqa and not geometry.decode_gqa_applies(head_dim, dtype, mods.any, keep_scores, scale):
+            raise ValueError(
+                f"gqa: attn_decode_gqa does not apply to head_dim {head_dim}, dtype {dtype}, "
+                f"score modifiers {mods.any}, per-token scores {keep_scores}, scale {scale}; it "
+                f"takes head dims {geometry.DECODE_GQA_HEAD_DIMS}, "
+                f"{geometry.DECODE_GQA_DTYPES}, no modifiers, no scores, in fp16 a scale of at "
+                f"most 1 / log2(e), with {geometry.DECODE_ENV}={geometry.DECODE_GQA_FAMILY}"
+            )
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once
             self._check_alignment(arrays)
-            chunks = geometry.decode_row_chunks(heads // kv_heads, t_q, head_dim)
-            splits, per_split = geometry.decode_splits(
-                batch * kv_heads * chunks, max_pages, resident_ctas
-            )
-            part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
-            part_lse = self.output((batch, heads, t_q, splits), xp.float32)
+            if gqa:
+                chunks = geometry.decode_gqa_row_chunks(heads // kv_heads, t_q)
+                splits, per_split = geometry.decode_gqa_splits(
+                    batch * kv_heads * chunks, max_pages, resident_ctas
+                )
+            else:
+                chunks = geometry.decode_row_chunks(heads // kv_heads, t_q, head_dim)
+                splits, per_split = geometry.decode_splits(
+                    batch * kv_heads * chunks, max_pages, resident_ctas
+                )
+            out = self.output(q.shape, q.dtype)
+            lse = self.output((batch, heads, t_q), xp.float32)
+            if gqa and splits == 1:  # attn_decode_gqa writes out and lse itself
+                part_out = part_lse = xp.zeros(1, xp.float32)
+            else:
+                part_out = self.output((batch, heads, t_q, splits, head_dim), xp.float32)
+                part_lse = self.output((batch, heads, t_q, splits), xp.float32)
             tokens = max_pages * page_size
             # written below each table's page count only (attn_decode_mass reads no further)
             scores = (
@@ -829,54 +850,87 @@ class KernelBackend:
             )
             use_chosen = chosen is not None
             chosen = xp.ascontiguousarray(chosen) if use_chosen else xp.zeros(1, xp.uint8)
-            split_config = KernelConfig(
-                "attn_decode_split",
-                head_dim,
-                dtype,
-                batch=batch,
-                heads=kv_heads * chunks,
-                n_rows=splits,
-                mods=mods.any,
-            )
-            self.launch(
-                split_config,
-                q=q,
-                k_pages=k_pages,
-                v_pages=v_pages,
-                slot_pos=slot_pos,
-                page_table=page_table,
-                page_count=page_count,
-                lengths=lengths,
-                chosen=chosen,
-                part_out=part_out,
-                part_lse=part_lse,
-                token_scores=scores,
-                heads=heads,
-                kv_heads=kv_heads,
-                t_q=t_q,
-                page_size=page_size,
-                max_pages=max_pages,
-                splits=splits,
-                pages_per_split=per_split,
-                scale=scale,
-                softcap=mods.softcap,
-                **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                **_dropout_values(mods, dropout_seed, xp),
-                use_chosen=int(use_chosen),
-                keep_scores=int(keep_scores),
-            )
-            out = self.output(q.shape, q.dtype)
-            lse = self.output((batch, heads, t_q), xp.float32)
-            rows = batch * heads * t_q
-            self.launch(
-                KernelConfig("attn_decode_merge", head_dim, dtype, n_rows=rows),
-                part_out=part_out,
-                part_lse=part_lse,
-                out=out,
-                lse=lse,
-                rows=rows,
-                splits=splits,
-            )
+            if gqa:
+                self.launch(
+                    KernelConfig(
+                        geometry.DECODE_GQA_KERNEL,
+                        head_dim,
+                        dtype,
+                        batch=batch,
+                        heads=kv_heads * chunks,
+                        n_rows=splits,
+                    ),
+                    q=q,
+                    k_pages=k_pages,
+                    v_pages=v_pages,
+                    slot_pos=slot_pos,
+                    page_table=page_table,
+                    page_count=page_count,
+                    lengths=lengths,
+                    chosen=chosen,
+                    part_out=part_out,
+                    part_lse=part_lse,
+                    out=out,
+                    lse=lse,
+                    # the last CTA of a (sequence, kv head, row chunk) merges its splits
+                    tickets=xp.zeros((batch, kv_heads * chunks), xp.int32),
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    t_q=t_q,
+                    page_size=page_size,
+                    max_pages=max_pages,
+                    splits=splits,
+                    pages_per_split=per_split,
+                    scale=scale,
+                    use_chosen=int(use_chosen),
+                )
+            else:
+                split_config = KernelConfig(
+                    "attn_decode_split",
+                    head_dim,
+                    dtype,
+                    batch=batch,
+                    heads=kv_heads * chunks,
+                    n_rows=splits,
+                    mods=mods.any,
+                )
+                self.launch(
+                    split_config,
+                    q=q,
+                    k_pages=k_pages,
+                    v_pages=v_pages,
+                    slot_pos=slot_pos,
+                    page_table=page_table,
+                    page_count=page_count,
+                    lengths=lengths,
+                    chosen=chosen,
+                    part_out=part_out,
+                    part_lse=part_lse,
+                    token_scores=scores,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    t_q=t_q,
+                    page_size=page_size,
+                    max_pages=max_pages,
+                    splits=splits,
+                    pages_per_split=per_split,
+                    scale=scale,
+                    softcap=mods.softcap,
+                    **self._operand_values(alibi_slopes, key_bias, rel_bias),
+                    **_dropout_values(mods, dropout_seed, xp),
+                    use_chosen=int(use_chosen),
+                    keep_scores=int(keep_scores),
+                )
+                rows = batch * heads * t_q
+                self.launch(
+                    KernelConfig("attn_decode_merge", head_dim, dtype, n_rows=rows),
+                    part_out=part_out,
+                    part_lse=part_lse,
+                    out=out,
+                    lse=lse,
+                    rows=rows,
+                    splits=splits,
+                )
         return out, lse, (scores if keep_scores else None)
 
     def decode_mass(

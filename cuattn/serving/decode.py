@@ -23,7 +23,10 @@ meeting a query element of 0 or of the other sign, 0 * inf) is read ahead of eve
 
 Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
 splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
-``backend="interp"`` on the CPU; a NumPy cache runs the reference by default: exact, written
+``backend="interp"`` on the CPU; with CUATTN_DECODE=gqa the tensor-core kernel
+(kernels/attn_decode_gqa.cu, which merges its own splits) takes the decodes it applies to
+(geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, no score modifier, no HeavyHitters
+scores), opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
 on the cache's device from the per-page key bounds; HeavyHitters turns the kernel's per-token
 scores into probabilities with the merged lse in one more kernel (no second pass over K) that
@@ -144,23 +147,26 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
     return chosen
 
 
-def _resident_ctas(impl: Any, head_dim: int, dtype: str) -> int:
+def _resident_ctas(impl: Any, head_dim: int, dtype: str, gqa: bool) -> int:
     if not impl.on_gpu:
         return INTERP_RESIDENT_CTAS
     import cupy
 
-    return _device_resident_ctas(cupy.cuda.Device().id, head_dim, dtype)
+    return _device_resident_ctas(cupy.cuda.Device().id, head_dim, dtype, gqa)
 
 
 @functools.cache
-def _device_resident_ctas(device_id: int, head_dim: int, dtype: str) -> int:
-    """Decode CTAs device ``device_id`` holds (its properties read once, not every step)."""
+def _device_resident_ctas(device_id: int, head_dim: int, dtype: str, gqa: bool) -> int:
+    """Decode CTAs (attn_decode_gqa's with ``gqa``) device ``device_id`` holds (its properties
+    read once, not every step)."""
     import cupy
 
     device = cupy.cuda.Device(device_id)
     major = int(device.compute_capability[:-1])
     arch = "sm_90" if major >= 9 else "sm_80"
     sms = int(device.attributes["MultiProcessorCount"])
+    if gqa:
+        return geometry.decode_gqa_resident_ctas(arch, sms, head_dim, dtype)
     return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
 
 
@@ -201,7 +207,10 @@ def kernel_call(
     dropout_seed: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
     """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
-    (out, lse, per-token scores or None). No policy work: decode_attention adds that."""
+    (out, lse, per-token scores or None). No policy work: decode_attention adds that. The
+    kernel route: attn_decode_gqa where CUATTN_DECODE=gqa asks for it and it applies
+    (geometry.decode_gqa_applies), attn_decode_split otherwise."""
+    gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype, mods.any, keep_scores, scale)
     table, count = cache.device_tables()
     return impl.decode(
         qb,
@@ -215,11 +224,12 @@ def kernel_call(
         scale,
         mods,
         keep_scores,
-        _resident_ctas(impl, cache.head_dim, cache.dtype),
+        _resident_ctas(impl, cache.head_dim, cache.dtype, gqa),
         alibi_slopes,
         key_bias,
         rel_bias,
         dropout_seed,
+        gqa=gqa,
     )
 
 

@@ -81,13 +81,31 @@ __device__ __forceinline__ bool mbarrier_test_wait_parity(u64* bar, unsigned par
 #endif
 }
 
-// Blocks until the phase with parity `parity` has completed.
+// Blocks until the phase with parity `parity` has completed. mbarrier.try_wait is sm_90's; an
+// sm_80 build polls with test_wait (kernels/attn_decode_gqa.cu runs on both).
 __device__ __forceinline__ void mbarrier_wait_parity(u64* bar, unsigned parity) {
 #ifdef CUATTN_INTERP
   cuattn_interp::mbarrier_wait_parity(bar, parity);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  while (!mbarrier_poll_parity<false>(bar, parity)) {
+  }
 #else
   while (!mbarrier_poll_parity<true>(bar, parity)) {
   }
+#endif
+}
+
+// One arrival on `bar`'s current phase once every cp.async this thread issued before it has
+// landed (cp.async.mbarrier.arrive.noinc, sm_80): the copies' completion, handed to the threads
+// that wait on the barrier. .noinc: the arrival is one of the `count` given to mbarrier_init.
+// Under the interpreter the copies land (zero-filled where cp_async_16 said invalid) when the
+// phase completes, so a reader that skips the wait sees the poison of the issue.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(u64* bar) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::cp_async_mbarrier_arrive(bar);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(address) : "memory");
 #endif
 }
 

@@ -580,6 +580,24 @@ inline void mbarrier_arrive_only(void* address) {
   complete_phase_if_done(address, b);
 }
 
+// cp.async.mbarrier.arrive.noinc: this thread's cp.async copies (committed or not) leave its
+// wait_group accounting and land when the barrier's current phase completes, which this
+// arrival counts towards.
+inline void cp_async_mbarrier_arrive(void* address) {
+  ThreadState& me = self();
+  for (const PendingCopy& copy : me.pending_copies) {
+    active->bulk_copies.push_back({address, 16, [copy] {
+                                     if (copy.valid) {
+                                       std::memcpy(copy.dst, copy.src, 16);
+                                     } else {
+                                       std::memset(copy.dst, 0, 16);
+                                     }
+                                   }});
+  }
+  me.pending_copies.clear();
+  mbarrier_arrive_only(address);
+}
+
 // mbarrier.arrive. What the arrival releases (a stage handed back, a result published) may be
 // taken up by another warp at once on a GPU: the other warps run before this one goes on (and
 // those it woke first), so a consumer that releases a stage before it is done with it finds
@@ -1026,6 +1044,10 @@ inline float atomicAdd(float* address, float value) {
 inline int atomicAdd(int* address, int value) {
   return std::atomic_ref<int>(*address).fetch_add(value, std::memory_order_relaxed);
 }
+
+// Blocks run one after another here, so every write of an earlier block is already visible; a
+// sequentially consistent fence keeps this thread's order as the GPU's fence does.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline float __expf(float x) { return std::exp(x); }
 inline float __exp2f(float x) { return std::exp2(x); }

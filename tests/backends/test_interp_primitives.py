@@ -36,6 +36,8 @@ EXPRESSIONS = [
     "test_divergent_shuffle",
     "test_lane_stack",
     *[f"test_bulk_pipeline<{bug}>" for bug in range(6)],
+    "test_cp_async_mbarrier<false>",
+    "test_cp_async_mbarrier<true>",
     "test_cta_order",
 ]
 
@@ -303,6 +305,43 @@ def test_the_mbarrier_and_bulk_copy_ptx_assembles_for_sm_90():
     options = [*common_options(), f"-I{SOURCE.parent}"]
     for result in compile_units(SOURCE.read_text(), units, "sm_90", options):
         assert result.ok, result.error
+
+
+ASYNC_ARRIVE_FLOATS, ASYNC_ARRIVE_SMEM = 128, 128 * 4 + 16
+
+
+def _async_arrive(lib, skip_wait: bool) -> tuple[np.ndarray, np.ndarray]:
+    data = np.random.default_rng(10).standard_normal(ASYNC_ARRIVE_FLOATS).astype(np.float32)
+    out = np.full(ASYNC_ARRIVE_FLOATS, np.nan, np.float32)
+    expression = f"test_cp_async_mbarrier<{str(skip_wait).lower()}>"
+    run(lib, expression, 1, 64, data, out, smem=ASYNC_ARRIVE_SMEM)
+    return data, out
+
+
+def test_cp_async_lands_for_the_warp_that_waits_on_its_mbarrier(lib, monkeypatch):
+    """cp.async.mbarrier.arrive.noinc: the phase completes when every lane's copies have
+    landed, zero-filled ones included; a reader that skips the wait sees the issue's poison."""
+    want = np.random.default_rng(10).standard_normal(ASYNC_ARRIVE_FLOATS).astype(np.float32)
+    want.reshape(32, 4)[1::2] = 0.0
+    early = set()
+    for seed in range(4):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        np.testing.assert_array_equal(_async_arrive(lib, False)[1], want, err_msg=f"seed {seed}")
+        early.add(bool(np.isnan(_async_arrive(lib, True)[1]).any()))
+    assert True in early, "a read before the phase completed went unseen"
+
+
+def test_the_cp_async_mbarrier_ptx_assembles_for_sm_80_and_sm_90():
+    """The GPU side of cp_async_mbarrier_arrive_noinc and of the sm_80 wait (test_wait)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options
+    from dev.compile_check import CompileUnit, compile_units
+
+    units = [CompileUnit(SOURCE.name, "test_cp_async_mbarrier<false>")]
+    options = [*common_options(), f"-I{SOURCE.parent}"]
+    for arch in ("sm_80", "sm_90"):
+        for result in compile_units(SOURCE.read_text(), units, arch, options):
+            assert result.ok, (arch, result.error)
 
 
 @pytest.mark.parametrize(

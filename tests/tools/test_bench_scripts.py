@@ -19,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
         ("decode_bench.py", ["--smoke", "--policies", "full"], "kernel_ms"),
         ("decode_bench.py", ["--smoke", "--policies", "quest"], "choice_ms"),
         (
+            "decode_bench.py",
+            ["--smoke", "--policies", "full", "--decode", "gqa", "--t-q", "4", "--page", "16"],
+            "attn_decode_gqa",
+        ),
+        (
             "cp_bench.py",
             ["--n", "256", "--world", "2", "--patterns", "causal", "--project"],
             "ring_ms",

@@ -251,6 +251,30 @@ __global__ void test_bulk_pipeline(const float* in, float* out) {
   }
 }
 
+// cp.async completion handed to another warp through an mbarrier (kernels/attn_decode_gqa.cu's
+// producer): each lane of warp 0 copies 16 bytes (4 floats; odd lanes zero-filled, as for an
+// evicted slot) and arrives by cp.async.mbarrier.arrive.noinc; warp 1 waits for the phase and
+// writes the tile out. SKIP_WAIT: warp 1 reads at once.
+constexpr int ASYNC_ARRIVE_FLOATS = 128;
+constexpr int ASYNC_ARRIVE_SMEM = ASYNC_ARRIVE_FLOATS * 4 + 16;
+
+template <bool SKIP_WAIT>
+__global__ void test_cp_async_mbarrier(const float* in, float* out) {
+  float* tile = dynamic_smem<float>();
+  u64* bar = reinterpret_cast<u64*>(tile + ASYNC_ARRIVE_FLOATS);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (threadIdx.x == 0) mbarrier_init(bar, 32);
+  __syncthreads();
+  if (warp == 0) {
+    cp_async_16(tile + 4 * lane, in + 4 * lane, lane % 2 == 0);
+    cp_async_mbarrier_arrive_noinc(bar);
+  } else {
+    if (!SKIP_WAIT) mbarrier_wait_parity(bar, 0u);
+    for (int i = lane; i < ASYNC_ARRIVE_FLOATS; i += 32) out[i] = tile[i];
+  }
+  __syncthreads();
+}
+
 // Each CTA of a (tiles, heads, batch) grid as attn_fwd_sm90 numbers it (cta_tile_longest_first):
 // out[3 * s .. 3 * s + 2] = the tile, head and batch of the CTA that starts s-th (x fastest).
 __global__ void test_cta_order(unsigned groups, int* out) {

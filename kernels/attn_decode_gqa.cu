@@ -1,0 +1,430 @@
+// Decode attention over a paged KV cache on tensor cores: a kv group's query rows as the M = 16
+// rows of mma.sync m16n8k16, K and V streamed through a ring of shared-memory stages that a
+// producer warp fills while four consumer warps compute.
+//
+// attn_decode_gqa<TILE, HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 5 warps;
+//   T __half or __nv_bfloat16, no score modifiers (kernels/attn_decode.cu's attn_decode_split
+//   serves those, fp32, and HeavyHitters' per-token scores).
+//   What it computes is attn_decode_split's (see its header): a CTA owns one split of one
+//   (sequence, kv head)'s page table, pages [split * pages_per_split, ...) of its page_count,
+//   walked as table slots (slot f is offset f % page_size of entry f / page_size), and up to
+//   ROWS = 16 of the kv group's kv_group * t_q query rows (row r: query head kv_head * kv_group
+//   + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q). A token counts for a row
+//   when slot_pos >= 0 (kept), it is <= the row's position and, with use_chosen, the row's
+//   Quest choice reads its page; scores are scale * q.k. With one split it writes out [B, H,
+//   t_q, HEAD_DIM] (T) and lse [B, H, t_q] (float, natural log; -inf: nothing counted) itself;
+//   with more, the split's partial part_out [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H,
+//   t_q, splits] (float), and the CTA that writes the last split of its rows (counted in
+//   tickets [B, kv_heads * row_chunks], zeros at launch) merges them into out and lse as
+//   attn_decode_merge does (kernels/common/merge_row.cuh: no merge launch).
+//   How: the split's slots are cut in tiles of TILE tokens; tile t goes to stage t % STAGES and
+//   consumer warp t % CONSUMER_WARPS (STAGES a multiple of it, so a stage always has the same
+//   consumer). The producer warp (the last) gives each tile's token a lane: its table entry,
+//   slot and position, and a 32-bit row mask (bit i: the token counts for row i) into the
+//   stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
+//   lanes along a row, zero-filled where no token is kept (evicted, room in a page, past the
+//   run), so that whatever an unused slot holds (a NaN) meets no probability. Each producer lane
+//   arrives on the stage's `full` barrier twice: once when its copies land
+//   (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask words. Tile t + 1's
+//   positions and tile t + 2's table entries are loaded while tile t is issued.
+//   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e), computes
+//   S = Q K^T (ldmatrix), sets uncounted scores to -inf, runs an exp2 online softmax on the
+//   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
+//   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
+//   stages, reused) and every warp writes rows of the split's answer or partial.
+// Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
+//   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
+//   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
+//   NaN; a row that counts nothing in a split writes lse -inf and an out the merge multiplies
+//   by 0 (with one split: 0).
+// Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
+//   contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
+//   [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
+//   [B, H, t_q, max_pages].
+// Run: cuattn.decode_attention on a KVCache with CUATTN_DECODE=gqa (backend "cuda" or
+//   "interp"); TILE and the split count come from cuattn/backends/geometry.py (decode_gqa_tile,
+//   decode_gqa_splits).
+#include "common/mbarrier.cuh"
+#include "common/merge_row.cuh"
+#include "common/smem.cuh"
+#include "common/warp_gemm.cuh"
+
+template <int TILE, int HEAD_DIM, typename T>
+struct attn_decode_gqa_traits {
+  static constexpr int ROWS = 16;  // query rows per CTA: the M of one mma fragment
+  static constexpr int CONSUMER_WARPS = 4;
+  static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the last warp
+  static constexpr int NUM_WARPS = CONSUMER_WARPS + 1;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  // Two resident CTAs per SM at least (shared memory allows 3 on sm_90 at d <= 128): a
+  // thread's registers stay under 204, the O, S and Q fragments unspilled.
+  static constexpr int MIN_CTAS_PER_SM = 2;
+  static constexpr int STAGES = CONSUMER_WARPS;  // one stage per consumer warp
+  static constexpr int CHUNK = 16 / int(sizeof(T));  // elements of one 16-byte copy
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;
+  static constexpr int TOKEN_ROUNDS = (TILE + 31) / 32;  // producer: tokens a lane per tile
+  static constexpr int COPIES_PER_LANE = TILE * CHUNKS_PER_ROW / 32;  // of K (as many of V)
+  static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
+  static constexpr int TILE_ELEMS = TILE * LD;  // one K or V tile
+  static constexpr int STAGE_ELEMS = 2 * TILE_ELEMS;
+  // The full barriers count both arrivals of each producer lane; the empty ones a consumer's.
+  static constexpr int FULL_ARRIVALS = 2 * 32;
+  static constexpr int EMPTY_ARRIVALS = 32;
+  // [full, empty barriers][row masks: STAGES x TILE words][stages], the stages reused by the
+  // consumers' final merge: [warp][row][O..., m, l] floats.
+  static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+  static constexpr int MASK_BYTES = STAGES * TILE * 4;
+  static constexpr int RING_BYTES = STAGES * STAGE_ELEMS * int(sizeof(T));
+  static constexpr int MERGE_LD = HEAD_DIM + 2;
+  static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
+  static constexpr int SMEM_BYTES =
+      BARRIER_BYTES + MASK_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+  static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
+  static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole m16n8k16 steps");
+  static_assert(TILE * CHUNKS_PER_ROW % 32 == 0, "a tile's copies divide among the lanes");
+  static_assert(TILE <= 32 || TILE % 32 == 0, "a producer lane's tokens are lane + 32 r");
+  static_assert(ROWS <= 32, "a token's row mask is one word");
+  static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
+  static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
+};
+
+// CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
+__device__ __forceinline__ int min_of(int a, int b) { return a < b ? a : b; }
+
+// A token's row mask: bit i when the token at position `pos` (-1: none kept) counts for row i
+// (all_rows: the CTA's rows). query_of[i]: row i's query index (0 .. t_q - 1); first_query_pos:
+// query 0's position. Causal: a token at or before query 0 counts for every row, one past the
+// last query for none. With use_chosen, Quest's choice of the token's page for row i is
+// chosen_of_entry[i * max_pages] (the CTA's rows are consecutive rows of [B, H, t_q]).
+template <int ROWS>
+__device__ __forceinline__ u32 row_mask(long long pos, long long first_query_pos, int t_q,
+                                        const int (&query_of)[ROWS], u32 all_rows,
+                                        const unsigned char* __restrict__ chosen_of_entry,
+                                        int max_pages, int use_chosen) {
+  if (pos < 0) return 0u;
+  const long long ahead = pos - first_query_pos;  // counts for rows whose query is >= this
+  u32 mask = all_rows;
+  if (ahead >= t_q) {
+    mask = 0u;
+  } else if (ahead > 0) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      if (query_of[i] < ahead) mask &= ~(1u << i);
+    }
+  }
+  if (use_chosen) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      if ((mask >> i & 1u) && chosen_of_entry[size_t(i) * max_pages] == 0) mask &= ~(1u << i);
+    }
+  }
+  return mask;
+}
+
+template <int TILE, int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM_THREADS,
+                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T>::MIN_CTAS_PER_SM)
+    attn_decode_gqa(const T* __restrict__ q, const T* __restrict__ k_pages,
+                    const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+                    const int* __restrict__ page_table, const int* __restrict__ page_count,
+                    const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
+                    float* __restrict__ part_out, float* __restrict__ part_lse,
+                    T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
+                    int heads, int kv_heads, int t_q, int page_size, int max_pages, int splits,
+                    int pages_per_split, float scale, int use_chosen) {
+  using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T>;
+  constexpr int ROWS = Traits::ROWS;
+  constexpr int STAGES = Traits::STAGES;
+  constexpr int LD = Traits::LD;
+  constexpr float LOG2E = 1.4426950408889634f;
+  constexpr float LN2 = 0.6931471805599453f;
+  const int warp = int(threadIdx.x / 32);
+  const int lane = int(threadIdx.x % 32);
+  const int kv_group = heads / kv_heads;
+  const int group_rows = kv_group * t_q;
+  const int row_chunks = (group_rows + ROWS - 1) / ROWS;
+  const int split = int(blockIdx.x);
+  const int kv_head = int(blockIdx.y) / row_chunks;
+  const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
+  const int rows = min_of(ROWS, group_rows - first_row);
+  const int b = int(blockIdx.z);
+  const size_t table_row = size_t(b) * kv_heads + kv_head;
+  const int pages = page_count[table_row];
+  const int page_lo = min_of(split * pages_per_split, pages);
+  const int page_hi = min_of(page_lo + pages_per_split, pages);
+  const int slot_lo = page_lo * page_size;
+  const int slot_hi = page_hi * page_size;
+  const int tiles = (slot_hi - slot_lo + TILE - 1) / TILE;
+  // Row i of the CTA is row first_q_row + i of [B, H, t_q] (query head, then query): the kv
+  // group's rows are consecutive there.
+  const size_t first_q_row = (size_t(b) * heads + size_t(kv_head) * kv_group) * t_q + first_row;
+
+  u64* full = dynamic_smem<u64>();
+  u64* empty = full + STAGES;
+  u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
+  T* ring = reinterpret_cast<T*>(mask_smem + STAGES * TILE);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(&full[s], Traits::FULL_ARRIVALS);
+      mbarrier_init(&empty[s], Traits::EMPTY_ARRIVALS);
+    }
+  }
+  __syncthreads();  // the barriers, initialised, before any thread uses them
+
+  // Consumers: per lane, rows g and g + 8 of the accumulator layout.
+  const AccLayout frag;
+  float m_i[2] = {-INFINITY, -INFINITY};  // running max (log2 units), the same in a quad
+  float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum
+  float acc[HEAD_DIM / 8][4];
+#pragma unroll
+  for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  }
+
+  if (warp == Traits::PRODUCER_WARP) {
+    const int* table = page_table + table_row * max_pages;
+    const long long first_query_pos = lengths[b] - t_q;  // query r % t_q sits at this + r % t_q
+    int query_of[ROWS];
+    u32 all_rows = 0u;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      query_of[i] = (first_row + i) % t_q;
+      if (i < rows) all_rows |= 1u << i;
+    }
+    // Quest's choices of the CTA's rows: [ROWS][max_pages] from here (a stand-in without Quest)
+    const unsigned char* chosen_rows = chosen + (use_chosen ? first_q_row * max_pages : 0);
+    // A tile's tokens, one a lane per round (token lane + 32 r): the table slot (-1: past the
+    // run) and the position there (-1: none kept). Read ahead: while tile t is issued, the
+    // positions of tile t + 1 and the table entries of tile t + 2 are loaded, so that the
+    // producer never waits for its own dependent pair of loads (table, then slot_pos).
+    struct Tokens {
+      int slot[Traits::TOKEN_ROUNDS];
+      long long pos[Traits::TOKEN_ROUNDS];
+    };
+    auto read_slots = [&](int t, Tokens& tokens) {
+#pragma unroll
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        const int token = lane + 32 * r;
+        const int f = slot_lo + t * TILE + token;
+        const bool in_run = t < tiles && token < TILE && f < slot_hi;
+        const int entry = in_run ? f / page_size : 0;
+        tokens.slot[r] = in_run ? table[entry] * page_size + (f - entry * page_size) : -1;
+      }
+    };
+    auto read_positions = [&](Tokens& tokens) {
+#pragma unroll
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
+      }
+    };
+    Tokens now, next, after;
+    read_slots(0, now);
+    read_slots(1, next);
+    read_positions(now);
+    for (int t = 0; t < tiles; ++t) {
+      const int s = t % STAGES;
+      read_positions(next);
+      read_slots(t + 2, after);
+      u32 mask[Traits::TOKEN_ROUNDS];
+      int kept_slot[Traits::TOKEN_ROUNDS];  // -1: zero-filled
+#pragma unroll
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        const int entry = use_chosen ? (slot_lo + t * TILE + lane + 32 * r) / page_size : 0;
+        mask[r] = row_mask<ROWS>(now.pos[r], first_query_pos, t_q, query_of, all_rows,
+                                 chosen_rows + entry, max_pages, use_chosen);
+        kept_slot[r] = now.pos[r] >= 0 ? now.slot[r] : -1;
+      }
+      mbarrier_wait_parity(&empty[s], unsigned(t / STAGES & 1) ^ 1u);  // the stage is free
+#pragma unroll
+      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+        if (lane + 32 * r < TILE) mask_smem[s * TILE + lane + 32 * r] = mask[r];
+      }
+      T* k_tile = ring + s * Traits::STAGE_ELEMS;
+      T* v_tile = k_tile + Traits::TILE_ELEMS;
+#pragma unroll
+      for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
+        const int chunk = lane + 32 * c;
+        const int row = chunk / Traits::CHUNKS_PER_ROW;  // the tile's token
+        const int col = chunk % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
+        // token `row` is lane row % 32's, in round c / CHUNKS_PER_ROW (= row / 32)
+        const int row_slot =
+            __shfl_sync(FULL_WARP, kept_slot[c / Traits::CHUNKS_PER_ROW], row % 32);
+        const bool kept = row_slot >= 0;
+        const size_t src = size_t(kept ? row_slot : 0) * HEAD_DIM + col;
+        cp_async_16(k_tile + row * LD + col, k_pages + src, kept);
+        cp_async_16(v_tile + row * LD + col, v_pages + src, kept);
+      }
+      cp_async_mbarrier_arrive_noinc(&full[s]);  // when this lane's copies have landed
+      mbarrier_arrive(&full[s]);                 // and the mask words, now
+      now = next;
+      next = after;
+    }
+  } else {
+    // Q's A fragments: reg r of k-step ks holds row g + 8 (r % 2), columns 16 ks + 2 t + 8 (r / 2)
+    // and the next (ptx.cuh), rows past `rows` zero.
+    const float q_scale = scale * LOG2E;
+    u32 q_frag[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = frag.g + 8 * (r % 2);
+        const int col = 16 * ks + 2 * frag.t + 8 * (r / 2);
+        float x0 = 0.f, x1 = 0.f;
+        if (row < rows) {
+          const T* q_row = q + (first_q_row + row) * HEAD_DIM + col;
+          x0 = to_float(q_row[0]) * q_scale;
+          x1 = to_float(q_row[1]) * q_scale;
+        }
+        q_frag[ks][r] = pack_pair<T>(x0, x1);
+      }
+    }
+    for (int t = warp; t < tiles; t += Traits::CONSUMER_WARPS) {
+      const int s = t % STAGES;
+      mbarrier_wait_parity(&full[s], unsigned(t / STAGES & 1));
+      const T* k_tile = ring + s * Traits::STAGE_ELEMS;
+      const T* v_tile = k_tile + Traits::TILE_ELEMS;
+      float s_acc[TILE / 8][4];
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[j][e] = 0.f;
+      }
+      warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, LD);
+      // an uncounted token's score is replaced by -inf, never multiplied
+      const u32* masks = mask_smem + s * TILE;
+      float m_tile[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+        const u32 words[2] = {masks[frag.pair_col(j)], masks[frag.pair_col(j) + 1]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const u32 word = words[e % 2] >> frag.g;
+          const bool counts = (word >> (8 * (e / 2))) & 1u;
+          s_acc[j][e] = counts ? s_acc[j][e] : -INFINITY;
+          // fmaxf drops a NaN score from the max; its probability below is NaN all the same
+          m_tile[e / 2] = fmaxf(m_tile[e / 2], s_acc[j][e]);
+        }
+      }
+      float base[2], correction[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_i[r], quad_max(m_tile[r]));
+        // nothing but -inf so far: shift by 0, so that a -inf gives p = 0 (not NaN) and a NaN
+        // score still gives NaN; a +inf max makes p and the correction NaN (the row NaN)
+        base[r] = m_new == -INFINITY ? 0.f : m_new;
+        correction[r] = exp2f(m_i[r] - base[r]);
+        m_i[r] = m_new;
+      }
+      float p_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s_acc[j][e] = exp2f(s_acc[j][e] - base[e / 2]);
+          p_sum[e / 2] += s_acc[j][e];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_i[r] = l_i[r] * correction[r] + p_sum[r];
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= correction[e / 2];
+      }
+      // O += P V: P's zeros still multiply v, 0 * NaN = NaN, as the dense computation
+      warp_gemm_regs_kn<HEAD_DIM, TILE>(acc, s_acc, v_tile, LD, nullptr);
+      mbarrier_arrive(&empty[s]);  // this lane's reads of the stage are done
+    }
+  }
+
+  // The consumers' (O, m, l) merge through shared memory (the ring, whose copies have all
+  // landed: every tile was waited for).
+  __syncthreads();
+  float* merge_smem = reinterpret_cast<float*>(ring);
+  constexpr int MERGE_LD = Traits::MERGE_LD;
+  if (warp < Traits::CONSUMER_WARPS) {
+    float* mine = merge_smem + warp * ROWS * MERGE_LD;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[frag.row(e) * MERGE_LD + frag.col(j, e)] = acc[j][e];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l_row = quad_sum(l_i[r]);
+      if (frag.t == 0) {
+        mine[frag.row(2 * r) * MERGE_LD + HEAD_DIM] = m_i[r];
+        mine[frag.row(2 * r) * MERGE_LD + HEAD_DIM + 1] = l_row;
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
+    // fmaxf leaves a warp's NaN m out of m_all, not out of the sums: its weight is NaN
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
+      m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
+    }
+    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
+    float weight[Traits::CONSUMER_WARPS];
+    float l_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
+      const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
+      // a warp that counted nothing (m -inf) weighs 0, which still multiplies its O: 0, or the
+      // NaN of a 0 * NaN
+      weight[w] = exp2f(row[HEAD_DIM] - m_shift);
+      l_all += weight[w] * row[HEAD_DIM + 1];
+    }
+    // l_all == 0: the row counts nothing in this split: lse -inf and out the bare sum, which
+    // the merge multiplies by its weight 0; a NaN l_all gives NaN for both
+    const bool none = l_all == 0.f;
+    const float inv_l = none ? 1.f : 1.f / l_all;
+    // With one split the row's answer itself (what attn_decode_merge makes of one part),
+    // otherwise the split's partial
+    const size_t q_row = first_q_row + i;
+    for (int d = lane; d < HEAD_DIM; d += 32) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
+        sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
+      }
+      if (splits == 1) {
+        out[q_row * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_l);
+      } else {
+        part_out[(q_row * splits + split) * HEAD_DIM + d] = sum * inv_l;
+      }
+    }
+    if (lane == 0) {
+      const float row_lse = none ? -INFINITY : (m_all + log2f(l_all)) * LN2;
+      if (splits == 1) {
+        lse[q_row] = row_lse;
+      } else {
+        part_lse[q_row * splits + split] = row_lse;
+      }
+    }
+  }
+  if (splits == 1) return;
+
+  // The CTA that writes the last split of its rows merges them all (no merge kernel): every
+  // thread's partials are fenced device-wide before the ticket counts them.
+  __shared__ int merges;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int ticket = atomicAdd(&tickets[size_t(blockIdx.z) * gridDim.y + blockIdx.y], 1);
+    merges = ticket == splits - 1;
+  }
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();  // the other splits' partials, read after their tickets
+  for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
+    const size_t q_row = first_q_row + i;
+    const SplitMajor<HEAD_DIM> parts{part_out + q_row * splits * HEAD_DIM,
+                                     part_lse + q_row * splits, splits};
+    merge_row<HEAD_DIM, MERGE_WEIGH_EMPTY>(parts, out + q_row * HEAD_DIM, lse + q_row, lane);
+  }
+}

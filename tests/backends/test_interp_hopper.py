@@ -356,9 +356,11 @@ def test_tma_store_misuse_fails_the_launch(lib, bug, match):
         round_trip(lib, bug)
 
 
-def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
-    """The SASS opcodes of each test kernel compiled by NVRTC for sm_90a (one program), and the
-    ptxas log; skips without NVRTC or a disassembler."""
+def sm90a_opcodes(
+    expressions: list[str], source: Path = SOURCE
+) -> tuple[dict[str, list[str]], str]:
+    """The SASS opcodes of each test kernel of `source` compiled by NVRTC for sm_90a (one
+    program), and the ptxas log; skips without NVRTC or a disassembler."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from cuattn.tools import sass, sass_model
@@ -366,9 +368,9 @@ def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
     problem = sass_model.missing_tools()
     if problem is not None:
         pytest.skip(f"no SASS tools: {problem}")
-    options = [*common_options(), f"-I{SOURCE.parent}"]
+    options = [*common_options(), f"-I{source.parent}"]
     lowered, cubin, log = sass_model.compile_module(
-        SOURCE.read_text(), SOURCE.name, expressions, options, "sm_90a"
+        source.read_text(), source.name, expressions, options, "sm_90a"
     )
     with tempfile.TemporaryDirectory() as workdir:
         kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))

@@ -184,7 +184,8 @@ def build_library(
 
 
 def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
-    return [c for c in (*geometry.all_configs(), *geometry.sm90_configs()) if c.group == group]
+    configs = (*geometry.all_configs(), *geometry.sm90_configs(), *geometry.sm90_backward_configs())
+    return [c for c in configs if c.group == group]
 
 
 _group_libraries: dict[tuple, Library] = {}

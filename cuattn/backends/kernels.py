@@ -65,6 +65,10 @@ def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]
     }
 
 
+# log2(e) in float32, as the kernels' LOG2E (kernels/common/score_tile.cuh)
+_LOG2E = np.float32(1.4426950408889634)
+
+
 def panel_map(x: Any, address: int, rows: int) -> tuple[TensorMap, int]:
     """The rank-4 tensor map attn_fwd_sm90 reads x [batch, heads, n, d] through (its data at
     `address`), with a box of one 64-column panel of `rows` rows and the 128-byte swizzle
@@ -481,6 +485,117 @@ class KernelBackend:
             and self.runs_sm90a(qkv[0])
         )
 
+    def _sm90a_backward(
+        self, arrays: tuple[Any, ...], block: int, head_dim: int, dtype: str
+    ) -> bool:
+        """Whether this backward runs attn_bwd_sm90: only where CUATTN_KERNELS=sm90a asks (it has
+        never run on a GPU), for the sizes it has and inputs tensor maps describe."""
+        return (
+            geometry.kernel_family() == geometry.SM90_FAMILY
+            and geometry.sm90_backward_supports(block, head_dim, dtype)
+            and all(_tma_describes(x) for x in arrays)
+            and self.runs_sm90a(arrays[0])
+        )
+
+    def _backward_sm90(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+        layout: Layout,
+        scale: float,
+        shape: tuple,
+        dtype: str,
+    ) -> tuple[Any, Any, Any] | None:
+        """(dq, dk, dv) by attn_bwd_sm90 (inputs checked, on their device): delta by
+        attn_bwd_preprocess, lse (log2 domain) and delta padded to whole steps, the main kernel
+        with its dQ reduces into a zeroed fp32 accumulator, then attn_bwd_sm90_dq. None, before
+        any launch, when the device refuses a tensor map: the caller runs the mma.sync pair."""
+        batch, heads, n_q, head_dim, kv_heads, n_k = shape
+        xp = self.xp
+        config = KernelConfig(
+            geometry.SM90_BWD,
+            head_dim,
+            dtype,
+            batch,
+            kv_heads,
+            n_k,
+            layout.blocksize,
+            layout.rule.kind,
+        )
+        maps = {
+            **self._panel_map("q", q, config.tile_n),
+            **self._panel_map("k", k, config.tile_m),
+            **self._panel_map("v", v, config.tile_m),
+            **self._panel_map("dout", dout, config.tile_n),
+        }
+        if not all(self.encodes(maps[name]) for name in ("q", "k", "v", "dout")):
+            return None
+        use_dlse = dlse is not None
+        delta = self.output((batch, heads, n_q), xp.float32)
+        self.launch(
+            KernelConfig("attn_bwd_preprocess", head_dim, dtype, batch, heads, n_q),
+            out=out,
+            dout=dout,
+            dlse=xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32),
+            delta=delta,
+            n_q=n_q,
+            use_dlse=int(use_dlse),
+            **self._strides("dout", dout),
+        )
+        step = config.tile_n
+        n_padded = -(-n_q // step) * step
+        # lse in the log2 domain, +inf where a row has nothing to attend and past n_q (its P is
+        # then exactly 0); delta 0 past n_q
+        stats = xp.zeros((batch, heads, 2, n_padded), xp.float32)
+        stats[:, :, 0] = xp.inf
+        stats[:, :, 0, :n_q] = xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse * _LOG2E)
+        stats[:, :, 1, :n_q] = delta
+        dq_accum = self.zeroed_output((batch, heads, n_padded, head_dim), xp.float32)
+        # a semaphore per (step, head, batch), then the work counter
+        counters = self.zeroed_output((batch * heads * (n_padded // step) + 1,), xp.int32)
+        dk, dv = (self.output(k.shape, k.dtype) for _ in range(2))
+        index = self.index_arrays(layout)
+        self.launch(
+            config,
+            **maps,
+            stats=stats,
+            dk=dk,
+            dv=dv,
+            dq_accum=dq_accum,
+            semaphores=counters[:-1],
+            work_counter=counters[-1:],
+            col_ptr=index.col_ptr,
+            row_idx=index.row_idx,
+            col_mask=index.col_mask,
+            row_ptr=index.row_ptr,
+            col_idx=index.col_idx,
+            mask_table=index.mask_table,
+            n_q=n_q,
+            n_k=n_k,
+            q_offset=layout.q_offset,
+            kv_group=heads // kv_heads,
+            num_k_blocks=layout.num_blocks,
+            num_q_blocks=layout.num_q_blocks,
+            scale=scale,
+            window_left=layout.rule.window_left,
+            window_right=layout.rule.window_right,
+        )
+        dq = self.output(q.shape, q.dtype)
+        self.launch(
+            KernelConfig(geometry.SM90_BWD_DQ, head_dim, dtype, batch, heads, n_q),
+            dq_accum=dq_accum,
+            dq=dq,
+            n_q=n_q,
+            n_q_padded=n_padded,
+            scale=scale,
+        )
+        return dq, dk, dv
+
     def encodes(self, map_: TensorMap) -> bool:
         """Whether this backend's device takes the tensor map (the interpreter checks its own
         reading of the driver's rules at launch and fails the launch on a violation)."""
@@ -606,6 +721,17 @@ class KernelBackend:
             # out and lse are the forward's own (contiguous) results; a copy only if not
             out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
+            operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
+            if (
+                not modifier_variant(mods, scale)
+                and all(x is None for x in operands)
+                and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
+            ):
+                result = self._backward_sm90(
+                    q, k, v, out, lse, dout, dlse, layout, scale, shape, dtype
+                )
+                if result is not None:
+                    return result
             dout_strides = self._strides("dout", dout)
             strides = {**self._strides("q", q), **self._strides("k", k), **self._strides("v", v)}
             strides.update(dout_strides)

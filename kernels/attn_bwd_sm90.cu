@@ -10,9 +10,10 @@
 // Shapes: q, dout [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k,
 // HEAD_DIM] of T (__half or __nv_bfloat16), all read through rank-4 TMA tensor maps (columns,
 // rows, heads, batch: any strides the maps can describe; q_col .. dout_col as in
-// attn_fwd_sm90.cu); stats_global float32 [batch, heads, 2, n_q_padded] (n_q rounded up to
-// TILE_Q): lse in the log2 domain (+inf for a row with nothing to attend and past n_q, so its P
-// is exactly 0), then delta (0 past n_q); dk, dv [batch, heads / kv_group, n_k, HEAD_DIM] of T, written
+// attn_fwd_sm90.cu); stats float32 [batch, heads, 2, n_q_padded] (n_q rounded up to TILE_Q),
+// read through a fifth rank-4 map (box TILE_Q x 2 x 1 x 1, no swizzle): lse in the log2 domain
+// (+inf for a row with nothing to attend and past n_q, so its P is exactly 0), then delta (0
+// past n_q); dk, dv [batch, heads / kv_group, n_k, HEAD_DIM] of T, written
 // whole (dK = dV = 0 for a key no query sees); dq_accum float32 [batch, heads, n_q_padded,
 // HEAD_DIM] and the int semaphores [batch, heads, n_q_padded / TILE_Q] plus one work counter,
 // all zeroed before the launch; attn_bwd_sm90_dq then writes dq = dq_accum * scale as T.
@@ -25,7 +26,7 @@
 //   warpgroup 0 gives its registers up (setmaxnreg.dec). Its thread 0 walks the CSC column of
 //     every query head of the kv head in turn (GQA: the kv head's CTA loops over its heads, dK
 //     and dV stay in registers) and issues every copy: K and V once, then each active step of
-//     TILE_Q = 64 queries' Q and dO (TMA) and lse/delta (bulk copies) into a ring of
+//     TILE_Q = 64 queries' Q, dO and lse/delta (TMA) into a ring of
 //     STEP_STAGES stages. Its thread 32 issues the dQ reduces (below).
 //   warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc); consumer c owns keys
 //     64c .. 64c + 63 of the CTA, the M = 64 of one wgmma. Per step:
@@ -188,9 +189,9 @@ template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
-                  const __grid_constant__ TensorMap dout_map, int q_col, int k_col, int v_col,
-                  int dout_col, const float* __restrict__ stats_global, T* __restrict__ dk,
-                  T* __restrict__ dv,
+                  const __grid_constant__ TensorMap dout_map,
+                  const __grid_constant__ TensorMap stats_map, int q_col, int k_col, int v_col,
+                  int dout_col, T* __restrict__ dk, T* __restrict__ dv,
                   float* __restrict__ dq_accum, int* __restrict__ semaphores,
                   int* __restrict__ work_counter, const int* __restrict__ col_ptr,
                   const int* __restrict__ row_idx, const int* __restrict__ col_mask,
@@ -233,7 +234,9 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   const int k_start = k_block * BLOCK;
   const int k_last = k_start + TILE_K - 1;
   const int q_padded = (n_q + TILE_Q - 1) / TILE_Q * TILE_Q;  // rows of stats and dq_accum
-  const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
+  // Shuffled from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the
+  // consumer's descriptors) can then live in uniform registers.
+  const int warpgroup = __shfl_sync(FULL_WARP, int(threadIdx.x) / Traits::WARPGROUP_SIZE, 0);
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
   // The CSC column of head `head` (an unsigned index: no sign extension held in a register by
   // the producer, which runs on 24 of them at d = 128).
@@ -263,9 +266,6 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
       for (int group_head = 0; group_head < kv_group; ++group_head) {
         const int head = kv_head * kv_group + group_head;
         auto walk = column_walk(head);
-        // this head's lse_log2 row, its delta row after it
-        const float* head_stats =
-            stats_global + size_t(unsigned(batch * heads + head)) * unsigned(2 * q_padded);
         ActiveTile tile;
         for (; walk.next(tile, rule, k_start, k_last); ++t) {
           const int stage = Ring::stage(t);
@@ -274,10 +274,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
                       tile.start, head, full);
           load_panels(do_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, dout_map,
                       dout_col, tile.start, head, full);
-          float* stage_stats = stats + stage * 2 * TILE_Q;
-          bulk_copy_g2s(stage_stats, head_stats + tile.start, unsigned(Traits::STATS_BYTES), full);
-          bulk_copy_g2s(stage_stats + TILE_Q, head_stats + q_padded + tile.start,
-                        unsigned(Traits::STATS_BYTES), full);
+          tma_load_4d(stats + stage * 2 * TILE_Q, stats_map, tile.start, 0, head, batch, full);
         }
       }
     } else if (threadIdx.x == 32) {

@@ -276,13 +276,13 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("k", "tmap"),
         ("v", "tmap"),
         ("dout", "tmap"),
+        # float32 [batch, heads, 2, n_q_padded]: lse (log2 domain; +inf past n_q and for a row
+        # with nothing to attend), then delta (0 past n_q); a box of a step's two rows
+        ("stats", "tmap"),
         ("q_col", "i32"),
         ("k_col", "i32"),
         ("v_col", "i32"),
         ("dout_col", "i32"),
-        # float32 [batch, heads, 2, n_q_padded]: lse (log2 domain; +inf past n_q and for a row
-        # with nothing to attend), then delta (0 past n_q)
-        ("stats", "ptr"),
         ("dk", "ptr"),
         ("dv", "ptr"),
         ("dq_accum", "ptr"),  # float32 [batch, heads, n_q_padded, d], zeroed

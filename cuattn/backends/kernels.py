@@ -533,7 +533,11 @@ class KernelBackend:
             **self._panel_map("v", v, config.tile_m),
             **self._panel_map("dout", dout, config.tile_n),
         }
-        if not all(self.encodes(maps[name]) for name in ("q", "k", "v", "dout")):
+        step = config.tile_n
+        n_padded = -(-n_q // step) * step
+        stats = self.output((batch, heads, 2, n_padded), xp.float32)
+        maps["stats"] = TensorMap.of(stats, (step, 2, 1, 1))
+        if not all(self.encodes(maps[name]) for name in ("q", "k", "v", "dout", "stats")):
             return None
         use_dlse = dlse is not None
         delta = self.output((batch, heads, n_q), xp.float32)
@@ -547,12 +551,10 @@ class KernelBackend:
             use_dlse=int(use_dlse),
             **self._strides("dout", dout),
         )
-        step = config.tile_n
-        n_padded = -(-n_q // step) * step
         # lse in the log2 domain, +inf where a row has nothing to attend and past n_q (its P is
         # then exactly 0); delta 0 past n_q
-        stats = xp.zeros((batch, heads, 2, n_padded), xp.float32)
-        stats[:, :, 0] = xp.inf
+        stats[:, :, 0, n_q:] = xp.inf
+        stats[:, :, 1, n_q:] = 0
         stats[:, :, 0, :n_q] = xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse * _LOG2E)
         stats[:, :, 1, :n_q] = delta
         dq_accum = self.zeroed_output((batch, heads, n_padded, head_dim), xp.float32)
@@ -563,7 +565,6 @@ class KernelBackend:
         self.launch(
             config,
             **maps,
-            stats=stats,
             dk=dk,
             dv=dv,
             dq_accum=dq_accum,

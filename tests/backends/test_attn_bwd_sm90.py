@@ -3,9 +3,13 @@ backends run it with CUATTN_KERNELS=sm90a: dQ, dK and dV against the float64 ora
 the mma.sync backward for every element rule, GQA, ragged tails, queries != keys and a key block
 nobody attends (dK = dV = 0); bit-identical gradients whatever order the CTAs run in (the dQ
 reduces are ordered by semaphores); what it does not cover falls back to the mma.sync pair by
-name."""
+name. The GPU side that needs no GPU: NVRTC compiles every instantiation for sm_90a with no
+spills, unserialised wgmma and the HGMMA count a step needs."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +23,9 @@ from tests.helpers.oracle import dense_attention_grads, rel_err
 pytest.importorskip("ml_dtypes")
 
 BLOCK = 128
+# HGMMA a consumer warp issues a step (bench/NOTES.md, change 35): S^T and dP^T d/16 each, dV
+# and dK 4 each, dQ_part 8.
+HGMMA_PER_STEP = {64: 24, 128: 32}
 
 # (rule, head dim, dtype, case): every rule, both head dims and dtypes; GQA (4 query heads on 2
 # kv heads, 2 batches); queries != keys. The test layouts hold two key blocks, the second ragged,
@@ -138,3 +145,36 @@ def test_geometry_matches_every_instantiation_s_traits():
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
         assert config.arch == "sm_90a"
         assert config.smem_bytes <= geometry.SM90_SMEM_LIMIT
+
+
+def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wgmma():
+    """NVRTC compiles the whole backward family for sm_90a: no spills, ptxas neither injects
+    waits between wgmma (C7519) nor serialises them (C7520, C7512), and each kernel holds the
+    HGMMA of one step (the loop is not unrolled), the TMA loads, the bulk reduce and
+    setmaxnreg."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options, kernel_program
+    from cuattn.tools import sass, sass_model
+    from cuattn.tools.ptxas import parse_ptxas_log
+
+    problem = sass_model.missing_tools()
+    if problem is not None:
+        pytest.skip(f"no SASS tools: {problem}")
+    configs = geometry.sm90_backward_configs()
+    expressions = [c.name_expression for c in configs]
+    source_file = configs[0].source_file
+    lowered, cubin, log = sass_model.compile_module(
+        kernel_program(source_file), source_file, expressions, common_options(), "sm_90a"
+    )
+    for code in ("C7519", "C7520", "C7512", "serialized"):
+        assert code not in log, log
+    stats = parse_ptxas_log(log)
+    with tempfile.TemporaryDirectory() as workdir:
+        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    for config in configs:
+        name = config.name_expression
+        assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
+        opcodes = [i.base for i in kernels[lowered[name]].instructions]
+        if config.kernel == geometry.SM90_BWD:
+            assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim], name
+            assert {"UTMALDG", "UBLKRED", "USETMAXREG"} <= set(opcodes), name

@@ -13,23 +13,26 @@
 // attn_fwd_sm90.cu); stats float32 [batch, heads, 2, n_q_padded] (n_q rounded up to TILE_Q),
 // read through a fifth rank-4 map (box TILE_Q x 2 x 1 x 1, no swizzle): lse in the log2 domain
 // (+inf for a row with nothing to attend and past n_q, so its P is exactly 0), then delta (0
-// past n_q); dk, dv [batch, heads / kv_group, n_k, HEAD_DIM] of T, written
-// whole (dK = dV = 0 for a key no query sees); dq_accum float32 [batch, heads, n_q_padded,
-// HEAD_DIM] and the int semaphores [batch, heads, n_q_padded / TILE_Q] plus one work counter,
-// all zeroed before the launch; attn_bwd_sm90_dq then writes dq = dq_accum * scale as T.
-// The layout's CSC arrays (col_ptr, row_idx, col_mask) name the query blocks of each key block,
-// its CSR arrays (row_ptr, col_idx) the order in which dQ's contributions are added; the element
-// rule RULE applies inside entries whose mask is >= 0 (kernels/common/walk.cuh, mask.cuh).
+// past n_q); dk, dv [batch, heads / kv_group, n_k, HEAD_DIM] of T, written whole (dK = dV = 0
+// for a key no query sees); dq_accum float32 [batch, heads, n_q_padded, HEAD_DIM] and the int
+// semaphores [batch, heads, n_q_padded / TILE_Q] plus one work counter, all zeroed before the
+// launch; attn_bwd_sm90_dq then writes dq = dq_accum * scale as T. The layout's CSC arrays
+// (col_ptr, row_idx, col_mask) name the query blocks of each key block, dq_ranks (one int per
+// CSC entry, cuattn/backends/kernels.py) the order in which dQ's contributions are added; the
+// element rule RULE applies inside entries whose mask is >= 0 (kernels/common/walk.cuh,
+// mask.cuh).
 //
-// Work decomposition: one CTA per (TILE_K = 128 keys: one 128-block, kv head, batch), 384
-// threads in three warpgroups (common/warpgroup.cuh):
-//   warpgroup 0 gives its registers up (setmaxnreg.dec). Its thread 0 walks the CSC column of
-//     every query head of the kv head in turn (GQA: the kv head's CTA loops over its heads, dK
-//     and dV stay in registers) and issues every copy: K and V once, then each active step of
-//     TILE_Q = 64 queries' Q, dO and lse/delta (TMA) into a ring of
-//     STEP_STAGES stages. Its thread 32 issues the dQ reduces (below).
+// Work decomposition: one CTA per (TILE_K = 128 keys: one 128-block or two 64-blocks, kv head,
+// batch), 384 threads in three warpgroups (common/warpgroup.cuh):
+//   warpgroup 0 gives its registers up (setmaxnreg.dec). Its thread 0 walks the CSC column (with
+//     64-blocks the union of the two columns, PairedRowTiles) of every query head of the kv head
+//     in turn (GQA: the kv head's CTA loops over its heads, dK and dV stay in registers) and
+//     issues every copy: K and V once, then each step of TILE_Q = 64 queries' Q, dO and
+//     lse/delta (TMA) into a ring of STEP_STAGES stages. Its thread 32 issues the dQ reduces.
 //   warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc); consumer c owns keys
-//     64c .. 64c + 63 of the CTA, the M = 64 of one wgmma. Per step:
+//     64c .. 64c + 63 of the CTA (with 64-blocks, block c of the pair), the M = 64 of one wgmma.
+//     A consumer whose keys a step does not reach (its block's column lacks the query block, or
+//     the rule empties it) skips its GEMMs and stores zeros for its dS^T. Per step:
 //       S^T[64 x 64]  = K Q^T    HEAD_DIM / 16 wgmma m64n64k16, A = K, B = Q (both K-major)
 //       dP^T[64 x 64] = V dO^T   the same with V and dO
 //       P^T = exp2(S^T * scale * log2 e - lse_log2), masked; dS^T = P^T (dP^T - delta)
@@ -43,12 +46,12 @@
 //     and the consumers store dQ_part into an fp32 tile that thread 32 adds into dq_accum with
 //     one bulk reduce (cp.reduce.async.bulk .add.f32), 5 GEMMs in all.
 // Determinism: the adds into one (TILE_Q queries, head, batch) tile happen in one order. Its
-// semaphore counts the key blocks of the query block's CSR row already added; the CTA of key
-// block j adds when the semaphore holds j's rank (the entries of the row after j: key blocks are
-// claimed in descending order), waits for its reduce to complete, then releases the next rank.
-// A step the rule empties passes its turn without a reduce. CTAs claim their (key tile, kv head,
-// batch) from a counter in the order they start (claim_work, common/semaphore.cuh), so a CTA
-// only waits for CTAs that are running or done: no deadlock at any occupancy.
+// semaphore counts the CTAs that added into it; the CTA adds when the semaphore holds its rank
+// (the CTAs of the query block's row with higher key tiles: key tiles are claimed in descending
+// order), waits for its reduce to complete, then releases the next rank. Every step of every
+// entry of the walk is reduced, zeros where the rule empties it. CTAs claim their (key tile, kv
+// head, batch) from a counter in the order they start (claim_work, common/semaphore.cuh), so a
+// CTA only waits for CTAs that are running or done: no deadlock at any occupancy.
 //
 // Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
 // panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
@@ -61,7 +64,7 @@
 // dS^T stores and the dQ GEMM that reads both halves (dS^T alternates between two stages, so the
 // next step's stores cannot reach a stage the other consumer still reads).
 //
-// Template parameters: BLOCK (128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule).
+// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule).
 // Run: compiled by NVRTC for sm_90a only, or on the CPU interpreter
 // (tests/backends/test_attn_bwd_sm90.py), e.g. `attn_bwd_sm90<128, 64, 128, __nv_bfloat16,
 // MASK_CAUSAL>` on grid (ceil(n_k / 128), kv heads, batch), 384 threads,
@@ -95,6 +98,7 @@ struct attn_bwd_sm90_traits {
   static constexpr int CONSUMER_REGISTERS = HEAD_DIM == 128 ? 240 : 232;
   static constexpr int PRODUCER_REGISTERS = HEAD_DIM == 128 ? 24 : 40;
   static constexpr int TILE_K = CONSUMERS * WGMMA_M;  // keys per CTA
+  static constexpr int KEY_BLOCKS = TILE_K / BLOCK;     // 1, or 2 paired 64-blocks
   static constexpr int PANEL_COLUMNS = SWIZZLE_ROW_BYTES / int(sizeof(T));
   static constexpr int PANELS = HEAD_DIM / PANEL_COLUMNS;
   static constexpr int KV_PANEL_BYTES = TILE_K * SWIZZLE_ROW_BYTES;
@@ -124,7 +128,8 @@ struct attn_bwd_sm90_traits {
   // Named barriers of the 256 consumer threads: both halves of dS^T stored.
   static constexpr int DS_READY_BARRIER = 1;
   static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16");
-  static_assert(BLOCK == TILE_K, "a CTA's keys are one layout block");
+  static_assert(KEY_BLOCKS * BLOCK == TILE_K && (KEY_BLOCKS == 1 || KEY_BLOCKS == 2),
+                "a CTA's keys are one 128-block or two 64-blocks, one per consumer");
   static_assert(TILE_Q * int(sizeof(T)) == SWIZZLE_ROW_BYTES,
                 "a dS^T row (a step's queries) is one panel row");
   static_assert(BLOCK % TILE_Q == 0 && TILE_Q == WGMMA_M, "steps of whole wgmma rows");
@@ -167,24 +172,6 @@ __device__ __forceinline__ void zero_queries_past(float (&tile)[TILE_Q / 8][4],
   }
 }
 
-// The place of key block `k_block` in query block `q_block`'s CSR row of `head`, counted from
-// the row's end: the contributions to a dQ tile are added in descending key-block order (the
-// order the CTAs claim their work in). The row holds k_block (CSR and CSC are one layout).
-__device__ __forceinline__ int dq_rank(const int* row_ptr, const int* col_idx, int head,
-                                       int num_q_blocks, int q_block, int k_block) {
-  const int* row = row_ptr + head * (num_q_blocks + 1) + q_block;
-  int lo = row[0], hi = row[1];  // ascending key blocks (host layouts)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (col_idx[mid] <= k_block) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return row[1] - 1 - lo;
-}
-
 template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -195,13 +182,13 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
                   float* __restrict__ dq_accum, int* __restrict__ semaphores,
                   int* __restrict__ work_counter, const int* __restrict__ col_ptr,
                   const int* __restrict__ row_idx, const int* __restrict__ col_mask,
-                  const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
-                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-                  int kv_group, int num_k_blocks, int num_q_blocks, float scale,
+                  const int* __restrict__ dq_ranks, const u32* __restrict__ mask_table, int n_q,
+                  int n_k, int q_offset, int kv_group, int num_k_blocks, float scale,
                   int window_left, int window_right) {
   using Traits = attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>;
   using Ring = StageRing<Traits::STEP_STAGES>;
   constexpr int TILE_K = Traits::TILE_K;
+  constexpr int KEY_BLOCKS = Traits::KEY_BLOCKS;
 
   unsigned char* k_tile = bwd_align_to_swizzle_repeat(dynamic_smem<unsigned char>());
   unsigned char* v_tile = k_tile + Traits::KV_BYTES;
@@ -226,31 +213,35 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
 
   // The claimed item: key tiles in descending order within a (kv head, batch) (header).
   const int kv_heads = int(gridDim.y);
+  const int num_k_tiles = (num_k_blocks + KEY_BLOCKS - 1) / KEY_BLOCKS;
   const int item = claimed;
-  const int k_block = num_k_blocks - 1 - item % num_k_blocks;
-  const int kv_head = item / num_k_blocks % kv_heads;
-  const int batch = item / (num_k_blocks * kv_heads);
+  const int k_tile_index = num_k_tiles - 1 - item % num_k_tiles;
+  const int kv_head = item / num_k_tiles % kv_heads;
+  const int batch = item / (num_k_tiles * kv_heads);
   const int heads = kv_heads * kv_group;
-  const int k_start = k_block * BLOCK;
+  const int k_block = k_tile_index * KEY_BLOCKS;  // the CTA's (first) key block
+  const int k_start = k_tile_index * TILE_K;
   const int k_last = k_start + TILE_K - 1;
   const int q_padded = (n_q + TILE_Q - 1) / TILE_Q * TILE_Q;  // rows of stats and dq_accum
   // Shuffled from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the
   // consumer's descriptors) can then live in uniform registers.
   const int warpgroup = __shfl_sync(FULL_WARP, int(threadIdx.x) / Traits::WARPGROUP_SIZE, 0);
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
-  // The CSC column of head `head` (an unsigned index: no sign extension held in a register by
-  // the producer, which runs on 24 of them at d = 128).
-  auto column_of = [&](int head) {
-    return col_ptr + unsigned(head * (num_k_blocks + 1) + k_block);
-  };
-  auto column_walk = [&](int head) {
-    return ActiveTiles<RULE, BLOCK, TILE_Q, false>(column_of(head), row_idx, col_mask);
+  // The CTA's steps for query head `head`: every query step of the union of its key blocks'
+  // CSC columns (one column with 128-blocks), each with the caller's block's entry mask and the
+  // coverage of the rows it passes to next() (row_block: the caller's block, 0 or 1). The CSC
+  // index is unsigned: no sign extension held in a register by the producer, which runs on 24
+  // of them at d = 128.
+  auto column_walk = [&](int head, int row_block) {
+    const int* column = col_ptr + unsigned(head * (num_k_blocks + 1) + k_block);
+    return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(
+        column, KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks, row_idx, col_mask, row_block);
   };
 
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x == 0) {
-      // The copies: K and V once, then every active step of every query head of the kv head.
+      // The copies: K and V once, then every step of every query head of the kv head.
       auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
                              int col, int row, int map_head, u64* full) {
 #pragma unroll
@@ -265,8 +256,8 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
       int t = 0;
       for (int group_head = 0; group_head < kv_group; ++group_head) {
         const int head = kv_head * kv_group + group_head;
-        auto walk = column_walk(head);
-        ActiveTile tile;
+        auto walk = column_walk(head, 0);
+        PairedTile tile;
         for (; walk.next(tile, rule, k_start, k_last); ++t) {
           const int stage = Ring::stage(t);
           u64* full = ring->acquire(t, unsigned(Traits::STEP_BYTES));
@@ -278,45 +269,37 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         }
       }
     } else if (threadIdx.x == 32) {
-      // The dQ reduces, in the walk's order; a step the rule empties passes its turn.
+      // The dQ reduces, a step at a time in the walk's order, each at its entry's rank.
       int reduced = 0;
       for (int group_head = 0; group_head < kv_group; ++group_head) {
         const int head = kv_head * kv_group + group_head;
         // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
         const int head_tile = (batch * heads + head) * (q_padded / TILE_Q);
-        const int* column = column_of(head);
-        for (int entry = column[0]; entry < column[1]; ++entry) {
-          const int q_block = row_idx[entry];
-          const int mask_id = col_mask[entry];
-          const int rank = dq_rank(row_ptr, col_idx, head, num_q_blocks, q_block, k_block);
-          const int q_end = (q_block + 1) * BLOCK < n_q ? (q_block + 1) * BLOCK : n_q;
-          for (int q_start = q_block * BLOCK; q_start < q_end; q_start += TILE_Q) {
-            const int dq_tile_index = head_tile + q_start / TILE_Q;
-            int* semaphore = semaphores + dq_tile_index;
-            const bool computed = coverage_of<RULE, TILE_Q, false>(rule, k_start, k_last, q_start,
-                                                                   mask_id) != TILE_EMPTY;
-            if (computed) mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
-            semaphore_wait(semaphore, rank);
-            if (computed) {
-              bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
-                                  unsigned(Traits::DQ_BYTES));
-              tma_store_commit();
-              tma_store_wait_read<0>();
-              mbarrier_arrive(dq_empty);
-              bulk_wait_group_complete<0>();
-              ++reduced;
-            }
-            semaphore_release(semaphore);
-          }
+        auto walk = column_walk(head, 0);
+        PairedTile tile;
+        for (; walk.next(tile, rule, k_start, k_last); ++reduced) {
+          const int dq_tile_index = head_tile + tile.start / TILE_Q;
+          int* semaphore = semaphores + dq_tile_index;
+          mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
+          semaphore_wait(semaphore, dq_ranks[tile.entry]);
+          bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
+                              unsigned(Traits::DQ_BYTES));
+          tma_store_commit();
+          tma_store_wait_read<0>();
+          mbarrier_arrive(dq_empty);
+          bulk_wait_group_complete<0>();
+          semaphore_release(semaphore);
         }
       }
     }
     return;
   }
 
-  // A consumer: keys 64 (warpgroup - 1) on of the CTA.
+  // A consumer: keys 64 (warpgroup - 1) on of the CTA, in key block my_k_block.
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   const int consumer = warpgroup - 1;
+  const int row_block = KEY_BLOCKS == 2 ? consumer : 0;
+  const int my_k_block = k_block + row_block;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
   const int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
   const int warp_key = key_first + warp_in_group * 16;
@@ -399,8 +382,11 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     }
     wgmma_commit_group();
   };
-  // dQ_part = dS K over both consumers' keys, dS^T of dS stage `ds_stage`, one commit group.
-  auto issue_dq = [&](int ds_stage) {
+  // Both consumers' dS^T stored: dQ_part = dS K over all TILE_K keys from dS stage
+  // `ds_stage`, retired with whatever else is in flight (no wgmma is left in flight where the
+  // skipping and the computing paths meet: ptxas would serialise every wgmma, C7520).
+  auto dq_and_retire = [&](int ds_stage) {
+    named_barrier_sync(Traits::DS_READY_BARRIER, Traits::CONSUMER_THREADS);
 #pragma unroll
     for (int step = 0; step < Traits::DQ_STEPS; ++step) {
       const unsigned rows = unsigned(step * Traits::ROWS_STEP_BYTES);
@@ -409,6 +395,12 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
           descriptor_advance(k_mn_desc, rows), step > 0);
     }
     wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk_acc);
+    wgmma_fence_operands(dv_acc);
+    wgmma_fence_operands(dq_acc);
+    wgmma_fence_operands(p_regs);
+    wgmma_fence_operands(ds_regs);
   };
   auto fence = [&] {
     wgmma_fence_operands(s_acc);
@@ -420,84 +412,90 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     wgmma_fence_operands(ds_regs);
     wgmma_fence();
   };
+  // This consumer's rows of dS^T stage `ds_stage`, from the packed dS^T or zeros: register
+  // `reg` of K-step `step` holds row g + 8 (reg % 2), queries 16 step + 8 (reg / 2) + 2t and
+  // the next.
+  auto store_ds = [&](int ds_stage, bool zeros) {
+    unsigned char* ds_tile = ds_stages + ds_stage * Traits::DS_BYTES;
+#pragma unroll
+    for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+#pragma unroll
+      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+        const int row = consumer * WGMMA_M + warp_in_group * 16 + frag.row(2 * (reg % 2));
+        const int col = frag.pair_col(2 * step + reg / 2);
+        *reinterpret_cast<u32*>(ds_tile + swizzled_byte<T>(row, col)) = zeros ? 0u : ds[step][reg];
+      }
+    }
+    fence_proxy_async();  // the dS^T stores, before wgmma reads them
+  };
 
   mbarrier_wait_parity(kv_full, 0);  // always: no copy may be in flight when the CTA ends
-  int t = 0;        // steps walked (the ring's items)
-  int reduced = 0;  // steps whose dQ tile went to the reduce
+  int t = 0;  // steps walked (the ring's items, and the dQ tiles handed to the reduce)
   for (int group_head = 0; group_head < kv_group; ++group_head) {
-    auto walk = column_walk(kv_head * kv_group + group_head);
-    ActiveTile tile;
-    for (; walk.next(tile, rule, k_start, k_last); ++t) {
+    auto walk = column_walk(kv_head * kv_group + group_head, row_block);
+    PairedTile tile;
+    for (; walk.next(tile, rule, key_first, key_first + WGMMA_M - 1); ++t) {
       const int stage = Ring::stage(t);
+      const int ds_stage = t % Traits::DS_STAGES;
       const int q_start = tile.start;
-      const float* lse_smem = stats + stage * 2 * TILE_Q;
-      const float* delta_smem = lse_smem + TILE_Q;
-      ring->wait(t);
-      fence();
-      issue_scores(stage);
-      wgmma_wait_group<1>();  // S^T; dP^T runs on
-      wgmma_fence_operands(s_acc);
-      if (tile.coverage != TILE_FULL) {
-        mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
-                                                    k_block, tile.mask_id);
-      }
-      const bool ragged = q_start + TILE_Q > n_q;
-#pragma unroll
-      for (int j = 0; j < TILE_Q / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(s[j][e] * score_log2 - lse_smem[frag.col(j, e)]);
+      ring->wait(t);  // also when skipped: see StageRing
+      // A consumer whose keys the step does not reach (its block's column lacks the query
+      // block, or the rule empties it) skips its GEMMs and gives dQ zeros; the coverage is the
+      // warpgroup's, uniform across it.
+      if (tile.coverage != TILE_EMPTY) {
+        const float* lse_smem = stats + stage * 2 * TILE_Q;
+        const float* delta_smem = lse_smem + TILE_Q;
+        fence();
+        issue_scores(stage);
+        wgmma_wait_group<1>();  // S^T; dP^T runs on
+        wgmma_fence_operands(s_acc);
+        if (tile.coverage != TILE_FULL) {
+          mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
+                                                      my_k_block, tile.mask_id);
         }
-      }
-      // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P is
-      // 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
-      if (ragged) zero_queries_past<TILE_Q>(s, frag, n_q - q_start);
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(dp_acc);
+        const bool ragged = q_start + TILE_Q > n_q;
 #pragma unroll
-      for (int j = 0; j < TILE_Q / 8; ++j) {
+        for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          dp[j][e] = s[j][e] * (dp[j][e] - delta_smem[frag.col(j, e)]);
+          for (int e = 0; e < 4; ++e) {
+            s[j][e] = exp2f(s[j][e] * score_log2 - lse_smem[frag.col(j, e)]);
+          }
         }
-      }
-      if (ragged) zero_queries_past<TILE_Q>(dp, frag, n_q - q_start);
-      // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
-      unsigned char* ds_tile = ds_stages + (t % Traits::DS_STAGES) * Traits::DS_BYTES;
+        // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
+        // is 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
+        if (ragged) zero_queries_past<TILE_Q>(s, frag, n_q - q_start);
+        wgmma_wait_group<0>();
+        wgmma_fence_operands(dp_acc);
 #pragma unroll
-      for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+        for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
-        for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-          const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
-          p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
-          ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
+          for (int e = 0; e < 4; ++e) {
+            dp[j][e] = s[j][e] * (dp[j][e] - delta_smem[frag.col(j, e)]);
+          }
         }
-      }
-      // From the packed registers (S^T and dP^T are dead by now): register `reg` of K-step
-      // `step` holds row g + 8 (reg % 2), queries 16 step + 8 (reg / 2) + 2t and the next.
+        if (ragged) zero_queries_past<TILE_Q>(dp, frag, n_q - q_start);
+        // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
 #pragma unroll
-      for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+        for (int step = 0; step < Traits::DKV_STEPS; ++step) {
 #pragma unroll
-        for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-          const int row = consumer * WGMMA_M + warp_in_group * 16 + frag.row(2 * (reg % 2));
-          const int col = frag.pair_col(2 * step + reg / 2);
-          *reinterpret_cast<u32*>(ds_tile + swizzled_byte<T>(row, col)) = ds[step][reg];
+          for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+            const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+            p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
+            ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
+          }
         }
+        store_ds(ds_stage, false);
+        fence();
+        issue_dkdv(stage);
+        dq_and_retire(ds_stage);
+      } else {
+        store_ds(ds_stage, true);
+        fence();
+        dq_and_retire(ds_stage);
       }
-      fence_proxy_async();  // the dS^T stores, before wgmma reads them
-      fence();
-      issue_dkdv(stage);
-      named_barrier_sync(Traits::DS_READY_BARRIER, Traits::CONSUMER_THREADS);
-      issue_dq(t % Traits::DS_STAGES);
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(dk_acc);
-      wgmma_fence_operands(dv_acc);
-      wgmma_fence_operands(dq_acc);
-      wgmma_fence_operands(p_regs);
-      wgmma_fence_operands(ds_regs);
       ring->release(t);
       // dQ_part to the fp32 tile once the reduce has read the previous one.
-      mbarrier_wait_parity(dq_empty, unsigned(reduced & 1) ^ 1u);
+      mbarrier_wait_parity(dq_empty, unsigned(t & 1) ^ 1u);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = warp_in_group * 16 + frag.row(2 * r);
@@ -510,7 +508,6 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
       }
       fence_proxy_async();  // the dQ stores, before the bulk reduce reads them
       mbarrier_arrive(dq_full);
-      ++reduced;
     }
   }
 

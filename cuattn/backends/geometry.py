@@ -126,11 +126,11 @@ SM90_L2_GROUP_BYTES = 16 * 2**20
 # fp32 accumulator [batch, heads, n_q rounded up to the step, d] by ordered bulk reduces (a
 # semaphore per step tile, a work counter), then attn_bwd_sm90_dq scales and converts it. It has
 # never run on a GPU: only CUATTN_KERNELS=sm90a chooses it (the interpreter included), for
-# fp16/bf16, 128-blocks, head dims 64 and 128, no score modifier; everything else keeps
+# fp16/bf16, 64- and 128-blocks, head dims 64 and 128, no score modifier; everything else keeps
 # attn_bwd_dkdv + attn_bwd_dq. Its instantiations: sm90_backward_configs().
 SM90_BWD = "attn_bwd_sm90"
 SM90_BWD_DQ = "attn_bwd_sm90_dq"  # one warp per row, row_kernel_traits
-SM90_BWD_BLOCKS = (128,)
+SM90_BWD_BLOCKS = (64, 128)  # a 64-block CTA owns two key blocks, one per consumer
 SM90_BWD_HEAD_DIMS = (64, 128)
 SM90_BWD_TILE_K = 128  # keys per CTA: two consumer warpgroups of wgmma's M = 64
 SM90_BWD_TILE_Q = 64  # queries per step: one 128-byte panel row of dS^T
@@ -291,15 +291,13 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("col_ptr", "ptr"),
         ("row_idx", "ptr"),
         ("col_mask", "ptr"),
-        ("row_ptr", "ptr"),
-        ("col_idx", "ptr"),
+        ("dq_ranks", "ptr"),  # int32 per CSC entry (kernels.py, dq_ranks)
         ("mask_table", "ptr"),
         ("n_q", "i32"),
         ("n_k", "i32"),
         ("q_offset", "i32"),
         ("kv_group", "i32"),
         ("num_k_blocks", "i32"),
-        ("num_q_blocks", "i32"),
         ("scale", "f32"),
         ("window_left", "i32"),
         ("window_right", "i32"),
@@ -1005,8 +1003,8 @@ def sm90_backward_supports(block: int | None, head_dim: int, dtype: str) -> bool
 
 
 def sm90_backward_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a backward (16: head dims x dtypes x rules) and
-    of its dQ conversion (4)."""
+    """One config per instantiation of the sm_90a backward (32: blocks x head dims x dtypes x
+    rules) and of its dQ conversion (4)."""
     shapes = list(itertools.product(SM90_BWD_HEAD_DIMS, SM90_DTYPES))
     return [
         *[
@@ -1015,6 +1013,11 @@ def sm90_backward_configs() -> list[KernelConfig]:
         ],
         *[KernelConfig(SM90_BWD_DQ, head_dim, dtype) for head_dim, dtype in shapes],
     ]
+
+
+def sm90_bwd_key_blocks(block: int) -> int:
+    """Key blocks per CTA of the sm_90a backward: its 128 keys are one block or two."""
+    return SM90_BWD_TILE_K // block
 
 
 def sm90_cta_groups(

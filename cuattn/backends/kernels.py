@@ -45,6 +45,7 @@ _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionar
 # 128 blocks, 6 % at 16; strided and BigBird layouts: up to 100 %).
 PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
+_DQ_RANKS: weakref.WeakKeyDictionary[Layout, dict[int, np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
@@ -153,6 +154,37 @@ def layout_pairs_rows(layout: Layout) -> bool:
             paired = union <= (1 + PAIRED_MAX_EXTRA_STEPS) * int(blocks.sum()) / 2
         _PAIRED[layout] = paired
     return paired
+
+
+def dq_ranks(
+    blocks: np.ndarray, col_ptr: np.ndarray, row_idx: np.ndarray, key_blocks: int
+) -> np.ndarray:
+    """The sm_90a backward's order of the dQ adds: for each CSC entry (query block i, key block
+    j) of each head, the rank of j's CTA (key blocks j // key_blocks) among the CTAs that add
+    into query block i, CTAs of higher key blocks first (the order they claim their work in):
+    the number of other CTAs with a block in row i above j's. ``blocks`` [heads, query blocks,
+    key blocks] and the CSC arrays as the layout holds them; int32, one per entry."""
+    heads, num_q_blocks, num_blocks = blocks.shape
+    tiles = -(-num_blocks // key_blocks)
+    ranks = np.empty(len(row_idx), np.int32)
+    for head in range(heads):
+        padded = np.zeros((num_q_blocks, tiles * key_blocks), bool)
+        padded[:, :num_blocks] = blocks[head]
+        held = padded.reshape(num_q_blocks, tiles, key_blocks).any(axis=2)
+        # CTAs of the row from each one on, less itself: those above it
+        above = np.cumsum(held[:, ::-1], axis=1)[:, ::-1] - held
+        first, last = int(col_ptr[head, 0]), int(col_ptr[head, -1])
+        columns = np.repeat(np.arange(num_blocks), np.diff(col_ptr[head]))
+        ranks[first:last] = above[row_idx[first:last], columns // key_blocks]
+    return ranks
+
+
+def _layout_dq_ranks(layout: Layout, key_blocks: int) -> np.ndarray:
+    """dq_ranks of a host layout, built once per layout and CTA width."""
+    cached = _DQ_RANKS.setdefault(layout, {})
+    if key_blocks not in cached:
+        cached[key_blocks] = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks)
+    return cached[key_blocks]
 
 
 class KernelBackend:
@@ -573,15 +605,15 @@ class KernelBackend:
             col_ptr=index.col_ptr,
             row_idx=index.row_idx,
             col_mask=index.col_mask,
-            row_ptr=index.row_ptr,
-            col_idx=index.col_idx,
+            dq_ranks=xp.asarray(
+                _layout_dq_ranks(layout, geometry.sm90_bwd_key_blocks(layout.blocksize))
+            ),
             mask_table=index.mask_table,
             n_q=n_q,
             n_k=n_k,
             q_offset=layout.q_offset,
             kv_group=heads // kv_heads,
             num_k_blocks=layout.num_blocks,
-            num_q_blocks=layout.num_q_blocks,
             scale=scale,
             window_left=layout.rule.window_left,
             window_right=layout.rule.window_right,
@@ -726,6 +758,7 @@ class KernelBackend:
             if (
                 not modifier_variant(mods, scale)
                 and all(x is None for x in operands)
+                and not isinstance(layout, DeviceLayout)  # its ranks come from the host blocks
                 and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
             ):
                 result = self._backward_sm90(

@@ -22,22 +22,29 @@ from tests.helpers.oracle import dense_attention_grads, rel_err
 
 pytest.importorskip("ml_dtypes")
 
-BLOCK = 128
 # HGMMA a consumer warp issues a step (bench/NOTES.md, change 35): S^T and dP^T d/16 each, dV
-# and dK 4 each, dQ_part 8.
+# and dK 4 each, dQ_part 8; the kernel holds dQ_part's 8 twice (the path of a consumer that
+# computes the step and of one that skips it).
 HGMMA_PER_STEP = {64: 24, 128: 32}
+DQ_HGMMA = 8
 
-# (rule, head dim, dtype, case): every rule, both head dims and dtypes; GQA (4 query heads on 2
-# kv heads, 2 batches); queries != keys. The test layouts hold two key blocks, the second ragged,
-# and "none"'s head 1 has a key block nobody attends.
+# (block, rule, head dim, dtype, case): every rule, both head dims and dtypes, 128-blocks and
+# paired 64-blocks; GQA (4 query heads on 2 kv heads, 2 batches); queries != keys; 64-blocks of
+# an odd count (the last CTA's second block missing). The test layouts hold two key blocks, the
+# second ragged, and "none"'s head 1 has a key block nobody attends (with 64-blocks: one
+# consumer of the CTA skips every step).
 CASES = [
-    ("none", 64, "float16", "square"),
-    ("causal", 64, "bfloat16", "square"),
-    ("window", 128, "bfloat16", "square"),
-    ("bitmask", 64, "float16", "square"),
-    ("causal", 64, "bfloat16", "gqa"),
-    ("causal", 128, "float16", "fewer queries"),
+    (128, "none", 64, "float16", "square"),
+    (128, "causal", 64, "bfloat16", "square"),
+    (128, "window", 128, "bfloat16", "square"),
+    (128, "bitmask", 64, "float16", "square"),
+    (128, "causal", 64, "bfloat16", "gqa"),
+    (128, "causal", 128, "float16", "fewer queries"),
+    (64, "none", 64, "float16", "square"),
+    (64, "bitmask", 128, "float16", "odd blocks"),
+    (64, "causal", 64, "bfloat16", "gqa"),
 ]
+ODD_BLOCKS_N = 150  # three 64-blocks, the last ragged
 
 
 @pytest.fixture
@@ -45,14 +52,16 @@ def sm90a(monkeypatch):
     monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
 
 
-def case_inputs(rule: str, head_dim: int, dtype: str, case: str, seed: int = 1):
+def case_inputs(block: int, rule: str, head_dim: int, dtype: str, case: str, seed: int = 1):
     """(layout, q, k, v, dout, out, lse, scale, kv_group)."""
     if case == "square":
-        layout, batch, kv_heads = make_test_layout(rule, BLOCK, n_ctx_for(BLOCK)), 1, HEADS
+        layout, batch, kv_heads = make_test_layout(rule, block, n_ctx_for(block)), 1, HEADS
+    elif case == "odd blocks":
+        layout, batch, kv_heads = make_test_layout(rule, block, ODD_BLOCKS_N), 1, HEADS
     elif case == "gqa":
-        layout, batch, kv_heads = make_layout("all", n_ctx_for(BLOCK), 4, BLOCK), 2, 2
+        layout, batch, kv_heads = make_layout("all", n_ctx_for(block), 4, block), 2, 2
     else:
-        layout = make_layout("all", BLOCK + 9, HEADS, BLOCK, n_q=BLOCK // 2 + 5)
+        layout = make_layout("all", block + 9, HEADS, block, n_q=block // 2 + 5)
         batch, kv_heads = 1, HEADS
     q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed)
     scale = head_dim**-0.5
@@ -60,24 +69,24 @@ def case_inputs(rule: str, head_dim: int, dtype: str, case: str, seed: int = 1):
     return layout, q, k, v, dout, out, lse, scale, layout.heads // kv_heads
 
 
-def sm90_names(head_dim: int, dtype: str, rule: str) -> list[str]:
+def sm90_names(block: int, head_dim: int, dtype: str, rule: str) -> list[str]:
     cxx = geometry.CXX_TYPE[dtype]
     return [
         f"attn_bwd_preprocess<{head_dim}, {cxx}>",
-        f"attn_bwd_sm90<{BLOCK}, {geometry.SM90_BWD_TILE_Q}, {head_dim}, {cxx}, "
+        f"attn_bwd_sm90<{block}, {geometry.SM90_BWD_TILE_Q}, {head_dim}, {cxx}, "
         f"{geometry.CXX_RULE[rule]}>",
         f"attn_bwd_sm90_dq<{head_dim}, {cxx}>",
     ]
 
 
-@pytest.mark.parametrize("rule, head_dim, dtype, case", CASES, ids=str)
+@pytest.mark.parametrize("block, rule, head_dim, dtype, case", CASES, ids=str)
 def test_the_sm90a_backward_matches_the_oracle_and_the_mma_backward(
-    monkeypatch, rule, head_dim, dtype, case
+    monkeypatch, block, rule, head_dim, dtype, case
 ):
-    layout, q, k, v, dout, out, lse, scale, group = case_inputs(rule, head_dim, dtype, case)
+    layout, q, k, v, dout, out, lse, scale, group = case_inputs(block, rule, head_dim, dtype, case)
     monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
     grads, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
-    assert names == sm90_names(head_dim, dtype, rule)
+    assert names == sm90_names(block, head_dim, dtype, rule)
     monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
     mma, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
     assert any(name.startswith("attn_bwd_dkdv<") for name in names)
@@ -93,13 +102,13 @@ def test_the_sm90a_backward_matches_the_oracle_and_the_mma_backward(
     if rule == "none":  # head 1's key block 1 is attended by nobody
         assert not layout.blocks[1, :, 1].any()
         for grad in grads[1:]:
-            assert (grad[:, 1, BLOCK:] == 0).all()
+            assert (grad[:, 1, block:] == 0).all()
 
 
 def test_gradients_are_bit_identical_whatever_order_the_ctas_run_in(sm90a, monkeypatch):
     """The dQ reduces into a tile happen in the layout's order, not the CTAs' (GQA causal: each
     query tile takes adds from several key tiles of several CTAs)."""
-    layout, q, k, v, dout, out, lse, scale, _ = case_inputs("causal", 64, "bfloat16", "gqa")
+    layout, q, k, v, dout, out, lse, scale, _ = case_inputs(64, "causal", 64, "bfloat16", "gqa")
     runs = []
     for seed in ("0", "5"):
         monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", seed)
@@ -113,8 +122,8 @@ def test_gradients_are_bit_identical_whatever_order_the_ctas_run_in(sm90a, monke
 
 @pytest.mark.parametrize(
     "block, head_dim, dtype",
-    [(64, 64, "bfloat16"), (128, 256, "bfloat16"), (128, 64, "float32")],
-    ids=["64-blocks", "d256", "fp32"],
+    [(32, 64, "bfloat16"), (128, 256, "bfloat16"), (128, 64, "float32")],
+    ids=["32-blocks", "d256", "fp32"],
 )
 def test_what_it_does_not_cover_keeps_the_mma_backward(sm90a, block, head_dim, dtype):
     layout = make_test_layout("causal", block, n_ctx_for(block))
@@ -132,14 +141,14 @@ def test_what_it_does_not_cover_keeps_the_mma_backward(sm90a, block, head_dim, d
 def test_by_default_the_backward_stays_on_mma(monkeypatch):
     """It has never run on a GPU: opt-in only (CUATTN_KERNELS=sm90a)."""
     monkeypatch.delenv(geometry.KERNELS_ENV, raising=False)
-    layout, q, k, v, dout, out, lse, scale, _ = case_inputs("causal", 64, "bfloat16", "square")
+    layout, q, k, v, dout, out, lse, scale, _ = case_inputs(128, "causal", 64, "bfloat16", "square")
     _, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
     assert not any("sm90" in name for name in names)
 
 
 def test_geometry_matches_every_instantiation_s_traits():
     configs = geometry.sm90_backward_configs()
-    assert len(configs) == len({c.name_expression for c in configs}) == 20
+    assert len(configs) == len({c.name_expression for c in configs}) == 36
     for config in configs:
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
@@ -150,8 +159,8 @@ def test_geometry_matches_every_instantiation_s_traits():
 def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wgmma():
     """NVRTC compiles the whole backward family for sm_90a: no spills, ptxas neither injects
     waits between wgmma (C7519) nor serialises them (C7520, C7512), and each kernel holds the
-    HGMMA of one step (the loop is not unrolled), the TMA loads, the bulk reduce and
-    setmaxnreg."""
+    HGMMA of one step (the loop is not unrolled; dQ_part's on both paths), the TMA loads, the
+    bulk reduce and setmaxnreg."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options, kernel_program
     from cuattn.tools import sass, sass_model
@@ -176,5 +185,5 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = [i.base for i in kernels[lowered[name]].instructions]
         if config.kernel == geometry.SM90_BWD:
-            assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim], name
+            assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim] + DQ_HGMMA, name
             assert {"UTMALDG", "UBLKRED", "USETMAXREG"} <= set(opcodes), name

@@ -187,3 +187,27 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
         if config.kernel == geometry.SM90_BWD:
             assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim] + DQ_HGMMA, name
             assert {"UTMALDG", "UBLKRED", "USETMAXREG"} <= set(opcodes), name
+
+
+@pytest.mark.parametrize("key_blocks", [1, 2])
+def test_dq_ranks_order_each_query_block_s_ctas_from_the_highest_key_tile(key_blocks):
+    """Each CSC entry's rank is the number of other CTAs (key tiles of key_blocks blocks) with a
+    block in its row above its own: the order in which the CTAs claim their work, brute force
+    on a random layout of 5 key blocks (an odd count: the last tile holds one block)."""
+    from cuattn.backends.kernels import dq_ranks
+    from cuattn.layout.layout import Layout
+
+    blocks = np.random.default_rng(4).random((2, 4, 5)) < 0.5
+    layout = Layout(blocks, 16, 5 * 16, n_q=4 * 16)
+    ranks = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks)
+    for head in range(2):
+        for column in range(5):
+            first, last = layout.col_ptr[head, column], layout.col_ptr[head, column + 1]
+            for entry in range(first, last):
+                row = layout.row_idx[entry]
+                tiles_above = {
+                    j // key_blocks
+                    for j in np.flatnonzero(blocks[head, row])
+                    if j // key_blocks > column // key_blocks
+                }
+                assert ranks[entry] == len(tiles_above), (head, column, row)

@@ -52,6 +52,8 @@ COMPILE_BATCH = 8
 # plain instantiation this far below its cap has a variant that cannot spill there.
 MODS_REGISTER_MARGIN = 80
 PLAIN_MODS, SCORE_MODS = "MODS_NONE>", "MODS_SCORE>"
+SM90_GPU_ARCH = "sm_90"  # asked for it, the check compiles the sm_90a family too ...
+SM90A_ARCH = "sm_90a"  # ... for this architecture, the only one that takes wgmma
 INSTALL_HINT = (
     "pip install 'cuattn[nvrtc]' (CuPy with NVRTC and the CUDA runtime headers, no GPU needed)"
 )
@@ -282,6 +284,17 @@ def kernel_instantiations() -> list[CompileUnit]:
     ]
 
 
+def sm90a_instantiations() -> list[CompileUnit]:
+    """The sm_90a family (the wgmma forward and backward and the backward's dQ conversion), which
+    builds for sm_90a alone: what an sm_90 GPU runs besides the plain kernels."""
+    from cuattn.backends import geometry
+
+    return [
+        CompileUnit(c.source_file, c.name_expression, c.threads, c.smem_bytes, 0)
+        for c in (*geometry.sm90_configs(), *geometry.sm90_backward_configs())
+    ]
+
+
 def needs_every_arch(result: CompileResult, margin: int = ARCH_REGISTER_MARGIN) -> bool:
     """Whether an instantiation compiled for one architecture must be compiled for the others
     too to know it is spill-free there: it failed or spilled, its register cap is not known
@@ -349,14 +362,20 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     units = [u for u in kernel_instantiations() if args.filter in u.name_expression]
-    if not units:
+    # with sm_90 asked for, the sm_90a family too, for sm_90a alone
+    sm90a_units = [u for u in sm90a_instantiations() if args.filter in u.name_expression]
+    sm90a_units = sm90a_units if SM90_GPU_ARCH in archs else []
+    if not units and not sm90a_units:
         sys.stderr.write(f"no instantiations match {args.filter!r}\n")
         return EXIT_FAILED
     sys.stderr.write(
-        f"compiling {len(units)} instantiations x {len(archs)} archs with {args.jobs} jobs\n"
+        f"compiling {len(units)} instantiations x {len(archs)} archs and {len(sm90a_units)} "
+        f"for {SM90A_ARCH} with {args.jobs} jobs\n"
     )
     start = time.perf_counter()
-    results = run_check(units, archs, load_sources(units), common_options(), args.jobs)
+    sources = load_sources([*units, *sm90a_units])
+    results = run_check(units, archs, sources, common_options(), args.jobs)
+    results += run_check(sm90a_units, [SM90A_ARCH], sources, common_options(), args.jobs)
     table = format_table(results)
     print(table)
     print(format_errors(results))

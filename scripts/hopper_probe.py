@@ -24,7 +24,11 @@ the cubin, and compare every byte they write with the layouts the PTX ISA docume
             batch, 128-byte swizzle, inside and past the last row;
   turns     the forward's warp specialisation in small: two warpgroups taking turns on named
             barriers (the order they logged), and the forward's setmaxnreg hand-over (24 / 240
-            / 240 registers) completing.
+            / 240 registers) completing;
+  reduce    the sm_90a backward's dQ reduction in small (tests/backends/kernels/bulk_reduce.cu):
+            REDUCE_ITEMS CTAs each claim an item from a counter and add their tile into one
+            float32 sum with a bulk reduce (cp.reduce.async.bulk .add.f32), in item order by a
+            semaphore: the sum, bit for bit that of the tiles added in order.
 Each group runs in a process of its own, because a trap leaves the CUDA context unusable. The
 JSON report names the device and lists every probe with pass or fail and its first differing
 entries; the exit status is 1 when any probe differs or fails.
@@ -64,6 +68,7 @@ from tests.helpers.ptx_layouts import (
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "tests" / "backends" / "kernels" / "hopper.cu"
+REDUCE_SOURCE = SOURCE.parent / "bulk_reduce.cu"
 ARCH = "sm_90a"
 HOPPER = (9, 0)  # compute capability
 GROUP_TIMEOUT_S = 45  # one group: NVRTC compile, launches, and the trap's spin of about 1 s
@@ -93,10 +98,10 @@ IDENTITY_RANGE = 17  # identity operands: B holds integers in [-8, 8]
 class Interpreter:
     """The probes' kernels on the CPU interpreter."""
 
-    def __init__(self, expressions: list[str]):
+    def __init__(self, expressions: list[str], source: Path = SOURCE):
         from cuattn.backends import interp
 
-        self.library = interp.build_library(SOURCE, expressions)
+        self.library = interp.build_library(source, expressions)
         self.name = "CPU interpreter"
 
     def upload(self, host: np.ndarray) -> np.ndarray:
@@ -116,16 +121,16 @@ class Interpreter:
         """Whether `error` is the interpreter's report of a wait that can never complete."""
         return isinstance(error, RuntimeError) and "can never complete" in str(error)
 
-    def launch(self, expression: str, threads: int, smem: int, *args) -> None:
+    def launch(self, expression: str, threads: int, smem: int, *args, grid: int = 1) -> None:
         from tests.helpers.interp_run import run
 
-        run(self.library, expression, 1, threads, *args, smem=smem)
+        run(self.library, expression, grid, threads, *args, smem=smem)
 
 
 class Gpu:
     """The probes' kernels compiled for sm_90a with NVRTC and launched from the cubin."""
 
-    def __init__(self, expressions: list[str]):
+    def __init__(self, expressions: list[str], source: Path = SOURCE):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -138,9 +143,9 @@ class Gpu:
         self.name = f"{properties['name'].decode()} (compute capability {capability})"
         if capability != HOPPER:
             raise RuntimeError(f"{self.name} is not a Hopper GPU (sm_90a)")
-        options = [*common_options(), f"-I{SOURCE.parent}"]
+        options = [*common_options(), f"-I{source.parent}"]
         lowered, cubin, _ = compile_module(
-            SOURCE.read_text(), SOURCE.name, expressions, options, ARCH
+            source.read_text(), source.name, expressions, options, ARCH
         )
         cupy.zeros(1)  # makes the runtime's context current for the driver calls below
         module = driver.moduleLoadData(cubin)
@@ -166,7 +171,7 @@ class Gpu:
         message = str(error).lower()
         return isinstance(error, cuda_errors) and any(t in message for t in TRAP_ERRORS)
 
-    def launch(self, expression: str, threads: int, smem: int, *args) -> None:
+    def launch(self, expression: str, threads: int, smem: int, *args, grid: int = 1) -> None:
         values = []
         for arg in args:
             if isinstance(arg, self.cupy.ndarray):
@@ -177,7 +182,7 @@ class Gpu:
                 values.append(ctypes.c_int32(arg))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         self.driver.launchKernel(
-            self.functions[expression], 1, 1, 1, threads, 1, 1, smem, 0,
+            self.functions[expression], grid, 1, 1, threads, 1, 1, smem, 0,
             ctypes.addressof(pointers), 0,
         )  # fmt: skip
         self.cupy.cuda.runtime.deviceSynchronize()
@@ -403,6 +408,45 @@ def probe_turns(device) -> list[dict]:
     ]
 
 
+REDUCE_EXPRESSION = "test_ordered_reduce<0>"
+# bulk_reduce.cu's shapes (REDUCE_THREADS, REDUCE_FLOATS); items enough for many CTAs at once
+REDUCE_THREADS, REDUCE_FLOATS, REDUCE_ITEMS = 64, 256, 64
+
+
+def probe_reduce(device) -> list[dict]:
+    rng = np.random.default_rng(3)
+    # magnitudes apart, so that float32 sums in another order differ
+    values = (rng.standard_normal((REDUCE_ITEMS, REDUCE_FLOATS)) * 1e3).astype(np.float32)
+    start = rng.standard_normal(REDUCE_FLOATS).astype(np.float32)
+    total = device.upload(start)
+    counters = device.upload(np.zeros(2, np.int32))
+    device.launch(
+        REDUCE_EXPRESSION,
+        REDUCE_THREADS,
+        REDUCE_FLOATS * 4,
+        device.upload(values),
+        total,
+        counters,
+        REDUCE_ITEMS,
+        grid=REDUCE_ITEMS,
+    )
+    expected = start.copy()
+    for item in values:
+        expected = expected + item
+    return [
+        compare(
+            f"bulk reduce add.f32 of {REDUCE_ITEMS} CTAs ordered by a semaphore: the in-order sum",
+            device.download(total),
+            expected,
+        ),
+        compare(
+            "the semaphore and the work counter after the last CTA",
+            device.download(counters),
+            np.array([REDUCE_ITEMS, REDUCE_ITEMS], np.int32),
+        ),
+    ]
+
+
 # name: (the kernels it launches, the probe)
 GROUPS: dict[str, tuple[Callable[[], list[str]], Callable]] = {
     "wgmma": (wgmma_expressions, probe_wgmma),
@@ -411,13 +455,17 @@ GROUPS: dict[str, tuple[Callable[[], list[str]], Callable]] = {
     "trap": (lambda: [TRAP_EXPRESSION], probe_trap),
     "tma4d": (lambda: [TMA_4D_EXPRESSION], probe_tma_4d),
     "turns": (lambda: [TURN_EXPRESSION, SETMAXNREG_EXPRESSION], probe_turns),
+    "reduce": (lambda: [REDUCE_EXPRESSION], probe_reduce),
 }
+# The groups whose kernels are not hopper.cu's.
+GROUP_SOURCES = {"reduce": REDUCE_SOURCE}
 
 
 def run_group(group: str, use_interpreter: bool, report: Path) -> None:
     """One group in this process: its results (and the device's name) as JSON in `report`."""
     expressions, probe = GROUPS[group]
-    device = (Interpreter if use_interpreter else Gpu)(expressions())
+    source = GROUP_SOURCES.get(group, SOURCE)
+    device = (Interpreter if use_interpreter else Gpu)(expressions(), source)
     report.write_text(json.dumps({"device": device.name, "probes": probe(device)}))
 
 

@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/warm_kernels.py [--jobs N] [--filter TEXT]
 
 Run before the GPU tests or the benchmark so that neither spends minutes compiling serially. On
-an sm_90 GPU (H100/H200) the sm_90a forward's cubins (CUATTN_KERNELS=sm90a) are built too.
+an sm_90 GPU (H100/H200) the sm_90a family's cubins (the forward, and the backward that
+CUATTN_KERNELS=sm90a selects) are built too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> int:
     device = cupy_module().cuda.Device()
     sm90_units = [
         (config.source_file, config.name_expression)
-        for config in geometry.sm90_configs()
+        for config in (*geometry.sm90_configs(), *geometry.sm90_backward_configs())
         if args.filter in config.name_expression
     ]
     if device.compute_capability == geometry.SM90_COMPUTE_CAPABILITY and sm90_units:

@@ -23,8 +23,8 @@ REPO = SCRIPTS.parent
 SCRIPT = SCRIPTS / "hopper_probe.py"
 # Probes per group: wgmma 2 types x 3 widths x 2 operand kinds x 2 forms; TMA 4 swizzle modes x
 # 3 positions; the pipeline's data and test_wait; the trap; the rank-4 load at 2 positions; the
-# named-barrier turns and the setmaxnreg hand-over.
-EXPECTED_PROBES = 24 + 12 + 2 + 1 + 2 + 2
+# named-barrier turns and the setmaxnreg hand-over; the ordered bulk reduce's sum and counters.
+EXPECTED_PROBES = 24 + 12 + 2 + 1 + 2 + 2 + 2
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,8 @@ KERNEL_FILES = {
     "layout_fill": "layout_build.cu",
     "mask_vertical_slash": "layout_build.cu",
     "attn_fwd_sm90": "attn_fwd_sm90.cu",
+    "attn_bwd_sm90": "attn_bwd_sm90.cu",
+    "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
 }
 # Templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>.
 BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
@@ -120,6 +122,24 @@ SM90_STORE_ROWS = 64  # out is stored a consumer warpgroup's rows at a time
 # effective for this reuse) instead of each streaming its own head from DRAM (ungrouped, the
 # H200 read K and V 8 to 15 times over).
 SM90_L2_GROUP_BYTES = 16 * 2**20
+# The sm_90a backward (kernels/attn_bwd_sm90.cu): one CTA per 128 keys (a 128-block),
+# kv head and batch, two consumer warpgroups of 64 keys, steps of 64 queries; dQ goes into an
+# fp32 accumulator [batch, heads, n_q rounded up to the step, d] by ordered bulk reduces (a
+# semaphore per step tile, a work counter), then attn_bwd_sm90_dq scales and converts it. It has
+# never run on a GPU: only CUATTN_KERNELS=sm90a chooses it (the interpreter included), for
+# fp16/bf16, 64- and 128-blocks, head dims 64 and 128, no score modifier; everything else keeps
+# attn_bwd_dkdv + attn_bwd_dq. Its instantiations: sm90_backward_configs().
+SM90_BWD = "attn_bwd_sm90"
+SM90_BWD_DQ = "attn_bwd_sm90_dq"  # one warp per row, row_kernel_traits
+SM90_BWD_BLOCKS = (64, 128)  # a 64-block CTA owns two key blocks, one per consumer
+SM90_BWD_HEAD_DIMS = (64, 128)
+SM90_BWD_TILE_K = 128  # keys per CTA: two consumer warpgroups of wgmma's M = 64
+SM90_BWD_TILE_Q = 64  # queries per step: one 128-byte panel row of dS^T
+SM90_BWD_STAGES = 2  # stages of each step's Q, dO, lse and delta
+SM90_BWD_DS_STAGES = 2  # dS^T stages (the next step's stores never meet the dQ GEMM's reads)
+# kv_full, dq_full, dq_empty; a full and an empty barrier a stage
+SM90_BWD_BARRIERS = 3 + 2 * SM90_BWD_STAGES
+SM90_KERNELS = (SM90_FWD, SM90_BWD, SM90_BWD_DQ)  # built for sm_90a alone
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
@@ -279,6 +299,44 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *_LAYOUT_ARGS,
         *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
         ("cta_groups", "i32"),  # sm90_cta_groups
+    ),
+    SM90_BWD: (
+        ("q", "tmap"),
+        ("k", "tmap"),
+        ("v", "tmap"),
+        ("dout", "tmap"),
+        # float32 [batch, heads, 2, n_q_padded]: lse (log2 domain; +inf past n_q and for a row
+        # with nothing to attend), then delta (0 past n_q); a box of a step's two rows
+        ("stats", "tmap"),
+        ("q_col", "i32"),
+        ("k_col", "i32"),
+        ("v_col", "i32"),
+        ("dout_col", "i32"),
+        ("dk", "ptr"),
+        ("dv", "ptr"),
+        ("dq_accum", "ptr"),  # float32 [batch, heads, n_q_padded, d], zeroed
+        ("semaphores", "ptr"),  # int32 [batch, heads, n_q_padded / TILE_Q], zeroed
+        ("work_counter", "ptr"),  # int32, zeroed
+        ("col_ptr", "ptr"),
+        ("row_idx", "ptr"),
+        ("col_mask", "ptr"),
+        ("dq_ranks", "ptr"),  # int32 per CSC entry (kernels.py, dq_ranks)
+        ("mask_table", "ptr"),
+        ("n_q", "i32"),
+        ("n_k", "i32"),
+        ("q_offset", "i32"),
+        ("kv_group", "i32"),
+        ("num_k_blocks", "i32"),
+        ("scale", "f32"),
+        ("window_left", "i32"),
+        ("window_right", "i32"),
+    ),
+    SM90_BWD_DQ: (
+        ("dq_accum", "ptr"),
+        ("dq", "ptr"),
+        ("n_q", "i32"),
+        ("n_q_padded", "i32"),
+        ("scale", "f32"),
     ),
     "attn_bwd_preprocess": (
         ("out", "ptr"),
@@ -616,7 +674,7 @@ class _Launch:
     def arch(self) -> str | None:
         """The architecture this kernel must be built for, where it is not the device's own
         (CuPy's choice): sm_90a for the wgmma forward."""
-        return SM90_ARCH if self.kernel == SM90_FWD else None
+        return SM90_ARCH if self.kernel in SM90_KERNELS else None
 
     @property
     def args(self) -> tuple[tuple[str, str], ...]:
@@ -660,7 +718,7 @@ class KernelConfig(_Launch):
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
         assert (ld * itemsize) % 16 == 0, "cp.async / ldmatrix rows must stay 16-byte aligned"
-        if self.kernel in ROW_KERNELS:
+        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             assert self.block is None and self.rule is None
             tile_m = tile_n = ROWS_PER_CTA_ELEMENTWISE
             num_warps = ELEMENTWISE_WARPS
@@ -691,6 +749,17 @@ class KernelConfig(_Launch):
             ring = DECODE_GQA_STAGES * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
+        elif self.kernel == SM90_BWD:
+            assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self
+            assert self.rule in RULES and not self.mods and not self.paired, self
+            tile_m, tile_n, num_warps = SM90_BWD_TILE_K, SM90_BWD_TILE_Q, SM90_WARPS
+            row_bytes = self.head_dim * itemsize
+            smem = 2 * tile_m * row_bytes  # K and V
+            smem += 2 * SM90_BWD_STAGES * tile_n * row_bytes  # Q and dO stages
+            smem += SM90_BWD_DS_STAGES * tile_m * SM90_SWIZZLE_ROW_BYTES  # dS^T
+            smem += tile_n * self.head_dim * 4  # the fp32 dQ tile
+            smem += 2 * SM90_BWD_STAGES * tile_n * 4  # lse and delta of each stage
+            smem += SM90_BWD_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
         elif self.kernel == SM90_FWD:
             assert sm90_forward_supports(self.block, self.head_dim, self.dtype), self
             assert self.rule in RULES and not self.mods and not self.paired, self
@@ -750,8 +819,10 @@ class KernelConfig(_Launch):
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        if self.kernel in ROW_KERNELS:
+        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
+        if self.kernel == SM90_BWD:  # heads: kv heads; n_rows: keys
+            return (ceil_div(self.n_rows, SM90_BWD_TILE_K), self.heads, self.batch)
         if self.kernel in DECODE_KERNELS or self.kernel == DECODE_GQA_KERNEL:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
@@ -775,7 +846,7 @@ class KernelConfig(_Launch):
         flag) or
         ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS:
+        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
@@ -783,7 +854,7 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
-        if self.kernel == SM90_FWD:
+        if self.kernel in (SM90_FWD, SM90_BWD):
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
@@ -791,7 +862,7 @@ class KernelConfig(_Launch):
     def traits_expression(self) -> str:
         """The C++ traits struct the kernel derives the rest of its geometry from."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS:
+        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
@@ -804,7 +875,7 @@ class KernelConfig(_Launch):
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
-        if self.kernel == SM90_FWD:
+        if self.kernel in (SM90_FWD, SM90_BWD):
             return f"{self.block}, {self.tile_n}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
@@ -997,6 +1068,29 @@ def sm90_forward_supports(block: int | None, head_dim: int, dtype: str) -> bool:
     return block in SM90_BLOCKS and head_dim in SM90_HEAD_DIMS and dtype in SM90_DTYPES
 
 
+def sm90_backward_supports(block: int | None, head_dim: int, dtype: str) -> bool:
+    """Whether the sm_90a backward has an instantiation for this block, head dim and dtype."""
+    return block in SM90_BWD_BLOCKS and head_dim in SM90_BWD_HEAD_DIMS and dtype in SM90_DTYPES
+
+
+def sm90_backward_configs() -> list[KernelConfig]:
+    """One config per instantiation of the sm_90a backward (32: blocks x head dims x dtypes x
+    rules) and of its dQ conversion (4)."""
+    shapes = list(itertools.product(SM90_BWD_HEAD_DIMS, SM90_DTYPES))
+    return [
+        *[
+            KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule=rule)
+            for block, (head_dim, dtype), rule in itertools.product(SM90_BWD_BLOCKS, shapes, RULES)
+        ],
+        *[KernelConfig(SM90_BWD_DQ, head_dim, dtype) for head_dim, dtype in shapes],
+    ]
+
+
+def sm90_bwd_key_blocks(block: int) -> int:
+    """Key blocks per CTA of the sm_90a backward: its 128 keys are one block or two."""
+    return SM90_BWD_TILE_K // block
+
+
 def sm90_cta_groups(
     batch: int, heads: int, n_k: int, head_dim: int, dtype: str, kv_group: int
 ) -> int:
@@ -1130,7 +1224,7 @@ def decode_gqa_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[in
     """(splits, pages per split) of attn_decode_gqa over ``ctas`` (batch x kv heads x row
     chunks) page tables of at most ``max_pages`` pages: the fewest splits (at most
     DECODE_MAX_SPLITS and the pages) whose wave efficiency is within DECODE_GQA_WAVE_SLACK of
-    the best, since each split adds a partial to merge (bench/NOTES.md, change 35)."""
+    the best, since each split adds a partial to merge."""
     pages = max(max_pages, 1)
     ctas = max(ctas, 1)
     candidates = range(1, min(DECODE_MAX_SPLITS, pages) + 1)

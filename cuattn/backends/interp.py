@@ -184,7 +184,12 @@ def build_library(
 
 
 def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
-    every = (*geometry.all_configs(), *geometry.sm90_configs(), *geometry.decode_gqa_configs())
+    every = (
+        *geometry.all_configs(),
+        *geometry.sm90_configs(),
+        *geometry.sm90_backward_configs(),
+        *geometry.decode_gqa_configs(),
+    )
     return [c for c in every if c.group == group]
 
 

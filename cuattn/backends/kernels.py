@@ -45,6 +45,7 @@ _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionar
 # 128 blocks, 6 % at 16; strided and BigBird layouts: up to 100 %).
 PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
+_DQ_RANKS: weakref.WeakKeyDictionary[Layout, dict[int, np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
@@ -63,6 +64,10 @@ def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]
         "dropout_scale": 1.0 / (1.0 - mods.dropout_p),
         **words,
     }
+
+
+# log2(e) in float32, as the kernels' LOG2E (kernels/common/score_tile.cuh)
+_LOG2E = np.float32(1.4426950408889634)
 
 
 def panel_map(x: Any, address: int, rows: int) -> tuple[TensorMap, int]:
@@ -149,6 +154,37 @@ def layout_pairs_rows(layout: Layout) -> bool:
             paired = union <= (1 + PAIRED_MAX_EXTRA_STEPS) * int(blocks.sum()) / 2
         _PAIRED[layout] = paired
     return paired
+
+
+def dq_ranks(
+    blocks: np.ndarray, col_ptr: np.ndarray, row_idx: np.ndarray, key_blocks: int
+) -> np.ndarray:
+    """The sm_90a backward's order of the dQ adds: for each CSC entry (query block i, key block
+    j) of each head, the rank of j's CTA (key blocks j // key_blocks) among the CTAs that add
+    into query block i, CTAs of higher key blocks first (the order they claim their work in):
+    the number of other CTAs with a block in row i above j's. ``blocks`` [heads, query blocks,
+    key blocks] and the CSC arrays as the layout holds them; int32, one per entry."""
+    heads, num_q_blocks, num_blocks = blocks.shape
+    tiles = -(-num_blocks // key_blocks)
+    ranks = np.empty(len(row_idx), np.int32)
+    for head in range(heads):
+        padded = np.zeros((num_q_blocks, tiles * key_blocks), bool)
+        padded[:, :num_blocks] = blocks[head]
+        held = padded.reshape(num_q_blocks, tiles, key_blocks).any(axis=2)
+        # CTAs of the row from each one on, less itself: those above it
+        above = np.cumsum(held[:, ::-1], axis=1)[:, ::-1] - held
+        first, last = int(col_ptr[head, 0]), int(col_ptr[head, -1])
+        columns = np.repeat(np.arange(num_blocks), np.diff(col_ptr[head]))
+        ranks[first:last] = above[row_idx[first:last], columns // key_blocks]
+    return ranks
+
+
+def _layout_dq_ranks(layout: Layout, key_blocks: int) -> np.ndarray:
+    """dq_ranks of a host layout, built once per layout and CTA width."""
+    cached = _DQ_RANKS.setdefault(layout, {})
+    if key_blocks not in cached:
+        cached[key_blocks] = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks)
+    return cached[key_blocks]
 
 
 class KernelBackend:
@@ -481,6 +517,118 @@ class KernelBackend:
             and self.runs_sm90a(qkv[0])
         )
 
+    def _sm90a_backward(
+        self, arrays: tuple[Any, ...], block: int, head_dim: int, dtype: str
+    ) -> bool:
+        """Whether this backward runs attn_bwd_sm90: only where CUATTN_KERNELS=sm90a asks (it has
+        never run on a GPU), for the sizes it has and inputs tensor maps describe."""
+        return (
+            geometry.kernel_family() == geometry.SM90_FAMILY
+            and geometry.sm90_backward_supports(block, head_dim, dtype)
+            and all(_tma_describes(x) for x in arrays)
+            and self.runs_sm90a(arrays[0])
+        )
+
+    def _backward_sm90(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+        layout: Layout,
+        scale: float,
+        shape: tuple,
+        dtype: str,
+    ) -> tuple[Any, Any, Any] | None:
+        """(dq, dk, dv) by attn_bwd_sm90 (inputs checked, on their device): delta by
+        attn_bwd_preprocess, lse (log2 domain) and delta padded to whole steps, the main kernel
+        with its dQ reduces into a zeroed fp32 accumulator, then attn_bwd_sm90_dq. None, before
+        any launch, when the device refuses a tensor map: the caller runs the mma.sync pair."""
+        batch, heads, n_q, head_dim, kv_heads, n_k = shape
+        xp = self.xp
+        config = KernelConfig(
+            geometry.SM90_BWD,
+            head_dim,
+            dtype,
+            batch,
+            kv_heads,
+            n_k,
+            layout.blocksize,
+            layout.rule.kind,
+        )
+        maps = {
+            **self._panel_map("q", q, config.tile_n),
+            **self._panel_map("k", k, config.tile_m),
+            **self._panel_map("v", v, config.tile_m),
+            **self._panel_map("dout", dout, config.tile_n),
+        }
+        step = config.tile_n
+        n_padded = -(-n_q // step) * step
+        stats = self.output((batch, heads, 2, n_padded), xp.float32)
+        maps["stats"] = TensorMap.of(stats, (step, 2, 1, 1))
+        if not all(self.encodes(maps[name]) for name in ("q", "k", "v", "dout", "stats")):
+            return None
+        use_dlse = dlse is not None
+        delta = self.output((batch, heads, n_q), xp.float32)
+        self.launch(
+            KernelConfig("attn_bwd_preprocess", head_dim, dtype, batch, heads, n_q),
+            out=out,
+            dout=dout,
+            dlse=xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32),
+            delta=delta,
+            n_q=n_q,
+            use_dlse=int(use_dlse),
+            **self._strides("dout", dout),
+        )
+        # lse in the log2 domain, +inf where a row has nothing to attend and past n_q (its P is
+        # then exactly 0); delta 0 past n_q
+        stats[:, :, 0, n_q:] = xp.inf
+        stats[:, :, 1, n_q:] = 0
+        stats[:, :, 0, :n_q] = xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse * _LOG2E)
+        stats[:, :, 1, :n_q] = delta
+        dq_accum = self.zeroed_output((batch, heads, n_padded, head_dim), xp.float32)
+        # a semaphore per (step, head, batch), then the work counter
+        counters = self.zeroed_output((batch * heads * (n_padded // step) + 1,), xp.int32)
+        dk, dv = (self.output(k.shape, k.dtype) for _ in range(2))
+        index = self.index_arrays(layout)
+        self.launch(
+            config,
+            **maps,
+            dk=dk,
+            dv=dv,
+            dq_accum=dq_accum,
+            semaphores=counters[:-1],
+            work_counter=counters[-1:],
+            col_ptr=index.col_ptr,
+            row_idx=index.row_idx,
+            col_mask=index.col_mask,
+            dq_ranks=xp.asarray(
+                _layout_dq_ranks(layout, geometry.sm90_bwd_key_blocks(layout.blocksize))
+            ),
+            mask_table=index.mask_table,
+            n_q=n_q,
+            n_k=n_k,
+            q_offset=layout.q_offset,
+            kv_group=heads // kv_heads,
+            num_k_blocks=layout.num_blocks,
+            scale=scale,
+            window_left=layout.rule.window_left,
+            window_right=layout.rule.window_right,
+        )
+        dq = self.output(q.shape, q.dtype)
+        self.launch(
+            KernelConfig(geometry.SM90_BWD_DQ, head_dim, dtype, batch, heads, n_q),
+            dq_accum=dq_accum,
+            dq=dq,
+            n_q=n_q,
+            n_q_padded=n_padded,
+            scale=scale,
+        )
+        return dq, dk, dv
+
     def encodes(self, map_: TensorMap) -> bool:
         """Whether this backend's device takes the tensor map (the interpreter checks its own
         reading of the driver's rules at launch and fails the launch on a violation)."""
@@ -606,6 +754,18 @@ class KernelBackend:
             # out and lse are the forward's own (contiguous) results; a copy only if not
             out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
+            operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
+            if (
+                not modifier_variant(mods, scale)
+                and all(x is None for x in operands)
+                and not isinstance(layout, DeviceLayout)  # its ranks come from the host blocks
+                and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
+            ):
+                result = self._backward_sm90(
+                    q, k, v, out, lse, dout, dlse, layout, scale, shape, dtype
+                )
+                if result is not None:
+                    return result
             dout_strides = self._strides("dout", dout)
             strides = {**self._strides("q", q), **self._strides("k", k), **self._strides("v", v)}
             strides.update(dout_strides)

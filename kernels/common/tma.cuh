@@ -271,6 +271,38 @@ inline void tma_store(const TensorMap& map, const int (&coords)[RANK], const voi
 
 inline void tma_store_commit() { bulk_commit_group(); }
 inline void tma_store_wait(int pending) { bulk_wait_group(pending); }
+
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: `bytes` of floats at `src` in
+// shared memory added element by element into `dst` in global memory, through the asynchronous
+// proxy. The source is read (and must stay unchanged) until a wait_group.read retires the group;
+// the sums are written then.
+inline void bulk_reduce_add(float* dst, const float* src, unsigned bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % TMA_CHUNK_BYTES != 0 ||
+      reinterpret_cast<uintptr_t>(src) % TMA_CHUNK_BYTES != 0 || bytes % TMA_CHUNK_BYTES != 0 ||
+      bytes == 0) {
+    report_hazard("a bulk reduce of " + std::to_string(bytes) + " bytes at shared-memory offset " +
+                  std::to_string(smem_offset(src)) +
+                  " (addresses 16-byte aligned and a non-zero multiple of 16 bytes)");
+    return;
+  }
+  if (tracked_offset(src, bytes) < 0) {
+    report_hazard("a bulk reduce whose source is not in dynamic shared memory");
+    return;
+  }
+  if (!async_proxy_read_ok(src, bytes, "a bulk reduce")) return;
+  std::vector<float> issued(bytes / sizeof(float));
+  std::memcpy(issued.data(), src, bytes);
+  BulkGroupOp op{-1, [=] {
+    if (std::memcmp(src, issued.data(), bytes) != 0) {
+      report_hazard("the source of a bulk reduce at shared-memory offset " +
+                    std::to_string(smem_offset(src)) +
+                    " changed before cp.async.bulk.wait_group.read retired it");
+    }
+    for (size_t i = 0; i < issued.size(); ++i) dst[i] += issued[i];
+  }};
+  op.writes_global = true;
+  self().bulk_ops.push_back(std::move(op));
+}
 }  // namespace cuattn_interp
 #endif
 
@@ -358,6 +390,34 @@ __device__ __forceinline__ void tma_store_wait_read() {
   cuattn_interp::tma_store_wait(PENDING);
 #else
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// Adds the `bytes` (a multiple of 16) of floats at `src` (shared memory, 16-byte aligned) into
+// `dst` (global memory, 16-byte aligned), element by element, as one asynchronous bulk
+// operation of this thread's current bulk group (tma_store_commit closes it): `src` may be
+// written again after tma_store_wait_read, and the sums are complete in global memory after
+// bulk_wait_group_complete. The plain stores that wrote `src` need fence_proxy_async first.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, unsigned bytes) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::bulk_reduce_add(dst, src, bytes);
+#else
+  const unsigned src_address = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::
+                   "l"(dst),
+               "r"(src_address), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits until at most PENDING of this thread's most recent bulk groups are in flight, their
+// writes to global memory included (cp.async.bulk.wait_group, without .read).
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait_group_complete() {
+#ifdef CUATTN_INTERP
+  cuattn_interp::bulk_wait_group(PENDING, false);
+#else
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(PENDING) : "memory");
 #endif
 }
 

@@ -83,17 +83,20 @@ struct ActiveTiles {
 // mask and its own rows' coverage: TILE_EMPTY where its block's row does not hold the tile (the
 // warp skips it). The walk only reads the warp's own block's mask and tests the warp's own rows:
 // the yield itself depends on the two rows' blocks alone, so it stays uniform across the CTA.
+// The sm_90a backward walks the union of two CSC columns the same way (OWN_IS_QUERY = false:
+// the own axis is keys, the tiles are query steps).
 struct PairedTile {
-  int start;     // first key
-  int block;     // the key block it lies in
+  int start;     // first key (query, in a column walk)
+  int block;     // the key (query) block it lies in
   int mask_id;   // the warp's block's entry mask (-1: a full block, or none held)
   int coverage;  // of the warp's own rows
+  int entry;     // the index entry of the first of the two blocks that holds it
 };
 
 // Past every key block: where one row of the pair is walked to its end.
 constexpr int PAST_LAST_BLOCK = 0x7fffffff;
 
-template <int RULE, int BLOCK, int TILE_N>
+template <int RULE, int BLOCK, int TILE_N, bool OWN_IS_QUERY = true>
 struct PairedRowTiles {
   using Tile = PairedTile;
   static constexpr int SUB_TILES = BLOCK / TILE_N;
@@ -125,11 +128,11 @@ struct PairedRowTiles {
       if (sub_ < SUB_TILES) {
         const int start = block * BLOCK + sub_ * TILE_N;
         ++sub_;
-        if (start < rule.n_k) {  // else a ragged last block's rest
-          const int coverage =
-              held ? coverage_of<RULE, TILE_N, true>(rule, own_first, own_last, start, mask_id)
-                   : TILE_EMPTY;
-          tile = PairedTile{start, block, mask_id, coverage};
+        if (start < (OWN_IS_QUERY ? rule.n_k : rule.n_q)) {  // else a ragged block's rest
+          const int coverage = held ? coverage_of<RULE, TILE_N, OWN_IS_QUERY>(
+                                          rule, own_first, own_last, start, mask_id)
+                                    : TILE_EMPTY;
+          tile = PairedTile{start, block, mask_id, coverage, in_a ? entry_a_ : entry_b_};
           return true;
         }
       }

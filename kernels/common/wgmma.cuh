@@ -201,7 +201,7 @@ inline bool wgmma_issue_ok(u64 operand_a, u64 desc_b, WgmmaMajor b_major, int n,
                   "last accessed by other instructions");
   }
   me.wgmma_digest = mix_digest(mix_digest(mix_digest(me.wgmma_digest, operand_a), desc_b),
-                               (u64(n) * 2 + u64(b_major)) * 2 + u64(accumulate));
+                               (u64(n) * 4 + u64(b_major)) * 2 + u64(accumulate));
   for (u64 descriptor : {operand_a, desc_b}) {
     if (descriptor == A_IN_REGISTERS || decode_descriptor(descriptor).base_offset == 0) continue;
     report_hazard("a wgmma descriptor with a non-zero matrix base offset (operands here start "
@@ -257,12 +257,13 @@ inline void wgmma_fragment(float* d, const MatrixDescriptor& b, WgmmaMajor b_maj
   me.wgmma_ops.push_back({-1, d, std::move(result), std::move(check)});
 }
 
-template <typename T, int N, WgmmaMajor B_MAJOR>
+template <typename T, int N, WgmmaMajor B_MAJOR, WgmmaMajor A_MAJOR>
 inline void wgmma_issue(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
-  if (!wgmma_issue_ok(desc_a, desc_b, B_MAJOR, N, accumulate)) return;
+  // the digest tells the two A layouts apart through the majors it folds in
+  if (!wgmma_issue_ok(desc_a, desc_b, WgmmaMajor(B_MAJOR + 2 * A_MAJOR), N, accumulate)) return;
   const MatrixDescriptor a = decode_descriptor(desc_a);
   auto a_element = [&](int row, int k, std::vector<OperandRead>& reads) {
-    return read_operand<T>(a, row, k, WGMMA_K_MAJOR, reads);
+    return read_operand<T>(a, row, k, A_MAJOR, reads);
   };
   wgmma_fragment<T, N>(d, decode_descriptor(desc_b), B_MAJOR, accumulate, a_element, [] {});
 }
@@ -429,15 +430,17 @@ __device__ __forceinline__ void wgmma_fence_operands(u32 (&a)[COUNT]) {
                "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " OPERANDS ";\n}\n"               \
                : __VA_ARGS__                                                                     \
                : INPUTS)
-#define CUATTN_WGMMA_SS(TRANS_B, SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                 \
-  CUATTN_WGMMA_ASM(SHAPE_TYPES, REGS ", " N0 ", " N1 ", p, 1, 1, 0, " TRANS_B, N2,                \
+#define CUATTN_WGMMA_SS(TRANS_A, TRANS_B, SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)        \
+  CUATTN_WGMMA_ASM(SHAPE_TYPES, REGS ", " N0 ", " N1 ", p, 1, 1, " TRANS_A ", " TRANS_B, N2,      \
                    CUATTN_SS_INPUTS, __VA_ARGS__)
 #define CUATTN_WGMMA_RS(TRANS_B, SHAPE_TYPES, REGS, N0, N1, N2, N3, N4, N5, ...)                 \
   CUATTN_WGMMA_ASM(SHAPE_TYPES,                                                                  \
                    REGS ", {" N0 ", " N1 ", " N2 ", " N3 "}, " N4 ", p, 1, 1, " TRANS_B, N5,     \
                    CUATTN_RS_INPUTS, __VA_ARGS__)
-#define CUATTN_WGMMA_SS_K(...) CUATTN_WGMMA_SS("0", __VA_ARGS__)
-#define CUATTN_WGMMA_SS_MN(...) CUATTN_WGMMA_SS("1", __VA_ARGS__)
+#define CUATTN_WGMMA_SS_K(...) CUATTN_WGMMA_SS("0", "0", __VA_ARGS__)
+#define CUATTN_WGMMA_SS_MN(...) CUATTN_WGMMA_SS("0", "1", __VA_ARGS__)
+#define CUATTN_WGMMA_SS_A_MN_K(...) CUATTN_WGMMA_SS("1", "0", __VA_ARGS__)
+#define CUATTN_WGMMA_SS_A_MN_MN(...) CUATTN_WGMMA_SS("1", "1", __VA_ARGS__)
 #define CUATTN_WGMMA_RS_K(...) CUATTN_WGMMA_RS("0", __VA_ARGS__)
 #define CUATTN_WGMMA_RS_MN(...) CUATTN_WGMMA_RS("1", __VA_ARGS__)
 #define CUATTN_SS_INPUTS "l"(desc_a), "l"(desc_b), "r"(int(accumulate))
@@ -472,18 +475,24 @@ constexpr bool WGMMA_SHAPE_OK =
 
 // d (the N / 2 accumulators of this thread) = A * B (+ d when `accumulate`): one
 // wgmma.mma_async.m64nNk16.f32 of T (__half or __nv_bfloat16) operands, both from shared memory,
-// A K-major, B laid out B_MAJOR.
-template <typename T, int N, WgmmaMajor B_MAJOR = WGMMA_K_MAJOR>
+// A laid out A_MAJOR (K-major: 64 rows of K; MN-major, imm-trans-a = 1: K rows of 64, e.g. dS
+// of dS K stored as dS^T's rows, which 16-bit types allow), B laid out B_MAJOR.
+template <typename T, int N, WgmmaMajor B_MAJOR = WGMMA_K_MAJOR,
+          WgmmaMajor A_MAJOR = WGMMA_K_MAJOR>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 desc_b,
                                              bool accumulate) {
   static_assert(WGMMA_SHAPE_OK<T, N>, "fp16 or bf16 operands, N = 16, 32, 64, 128 or 256");
 #ifdef CUATTN_INTERP
-  cuattn_interp::wgmma_issue<T, N, B_MAJOR>(d, desc_a, desc_b, accumulate);
+  cuattn_interp::wgmma_issue<T, N, B_MAJOR, A_MAJOR>(d, desc_a, desc_b, accumulate);
 #else
-  if constexpr (B_MAJOR == WGMMA_K_MAJOR) {
+  if constexpr (A_MAJOR == WGMMA_K_MAJOR && B_MAJOR == WGMMA_K_MAJOR) {
     CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_K)
-  } else {
+  } else if constexpr (A_MAJOR == WGMMA_K_MAJOR) {
     CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_MN)
+  } else if constexpr (B_MAJOR == WGMMA_K_MAJOR) {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_A_MN_K)
+  } else {
+    CUATTN_WGMMA_ALL_N(CUATTN_WGMMA_SS_A_MN_MN)
   }
 #endif
 }

@@ -189,6 +189,9 @@ struct PendingCopy {
 struct BulkGroupOp {
   int group;  // index of the commit group, -1 while not committed yet
   std::function<void()> finish;
+  // A bulk reduce into global memory: its writes are complete only after a
+  // cp.async.bulk.wait_group without .read retires its group (kernels/common/tma.cuh).
+  bool writes_global = false;
 };
 
 // A wgmma.mma_async of one thread (kernels/common/wgmma.cuh), computed at issue: its
@@ -206,6 +209,7 @@ enum class LaneState : unsigned char {
   AT_WARP_BARRIER,  // published its part of a warp exchange (or reached __syncwarp)
   AT_BLOCK_BARRIER, // reached __syncthreads
   AT_MBARRIER,      // waits for a phase of an mbarrier to complete (ThreadState::waits_on)
+  AT_SEMAPHORE,     // waits for a global int to hold a value (ThreadState::waits_on_semaphore)
   YIELDED,          // arrived on an mbarrier: the other warps run before it goes on
   EXITED,
 };
@@ -242,8 +246,13 @@ struct ThreadState {
   unsigned wait_parity = 0;        // ... and the parity of the phase it waits to complete
   std::vector<PendingCopy> pending_copies;
   int committed_groups = 0;
-  std::vector<BulkGroupOp> bulk_ops;  // TMA stores still reading shared memory
+  std::vector<BulkGroupOp> bulk_ops;  // TMA stores and bulk reduces still reading shared memory
   int bulk_committed_groups = 0;
+  // Groups of bulk reduces retired by wait_group.read only: their global writes may still be
+  // in flight on a GPU.
+  std::vector<int> bulk_writes_unconfirmed;
+  const int* waits_on_semaphore = nullptr;  // the global int of an AT_SEMAPHORE lane
+  int semaphore_value = 0;                  // ... and the value it waits for
   std::vector<WgmmaOp> wgmma_ops;  // issued, not yet retired by wgmma.wait_group
   int wgmma_committed_groups = 0;
   bool wgmma_fenced = false;  // a wgmma.fence since the accumulators were last handed back
@@ -349,6 +358,12 @@ inline bool wait_is_over(const ThreadState& lane) {
   return barrier && (barrier->phase & 1u) != lane.wait_parity;
 }
 
+// Whether the global int an AT_SEMAPHORE lane spins on holds the value it waits for.
+inline bool semaphore_reached(const ThreadState& lane) {
+  return std::atomic_ref<const int>(*lane.waits_on_semaphore).load(std::memory_order_acquire) ==
+         lane.semaphore_value;
+}
+
 enum class WarpRun {
   PARKED,    // every lane waits at the block barrier or has exited
   BLOCKED,   // some lanes wait for an mbarrier phase that has not completed, or yielded
@@ -365,6 +380,9 @@ inline WarpRun run_warp(Launch& launch, int w, bool& descending, bool& ran) {
     for (int i = 0; i < WARP_SIZE; ++i) {
       ThreadState& lane = lanes[descending ? WARP_SIZE - 1 - i : i];
       if (lane.state == LaneState::AT_MBARRIER && wait_is_over(lane)) lane.state = LaneState::READY;
+      if (lane.state == LaneState::AT_SEMAPHORE && semaphore_reached(lane)) {
+        lane.state = LaneState::READY;
+      }
       if (lane.state == LaneState::READY) {
         resume(lane);
         ran = true;
@@ -378,6 +396,10 @@ inline WarpRun run_warp(Launch& launch, int w, bool& descending, bool& ran) {
       if (lanes[i].state == LaneState::AT_MBARRIER) {
         ++blocked;
         released += wait_is_over(lanes[i]);
+      }
+      if (lanes[i].state == LaneState::AT_SEMAPHORE) {
+        ++blocked;
+        released += semaphore_reached(lanes[i]);
       }
     }
     if (released) continue;  // this warp's own arrivals completed a phase it waits for
@@ -437,6 +459,23 @@ inline std::string describe_waits(const Launch& launch) {
       ++found->threads;
     }
   }
+  std::string semaphores;
+  for (size_t i = 0; i < launch.threads.size(); ++i) {
+    const ThreadState& t = launch.threads[i];
+    if (t.state != LaneState::AT_SEMAPHORE) continue;
+    semaphores += (semaphores.empty() ? "" : "; ") + std::string("thread ") + std::to_string(i) +
+                  " of block (" + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) +
+                  ", " + std::to_string(blockIdx.z) + ") waits for the semaphore at " +
+                  std::to_string(reinterpret_cast<uintptr_t>(t.waits_on_semaphore)) +
+                  " to hold " + std::to_string(t.semaphore_value) + "; it holds " +
+                  std::to_string(*t.waits_on_semaphore);
+  }
+  if (!semaphores.empty()) {
+    // Blocks run one after another here: a semaphore another block would set is set by an
+    // earlier block or never (on a GPU, by a block that may not be resident: a deadlock).
+    return "a semaphore wait that no block started before it can satisfy (the order in which "
+           "CTAs are claimed must put every CTA after those it waits for): " + semaphores;
+  }
   std::string text = "threads wait for mbarrier phases that can never complete: ";
   for (size_t i = 0; i < waits.size(); ++i) {
     const Wait& w = waits[i];
@@ -456,6 +495,19 @@ inline void require_aligned(const void* address, size_t alignment) {
   if (reinterpret_cast<uintptr_t>(address) % alignment == 0) return;
   bool expected = false;
   if (misaligned.compare_exchange_strong(expected, true)) misaligned_address = address;
+}
+
+// The order the blocks of a launch run in: their index order, or with CUATTN_INTERP_BLOCK_SEED
+// set a permutation seeded by it (a GPU starts blocks in no guaranteed order; a kernel whose
+// CTAs wait for each other must claim its work in start order, kernels/common/semaphore.cuh).
+inline std::vector<size_t> block_order(size_t num_blocks) {
+  std::vector<size_t> order(num_blocks);
+  std::iota(order.begin(), order.end(), size_t(0));
+  if (const char* text = std::getenv("CUATTN_INTERP_BLOCK_SEED")) {
+    std::mt19937 rng(unsigned(std::strtoul(text, nullptr, 10)));
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  return order;
 }
 
 inline unsigned seed_from_environment() {
@@ -643,18 +695,27 @@ inline void bulk_copy(void* dst, const void* src, size_t bytes, void* address) {
   async_copy_to_shared(address, bytes, [=] { async_proxy_write(dst, src, bytes); });
 }
 
-// Retires every committed bulk async-group of this thread except the `keep` most recent ones.
-inline void bulk_wait_group(int keep) {
+// Retires every committed bulk async-group of this thread except the `keep` most recent ones:
+// their reads of shared memory are over (cp.async.bulk.wait_group.read, READ_ONLY) or their
+// writes complete as well (cp.async.bulk.wait_group). The interpreter performs an operation's
+// writes when its reads retire; a bulk reduce retired by .read alone is remembered as writes
+// not yet confirmed, which a semaphore release must not publish (kernels/common/semaphore.cuh).
+inline void bulk_wait_group(int keep, bool read_only = true) {
   ThreadState& me = self();
+  const int retired = me.bulk_committed_groups - keep;
   std::vector<BulkGroupOp> still;
   for (BulkGroupOp& op : me.bulk_ops) {
-    if (op.group >= 0 && op.group < me.bulk_committed_groups - keep) {
+    if (op.group >= 0 && op.group < retired) {
       op.finish();
+      if (op.writes_global && read_only) me.bulk_writes_unconfirmed.push_back(op.group);
     } else {
       still.push_back(std::move(op));
     }
   }
   me.bulk_ops.swap(still);
+  if (!read_only) {
+    std::erase_if(me.bulk_writes_unconfirmed, [&](int group) { return group < retired; });
+  }
 }
 
 // Closes a thread's current commit group of asynchronous operations (cp.async, bulk, wgmma):
@@ -815,8 +876,8 @@ inline int check_block_end(const Launch& launch) {
     std::string left;
     if (!t.bulk_ops.empty()) {
       left = std::to_string(t.bulk_ops.size()) +
-             " TMA store(s) still reading shared memory (no cp.async.bulk.wait_group.read after "
-             "them)";
+             " TMA store(s) still reading shared memory (stores or bulk reduces; no "
+             "cp.async.bulk.wait_group.read after them)";
     } else if (!t.wgmma_ops.empty()) {
       left = std::to_string(t.wgmma_ops.size()) +
              " wgmma.mma_async never retired by a wgmma.wait_group";
@@ -879,7 +940,9 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
   std::vector<int> order(num_warps);
   std::iota(order.begin(), order.end(), 0);
   int status = LAUNCH_OK;
-  for (size_t b = 0; b < num_blocks && status == LAUNCH_OK; ++b) {
+  const std::vector<size_t> blocks = block_order(num_blocks);
+  for (size_t n = 0; n < num_blocks && status == LAUNCH_OK; ++n) {
+    const size_t b = blocks[n];
     std::memset(smem, 0xFF, smem_size);
     async_view.assign(smem, smem + smem_size);
     blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
@@ -896,6 +959,8 @@ inline int launch(void (*kernel)(Args...), const unsigned* grid, const unsigned*
       t.committed_groups = 0;
       t.bulk_ops.clear();
       t.bulk_committed_groups = 0;
+      t.bulk_writes_unconfirmed.clear();
+      t.waits_on_semaphore = nullptr;
       t.wgmma_ops.clear();
       t.wgmma_committed_groups = 0;
       t.wgmma_fenced = false;

@@ -37,6 +37,7 @@ from tests.helpers.ptx_layouts import (
     aligned_array,
     documented_tile,
     wgmma_image,
+    wgmma_image_both_mn_major,
     wgmma_image_mn_major,
     widest_box,
 )
@@ -72,6 +73,12 @@ def mn_major_expression(cxx_type: str, n: int, steps: int, registers: bool) -> s
     return f"test_wgmma_mn_major<{cxx_type}, {n}, {steps}, {str(registers).lower()}>"
 
 
+def a_mn_major_expression(cxx_type: str, n: int, steps: int) -> str:
+    return f"test_wgmma_mn_major<{cxx_type}, {n}, {steps}, false, true>"
+
+
+# A MN-major (imm-trans-a = 1) in the shapes the sm_90a backward's dS K takes (N = d / 2).
+A_MN_MAJOR_CASES = [("__nv_bfloat16", 64, Swizzle.B128), ("__half", 32, Swizzle.B128)]
 WGMMA_CASES = sorted(
     {(t, n, Swizzle.B128) for t in HALF_TYPES for n in WGMMA_N}
     | {(t, n, s) for t, n in SWIZZLE_SWEEP_SHAPES for s in Swizzle}
@@ -97,6 +104,7 @@ EXPRESSIONS = [
             for registers in (False, True)
         }
     ),
+    *[a_mn_major_expression(t, n, WGMMA_STEPS[s]) for t, n, s in A_MN_MAJOR_CASES],
     "test_tma_load<true, false>",
     "test_tma_load<false, false>",
     "test_tma_load<true, true>",
@@ -356,9 +364,11 @@ def test_tma_store_misuse_fails_the_launch(lib, bug, match):
         round_trip(lib, bug)
 
 
-def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
-    """The SASS opcodes of each test kernel compiled by NVRTC for sm_90a (one program), and the
-    ptxas log; skips without NVRTC or a disassembler."""
+def sm90a_opcodes(
+    expressions: list[str], source: Path = SOURCE
+) -> tuple[dict[str, list[str]], str]:
+    """The SASS opcodes of each test kernel of `source` compiled by NVRTC for sm_90a (one
+    program), and the ptxas log; skips without NVRTC or a disassembler."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from dev import sass, sass_model
@@ -366,9 +376,9 @@ def sm90a_opcodes(expressions: list[str]) -> tuple[dict[str, list[str]], str]:
     problem = sass_model.missing_tools()
     if problem is not None:
         pytest.skip(f"no SASS tools: {problem}")
-    options = [*common_options(), f"-I{SOURCE.parent}"]
+    options = [*common_options(), f"-I{source.parent}"]
     lowered, cubin, log = sass_model.compile_module(
-        SOURCE.read_text(), SOURCE.name, expressions, options, "sm_90a"
+        source.read_text(), source.name, expressions, options, "sm_90a"
     )
     with tempfile.TemporaryDirectory() as workdir:
         kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
@@ -515,6 +525,44 @@ def test_wgmma_multiplies_the_documented_layouts_into_the_documented_fragment(
     else:
         a, b_rows_of_n, out = wgmma_mn_major(lib, cxx_type, n, swizzle, registers)
     expected = a.astype(np.float64) @ b_rows_of_n.astype(np.float64)
+    rows, columns = accumulator_positions(n)
+    np.testing.assert_allclose(out, expected[rows, columns], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cxx_type, n, swizzle", A_MN_MAJOR_CASES, ids=str)
+def test_wgmma_takes_a_mn_major_from_shared_memory(lib, cxx_type, n, swizzle):
+    """imm-trans-a = 1: A (64 rows of K) read from its K rows of 64 in the PTX ISA's MN-major
+    canonical layout (as B's MN-major form above), the descriptors advancing two 8-row atoms a
+    K-step; each thread's accumulators at CLayout_64xN's places."""
+    steps = WGMMA_STEPS[swizzle]
+    a, b_rows_of_n = random_operands(cxx_type, n, swizzle, seed=17)
+    b = np.ascontiguousarray(b_rows_of_n.T)
+    image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, a_step, b_step = (
+        wgmma_image_both_mn_major(a, b, swizzle, TILE_OFFSET)
+    )
+    out = np.zeros((WARPGROUP, n // 2), np.float32)
+    unused_fragments = np.zeros(1, np.uint32)
+    run(
+        lib,
+        a_mn_major_expression(cxx_type, n, steps),
+        1,
+        WARPGROUP,
+        image,
+        len(image),
+        a_offset,
+        b_offset,
+        a_leading,
+        a_stride,
+        b_leading,
+        b_stride,
+        DESCRIPTOR_SWIZZLE[swizzle],
+        a_step,
+        b_step,
+        unused_fragments,
+        out,
+        smem=len(image),
+    )
+    expected = a.astype(np.float64) @ b.astype(np.float64)
     rows, columns = accumulator_positions(n)
     np.testing.assert_allclose(out, expected[rows, columns], rtol=1e-5, atol=1e-5)
 

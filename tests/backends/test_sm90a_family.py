@@ -1,6 +1,7 @@
 """The sm_90a forward as a kernel family of the backends (issue 27): CUATTN_KERNELS=sm90a
 chooses kernels/attn_fwd_sm90.cu for every forward it supports, on the interpreter as on an
-sm_90 GPU, and the mma.sync forward for the rest; the backward runs on its out and lse.
+sm_90 GPU, and the mma.sync forward for the rest; the backward runs on its out and lse
+(kernels/attn_bwd_sm90.cu where that supports the case, tests/backends/test_attn_bwd_sm90.py).
 
 On the interpreter (its wgmma, swizzle and async-proxy checks on), against the float64 oracle
 with NaN-poisoned outputs, and against the mma.sync forward of the same call. The GPU side

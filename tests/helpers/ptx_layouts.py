@@ -216,6 +216,32 @@ def wgmma_image_mn_major(a: np.ndarray, b: np.ndarray, swizzle: Swizzle, first: 
     return image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, b_step
 
 
+def wgmma_image_both_mn_major(a: np.ndarray, b: np.ndarray, swizzle: Swizzle, first: int):
+    """wgmma_image_mn_major with A MN-major as well: A (64 rows of K) stored as its K rows of 64
+    in the MN-major canonical layout at `first`, B (K rows of N) after it. Returns (image,
+    a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, a_step, b_step)."""
+    k, n = b.shape
+    a_leading, a_stride = mn_major_strides(swizzle, WGMMA_M, k)
+    b_leading, b_stride = mn_major_strides(swizzle, n, k)
+    a_bytes = -(-WGMMA_M * ELEMENT_BYTES // SWIZZLE_WIDTH[swizzle]) * a_leading
+    b_offset = -(-(first + a_bytes) // PATTERN_REPEAT_MAX) * PATTERN_REPEAT_MAX
+    b_bytes = -(-n * ELEMENT_BYTES // SWIZZLE_WIDTH[swizzle]) * b_leading
+    image = np.zeros(b_offset + b_bytes, np.uint8)
+    place_mn_major(image, np.ascontiguousarray(a.T), first, swizzle, a_leading, a_stride)
+    place_mn_major(image, b, b_offset, swizzle, b_leading, b_stride)
+    return (
+        image,
+        first,
+        b_offset,
+        a_leading,
+        a_stride,
+        b_leading,
+        b_stride,
+        2 * a_stride,
+        2 * b_stride,
+    )
+
+
 def accumulator_positions(n: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, column) of accumulator i of thread t: CUTLASS's CLayout_64xN, shape
     ((4, 8, 4), (2, 2, N/8)), stride ((128, 1, 16), (64, 8, 512)), into a column-major 64 x N."""

@@ -292,11 +292,13 @@ __global__ void test_wgmma(const unsigned char* image, int image_bytes, int a_of
 }
 
 // D = A * B for one warpgroup with B MN-major (imm-trans-b = 1: K rows of N, the way P.V reads V
-// as stored), A K-major from shared memory or from registers as in test_wgmma; `image` holds A
-// at a_offset (unless A_IN_REGISTERS) and B at b_offset in the canonical layouts of `swizzle`.
-// STEPS chained instructions of K = 16, the descriptors advancing a_step_bytes (A) and
-// b_step_bytes (B: two groups of 8 K rows) each time; out[thread][i] = accumulator i.
-template <typename T, int N, int STEPS, bool A_IN_REGISTERS>
+// as stored), A K-major from shared memory or from registers as in test_wgmma, or with A_MN_MAJOR
+// A MN-major from shared memory too (imm-trans-a = 1: K rows of 64, the way dS K reads dS^T as
+// stored); `image` holds A at a_offset (unless A_IN_REGISTERS) and B at b_offset in the
+// canonical layouts of `swizzle`. STEPS chained instructions of K = 16, the descriptors advancing
+// a_step_bytes (A) and b_step_bytes (B: two groups of 8 K rows) each time; out[thread][i] =
+// accumulator i.
+template <typename T, int N, int STEPS, bool A_IN_REGISTERS, bool A_MN_MAJOR = false>
 __global__ void test_wgmma_mn_major(const unsigned char* image, int image_bytes, int a_offset,
                                     int b_offset, int a_leading, int a_stride, int b_leading,
                                     int b_stride, int swizzle, int a_step_bytes,
@@ -318,7 +320,11 @@ __global__ void test_wgmma_mn_major(const unsigned char* image, int image_bytes,
     } else {
       const u64 desc_a = wgmma_descriptor(smem + a_offset + s * a_step_bytes, unsigned(a_leading),
                                           unsigned(a_stride), mode);
-      wgmma_m64k16<T, N, WGMMA_MN_MAJOR>(d, desc_a, desc_b, s > 0);
+      if constexpr (A_MN_MAJOR) {
+        wgmma_m64k16<T, N, WGMMA_MN_MAJOR, WGMMA_MN_MAJOR>(d, desc_a, desc_b, s > 0);
+      } else {
+        wgmma_m64k16<T, N, WGMMA_MN_MAJOR>(d, desc_a, desc_b, s > 0);
+      }
     }
   }
   wgmma_commit_group();

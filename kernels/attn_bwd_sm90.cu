@@ -1,0 +1,549 @@
+// Block-sparse attention backward for sm_90a (Hopper): warpgroup MMA (wgmma) fed by TMA from a
+// producer warpgroup, with dQ reduced into an fp32 accumulator inside the same kernel in a fixed
+// order (FlashAttention-3's backward on cuattn's layouts).
+//
+// Computes what kernels/attn_bwd.cu computes without score modifiers: for every (batch, query
+// head, query) row and the keys its layout allows,
+//   P = exp(S - lse) with S = Q K^T * scale,  dV = P^T dO,  dP = dO V^T,
+//   dS = P * (dP - delta),  dK = dS^T Q * scale,  dQ = dS K * scale
+// (delta = rowsum(dO * out) - dlse, from attn_bwd_preprocess in kernels/attn_bwd.cu).
+// Shapes: q, dout [batch, heads, n_q, HEAD_DIM] and k, v [batch, heads / kv_group, n_k,
+// HEAD_DIM] of T (__half or __nv_bfloat16), all read through rank-4 TMA tensor maps (columns,
+// rows, heads, batch: any strides the maps can describe; q_col .. dout_col as in
+// attn_fwd_sm90.cu); stats float32 [batch, heads, 2, n_q_padded] (n_q rounded up to TILE_Q),
+// read through a fifth rank-4 map (box TILE_Q x 2 x 1 x 1, no swizzle): lse in the log2 domain
+// (+inf for a row with nothing to attend and past n_q, so its P is exactly 0), then delta (0
+// past n_q); dk, dv [batch, heads / kv_group, n_k, HEAD_DIM] of T, written whole (dK = dV = 0
+// for a key no query sees); dq_accum float32 [batch, heads, n_q_padded, HEAD_DIM] and the int
+// semaphores [batch, heads, n_q_padded / TILE_Q] plus one work counter, all zeroed before the
+// launch; attn_bwd_sm90_dq then writes dq = dq_accum * scale as T. The layout's CSC arrays
+// (col_ptr, row_idx, col_mask) name the query blocks of each key block, dq_ranks (one int per
+// CSC entry, cuattn/backends/kernels.py) the order in which dQ's contributions are added; the
+// element rule RULE applies inside entries whose mask is >= 0 (kernels/common/walk.cuh,
+// mask.cuh).
+//
+// Work decomposition: one CTA per (TILE_K = 128 keys: one 128-block or two 64-blocks, kv head,
+// batch), 384 threads in three warpgroups (common/warpgroup.cuh):
+//   warpgroup 0 gives its registers up (setmaxnreg.dec). Its thread 0 walks the CSC column (with
+//     64-blocks the union of the two columns, PairedRowTiles) of every query head of the kv head
+//     in turn (GQA: the kv head's CTA loops over its heads, dK and dV stay in registers) and
+//     issues every copy: K and V once, then each step of TILE_Q = 64 queries' Q, dO and
+//     lse/delta (TMA) into a ring of STEP_STAGES stages. Its thread 32 issues the dQ reduces.
+//   warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc); consumer c owns keys
+//     64c .. 64c + 63 of the CTA (with 64-blocks, block c of the pair), the M = 64 of one wgmma.
+//     A consumer whose keys a step does not reach (its block's column lacks the query block, or
+//     the rule empties it) skips its GEMMs and stores zeros for its dS^T. Per step:
+//       S^T[64 x 64]  = K Q^T    HEAD_DIM / 16 wgmma m64n64k16, A = K, B = Q (both K-major)
+//       dP^T[64 x 64] = V dO^T   the same with V and dO
+//       P^T = exp2(S^T * scale * log2 e - lse_log2), masked; dS^T = P^T (dP^T - delta)
+//       dV[64 x d] += P^T dO     4 wgmma m64n{d}k16, A = P^T from registers (the S^T
+//                                accumulators of 16 queries are one K-step's A fragment), B =
+//                                dO MN-major (its rows as stored: queries x head dim)
+//       dK[64 x d] += dS^T Q     the same with dS^T and Q
+//       dQ_part[64 x d / 2] = dS K  the consumer's half of the head dim, over all 128 keys:
+//                                8 wgmma m64n{d/2}k16, A = dS read MN-major from dS^T, which
+//                                both consumers store to shared memory, B = K MN-major
+//     and the consumers store dQ_part into an fp32 tile that thread 32 adds into dq_accum with
+//     one bulk reduce (cp.reduce.async.bulk .add.f32), 5 GEMMs in all.
+// Determinism: the adds into one (TILE_Q queries, head, batch) tile happen in one order. Its
+// semaphore counts the CTAs that added into it; the CTA adds when the semaphore holds its rank
+// (the CTAs of the query block's row with higher key tiles: key tiles are claimed in descending
+// order), waits for its reduce to complete, then releases the next rank. Every step of every
+// entry of the walk is reduced, zeros where the rule empties it. CTAs claim their (key tile, kv
+// head, batch) from a counter in the order they start (claim_work, common/semaphore.cuh), so a
+// CTA only waits for CTAs that are running or done: no deadlock at any occupancy.
+//
+// Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
+// panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
+// STEP_STAGES stages of Q and of dO (TILE_Q rows), two stages of dS^T (TILE_K rows of TILE_Q
+// queries: one panel), the fp32 dQ tile [TILE_Q][HEAD_DIM] (plain rows: the bulk reduce reads it
+// as one range), each stage's lse_log2 and delta, then the mbarriers.
+// Pipeline: kv_full completes with K and V; the step ring (StageRing) with each step's Q, dO,
+// lse and delta; dq_full when the 256 consumer threads have written the dQ tile, dq_empty when
+// the reduce has read it. The two consumers meet on a named barrier once a step, between their
+// dS^T stores and the dQ GEMM that reads both halves (dS^T alternates between two stages, so the
+// next step's stores cannot reach a stage the other consumer still reads).
+//
+// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule).
+// Run: compiled by NVRTC for sm_90a only, or on the CPU interpreter
+// (tests/backends/test_attn_bwd_sm90.py), e.g. `attn_bwd_sm90<128, 64, 128, __nv_bfloat16,
+// MASK_CAUSAL>` on grid (ceil(n_k / 128), kv heads, batch), 384 threads,
+// attn_bwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor maps' boxes 64 x TILE_Q
+// (q, dout) and 64 x 128 (k, v) x 1 x 1; cuattn/backends/kernels.py launches it (opt-in:
+// CUATTN_KERNELS=sm90a).
+#include "common/row_kernel.cuh"
+#include "common/score_tile.cuh"
+#include "common/semaphore.cuh"
+#include "common/smem.cuh"
+#include "common/walk.cuh"
+#include "common/warpgroup.cuh"
+#include "common/wgmma.cuh"
+
+// The 128-byte swizzle of every tile (attn_fwd_sm90.cu): a row is one 128-byte panel row.
+constexpr int SWIZZLE_ROW_BYTES = 128;
+constexpr int SWIZZLE_GROUP_ROWS = 8;
+constexpr int SWIZZLE_REPEAT_BYTES = SWIZZLE_ROW_BYTES * SWIZZLE_GROUP_ROWS;
+constexpr int SWIZZLE_CHUNK_BYTES = 16;
+constexpr unsigned SWIZZLED_K_MAJOR_LEADING = 16;  // unused by a swizzled K-major operand
+
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T>
+struct attn_bwd_sm90_traits {
+  static constexpr int WARPGROUP_SIZE = WARPGROUP_WARPS * 32;
+  static constexpr int CONSUMERS = 2;
+  static constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_SIZE;
+  static constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_SIZE;
+  // Registers per thread after setmaxnreg, 128 x (producer + 2 x consumer) = 64512 of the
+  // 65536 one CTA holds: at d = 128 a consumer needs 240 (dK and dV are 128 of them; at 232
+  // ptxas spills and serialises the wgmma), at d = 64 232 leave the producer 40.
+  static constexpr int CONSUMER_REGISTERS = HEAD_DIM == 128 ? 240 : 232;
+  static constexpr int PRODUCER_REGISTERS = HEAD_DIM == 128 ? 24 : 40;
+  static constexpr int TILE_K = CONSUMERS * WGMMA_M;  // keys per CTA
+  static constexpr int KEY_BLOCKS = TILE_K / BLOCK;     // 1, or 2 paired 64-blocks
+  static constexpr int PANEL_COLUMNS = SWIZZLE_ROW_BYTES / int(sizeof(T));
+  static constexpr int PANELS = HEAD_DIM / PANEL_COLUMNS;
+  static constexpr int KV_PANEL_BYTES = TILE_K * SWIZZLE_ROW_BYTES;
+  static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
+  static constexpr int Q_PANEL_BYTES = TILE_Q * SWIZZLE_ROW_BYTES;
+  static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
+  static constexpr int STEP_STAGES = 2;  // stages of Q, dO, lse and delta
+  static constexpr int DS_STAGES = 2;
+  static constexpr int DS_BYTES = TILE_K * SWIZZLE_ROW_BYTES;  // dS^T: TILE_Q queries a row
+  static constexpr int DQ_COLUMNS = HEAD_DIM / CONSUMERS;      // a consumer's share of dQ
+  static constexpr int DQ_BYTES = TILE_Q * HEAD_DIM * int(sizeof(float));
+  static constexpr int STATS_BYTES = TILE_Q * int(sizeof(float));  // lse or delta of a step
+  static constexpr int STEP_BYTES = 2 * Q_BYTES + 2 * STATS_BYTES;  // one stage's copies
+  // kv_full, the step ring, dq_full and dq_empty: 8 bytes each.
+  static constexpr int BARRIER_BYTES =
+      int(sizeof(StageRing<STEP_STAGES>)) + 3 * int(sizeof(u64));
+  static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STEP_STAGES * Q_BYTES +
+                                    DS_STAGES * DS_BYTES + DQ_BYTES +
+                                    2 * STEP_STAGES * STATS_BYTES + BARRIER_BYTES +
+                                    SWIZZLE_REPEAT_BYTES;
+  static constexpr int S_STEPS = HEAD_DIM / WGMMA_K;    // wgmma of S^T and of dP^T
+  static constexpr int DKV_STEPS = TILE_Q / WGMMA_K;    // wgmma of dV and of dK
+  static constexpr int DQ_STEPS = TILE_K / WGMMA_K;     // wgmma of dQ_part
+  static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
+  static constexpr int S_STEP_BYTES = WGMMA_K * int(sizeof(T));       // along a K-major row
+  static constexpr int ROWS_STEP_BYTES = WGMMA_K * SWIZZLE_ROW_BYTES;  // 16 rows on
+  // Named barriers of the 256 consumer threads: both halves of dS^T stored.
+  static constexpr int DS_READY_BARRIER = 1;
+  static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16");
+  static_assert(KEY_BLOCKS * BLOCK == TILE_K && (KEY_BLOCKS == 1 || KEY_BLOCKS == 2),
+                "a CTA's keys are one 128-block or two 64-blocks, one per consumer");
+  static_assert(TILE_Q * int(sizeof(T)) == SWIZZLE_ROW_BYTES,
+                "a dS^T row (a step's queries) is one panel row");
+  static_assert(BLOCK % TILE_Q == 0 && TILE_Q == WGMMA_M, "steps of whole wgmma rows");
+  static_assert(HEAD_DIM % PANEL_COLUMNS == 0 && (HEAD_DIM == 64 || HEAD_DIM == 128),
+                "whole panels; dK and dV (HEAD_DIM / 2 registers each) fit beside a step");
+  static_assert(DQ_COLUMNS <= PANEL_COLUMNS, "a consumer's dQ columns lie in one panel");
+  static_assert((PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) * WARPGROUP_SIZE <=
+                    65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
+                "setmaxnreg requests the launch's registers cannot cover hang the GPU");
+};
+
+__device__ __forceinline__ unsigned char* bwd_align_to_swizzle_repeat(unsigned char* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  return p + (SWIZZLE_REPEAT_BYTES - address % SWIZZLE_REPEAT_BYTES) % SWIZZLE_REPEAT_BYTES;
+}
+
+__device__ __forceinline__ u64 bwd_swizzled_descriptor(const unsigned char* at,
+                                                       unsigned panel_bytes) {
+  return wgmma_descriptor(at, panel_bytes, SWIZZLE_REPEAT_BYTES, WGMMA_SWIZZLE_128B);
+}
+
+// The byte of element pair (row, col) in a swizzled tile of one 128-byte panel per row.
+template <typename T>
+__device__ __forceinline__ int swizzled_byte(int row, int col) {
+  const int byte = col * int(sizeof(T));
+  const int chunk = (byte / SWIZZLE_CHUNK_BYTES) ^ (row % SWIZZLE_GROUP_ROWS);
+  return row * SWIZZLE_ROW_BYTES + chunk * SWIZZLE_CHUNK_BYTES + byte % SWIZZLE_CHUNK_BYTES;
+}
+
+// Columns (queries) >= valid of a [16 x TILE_Q] accumulator tile set to 0.
+template <int TILE_Q>
+__device__ __forceinline__ void zero_queries_past(float (&tile)[TILE_Q / 8][4],
+                                                  const AccLayout& frag, int valid) {
+#pragma unroll
+  for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (frag.col(j, e) >= valid) tile[j][e] = 0.f;
+    }
+  }
+}
+
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                  const __grid_constant__ TensorMap v_map,
+                  const __grid_constant__ TensorMap dout_map,
+                  const __grid_constant__ TensorMap stats_map, int q_col, int k_col, int v_col,
+                  int dout_col, T* __restrict__ dk, T* __restrict__ dv,
+                  float* __restrict__ dq_accum, int* __restrict__ semaphores,
+                  int* __restrict__ work_counter, const int* __restrict__ col_ptr,
+                  const int* __restrict__ row_idx, const int* __restrict__ col_mask,
+                  const int* __restrict__ dq_ranks, const u32* __restrict__ mask_table, int n_q,
+                  int n_k, int q_offset, int kv_group, int num_k_blocks, float scale,
+                  int window_left, int window_right) {
+  using Traits = attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>;
+  using Ring = StageRing<Traits::STEP_STAGES>;
+  constexpr int TILE_K = Traits::TILE_K;
+  constexpr int KEY_BLOCKS = Traits::KEY_BLOCKS;
+
+  unsigned char* k_tile = bwd_align_to_swizzle_repeat(dynamic_smem<unsigned char>());
+  unsigned char* v_tile = k_tile + Traits::KV_BYTES;
+  unsigned char* q_stages = v_tile + Traits::KV_BYTES;
+  unsigned char* do_stages = q_stages + Traits::STEP_STAGES * Traits::Q_BYTES;
+  unsigned char* ds_stages = do_stages + Traits::STEP_STAGES * Traits::Q_BYTES;
+  float* dq_tile = reinterpret_cast<float*>(ds_stages + Traits::DS_STAGES * Traits::DS_BYTES);
+  float* stats = dq_tile + TILE_Q * HEAD_DIM;  // stage s: lse_log2, then delta
+  u64* kv_full = reinterpret_cast<u64*>(stats + 2 * Traits::STEP_STAGES * TILE_Q);
+  u64* dq_full = kv_full + 1;
+  u64* dq_empty = dq_full + 1;
+  Ring* ring = reinterpret_cast<Ring*>(dq_empty + 1);
+  __shared__ int claimed;
+  if (threadIdx.x == 0) {
+    mbarrier_init(kv_full, 1);
+    mbarrier_init(dq_full, Traits::CONSUMER_THREADS);
+    mbarrier_init(dq_empty, 1);
+    ring->init(Traits::CONSUMER_THREADS);
+    claimed = claim_work(work_counter);
+  }
+  __syncthreads();  // the barriers and the claimed work, before anyone uses them
+
+  // The claimed item: key tiles in descending order within a (kv head, batch) (header).
+  const int kv_heads = int(gridDim.y);
+  const int num_k_tiles = (num_k_blocks + KEY_BLOCKS - 1) / KEY_BLOCKS;
+  const int item = claimed;
+  const int k_tile_index = num_k_tiles - 1 - item % num_k_tiles;
+  const int kv_head = item / num_k_tiles % kv_heads;
+  const int batch = item / (num_k_tiles * kv_heads);
+  const int heads = kv_heads * kv_group;
+  const int k_block = k_tile_index * KEY_BLOCKS;  // the CTA's (first) key block
+  const int k_start = k_tile_index * TILE_K;
+  const int k_last = k_start + TILE_K - 1;
+  const int q_padded = (n_q + TILE_Q - 1) / TILE_Q * TILE_Q;  // rows of stats and dq_accum
+  // Shuffled from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the
+  // consumer's descriptors) can then live in uniform registers.
+  const int warpgroup = __shfl_sync(FULL_WARP, int(threadIdx.x) / Traits::WARPGROUP_SIZE, 0);
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
+  // The CTA's steps for query head `head`: every query step of the union of its key blocks'
+  // CSC columns (one column with 128-blocks), each with the caller's block's entry mask and the
+  // coverage of the rows it passes to next() (row_block: the caller's block, 0 or 1). The CSC
+  // index is unsigned: no sign extension held in a register by the producer, which runs on 24
+  // of them at d = 128.
+  auto column_walk = [&](int head, int row_block) {
+    const int* column = col_ptr + unsigned(head * (num_k_blocks + 1) + k_block);
+    return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(
+        column, KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks, row_idx, col_mask, row_block);
+  };
+
+  if (warpgroup == 0) {
+    warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
+    if (threadIdx.x == 0) {
+      // The copies: K and V once, then every step of every query head of the kv head.
+      auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
+                             int col, int row, int map_head, u64* full) {
+#pragma unroll
+        for (int panel = 0; panel < Traits::PANELS; ++panel) {
+          tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS,
+                      row, map_head, batch, full);
+        }
+      };
+      mbarrier_arrive_expect_tx(kv_full, unsigned(2 * Traits::KV_BYTES));
+      load_panels(k_tile, Traits::KV_PANEL_BYTES, k_map, k_col, k_start, kv_head, kv_full);
+      load_panels(v_tile, Traits::KV_PANEL_BYTES, v_map, v_col, k_start, kv_head, kv_full);
+      int t = 0;
+      for (int group_head = 0; group_head < kv_group; ++group_head) {
+        const int head = kv_head * kv_group + group_head;
+        auto walk = column_walk(head, 0);
+        PairedTile tile;
+        for (; walk.next(tile, rule, k_start, k_last); ++t) {
+          const int stage = Ring::stage(t);
+          u64* full = ring->acquire(t, unsigned(Traits::STEP_BYTES));
+          load_panels(q_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, q_map, q_col,
+                      tile.start, head, full);
+          load_panels(do_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, dout_map,
+                      dout_col, tile.start, head, full);
+          tma_load_4d(stats + stage * 2 * TILE_Q, stats_map, tile.start, 0, head, batch, full);
+        }
+      }
+    } else if (threadIdx.x == 32) {
+      // The dQ reduces, a step at a time in the walk's order, each at its entry's rank.
+      int reduced = 0;
+      for (int group_head = 0; group_head < kv_group; ++group_head) {
+        const int head = kv_head * kv_group + group_head;
+        // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
+        const int head_tile = (batch * heads + head) * (q_padded / TILE_Q);
+        auto walk = column_walk(head, 0);
+        PairedTile tile;
+        for (; walk.next(tile, rule, k_start, k_last); ++reduced) {
+          const int dq_tile_index = head_tile + tile.start / TILE_Q;
+          int* semaphore = semaphores + dq_tile_index;
+          mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
+          semaphore_wait(semaphore, dq_ranks[tile.entry]);
+          bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
+                              unsigned(Traits::DQ_BYTES));
+          tma_store_commit();
+          tma_store_wait_read<0>();
+          mbarrier_arrive(dq_empty);
+          bulk_wait_group_complete<0>();
+          semaphore_release(semaphore);
+        }
+      }
+    }
+    return;
+  }
+
+  // A consumer: keys 64 (warpgroup - 1) on of the CTA, in key block my_k_block.
+  warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
+  const int consumer = warpgroup - 1;
+  const int row_block = KEY_BLOCKS == 2 ? consumer : 0;
+  const int my_k_block = k_block + row_block;
+  const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
+  const int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
+  const int warp_key = key_first + warp_in_group * 16;
+  const AccLayout frag;
+  const float score_log2 = scale * LOG2E;
+
+  float dk_frags[HEAD_DIM / 8][4] = {};
+  float(&dk_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(dk_frags);
+  float dv_frags[HEAD_DIM / 8][4] = {};
+  float(&dv_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(dv_frags);
+  float s[TILE_Q / 8][4];
+  float(&s_acc)[TILE_Q / 2] = reinterpret_cast<float(&)[TILE_Q / 2]>(s);
+  float dp[TILE_Q / 8][4];
+  float(&dp_acc)[TILE_Q / 2] = reinterpret_cast<float(&)[TILE_Q / 2]>(dp);
+  float dq[Traits::DQ_COLUMNS / 8][4];
+  float(&dq_acc)[Traits::DQ_COLUMNS / 2] = reinterpret_cast<float(&)[Traits::DQ_COLUMNS / 2]>(dq);
+  // P^T and dS^T as T: A fragments of the dV and dK GEMMs, one per 16 queries.
+  u32 p[Traits::DKV_STEPS][WGMMA_A_REGISTERS];
+  u32(&p_regs)[Traits::DKV_STEPS * WGMMA_A_REGISTERS] =
+      reinterpret_cast<u32(&)[Traits::DKV_STEPS * WGMMA_A_REGISTERS]>(p);
+  u32 ds[Traits::DKV_STEPS][WGMMA_A_REGISTERS];
+  u32(&ds_regs)[Traits::DKV_STEPS * WGMMA_A_REGISTERS] =
+      reinterpret_cast<u32(&)[Traits::DKV_STEPS * WGMMA_A_REGISTERS]>(ds);
+
+  const u64 k_desc = bwd_swizzled_descriptor(k_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES,
+                                             SWIZZLED_K_MAJOR_LEADING);
+  const u64 v_desc = bwd_swizzled_descriptor(v_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES,
+                                             SWIZZLED_K_MAJOR_LEADING);
+  const u64 q_desc = bwd_swizzled_descriptor(q_stages, SWIZZLED_K_MAJOR_LEADING);
+  const u64 do_desc = bwd_swizzled_descriptor(do_stages, SWIZZLED_K_MAJOR_LEADING);
+  const u64 q_mn_desc = bwd_swizzled_descriptor(q_stages, unsigned(Traits::Q_PANEL_BYTES));
+  const u64 do_mn_desc = bwd_swizzled_descriptor(do_stages, unsigned(Traits::Q_PANEL_BYTES));
+  const u64 ds_desc = bwd_swizzled_descriptor(ds_stages, unsigned(Traits::DS_BYTES));
+  // B of dQ_part: K MN-major, the consumer's DQ_COLUMNS columns (inside one panel).
+  constexpr int DQ_B_BYTES_PER_CONSUMER = Traits::DQ_COLUMNS * int(sizeof(T));
+  const int dq_b_offset = consumer * DQ_B_BYTES_PER_CONSUMER / SWIZZLE_ROW_BYTES *
+                              Traits::KV_PANEL_BYTES +
+                          consumer * DQ_B_BYTES_PER_CONSUMER % SWIZZLE_ROW_BYTES;
+  const u64 k_mn_desc =
+      bwd_swizzled_descriptor(k_tile + dq_b_offset, unsigned(Traits::KV_PANEL_BYTES));
+
+  // S^T = K Q^T and dP^T = V dO^T of stage `stage`, one commit group each.
+  auto issue_scores = [&](int stage) {
+    const unsigned stage_bytes = unsigned(stage * Traits::Q_BYTES);
+#pragma unroll
+    for (int step = 0; step < Traits::S_STEPS; ++step) {
+      const int panel = step / Traits::STEPS_PER_PANEL;
+      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::S_STEP_BYTES;
+      const unsigned kv_offset = unsigned(panel * Traits::KV_PANEL_BYTES + within);
+      const unsigned q_offset_bytes = stage_bytes + unsigned(panel * Traits::Q_PANEL_BYTES + within);
+      wgmma_m64k16<T, TILE_Q>(s_acc, descriptor_advance(k_desc, kv_offset),
+                              descriptor_advance(q_desc, q_offset_bytes), step > 0);
+    }
+    wgmma_commit_group();
+#pragma unroll
+    for (int step = 0; step < Traits::S_STEPS; ++step) {
+      const int panel = step / Traits::STEPS_PER_PANEL;
+      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::S_STEP_BYTES;
+      const unsigned kv_offset = unsigned(panel * Traits::KV_PANEL_BYTES + within);
+      const unsigned do_offset = stage_bytes + unsigned(panel * Traits::Q_PANEL_BYTES + within);
+      wgmma_m64k16<T, TILE_Q>(dp_acc, descriptor_advance(v_desc, kv_offset),
+                              descriptor_advance(do_desc, do_offset), step > 0);
+    }
+    wgmma_commit_group();
+  };
+  // dV += P^T dO and dK += dS^T Q of stage `stage`, one commit group.
+  auto issue_dkdv = [&](int stage) {
+    const unsigned stage_bytes = unsigned(stage * Traits::Q_BYTES);
+#pragma unroll
+    for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+      const unsigned rows = stage_bytes + unsigned(step * Traits::ROWS_STEP_BYTES);
+      wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(dv_acc, p[step],
+                                                   descriptor_advance(do_mn_desc, rows), true);
+    }
+#pragma unroll
+    for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+      const unsigned rows = stage_bytes + unsigned(step * Traits::ROWS_STEP_BYTES);
+      wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(dk_acc, ds[step],
+                                                   descriptor_advance(q_mn_desc, rows), true);
+    }
+    wgmma_commit_group();
+  };
+  // Both consumers' dS^T stored: dQ_part = dS K over all TILE_K keys from dS stage
+  // `ds_stage`, retired with whatever else is in flight (no wgmma is left in flight where the
+  // skipping and the computing paths meet: ptxas would serialise every wgmma, C7520).
+  auto dq_and_retire = [&](int ds_stage) {
+    named_barrier_sync(Traits::DS_READY_BARRIER, Traits::CONSUMER_THREADS);
+#pragma unroll
+    for (int step = 0; step < Traits::DQ_STEPS; ++step) {
+      const unsigned rows = unsigned(step * Traits::ROWS_STEP_BYTES);
+      wgmma_m64k16<T, Traits::DQ_COLUMNS, WGMMA_MN_MAJOR, WGMMA_MN_MAJOR>(
+          dq_acc, descriptor_advance(ds_desc, unsigned(ds_stage * Traits::DS_BYTES) + rows),
+          descriptor_advance(k_mn_desc, rows), step > 0);
+    }
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(dk_acc);
+    wgmma_fence_operands(dv_acc);
+    wgmma_fence_operands(dq_acc);
+    wgmma_fence_operands(p_regs);
+    wgmma_fence_operands(ds_regs);
+  };
+  auto fence = [&] {
+    wgmma_fence_operands(s_acc);
+    wgmma_fence_operands(dp_acc);
+    wgmma_fence_operands(dk_acc);
+    wgmma_fence_operands(dv_acc);
+    wgmma_fence_operands(dq_acc);
+    wgmma_fence_operands(p_regs);
+    wgmma_fence_operands(ds_regs);
+    wgmma_fence();
+  };
+  // This consumer's rows of dS^T stage `ds_stage`, from the packed dS^T or zeros: register
+  // `reg` of K-step `step` holds row g + 8 (reg % 2), queries 16 step + 8 (reg / 2) + 2t and
+  // the next.
+  auto store_ds = [&](int ds_stage, bool zeros) {
+    unsigned char* ds_tile = ds_stages + ds_stage * Traits::DS_BYTES;
+#pragma unroll
+    for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+#pragma unroll
+      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+        const int row = consumer * WGMMA_M + warp_in_group * 16 + frag.row(2 * (reg % 2));
+        const int col = frag.pair_col(2 * step + reg / 2);
+        *reinterpret_cast<u32*>(ds_tile + swizzled_byte<T>(row, col)) = zeros ? 0u : ds[step][reg];
+      }
+    }
+    fence_proxy_async();  // the dS^T stores, before wgmma reads them
+  };
+
+  mbarrier_wait_parity(kv_full, 0);  // always: no copy may be in flight when the CTA ends
+  int t = 0;  // steps walked (the ring's items, and the dQ tiles handed to the reduce)
+  for (int group_head = 0; group_head < kv_group; ++group_head) {
+    auto walk = column_walk(kv_head * kv_group + group_head, row_block);
+    PairedTile tile;
+    for (; walk.next(tile, rule, key_first, key_first + WGMMA_M - 1); ++t) {
+      const int stage = Ring::stage(t);
+      const int ds_stage = t % Traits::DS_STAGES;
+      const int q_start = tile.start;
+      ring->wait(t);  // also when skipped: see StageRing
+      // A consumer whose keys the step does not reach (its block's column lacks the query
+      // block, or the rule empties it) skips its GEMMs and gives dQ zeros; the coverage is the
+      // warpgroup's, uniform across it.
+      if (tile.coverage != TILE_EMPTY) {
+        const float* lse_smem = stats + stage * 2 * TILE_Q;
+        const float* delta_smem = lse_smem + TILE_Q;
+        fence();
+        issue_scores(stage);
+        wgmma_wait_group<1>();  // S^T; dP^T runs on
+        wgmma_fence_operands(s_acc);
+        if (tile.coverage != TILE_FULL) {
+          mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
+                                                      my_k_block, tile.mask_id);
+        }
+        const bool ragged = q_start + TILE_Q > n_q;
+#pragma unroll
+        for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[j][e] = exp2f(s[j][e] * score_log2 - lse_smem[frag.col(j, e)]);
+          }
+        }
+        // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
+        // is 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
+        if (ragged) zero_queries_past<TILE_Q>(s, frag, n_q - q_start);
+        wgmma_wait_group<0>();
+        wgmma_fence_operands(dp_acc);
+#pragma unroll
+        for (int j = 0; j < TILE_Q / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            dp[j][e] = s[j][e] * (dp[j][e] - delta_smem[frag.col(j, e)]);
+          }
+        }
+        if (ragged) zero_queries_past<TILE_Q>(dp, frag, n_q - q_start);
+        // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
+#pragma unroll
+        for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+#pragma unroll
+          for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+            const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+            p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
+            ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
+          }
+        }
+        store_ds(ds_stage, false);
+        fence();
+        issue_dkdv(stage);
+        dq_and_retire(ds_stage);
+      } else {
+        store_ds(ds_stage, true);
+        fence();
+        dq_and_retire(ds_stage);
+      }
+      ring->release(t);
+      // dQ_part to the fp32 tile once the reduce has read the previous one.
+      mbarrier_wait_parity(dq_empty, unsigned(t & 1) ^ 1u);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_in_group * 16 + frag.row(2 * r);
+#pragma unroll
+        for (int j = 0; j < Traits::DQ_COLUMNS / 8; ++j) {
+          const int col = consumer * Traits::DQ_COLUMNS + frag.pair_col(j);
+          *reinterpret_cast<float2*>(dq_tile + row * HEAD_DIM + col) =
+              make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+        }
+      }
+      fence_proxy_async();  // the dQ stores, before the bulk reduce reads them
+      mbarrier_arrive(dq_full);
+    }
+  }
+
+  // dK (times the scale) and dV of the consumer's keys; 0 for keys no query saw.
+  const size_t kv_rows = (size_t(batch) * kv_heads + kv_head) * size_t(n_k);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp_key + frag.row(2 * r);
+    if (key >= n_k) continue;
+    T* dk_row = dk + (kv_rows + key) * HEAD_DIM;
+    T* dv_row = dv + (kv_rows + key) * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+      const int col = frag.pair_col(j);
+      *reinterpret_cast<u32*>(dk_row + col) =
+          pack_pair<T>(dk_frags[j][2 * r] * scale, dk_frags[j][2 * r + 1] * scale);
+      *reinterpret_cast<u32*>(dv_row + col) = pack_pair<T>(dv_frags[j][2 * r], dv_frags[j][2 * r + 1]);
+    }
+  }
+}
+
+// dq = dq_accum * scale as T: one warp per row (row_kernel.cuh), dq [batch, heads, n_q,
+// HEAD_DIM] contiguous, dq_accum [batch, heads, n_q_padded, HEAD_DIM].
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS)
+    attn_bwd_sm90_dq(const float* __restrict__ dq_accum, T* __restrict__ dq, int n_q,
+                     int n_q_padded, float scale) {
+  using Traits = row_kernel_traits<HEAD_DIM, T>;
+  const size_t batch_head = size_t(blockIdx.z) * gridDim.y + blockIdx.y;
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
+    const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
+    if (row >= n_q) break;
+    const float* src = dq_accum + (batch_head * size_t(n_q_padded) + row) * HEAD_DIM;
+    T* dst = dq + (batch_head * size_t(n_q) + row) * HEAD_DIM;
+    for (int c = lane; c < HEAD_DIM; c += 32) dst[c] = from_float<T>(src[c] * scale);
+  }
+}

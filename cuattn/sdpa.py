@@ -7,14 +7,22 @@ allowed element, each with a bitmask of its elements (a causal mask, or none, ta
 element rule instead, with no table). A mask that differs between batch elements by padded
 keys (HF's and PyTorch's padding masks, [batch, 1, 1, S] or combined with a causal rule) and an
 additive mask whose finite values are one per key run as the rule plus a per-key bias
-(``key_bias``). What cuattn cannot compute exactly is refused by name before any work: a bias
-on each (query, key) pair, masks that differ between batch elements otherwise, and masks that
-carry a gradient. ``dropout_p`` is cuattn's attention dropout
+(``key_bias``). An additive value at or below half the mask dtype's lowest (the
+``torch.finfo(dtype).min`` masks transformers builds) masks its pair, as ``-inf`` does. What
+cuattn cannot compute exactly is refused by name before any work, each refusal saying what to
+call instead: a bias on each (query, key) pair, masks that differ between batch elements
+otherwise, and masks that carry a gradient. ``dropout_p`` is cuattn's attention dropout
 (its generator is not PyTorch's: the masks differ from SDPA's, their law is the same), with a
 seed drawn from torch's default generator, so ``torch.manual_seed`` repeats it.
 
 A query row with nothing to attend to gives 0 and adds nothing to the gradients (as PyTorch
-2.13's CPU implementation does). The mask is read on the host to build the layout, once per
+2.13's CPU implementation does for a boolean or ``-inf`` mask). A row whose every key is masked by
+a finite ``finfo.min`` is such a row here too; PyTorch adds that value to every score of the row
+and returns an average of all its values instead (the plain mean where that value absorbs the
+scores, as float32's and float64's do). Where the
+NumPy backend, the CPU default, has no kernel for the dtype (bfloat16) and no backend was chosen
+(``CUATTN_BACKEND``), CPU tensors run on the kernel interpreter. The mask is read on the host to
+build the layout, once per
 call: for repeated calls build the :class:`Layout` once (``Layout.from_blocks``) and call
 ``sparse_attention``.
 """
@@ -22,12 +30,16 @@ call: for repeated calls build the :class:`Layout` once (``Layout.from_blocks``)
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
 
 from cuattn._util import dtype_name
+from cuattn.adapters.dlpack import describe
 from cuattn.api import IMPLICIT_BLOCKSIZE, sparse_attention
+from cuattn.backends import ENV_VAR
+from cuattn.backends.numpy_ref import SUPPORTED_DTYPES
 from cuattn.layout.layout import Layout
 
 __all__ = ["scaled_dot_product_attention"]
@@ -61,18 +73,25 @@ def scaled_dot_product_attention(
     """
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     one_head = query.ndim == 3
+    mask = lowest = None
+    if attn_mask is not None:
+        mask, lowest = _host_mask(attn_mask)
+        if one_head:  # PyTorch broadcasts it against [batch, L, S]
+            mask = _broadcast(mask, (int(query.shape[0]), int(query.shape[1]), int(key.shape[1])))
+            mask = mask[:, None]
     if one_head:
         query, key, value = query[:, None], key[:, None], value[:, None]
     heads, n_q, n_k = int(query.shape[1]), int(query.shape[2]), int(key.shape[2])
     causal = bool(is_causal)
     layout = key_bias = None
-    if attn_mask is not None:
+    if mask is not None:
         batch = int(query.shape[0])
-        layout, causal, key_bias = _mask_layout(_host_mask(attn_mask), batch, heads, n_q, n_k)
+        layout, causal, key_bias = _mask_layout(mask, batch, heads, n_q, n_k, lowest)
     elif causal and n_q != n_k:  # PyTorch's causal mask is top-left; cuattn's is end-aligned
         top_left = np.broadcast_to(np.tri(n_q, n_k, dtype=bool), (heads, n_q, n_k))
         layout, causal = _rule_layout(top_left, heads, n_q, n_k)
     kw = dict(scale=scale, dropout_p=dropout_p, key_bias=_like(key_bias, query))
+    kw["backend"] = _default_backend(query)
     if layout is None:
         out = sparse_attention(query, key, value, causal=causal, **kw)
     else:
@@ -122,6 +141,26 @@ def _check_arguments(
         )
 
 
+def _default_backend(query: Any) -> str | None:
+    """'interp' for CPU arrays of a dtype the NumPy backend (the CPU default) has no kernel for,
+    when CUATTN_BACKEND chooses nothing; else None (sparse_attention's own choice)."""
+    if os.environ.get(ENV_VAR) or describe(query, "query").device != "cpu":
+        return None
+    numpy_names = {np.dtype(t).name for t in SUPPORTED_DTYPES}
+    return None if dtype_name(query) in numpy_names else "interp"
+
+
+def _broadcast(mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``mask`` broadcast to [batch, heads, L, S] or (3-D inputs) [batch, L, S]."""
+    try:
+        return np.broadcast_to(mask, shape)
+    except ValueError:
+        axes = "batch, heads, L, S" if len(shape) == 4 else "batch, L, S"
+        raise ValueError(
+            f"attn_mask of shape {mask.shape} does not broadcast to [{axes}] = {list(shape)}"
+        ) from None
+
+
 def _like(key_bias: np.ndarray | None, query: Any) -> Any:
     """A mask's key bias as the kernels take it: float32 (float64 beside float64 query), the
     query's kind of array on its device (a copy of O(batch x heads x S) from the host, where the
@@ -137,24 +176,37 @@ def _like(key_bias: np.ndarray | None, query: Any) -> Any:
     return key_bias
 
 
-def _host_mask(attn_mask: Any) -> np.ndarray:
-    """The mask on the host: a torch tensor (no gradient) or a NumPy array."""
+def _host_mask(attn_mask: Any) -> tuple[np.ndarray, float | None]:
+    """The mask on the host (a torch tensor without gradient, or a NumPy array), and the lowest
+    finite value of its dtype when it is additive (None when boolean). A bfloat16 mask comes
+    to the host as float32, which holds each of its values exactly."""
     if type(attn_mask).__module__.startswith("torch"):
+        import torch
+
         if attn_mask.requires_grad:
             raise ValueError(
                 "attn_mask requires grad: an additive mask as a learned bias is not supported "
-                "(cuattn reads the mask as allowed / not allowed and would return no gradient)"
+                "(cuattn reads the mask as allowed / not allowed and would return no gradient); "
+                "call torch's scaled_dot_product_attention for a learned mask"
             )
-        return attn_mask.detach().cpu().numpy()
+        if not attn_mask.is_floating_point():
+            return attn_mask.detach().cpu().numpy(), None
+        lowest = float(torch.finfo(attn_mask.dtype).min)
+        host = attn_mask.detach().cpu()
+        if host.dtype == torch.bfloat16:
+            host = host.float()
+        return host.numpy(), lowest
     if isinstance(attn_mask, np.ndarray):
-        return attn_mask
+        if np.issubdtype(attn_mask.dtype, np.floating):
+            return attn_mask, float(np.finfo(attn_mask.dtype).min)
+        return attn_mask, None
     raise TypeError(
         f"attn_mask must be a torch.Tensor or a numpy.ndarray, got {type(attn_mask).__name__}"
     )
 
 
 def _mask_layout(
-    mask: np.ndarray, batch: int, heads: int, n_q: int, n_k: int
+    mask: np.ndarray, batch: int, heads: int, n_q: int, n_k: int, lowest: float | None = None
 ) -> tuple[Layout | None, bool, np.ndarray | None]:
     """(layout, causal, key_bias) of a host mask. The mask is a rule the same for every batch
     element (allowed pairs) and, per batch element, a bias by key (-inf for a padded key, or
@@ -162,24 +214,22 @@ def _mask_layout(
     is refused by name. The rule: (None, False) when it allows everything, (None, True) when it
     is the square causal mask (the kernels' element rule, no bitmask table), else a bitmask
     Layout over the 64-blocks it touches. key_bias: float64 [batch, heads, n_k], or None when
-    no key is padded or biased."""
+    no key is padded or biased. An additive value at or below ``lowest / 2`` (``lowest``: the
+    mask dtype's lowest finite value, its own by default) masks its pair, as -inf does: such a
+    value only ever adds exactly 0 to a row's probabilities where the row keeps a key."""
     if mask.dtype == np.bool_:
-        allowed, values = mask, None
+        allowed, values, biased = mask, None, False
     elif np.issubdtype(mask.dtype, np.floating):
         if np.isnan(mask).any() or (mask == np.inf).any():
             raise ValueError("attn_mask: an additive mask must not hold NaN or +inf")
-        allowed, values = np.isfinite(mask), mask.astype(np.float64)
+        if lowest is None:
+            lowest = float(np.finfo(mask.dtype).min)
+        allowed, values = mask > lowest / 2, mask.astype(np.float64)
+        biased = bool((values[allowed] != 0).any())
     else:
         raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
     shape = (batch, heads, n_q, n_k)
-    try:
-        allowed = np.broadcast_to(allowed, shape)
-    except ValueError:
-        raise ValueError(
-            f"attn_mask of shape {mask.shape} does not broadcast to [batch, heads, L, S] = "
-            f"{list(shape)}"
-        ) from None
-    biased = values is not None and bool((np.isfinite(values) & (values != 0)).any())
+    allowed = _broadcast(allowed, shape)
     if not biased and (allowed == allowed[:1]).all():  # one rule for the batch, no key bias
         return (*_rule_layout(allowed[0], heads, n_q, n_k), None)
     # keys a batch element's mask lets some query see, and the rule every element shares
@@ -189,7 +239,8 @@ def _mask_layout(
         raise ValueError(
             "attn_mask differs between batch elements other than by padded keys (a rule the "
             "same for every element, and keys each element masks for all its queries); call "
-            "sparse_attention_varlen, or once per batch element"
+            "sparse_attention_varlen, or once per batch element (or torch's "
+            "scaled_dot_product_attention for this mask)"
         )
     key_bias = None
     if values is not None:
@@ -200,9 +251,12 @@ def _mask_layout(
         per_key = np.where(seen, np.take_along_axis(values, first, axis=2)[:, :, 0, :], 0.0)
         if not (np.where(allowed, values == per_key[:, :, None, :], True)).all():
             raise ValueError(
-                "attn_mask: an additive mask's finite values must be 0 or a bias by key (the "
-                "same for every query of a key); a bias on each (query, key) pair is O(L x S), "
-                "which cuattn does not take"
+                "attn_mask: an additive mask's finite values must be 0, a bias by key (the "
+                "same for every query of a key) or a mask value (-inf, or at most half the "
+                "dtype's lowest); a bias on each (query, key) pair is O(L x S), which cuattn "
+                "does not take: pass a bias by distance as sparse_attention's rel_bias or "
+                "alibi_slopes, a bias by key as its key_bias, or call torch's "
+                "scaled_dot_product_attention for this mask"
             )
         if per_key.any():
             key_bias = per_key

@@ -99,6 +99,8 @@ def answer_through_generate(
     cuattn.compat.transformers.Cache, or None for transformers' own)."""
     import torch
 
+    from cuattn.compat.hf_cache import cache_keyword
+
     answers = []
     for first in range(0, len(prompts), batch):
         ids = torch.from_numpy(np.ascontiguousarray(prompts[first : first + batch]))
@@ -110,7 +112,7 @@ def answer_through_generate(
                 min_new_tokens=answer_len,
                 do_sample=False,
                 pad_token_id=0,
-                cache=cache(),
+                **{cache_keyword(model): cache()},
             )
         answers.append(out[:, ids.shape[1] :].numpy())
     return np.concatenate(answers)

@@ -171,3 +171,74 @@ def test_padding_and_per_key_masks_run_as_a_key_bias(form):
     wants = torch.autograd.grad((want * w).sum(), (q, k, v))
     for g, ref in zip(grads, wants, strict=True):
         torch.testing.assert_close(g, ref, atol=10 * tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_three_dimensional_inputs_broadcast_a_padding_mask_as_pytorch_does(form):
+    """query [B, L, E] with a [B, 1, S] padding mask: PyTorch broadcasts the mask against the
+    [B, L, S] scores, not against [B, heads, L, S]."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(BATCH, 5, HEAD_DIM, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(BATCH, 130, HEAD_DIM, dtype=torch.float64, generator=gen) for _ in "kv")
+    keep = torch.ones(BATCH, 1, 130, dtype=torch.bool)
+    keep[1, :, 100:] = False
+    mask = (
+        keep
+        if form == "bool"
+        else torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, -torch.inf)
+    )
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours, want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match=r"does not broadcast to \[batch, L, S\]"):
+        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, :, :129])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_finfo_min_masks_as_transformers_builds_them_equal_pytorch(dtype):
+    """An additive causal-plus-padding mask holding torch.finfo(dtype).min where masked (what
+    transformers builds for SDPA) masks those pairs: PyTorch's softmax gives them exactly 0
+    wherever a row keeps a key. A row whose every key holds finfo.min is 0 here (cuattn's rule
+    for a row with nothing to attend to); PyTorch returns the mean of the values there when the
+    value absorbs the scores (float32, float64; float16's is not large enough to)."""
+    n = 24
+    q, k, v = (x.detach().to(dtype) for x in inputs(n, n))
+    keep = torch.ones(BATCH, n, dtype=torch.bool)
+    keep[1, :5] = False  # left padding: row 1's first queries see nothing
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None] & keep[:, None, :]
+    lowest = torch.finfo(dtype).min
+    mask = torch.zeros(BATCH, 1, n, n, dtype=dtype).masked_fill(~allowed[:, None], lowest)
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    rows = allowed.any(-1)[:, None].expand(BATCH, HEADS, n)
+    atol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(ours[rows], want[rows], atol=atol, rtol=0)
+    assert (ours[~rows] == 0).all()
+    if dtype != torch.float16:
+        values = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        uniform = values.mean(2, keepdim=True).expand(-1, -1, n, -1)[~rows]
+        torch.testing.assert_close(want[~rows], uniform, atol=atol, rtol=0)
+    # a large negative value above half the lowest is a bias on the pair, refused by name
+    biased = mask.masked_fill(~allowed[:, None], lowest / 4)
+    with pytest.raises(ValueError, match="bias on each"):
+        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=biased, enable_gqa=True)
+
+
+def test_bfloat16_cpu_tensors_run_on_the_interpreter():
+    """The NumPy backend has no bfloat16: with no backend chosen, CPU bfloat16 tensors run on
+    the kernel interpreter, forward and backward, within bfloat16's precision of float64."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen, dtype=torch.float64) for _ in "qkv")
+    low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    exact = [x.to(torch.bfloat16).double().requires_grad_() for x in (q, k, v)]
+    ours = cuattn.scaled_dot_product_attention(*low, is_causal=True)
+    want = F.scaled_dot_product_attention(*exact, is_causal=True)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.double(), want, atol=2e-2, rtol=0)
+    dout = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
+    ours.backward(dout.to(torch.bfloat16))
+    want.backward(dout)
+    for a, b in zip(low, exact, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=6e-2, rtol=0)
+    assert sdpa._default_backend(low[0]) == "interp"
+    assert sdpa._default_backend(low[0].half()) is None  # NumPy takes float16

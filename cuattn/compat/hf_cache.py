@@ -2,6 +2,7 @@
 
     cache = cuattn.compat.transformers.Cache(policy=policies.SnapKV(budget=64, window=8))
     model.generate(ids, cache=cache, max_new_tokens=32)    # attn_implementation="cuattn"
+    # before transformers 5.24: past_key_values=cache (cache_keyword(model) names it)
 
 Why the attention must run through cuattn. An evicting cache changes which past tokens exist:
 the tokens a step attends are the ones the cache kept, at their original positions, different
@@ -36,6 +37,7 @@ search (``reorder_cache``), ``crop`` and batch reshuffles.
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,7 +51,7 @@ from cuattn.serving.cache import KVCache
 from cuattn.serving.decode import decode_attention
 from cuattn.serving.policies import Policy
 
-__all__ = ["Cache", "take_layer"]
+__all__ = ["Cache", "cache_keyword", "take_layer"]
 
 DEFAULT_PAGE_SIZE = 16  # KVCache's own default
 CLASS_NAME = "cuattn.compat.transformers.Cache"
@@ -98,13 +100,19 @@ class _Layer(cache_utils.CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         return key_states, value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+    def get_mask_sizes(self, queries: int | torch.Tensor) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask. transformers passes the query count, or (its
+        older interface) the queries' ``cache_position`` [q_len]."""
+        q_len = queries.shape[0] if isinstance(queries, torch.Tensor) else int(queries)
+        return self.seen + q_len, 0
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # get_max_length's name in transformers 4.x
         return -1
 
     def reset(self) -> None:
@@ -242,8 +250,10 @@ class Cache(cache_utils.Cache):
     ``policy``: a cuattn policy (each layer gets its own copy), a sequence of them (one per
     layer: per-layer budgets such as ``policies.pyramid``), or None (keep every token).
     ``page_size``: tokens per page of each layer's KVCache (Quest's must equal it). Needs
-    ``attn_implementation="cuattn"``; pass it to ``generate`` as ``cache=`` (transformers'
-    older name ``past_key_values=`` works too). ``kv_cache(layer_idx)`` is a layer's KVCache.
+    ``attn_implementation="cuattn"``; pass it to ``generate`` as ``cache=`` (transformers
+    5.24 and later) or ``past_key_values=`` (earlier releases, and deprecated from 5.24 on);
+    :func:`cache_keyword` says which a model takes. ``kv_cache(layer_idx)`` is a layer's
+    KVCache.
     """
 
     def __init__(
@@ -308,6 +318,21 @@ class Cache(cache_utils.Cache):
     def reset(self) -> None:
         self._pending = None
         super().reset()
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which ``model`` (and its ``generate``) takes a Cache: ``"cache"``
+    where its forward has that parameter (transformers 5.24 renamed it), else
+    ``"past_key_values"``. ``model.generate(ids, **{cache_keyword(model): cache})`` works on
+    every transformers release cuattn supports."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(
+        f"{type(model).__name__}.forward takes no KV cache (neither 'cache' nor "
+        "'past_key_values' is among its parameters)"
+    )
 
 
 def take_layer(key: torch.Tensor) -> _Layer | None:

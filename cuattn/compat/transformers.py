@@ -38,7 +38,8 @@ T5's all-zero placeholder (layers without a table) adds nothing and is dropped.
 
 ``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
 paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
-compresses at the prefill and at every decode step; its layers attend through this function.
+compresses at the prefill and at every decode step; its layers attend through this function
+(``past_key_values=`` before transformers 5.24: ``cache_keyword(model)`` says which).
 
 Attention dropout while training (the ``dropout`` a layer passes, BERT's
 ``attention_probs_dropout_prob``) is cuattn's ``dropout_p``, its seed drawn from torch's default
@@ -53,6 +54,7 @@ tracing, ``position_ids`` that split a row are a RuntimeError when the compiled 
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -63,7 +65,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from cuattn import api
 from cuattn.compat.distance_bias import distance_table
-from cuattn.compat.hf_cache import Cache, take_layer
+from cuattn.compat.hf_cache import Cache, cache_keyword, take_layer
 from cuattn.layout.pattern import Pattern
 from cuattn.layout.registry import modes
 
@@ -71,6 +73,7 @@ __all__ = [
     "DEFAULT_PATTERN",
     "Cache",
     "NAME",
+    "cache_keyword",
     "attention_forward",
     "check_config",
     "mask_forward",
@@ -448,10 +451,17 @@ def attention_forward(
             scores["rel_bias"] = table
     if kwargs.get("output_attentions"):
         _refuse("output_attentions", "the probabilities are never materialised")
+    batch, _, q_len, _ = query.shape
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if not causal and getattr(module, "is_causal", None) is True:
+        if q_len == 1 or attention_mask is not None:
+            # SDPA's hint, not the layer's rule: some models pass is_causal=False whenever a mask
+            # is given or a single query runs (GPT-2 in transformers 4.x: "mask is None and
+            # q_len > 1"). A causal layer given a mask is still causal, and one query at the end
+            # of the keys sees every key under either rule.
+            causal = True
     window = kwargs.get("sliding_window")
     pattern = pattern_of(module.config, query.shape[1], causal, window)
-    batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     layer = take_layer(key)
     if layer is not None:
@@ -498,32 +508,61 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def mask_forward(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Any = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
+def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' mask function for "cuattn": FlashAttention's (the 2-D padding mask, or
     None when nothing is padded), after checking ``config.cuattn_pattern`` and refusing the
     model's own extra mask functions, which the 2-D mask would silently drop. transformers
-    calls it once per forward, before any layer: the earliest point a config is seen."""
+    calls it once per forward, before any layer: the earliest point a config is seen.
+
+    Its arguments are handed to transformers' own ``flash_attention_mask`` as they came: the
+    interface has named the queries by ``cache_position`` and later by ``q_length``/``q_offset``,
+    and this function reads neither."""
     config = kwargs.get("config")
     if config is not None:
         check_config(config)
-    if kwargs.get("use_vmap"):  # set by transformers exactly when or/and mask functions are given
+    if _has_extra_mask_functions(kwargs):
         _refuse(
             "a model's own mask functions (or_mask_function / and_mask_function)",
             "this model adds a rule of its own to the causal or bidirectional mask (e.g. "
             "bidirectional image tokens); only padding, causal and a sliding window are read",
         )
-    return flash_attention_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask
-    )
+    return flash_attention_mask(*args, **kwargs)
+
+
+# The element rules transformers builds its own masks from (masking_utils' functions, and the
+# closures those return, by qualified name): anything else in a mask function is a model's own.
+_OWN_RULES = (
+    "causal_mask_function",
+    "bidirectional_mask_function",
+    "sliding_window_overlay.",
+    "sliding_window_bidirectional_overlay.",
+    "packed_sequence_mask_function.",
+    "padding_mask_function.",
+)
+
+
+def _has_extra_mask_functions(kwargs: dict[str, Any]) -> bool:
+    """Whether the mask function holds a rule beyond causal / bidirectional, a sliding window,
+    padding and packing. transformers says so itself with ``use_vmap`` where it passes one (set
+    exactly when or/and mask functions are given); where it does not, the mask function is
+    read: an ``or_masks`` of anything, or an ``and_masks`` of a rule not in ``_OWN_RULES``."""
+    if "use_vmap" in kwargs:
+        return bool(kwargs["use_vmap"])
+    rule = kwargs.get("mask_function")
+    return rule is not None and not _only_own_rules(rule)
+
+
+# A traced forward keeps the answer its trace found: a model's mask function is built the same
+# way at every call, and its closures are plain Python that the tracer need not follow.
+@torch.compiler.assume_constant_result
+def _only_own_rules(rule: Any) -> bool:
+    name = getattr(rule, "__qualname__", "")
+    if getattr(rule, "__module__", None) != flash_attention_mask.__module__:
+        return False
+    if name.startswith("and_masks."):
+        parts = inspect.getclosurevars(rule).nonlocals.get("mask_functions", ())
+        return bool(parts) and all(_only_own_rules(part) for part in parts)
+    return name.startswith(_OWN_RULES)
 
 
 def register(name: str = NAME) -> str:

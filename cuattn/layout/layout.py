@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -195,6 +196,25 @@ class Layout:
             raise TypeError(f"mask_fn must be callable(h, q, k) -> bool array, got {mask_fn!r}")
         rule = ElementRule("bitmask", mask_fn=mask_fn) if mask_fn is not None else None
         return cls(blocks, blocksize, n_ctx=n_ctx, rule=rule, name="custom", n_q=n_q)
+
+    @classmethod
+    def from_block_mask(
+        cls, block_mask: Any, heads: int | None = None, blocksize: int | None = None
+    ) -> Layout:
+        """FlexAttention's ``BlockMask`` as a Layout: its full and partial blocks, its
+        ``mask_mod`` evaluated once over the partial ones (``heads`` broadcasts a one-head mask;
+        ``blocksize`` defaults to the largest of cuattn's dividing its BLOCK_SIZE). Needs torch:
+        the conversion lives in ``cuattn.adapters.flex``, which documents it."""
+        from cuattn.adapters.flex import layout_from_block_mask
+
+        return layout_from_block_mask(block_mask, heads, blocksize)
+
+    def to_block_mask(self, device: Any = "cpu") -> Any:
+        """This layout as a FlexAttention ``BlockMask`` on ``device`` (torch's), in the caller's
+        natural token order (``cuattn.adapters.flex``)."""
+        from cuattn.adapters.flex import to_block_mask
+
+        return to_block_mask(self, device)
 
     # -- construction -------------------------------------------------------------------------
 

@@ -7,7 +7,11 @@ import importlib
 import importlib.util
 import sys
 
+import numpy as np
+
+from cuattn import __version__
 from cuattn.layout import MODES, make_layout
+from cuattn.layout.layout import Layout
 
 # Subcommands whose implementation lives in its own module, imported only when used:
 # name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
@@ -50,10 +54,35 @@ def _show(args: argparse.Namespace) -> int:
         **extra,
     )
     print(layout)
+    print(LEGEND)
+    if args.zoom:
+        print(_element_picture(layout, args.zoom))
     if args.png:
         _save_png(layout, args.png)
         print(f"saved {args.png}")
     return 0
+
+
+LEGEND = """legend: one character per block of blocksize x blocksize (query rows, key columns)
+  █ every pair of the block attends        ░ some pairs do: the element rule picks them
+  · the block is skipped (never computed)
+Two patterns with the same blocks can differ inside them (strided and causal both fill the
+lower triangle with ░): the element picture below tells them apart."""
+
+ELEMENT_ON, ELEMENT_OFF = "█", "·"
+
+
+def _element_picture(layout: Layout, tokens: int) -> str:
+    """Which keys (columns) each of the first ``tokens`` queries (rows) attends, in head 0."""
+    n_q, n_k = min(tokens, layout.n_q), min(tokens, layout.n_ctx)
+    q, k = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    on = layout.allowed(np.zeros_like(q), q, k)
+    rows = ["".join(ELEMENT_ON if x else ELEMENT_OFF for x in row) for row in on]
+    title = (
+        f"elements: the first {n_q} queries (rows) x {n_k} keys (columns) of head 0, one "
+        f"character per pair ({ELEMENT_ON} attends, {ELEMENT_OFF} does not)"
+    )
+    return "\n".join([title, *rows])
 
 
 def _save_png(layout, path: str) -> None:
@@ -87,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"cuattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="check every pattern/dtype/block size against float64")
@@ -123,16 +153,59 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(size=None)
     check.set_defaults(func=_check)
 
-    show = sub.add_parser("show", help="print a pattern's block picture (and save a PNG)")
-    show.add_argument("mode", choices=MODES)
-    show.add_argument("--n-ctx", type=int, default=1024)
-    show.add_argument("--heads", type=int, default=4)
-    show.add_argument("--blocksize", type=int, default=32)
-    show.add_argument("--local-attn-ctx", type=int, default=None)
-    show.add_argument("--num-verts", type=int, default=None)
-    show.add_argument("--vertsize", type=int, default=None)
-    show.add_argument("--global-tokens", type=int, nargs="*", default=None)
-    show.add_argument("--bidirectional", action="store_true", help="causal=False")
+    show = sub.add_parser(
+        "show",
+        help="print a pattern's block picture, with a legend and its first pairs",
+        description="Draw make_layout(MODE, ...): per head, which blocks are computed, then\n"
+        "which keys the first queries attend. The rules (docs/design.md §2):\n"
+        "  all       causal: k <= q\n"
+        "  local     causal, within the last --local-attn-ctx keys\n"
+        "  strided   causal, at distances q - k that are multiples of --local-attn-ctx\n"
+        "  fixed     blocks within groups of --local-attn-ctx tokens, plus summary columns\n"
+        "            (--num-verts, --vertsize)",
+        epilog="examples:\n  cuattn show strided --local-attn-ctx 8 --n-ctx 256 --blocksize 16"
+        "\n  cuattn show fixed --local-attn-ctx 128 --num-verts 4 --vertsize 1 --png fixed.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("mode", choices=MODES, help="the pattern (make_layout's attn_mode)")
+    show.add_argument("--n-ctx", type=int, default=1024, help="sequence length (default 1024)")
+    show.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    show.add_argument(
+        "--blocksize", type=int, default=32, help="tokens per block side (default 32)"
+    )
+    show.add_argument(
+        "--local-attn-ctx",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local: window; strided: stride; fixed: group length (a multiple of blocksize)",
+    )
+    show.add_argument(
+        "--num-verts", type=int, default=None, help="fixed: summary patterns cycled over heads"
+    )
+    show.add_argument(
+        "--vertsize", type=int, default=None, help="fixed: summary blocks per group and head"
+    )
+    show.add_argument(
+        "--global-tokens",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="T",
+        help="longformer: token positions that attend and are attended everywhere",
+    )
+    show.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="causal=False: queries see keys after them too",
+    )
+    show.add_argument(
+        "--zoom",
+        type=int,
+        default=32,
+        metavar="TOKENS",
+        help="draw the pairs of the first TOKENS queries and keys of head 0 (default 32; 0: none)",
+    )
     show.add_argument("--png", metavar="FILE", default=None, help="also save a picture")
     show.set_defaults(func=_show)
 

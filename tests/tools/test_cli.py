@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import cuattn
 from cuattn.backends.geometry import HEAD_DIMS
 from cuattn.tools import check
 from cuattn.tools.cli import main
@@ -72,8 +73,34 @@ def test_show_fixed_prints_per_head_pictures(capsys, tmp_path):
     argv = ["show", "fixed", "--local-attn-ctx", "128", "--num-verts", "4", "--vertsize", "1"]
     assert main([*argv, "--png", str(png)]) == 0
     text = capsys.readouterr().out
-    assert text.count("head ") == 4 and "█" in text
+    assert [line for line in text.splitlines() if line.startswith("head ")] == [
+        f"head {h}" for h in range(4)
+    ]
+    assert "█" in text and "legend:" in text
     assert png.stat().st_size > 1000
+
+
+def test_show_tells_strided_from_causal_by_its_legend_and_element_picture(capsys):
+    """Both fill the lower block triangle with partial blocks at these sizes; the element picture
+    of the first tokens shows strided's diagonals beside causal's filled triangle."""
+    common = ["--n-ctx", "64", "--blocksize", "16", "--heads", "1", "--zoom", "12"]
+    pictures = {}
+    for mode in ("strided", "all"):
+        assert main(["show", mode, "--local-attn-ctx", "4", *common]) == 0
+        text = capsys.readouterr().out
+        assert "legend:" in text and "░ some pairs" in text
+        pictures[mode] = text.split("elements:", 1)[1].splitlines()[1:]
+    assert pictures["all"][5] == "██████······"
+    assert pictures["strided"][5] == "·█···█······"  # keys 1 and 5: distances 4 and 0
+    assert main(["show", "all", *common[:-2], "--zoom", "0"]) == 0
+    assert "elements:" not in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cuattn {cuattn.__version__}"
 
 
 def test_show_reports_bad_arguments(capsys):

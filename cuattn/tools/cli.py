@@ -1,4 +1,4 @@
-"""Command line: ``cuattn check | show | compile | bench`` (also ``python -m cuattn ...``)."""
+"""Command line: ``cuattn check | show | bench`` (also ``python -m cuattn ...``)."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ OVERHEAD_TILES = 0.3  # the nominal schedule's fixed cost per CTA, in tiles (cta
 K_AND_V = 2
 STATIC_BASELINE = ROOT / "bench" / "results" / "static-baseline-sm90.json"
 ORDERS = ("heads-fastest", "x-fastest", "grouped", "persistent")
+HALF_TILES = ("mask", "skip")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ def fwd_sm90_ctas(
     kv_group: int = 1,
     order: str = "heads-fastest",
     tile_n: int | None = None,
+    half_tiles: str = "mask",
 ) -> list[Cta]:
     """attn_fwd_sm90's CTAs, one per (128 query rows, head, batch), in ``order``:
     heads-fastest   change 27 (510d8d7): every pair's last tile, then the one before, ...;
@@ -148,7 +150,12 @@ def fwd_sm90_ctas(
     persistent      a longest-first work list over every pair (ties: the heads-fastest order).
     A CTA owns 128 / BLOCK layout blocks (one per consumer at 64-blocks) and walks the union of
     their rows in tiles of ``tile_n`` keys (default: geometry's); a tile a consumer's block lacks
-    is walked (the producer loads it; both consumers wait for it) but not computed by it."""
+    is walked (the producer loads it; both consumers wait for it) but not computed by it. With
+    tiles wider than the block, a tile one of whose blocks a row lacks is computed whole with that
+    half masked to -inf (``half_tiles="mask"``) or as the narrow wgmma over the half it has
+    (``"skip"``)."""
+    if half_tiles not in HALF_TILES:
+        raise ValueError(f"half_tiles={half_tiles!r}; accepted: {', '.join(HALF_TILES)}")
     block = layout.blocksize
     tile_n = tile_n or geometry.sm90_tile_n(block, head_dim)
     heads, nbq, nb = layout.blocks.shape
@@ -176,15 +183,19 @@ def fwd_sm90_ctas(
                 .reshape(tiles, per_cta, width, span)
                 .any(axis=3)
             )
-            part |= comp & ~as_tiles.all(axis=3)  # a half the row lacks is masked to -inf
+            if half_tiles == "mask":
+                part |= comp & ~as_tiles.all(axis=3)  # the half the row lacks, masked to -inf
+                computed = comp.sum(axis=(1, 2)) * span  # in blocks' worth of keys
+            else:
+                computed = as_tiles.sum(axis=(1, 2, 3))
         else:
             split = block // tile_n
             comp = np.repeat(own, split, axis=2)
             part = np.repeat(own_partial, split, axis=2)
+            computed = own.sum(axis=(1, 2))
         walked = comp.any(axis=1)  # [tiles, key tiles]
-        consumer_tiles = comp.sum(axis=(1, 2))
         masked = part.sum(axis=(1, 2))
-        per_tile = wgmma_cycles(block, tile_n, head_dim)  # an owned block's rows x one tile
+        per_block = wgmma_cycles(block, block, head_dim)  # an owned block x one key block
         consumers_per_block = block // WGMMA_M
         for b in range(batch):
             pair = b * heads + h
@@ -195,7 +206,7 @@ def fwd_sm90_ctas(
                     pair=pair,
                     tile=t,
                     walked=len(keys),
-                    tensor_cycles=float(consumer_tiles[t]) * per_tile,
+                    tensor_cycles=float(computed[t]) * per_block,
                     masked=int(masked[t]) * consumers_per_block,
                     reads=tuple((kv_pair, int(k)) for k in keys),
                 )
@@ -341,10 +352,11 @@ def predict_fwd(
     kv_group: int = 1,
     order: str = "heads-fastest",
     tile_n: int | None = None,
+    half_tiles: str = "mask",
 ) -> Prediction:
     """attn_fwd_sm90's time on one launch over ``layout`` x ``batch``."""
     tile_n = tile_n or geometry.sm90_tile_n(layout.blocksize, head_dim)
-    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, order, tile_n)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, order, tile_n, half_tiles)
     slots = SMS * SM90_RESIDENT
     pred = predict_terms(fwd_terms(ctas, head_dim, tile_n, slots), p, slots)
     compulsory = len({key for c in ctas for key in c.reads})
@@ -422,16 +434,23 @@ def predict_persistent(
     item_share: float,
     row_share: float | None = None,
     pack_below: int = 0,
-    split_above: int | None = None,
+    split_factor: float | None = None,
     kv_group: int = 1,
     tile_n: int | None = None,
+    half_tiles: str = "mask",
 ) -> Prediction:
     """A persistent grid of SMS CTAs taking items longest first (work_list) within change 34's
     L2-sized groups of pairs (geometry.sm90_cta_groups); each item pays ``item_share`` of
     today's per-CTA cost and each packed row after its first ``row_share`` (the rest hidden under
-    the neighbouring items), each persistent CTA pays the rest once."""
+    the neighbouring items), each persistent CTA pays the rest once. Rows shorter than
+    ``pack_below`` walked tiles are packed; rows longer than ``split_factor`` times the median
+    row (and than pack_below) are split into chunks of that length."""
     tile_n = tile_n or geometry.sm90_tile_n(layout.blocksize, head_dim)
-    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "grouped", tile_n)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "grouped", tile_n, half_tiles)
+    split_above = None
+    if split_factor:
+        median = float(np.median([c.walked for c in ctas]))
+        split_above = max(pack_below, int(np.ceil(split_factor * median)), 1)
     pairs = batch * layout.blocks.shape[0]
     groups = geometry.sm90_cta_groups(
         batch, layout.blocks.shape[0], layout.n_ctx, head_dim, "bfloat16", kv_group
@@ -534,36 +553,52 @@ def load_fitted(path: Path | None = None) -> tuple[FwdParams, BwdParams]:
 # GPU run measures a persistent item's cost.
 WHATIFS = (
     ("today", "one CTA per 128 rows, heads fastest (510d8d7)", None, None),
-    ("grouped", "change 34: heads fastest within L2 groups", "grouped", None),
-    ("P-1/2", "persistent, longest first, item pays 1/2", {"item_share": 0.5}, None),
+    ("grouped", "change 34: heads fastest within L2-sized groups of pairs", "grouped", None),
+    (
+        "P",
+        "persistent, longest first within the groups, an item pays 1/2",
+        {"item_share": 0.5},
+        None,
+    ),
     (
         "P-pack",
-        "persistent, item 1/2, packed rows 1/4 (< 16 tiles), split > 32",
-        {"item_share": 0.5, "row_share": 0.25, "pack_below": 16, "split_above": 32},
+        "P, rows under 16 tiles packed (1/4 each after the first), rows over 4x the median split",
+        {"item_share": 0.5, "row_share": 0.25, "pack_below": 16, "split_factor": 4},
         None,
     ),
     (
         "P-pack-1/4",
-        "as P-pack, item 1/4, packed rows 1/8",
-        {"item_share": 0.25, "row_share": 0.125, "pack_below": 16, "split_above": 32},
+        "as P-pack, an item 1/4, a packed row 1/8",
+        {"item_share": 0.25, "row_share": 0.125, "pack_below": 16, "split_factor": 4},
         None,
     ),
-    ("W128", "128-key tiles at 64-blocks, today's grid", None, 128),
+    ("W", "128-key tiles at 64-blocks, today's grid, a half-empty tile masked", "mask", 128),
+    ("W-skip", "W, a half-empty tile as the N = 64 wgmma over its half", "skip", 128),
     (
-        "P-pack+W128",
-        "P-pack with 128-key tiles",
-        {"item_share": 0.5, "row_share": 0.25, "pack_below": 8, "split_above": 16},
+        "P-pack+W-skip",
+        "P-pack with W-skip's tiles (pack under 8, split over 4x the median)",
+        {
+            "item_share": 0.5,
+            "row_share": 0.25,
+            "pack_below": 8,
+            "split_factor": 4,
+            "half_tiles": "skip",
+        },
         128,
     ),
 )
 
 
 def whatif(
-    layout: object, batch: int, head_dim: int, p: FwdParams, how: object, tile_n
+    layout: object, batch: int, head_dim: int, p: FwdParams, how: object, tile_n: int | None
 ) -> Prediction:
-    if how is None or isinstance(how, str):
-        return predict_fwd(layout, batch, head_dim, p, order=how or "heads-fastest", tile_n=tile_n)
-    return predict_persistent(layout, batch, head_dim, p, tile_n=tile_n, **how)
+    """One WHATIFS schedule: a dict is predict_persistent's keywords; a string the order
+    ("grouped") or, with a tile_n, the half-tile rule of today's grid."""
+    if isinstance(how, dict):
+        return predict_persistent(layout, batch, head_dim, p, tile_n=tile_n, **how)
+    if how in HALF_TILES:
+        return predict_fwd(layout, batch, head_dim, p, tile_n=tile_n, half_tiles=how)
+    return predict_fwd(layout, batch, head_dim, p, order=how or "heads-fastest", tile_n=tile_n)
 
 
 def whatif_tables(
@@ -582,7 +617,10 @@ def whatif_tables(
     preds: dict[str, dict[str, Prediction]] = {}
     density = {}
     for pattern in ALL_PATTERNS:
-        layout = pattern.make_layout(n_ctx, heads, block)
+        try:
+            layout = pattern.make_layout(n_ctx, heads, block)
+        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
+            continue
         density[pattern.label] = layout.density
         preds[pattern.label] = {
             w[0]: whatif(layout, batch, head_dim, p, w[2], w[3]) for w in WHATIFS

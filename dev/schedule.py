@@ -485,9 +485,9 @@ def bwd_ctas(layout: object, batch: int, head_dim: int, kernel: str) -> tuple[li
     block = layout.blocksize
     own, step, warps = geometry.tile_sizes(kernel, block, head_dim, "bfloat16")
     config = geometry.KernelConfig(kernel, head_dim, "bfloat16", block=block, rule="causal")
-    entry_regs = json.loads(STATIC_BASELINE.read_text())["instantiations"]
+    baseline = json.loads(STATIC_BASELINE.read_text())["instantiations"]
     label = {"attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}[kernel]
-    regs = entry_regs[f"{label} d{head_dim} b{block}"]["registers"]
+    regs = baseline[f"{label} d{head_dim} b{block}"]["registers"]
     resident = geometry.ctas_per_sm("sm_90", regs, config.threads, config.smem_bytes)
     per_tile = _static_tile_cycles(kernel, block, head_dim, warps)
     heads = layout.blocks.shape[0]

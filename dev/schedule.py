@@ -1,0 +1,725 @@
+"""Schedule simulator: a block kernel's time on an H100/H200 from its layout, the static model's
+per-tile costs and the order its CTAs start in. No GPU.
+
+What it computes. For one launch of a block kernel over a Layout (any pattern, 64- or 128-blocks,
+heads, batch, GQA):
+  1. the CTA list in the kernel's start order, each CTA with its work read off the layout's
+     blocks (the CSR rows a forward CTA walks, the CSC columns of dK/dV, the rows of dQ): key tiles
+     walked, tensor-pipe cycles of the tiles it computes (HGMMA or HMMA counts times their
+     cycles), tiles under an element rule (masked), and the K/V tiles it reads;
+  2. each CTA's cycles = a fixed cost (prologue: barrier set-up, Q load, pipeline fill and drain,
+     the epilogue) + a cost per walked tile + the tensor cycles over an efficiency + a cost per
+     masked tile + a cost per K/V tile the L2 misses;
+  3. a list schedule of those CTAs, in start order, onto SMS x (resident CTAs per SM) slots (a
+     slot of an SM that holds R CTAs runs at 1/R of the SM's rate): the makespan, plus a launch
+     cost, is the predicted time.
+The L2 term is scripts/cta_order_model.py's: each CTA's K/V tile reads go through an LRU cache of
+L2_BYTES (calibrated there on the H200's DRAM counters) in the order a nominal schedule (tiles +
+OVERHEAD_TILES per CTA) issues them; the misses cost cycles to the CTA that takes them.
+
+The few free constants of each kernel family (``FwdParams``, ``BwdParams``) are fitted on the
+committed GPU sweeps by dev/calibrate_schedule.py, which writes the calibration table; this module
+holds the model and the persistent-grid and wide-tile what-ifs of bench/NOTES.md.
+
+    PYTHONPATH=. python dev/schedule.py              # every bench pattern at T = 8k, 64-blocks
+    PYTHONPATH=. python dev/schedule.py --pattern bigbird --n-ctx 16384 --block 128
+    PYTHONPATH=. python dev/schedule.py --whatif     # the tables of bench/NOTES.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cuattn.backends import geometry  # noqa: E402
+from dev.sass_roofline import CLOCK_HZ, DRAM_BYTES_PER_S, HMMA_PER_SM_CYCLE  # noqa: E402
+
+SMS = 132  # an H100 SXM's and an H200's SMs
+# Dense 16-bit wgmma: 989 TFLOP/s over 132 SMs at 1.83 GHz = 4096 FLOP an SM a cycle, so one
+# m64nNk16 (2 x 64 x N x 16 FLOP) takes N / 2 cycles of an SM's tensor pipe.
+WGMMA_FLOP_PER_SM_CYCLE = 4096
+HMMA_FLOP = 2 * 16 * 8 * 16  # one mma.sync m16n8k16
+WGMMA_M = 64  # rows of one consumer warpgroup's wgmma
+SM90_RESIDENT = 1  # 384 threads x 168 registers fill the register file (NVRTC report)
+L2_BYTES = 30e6  # the L2 the reuse sees (scripts/cta_order_model.py, calibrated on DRAM counters)
+OVERHEAD_TILES = 0.3  # the nominal schedule's fixed cost per CTA, in tiles (cta_order_model)
+K_AND_V = 2
+STATIC_BASELINE = ROOT / "bench" / "results" / "static-baseline-sm90.json"
+ORDERS = ("heads-fastest", "x-fastest", "grouped", "persistent")
+HALF_TILES = ("mask", "skip")
+
+
+@dataclass(frozen=True)
+class Cta:
+    """One CTA's (or, in the persistent grid, one work item's) work, in start order."""
+
+    pair: int  # batch * heads + head
+    tile: int  # the query (forward, dQ) or key (dK/dV) tile it owns
+    walked: int  # tiles walked (every thread waits on each)
+    tensor_cycles: float  # tensor-pipe cycles of the tiles it computes
+    masked: int  # computed tiles under the element rule (mask code runs)
+    reads: tuple[tuple[int, int], ...]  # (kv pair, key tile) of every K/V tile it loads
+    items: int = 1  # rows (fixed costs) it carries: > 1 for packed short rows
+
+
+@dataclass(frozen=True)
+class FwdParams:
+    """attn_fwd_sm90's constants: launch (us), cycles per CTA, per walked tile, tensor cycles over
+    efficiency, per masked consumer tile, per missed K/V tile."""
+
+    launch_us: float
+    cta_cycles: float
+    tile_cycles: float
+    tensor_efficiency: float
+    masked_cycles: float
+    miss_cycles: float
+
+
+@dataclass(frozen=True)
+class BwdParams:
+    """The backward's constants (attn_bwd_preprocess + attn_bwd_dkdv + attn_bwd_dq): launch (us, the
+    three kernels and the backward's own host work), cycles per CTA, and the static model's
+    per-tile cycles over an efficiency."""
+
+    launch_us: float
+    cta_cycles: float
+    static_efficiency: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    makespan_cycles: float
+    balanced_cycles: float  # total work / slots: the makespan of a perfect balance
+    fixed_cycles: float  # the CTAs' fixed costs, summed
+    tile_cycles: float  # walked-tile, tensor and masked cycles, summed
+    miss_cycles: float  # L2-miss cycles, summed
+    misses: int
+    compulsory: int  # distinct K/V tiles (each read from DRAM at least once)
+    ctas: int
+
+    @property
+    def tail(self) -> float:
+        """Makespan over the balanced one: 1.0 is no idle SM at the tail."""
+        return self.makespan_cycles / self.balanced_cycles if self.balanced_cycles else 1.0
+
+
+def _partial(layout: object) -> np.ndarray:
+    """[heads, q blocks, key blocks]: True where a block is active and its element rule applies."""
+    heads, nbq, nb = layout.blocks.shape
+    out = np.zeros((heads, nbq, nb), dtype=bool)
+    for h in range(heads):
+        ptr = layout.row_ptr[h]
+        rows = np.repeat(np.arange(nbq), np.diff(ptr))
+        sel = slice(ptr[0], ptr[-1])
+        out[h, rows, layout.col_idx[sel]] = layout.row_mask[sel] >= 0
+    return out
+
+
+def wgmma_cycles(rows: int, keys: int, head_dim: int) -> float:
+    """Tensor-pipe cycles of S = Q K^T and O += P V over rows x keys at head_dim (wgmma)."""
+    return 2 * (2 * rows * keys * head_dim) / WGMMA_FLOP_PER_SM_CYCLE
+
+
+def fwd_sm90_ctas(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    kv_group: int = 1,
+    order: str = "heads-fastest",
+    tile_n: int | None = None,
+    half_tiles: str = "mask",
+) -> list[Cta]:
+    """attn_fwd_sm90's CTAs, one per (128 query rows, head, batch), in ``order``:
+    heads-fastest   change 27 (510d8d7): every pair's last tile, then the one before, ...;
+    grouped         change 34: the same within geometry.sm90_cta_groups groups of pairs;
+    x-fastest       stage (a) (23e0a72): a pair's tiles ascending, pairs one after another;
+    persistent      a longest-first work list over every pair (ties: the heads-fastest order).
+    A CTA owns 128 / BLOCK layout blocks (one per consumer at 64-blocks) and walks the union of
+    their rows in tiles of ``tile_n`` keys (default: geometry's); a tile a consumer's block lacks
+    is walked (the producer loads it; both consumers wait for it) but not computed by it. With
+    tiles wider than the block, a tile one of whose blocks a row lacks is computed whole with that
+    half masked to -inf (``half_tiles="mask"``) or as the narrow wgmma over the half it has
+    (``"skip"``)."""
+    if half_tiles not in HALF_TILES:
+        raise ValueError(f"half_tiles={half_tiles!r}; accepted: {', '.join(HALF_TILES)}")
+    block = layout.blocksize
+    tile_n = tile_n or geometry.sm90_tile_n(block, head_dim)
+    heads, nbq, nb = layout.blocks.shape
+    per_cta = geometry.SM90_TILE_M // block  # layout blocks a CTA owns
+    partial = _partial(layout)
+    tiles = -(-nbq // per_cta)
+    pairs = batch * heads
+    ctas: dict[tuple[int, int], Cta] = {}
+    for h in range(heads):
+        own = np.zeros((tiles, per_cta, nb), dtype=bool)
+        own_partial = np.zeros_like(own)
+        for c in range(per_cta):
+            rows = layout.blocks[h, c::per_cta]
+            own[: len(rows), c] = rows
+            own_partial[: len(rows), c] = partial[h, c::per_cta]
+        # key blocks -> key tiles: a tile is walked by a consumer where any of its blocks is active
+        if tile_n >= block:
+            span = tile_n // block
+            width = -(-nb // span)
+            pad = width * span - nb
+            as_tiles = np.pad(own, ((0, 0), (0, 0), (0, pad))).reshape(tiles, per_cta, width, span)
+            comp = as_tiles.any(axis=3)
+            part = (
+                np.pad(own_partial, ((0, 0), (0, 0), (0, pad)))
+                .reshape(tiles, per_cta, width, span)
+                .any(axis=3)
+            )
+            if half_tiles == "mask":
+                part |= comp & ~as_tiles.all(axis=3)  # the half the row lacks, masked to -inf
+                computed = comp.sum(axis=(1, 2)) * span  # in blocks' worth of keys
+            else:
+                computed = as_tiles.sum(axis=(1, 2, 3))
+        else:
+            split = block // tile_n
+            comp = np.repeat(own, split, axis=2)
+            part = np.repeat(own_partial, split, axis=2)
+            computed = own.sum(axis=(1, 2))
+        walked = comp.any(axis=1)  # [tiles, key tiles]
+        masked = part.sum(axis=(1, 2))
+        per_block = wgmma_cycles(block, block, head_dim)  # an owned block x one key block
+        consumers_per_block = block // WGMMA_M
+        for b in range(batch):
+            pair = b * heads + h
+            kv_pair = b * (heads // kv_group) + h // kv_group
+            for t in range(tiles):
+                keys = np.flatnonzero(walked[t])
+                ctas[(pair, t)] = Cta(
+                    pair=pair,
+                    tile=t,
+                    walked=len(keys),
+                    tensor_cycles=float(computed[t]) * per_block,
+                    masked=int(masked[t]) * consumers_per_block,
+                    reads=tuple((kv_pair, int(k)) for k in keys),
+                )
+    return [
+        ctas[key]
+        for key in start_order(order, tiles, pairs, batch, heads, layout, head_dim, kv_group, ctas)
+    ]
+
+
+def start_order(
+    order: str,
+    tiles: int,
+    pairs: int,
+    batch: int,
+    heads: int,
+    layout: object,
+    head_dim: int,
+    kv_group: int,
+    ctas: dict[tuple[int, int], Cta],
+) -> list[tuple[int, int]]:
+    """(pair, tile) of every CTA in ``order`` (see fwd_sm90_ctas)."""
+    if order == "x-fastest":
+        return [(p, t) for p in range(pairs) for t in range(tiles)]
+    if order in ("heads-fastest", "grouped"):
+        groups = 1
+        if order == "grouped":
+            groups = geometry.sm90_cta_groups(
+                batch, heads, layout.n_ctx, head_dim, "bfloat16", kv_group
+            )
+        narrow, wide = divmod(pairs, groups)
+        out, first = [], 0
+        for g in range(groups):
+            size = narrow + 1 if g < wide else narrow
+            for rank in range(tiles):
+                out += [(first + i, tiles - 1 - rank) for i in range(size)]
+            first += size
+        return out
+    if order == "persistent":
+        heads_fastest = start_order(
+            "heads-fastest", tiles, pairs, batch, heads, layout, head_dim, kv_group, ctas
+        )
+        rank = {key: i for i, key in enumerate(heads_fastest)}
+        return sorted(ctas, key=lambda key: (-ctas[key].tensor_cycles, rank[key]))
+    raise ValueError(f"order={order!r} is not a CTA order; accepted: {', '.join(ORDERS)}")
+
+
+def list_schedule(durations: Sequence[float], slots: int) -> tuple[float, list[float]]:
+    """Greedy list scheduling in the given order: each CTA starts on the slot that frees first.
+    (makespan, start of each CTA). Graham's bound: makespan <= sum / slots + max."""
+    free = [(0.0, s) for s in range(slots)]
+    starts = []
+    for d in durations:
+        start, s = heapq.heappop(free)
+        starts.append(start)
+        heapq.heappush(free, (start + d, s))
+    return max(end for end, _ in free), starts
+
+
+def l2_misses(
+    ctas: Sequence[Cta], slots: int, tile_bytes: int, l2_bytes: float = L2_BYTES
+) -> list[int]:
+    """K/V tiles each CTA reads from DRAM: its reads through an LRU cache of ``l2_bytes`` in the
+    order a nominal schedule (walked tiles + OVERHEAD_TILES a CTA) issues them."""
+    _, starts = list_schedule([c.walked + OVERHEAD_TILES for c in ctas], slots)
+    reads = []
+    for i, (c, start) in enumerate(zip(ctas, starts, strict=True)):
+        reads += [(start + OVERHEAD_TILES / 2 + j, i, key) for j, key in enumerate(c.reads)]
+    reads.sort(key=lambda r: r[0])
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    capacity = max(1, int(l2_bytes // tile_bytes))
+    misses = [0] * len(ctas)
+    for _, i, key in reads:
+        if key in cache:
+            cache.move_to_end(key)
+            continue
+        misses[i] += 1
+        cache[key] = None
+        if len(cache) > capacity:
+            cache.popitem(last=False)
+    return misses
+
+
+def fwd_terms(ctas: Sequence[Cta], head_dim: int, tile_n: int, slots: int) -> np.ndarray:
+    """[CTAs, 5]: each CTA's (1, walked, tensor cycles, masked, misses), the multipliers of
+    FwdParams' cycle constants (cta, tile, 1 / efficiency, masked, miss)."""
+    misses = l2_misses(ctas, slots, K_AND_V * tile_n * head_dim * 2)
+    return np.array(
+        [
+            [c.items, c.walked, c.tensor_cycles, c.masked, m]
+            for c, m in zip(ctas, misses, strict=True)
+        ],
+        dtype=float,
+    )
+
+
+def _fixed_share(rows: np.ndarray, item_share: float, row_share: float | None) -> np.ndarray:
+    """Each item's fixed cost in CTAs' worth: ``item_share`` for its first row, ``row_share``
+    (default: item_share) for each packed row after it."""
+    more = item_share if row_share is None else row_share
+    return item_share + more * (rows - 1)
+
+
+def predict_terms(
+    terms: np.ndarray,
+    p: FwdParams,
+    slots: int,
+    item_share: float = 1.0,
+    per_slot_cycles: float = 0.0,
+    row_share: float | None = None,
+) -> Prediction:
+    """The forward's time from its CTA terms (fwd_terms) and constants. ``item_share``: the part
+    of the per-CTA cost each item still pays (1: a CTA each; less in a persistent grid, where the
+    next item's Q load runs under the current epilogue); ``row_share``: the part a packed row
+    after an item's first pays (its Q load and epilogue, the pipeline kept full);
+    ``per_slot_cycles``: what a persistent CTA pays once (its barrier set-up)."""
+    share = _fixed_share(terms[:, 0], item_share, row_share)
+    weights = np.array([p.tile_cycles, 1 / p.tensor_efficiency, p.masked_cycles, p.miss_cycles])
+    fixed_each = share * p.cta_cycles
+    cycles = fixed_each + terms[:, 1:] @ weights
+    makespan, _ = list_schedule(cycles, slots)
+    makespan += per_slot_cycles
+    fixed = float(fixed_each.sum() + per_slot_cycles * slots)
+    miss = float(terms[:, 4].sum() * p.miss_cycles)
+    total = float(cycles.sum()) + per_slot_cycles * slots
+    return Prediction(
+        seconds=p.launch_us * 1e-6 + makespan / CLOCK_HZ,
+        makespan_cycles=makespan,
+        balanced_cycles=total / slots,
+        fixed_cycles=fixed,
+        tile_cycles=total - fixed - miss,
+        miss_cycles=miss,
+        misses=int(terms[:, 4].sum()),
+        compulsory=0,
+        ctas=len(terms),
+    )
+
+
+def predict_fwd(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    p: FwdParams,
+    kv_group: int = 1,
+    order: str = "heads-fastest",
+    tile_n: int | None = None,
+    half_tiles: str = "mask",
+) -> Prediction:
+    """attn_fwd_sm90's time on one launch over ``layout`` x ``batch``."""
+    tile_n = tile_n or geometry.sm90_tile_n(layout.blocksize, head_dim)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, order, tile_n, half_tiles)
+    slots = SMS * SM90_RESIDENT
+    pred = predict_terms(fwd_terms(ctas, head_dim, tile_n, slots), p, slots)
+    compulsory = len({key for c in ctas for key in c.reads})
+    return dataclasses.replace(pred, compulsory=compulsory)
+
+
+# ---------------------------------------------------------------------------------------------
+# The persistent grid (issue 53): a longest-first work list, short rows packed, long rows split
+
+
+def work_list(
+    ctas: Sequence[Cta], pack_below: int, split_above: int | None, pairs_per_group: int = 0
+) -> list[Cta]:
+    """The persistent grid's items from today's CTAs: rows longer than ``split_above`` walked tiles
+    cut into chunks of at most that many (merged through the LSE: each chunk pays the fixed cost,
+    as a row does); rows shorter than ``pack_below`` packed, within a pair, into items of at least
+    ``pack_below`` walked tiles (each packed row still pays its own Q load and epilogue:
+    ``items`` counts them, and ``fixed`` is shared by item_share in predict_terms); then longest
+    first within groups of ``pairs_per_group`` pairs (0: one group), the groups in pair order."""
+    out: list[Cta] = []
+    for c in ctas:
+        if split_above and c.walked > split_above:
+            chunks = -(-c.walked // split_above)
+            for k in range(chunks):
+                reads = c.reads[k * split_above : (k + 1) * split_above]
+                share = len(reads) / c.walked
+                out.append(
+                    Cta(
+                        c.pair,
+                        c.tile,
+                        len(reads),
+                        c.tensor_cycles * share,
+                        round(c.masked * share),
+                        reads,
+                    )
+                )
+        else:
+            out.append(c)
+    packed: list[Cta] = []
+    pending: dict[int, list[Cta]] = {}
+    for c in out:
+        if c.walked >= pack_below:
+            packed.append(c)
+            continue
+        group = pending.setdefault(c.pair, [])
+        group.append(c)
+        if sum(g.walked for g in group) >= pack_below:
+            packed.append(_merge(group))
+            pending[c.pair] = []
+    packed += [_merge(g) for g in pending.values() if g]
+
+    def key(c: Cta) -> tuple[int, float]:
+        return (c.pair // pairs_per_group if pairs_per_group else 0, -(c.tensor_cycles + c.walked))
+
+    return sorted(packed, key=key)
+
+
+def _merge(group: Sequence[Cta]) -> Cta:
+    return Cta(
+        pair=group[0].pair,
+        tile=group[0].tile,
+        walked=sum(c.walked for c in group),
+        tensor_cycles=sum(c.tensor_cycles for c in group),
+        masked=sum(c.masked for c in group),
+        reads=tuple(r for c in group for r in c.reads),
+        items=sum(c.items for c in group),
+    )
+
+
+def predict_persistent(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    p: FwdParams,
+    item_share: float,
+    row_share: float | None = None,
+    pack_below: int = 0,
+    split_factor: float | None = None,
+    kv_group: int = 1,
+    tile_n: int | None = None,
+    half_tiles: str = "mask",
+) -> Prediction:
+    """A persistent grid of SMS CTAs taking items longest first (work_list) within change 34's
+    L2-sized groups of pairs (geometry.sm90_cta_groups); each item pays ``item_share`` of
+    today's per-CTA cost and each packed row after its first ``row_share`` (the rest hidden under
+    the neighbouring items), each persistent CTA pays the rest once. Rows shorter than
+    ``pack_below`` walked tiles are packed; rows longer than ``split_factor`` times the median
+    row (and than pack_below) are split into chunks of that length."""
+    tile_n = tile_n or geometry.sm90_tile_n(layout.blocksize, head_dim)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "grouped", tile_n, half_tiles)
+    split_above = None
+    if split_factor:
+        median = float(np.median([c.walked for c in ctas]))
+        split_above = max(pack_below, int(np.ceil(split_factor * median)), 1)
+    pairs = batch * layout.blocks.shape[0]
+    groups = geometry.sm90_cta_groups(
+        batch, layout.blocks.shape[0], layout.n_ctx, head_dim, "bfloat16", kv_group
+    )
+    items = work_list(ctas, pack_below, split_above, -(-pairs // groups))
+    slots = SMS * SM90_RESIDENT
+    terms = fwd_terms(items, head_dim, tile_n, slots)
+    return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share), row_share)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward: attn_bwd_preprocess, then attn_bwd_dkdv (a CTA per key tile, over the CSC
+# column) and attn_bwd_dq (a CTA per query tile, over the CSR row), mma.sync, x fastest
+
+
+def _static_tile_cycles(kernel: str, block: int, head_dim: int, warps: int) -> float:
+    """An SM's cycles for one step tile of a CTA, from the static model's committed counts (the
+    baseline at bench/results): the larger of issue (instructions x warps / 4 schedulers) and
+    tensor (HMMA x warps / HMMA_PER_SM_CYCLE)."""
+    label = {"attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}[kernel]
+    entry = json.loads(STATIC_BASELINE.read_text())["instantiations"][
+        f"{label} d{head_dim} b{block}"
+    ]
+    instructions = entry["instructions_per_tile"]
+    hmma = instructions / entry["instructions_per_hmma"]
+    return max(instructions * warps / 4, hmma * warps / HMMA_PER_SM_CYCLE)
+
+
+def bwd_ctas(layout: object, batch: int, head_dim: int, kernel: str) -> tuple[list[Cta], int]:
+    """(CTAs in start order, resident CTAs per SM) of attn_bwd_dkdv or attn_bwd_dq; a CTA's
+    tensor_cycles are its step tiles times the static model's per-tile cycles."""
+    block = layout.blocksize
+    own, step, warps = geometry.tile_sizes(kernel, block, head_dim, "bfloat16")
+    config = geometry.KernelConfig(kernel, head_dim, "bfloat16", block=block, rule="causal")
+    baseline = json.loads(STATIC_BASELINE.read_text())["instantiations"]
+    label = {"attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}[kernel]
+    regs = baseline[f"{label} d{head_dim} b{block}"]["registers"]
+    resident = geometry.ctas_per_sm("sm_90", regs, config.threads, config.smem_bytes)
+    per_tile = _static_tile_cycles(kernel, block, head_dim, warps)
+    heads = layout.blocks.shape[0]
+    partial = _partial(layout)
+    out = []
+    for b in range(batch):
+        for h in range(heads):
+            grid = layout.blocks[h] if kernel == "attn_bwd_dq" else layout.blocks[h].T
+            part = partial[h] if kernel == "attn_bwd_dq" else partial[h].T
+            counts = grid.sum(axis=1) * (block // step)
+            masked = part.sum(axis=1) * (block // step)
+            for blk in range(grid.shape[0]):
+                for _ in range(block // own):
+                    out.append(
+                        Cta(
+                            b * heads + h,
+                            blk,
+                            int(counts[blk]),
+                            counts[blk] * per_tile,
+                            int(masked[blk]),
+                            (),
+                        )
+                    )
+    return out, resident
+
+
+def bwd_terms(layout: object, batch: int, head_dim: int) -> list[tuple[np.ndarray, int]]:
+    """Per backward block kernel: ([CTAs, 2] of (1, static tile cycles), resident CTAs)."""
+    out = []
+    for kernel in ("attn_bwd_dkdv", "attn_bwd_dq"):
+        ctas, resident = bwd_ctas(layout, batch, head_dim, kernel)
+        out.append((np.array([[1.0, c.tensor_cycles] for c in ctas]), resident))
+    return out
+
+
+def preprocess_seconds(n_q: int, heads: int, batch: int, head_dim: int) -> float:
+    """delta = rowsum(dout * out): out and dout read once at the DRAM rate (sass_roofline's)."""
+    return 2 * batch * heads * n_q * head_dim * 2 / DRAM_BYTES_PER_S
+
+
+def predict_bwd(terms: list[tuple[np.ndarray, int]], pre_s: float, p: BwdParams) -> float:
+    seconds = p.launch_us * 1e-6 + pre_s
+    for t, resident in terms:
+        cycles = (t @ np.array([p.cta_cycles, 1 / p.static_efficiency])) * resident
+        makespan, _ = list_schedule(cycles, SMS * resident)
+        seconds += makespan / CLOCK_HZ
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_fitted(path: Path | None = None) -> tuple[FwdParams, BwdParams]:
+    """The constants of the committed calibration (dev/calibrate_schedule.py)."""
+    from dev.calibrate_schedule import CALIBRATION_JSON
+
+    data = json.loads((path or CALIBRATION_JSON).read_text())
+    return FwdParams(**data["fwd_params"]), BwdParams(**data["bwd_params"])
+
+
+# The what-ifs of bench/NOTES.md: (label, description, kwargs of predict_persistent or None for
+# today's grid, tile_n). Shares are of today's fitted per-CTA cost; they are assumptions until a
+# GPU run measures a persistent item's cost.
+WHATIFS = (
+    ("today", "one CTA per 128 rows, heads fastest (510d8d7)", None, None),
+    ("grouped", "change 34: heads fastest within L2-sized groups of pairs", "grouped", None),
+    (
+        "P",
+        "persistent, longest first within the groups, an item pays 1/2",
+        {"item_share": 0.5},
+        None,
+    ),
+    (
+        "P-pack",
+        "P, rows under 16 tiles packed (1/4 each after the first), rows over 4x the median split",
+        {"item_share": 0.5, "row_share": 0.25, "pack_below": 16, "split_factor": 4},
+        None,
+    ),
+    (
+        "P-pack-1/4",
+        "as P-pack, an item 1/4, a packed row 1/8",
+        {"item_share": 0.25, "row_share": 0.125, "pack_below": 16, "split_factor": 4},
+        None,
+    ),
+    ("W", "128-key tiles at 64-blocks, today's grid, a half-empty tile masked", "mask", 128),
+    ("W-skip", "W, a half-empty tile as the N = 64 wgmma over its half", "skip", 128),
+    (
+        "P-pack+W-skip",
+        "P-pack with W-skip's tiles (pack under 8, split over 4x the median)",
+        {
+            "item_share": 0.5,
+            "row_share": 0.25,
+            "pack_below": 8,
+            "split_factor": 4,
+            "half_tiles": "skip",
+        },
+        128,
+    ),
+)
+
+
+def whatif(
+    layout: object, batch: int, head_dim: int, p: FwdParams, how: object, tile_n: int | None
+) -> Prediction:
+    """One WHATIFS schedule: a dict is predict_persistent's keywords; a string the order
+    ("grouped") or, with a tile_n, the half-tile rule of today's grid."""
+    if isinstance(how, dict):
+        return predict_persistent(layout, batch, head_dim, p, tile_n=tile_n, **how)
+    if how in HALF_TILES:
+        return predict_fwd(layout, batch, head_dim, p, tile_n=tile_n, half_tiles=how)
+    return predict_fwd(layout, batch, head_dim, p, order=how or "heads-fastest", tile_n=tile_n)
+
+
+def whatif_tables(
+    p: FwdParams,
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    block: int = 64,
+) -> str:
+    """bench/NOTES.md's tables: every bench pattern under each WHATIFS schedule, with the
+    measured 510d8d7 forward beside today's prediction."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    measured = _measured_fwd(n_ctx, head_dim, block)
+    preds: dict[str, dict[str, Prediction]] = {}
+    density = {}
+    for pattern in ALL_PATTERNS:
+        try:
+            layout = pattern.make_layout(n_ctx, heads, block)
+        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
+            continue
+        density[pattern.label] = layout.density
+        preds[pattern.label] = {
+            w[0]: whatif(layout, batch, head_dim, p, w[2], w[3]) for w in WHATIFS
+        }
+    base = "dense-causal"
+
+    def ratio(label: str, seconds: float, causal_seconds: float) -> float:
+        return density[label] / density[base] * causal_seconds / seconds
+
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}, {block}-blocks; ratio = "
+        "computed-block rate over dense causal's under the same schedule",
+        "",
+        "| pattern | density | measured ms (ratio) | today ms (ratio), error | tail | fixed % "
+        "| miss % | " + " | ".join(f"{w[0]} ms (ratio)" for w in WHATIFS[1:]) + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+        + " | ".join("---:" for _ in WHATIFS[1:])
+        + " |",
+    ]
+    for label, row in preds.items():
+        today = row["today"]
+        work = today.fixed_cycles + today.tile_cycles + today.miss_cycles
+        meas = measured.get(label)
+        cells = [label, f"{density[label]:.3f}"]
+        if meas:
+            cells.append(f"{meas * 1e3:.3f} ({ratio(label, meas, measured[base]):.2f})")
+            err = f"{100 * (today.seconds / meas - 1):+.0f} %"
+        else:
+            cells.append("-")
+            err = "-"
+        cells.append(
+            f"{today.seconds * 1e3:.3f} "
+            f"({ratio(label, today.seconds, preds[base]['today'].seconds):.2f}), {err}"
+        )
+        cells += [
+            f"{today.tail:.2f}",
+            f"{100 * today.fixed_cycles / work:.0f}",
+            f"{100 * today.miss_cycles / work:.0f}",
+        ]
+        for w in WHATIFS[1:]:
+            pw = row[w[0]]
+            cells.append(
+                f"{pw.seconds * 1e3:.3f} "
+                f"({ratio(label, pw.seconds, preds[base][w[0]].seconds):.2f})"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *(f"* {w[0]}: {w[1]}" for w in WHATIFS)]
+    return "\n".join(lines)
+
+
+def _measured_fwd(n_ctx: int, head_dim: int, block: int) -> dict[str, float]:
+    """The 510d8d7 sweep's forward medians (seconds) by pattern at this shape (MHA rows)."""
+    path = ROOT / "bench" / "results" / "2026-11-26-h200-510d8d7" / "full-partial.json"
+    out = {}
+    for r in json.loads(path.read_text())["records"]:
+        c = r["case"]
+        if (c["n_ctx"], c["head_dim"], c["blocksize"], c["direction"], c["kv_heads"]) == (
+            n_ctx,
+            head_dim,
+            block,
+            "fwd",
+            0,
+        ):
+            out[c["pattern"]["label"]] = r["results"]["cuattn-cuda"]["median_ms"] * 1e-3
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pattern", default=None, help="a bench pattern label (default: all)")
+    parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--order", default="heads-fastest", choices=ORDERS)
+    parser.add_argument("--whatif", action="store_true", help="bench/NOTES.md's what-if tables")
+    args = parser.parse_args(argv)
+    fwd, _ = load_fitted()
+    if args.whatif:
+        print(whatif_tables(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        return 0
+    print("| pattern | density | CTAs | predicted ms | tail | fixed % | miss % |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for pattern in ALL_PATTERNS:
+        if args.pattern and pattern.label != args.pattern:
+            continue
+        layout = pattern.make_layout(args.n_ctx, args.heads, args.block)
+        pred = predict_fwd(layout, args.batch, args.head_dim, fwd, order=args.order)
+        work = pred.fixed_cycles + pred.tile_cycles + pred.miss_cycles
+        print(
+            f"| {pattern.label} | {layout.density:.3f} | {pred.ctas} | {pred.seconds * 1e3:.3f} | "
+            f"{pred.tail:.2f} | {100 * pred.fixed_cycles / work:.0f} | "
+            f"{100 * pred.miss_cycles / work:.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

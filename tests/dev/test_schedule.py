@@ -1,0 +1,138 @@
+"""dev/schedule.py, the schedule simulator: the CTA lists it builds from a layout, the list
+scheduler's bounds, monotonic sanity on nested layouts, and the committed calibration table
+recomputed from the committed GPU sweep (no GPU timing here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from cuattn.layout import Layout, make_layout
+from dev import calibrate_schedule, schedule
+
+HEAD_DIM = 128
+FITTED = schedule.load_fitted()
+
+
+def _causal(n_ctx: int, block: int, heads: int = 2) -> object:
+    return make_layout("all", n_ctx=n_ctx, heads=heads, blocksize=block, causal=True)
+
+
+def test_paired_causal_ctas():
+    """Dense causal at 64-blocks: CTA t of a pair walks key tiles 0 .. 2t + 1 and its two
+    consumers compute 2t + 1 and 2t + 2 of them (NOTES, the HGMMA count that matched ncu)."""
+    layout, batch = _causal(1024, 64), 3
+    ctas = schedule.fwd_sm90_ctas(layout, batch, HEAD_DIM)
+    tiles = 1024 // 128
+    assert len(ctas) == tiles * 2 * batch
+    per_tile = schedule.wgmma_cycles(64, 64, HEAD_DIM)
+    assert per_tile == 512  # 8 m64n64k16 + 4 m64n128k16 at N / 2 cycles each
+    for c in ctas:
+        assert c.walked == 2 * c.tile + 2
+        assert c.tensor_cycles == (4 * c.tile + 3) * per_tile
+        assert c.masked == 2  # each consumer's diagonal block
+        assert c.reads == tuple((c.pair, k) for k in range(2 * c.tile + 2))
+    # heads fastest: every pair's last tile first
+    assert [c.tile for c in ctas[: 2 * batch]] == [tiles - 1] * 2 * batch
+    assert {c.pair for c in ctas[: 2 * batch]} == set(range(2 * batch))
+
+
+def test_wide_tiles_cover_block_pairs():
+    """128-key tiles at 64-blocks walk a tile where either of its two key blocks is active and
+    compute it whole (twice a 64-key tile's tensor cycles)."""
+    layout = _causal(1024, 64, heads=1)
+    narrow = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM)
+    wide = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM, tile_n=128)
+    for n, w in zip(narrow, wide, strict=True):
+        assert w.walked == n.tile + 1 == n.walked // 2
+        assert w.tensor_cycles == 2 * (w.tile + 1) * schedule.wgmma_cycles(64, 128, HEAD_DIM)
+        assert w.tensor_cycles >= n.tensor_cycles
+
+
+def test_gqa_shares_kv_reads():
+    layout = _causal(512, 64, heads=4)
+    ctas = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM, kv_group=2)
+    assert {c.reads[0][0] for c in ctas} == {0, 1}
+
+
+def test_list_schedule_bounds():
+    rng = np.random.default_rng(0)
+    for slots in (1, 4, 132):
+        durations = rng.uniform(1, 100, size=500).tolist()
+        makespan, starts = schedule.list_schedule(durations, slots)
+        lower = max(sum(durations) / slots, max(durations))
+        assert lower <= makespan <= sum(durations) / slots + max(durations) + 1e-9
+        assert starts[:slots] == [0.0] * min(slots, len(durations))
+    assert schedule.list_schedule([5.0] * 264, 132)[0] == 10.0
+
+
+def test_more_blocks_never_less_time():
+    """Nested layouts never predict less time: local windows of growing width (one element
+    rule), and block sets without an element rule that only gain blocks (the list scheduler
+    in the kernel's fixed order, L2 misses included). A causal layout may take longer than the
+    dense one at one wave: its longest row is a dense row plus the masking of its diagonal."""
+    for block in (64, 128):
+        times = []
+        for window in (128, 256, 512, 1024, 2048):
+            layout = make_layout(
+                "local", n_ctx=2048, heads=4, blocksize=block, causal=True, local_attn_ctx=window
+            )
+            times.append(schedule.predict_fwd(layout, 2, HEAD_DIM, FITTED[0]).seconds)
+        assert times == sorted(times), (block, times)
+    rng = np.random.default_rng(1)
+    blocks = np.zeros((4, 64, 64), dtype=bool)
+    times = []
+    for _ in range(6):
+        blocks |= rng.random(blocks.shape) < 0.08
+        layout = Layout.from_blocks(blocks.astype(np.int8), 64)
+        times.append(schedule.predict_fwd(layout, 2, HEAD_DIM, FITTED[0]).seconds)
+    assert times == sorted(times), times
+
+
+def test_persistent_without_hiding_is_not_faster_than_its_work():
+    layout, batch = _causal(2048, 64, 8), 4  # 512 CTAs: several waves, no row alone bounds it
+    today = schedule.predict_fwd(layout, batch, HEAD_DIM, FITTED[0])
+    same = schedule.predict_persistent(layout, batch, HEAD_DIM, FITTED[0], item_share=1.0)
+    assert same.balanced_cycles == pytest.approx(today.balanced_cycles, rel=0.05)
+    assert same.makespan_cycles >= same.balanced_cycles
+    hidden = schedule.predict_persistent(layout, batch, HEAD_DIM, FITTED[0], item_share=0.5)
+    assert hidden.seconds < same.seconds
+
+
+def test_work_list_packs_and_splits():
+    layout = make_layout("bigbird", n_ctx=2048, heads=2, blocksize=64, causal=False)
+    ctas = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM)
+    items = schedule.work_list(ctas, pack_below=8, split_above=16)
+    assert sum(i.walked for i in items) == sum(c.walked for c in ctas)
+    assert sum(i.tensor_cycles for i in items) == pytest.approx(sum(c.tensor_cycles for c in ctas))
+    assert max(i.walked for i in items) <= 16 + 8
+    assert sum(i.items for i in items) >= len(ctas)
+    lengths = [i.tensor_cycles + i.walked for i in items]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_fwd_params_change_what_they_scale():
+    layout = _causal(1024, 64)
+    base = schedule.predict_fwd(layout, 1, HEAD_DIM, FITTED[0])
+    slower = dataclasses.replace(FITTED[0], cta_cycles=FITTED[0].cta_cycles * 2)
+    assert schedule.predict_fwd(layout, 1, HEAD_DIM, slower).seconds > base.seconds
+
+
+@pytest.mark.parametrize("label", ["strided", "bigbird", "variable", "document"])
+def test_committed_calibration_reproduces(label):
+    """The committed table's rows of a few held-out patterns, recomputed from the committed sweep
+    and constants; the summary recomputed from the committed rows."""
+    data = json.loads(calibrate_schedule.CALIBRATION_JSON.read_text())
+    rows = [r for r in calibrate_schedule.load_rows() if r.label == label]
+    committed = {e["name"]: e for e in data["rows"]}
+    terms = calibrate_schedule.row_terms(rows)
+    for row in rows:
+        entry = committed[row.name]
+        assert entry["measured_ms"] == pytest.approx(row.measured_s * 1e3, abs=1e-4)
+        predicted = calibrate_schedule.predict(row, terms[calibrate_schedule._case(row)], *FITTED)
+        assert entry["predicted_ms"] == pytest.approx(predicted * 1e3, abs=2e-4)
+        assert entry["side"] == ("fit" if row.fit else "held out")
+    assert calibrate_schedule.summary(data["rows"]) == data["summary"]

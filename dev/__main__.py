@@ -8,8 +8,9 @@ generate  KV-cache policies on a tiny LM: kept bytes, agreement, perplexity, lon
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from cuattn.tools.cli import add_module_commands, run_command
 
 COMMANDS = {
     "compile": ("dev.compile_check", "compile every kernel instantiation with NVRTC"),
@@ -30,22 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(cmd)
-        cmd.set_defaults(func=mod.run)
+    add_module_commands(parser.add_subparsers(dest="command", required=True), COMMANDS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"python -m dev {args.command}: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -209,23 +210,35 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--png", metavar="FILE", default=None, help="also save a picture")
     show.set_defaults(func=_show)
 
-    for name, (module, help_text) in _EXTERNAL.items():
+    add_module_commands(sub, _EXTERNAL)
+    return parser
+
+
+def add_module_commands(sub: Any, commands: dict[str, tuple[str, str]]) -> None:
+    """Subcommands whose implementation is a module (name -> (module, help)) providing
+    add_arguments(parser) and run(args) -> int; a module that is not there is left out."""
+    for name, (module, help_text) in commands.items():
         if importlib.util.find_spec(module) is None:
             continue
         cmd = sub.add_parser(name, help=help_text)
         mod = importlib.import_module(module)
         mod.add_arguments(cmd)
         cmd.set_defaults(func=mod.run)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse argv and run the chosen subcommand: its exit code, or 2 with one line naming the
+    command where it refuses its arguments (a ValueError or TypeError)."""
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError) as exc:
-        print(f"cuattn {args.command}: {exc}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@
 #   mma       the gpu-marked kernel tests again with CUATTN_KERNELS=mma: on an H100/H200, whose
 #             forwards run the wgmma kernel (kernels/attn_fwd_sm90.cu) by default, the mma.sync
 #             forward (attn_fwd) that other GPUs and the score modifiers run
+#   optin     the kernels no GPU has run yet, which stay opt-in until this step passes them: the
+#             gpu-marked kernel and serving tests with CUATTN_KERNELS=sm90a (the wgmma backward,
+#             kernels/attn_bwd_sm90.cu) and CUATTN_DECODE=gqa (kernels/attn_decode_gqa.cu), then
+#             compute-sanitizer memcheck and racecheck on the same launches
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
@@ -48,7 +52,7 @@ STEPS="${*:-probe tests sanitize quick}"
 # Each can be set from the environment, to fit a session's device minutes.
 CALL_S=${CALL_S:-580}
 PROBE_S=${PROBE_S:-200}  # the probe's own limit per group is 45 s, its 4 groups take ~40 s
-WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MMA_S=${MMA_S:-$TESTS_S}
+WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MMA_S=${MMA_S:-$TESTS_S}; OPTIN_S=${OPTIN_S:-$TESTS_S}
 MODIFIERS_S=${MODIFIERS_S:-60}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
@@ -130,6 +134,20 @@ for name in $STEPS; do
       CUATTN_KERNELS=mma step gpu-tests-mma "$MMA_S" "$PY" -m pytest -m gpu -v -rfE \
         -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-mma.xml" \
         tests/backends/test_cuda_kernels.py
+      ;;
+    optin)
+      export CUATTN_KERNELS=sm90a CUATTN_DECODE=gqa
+      step gpu-tests-optin "$OPTIN_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
+        --junitxml="$REPORT_DIR/gpu-tests-optin.xml" tests/backends/test_cuda_kernels.py \
+        tests/serving
+      SANITIZER="$(find_sanitizer)"
+      if [ -n "$SANITIZER" ]; then
+        step memcheck-optin "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
+          --error-exitcode 1 "$PY" scripts/sanitize_launch.py
+        step racecheck-optin "$RACECHECK_S" "$SANITIZER" --tool racecheck \
+          --racecheck-report all --error-exitcode 1 "$PY" scripts/sanitize_launch.py
+      fi
+      unset CUATTN_KERNELS CUATTN_DECODE
       ;;
     modifiers)
       step modifiers "$MODIFIERS_S" "$PY" scripts/gpu_modifiers_check.py

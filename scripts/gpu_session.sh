@@ -3,7 +3,9 @@
 #   phase 0, first and alone: the Hopper probes (gpu_report.sh probe, < 1 min; PROBE=0 skips it)
 #   phase 1, side by side (correctness only, so they may share the GPU): CORRECT (default:
 #            every gpu-marked test, then the kernel tests again with CUATTN_KERNELS=mma (an
-#            H100/H200 runs the wgmma forward by default), then the score modifiers);
+#            H100/H200 runs the wgmma forward by default), then the opt-in kernels (the wgmma
+#            backward, the tensor-core decode) with their tests and sanitizers, then the score
+#            modifiers);
 #            beside them compute-sanitizer memcheck, racecheck and synccheck on every family
 #   phase 2, alone (timings): TIMED (default: the quick sweep's dense causal cases at 64- and
 #            128-blocks), then TIMED_MMA with CUATTN_KERNELS=mma (default: the same quick
@@ -20,7 +22,7 @@ cd "$(dirname "$0")/.."
 SESSION_S="${SESSION_S:-565}"
 RESULTS="${TMPDIR:-/tmp}/cuattn-gpu-session"
 ARCHIVE_DIR="${OUT:-bench/results/gpu-session-$(date -u +%Y-%m-%d)}"
-CORRECT="${CORRECT:-tests mma modifiers}"
+CORRECT="${CORRECT:-tests mma optin modifiers}"
 TIMED="${TIMED-quick}"  # set empty to skip; likewise TIMED_MMA and TIMED_REST
 TIMED_MMA="${TIMED_MMA-quick}"
 TIMED_REST="${TIMED_REST-counters decode dynamic}"

@@ -30,13 +30,15 @@ from cuattn.serving import policies as P
 N_CTX = 200  # ragged for every block size
 BATCH, HEADS = 1, 2
 # (pattern, pattern arguments, block size, head dim, dtype, kv heads): one per rule kind and
-# dtype, one forward config above 48 KB of shared memory (b=64, d=128) and one GQA case.
+# dtype, one forward config above 48 KB of shared memory (b=64, d=128), one GQA case and one at
+# 128-blocks.
 CASES = [
     ("all", {}, 64, 128, np.float16, HEADS),  # causal
     ("all", {"causal": False}, 32, 64, ml_dtypes.bfloat16, HEADS),  # none
     ("local", {"local_attn_ctx": 40}, 16, 32, np.float32, HEADS),  # window
     ("strided", {"local_attn_ctx": 12}, 32, 64, np.float16, HEADS),  # bitmask
     ("all", {}, 64, 64, ml_dtypes.bfloat16, 1),  # GQA: two query heads per key head
+    ("all", {"causal": False}, 128, 64, np.float16, HEADS),  # 128-blocks (sm_90a kernels)
 ]
 DECODE_PAGE = 16
 DECODE_POLICIES = [None, P.HeavyHitters(40, 8), P.Quest(2, DECODE_PAGE)]

@@ -7,7 +7,6 @@ got and what is accepted.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -553,20 +552,22 @@ def attention(
     )
 
 
-PACKED_CACHE_SIZE = 32  # packed layouts of recent varlen calls kept, least recently used out first
+# Packed layouts of recent varlen calls, keyed by the packing and the identity of the per-sequence
+# layouts (which the entry keeps alive, so an id is never reused while its entry exists).
+# A dict, not functools.lru_cache, for make_layout's reason (layout/registry.py _CACHE).
+_PACKED: dict[tuple, tuple[tuple[Layout, ...], Layout]] = {}
+PACKED_CACHE_SIZE = 32
 
 LayoutFn = Callable[[int, int], Layout]
 
 
 def _packed_layout(layouts: Sequence[Layout], cu_q: np.ndarray, cu_k: np.ndarray) -> Layout:
-    return _packed_cached(tuple(layouts), tuple(cu_q.tolist()), tuple(cu_k.tolist()))
-
-
-@functools.lru_cache(maxsize=PACKED_CACHE_SIZE)
-def _packed_cached(layouts: tuple[Layout, ...], cu_q: tuple, cu_k: tuple) -> Layout:
-    """The packed layout, keyed by the per-sequence layouts themselves (a Layout hashes by
-    identity, and the cache keeps its key's layouts alive) and the packing."""
-    return packed(layouts, np.asarray(cu_q), np.asarray(cu_k))
+    key = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), tuple(id(lay) for lay in layouts))
+    if key not in _PACKED:
+        if len(_PACKED) >= PACKED_CACHE_SIZE:
+            _PACKED.pop(next(iter(_PACKED)))
+        _PACKED[key] = (tuple(layouts), packed(layouts, cu_q, cu_k))
+    return _PACKED[key][1]
 
 
 def _check_max_seqlen(name: str, value: object, lengths: np.ndarray) -> None:

@@ -9,7 +9,6 @@ calls the constructor.
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -135,7 +134,10 @@ def check_pattern(
             raise
 
 
-CACHE_SIZE = 64  # layouts make_layout keeps, least recently used out first
+# A dict, not functools.lru_cache: torch.compile traces through an lru_cache wrapper into the
+# layout build (dynamo ignores the cache) and fails there, where it reads a dict hit as a constant.
+_CACHE: dict[tuple, Layout] = {}
+CACHE_SIZE = 64
 
 
 def _freeze(value: object) -> object:
@@ -169,11 +171,10 @@ def make_layout(
     check_positive_int("n_ctx", n_ctx)
     if n_q is not None:
         check_positive_int("n_q", n_q)
-    check_arguments(
+    pattern = check_arguments(
         attn_mode, heads, blocksize, num_verts, vertsize, causal, pattern_args, ("n_ctx", "n_q")
     )
-    frozen = tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items()))
-    return _built(
+    key = (
         attn_mode,
         n_ctx,
         heads,
@@ -183,26 +184,10 @@ def make_layout(
         vertsize,
         bool(causal),
         n_q,
-        frozen,
+        tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items())),
     )
-
-
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _built(
-    attn_mode: str,
-    n_ctx: int,
-    heads: int,
-    blocksize: int,
-    local_attn_ctx: int | None,
-    num_verts: int | None,
-    vertsize: int | None,
-    causal: bool,
-    n_q: int | None,
-    frozen_args: tuple,
-) -> Layout:
-    """make_layout's layout of checked arguments (pattern arguments as _freeze made them)."""
-    pattern = _PATTERNS[attn_mode]
-    pattern_args = dict(frozen_args)
+    if key in _CACHE:
+        return _CACHE[key]
     given = dict(local_attn_ctx=local_attn_ctx, num_verts=num_verts, vertsize=vertsize)
     # The original passes local_attn_ctx to every mode; a pattern without a window ignores it.
     named = {name: value for name, value in given.items() if name in pattern.params}
@@ -210,8 +195,11 @@ def _built(
     if rectangular and "transpose" in pattern.params and pattern_args.get("transpose") is None:
         pattern_args = {**pattern_args, "transpose": False}  # a permutation needs a square
     layout = pattern.build(
-        n_ctx=n_ctx, heads=heads, blocksize=blocksize, causal=causal, **named, **pattern_args
+        n_ctx=n_ctx, heads=heads, blocksize=blocksize, causal=bool(causal), **named, **pattern_args
     )
     if rectangular:
         layout = end_aligned(layout, n_q)
+    if len(_CACHE) >= CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = layout
     return layout

@@ -307,9 +307,9 @@ def test_model_predicts_the_h200_counters_out_of_sample():
     assert 1.8 < sass_roofline.backward_wavefront_ratio(rows, 128) < 2.1
 
 
-def test_cuattn_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys):
+def test_dev_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys):
     _tools_or_skip()
-    from cuattn.tools.cli import main
+    from dev.__main__ import main
 
     out = tmp_path / "report.md"
     args = ["sass", "--filter", "dq d128 b64", "--jobs", "1", "--markdown", str(out)]

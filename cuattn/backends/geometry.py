@@ -1116,13 +1116,19 @@ def kernel_family() -> str:
     the backend runs it by default, on sm_90 GPUs), "mma" (attn_fwd everywhere) or "sm90a"
     (attn_fwd_sm90 wherever it applies, the interpreter included). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
-    family = os.environ.get(KERNELS_ENV, "") or AUTO_FAMILY
-    if family not in KERNEL_FAMILIES:
+    return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
+
+
+def _env_choice(variable: str, accepted: tuple[str, ...], unset: str, what: str) -> str:
+    """The value of environment ``variable`` (``unset`` where it is unset or empty), one of
+    ``accepted``; anything else is a ValueError naming the variable and what it accepts."""
+    value = os.environ.get(variable, "") or unset
+    if value not in accepted:
         raise ValueError(
-            f"{KERNELS_ENV}={family!r} is not a kernel family; accepted: "
-            f"{', '.join(KERNEL_FAMILIES)} (unset: {AUTO_FAMILY})"
+            f"{variable}={value!r} is not a {what}; accepted: {', '.join(accepted)} "
+            f"(unset: {unset})"
         )
-    return family
+    return value
 
 
 def decode_tile(head_dim: int, dtype: str) -> int:
@@ -1164,13 +1170,7 @@ def decode_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: 
 def decode_family() -> str:
     """The decode kernel CUATTN_DECODE asks for: "split" (also when unset: attn_decode_split
     everywhere) or "gqa" (attn_decode_gqa wherever ``decode_gqa_applies``)."""
-    family = os.environ.get(DECODE_ENV, "") or DECODE_SPLIT_FAMILY
-    if family not in DECODE_FAMILIES:
-        raise ValueError(
-            f"{DECODE_ENV}={family!r} is not a decode kernel family; accepted: "
-            f"{', '.join(DECODE_FAMILIES)} (unset: {DECODE_SPLIT_FAMILY})"
-        )
-    return family
+    return _env_choice(DECODE_ENV, DECODE_FAMILIES, DECODE_SPLIT_FAMILY, "decode kernel family")
 
 
 def decode_gqa_supports(head_dim: int, dtype: str) -> bool:

@@ -149,6 +149,25 @@ def test_occupancy_from_registers_threads_and_shared_memory():
     assert [c.strip() for c in cells[9:13]] == ["128", str(70 * 1024), "3", "12"]
 
 
+def test_one_instantiation_of_every_kernel_file_compiles_without_spills():
+    """The suite's quick NVRTC check (the sweep of every instantiation is `slow`, .ci/run's own
+    step): in each kernel file, the instantiation with the most shared memory (the widest tiles),
+    for sm_90."""
+    from dev.compile_check import kernel_instantiations, load_sources
+
+    widest = {}
+    for unit in kernel_instantiations():
+        key = (unit.dynamic_smem, unit.name_expression)
+        if unit.source_file not in widest or key > widest[unit.source_file][0]:
+            widest[unit.source_file] = (key, unit)
+    units = [unit for _, unit in widest.values()]
+    assert len(units) >= 5, sorted(widest)
+    jobs = os.cpu_count() or 1
+    results = run_check(units, ["sm_90"], load_sources(units), common_options(), jobs, None)
+    failures = [f"{r.unit.name_expression}: {r.error or 'spills'}" for r in results if not r.ok]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.slow
 def test_every_kernel_instantiation_compiles_without_spills():
     """Every plain instantiation for sm_90; the score-modifier variant of every one within

@@ -21,15 +21,9 @@ from cuattn.adapters import dlpack as _dlpack
 from cuattn.autograd.tape import Context, Function, Tensor
 from cuattn.backends.call import (
     NO_MODS,
-    NO_OPERANDS,
     AttentionCall,
     ScoreMods,
-    check_alibi_slopes,
-    check_key_bias,
-    check_rel_bias,
-    check_same_kind,
-    given_operands,
-    placed_operands,
+    checked_operands,
 )
 from cuattn.layout import MODES, make_layout
 from cuattn.layout.derived import check_cu_seqlens, packed
@@ -215,36 +209,19 @@ def sparse_attention(
     seed_words = None  # a seed held in an array travels as a score operand
     if not (isinstance(dropout_p, float) and dropout_p == 0.0):  # the default stays here
         mods, seed_words = _dispatch.dropout_mods(mods, _untaped(q), dropout_p, dropout_seed)
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch, heads)
-        _check_operand_kind("alibi_slopes", alibi_slopes, q, layout)
-    if key_bias is not None:
-        check_key_bias(key_bias, q, batch, heads, n_k)
-        _check_operand_kind("key_bias", key_bias, q, layout)
-    if rel_bias is not None:
-        check_rel_bias(rel_bias, q, batch, heads)
-        _check_operand_kind("rel_bias", rel_bias, q, layout)
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    if any(x is not None for x in operands):
-        mods = mods.with_operands(operands)
-    if empty:
-        _resolve_scale(scale, head_dim)  # still checked
-        return _empty_attention(q, k, v, bool(return_lse))
+    biased = not (alibi_slopes is None and key_bias is None and rel_bias is None)
+    if biased or seed_words is not None:
+        operands = checked_operands(
+            q, batch, heads, n_k, alibi_slopes, key_bias, rel_bias, seed_words, unwrap=_untaped
+        )
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )
-    return _route(q, k, v, call, operands)
-
-
-def _check_operand_kind(name: str, x: Any, q: Any, layout: object) -> None:
-    """A score operand is q's kind of array (a cuattn.Tensor's library beside Tensors), for a
-    layout in the natural token order."""
-    check_same_kind(name, _untaped(x), _untaped(q))
-    if isinstance(layout, Layout) and layout.perm is not None:
-        raise ValueError(
-            f"{name} needs the natural token order, but the layout {layout.name!r} is "
-            "permuted (its perm reorders tokens, and the bias would not follow)"
-        )
+    if biased or seed_words is not None:
+        call = call.with_operands(operands)  # refuses a bias with a permuted layout
+    if empty:
+        return _empty_attention(q, k, v, bool(return_lse))
+    return _route(q, k, v, call)
 
 
 def alibi_slopes(heads: int) -> np.ndarray:
@@ -296,7 +273,7 @@ def _implicit_pattern(heads: int, causal: object, window_size: object) -> Patter
     )
 
 
-def _route(q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = NO_OPERANDS) -> Any:
+def _route(q: Any, k: Any, v: Any, call: AttentionCall) -> Any:
     """The validated call on the path for the caller's arrays; every path ends in
     cuattn.backends.forward (and backward), so all of them compute alike.
 
@@ -307,43 +284,42 @@ def _route(q: Any, k: Any, v: Any, call: AttentionCall, operands: tuple = NO_OPE
     * jax arrays (eager or traced) -> jax.custom_vjp (adapters/jax_vjp.py)
     * NumPy, CuPy, any other __dlpack__ producer -> computed and handed back as the caller's own
       type on its device, sharing memory (other producers get NumPy/CuPy arrays)
-    ``operands``: the score modifiers that are arrays, one per SCORE_OPERANDS name (None where
-    the call has none); every route carries them beside q, k, v.
+    The call's score operands (arrays of the caller's kind) cross each route beside q, k, v.
     """
     torch = sys.modules.get("torch")
     if torch is not None and all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         from cuattn.adapters import torch_ops
 
-        return torch_ops.attend(q, k, v, call, *operands)
+        return torch_ops.attend(q, k, v, call)
     call = call.for_lengths(int(q.shape[2]), int(k.shape[2]))
     if any(isinstance(x, Tensor) for x in (q, k, v)):
         from cuattn.autograd import attention
 
         # plain arrays beside Tensors are constants of the tape
-        tensors = tuple(x if x is None or isinstance(x, Tensor) else Tensor(x) for x in operands)
-        return attention.attend(*_dispatch.tape_args(q, k, v), call, *tensors)
+        call = call.with_operands(
+            call.operands.map(lambda name, x: x if isinstance(x, Tensor) else Tensor(x))
+        )
+        return attention.attend(*_dispatch.tape_args(q, k, v), call)
     named = {"q": q, "k": k, "v": v}
     info = _dlpack.common_info(named)
     if info.framework == "jax":
         from cuattn.adapters import jax_vjp
 
-        return jax_vjp.attend(q, k, v, call, *operands)
+        return jax_vjp.attend(q, k, v, call)
     # No gradient is wanted, so recompute has nothing to save and is ignored.
-    extra, given = given_operands(operands)
+    extra = call.operands.named()
     if extra:
         named.update(extra)
         info = _dlpack.common_info(named)
-    args = (given, call.layout, call.scale, call.backend, call.mods)
-    out, lse = _dlpack.call(_forward_with_operands, named, *args, info=info)
+    out, lse = _dlpack.call(_forward_placed, named, call.without_operands(), info=info)
     return (out, lse) if call.return_lse else out
 
 
-def _forward_with_operands(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
-    """backends.forward with the score operands given (first in ``rest``, those ``given`` says
-    are there, in SCORE_OPERANDS order)."""
-    *present, given, layout, scale, backend, mods = rest
-    operands = placed_operands(present, given)
-    return backends.forward(q, k, v, layout, scale, backend, mods, *operands)
+def _forward_placed(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
+    """backends.forward with the call's score operands placed back from the arrays that
+    crossed beside q, k, v (first in ``rest``, the call last)."""
+    *present, call = rest
+    return backends.forward(q, k, v, call.placed(present))
 
 
 def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:

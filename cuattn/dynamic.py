@@ -51,6 +51,7 @@ import numpy as np
 from cuattn._util import ceil_div, host_array, widened
 from cuattn.adapters import dlpack
 from cuattn.backends import array_module, geometry, layout_build, resolve_backend
+from cuattn.backends.kernels import KernelBackend
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import (
     VerticalSlashRule,
@@ -168,7 +169,7 @@ def _kernel_route(q: Any, backend: str | None, blocksize: int, n: int, sorts: bo
     a layout the kernels cannot build is refused here, before anything runs."""
     info = dlpack.describe(q, "q")
     impl = resolve_backend(backend, on_device=info.device == "cuda")
-    if not impl.runs_kernels:
+    if not isinstance(impl, KernelBackend):  # the NumPy backend chooses on the host
         return None
     if blocksize not in geometry.BLOCK_SIZES:
         raise ValueError(

@@ -172,11 +172,12 @@ def project(args: argparse.Namespace) -> list[dict]:
                         src = shards[(rank - step) % world]
                         scale = args.head_dim**-0.5
                         call = AttentionCall(sub, scale)
-                        *layout_args, _, index = torch_ops.op_arguments(call, q.device)
+                        *layout_args, _, index, _, _ = torch_ops.op_arguments(call, q.device)
 
                         def fwd_bwd(q=q, k=src[1], v=src[2], la=layout_args, index=index):
-                            out, lse = torch_ops.attention_fwd(q, k, v, *la, False, index)
-                            torch_ops.attention_bwd(q, k, v, out, lse, out, None, *la, index)
+                            out, lse = torch_ops.attention_fwd(q, k, v, *la, False, index, [], 0)
+                            bwd = torch_ops.attention_bwd
+                            bwd(q, k, v, out, lse, out, None, *la, index, [], 0)
 
                         steps[rank, step] = _time(fwd_bwd, device, args.repeats)
                 q0 = shards[0][0]

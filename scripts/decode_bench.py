@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cuattn  # noqa: E402
 from cuattn import policies  # noqa: E402
 from cuattn.backends import geometry, resolve_backend  # noqa: E402
+from cuattn.backends.call import AttentionCall  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
 from cuattn.tools.bench.report import rows_table  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
@@ -119,7 +120,9 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         by_kv_head = chosen.reshape(batch, KV_HEADS, -1, chosen.shape[-1]).any(axis=2)
         read_tokens = int(by_kv_head.sum()) * page
     kernel_ms = median_ms(
-        lambda: decode_module.kernel_call(impl, cache, q, args.head_dim**-0.5, chosen),
+        lambda: decode_module.kernel_call(
+            impl, cache, q, AttentionCall(None, args.head_dim**-0.5), chosen
+        ),
         sync,
         args.repeats,
     )

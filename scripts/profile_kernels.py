@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cuattn
 from cuattn import backends as be
 from cuattn.adapters.dlpack import cupy_stream_of_torch
+from cuattn.backends.call import AttentionCall
 
 MODEL_DIM = 2048  # heads * head_dim, as in the benchmark
 BLOCKSIZE = 64
@@ -47,8 +48,9 @@ def main() -> int:
 
     with cupy_stream_of_torch():
         cq, ck, cv, cdout = (cupy.from_dlpack(x) for x in (q, k, v, dout))
-        out, lse = be.forward(cq, ck, cv, layout, scale, backend="cuda")
-        be.backward(cq, ck, cv, out, lse, cdout, layout, scale, "cuda")
+        call = AttentionCall(layout, scale, backend="cuda")
+        out, lse = be.forward(cq, ck, cv, call)
+        be.backward(cq, ck, cv, out, lse, cdout, None, call)
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

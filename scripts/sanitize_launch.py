@@ -25,6 +25,7 @@ import cuattn
 from cuattn import backends as be
 from cuattn import dynamic
 from cuattn._util import host_array
+from cuattn.backends.call import AttentionCall
 from cuattn.serving import policies as P
 
 N_CTX = 200  # ragged for every block size
@@ -54,8 +55,9 @@ def attention_cases(xp: Any, backend: str, rng: np.random.Generator) -> list[tup
             xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
             for shape in (q_shape, kv_shape, kv_shape, q_shape)
         )
-        out, lse = be.forward(q, k, v, layout, head_dim**-0.5, backend=backend)
-        grads = be.backward(q, k, v, out, lse, dout, layout, head_dim**-0.5, backend=backend)
+        call = AttentionCall(layout, head_dim**-0.5, backend=backend)
+        out, lse = be.forward(q, k, v, call)
+        grads = be.backward(q, k, v, out, lse, dout, None, call)
         name = f"{mode} b={blocksize} d={head_dim} {np.dtype(dtype).name} kv_heads={kv_heads}"
         results += [(name, x) for x in (out, *grads)]
         if mode == "all" and kv_heads == HEADS:
@@ -94,7 +96,9 @@ def builder_cases(xp: Any, backend: str, rng: np.random.Generator) -> list[tuple
     }
     results = []
     for name, layout in layouts.items():
-        out, _ = be.forward(q[None], k[None], v[None], layout, 0.125, backend=backend)
+        out, _ = be.forward(
+            q[None], k[None], v[None], AttentionCall(layout, 0.125, backend=backend)
+        )
         results.append((f"builder {name}", out))
     return results
 

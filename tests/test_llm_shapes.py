@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cuattn
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.derived import coarsened, end_aligned, packed
 from tests.helpers.oracle import dense_attention, dense_attention_grads, rel_err
 
@@ -134,7 +135,9 @@ def test_interp_kernels_gqa_and_lengths(case, n_q, kv_heads, dtype):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     empty = ~mask.any(axis=-1)
     assert (out[0][empty] == 0).all()
-    grads = cuattn.backends.backward(q, k, v, out, lse, dout, lay, 32**-0.5, backend="interp")
+    grads = cuattn.backends.backward(
+        q, k, v, out, lse, dout, None, AttentionCall(lay, 32**-0.5, backend="interp")
+    )
     refs = dense_attention_grads(q, k, v, dout, mask, 32**-0.5)
     for grad, ref in zip(grads, refs, strict=True):
         assert grad.shape == ref.shape and grad.dtype == q.dtype
@@ -154,8 +157,10 @@ def test_block_size_8(mode, kwargs):
     for backend in ("numpy", "interp"):
         out = cuattn.sparse_attention(q, k, v, lay, backend=backend)
         assert rel_err(out, ref_out) <= 1e-5, backend
-    out, lse = cuattn.backends.forward(q, k, v, lay, 32**-0.5, backend="interp")
-    grads = cuattn.backends.backward(q, k, v, out, lse, dout, lay, 32**-0.5, backend="interp")
+    out, lse = cuattn.backends.forward(q, k, v, AttentionCall(lay, 32**-0.5, backend="interp"))
+    grads = cuattn.backends.backward(
+        q, k, v, out, lse, dout, None, AttentionCall(lay, 32**-0.5, backend="interp")
+    )
     refs = dense_attention_grads(q, k, v, dout, lay.to_mask(), 32**-0.5)
     for grad, ref in zip(grads, refs, strict=True):
         assert rel_err(grad, ref) <= 2e-5

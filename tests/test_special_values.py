@@ -17,6 +17,7 @@ import pytest
 
 import cuattn
 from cuattn.backends import interp, numpy_ref
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.layout import Layout
 from cuattn.tools.oracle import computed_pairs, dense_attention, dense_attention_grads
 
@@ -209,8 +210,9 @@ def run_backend(module, q, k, v, dout, layout):
     """(out, lse, dq, dk, dv) of a backend module (numpy_ref or interp), warnings as errors."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out, lse = module.attention_forward(q, k, v, layout, SCALE)
-        grads = module.attention_backward(q, k, v, out, lse, dout, layout, SCALE)
+        call = AttentionCall(layout, SCALE)
+        out, lse = module.attention_forward(q, k, v, call)
+        grads = module.attention_backward(q, k, v, out, lse, dout, None, call)
     return (out, lse, *grads)
 
 
@@ -255,7 +257,7 @@ def test_nan_in_v_reaches_rows_through_computed_blocks_only():
     layout = LAYOUTS["local"]
     q, k, v, dout = case_arrays(nan_in_v, np.float32)
     for module in (numpy_ref, _Interp):
-        out = module.attention_forward(q, k, v, layout, SCALE)
+        out = module.attention_forward(q, k, v, AttentionCall(layout, SCALE))
         rows_nan = np.isnan(out[0][1]).any(axis=-1)  # batch 1, [heads, rows]
         assert rows_nan[:, :32].all() and not rows_nan[:, 32:].any()
     # SDPA's dense P V multiplies p = 0 by v[5] in every row

@@ -39,13 +39,7 @@ import numpy as np
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
 from cuattn.adapters import jax_xla as _xla
-from cuattn.backends.call import (
-    SCORE_OPERANDS,
-    AttentionCall,
-    given_operands,
-    operand_gradients,
-    placed_operands,
-)
+from cuattn.backends.call import SCORE_OPERANDS, AttentionCall
 
 __all__ = ["attend"]
 
@@ -72,103 +66,94 @@ def _device_target(backend: str | None) -> int | None:
     return target
 
 
-def _host_forward(call: AttentionCall, given: tuple, *arrays):
-    return _eager_forward(*(np.asarray(x) for x in arrays), given, call)
+def _host_forward(call: AttentionCall, *arrays):
+    return _eager_forward(*(np.asarray(x) for x in arrays), call)
 
 
-def _host_backward(call: AttentionCall, given: tuple, *arrays):
-    grads = _eager_backward(*(np.asarray(x) for x in arrays), given, call)
+def _host_backward(call: AttentionCall, *arrays):
+    grads = _eager_backward(*(np.asarray(x) for x in arrays), call)
     return tuple(g for g in grads if g is not None)  # a seed array has no gradient
 
 
-def _forward(q, k, v, operands, call: AttentionCall):
-    """(out, lse); ``operands``: the score operands (SCORE_OPERANDS order, None if absent)."""
-    extra, given = given_operands(operands)
-    if _traced(q, k, v, *extra.values()):
+def _forward(q, k, v, present, call: AttentionCall):
+    """(out, lse); ``present``: the call's score operands (those its modifiers flag, in
+    SCORE_OPERANDS order), the call without them."""
+    if _traced(q, k, v, *present):
         target = _device_target(call.backend)
         if target is not None:
-            return _xla.forward(q, k, v, call.layout, call.scale, call.mods, target, *operands)
+            return _xla.forward(q, k, v, call.placed(present), target)
         shapes = (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q.dtype)),
         )
-        # the operands cross the callback as arrays; which ones, as a static value
-        host = functools.partial(_host_forward, call, given)
-        return jax.pure_callback(host, shapes, q, k, v, *extra.values(), vmap_method="sequential")
-    named = {"q": q, "k": k, "v": v, **extra}
-    return dlpack.call(_eager_forward, named, given, call)
+        # the operands cross the callback as arrays, the call as a static value
+        host = functools.partial(_host_forward, call)
+        return jax.pure_callback(host, shapes, q, k, v, *present, vmap_method="sequential")
+    named = {"q": q, "k": k, "v": v, **call.placed(present).operands.named()}
+    return dlpack.call(_eager_forward, named, call)
 
 
 def _eager_forward(q, k, v, *rest):
-    *present, given, call = rest
-    operands = placed_operands(present, given)
-    return _backend.forward(q, k, v, call.layout, call.scale, call.backend, call.mods, *operands)
+    *present, call = rest
+    return _backend.forward(q, k, v, call.placed(present))
 
 
-def _backward(q, k, v, operands, out, lse, dout, dlse, call: AttentionCall):
-    """(dq, dk, dv, gradients of the operands: None for those absent)."""
+def _backward(q, k, v, present, out, lse, dout, dlse, call: AttentionCall):
+    """(dq, dk, dv, gradients of the operands present: None for a seed array)."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "dlse": dlse}
-    extra, given = given_operands(operands)
-    if _traced(*named.values(), *extra.values()):
+    extra = call.placed(present).operands.named()
+    if _traced(*named.values(), *present):
         target = _device_target(call.backend)
         if target is not None:
-            args = (call.layout, call.scale, call.mods, target)
-            grads = _xla.backward(*named.values(), *args, *operands)
+            grads = _xla.backward(*named.values(), call.placed(present), target)
         else:
             wrt = (x for name, x in extra.items() if name != SEED_OPERAND)
             shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *wrt))
-            host = functools.partial(_host_backward, call, given)
-            arrays = (*named.values(), *extra.values())
+            host = functools.partial(_host_backward, call)
+            arrays = (*named.values(), *present)
             grads = jax.pure_callback(host, shapes, *arrays, vmap_method="sequential")
             grads = (*grads, None) if SEED_OPERAND in extra else grads
     else:
-        grads = dlpack.call(_eager_backward, {**named, **extra}, given, call)
-    return (*grads[:3], operand_gradients(tuple(grads), operands))
+        grads = dlpack.call(_eager_backward, {**named, **extra}, call)
+    return (*grads[:3], tuple(grads[3:]))
 
 
 def _eager_backward(q, k, v, out, lse, dout, dlse, *rest):
-    *present, given, call = rest
-    operands = placed_operands(present, given)
-    args = (call.layout, call.scale, call.backend, dlse, call.mods)
-    return _backend.backward(q, k, v, out, lse, dout, *args, *operands)
+    *present, call = rest
+    return _backend.backward(q, k, v, out, lse, dout, dlse, call.placed(present))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, operands, call):
-    return _forward(q, k, v, operands, call)
+def _attention(q, k, v, present, call):
+    return _forward(q, k, v, present, call)
 
 
-def _attention_fwd(q, k, v, operands, call):
-    out, lse = _forward(q, k, v, operands, call)
-    residuals = (q, k, v, operands) if call.recompute else (q, k, v, operands, out, lse)
+def _attention_fwd(q, k, v, present, call):
+    out, lse = _forward(q, k, v, present, call)
+    residuals = (q, k, v, present) if call.recompute else (q, k, v, present, out, lse)
     return (out, lse), residuals
 
 
 def _attention_bwd(call, residuals, cotangents):
     dout, dlse = cotangents
     if call.recompute:
-        q, k, v, operands = residuals
-        out, lse = _forward(q, k, v, operands, call)
+        q, k, v, present = residuals
+        out, lse = _forward(q, k, v, present, call)
     else:
-        q, k, v, operands, out, lse = residuals
-    return _backward(q, k, v, operands, out, lse, dout, dlse, call)
+        q, k, v, present, out, lse = residuals
+    return _backward(q, k, v, present, out, lse, dout, dlse, call)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    call: AttentionCall,
-    alibi_slopes: jax.Array | None = None,
-    key_bias: jax.Array | None = None,
-    rel_bias: jax.Array | None = None,
-    seed_words: jax.Array | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, call: AttentionCall
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Differentiable attention on jax arrays [batch, heads, time, head_dim] (the call's
-    layout concrete); ALiBi's slopes, the key bias and the relative-position table
-    differentiable too. ``seed_words``: dropout's seed as an array (traced or not), or None."""
-    out, lse = _attention(q, k, v, (alibi_slopes, key_bias, rel_bias, seed_words), call)
+    layout concrete); ALiBi's slopes, the key bias and the relative-position table among the
+    call's operands differentiable too; dropout's seed array (traced or not) has no gradient.
+    The operands cross jax's custom_vjp as arrays, the call without them as a static value."""
+    present = call.operands.present
+    out, lse = _attention(q, k, v, present, call.without_operands())
     return (out, lse) if call.return_lse else out

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import geometry
-from cuattn.backends.call import NO_MODS, ScoreMods, placed_operands
+from cuattn.backends.call import AttentionCall, ScoreOperands
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import COPY_ALIGNMENT, LAYOUT_FIELDS, KernelBackend
 from cuattn.backends.toolchain import (
@@ -572,21 +572,12 @@ class XlaBackend(KernelBackend):
         call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=aliases)
         return call(*operands, opaque=opaque)
 
-    def forward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        layout: Layout,
-        scale: float,
-        mods: ScoreMods = NO_MODS,
-        *operands: Any,
-    ) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, layout, scale, mods, *operands)
+    def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+        out, lse = super().forward(q, k, v, call)
         return out.get(), lse.get()
 
-    def backward(self, q, k, v, out, lse, dout, layout, scale, dlse=None, mods=NO_MODS, *biases):
-        grads = super().backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *biases)
+    def backward(self, q, k, v, out, lse, dout, dlse, call):
+        grads = super().backward(q, k, v, out, lse, dout, dlse, call)
         return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
 
     def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
@@ -661,45 +652,34 @@ def folding_vmap(
 
 
 def forward(
-    q: Any,
-    k: Any,
-    v: Any,
-    layout: Layout,
-    scale: float,
-    mods: ScoreMods,
-    compute_capability: int,
-    alibi_slopes: Any | None = None,
-    key_bias: Any | None = None,
-    rel_bias: Any | None = None,
-    seed_words: Any | None = None,
+    q: Any, k: Any, v: Any, call: AttentionCall, compute_capability: int
 ) -> tuple[Any, Any]:
-    """(out, lse) of traced jax arrays in the caller's token order, as custom calls; the score
-    operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads], a table as
-    [batch, heads, 2 M + 1]), so that a vmap folds them with the batch; a seed array as the
+    """(out, lse) of traced jax arrays in the caller's token order, as custom calls; the call's
+    score operands (if any) with a batch axis first (ALiBi's slopes as [batch, heads], a table
+    as [batch, heads, 2 M + 1]), so that a vmap folds them with the batch; a seed array as the
     two 32-bit words the kernels read."""
     backend = backend_for(compute_capability)
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    present, template, _ = _batched_operands(operands, q)
+    layout = call.layout
+    present, _ = _batched_operands(call.operands, q)
+    bare = call.without_operands()
 
     def run(q: Any, k: Any, v: Any, *given: Any) -> tuple[Any, Any]:
         prepared = (_prepare(x, layout) for x in (q, k, v))
-        out, lse = backend.forward(
-            *prepared, layout, scale, mods, *placed_operands(given, template)
-        )
+        out, lse = backend.forward(*prepared, bare.placed(given))
         return _to_natural(out, layout), _to_natural(lse, layout)
 
-    return folding_vmap(run, seed_words is not None)(q, k, v, *present)
+    return folding_vmap(run, call.mods.seed_words)(q, k, v, *present)
 
 
-def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple, tuple]:
-    """(the operands given, batch axis first; which were given; which of those were broadcast
-    to it): ALiBi's [heads] slopes become [batch, heads] and a table [heads, 2 M + 1] becomes
-    [batch, heads, 2 M + 1]; a key bias has its batch axis already; a 64-bit seed becomes its
-    two 32-bit words (the low first, as the kernels read them), with no batch axis."""
+def _batched_operands(operands: ScoreOperands, q: Any) -> tuple[tuple, tuple]:
+    """(the operands given, batch axis first; which of those were broadcast to it): ALiBi's
+    [heads] slopes become [batch, heads] and a table [heads, 2 M + 1] becomes [batch, heads,
+    2 M + 1]; a key bias has its batch axis already; a 64-bit seed becomes its two 32-bit words
+    (the low first, as the kernels read them), with no batch axis."""
     import jax
     import jax.numpy as jnp
 
-    alibi_slopes, key_bias, rel_bias, seed_words = operands
+    alibi_slopes, key_bias, rel_bias, seed_words = operands.values()
     broadcast = (
         alibi_slopes is not None and alibi_slopes.ndim == 1,
         False,
@@ -712,9 +692,9 @@ def _batched_operands(operands: tuple, q: Any) -> tuple[tuple, tuple, tuple]:
         rel_bias = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
     if seed_words is not None and seed_words.dtype.itemsize == 8:  # one 64-bit value
         seed_words = jax.lax.bitcast_convert_type(seed_words.reshape(()), jnp.uint32)
-    given = (alibi_slopes, key_bias, rel_bias, seed_words)
-    present = tuple(x for x in given if x is not None)
-    return present, tuple(x is not None for x in given), broadcast
+    batched = ScoreOperands(alibi_slopes, key_bias, rel_bias, seed_words)
+    widened = tuple(b for b, g in zip(broadcast, operands.given, strict=True) if g)
+    return batched.present, widened
 
 
 def backward(
@@ -725,32 +705,25 @@ def backward(
     lse: Any,
     dout: Any,
     dlse: Any,
-    layout: Layout,
-    scale: float,
-    mods: ScoreMods,
+    call: AttentionCall,
     compute_capability: int,
-    alibi_slopes: Any | None = None,
-    key_bias: Any | None = None,
-    rel_bias: Any | None = None,
-    seed_words: Any | None = None,
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
-    (like lse) is the cotangent of the lse output. The gradients of the score operands given
+    (like lse) is the cotangent of the lse output. The gradients of the call's score operands
     follow, each like its operand (None for a seed)."""
     backend = backend_for(compute_capability)
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    present, template, broadcast = _batched_operands(operands, q)
-    seeded = seed_words is not None
+    layout = call.layout
+    present, widened = _batched_operands(call.operands, q)
+    seeded = call.mods.seed_words
+    bare = call.without_operands()
 
     def run(*arrays: Any) -> tuple[Any, ...]:
         *tensors, dlse = (_prepare(x, layout) for x in arrays[:7])
-        operands = placed_operands(arrays[7:], template)
-        grads = backend.backward(*tensors, layout, scale, dlse, mods, *operands)
+        grads = backend.backward(*tensors, dlse, bare.placed(arrays[7:]))
         grads = grads[:-1] if seeded else grads  # the seed's None: not an array to map
         return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
     grads = folding_vmap(run, seeded)(q, k, v, out, lse, dout, dlse, *present)
     # an operand that went in broadcast along the batch has its gradient per batch: summed
-    wide = (b for b, g in zip(broadcast[:-1], template[:-1], strict=True) if g)
-    summed = (g.sum(axis=0) if b else g for g, b in zip(grads[3:], wide, strict=True))
+    summed = (g.sum(axis=0) if b else g for g, b in zip(grads[3:], widened, strict=False))
     return (*grads[:3], *summed, *((None,) if seeded else ()))

@@ -3,20 +3,18 @@
 Two ops in the ``cuattn`` namespace take tensors and plain values only:
     cuattn::attention_fwd(q, k, v, pattern, blocksize, rule, window_left, window_right, scale,
                           softcap, dropout_p, dropout_seed, backend, recompute, index,
-                          alibi_slopes=None, key_bias=None, rel_bias=None,
-                          seed_words=None)                            -> (out, lse)
+                          operands, given)                     -> (out, lse)
     cuattn::attention_bwd(q, k, v, out, lse, dout, dlse, pattern, blocksize, rule, window_left,
                           window_right, scale, softcap, dropout_p, dropout_seed, backend,
-                          index, alibi_slopes=None, key_bias=None, rel_bias=None,
-                          seed_words=None)
-                                                     -> (dq, dk, dv, dslopes, dkey_bias, drel_bias)
-``alibi_slopes`` (float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch, n_k] or
-[batch, heads, n_k]) and ``rel_bias`` (float32 [(batch,) heads, 2 M + 1]) are the score
-modifiers that are arrays (backends/call.py SCORE_OPERANDS), None when absent; ``dslopes``,
-``dkey_bias`` and ``drel_bias`` their gradients, empty tensors without them. ``seed_words``
-is dropout's seed held in a tensor on q's device (int64 [] or uint32 [2]: the seed torch draws
-on the device when the caller gives none, so a CUDA graph's replay draws a new mask), which
-replaces ``dropout_seed``; it has no gradient.
+                          index, operands, given)             -> [dq, dk, dv, *doperands]
+``operands`` is the list of the call's score operands (backends/call.py SCORE_OPERANDS: ALiBi's
+slopes float32 [heads] or [batch, heads], a key bias float32 [batch, n_k] or [batch, heads,
+n_k], a relative-position table float32 [(batch,) heads, 2 M + 1], dropout's seed held in a
+tensor on q's device), only those given, in that order; ``given`` says which (bit i for
+SCORE_OPERANDS[i]). attention_bwd answers a list: dq, dk, dv, then the gradient of each
+operand given but the seed. A seed tensor (int64 [] or uint32 [2]: the seed torch draws on the
+device when the caller gives none, so a CUDA graph's replay draws a new mask) replaces
+``dropout_seed``; it has no gradient.
 A :class:`Pattern` crosses as its text key (``pattern``), a rule built for each call's lengths,
 so a compiled graph with a dynamic sequence length runs every length without re-tracing. Any
 concrete layout (a :class:`Layout`, or a :class:`DeviceLayout` chosen from the data) crosses as
@@ -39,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,16 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from cuattn import backends as _backend
 from cuattn.adapters import dlpack
-from cuattn.backends.call import (
-    NO_MODS,
-    NO_OPERANDS,
-    SCORE_OPERANDS,
-    AttentionCall,
-    ScoreMods,
-    given_operands,
-    operand_gradients,
-    placed_operands,
-)
+from cuattn.backends.call import NO_MODS, SCORE_OPERANDS, AttentionCall, ScoreMods
 from cuattn.backends.kernels import kernel_layout
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.layout import RULE_KINDS, Layout
@@ -151,35 +141,34 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
 # attention_fwd's arguments before the score operands: q, k, v, the five of the layout, scale,
 # softcap, dropout_p, dropout_seed, backend, recompute, index
 OP_ARGUMENTS = 15
+# the seed, last of the score operands, has no gradient
+SEED_BIT = len(SCORE_OPERANDS) - 1
 
 
-def _mods(softcap: float, dropout_p: float, dropout_seed: int, operands: tuple) -> ScoreMods:
-    """The ops' modifier arguments (softcap, dropout, and the score operands given or None) as
-    the backends take them."""
-    if operands == NO_OPERANDS and not dropout_p:
-        return ScoreMods(softcap) if softcap else NO_MODS
-    return ScoreMods(softcap).with_operands(operands).with_dropout(dropout_p, dropout_seed)
+def given_bits(call: AttentionCall) -> int:
+    """The ops' ``given``: bit i set when the call carries SCORE_OPERANDS[i]."""
+    return sum(1 << i for i, g in enumerate(call.mods.given) if g)
 
 
-# No score operand: the common call, which never steps into backends/call.py
-# (tests/adapters/test_call_path.py)
-_NONE_GIVEN = (False,) * len(SCORE_OPERANDS)
-# attention_bwd answers a gradient for the operands before the seed (which has none)
-BIAS_OPERANDS = len(SCORE_OPERANDS) - 1
-
-
-def _with_operands(named: dict[str, torch.Tensor], operands: tuple) -> tuple[bool, ...]:
-    """``named`` with the score operands given added (under their names), and which were."""
-    if operands == NO_OPERANDS:
-        return _NONE_GIVEN
-    extra, given = given_operands(operands)
-    named.update(extra)
-    return given
-
-
-def _placed(present: Any, given: tuple[bool, ...]) -> tuple:
-    """The operands in order from the arrays present (placed_operands, or none at all)."""
-    return NO_OPERANDS if given == _NONE_GIVEN else placed_operands(present, given)
+def _call(
+    layout: Layout,
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    dropout_seed: int,
+    backend: str,
+    given: int,
+) -> AttentionCall:
+    """The call an op's plain arguments describe (its operands placed by the caller)."""
+    if not given and not dropout_p:
+        mods = ScoreMods(softcap) if softcap else NO_MODS
+        return AttentionCall(layout, scale, backend=backend or None, mods=mods)
+    alibi, key_bias, rel_bias, seed_words = (
+        bool(given >> i & 1) for i in range(len(SCORE_OPERANDS))
+    )
+    mods = ScoreMods(softcap).with_dropout(dropout_p, dropout_seed)
+    mods = replace(mods, alibi=alibi, key_bias=key_bias, rel_bias=rel_bias, seed_words=seed_words)
+    return AttentionCall(layout, scale, backend=backend or None, mods=mods)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -203,32 +192,27 @@ def attention_fwd(
     backend: str,
     recompute: bool,
     index: list[torch.Tensor],
-    alibi_slopes: torch.Tensor | None = None,
-    key_bias: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    seed_words: torch.Tensor | None = None,
+    operands: list[torch.Tensor],
+    given: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); ``recompute`` only shapes the backward. ``seed_words``: dropout's seed held
-    in a tensor on q's device (then ``dropout_seed`` is unused)."""
+    """(out, lse); ``recompute`` only shapes the backward."""
     named = {"q": q, "k": k, "v": v}
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        mods = _mods(softcap, dropout_p, dropout_seed, operands)
-        args = (given, lay, scale, backend or None, mods)
-        out, lse = dlpack.call(_forward_arrays, named, *args, info=info)
+        call = _call(lay, scale, softcap, dropout_p, dropout_seed, backend, given)
+        if given:
+            named.update(call.placed(operands).operands.named())
+        out, lse = dlpack.call(_forward_arrays, named, call, info=info)
     return out.contiguous(), lse.contiguous()
 
 
 def _forward_arrays(q, k, v, *rest):
-    """backends.forward with the score operands given (first in ``rest``)."""
-    *present, given, layout, scale, backend, mods = rest
-    operands = _placed(present, given)
-    return _backend.forward(q, k, v, layout, scale, backend, mods, *operands)
+    """backends.forward with the score operands placed (first in ``rest``, the call last)."""
+    *present, call = rest
+    return _backend.forward(q, k, v, call.placed(present) if present else call)
 
 
 @attention_fwd.register_fake
@@ -256,88 +240,52 @@ def attention_bwd(
     dropout_seed: int,
     backend: str,
     index: list[torch.Tensor],
-    alibi_slopes: torch.Tensor | None = None,
-    key_bias: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    seed_words: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dslopes, dkey_bias, drel_bias) from the saved inputs, output and lse, and
-    the gradients reaching out (dout) and lse (dlse, None when nothing reached it); an
-    operand's gradient is empty without it (and the seed has none)."""
+    operands: list[torch.Tensor],
+    given: int,
+) -> list[torch.Tensor]:
+    """[dq, dk, dv, then the gradient of each operand given but the seed, which has none] from
+    the saved inputs, output and lse, and the gradients reaching out (dout) and lse (dlse, None
+    when nothing reached it)."""
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout}
     if dlse is not None:
         named["dlse"] = dlse
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    given = _with_operands(named, operands)
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
         lay = _resolve(
             pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
         )
-        mods = _mods(softcap, dropout_p, dropout_seed, operands)
-        args = (dlse is not None, given, lay, scale, backend or None, mods)
-        grads = dlpack.call(_backward_arrays, named, *args, info=info)
-    grads = tuple(None if g is None else g.contiguous() for g in grads)
-    wrt = operand_gradients(grads, operands)[:BIAS_OPERANDS]
-    return (*grads[:3], *(_absent(q) if g is None else g for g in wrt))
-
-
-def _absent(q: torch.Tensor) -> torch.Tensor:
-    """attention_bwd's gradient of an operand the call does not have."""
-    return q.new_empty(0, dtype=torch.float32)
+        call = _call(lay, scale, softcap, dropout_p, dropout_seed, backend, given)
+        named.update(call.placed(operands).operands.named())
+        grads = dlpack.call(_backward_arrays, named, dlse is not None, call, info=info)
+    return [g.contiguous() for g in grads if g is not None]  # the seed's None: no gradient
 
 
 def _backward_arrays(q, k, v, out, lse, dout, *rest):
-    """backends.backward with the optional dlse and the score operands given (in that order
-    in ``rest``)."""
-    *optional, has_dlse, given, layout, scale, backend, mods = rest
+    """backends.backward with the optional dlse and the score operands (in that order in
+    ``rest``), then whether dlse came and the call."""
+    *optional, has_dlse, call = rest
     dlse = optional.pop(0) if has_dlse else None
-    operands = _placed(optional, given)
-    args = (layout, scale, backend, dlse, mods)
-    return _backend.backward(q, k, v, out, lse, dout, *args, *operands)
+    return _backend.backward(q, k, v, out, lse, dout, dlse, call.placed(optional))
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dout,
-    dlse,
-    pattern,
-    blocksize,
-    rule,
-    window_left,
-    window_right,
-    scale,
-    softcap,
-    dropout_p,
-    dropout_seed,
-    backend,
-    index,
-    alibi_slopes=None,
-    key_bias=None,
-    rel_bias=None,
-    seed_words=None,
-):
-    operands = (alibi_slopes, key_bias, rel_bias)
-    wrt = (_absent(q) if x is None else x.new_empty(x.shape) for x in operands)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *wrt
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
+    *_, operands, given = rest
+    wrt = operands[:-1] if given >> SEED_BIT & 1 else operands  # the seed has no gradient
+    return [x.new_empty(x.shape) for x in (q, k, v, *wrt)]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, *layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute, index = (
         inputs[:OP_ARGUMENTS]
     )
-    operands = inputs[OP_ARGUMENTS:]
+    operands, given = inputs[OP_ARGUMENTS:]
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
-    ctx.save_for_backward(*saved, *index, *(x for x in operands if x is not None))
+    ctx.save_for_backward(*saved, *index, *operands)
     ctx.saved_count = len(saved)
     ctx.index_count = len(index)
-    ctx.given = tuple(x is not None for x in operands)
+    ctx.given = given
     ctx.args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute)
 
 
@@ -347,11 +295,10 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     q, k, v, *saved = tensors[: ctx.saved_count]
     after = tensors[ctx.saved_count :]
     index = list(after[: ctx.index_count])
-    operands = _placed(after[ctx.index_count :], ctx.given)
+    operands = list(after[ctx.index_count :])
     if recompute:
         args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, False, index)
-        args = (*args, *operands)
-        saved = attention_fwd(q, k, v, *args)
+        saved = attention_fwd(q, k, v, *args, operands, ctx.given)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
@@ -359,15 +306,12 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
     plain = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, index)
-    dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, *operands)
-    # None for each plain argument and each tensor of index, then the operands' gradients;
-    # torch drops trailing arguments left at their default (None) from the inputs the backward
-    # answers, so the answer has as many entries as needs_input_grad
+    dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, operands, ctx.given)
+    # None for each plain argument and each tensor of index, then a gradient for each operand
+    # given (None for the seed), then None for ``given``
     nones = [None] * (OP_ARGUMENTS - 4)  # every argument but q, k, v and index
-    wrt = (None if x is None else g for x, g in zip(operands[:BIAS_OPERANDS], wrt, strict=True))
-    wrt = (*wrt, None)  # the seed
-    answer = (dq, dk, dv, *nones, [None] * len(index), *wrt)
-    return answer[: len(ctx.needs_input_grad)]
+    seed = [None] if ctx.given >> SEED_BIT & 1 else []
+    return (dq, dk, dv, *nones, [None] * len(index), [*wrt, *seed], None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -388,34 +332,30 @@ attention_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothin
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    call: AttentionCall,
-    alibi_slopes: torch.Tensor | None = None,
-    key_bias: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    seed_words: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention on torch tensors [batch, heads, time, head_dim] through the custom ops; with
     or without autograd, eager or compiled. out and lse (float32, float64 for float64) both
-    carry gradients. The call crosses the op as the ops' plain arguments (op_arguments)."""
-    operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device), *operands)
+    carry gradients, and so do the call's score operands that want one. The call crosses the
+    op as the ops' plain arguments and its operand list (op_arguments)."""
+    out, lse = attention_fwd(q, k, v, *op_arguments(call, q.device))
     return (out, lse) if call.return_lse else out
 
 
 def op_arguments(call: AttentionCall, device: torch.device) -> tuple:
     """(pattern, blocksize, rule, window_left, window_right, scale, softcap, dropout_p,
-    dropout_seed, backend, recompute, index):
+    dropout_seed, backend, recompute, index, operands, given):
     the call as attention_fwd's arguments after q, k, v for q on ``device`` (attention_bwd takes
     the same but recompute), the one place that spells them. A Pattern's ints are unused (0)."""
     layout, backend, mods = call.layout, call.backend or "", call.mods
     scores = (call.scale, mods.softcap, mods.dropout_p, mods.dropout_seed)
+    operands = (
+        ([], 0) if call.given_operands is None else (list(call.operands.present), given_bits(call))
+    )
     if isinstance(layout, Pattern):
-        return layout.key, 0, 0, 0, 0, *scores, backend, call.recompute, []
+        return layout.key, 0, 0, 0, 0, *scores, backend, call.recompute, [], *operands
     index = index_tensors(layout, device)
-    return "", *_layout_ints(layout), *scores, backend, call.recompute, index
+    return "", *_layout_ints(layout), *scores, backend, call.recompute, index, *operands
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

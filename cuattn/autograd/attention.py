@@ -11,7 +11,7 @@ from typing import Any
 from cuattn import backends as _backend
 from cuattn.autograd.tape import Context, Function, Tensor
 from cuattn.autograd.tape import recompute as recompute_region
-from cuattn.backends.call import AttentionCall, operand_gradients
+from cuattn.backends.call import AttentionCall
 
 __all__ = ["SparseAttention", "attend"]
 
@@ -21,53 +21,34 @@ class SparseAttention(Function):
 
     Saves only q, k, v, out and lse: the backend's backward recomputes the probabilities from
     the log-sum-exp. Both outputs are differentiable (lse's gradient enters as delta - dlse).
+    The score operands come as inputs after v (a gradient reaches those that want one), the
+    call (without them) last.
     """
 
     @staticmethod
-    def forward(
-        ctx: Context,
-        q: Any,
-        k: Any,
-        v: Any,
-        alibi_slopes: Any | None,
-        key_bias: Any | None,
-        rel_bias: Any | None,
-        seed_words: Any | None,
-        call: AttentionCall,
-    ) -> tuple[Any, Any]:
-        operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-        args = (call.layout, call.scale, call.backend, call.mods)
-        out, lse = _backend.forward(q, k, v, *args, *operands)
-        ctx.save_for_backward(q, k, v, out, lse, *operands)
-        ctx.call = call
+    def forward(ctx: Context, q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
+        *present, call = rest
+        call = call.placed(present)
+        out, lse = _backend.forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse, *present)
+        ctx.call = call.without_operands()
         return out, lse
 
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
-        q, k, v, out, lse, *operands = ctx.saved_tensors
-        call = ctx.call
-        args = (call.layout, call.scale, call.backend, dlse, call.mods)
-        grads = _backend.backward(q, k, v, out, lse, dout, *args, *operands)
-        return (*grads[:3], *operand_gradients(grads, tuple(operands)), None)
+        q, k, v, out, lse, *present = ctx.saved_tensors
+        call = ctx.call.placed(present)
+        grads = _backend.backward(q, k, v, out, lse, dout, dlse, call)
+        return (*grads[:3], *grads[3 : 3 + len(present)], None)  # the call has none
 
 
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    call: AttentionCall,
-    alibi_slopes: Tensor | None = None,
-    key_bias: Tensor | None = None,
-    rel_bias: Tensor | None = None,
-    seed_words: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def attend(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     """Tape route of ``cuattn.sparse_attention``: q, k, v Tensors [batch, heads, time,
-    head_dim] and the validated call (its layout concrete); ALiBi's slopes, the key bias and
-    the relative-position table Tensors (a gradient reaches them when they require one) or
-    None; ``seed_words`` dropout's seed held in an array (a constant), or None.
-    ``call.recompute`` keeps
-    only q, k, v (and the operands) on the tape and re-runs the forward in backward."""
+    head_dim] and the validated call (its layout concrete), its score operands Tensors (a
+    gradient reaches ALiBi's slopes, the key bias and the relative-position table when they
+    require one; dropout's seed array is a constant). ``call.recompute`` keeps only q, k, v
+    (and the operands) on the tape and re-runs the forward in backward."""
     with recompute_region(call.recompute):
-        operands = (alibi_slopes, key_bias, rel_bias, seed_words)
-        out, lse = SparseAttention.apply(q, k, v, *operands, call)
+        present = call.operands.present
+        out, lse = SparseAttention.apply(q, k, v, *present, call.without_operands())
     return (out, lse) if call.return_lse else out

@@ -1,14 +1,14 @@
 """Backend selection and the permutation-aware forward/backward every public path goes through.
 
-A backend computes attention on arrays of one array library in the layout's computed token
-order: ``forward(q, k, v, layout, scale, mods, *operands) -> (out, lse)`` and
-``backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands) -> (dq, dk, dv, ...)``
-(and each given operand's gradient after dv), where ``dlse`` (like lse, or None) is the
-gradient reaching the lse output, ``mods`` the score modifiers (backends/call.py ScoreMods) and
-``operands`` the score operands (backends/call.py SCORE_OPERANDS: ALiBi's slopes, a key bias, a
-relative-position table, a dropout seed held in an array; None where absent), arrays of the
-same library and device as q.
-    numpy   the NumPy reference (numpy_ref.py), the CPU path (NumPy arrays)
+A backend computes attention on arrays of one array library, its protocol three calls that
+each take the validated call whole (backends/call.py AttentionCall: the layout, the scale, the
+score modifiers and the score operands, arrays of the same library and device as q):
+    forward(q, k, v, call) -> (out, lse), in the layout's computed token order
+    backward(q, k, v, out, lse, dout, dlse, call) -> (dq, dk, dv, ...), each operand's gradient
+        after dv (None for a seed array); ``dlse`` (like lse, or None) the gradient reaching lse
+    decode(q, cache, call) -> (out, lse) over the tokens a serving KVCache keeps
+The backends:
+    numpy   the NumPy reference (numpy_ref.py, serving/decode.py's reference), the CPU path
     interp  the .cu kernels run on the CPU through the kernel interpreter (NumPy arrays)
     cuda    the .cu kernels on the GPU through CuPy (CuPy arrays)
 Choose with ``backend=`` on a call or the CUATTN_BACKEND environment variable; by default CPU
@@ -29,7 +29,7 @@ import numpy as np
 from cuattn._util import array_library
 from cuattn.backends import dropout
 from cuattn.backends import numpy_ref as reference
-from cuattn.backends.call import NO_MODS, NO_OPERANDS, SCORE_OPERANDS, ScoreMods
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.device import DeviceLayout
 from cuattn.layout.layout import Layout
 
@@ -40,86 +40,48 @@ ENV_VAR = "CUATTN_BACKEND"
 
 class Backend(Protocol):
     name: str
-    runs_kernels: bool  # the .cu kernels (interp, cuda), which other layers may launch too
     on_gpu: bool  # computes on a CUDA device (its occupancy is that device's)
 
-    def forward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        layout: Layout,
-        scale: float,
-        mods: ScoreMods = NO_MODS,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
-        rel_bias: Any | None = None,
-        dropout_seed: Any | None = None,
-    ) -> tuple[Any, Any]: ...
+    def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]: ...
 
     def backward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        out: Any,
-        lse: Any,
-        dout: Any,
-        layout: Layout,
-        scale: float,
-        dlse: Any | None = None,
-        mods: ScoreMods = NO_MODS,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
-        rel_bias: Any | None = None,
-        dropout_seed: Any | None = None,
+        self, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any, call: AttentionCall
     ) -> tuple[Any, ...]: ...
+
+    def decode(self, q: Any, cache: Any, call: AttentionCall) -> tuple[Any, Any]: ...
 
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]: ...
 
 
-def _host_seed(mods: ScoreMods, operands: tuple) -> tuple[ScoreMods, tuple, bool]:
-    """The reference's modifiers and bias operands from the score operands (SCORE_OPERANDS
-    order, trailing ones possibly left out), and whether a seed array came: its key (the
-    reference's arrays are on the host) read into the modifiers."""
-    *biases, seed = (*operands, *NO_OPERANDS)[: len(SCORE_OPERANDS)]
-    if seed is None:
-        return mods, tuple(biases), False
-    return replace(mods, dropout_seed=dropout.seed_of(seed), seed_words=False), tuple(biases), True
+def _host_seed(call: AttentionCall) -> AttentionCall:
+    """The call as the reference takes it: a seed array's key (the reference's arrays are on
+    the host) read into the modifiers."""
+    if not call.mods.seed_words:
+        return call
+    seed = call.operands.dropout_seed
+    mods = replace(call.mods, dropout_seed=dropout.seed_of(seed), seed_words=False)
+    return replace(call, mods=mods, given_operands=replace(call.operands, dropout_seed=None))
 
 
 class NumpyBackend:
     """The NumPy reference behind the Backend protocol."""
 
     name = "numpy"
-    runs_kernels = False
     on_gpu = False
 
-    def forward(self, q, k, v, layout, scale, mods=NO_MODS, *operands):
+    def forward(self, q, k, v, call):
         reference.check_arrays(q)
-        mods, biases, _ = _host_seed(mods, operands)
-        return reference.attention_forward(q, k, v, layout, scale, mods, *biases)
+        return reference.attention_forward(q, k, v, _host_seed(call))
 
-    def backward(
-        self,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dout,
-        layout,
-        scale,
-        dlse=None,
-        mods=NO_MODS,
-        *operands,
-    ):
+    def backward(self, q, k, v, out, lse, dout, dlse, call):
         reference.check_arrays(q)
-        mods, biases, seeded = _host_seed(mods, operands)
-        grads = reference.attention_backward(
-            q, k, v, out, lse, dout, layout, scale, dlse, mods, *biases
-        )
-        return (*grads, None) if seeded else grads  # a seed has no gradient
+        grads = reference.attention_backward(q, k, v, out, lse, dout, dlse, _host_seed(call))
+        return (*grads, None) if call.mods.seed_words else grads  # a seed has no gradient
+
+    def decode(self, q, cache, call):
+        from cuattn.serving.decode import reference_decode
+
+        return reference_decode(q, cache, call)
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return reference.merge_states(out_a, lse_a, out_b, lse_b)
@@ -212,80 +174,34 @@ def _check_layout_place(q: Any, layout: DeviceLayout) -> None:
         )
 
 
-def _check_operands(mods: ScoreMods, operands: tuple, layout: Layout) -> None:
-    """Each score operand (SCORE_OPERANDS order) comes with its flag in ``mods`` and only with
-    it (the kernel variant follows mods), and with a layout in the natural token order (a
-    Pattern may build a permuted one)."""
-    flags = ("alibi", "key_bias", "rel_bias", "seed_words")
-    for name, flag, operand in zip(SCORE_OPERANDS, flags, operands, strict=True):
-        flagged = getattr(mods, flag)
-        if flagged != (operand is not None):
-            raise ValueError(
-                f"{name}: mods.{flag}={flagged} but it "
-                f"{'was' if operand is not None else 'was not'} given"
-            )
-        if operand is not None and flag != "seed_words" and layout.perm is not None:
-            raise ValueError(
-                f"{name} needs the natural token order, but the layout {layout.name!r} is "
-                "permuted (its perm reorders tokens, and the bias would not follow)"
-            )
-
-
-def forward(
-    q: Any,
-    k: Any,
-    v: Any,
-    layout: Layout,
-    scale: float,
-    backend: str | None = None,
-    mods: ScoreMods = NO_MODS,
-    alibi_slopes: Any | None = None,
-    key_bias: Any | None = None,
-    rel_bias: Any | None = None,
-    dropout_seed: Any | None = None,
-) -> tuple[Any, Any]:
-    """(out, lse) in the caller's token order, on the backend named (or chosen for the arrays).
+def forward(q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+    """(out, lse) in the caller's token order, on the call's backend (or the one chosen for the
+    arrays).
 
     The single call into the backends for every route (public API, tape, torch, jax), so all
-    of them compute, and differentiate, identically. lse is float32 (float64 for float64 input).
+    of them compute, and differentiate, identically; the call's layout is concrete
+    (``call.for_lengths``). lse is float32 (float64 for float64 input).
     """
-    operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
-    _check_operands(mods, operands, layout)
-    impl = _resolve_for(q, backend, layout)
+    layout = call.layout
+    impl = _resolve_for(q, call.backend, layout)
     arrays = (_prepare(x, layout) for x in (q, k, v))
-    out, lse = impl.forward(*arrays, layout, scale, mods, *operands)
+    out, lse = impl.forward(*arrays, call)
     return _to_natural(out, layout), _to_natural(lse, layout)
 
 
 def backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    dout: Any,
-    layout: Layout,
-    scale: float,
-    backend: str | None = None,
-    dlse: Any | None = None,
-    mods: ScoreMods = NO_MODS,
-    alibi_slopes: Any | None = None,
-    key_bias: Any | None = None,
-    rel_bias: Any | None = None,
-    dropout_seed: Any | None = None,
+    q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any, call: AttentionCall
 ) -> tuple[Any, ...]:
     """(dq, dk, dv) in the caller's token order from the saved inputs, output and lse; ``dlse``
-    (like lse, or None when nothing reached it) makes the lse a differentiable output; ``mods``
-    and the score operands are the forward's. The gradient of each operand given follows dv,
-    like it, in SCORE_OPERANDS order.
-    ALiBi needs the natural token order: a permuted layout is refused by the public calls.
-    A seed array's gradient is None."""
-    operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
-    _check_operands(mods, operands, layout)
-    impl = _resolve_for(q, backend, layout)
+    (like lse, or None when nothing reached it) makes the lse a differentiable output; the call
+    is the forward's. The gradient of each score operand the call carries follows dv, in
+    SCORE_OPERANDS order (None for a seed array). A score operand needs the natural token order:
+    the public calls refuse a permuted layout with one."""
+    layout = call.layout
+    impl = _resolve_for(q, call.backend, layout)
     arrays = [_prepare(x, layout) for x in (q, k, v, out, lse, dout)]
     dlse = None if dlse is None else _prepare(dlse, layout)
-    grads = impl.backward(*arrays, layout, scale, dlse, mods, *operands)
+    grads = impl.backward(*arrays, dlse, call)
     return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
 

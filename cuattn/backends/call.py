@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -59,10 +59,14 @@ class ScoreMods:
         biased = self.alibi or self.key_bias or self.rel_bias
         return self.softcap > 0.0 or biased or self.dropout_p > 0.0
 
-    def with_operands(self, operands: Sequence[Any]) -> ScoreMods:
-        """These modifiers with a flag for each score operand given (SCORE_OPERANDS order,
-        None where absent)."""
-        alibi, key_bias, rel_bias, seed_words = (x is not None for x in operands)
+    @property
+    def given(self) -> tuple[bool, ...]:
+        """Which score operands a call with these modifiers carries (SCORE_OPERANDS order)."""
+        return (self.alibi, self.key_bias, self.rel_bias, self.seed_words)
+
+    def with_operands(self, operands: ScoreOperands) -> ScoreMods:
+        """These modifiers with a flag for each score operand ``operands`` holds."""
+        alibi, key_bias, rel_bias, seed_words = operands.given
         if not (alibi or key_bias or rel_bias or seed_words):
             return self
         flags = dict(alibi=alibi, key_bias=key_bias, rel_bias=rel_bias, seed_words=seed_words)
@@ -148,64 +152,167 @@ def check_seed_words(seed: Any) -> None:
         )
 
 
+# The score modifiers that are arrays, in the order every route passes them: ALiBi's slopes, a
+# key bias, a relative-position table, and dropout's seed when an array holds it (no gradient).
+SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias", "dropout_seed")
+
+
+@dataclass(frozen=True)
+class ScoreOperands:
+    """The score modifiers that are arrays (SCORE_OPERANDS; None where absent), of q's kind and
+    on its device. Arrays are not hashable: a call carries them outside its equality and hash,
+    and an adapter that must hand the call over as a static value (jax's custom_vjp, a torch
+    op's plain arguments) sends them beside it and places them back (``AttentionCall.placed``).
+    """
+
+    alibi_slopes: Any = None
+    key_bias: Any = None
+    rel_bias: Any = None
+    dropout_seed: Any = None
+
+    def values(self) -> tuple[Any, ...]:
+        """Every operand in SCORE_OPERANDS order, None where absent."""
+        return (self.alibi_slopes, self.key_bias, self.rel_bias, self.dropout_seed)
+
+    @property
+    def given(self) -> tuple[bool, ...]:
+        return tuple(x is not None for x in self.values())
+
+    @property
+    def present(self) -> tuple[Any, ...]:
+        """The operands given, in order."""
+        return tuple(x for x in self.values() if x is not None)
+
+    def named(self) -> dict[str, Any]:
+        """The operands given by name (to cross an adapter beside q, k, v)."""
+        return {n: x for n, x in zip(SCORE_OPERANDS, self.values(), strict=True) if x is not None}
+
+    def map(self, fn: Any) -> ScoreOperands:
+        """These operands with ``fn(name, x)`` for each one given."""
+        pairs = zip(SCORE_OPERANDS, self.values(), strict=True)
+        return ScoreOperands(*(None if x is None else fn(n, x) for n, x in pairs))
+
+    def gradients(self, grads: Sequence[Any]) -> tuple[Any, ...]:
+        """A backward's gradient of each operand (None where absent) from its results:
+        (dq, dk, dv) then one gradient per operand given, in order."""
+        given = iter(grads[3:])
+        return tuple(None if x is None else next(given) for x in self.values())
+
+    @classmethod
+    def placed(cls, present: Sequence[Any], given: Sequence[bool]) -> ScoreOperands:
+        """The operands from the arrays ``present`` (those ``given`` says there are, in order)."""
+        arrays = iter(present)
+        return cls(*(next(arrays) if g else None for g in given))
+
+
+NO_OPERANDS = ScoreOperands()
+
+
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated attention call (arrays aside).
+    """A validated attention call.
 
     layout      the Layout, or a Pattern still to be built for the call's lengths (the torch
-                route builds it inside its op, where lengths may be symbolic)
+                route builds it inside its op, where lengths may be symbolic); None for decode
+                (the cache says which tokens each query sees)
     scale       the score scale, resolved (1/sqrt(head_dim) when the caller gave none)
     recompute   keep only q, k, v for the backward and run the forward again there
     return_lse  hand the log-sum-exp back beside the output
     backend     'numpy', 'interp', 'cuda' or None (chosen from the arrays and CUATTN_BACKEND)
-    mods        the score modifiers (ScoreMods; none by default)
+    mods        the score modifiers (ScoreMods; none by default), with a flag for each operand
+    given_operands  the score modifiers that are arrays (ScoreOperands; ``operands`` reads
+                them, NO_OPERANDS for none), checked where the call was built
+                (checked_operands); outside equality and hash
 
     Frozen and hashable (a layout compares by identity), as jax's custom_vjp needs of the
     arguments it does not differentiate.
     """
 
-    layout: Layout | Pattern
+    layout: Layout | Pattern | None
     scale: float
     recompute: bool = False
     return_lse: bool = False
     backend: str | None = None
     mods: ScoreMods = NO_MODS
+    # None for none (not NO_OPERANDS: torch.compile cannot trace a default it did not create)
+    given_operands: ScoreOperands | None = field(default=None, compare=False)
+
+    @property
+    def operands(self) -> ScoreOperands:
+        return NO_OPERANDS if self.given_operands is None else self.given_operands
 
     def for_lengths(self, n_q: int, n_k: int) -> AttentionCall:
         """This call with a Pattern built into its Layout for n_q queries and n_k keys (the
         call itself when its layout is concrete already)."""
         if isinstance(self.layout, Pattern):
-            return replace(self, layout=self.layout.layout(n_q, n_k))
+            call = replace(self, layout=self.layout.layout(n_q, n_k))
+            _check_natural_order(call.layout, call.mods)
+            return call
         return self
 
+    def with_operands(self, operands: ScoreOperands) -> AttentionCall:
+        """This call carrying ``operands``, its modifiers flagging each one; a bias with a
+        permuted layout is refused (a ValueError naming it)."""
+        mods = self.mods.with_operands(operands)
+        _check_natural_order(self.layout, mods)
+        return replace(self, mods=mods, given_operands=operands)
 
-# The score modifiers that are arrays (not hashable: they travel beside q, k, v, never in the
-# call), in the order every route passes them after ``mods``: a None where the call has none.
-# The dropout seed, when it is an array, is the last: it has no gradient (operand_gradients gives
-# None for it).
-SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias", "dropout_seed")
-NO_OPERANDS = (None,) * len(SCORE_OPERANDS)
+    def without_operands(self) -> AttentionCall:
+        """This call without its arrays (its flags stay): the static value an adapter hands
+        over, the operands crossing beside it."""
+        return self if self.given_operands is None else replace(self, given_operands=None)
 
-
-def operand_gradients(grads: tuple, operands: tuple) -> tuple:
-    """A backward's gradients of ``operands`` (one per SCORE_OPERANDS name, None where the call
-    has none) from its results: (dq, dk, dv) then one gradient per operand given, in order."""
-    given = iter(grads[3:])
-    return tuple(None if x is None else next(given) for x in operands)
-
-
-def given_operands(operands: tuple) -> tuple[dict[str, Any], tuple[bool, ...]]:
-    """The score operands a call has, by name (to cross an adapter beside q, k, v), and which
-    of SCORE_OPERANDS they are (a plain value that rebuilds the tuple on the other side)."""
-    named = {n: x for n, x in zip(SCORE_OPERANDS, operands, strict=True) if x is not None}
-    return named, tuple(x is not None for x in operands)
+    def placed(self, present: Sequence[Any]) -> AttentionCall:
+        """This call with its operands from the arrays ``present``: one for each operand its
+        modifiers flag, in SCORE_OPERANDS order (what crossed an adapter beside q, k, v)."""
+        if not present:
+            return self.without_operands()
+        return replace(self, given_operands=ScoreOperands.placed(present, self.mods.given))
 
 
-def placed_operands(present: Sequence[Any], given: tuple[bool, ...]) -> tuple:
-    """The operands in SCORE_OPERANDS order from the arrays ``present`` (those ``given`` says
-    the call has, in order), None for the others."""
-    arrays = iter(present)
-    return tuple(next(arrays) if g else None for g in given)
+def _check_natural_order(layout: Layout | Pattern | None, mods: ScoreMods) -> None:
+    """A bias (ALiBi's slopes, a key bias, a table) follows the natural token order: a layout
+    computed in a permuted one is refused with it."""
+    permuted = isinstance(layout, Layout) and layout.perm is not None
+    biased = [n for n, g in zip(SCORE_OPERANDS[:-1], mods.given, strict=False) if g]
+    if permuted and biased:
+        raise ValueError(
+            f"{biased[0]} needs the natural token order, but the layout {layout.name!r} is "
+            "permuted (its perm reorders tokens, and the bias would not follow)"
+        )
+
+
+def checked_operands(
+    q: Any,
+    batch: int,
+    heads: int,
+    n_k: int,
+    alibi_slopes: Any = None,
+    key_bias: Any = None,
+    rel_bias: Any = None,
+    dropout_seed: Any = None,
+    *,
+    covering: bool = False,
+    unwrap: Any = None,
+) -> ScoreOperands:
+    """The score operands of a public call, checked (a TypeError or ValueError naming the
+    argument): each of q's kind of array (``unwrap(x)``'s, when given: a tape Tensor's data),
+    ALiBi's slopes float32 [heads] or [batch, heads], a key bias [batch, (heads,) n_k] (at
+    least n_k keys with ``covering``: decode, by cache position), a relative-position table
+    [(batch,) heads, 2 M + 1]; ``dropout_seed`` a seed array already checked (or None). The
+    one place sparse_attention, varlen, SDPA and decode check them."""
+    unwrap = unwrap or (lambda x: x)
+    plain_q = unwrap(q)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, batch, heads)
+        check_same_kind("alibi_slopes", unwrap(alibi_slopes), plain_q)
+    if key_bias is not None:
+        check_key_bias(key_bias, q, batch, heads, n_k, covering=covering)
+        check_same_kind("key_bias", unwrap(key_bias), plain_q)
+    if rel_bias is not None:
+        check_rel_bias(rel_bias, q, batch, heads)
+        check_same_kind("rel_bias", unwrap(rel_bias), plain_q)
+    return ScoreOperands(alibi_slopes, key_bias, rel_bias, dropout_seed)
 
 
 def check_alibi_slopes(slopes: Any, batch: int, heads: int) -> None:

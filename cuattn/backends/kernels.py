@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cuattn.backends import dropout, geometry
-from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
+from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, rel_max_distance
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.tensor_map import Swizzle, TensorMap
 from cuattn.layout.derived import coarsened
@@ -197,7 +197,6 @@ class KernelBackend:
 
     name = "kernels"
     array_kind = "arrays"
-    runs_kernels = True
     on_gpu = False
 
     # -- what a subclass provides -------------------------------------------------------------
@@ -403,19 +402,8 @@ class KernelBackend:
             "window_right": layout.rule.window_right,
         }
 
-    def forward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        layout: Layout,
-        scale: float,
-        mods: ScoreMods = NO_MODS,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
-        rel_bias: Any | None = None,
-        dropout_seed: Any | None = None,
-    ) -> tuple[Any, Any]:
+    def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+        layout, scale, mods = call.layout, call.scale, call.mods
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         layout = kernel_layout(layout)
@@ -452,9 +440,7 @@ class KernelBackend:
                 out=out,
                 lse=lse,
                 scale=scale,
-                softcap=mods.softcap,
-                **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                **_dropout_values(mods, dropout_seed, xp),
+                **self._score_values(call),
                 **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
@@ -639,12 +625,16 @@ class KernelBackend:
         map_, col = panel_map(x, self.data_address(x), rows)
         return {name: map_, f"{name}_col": col}
 
-    def _operand_values(self, alibi_slopes: Any, key_bias: Any, rel_bias: Any) -> dict[str, Any]:
-        """The block and decode kernels' arguments for the score operands (None: absent)."""
+    def _score_values(self, call: AttentionCall) -> dict[str, Any]:
+        """The block and decode kernels' arguments for the call's score modifiers: the softcap,
+        the score operands (stand-ins where absent) and dropout."""
+        operands: ScoreOperands = call.operands
         return {
-            **self._alibi_values(alibi_slopes),
-            **self._key_bias_values(key_bias),
-            **self._rel_bias_values(rel_bias),
+            "softcap": call.mods.softcap,
+            **self._alibi_values(operands.alibi_slopes),
+            **self._key_bias_values(operands.key_bias),
+            **self._rel_bias_values(operands.rel_bias),
+            **_dropout_values(call.mods, operands.dropout_seed, self.xp),
         }
 
     def _rel_bias_values(self, table: Any | None) -> dict[str, Any]:
@@ -709,18 +699,12 @@ class KernelBackend:
         out: Any,
         lse: Any,
         dout: Any,
-        layout: Layout,
-        scale: float,
-        dlse: Any | None = None,
-        mods: ScoreMods = NO_MODS,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
-        rel_bias: Any | None = None,
-        dropout_seed: Any | None = None,
+        dlse: Any | None,
+        call: AttentionCall,
     ) -> tuple[Any, ...]:
         """(dq, dk, dv), bit-identical run to run; ``dlse`` (float32 like lse, or None) is
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
-        ``mods`` and the score operands are the forward's. Each given operand's gradient
+        the call is the forward's. Each given operand's gradient
         follows, in SCORE_OPERANDS order: the slopes' and the table's from per-row shares of
         the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, summed here in
         a fixed order; a seed array's is None.
@@ -729,6 +713,8 @@ class KernelBackend:
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel, so the
         deterministic sequence is the only one.
         """
+        layout, scale, mods = call.layout, call.scale, call.mods
+        alibi_slopes, key_bias, rel_bias, dropout_seed = call.operands.values()
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
         dtype, shape = self._check_inputs(arrays, layout)
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
@@ -754,10 +740,9 @@ class KernelBackend:
             # out and lse are the forward's own (contiguous) results; a copy only if not
             out, lse = xp.ascontiguousarray(out), xp.ascontiguousarray(lse)
             self._check_alignment({"q": q, "k": k, "v": v, "out": out, "dout": dout})
-            operands = (alibi_slopes, key_bias, rel_bias, dropout_seed)
             if (
                 not modifier_variant(mods, scale)
-                and all(x is None for x in operands)
+                and not any(call.operands.given)
                 and not isinstance(layout, DeviceLayout)  # its ranks come from the host blocks
                 and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
             ):
@@ -792,10 +777,7 @@ class KernelBackend:
                 "rule": layout.rule.kind,
                 "mods": modifier_variant(mods, scale),
             }
-            biases = {
-                **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                **_dropout_values(mods, dropout_seed, xp),
-            }
+            biases = self._score_values(call)
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias)
             if key_bias is None:
@@ -808,7 +790,6 @@ class KernelBackend:
                 dk=dk,
                 dv=dv,
                 scale=scale,
-                softcap=mods.softcap,
                 **biases,
                 key_bias_grad=key_rows,
                 use_key_bias_grad=int(key_bias is not None),
@@ -834,7 +815,6 @@ class KernelBackend:
                 **tensors,
                 dq=dq,
                 scale=scale,
-                softcap=mods.softcap,
                 **biases,
                 alibi_grad=alibi_rows,
                 use_alibi_grad=int(alibi_slopes is not None),
@@ -918,7 +898,14 @@ class KernelBackend:
                 )
         return out, lse
 
-    def decode(
+    def decode(self, q: Any, cache: Any, call: AttentionCall) -> tuple[Any, Any]:
+        """(out, lse) of q over the tokens a serving KVCache keeps, through the decode kernels
+        (its policy's page choice and token scores included: cuattn/serving/decode.py)."""
+        from cuattn.serving.decode import kernel_decode
+
+        return kernel_decode(self, q, cache, call)
+
+    def decode_pages(
         self,
         q: Any,
         k_pages: Any,
@@ -928,14 +915,9 @@ class KernelBackend:
         page_count: Any,
         lengths: Any,
         chosen: Any | None,
-        scale: float,
-        mods: ScoreMods,
+        call: AttentionCall,
         keep_scores: bool,
         resident_ctas: int,
-        alibi_slopes: Any | None = None,
-        key_bias: Any | None = None,
-        rel_bias: Any | None = None,
-        dropout_seed: Any | None = None,
         gqa: bool = False,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
@@ -943,13 +925,13 @@ class KernelBackend:
         where geometry.decode_gqa_applies, which merges its splits itself): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
-        page count and not past them). ``mods``: the score modifiers (softcap, ALiBi with
-        ``alibi_slopes``, float32 [heads] or [batch, heads], ``key_bias``, float32 [batch,
-        time_k] or [batch, heads, time_k] by token position, and ``rel_bias``, float32 [heads,
-        2M + 1] or [batch, heads, 2M + 1] by token minus query position; dropout, its seed
-        in ``dropout_seed`` when an array holds it). Shapes as the
-        kernel file's header; the cache (cuattn/serving) checks its own arrays, this checks q
-        against them."""
+        page count and not past them). The call's scale and score modifiers: softcap, ALiBi
+        (``alibi_slopes``, float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch,
+        time_k] or [batch, heads, time_k] by token position), ``rel_bias`` (float32 [heads,
+        2M + 1] or [batch, heads, 2M + 1] by token minus query position), dropout (its seed
+        in an array operand or the modifiers). Shapes as the kernel file's header; the cache
+        (cuattn/serving) checks its own arrays, this checks q against them."""
+        scale, mods = call.scale, call.mods
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         book = {
             "slot_pos": slot_pos,
@@ -1056,9 +1038,7 @@ class KernelBackend:
                     config,
                     **common,
                     token_scores=scores,
-                    softcap=mods.softcap,
-                    **self._operand_values(alibi_slopes, key_bias, rel_bias),
-                    **_dropout_values(mods, dropout_seed, xp),
+                    **self._score_values(call),
                     keep_scores=int(keep_scores),
                 )
                 rows = batch * heads * t_q

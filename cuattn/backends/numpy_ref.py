@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from cuattn.backends.call import NO_MODS, ScoreMods, rel_max_distance
+from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, rel_max_distance
 from cuattn.backends.dropout import keep_mask
 from cuattn.layout.layout import Layout
 
@@ -78,14 +78,13 @@ def _scores(
     mask_id,
     scale: float,
     mods: ScoreMods,
-    slopes: np.ndarray | None,
-    key_bias: np.ndarray | None = None,
-    rel_bias: np.ndarray | None = None,
+    biases: ScoreOperands,
 ) -> tuple[np.ndarray, np.ndarray | float]:
-    """(S, bias) for R blocks at once: S = Q_i K_j^T * scale, modified (softcap), plus ALiBi's
-    bias (``slopes`` [B, H] or None), the key bias (blocked [B, H, nb, b] or None) and the
-    relative-position bias (``rel_bias`` [B, H, 2 M + 1] or None), then -inf where the element
-    rule forbids; ``bias`` is what the biases added (0 without them), for the gradients."""
+    """(S, bias) for R blocks at once: S = Q_i K_j^T * scale, modified (softcap), plus the
+    walk's biases (ALiBi's slopes [B, H], the key bias blocked [B, H, nb, b], the
+    relative-position table [B, H, 2 M + 1], each or None), then -inf where the element rule
+    forbids; ``bias`` is what the biases added (0 without them), for the gradients."""
+    slopes, key_bias, rel_bias = biases.alibi_slopes, biases.key_bias, biases.rel_bias
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     s = modified_scores(s, mods, np)
     bias: np.ndarray | float = 0.0
@@ -179,30 +178,25 @@ def _quiet_specials(fn: Callable[..., T]) -> Callable[..., T]:
 
 @_quiet_specials
 def attention_forward(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    layout: Layout,
-    scale: float,
-    mods: ScoreMods = NO_MODS,
-    alibi_slopes: np.ndarray | None = None,
-    key_bias: np.ndarray | None = None,
-    rel_bias: np.ndarray | None = None,
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, call: AttentionCall
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse): out like q; lse [B, H, n] (-inf on rows with nothing to attend to).
-    ``alibi_slopes``: float32 [H] or [B, H] (with ``mods.alibi``), or None; ``key_bias``:
-    float32 [B, n_k] or [B, H, n_k] (with ``mods.key_bias``), or None; ``rel_bias``: float32
-    [H, 2 M + 1] or [B, H, 2 M + 1] (with ``mods.rel_bias``), or None."""
+    """(out, lse) of the call (its layout concrete, its dropout seed an int): out like q; lse
+    [B, H, n] (-inf on rows with nothing to attend to). The call's score operands:
+    ``alibi_slopes`` float32 [H] or [B, H], ``key_bias`` float32 [B, n_k] or [B, H, n_k],
+    ``rel_bias`` float32 [H, 2 M + 1] or [B, H, 2 M + 1]."""
+    layout, scale, mods = call.layout, call.scale, call.mods
+    alibi_slopes, key_bias, rel_bias, _ = call.operands.values()
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
     slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
+    biases = ScoreOperands(slopes, key_b, rel_b)
     m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
     for h, i, j, mask_id in _walk(layout, layout.row_ptr, layout.col_idx, layout.row_mask):
-        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b, rel_b)
+        s, _ = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, biases)
         m_old = m_i[:, h, i]
         m_new = np.maximum(m_old, s.max(axis=-1))  # NaN-propagating, unlike fmax
         # A row that has seen only masked (or -inf) scores keeps m = -inf: shift by 0 so exp
@@ -233,28 +227,26 @@ def attention_backward(
     out: np.ndarray,
     lse: np.ndarray,
     dout: np.ndarray,
-    layout: Layout,
-    scale: float,
-    dlse: np.ndarray | None = None,
-    mods: ScoreMods = NO_MODS,
-    alibi_slopes: np.ndarray | None = None,
-    key_bias: np.ndarray | None = None,
-    rel_bias: np.ndarray | None = None,
+    dlse: np.ndarray | None,
+    call: AttentionCall,
 ) -> tuple[np.ndarray, ...]:
     """(dq, dk, dv) from the saved out and lse; each like its input. ``dlse`` (like lse, or
     None for zero) is the gradient reaching the lse output: since d lse_i / d s_ij = P_ij, it
-    enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed. ``mods``
-    and ``alibi_slopes`` must be the forward's; with slopes, their gradient (like them, float32)
+    enters as dS = P * (dP - (delta - dlse)), one subtraction where delta is formed. The call
+    is the forward's; with ALiBi's slopes, their gradient (like them, float32)
     follows dv: -sum of dS * |q_pos - k_pos| over the keys and queries (and the batch for [H]);
     then with a key bias its gradient (like it, float32): the sum of dS over the queries (and
     the heads for [B, n_k]); then with a relative-position table its gradient (like it): the
     sum of dS over the elements each column reaches (and the batch for [H, 2 M + 1])."""
+    layout, scale, mods = call.layout, call.scale, call.mods
+    alibi_slopes, key_bias, rel_bias, _ = call.operands.values()
     acc_t = _acc_dtype(q.dtype)
     slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     dslopes = None if slopes is None else np.zeros_like(slopes)
     rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
     drel = None if rel_b is None else np.zeros_like(rel_b)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
+    biases = ScoreOperands(slopes, key_b, rel_b)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
     if dlse is not None:
@@ -267,7 +259,7 @@ def attention_backward(
     lse_safe = np.where(lse_empty, 0.0, lse_b)
 
     def probs_and_dscores(h, i, j, mask_id):
-        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, slopes, key_b, rel_b)
+        s, bias = _scores(qb, kb, layout, h, i, j, mask_id, scale, mods, biases)
         p = np.exp(s - lse_safe[:, h, i][..., None])
         p = np.where(lse_empty[:, h, i][..., None], 0.0, p)
         dp = np.matmul(dob[:, h, i], vb[:, _kv_head(h, qb, vb), j].swapaxes(-1, -2))

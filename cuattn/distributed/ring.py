@@ -134,7 +134,7 @@ def _timed(stats: RingStats, fn: Any, *args: Any) -> Any:
 
 def _op_layout(sub: Layout, q: torch.Tensor, scale: float, backend: str) -> tuple:
     """A step's call as the torch ops take it (torch_ops.op_arguments): its layout's
-    arguments, scale and backend, recompute, index."""
+    arguments, scale and backend, recompute, index, and no score operand."""
     return torch_ops.op_arguments(AttentionCall(sub, scale, backend=backend or None), q.device)
 
 
@@ -147,9 +147,10 @@ def _ring_forward(q, k, v, plan, ring, scale, backend, stats):
             stats.steps_skipped += 1
         else:
             stats.steps_computed += 1
-            *layout_args, _, index = _op_layout(sub, q, scale, backend)
+            *layout_args, _, index, operands, given = _op_layout(sub, q, scale, backend)
             fwd = torch_ops.attention_fwd
-            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], *layout_args, False, index)
+            args = (*layout_args, False, index, operands, given)
+            o, l_ = _timed(stats, fwd, q, kv[0], kv[1], *args)
             if out is None:
                 out, lse = o, l_
             else:
@@ -174,9 +175,9 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, plan, ring, scale, backend, st
     for step, sub in enumerate(plan.steps):
         transfer = ring.start(kv) if step + 1 < plan.world_size else None
         if sub is not None:
-            *layout_args, _, index = _op_layout(sub, q, scale, backend)
+            *layout_args, _, index, operands, given = _op_layout(sub, q, scale, backend)
             bwd = torch_ops.attention_bwd
-            args = (q, kv[0], kv[1], out, lse, dout, dlse, *layout_args, index)
+            args = (q, kv[0], kv[1], out, lse, dout, dlse, *layout_args, index, operands, given)
             dq_s, dk_s, dv_s, *_ = _timed(stats, bwd, *args)  # no score operands here
             dq += dq_s
             dkv[0] += dk_s

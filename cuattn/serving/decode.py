@@ -45,28 +45,19 @@ from cuattn import backends as _backends
 from cuattn._util import stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
-from cuattn.backends.call import (
-    NO_MODS,
-    SCORE_OPERANDS,
-    ScoreMods,
-    check_alibi_slopes,
-    check_key_bias,
-    check_rel_bias,
-    check_same_kind,
-    rel_max_distance,
-)
+from cuattn.backends.call import AttentionCall, ScoreMods, checked_operands, rel_max_distance
 from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
 
-__all__ = ["decode_attention", "kernel_call", "quest_chosen"]
+__all__ = ["decode_attention", "kernel_call", "kernel_decode", "quest_chosen", "reference_decode"]
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
 T = TypeVar("T")
 
 
-def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
+def _check(q: Any, cache: KVCache, scale: Any) -> float:
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a cuattn.KVCache, got {type(cache).__name__}")
     if not hasattr(q, "shape") or not hasattr(q, "dtype"):
@@ -101,10 +92,10 @@ def _check(q: Any, cache: KVCache, scale: Any) -> tuple[int, float]:
         )
     cache._check_device("q", q)
     if scale is None:
-        return heads // cache.kv_heads, float(head_dim) ** -0.5
+        return float(head_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    return heads // cache.kv_heads, float(scale)
+    return float(scale)
 
 
 def _quiet_specials(fn: Callable[..., T]) -> Callable[..., T]:
@@ -197,22 +188,20 @@ def kernel_call(
     impl: Any,
     cache: KVCache,
     qb: Any,
-    scale: float,
+    call: AttentionCall,
     chosen: Any | None = None,
     keep_scores: bool = False,
-    mods: ScoreMods = NO_MODS,
-    alibi_slopes: Any | None = None,
-    key_bias: Any | None = None,
-    rel_bias: Any | None = None,
-    dropout_seed: Any | None = None,
 ) -> tuple[Any, Any, Any | None]:
-    """The decode kernels (``impl.decode``) on q and the arrays ``cache`` keeps where they run:
-    (out, lse, per-token scores or None). No policy work: decode_attention adds that. The
+    """The decode kernels (``impl.decode_pages``) on q and the arrays ``cache`` keeps where they
+    run: (out, lse, per-token scores or None). No policy work: kernel_decode adds that. The
     kernel route: attn_decode_gqa where CUATTN_DECODE=gqa asks for it and it applies
     (geometry.decode_gqa_applies), attn_decode_split otherwise."""
-    gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype, mods.any, keep_scores, scale)
+    mods = call.mods
+    gqa = geometry.decode_gqa_applies(
+        cache.head_dim, cache.dtype, mods.any, keep_scores, call.scale
+    )
     table, count = cache.device_tables()
-    return impl.decode(
+    return impl.decode_pages(
         qb,
         cache.k_pages,
         cache.v_pages,
@@ -221,28 +210,23 @@ def kernel_call(
         count,
         cache.device_lengths(),
         chosen,
-        scale,
-        mods,
+        call,
         keep_scores,
         _resident_ctas(impl, cache.head_dim, cache.dtype, gqa),
-        alibi_slopes,
-        key_bias,
-        rel_bias,
-        dropout_seed,
         gqa=gqa,
     )
 
 
-def _kernel_decode(
-    impl: Any, cache: KVCache, qb: Any, scale: float, mods: ScoreMods, operands: tuple
-) -> tuple[Any, Any]:
+def kernel_decode(impl: Any, qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any, Any]:
+    """A kernel backend's decode (its ``decode``): Quest's page choice on the device, the
+    kernels, then HeavyHitters' token scores from the per-token scores and the merged lse."""
     quest = cache.policy is not None and cache.policy.selects_pages
     keep_scores = cache.policy is not None and cache.policy.scores_tokens
     chosen = None
     if quest:
         table, count = cache.device_tables()
         chosen = quest_chosen(cache, qb, table, count)
-    out, lse, scores = kernel_call(impl, cache, qb, scale, chosen, keep_scores, mods, *operands)
+    out, lse, scores = kernel_call(impl, cache, qb, call, chosen, keep_scores)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)
     return out, lse
@@ -282,58 +266,38 @@ def decode_attention(
     for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
     NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
     query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
-    group, scale = _check(q, cache, scale)
+    scale = _check(q, cache, scale)
     mods = ScoreMods.from_arguments(softcap)
     batch, heads = int(q.shape[0]), int(q.shape[1])
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch, heads)
-        check_same_kind("alibi_slopes", alibi_slopes, q)
-    if key_bias is not None:
-        longest = int(cache.lengths.max(initial=0))
-        check_key_bias(key_bias, q, batch, heads, longest, covering=True)
-        check_same_kind("key_bias", key_bias, q)
-    if rel_bias is not None:
-        check_rel_bias(rel_bias, q, batch, heads)
-        check_same_kind("rel_bias", rel_bias, q)
     # a seed held in an array travels as a score operand
     mods, seed_words = dispatch.dropout_mods(mods, q, dropout_p, dropout_seed)
-    given = (alibi_slopes, key_bias, rel_bias, seed_words)
-    mods = mods.with_operands(given)
+    longest = int(cache.lengths.max(initial=0))
+    given = checked_operands(
+        q, batch, heads, longest, alibi_slopes, key_bias, rel_bias, seed_words, covering=True
+    )
+    call = AttentionCall(None, scale, return_lse=bool(return_lse), backend=backend, mods=mods)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
     with dlpack.stream_for(info), _on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
-        operands = tuple(
-            None if x is None else dlpack.to_backend(x, info, name)
-            for name, x in zip(SCORE_OPERANDS, given, strict=True)
-        )
-        if impl.runs_kernels:
-            out, lse = _kernel_decode(impl, cache, qb, scale, mods, operands)
-        else:
-            out, lse = _reference(cache, qb, group, scale, mods, *operands)
+        operands = given.map(lambda name, x: dlpack.to_backend(x, info, name))
+        out, lse = impl.decode(qb, cache, call.with_operands(operands))
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q
 
 
 @_quiet_specials
-def _reference(
-    cache: KVCache,
-    qb: Any,
-    group: int,
-    scale: float,
-    mods: ScoreMods,
-    slopes: Any | None,
-    key_bias: Any | None,
-    rel_bias: Any | None,
-    seed_words: Any | None,
-) -> tuple[Any, Any]:
+def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any, Any]:
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
-    against every kept token (module doc), as dense arithmetic takes NaN and inf."""
-    xp = cache.xp
+    against every kept token (module doc), as dense arithmetic takes NaN and inf: the NumPy
+    backend's decode."""
+    xp, scale, mods = cache.xp, call.scale, call.mods
+    slopes, key_bias, rel_bias, seed_words = call.operands.values()
     seed = mods.dropout_seed
     if seed_words is not None:  # the reference reads the key on the host
         seed = seed_of(seed_words.get() if xp is not np else seed_words)
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
+    group = heads // cache.kv_heads
     acc = xp.float64 if cache.dtype == "float64" else xp.float32
     scores = cache.policy is not None and cache.policy.scores_tokens
     quest = cache.policy is not None and cache.policy.selects_pages

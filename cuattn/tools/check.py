@@ -22,6 +22,7 @@ import numpy as np
 from cuattn import backends as _backend
 from cuattn import dynamic
 from cuattn._util import ceil_div, host_array
+from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
 from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
 from cuattn.layout import make_layout
@@ -261,8 +262,9 @@ def run_case(case: Case, backend: str) -> tuple[float, float | None]:
         layout = dynamic.topk_blocks(q[0], k[0], case.blocksize, TOPK_BLOCKS, backend=backend)
     else:
         layout = case.layout()
-    out, lse = _backend.forward(q, k, v, layout, scale, backend)
-    grads = _backend.backward(q, k, v, out, lse, dout, layout, scale, backend)
+    call = AttentionCall(layout, scale, backend=backend)
+    out, lse = _backend.forward(q, k, v, call)
+    grads = _backend.backward(q, k, v, out, lse, dout, None, call)
     mask = layout.to_mask()
     ref_out, _ = dense_attention(q64, k64, v64, mask, scale)
     ref_grads = dense_attention_grads(q64, k64, v64, do64, mask, scale)

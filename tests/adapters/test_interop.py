@@ -11,7 +11,6 @@ import torch
 import cuattn
 from cuattn import backends as be
 from cuattn.adapters import dlpack
-from cuattn.backends.call import NO_MODS
 
 LAYOUT_ARGS = dict(attn_mode="local", n_ctx=32, heads=2, blocksize=8, local_attn_ctx=8)
 SHAPE = (2, 2, 32, 8)
@@ -32,8 +31,8 @@ def spy(monkeypatch):
     seen = {}
     real = be.forward
 
-    def forward(q, k, v, layout, scale, backend=None, mods=NO_MODS, *operands):
-        out, lse = real(q, k, v, layout, scale, backend, mods, *operands)
+    def forward(q, k, v, call):
+        out, lse = real(q, k, v, call)
         seen["inputs"] = (q, k, v)
         if isinstance(out, np.ndarray):
             out, lse = _aligned_copy(out), _aligned_copy(lse)

@@ -26,7 +26,7 @@ import cuattn
 from cuattn import backends
 from cuattn.adapters import jax_xla as xla
 from cuattn.backends import geometry
-from cuattn.backends.call import ScoreMods
+from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import kernel_layout
 
@@ -605,21 +605,20 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
     assert backend.staged == [forward, forward, *backward, forward, forward]
     # the same kernels on the same inputs: bit for bit the eager interpreter backend's results
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
-    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods)
+    call = AttentionCall(layout, scale, backend="interp", mods=mods)
+    want_out, want_lse = backends.forward(*host, call)
     dout = weight.astype(want_out.dtype)
-    want = backends.backward(
-        *host, want_out, want_lse, dout, layout, scale, "interp", dlse=lse_weight, mods=mods
-    )
+    want = backends.backward(*host, want_out, want_lse, dout, lse_weight, call)
     assert np.array_equal(np.asarray(out), want_out)
     for name, got, expected in zip("qkv", grads, want, strict=True):
         assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name
     assert np.array_equal(np.asarray(mapped[0]), want_out)
     second_host = (np.asarray(x[1]) for x in (q, k, v))
-    second = backends.forward(*second_host, layout, scale, "interp", mods)
+    second = backends.forward(*second_host, call)
     assert np.array_equal(np.asarray(mapped[1]), second[0])
     # and within bf16 accuracy of the float64 reference
     reference, _ = backends.forward(
-        *(x.astype(np.float64) for x in host), layout, scale, None, mods
+        *(x.astype(np.float64) for x in host), AttentionCall(layout, scale, mods=mods)
     )
     assert _rel(out, reference) <= 1e-2
 
@@ -665,12 +664,11 @@ def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_bat
         grads = jax.jit(grad)(q[0], k[0], v[0], slopes, key_bias)
         mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None, None)))(q, k, v, slopes, key_bias)
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
-    operands = (slopes, key_bias)
-    want_out, want_lse = backends.forward(*host, layout, scale, "interp", mods, *operands)
+    call = AttentionCall(layout, scale, backend="interp", mods=mods)
+    call = call.with_operands(ScoreOperands(slopes, key_bias))
+    want_out, want_lse = backends.forward(*host, call)
     dout = weight.astype(want_out.dtype)
-    want = backends.backward(
-        *host, want_out, want_lse, dout, layout, scale, "interp", None, mods, *operands
-    )
+    want = backends.backward(*host, want_out, want_lse, dout, None, call)
     assert np.array_equal(np.asarray(out), want_out)
     for name, got, expected in zip("qkv", grads[:3], want[:3], strict=True):
         assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected), name
@@ -708,14 +706,12 @@ def test_staged_dropout_program_takes_a_traced_seed(monkeypatch):
             out = forward(q[0], k[0], v[0], words)
             _, grads = step(q[0], k[0], v[0], words)
             mods = ScoreMods().with_dropout(p, np.asarray(words))
-            want_out, want_lse = backends.forward(
-                *host, layout, scale, "interp", mods, None, None, None, np.asarray(words)
-            )
+            call = AttentionCall(layout, scale, backend="interp", mods=mods)
+            call = call.with_operands(ScoreOperands(dropout_seed=np.asarray(words)))
+            want_out, want_lse = backends.forward(*host, call)
             assert np.array_equal(np.asarray(out), want_out)
-            want = backends.backward(
-                *host, want_out, want_lse, weight.astype(want_out.dtype), layout, scale,
-                "interp", None, mods, None, None, None, np.asarray(words),
-            )  # fmt: skip
+            dout = weight.astype(want_out.dtype)
+            want = backends.backward(*host, want_out, want_lse, dout, None, call)
             for name, got, expected in zip("qkv", grads, want[:3], strict=True):
                 assert np.array_equal(np.asarray(got), expected), name
         mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, words)
@@ -843,8 +839,9 @@ def test_gpu_bf16_against_float64_numpy(case):
     host = [np.asarray(x, dtype=np.float64) for x in (q, k, v)]
     weight = np.random.default_rng(2).standard_normal(host[0].shape)
     scale = host[0].shape[-1] ** -0.5
-    ref_out, ref_lse = backends.forward(*host, layout, scale, "numpy")
-    ref_grads = backends.backward(*host, ref_out, ref_lse, weight, layout, scale, "numpy")
+    call = AttentionCall(layout, scale, backend="numpy")
+    ref_out, ref_lse = backends.forward(*host, call)
+    ref_grads = backends.backward(*host, ref_out, ref_lse, weight, None, call)
 
     def loss(q, k, v):
         out = cuattn.sparse_attention(q, k, v, layout)

@@ -110,7 +110,8 @@ def test_opcheck_passes_on_both_ops(case):
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, dout))
     for lse_grad in (dlse, None):  # the lse's gradient, or nothing reached it
-        bwd_args = saved + (lse_grad,) + args[3:-2] + (args[-1],)
+        # attention_bwd takes attention_fwd's arguments but recompute
+        bwd_args = saved + (lse_grad,) + args[3:-4] + args[-3:]
         torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 
@@ -131,12 +132,15 @@ def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
     blocks = np.ones((HEADS, 2, 2), dtype=bool)
     layout = cuattn.Layout.from_blocks(blocks, BLOCK, mask_fn=lambda h, q, k: k <= q + h)
     q = torch.randn(1, HEADS, 2 * BLOCK, HEAD_DIM)
-    *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)
+    *layout_args, _, index, operands, given = torch_ops.op_arguments(
+        AttentionCall(layout, 1.0), q.device
+    )
+    assert (operands, given) == ([], 0)
     assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, 0.0, 0.0, 0, ""]
     assert index[1].data_ptr() == layout.row_ptr.ctypes.data  # shared, not copied
-    again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-1]
+    again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-3]
     assert all(a is b for a, b in zip(index, again, strict=True))
-    out, _ = torch.ops.cuattn.attention_fwd(q, q, q, *layout_args, False, index)
+    out, _ = torch.ops.cuattn.attention_fwd(q, q, q, *layout_args, False, index, [], 0)
     assert torch.equal(out, cuattn.sparse_attention(q, q, q, layout, scale=1.0))
 
 

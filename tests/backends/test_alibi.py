@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from cuattn.backends import NumpyBackend, forward, geometry, interp
-from cuattn.backends.call import ScoreMods
-from cuattn.layout import make_layout
+from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands
+from cuattn.layout import Pattern, make_layout
 from cuattn.tools.oracle import rel_err
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
@@ -57,11 +57,23 @@ def test_reference_alibi_gqa_fewer_queries_and_softcap():
 def test_reference_alibi_changes_the_result():
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=7)
-    plain = REFERENCE.forward(q, k, v, layout, 0.5)
+    plain = REFERENCE.forward(q, k, v, AttentionCall(layout, 0.5))
     slopes = _slopes(1, HEADS, False, 8)
-    biased = REFERENCE.forward(q, k, v, layout, 0.5, ScoreMods(alibi=True), slopes)
+    biased = REFERENCE.forward(
+        q,
+        k,
+        v,
+        AttentionCall(layout, 0.5, mods=ScoreMods(alibi=True)).with_operands(ScoreOperands(slopes)),
+    )
     assert rel_err(biased[0], plain[0]) > 0.1
-    zero = REFERENCE.forward(q, k, v, layout, 0.5, ScoreMods(alibi=True), 0 * slopes)
+    zero = REFERENCE.forward(
+        q,
+        k,
+        v,
+        AttentionCall(layout, 0.5, mods=ScoreMods(alibi=True)).with_operands(
+            ScoreOperands(0 * slopes)
+        ),
+    )
     np.testing.assert_allclose(zero[0], plain[0], rtol=0, atol=1e-14)
 
 
@@ -93,16 +105,29 @@ def test_kernels_alibi_with_softcap_gqa_fewer_queries_bit_identical(mods_kernels
         np.testing.assert_array_equal(a, b)
 
 
-def test_slopes_without_the_flag_or_with_a_permuted_layout_are_refused():
+def test_alibi_slopes_sets_its_flag():
+    """The call flags the operand it carries (the kernels' variant follows the flag)."""
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=14)
     slopes = _slopes(1, HEADS, False, 15)
-    with pytest.raises(ValueError, match="alibi_slopes: mods.alibi=False"):
-        forward(q, k, v, layout, 0.5, "numpy", ScoreMods(), slopes)
-    with pytest.raises(ValueError, match="alibi_slopes: mods.alibi=True"):
-        forward(q, k, v, layout, 0.5, "numpy", ScoreMods(alibi=True))
+    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(ScoreOperands(slopes))
+    assert call.mods.alibi and sum(call.mods.given) == 1
+    assert (
+        call.operands.alibi_slopes is slopes
+        and call.without_operands().operands.alibi_slopes is None
+    )
+    out, _ = forward(q, k, v, call)
+    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
+    assert not np.array_equal(out, plain)
+
+
+def test_a_bias_refuses_a_permuted_layout_where_the_call_is_built():
+    slopes = _slopes(1, HEADS, False, 15)
     permuted = make_layout("strided", 32, HEADS, 8, local_attn_ctx=4)
     assert permuted.perm is not None
-    q, k, v, _ = _inputs((1, HEADS, 32, 8), np.float64, seed=16)
-    with pytest.raises(ValueError, match="natural token order"):
-        forward(q, k, v, permuted, 0.5, "numpy", ScoreMods(alibi=True), slopes)
+    with pytest.raises(ValueError, match="alibi_slopes needs the natural token order"):
+        AttentionCall(permuted, 0.5).with_operands(ScoreOperands(slopes))
+    call = AttentionCall(Pattern("strided", HEADS, 8, local_attn_ctx=4), 0.5)
+    call = call.with_operands(ScoreOperands(slopes))  # a Pattern: refused once it is built
+    with pytest.raises(ValueError, match="alibi_slopes needs the natural token order"):
+        call.for_lengths(32, 32)

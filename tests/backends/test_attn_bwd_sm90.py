@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import geometry, interp
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.registry import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_sm90a_family import inputs, launched
@@ -65,7 +66,7 @@ def case_inputs(block: int, rule: str, head_dim: int, dtype: str, case: str, see
         batch, kv_heads = 1, HEADS
     q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed)
     scale = head_dim**-0.5
-    out, lse = interp.forward(q, k, v, layout, scale)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
     return layout, q, k, v, dout, out, lse, scale, layout.heads // kv_heads
 
 
@@ -85,10 +86,14 @@ def test_the_sm90a_backward_matches_the_oracle_and_the_mma_backward(
 ):
     layout, q, k, v, dout, out, lse, scale, group = case_inputs(block, rule, head_dim, dtype, case)
     monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
-    grads, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
+    grads, names = launched(
+        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(layout, scale)
+    )
     assert names == sm90_names(block, head_dim, dtype, rule)
     monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
-    mma, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
+    mma, names = launched(
+        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(layout, scale)
+    )
     assert any(name.startswith("attn_bwd_dkdv<") for name in names)
     k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
     refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), scale)
@@ -113,7 +118,9 @@ def test_gradients_are_bit_identical_whatever_order_the_ctas_run_in(sm90a, monke
     for seed in ("0", "5"):
         monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", seed)
         monkeypatch.setenv("CUATTN_INTERP_SEED", seed)
-        grads, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
+        grads, names = launched(
+            interp.backward, q, k, v, out, lse, dout, None, AttentionCall(layout, scale)
+        )
         assert "attn_bwd_sm90" in names[1]
         runs.append([g.view(np.uint16) for g in grads])
     for name, first, second in zip("qkv", *runs, strict=True):
@@ -129,8 +136,10 @@ def test_what_it_does_not_cover_keeps_the_mma_backward(sm90a, block, head_dim, d
     layout = make_test_layout("causal", block, n_ctx_for(block))
     q, k, v, dout = inputs(layout, 1, HEADS, head_dim, dtype, seed=2)
     assert not geometry.sm90_backward_supports(block, head_dim, dtype)
-    out, lse = interp.forward(q, k, v, layout, 0.125)
-    _, names = launched(interp.backward, q, k, v, out, lse, dout, layout, 0.125)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, 0.125))
+    _, names = launched(
+        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125)
+    )
     assert [name.split("<")[0] for name in names] == [
         "attn_bwd_preprocess",
         "attn_bwd_dkdv",
@@ -142,7 +151,9 @@ def test_by_default_the_backward_stays_on_mma(monkeypatch):
     """It has never run on a GPU: opt-in only (CUATTN_KERNELS=sm90a)."""
     monkeypatch.delenv(geometry.KERNELS_ENV, raising=False)
     layout, q, k, v, dout, out, lse, scale, _ = case_inputs(128, "causal", 64, "bfloat16", "square")
-    _, names = launched(interp.backward, q, k, v, out, lse, dout, layout, scale)
+    _, names = launched(
+        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(layout, scale)
+    )
     assert not any("sm90" in name for name in names)
 
 

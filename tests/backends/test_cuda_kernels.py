@@ -17,6 +17,7 @@ import pytest
 import cuattn
 from cuattn import backends as be
 from cuattn.backends import geometry
+from cuattn.backends.call import AttentionCall
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -75,7 +76,7 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
     scale = head_dim**-0.5
     mask = cupy.asarray(layout.to_mask())
     # Through cuattn.backends, as every public route goes: it applies the layout's permutation.
-    out, lse = be.forward(q, k, v, layout, scale, backend="cuda")
+    out, lse = be.forward(q, k, v, AttentionCall(layout, scale, backend="cuda"))
     tol = TOL[dtype]
     if direction == "forward":
         want_out, want_lse = dense_attention(q, k, v, mask, scale)
@@ -85,7 +86,7 @@ def test_kernels_match_float64_oracle(direction, pattern, dtype, blocksize, head
         assert bool((cupy.isfinite(lse) == finite).all())
         assert rel_err(lse[finite], want_lse[finite], REL_FLOOR) < tol
         return
-    grads = be.backward(q, k, v, out, lse, dout, layout, scale, backend="cuda")
+    grads = be.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale, backend="cuda"))
     want = dense_attention_grads(q, k, v, dout, mask, scale)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
         assert got.dtype == q.dtype and not bool(cupy.isnan(_as_float64(got)).any()), name
@@ -107,10 +108,12 @@ def test_gqa_and_queries_unequal_keys(blocksize, pattern, n_q, n_k, group, dtype
     q, dout = (_random(rng, (BATCH, heads, n_q, 128), dtype) for _ in range(2))
     k, v = (_random(rng, (BATCH, heads // group, n_k, 128), dtype) for _ in range(2))
     mask = cupy.asarray(layout.to_mask())
-    out, lse = be.forward(q, k, v, layout, 128**-0.5, backend="cuda")
+    out, lse = be.forward(q, k, v, AttentionCall(layout, 128**-0.5, backend="cuda"))
     want_out, _ = dense_attention(q, k, v, mask, 128**-0.5)
     assert rel_err(_as_float64(out), want_out, REL_FLOOR) < TOL[dtype]
-    grads = be.backward(q, k, v, out, lse, dout, layout, 128**-0.5, backend="cuda")
+    grads = be.backward(
+        q, k, v, out, lse, dout, None, AttentionCall(layout, 128**-0.5, backend="cuda")
+    )
     want = dense_attention_grads(q, k, v, dout, mask, 128**-0.5)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
         assert got.shape == ref.shape, name
@@ -147,7 +150,9 @@ def test_merge_states_on_the_gpu(dtype):
     for keys in (slice(0, 400), slice(400, 1000)):
         n = keys.stop - keys.start
         layout = cuattn.make_layout("all", n, HEADS, 64, causal=False, n_q=777)
-        halves += be.forward(q, k[:, :, keys], v[:, :, keys], layout, 0.125, backend="cuda")
+        halves += be.forward(
+            q, k[:, :, keys], v[:, :, keys], AttentionCall(layout, 0.125, backend="cuda")
+        )
     out, lse = cuattn.merge_attention_states(*halves)
     whole = cupy.ones((HEADS, 777, 1000), dtype=bool)
     want_out, want_lse = dense_attention(q, k, v, whole, 0.125)
@@ -165,10 +170,10 @@ def test_fully_masked_row_gives_zero_and_minus_inf():
     )
     q, k, v, dout = _problem(layout, "float16", 64, seed=1)
     impl = be.resolve_backend("cuda", on_device=True)
-    out, lse = impl.forward(q, k, v, layout, 0.125)
+    out, lse = impl.forward(q, k, v, AttentionCall(layout, 0.125))
     empty = list(range(32, 64)) + [70]
     assert bool((out[:, :, empty] == 0).all()) and bool(cupy.isneginf(lse[:, :, empty]).all())
-    grads = impl.backward(q, k, v, out, lse, dout, layout, 0.125)
+    grads = impl.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
     assert all(not bool(cupy.isnan(g.astype(cupy.float32)).any()) for g in grads)
     assert bool((grads[0][:, :, empty] == 0).all())
 
@@ -178,10 +183,10 @@ def test_backward_is_bit_identical_across_runs(dtype):
     layout = cuattn.make_layout("bigbird", N_CTX, HEADS, blocksize=64, num_random_blocks=2)
     q, k, v, dout = _problem(layout, dtype, 64, seed=2)
     impl = be.resolve_backend("cuda", on_device=True)
-    out, lse = impl.forward(q, k, v, layout, 0.125)
-    first = impl.backward(q, k, v, out, lse, dout, layout, 0.125)
+    out, lse = impl.forward(q, k, v, AttentionCall(layout, 0.125))
+    first = impl.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
     for _ in range(3):
-        again = impl.backward(q, k, v, out, lse, dout, layout, 0.125)
+        again = impl.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
         for a, b in zip(first, again, strict=True):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
 
@@ -190,14 +195,14 @@ def test_runs_on_the_current_stream_and_ignores_poisoned_memory():
     layout = cuattn.make_layout("local", N_CTX, HEADS, blocksize=64, local_attn_ctx=100)
     q, k, v, _ = _problem(layout, "float16", 64, seed=3)
     impl = be.resolve_backend("cuda", on_device=True)
-    want, _ = impl.forward(q, k, v, layout, 0.125)
+    want, _ = impl.forward(q, k, v, AttentionCall(layout, 0.125))
     cupy.cuda.Device().synchronize()
     # Freed NaN-filled blocks of the output's size: the pool hands them to the next allocation.
     poison = [cupy.full(q.shape, cupy.nan, dtype=q.dtype) for _ in range(4)]
     del poison
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        got, lse = impl.forward(q, k, v, layout, 0.125)
+        got, lse = impl.forward(q, k, v, AttentionCall(layout, 0.125))
     stream.synchronize()
     assert not bool(cupy.isnan(got).any()) and not bool(cupy.isnan(lse).any())
     assert bool((got == want).all())
@@ -208,11 +213,11 @@ def test_long_sequence_dense_causal_bf16():
     rng = np.random.default_rng(4)
     q, k, v, dout = (_random(rng, (1, 1, LONG_N_CTX, 128), "bfloat16") for _ in range(4))
     impl = be.resolve_backend("cuda", on_device=True)
-    out, lse = impl.forward(q, k, v, layout, 128**-0.5)
+    out, lse = impl.forward(q, k, v, AttentionCall(layout, 128**-0.5))
     mask = cupy.tril(cupy.ones((1, LONG_N_CTX, LONG_N_CTX), dtype=bool))
     want_out, _ = dense_attention(q, k, v, mask, 128**-0.5)
     assert rel_err(_as_float64(out), want_out, REL_FLOOR) < TOL["bfloat16"]
-    grads = impl.backward(q, k, v, out, lse, dout, layout, 128**-0.5)
+    grads = impl.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 128**-0.5))
     want = dense_attention_grads(q, k, v, dout, mask, 128**-0.5)
     for got, ref in zip(grads, want, strict=True):
         assert rel_err(_as_float64(got), ref, GRAD_FLOOR) < TOL["bfloat16"]
@@ -223,11 +228,11 @@ def test_wrong_inputs_raise_before_launch():
     q, k, v, _ = _problem(layout, "float16", 64, seed=5)
     impl = be.resolve_backend("cuda", on_device=True)
     with pytest.raises(TypeError, match="k: dtype"):
-        impl.forward(q, k.astype(cupy.float32), v, layout, 0.125)
+        impl.forward(q, k.astype(cupy.float32), v, AttentionCall(layout, 0.125))
     with pytest.raises(ValueError, match="head_dim 40"):  # 48 has kernels since 2026-11-24
-        impl.forward(q[..., :40], k[..., :40], v[..., :40], layout, 0.125)
+        impl.forward(q[..., :40], k[..., :40], v[..., :40], AttentionCall(layout, 0.125))
     with pytest.raises(TypeError, match="CuPy arrays"):
-        impl.forward(cupy.asnumpy(q), k, v, layout, 0.125)
+        impl.forward(cupy.asnumpy(q), k, v, AttentionCall(layout, 0.125))
     other = cuattn.make_layout("all", 512, HEADS, blocksize=64)
     with pytest.raises(ValueError, match="layout: built for"):
-        impl.forward(q, k, v, other, 0.125)
+        impl.forward(q, k, v, AttentionCall(other, 0.125))

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuattn.backends import geometry, interp, kernels
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
 from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
@@ -104,16 +105,16 @@ def run_forward_backward(block: int, head_dim: int, dtype: str, rule: str) -> No
     q, k, v, dout = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=block + head_dim)
     scale = head_dim**-0.5
 
-    out, lse = interp.forward(q, k, v, layout, scale)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
     check_forward(out, lse, q, k, v, layout, scale, dtype)
     if geometry.pairs_rows("attn_fwd", block, head_dim, dtype):
         # the paired forward instantiation too (these layouts are too short to choose it)
         with forced_pairing():
-            paired = interp.forward(q, k, v, layout, scale)
+            paired = interp.forward(q, k, v, AttentionCall(layout, scale))
         check_forward(*paired, q, k, v, layout, scale, dtype)
 
     refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
-    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert not np.isnan(grad.astype(np.float32)).any(), f"d{name} left poisoned"
         assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
@@ -134,9 +135,9 @@ def test_backward_is_bit_identical_run_to_run(dtype):
     n_ctx = 3 * block - 5
     layout = make_test_layout("causal", block, n_ctx)
     q, k, v, dout = random_inputs((2, HEADS, n_ctx, head_dim), dtype, seed=7)
-    out, lse = interp.forward(q, k, v, layout, 0.3)
-    first = interp.backward(q, k, v, out, lse, dout, layout, 0.3)
-    second = interp.backward(q, k, v, out, lse, dout, layout, 0.3)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, 0.3))
+    first = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.3))
+    second = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.3))
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -152,7 +153,7 @@ def test_float16_gradients_where_ds_falls_into_subnormals():
     k, v = (rng.standard_normal((1, 1, n_k, head_dim)).astype(np.float16) for _ in range(2))
     dout = (1e-3 * rng.standard_normal((1, 1, n_q, head_dim))).astype(np.float16)
     scale = head_dim**-0.5
-    out, lse = interp.forward(q, k, v, layout, scale)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
     check_forward(out, lse, q, k, v, layout, scale, "float16")
     mask = layout.to_mask()
     q64, k64, v64, dout64 = (x.astype(np.float64) for x in (q, k, v, dout))
@@ -161,7 +162,7 @@ def test_float16_gradients_where_ds_falls_into_subnormals():
     ds = p * (dp - (dout64 * out.astype(np.float64)).sum(-1, keepdims=True))
     assert np.median(np.abs(ds)) < np.finfo(np.float16).tiny  # the regime this test is about
     refs = dense_attention_grads(q, k, v, dout, mask, scale)
-    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert rel_err(grad, ref) <= TOLERANCE["float16"], f"d{name}"
 
@@ -174,10 +175,10 @@ def test_batch_and_custom_scale(dtype, scale):
     n_ctx = 4 * block + 3
     layout = local_layout(n_ctx, HEADS, block, 20, causal=True)
     q, k, v, dout = random_inputs((3, HEADS, n_ctx, head_dim), dtype, seed=11)
-    out, lse = interp.forward(q, k, v, layout, scale)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
     check_forward(out, lse, q, k, v, layout, scale, dtype)
     refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
-    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     for grad, ref in zip(grads, refs, strict=True):
         assert rel_err(grad, ref) <= TOLERANCE[dtype]
 
@@ -197,13 +198,13 @@ def test_rejects_bad_inputs():
     layout = all_layout(32, HEADS, 16)
     q = np.zeros((1, HEADS, 32, 40), np.float32)
     with pytest.raises(ValueError, match="head_dim"):
-        interp.forward(q, q, q, layout, 1.0)
+        interp.forward(q, q, q, AttentionCall(layout, 1.0))
     q = np.zeros((1, HEADS, 32, 32), np.float64)
     with pytest.raises(TypeError, match="dtype"):
-        interp.forward(q, q, q, layout, 1.0)
+        interp.forward(q, q, q, AttentionCall(layout, 1.0))
     q = np.zeros((1, HEADS + 1, 32, 32), np.float32)
     with pytest.raises(ValueError, match="layout"):
-        interp.forward(q, q, q, layout, 1.0)
+        interp.forward(q, q, q, AttentionCall(layout, 1.0))
 
 
 @settings(max_examples=8, deadline=None)
@@ -227,10 +228,10 @@ def test_random_layouts(n_ctx, density, rule, dtype, seed):
         layout = Layout(blocks, block, n_ctx, element_rule)
     q, k, v, dout = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed)
     scale = head_dim**-0.5
-    out, lse = interp.forward(q, k, v, layout, scale)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
     check_forward(out, lse, q, k, v, layout, scale, dtype)
     refs = dense_attention_grads(q, k, v, dout, layout.to_mask(), scale)
-    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     for grad, ref in zip(grads, refs, strict=True):
         assert not np.isnan(grad.astype(np.float32)).any()
         # a query with a single key has dQ = 0 exactly; the kernels' is rounding noise of

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import interp
+from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import GRID_YZ_LIMIT
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout
@@ -28,9 +29,11 @@ def test_misaligned_view_is_refused_naming_the_argument():
     assert k_view.flags.c_contiguous and k_view.ctypes.data % 16
     before = k_view.copy()
     with pytest.raises(ValueError, match=r"k: .*16-byte.*clone\(\)"):
-        interp.forward(q, k_view, v, layout, 0.5)
+        interp.forward(q, k_view, v, AttentionCall(layout, 0.5))
     np.testing.assert_array_equal(k_view, before)
-    out, lse = interp.forward(q, np.array(k_view), v, layout, 0.5)  # the fix the message names
+    out, lse = interp.forward(
+        q, np.array(k_view), v, AttentionCall(layout, 0.5)
+    )  # the fix the message names
     check_forward(out, lse, q, np.array(k_view), v, layout, 0.5, "float16")
 
 
@@ -40,14 +43,14 @@ def test_grid_limit_is_a_clear_error(axis, name):
     shape[axis] = GRID_YZ_LIMIT + 1
     q = np.broadcast_to(np.float16(1), tuple(shape))  # no memory behind the huge shape
     with pytest.raises(ValueError, match=f"{name} = 65536 exceeds"):
-        interp.forward(q, q, q, all_layout(16, HEADS, 16), 0.5)
+        interp.forward(q, q, q, AttentionCall(all_layout(16, HEADS, 16), 0.5))
 
 
 def test_a_grid_of_2_to_the_32_ctas_is_a_clear_error():
     heads = GRID_YZ_LIMIT
     q = np.broadcast_to(np.float16(1), (GRID_YZ_LIMIT, heads, 16, 32))  # each within the grid
     with pytest.raises(ValueError, match=r"65535 x 65535 x 16 reaches the kernels' limit"):
-        interp.forward(q, q, q, all_layout(16, heads, 16), 0.5)
+        interp.forward(q, q, q, AttentionCall(all_layout(16, heads, 16), 0.5))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -62,7 +65,7 @@ def test_ragged_block_without_a_mask_entry(dtype):
         array.setflags(write=True)
         array[:] = -1
     q, k, v, _ = random_inputs((1, HEADS, n_ctx, head_dim), dtype, seed=4)
-    out, lse = interp.forward(q, k, v, layout, head_dim**-0.5)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, head_dim**-0.5))
     check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
 
 
@@ -85,8 +88,9 @@ def test_strided_views_are_read_in_place(dtype, monkeypatch):
     assert k.strides != v.strides
     layout = all_layout(n, heads, 16)
     contiguous = [np.ascontiguousarray(x) for x in (q, k, v, dout)]
-    want_out, want_lse = interp.forward(*contiguous[:3], layout, 0.3)
-    want = interp.backward(*contiguous[:3], want_out, want_lse, contiguous[3], layout, 0.3)
+    call = AttentionCall(layout, 0.3)
+    want_out, want_lse = interp.forward(*contiguous[:3], call)
+    want = interp.backward(*contiguous[:3], want_out, want_lse, contiguous[3], None, call)
 
     def no_copy(x, *args, **kwargs):
         raise AssertionError("a kernel input was copied")
@@ -94,10 +98,10 @@ def test_strided_views_are_read_in_place(dtype, monkeypatch):
     monkeypatch.setattr(
         np, "ascontiguousarray", lambda x, *a, **k: x if x.flags.c_contiguous else no_copy(x)
     )
-    out, lse = interp.forward(q, k, v, layout, 0.3)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, 0.3))
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
-    grads = interp.backward(q, k, v, out, lse, dout, layout, 0.3)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.3))
     for got, ref in zip(grads, want, strict=True):
         np.testing.assert_array_equal(got, ref)
 
@@ -112,11 +116,11 @@ def test_strides_the_kernels_cannot_read_are_refused():
     sliced = wide[..., :32]  # rows 132 bytes apart
     before = wide.copy()
     with pytest.raises(ValueError, match=r"k: strides \(2112, 1056, 33, 1\) .*16 bytes"):
-        interp.forward(q, sliced, v, layout, 0.5)
+        interp.forward(q, sliced, v, AttentionCall(layout, 0.5))
     np.testing.assert_array_equal(wide, before)
     every_other = rng.standard_normal((1, HEADS, 32, 64)).astype(np.float32)[..., ::2]
     with pytest.raises(ValueError, match=r"q: strides .* last axis contiguous"):
-        interp.forward(every_other, k, v, layout, 0.5)
-    out, lse = interp.forward(q, k, v, layout, 0.5)
+        interp.forward(every_other, k, v, AttentionCall(layout, 0.5))
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, 0.5))
     with pytest.raises(ValueError, match=r"dout: strides .*contiguous\(\)"):
-        interp.backward(q, k, v, out, lse, sliced, layout, 0.5)
+        interp.backward(q, k, v, out, lse, sliced, None, AttentionCall(layout, 0.5))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import NumpyBackend, forward, geometry, interp
-from cuattn.backends.call import ScoreMods
+from cuattn.backends.call import AttentionCall, ScoreOperands
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
@@ -82,9 +82,16 @@ def test_kernels_key_bias_softcap_alibi_gqa_bit_identical(mods_kernels):  # noqa
         np.testing.assert_array_equal(a, b)
 
 
-def test_key_bias_without_the_flag_is_refused():
+def test_key_bias_sets_its_flag():
+    """The call flags the operand it carries (the kernels' variant follows the flag)."""
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=12)
     key_bias = _key_bias(1, HEADS, 24, False, 13)
-    with pytest.raises(ValueError, match="key_bias: mods.key_bias=False but it was given"):
-        forward(q, k, v, layout, 0.5, "numpy", ScoreMods(), None, key_bias)
+    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(
+        ScoreOperands(key_bias=key_bias)
+    )
+    assert call.mods.key_bias and sum(call.mods.given) == 1
+    assert call.operands.key_bias is key_bias and call.without_operands().operands.key_bias is None
+    out, _ = forward(q, k, v, call)
+    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
+    assert not np.array_equal(out, plain)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import geometry, interp, kernels
+from cuattn.backends.call import AttentionCall
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.original import all_layout, local_layout
 from tests.helpers.oracle import dense_attention, rel_err
@@ -63,7 +64,7 @@ def forward(q, k, v, layout, paired: bool):
         mock.patch.object(kernels, "layout_pairs_rows", lambda layout: paired),
         launched_configs() as launched,
     ):
-        out, lse = interp.forward(q, k, v, layout, HEAD_DIM**-0.5)
+        out, lse = interp.forward(q, k, v, AttentionCall(layout, HEAD_DIM**-0.5))
     assert [c.paired for c in launched if c.kernel == "attn_fwd"] == [paired]
     return out, lse
 

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import cuattn
 from cuattn import backends as be
+from cuattn.backends.call import AttentionCall
 from tests.helpers.oracle import GRAD_FLOOR, dense_attention, dense_attention_grads, rel_err
 
 TOL = {np.float64: 1e-12, np.float32: 2e-5, np.float16: 1e-2}
@@ -33,7 +34,7 @@ def _check(layout, dtype, rng, batch=2, head_dim=16):
     dout = rng.standard_normal(shape).astype(dtype)
     scale = 1 / np.sqrt(head_dim)
     mask = layout.to_mask()
-    out, lse = be.forward(q, k, v, layout, scale, "numpy")
+    out, lse = be.forward(q, k, v, AttentionCall(layout, scale, backend="numpy"))
     ref_out, ref_lse = dense_attention(q, k, v, mask, scale)
     assert out.dtype == dtype and out.shape == shape and not np.isnan(out).any()
     tol = TOL[dtype]
@@ -41,7 +42,9 @@ def _check(layout, dtype, rng, batch=2, head_dim=16):
     finite = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(lse), finite)
     assert rel_err(lse[finite], ref_lse[finite]) < tol
-    grads = be.backward(q, k, v, out, lse, dout, layout, scale, "numpy")
+    grads = be.backward(
+        q, k, v, out, lse, dout, None, AttentionCall(layout, scale, backend="numpy")
+    )
     for g, ref in zip(grads, dense_attention_grads(q, k, v, dout, mask, scale), strict=True):
         assert g.dtype == dtype and not np.isnan(g).any()
         assert rel_err(g, ref, GRAD_FLOOR) < tol

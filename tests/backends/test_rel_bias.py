@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import NumpyBackend, forward, geometry, interp
-from cuattn.backends.call import ScoreMods
+from cuattn.backends.call import AttentionCall, ScoreOperands
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
@@ -56,12 +56,17 @@ def test_reference_rel_bias_with_everything_else(max_distance):
     )
 
 
-def test_rel_bias_without_the_flag_is_refused():
+def test_rel_bias_sets_its_flag():
+    """The call flags the operand it carries (the kernels' variant follows the flag)."""
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=12)
     table = _table(None, HEADS, 3, 13)
-    with pytest.raises(ValueError, match="rel_bias: mods.rel_bias=False but it was given"):
-        forward(q, k, v, layout, 0.5, "numpy", ScoreMods(), None, None, table)
+    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(ScoreOperands(rel_bias=table))
+    assert call.mods.rel_bias and sum(call.mods.given) == 1
+    assert call.operands.rel_bias is table and call.without_operands().operands.rel_bias is None
+    out, _ = forward(q, k, v, call)
+    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
+    assert not np.array_equal(out, plain)
 
 
 KERNEL_CASES = [(16, HEAD_DIM, dtype, "causal", False) for dtype in geometry.DTYPES]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import NumpyBackend, geometry, interp, numpy_ref
-from cuattn.backends.call import NO_MODS, ScoreMods
+from cuattn.backends.call import NO_MODS, AttentionCall, ScoreMods
 from cuattn.layout import make_layout
 from cuattn.tools.oracle import dense_attention, dense_attention_grads, rel_err
 from tests.backends.test_interp_kernels import (
@@ -49,14 +49,14 @@ def _check(backend, q, k, v, dout, layout, tolerance, dlse=None):
     scale = q.shape[-1] ** -0.5
     mods = ScoreMods(SOFTCAP)
     mask = layout.to_mask()
-    out, lse = backend.forward(q, k, v, layout, scale, mods)
+    out, lse = backend.forward(q, k, v, AttentionCall(layout, scale, mods=mods))
     ref_out, ref_lse = dense_attention(q, k, v, mask, scale, softcap=SOFTCAP)
     empty = np.isneginf(ref_lse)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     np.testing.assert_array_equal(np.isneginf(lse), empty)
     assert rel_err(out, ref_out) <= tolerance
     assert rel_err(lse[~empty], ref_lse[~empty]) <= tolerance
-    grads = backend.backward(q, k, v, out, lse, dout, layout, scale, dlse, mods)
+    grads = backend.backward(q, k, v, out, lse, dout, dlse, AttentionCall(layout, scale, mods=mods))
     refs = dense_attention_grads(q, k, v, dout, mask, scale, dlse, softcap=SOFTCAP)
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert not np.isnan(np.asarray(grad, np.float32)).any(), f"d{name}"
@@ -84,11 +84,13 @@ def test_reference_softcap_gqa_and_fewer_queries():
 def test_reference_softcap_changes_the_result_and_zero_is_off():
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=5)
-    plain = numpy_ref.attention_forward(q, k, v, layout, 0.5)
-    capped = numpy_ref.attention_forward(q, k, v, layout, 0.5, ScoreMods(SOFTCAP))
+    plain = numpy_ref.attention_forward(q, k, v, AttentionCall(layout, 0.5))
+    capped = numpy_ref.attention_forward(
+        q, k, v, AttentionCall(layout, 0.5, mods=ScoreMods(SOFTCAP))
+    )
     assert rel_err(capped[0], plain[0]) > 0.1  # the cap bends these scores a lot
     assert not ScoreMods(0.0).any
-    off = numpy_ref.attention_forward(q, k, v, layout, 0.5, ScoreMods(0.0))
+    off = numpy_ref.attention_forward(q, k, v, AttentionCall(layout, 0.5, mods=ScoreMods(0.0)))
     np.testing.assert_array_equal(off[0], plain[0])
 
 
@@ -99,9 +101,11 @@ def test_reference_softcap_keeps_huge_scores_finite():
     q, k, v, dout = _inputs((1, HEADS, 24, 8), np.float64, seed=6)
     q = q * 1e200
     scale = 8**-0.5
-    out, lse = numpy_ref.attention_forward(q, k, v, layout, scale, ScoreMods(SOFTCAP))
+    out, lse = numpy_ref.attention_forward(
+        q, k, v, AttentionCall(layout, scale, mods=ScoreMods(SOFTCAP))
+    )
     grads = numpy_ref.attention_backward(
-        q, k, v, out, lse, dout, layout, scale, None, ScoreMods(SOFTCAP)
+        q, k, v, out, lse, dout, None, AttentionCall(layout, scale, mods=ScoreMods(SOFTCAP))
     )
     assert np.isfinite(out).all() and not np.isnan(lse).any()
     assert all(np.isfinite(g).all() for g in grads)
@@ -163,8 +167,8 @@ def test_a_scale_that_is_not_positive_runs_the_variant(mods_kernels):
     layout = make_test_layout("causal", 16, n)
     q, k, v, dout = _inputs((1, HEADS, n, HEAD_DIM), "float32", seed=21)
     for scale in (-0.3, 0.0):
-        out, lse = interp.forward(q, k, v, layout, scale)
-        ref_out, ref_lse = REFERENCE.forward(q, k, v, layout, scale)
+        out, lse = interp.forward(q, k, v, AttentionCall(layout, scale))
+        ref_out, ref_lse = REFERENCE.forward(q, k, v, AttentionCall(layout, scale))
         assert rel_err(out, ref_out) <= TOLERANCE["float32"]
         empty = np.isneginf(ref_lse)
         assert rel_err(lse[~empty], ref_lse[~empty]) <= TOLERANCE["float32"]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import cuda_runtime, geometry, interp
+from cuattn.backends.call import AttentionCall
 from cuattn.backends.kernels import panel_map
 from cuattn.layout.layout import Layout
 from cuattn.layout.registry import make_layout
@@ -95,7 +96,7 @@ def test_the_family_runs_forward_and_backward_against_the_oracle(
             np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v)
         )
     scale = head_dim**-0.5
-    (out, lse), names = launched(interp.forward, q, k, v, layout, scale)
+    (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(layout, scale))
     tile_n = geometry.sm90_tile_n(block, head_dim)
     cxx = geometry.CXX_TYPE[dtype]
     rule_cxx = geometry.CXX_RULE[rule]
@@ -104,7 +105,7 @@ def test_the_family_runs_forward_and_backward_against_the_oracle(
     k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
     check_forward(out, lse, q, k_full, v_full, layout, scale, dtype)
 
-    grads = interp.backward(q, k, v, out, lse, dout, layout, scale)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), scale)
     refs = (refs[0], *(r.reshape(batch, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
@@ -116,10 +117,10 @@ def test_it_agrees_with_the_mma_forward(monkeypatch):
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     q, k, v, _ = inputs(layout, 1, HEADS, 128, "bfloat16", seed=3)
     monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
-    (mma, _), names = launched(interp.forward, q, k, v, layout, 0.1)
+    (mma, _), names = launched(interp.forward, q, k, v, AttentionCall(layout, 0.1))
     assert names[0].startswith("attn_fwd<")
     monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
-    (wgmma, _), names = launched(interp.forward, q, k, v, layout, 0.1)
+    (wgmma, _), names = launched(interp.forward, q, k, v, AttentionCall(layout, 0.1))
     assert names[0].startswith("attn_fwd_sm90<")
     # fp32 accumulation of the same products in the same key order: at most bf16 rounding apart
     assert rel_err(wgmma, mma.astype(np.float64)) <= TOLERANCE["bfloat16"]
@@ -137,7 +138,9 @@ def test_what_it_does_not_support_keeps_the_mma_forward(sm90a, dtype, head_dim, 
     layout = make_test_layout("causal", block, n_ctx_for(block))
     q, k, v, _ = inputs(layout, 1, HEADS, head_dim, dtype, seed=5)
     mods = ScoreMods(softcap=softcap)
-    (out, lse), names = launched(interp.forward, q, k, v, layout, head_dim**-0.5, mods)
+    (out, lse), names = launched(
+        interp.forward, q, k, v, AttentionCall(layout, head_dim**-0.5, mods=mods)
+    )
     assert names and names[0].startswith("attn_fwd<")
     if not softcap:
         check_forward(out, lse, q, k, v, layout, head_dim**-0.5, dtype)
@@ -148,7 +151,7 @@ def test_an_unknown_family_is_refused_by_name_before_any_launch(monkeypatch):
     q, k, v, _ = inputs(layout, 1, HEADS, 64, "float16", seed=7)
     monkeypatch.setenv(geometry.KERNELS_ENV, "wgmma")
     with pytest.raises(ValueError, match="CUATTN_KERNELS='wgmma'.*accepted: auto, mma, sm90a"):
-        launched(interp.forward, q, k, v, layout, 0.1)
+        launched(interp.forward, q, k, v, AttentionCall(layout, 0.1))
     monkeypatch.delenv(geometry.KERNELS_ENV)
     assert geometry.kernel_family() == "auto"
 
@@ -175,7 +178,7 @@ def test_the_default_family_is_the_backend_s_choice(monkeypatch, family, by_defa
     q, k, v, _ = inputs(layout, 1, HEADS, 64, "bfloat16", seed=11)
     monkeypatch.setenv(geometry.KERNELS_ENV, family)
     backend = _GpuLikeBackend() if by_default else interp.InterpBackend()
-    (out, lse), names = launched(backend.forward, q, k, v, layout, 0.125)
+    (out, lse), names = launched(backend.forward, q, k, v, AttentionCall(layout, 0.125))
     assert names[0].startswith(expected)
     check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
 
@@ -324,7 +327,7 @@ def test_inputs_off_the_128_byte_boundary_run_on_it(sm90a, offset_bytes, pitch):
     q, k, v = offset_views(fresh[:3], offset_bytes, pitch)
     map_, col = panel_map(q, q.ctypes.data, geometry.SM90_TILE_M)
     assert col * q.itemsize == offset_bytes % 128 and map_.global_address % 128 == 0
-    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(layout, 0.125))
     assert names == [f"attn_fwd_sm90<64, 64, 64, __nv_bfloat16, {geometry.CXX_RULE['causal']}>"]
     check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
 
@@ -335,7 +338,7 @@ def test_a_map_the_device_refuses_keeps_the_mma_forward(sm90a, monkeypatch):
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     q, k, v, _ = inputs(layout, 1, HEADS, 64, "bfloat16", seed=4)
     monkeypatch.setattr(interp.backend, "encodes", lambda map_: False)
-    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(layout, 0.125))
     assert names[0].startswith("attn_fwd<")
     check_forward(out, lse, q, k, v, layout, 0.125, "bfloat16")
 
@@ -346,7 +349,7 @@ def test_a_broadcast_kv_head_keeps_the_mma_forward(sm90a):
     layout = make_test_layout("causal", 64, n_ctx_for(64))
     q, k, v, _ = inputs(layout, 1, 1, 64, "bfloat16", seed=9)
     k, v = (np.broadcast_to(x, (1, HEADS, *x.shape[2:])) for x in (k, v))
-    (out, lse), names = launched(interp.forward, q, k, v, layout, 0.125)
+    (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(layout, 0.125))
     assert names[0].startswith("attn_fwd<")
     check_forward(
         out, lse, q, np.ascontiguousarray(k), np.ascontiguousarray(v), layout, 0.125, "bfloat16"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuattn.backends.call import ScoreMods, is_seed_array
+from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, is_seed_array
 from cuattn.backends.dropout import seed_of
 from cuattn.tools.oracle import (
     alibi_bias,
@@ -45,8 +45,8 @@ def check_operands(
     seed_words = None  # dropout's seed as an array (an operand of its own)
     if dropout is not None and is_seed_array(dropout[1]):
         seed_words = dropout[1]
-    operands = (slopes, key_bias, rel_bias, seed_words)
-    mods = ScoreMods(softcap).with_operands(operands)
+    operands = ScoreOperands(slopes, key_bias, rel_bias, seed_words)
+    mods = ScoreMods(softcap)
     factors = None
     if dropout is not None:  # (p, seed: an int or an array holding one)
         mods = mods.with_dropout(*dropout)
@@ -63,7 +63,9 @@ def check_operands(
         bias = bias + (per_key if per_key.ndim == 3 else per_key[:, None, :])[:, :, None, :]
     if rel_bias is not None:
         bias = bias + rel_position_bias(rel_bias, batch, n_q, n_k)
-    out, lse = backend.forward(q, k, v, layout, scale, mods, *operands)
+    out, lse = backend.forward(
+        q, k, v, AttentionCall(layout, scale, mods=mods).with_operands(operands)
+    )
     ref_out, ref_lse = dense_attention(
         q, k, v, mask, scale, softcap=softcap, bias=bias, dropout=factors
     )
@@ -72,7 +74,16 @@ def check_operands(
     np.testing.assert_array_equal(np.isneginf(lse), empty)
     assert rel_err(out, ref_out) <= tolerance
     assert rel_err(lse[~empty], ref_lse[~empty]) <= tolerance
-    grads = backend.backward(q, k, v, out, lse, dout, layout, scale, dlse, mods, *operands)
+    grads = backend.backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        AttentionCall(layout, scale, mods=mods).with_operands(operands),
+    )
     *refs, dbias = dense_attention_grads(
         q, k, v, dout, mask, scale, dlse, softcap=softcap, bias=bias, dropout=factors
     )

@@ -261,14 +261,16 @@ def test_opcheck_passes_on_device_layouts(recompute, rule):
         layout = dynamic.vertical_slash_layout(
             q.detach(), k.detach(), B, 3, 2, 16, backend="interp"
         )
-    *layout_args, _, index = torch_ops.op_arguments(AttentionCall(layout, 0.25), q.device)
+    *layout_args, _, index, operands, given = torch_ops.op_arguments(
+        AttentionCall(layout, 0.25), q.device
+    )
     assert layout_args[:3] == ["", B, RULE_KINDS.index(layout.rule.kind)]
-    args = (q, k, v, *layout_args, recompute, index)
+    args = (q, k, v, *layout_args, recompute, index, operands, given)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)
     saved = tuple(x.detach() for x in (q, k, v, out, lse, torch.randn_like(out)))
     dlse = torch.randn_like(lse)  # the lse's gradient
-    bwd_args = (*saved, dlse, *layout_args, index)
+    bwd_args = (*saved, dlse, *layout_args, index, operands, given)
     torch.library.opcheck(torch.ops.cuattn.attention_bwd.default, bwd_args)
 
 

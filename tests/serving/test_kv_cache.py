@@ -15,6 +15,7 @@ import torch
 
 import cuattn
 from cuattn import policies as P
+from cuattn.backends.call import AttentionCall
 
 D = 16  # the smallest head dim the kernels have
 # backend -> (cache dtype, output / lse / score relative tolerance)
@@ -533,4 +534,5 @@ def test_decode_refuses_a_strided_page_table():
     wide[..., ::2] = cache.page_table
     cache.page_table = wide[..., ::2]
     with pytest.raises(ValueError, match="page_table: the kernel reads it as a contiguous"):
-        decode.kernel_call(resolve_backend("interp", on_device=False), cache, k[:, :, :1], 0.25)
+        interp = resolve_backend("interp", on_device=False)
+        decode.kernel_call(interp, cache, k[:, :, :1], AttentionCall(None, 0.25))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cuattn.backends import numpy_ref as reference
+from cuattn.backends.call import AttentionCall
 from cuattn.layout import make_layout
 
 torch = pytest.importorskip("torch")
@@ -44,5 +45,7 @@ def test_block_mask_matches_reference(mode, kwargs, blocksize, n_ctx):
     )
     block_mask = block_mask_from_layout(layout, "cpu")
     out = flex_attention_module.flex_attention(q, k, v, block_mask=block_mask, scale=SCALE)
-    want, _ = reference.attention_forward(q.numpy(), k.numpy(), v.numpy(), layout, SCALE)
+    want, _ = reference.attention_forward(
+        q.numpy(), k.numpy(), v.numpy(), AttentionCall(layout, SCALE)
+    )
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-10, atol=1e-12)

@@ -29,6 +29,7 @@ import numpy as np
 
 from cuattn._util import array_library, one_line
 from cuattn.adapters.dlpack import cupy_stream_of_torch
+from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import HEAD_DIMS
 from cuattn.tools.bench import report as bench_report
 from cuattn.tools.bench.cases import SWEEPS, BenchCase, Sweep
@@ -141,12 +142,13 @@ def check_against_oracle(env: Environment, case: BenchCase) -> tuple[bool, float
     (inputs,) = env.make_inputs(small, 1, (1, heads, n_ctx, case.head_dim))
     scale = case.head_dim**-0.5
     q, k, v, dout = (to_float64(x) for x in (inputs.q, inputs.k, inputs.v, inputs.dout))
-    want_out, want_lse = reference.attention_forward(q, k, v, layout, scale)
+    call = AttentionCall(layout, scale)
+    want_out, want_lse = reference.attention_forward(q, k, v, call)
     got = env.ours.prepare(small, layout, [inputs], scale)(0)
     if case.direction == "fwd":
         err = relative_error(got, want_out)
     else:
-        want = reference.attention_backward(q, k, v, want_out, want_lse, dout, layout, scale)
+        want = reference.attention_backward(q, k, v, want_out, want_lse, dout, None, call)
         err = max(relative_error(g, w) for g, w in zip(got, want, strict=True))
     return err <= TOLERANCE[case.dtype], err
 

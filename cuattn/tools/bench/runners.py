@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cuattn.backends.call import AttentionCall
 from cuattn.tools.bench.cases import BenchCase
 
 RunFn = Callable[[int], Any]
@@ -43,12 +44,13 @@ class CuattnRunner:
     ) -> RunFn:
         sets = [InputSet(*(self._convert(x) for x in (s.q, s.k, s.v, s.dout))) for s in inputs]
         backend, backward = self.backend, case.direction != "fwd"
+        call = AttentionCall(layout, scale)
 
         def run(index: int) -> Any:
             s = sets[index % len(sets)]
-            out, lse = backend.forward(s.q, s.k, s.v, layout, scale)
+            out, lse = backend.forward(s.q, s.k, s.v, call)
             if backward:
-                return backend.backward(s.q, s.k, s.v, out, lse, s.dout, layout, scale)
+                return backend.backward(s.q, s.k, s.v, out, lse, s.dout, None, call)
             return out
 
         return run

@@ -23,6 +23,7 @@ from cuattn.backends.call import (
     NO_MODS,
     AttentionCall,
     ScoreMods,
+    ScoreOperands,
     checked_operands,
 )
 from cuattn.layout import MODES, make_layout
@@ -129,6 +130,7 @@ def sparse_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    score_bias: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
@@ -155,9 +157,15 @@ def sparse_attention(
     ``key_bias[b, (h,) j]`` to every query's score of key j; ``rel_bias`` (float32 [heads,
     2 M + 1] or [batch, heads, 2 M + 1], q's kind of array: a learned bias by relative
     position, T5's and Swin's) adds ``rel_bias[(b,) h, clamp(j - (i + time_k - time_q), -M, M)
-    + M]``. A gradient reaches the slopes, the key bias and the table where they carry one
-    (torch, jax, cuattn.Tensor); the table's is summed over the batch for [heads, 2 M + 1]
-    (its backward keeps float32 [batch, heads, time_q, 2 M + 1] for that while it runs).
+    + M]``; ``score_bias`` (float32 or q's dtype, q's kind of array, broadcastable to [batch,
+    heads, time_q, time_k]: rank 2 to 4, each axis 1 or its full size, any strides, -inf
+    allowed: xformers' ``attn_bias``, SDPA's float mask, T5's ``position_bias``) adds
+    ``score_bias[b, h, i, j]`` (broadcast) to the score of query i and key j; it is read only
+    inside the layout's computed blocks (NumPy backend; the kernels refuse it by name for now).
+    A gradient reaches the slopes, the key bias, the table and the score bias where they carry
+    one (torch, jax, cuattn.Tensor), summed over the axes each broadcasts; the table's
+    backward keeps float32 [batch, heads, time_q, 2 M + 1] while it runs, the score bias's a
+    dense [batch, heads, time_q, time_k] in the accumulation dtype.
     ``dropout_p`` (0 <= p < 1) drops each attention probability with probability p after the
     softmax (the lse stays that of every score) and scales the kept ones by 1 / (1 - p); which
     ones is a pure function of ``dropout_seed`` and the element's (batch, head, query, key),
@@ -210,10 +218,10 @@ def sparse_attention(
     if not (isinstance(dropout_p, float) and dropout_p == 0.0):  # the default stays here
         mods, seed_words = _dispatch.dropout_mods(mods, _untaped(q), dropout_p, dropout_seed)
     biased = not (alibi_slopes is None and key_bias is None and rel_bias is None)
+    biased = biased or score_bias is not None
     if biased or seed_words is not None:
-        operands = checked_operands(
-            q, batch, heads, n_k, alibi_slopes, key_bias, rel_bias, seed_words, unwrap=_untaped
-        )
+        operands = ScoreOperands(alibi_slopes, key_bias, rel_bias, score_bias, seed_words)
+        checked_operands(q, (batch, heads, n_q, n_k), operands, unwrap=_untaped)
     call = AttentionCall(
         layout, _resolve_scale(scale, head_dim), bool(recompute), bool(return_lse), backend, mods
     )

@@ -46,7 +46,7 @@ import re
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -679,21 +679,22 @@ def _batched_operands(operands: ScoreOperands, q: Any) -> tuple[tuple, tuple]:
     import jax
     import jax.numpy as jnp
 
-    alibi_slopes, key_bias, rel_bias, seed_words = operands.values()
-    broadcast = (
-        alibi_slopes is not None and alibi_slopes.ndim == 1,
-        False,
-        rel_bias is not None and rel_bias.ndim == 2,
-        False,
-    )
-    if broadcast[0]:
-        alibi_slopes = jnp.broadcast_to(alibi_slopes, q.shape[:2])
-    if broadcast[2]:
-        rel_bias = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
+    alibi_slopes, rel_bias = operands.alibi_slopes, operands.rel_bias
+    seed_words = operands.dropout_seed
+    widen = {
+        "alibi_slopes": alibi_slopes is not None and alibi_slopes.ndim == 1,
+        "rel_bias": rel_bias is not None and rel_bias.ndim == 2,
+    }
+    batched = operands
+    if widen["alibi_slopes"]:
+        batched = replace(batched, alibi_slopes=jnp.broadcast_to(alibi_slopes, q.shape[:2]))
+    if widen["rel_bias"]:
+        table = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
+        batched = replace(batched, rel_bias=table)
     if seed_words is not None and seed_words.dtype.itemsize == 8:  # one 64-bit value
-        seed_words = jax.lax.bitcast_convert_type(seed_words.reshape(()), jnp.uint32)
-    batched = ScoreOperands(alibi_slopes, key_bias, rel_bias, seed_words)
-    widened = tuple(b for b, g in zip(broadcast, operands.given, strict=True) if g)
+        words = jax.lax.bitcast_convert_type(seed_words.reshape(()), jnp.uint32)
+        batched = replace(batched, dropout_seed=words)
+    widened = tuple(widen.get(name, False) for name in batched.named())
     return batched.present, widened
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -163,11 +162,8 @@ def _call(
     if not given and not dropout_p:
         mods = ScoreMods(softcap) if softcap else NO_MODS
         return AttentionCall(layout, scale, backend=backend or None, mods=mods)
-    alibi, key_bias, rel_bias, seed_words = (
-        bool(given >> i & 1) for i in range(len(SCORE_OPERANDS))
-    )
-    mods = ScoreMods(softcap).with_dropout(dropout_p, dropout_seed)
-    mods = replace(mods, alibi=alibi, key_bias=key_bias, rel_bias=rel_bias, seed_words=seed_words)
+    flags = [bool(given >> i & 1) for i in range(len(SCORE_OPERANDS))]
+    mods = ScoreMods(softcap).with_dropout(dropout_p, dropout_seed).with_given(flags)
     return AttentionCall(layout, scale, backend=backend or None, mods=mods)
 
 

@@ -31,6 +31,9 @@ class ScoreMods:
               ``key_bias[batch, (head,) k]``
     rel_bias  the call carries a relative-position table [(batch,) heads, 2 M + 1] (an array
               operand): each score gets ``table[(batch,) head, clamp(k_pos - q_pos, -M, M) + M]``
+    score_bias  the call carries a dense bias broadcastable to [batch, heads, n_q, n_k] (an
+              array operand, read only inside the computed blocks): each score gets
+              ``score_bias[b, h, i, j]`` (broadcast)
     dropout_p     0 <= p < 1: each probability is dropped with probability p (after the softmax,
                   whose log-sum-exp is of every score), a kept one scaled by 1 / (1 - p), by the
                   counter-based generator of backends/dropout.py
@@ -50,27 +53,31 @@ class ScoreMods:
     alibi: bool = False
     key_bias: bool = False
     rel_bias: bool = False
+    score_bias: bool = False
     dropout_p: float = 0.0
     dropout_seed: int = 0
     seed_words: bool = False
 
     @property
     def any(self) -> bool:
-        biased = self.alibi or self.key_bias or self.rel_bias
+        biased = any(self.given[:-1])  # every operand but the seed is a bias
         return self.softcap > 0.0 or biased or self.dropout_p > 0.0
 
     @property
     def given(self) -> tuple[bool, ...]:
         """Which score operands a call with these modifiers carries (SCORE_OPERANDS order)."""
-        return (self.alibi, self.key_bias, self.rel_bias, self.seed_words)
+        return tuple(getattr(self, flag) for flag in OPERAND_FLAGS)
+
+    def with_given(self, given: Sequence[bool]) -> ScoreMods:
+        """These modifiers flagging the score operands ``given`` says a call carries
+        (SCORE_OPERANDS order)."""
+        if tuple(given) == self.given:
+            return self
+        return replace(self, **dict(zip(OPERAND_FLAGS, map(bool, given), strict=True)))
 
     def with_operands(self, operands: ScoreOperands) -> ScoreMods:
         """These modifiers with a flag for each score operand ``operands`` holds."""
-        alibi, key_bias, rel_bias, seed_words = operands.given
-        if not (alibi or key_bias or rel_bias or seed_words):
-            return self
-        flags = dict(alibi=alibi, key_bias=key_bias, rel_bias=rel_bias, seed_words=seed_words)
-        return replace(self, **flags)
+        return self.with_given(operands.given)
 
     def with_dropout(self, dropout_p: object, dropout_seed: object) -> ScoreMods:
         """These modifiers with dropout, its arguments checked (a TypeError or ValueError naming
@@ -153,8 +160,10 @@ def check_seed_words(seed: Any) -> None:
 
 
 # The score modifiers that are arrays, in the order every route passes them: ALiBi's slopes, a
-# key bias, a relative-position table, and dropout's seed when an array holds it (no gradient).
-SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias", "dropout_seed")
+# key bias, a relative-position table, a dense score bias, and last dropout's seed when an array
+# holds it (no gradient); ScoreMods' flag of each.
+SCORE_OPERANDS = ("alibi_slopes", "key_bias", "rel_bias", "score_bias", "dropout_seed")
+OPERAND_FLAGS = ("alibi", "key_bias", "rel_bias", "score_bias", "seed_words")
 
 
 @dataclass(frozen=True)
@@ -168,11 +177,12 @@ class ScoreOperands:
     alibi_slopes: Any = None
     key_bias: Any = None
     rel_bias: Any = None
+    score_bias: Any = None
     dropout_seed: Any = None
 
     def values(self) -> tuple[Any, ...]:
         """Every operand in SCORE_OPERANDS order, None where absent."""
-        return (self.alibi_slopes, self.key_bias, self.rel_bias, self.dropout_seed)
+        return tuple(getattr(self, name) for name in SCORE_OPERANDS)
 
     @property
     def given(self) -> tuple[bool, ...]:
@@ -284,35 +294,32 @@ def _check_natural_order(layout: Layout | Pattern | None, mods: ScoreMods) -> No
 
 def checked_operands(
     q: Any,
-    batch: int,
-    heads: int,
-    n_k: int,
-    alibi_slopes: Any = None,
-    key_bias: Any = None,
-    rel_bias: Any = None,
-    dropout_seed: Any = None,
+    sizes: tuple[int, int, int, int],
+    operands: ScoreOperands,
     *,
     covering: bool = False,
     unwrap: Any = None,
 ) -> ScoreOperands:
     """The score operands of a public call, checked (a TypeError or ValueError naming the
-    argument): each of q's kind of array (``unwrap(x)``'s, when given: a tape Tensor's data),
-    ALiBi's slopes float32 [heads] or [batch, heads], a key bias [batch, (heads,) n_k] (at
-    least n_k keys with ``covering``: decode, by cache position), a relative-position table
-    [(batch,) heads, 2 M + 1]; ``dropout_seed`` a seed array already checked (or None). The
-    one place sparse_attention, varlen, SDPA and decode check them."""
+    argument) against q and ``sizes`` (batch, heads, n_q, n_k): each of q's kind of array
+    (``unwrap(x)``'s, when given: a tape Tensor's data), ALiBi's slopes float32 [heads] or
+    [batch, heads], a key bias [batch, (heads,) n_k] (at least n_k keys with ``covering``:
+    decode, by cache position), a relative-position table [(batch,) heads, 2 M + 1], a score
+    bias broadcastable to [batch, heads, n_q, n_k]; a seed array is checked where dropout's
+    arguments are. The one place sparse_attention, varlen, SDPA and decode check them."""
     unwrap = unwrap or (lambda x: x)
-    plain_q = unwrap(q)
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch, heads)
-        check_same_kind("alibi_slopes", unwrap(alibi_slopes), plain_q)
-    if key_bias is not None:
-        check_key_bias(key_bias, q, batch, heads, n_k, covering=covering)
-        check_same_kind("key_bias", unwrap(key_bias), plain_q)
-    if rel_bias is not None:
-        check_rel_bias(rel_bias, q, batch, heads)
-        check_same_kind("rel_bias", unwrap(rel_bias), plain_q)
-    return ScoreOperands(alibi_slopes, key_bias, rel_bias, dropout_seed)
+    batch, heads, n_q, n_k = sizes
+    checks = {
+        "alibi_slopes": lambda x: check_alibi_slopes(x, batch, heads),
+        "key_bias": lambda x: check_key_bias(x, q, batch, heads, n_k, covering=covering),
+        "rel_bias": lambda x: check_rel_bias(x, q, batch, heads),
+        "score_bias": lambda x: check_score_bias(x, q, sizes),
+    }
+    for name, x in operands.named().items():
+        if name in checks:
+            checks[name](x)
+            check_same_kind(name, unwrap(x), unwrap(q))
+    return operands
 
 
 def check_alibi_slopes(slopes: Any, batch: int, heads: int) -> None:
@@ -369,6 +376,26 @@ def check_rel_bias(table: Any, q: Any, batch: int, heads: int) -> None:
         raise ValueError(
             f"rel_bias must have shape [heads, 2 * max_distance + 1] = ({heads}, odd) or "
             f"[batch, heads, 2 * max_distance + 1] = ({batch}, {heads}, odd), got {shape}"
+        )
+
+
+def check_score_bias(bias: Any, q: Any, sizes: tuple[int, int, int, int]) -> None:
+    """A dense score bias: float32 or q's dtype, of rank 2 to 4, broadcastable to [batch, heads,
+    n_q, n_k] = ``sizes`` the way torch and NumPy broadcast (each axis 1 or the full size, the
+    missing leading axes 1); any strides."""
+    _require_array("score_bias", bias, "broadcastable to [batch, heads, time_q, time_k]")
+    allowed = ("float32", dtype_name(q))
+    if dtype_name(bias) not in allowed:
+        raise TypeError(
+            f"score_bias must be float32 or q's dtype {dtype_name(q)}, got {dtype_name(bias)}; "
+            "cuattn never casts silently"
+        )
+    shape = tuple(dims(bias))
+    padded = (1,) * (4 - len(shape)) + shape
+    if not 2 <= len(shape) <= 4 or any(d not in (1, s) for d, s in zip(padded, sizes, strict=True)):
+        raise ValueError(
+            f"score_bias must broadcast to [batch, heads, time_q, time_k] = {tuple(sizes)} "
+            f"(rank 2 to 4, each axis 1 or its full size), got {shape}"
         )
 
 

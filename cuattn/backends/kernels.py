@@ -629,6 +629,11 @@ class KernelBackend:
         """The block and decode kernels' arguments for the call's score modifiers: the softcap,
         the score operands (stand-ins where absent) and dropout."""
         operands: ScoreOperands = call.operands
+        if operands.score_bias is not None:
+            raise ValueError(
+                f"score_bias: the {self.name} backend's kernels do not read a score bias yet; "
+                "run the call with backend='numpy' (CPU arrays)"
+            )
         return {
             "softcap": call.mods.softcap,
             **self._alibi_values(operands.alibi_slopes),
@@ -714,7 +719,13 @@ class KernelBackend:
         deterministic sequence is the only one.
         """
         layout, scale, mods = call.layout, call.scale, call.mods
-        alibi_slopes, key_bias, rel_bias, dropout_seed = call.operands.values()
+        operands = call.operands
+        alibi_slopes, key_bias, rel_bias = (
+            operands.alibi_slopes,
+            operands.key_bias,
+            operands.rel_bias,
+        )
+        dropout_seed = operands.dropout_seed
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
         dtype, shape = self._check_inputs(arrays, layout)
         batch, heads, n_q, head_dim, kv_heads, n_k = shape

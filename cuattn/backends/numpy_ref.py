@@ -85,6 +85,7 @@ def _scores(
     relative-position table [B, H, 2 M + 1], each or None), then -inf where the element rule
     forbids; ``bias`` is what the biases added (0 without them), for the gradients."""
     slopes, key_bias, rel_bias = biases.alibi_slopes, biases.key_bias, biases.rel_bias
+    score_bias = biases.score_bias
     s = np.matmul(qb[:, h, i], kb[:, _kv_head(h, qb, kb), j].swapaxes(-1, -2)) * scale
     s = modified_scores(s, mods, np)
     bias: np.ndarray | float = 0.0
@@ -94,6 +95,10 @@ def _scores(
         bias = bias + key_bias[:, h, j][:, :, None, :]
     if rel_bias is not None:
         bias = bias + rel_bias[:, h[:, None, None], _rel_index(layout, i, j, rel_bias)]
+    if score_bias is not None:
+        rows, cols, inside = _tile_positions(layout, i, j, score_bias.shape[2:])
+        tiles = score_bias[:, h[:, None, None], rows, cols].astype(s.dtype)
+        bias = bias + np.where(inside, tiles, 0.0)  # the padding beyond n_q, n_k: masked
     s = s + bias
     allowed = layout.block_masks(h, i, j, mask_id)
     return np.where(allowed, s, -np.inf), bias
@@ -121,6 +126,20 @@ def _q_minus_k(layout: Layout, i: np.ndarray, j: np.ndarray) -> np.ndarray:
     q_pos = (i[:, None] * b + offsets) + layout.q_offset
     k_pos = j[:, None] * b + offsets
     return q_pos[:, :, None] - k_pos[:, None, :]
+
+
+def _tile_positions(
+    layout: Layout, i: np.ndarray, j: np.ndarray, sizes: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query index [R, b, 1], key index [R, 1, b], whether both are below ``sizes`` = (n_q,
+    n_k) [R, b, b]) of the elements of query blocks i against key blocks j, the indices
+    clipped into range (a tile's padding reads a real element, then masked)."""
+    b = layout.blocksize
+    offsets = np.arange(b)
+    rows = (i[:, None] * b + offsets)[:, :, None]
+    cols = (j[:, None] * b + offsets)[:, None, :]
+    inside = (rows < sizes[0]) & (cols < sizes[1])
+    return np.minimum(rows, sizes[0] - 1), np.minimum(cols, sizes[1] - 1), inside
 
 
 def _rel_index(layout: Layout, i: np.ndarray, j: np.ndarray, rel_bias: np.ndarray) -> np.ndarray:
@@ -185,13 +204,15 @@ def attention_forward(
     ``alibi_slopes`` float32 [H] or [B, H], ``key_bias`` float32 [B, n_k] or [B, H, n_k],
     ``rel_bias`` float32 [H, 2 M + 1] or [B, H, 2 M + 1]."""
     layout, scale, mods = call.layout, call.scale, call.mods
-    alibi_slopes, key_bias, rel_bias, _ = call.operands.values()
+    operands = call.operands
+    alibi_slopes, key_bias, rel_bias = operands.alibi_slopes, operands.key_bias, operands.rel_bias
     acc_t = _acc_dtype(q.dtype)
     qb, kb, vb = (_blocked(x, layout, acc_t) for x in (q, k, v))
     slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
-    biases = ScoreOperands(slopes, key_b, rel_b)
+    score_b = _broadcast_bias(operands.score_bias, q, k)
+    biases = ScoreOperands(slopes, key_b, rel_b, score_b)
     m_i = np.full(qb.shape[:-1], -np.inf, dtype=acc_t)
     l_i = np.zeros(qb.shape[:-1], dtype=acc_t)
     acc = np.zeros(qb.shape, dtype=acc_t)
@@ -239,14 +260,17 @@ def attention_backward(
     the heads for [B, n_k]); then with a relative-position table its gradient (like it): the
     sum of dS over the elements each column reaches (and the batch for [H, 2 M + 1])."""
     layout, scale, mods = call.layout, call.scale, call.mods
-    alibi_slopes, key_bias, rel_bias, _ = call.operands.values()
+    operands = call.operands
+    alibi_slopes, key_bias, rel_bias = operands.alibi_slopes, operands.key_bias, operands.rel_bias
     acc_t = _acc_dtype(q.dtype)
     slopes = _per_batch(alibi_slopes, q.shape[0], acc_t, 2)
     dslopes = None if slopes is None else np.zeros_like(slopes)
     rel_b = _per_batch(rel_bias, q.shape[0], acc_t, 3)
     drel = None if rel_b is None else np.zeros_like(rel_b)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
-    biases = ScoreOperands(slopes, key_b, rel_b)
+    score_b = _broadcast_bias(operands.score_bias, q, k)
+    dscore = None if score_b is None else _score_grid(q, k, layout, acc_t)
+    biases = ScoreOperands(slopes, key_b, rel_b, score_b)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
     if dlse is not None:
@@ -276,6 +300,9 @@ def attention_backward(
         if dslopes is not None:  # d bias / d slope = -|q_pos - k_pos|
             moment = np.einsum("brqk,rqk->br", ds_biased, np.abs(_q_minus_k(layout, i, j)))
             np.add.at(dslopes.T, h, -moment.T)
+        if dscore is not None:  # each element's dS, once (a row's blocks are distinct)
+            rows, cols, _ = _tile_positions(layout, i, j, dscore.shape[2:])
+            dscore[:, h[:, None, None], rows, cols] = ds_biased
         if drel is not None:  # each element adds its dS to the table column it read
             width = drel.shape[-1]
             column = h[:, None, None] * width + _rel_index(layout, i, j, rel_b)
@@ -314,6 +341,8 @@ def attention_backward(
     if drel is not None:
         summed = drel if rel_bias.ndim == 3 else drel.sum(axis=0)
         grads = (*grads, summed.astype(rel_bias.dtype))
+    if dscore is not None:
+        grads = (*grads, _bias_gradient(dscore[:, :, :n_q, :n_k], operands.score_bias))
     return grads
 
 
@@ -326,6 +355,29 @@ def _key_bias(
     full = key_bias if key_bias.ndim == 3 else key_bias[:, None, :]
     full = np.broadcast_to(full, (full.shape[0], heads, full.shape[-1]))
     return _blocked(full, layout, acc)
+
+
+def _broadcast_bias(bias: np.ndarray | None, q: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+    """A score bias as a [B, H, n_q, n_k] view (broadcast, nothing copied), or None."""
+    if bias is None:
+        return None
+    return np.broadcast_to(bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+
+
+def _score_grid(q: np.ndarray, k: np.ndarray, layout: Layout, acc: type) -> np.ndarray:
+    """Zeros [B, H, n_q, n_k] padded to whole blocks: a score bias's gradient while the walk
+    writes it (0 outside the computed blocks)."""
+    b = layout.blocksize
+    n_q, n_k = (-(-n // b) * b for n in (q.shape[2], k.shape[2]))
+    return np.zeros((q.shape[0], q.shape[1], n_q, n_k), dtype=acc)
+
+
+def _bias_gradient(dscore: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """The gradient of a score bias from its broadcast one [B, H, n_q, n_k]: summed over each
+    axis the bias broadcasts (size 1, or missing), shaped and typed like it."""
+    padded = (1,) * (4 - bias.ndim) + bias.shape
+    axes = tuple(a for a, d in enumerate(padded) if d == 1 and dscore.shape[a] != 1)
+    return dscore.sum(axis=axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
 
 
 def _per_batch(operand: np.ndarray | None, batch: int, acc: type, ndim: int) -> np.ndarray | None:

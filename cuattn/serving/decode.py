@@ -45,7 +45,13 @@ from cuattn import backends as _backends
 from cuattn._util import stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
-from cuattn.backends.call import AttentionCall, ScoreMods, checked_operands, rel_max_distance
+from cuattn.backends.call import (
+    AttentionCall,
+    ScoreMods,
+    ScoreOperands,
+    checked_operands,
+    rel_max_distance,
+)
 from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache, _dtype_name, _on_device
@@ -272,9 +278,8 @@ def decode_attention(
     # a seed held in an array travels as a score operand
     mods, seed_words = dispatch.dropout_mods(mods, q, dropout_p, dropout_seed)
     longest = int(cache.lengths.max(initial=0))
-    given = checked_operands(
-        q, batch, heads, longest, alibi_slopes, key_bias, rel_bias, seed_words, covering=True
-    )
+    given = ScoreOperands(alibi_slopes, key_bias, rel_bias, dropout_seed=seed_words)
+    checked_operands(q, (batch, heads, int(q.shape[2]), longest), given, covering=True)
     call = AttentionCall(None, scale, return_lse=bool(return_lse), backend=backend, mods=mods)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
@@ -292,7 +297,9 @@ def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any,
     against every kept token (module doc), as dense arithmetic takes NaN and inf: the NumPy
     backend's decode."""
     xp, scale, mods = cache.xp, call.scale, call.mods
-    slopes, key_bias, rel_bias, seed_words = call.operands.values()
+    operands = call.operands
+    slopes, key_bias, rel_bias = operands.alibi_slopes, operands.key_bias, operands.rel_bias
+    seed_words = operands.dropout_seed
     seed = mods.dropout_seed
     if seed_words is not None:  # the reference reads the key on the host
         seed = seed_of(seed_words.get() if xp is not np else seed_words)

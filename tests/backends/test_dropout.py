@@ -135,7 +135,7 @@ def test_a_seed_array_gives_the_mask_of_the_key_it_holds(mods_kernels, words):  
         q,
         q,
         v,
-        AttentionCall(layout, 1.0, mods=mods).with_operands(ScoreOperands(None, None, None, words)),
+        AttentionCall(layout, 1.0, mods=mods).with_operands(ScoreOperands(dropout_seed=words)),
     )
     kept = np.round(out * n * (1 - p)) == 1
     key = dropout.seed_of(words)
@@ -162,7 +162,7 @@ def test_a_seed_array_equals_its_int_bit_for_bit():
         q,
         k,
         v,
-        AttentionCall(layout, 0.5, mods=mods).with_operands(ScoreOperands(None, None, None, words)),
+        AttentionCall(layout, 0.5, mods=mods).with_operands(ScoreOperands(dropout_seed=words)),
     )
     for a, b in zip(by_value, by_array, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -38,14 +38,17 @@ def check_operands(
     dlse=None,
     rel_bias=None,
     dropout=None,
+    score_bias=None,
 ):
     """``backend``'s (out, lse, grads) with these operands, each checked against the oracle;
-    grads: dq, dk, dv, then the gradient of each operand given (slopes first)."""
+    grads: dq, dk, dv, then the gradient of each operand given (slopes first). ``score_bias``:
+    broadcastable to [batch, heads, n_q, n_k]; its gradient is the oracle's summed over the
+    axes it broadcasts."""
     scale = q.shape[-1] ** -0.5
     seed_words = None  # dropout's seed as an array (an operand of its own)
     if dropout is not None and is_seed_array(dropout[1]):
         seed_words = dropout[1]
-    operands = ScoreOperands(slopes, key_bias, rel_bias, seed_words)
+    operands = ScoreOperands(slopes, key_bias, rel_bias, score_bias, seed_words)
     mods = ScoreMods(softcap)
     factors = None
     if dropout is not None:  # (p, seed: an int or an array holding one)
@@ -63,6 +66,8 @@ def check_operands(
         bias = bias + (per_key if per_key.ndim == 3 else per_key[:, None, :])[:, :, None, :]
     if rel_bias is not None:
         bias = bias + rel_position_bias(rel_bias, batch, n_q, n_k)
+    if score_bias is not None:
+        bias = bias + score_bias.astype(np.float64)
     out, lse = backend.forward(
         q, k, v, AttentionCall(layout, scale, mods=mods).with_operands(operands)
     )
@@ -115,6 +120,15 @@ def check_operands(
         assert drel.dtype == rel_bias.dtype and drel.shape == rel_bias.shape
         assert not np.isnan(drel).any()
         assert rel_err(drel, ref_drel) <= limit, "drel_bias"
+    if score_bias is not None:
+        padded = (1,) * (4 - score_bias.ndim) + score_bias.shape
+        ref_dscore = np.broadcast_to(dbias, (batch, q.shape[1], n_q, n_k))
+        axes = tuple(a for a, d in enumerate(padded) if d == 1 and ref_dscore.shape[a] != 1)
+        ref_dscore = ref_dscore.sum(axis=axes, keepdims=True).reshape(score_bias.shape)
+        dscore = next(wrt)
+        assert dscore.dtype == score_bias.dtype and dscore.shape == score_bias.shape
+        assert not np.isnan(np.asarray(dscore, np.float32)).any()
+        assert rel_err(dscore, ref_dscore) <= limit, "dscore_bias"
     if seed_words is not None:
         assert next(wrt) is None, "a seed has no gradient"
     assert next(wrt, "none left") == "none left"

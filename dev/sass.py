@@ -17,6 +17,8 @@ instructions issue (ncu counts them) but move nothing.
 
 Instruction classes (``instruction_class``), by opcode, the classes issue #26 reports:
   HMMA    tensor-core mma.sync
+  HGMMA   warpgroup MMA (wgmma, sm_90a): one per warp of the warpgroup, its operands read from
+          shared memory by the tensor cores (``hgmma_shared_bytes``), not by an LDS
   LDSM    ldmatrix (shared -> registers in mma fragment layout)
   LDS/STS other shared-memory loads and stores (LDS, STS, ATOMS)
   LDGSTS  cp.async global -> shared
@@ -52,6 +54,7 @@ NVDISASM_TIMEOUT_S = 120
 # Sizes of the class table; the order is the report's column order.
 CLASSES = (
     "HMMA",
+    "HGMMA",
     "LDSM",
     "LDS/STS",
     "LDGSTS",
@@ -65,6 +68,7 @@ CLASSES = (
 )
 
 _HMMA = {"HMMA"}
+_HGMMA = {"HGMMA"}
 _LDSM = {"LDSM"}
 _SHARED = {"LDS", "STS", "ATOMS", "LDSU"}
 _LDGSTS = {"LDGSTS"}
@@ -281,6 +285,8 @@ def instruction_class(opcode: str) -> str:
     base = opcode.split(".", 1)[0]
     if base in _HMMA:
         return "HMMA"
+    if base in _HGMMA:
+        return "HGMMA"
     if base in _LDSM:
         return "LDSM"
     if base in _SHARED:
@@ -300,6 +306,42 @@ def instruction_class(opcode: str) -> str:
     if base.startswith("U") or base in ("S2UR", "R2UR"):
         return "uniform"
     return "other"
+
+
+# HGMMA.<M>x<N>x<K>.<accumulator>.<input type>: the warpgroup's shape; a warp computes M / 4
+# of its rows. A source operand ``gdesc[...]`` is a shared-memory descriptor, a register is A
+# held in registers (B is always in shared memory).
+_HGMMA_SHAPE = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\.")
+_HGMMA_INPUT_BYTES = {"F16": 2, "BF16": 2, "E4M3": 1, "E5M2": 1, "TF32": 4}
+WARPGROUP_WARPS = 4
+
+
+def hgmma_shape(opcode: str) -> tuple[int, int, int] | None:
+    """(M, N, K) of a warpgroup MMA opcode (``HGMMA.64x128x16.F32.BF16``), None otherwise."""
+    match = _HGMMA_SHAPE.match(opcode)
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3]))
+
+
+def hgmma_flop(opcode: str) -> int:
+    """FLOP one warp's share of an HGMMA does (its M / 4 rows), 0 for any other opcode."""
+    shape = hgmma_shape(opcode)
+    if shape is None:
+        return 0
+    m, n, k = shape
+    return 2 * m // WARPGROUP_WARPS * n * k
+
+
+def hgmma_shared_bytes(inst: Instruction) -> int:
+    """Shared-memory bytes one warp's share of an HGMMA reads: a quarter of B (N x K), plus a
+    quarter of A (M x K) where A comes from a descriptor, not registers. Stated assumption: the
+    warpgroup reads each operand byte once (B is not read again for each warp's rows)."""
+    shape = hgmma_shape(inst.opcode)
+    if shape is None:
+        return 0
+    m, n, k = shape
+    item = next((b for t, b in _HGMMA_INPUT_BYTES.items() if f".{t}" in inst.opcode), 2)
+    a_in_shared = _operands(inst)[1].startswith("gdesc")
+    return ((n * k) + (m * k if a_in_shared else 0)) * item // WARPGROUP_WARPS
 
 
 def shared_load_wavefronts(opcode: str) -> int:

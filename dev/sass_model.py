@@ -37,6 +37,13 @@ How the main loop is found and counted (the attribution rules; each a stated heu
 * Code outside the main loop counts once per CTA per warp, its copy loops by the own tile's
   chunks (the first step tile's copy, also outside, is counted as an own tile: a few dozen
   instructions per CTA).
+* The sm_90a backward (warp-specialised, wgmma): the work opcode is HGMMA, a tile is one step
+  of one consumer warp (``hmma`` is its HGMMA). The else-branch of ``if (tile.coverage !=
+  TILE_EMPTY)`` is what a consumer runs for a step it skips; it is counted apart
+  (``TileModel.skipped``). The producer's two step loops (the one issuing UTMALDG, the one
+  issuing UBLKRED, at the consumers' step-loop depth) count once a step for the CTA
+  (``TileModel.producer``) and not once per CTA. HGMMA FLOP and the shared bytes their
+  operands read (sass.hgmma_flop, hgmma_shared_bytes) are summed with the counts.
 * ``@!PT`` instructions (ptxas pads each LDGSTS with three) count as instructions (they are
   fetched and issued, predicated off) but move no data. The f532ccd calibration cannot tell
   whether ncu counts them: +1..+4 % with them, 0..+2.5 % without.
@@ -84,16 +91,27 @@ class ColdRegion:
     """Source lines the hot path of a full tile does not run.
 
     kind "function": the body of every function ``name``; "if": every if-statement whose
-    condition mentions ``name`` (condition and body); "statement": statements matching
-    ``pattern`` inside function ``name``; "loop": every loop statement whose header matches
-    ``pattern`` (header and body). ``partial`` marks code that partial tiles run (their
-    extra cost is reported); other regions are features off in the modelled call.
+    condition mentions ``name`` (condition and body); "else": the else-branch of every such
+    if-statement; "statement": statements matching ``pattern`` inside function ``name``;
+    "loop": every loop statement whose header matches ``pattern`` (header and body).
+    ``partial`` marks code that partial tiles run (their extra cost is reported); ``skipped``
+    code that a warp runs instead of a tile it skips (counted apart, as the skipped step's
+    cost); other regions are features off in the modelled call.
     """
 
     kind: str
     name: str
     pattern: str = ""
     partial: bool = True
+    skipped: bool = False
+
+    @property
+    def bucket(self) -> bool | str:
+        """Where cold_lines files the region: True (partial), False (off) or SKIPPED."""
+        return SKIPPED if self.skipped else self.partial
+
+
+SKIPPED = "skipped"
 
 
 PARTIAL_TILE_CODE = (
@@ -109,6 +127,14 @@ PARTIAL_TILE_CODE = (
 # The dK/dV step's lse/delta loads: `for (int i = tid; i < TILE...; i += NUM_THREADS)` over the
 # step's query rows, which only the first TILE / 32 warps enter (see _Counter.strided_weight).
 STEP_ROW_LOOP = ColdRegion("loop", "", r"for\s*\(\s*int\s+i\s*=\s*tid\s*;", partial=False)
+# The sm_90a backward: a consumer whose keys a step does not reach runs the else-branch of
+# `if (tile.coverage != TILE_EMPTY)` (dS^T zeros and dQ_part) instead of the step's GEMMs;
+# zero_queries_past runs on a ragged last step only.
+SM90_BWD_CODE = (
+    *PARTIAL_TILE_CODE,
+    ColdRegion("function", "zero_queries_past"),
+    ColdRegion("else", "TILE_EMPTY", skipped=True),
+)
 # Dropout's generator and mask (kernels/common/philox.cuh): off in the softcap call the
 # variant's specs model; the dropout specs count it.
 DROPOUT_CODE = (
@@ -135,6 +161,16 @@ def region_lines(text: str, region: ColdRegion) -> list[tuple[int, int]]:
                 continue
             end = _statement_end(text, close + 1)
             spans.append((_line(text, match.start()), _line(text, end)))
+    elif region.kind == "else":
+        for match in re.finditer(r"\bif\s*\(", text):
+            close = _matching(text, match.end() - 1, "(", ")")
+            if close is None or not re.search(rf"\b{region.name}\b", text[match.end() : close]):
+                continue
+            end = _statement_end(text, close + 1)
+            branch = re.match(r"\s*else\b", text[end + 1 :])
+            if branch is not None:
+                start = end + 1 + branch.end()
+                spans.append((_line(text, start), _line(text, _statement_end(text, start))))
     elif region.kind == "loop":
         for match in re.finditer(region.pattern, text):
             open_at = text.index("(", match.start())
@@ -199,9 +235,10 @@ def _function_bodies(text: str, name: str) -> list[tuple[int, int]]:
 
 def cold_lines(
     root: Path, regions: Sequence[ColdRegion]
-) -> dict[bool, dict[str, list[tuple[int, int]]]]:
-    """{partial?: {file base name: line ranges}} of ``regions`` in every source under root."""
-    found: dict[bool, dict[str, list[tuple[int, int]]]] = {True: {}, False: {}}
+) -> dict[bool | str, dict[str, list[tuple[int, int]]]]:
+    """{bucket (ColdRegion.bucket): {file base name: line ranges}} of ``regions`` in every
+    source under root."""
+    found: dict[bool | str, dict[str, list[tuple[int, int]]]] = {True: {}, False: {}, SKIPPED: {}}
     for path in sorted(root.rglob("*")):
         if path.suffix not in (".cu", ".cuh") or not path.is_file():
             continue
@@ -209,7 +246,7 @@ def cold_lines(
         for region in regions:
             spans = region_lines(text, region)
             if spans:
-                found[region.partial].setdefault(path.name, []).extend(spans)
+                found[region.bucket].setdefault(path.name, []).extend(spans)
     return found
 
 
@@ -237,7 +274,7 @@ class HotSpec:
     """
 
     label: str
-    kind: str  # "fwd", "dkdv", "dq", "decode"
+    kind: str  # "fwd", "dkdv", "dq", "decode", SM90_BWD_KIND
     source_file: str
     name_expression: str
     threads: int
@@ -254,6 +291,12 @@ class HotSpec:
     work_opcode: str = "HMMA"
     regions: tuple[ColdRegion, ...] = PARTIAL_TILE_CODE
     strided: tuple[ColdRegion, ...] = (STEP_ROW_LOOP,)
+    arch: str = ARCH
+
+    @property
+    def work_class(self) -> str:
+        """The instruction class of work_opcode (HMMA, HGMMA, FP32)."""
+        return sass.instruction_class(self.work_opcode)
 
     @property
     def warps(self) -> int:
@@ -354,6 +397,49 @@ def _decode_spec(head_dim: int, dtype: str) -> HotSpec:
     )
 
 
+SM90_BWD_KIND = "bwd sm90"
+SM90A_ARCH = "sm_90a"
+# The sm_90a backward's producer: the opcodes of the two step loops its warps 0 and 1 run (the
+# TMA copies of a step, the dQ reduce of a step).
+SM90_PRODUCER_OPCODES = ("UTMALDG", "UBLKRED")
+
+
+def _sm90_backward_spec(head_dim: int, dtype: str, block: int) -> HotSpec:
+    """The sm_90a backward (kernels/attn_bwd_sm90.cu): a CTA of 128 keys, two consumer
+    warpgroups of 64 keys, a step of 64 queries. HGMMA a consumer warp issues a step: S^T and
+    dP^T d / 16 each, dV and dK 4 each, dQ_part 8."""
+    from cuattn.backends.geometry import (
+        ITEMSIZE,
+        SM90_BWD,
+        SM90_BWD_TILE_K,
+        SM90_BWD_TILE_Q,
+        KernelConfig,
+    )
+
+    config = KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule="causal")
+    k16 = 16  # wgmma's K
+    hgmma = 2 * head_dim // k16 + 2 * SM90_BWD_TILE_Q // k16 + SM90_BWD_TILE_K // k16
+    return HotSpec(
+        label=f"bwd sm90a d{head_dim} b{block}",
+        kind=SM90_BWD_KIND,
+        source_file=config.source_file,
+        name_expression=config.name_expression,
+        threads=config.threads,
+        smem_bytes=config.smem_bytes,
+        head_dim=head_dim,
+        itemsize=ITEMSIZE[dtype],
+        block=block,
+        tile_m=SM90_BWD_TILE_K,
+        tile_n=SM90_BWD_TILE_Q,
+        hmma_per_warp_tile=hgmma,
+        own_copies=2,
+        stats_per_step=2,
+        work_opcode="HGMMA",
+        regions=SM90_BWD_CODE,
+        arch=SM90A_ARCH,
+    )
+
+
 HOT_DTYPE = "bfloat16"
 HOT_HEAD_DIMS = (64, 128)
 HOT_BLOCKS = (64, 128)
@@ -364,7 +450,7 @@ def hot_specs() -> list[HotSpec]:
     the forward d128 b64 in fp16 too; the paired forward (two 64-blocks per CTA) at d = 64/128;
     the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs)
     and with dropout (the same instantiations, dropout's generator counted);
-    decode."""
+    decode; the sm_90a backward at d = 64/128, 64- and 128-blocks."""
     names = {
         "attn_fwd": "fwd",
         "attn_bwd_dkdv": "dkdv",
@@ -388,6 +474,9 @@ def hot_specs() -> list[HotSpec]:
         label = f"{name} d128 b64 dropout"
         specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, mods=True))
     specs.extend(_decode_spec(d, HOT_DTYPE) for d in HOT_HEAD_DIMS)
+    for head_dim in HOT_HEAD_DIMS:
+        for block in HOT_BLOCKS:
+            specs.append(_sm90_backward_spec(head_dim, HOT_DTYPE, block))
     return specs
 
 
@@ -490,6 +579,13 @@ class TileModel:
     partial_ld_wavefronts: float = 0.0
     partial_st_wavefronts: float = 0.0
     by_origin: dict[str, float] = field(default_factory=dict)  # instructions per tile by origin
+    # wgmma kernels: per warp per tile, the FLOP of its HGMMA and the shared bytes they read
+    wgmma_flop: float = 0.0
+    wgmma_shared_bytes: float = 0.0
+    # what a warp runs for a tile it skips (SKIPPED regions): classes and the extra keys
+    skipped: dict[str, float] = field(default_factory=dict)
+    # the sm_90a backward's producer: per step, its warps together (SM90_PRODUCER_OPCODES)
+    producer: dict[str, float] = field(default_factory=dict)
 
     @property
     def instructions(self) -> float:
@@ -548,6 +644,7 @@ class _Counter:
         self.spec = spec
         self.partial_regions = regions[True]
         self.off_regions = regions[False]
+        self.skipped_regions = regions[SKIPPED]
         self.strided_regions = strided[False]
 
     def strided_weight(self, in_loop: bool) -> float:
@@ -593,24 +690,25 @@ class _Counter:
         main, parents = self.main_loop()
         spec = self.spec
         n_step = spec.chunks_per_thread(spec.tile_n)
-        hot, partial = self._count_blocks(main.blocks, main, n_step)
+        hot, partial, skipped = self._count_blocks(main.blocks, main, n_step)
         # code of enclosing loops runs once per enclosing iteration: per tile, divided by the
         # tiles an enclosing iteration holds (the main loop's counted trips, else 1)
         trips = sass.counted_trips(self.kernel, main) or 1
         for parent in reversed(parents):
-            extra_hot, extra_partial = self._count_blocks(
+            extra_hot, extra_partial, _ = self._count_blocks(
                 parent.blocks - _blocks_of_children(parent), parent, n_step
             )
             for totals, extra in ((hot, extra_hot), (partial, extra_partial)):
                 for key, value in extra.items():
                     totals[key] = totals.get(key, 0.0) + value / trips
             trips *= sass.counted_trips(self.kernel, parent) or 1
+        work = spec.work_class
         if spec.hmma_per_warp_tile:
-            ratio = hot["HMMA"] / spec.hmma_per_warp_tile
+            ratio = hot.get(work, 0.0) / spec.hmma_per_warp_tile
             if ratio < 1 or abs(ratio - round(ratio)) > 1e-6:
                 raise AttributionError(
-                    f"{spec.label}: {hot['HMMA']:g} HMMA per main-loop iteration is not a whole "
-                    f"number of {spec.hmma_per_warp_tile}-HMMA tiles"
+                    f"{spec.label}: {hot.get(work, 0.0):g} {work} per main-loop iteration is not "
+                    f"a whole number of {spec.hmma_per_warp_tile}-{work} tiles"
                 )
             tiles = round(ratio)
         else:
@@ -618,7 +716,14 @@ class _Counter:
         per_tile = {k: v / tiles for k, v in hot.items()}
         part = {k: v / tiles for k, v in partial.items()}
         outside = set(self.kernel.reachable) - (parents[0].blocks if parents else main.blocks)
-        cta, _ = self._count_blocks(outside, None, spec.chunks_per_thread(spec.tile_m))
+        producer: dict[str, float] = {}
+        if spec.kind == SM90_BWD_KIND:
+            for loop in self.producer_loops(main):
+                counts, _, _ = self._count_blocks(loop.blocks, loop, n_step)
+                for key, value in counts.items():
+                    producer[key] = producer.get(key, 0.0) + value
+                outside -= loop.blocks
+        cta, _, _ = self._count_blocks(outside, None, spec.chunks_per_thread(spec.tile_m))
         classes = {c: per_tile.get(c, 0.0) for c in sass.CLASSES}
         return TileModel(
             spec=spec,
@@ -629,7 +734,7 @@ class _Counter:
             per_tile=classes,
             partial={c: part.get(c, 0.0) for c in sass.CLASSES},
             per_cta={c: cta.get(c, 0.0) for c in sass.CLASSES},
-            hmma=per_tile.get("HMMA", 0.0),
+            hmma=per_tile.get(work, 0.0),
             ldsm=per_tile.get("LDSM", 0.0),
             ld_wavefronts=per_tile.get("ld_wavefronts", 0.0),
             st_wavefronts=per_tile.get("st_wavefronts", 0.0),
@@ -641,14 +746,37 @@ class _Counter:
             by_origin={
                 k[len(SOURCE_KEY) :]: v for k, v in per_tile.items() if k.startswith(SOURCE_KEY)
             },
+            wgmma_flop=per_tile.get("wgmma_flop", 0.0),
+            wgmma_shared_bytes=per_tile.get("wgmma_shared_bytes", 0.0),
+            skipped={k: v / tiles for k, v in skipped.items() if not k.startswith(SOURCE_KEY)},
+            producer={k: v for k, v in producer.items() if not k.startswith(SOURCE_KEY)},
         )
+
+    def producer_loops(self, main: sass.Loop) -> list[sass.Loop]:
+        """The sm_90a backward's producer step loops: for each of SM90_PRODUCER_OPCODES, the
+        loop at the consumers' step-loop depth that holds it (its walk's inner loops and the
+        one-lane loops ptxas wraps around a uniform TMA instruction count once)."""
+        found = []
+        for opcode in SM90_PRODUCER_OPCODES:
+            loops = [
+                loop
+                for loop, _ in self._loops_with_parents()
+                if loop.depth == main.depth
+                and any(i.base == opcode for i in self.kernel.block_instructions(loop.blocks))
+            ]
+            if len(loops) != 1:
+                raise AttributionError(
+                    f"{self.spec.label}: {len(loops)} step loops issue {opcode}, not one"
+                )
+            found.append(loops[0])
+        return found
 
     def _count_blocks(
         self, blocks: Iterable[int], loop: sass.Loop | None, n_chunks: int
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """(hot, partial-only) weighted counts of ``blocks``: the blocks of ``loop`` not in its
-        children (or, ``loop`` None, the code outside the main loop), nested loops weighted
-        by their trips and tile copies by ``n_chunks`` per thread."""
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """(hot, partial-only, skipped) weighted counts of ``blocks``: the blocks of ``loop``
+        not in its children (or, ``loop`` None, the code outside the main loop), nested loops
+        weighted by their trips and tile copies by ``n_chunks`` per thread."""
         kernel = self.kernel
         blocks = set(blocks)
         weight = dict.fromkeys(blocks, 1.0)
@@ -684,6 +812,7 @@ class _Counter:
             in_nested |= inner.blocks
         hot: Counter = Counter()
         partial: Counter = Counter()
+        skipped: Counter = Counter()
         for b in blocks:
             if b in cold_blocks:
                 continue
@@ -694,18 +823,25 @@ class _Counter:
                 w = weight[b]
                 if loop is not None and _in_regions(inst, self.strided_regions):
                     w = self.strided_weight(b in in_nested)
-                target = partial if _in_regions(inst, self.partial_regions) else hot
+                if _in_regions(inst, self.skipped_regions):
+                    target = skipped
+                elif _in_regions(inst, self.partial_regions):
+                    target = partial
+                else:
+                    target = hot
                 target[inst.klass] += w
                 target[SOURCE_KEY + self._origin(inst)] += w
                 if inst.never_executes:
                     continue  # issued, but moves no data
                 target["ld_wavefronts"] += w * sass.shared_load_wavefronts(inst.opcode)
                 target["st_wavefronts"] += w * sass.shared_store_wavefronts(inst.opcode)
+                target["wgmma_flop"] += w * sass.hgmma_flop(inst.opcode)
+                target["wgmma_shared_bytes"] += w * sass.hgmma_shared_bytes(inst)
                 if inst.opcode.startswith("BAR.SYNC") or inst.opcode.startswith("BAR.RED"):
                     target["barriers"] += w
                 if inst.base in ("LDL", "STL"):
                     target["local"] += w
-        return dict(hot), dict(partial)
+        return dict(hot), dict(partial), dict(skipped)
 
     def _origin(self, inst: sass.Instruction) -> str:
         """Where an instruction comes from, as the kernel sees it: the header the kernel's own
@@ -788,7 +924,7 @@ def _copy_trips(
 def _analyse_job(args: tuple[HotSpec, str, tuple[str, ...], str]) -> TileModel | str:
     spec, source, options, root = args
     try:
-        return analyse(compile_spec(spec, source, options), Path(root))
+        return analyse(compile_spec(spec, source, options, spec.arch), Path(root))
     except (RuntimeError, FileNotFoundError, AttributionError) as exc:
         return f"{spec.label}: {exc}"
 

@@ -17,6 +17,14 @@ time over the five profiled kernels). Work per kernel comes from sass_model.py's
 times the tiles a dense causal layout walks (``causal_tiles``, the kernels' own walk rules),
 plus per-CTA code. Not modelled: the tail wave, bank conflicts (under 1 % of shared loads in
 the profile), the instruction cache, DRAM (the attention kernels hit L2 95-97 %).
+
+The sm_90a backward (kernels/attn_bwd_sm90.cu) runs wgmma, which no profile of ours has
+measured: its tensor term is its HGMMA FLOP at WGMMA_FLOP_PER_SM_CYCLE (the dense bf16 peak,
+1.5x the mma.sync rate above), and its shared term adds what the HGMMA read from shared memory
+(sass.hgmma_shared_bytes: each operand byte once per warpgroup), the TMA copies it receives and
+the fp32 dQ tile the bulk reduce reads, at the same 128 bytes a cycle. Its warps are 8 consumer
+warps, whose counts are per step, and a producer whose two active warps' step loops count once
+a step (``sm90_backward_work``).
 """
 
 from __future__ import annotations
@@ -30,8 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dev import sass
 from dev.sass_model import (
     PARTIAL_TILE_CODE,
+    SM90_BWD_KIND,
+    STATS_BYTES,
     HotSpec,
     TileModel,
     format_counts_table,
@@ -50,6 +61,8 @@ SHARED_WAVEFRONTS_PER_SM_CYCLE = 1.0  # 32 banks x 4 bytes
 # From ncu: bytes our three kernels move through L2 / duration / "L2 Cache Throughput" % =
 # 5.81-5.91 TB/s.
 L2_BYTES_PER_S = 5.85e12
+# wgmma's dense fp16/bf16 peak: 989 TFLOP/s over 132 SMs at 1.83 GHz (not measured by us).
+WGMMA_FLOP_PER_SM_CYCLE = 4096
 # From ncu: the backward preprocess (out and dout read once, delta written) at 2.65 TB/s.
 DRAM_BYTES_PER_S = 2.65e12
 REFERENCE_WARPS = 8  # resident warps per SM at which OVERLAP is fitted
@@ -73,12 +86,14 @@ class Work:
     st_wavefronts: float
     l2_bytes: float
     warps_per_sm: int
+    wgmma_flop: float = 0.0
 
     def cycles(self) -> dict[str, float]:
         """Busy cycles per SM of each resource."""
         return {
             "issue": self.instructions / (SMS * ISSUE_PER_SM_CYCLE),
-            "tensor": self.hmma / (SMS * HMMA_PER_SM_CYCLE),
+            "tensor": self.hmma / (SMS * HMMA_PER_SM_CYCLE)
+            + self.wgmma_flop / (SMS * WGMMA_FLOP_PER_SM_CYCLE),
             "shared": (self.ld_wavefronts + self.st_wavefronts)
             / (SMS * SHARED_WAVEFRONTS_PER_SM_CYCLE),
             "L2": self.l2_bytes / (L2_BYTES_PER_S / CLOCK_HZ),
@@ -174,9 +189,114 @@ def paired_causal_tiles(n_ctx: int, block: int, step: int) -> tuple[int, int, in
     return -(-blocks // 2), steps, tiles, partial
 
 
+@dataclass(frozen=True)
+class Sm90BackwardSteps:
+    """What one head of a dense causal layout gives the sm_90a backward: CTAs (128 keys each),
+    steps (64 queries of the union of the CTA's columns, each copied and reduced once), and per
+    consumer (64 keys) and step whether it computes the step (``computed``; ``partial`` of those
+    under the rule's mask) or skips it (``skipped``: its keys out of the step's reach)."""
+
+    ctas: int
+    steps: int
+    computed: int
+    partial: int
+    skipped: int
+
+    def times(self, pairs: int) -> Sm90BackwardSteps:
+        return Sm90BackwardSteps(*(pairs * x for x in dataclasses.astuple(self)))
+
+
+def sm90_backward_steps(n_ctx: int, block: int, tile_k: int = 128, tile_q: int = 64):
+    """Sm90BackwardSteps of one head, queries = keys = n_ctx, causal. A CTA's column (the union
+    of its blocks' columns) starts at its first key block's query block; a consumer whose first
+    key is past the step's last query skips it, one whose last key is at most the step's first
+    query (not ragged) computes it whole."""
+    consumer = tile_k // 2
+    ctas = steps = computed = partial = skipped = 0
+    for k_start in range(0, n_ctx, tile_k):
+        ctas += 1
+        first_query = k_start // block * block
+        for q0 in range(first_query, n_ctx, tile_q):
+            q1 = min(q0 + tile_q, n_ctx) - 1
+            steps += 1
+            for key_first in (k_start, k_start + consumer):
+                key_last = min(key_first + consumer, n_ctx) - 1
+                if key_first >= n_ctx or key_first > q1:
+                    skipped += 1
+                    continue
+                computed += 1
+                partial += not (key_last <= q0 and q0 + tile_q <= n_ctx)
+    return Sm90BackwardSteps(ctas, steps, computed, partial, skipped)
+
+
+def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
+    """The sm_90a backward's main kernel over a dense causal ``shape`` (module docstring)."""
+    spec = model.spec
+    n = sm90_backward_steps(shape.n_ctx, spec.block, spec.tile_m, spec.tile_n).times(shape.pairs)
+    group = sass.WARPGROUP_WARPS  # a consumer's warps; the counts are per warp
+    skip = model.skipped
+
+    def per_consumer_step(tile: float, part: float, skipped_key: str) -> float:
+        return group * (n.computed * tile + n.partial * part + n.skipped * skip.get(skipped_key, 0))
+
+    skipped_instructions = sum(skip.get(c, 0.0) for c in sass.CLASSES)
+    producer = sum(model.producer.get(c, 0.0) for c in sass.CLASSES)
+    instructions = (
+        spec.warps * n.ctas * sum(model.per_cta.values())
+        + group
+        * (
+            n.computed * model.instructions
+            + n.partial * sum(model.partial.values())
+            + n.skipped * skipped_instructions
+        )
+        + n.steps * producer
+    )
+    wgmma_bytes = per_consumer_step(model.wgmma_shared_bytes, 0.0, "wgmma_shared_bytes")
+    dq_tile = spec.tile_n * spec.head_dim * STATS_BYTES  # the fp32 dQ tile a step reduces
+    kv_bytes = 2 * spec.tile_m * spec.head_dim * spec.itemsize
+    ld = (
+        per_consumer_step(model.ld_wavefronts, model.partial_ld_wavefronts, "ld_wavefronts")
+        + wgmma_bytes / sass.WAVEFRONT_BYTES
+        + n.steps * dq_tile / sass.WAVEFRONT_BYTES
+    )
+    st = (
+        per_consumer_step(model.st_wavefronts, model.partial_st_wavefronts, "st_wavefronts")
+        + n.steps * spec.step_bytes / sass.WAVEFRONT_BYTES
+        + n.ctas * kv_bytes / sass.WAVEFRONT_BYTES
+    )
+    return Work(
+        instructions=instructions,
+        hmma=0.0,
+        ld_wavefronts=ld,
+        st_wavefronts=st,
+        l2_bytes=n.steps * (spec.step_bytes + 2 * dq_tile) + n.ctas * 2 * kv_bytes,
+        warps_per_sm=model.warps_per_sm,
+        wgmma_flop=per_consumer_step(model.wgmma_flop, 0.0, "wgmma_flop"),
+    )
+
+
+def sm90_backward_hgmma(model: TileModel, shape: Shape) -> int:
+    """HGMMA the whole sm_90a backward kernel issues over a dense causal ``shape`` (what ncu's
+    instruction count of HGMMA should equal)."""
+    spec = model.spec
+    n = sm90_backward_steps(shape.n_ctx, spec.block, spec.tile_m, spec.tile_n).times(shape.pairs)
+    per_warp = n.computed * model.hmma + n.skipped * model.skipped.get("HGMMA", 0.0)
+    return round(sass.WARPGROUP_WARPS * per_warp)
+
+
+def sm90_backward_extra_seconds(shape: Shape) -> float:
+    """What the sm_90a backward runs beside its main kernel, DRAM-bound: zeroing the fp32 dQ
+    accumulator, then attn_bwd_sm90_dq reading it and writing dq (the semaphores are 1/16 of a
+    row's bytes and left out)."""
+    elements = shape.pairs * shape.n_ctx * shape.head_dim
+    return elements * (2 * STATS_BYTES + shape.itemsize) / DRAM_BYTES_PER_S
+
+
 def kernel_work(model: TileModel, shape: Shape) -> Work:
     """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
     spec = model.spec
+    if spec.kind == SM90_BWD_KIND:
+        return sm90_backward_work(model, shape)
     warps = tile_warps = spec.warps
     if spec.kind == "fwd" and spec.tile_m > spec.block:  # paired: a block's tiles, its warps
         ctas, steps, tiles, partial = paired_causal_tiles(shape.n_ctx, spec.block, spec.tile_n)
@@ -621,6 +741,68 @@ def ratio_rows(models: Sequence[TileModel], profile_dir: Path = PROFILE_DIR) -> 
     return rows
 
 
+SM90_BACKWARD_T = (4096, 8192)  # the quick sweep's T and the hot table's
+
+
+def sm90_backward_rows(models: Sequence[TileModel]) -> list[dict]:
+    """The sm_90a backward beside the mma.sync backward (dK/dV + dQ of the same block), dense
+    causal bf16 at the benchmark's shapes: main kernel, and with what each runs besides (the
+    preprocess for both; the sm_90a one's zeroing and dQ conversion)."""
+    by_label = {m.spec.label: m for m in models}
+    rows = []
+    for model in models:
+        spec = model.spec
+        if spec.kind != SM90_BWD_KIND:
+            continue
+        d, block = spec.head_dim, spec.block
+        for n_ctx in SM90_BACKWARD_T:
+            shape = bench_shape(n_ctx, d)
+            work = sm90_backward_work(model, shape)
+            main = predict_seconds(work)
+            flop = 5 * 2 * spec.tile_n * spec.tile_m // 2 * d  # 5 GEMMs, per consumer step
+            n = sm90_backward_steps(n_ctx, block, spec.tile_m, spec.tile_n).times(shape.pairs)
+            row = {
+                "label": spec.label,
+                "T": n_ctx,
+                "shape": shape,
+                "ms": main * MS,
+                "total_ms": (main + sm90_backward_extra_seconds(shape) + preprocess_seconds(shape))
+                * MS,
+                "bound": bound(work),
+                "cycles": work.cycles(),
+                "tflops": n.computed * flop / main / 1e12,
+                "hgmma": sm90_backward_hgmma(model, shape),
+            }
+            pair = [by_label.get(f"{k} d{d} b{block}") for k in ("dkdv", "dq")]
+            if all(m is not None for m in pair):
+                mma = sum(predict_seconds(kernel_work(m, shape)) for m in pair if m is not None)
+                row["mma_ms"] = mma * MS
+                row["mma_total_ms"] = (mma + preprocess_seconds(shape)) * MS
+            rows.append(row)
+    return rows
+
+
+def format_sm90_backward(rows: Sequence[dict]) -> str:
+    lines = [
+        "| instantiation | T | batch x heads | sm_90a main ms | bound | issue / tensor / shared /"
+        " L2 kcycles an SM | TFLOP/s (computed steps) | + zero, dQ, delta ms | mma.sync dK/dV + dQ"
+        " ms | + delta ms | x mma.sync | whole-kernel HGMMA |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["cycles"]
+        kcycles = " / ".join(f"{c[k] / 1e3:.0f}" for k in ("issue", "tensor", "shared", "L2"))
+        mma, mma_total = r.get("mma_ms"), r.get("mma_total_ms")
+        ratio = f"{mma_total / r['total_ms']:.2f}" if mma_total else "-"
+        lines.append(
+            f"| {r['label']} | {r['T']} | {r['shape'].batch} x {r['shape'].heads} | {r['ms']:.3f}"
+            f" | {r['bound']} | {kcycles} | {r['tflops']:.0f} | {r['total_ms']:.3f}"
+            f" | {'-' if mma is None else f'{mma:.3f}'}"
+            f" | {'-' if mma_total is None else f'{mma_total:.3f}'} | {ratio} | {r['hgmma']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def _pct(model: float, measured: float) -> str:
     return f"{model / measured - 1:+.0%}"
 
@@ -775,6 +957,15 @@ def report(
         "",
         format_origin_table(models),
     ]
+    sm90_rows = sm90_backward_rows(models)
+    if sm90_rows:
+        parts += [
+            "",
+            "## The sm_90a backward beside the mma.sync backward (predicted, dense causal bf16;"
+            " per consumer warp per step above: the HMMA column is its HGMMA)",
+            "",
+            format_sm90_backward(sm90_rows),
+        ]
     if calibration is not None:
         parts += [
             "",

@@ -18,7 +18,8 @@
 // semaphores [batch, heads, n_q_padded / TILE_Q] plus one work counter, all zeroed before the
 // launch; attn_bwd_sm90_dq then writes dq = dq_accum * scale as T. The layout's CSC arrays
 // (col_ptr, row_idx, col_mask) name the query blocks of each key block, dq_ranks (one int per
-// CSC entry, cuattn/backends/kernels.py) the order in which dQ's contributions are added; the
+// CSC entry, cuattn/backends/kernels.py) the order in which dQ's contributions are added, and
+// tile_order [kv heads, key tiles] the order in which each kv head's key tiles are claimed; the
 // element rule RULE applies inside entries whose mask is >= 0 (kernels/common/walk.cuh,
 // mask.cuh).
 //
@@ -47,11 +48,18 @@
 //     one bulk reduce (cp.reduce.async.bulk .add.f32), 5 GEMMs in all.
 // Determinism: the adds into one (TILE_Q queries, head, batch) tile happen in one order. Its
 // semaphore counts the CTAs that added into it; the CTA adds when the semaphore holds its rank
-// (the CTAs of the query block's row with higher key tiles: key tiles are claimed in descending
-// order), waits for its reduce to complete, then releases the next rank. Every step of every
-// entry of the walk is reduced, zeros where the rule empties it. CTAs claim their (key tile, kv
-// head, batch) from a counter in the order they start (claim_work, common/semaphore.cuh), so a
-// CTA only waits for CTAs that are running or done: no deadlock at any occupancy.
+// (the CTAs of the query block's row claimed before it), waits for its reduce to complete, then
+// releases the next rank. Every step of every entry of the walk is reduced, zeros where the
+// rule empties it. CTAs claim their work from a counter in the order they start (claim_work,
+// common/semaphore.cuh), so a CTA only waits for CTAs that are running or done: no deadlock at
+// any occupancy. The claim order (grouped_item, common/types.cuh): the (kv head, batch) pairs in
+// cta_groups groups, one after another, so that a group's query side (Q, dO and the dQ
+// accumulator, which every CTA of a pair re-reads) stays in the L2 (the host sizes them:
+// geometry.sm90_backward_cta_groups); within a group every pair's first tile in tile_order,
+// then every pair's second, ... tile_order puts the columns that walk the fewest steps first:
+// walking down its column, such a CTA reaches each of its query blocks before the longer
+// columns that share it, so in a causal layout no CTA waits on the one ranked before it. The
+// longest-first order of the forward would make every CTA wait for the longer columns beside it.
 //
 // Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
 // panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
@@ -182,9 +190,10 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
                   float* __restrict__ dq_accum, int* __restrict__ semaphores,
                   int* __restrict__ work_counter, const int* __restrict__ col_ptr,
                   const int* __restrict__ row_idx, const int* __restrict__ col_mask,
-                  const int* __restrict__ dq_ranks, const u32* __restrict__ mask_table, int n_q,
-                  int n_k, int q_offset, int kv_group, int num_k_blocks, float scale,
-                  int window_left, int window_right) {
+                  const int* __restrict__ dq_ranks, const int* __restrict__ tile_order,
+                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
+                  int kv_group, int num_k_blocks, float scale, int window_left,
+                  int window_right, int cta_groups) {
   using Traits = attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>;
   using Ring = StageRing<Traits::STEP_STAGES>;
   constexpr int TILE_K = Traits::TILE_K;
@@ -211,13 +220,15 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   }
   __syncthreads();  // the barriers and the claimed work, before anyone uses them
 
-  // The claimed item: key tiles in descending order within a (kv head, batch) (header).
+  // The claimed item: a (kv head, batch) pair of its group and a place in the kv head's
+  // tile_order (header).
   const int kv_heads = int(gridDim.y);
   const int num_k_tiles = (num_k_blocks + KEY_BLOCKS - 1) / KEY_BLOCKS;
-  const int item = claimed;
-  const int k_tile_index = num_k_tiles - 1 - item % num_k_tiles;
-  const int kv_head = item / num_k_tiles % kv_heads;
-  const int batch = item / (num_k_tiles * kv_heads);
+  const GroupedItem item = grouped_item(unsigned(claimed), unsigned(num_k_tiles),
+                                        unsigned(kv_heads) * gridDim.z, unsigned(cta_groups));
+  const int kv_head = item.pair % kv_heads;
+  const int batch = item.pair / kv_heads;
+  const int k_tile_index = tile_order[kv_head * num_k_tiles + item.position];
   const int heads = kv_heads * kv_group;
   const int k_block = k_tile_index * KEY_BLOCKS;  // the CTA's (first) key block
   const int k_start = k_tile_index * TILE_K;

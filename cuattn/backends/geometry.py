@@ -344,6 +344,9 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("row_idx", "ptr"),
         ("col_mask", "ptr"),
         ("dq_ranks", "ptr"),  # int32 per CSC entry (kernels.py, dq_ranks)
+        # int32 [kv heads, key tiles]: each kv head's key tiles in claim order (kernels.py,
+        # backward_tile_order)
+        ("tile_order", "ptr"),
         ("mask_table", "ptr"),
         ("n_q", "i32"),
         ("n_k", "i32"),
@@ -353,6 +356,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("scale", "f32"),
         ("window_left", "i32"),
         ("window_right", "i32"),
+        ("cta_groups", "i32"),  # sm90_backward_cta_groups
     ),
     SM90_BWD_DQ: (
         ("dq_accum", "ptr"),
@@ -1091,6 +1095,21 @@ def sm90_cta_groups(
     pairs = batch * heads
     kv_head_bytes = 2 * n_k * head_dim * ITEMSIZE[dtype]
     most = max(1, SM90_L2_GROUP_BYTES * kv_group // max(kv_head_bytes, 1))
+    return ceil_div(pairs, most)
+
+
+def sm90_backward_cta_groups(
+    batch: int, kv_heads: int, n_q: int, head_dim: int, dtype: str, kv_group: int
+) -> int:
+    """How many groups attn_bwd_sm90 claims its (kv head, batch) pairs in, one group after
+    another: as few as keep what a group's CTAs share through the L2 within
+    SM90_L2_GROUP_BYTES, at least one pair a group. What the CTAs of a pair share is the query
+    side of its query heads: Q and dO, lse and delta, and the fp32 dQ accumulator their reduces
+    update (a CTA reads only its own keys, once, so K and V are not counted)."""
+    pairs = batch * kv_heads
+    row_bytes = 2 * head_dim * ITEMSIZE[dtype] + 2 * 4 + head_dim * 4
+    pair_bytes = kv_group * n_q * row_bytes
+    most = max(1, SM90_L2_GROUP_BYTES // max(pair_bytes, 1))
     return ceil_div(pairs, most)
 
 

@@ -45,7 +45,10 @@ _COARSENED: weakref.WeakKeyDictionary[Layout, Layout] = weakref.WeakKeyDictionar
 # 128 blocks, 6 % at 16; strided and BigBird layouts: up to 100 %).
 PAIRED_MAX_EXTRA_STEPS = 0.10
 _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
-_DQ_RANKS: weakref.WeakKeyDictionary[Layout, dict[int, np.ndarray]] = weakref.WeakKeyDictionary()
+# The sm_90a backward's claim order and dQ ranks of a layout, by (key blocks a CTA, kv group).
+_BACKWARD_ORDER: weakref.WeakKeyDictionary[
+    Layout, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+] = weakref.WeakKeyDictionary()
 
 
 def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
@@ -156,35 +159,72 @@ def layout_pairs_rows(layout: Layout) -> bool:
     return paired
 
 
-def dq_ranks(
-    blocks: np.ndarray, col_ptr: np.ndarray, row_idx: np.ndarray, key_blocks: int
-) -> np.ndarray:
-    """The sm_90a backward's order of the dQ adds: for each CSC entry (query block i, key block
-    j) of each head, the rank of j's CTA (key blocks j // key_blocks) among the CTAs that add
-    into query block i, CTAs of higher key blocks first (the order they claim their work in):
-    the number of other CTAs with a block in row i above j's. ``blocks`` [heads, query blocks,
-    key blocks] and the CSC arrays as the layout holds them; int32, one per entry."""
+def _tiles_held(blocks: np.ndarray, key_blocks: int) -> np.ndarray:
+    """[heads, query blocks, key tiles]: whether a key tile (key_blocks key blocks: the sm_90a
+    backward's CTA) holds a block of the query block's row."""
     heads, num_q_blocks, num_blocks = blocks.shape
     tiles = -(-num_blocks // key_blocks)
+    padded = np.zeros((heads, num_q_blocks, tiles * key_blocks), bool)
+    padded[:, :, :num_blocks] = blocks
+    return padded.reshape(heads, num_q_blocks, tiles, key_blocks).any(axis=3)
+
+
+def backward_tile_order(blocks: np.ndarray, key_blocks: int, kv_group: int) -> np.ndarray:
+    """The order in which the sm_90a backward's CTAs of one (kv head, batch) claim their key
+    tiles: fewest query blocks walked first (the union of the tile's columns, summed over the
+    kv head's query heads), ties the higher tile first. The dQ adds into a query block follow
+    it (dq_ranks), and a column that walks fewer blocks reaches each of its blocks sooner down
+    the column, so in a causal layout no CTA waits for one claimed before it. int32 [kv heads,
+    key tiles]; ``blocks`` [heads, query blocks, key blocks], heads = kv heads x kv_group."""
+    held = _tiles_held(blocks, key_blocks)
+    heads, _, tiles = held.shape
+    walked = held.sum(axis=1).reshape(heads // kv_group, kv_group, tiles).sum(axis=1)
+    # fewest first, then the higher tile: sort on (walked, -tile)
+    order = np.lexsort((-np.arange(tiles)[None, :].repeat(len(walked), 0), walked), axis=1)
+    return order.astype(np.int32)
+
+
+def dq_ranks(
+    blocks: np.ndarray,
+    col_ptr: np.ndarray,
+    row_idx: np.ndarray,
+    key_blocks: int,
+    tile_order: np.ndarray,
+) -> np.ndarray:
+    """The sm_90a backward's order of the dQ adds: for each CSC entry (query block i, key block
+    j) of each head, the rank of j's CTA (key tile j // key_blocks) among the CTAs that add
+    into query block i, in the order they claim their work (``tile_order``, that of
+    backward_tile_order, [kv heads, key tiles]): the number of other CTAs with a block in row i
+    claimed before j's. ``blocks`` [heads, query blocks, key blocks] and the CSC arrays as the
+    layout holds them; int32, one per entry."""
+    held = _tiles_held(blocks, key_blocks)
+    heads, _, tiles = held.shape
+    kv_group = heads // len(tile_order)
     ranks = np.empty(len(row_idx), np.int32)
     for head in range(heads):
-        padded = np.zeros((num_q_blocks, tiles * key_blocks), bool)
-        padded[:, :num_blocks] = blocks[head]
-        held = padded.reshape(num_q_blocks, tiles, key_blocks).any(axis=2)
-        # CTAs of the row from each one on, less itself: those above it
-        above = np.cumsum(held[:, ::-1], axis=1)[:, ::-1] - held
+        order = tile_order[head // kv_group]
+        # CTAs of the row before each one in claim order: a cumulative count along the order
+        claimed = held[head][:, order]
+        before = np.empty_like(claimed, dtype=np.int64)
+        before[:, order] = np.cumsum(claimed, axis=1) - claimed
         first, last = int(col_ptr[head, 0]), int(col_ptr[head, -1])
-        columns = np.repeat(np.arange(num_blocks), np.diff(col_ptr[head]))
-        ranks[first:last] = above[row_idx[first:last], columns // key_blocks]
+        columns = np.repeat(np.arange(blocks.shape[2]), np.diff(col_ptr[head]))
+        ranks[first:last] = before[row_idx[first:last], columns // key_blocks]
     return ranks
 
 
-def _layout_dq_ranks(layout: Layout, key_blocks: int) -> np.ndarray:
-    """dq_ranks of a host layout, built once per layout and CTA width."""
-    cached = _DQ_RANKS.setdefault(layout, {})
-    if key_blocks not in cached:
-        cached[key_blocks] = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks)
-    return cached[key_blocks]
+def _layout_backward_order(
+    layout: Layout, key_blocks: int, kv_group: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(backward_tile_order, dq_ranks) of a host layout, built once per layout, CTA width and
+    kv group."""
+    cached = _BACKWARD_ORDER.setdefault(layout, {})
+    key = (key_blocks, kv_group)
+    if key not in cached:
+        order = backward_tile_order(layout.blocks, key_blocks, kv_group)
+        ranks = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks, order)
+        cached[key] = (order, ranks)
+    return cached[key]
 
 
 class KernelBackend:
@@ -580,6 +620,10 @@ class KernelBackend:
         counters = self.zeroed_output((batch * heads * (n_padded // step) + 1,), xp.int32)
         dk, dv = (self.output(k.shape, k.dtype) for _ in range(2))
         index = self.index_arrays(layout)
+        kv_group = heads // kv_heads
+        tile_order, ranks = _layout_backward_order(
+            layout, geometry.sm90_bwd_key_blocks(layout.blocksize), kv_group
+        )
         self.launch(
             config,
             **maps,
@@ -591,18 +635,20 @@ class KernelBackend:
             col_ptr=index.col_ptr,
             row_idx=index.row_idx,
             col_mask=index.col_mask,
-            dq_ranks=xp.asarray(
-                _layout_dq_ranks(layout, geometry.sm90_bwd_key_blocks(layout.blocksize))
-            ),
+            dq_ranks=xp.asarray(ranks),
+            tile_order=xp.asarray(tile_order),
             mask_table=index.mask_table,
             n_q=n_q,
             n_k=n_k,
             q_offset=layout.q_offset,
-            kv_group=heads // kv_heads,
+            kv_group=kv_group,
             num_k_blocks=layout.num_blocks,
             scale=scale,
             window_left=layout.rule.window_left,
             window_right=layout.rule.window_right,
+            cta_groups=geometry.sm90_backward_cta_groups(
+                batch, kv_heads, n_q, head_dim, dtype, kv_group
+            ),
         )
         dq = self.output(q.shape, q.dtype)
         self.launch(

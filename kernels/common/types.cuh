@@ -119,23 +119,36 @@ struct CtaTile {
   int batch;
 };
 
+// Work item `started` (0, 1, ... in the order items start) of `positions` x `pairs`, the pairs
+// cut into `groups` groups of pairs / groups or one more pair (1 <= groups <= pairs), one
+// group after another, and within a group position-major: every pair's position 0, then every
+// pair's position 1, ... 32-bit: the backends refuse a grid of 2^32 CTAs or more
+// (geometry.CTA_COUNT_LIMIT).
+struct GroupedItem {
+  int position;
+  int pair;
+};
+
+__device__ __forceinline__ GroupedItem grouped_item(unsigned started, unsigned positions,
+                                                    unsigned pairs, unsigned groups) {
+  const unsigned narrow = pairs / groups;  // pairs of a group
+  const unsigned wide_groups = pairs % groups;  // the first ones have one more
+  const unsigned wide_items = wide_groups * (narrow + 1) * positions;
+  const bool in_wide = started < wide_items;
+  const unsigned size = in_wide ? narrow + 1 : narrow;
+  const unsigned later = in_wide ? started : started - wide_items;
+  const unsigned group = later / (size * positions);
+  const unsigned in_group = later % (size * positions);
+  const unsigned first_pair = (in_wide ? 0u : wide_items / positions) + group * size;
+  return {int(in_group / size), int(first_pair + in_group % size)};
+}
+
 __device__ __forceinline__ CtaTile cta_tile_longest_first(unsigned groups) {
-  // 32-bit: the backends refuse a grid of 2^32 CTAs or more (geometry.CTA_COUNT_LIMIT).
   const unsigned tiles = gridDim.x;
   const unsigned heads = gridDim.y;
   const unsigned started = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
-  const unsigned pairs = heads * gridDim.z;  // (head, batch), 1 <= groups <= pairs
-  const unsigned narrow = pairs / groups;  // pairs of a group
-  const unsigned wide_groups = pairs % groups;  // the first ones have one more
-  const unsigned wide_ctas = wide_groups * (narrow + 1) * tiles;
-  const bool in_wide = started < wide_ctas;
-  const unsigned size = in_wide ? narrow + 1 : narrow;
-  const unsigned later = in_wide ? started : started - wide_ctas;
-  const unsigned group = later / (size * tiles);
-  const unsigned in_group = later % (size * tiles);
-  const unsigned first_pair = (in_wide ? 0u : wide_ctas / tiles) + group * size;
-  const unsigned pair = first_pair + in_group % size;
-  return {int(tiles - 1 - in_group / size), int(pair % heads), int(pair / heads)};
+  const GroupedItem item = grouped_item(started, tiles, heads * gridDim.z, groups);
+  return {int(tiles) - 1 - item.position, item.pair % int(heads), item.pair / int(heads)};
 }
 
 // Element offset of row `row` of head `head` in batch `batch` of a [batch, heads, rows, HEAD_DIM]

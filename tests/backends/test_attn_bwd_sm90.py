@@ -201,24 +201,142 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
 
 
 @pytest.mark.parametrize("key_blocks", [1, 2])
-def test_dq_ranks_order_each_query_block_s_ctas_from_the_highest_key_tile(key_blocks):
+def test_dq_ranks_order_each_query_block_s_ctas_as_they_are_claimed(key_blocks):
     """Each CSC entry's rank is the number of other CTAs (key tiles of key_blocks blocks) with a
-    block in its row above its own: the order in which the CTAs claim their work, brute force
-    on a random layout of 5 key blocks (an odd count: the last tile holds one block)."""
-    from cuattn.backends.kernels import dq_ranks
+    block in its row claimed before its own in its kv head's tile order, brute force on a random
+    layout of 5 key blocks (an odd count: the last tile holds one block), 4 query heads on 2 kv
+    heads; the order puts the tiles walking the fewest query blocks first, ties the higher."""
+    from cuattn.backends.kernels import backward_tile_order, dq_ranks
     from cuattn.layout.layout import Layout
 
-    blocks = np.random.default_rng(4).random((2, 4, 5)) < 0.5
+    blocks = np.random.default_rng(4).random((4, 4, 5)) < 0.5
     layout = Layout(blocks, 16, 5 * 16, n_q=4 * 16)
-    ranks = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks)
-    for head in range(2):
+    kv_group, tiles = 2, -(-5 // key_blocks)
+    order = backward_tile_order(layout.blocks, key_blocks, kv_group)
+    assert order.shape == (2, tiles) and order.dtype == np.int32
+    for kv_head in range(2):
+        heads = blocks[kv_head * kv_group : (kv_head + 1) * kv_group]
+        walked = [
+            heads[:, :, t * key_blocks : (t + 1) * key_blocks].any(axis=2).sum()
+            for t in range(tiles)
+        ]
+        assert sorted(range(tiles), key=lambda t: (walked[t], -t)) == list(order[kv_head])
+    ranks = dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks, order)
+    for head in range(4):
+        place = {int(t): n for n, t in enumerate(order[head // kv_group])}
         for column in range(5):
             first, last = layout.col_ptr[head, column], layout.col_ptr[head, column + 1]
             for entry in range(first, last):
                 row = layout.row_idx[entry]
-                tiles_above = {
+                claimed_before = {
                     j // key_blocks
                     for j in np.flatnonzero(blocks[head, row])
-                    if j // key_blocks > column // key_blocks
+                    if place[j // key_blocks] < place[column // key_blocks]
                 }
-                assert ranks[entry] == len(tiles_above), (head, column, row)
+                assert ranks[entry] == len(claimed_before), (head, column, row)
+
+
+def test_a_causal_layout_claims_its_shortest_columns_first():
+    """Dense causal: the key tiles in descending order (the shortest column first), whatever
+    the kv group."""
+    from cuattn.backends.kernels import backward_tile_order
+
+    layout = make_layout("all", 6 * 64, 4, 64, causal=True)
+    for key_blocks, kv_group in ((1, 1), (2, 2), (2, 4)):
+        order = backward_tile_order(layout.blocks, key_blocks, kv_group)
+        tiles = 6 // key_blocks
+        assert (order == np.arange(tiles)[::-1]).all(), (key_blocks, kv_group)
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, n_q, groups",
+    [(4, 16, 4096, 22), (2, 16, 8192, 32), (1, 16, 16384, 16), (2, 4, 1024, 1)],
+)
+def test_cta_groups_keep_a_group_s_query_side_within_the_l2_budget(batch, kv_heads, n_q, groups):
+    """Q, dO, lse/delta and the fp32 dQ of a pair at d128: 1032 bytes a query, 4.03 MiB at
+    T = 4096 (3 pairs a group of 16 MiB: 64 pairs in 22 groups); from 8192 one pair a group;
+    everything in one group when it fits (8 pairs of 1.01 MiB)."""
+    assert geometry.sm90_backward_cta_groups(batch, kv_heads, n_q, 128, "bfloat16", 1) == groups
+
+
+ORDER_BLOCKS = 6  # key blocks of the claim-order tests: 3 paired CTAs a (kv head, batch)
+
+
+def order_case(seed: int = 7):
+    """A random 64-block layout of 4 query heads on 2 kv heads, 2 batches (4 pairs of 3 CTAs),
+    whose columns differ in length (so tile_order is no plain reversal), bf16 at d = 64."""
+    from cuattn.layout.layout import ElementRule, Layout
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.random((4, ORDER_BLOCKS, ORDER_BLOCKS)) < 0.5
+    blocks[:, np.arange(ORDER_BLOCKS), np.arange(ORDER_BLOCKS)] = True  # every row attends
+    layout = Layout(blocks, 64, ORDER_BLOCKS * 64, ElementRule("none"))
+    q, k, v, dout = inputs(layout, 2, 2, 64, "bfloat16", seed)
+    out, lse = interp.forward(q, k, v, layout, 0.125)
+    return layout, q, k, v, dout, out, lse
+
+
+def test_claim_order_groups_and_block_order_leave_the_gradients_bit_identical(sm90a, monkeypatch):
+    """The pairs claimed in one group or four (one pair each), the CTAs run in three shuffled
+    block orders: the same bits every time (the dQ adds follow the ranks, not the order the
+    CTAs run in), and the float64 oracle's gradients."""
+    from cuattn.backends import kernels
+
+    layout, q, k, v, dout, out, lse = order_case()
+    order = kernels.backward_tile_order(layout.blocks, 2, 2)
+    assert not (order == np.arange(3)[::-1]).all(axis=1).all(), "no plain reversal"
+    groups_seen, runs = [], []
+    launch = interp.launch
+
+    def spy(config, **values):
+        if config.kernel == geometry.SM90_BWD:
+            groups_seen.append(values["cta_groups"])
+        return launch(config, **values)
+
+    monkeypatch.setattr(interp, "launch", spy)
+    for budget, seed in ((geometry.SM90_L2_GROUP_BYTES, "0"), (1, "3"), (1, "8")):
+        monkeypatch.setattr(geometry, "SM90_L2_GROUP_BYTES", budget)
+        monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", seed)
+        grads = interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+        runs.append([g.view(np.uint16) for g in grads])
+    assert groups_seen == [1, 4, 4]
+    for name, first, *others in zip("qkv", *runs, strict=True):
+        for other in others:
+            np.testing.assert_array_equal(first, other, err_msg=f"d{name}")
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), 0.125)
+    refs = (refs[0], *(r.reshape(2, 2, 2, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for name, grad, ref in zip("qkv", grads, refs, strict=True):
+        assert rel_err(grad, ref) <= TOLERANCE["bfloat16"], f"d{name}"
+
+
+def test_ranks_that_do_not_follow_the_claim_order_are_reported_not_hung(sm90a, monkeypatch):
+    """Caught: CTAs claimed longest column first while the dQ ranks still put the shortest
+    first: the first CTA waits on a rank no CTA claimed before it holds, and the interpreter
+    (one CTA at a time: the least residency there is) reports the deadlock. Fixed: the ranks
+    from the same longest-first order pass, within the oracle's tolerance."""
+    from cuattn.backends import kernels
+
+    shortest_first = kernels.backward_tile_order
+    dq_ranks = kernels.dq_ranks
+
+    def longest_first(blocks, key_blocks, kv_group):
+        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
+
+    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
+        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
+        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
+
+    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
+    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
+    layout, q, k, v, dout, out, lse = order_case()
+    with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):
+        interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+    monkeypatch.setattr(kernels, "dq_ranks", dq_ranks)
+    layout, q, k, v, dout, out, lse = order_case()  # a new layout: no cached ranks
+    grads = interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), 0.125)
+    refs = (refs[0], *(r.reshape(2, 2, 2, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for name, grad, ref in zip("qkv", grads, refs, strict=True):
+        assert rel_err(grad, ref) <= TOLERANCE["bfloat16"], f"d{name}"

@@ -318,3 +318,79 @@ def test_dev_sass_prints_the_report_and_checks_the_baseline(tmp_path, capsys):
     row = "| dq d128 b64 `attn_bwd_dq<64, 64, 32, 128, __nv_bfloat16, MASK_CAUSAL, MODS_NONE>`"
     assert row in printed
     assert "## Hot instantiations" in out.read_text()
+
+
+ELSE_SOURCE = """\
+__global__ void k(int coverage, float* y) {
+  if (coverage != TILE_EMPTY) {
+    y[0] = 1.f;
+  } else {
+    y[0] = 0.f;
+  }
+  if (coverage != TILE_FULL) y[1] = 2.f;
+}
+"""
+
+
+def test_else_region_and_hgmma_shapes():
+    skipped = sass_model.ColdRegion("else", "TILE_EMPTY", skipped=True)
+    assert sass_model.region_lines(ELSE_SOURCE, skipped) == [(4, 6)]
+    assert skipped.bucket == sass_model.SKIPPED
+    assert sass_model.region_lines(ELSE_SOURCE, sass_model.ColdRegion("else", "TILE_FULL")) == []
+    assert sass.instruction_class("HGMMA.64x128x16.F32.BF16") == "HGMMA"
+    assert sass.hgmma_shape("HGMMA.64x128x16.F32.BF16") == (64, 128, 16)
+    assert sass.hgmma_flop("HGMMA.64x128x16.F32.BF16") == 2 * 16 * 128 * 16
+    assert sass.hgmma_flop("HMMA.16816.F32.BF16") == 0
+    # A in registers: a warp reads a quarter of B (128 x 16 bf16); both from descriptors: a
+    # quarter of A and of B
+    rs = sass.Instruction(0, "HGMMA.64x128x16.F32.BF16", "R24, R220, gdesc[UR16].tnspB, R24")
+    ss = sass.Instruction(0, "HGMMA.64x64x16.F32.BF16", "R152, gdesc[UR16].tnspA.tnspB, RZ, !UPT")
+    assert sass.hgmma_shared_bytes(rs) == 128 * 16 * 2 // 4
+    assert sass.hgmma_shared_bytes(ss) == (64 + 64) * 16 * 2 // 4
+
+
+def test_sm90_backward_steps_of_a_causal_layout():
+    # 256 tokens, 128-blocks: key tile 0 walks 4 steps, tile 1 two; on each tile's diagonal
+    # step the upper consumer's keys lie past every query (skipped) and the lower one is
+    # masked; the upper one is masked on the next step
+    steps = sass_roofline.sm90_backward_steps(256, 128)
+    assert steps == sass_roofline.Sm90BackwardSteps(2, 6, 10, 4, 2)
+    # paired 64-blocks walk the union of the two columns: the same steps
+    assert sass_roofline.sm90_backward_steps(256, 64) == steps
+    # every step is walked by both consumers, computed or skipped
+    big = sass_roofline.sm90_backward_steps(4096, 128)
+    assert big.computed + big.skipped == 2 * big.steps == 2 * 1056
+
+
+def test_sm90a_backward_attribution_finds_a_step_of_hgmma():
+    """The static model on kernels/attn_bwd_sm90.cu (sm_90a): the main loop is the consumers'
+    step loop with one step of HGMMA (S^T, dP^T d/16 each, dV, dK 4 each, dQ_part 8), the
+    skipping consumer's path apart (dQ_part's 8 alone), the producer's two step loops found,
+    no spills; and the whole kernel's HGMMA at the quick shape is NOTES' count (change 36)."""
+    _tools_or_skip()
+    from cuattn.backends.toolchain import common_options, kernel_dir
+
+    specs = [
+        s for s in sass_model.hot_specs() if s.kind == sass_model.SM90_BWD_KIND and s.block == 128
+    ]
+    assert {s.head_dim for s in specs} == {64, 128}
+    models = sass_model.model_specs(
+        specs, sass_model.current_sources(specs), common_options(), kernel_dir()
+    )
+    for model in models:
+        d = model.spec.head_dim
+        assert model.hmma == {64: 24, 128: 32}[d] == model.spec.hmma_per_warp_tile
+        assert model.tiles_per_iteration == 1
+        assert model.skipped["HGMMA"] == 8
+        # 8 consumer warps: the step's 5 GEMMs of 64 queries x 128 keys x d
+        assert model.wgmma_flop * 8 == 5 * 2 * 64 * 128 * d
+        assert model.spill_bytes == 0 and model.local_accesses == 0
+        assert model.producer["uniform"] > 0  # UTMALDG and UBLKRED are uniform instructions
+        assert (model.ctas_per_sm, model.warps_per_sm) == (1, 12)
+    d128 = next(m for m in models if m.spec.head_dim == 128)
+    assert sass_roofline.sm90_backward_hgmma(d128, sass_roofline.PROFILE_SHAPE) == 17_104_896
+    work = sass_roofline.kernel_work(d128, sass_roofline.PROFILE_SHAPE)
+    # 67,584 steps: 2 x 67,584 - 2048 consumer steps computed (5 GEMMs of 64 x 64 x 128), the
+    # 2048 diagonal ones the upper consumers skip compute dQ_part alone
+    gemm = 2 * 64 * 64 * 128
+    assert work.wgmma_flop == (2 * 67_584 - 2048) * 5 * gemm + 2048 * gemm

@@ -461,6 +461,31 @@ def predict_persistent(
     return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share), row_share)
 
 
+def predict_built_persistent(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    p: FwdParams,
+    item_share: float,
+    kv_group: int = 1,
+) -> Prediction:
+    """attn_fwd_sm90_persistent as built: SMS CTAs claim today's CTAs as items in the order of
+    geometry.sm90_work_list (the list the host hands the kernel), each item paying
+    ``item_share`` of today's per-CTA cost and each CTA the rest once."""
+    block = layout.blocksize
+    tile_n = geometry.sm90_tile_n(block, head_dim)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
+    by_key = {(c.pair, c.tile): c for c in ctas}
+    tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
+    order = geometry.sm90_work_list(
+        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block
+    )
+    items = [by_key[divmod(int(i), tiles)] for i in order]
+    slots = SMS * SM90_RESIDENT
+    terms = fwd_terms(items, head_dim, tile_n, slots)
+    return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share))
+
+
 # ---------------------------------------------------------------------------------------------
 # The backward: attn_bwd_preprocess, then attn_bwd_dkdv (a CTA per key tile, over the CSC
 # column) and attn_bwd_dq (a CTA per query tile, over the CSR row), mma.sync, x fastest

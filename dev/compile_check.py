@@ -291,7 +291,11 @@ def sm90a_instantiations() -> list[CompileUnit]:
 
     return [
         CompileUnit(c.source_file, c.name_expression, c.threads, c.smem_bytes, 0)
-        for c in (*geometry.sm90_configs(), *geometry.sm90_backward_configs())
+        for c in (
+            *geometry.sm90_configs(),
+            *geometry.sm90_persistent_configs(),
+            *geometry.sm90_backward_configs(),
+        )
     ]
 
 

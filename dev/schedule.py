@@ -461,6 +461,91 @@ def predict_persistent(
     return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share), row_share)
 
 
+def predict_built_persistent(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    p: FwdParams,
+    item_share: float,
+    kv_group: int = 1,
+    stride: bool = False,
+) -> Prediction:
+    """attn_fwd_sm90_persistent as built: SMS CTAs claim today's CTAs as items in the order of
+    geometry.sm90_work_list (the list the host hands the kernel), each item paying
+    ``item_share`` of today's per-CTA cost and each CTA the rest once. ``stride``: the
+    alternative not built, CTA i taking items i, i + SMS, ... instead of claiming the next."""
+    block = layout.blocksize
+    tile_n = geometry.sm90_tile_n(block, head_dim)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
+    by_key = {(c.pair, c.tile): c for c in ctas}
+    tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
+    order = geometry.sm90_work_list(
+        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block
+    )
+    items = [by_key[divmod(int(i), tiles)] for i in order]
+    slots = SMS * SM90_RESIDENT
+    terms = fwd_terms(items, head_dim, tile_n, slots)
+    per_slot = p.cta_cycles * (1 - item_share)
+    pred = predict_terms(terms, p, slots, item_share, per_slot)
+    if not stride:
+        return pred
+    share = _fixed_share(terms[:, 0], item_share, None)
+    weights = np.array([p.tile_cycles, 1 / p.tensor_efficiency, p.masked_cycles, p.miss_cycles])
+    cycles = share * p.cta_cycles + terms[:, 1:] @ weights
+    loads = np.bincount(np.arange(len(cycles)) % slots, weights=cycles, minlength=slots)
+    makespan = float(loads.max()) + per_slot
+    return dataclasses.replace(
+        pred, seconds=p.launch_us * 1e-6 + makespan / CLOCK_HZ, makespan_cycles=makespan
+    )
+
+
+def persistent_table(
+    p: FwdParams,
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    block: int = 64,
+) -> str:
+    """bench/NOTES.md's persistent-forward table: every bench pattern today and as built, an
+    item paying 1/2 and 3/4 of today's per-CTA cost, and the static stride at 1/2."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    rows = {}
+    for pattern in ALL_PATTERNS:
+        try:
+            layout = pattern.make_layout(n_ctx, heads, block)
+        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
+            continue
+        rows[pattern.label] = (
+            layout.density,
+            predict_fwd(layout, batch, head_dim, p),
+            predict_built_persistent(layout, batch, head_dim, p, 0.5),
+            predict_built_persistent(layout, batch, head_dim, p, 0.75),
+            predict_built_persistent(layout, batch, head_dim, p, 0.5, stride=True),
+        )
+    density, *base = rows["dense-causal"]
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}, {block}-blocks",
+        "",
+        "| pattern | density | today ms (ratio), tail | built, item 1/2: ms (ratio), tail "
+        "| change | built, item 3/4: ms (ratio) | static stride, item 1/2: ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, (d, today, half, three, stride) in rows.items():
+
+        def ratio(x: Prediction, i: int, d: float = d) -> float:
+            return d / density * base[i].seconds / x.seconds
+
+        lines.append(
+            f"| {label} | {d:.3f} | {today.seconds * 1e3:.3f} ({ratio(today, 0):.2f}), "
+            f"{today.tail:.2f} | {half.seconds * 1e3:.3f} ({ratio(half, 1):.2f}), "
+            f"{half.tail:.2f} | {100 * (half.seconds / today.seconds - 1):+.0f} % | "
+            f"{three.seconds * 1e3:.3f} ({ratio(three, 2):.2f}) | {stride.seconds * 1e3:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # The backward: attn_bwd_preprocess, then attn_bwd_dkdv (a CTA per key tile, over the CSC
 # column) and attn_bwd_dq (a CTA per query tile, over the CSR row), mma.sync, x fastest
@@ -700,10 +785,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--order", default="heads-fastest", choices=ORDERS)
     parser.add_argument("--whatif", action="store_true", help="bench/NOTES.md's what-if tables")
+    parser.add_argument(
+        "--persistent", action="store_true", help="the persistent forward's table (bench/NOTES.md)"
+    )
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
     if args.whatif:
         print(whatif_tables(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        return 0
+    if args.persistent:
+        print(persistent_table(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
         return 0
     print("| pattern | density | CTAs | predicted ms | tail | fixed % | miss % |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -27,6 +27,9 @@
 //   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
 //     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile, the
 //     two taking turns at the tensor pipe.
+// attn_fwd_sm90_persistent (issue 53) computes the same items, each exactly as a CTA here does,
+// on a grid of about one CTA per SM that claims them from a work list the host builds from the
+// layout, longest rows first (its own note, at the end of the file).
 // With 128-blocks the CTA owns one layout block and walks its CSR row; with 64-blocks it owns
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
@@ -72,8 +75,10 @@
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
 // maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
-// (out) x 1 x 1.
+// (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
+// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py).
 #include "common/score_tile.cuh"
+#include "common/semaphore.cuh"
 #include "common/smem.cuh"
 #include "common/walk.cuh"
 #include "common/warp_gemm.cuh"
@@ -158,81 +163,120 @@ __device__ __forceinline__ unsigned char* align_to_swizzle_repeat(unsigned char*
   return p + (SWIZZLE_REPEAT_BYTES - address % SWIZZLE_REPEAT_BYTES) % SWIZZLE_REPEAT_BYTES;
 }
 
+// `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
+// depends on it is computed after this point, never hoisted out of an enclosing loop.
+__device__ __forceinline__ void opaque_to_compiler(int& value) {
+#ifndef CUATTN_INTERP
+  asm volatile("" : "+r"(value));
+#endif
+}
+
 // The descriptor of a swizzled operand at `at` (K-major: 8-row groups one repeat apart; MN-major:
 // the same, and the next 64 columns `panel_bytes` on).
 __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsigned panel_bytes) {
   return wgmma_descriptor(at, panel_bytes, SWIZZLE_REPEAT_BYTES, WGMMA_SWIZZLE_128B);
 }
 
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
-__global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
-    attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                  const __grid_constant__ TensorMap v_map,
-                  const __grid_constant__ TensorMap out_map, int q_col, int k_col, int v_col,
-                  int out_col, float* __restrict__ lse, const int* __restrict__ row_ptr,
-                  const int* __restrict__ col_idx, const int* __restrict__ row_mask,
-                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-                  int kv_group, int num_blocks, float scale, int window_left, int window_right,
-                  int cta_groups) {
+// The shared memory every item of a CTA reuses: Q (each consumer's O rows on the way out), the
+// K and the V stages, q_full and the two rings.
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+struct Sm90FwdSmem {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
+  unsigned char* q_tile;
+  unsigned char* k_stages;
+  unsigned char* v_stages;
+  u64* q_full;
+  Ring* k_ring;
+  Ring* v_ring;
 
-  const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
-  const int head = cta.head;
-  const int batch = cta.batch;
-  const int q_start = cta.tile * Traits::TILE_M;
-  if (q_start >= n_q) return;  // (a grid rounded up past the queries)
-  const int q_block = q_start / BLOCK;
-  const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
-  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
-
-  unsigned char* q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
-  unsigned char* k_stages = q_tile + Traits::Q_BYTES;
-  unsigned char* v_stages = k_stages + Traits::KV_STAGES * Traits::KV_BYTES;
-  u64* q_full = reinterpret_cast<u64*>(v_stages + Traits::KV_STAGES * Traits::KV_BYTES);
-  Ring* k_ring = reinterpret_cast<Ring*>(q_full + 1);
-  Ring* v_ring = k_ring + 1;
-  if (threadIdx.x == 0) {
+  // Carved from the dynamic shared memory; `extra` is what follows v_ring (the persistent
+  // kernel's q_empty and item slot).
+  static __device__ __forceinline__ Sm90FwdSmem carve(unsigned char** extra) {
+    Sm90FwdSmem smem;
+    smem.q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
+    smem.k_stages = smem.q_tile + Traits::Q_BYTES;
+    smem.v_stages = smem.k_stages + Traits::KV_STAGES * Traits::KV_BYTES;
+    smem.q_full = reinterpret_cast<u64*>(smem.v_stages + Traits::KV_STAGES * Traits::KV_BYTES);
+    smem.k_ring = reinterpret_cast<Ring*>(smem.q_full + 1);
+    smem.v_ring = smem.k_ring + 1;
+    *extra = reinterpret_cast<unsigned char*>(smem.v_ring + 1);
+    return smem;
+  }
+  // By thread 0, before a __syncthreads.
+  __device__ __forceinline__ void init() const {
     mbarrier_init(q_full, 1);
     k_ring->init(Traits::CONSUMER_THREADS);
     v_ring->init(Traits::CONSUMER_THREADS);
   }
-  __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
+};
 
-  if (warpgroup == 0) {
-    // The producer: one thread issues every copy; the warpgroup's registers go to the others.
-    warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
-    if (threadIdx.x != 0) return;
-    const int kv_head = head / kv_group;
-    // A tile is PANELS boxes of PANEL_COLUMNS columns side by side, each with its own copy.
-    auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
-                           int col, int row, int map_head, u64* full) {
+// One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side.
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+__device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_bytes,
+                                            const TensorMap& map, int col, int row, int map_head,
+                                            int batch, u64* full) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
 #pragma unroll
-      for (int panel = 0; panel < Traits::PANELS; ++panel) {
-        tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS,
-                    row, map_head, batch, full);
-      }
-    };
-    mbarrier_arrive_expect_tx(q_full, unsigned(Traits::Q_BYTES));
-    load_panels(q_tile, Traits::Q_PANEL_BYTES, q_map, q_col, q_start, head, q_full);
-    // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
-    auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
-        row_ptr, col_idx, row_mask, head, num_blocks, q_block, 0);
-    const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
-    typename decltype(walk)::Tile tile;
-    for (int t = 0; walk.next(tile, rule, q_start, walk_last); ++t) {
-      // K first: the consumers read K(t) an iteration before V(t) (header)
-      load_panels(k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map,
-                  k_col, tile.start, kv_head, k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-      load_panels(v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map,
-                  v_col, tile.start, kv_head, v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-    }
-    return;
+  for (int panel = 0; panel < Traits::PANELS; ++panel) {
+    tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS, row,
+                map_head, batch, full);
   }
+}
 
-  // A consumer: rows 64 (warpgroup - 1) on of the CTA.
-  warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
-  const int consumer = warpgroup - 1;
+// The producer's copies of one item (128 query rows of one head and batch): K and V of every
+// active key tile into the rings, the item's tiles numbered on from `t` (the CTA's running
+// count: stage and phase continue across items), and Q by `load_q` once `q_after` of them are
+// issued (0: first; a persistent CTA copies an item's first tiles into the stages the previous
+// item has handed back while that item's epilogue still holds the Q tile).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, typename LoadQ>
+__device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
+                                             const TensorMap& k_map, const TensorMap& v_map,
+                                             int k_col, int v_col, const int* row_ptr,
+                                             const int* col_idx, const int* row_mask,
+                                             const RuleParams& rule, int num_blocks, int head,
+                                             int kv_head, int batch, int q_start, int q_after,
+                                             int& t, LoadQ load_q) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Ring = StageRing<Traits::KV_STAGES>;
+  if (q_after == 0) load_q();
+  // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
+  auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
+      row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
+  const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+  typename decltype(walk)::Tile tile;
+  const int q_at = t + q_after;  // Q goes once tile q_at - 1 is issued
+  while (walk.next(tile, rule, q_start, walk_last)) {
+    // K first: the consumers read K(t) an iteration before V(t) (header)
+    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+        smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map, k_col,
+        tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+        smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map, v_col,
+        tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    if (++t == q_at) load_q();
+  }
+  if (t < q_at) load_q();  // an item of fewer tiles (none at all included)
+}
+
+// A consumer's part of one item: rows 64 `consumer` on of the item's 128, over the tiles the
+// producer numbered from `t` (advanced past them), once Q has landed (the caller waits for
+// q_full); ends once this consumer's O rows are stored and the TMA unit has read them out of
+// the Q tile (only the thread that stored them knows when: a persistent CTA lets it hand the
+// tile back).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+__device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
+                                             const TensorMap& out_map, int out_col,
+                                             float* __restrict__ lse, const int* row_ptr,
+                                             const int* col_idx, const int* row_mask,
+                                             const RuleParams& rule, int n_q, int num_blocks,
+                                             float scale, int consumer, int head, int heads,
+                                             int batch, int q_start, int& t) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Ring = StageRing<Traits::KV_STAGES>;
+  Ring* k_ring = smem.k_ring;
+  Ring* v_ring = smem.v_ring;
+  const int q_block = q_start / BLOCK;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
   const int row_block = Traits::ROW_BLOCKS == 2 ? consumer : 0;  // the consumer's own block
   const int group_first = q_start + consumer * WGMMA_M;
@@ -256,13 +300,12 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   float m_i[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
   float l_i[2] = {};                      // this thread's columns only
   const ScoreScale score_scale = ScoreScale::make<MODS_NONE>(scale, 0.f, nullptr, 0, 0, 0);
-  unsigned char* q_group = q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
-  mbarrier_wait_parity(q_full, 0);  // always: no copy may be in flight when the CTA ends
+  unsigned char* q_group = smem.q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
 
   // The operands' descriptors, each advanced by offsets from these (descriptor_advance).
   const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
-  const u64 k_desc = swizzled_descriptor(k_stages, SWIZZLED_K_MAJOR_LEADING);
-  const u64 v_desc = swizzled_descriptor(v_stages, unsigned(Traits::KV_PANEL_BYTES));
+  const u64 k_desc = swizzled_descriptor(smem.k_stages, SWIZZLED_K_MAJOR_LEADING);
+  const u64 v_desc = swizzled_descriptor(smem.v_stages, unsigned(Traits::KV_PANEL_BYTES));
   // S = Q K^T of tile t, one commit group.
   auto issue_qk = [&](int t) {
     const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
@@ -382,7 +425,6 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // serialise every wgmma, C7520).
   if (consumer == 1) pass_turn();  // the first consumer issues first
   bool pending = false;  // whether tile t - 1's PV is still to issue
-  int t = 0;
   typename decltype(walk)::Tile tile;
   for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
     // A consumer whose rows the tile does not reach (the other block's tile in a paired CTA,
@@ -445,9 +487,14 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   // of 64 columns writes back (the 8 rows of a warp's store land in 8 different 16-byte chunks:
   // no bank conflict); then one thread stores a panel at a time, rows past n_q clipped by the
   // unit.
-  const AccLayout frag;
+  AccLayout frag;
+  // The lane's place made opaque here: the store addresses below depend on it alone, and in
+  // attn_fwd_sm90_persistent's item loop the compiler would hoist their 2 x HEAD_DIM / 8
+  // values out of it and hold them through the main loop, which spills.
+  opaque_to_compiler(frag.g);
+  opaque_to_compiler(frag.t);
   unsigned char* o_tile = q_group;  // this consumer's rows of the Q tile
-  const size_t head_offset = (size_t(batch) * gridDim.y + head) * size_t(n_q);
+  const size_t head_offset = (size_t(batch) * heads + head) * size_t(n_q);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_i[r]);
@@ -482,5 +529,170 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     }
     tma_store_commit();
     tma_store_wait_read<0>();  // the tile stays the CTA's until the unit has read it
+  }
+}
+
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                  const __grid_constant__ TensorMap v_map,
+                  const __grid_constant__ TensorMap out_map, int q_col, int k_col, int v_col,
+                  int out_col, float* __restrict__ lse, const int* __restrict__ row_ptr,
+                  const int* __restrict__ col_idx, const int* __restrict__ row_mask,
+                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
+                  int kv_group, int num_blocks, float scale, int window_left, int window_right,
+                  int cta_groups) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>;
+
+  const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
+  const int q_start = cta.tile * Traits::TILE_M;
+  if (q_start >= n_q) return;  // (a grid rounded up past the queries)
+  const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
+  unsigned char* unused;
+  const Smem smem = Smem::carve(&unused);
+  if (threadIdx.x == 0) smem.init();
+  __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
+
+  if (warpgroup == 0) {
+    // The producer: one thread issues every copy; the warpgroup's registers go to the others.
+    warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
+    if (threadIdx.x != 0) return;
+    auto load_q = [&] {
+      mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
+                                              q_start, cta.head, cta.batch, smem.q_full);
+    };
+    int t = 0;
+    produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(smem, k_map, v_map, k_col, v_col, row_ptr,
+                                                   col_idx, row_mask, rule, num_blocks, cta.head,
+                                                   cta.head / kv_group, cta.batch, q_start, 0, t,
+                                                   load_q);
+    return;
+  }
+
+  // A consumer: rows 64 (warpgroup - 1) on of the CTA.
+  warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
+  mbarrier_wait_parity(smem.q_full, 0);  // always: no copy may be in flight when the CTA ends
+  int t = 0;
+  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(smem, out_map, out_col, lse, row_ptr, col_idx,
+                                                 row_mask, rule, n_q, num_blocks, scale,
+                                                 warpgroup - 1, cta.head, int(gridDim.y),
+                                                 cta.batch, q_start, t);
+}
+
+// The persistent forward (issue 53): the same items, (128 query rows, head, batch), taken by a
+// grid of about one CTA per SM from a work list the host builds from the layout
+// (geometry.sm90_work_list: longest rows first within the L2-sized groups of pairs that
+// attn_fwd_sm90 starts together). Item n of the list is pair * ceil(n_q / 128) + tile, pair =
+// batch * heads + head. A CTA claims list places from a counter (claim_work, zeroed before the
+// launch) until the list is out: the place claimed next is always the next in the list, so the
+// order is the list's whatever the CTAs' speeds (a fixed stride would hand one CTA every
+// longest row of each round).
+//
+// What persists across a CTA's items: the barriers, the rings' running tile count (stage and
+// phase continue), the consumers' turns. Per item, the producer thread claims a place, copies
+// the item's first KV_STAGES key tiles into the stages the previous item has handed back (they
+// land while that item's epilogue runs), waits for q_empty (both consumers' O rows read out of
+// the Q tile by the TMA unit), writes the item into item_slot and copies Q with q_full
+// announcing both; the consumers wait for q_full, read the item, compute it exactly as
+// attn_fwd_sm90's CTA does, and each consumer's storing thread arrives on q_empty once its
+// store has been read. The list out, the producer publishes NO_ITEM with a plain arrive and the
+// consumers leave: no copy is then in flight (every one issued was waited for).
+constexpr int NO_ITEM = -1;
+enum ProducerState { CLAIMED, PUBLISHED, PRODUCER_STATE_INTS };
+
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
+  using Base = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  // q_empty, then the item slot and the producer's state, after attn_fwd_sm90's barriers.
+  static constexpr int SMEM_BYTES =
+      Base::SMEM_BYTES + int(sizeof(u64)) + (1 + PRODUCER_STATE_INTS) * int(sizeof(int));
+};
+
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+__global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_fwd_sm90_persistent(
+        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap out_map,
+        int q_col, int k_col, int v_col, int out_col, float* __restrict__ lse,
+        const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
+        const int* __restrict__ row_mask, const u32* __restrict__ mask_table, int n_q, int n_k,
+        int q_offset, int kv_group, int num_blocks, float scale, int window_left,
+        int window_right, const int* __restrict__ work_list, int num_items, int heads,
+        int* __restrict__ work_counter) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>;
+  // At d = 256 the producer's four panels a copy do not fit its 24 registers beside the loop's
+  // state (ptxas spills 4 to 16 bytes); attn_fwd_sm90 keeps that head dim.
+  static_assert(HEAD_DIM <= 128, "the persistent forward takes head dims 64 and 128");
+
+  const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
+  const int q_tiles = (n_q + Traits::TILE_M - 1) / Traits::TILE_M;
+  const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
+  unsigned char* extra;
+  const Smem smem = Smem::carve(&extra);
+  u64* q_empty = reinterpret_cast<u64*>(extra);
+  volatile int* item_slot = reinterpret_cast<int*>(q_empty + 1);  // the item the consumers take
+  volatile int* producer_state = item_slot + 1;                     // CLAIMED, PUBLISHED
+  if (threadIdx.x == 0) {
+    smem.init();
+    mbarrier_init(q_empty, Traits::CONSUMERS);  // each consumer's storing thread
+    producer_state[PUBLISHED] = 0;
+  }
+  __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
+
+  if (warpgroup == 0) {
+    warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
+    if (threadIdx.x != 0) return;
+    // The claimed item and the count of items published live in shared memory, read where
+    // used: held in registers through an item's copies they spill (the producer has 24).
+    auto publish = [&] {
+      const int published = producer_state[PUBLISHED];
+      if (published > 0) mbarrier_wait_parity(q_empty, unsigned(published - 1) & 1u);
+      *item_slot = producer_state[CLAIMED];
+      producer_state[PUBLISHED] = published + 1;
+    };
+    auto load_q = [&] {
+      publish();
+      const int item = producer_state[CLAIMED];
+      const int pair = item / q_tiles;
+      mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
+                                              item % q_tiles * Traits::TILE_M, pair % heads,
+                                              pair / heads, smem.q_full);
+    };
+    int t = 0;
+    for (;;) {
+      const int place = claim_work(work_counter);
+      const int item = place < num_items ? work_list[place] : NO_ITEM;
+      producer_state[CLAIMED] = item;
+      if (item == NO_ITEM) {
+        publish();
+        mbarrier_arrive(smem.q_full);
+        return;
+      }
+      const int pair = item / q_tiles;
+      const int head = pair % heads;
+      // The first item's Q goes first: there is no epilogue to copy under.
+      const int q_after = producer_state[PUBLISHED] == 0 ? 0 : Traits::KV_STAGES;
+      produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(
+          smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, head,
+          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, q_after, t, load_q);
+    }
+  }
+
+  warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
+  int t = 0;
+  for (int n = 0;; ++n) {
+    mbarrier_wait_parity(smem.q_full, unsigned(n) & 1u);
+    const int item = *item_slot;
+    if (item == NO_ITEM) return;
+    const int pair = item / q_tiles;
+    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(
+        smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
+        warpgroup - 1, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M, t);
+    if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) mbarrier_arrive(q_empty);
   }
 }

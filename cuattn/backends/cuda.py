@@ -83,6 +83,9 @@ class CudaBackend(KernelBackend):
     def launch(self, config: KernelConfig, **values: Any) -> None:
         launch(config, **values)
 
+    def multiprocessors(self, x: Any) -> int:
+        return int(x.device.attributes["MultiProcessorCount"])
+
     def runs_sm90a(self, x: Any) -> bool:
         return x.device.compute_capability == SM90_COMPUTE_CAPABILITY
 

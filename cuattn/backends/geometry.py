@@ -78,6 +78,7 @@ KERNEL_FILES = {
     "layout_fill": "layout_build.cu",
     "mask_vertical_slash": "layout_build.cu",
     "attn_fwd_sm90": "attn_fwd_sm90.cu",
+    "attn_fwd_sm90_persistent": "attn_fwd_sm90.cu",
     "attn_bwd_sm90": "attn_bwd_sm90.cu",
     "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
 }
@@ -139,12 +140,26 @@ SM90_BWD_STAGES = 2  # stages of each step's Q, dO, lse and delta
 SM90_BWD_DS_STAGES = 2  # dS^T stages (the next step's stores never meet the dQ GEMM's reads)
 # kv_full, dq_full, dq_empty; a full and an empty barrier a stage
 SM90_BWD_BARRIERS = 3 + 2 * SM90_BWD_STAGES
-SM90_KERNELS = (SM90_FWD, SM90_BWD, SM90_BWD_DQ)  # built for sm_90a alone
+# The persistent sm_90a forward (issue 53): attn_fwd_sm90's items taken by one CTA an SM from a
+# work list built from the layout (sm90_work_list) through a zeroed counter. It has never run on
+# a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
+# attn_fwd_sm90 applies; the backward stays attn_bwd_dkdv + attn_bwd_dq there.
+SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
+# d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
+SM90_PERSISTENT_HEAD_DIMS = (64, 128)
+SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
+# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's claimed
+# item and count of items published.
+SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + 3 * 4
+SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
+# built for sm_90a alone
+SM90_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT, SM90_BWD, SM90_BWD_DQ)
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
 SM90_FAMILY = "sm90a"
-KERNEL_FAMILIES = (AUTO_FAMILY, MMA_FAMILY, SM90_FAMILY)
+SM90_PERSISTENT_FAMILY = "sm90a-persistent"  # SM90_FAMILY's forward on SM90_FWD_PERSISTENT
+KERNEL_FAMILIES = (AUTO_FAMILY, MMA_FAMILY, SM90_FAMILY, SM90_PERSISTENT_FAMILY)
 # One warp per row, templated on <HEAD_DIM, T>; their traits: kernels/common/row_kernel.cuh.
 ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "attn_decode_merge")
 # Split-KV decode over a paged cache, templated on <TILE, ROWS, HEAD_DIM, T>; traits in
@@ -322,6 +337,23 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *_LAYOUT_ARGS,
         *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
         ("cta_groups", "i32"),  # sm90_cta_groups
+    ),
+    SM90_FWD_PERSISTENT: (
+        ("q", "tmap"),
+        ("k", "tmap"),
+        ("v", "tmap"),
+        ("out", "tmap"),
+        ("q_col", "i32"),
+        ("k_col", "i32"),
+        ("v_col", "i32"),
+        ("out_col", "i32"),
+        ("lse", "ptr"),
+        *_LAYOUT_ARGS,
+        *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
+        ("work_list", "ptr"),  # int32, sm90_work_list
+        ("num_items", "i32"),
+        ("heads", "i32"),
+        ("work_counter", "ptr"),  # int32, zeroed
     ),
     SM90_BWD: (
         ("q", "tmap"),
@@ -755,8 +787,11 @@ class KernelConfig(_Launch):
             smem += tile_n * self.head_dim * 4  # the fp32 dQ tile
             smem += 2 * SM90_BWD_STAGES * tile_n * 4  # lse and delta of each stage
             smem += SM90_BWD_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
-        elif self.kernel == SM90_FWD:
+        elif self.kernel in SM90_FWD_KERNELS:
+            # attn_fwd_sm90: grid (query tiles = n_rows, heads, batch); the persistent one:
+            # (CTAs = n_rows, 1, 1)
             assert sm90_forward_supports(self.block, self.head_dim, self.dtype), self
+            assert self.kernel == SM90_FWD or self.head_dim in SM90_PERSISTENT_HEAD_DIMS, self
             assert self.rule in RULES and not self.mods and not self.paired, self
             tile_m, tile_n, num_warps = (
                 SM90_TILE_M,
@@ -767,6 +802,8 @@ class KernelConfig(_Launch):
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
             smem = panels * (tile_m + kv_rows) * SM90_SWIZZLE_ROW_BYTES
             smem += SM90_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
+            if self.kernel == SM90_FWD_PERSISTENT:
+                smem += SM90_PERSISTENT_SMEM_BYTES
         else:
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
@@ -822,6 +859,8 @@ class KernelConfig(_Launch):
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
             return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
+        if self.kernel == SM90_FWD_PERSISTENT:
+            return (self.n_rows, 1, 1)
         assert self.block is not None
         num_blocks = ceil_div(self.n_rows, self.block)
         if self.paired:
@@ -849,7 +888,7 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
-        if self.kernel in (SM90_FWD, SM90_BWD):
+        if self.kernel in (*SM90_FWD_KERNELS, SM90_BWD):
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
@@ -870,7 +909,7 @@ class KernelConfig(_Launch):
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
-        if self.kernel in (SM90_FWD, SM90_BWD):
+        if self.kernel in (*SM90_FWD_KERNELS, SM90_BWD):
             return f"{self.block}, {self.tile_n}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
@@ -1113,6 +1152,56 @@ def sm90_backward_cta_groups(
     return ceil_div(pairs, most)
 
 
+def sm90_work_list(
+    blocks: np.ndarray, batch: int, n_k: int, head_dim: int, dtype: str, kv_group: int, block: int
+) -> np.ndarray:
+    """attn_fwd_sm90_persistent's work list (int32): every (128 query rows, head, batch) item,
+    numbered pair * query tiles + tile with pair = batch * heads + head, in the order its CTAs
+    claim them. ``blocks``: the layout's bool [heads, query blocks, key blocks].
+
+    The pairs fall into the sm90_cta_groups groups attn_fwd_sm90 starts one after another (a
+    group's K and V fit the L2 its CTAs share; the first pairs % groups groups hold one pair
+    more); within a group the items go longest first, by the key tiles the CTA walks (the union
+    of its blocks' rows), then by the blocks its consumers compute, ties in attn_fwd_sm90's own
+    order (the last rows first, pairs ascending). The longest rows start first, so the short
+    ones fill the SMs at the tail."""
+    heads, nbq, nb = blocks.shape
+    per_tile = SM90_TILE_M // block  # layout blocks an item owns
+    tiles = ceil_div(nbq, per_tile)
+    pairs = batch * heads
+    if pairs * tiles >= 2**31:
+        raise ValueError(
+            f"batch x heads x query tiles = {pairs * tiles}: the work list numbers items in 31 bits"
+        )
+    owned = np.zeros((heads, tiles * per_tile, nb), dtype=bool)
+    owned[:, :nbq] = blocks
+    owned = owned.reshape(heads, tiles, per_tile, nb)
+    key_tiles = max(1, block // sm90_tile_n(block, head_dim))  # key tiles of one key block
+    walked = owned.any(axis=2).sum(axis=2) * key_tiles  # [heads, tiles]
+    computed = owned.sum(axis=(2, 3))
+    groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
+    narrow, wide = divmod(pairs, groups)
+    pair = np.arange(pairs)
+    # the group of each pair: the first `wide` groups hold narrow + 1 pairs
+    group = np.where(
+        pair < wide * (narrow + 1),
+        pair // (narrow + 1),
+        wide + (pair - wide * (narrow + 1)) // max(narrow, 1),
+    )
+    pair_of, tile_of = np.meshgrid(pair, np.arange(tiles), indexing="ij")  # [pairs, tiles]
+    head_of = pair_of % heads
+    order = np.lexsort(
+        (
+            pair_of.ravel(),
+            -tile_of.ravel(),
+            -computed[head_of, tile_of].ravel(),
+            -walked[head_of, tile_of].ravel(),
+            group[pair_of].ravel(),
+        )
+    )
+    return (pair_of * tiles + tile_of).ravel()[order].astype(np.int32)
+
+
 def sm90_tile_n(block: int, head_dim: int) -> int:
     """Keys per tile of the sm_90a forward (see SM90_WIDE_TILE_N)."""
     wide = block >= SM90_WIDE_TILE_N and head_dim <= SM90_WIDE_MAX_HEAD_DIM
@@ -1130,10 +1219,28 @@ def sm90_configs() -> list[KernelConfig]:
     ]
 
 
+def sm90_persistent_configs() -> list[KernelConfig]:
+    """One config per instantiation of the persistent sm_90a forward (32: sm90_configs' at
+    head dims 64 and 128)."""
+    return [
+        KernelConfig(SM90_FWD_PERSISTENT, c.head_dim, c.dtype, block=c.block, rule=c.rule)
+        for c in sm90_configs()
+        if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
+    ]
+
+
+def sm90_persistent_ctas(multiprocessors: int, items: int) -> int:
+    """The persistent forward's grid: one CTA an SM (attn_fwd_sm90's 384 threads x 168
+    registers fill one), never more than the items."""
+    return max(1, min(multiprocessors, items))
+
+
 def kernel_family() -> str:
     """The forward family CUATTN_KERNELS asks for: "auto" (also when unset: attn_fwd_sm90 where
-    the backend runs it by default, on sm_90 GPUs), "mma" (attn_fwd everywhere) or "sm90a"
-    (attn_fwd_sm90 wherever it applies, the interpreter included). attn_fwd_sm90 applies to
+    the backend runs it by default, on sm_90 GPUs), "mma" (attn_fwd everywhere), "sm90a"
+    (attn_fwd_sm90 wherever it applies, the interpreter included) or "sm90a-persistent"
+    (attn_fwd_sm90_persistent where attn_fwd_sm90 applies, at head dims 64 and 128;
+    attn_fwd_sm90 at 256). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
     return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
 

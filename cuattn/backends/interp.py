@@ -187,6 +187,7 @@ def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
     every = (
         *geometry.all_configs(),
         *geometry.sm90_configs(),
+        *geometry.sm90_persistent_configs(),
         *geometry.sm90_backward_configs(),
         *geometry.decode_gqa_configs(),
     )

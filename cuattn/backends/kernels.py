@@ -49,6 +49,10 @@ _PAIRED: weakref.WeakKeyDictionary[Layout, bool] = weakref.WeakKeyDictionary()
 _BACKWARD_ORDER: weakref.WeakKeyDictionary[
     Layout, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
 ] = weakref.WeakKeyDictionary()
+# attn_fwd_sm90_persistent's work lists of host layouts (_layout_work_list)
+_WORK_LISTS: weakref.WeakKeyDictionary[Layout, dict[tuple, np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
@@ -227,6 +231,18 @@ def _layout_backward_order(
     return cached[key]
 
 
+def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> np.ndarray:
+    """geometry.sm90_work_list of a host layout, built once per layout and (batch, keys, dtype,
+    kv_group, head dim)."""
+    cached = _WORK_LISTS.setdefault(layout, {})
+    if key not in cached:
+        batch, n_k, dtype, kv_group, head_dim = key
+        cached[key] = geometry.sm90_work_list(
+            layout.blocks, batch, n_k, head_dim, dtype, kv_group, layout.blocksize
+        )
+    return cached[key]
+
+
 class KernelBackend:
     """forward/backward like cuattn/backends/numpy_ref.py, through the .cu kernels.
 
@@ -269,6 +285,12 @@ class KernelBackend:
 
     def launch(self, config: KernelConfig, **values: Any) -> None:
         raise NotImplementedError
+
+    def multiprocessors(self, x: Any) -> int:
+        """SMs of the device of x: the persistent forward's grid (geometry.sm90_persistent_ctas).
+        By default an H100/H200's count (the interpreter runs blocks one after another, so the
+        count only sets how many CTAs find the work list out)."""
+        return geometry.SM90_SMS
 
     def runs_sm90a(self, x: Any) -> bool:
         """Whether this backend runs sm_90a code (wgmma) on the device of x: not by default
@@ -496,6 +518,12 @@ class KernelBackend:
         one of those maps (encodes): the caller runs attn_fwd."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
+        if (
+            geometry.kernel_family() == geometry.SM90_PERSISTENT_FAMILY
+            and head_dim in geometry.SM90_PERSISTENT_HEAD_DIMS
+            and not isinstance(layout, DeviceLayout)
+        ):
+            return self._forward_sm90_persistent(q, k, v, layout, scale, shape, dtype)
         config = KernelConfig(
             geometry.SM90_FWD,
             head_dim,
@@ -526,6 +554,46 @@ class KernelBackend:
         )
         return out, lse
 
+    def _forward_sm90_persistent(
+        self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
+    ) -> tuple[Any, Any] | None:
+        """The forward on attn_fwd_sm90_persistent, as _forward_sm90 (None where the device
+        refuses a map): the host layout's work list (cached per layout), one CTA an SM."""
+        batch, heads, n_q, head_dim, kv_heads, n_k = shape
+        kv_group = heads // kv_heads
+        work = _layout_work_list(layout, (batch, n_k, dtype, kv_group, head_dim))
+        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), len(work))
+        config = KernelConfig(
+            geometry.SM90_FWD_PERSISTENT,
+            head_dim,
+            dtype,
+            n_rows=ctas,
+            block=layout.blocksize,
+            rule=layout.rule.kind,
+        )
+        input_maps = {
+            **self._panel_map("q", q, config.tile_m),
+            **self._panel_map("k", k, config.tile_n),
+            **self._panel_map("v", v, config.tile_n),
+        }
+        if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
+            return None
+        out = self.output(q.shape, q.dtype)
+        lse = self.output((batch, heads, n_q), self.xp.float32)
+        self.launch(
+            config,
+            **input_maps,
+            **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
+            lse=lse,
+            scale=scale,
+            **self._layout_values(layout, columns=False, kv_group=kv_group),
+            work_list=self.xp.asarray(work),
+            num_items=len(work),
+            heads=heads,
+            work_counter=self.zeroed_output((1,), self.xp.int32),
+        )
+        return out, lse
+
     def _sm90a_forward(
         self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str
     ) -> bool:
@@ -533,7 +601,7 @@ class KernelBackend:
         default on this backend; supported for these sizes and strides on this device; whether
         the device takes the tensor maps is _forward_sm90's to ask)."""
         family = geometry.kernel_family()
-        wanted = family == geometry.SM90_FAMILY or (
+        wanted = family in (geometry.SM90_FAMILY, geometry.SM90_PERSISTENT_FAMILY) or (
             family == geometry.AUTO_FAMILY and self.sm90a_by_default
         )
         return (

@@ -272,7 +272,7 @@ def order_case(seed: int = 7):
     blocks[:, np.arange(ORDER_BLOCKS), np.arange(ORDER_BLOCKS)] = True  # every row attends
     layout = Layout(blocks, 64, ORDER_BLOCKS * 64, ElementRule("none"))
     q, k, v, dout = inputs(layout, 2, 2, 64, "bfloat16", seed)
-    out, lse = interp.forward(q, k, v, layout, 0.125)
+    out, lse = interp.forward(q, k, v, AttentionCall(layout, 0.125))
     return layout, q, k, v, dout, out, lse
 
 
@@ -297,7 +297,7 @@ def test_claim_order_groups_and_block_order_leave_the_gradients_bit_identical(sm
     for budget, seed in ((geometry.SM90_L2_GROUP_BYTES, "0"), (1, "3"), (1, "8")):
         monkeypatch.setattr(geometry, "SM90_L2_GROUP_BYTES", budget)
         monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", seed)
-        grads = interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+        grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
         runs.append([g.view(np.uint16) for g in grads])
     assert groups_seen == [1, 4, 4]
     for name, first, *others in zip("qkv", *runs, strict=True):
@@ -331,10 +331,10 @@ def test_ranks_that_do_not_follow_the_claim_order_are_reported_not_hung(sm90a, m
     monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
     layout, q, k, v, dout, out, lse = order_case()
     with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):
-        interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+        interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
     monkeypatch.setattr(kernels, "dq_ranks", dq_ranks)
     layout, q, k, v, dout, out, lse = order_case()  # a new layout: no cached ranks
-    grads = interp.backward(q, k, v, out, lse, dout, layout, 0.125)
+    grads = interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
     k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
     refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), 0.125)
     refs = (refs[0], *(r.reshape(2, 2, 2, *r.shape[2:]).sum(2) for r in refs[1:]))

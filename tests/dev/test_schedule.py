@@ -102,6 +102,21 @@ def test_persistent_without_hiding_is_not_faster_than_its_work():
     assert hidden.seconds < same.seconds
 
 
+def test_the_built_persistent_list_is_today_s_ctas_and_a_counter_beats_a_stride():
+    """predict_built_persistent schedules geometry.sm90_work_list's items: today's CTAs, all of
+    them; on a causal layout claiming the next item beats a fixed stride over the list, which
+    hands CTA 0 the longest item of every round."""
+    layout, batch = _causal(4096, 64, 8), 4  # 1024 items on 132 slots
+    today = schedule.predict_fwd(layout, batch, HEAD_DIM, FITTED[0])
+    built = schedule.predict_built_persistent(layout, batch, HEAD_DIM, FITTED[0], 1.0)
+    assert built.ctas == today.ctas
+    assert built.tile_cycles == pytest.approx(today.tile_cycles)
+    stride = schedule.predict_built_persistent(layout, batch, HEAD_DIM, FITTED[0], 0.5, stride=True)
+    counter = schedule.predict_built_persistent(layout, batch, HEAD_DIM, FITTED[0], 0.5)
+    assert counter.seconds < stride.seconds
+    assert counter.seconds < today.seconds
+
+
 def test_work_list_packs_and_splits():
     layout = make_layout("bigbird", n_ctx=2048, heads=2, blocksize=64, causal=False)
     ctas = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM)

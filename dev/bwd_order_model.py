@@ -15,16 +15,13 @@ Orders, over groups of pairs claimed one group after another, position-major wit
   shortest   geometry.sm90_backward_cta_groups' groups, shortest column first (this change)
   longest    the same groups, longest column first (change 34's order for the forward)
 
-    python scripts/bwd_order_model.py              # the table of bench/NOTES.md
+    python -m dev.bwd_order_model              # the table of bench/NOTES.md
 """
 
 from __future__ import annotations
 
 import heapq
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SMS = 132
 FIXED_STEPS = 2.0  # a CTA's set-up and epilogue, in steps

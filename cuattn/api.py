@@ -457,6 +457,7 @@ def blocksparse_attention(
     alibi_slopes: Any = None,
     key_bias: Any = None,
     rel_bias: Any = None,
+    score_bias: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
@@ -466,7 +467,7 @@ def blocksparse_attention(
     ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
     fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
     [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap``, ``alibi_slopes``, ``key_bias``, ``rel_bias``, ``dropout_p`` and
+    ``softcap``, ``alibi_slopes``, ``key_bias``, ``rel_bias``, ``score_bias``, ``dropout_p`` and
     ``dropout_seed`` as in :func:`sparse_attention`.
     """
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
@@ -495,6 +496,7 @@ def blocksparse_attention(
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
         rel_bias=rel_bias,
+        score_bias=score_bias,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         backend=backend,

@@ -37,7 +37,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")
 
 CXX_TYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# fp8 KV pages (cuattn/serving/fp8.py): the codes' C++ types (kernels/common/types.cuh), read
+# by the fp8 decode kernels beside q of DECODE_FP8_Q_DTYPES
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KV_CXX_TYPE = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+DECODE_FP8_Q_DTYPES = ("float16", "bfloat16")
 CXX_RULE = {
     "none": "MASK_NONE",
     "causal": "MASK_CAUSAL",
@@ -71,6 +76,7 @@ KERNEL_FILES = {
     "attn_decode_merge": "merge_states.cu",
     "attn_decode_mass": "attn_decode.cu",
     "attn_decode_gqa": "attn_decode_gqa.cu",
+    "attn_decode_split_fp8": "attn_decode.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",
     "layout_count": "layout_build.cu",
@@ -152,7 +158,10 @@ ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "at
 # two cp.async stages of their own; TILE is chosen so one K tile is about DECODE_TILE_BYTES
 # (deep enough copies to keep HBM busy, 2 CTAs per SM at d = 128), and ROWS query rows of a kv
 # group share every K/V read.
-DECODE_KERNELS = ("attn_decode_split",)
+DECODE_KERNELS = ("attn_decode_split", "attn_decode_split_fp8")
+# attn_decode_split over fp8 pages: templated on <TILE, ROWS, HEAD_DIM, T, KV, MODS>, its tile
+# sized by the codes' bytes, and two more arguments, the pages' float32 scales
+DECODE_FP8_KERNEL = "attn_decode_split_fp8"
 # The kernels with a score-modifier variant (a last template flag, CXX_MODS).
 MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS
 DECODE_WARPS = 4
@@ -200,6 +209,12 @@ DECODE_ENV = "CUATTN_DECODE"
 DECODE_SPLIT_FAMILY = "split"
 DECODE_GQA_FAMILY = "gqa"
 DECODE_FAMILIES = (DECODE_SPLIT_FAMILY, DECODE_GQA_FAMILY)
+# fp8 pages on a GPU: refused until a GPU has run attn_decode_split_fp8 ("off", the default), or
+# run by it ("kernel"); the interpreter always runs it
+DECODE_FP8_ENV = "CUATTN_DECODE_FP8"
+DECODE_FP8_OFF_FAMILY = "off"
+DECODE_FP8_KERNEL_FAMILY = "kernel"
+DECODE_FP8_FAMILIES = (DECODE_FP8_OFF_FAMILY, DECODE_FP8_KERNEL_FAMILY)
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -394,6 +409,18 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *_DROPOUT_ARGS,
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
+    ),
+    DECODE_FP8_KERNEL: (
+        *_DECODE_CACHE_ARGS,
+        ("token_scores", "ptr"),
+        *_DECODE_SIZE_ARGS,
+        ("softcap", "f32"),
+        *_SCORE_OPERAND_ARGS,
+        *_DROPOUT_ARGS,
+        ("use_chosen", "i32"),
+        ("keep_scores", "i32"),
+        ("k_scale", "ptr"),  # float32 [num_pages]: each page's K scale
+        ("v_scale", "ptr"),
     ),
     "attn_decode_mass": (
         ("token_scores", "ptr"),
@@ -693,6 +720,7 @@ class KernelConfig(_Launch):
     rule: str | None = None
     mods: bool = False
     paired: bool = False
+    kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -705,7 +733,11 @@ class KernelConfig(_Launch):
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
-        itemsize = ITEMSIZE[self.dtype]
+        fp8 = self.kernel == DECODE_FP8_KERNEL
+        assert (self.kv_dtype in KV_DTYPES) if fp8 else self.kv_dtype is None, self
+        assert not fp8 or self.dtype in DECODE_FP8_Q_DTYPES, self
+        # the element of the shared tiles: the pages' (fp8 codes) or the kernel's dtype
+        itemsize = ITEMSIZE[self.kv_dtype or self.dtype]
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
         assert (ld * itemsize) % 16 == 0, "cp.async / ldmatrix rows must stay 16-byte aligned"
@@ -718,7 +750,7 @@ class KernelConfig(_Launch):
             # grid (splits = n_rows, kv_heads x row chunks = heads, batch)
             assert self.block is None and self.rule is None
             tile_m = decode_rows_per_cta(self.head_dim)
-            tile_n = decode_tile(self.head_dim, self.dtype)
+            tile_n = decode_tile(self.head_dim, self.kv_dtype or self.dtype)
             num_warps = DECODE_WARPS
             # q (float) and each row's query index; the warps' K/V stages, which the final
             # merge of the warps' (acc, m_i, l_i) rows reuses
@@ -828,7 +860,7 @@ class KernelConfig(_Launch):
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
         modifier variants apart: only calls with modifiers build them)."""
-        return (self.source_file, self.dtype, self.head_dim, self.mods)
+        return (self.source_file, self.dtype, self.head_dim, self.mods, self.kv_dtype)
 
     @property
     def name_expression(self) -> str:
@@ -842,6 +874,11 @@ class KernelConfig(_Launch):
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
         mods = CXX_MODS[self.mods]
+        if self.kernel == DECODE_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            tiles = f"{self.tile_n}, {self.tile_m}, {self.head_dim}"
+            return f"{self.kernel}<{tiles}, {cxx}, {kv}, {mods}>"
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
@@ -855,8 +892,9 @@ class KernelConfig(_Launch):
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
-        if self.kernel in DECODE_KERNELS:
-            return f"{self.kernel}_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
+        if self.kernel in DECODE_KERNELS:  # the split kernel's traits, of its pages' type
+            kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else cxx
+            return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}_traits<{self.tile_n}, {self.head_dim}, {cxx}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
@@ -1043,9 +1081,14 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     for kernel in ROW_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))
-    for kernel in DECODE_KERNELS:
-        for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
-            configs.append(KernelConfig(kernel, head_dim, dtype, mods=mods))
+    for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
+        configs.append(KernelConfig("attn_decode_split", head_dim, dtype, mods=mods))
+    for head_dim, dtype, kv_dtype, mods in itertools.product(
+        HEAD_DIMS, DECODE_FP8_Q_DTYPES, KV_DTYPES, CXX_MODS
+    ):
+        configs.append(
+            KernelConfig(DECODE_FP8_KERNEL, head_dim, dtype, mods=mods, kv_dtype=kv_dtype)
+        )
     for kernel in SELECT_KERNELS:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))
@@ -1161,8 +1204,12 @@ def decode_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[int, i
 
 
 def decode_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
-    """Decode CTAs a device of ``multiprocessors`` SMs holds at once."""
-    config = KernelConfig("attn_decode_split", head_dim, dtype)
+    """Decode CTAs a device of ``multiprocessors`` SMs holds at once (``dtype``: the pages',
+    an fp8 one for attn_decode_split_fp8, whose q dtype does not change its geometry)."""
+    if dtype in KV_DTYPES:
+        config = KernelConfig(DECODE_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
+    else:
+        config = KernelConfig("attn_decode_split", head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
 
@@ -1171,6 +1218,14 @@ def decode_family() -> str:
     """The decode kernel CUATTN_DECODE asks for: "split" (also when unset: attn_decode_split
     everywhere) or "gqa" (attn_decode_gqa wherever ``decode_gqa_applies``)."""
     return _env_choice(DECODE_ENV, DECODE_FAMILIES, DECODE_SPLIT_FAMILY, "decode kernel family")
+
+
+def decode_fp8_family() -> str:
+    """What CUATTN_DECODE_FP8 asks of fp8 pages on a GPU: "off" (also when unset: refused, as
+    attn_decode_split_fp8 has not run on one) or "kernel" (run it)."""
+    return _env_choice(
+        DECODE_FP8_ENV, DECODE_FP8_FAMILIES, DECODE_FP8_OFF_FAMILY, "fp8 decode choice"
+    )
 
 
 def decode_gqa_supports(head_dim: int, dtype: str) -> bool:

@@ -208,10 +208,19 @@ def kernel_call(
     (geometry.decode_gqa_applies), attn_decode_split otherwise."""
     gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype, mods.any, keep_scores, scale)
     table, count = cache.device_tables()
-    return impl.decode(
-        qb,
-        cache.k_pages,
-        cache.v_pages,
+    if cache.quantized:  # fp8 pages: their codes, their pages' scales
+        launch = functools.partial(
+            impl.decode_fp8,
+            qb,
+            cache.k_pages,
+            cache.v_pages,
+            cache.k_scale,
+            cache.v_scale,
+            cache.dtype,
+        )
+    else:
+        launch = functools.partial(impl.decode, qb, cache.k_pages, cache.v_pages, gqa=gqa)
+    return launch(
         cache.device_slot_pos(),
         table,
         count,
@@ -225,7 +234,6 @@ def kernel_call(
         key_bias,
         rel_bias,
         dropout_seed,
-        gqa=gqa,
     )
 
 

@@ -115,9 +115,9 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   const int f = first_slot + lane % TPW;
   const bool valid = f < last_slot;
   entry = valid ? f / page_size : 0;
-  const int page = valid ? table[entry] : 0;
-  const int slot = page * page_size + (valid ? f - entry * page_size : 0);
+  const int slot = valid ? table[entry] * page_size + (f - entry * page_size) : 0;
   if constexpr (is_fp8_type<T>::value) {
+    const int page = valid ? table[entry] : 0;
     token_k_scale = k_scale[page];
     token_v_scale = v_scale[page];
   }

@@ -77,6 +77,7 @@ KERNEL_FILES = {
     "attn_decode_mass": "attn_decode.cu",
     "attn_decode_gqa": "attn_decode_gqa.cu",
     "attn_decode_split_fp8": "attn_decode.cu",
+    "attn_decode_gqa_fp8": "attn_decode_gqa.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",
     "layout_count": "layout_build.cu",
@@ -190,6 +191,12 @@ DECODE_REGISTERS_ASSUMED = 240
 # run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the default ("split")
 # never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
+# attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (a
+# probability times a small V scale could leave fp16's range), TILE as bf16's (each consumer
+# widens its stage's codes into bf16 tiles of its own, which take that room again)
+DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
+DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
+DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
 DECODE_GQA_ROWS = 16
 DECODE_GQA_WARPS = 5  # 4 consumers and the producer
 DECODE_GQA_STAGES = 4
@@ -441,6 +448,16 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: counts splits done
         *_DECODE_SIZE_ARGS,
         ("use_chosen", "i32"),
+    ),
+    DECODE_GQA_FP8_KERNEL: (
+        *_DECODE_CACHE_ARGS,
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("tickets", "ptr"),
+        *_DECODE_SIZE_ARGS,
+        ("use_chosen", "i32"),
+        ("k_scale", "ptr"),  # float32 [num_pages]: each page's K scale
+        ("v_scale", "ptr"),
     ),
     "attn_decode_merge": (
         ("part_out", "ptr"),
@@ -733,9 +750,10 @@ class KernelConfig(_Launch):
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
-        fp8 = self.kernel == DECODE_FP8_KERNEL
+        fp8 = self.kernel in (DECODE_FP8_KERNEL, DECODE_GQA_FP8_KERNEL)
         assert (self.kv_dtype in KV_DTYPES) if fp8 else self.kv_dtype is None, self
         assert not fp8 or self.dtype in DECODE_FP8_Q_DTYPES, self
+        assert self.kernel != DECODE_GQA_FP8_KERNEL or self.dtype in DECODE_GQA_FP8_Q_DTYPES
         # the element of the shared tiles: the pages' (fp8 codes) or the kernel's dtype
         itemsize = ITEMSIZE[self.kv_dtype or self.dtype]
         half = self.dtype != "float32"
@@ -758,7 +776,7 @@ class KernelConfig(_Launch):
             stages = DECODE_STAGES * 2 * tile_n * ld * itemsize
             merge = num_warps * tile_m * (self.head_dim + 2) * 4
             smem = q_bytes + max(stages, merge)
-        elif self.kernel == DECODE_GQA_KERNEL:
+        elif self.kernel in DECODE_GQA_KERNELS:
             # grid as attn_decode_split's; [barriers][row masks][stages], the final merge of the
             # consumers' (O, m, l) rows reusing the stages
             assert self.block is None and self.rule is None and not self.mods
@@ -772,6 +790,10 @@ class KernelConfig(_Launch):
             ring = DECODE_GQA_STAGES * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
+            if fp8:  # a K and a V scale a stage's token; each consumer's widened K and V tiles
+                wide_ld = _smem_stride(self.head_dim, ITEMSIZE[self.dtype])
+                smem += 2 * DECODE_GQA_STAGES * tile_n * 4
+                smem += consumers * 2 * tile_n * wide_ld * ITEMSIZE[self.dtype]
         elif self.kernel == SM90_BWD:
             assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self
             assert self.rule in RULES and not self.mods and not self.paired, self
@@ -846,7 +868,7 @@ class KernelConfig(_Launch):
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel == SM90_BWD:  # heads: kv heads; n_rows: keys
             return (ceil_div(self.n_rows, SM90_BWD_TILE_K), self.heads, self.batch)
-        if self.kernel in DECODE_KERNELS or self.kernel == DECODE_GQA_KERNEL:
+        if self.kernel in DECODE_KERNELS or self.kernel in DECODE_GQA_KERNELS:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
             return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
@@ -873,6 +895,10 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
         mods = CXX_MODS[self.mods]
         if self.kernel == DECODE_FP8_KERNEL:
             assert self.kv_dtype is not None
@@ -897,6 +923,10 @@ class KernelConfig(_Launch):
             return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}_traits<{self.tile_n}, {self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            return f"{DECODE_GQA_KERNEL}_traits<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -1229,8 +1259,9 @@ def decode_fp8_family() -> str:
 
 
 def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
-    """Whether attn_decode_gqa has an instantiation for this head dim and dtype."""
-    return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES
+    """Whether attn_decode_gqa has an instantiation for this head dim and dtype (an fp8 one:
+    attn_decode_gqa_fp8, for bf16 q)."""
+    return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES + KV_DTYPES
 
 
 def decode_gqa_applies(
@@ -1283,7 +1314,10 @@ def decode_gqa_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[in
 
 def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
     """attn_decode_gqa CTAs a device of ``multiprocessors`` SMs holds at once."""
-    config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+    if dtype in KV_DTYPES:
+        config = KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
+    else:
+        config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
 
@@ -1293,8 +1327,16 @@ def decode_gqa_configs() -> list[KernelConfig]:
     all_configs, as the sm_90a forward is: the opt-in kernel's libraries are built by its own
     tests (tests/serving/test_decode_gqa.py), and the compile check lists it itself."""
     return [
-        KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
-        for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+        *[
+            KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+            for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+        ],
+        *[
+            KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, dtype, kv_dtype=kv_dtype)
+            for head_dim, dtype, kv_dtype in itertools.product(
+                DECODE_GQA_HEAD_DIMS, DECODE_GQA_FP8_Q_DTYPES, KV_DTYPES
+            )
+        ],
     ]
 
 

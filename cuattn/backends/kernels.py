@@ -981,13 +981,15 @@ class KernelBackend:
         key_bias: Any | None = None,
         rel_bias: Any | None = None,
         dropout_seed: Any | None = None,
+        gqa: bool = False,
     ) -> tuple[Any, Any, Any | None]:
-        """``decode`` over fp8 pages (kernels/attn_decode.cu attn_decode_split_fp8): k_pages,
+        """``decode`` over fp8 pages (kernels/attn_decode.cu attn_decode_split_fp8; with ``gqa``
+        and a bf16 q, kernels/attn_decode_gqa.cu attn_decode_gqa_fp8): k_pages,
         v_pages uint8 codes of ``kv_dtype`` (geometry.KV_DTYPES) [num_pages, page_size,
         head_dim], k_scale, v_scale float32 [num_pages] their pages' scales
         (cuattn/serving/fp8.py); q float16 or bfloat16. On a GPU only with
         CUATTN_DECODE_FP8=kernel (opt-in until a GPU has run it); the interpreter always runs
-        it."""
+        it. An fp16 q keeps the split kernel (geometry.DECODE_GQA_FP8_Q_DTYPES)."""
         if kv_dtype not in geometry.KV_DTYPES:
             raise TypeError(f"kv_dtype must be one of {geometry.KV_DTYPES}, got {kv_dtype!r}")
         q_dtype = np.dtype(q.dtype).name
@@ -1033,7 +1035,7 @@ class KernelBackend:
             key_bias,
             rel_bias,
             dropout_seed,
-            False,
+            gqa and q_dtype in geometry.DECODE_GQA_FP8_Q_DTYPES,
             (k_scale, v_scale, kv_dtype),
         )
 
@@ -1155,7 +1157,7 @@ class KernelBackend:
             )
             kernel = geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"
             if fp8 is not None:
-                kernel = geometry.DECODE_FP8_KERNEL
+                kernel = geometry.DECODE_GQA_FP8_KERNEL if gqa else geometry.DECODE_FP8_KERNEL
                 common.update(k_scale=fp8[0], v_scale=fp8[1])
             config = KernelConfig(
                 kernel,

@@ -217,6 +217,7 @@ def kernel_call(
             cache.k_scale,
             cache.v_scale,
             cache.dtype,
+            gqa=gqa,
         )
     else:
         launch = functools.partial(impl.decode, qb, cache.k_pages, cache.v_pages, gqa=gqa)

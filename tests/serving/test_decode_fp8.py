@@ -12,7 +12,7 @@ import pytest
 
 import cuattn
 from cuattn import policies as P
-from cuattn.backends import geometry
+from cuattn.backends import geometry, interp
 from cuattn.serving import decode, fp8
 from cuattn.tools.oracle import dense_attention, kept_attention
 
@@ -290,3 +290,87 @@ def test_bytes_halve(name):
     quantised = caches[name]
     assert quantised.k_pages.nbytes == half
     assert quantised.k_scale.nbytes + quantised.v_scale.nbytes == 8 * quantised.k_pages.shape[0]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernels the interpreter launches, in order, with CUATTN_DECODE=gqa."""
+    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
+    names: list[str] = []
+    launch = interp.InterpBackend.launch
+
+    def spy(self, config, **values):
+        names.append(config.kernel)
+        return launch(self, config, **values)
+
+    monkeypatch.setattr(interp.InterpBackend, "launch", spy)
+    return names
+
+
+def _gqa_cache(name, head_dim, page_size, t_q, group, seed, prefill=60, window=40):
+    """Two ragged sequences under a sliding window, every slot it evicted or never filled
+    holding NaN codes; a bf16 q."""
+    rng = np.random.default_rng(seed)
+    cache = cuattn.KVCache(
+        2, 2, head_dim, name, page_size=page_size, policy=P.SlidingWindow(window)
+    )
+    k, v = (_bf16(rng.standard_normal((2, 2, prefill, head_dim))) for _ in "kv")
+    cache.append(k, v, lengths=[prefill, prefill * 3 // 4])
+    k, v = (_bf16(2 * rng.standard_normal((2, 2, t_q, head_dim))) for _ in "kv")
+    cache.append(k, v)
+    unused = cache.slot_pos < 0
+    assert unused.any()
+    cache.k_pages[unused] = cache.v_pages[unused] = 0x7F  # NaN in both formats
+    return cache, _bf16(rng.standard_normal((2, 2 * group, t_q, head_dim)))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(
+    ("head_dim", "page_size", "t_q", "group", "resident_ctas"),
+    [
+        (64, 16, 1, 4, 1),  # one split; 4 of the 16 rows
+        (128, 7, 2, 2, 3),  # pages that cut tiles anywhere; a few splits, merged in the kernel
+        (64, 1, 4, 8, 8),  # a page a token; two row chunks a kv head
+    ],
+)
+def test_tensor_core_kernel_against_the_oracle_and_the_split_kernel(
+    name, head_dim, page_size, t_q, group, resident_ctas, launched, monkeypatch
+):
+    """attn_decode_gqa_fp8 (CUATTN_DECODE=gqa, bf16 q) against the float64 oracle over the
+    dequantised values and against attn_decode_split_fp8; NaN codes in the slots the cache
+    does not keep reach nothing; outputs start NaN-filled on the interpreter."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+    cache, q = _gqa_cache(name, head_dim, page_size, t_q, group, seed=page_size + t_q)
+    out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL]
+    want = kept_attention(cache, q)
+    _close(out, want)
+    assert np.isfinite(lse).all()
+    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_SPLIT_FAMILY)
+    split_out, split_lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+    assert launched[1:] == [geometry.DECODE_FP8_KERNEL, "attn_decode_merge"]
+    np.testing.assert_allclose(lse, split_lse, rtol=1e-2, atol=1e-2)
+    _close(out, np.asarray(split_out).astype(np.float64))
+
+
+def test_tensor_core_kernel_cycles_its_ring(launched, monkeypatch):
+    """One split of ~420 kept tokens at d128: every stage refilled several times (scales and
+    widened tiles with it), under several of the interpreter's warp orders."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
+    cache, q = _gqa_cache("float8_e4m3fn", 128, 16, 1, 4, seed=21, prefill=440, window=420)
+    want = kept_attention(cache, q)
+    for seed in range(3):
+        monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
+        _close(cuattn.decode_attention(q, cache, backend="interp"), want)
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL] * 3
+
+
+def test_fp16_queries_and_modifiers_keep_the_split_kernel(launched, monkeypatch):
+    """attn_decode_gqa_fp8 takes bf16 q without modifiers; fp16 q (a probability times a small
+    V scale could leave fp16's range) and a softcap go to attn_decode_split_fp8."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
+    cache, q = _gqa_cache("float8_e5m2", 64, 16, 1, 2, seed=5)
+    fp16_q = np.asarray(q).astype(np.float16)
+    _close(cuattn.decode_attention(fp16_q, cache, backend="interp"), kept_attention(cache, fp16_q))
+    cuattn.decode_attention(q, cache, backend="interp", softcap=30.0)
+    assert launched == [geometry.DECODE_FP8_KERNEL, "attn_decode_merge"] * 2

@@ -1113,12 +1113,6 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
             configs.append(KernelConfig(kernel, head_dim, dtype))
     for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
         configs.append(KernelConfig("attn_decode_split", head_dim, dtype, mods=mods))
-    for head_dim, dtype, kv_dtype, mods in itertools.product(
-        HEAD_DIMS, DECODE_FP8_Q_DTYPES, KV_DTYPES, CXX_MODS
-    ):
-        configs.append(
-            KernelConfig(DECODE_FP8_KERNEL, head_dim, dtype, mods=mods, kv_dtype=kv_dtype)
-        )
     for kernel in SELECT_KERNELS:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))
@@ -1320,6 +1314,19 @@ def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dty
         config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
+
+
+def decode_fp8_configs() -> list[KernelConfig]:
+    """One config per attn_decode_split_fp8 instantiation (head dims x q dtypes x fp8 formats x
+    the modifier flag). Kept out of all_configs, as attn_decode_gqa is: fp8 pages are opt-in on
+    a GPU, their tests (tests/serving/test_decode_fp8.py) build the libraries they use, and the
+    compile check lists them itself."""
+    return [
+        KernelConfig(DECODE_FP8_KERNEL, head_dim, dtype, mods=mods, kv_dtype=kv_dtype)
+        for head_dim, dtype, kv_dtype, mods in itertools.product(
+            HEAD_DIMS, DECODE_FP8_Q_DTYPES, KV_DTYPES, CXX_MODS
+        )
+    ]
 
 
 def decode_gqa_configs() -> list[KernelConfig]:

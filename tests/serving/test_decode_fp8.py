@@ -374,3 +374,22 @@ def test_fp16_queries_and_modifiers_keep_the_split_kernel(launched, monkeypatch)
     _close(cuattn.decode_attention(fp16_q, cache, backend="interp"), kept_attention(cache, fp16_q))
     cuattn.decode_attention(q, cache, backend="interp", softcap=30.0)
     assert launched == [geometry.DECODE_FP8_KERNEL, "attn_decode_merge"] * 2
+
+
+def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
+    """Every fp8 instantiation is in the compile check; geometry's threads and shared memory
+    equal the C++ traits of the libraries the tests above built (bf16 q, head dims 64, 128)."""
+    from dev.compile_check import kernel_instantiations
+
+    names = {u.name_expression for u in kernel_instantiations()}
+    fp8_gqa = [
+        c for c in geometry.decode_gqa_configs() if c.kernel == geometry.DECODE_GQA_FP8_KERNEL
+    ]
+    configs = [*geometry.decode_fp8_configs(), *fp8_gqa]
+    assert len(configs) == 64 + 14
+    for config in configs:
+        assert config.name_expression in names
+        if config.head_dim not in (64, 128) or config.dtype != "bfloat16":
+            continue
+        library = interp.library_for(config)
+        assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)

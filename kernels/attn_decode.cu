@@ -31,6 +31,11 @@
 //   with keep_scores the scaled score of every (row, table slot) it walked, -inf where the token
 //   did not count: token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into
 //   probabilities with the merged lse, with no second pass over K).
+// attn_decode_split_fp8<TILE, ROWS, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3
+//   or fp8_e5m2, uint8 codes; q and out T), with k_scale and v_scale float32 [num_pages], each
+//   page's scales: a kept element is code * scale (cuattn/serving/fp8.py). The codes are copied
+//   as they are and widened in registers; the K scale multiplies a token's score before any
+//   modifier, the V scale its probability in P.V.
 // The merge of a row's splits into out and lse is attn_decode_merge, in kernels/merge_states.cu
 //   beside the two-way merge it shares its row function with; it multiplies every split, an
 //   empty one by weight 0 (what special values need, below).

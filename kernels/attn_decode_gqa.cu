@@ -32,6 +32,11 @@
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
 //   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
 //   stages, reused) and every warp writes rows of the split's answer or partial.
+// attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV>: the same over fp8 pages (KV fp8_e4m3 or fp8_e5m2,
+//   uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the producer
+//   also writes each token's page scales beside its row mask; a consumer widens its stage's
+//   codes into bf16 tiles of its own (exact) before the ldmatrix reads, multiplies S's columns
+//   by the K scales and P's by the V scales.
 // Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
 //   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row

@@ -28,6 +28,7 @@ on NumPy and CuPy alike; codes decode through a 256-entry table.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,10 @@ _INF_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7C}  # e4m3fn: none, NaN st
 MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 127
 
 
+@functools.cache
 def _table(name: str) -> np.ndarray:
-    """float32 [256]: the value of every code (ml_dtypes' own decoding)."""
+    """float32 [256]: the value of every code (ml_dtypes' own decoding); shared, never
+    written."""
     import ml_dtypes
 
     return np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, name)).astype(np.float32)

@@ -13,6 +13,7 @@ import pytest
 import cuattn
 from cuattn import policies as P
 from cuattn.backends import geometry, interp
+from cuattn.backends.cuda_runtime import cuda_available
 from cuattn.serving import decode, fp8
 from cuattn.tools.oracle import dense_attention, kept_attention
 
@@ -393,3 +394,49 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
             continue
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("family", [geometry.DECODE_SPLIT_FAMILY, geometry.DECODE_GQA_FAMILY])
+def test_on_the_gpu(name, family, monkeypatch):
+    """An fp8 cache on CuPy: refused without CUATTN_DECODE_FP8=kernel; with it, the kernel
+    (split or tensor-core) against the oracle over the dequantised values, the same codes and
+    scales as a host cache given the same tokens, and append + decode steps that never wait
+    for the host."""
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    from tests.helpers.no_sync import refuse_host_round_trips
+
+    monkeypatch.setenv(geometry.DECODE_ENV, family)
+    like = cupy.zeros(1, dtype=cupy.float32)
+    rng = np.random.default_rng(8)
+    k, v = (_bf16(rng.standard_normal((2, 2, 300, 128))) for _ in "kv")
+    q = _bf16(rng.standard_normal((2, 8, 1, 128)))
+    caches = {
+        where: cuattn.KVCache(2, 2, 128, name, policy=P.SlidingWindow(200), like=like_of)
+        for where, like_of in (("host", None), ("gpu", like))
+    }
+    caches["host"].append(k, v, lengths=[300, 250])
+    caches["gpu"].append(cupy.asarray(k), cupy.asarray(v), lengths=[300, 250])
+    assert np.array_equal(cupy.asnumpy(caches["gpu"].k_pages), caches["host"].k_pages)
+    assert np.array_equal(cupy.asnumpy(caches["gpu"].v_scale), caches["host"].v_scale)
+    with pytest.raises(ValueError, match=geometry.DECODE_FP8_ENV):
+        cuattn.decode_attention(cupy.asarray(q), caches["gpu"])
+    monkeypatch.setenv(geometry.DECODE_FP8_ENV, geometry.DECODE_FP8_KERNEL_FAMILY)
+    out = cupy.asnumpy(cuattn.decode_attention(cupy.asarray(q), caches["gpu"]))
+    _close(out, kept_attention(caches["gpu"], q))
+    steps = [
+        tuple(cupy.asarray(_bf16(rng.standard_normal((2, 2, 1, 128)))) for _ in "kv")
+        for _ in range(20)
+    ]
+    q_gpu = cupy.asarray(q)
+    cupy.cuda.Device().synchronize()
+    refuse_host_round_trips(monkeypatch)
+    for step_k, step_v in steps:
+        caches["gpu"].append(step_k, step_v)
+        out = cuattn.decode_attention(q_gpu, caches["gpu"])
+    monkeypatch.undo()
+    assert bool(cupy.isfinite(out).all())

@@ -63,9 +63,7 @@ struct attn_decode_gqa_traits {
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   // Two resident CTAs per SM at least (shared memory allows 3 on sm_90 at d <= 128): a
   // thread's registers stay under 204, the O, S and Q fragments unspilled.
-  // fp8 pages: no minimum (ptxas, asked for two, kept 168 registers and spilled 24 bytes at
-  // d128); their shared memory (108 KB at d128) allows two all the same
-  static constexpr int MIN_CTAS_PER_SM = is_fp8_type<KV>::value ? 1 : 2;
+  static constexpr int MIN_CTAS_PER_SM = 2;
   static constexpr int STAGES = CONSUMER_WARPS;  // one stage per consumer warp
   static constexpr int CHUNK = 16 / int(sizeof(KV));  // elements of one 16-byte copy
   static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;

@@ -192,8 +192,9 @@ DECODE_REGISTERS_ASSUMED = 240
 # never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
 # attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (a
-# probability times a small V scale could leave fp16's range), TILE as bf16's (each consumer
-# widens its stage's codes into bf16 tiles of its own, which take that room again)
+# probability times a small V scale could leave fp16's range), TILE half of bf16's
+# (decode_gqa_fp8_tile: each consumer widens its stage's codes into bf16 tiles of its own; at
+# bf16's TILE, d128 needed 218 registers, one CTA an SM, and d64 117 KB of shared memory)
 DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
 DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
 DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
@@ -203,6 +204,7 @@ DECODE_GQA_STAGES = 4
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
+ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
 DECODE_GQA_BARRIER_BYTES = 8
@@ -782,7 +784,11 @@ class KernelConfig(_Launch):
             assert self.block is None and self.rule is None and not self.mods
             assert decode_gqa_supports(self.head_dim, self.dtype), self
             tile_m = DECODE_GQA_ROWS
-            tile_n = decode_gqa_tile(self.head_dim, self.dtype)
+            tile_n = (
+                decode_gqa_fp8_tile(self.head_dim)
+                if fp8
+                else decode_gqa_tile(self.head_dim, self.dtype)
+            )
             num_warps = DECODE_GQA_WARPS
             consumers = num_warps - 1
             barriers = 2 * DECODE_GQA_STAGES * DECODE_GQA_BARRIER_BYTES
@@ -1278,6 +1284,15 @@ def decode_gqa_tile(head_dim: int, dtype: str) -> int:
     tokens = DECODE_GQA_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
     tokens = 1 << (tokens.bit_length() - 1)
     return min(max(tokens, DECODE_GQA_MIN_TILE), DECODE_GQA_MAX_TILE)
+
+
+def decode_gqa_fp8_tile(head_dim: int) -> int:
+    """Tokens per stage of attn_decode_gqa_fp8: half of bf16's attn_decode_gqa tile (at least
+    DECODE_GQA_MIN_TILE), doubled back where a tile's 16-byte copies of codes would not divide
+    among a warp's lanes (d80)."""
+    tile = max(decode_gqa_tile(head_dim, "bfloat16") // 2, DECODE_GQA_MIN_TILE)
+    copies = tile * head_dim // ITEMSIZE_OF_COPY
+    return tile if copies % WARP_SIZE == 0 else 2 * tile
 
 
 def decode_gqa_row_chunks(kv_group: int, t_q: int) -> int:

@@ -280,7 +280,11 @@ def kernel_instantiations() -> list[CompileUnit]:
             c.smem_bytes,
             getattr(c, "register_cap", None) or 0,
         )
-        for c in (*geometry.all_configs(), *geometry.decode_gqa_configs())
+        for c in (
+            *geometry.all_configs(),
+            *geometry.decode_gqa_configs(),
+            *geometry.decode_fp8_configs(),
+        )
     ]
 
 

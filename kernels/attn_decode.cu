@@ -31,6 +31,11 @@
 //   with keep_scores the scaled score of every (row, table slot) it walked, -inf where the token
 //   did not count: token_scores [B, H, t_q, max_pages * page_size] (HeavyHitters turns them into
 //   probabilities with the merged lse, with no second pass over K).
+// attn_decode_split_fp8<TILE, ROWS, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3
+//   or fp8_e5m2, uint8 codes; q and out T), with k_scale and v_scale float32 [num_pages], each
+//   page's scales: a kept element is code * scale (cuattn/serving/fp8.py). The codes are copied
+//   as they are and widened in registers; the K scale multiplies a token's score before any
+//   modifier, the V scale its probability in P.V.
 // The merge of a row's splits into out and lse is attn_decode_merge, in kernels/merge_states.cu
 //   beside the two-way merge it shares its row function with; it multiplies every split, an
 //   empty one by weight 0 (what special values need, below).
@@ -97,13 +102,18 @@ __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a 
 // last_slot) of K and V into `stage` ([K, V][token][LD]) and commits it. A slot past the run or
 // keeping no token (position -1: evicted, or room in a page) is zero-filled: its memory may hold
 // an earlier token's NaN or inf, which 0 * x would carry into every row. Returns this lane's
-// token's position (-1 for those) and, in `entry`, the token's page-table entry.
+// token's position (-1 for those) and, in `entry`, the token's page-table entry; for fp8 pages
+// (T fp8_e4m3 or fp8_e5m2) also its page's scales, read here so that their loads are in flight
+// with the copies (the spare page's, finite, past the run; unused otherwise).
 template <typename Traits, int HEAD_DIM, typename T>
 __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict__ k_pages,
                                                    const T* __restrict__ v_pages,
                                                    const long long* __restrict__ slot_pos,
                                                    const int* __restrict__ table, int page_size,
-                                                   int first_slot, int last_slot, int& entry) {
+                                                   int first_slot, int last_slot, int& entry,
+                                                   const float* __restrict__ k_scale,
+                                                   const float* __restrict__ v_scale,
+                                                   float& token_k_scale, float& token_v_scale) {
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int CPR = Traits::CHUNKS_PER_ROW;
   const int lane = int(threadIdx.x) % 32;
@@ -111,6 +121,11 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   const bool valid = f < last_slot;
   entry = valid ? f / page_size : 0;
   const int slot = valid ? table[entry] * page_size + (f - entry * page_size) : 0;
+  if constexpr (is_fp8_type<T>::value) {
+    const int page = valid ? table[entry] : 0;
+    token_k_scale = k_scale[page];
+    token_v_scale = v_scale[page];
+  }
   const long long pos = valid ? slot_pos[slot] : -1;
 #pragma unroll
   for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
@@ -131,11 +146,12 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   return pos;
 }
 
-template <int TILE, int ROWS, int HEAD_DIM, typename T, int MODS>
-__global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::NUM_THREADS,
-                                  attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::MIN_CTAS_PER_SM)
-    attn_decode_split(const T* __restrict__ q, const T* __restrict__ k_pages,
-                      const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+// The split kernel's body, for pages of KV: T (attn_decode_split) or fp8 codes whose page
+// scales are k_scale and v_scale (attn_decode_split_fp8; nullptr otherwise).
+template <int TILE, int ROWS, int HEAD_DIM, typename T, typename KV, int MODS>
+__device__ __forceinline__ void attn_decode_split_body(
+                      const T* __restrict__ q, const KV* __restrict__ k_pages,
+                      const KV* __restrict__ v_pages, const long long* __restrict__ slot_pos,
                       const int* __restrict__ page_table, const int* __restrict__ page_count,
                       const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
                       float* __restrict__ part_out, float* __restrict__ part_lse,
@@ -148,8 +164,10 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       int use_rel_bias, int rel_bias_batch_stride, int rel_max_distance,
                       long long dropout_threshold, long long dropout_seed, float dropout_scale,
                       const u32* __restrict__ dropout_seed_words, int use_seed_words,
-                      int use_chosen, int keep_scores) {
-  using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>;
+                      int use_chosen, int keep_scores, const float* __restrict__ k_scale,
+                      const float* __restrict__ v_scale) {
+  using Traits = attn_decode_split_traits<TILE, ROWS, HEAD_DIM, KV>;
+  constexpr bool FP8 = is_fp8_type<KV>::value;
   constexpr int TPW = Traits::TOKENS_PER_WARP;
   constexpr int LPT = Traits::LANES_PER_TOKEN;
   constexpr int CHUNK = Traits::CHUNK;
@@ -180,7 +198,7 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
 
   float* q_smem = dynamic_smem<float>();
   int* query_smem = reinterpret_cast<int*>(q_smem + ROWS * HEAD_DIM);
-  T* warp_stages = reinterpret_cast<T*>(query_smem + ROWS) + warp * Traits::WARP_ELEMS;
+  KV* warp_stages = reinterpret_cast<KV*>(query_smem + ROWS) + warp * Traits::WARP_ELEMS;
   for (int x = int(threadIdx.x); x < ROWS * HEAD_DIM; x += Traits::NUM_THREADS) {
     const int i = x / HEAD_DIM;
     q_smem[x] = i < rows ? to_float(q[q_row_of(i) * HEAD_DIM + x % HEAD_DIM]) * scale : 0.f;
@@ -204,23 +222,27 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
   const int mine = sub_tiles > warp ? (sub_tiles - warp + Traits::NUM_WARPS - 1) / Traits::NUM_WARPS : 0;
   int entry_next = 0;
   long long pos_next = -1;
+  float k_scale_next = 1.f, v_scale_next = 1.f;  // fp8: the lane's token's page scales
   if (mine > 0) {
     pos_next = copy_sub_tile<Traits, HEAD_DIM>(warp_stages, k_pages, v_pages, slot_pos, table,
-                                               page_size, slot_lo + warp * TPW, slot_hi, entry_next);
+                                               page_size, slot_lo + warp * TPW, slot_hi, entry_next,
+                                               k_scale, v_scale, k_scale_next, v_scale_next);
   }
 
   // The sub-tile loop: warp `warp`'s k-th sub-tile starts at table slot first_slot.
   for (int k = 0; k < mine; ++k) {
     const long long pos = pos_next;
     const int entry = entry_next;
+    const float token_k_scale = k_scale_next, token_v_scale = v_scale_next;
     const int first_slot = slot_lo + (warp + Traits::NUM_WARPS * k) * TPW;
-    const T* k_tile = warp_stages + (k % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
-    const T* v_tile = k_tile + Traits::STAGE_ELEMS;
+    const KV* k_tile = warp_stages + (k % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
+    const KV* v_tile = k_tile + Traits::STAGE_ELEMS;
     if (k + 1 < mine) {
-      T* next = warp_stages + ((k + 1) % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
+      KV* next = warp_stages + ((k + 1) % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
       pos_next = copy_sub_tile<Traits, HEAD_DIM>(next, k_pages, v_pages, slot_pos, table,
                                                  page_size, first_slot + Traits::NUM_WARPS * TPW,
-                                                 slot_hi, entry_next);
+                                                 slot_hi, entry_next, k_scale, v_scale,
+                                                 k_scale_next, v_scale_next);
     } else {
       cp_async_commit();  // an empty group, so that waiting for all but one means this sub-tile
     }
@@ -256,6 +278,7 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
       if (i >= rows) break;
 #pragma unroll
       for (int offset = TPW; offset < 32; offset *= 2) s[i] += __shfl_xor_sync(FULL_WARP, s[i], offset);
+      if constexpr (FP8) s[i] *= token_k_scale;  // q.(code scale), before every modifier
       const long long query_pos = first_query_pos + query_smem[i];
       if constexpr (MODS == MODS_SCORE) {
         if (softcap > 0.f) s[i] = softcap * tanhf(s[i] / softcap);  // Gemma 2's capped score
@@ -307,6 +330,8 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
           s[i] = dropout_keeps(dropout, b, head, query_pos, pos) ? p * dropout.scale : 0.f;
         }
       }
+      // fp8: P.V multiplies the V codes, so each token's probability takes its page's V scale
+      if constexpr (FP8) s[i] *= token_v_scale;
     }
 
     // acc += P V: each token's V elements read once, its probability per row from its lane
@@ -382,6 +407,69 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
     }
     if (lane == 0) part_lse[out_row] = empty ? -INFINITY : m_all + logf(l_all);
   }
+}
+
+template <int TILE, int ROWS, int HEAD_DIM, typename T, int MODS>
+__global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::NUM_THREADS,
+                                  attn_decode_split_traits<TILE, ROWS, HEAD_DIM, T>::MIN_CTAS_PER_SM)
+    attn_decode_split(const T* __restrict__ q, const T* __restrict__ k_pages,
+                      const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+                      const int* __restrict__ page_table, const int* __restrict__ page_count,
+                      const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
+                      float* __restrict__ part_out, float* __restrict__ part_lse,
+                      float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
+                      int page_size, int max_pages, int splits, int pages_per_split, float scale,
+                      float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
+                      int alibi_batch_stride, const float* __restrict__ key_bias,
+                      int use_key_bias, long long key_bias_batch_stride,
+                      long long key_bias_head_stride, const float* __restrict__ rel_bias,
+                      int use_rel_bias, int rel_bias_batch_stride, int rel_max_distance,
+                      long long dropout_threshold, long long dropout_seed, float dropout_scale,
+                      const u32* __restrict__ dropout_seed_words, int use_seed_words,
+                      int use_chosen, int keep_scores) {
+  attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, T, MODS>(
+      q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
+      token_scores, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split, scale,
+      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
+      rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
+      use_seed_words, use_chosen, keep_scores, nullptr, nullptr);
+}
+
+// attn_decode_split over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out stay T): the value of
+// a kept element is its code times its page's scale, k_scale / v_scale float32 [num_pages]
+// (cuattn/serving/fp8.py). The codes are copied as they are (half the bytes of 16-bit pages)
+// and widened in registers; the K scale multiplies a token's q.code before any modifier, the V
+// scale its probability in P.V (l_i, the lse and the per-token scores are of the probabilities
+// alone).
+template <int TILE, int ROWS, int HEAD_DIM, typename T, typename KV, int MODS>
+__global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM, KV>::NUM_THREADS,
+                                  attn_decode_split_traits<TILE, ROWS, HEAD_DIM, KV>::MIN_CTAS_PER_SM)
+    attn_decode_split_fp8(const T* __restrict__ q, const KV* __restrict__ k_pages,
+                          const KV* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+                          const int* __restrict__ page_table, const int* __restrict__ page_count,
+                          const long long* __restrict__ lengths,
+                          const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
+                          float* __restrict__ part_lse, float* __restrict__ token_scores, int heads,
+                          int kv_heads, int t_q, int page_size, int max_pages, int splits,
+                          int pages_per_split, float scale, float softcap,
+                          const float* __restrict__ alibi_slopes, int use_alibi,
+                          int alibi_batch_stride, const float* __restrict__ key_bias,
+                          int use_key_bias, long long key_bias_batch_stride,
+                          long long key_bias_head_stride, const float* __restrict__ rel_bias,
+                          int use_rel_bias, int rel_bias_batch_stride, int rel_max_distance,
+                          long long dropout_threshold, long long dropout_seed, float dropout_scale,
+                          const u32* __restrict__ dropout_seed_words, int use_seed_words,
+                          int use_chosen, int keep_scores, const float* __restrict__ k_scale,
+                          const float* __restrict__ v_scale) {
+  static_assert(is_fp8_type<KV>::value, "the fp8 split kernel reads fp8 pages");
+  attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, KV, MODS>(
+      q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
+      token_scores, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split, scale,
+      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
+      rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
+      use_seed_words, use_chosen, keep_scores, k_scale, v_scale);
 }
 
 struct attn_decode_mass_traits {

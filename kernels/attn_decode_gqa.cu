@@ -32,6 +32,11 @@
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
 //   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
 //   stages, reused) and every warp writes rows of the split's answer or partial.
+// attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV>: the same over fp8 pages (KV fp8_e4m3 or fp8_e5m2,
+//   uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the producer
+//   also writes each token's page scales beside its row mask; a consumer widens its stage's
+//   codes into bf16 tiles of its own (exact) before the ldmatrix reads, multiplies S's columns
+//   by the K scales and P's by the V scales.
 // Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
 //   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
@@ -49,7 +54,7 @@
 #include "common/smem.cuh"
 #include "common/warp_gemm.cuh"
 
-template <int TILE, int HEAD_DIM, typename T>
+template <int TILE, int HEAD_DIM, typename T, typename KV = T>
 struct attn_decode_gqa_traits {
   static constexpr int ROWS = 16;  // query rows per CTA: the M of one mma fragment
   static constexpr int CONSUMER_WARPS = 4;
@@ -60,11 +65,11 @@ struct attn_decode_gqa_traits {
   // thread's registers stay under 204, the O, S and Q fragments unspilled.
   static constexpr int MIN_CTAS_PER_SM = 2;
   static constexpr int STAGES = CONSUMER_WARPS;  // one stage per consumer warp
-  static constexpr int CHUNK = 16 / int(sizeof(T));  // elements of one 16-byte copy
+  static constexpr int CHUNK = 16 / int(sizeof(KV));  // elements of one 16-byte copy
   static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;
   static constexpr int TOKEN_ROUNDS = (TILE + 31) / 32;  // producer: tokens a lane per tile
   static constexpr int COPIES_PER_LANE = TILE * CHUNKS_PER_ROW / 32;  // of K (as many of V)
-  static constexpr int LD = SmemStride<T, HEAD_DIM>::value;
+  static constexpr int LD = SmemStride<KV, HEAD_DIM>::value;
   static constexpr int TILE_ELEMS = TILE * LD;  // one K or V tile
   static constexpr int STAGE_ELEMS = 2 * TILE_ELEMS;
   // The full barriers count both arrivals of each producer lane; the empty ones a consumer's.
@@ -74,12 +79,22 @@ struct attn_decode_gqa_traits {
   // consumers' final merge: [warp][row][O..., m, l] floats.
   static constexpr int BARRIER_BYTES = 2 * STAGES * 8;
   static constexpr int MASK_BYTES = STAGES * TILE * 4;
-  static constexpr int RING_BYTES = STAGES * STAGE_ELEMS * int(sizeof(T));
+  static constexpr int RING_BYTES = STAGES * STAGE_ELEMS * int(sizeof(KV));
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
-  static constexpr int SMEM_BYTES =
-      BARRIER_BYTES + MASK_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+  // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
+  // masks), and after the ring each consumer's K and V tiles widened to T, which ldmatrix reads
+  static constexpr bool FP8 = is_fp8_type<KV>::value;
+  static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 : 0;
+  static constexpr int WIDE_LD = SmemStride<T, HEAD_DIM>::value;
+  static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * 2 * TILE * WIDE_LD * int(sizeof(T)) : 0;
+  static constexpr int SMEM_BYTES = BARRIER_BYTES + MASK_BYTES + SCALE_BYTES +
+                                    (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) +
+                                    WIDE_BYTES;
   static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
+  static_assert(is_same_type<KV, T>::value || FP8, "pages of T or of fp8 codes");
+  static_assert((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) % 16 == 0,
+                "the widened tiles stay 16-byte aligned");
   static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole m16n8k16 steps");
   static_assert(TILE * CHUNKS_PER_ROW % 32 == 0, "a tile's copies divide among the lanes");
   static_assert(TILE <= 32 || TILE % 32 == 0, "a producer lane's tokens are lane + 32 r");
@@ -121,18 +136,40 @@ __device__ __forceinline__ u32 row_mask(long long pos, long long first_query_pos
   return mask;
 }
 
-template <int TILE, int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM_THREADS,
-                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T>::MIN_CTAS_PER_SM)
-    attn_decode_gqa(const T* __restrict__ q, const T* __restrict__ k_pages,
-                    const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
-                    const int* __restrict__ page_table, const int* __restrict__ page_count,
-                    const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
-                    float* __restrict__ part_out, float* __restrict__ part_lse,
-                    T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
-                    int heads, int kv_heads, int t_q, int page_size, int max_pages, int splits,
-                    int pages_per_split, float scale, int use_chosen) {
-  using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T>;
+// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to T in its own
+// tile ([TILE][WIDE_LD]), 16 codes a lane at a time.
+template <typename Traits, typename T, typename KV>
+__device__ __forceinline__ void widen_tile(T* wide, const KV* codes, int lane) {
+  constexpr int CHUNKS = Traits::TILE_ELEMS / Traits::LD * Traits::CHUNKS_PER_ROW;
+  static_assert(CHUNKS % 32 == 0, "a tile's chunks divide among the lanes");
+  // a chunk at a time: unrolled, every chunk's load goes ahead of the stores (registers)
+#pragma unroll 1
+  for (int i = 0; i < CHUNKS / 32; ++i) {
+    const int c = lane + 32 * i;
+    const int row = c / Traits::CHUNKS_PER_ROW;
+    const int col = c % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
+    float x[Traits::CHUNK];
+    load_16_as_float(codes + row * Traits::LD + col, x);
+    u32* dst = reinterpret_cast<u32*>(wide + row * Traits::WIDE_LD + col);
+#pragma unroll
+    for (int e = 0; e < Traits::CHUNK / 2; ++e) dst[e] = pack_pair<T>(x[2 * e], x[2 * e + 1]);
+  }
+}
+
+// The kernel's body, for pages of KV: T (attn_decode_gqa) or fp8 codes whose page scales are
+// k_scale and v_scale (attn_decode_gqa_fp8; nullptr otherwise).
+template <int TILE, int HEAD_DIM, typename T, typename KV>
+__device__ __forceinline__ void attn_decode_gqa_body(
+    const T* __restrict__ q, const KV* __restrict__ k_pages, const KV* __restrict__ v_pages,
+    const long long* __restrict__ slot_pos, const int* __restrict__ page_table,
+    const int* __restrict__ page_count, const long long* __restrict__ lengths,
+    const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
+    float* __restrict__ part_lse, T* __restrict__ out, float* __restrict__ lse,
+    int* __restrict__ tickets, int heads, int kv_heads, int t_q, int page_size, int max_pages,
+    int splits, int pages_per_split, float scale, int use_chosen,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
+  using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>;
+  constexpr bool FP8 = Traits::FP8;
   constexpr int ROWS = Traits::ROWS;
   constexpr int STAGES = Traits::STAGES;
   constexpr int LD = Traits::LD;
@@ -162,7 +199,10 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
   u64* full = dynamic_smem<u64>();
   u64* empty = full + STAGES;
   u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
-  T* ring = reinterpret_cast<T*>(mask_smem + STAGES * TILE);
+  float* k_scale_smem = reinterpret_cast<float*>(mask_smem + STAGES * TILE);  // fp8 only
+  float* v_scale_smem = k_scale_smem + STAGES * TILE;
+  KV* ring = reinterpret_cast<KV*>(reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) +
+                                   Traits::SCALE_BYTES);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full[s], Traits::FULL_ARRIVALS);
@@ -201,6 +241,8 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
       long long pos[Traits::TOKEN_ROUNDS];
+      float k_scale[Traits::TOKEN_ROUNDS];  // fp8: the page's scales, read with the position
+      float v_scale[Traits::TOKEN_ROUNDS];
     };
     auto read_slots = [&](int t, Tokens& tokens) {
 #pragma unroll
@@ -216,6 +258,11 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
+        if constexpr (FP8) {
+          const int page = tokens.slot[r] >= 0 ? tokens.slot[r] / page_size : 0;
+          tokens.k_scale[r] = k_scale[page];
+          tokens.v_scale[r] = v_scale[page];
+        }
       }
     };
     Tokens now, next, after;
@@ -239,9 +286,15 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         if (lane + 32 * r < TILE) mask_smem[s * TILE + lane + 32 * r] = mask[r];
+        if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
+          if (lane + 32 * r < TILE) {
+            k_scale_smem[s * TILE + lane + 32 * r] = now.k_scale[r];
+            v_scale_smem[s * TILE + lane + 32 * r] = now.v_scale[r];
+          }
+        }
       }
-      T* k_tile = ring + s * Traits::STAGE_ELEMS;
-      T* v_tile = k_tile + Traits::TILE_ELEMS;
+      KV* k_tile = ring + s * Traits::STAGE_ELEMS;
+      KV* v_tile = k_tile + Traits::TILE_ELEMS;
 #pragma unroll
       for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
         const int chunk = lane + 32 * c;
@@ -283,15 +336,36 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
     for (int t = warp; t < tiles; t += Traits::CONSUMER_WARPS) {
       const int s = t % STAGES;
       mbarrier_wait_parity(&full[s], unsigned(t / STAGES & 1));
-      const T* k_tile = ring + s * Traits::STAGE_ELEMS;
-      const T* v_tile = k_tile + Traits::TILE_ELEMS;
+      const T* k_tile;
+      const T* v_tile;
+      int tile_ld;
+      if constexpr (FP8) {
+        // the codes widened to T (exact: every e4m3 and e5m2 code is a bf16) into this warp's
+        // own tiles; the scales stay outside, on the scores and the probabilities
+        T* k_wide = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(ring) +
+                                         (Traits::RING_BYTES > Traits::MERGE_BYTES
+                                              ? Traits::RING_BYTES
+                                              : Traits::MERGE_BYTES)) +
+                    warp * 2 * TILE * Traits::WIDE_LD;
+        T* v_wide = k_wide + TILE * Traits::WIDE_LD;
+        widen_tile<Traits>(k_wide, ring + s * Traits::STAGE_ELEMS, lane);
+        widen_tile<Traits>(v_wide, ring + s * Traits::STAGE_ELEMS + Traits::TILE_ELEMS, lane);
+        __syncwarp();
+        k_tile = k_wide;
+        v_tile = v_wide;
+        tile_ld = Traits::WIDE_LD;
+      } else {
+        k_tile = ring + s * Traits::STAGE_ELEMS;
+        v_tile = k_tile + Traits::TILE_ELEMS;
+        tile_ld = LD;
+      }
       float s_acc[TILE / 8][4];
 #pragma unroll
       for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s_acc[j][e] = 0.f;
       }
-      warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, LD);
+      warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, tile_ld);
       // an uncounted token's score is replaced by -inf, never multiplied
       const u32* masks = mask_smem + s * TILE;
       float m_tile[2] = {-INFINITY, -INFINITY};
@@ -300,6 +374,8 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
         const u32 words[2] = {masks[frag.pair_col(j)], masks[frag.pair_col(j) + 1]};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+          // fp8: q.code times the token's K scale is the score
+          if constexpr (FP8) s_acc[j][e] *= k_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
           const u32 word = words[e % 2] >> frag.g;
           const bool counts = (word >> (8 * (e / 2))) & 1u;
           s_acc[j][e] = counts ? s_acc[j][e] : -INFINITY;
@@ -324,6 +400,9 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
         for (int e = 0; e < 4; ++e) {
           s_acc[j][e] = exp2f(s_acc[j][e] - base[e / 2]);
           p_sum[e / 2] += s_acc[j][e];
+          // fp8: P.V multiplies the V codes, so a probability takes its token's V scale (a
+          // power of two: exact in the bf16 P too)
+          if constexpr (FP8) s_acc[j][e] *= v_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
         }
       }
 #pragma unroll
@@ -334,7 +413,7 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
         for (int e = 0; e < 4; ++e) acc[j][e] *= correction[e / 2];
       }
       // O += P V: P's zeros still multiply v, 0 * NaN = NaN, as the dense computation
-      warp_gemm_regs_kn<HEAD_DIM, TILE>(acc, s_acc, v_tile, LD, nullptr);
+      warp_gemm_regs_kn<HEAD_DIM, TILE>(acc, s_acc, v_tile, tile_ld, nullptr);
       mbarrier_arrive(&empty[s]);  // this lane's reads of the stage are done
     }
   }
@@ -427,4 +506,46 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
                                      part_lse + q_row * splits, splits};
     merge_row<HEAD_DIM, MERGE_WEIGH_EMPTY>(parts, out + q_row * HEAD_DIM, lse + q_row, lane);
   }
+}
+
+template <int TILE, int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM_THREADS,
+                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T>::MIN_CTAS_PER_SM)
+    attn_decode_gqa(const T* __restrict__ q, const T* __restrict__ k_pages,
+                    const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+                    const int* __restrict__ page_table, const int* __restrict__ page_count,
+                    const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
+                    float* __restrict__ part_out, float* __restrict__ part_lse,
+                    T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
+                    int heads, int kv_heads, int t_q, int page_size, int max_pages, int splits,
+                    int pages_per_split, float scale, int use_chosen) {
+  attn_decode_gqa_body<TILE, HEAD_DIM, T, T>(
+      q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
+      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split,
+      scale, use_chosen, nullptr, nullptr);
+}
+
+// attn_decode_gqa over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out bf16): the producer copies
+// the codes (half the bytes) and each token's page scales (k_scale / v_scale float32
+// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the codes to T in a tile
+// of its own (exact), multiplies each score by its token's K scale before the mask and each
+// probability by its V scale after l_i's sum, and computes on tensor cores as attn_decode_gqa.
+template <int TILE, int HEAD_DIM, typename T, typename KV>
+__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::NUM_THREADS,
+                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::MIN_CTAS_PER_SM)
+    attn_decode_gqa_fp8(const T* __restrict__ q, const KV* __restrict__ k_pages,
+                        const KV* __restrict__ v_pages, const long long* __restrict__ slot_pos,
+                        const int* __restrict__ page_table, const int* __restrict__ page_count,
+                        const long long* __restrict__ lengths,
+                        const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
+                        float* __restrict__ part_lse, T* __restrict__ out, float* __restrict__ lse,
+                        int* __restrict__ tickets, int heads, int kv_heads, int t_q, int page_size,
+                        int max_pages, int splits, int pages_per_split, float scale,
+                        int use_chosen, const float* __restrict__ k_scale,
+                        const float* __restrict__ v_scale) {
+  static_assert(is_fp8_type<KV>::value, "the fp8 tensor-core decode reads fp8 pages");
+  attn_decode_gqa_body<TILE, HEAD_DIM, T, KV>(
+      q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
+      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split,
+      scale, use_chosen, k_scale, v_scale);
 }

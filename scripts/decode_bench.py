@@ -21,6 +21,10 @@ chose.
 
 The `decode` column names the kernel kernel_ms timed (--decode sets CUATTN_DECODE: "split",
 the default, or "gqa", attn_decode_gqa wherever it applies; the smoke runs it in bf16).
+--pages float8_e4m3fn (or float8_e5m2) keeps the cache in fp8 pages with a scale a page (q and
+the tokens stay bf16; it sets CUATTN_DECODE_FP8=kernel), GB/s then counting one byte an element:
+
+    PYTHONPATH=. python scripts/decode_bench.py --pages float8_e4m3fn --cases 64x32768
 """
 
 from __future__ import annotations
@@ -86,12 +90,14 @@ def _fill(cache, xp, context, dtype, rng):
 
 
 def run_case(args, batch, context, policy_name, xp, dtype, backend):
+    """One row; ``dtype``: the tokens' and q's, and the pages' unless --pages says fp8."""
     rng = np.random.default_rng(0)
     like = xp.zeros(1, dtype=xp.float32) if xp is not np else None
     page = args.page
     policy = make_policy(policy_name, context, page)
+    pages = args.pages if args.pages in geometry.KV_DTYPES else dtype
     cache = cuattn.KVCache(
-        batch, KV_HEADS, args.head_dim, dtype, page_size=page, policy=policy, like=like
+        batch, KV_HEADS, args.head_dim, pages, page_size=page, policy=policy, like=like
     )
     _fill(cache, xp, context, dtype, rng)
     q_shape = (batch, HEADS, args.t_q, args.head_dim)
@@ -126,7 +132,7 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         sync,
         args.repeats,
     )
-    itemsize = 2 if dtype != "float32" else 4
+    itemsize = geometry.ITEMSIZE[pages]
     kv_bytes = 2 * read_tokens * args.head_dim * itemsize
     row = dict(
         batch=batch,
@@ -139,7 +145,7 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         choice_ms=choice_ms if choice_ms is not None else "-",
         kernel_ms=kernel_ms,
         gbps=kv_bytes / kernel_ms / 1e6,
-        decode=decode_kernel(args.head_dim, dtype),
+        decode=decode_kernel(args.head_dim, pages),
     )
     if args.baselines:
         row.update(baselines(cache, q, kept // (batch * KV_HEADS), args, sync))
@@ -148,9 +154,11 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
 
 def decode_kernel(head_dim: int, dtype: str) -> str:
     """The kernel decode_attention's route takes for a decode with no policy scores
-    (kernel_ms)."""
+    (kernel_ms); ``dtype``: the pages' (an fp8 one with a bf16 q)."""
     scale = head_dim**-0.5
     gqa = geometry.decode_gqa_applies(head_dim, dtype, False, False, scale)
+    if dtype in geometry.KV_DTYPES:
+        return geometry.DECODE_GQA_FP8_KERNEL if gqa else geometry.DECODE_FP8_KERNEL
     return geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"
 
 
@@ -227,14 +235,22 @@ def main() -> None:
         choices=geometry.DECODE_FAMILIES,
         help=f"the decode kernel family ({geometry.DECODE_ENV}; default: the environment's)",
     )
+    parser.add_argument(
+        "--pages",
+        choices=("bfloat16", *geometry.KV_DTYPES),
+        default="bfloat16",
+        help="the cache's pages: bf16, or fp8 codes with a scale a page (q stays bf16)",
+    )
     args = parser.parse_args()
     if args.decode:
         os.environ[geometry.DECODE_ENV] = args.decode
+    fp8 = args.pages in geometry.KV_DTYPES
+    if fp8:  # the fp8 kernels are opt-in on a GPU until one has run them
+        os.environ[geometry.DECODE_FP8_ENV] = geometry.DECODE_FP8_KERNEL_FAMILY
     if args.smoke:
-        # the tensor-core kernel takes 16-bit types only
-        smoke_dtype = (
-            "bfloat16" if geometry.decode_family() == geometry.DECODE_GQA_FAMILY else "float32"
-        )
+        # the tensor-core kernel takes 16-bit types only, fp8 pages a 16-bit q
+        gqa = geometry.decode_family() == geometry.DECODE_GQA_FAMILY
+        smoke_dtype = "bfloat16" if gqa or fp8 else "float32"
         xp, dtype, backend, cases = np, smoke_dtype, "interp", args.cases or SMOKE
         args.head_dim, args.repeats, args.baselines = 16, 2, False
         args.page = args.page or SMOKE_PAGE

@@ -37,7 +37,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 RULES = ("none", "causal", "window", "bitmask")
 
 CXX_TYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# fp8 KV pages (cuattn/serving/fp8.py): the codes' C++ types (kernels/common/types.cuh), read
+# by the fp8 decode kernels beside q of DECODE_FP8_Q_DTYPES
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KV_CXX_TYPE = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+DECODE_FP8_Q_DTYPES = ("float16", "bfloat16")
 CXX_RULE = {
     "none": "MASK_NONE",
     "causal": "MASK_CAUSAL",
@@ -71,6 +76,8 @@ KERNEL_FILES = {
     "attn_decode_merge": "merge_states.cu",
     "attn_decode_mass": "attn_decode.cu",
     "attn_decode_gqa": "attn_decode_gqa.cu",
+    "attn_decode_split_fp8": "attn_decode.cu",
+    "attn_decode_gqa_fp8": "attn_decode_gqa.cu",
     "select_topk": "layout_build.cu",
     "select_mass": "layout_build.cu",
     "layout_count": "layout_build.cu",
@@ -167,7 +174,10 @@ ROW_KERNELS = ("attn_bwd_preprocess", "attn_bwd_sum_groups", "merge_states", "at
 # two cp.async stages of their own; TILE is chosen so one K tile is about DECODE_TILE_BYTES
 # (deep enough copies to keep HBM busy, 2 CTAs per SM at d = 128), and ROWS query rows of a kv
 # group share every K/V read.
-DECODE_KERNELS = ("attn_decode_split",)
+DECODE_KERNELS = ("attn_decode_split", "attn_decode_split_fp8")
+# attn_decode_split over fp8 pages: templated on <TILE, ROWS, HEAD_DIM, T, KV, MODS>, its tile
+# sized by the codes' bytes, and two more arguments, the pages' float32 scales
+DECODE_FP8_KERNEL = "attn_decode_split_fp8"
 # The kernels with a score-modifier variant (a last template flag, CXX_MODS).
 MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS
 DECODE_WARPS = 4
@@ -196,12 +206,20 @@ DECODE_REGISTERS_ASSUMED = 240
 # run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the default ("split")
 # never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
+# attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (a
+# probability times a small V scale could leave fp16's range), TILE half of bf16's
+# (decode_gqa_fp8_tile: each consumer widens its stage's codes into bf16 tiles of its own; at
+# bf16's TILE, d128 needed 218 registers, one CTA an SM, and d64 117 KB of shared memory)
+DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
+DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
+DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
 DECODE_GQA_ROWS = 16
 DECODE_GQA_WARPS = 5  # 4 consumers and the producer
 DECODE_GQA_STAGES = 4
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
+ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
 DECODE_GQA_BARRIER_BYTES = 8
@@ -215,6 +233,12 @@ DECODE_ENV = "CUATTN_DECODE"
 DECODE_SPLIT_FAMILY = "split"
 DECODE_GQA_FAMILY = "gqa"
 DECODE_FAMILIES = (DECODE_SPLIT_FAMILY, DECODE_GQA_FAMILY)
+# fp8 pages on a GPU: refused until a GPU has run attn_decode_split_fp8 ("off", the default), or
+# run by it ("kernel"); the interpreter always runs it
+DECODE_FP8_ENV = "CUATTN_DECODE_FP8"
+DECODE_FP8_OFF_FAMILY = "off"
+DECODE_FP8_KERNEL_FAMILY = "kernel"
+DECODE_FP8_FAMILIES = (DECODE_FP8_OFF_FAMILY, DECODE_FP8_KERNEL_FAMILY)
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -431,6 +455,18 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("use_chosen", "i32"),
         ("keep_scores", "i32"),
     ),
+    DECODE_FP8_KERNEL: (
+        *_DECODE_CACHE_ARGS,
+        ("token_scores", "ptr"),
+        *_DECODE_SIZE_ARGS,
+        ("softcap", "f32"),
+        *_SCORE_OPERAND_ARGS,
+        *_DROPOUT_ARGS,
+        ("use_chosen", "i32"),
+        ("keep_scores", "i32"),
+        ("k_scale", "ptr"),  # float32 [num_pages]: each page's K scale
+        ("v_scale", "ptr"),
+    ),
     "attn_decode_mass": (
         ("token_scores", "ptr"),
         ("lse", "ptr"),
@@ -450,6 +486,16 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: counts splits done
         *_DECODE_SIZE_ARGS,
         ("use_chosen", "i32"),
+    ),
+    DECODE_GQA_FP8_KERNEL: (
+        *_DECODE_CACHE_ARGS,
+        ("out", "ptr"),
+        ("lse", "ptr"),
+        ("tickets", "ptr"),
+        *_DECODE_SIZE_ARGS,
+        ("use_chosen", "i32"),
+        ("k_scale", "ptr"),  # float32 [num_pages]: each page's K scale
+        ("v_scale", "ptr"),
     ),
     "attn_decode_merge": (
         ("part_out", "ptr"),
@@ -729,6 +775,7 @@ class KernelConfig(_Launch):
     rule: str | None = None
     mods: bool = False
     paired: bool = False
+    kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -741,7 +788,12 @@ class KernelConfig(_Launch):
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
-        itemsize = ITEMSIZE[self.dtype]
+        fp8 = self.kernel in (DECODE_FP8_KERNEL, DECODE_GQA_FP8_KERNEL)
+        assert (self.kv_dtype in KV_DTYPES) if fp8 else self.kv_dtype is None, self
+        assert not fp8 or self.dtype in DECODE_FP8_Q_DTYPES, self
+        assert self.kernel != DECODE_GQA_FP8_KERNEL or self.dtype in DECODE_GQA_FP8_Q_DTYPES
+        # the element of the shared tiles: the pages' (fp8 codes) or the kernel's dtype
+        itemsize = ITEMSIZE[self.kv_dtype or self.dtype]
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
         assert (ld * itemsize) % 16 == 0, "cp.async / ldmatrix rows must stay 16-byte aligned"
@@ -754,7 +806,7 @@ class KernelConfig(_Launch):
             # grid (splits = n_rows, kv_heads x row chunks = heads, batch)
             assert self.block is None and self.rule is None
             tile_m = decode_rows_per_cta(self.head_dim)
-            tile_n = decode_tile(self.head_dim, self.dtype)
+            tile_n = decode_tile(self.head_dim, self.kv_dtype or self.dtype)
             num_warps = DECODE_WARPS
             # q (float) and each row's query index; the warps' K/V stages, which the final
             # merge of the warps' (acc, m_i, l_i) rows reuses
@@ -762,13 +814,17 @@ class KernelConfig(_Launch):
             stages = DECODE_STAGES * 2 * tile_n * ld * itemsize
             merge = num_warps * tile_m * (self.head_dim + 2) * 4
             smem = q_bytes + max(stages, merge)
-        elif self.kernel == DECODE_GQA_KERNEL:
+        elif self.kernel in DECODE_GQA_KERNELS:
             # grid as attn_decode_split's; [barriers][row masks][stages], the final merge of the
             # consumers' (O, m, l) rows reusing the stages
             assert self.block is None and self.rule is None and not self.mods
             assert decode_gqa_supports(self.head_dim, self.dtype), self
             tile_m = DECODE_GQA_ROWS
-            tile_n = decode_gqa_tile(self.head_dim, self.dtype)
+            tile_n = (
+                decode_gqa_fp8_tile(self.head_dim)
+                if fp8
+                else decode_gqa_tile(self.head_dim, self.dtype)
+            )
             num_warps = DECODE_GQA_WARPS
             consumers = num_warps - 1
             barriers = 2 * DECODE_GQA_STAGES * DECODE_GQA_BARRIER_BYTES
@@ -776,6 +832,10 @@ class KernelConfig(_Launch):
             ring = DECODE_GQA_STAGES * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
+            if fp8:  # a K and a V scale a stage's token; each consumer's widened K and V tiles
+                wide_ld = _smem_stride(self.head_dim, ITEMSIZE[self.dtype])
+                smem += 2 * DECODE_GQA_STAGES * tile_n * 4
+                smem += consumers * 2 * tile_n * wide_ld * ITEMSIZE[self.dtype]
         elif self.kernel == SM90_BWD:
             assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self
             assert self.rule in RULES and not self.mods and not self.paired, self
@@ -855,7 +915,7 @@ class KernelConfig(_Launch):
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel == SM90_BWD:  # heads: kv heads; n_rows: keys
             return (ceil_div(self.n_rows, SM90_BWD_TILE_K), self.heads, self.batch)
-        if self.kernel in DECODE_KERNELS or self.kernel == DECODE_GQA_KERNEL:
+        if self.kernel in DECODE_KERNELS or self.kernel in DECODE_GQA_KERNELS:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
             return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
@@ -871,7 +931,7 @@ class KernelConfig(_Launch):
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
         modifier variants apart: only calls with modifiers build them)."""
-        return (self.source_file, self.dtype, self.head_dim, self.mods)
+        return (self.source_file, self.dtype, self.head_dim, self.mods, self.kv_dtype)
 
     @property
     def name_expression(self) -> str:
@@ -884,7 +944,16 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
         mods = CXX_MODS[self.mods]
+        if self.kernel == DECODE_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            tiles = f"{self.tile_n}, {self.tile_m}, {self.head_dim}"
+            return f"{self.kernel}<{tiles}, {cxx}, {kv}, {mods}>"
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
@@ -898,10 +967,15 @@ class KernelConfig(_Launch):
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
-        if self.kernel in DECODE_KERNELS:
-            return f"{self.kernel}_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}>"
+        if self.kernel in DECODE_KERNELS:  # the split kernel's traits, of its pages' type
+            kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else cxx
+            return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}_traits<{self.tile_n}, {self.head_dim}, {cxx}>"
+        if self.kernel == DECODE_GQA_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            kv = KV_CXX_TYPE[self.kv_dtype]
+            return f"{DECODE_GQA_KERNEL}_traits<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -1086,9 +1160,8 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     for kernel in ROW_KERNELS:
         for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES):
             configs.append(KernelConfig(kernel, head_dim, dtype))
-    for kernel in DECODE_KERNELS:
-        for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
-            configs.append(KernelConfig(kernel, head_dim, dtype, mods=mods))
+    for head_dim, dtype, mods in itertools.product(HEAD_DIMS, DTYPES, CXX_MODS):
+        configs.append(KernelConfig("attn_decode_split", head_dim, dtype, mods=mods))
     for kernel in SELECT_KERNELS:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))
@@ -1287,8 +1360,12 @@ def decode_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[int, i
 
 
 def decode_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
-    """Decode CTAs a device of ``multiprocessors`` SMs holds at once."""
-    config = KernelConfig("attn_decode_split", head_dim, dtype)
+    """Decode CTAs a device of ``multiprocessors`` SMs holds at once (``dtype``: the pages',
+    an fp8 one for attn_decode_split_fp8, whose q dtype does not change its geometry)."""
+    if dtype in KV_DTYPES:
+        config = KernelConfig(DECODE_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
+    else:
+        config = KernelConfig("attn_decode_split", head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
 
@@ -1299,9 +1376,18 @@ def decode_family() -> str:
     return _env_choice(DECODE_ENV, DECODE_FAMILIES, DECODE_SPLIT_FAMILY, "decode kernel family")
 
 
+def decode_fp8_family() -> str:
+    """What CUATTN_DECODE_FP8 asks of fp8 pages on a GPU: "off" (also when unset: refused, as
+    attn_decode_split_fp8 has not run on one) or "kernel" (run it)."""
+    return _env_choice(
+        DECODE_FP8_ENV, DECODE_FP8_FAMILIES, DECODE_FP8_OFF_FAMILY, "fp8 decode choice"
+    )
+
+
 def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
-    """Whether attn_decode_gqa has an instantiation for this head dim and dtype."""
-    return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES
+    """Whether attn_decode_gqa has an instantiation for this head dim and dtype (an fp8 one:
+    attn_decode_gqa_fp8, for bf16 q)."""
+    return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES + KV_DTYPES
 
 
 def decode_gqa_applies(
@@ -1324,6 +1410,15 @@ def decode_gqa_tile(head_dim: int, dtype: str) -> int:
     tokens = DECODE_GQA_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
     tokens = 1 << (tokens.bit_length() - 1)
     return min(max(tokens, DECODE_GQA_MIN_TILE), DECODE_GQA_MAX_TILE)
+
+
+def decode_gqa_fp8_tile(head_dim: int) -> int:
+    """Tokens per stage of attn_decode_gqa_fp8: half of bf16's attn_decode_gqa tile (at least
+    DECODE_GQA_MIN_TILE), doubled back where a tile's 16-byte copies of codes would not divide
+    among a warp's lanes (d80)."""
+    tile = max(decode_gqa_tile(head_dim, "bfloat16") // 2, DECODE_GQA_MIN_TILE)
+    copies = tile * head_dim // ITEMSIZE_OF_COPY
+    return tile if copies % WARP_SIZE == 0 else 2 * tile
 
 
 def decode_gqa_row_chunks(kv_group: int, t_q: int) -> int:
@@ -1354,9 +1449,25 @@ def decode_gqa_splits(ctas: int, max_pages: int, resident_ctas: int) -> tuple[in
 
 def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dtype: str) -> int:
     """attn_decode_gqa CTAs a device of ``multiprocessors`` SMs holds at once."""
-    config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+    if dtype in KV_DTYPES:
+        config = KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
+    else:
+        config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
     per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
+
+
+def decode_fp8_configs() -> list[KernelConfig]:
+    """One config per attn_decode_split_fp8 instantiation (head dims x q dtypes x fp8 formats x
+    the modifier flag). Kept out of all_configs, as attn_decode_gqa is: fp8 pages are opt-in on
+    a GPU, their tests (tests/serving/test_decode_fp8.py) build the libraries they use, and the
+    compile check lists them itself."""
+    return [
+        KernelConfig(DECODE_FP8_KERNEL, head_dim, dtype, mods=mods, kv_dtype=kv_dtype)
+        for head_dim, dtype, kv_dtype, mods in itertools.product(
+            HEAD_DIMS, DECODE_FP8_Q_DTYPES, KV_DTYPES, CXX_MODS
+        )
+    ]
 
 
 def decode_gqa_configs() -> list[KernelConfig]:
@@ -1364,8 +1475,16 @@ def decode_gqa_configs() -> list[KernelConfig]:
     all_configs, as the sm_90a forward is: the opt-in kernel's libraries are built by its own
     tests (tests/serving/test_decode_gqa.py), and the compile check lists it itself."""
     return [
-        KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
-        for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+        *[
+            KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
+            for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+        ],
+        *[
+            KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, dtype, kv_dtype=kv_dtype)
+            for head_dim, dtype, kv_dtype in itertools.product(
+                DECODE_GQA_HEAD_DIMS, DECODE_GQA_FP8_Q_DTYPES, KV_DTYPES
+            )
+        ],
     ]
 
 

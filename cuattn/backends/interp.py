@@ -190,6 +190,7 @@ def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
         *geometry.sm90_persistent_configs(),
         *geometry.sm90_backward_configs(),
         *geometry.decode_gqa_configs(),
+        *geometry.decode_fp8_configs(),
     )
     return [c for c in every if c.group == group]
 

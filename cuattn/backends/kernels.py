@@ -1044,6 +1044,7 @@ class KernelBackend:
         keep_scores: bool,
         resident_ctas: int,
         gqa: bool = False,
+        fp8: tuple[Any, Any, str] | None = None,
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu; or with ``gqa`` the tensor-core kernels/attn_decode_gqa.cu,
@@ -1054,9 +1055,12 @@ class KernelBackend:
         (``alibi_slopes``, float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch,
         time_k] or [batch, heads, time_k] by token position), ``rel_bias`` (float32 [heads,
         2M + 1] or [batch, heads, 2M + 1] by token minus query position), dropout (its seed
-        in an array operand or the modifiers). Shapes as the kernel file's header; the cache
+        in an array operand or the modifiers). ``fp8``: (k_scale, v_scale, kv_dtype) of fp8
+        pages (_check_fp8_pages), or None. Shapes as the kernel file's header; the cache
         (cuattn/serving) checks its own arrays, this checks q against them."""
         scale, mods = call.scale, call.mods
+        if fp8 is not None:
+            gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         book = {
             "slot_pos": slot_pos,
@@ -1140,6 +1144,9 @@ class KernelBackend:
                 use_chosen=int(use_chosen),
             )
             kernel = geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"
+            if fp8 is not None:
+                kernel = geometry.DECODE_GQA_FP8_KERNEL if gqa else geometry.DECODE_FP8_KERNEL
+                common.update(k_scale=fp8[0], v_scale=fp8[1])
             config = KernelConfig(
                 kernel,
                 head_dim,
@@ -1148,6 +1155,7 @@ class KernelBackend:
                 heads=kv_heads * chunks,
                 n_rows=splits,
                 mods=False if gqa else mods.any,
+                kv_dtype=None if fp8 is None else fp8[2],
             )
             if gqa:
                 self.launch(
@@ -1177,6 +1185,45 @@ class KernelBackend:
                     splits=splits,
                 )
         return out, lse, (scores if keep_scores else None)
+
+    def _check_fp8_pages(self, q: Any, k_pages: Any, v_pages: Any, fp8: tuple) -> bool:
+        """Checks fp8 pages (kernels/attn_decode.cu attn_decode_split_fp8; with gqa and a bf16
+        q, kernels/attn_decode_gqa.cu attn_decode_gqa_fp8): k_pages, v_pages uint8 codes of
+        ``kv_dtype`` (geometry.KV_DTYPES) [num_pages, page_size, head_dim], k_scale, v_scale
+        float32 [num_pages] their pages' scales (cuattn/serving/fp8.py); q float16 or bfloat16.
+        On a GPU only with CUATTN_DECODE_FP8=kernel (opt-in until a GPU has run it); the
+        interpreter always runs it. Whether the tensor-core kernel takes this q (an fp16 q keeps
+        the split kernel: geometry.DECODE_GQA_FP8_Q_DTYPES)."""
+        k_scale, v_scale, kv_dtype = fp8
+        if kv_dtype not in geometry.KV_DTYPES:
+            raise TypeError(f"kv_dtype must be one of {geometry.KV_DTYPES}, got {kv_dtype!r}")
+        q_dtype = np.dtype(q.dtype).name
+        if q_dtype not in geometry.DECODE_FP8_Q_DTYPES:
+            raise TypeError(
+                f"q: dtype {q_dtype}; the fp8 decode kernels take q in "
+                f"{geometry.DECODE_FP8_Q_DTYPES}"
+            )
+        for name, array, dtype in (
+            ("k_pages", k_pages, np.uint8),
+            ("v_pages", v_pages, np.uint8),
+            ("k_scale", k_scale, np.float32),
+            ("v_scale", v_scale, np.float32),
+        ):
+            if np.dtype(array.dtype) != dtype:
+                raise TypeError(f"{name}: dtype {array.dtype}, expected {np.dtype(dtype).name}")
+        pages = int(k_pages.shape[0])
+        for name, array in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(array.shape) != (pages,):
+                raise ValueError(f"{name}: shape {tuple(array.shape)}, expected ({pages},)")
+        if self.on_gpu and geometry.decode_fp8_family() != geometry.DECODE_FP8_KERNEL_FAMILY:
+            raise ValueError(
+                f"k_pages: fp8 pages run attn_decode_split_fp8, which has not run on a GPU "
+                f"yet; set {geometry.DECODE_FP8_ENV}={geometry.DECODE_FP8_KERNEL_FAMILY} to run "
+                "it, or decode with backend='interp'"
+            )
+        self._check_placement({"k_scale": k_scale, "v_scale": v_scale})
+        self._check_contiguous({"k_scale": k_scale, "v_scale": v_scale})
+        return q_dtype in geometry.DECODE_GQA_FP8_Q_DTYPES
 
     def decode_mass(
         self, token_scores: Any, lse: Any, page_table: Any, page_count: Any, slot_score: Any

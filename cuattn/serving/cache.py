@@ -46,11 +46,15 @@ from cuattn._util import array_library, ceil_div, host_array, stable_kind, widen
 from cuattn.adapters import dlpack
 from cuattn.backends import device_module
 from cuattn.layout.layout import check_positive_int
+from cuattn.serving import fp8
 from cuattn.serving.policies import EMPTY, Policy
 
 __all__ = ["KVCache"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+CACHE_DTYPES = FLOAT_DTYPES + fp8.FP8_DTYPES
+# what an fp8 cache is given (k, v at append) and asked with (q at decode): the model's dtype
+FP8_INPUT_DTYPES = ("float16", "bfloat16")
 SPARE = 0  # the spare page (see module doc); slot 0 of it is the spare slot
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
 GROWTH = 16  # a budgeted pool that must grow takes 1/GROWTH of its kept tokens as slack
@@ -109,9 +113,9 @@ class KVCache:
         self.page_size = _positive("page_size", page_size)
         self.capacity = None if capacity is None else _positive("capacity", capacity)
         self.dtype = _dtype_name(dtype)
-        if self.dtype not in FLOAT_DTYPES:
+        if self.dtype not in CACHE_DTYPES:
             raise TypeError(
-                f"dtype must be one of {FLOAT_DTYPES} (a string, a NumPy dtype or scalar type "
+                f"dtype must be one of {CACHE_DTYPES} (a string, a NumPy dtype or scalar type "
                 f"such as np.float16, or a torch dtype), got {dtype!r}"
             )
         if policy is not None and not isinstance(policy, Policy):
@@ -187,6 +191,9 @@ class KVCache:
         dtype = _storage_dtype(xp, self.dtype)
         self.k_pages = xp.zeros((rows, self.page_size, self.head_dim), dtype=dtype)
         self.v_pages = xp.zeros((rows, self.page_size, self.head_dim), dtype=dtype)
+        scales = (rows,) if self.quantized else None
+        self.k_scale = None if scales is None else xp.ones(scales, dtype=xp.float32)
+        self.v_scale = None if scales is None else xp.ones(scales, dtype=xp.float32)
         self.slot_pos = xp.full((rows, self.page_size), EMPTY, dtype=xp.int64)
         self.slot_score = (
             xp.zeros((rows, self.page_size), dtype=xp.float64) if self._scores_tokens else None
@@ -289,6 +296,11 @@ class KVCache:
         widest = int(ceil_div(most, self.page_size).max())
         if widest > self.width:
             self._widen(widest)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold fp8 codes with a scale per page (cuattn/serving/fp8.py)."""
+        return self.dtype in fp8.FP8_DTYPES
 
     @property
     def num_pages(self) -> int:
@@ -429,12 +441,25 @@ class KVCache:
         self.policy.check_queries(given, lengths)
 
     def _check_dtype_and_device(self, name: str, x: Any) -> None:
-        if _dtype_name(x.dtype) != self.dtype:
+        self.check_input_dtype(name, x)
+        self._check_device(name, x)
+
+    def check_input_dtype(self, name: str, x: Any) -> None:
+        """The dtype of an array the cache is given (k, v) or asked with (q): the cache's own,
+        or for an fp8 cache one of FP8_INPUT_DTYPES (the model's; the cache quantises what it
+        keeps, which is what it was built to do, not a silent cast)."""
+        given = _dtype_name(x.dtype)
+        if self.quantized:
+            if given not in FP8_INPUT_DTYPES:
+                raise TypeError(
+                    f"{name} has dtype {given}; a {self.dtype} cache is given and asked with "
+                    f"one of {FP8_INPUT_DTYPES} (it quantises what it keeps itself)"
+                )
+        elif given != self.dtype:
             raise TypeError(
-                f"{name} has dtype {_dtype_name(x.dtype)}, the cache holds {self.dtype} "
+                f"{name} has dtype {given}, the cache holds {self.dtype} "
                 "(cuattn never casts silently)"
             )
-        self._check_device(name, x)
 
     def _check_device(self, name: str, x: Any) -> None:
         info = dlpack.describe(x, name)
@@ -542,8 +567,13 @@ class KVCache:
         if self.slot_score is not None:
             self.slot_score.reshape(-1)[target] = 0.0
         flat = target.reshape(-1)
-        self.k_pages.reshape(-1, head_dim)[flat] = kb.reshape(pairs * t, head_dim)
-        self.v_pages.reshape(-1, head_dim)[flat] = vb.reshape(pairs * t, head_dim)
+        if self.quantized:
+            written = self._written_pages(xp.where(keep_new, target // ps, SPARE), min(t, width))
+            kf, vf = (widened(x, xp).reshape(pairs * t, head_dim) for x in (kb, vb))
+            self._requantize(written, flat, kf, vf)
+        else:
+            self.k_pages.reshape(-1, head_dim)[flat] = kb.reshape(pairs * t, head_dim)
+            self.v_pages.reshape(-1, head_dim)[flat] = vb.reshape(pairs * t, head_dim)
         if self._bounds_pages:
             self._bound_pages(xp.where(keep_new, target // ps, SPARE), min(t, width))
 
@@ -620,11 +650,16 @@ class KVCache:
         target = xp.where(moved, first(xp.repeat(stay, ps, axis=1) & ~used), SPARE)
         source, target = source.reshape(-1), target.reshape(-1)
         head_dim = self.head_dim
-        for pages in (self.k_pages, self.v_pages):
-            pages.reshape(-1, head_dim)[target] = pages.reshape(-1, head_dim)[source]
+        if self.quantized:  # values move between pages of different scales
+            kf, vf = self.token_values(source // ps, source % ps)
+        else:
+            for pages in (self.k_pages, self.v_pages):
+                pages.reshape(-1, head_dim)[target] = pages.reshape(-1, head_dim)[source]
         emptied = xp.where(moved.reshape(-1), source, SPARE)
         flat_pos[target] = flat_pos[source]
         flat_pos[emptied] = EMPTY
+        if self.quantized:  # the pages that stay take the moved tokens (and their scales)
+            self._requantize(xp.where(stay, table[:, :width], SPARE).reshape(-1), target, kf, vf)
         if self.slot_score is not None:  # an empty slot scores 0, as after an eviction
             flat_score = self.slot_score.reshape(-1)
             flat_score[target] = flat_score[source]
@@ -640,8 +675,12 @@ class KVCache:
         no candidate, whatever its key holds)."""
         xp = self.xp
         batch, _, t, head_dim = (int(d) for d in qb.shape)
-        old_keys = self.k_pages.reshape(-1, head_dim)[slot]  # [pairs, slots, head_dim]
-        keys = xp.concatenate([old_keys, kb.reshape(-1, t, head_dim)], axis=1)
+        ps = self.page_size
+        old_keys = self.token_values(slot // ps, slot % ps)[0]  # [pairs, slots, head_dim]
+        new_keys = kb.reshape(-1, t, head_dim)
+        if self.quantized:  # the kept keys are float32 values; the incoming ones join them
+            new_keys = widened(new_keys, xp)
+        keys = xp.concatenate([old_keys, new_keys], axis=1)
         keys = widened(keys, xp).astype(xp.float64).reshape(batch, self.kv_heads, -1, head_dim)
         queries = widened(qb, xp).astype(xp.float64)
         query_pos = new_pos.reshape(batch, self.kv_heads, t)[:, 0]  # every head's are the same
@@ -681,10 +720,10 @@ class KVCache:
         """int64 [batch]: tokens each sequence was given, where the kernels read them."""
         return self._lengths_device
 
-    def _bound_pages(self, pages: Any, most: int) -> None:
-        """Quest's element-wise key min and max over the kept tokens of the pages in ``pages``
-        [pairs, t] (SPARE: none). A pair's written pages come in table order, one run each, so
-        the first of each run names it; at most ``most`` per pair."""
+    def _written_pages(self, pages: Any, most: int) -> Any:
+        """int64 [pairs * most]: the distinct pages of ``pages`` [pairs, t] (SPARE: none), at
+        most ``most`` per pair, SPARE after them. A pair's written pages come in table order,
+        one run each, so the first of each run names it."""
         xp = self.xp
         pairs = pages.shape[0]
         previous = xp.concatenate([xp.full((pairs, 1), SPARE, pages.dtype), pages[:, :-1]], 1)
@@ -692,20 +731,81 @@ class KVCache:
         rank = xp.cumsum(first, axis=1) - 1
         written = xp.full((pairs, most + 1), SPARE, dtype=xp.int64)
         written[xp.arange(pairs)[:, None], xp.where(first & (rank < most), rank, most)] = pages
-        written = written[:, :most].reshape(-1)
+        return written[:, :most].reshape(-1)
+
+    def token_values(self, pages: Any, offsets: Any) -> tuple[Any, Any]:
+        """(keys, values) of the slots at ``pages``, ``offsets`` (int arrays of one shape), as
+        the kernels read them: the stored elements, or for an fp8 cache the float32 values
+        of its codes times their page's scale."""
+        if not self.quantized:
+            return self.k_pages[pages, offsets], self.v_pages[pages, offsets]
+        xp = self.xp
+        return tuple(
+            fp8.decode(xp, codes[pages, offsets], self.dtype) * scale[pages][..., None]
+            for codes, scale in ((self.k_pages, self.k_scale), (self.v_pages, self.v_scale))
+        )
+
+    def _page_values(self, pages: Any) -> tuple[Any, Any]:
+        """(keys, values) float32 [len(pages), page_size, head_dim] of whole pages."""
+        xp = self.xp
+        if not self.quantized:
+            return widened(self.k_pages[pages], xp), widened(self.v_pages[pages], xp)
+        offsets = xp.arange(self.page_size)[None, :]
+        return self.token_values(pages[:, None], offsets)
+
+    def _requantize(self, pages: Any, slots: Any, keys: Any, values: Any) -> None:
+        """Write float32 ``keys``, ``values`` [n, head_dim] to the flat ``slots`` [n] of an fp8
+        cache, each in one of ``pages`` (int64 [m]: every page a slot lies in, each once but
+        SPARE, whose contents mean nothing): those pages are dequantised, take the new tokens,
+        and are quantised again at the scale of their kept tokens (slot_pos already says which;
+        cuattn/serving/fp8.py: exact for every normal code)."""
+        xp, ps, head_dim = self.xp, self.page_size, self.head_dim
+        row_of = xp.zeros(self.num_pages + 1, dtype=xp.int64)
+        row_of[pages] = xp.arange(pages.shape[0])
+        rows = row_of[slots // ps] * ps + slots % ps
+        used = self.slot_pos[pages] != EMPTY
+        staged = self._page_values(pages)
+        for name, page_values, new in zip(("k", "v"), staged, (keys, values), strict=True):
+            page_values = page_values.reshape(-1, head_dim)
+            page_values[rows] = new
+            codes, scale = fp8.quantize_pages(
+                xp, page_values.reshape(-1, ps, head_dim), used, self.dtype
+            )
+            getattr(self, f"{name}_pages")[pages] = codes
+            getattr(self, f"{name}_scale")[pages] = scale
+
+    def _bound_pages(self, pages: Any, most: int) -> None:
+        """Quest's element-wise key min and max over the kept tokens of the pages in ``pages``
+        [pairs, t] (SPARE: none). A pair's written pages come in table order, one run each, so
+        the first of each run names it; at most ``most`` per pair."""
+        xp = self.xp
+        written = self._written_pages(pages, most)
         used = (self.slot_pos[written] != EMPTY)[..., None]  # [pages, page_size, 1]
-        keys = widened(self.k_pages[written], xp)
+        keys = (
+            self._page_values(written)[0] if self.quantized else widened(self.k_pages[written], xp)
+        )
         self.key_min[written] = xp.where(used, keys, xp.inf).min(axis=1)
         self.key_max[written] = xp.where(used, keys, -xp.inf).max(axis=1)
         self.key_min[SPARE] = self.key_max[SPARE] = 0.0  # masked rows left it infinite
 
 
 # the arrays sized by the pool (copied when it grows), and the rest of the bookkeeping
-_POOL_ARRAYS = ("k_pages", "v_pages", "slot_pos", "slot_score", "key_min", "key_max")
+_POOL_ARRAYS = (
+    "k_pages",
+    "v_pages",
+    "k_scale",
+    "v_scale",
+    "slot_pos",
+    "slot_score",
+    "key_min",
+    "key_max",
+)
 _BOOK_ARRAYS = ("free_stack", "free_top", "page_table", "page_count", "_lengths_device")
 
 
 def _storage_dtype(xp: Any, name: str) -> Any:
+    if name in fp8.FP8_DTYPES:  # the codes (cuattn/serving/fp8.py); ml_dtypes decodes them
+        return xp.uint8
     if name == "bfloat16":
         try:
             import ml_dtypes

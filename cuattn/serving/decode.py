@@ -54,7 +54,7 @@ from cuattn.backends.call import (
 )
 from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
-from cuattn.serving.cache import KVCache, _dtype_name, _on_device
+from cuattn.serving.cache import KVCache, _on_device
 
 __all__ = ["decode_attention", "kernel_call", "kernel_decode", "quest_chosen", "reference_decode"]
 
@@ -85,11 +85,7 @@ def _check(q: Any, cache: KVCache, scale: Any) -> float:
         raise ValueError(
             f"q has heads={heads}, which is not a multiple of the cache's kv_heads={cache.kv_heads}"
         )
-    if _dtype_name(q.dtype) != cache.dtype:
-        raise TypeError(
-            f"q has dtype {_dtype_name(q.dtype)}, the cache holds {cache.dtype} "
-            "(cuattn never casts silently)"
-        )
+    cache.check_input_dtype("q", q)
     shortest = int(cache.lengths.min())
     if not 1 <= t_q <= shortest:
         raise ValueError(
@@ -207,6 +203,8 @@ def kernel_call(
         cache.head_dim, cache.dtype, mods.any, keep_scores, call.scale
     )
     table, count = cache.device_tables()
+    # fp8 pages: their codes, their pages' scales
+    fp8 = (cache.k_scale, cache.v_scale, cache.dtype) if cache.quantized else None
     return impl.decode_pages(
         qb,
         cache.k_pages,
@@ -220,6 +218,7 @@ def kernel_call(
         keep_scores,
         _resident_ctas(impl, cache.head_dim, cache.dtype, gqa),
         gqa=gqa,
+        fp8=fp8,
     )
 
 
@@ -319,8 +318,8 @@ def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any,
                 continue
             heads_of = slice(h * group, (h + 1) * group)
             q_group = qb[b, heads_of]
-            keys = cache.k_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
-            values = cache.v_pages[xp.asarray(pages), xp.asarray(offsets)].astype(acc)
+            keys, values = cache.token_values(xp.asarray(pages), xp.asarray(offsets))
+            keys, values = keys.astype(acc), values.astype(acc)
             s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
             s = modified_scores(s, mods, xp)
             if slopes is not None:  # ALiBi: -slope * (query position - token position)

@@ -301,7 +301,7 @@ def kept_attention(
     [batch, heads, 2 M + 1]) the table's column clamp(token - query position, -M, M) + M;
     ``dropout`` (p, seed) drops probabilities by cuattn's generator at (query position, token
     position, query head, batch)."""
-    q, k_pages, v_pages = (host_array(x) for x in (q, cache.k_pages, cache.v_pages))
+    q = host_array(q)
     batch, heads, t_q, head_dim = q.shape
     group = heads // cache.kv_heads
     scale = head_dim**-0.5 if scale is None else scale
@@ -313,7 +313,9 @@ def kept_attention(
             pages, offsets, pos = cache.kept(b, h)
             rows = slice(h * group, (h + 1) * group)
             mask = np.broadcast_to(pos[None, :] <= q_pos[:, None], (group, t_q, len(pos)))
-            keys, values = k_pages[pages, offsets], v_pages[pages, offsets]
+            # the values the cache holds (an fp8 cache's dequantised codes)
+            at = (cache.xp.asarray(pages), cache.xp.asarray(offsets))
+            keys, values = (host_array(x) for x in cache.token_values(*at))
             one = (q[b : b + 1, rows], keys[None, None], values[None, None])
             bias = np.zeros((1, group, 1, len(pos)))
             if alibi_slopes is not None:

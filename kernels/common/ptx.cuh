@@ -21,6 +21,28 @@
 #include <vector>
 #endif
 
+// Two fp8 codes (KV fp8_e4m3 or fp8_e5m2; code 0 in the low byte of `pair`) widened to an fp16
+// pair (code 0 in the low half), exactly: every e4m3 and e5m2 value is an fp16. One cvt from
+// sm_89 on (the order as cvt's packing direction keeps it: low byte to low half); sm_80 and the
+// interpreter decode the codes' bits (kernels/common/types.cuh), with the same result.
+template <typename KV>
+__device__ __forceinline__ u32 fp8x2_to_half2(unsigned short pair) {
+  static_assert(is_fp8_type<KV>::value, "fp8x2_to_half2 widens fp8 codes");
+#if !defined(CUATTN_INTERP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  u32 out;
+  if constexpr (is_same_type<KV, fp8_e4m3>::value) {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(pair));
+  } else {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(out) : "h"(pair));
+  }
+  return out;
+#else
+  const KV lo{(unsigned char)(pair & 0xffu)};
+  const KV hi{(unsigned char)(pair >> 8)};
+  return pack_pair<__half>(to_float(lo), to_float(hi));
+#endif
+}
+
 // D = A * B + C on tensor cores, fp32 accumulate; T is __half or __nv_bfloat16.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2],

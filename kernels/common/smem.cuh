@@ -79,11 +79,36 @@ __device__ __forceinline__ void load_tile_async(T* smem, int smem_ld, const T* g
   }
 }
 
+// Sixteen bytes of shared memory (16-byte aligned) as four 32-bit words, one vector load.
+__device__ __forceinline__ void load_16_words(const void* smem, u32 (&words)[4]) {
+#ifdef CUATTN_INTERP
+  cuattn_interp::require_aligned(smem, 16);
+  std::memcpy(words, smem, 16);
+#else
+  const uint4 raw = *reinterpret_cast<const uint4*>(smem);
+  words[0] = raw.x;
+  words[1] = raw.y;
+  words[2] = raw.z;
+  words[3] = raw.w;
+#endif
+}
+
 // Sixteen bytes of shared memory (16 / sizeof(T) elements, 16-byte aligned) widened to float,
 // read as one vector load: the unit in which the decode kernel reads K rows and q.
 template <typename T>
 __device__ __forceinline__ void load_16_as_float(const T* smem, float (&out)[16 / sizeof(T)]) {
   constexpr int ELEMS = 16 / int(sizeof(T));
+  if constexpr (is_fp8_type<T>::value) {  // fp8 codes: two at a time through an fp16 pair
+    u32 words[4];
+    load_16_words(smem, words);
+#pragma unroll
+    for (int k = 0; k < ELEMS / 2; ++k) {
+      const u32 pair = fp8x2_to_half2<T>((unsigned short)(words[k / 2] >> (16 * (k % 2))));
+      out[2 * k] = unpack_element<__half>(pair, 0);
+      out[2 * k + 1] = unpack_element<__half>(pair, 1);
+    }
+    return;
+  }
 #ifdef CUATTN_INTERP
   cuattn_interp::require_aligned(smem, 16);
   for (int k = 0; k < ELEMS; ++k) out[k] = to_float(smem[k]);

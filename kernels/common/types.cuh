@@ -56,6 +56,52 @@ struct is_half_type<__nv_bfloat16> {
   static constexpr bool value = true;
 };
 
+// FP8 KV-cache codes (cuattn/serving/fp8.py): one byte each, stored by the cache as uint8 and
+// decoded here by integer arithmetic, so that the interpreter and NVRTC read them alike with no
+// cuda_fp8.h. Every code is exactly a float; the page's scale multiplies it outside.
+struct fp8_e4m3 {  // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no inf, 0x7f NaN
+  unsigned char bits;
+};
+struct fp8_e5m2 {  // 5 exponent bits (bias 15), 2 mantissa bits: the top byte of an fp16
+  unsigned char bits;
+};
+
+template <typename T>
+struct is_fp8_type {
+  static constexpr bool value = false;
+};
+template <>
+struct is_fp8_type<fp8_e4m3> {
+  static constexpr bool value = true;
+};
+template <>
+struct is_fp8_type<fp8_e5m2> {
+  static constexpr bool value = true;
+};
+
+// A code's exponent and mantissa bits placed at the top of a float's and multiplied by
+// 2^(127 - bias): a normal code gets its exponent rebiased, a subnormal one (exponent 0) is a
+// float denormal that the product scales exactly.
+constexpr float FP8_E4M3_REBIAS = 1.329227995784916e36f;  // 2^120 = 2^(127 - 7)
+constexpr float FP8_E5M2_REBIAS = 5.192296858534828e33f;  // 2^112 = 2^(127 - 15)
+constexpr u32 FP8_E4M3_NAN = 0x7fu;                        // S.1111.111
+constexpr u32 FP8_E5M2_SPECIAL = 0x7cu;                    // exponent 11111: inf (0x7c) or NaN
+
+__device__ __forceinline__ float to_float(fp8_e4m3 x) {
+  const u32 magnitude = x.bits & 0x7fu;
+  float value = __int_as_float(int(magnitude << 20)) * FP8_E4M3_REBIAS;
+  if (magnitude == FP8_E4M3_NAN) value = __int_as_float(0x7fc00000);
+  return (x.bits & 0x80u) ? -value : value;
+}
+__device__ __forceinline__ float to_float(fp8_e5m2 x) {
+  const u32 magnitude = x.bits & 0x7fu;
+  float value = __int_as_float(int(magnitude << 21)) * FP8_E5M2_REBIAS;
+  if (magnitude >= FP8_E5M2_SPECIAL) {
+    value = magnitude == FP8_E5M2_SPECIAL ? INFINITY : __int_as_float(0x7fc00000);
+  }
+  return (x.bits & 0x80u) ? -value : value;
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -7,11 +7,14 @@ allowed element, each with a bitmask of its elements (a causal mask, or none, ta
 element rule instead, with no table). A mask that differs between batch elements by padded
 keys (HF's and PyTorch's padding masks, [batch, 1, 1, S] or combined with a causal rule) and an
 additive mask whose finite values are one per key run as the rule plus a per-key bias
-(``key_bias``). An additive value at or below half the mask dtype's lowest (the
-``torch.finfo(dtype).min`` masks transformers builds) masks its pair, as ``-inf`` does. What
-cuattn cannot compute exactly is refused by name before any work, each refusal saying what to
-call instead: a bias on each (query, key) pair, masks that differ between batch elements
-otherwise, and masks that carry a gradient. ``dropout_p`` is cuattn's attention dropout
+(``key_bias``). Every other mask torch accepts (a bias on each (query, key) pair, masks that
+differ between batch elements otherwise, an additive mask that carries a gradient: a learned
+bias) runs on the union of what the batch allows, with the mask itself as a dense score bias
+(``score_bias``: ``where(allowed, mask, -inf)`` for an additive mask, ``where(mask, 0, -inf)``
+for a boolean one, made once in the mask's shape on the query's device; an additive mask's
+gradient flows through it). An additive value at or below half the mask dtype's lowest (the
+``torch.finfo(dtype).min`` masks transformers builds) masks its pair, as ``-inf`` does.
+``dropout_p`` is cuattn's attention dropout
 (its generator is not PyTorch's: the masks differ from SDPA's, their law is the same), with a
 seed drawn from torch's default generator, so ``torch.manual_seed`` repeats it.
 
@@ -74,6 +77,7 @@ def scaled_dot_product_attention(
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     one_head = query.ndim == 3
     mask = lowest = None
+    learned = bool(getattr(attn_mask, "requires_grad", False))
     if attn_mask is not None:
         mask, lowest = _host_mask(attn_mask)
         if one_head:  # PyTorch broadcasts it against [batch, L, S]
@@ -83,14 +87,19 @@ def scaled_dot_product_attention(
         query, key, value = query[:, None], key[:, None], value[:, None]
     heads, n_q, n_k = int(query.shape[1]), int(query.shape[2]), int(key.shape[2])
     causal = bool(is_causal)
-    layout = key_bias = None
+    layout = key_bias = score_bias = None
     if mask is not None:
         batch = int(query.shape[0])
-        layout, causal, key_bias = _mask_layout(mask, batch, heads, n_q, n_k, lowest)
+        layout, causal, key_bias, pairs = _mask_layout(
+            mask, batch, heads, n_q, n_k, lowest, learned
+        )
+        if pairs is not None:
+            score_bias = _pair_bias(attn_mask, pairs, query, one_head)
     elif causal and n_q != n_k:  # PyTorch's causal mask is top-left; cuattn's is end-aligned
         top_left = np.broadcast_to(np.tri(n_q, n_k, dtype=bool), (heads, n_q, n_k))
         layout, causal = _rule_layout(top_left, heads, n_q, n_k)
     kw = dict(scale=scale, dropout_p=dropout_p, key_bias=_like(key_bias, query))
+    kw["score_bias"] = score_bias
     kw["backend"] = _default_backend(query)
     if layout is None:
         out = sparse_attention(query, key, value, causal=causal, **kw)
@@ -183,12 +192,6 @@ def _host_mask(attn_mask: Any) -> tuple[np.ndarray, float | None]:
     if type(attn_mask).__module__.startswith("torch"):
         import torch
 
-        if attn_mask.requires_grad:
-            raise ValueError(
-                "attn_mask requires grad: an additive mask as a learned bias is not supported "
-                "(cuattn reads the mask as allowed / not allowed and would return no gradient); "
-                "call torch's scaled_dot_product_attention for a learned mask"
-            )
         if not attn_mask.is_floating_point():
             return attn_mask.detach().cpu().numpy(), None
         lowest = float(torch.finfo(attn_mask.dtype).min)
@@ -206,17 +209,27 @@ def _host_mask(attn_mask: Any) -> tuple[np.ndarray, float | None]:
 
 
 def _mask_layout(
-    mask: np.ndarray, batch: int, heads: int, n_q: int, n_k: int, lowest: float | None = None
-) -> tuple[Layout | None, bool, np.ndarray | None]:
-    """(layout, causal, key_bias) of a host mask. The mask is a rule the same for every batch
-    element (allowed pairs) and, per batch element, a bias by key (-inf for a padded key, or
-    the finite value an additive mask adds to every query's score of that key); anything else
-    is refused by name. The rule: (None, False) when it allows everything, (None, True) when it
-    is the square causal mask (the kernels' element rule, no bitmask table), else a bitmask
-    Layout over the 64-blocks it touches. key_bias: float64 [batch, heads, n_k], or None when
-    no key is padded or biased. An additive value at or below ``lowest / 2`` (``lowest``: the
-    mask dtype's lowest finite value, its own by default) masks its pair, as -inf does: such a
-    value only ever adds exactly 0 to a row's probabilities where the row keeps a key."""
+    mask: np.ndarray,
+    batch: int,
+    heads: int,
+    n_q: int,
+    n_k: int,
+    lowest: float | None = None,
+    learned: bool = False,
+) -> tuple[Layout | None, bool, np.ndarray | None, np.ndarray | None]:
+    """(layout, causal, key_bias, pairs) of a host mask. Where the mask is a rule the same for
+    every batch element (allowed pairs) and, per batch element, a bias by key (-inf for a
+    padded key, or the finite value an additive mask adds to every query's score of that key),
+    the rule and key_bias say it all (pairs None). Otherwise (a bias on each pair, masks that
+    differ between batch elements otherwise, or a ``learned`` mask, whose gradient only a
+    score bias carries) the rule is the union of what the batch allows and ``pairs``, the
+    allowed pairs in the mask's own shape, asks for the mask as a score bias (_pair_bias). The
+    rule: (None, False) when it allows everything, (None, True) when it is the square causal
+    mask (the kernels' element rule, no bitmask table), else a bitmask Layout over the
+    64-blocks it touches. key_bias: float64 [batch, heads, n_k], or None when no key is padded
+    or biased. An additive value at or below ``lowest / 2`` (``lowest``: the mask dtype's
+    lowest finite value, its own by default) masks its pair, as -inf does: such a value only
+    ever adds exactly 0 to a row's probabilities where the row keeps a key."""
     if mask.dtype == np.bool_:
         allowed, values, biased = mask, None, False
     elif np.issubdtype(mask.dtype, np.floating):
@@ -229,19 +242,18 @@ def _mask_layout(
     else:
         raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
     shape = (batch, heads, n_q, n_k)
+    own = allowed
     allowed = _broadcast(allowed, shape)
+    if learned:
+        return (*_rule_layout(allowed.any(axis=0), heads, n_q, n_k), None, own)
     if not biased and (allowed == allowed[:1]).all():  # one rule for the batch, no key bias
-        return (*_rule_layout(allowed[0], heads, n_q, n_k), None)
+        return (*_rule_layout(allowed[0], heads, n_q, n_k), None, None)
     # keys a batch element's mask lets some query see, and the rule every element shares
     seen = allowed.any(axis=2)
     rule = allowed.any(axis=0)
     if not (allowed == (rule[None] & seen[:, :, None, :])).all():
-        raise ValueError(
-            "attn_mask differs between batch elements other than by padded keys (a rule the "
-            "same for every element, and keys each element masks for all its queries); call "
-            "sparse_attention_varlen, or once per batch element (or torch's "
-            "scaled_dot_product_attention for this mask)"
-        )
+        # differs between batch elements other than by padded keys: the mask as a bias
+        return (*_rule_layout(rule, heads, n_q, n_k), None, own)
     key_bias = None
     if values is not None:
         values = np.broadcast_to(values, shape)
@@ -250,20 +262,45 @@ def _mask_layout(
         first = np.argmax(allowed, axis=2)[:, :, None, :]
         per_key = np.where(seen, np.take_along_axis(values, first, axis=2)[:, :, 0, :], 0.0)
         if not (np.where(allowed, values == per_key[:, :, None, :], True)).all():
-            raise ValueError(
-                "attn_mask: an additive mask's finite values must be 0, a bias by key (the "
-                "same for every query of a key) or a mask value (-inf, or at most half the "
-                "dtype's lowest); a bias on each (query, key) pair is O(L x S), which cuattn "
-                "does not take: pass a bias by distance as sparse_attention's rel_bias or "
-                "alibi_slopes, a bias by key as its key_bias, or call torch's "
-                "scaled_dot_product_attention for this mask"
-            )
+            # a bias on each (query, key) pair: the mask as a score bias
+            return (*_rule_layout(rule, heads, n_q, n_k), None, own)
         if per_key.any():
             key_bias = per_key
     if not seen.all():
         key_bias = np.where(seen, 0.0 if key_bias is None else key_bias, -np.inf)
     layout, causal = _rule_layout(rule, heads, n_q, n_k)
-    return layout, causal, key_bias
+    return layout, causal, key_bias, None
+
+
+def _pair_bias(attn_mask: Any, pairs: np.ndarray, query: Any, one_head: bool) -> Any:
+    """The mask as sparse_attention's score_bias, in its own shape (a head axis put in for 3-D
+    inputs, a rank-1 mask made [1, S]) on the query's device: ``where(pairs, mask, -inf)`` for
+    an additive mask (its gradient flows through the kept pairs), ``where(mask, 0, -inf)`` in
+    the query's dtype for a boolean one. ``pairs``: the pairs the mask keeps, in its shape."""
+    if one_head and pairs.ndim == 3:  # [batch, L, S] against [batch, 1, L, S]
+        pairs = pairs[:, None]
+    elif pairs.ndim < 2:
+        pairs = pairs.reshape(1, -1)
+    torch_query = type(query).__module__.startswith("torch")
+    if type(attn_mask).__module__.startswith("torch"):
+        import torch
+
+        mask = attn_mask.reshape(pairs.shape)
+        keep = torch.from_numpy(np.ascontiguousarray(pairs)).to(mask.device)
+        if not mask.is_floating_point():
+            zero = query.new_zeros(())
+            return torch.where(keep.to(query.device), zero, zero - float("inf"))
+        return torch.where(keep, mask, mask.new_full((), float("-inf")))
+    mask = np.asarray(attn_mask).reshape(pairs.shape)
+    if mask.dtype == np.bool_:
+        bias = np.where(pairs, 0.0, -np.inf).astype(np.float32 if torch_query else query.dtype)
+    else:
+        bias = np.where(pairs, mask, -np.inf).astype(mask.dtype)
+    if torch_query:
+        import torch
+
+        bias = torch.from_numpy(bias).to(device=query.device, dtype=query.dtype)
+    return bias
 
 
 def _rule_layout(keep: np.ndarray, heads: int, n_q: int, n_k: int) -> tuple[Layout | None, bool]:

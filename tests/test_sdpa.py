@@ -1,5 +1,5 @@
-"""cuattn.scaled_dot_product_attention against PyTorch's own, mask by mask, forward and gradients,
-and every refusal by name."""
+"""cuattn.scaled_dot_product_attention against PyTorch's own, mask by mask, forward and gradients
+(those of a learned additive mask too), and every refusal by name."""
 
 from __future__ import annotations
 
@@ -81,10 +81,12 @@ def test_masks_take_the_element_rules_where_they_can():
     """An all-True mask runs dense, the square causal mask the causal rule (no bitmask table);
     anything else a bitmask layout over the blocks it touches."""
     n = 100
-    assert sdpa._mask_layout(np.ones((n, n), bool), 1, HEADS, n, n) == (None, False, None)
-    assert sdpa._mask_layout(np.tri(n, dtype=bool), 1, HEADS, n, n) == (None, True, None)
+    plain = (None, False, None, None)
+    assert sdpa._mask_layout(np.ones((n, n), bool), 1, HEADS, n, n) == plain
+    assert sdpa._mask_layout(np.tri(n, dtype=bool), 1, HEADS, n, n) == (None, True, None, None)
     banded = np.tri(n, dtype=bool) & ~np.tri(n, k=-70, dtype=bool)
-    layout, causal, _ = sdpa._mask_layout(banded, 1, HEADS, n, n)
+    layout, causal, _, pairs = sdpa._mask_layout(banded, 1, HEADS, n, n)
+    assert pairs is None  # no score bias: the layout says it all
     assert not causal and layout.rule.kind == "bitmask"
     np.testing.assert_array_equal(layout.to_mask(), np.broadcast_to(banded, (HEADS, n, n)))
 
@@ -113,11 +115,10 @@ def test_dropout_is_cuattns_with_a_seed_from_torchs_generator():
         ({"dropout_p": "0"}, TypeError, "dropout_p"),
         ({"is_causal": 1}, TypeError, "is_causal"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.bool), "is_causal": True}, ValueError, "both"),
-        ({"attn_mask": torch.arange(64.0).reshape(8, 8)}, ValueError, "bias on each"),
         ({"attn_mask": [[True]]}, TypeError, "attn_mask"),
         ({"attn_mask": torch.ones(8, 8, dtype=torch.int32)}, TypeError, "attn_mask"),
         ({"attn_mask": torch.ones(3, 8, 8, dtype=torch.bool)}, ValueError, "broadcast"),
-        ({"attn_mask": torch.zeros(8, 8, requires_grad=True)}, ValueError, "requires grad"),
+        ({"attn_mask": torch.arange(64.0).reshape(8, 8).half()}, TypeError, "score_bias must"),
     ],
 )
 def test_refusals_name_the_argument(kwargs, error, match):
@@ -134,10 +135,6 @@ def test_refusals_of_shapes():
         cuattn.scaled_dot_product_attention(q, k, v[..., :8], enable_gqa=True)
     with pytest.raises(ValueError, match="query must be"):
         cuattn.scaled_dot_product_attention(q[None], k, v, enable_gqa=True)
-    per_batch = torch.ones(BATCH, 1, 8, 8, dtype=torch.bool)
-    per_batch[1, :, 2, 3] = False  # one pair, not a key: no rule plus padding
-    with pytest.raises(ValueError, match="differs between batch elements other than by padded"):
-        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=per_batch, enable_gqa=True)
 
 
 @pytest.mark.parametrize("form", ["bool_padding", "causal_padding_4d", "additive_key_bias"])
@@ -218,10 +215,12 @@ def test_finfo_min_masks_as_transformers_builds_them_equal_pytorch(dtype):
         values = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
         uniform = values.mean(2, keepdim=True).expand(-1, -1, n, -1)[~rows]
         torch.testing.assert_close(want[~rows], uniform, atol=atol, rtol=0)
-    # a large negative value above half the lowest is a bias on the pair, refused by name
+    # a large negative value above half the lowest is a bias on the pair: a score bias, as
+    # PyTorch adds it (on the rows that keep a key; the others are cuattn's 0 and PyTorch's mean)
     biased = mask.masked_fill(~allowed[:, None], lowest / 4)
-    with pytest.raises(ValueError, match="bias on each"):
-        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=biased, enable_gqa=True)
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=biased, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=biased, enable_gqa=True)
+    torch.testing.assert_close(ours[rows], want[rows], atol=atol, rtol=0)
 
 
 def test_bfloat16_cpu_tensors_run_on_the_interpreter():
@@ -242,3 +241,61 @@ def test_bfloat16_cpu_tensors_run_on_the_interpreter():
         torch.testing.assert_close(a.grad.double(), b.grad, atol=6e-2, rtol=0)
     assert sdpa._default_backend(low[0]) == "interp"
     assert sdpa._default_backend(low[0].half()) is None  # NumPy takes float16
+
+
+def _pair_masks(n: int) -> dict:
+    """Masks that run with the mask as a dense score bias: a bias on each pair, a boolean mask
+    that differs between batch elements by more than padded keys, -inf and finite values mixed,
+    a 3-D mask, and a learned bias (it carries a gradient)."""
+    gen = torch.Generator().manual_seed(9)
+    per_batch = torch.ones(BATCH, 1, n, n, dtype=torch.bool)
+    per_batch[1, :, 2, 3] = False  # one pair, not a key: no rule plus padding
+    mixed = torch.randn(BATCH, HEADS, n, n, dtype=torch.float64, generator=gen)
+    mixed[0, :, :, 5] = -torch.inf
+    mixed[1, 1, 3] = -torch.inf  # a row with nothing to attend to
+    mixed[1, 2, 4, :3] = -torch.inf
+    learned = torch.randn(1, HEADS, n, n, dtype=torch.float64, generator=gen)
+    return {
+        "per pair": torch.arange(float(n * n), dtype=torch.float64).reshape(n, n) / 50,
+        "bool per batch": per_batch,
+        "mixed": mixed,
+        "by batch and pair": torch.randn(BATCH, 1, n, n, dtype=torch.float64, generator=gen),
+        "learned": learned.requires_grad_(),
+    }
+
+
+@pytest.mark.parametrize("case", list(_pair_masks(12)))
+def test_every_other_mask_runs_as_a_score_bias_and_equals_pytorch(case):
+    """What no layout rule plus key bias can say runs with the mask as sparse_attention's
+    score_bias: forward and gradients equal PyTorch's on the rows that keep a key (a row that
+    keeps none is 0 here, cuattn's rule), the learned mask's gradient too."""
+    mask = _pair_masks(12)[case]
+    q, k, v = inputs(12, 12, kv_heads=HEADS)
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dout = torch.randn(ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    wrt = [q, k, v] + ([mask] if mask.requires_grad else [])
+    got = torch.autograd.grad(ours, wrt, dout)
+    want_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    rows = (
+        torch.isfinite(want_out).all(-1) & ~(mask == -torch.inf).all(-1).expand_as(want_out[..., 0])
+        if mask.dtype != torch.bool
+        else torch.ones_like(want_out[..., 0], dtype=torch.bool)
+    )
+    torch.testing.assert_close(ours[rows], want_out[rows], atol=1e-12, rtol=0)
+    assert (ours[~rows] == 0).all()
+    want = torch.autograd.grad(want_out, wrt, torch.where(rows[..., None], dout, 0.0))
+    masked = torch.where(rows[..., None], dout, 0.0)
+    got = torch.autograd.grad(
+        cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask), wrt, masked
+    )
+    for name, a, b in zip(["dq", "dk", "dv", "dmask"], got, want, strict=False):
+        torch.testing.assert_close(a, torch.nan_to_num(b, nan=0.0), atol=1e-12, rtol=0, msg=name)
+
+
+def test_a_3d_call_takes_a_per_pair_mask():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(BATCH, 10, HEAD_DIM, dtype=torch.float64, generator=gen) for _ in "qkv")
+    mask = torch.randn(BATCH, 10, 10, dtype=torch.float64, generator=gen)
+    ours = cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours, want, atol=1e-12, rtol=0)

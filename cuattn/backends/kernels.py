@@ -534,6 +534,15 @@ class KernelBackend:
             layout.blocksize,
             layout.rule.kind,
         )
+        groups = geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
+        return self._launch_sm90_forward(config, q, k, v, layout, scale, cta_groups=groups)
+
+    def _launch_sm90_forward(
+        self, config: KernelConfig, q: Any, k: Any, v: Any, layout: Layout, scale: float, **extra
+    ) -> tuple[Any, Any] | None:
+        """(out, lse) of an sm_90a forward launch of ``config`` (its own arguments in
+        ``extra``): q, k and v as tensor maps; None, before the outputs are allocated or
+        anything is launched, when the device refuses one of them (encodes)."""
         input_maps = {
             **self._panel_map("q", q, config.tile_m),
             **self._panel_map("k", k, config.tile_n),
@@ -541,6 +550,8 @@ class KernelBackend:
         }
         if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
             return None
+        batch, heads, n_q = q.shape[:3]
+        kv_group = heads // k.shape[1]
         out = self.output(q.shape, q.dtype)
         lse = self.output((batch, heads, n_q), self.xp.float32)
         self.launch(
@@ -550,7 +561,7 @@ class KernelBackend:
             lse=lse,
             scale=scale,
             **self._layout_values(layout, columns=False, kv_group=kv_group),
-            cta_groups=geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group),
+            **extra,
         )
         return out, lse
 
@@ -571,28 +582,18 @@ class KernelBackend:
             block=layout.blocksize,
             rule=layout.rule.kind,
         )
-        input_maps = {
-            **self._panel_map("q", q, config.tile_m),
-            **self._panel_map("k", k, config.tile_n),
-            **self._panel_map("v", v, config.tile_n),
-        }
-        if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
-            return None
-        out = self.output(q.shape, q.dtype)
-        lse = self.output((batch, heads, n_q), self.xp.float32)
-        self.launch(
+        return self._launch_sm90_forward(
             config,
-            **input_maps,
-            **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
-            lse=lse,
-            scale=scale,
-            **self._layout_values(layout, columns=False, kv_group=kv_group),
+            q,
+            k,
+            v,
+            layout,
+            scale,
             work_list=self.xp.asarray(work),
             num_items=len(work),
             heads=heads,
             work_counter=self.zeroed_output((1,), self.xp.int32),
         )
-        return out, lse
 
     def _sm90a_forward(
         self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str

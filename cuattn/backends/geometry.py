@@ -345,35 +345,26 @@ _DECODE_SIZE_ARGS = (
     ("pages_per_split", "i32"),
     ("scale", "f32"),
 )
+# What both sm_90a forwards take first ("tmap": a TMA tensor map of the named array, its columns
+# starting at the "_col" argument)
+_SM90_FWD_ARGS = (
+    ("q", "tmap"),
+    ("k", "tmap"),
+    ("v", "tmap"),
+    ("out", "tmap"),
+    ("q_col", "i32"),
+    ("k_col", "i32"),
+    ("v_col", "i32"),
+    ("out_col", "i32"),
+    ("lse", "ptr"),
+    *_LAYOUT_ARGS,
+    *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
+)
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
-    # "tmap": a TMA tensor map of the named array, its columns starting at the "_col" argument
-    SM90_FWD: (
-        ("q", "tmap"),
-        ("k", "tmap"),
-        ("v", "tmap"),
-        ("out", "tmap"),
-        ("q_col", "i32"),
-        ("k_col", "i32"),
-        ("v_col", "i32"),
-        ("out_col", "i32"),
-        ("lse", "ptr"),
-        *_LAYOUT_ARGS,
-        *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
-        ("cta_groups", "i32"),  # sm90_cta_groups
-    ),
+    SM90_FWD: (*_SM90_FWD_ARGS, ("cta_groups", "i32")),  # sm90_cta_groups
     SM90_FWD_PERSISTENT: (
-        ("q", "tmap"),
-        ("k", "tmap"),
-        ("v", "tmap"),
-        ("out", "tmap"),
-        ("q_col", "i32"),
-        ("k_col", "i32"),
-        ("v_col", "i32"),
-        ("out_col", "i32"),
-        ("lse", "ptr"),
-        *_LAYOUT_ARGS,
-        *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
+        *_SM90_FWD_ARGS,
         ("work_list", "ptr"),  # int32, sm90_work_list
         ("num_items", "i32"),
         ("heads", "i32"),

@@ -13,7 +13,12 @@ import pytest
 
 from cuattn.backends import cuda_runtime as runtime
 from cuattn.backends import toolchain
-from cuattn.backends.geometry import KERNEL_FILES, all_configs, decode_gqa_configs
+from cuattn.backends.geometry import (
+    KERNEL_FILES,
+    all_configs,
+    decode_fp8_configs,
+    decode_gqa_configs,
+)
 from cuattn.backends.toolchain import kernel_dir
 from dev.compile_check import kernel_instantiations
 
@@ -39,7 +44,8 @@ def test_nvrtc_options_point_at_kernels_and_cuda_headers():
 
 def test_compile_check_lists_every_instantiation_once():
     units = kernel_instantiations()
-    assert len(units) == len(set(units)) == len(all_configs()) + len(decode_gqa_configs())
+    listed = len(all_configs()) + len(decode_gqa_configs()) + len(decode_fp8_configs())
+    assert len(units) == len(set(units)) == listed
 
 
 def test_imports_and_reports_no_cuda_without_cupy():

@@ -52,42 +52,52 @@ It computes with ``cuattn.sparse_attention`` and has autograd.
 
 Masks are read as DeepSpeed's softmax reads them: cast to the query's dtype, singleton dimensions
 squeezed (``key_padding_mask`` [batch, seq_len], ``attn_mask`` [seq_len, seq_len]); mode 'mul'
-drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores.
-Neither becomes a dense seq_len x seq_len tensor here:
+drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores
+(-inf drops). ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes)
+is added to the scores. Each runs the cheapest exact way:
 
 - ``key_padding_mask``: batch rows are grouped by their padding. A row that keeps its first n
   keys (right padding) runs with its keys cut to n: a layout for n keys, no element table.
   Any other padding (left, scattered) is a per-key element rule (O(seq_len) to hold; evaluated
   into per-block bitmasks). Rows that share a padding share one call; a row with no key gives 0.
-- ``attn_mask`` must be a pattern: one band ``lo <= q - k <= hi`` for every query (causal,
-  a sliding window, causal with a window, all pairs, none). It is read once, on its device, and
-  applied as the kernels' causal or window rule (combined with a padding length by shifting the
-  window's bounds; with another padding, inside the per-key rule).
+  In mode 'add', finite values other than 0 (such as -10000, or a learned bias) are added as
+  they are: cuattn's per-key bias (``key_bias``), with its gradient when the mask carries one
+  (-inf entries drop their keys there too).
+- ``attn_mask``, the pairs it keeps (mode 'mul': nonzero; 'add': not -inf): one band
+  ``lo <= q - k <= hi`` for every query (causal, a sliding window, causal with a window, all
+  pairs, none) is read once, on its device, and applied as the kernels' causal or window rule
+  (combined with a padding length by shifting the window's bounds; with another padding,
+  inside the per-key rule). Any other mask (rows with gaps, a row that differs from the rest)
+  is read back whole and held as bits (seq_len^2 / 8 bytes): an exact element rule, evaluated
+  once into per-block bitmasks, blocks it leaves empty not walked. In mode 'add', finite values
+  other than 0 are added as they are: cuattn's ``score_bias`` (read inside the layout's
+  computed blocks only), with its gradient when the mask carries one.
+- ``rpe`` that is a function of key minus query position (Toeplitz, as relative-position
+  embeddings are) runs as cuattn's ``rel_bias``, one column per distance read from it
+  (``cuattn.compat.distance_bias``); its gradient goes through the read columns, exact for an
+  rpe built from a table by distance (each parameter moves whole diagonals). Any other rpe, and
+  a leaf rpe that requires a gradient (even one by distance, or all zeros: its entries are
+  free), is cuattn's ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's
+  own gradient. An all-zero rpe that carries no gradient adds nothing and is dropped.
 
 What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
 anything is computed):
 
-- ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes) must be a
-  function of key minus query position (Toeplitz, as relative-position embeddings are): it
-  runs as cuattn's ``rel_bias``, one column per distance read from it
-  (``cuattn.compat.distance_bias``), and any other rpe is refused by name. Unlike DeepSpeed,
-  whose softmax returns no gradient for it, rpe gets one when it carries one: through the read
-  columns, exact for an rpe built from a table by distance; a leaf rpe that requires a
-  gradient is refused (its entries are free).
-- In mode 'add', a ``key_padding_mask`` that holds a finite value other than 0 (such as -10000,
-  or a learned bias) is added as it is: cuattn's per-key bias (``key_bias``), with its
-  gradient when the mask carries one (-inf entries drop their keys there too). In
-  ``attn_mask`` such a value is a dense score bias and is refused; 'add' takes 0 (keep) and
-  -inf (drop) there. +inf is refused in both. Cast to float16, -1e5 is -inf, as in DeepSpeed,
-  and drops.
-- NaN in a mask is refused (DeepSpeed would keep it in 'mul' and poison the row in 'add').
-- An ``attn_mask`` that is no band (a general [seq_len, seq_len] mask, a mask with gaps) is
-  refused: put the pattern into the sparsity config's blocks.
+- rpe and finite 'add' masks get a gradient where they carry one; DeepSpeed's softmax returns
+  none for them.
+- NaN in a mask is refused: DeepSpeed would keep it in 'mul' (by accident of ``NaN != 0``) and
+  poison the row in 'add'. +inf in an 'add' mask is refused: the row's softmax would have no
+  finite scale (NaN in DeepSpeed). In 'mul' both infinities are nonzero and keep, as in
+  DeepSpeed. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops. An rpe is added as it
+  is, unchecked, as in DeepSpeed.
 - Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
-- A query row whose keys are all dropped gives 0 where DeepSpeed gives NaN.
+- A query row whose keys are all dropped (or all -inf) gives 0 where DeepSpeed gives NaN.
+- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) is computed by the NumPy
+  backend today; the kernel backends (the interpreter, CUDA) refuse it by name until its
+  kernel variant lands. Everything else runs on every backend.
 - dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
   float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
-  DeepSpeed asserts float16.
+  DeepSpeed asserts float16. Biases are added in float32 (float64 beside float64 queries).
 - Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
   shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
 """
@@ -757,7 +767,9 @@ class SparseSelfAttention(nn.Module):
         with a per-key element rule. Rows that share a padding share one call. One packed
         varlen call would instead need per-element bitmasks on every block a padding length
         cuts, rebuilt for every new batch; grouped calls reuse one cached table-free layout
-        per length.
+        per length. An attn_mask that is no band restricts each call's layout by its bits; a
+        dense bias (an rpe not by distance, a finite 'add' attn_mask) is one score_bias,
+        sliced to each call's rows and keys.
         """
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x)

@@ -224,14 +224,20 @@ def test_float16_casts_masks_as_deepspeed_does():
 
 def test_the_kernels_follow_a_band_with_the_keys_cut_to_a_padding_length(monkeypatch):
     """On the interpreter (the .cu kernels, float32): right padding cuts the keys and moves the
-    window rule's bounds by the end-aligned offset; left padding runs on a per-key rule."""
+    window rule's bounds by the end-aligned offset; left padding runs on a per-key rule; a
+    mask that is no band (dilated, and causal with one row keeping keys 0..4) runs as per-block
+    bitmasks, with the keys cut too."""
     monkeypatch.setenv("CUATTN_BACKEND", "interp")
     cfg = ds.BSLongformerSparsityConfig(2, block=16, num_sliding_window_blocks=3)
-    for band in ("causal", "window"):
+    for band in ("causal", "window", "general"):
         module = ds.SparseSelfAttention(cfg, "mul", "mul", max_seq_length=64)
-        lo, hi = BANDS[band]
+        lo, hi = BANDS["causal" if band == "general" else band]
         d = torch.arange(64)[:, None] - torch.arange(64)[None, :]
         keep_qk = (d >= lo) & (d <= hi)
+        if band == "general":
+            keep_qk &= d % 3 != 1
+            keep_qk[40] = False
+            keep_qk[40, :5] = True
         keep_k = torch.ones(3, 64, dtype=torch.bool)
         keep_k[0, 37:] = False  # right padding: keys cut to 37
         keep_k[1, :21] = False  # left padding: a per-key rule

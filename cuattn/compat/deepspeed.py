@@ -552,18 +552,17 @@ def _keep(name: str, values: torch.Tensor, mode: str) -> torch.Tensor:
     +inf in 'add' (the row's softmax would have no finite scale: NaN in DeepSpeed).
     """
     values = values.detach()
-    if bool(values.isnan().any()):
+    plus_inf = (values == float("inf")).any() if mode == "add" else values.new_zeros((), dtype=bool)
+    has_nan, has_plus_inf = torch.stack([values.isnan().any(), plus_inf]).tolist()  # one read
+    if has_nan:
+        takes = "0 to drop and any other number to keep" if mode == "mul" else "finite and -inf"
         raise ValueError(
             f"{name} holds NaN; a mask must keep or drop each key ({name}_mode={mode!r} takes "
-            + (
-                "0 to drop and any other number to keep)"
-                if mode == "mul"
-                else "finite values and -inf)"
-            )
+            f"{takes})"
         )
     if mode == "mul":
         return values != 0
-    if bool((values == float("inf")).any()):
+    if has_plus_inf:
         raise ValueError(
             f"{name} holds inf: with {name}_mode={mode!r} +inf would leave the softmax no finite "
             "scale; 'add' takes finite values (added to the scores) and -inf (drop)"

@@ -76,9 +76,12 @@ is added to the scores. Each runs the cheapest exact way:
   embeddings are) runs as cuattn's ``rel_bias``, one column per distance read from it
   (``cuattn.compat.distance_bias``); its gradient goes through the read columns, exact for an
   rpe built from a table by distance (each parameter moves whole diagonals). Any other rpe, and
-  a leaf rpe that requires a gradient (even one by distance, or all zeros: its entries are
-  free), is cuattn's ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's
-  own gradient. An all-zero rpe that carries no gradient adds nothing and is dropped.
+  a leaf rpe that requires a gradient or a view or cast of one (a zero-initialised learned rpe
+  sliced to seq_len: by distance in value, but its entries are free), is cuattn's
+  ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's own gradient. An
+  rpe computed otherwise that happens to be by distance in value (``w * ones``) is read by
+  distance: its gradient is exact when each parameter moves whole diagonals. An all-zero rpe
+  that carries no gradient adds nothing and is dropped.
 
 What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
 anything is computed):

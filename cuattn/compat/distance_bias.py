@@ -74,17 +74,54 @@ def read_bias(name: str, bias: Any, q_shape: tuple, kv_len: int) -> BiasRead:
     """The bias ``name`` (as ``distance_table`` takes it) as a table by distance where it is a
     function of key minus query position, else as the dense bias itself (a 4-D view, for
     score_bias); nothing for an all-zero bias that carries no gradient. A leaf that requires a
-    gradient stays dense whatever its values, so that each entry gets its own gradient
-    (a zero-initialised learned bias included). TypeError/ValueError naming ``name`` for a
-    bias of the wrong type or shape."""
-    leaf = isinstance(bias, torch.Tensor) and bias.requires_grad and bias.grad_fn is None
+    gradient, or a view or copy of one (a slice of a longer learned bias, a cast), stays dense
+    whatever its values, so that each entry gets its own gradient (a zero-initialised learned
+    bias included: read by distance, its gradient would land on its first row and column
+    only). TypeError/ValueError naming ``name`` for a bias of the wrong type or shape."""
+    free = isinstance(bias, torch.Tensor) and bias.requires_grad and _free_entries(bias)
     bias = _as_4d(name, bias, q_shape, kv_len)
-    if leaf:
+    if free:
         return BiasRead(None, bias)
     if _is_zero(bias):
         return BiasRead(None, None)
     table = _table_by_distance(bias, int(q_shape[1]))
     return BiasRead(table, None) if table is not None else BiasRead(None, bias)
+
+
+# Autograd nodes that pass each entry through on its own (views, slices, casts, copies): a bias
+# reached from a leaf through these alone has entries as free as the leaf's.
+_PASS_THROUGH = frozenset(
+    {
+        "AliasBackward0",
+        "AsStridedBackward0",
+        "CloneBackward0",
+        "ExpandBackward0",
+        "PermuteBackward0",
+        "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "ToCopyBackward0",
+        "TransposeBackward0",
+        "UnsafeViewBackward0",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+    }
+)
+
+
+def _free_entries(bias: torch.Tensor) -> bool:
+    """Whether the bias is a leaf, or reaches one through views, slices and casts only (walked
+    on its autograd graph, nothing computed)."""
+    node = bias.grad_fn
+    while node is not None and type(node).__name__ in _PASS_THROUGH:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return node is None or type(node).__name__ == "AccumulateGrad"
 
 
 def _as_4d(name: str, bias: Any, q_shape: tuple, kv_len: int) -> torch.Tensor:

@@ -450,6 +450,7 @@ def _rpes(g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor | No
     by_distance = torch.arange(SEQ)[None, :] - torch.arange(SEQ)[:, None]
     toeplitz_leaf = (0.1 * by_distance).double().requires_grad_(True)
     per_row = torch.randn(BATCH, 1, SEQ, SEQ, generator=g, dtype=torch.float32)
+    longer = torch.zeros(1, HEADS, MAX_LEN, MAX_LEN, dtype=torch.float32, requires_grad=True)
     return {
         "batch-heads": (full, None),
         "batch-one-head-float32": (per_row, None),
@@ -457,6 +458,8 @@ def _rpes(g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor | No
         "leaf": (leaf, leaf),
         "zero-leaf": (zeros, zeros),  # a zero-initialised learned rpe: still its gradient
         "toeplitz-leaf": (toeplitz_leaf, toeplitz_leaf),  # by distance, but its entries are free
+        # a zero-initialised learned rpe for max_seq_length, sliced and cast: free entries too
+        "slice-of-a-zero-leaf": (longer[:, :, :SEQ, :SEQ].double(), longer),
     }
 
 

@@ -52,52 +52,65 @@ It computes with ``cuattn.sparse_attention`` and has autograd.
 
 Masks are read as DeepSpeed's softmax reads them: cast to the query's dtype, singleton dimensions
 squeezed (``key_padding_mask`` [batch, seq_len], ``attn_mask`` [seq_len, seq_len]); mode 'mul'
-drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores.
-Neither becomes a dense seq_len x seq_len tensor here:
+drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores
+(-inf drops). ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes)
+is added to the scores. Each runs the cheapest exact way:
 
 - ``key_padding_mask``: batch rows are grouped by their padding. A row that keeps its first n
   keys (right padding) runs with its keys cut to n: a layout for n keys, no element table.
   Any other padding (left, scattered) is a per-key element rule (O(seq_len) to hold; evaluated
   into per-block bitmasks). Rows that share a padding share one call; a row with no key gives 0.
-- ``attn_mask`` must be a pattern: one band ``lo <= q - k <= hi`` for every query (causal,
-  a sliding window, causal with a window, all pairs, none). It is read once, on its device, and
-  applied as the kernels' causal or window rule (combined with a padding length by shifting the
-  window's bounds; with another padding, inside the per-key rule).
+  In mode 'add', finite values other than 0 (such as -10000, or a learned bias) are added as
+  they are: cuattn's per-key bias (``key_bias``), with its gradient when the mask carries one
+  (-inf entries drop their keys there too).
+- ``attn_mask``, the pairs it keeps (mode 'mul': nonzero; 'add': not -inf): one band
+  ``lo <= q - k <= hi`` for every query (causal, a sliding window, causal with a window, all
+  pairs, none) is read once, on its device, and applied as the kernels' causal or window rule
+  (combined with a padding length by shifting the window's bounds; with another padding,
+  inside the per-key rule). Any other mask (rows with gaps, a row that differs from the rest)
+  is read back whole and held as bits (seq_len^2 / 8 bytes): an exact element rule, evaluated
+  once into per-block bitmasks, blocks it leaves empty not walked. In mode 'add', finite values
+  other than 0 are added as they are: cuattn's ``score_bias`` (read inside the layout's
+  computed blocks only), with its gradient when the mask carries one.
+- ``rpe`` that is a function of key minus query position (Toeplitz, as relative-position
+  embeddings are) runs as cuattn's ``rel_bias``, one column per distance read from it
+  (``cuattn.compat.distance_bias``); its gradient goes through the read columns, exact for an
+  rpe built from a table by distance (each parameter moves whole diagonals). Any other rpe, and
+  a leaf rpe that requires a gradient or a view or cast of one (a zero-initialised learned rpe
+  sliced to seq_len: by distance in value, but its entries are free), is cuattn's
+  ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's own gradient. An
+  rpe computed otherwise that happens to be by distance in value (``w * ones``) is read by
+  distance: its gradient is exact when each parameter moves whole diagonals. An all-zero rpe
+  that carries no gradient adds nothing and is dropped.
 
 What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
 anything is computed):
 
-- ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes) must be a
-  function of key minus query position (Toeplitz, as relative-position embeddings are): it
-  runs as cuattn's ``rel_bias``, one column per distance read from it
-  (``cuattn.compat.distance_bias``), and any other rpe is refused by name. Unlike DeepSpeed,
-  whose softmax returns no gradient for it, rpe gets one when it carries one: through the read
-  columns, exact for an rpe built from a table by distance; a leaf rpe that requires a
-  gradient is refused (its entries are free).
-- In mode 'add', a ``key_padding_mask`` that holds a finite value other than 0 (such as -10000,
-  or a learned bias) is added as it is: cuattn's per-key bias (``key_bias``), with its
-  gradient when the mask carries one (-inf entries drop their keys there too). In
-  ``attn_mask`` such a value is a dense score bias and is refused; 'add' takes 0 (keep) and
-  -inf (drop) there. +inf is refused in both. Cast to float16, -1e5 is -inf, as in DeepSpeed,
-  and drops.
-- NaN in a mask is refused (DeepSpeed would keep it in 'mul' and poison the row in 'add').
-- An ``attn_mask`` that is no band (a general [seq_len, seq_len] mask, a mask with gaps) is
-  refused: put the pattern into the sparsity config's blocks.
+- rpe and finite 'add' masks get a gradient where they carry one; DeepSpeed's softmax returns
+  none for them.
+- NaN in a mask is refused: DeepSpeed would keep it in 'mul' (by accident of ``NaN != 0``) and
+  poison the row in 'add'. +inf in an 'add' mask is refused: the row's softmax would have no
+  finite scale (NaN in DeepSpeed). In 'mul' both infinities are nonzero and keep, as in
+  DeepSpeed. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops. An rpe is added as it
+  is, unchecked, as in DeepSpeed.
 - Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
-- A query row whose keys are all dropped gives 0 where DeepSpeed gives NaN.
+- A query row whose keys are all dropped (or all -inf) gives 0 where DeepSpeed gives NaN.
+- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) is computed by the NumPy
+  backend today; the kernel backends (the interpreter, CUDA) refuse it by name until its
+  kernel variant lands. Everything else runs on every backend.
 - dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
   float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
-  DeepSpeed asserts float16.
+  DeepSpeed asserts float16. Biases are added in float32 (float64 beside float64 queries).
 - Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
   shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -105,7 +118,7 @@ from torch import distributed as dist
 from torch import nn
 
 from cuattn import api
-from cuattn.compat.distance_bias import distance_table
+from cuattn.compat.distance_bias import read_bias
 from cuattn.layout.extended import band_blocks, bigbird_blocks, variable_blocks
 from cuattn.layout.layout import ElementRule, Layout
 
@@ -454,6 +467,37 @@ LAYOUT_CACHE_SIZE = 64
 NOTHING = (1, 0)
 
 
+class Pairs(NamedTuple):
+    """The (query, key) pairs an attn_mask keeps: the band ``lo <= q - k <= hi`` (None: every
+    pair), or, for a mask that is no band, ``table``: uint8 [seq_len, seq_len / 8] (the keep
+    mask's bits, ``np.packbits`` along the keys), with its digest as a layout cache key."""
+
+    band: tuple[int, int] | None = None
+    table: np.ndarray | None = None
+
+    def key(self) -> tuple:
+        if self.table is None:
+            return (self.band,)
+        return (hashlib.blake2b(self.table.tobytes(), digest_size=16).digest(),)
+
+    def kept(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """bool: whether query q keeps key k (NumPy broadcasting)."""
+        if self.table is not None:
+            return ((self.table[q, k >> 3] >> (7 - (k & 7))) & 1).astype(bool)
+        if self.band is None:
+            return np.ones(np.broadcast(q, k).shape, dtype=bool)
+        return (q - k >= self.band[0]) & (q - k <= self.band[1])
+
+    def cover(self, nbq: int, nbk: int, block: int, n_keys: int) -> np.ndarray:
+        """bool [nbq, nbk]: blocks holding a kept pair among the first ``n_keys`` keys, so that
+        blocks the mask leaves empty are not walked at all."""
+        if self.table is None:
+            return _band_cover(nbq, nbk, block, n_keys, self.band)
+        keep = np.unpackbits(self.table, axis=1, count=n_keys).astype(bool)
+        keep = np.pad(keep, ((0, nbq * block - keep.shape[0]), (0, nbk * block - n_keys)))
+        return keep.reshape(nbq, block, nbk, block).any(axis=(1, 3))
+
+
 def _check_tensor(name: str, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -463,15 +507,12 @@ def _check_tensor(name: str, x: Any) -> None:
         )
 
 
-def _additive_key_bias(values: torch.Tensor) -> torch.Tensor | None:
-    """The per-key bias an 'add' key padding mask adds (``_mask_values``: [batch, seq_len],
-    cast as DeepSpeed casts it, gradient kept), float32 (float64 beside float64 queries); None
-    when it only keeps (0) and drops (-inf), which the layouts follow without a bias, or holds
-    NaN or +inf, which ``_keep`` refuses. One read of two flags from the device."""
-    kept_or_dropped = (values == 0) | (values == float("-inf"))
-    refused = values.isnan() | (values == float("inf"))
-    plain, has_refused = torch.stack([(kept_or_dropped | refused).all(), refused.any()]).tolist()
-    if plain or has_refused:
+def _added_bias(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """What an 'add' mask (``_mask_values``: cast as DeepSpeed casts it, gradient kept) adds
+    beyond dropping keys: the values themselves, float32 (float64 beside float64 queries), when
+    a kept entry (``_keep``: not -inf) is not 0; None when the mask only keeps (0) and drops
+    (-inf), which the layouts follow without a bias. One read of a flag from the device."""
+    if not bool(((values.detach() != 0) & keep).any()):
         return None
     return values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
 
@@ -508,51 +549,45 @@ def _keep(name: str, values: torch.Tensor, mode: str) -> torch.Tensor:
 
     The values are read as DeepSpeed reads them after its cast to the query's dtype (so in
     float16 -1e5 is -inf): 'mul' drops where the value is 0 and keeps any other value (its
-    kernel adds ``where(m == 0, -inf, 0)``), and 'add' adds the value to the score, which the
-    layouts can follow only for 0 (keep) and -inf (drop); other finite values of a key padding
-    mask are a key bias (``_additive_key_bias``) and never reach here. NaN is refused in both
-    modes: it would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'.
+    kernel adds ``where(m == 0, -inf, 0)``), and 'add' adds the value to the score, so it drops
+    at -inf and keeps a finite value (which ``_added_bias`` adds). Refused: NaN in both modes
+    (it would poison the row in 'add' and be kept, by accident of ``NaN != 0``, in 'mul'), and
+    +inf in 'add' (the row's softmax would have no finite scale: NaN in DeepSpeed).
     """
     values = values.detach()
-    if bool(values.isnan().any()):
+    plus_inf = (values == float("inf")).any() if mode == "add" else values.new_zeros((), dtype=bool)
+    has_nan, has_plus_inf = torch.stack([values.isnan().any(), plus_inf]).tolist()  # one read
+    if has_nan:
+        takes = "0 to drop and any other number to keep" if mode == "mul" else "finite and -inf"
         raise ValueError(
             f"{name} holds NaN; a mask must keep or drop each key ({name}_mode={mode!r} takes "
-            + ("0 to drop and any other number to keep)" if mode == "mul" else "0 and -inf)")
+            f"{takes})"
         )
     if mode == "mul":
         return values != 0
-    keep = values == 0
-    bad = ~(keep | (values == float("-inf")))
-    if bool(bad.any()):
-        value = values[bad][0].item()
-        if math.isfinite(value):
-            why = (
-                "a finite value other than 0 is a score bias on each (query, key) pair, a "
-                "dense [seq_len, seq_len] tensor that cuattn does not take"
-            )
-        else:
-            why = "+inf would leave the softmax no finite scale"
+    if has_plus_inf:
         raise ValueError(
-            f"{name} holds {value!r}: with {name}_mode={mode!r} {why}; 'add' takes only 0 "
-            "(keep) and -inf (drop)"
+            f"{name} holds inf: with {name}_mode={mode!r} +inf would leave the softmax no finite "
+            "scale; 'add' takes finite values (added to the scores) and -inf (drop)"
         )
-    return keep
+    return values != float("-inf")
 
 
-def _band(keep: torch.Tensor) -> tuple[int, int] | None:
-    """The band ``lo <= q - k <= hi`` that the [seq_len, seq_len] keep mask is, None when it keeps
-    every pair, or a ValueError when it is no band.
+def _pairs(keep: torch.Tensor) -> Pairs:
+    """The (query, key) pairs the [seq_len, seq_len] keep mask keeps: a band
+    ``lo <= q - k <= hi`` (none: every pair), or else the mask itself as a table.
 
     Causal (lo = 0), a sliding window, causal with a window, all pairs: the patterns a model
     writes into its attention mask are bands, and a band is two integers the kernels test per
-    element, where a general mask would be a dense T x T table. The mask is read once, on its
-    device, down to three numbers per row (kept count, first and last kept key); the band is
-    whatever those rows span, then checked against every row.
+    element, where any other mask is a T x T table (held as bits, evaluated once into per-block
+    bitmasks). The mask is read once, on its device, down to three numbers per row (kept
+    count, first and last kept key); the band is whatever those rows span, then checked against
+    every row; a mask that leaves it is read back whole.
     """
     n = keep.shape[0]
     count = keep.sum(1)
     if bool((count == n).all()):
-        return None
+        return Pairs()
     as_bytes = keep.to(torch.uint8)
     first = as_bytes.argmax(1)  # the first kept key (0 in a row that keeps none)
     last = n - 1 - as_bytes.flip(1).argmax(1)
@@ -560,7 +595,7 @@ def _band(keep: torch.Tensor) -> tuple[int, int] | None:
     q = np.arange(n)
     has = count > 0
     if not has.any():
-        return NOTHING
+        return Pairs(band=NOTHING)
     hi, lo = int((q - first)[has].max()), int((q - last)[has].min())
     lo_key, hi_key = np.maximum(q - hi, 0), np.minimum(q - lo, n - 1)
     agrees = np.where(
@@ -569,23 +604,8 @@ def _band(keep: torch.Tensor) -> tuple[int, int] | None:
         lo_key > hi_key,
     )
     if agrees.all():
-        return lo, hi
-    r = int(np.flatnonzero(~agrees)[0])
-    if not has[r]:
-        kept = "no key"
-    elif count[r] == last[r] - first[r] + 1:
-        kept = f"keys {first[r]}..{last[r]}"
-    else:
-        kept = f"{count[r]} keys between {first[r]} and {last[r]}, with gaps"
-    want = f"keys {lo_key[r]}..{hi_key[r]}" if lo_key[r] <= hi_key[r] else "no key"
-    raise ValueError(
-        f"attn_mask is not a pattern cuattn can follow: query row {r} keeps {kept}, where the "
-        f"band {lo} <= q - k <= {hi} that the rows span would keep {want}. "
-        "cuattn takes an attn_mask that keeps one band of q - k for every row (causal, a "
-        "sliding window, causal with a window) and applies it as an element rule; a general "
-        "[seq_len, seq_len] mask would be a dense T x T table the kernels do not read: put the "
-        "pattern into the sparsity config's blocks instead"
-    )
+        return Pairs(band=(lo, hi))
+    return Pairs(table=np.packbits(keep.cpu().numpy(), axis=1))
 
 
 def _band_cover(
@@ -692,34 +712,40 @@ class SparseSelfAttention(nn.Module):
         self,
         seq_len: int,
         n_keys: int,
-        band: tuple[int, int] | None,
+        pairs: Pairs,
         keep_k: np.ndarray | None,
     ) -> Layout:
         """The cuattn Layout for ``seq_len`` queries: the master layout's corner, restricted to
-        the band (an element rule) and to the keys a padding row keeps, cached per module.
+        the attn_mask's pairs (a band: the kernels' causal or window rule; a table: per-block
+        bitmasks) and to the keys a padding row keeps, cached per module.
 
-        ``n_keys`` < seq_len: the keys are cut to the first n_keys (right padding), so the
-        layout is for n_keys keys and needs no table. ``keep_k`` (bool [seq_len]): any other
-        padding, a per-key element rule evaluated into per-block bitmasks, O(seq_len) to hold.
-        The cache is emptied when ``master_layout`` changes (load_state_dict, a broadcast)."""
+        ``n_keys`` < seq_len: the keys are cut to the first n_keys (right padding), so with a
+        band the layout is for n_keys keys and needs no table. ``keep_k`` (bool [seq_len]): any
+        other padding, a per-key element rule evaluated into per-block bitmasks, O(seq_len) to
+        hold. The cache is emptied when ``master_layout`` changes (load_state_dict, a
+        broadcast)."""
         buffer = self.master_layout
         stamp = (id(buffer), buffer._version)
         if stamp != self._layouts_of:
             self._layouts, self._layouts_of = {}, stamp
-        key = (seq_len, n_keys, band, None if keep_k is None else np.packbits(keep_k).tobytes())
+        padding = None if keep_k is None else np.packbits(keep_k).tobytes()
+        key = (seq_len, n_keys, *pairs.key(), padding)
         if key in self._layouts:
             return self._layouts[key]
         block = self.sparsity_config.block
         blocks = self.get_layout(seq_len).numpy().astype(bool)
         self._layouts_of = (id(self.master_layout), self.master_layout._version)
         nbk = -(-n_keys // block)
-        blocks = blocks[:, :, :nbk] & _band_cover(blocks.shape[1], nbk, block, n_keys, band)
-        if keep_k is None:
-            rule = _band_rule(band, seq_len, n_keys)
+        blocks = blocks[:, :, :nbk] & pairs.cover(blocks.shape[1], nbk, block, n_keys)
+        if keep_k is None and pairs.table is None:
+            rule = _band_rule(pairs.band, seq_len, n_keys)
             layout = Layout(blocks, block, n_ctx=n_keys, rule=rule, name="deepspeed", n_q=seq_len)
         else:
-            blocks &= keep_k.reshape(nbk, block).any(axis=1)  # columns of dropped keys only
-            layout = Layout.from_blocks(blocks, block, mask_fn=_element_rule(band, keep_k))
+            if keep_k is not None:
+                blocks &= keep_k.reshape(nbk, block).any(axis=1)  # columns of dropped keys only
+            layout = Layout.from_blocks(
+                blocks, block, _element_rule(pairs, keep_k), n_ctx=n_keys, n_q=seq_len
+            )
         if len(self._layouts) >= LAYOUT_CACHE_SIZE:
             self._layouts.pop(next(iter(self._layouts)))
         self._layouts[key] = layout
@@ -743,7 +769,9 @@ class SparseSelfAttention(nn.Module):
         with a per-key element rule. Rows that share a padding share one call. One packed
         varlen call would instead need per-element bitmasks on every block a padding length
         cuts, rebuilt for every new batch; grouped calls reuse one cached table-free layout
-        per length.
+        per length. An attn_mask that is no band restricts each call's layout by its bits; a
+        dense bias (an rpe not by distance, a finite 'add' attn_mask) is one score_bias,
+        sliced to each call's rows and keys.
         """
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x)
@@ -759,15 +787,23 @@ class SparseSelfAttention(nn.Module):
             )
         self._check_lengths(seq_len, heads)
         n = seq_len
-        table = None
+        bias_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        table, score_bias = None, None
         if rpe is not None:
-            table = distance_table("rpe", rpe, query.shape, n)
-        band = None
+            table, score_bias = read_bias("rpe", rpe, query.shape, n)
+        pairs = Pairs()
         if attn_mask is not None:
             qk = _mask_values("attn_mask", attn_mask, (), (n, n), "[seq_len, seq_len]", query.dtype)
             keep_qk = _keep("attn_mask", qk, self.attn_mask_mode)
-            band = _band(keep_qk)
+            pairs = _pairs(keep_qk)
+            added = _added_bias(qk, keep_qk) if self.attn_mask_mode == "add" else None
+            if added is not None:
+                score_bias = added if score_bias is None else score_bias.to(bias_dtype) + added
             del keep_qk
+        if score_bias is not None:
+            score_bias = score_bias.to(bias_dtype).reshape(
+                (1,) * (4 - score_bias.ndim) + score_bias.shape
+            )
         scale = float(head_dim) ** -0.5
         groups: list[tuple[np.ndarray, int, np.ndarray | None]] = [(np.arange(batch), n, None)]
         if key_padding_mask is not None:
@@ -780,34 +816,47 @@ class SparseSelfAttention(nn.Module):
                 query.dtype,
             )
             mode = self.key_padding_mask_mode
-            key_bias = _additive_key_bias(padding) if mode == "add" else None
-            if key_bias is not None:  # a per-key bias: added to the scores as it is
-                layout = self._layout(n, n, band, None)
-                return api.sparse_attention(
-                    query, key, value, layout, scale=scale, key_bias=key_bias, rel_bias=table
-                )
             keep_k = _keep("key_padding_mask", padding, mode)
+            key_bias = _added_bias(padding, keep_k) if mode == "add" else None
+            if key_bias is not None:  # a per-key bias: added to the scores as it is
+                layout = self._layout(n, n, pairs, None)
+                return api.sparse_attention(
+                    query,
+                    key,
+                    value,
+                    layout,
+                    scale=scale,
+                    key_bias=key_bias,
+                    rel_bias=table,
+                    score_bias=score_bias,
+                )
             groups = _padding_groups(keep_k.cpu().numpy())
         if len(groups) == 1 and groups[0][1] == n:
             _, _, keep_row = groups[0]
-            layout = self._layout(n, n, band, keep_row)
-            return api.sparse_attention(query, key, value, layout, scale=scale, rel_bias=table)
+            layout = self._layout(n, n, pairs, keep_row)
+            return api.sparse_attention(
+                query, key, value, layout, scale=scale, rel_bias=table, score_bias=score_bias
+            )
         parts = []
         for rows, n_keys, keep_row in groups:
-            # rows with no key at all: the call returns zeros; any layout for the heads will do
-            layout = (
-                self._layout(n, n_keys, band, keep_row)
-                if n_keys
-                else self._layout(n, n, None, None)
-            )
             pick = torch.as_tensor(rows, device=query.device)
             q, k, v = query[pick], key[pick, :, :n_keys], value[pick, :, :n_keys]
+            if not n_keys:  # rows with no key at all: the call returns zeros
+                parts.append(api.sparse_attention(q, k, v, self._layout(n, n, Pairs(), None)))
+                continue
             rel = (
                 None
                 if table is None
                 else _shifted(table if table.ndim == 2 else table[pick], n - n_keys)
             )
-            parts.append(api.sparse_attention(q, k, v, layout, scale=scale, rel_bias=rel))
+            bias = None
+            if score_bias is not None:
+                bias = score_bias[pick] if score_bias.shape[0] == batch > 1 else score_bias
+                bias = bias[..., :n_keys]
+            layout = self._layout(n, n_keys, pairs, keep_row)
+            parts.append(
+                api.sparse_attention(q, k, v, layout, scale=scale, rel_bias=rel, score_bias=bias)
+            )
         order = np.argsort(np.concatenate([rows for rows, _, _ in groups]))
         return torch.cat(parts)[torch.as_tensor(order, device=query.device)]
 
@@ -846,14 +895,13 @@ def _padding_groups(keep_k: np.ndarray) -> list[tuple[np.ndarray, int, np.ndarra
     return groups
 
 
-def _element_rule(band: tuple[int, int] | None, keep_k: np.ndarray) -> MaskFn:
-    """Layout.from_blocks' element rule: key k is kept by the padding and q - k lies in the
-    band; O(seq_len) to hold, whatever the length."""
+def _element_rule(pairs: Pairs, keep_k: np.ndarray | None) -> MaskFn:
+    """Layout.from_blocks' element rule: key k is kept by the padding (``keep_k``, when given)
+    and the pair (q, k) by the attn_mask; O(seq_len) to hold beside a band, the mask's bits
+    (seq_len^2 / 8 bytes) beside a table."""
 
     def allowed(h: np.ndarray, q: np.ndarray, k: np.ndarray) -> np.ndarray:
-        out = keep_k[k]
-        if band is None:
-            return out
-        return out & (q - k >= band[0]) & (q - k <= band[1])
+        out = pairs.kept(q, k)
+        return out if keep_k is None else out & keep_k[k]
 
     return allowed

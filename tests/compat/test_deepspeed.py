@@ -487,8 +487,8 @@ def _refuse_compute(monkeypatch):
 
 
 BAD_CALLS = [
-    (dict(rpe=torch.rand(BATCH, HEADS, SEQ, SEQ)), ValueError, "rpe of shape .* is not a func"),
-    (dict(attn_mask=torch.rand(SEQ, SEQ) < 0.5), ValueError, "attn_mask is not a pattern"),
+    (dict(rpe=torch.rand(BATCH, HEADS, SEQ, SEQ + 8)), ValueError, r"rpe of shape .* does not fit"),
+    (dict(attn_mask=torch.full((SEQ, SEQ), float("nan"))), ValueError, "attn_mask holds NaN"),
     (dict(key_padding_mask=torch.zeros(BATCH, 1, SEQ + 1)), ValueError, r"key_padding_mask m"),
     (dict(key_padding_mask=torch.zeros(SEQ)), ValueError, r"\[batch, seq_len\]"),
     (dict(attn_mask=torch.ones(2, SEQ, SEQ)), ValueError, r"attn_mask must be \[seq_len"),

@@ -7,7 +7,9 @@ the key padding mask and the attention mask, a 'mul' mask as ``where(m == 0, -in
 'add' mask as it is, over the blocks of the layout only. ``deepspeed_attention`` below is that,
 dense, in float64. The one documented difference: a row with nothing to attend to is NaN there
 and 0 in cuattn. Masks are drawn per batch row (right, left, scattered, no padding, all padding)
-and every pattern the shim follows (causal, windows, strictly causal, all, nothing).
+and every pattern the shim follows as a band (causal, windows, strictly causal, all, nothing);
+attn_masks that are no band or hold finite values in 'add' mode, and rpes that are no function
+of k - q, run through cuattn's score_bias and are held to the same restatement.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _check(got, want, inputs, out_rtol=OUT_RTOL, grad_rtol=GRAD_RTOL_F64):
     assert got.shape == want.shape and got.dtype == want.dtype and not got.isnan().any()
     assert _close(got, want, out_rtol)
     w = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(99))
-    grads = torch.autograd.grad((got * w).sum(), inputs)
+    grads = torch.autograd.grad((got * w).sum(), inputs, retain_graph=True)  # a shared rpe graph
     wants = torch.autograd.grad((want * w).sum(), inputs)
     for g, ref in zip(grads, wants, strict=True):
         assert _close(g, ref, grad_rtol)
@@ -222,14 +224,20 @@ def test_float16_casts_masks_as_deepspeed_does():
 
 def test_the_kernels_follow_a_band_with_the_keys_cut_to_a_padding_length(monkeypatch):
     """On the interpreter (the .cu kernels, float32): right padding cuts the keys and moves the
-    window rule's bounds by the end-aligned offset; left padding runs on a per-key rule."""
+    window rule's bounds by the end-aligned offset; left padding runs on a per-key rule; a
+    mask that is no band (dilated, and causal with one row keeping keys 0..4) runs as per-block
+    bitmasks, with the keys cut too."""
     monkeypatch.setenv("CUATTN_BACKEND", "interp")
     cfg = ds.BSLongformerSparsityConfig(2, block=16, num_sliding_window_blocks=3)
-    for band in ("causal", "window"):
+    for band in ("causal", "window", "general"):
         module = ds.SparseSelfAttention(cfg, "mul", "mul", max_seq_length=64)
-        lo, hi = BANDS[band]
+        lo, hi = BANDS["causal" if band == "general" else band]
         d = torch.arange(64)[:, None] - torch.arange(64)[None, :]
         keep_qk = (d >= lo) & (d <= hi)
+        if band == "general":
+            keep_qk &= d % 3 != 1
+            keep_qk[40] = False
+            keep_qk[40, :5] = True
         keep_k = torch.ones(3, 64, dtype=torch.bool)
         keep_k[0, 37:] = False  # right padding: keys cut to 37
         keep_k[1, :21] = False  # left padding: a per-key rule
@@ -322,17 +330,15 @@ def _bias(value: float, shape: tuple[int, ...]) -> torch.Tensor:
     return mask
 
 
+def _row_cut_from_band() -> torch.Tensor:
+    """A sliding window in which one row keeps only keys 0..4: a band with one odd row."""
+    keep = _band_keep("window")
+    keep[30] = False
+    keep[30, :5] = True
+    return keep
+
+
 REFUSALS = [
-    (
-        dict(rpe=torch.rand(BATCH, HEADS, SEQ, SEQ, generator=torch.Generator().manual_seed(1))),
-        ("add", "mul"),
-        r"rpe of shape \(6, 4, 48, 48\) is not a function of key minus query position",
-    ),
-    (
-        dict(rpe=torch.ones(HEADS, SEQ, SEQ, dtype=torch.float64, requires_grad=True)),
-        ("add", "mul"),
-        "rpe: a leaf requiring a gradient is not supported",
-    ),
     (
         dict(key_padding_mask=_bias(float("inf"), (BATCH, SEQ))),
         ("add", "mul"),
@@ -343,32 +349,25 @@ REFUSALS = [
         ("mul", "mul"),
         "key_padding_mask holds NaN",
     ),
-    (
-        dict(attn_mask=_bias(-1e4, (SEQ, SEQ))),
-        ("add", "add"),
-        r"attn_mask holds -10000.0: .*score bias on each \(query, key\) pair",
-    ),
     (dict(attn_mask=_bias(float("nan"), (SEQ, SEQ))), ("add", "add"), "attn_mask holds NaN"),
+    (dict(attn_mask=_bias(float("nan"), (SEQ, SEQ))), ("add", "mul"), "attn_mask holds NaN"),
     (
-        dict(attn_mask=torch.rand(SEQ, SEQ, generator=torch.Generator().manual_seed(0)) < 0.6),
-        ("add", "mul"),
-        "attn_mask is not a pattern cuattn can follow: query row",
-    ),
-    (
-        dict(attn_mask=_gappy()),
-        ("add", "mul"),
-        r"query row 1 keeps keys 1..1, where the band 0 <= q - k <= 46 that the rows span",
-    ),
-    (
-        dict(attn_mask=_one_row_differs()),
-        ("add", "mul"),
-        r"query row 0 keeps keys 0..0, where the band -37 <= q - k <= 47 .* keys 0..37",
+        dict(attn_mask=_bias(float("inf"), (SEQ, SEQ))),
+        ("add", "add"),
+        r"attn_mask holds inf: .*\+inf would leave the softmax no finite scale",
     ),
     (
         dict(attn_mask=torch.ones(SEQ, SEQ, dtype=torch.complex64)),
         ("add", "mul"),
         "attn_mask must be real or bool",
     ),
+    (
+        dict(rpe=torch.zeros(BATCH, HEADS, SEQ, SEQ - 8)),
+        ("add", "mul"),
+        r"rpe of shape \(6, 4, 48, 40\) does not fit",
+    ),
+    (dict(rpe=torch.zeros(2, HEADS, SEQ, SEQ)), ("add", "mul"), r"rpe of shape \(2, 4, 48, 48\)"),
+    (dict(rpe=torch.zeros(SEQ, SEQ, dtype=torch.int64)), ("add", "mul"), "rpe must be a floating"),
 ]
 
 
@@ -417,19 +416,195 @@ def test_an_rpe_by_distance_runs_as_a_table_with_its_gradient(modes, attn):
     _check(got, want, (q, k, v, embedding))
 
 
+# -- what DeepSpeed allows beyond a band and a table by distance: cuattn's score_bias ----------
+
+
+def _general_attn_masks(g: torch.Generator) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (attn_mask_mode, mask): the masks that are no band, or hold finite values in
+    'add' mode, which DeepSpeed's softmax adds as they are."""
+    finite = torch.randn(SEQ, SEQ, generator=g, dtype=torch.float64)
+    finite_causal = finite.masked_fill(~_band_keep("causal"), INF)
+    finite_causal[5] = INF  # a row with nothing left: 0 here, NaN in DeepSpeed
+    finite_gappy = finite.masked_fill(~_gappy(), INF)
+    random_keep = torch.rand(SEQ, SEQ, generator=g) < 0.6
+    return {
+        "mul-random": ("mul", _encode(random_keep, "mul", g, 0)),
+        "mul-dilated": ("mul", _gappy()),
+        "mul-one-row-sees-all": ("mul", _one_row_differs().double()),
+        "mul-row-keeps-0..4-of-a-band": ("mul", _row_cut_from_band()),
+        "add-general-0/-inf": ("add", _encode(random_keep, "add", g, 0)),
+        "add-minus-1e4": ("add", _bias(-1e4, (SEQ, SEQ))),
+        "add-finite-dense": ("add", finite),
+        "add-finite-with-causal-inf": ("add", finite_causal),
+        "add-finite-dilated-inf": ("add", finite_gappy[None, None]),
+    }
+
+
+def _rpes(g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """name -> (rpe, the leaf whose gradient is checked, or None): rpes that are not a
+    function of k - q, in each shape DeepSpeed allows, and leaves that require a gradient."""
+    full = torch.randn(BATCH, HEADS, SEQ, SEQ, generator=g, dtype=torch.float64)
+    source = torch.randn(HEADS, SEQ, SEQ, generator=g, dtype=torch.float64, requires_grad=True)
+    leaf = torch.randn(HEADS, SEQ, SEQ, generator=g, dtype=torch.float64).requires_grad_(True)
+    zeros = torch.zeros(1, HEADS, SEQ, SEQ, dtype=torch.float64, requires_grad=True)
+    by_distance = torch.arange(SEQ)[None, :] - torch.arange(SEQ)[:, None]
+    toeplitz_leaf = (0.1 * by_distance).double().requires_grad_(True)
+    per_row = torch.randn(BATCH, 1, SEQ, SEQ, generator=g, dtype=torch.float32)
+    longer = torch.zeros(1, HEADS, MAX_LEN, MAX_LEN, dtype=torch.float32, requires_grad=True)
+    return {
+        "batch-heads": (full, None),
+        "batch-one-head-float32": (per_row, None),
+        "made-from-a-tensor": ((source * 2).tanh()[None], source),
+        "leaf": (leaf, leaf),
+        "zero-leaf": (zeros, zeros),  # a zero-initialised learned rpe: still its gradient
+        "toeplitz-leaf": (toeplitz_leaf, toeplitz_leaf),  # by distance, but its entries are free
+        # a zero-initialised learned rpe for max_seq_length, sliced and cast: free entries too
+        "slice-of-a-zero-leaf": (longer[:, :, :SEQ, :SEQ].double(), longer),
+    }
+
+
+GENERAL_MASKS = list(_general_attn_masks(torch.Generator().manual_seed(0)))
+RPES = list(_rpes(torch.Generator().manual_seed(0)))
+PADDINGS = ["mul", "add", "add-finite", None]  # key_padding_mask_mode, or none given
+
+
+def _padding(kind: str | None, g: torch.Generator) -> torch.Tensor | None:
+    """A key padding mask of every padding kind (right, left, scattered, none, all), or for
+    'add-finite' a learned per-key bias with -inf on some keys (cuattn's key_bias)."""
+    if kind is None:
+        return None
+    keep = _padding_keep(g)
+    if kind != "add-finite":
+        return _encode(keep, kind, g, 0)
+    bias = torch.randn(BATCH, SEQ, generator=g, dtype=torch.float64)
+    return bias.masked_fill(~keep, INF)
+
+
+def _run_against_deepspeed(case: int, padding_kind, attn_mode, attn_mask, rpe, leaf, dtype):
+    kp_mode = "mul" if padding_kind == "mul" else "add"
+    cfg = _configs()[case % 3]
+    module = ds.SparseSelfAttention(cfg, kp_mode, attn_mode, max_seq_length=MAX_LEN)
+    g = torch.Generator().manual_seed(100 + case)
+    padding = _padding(padding_kind, g)
+    q, k, v = _qkv(100 + case, dtype=dtype)
+    got = module(q, k, v, rpe=rpe, key_padding_mask=padding, attn_mask=attn_mask)
+    as_double = [x.double() for x in (q, k, v)]
+    ref_rpe = None if rpe is None else rpe.double()
+    blocks = module.get_layout(SEQ)
+    want, empty = deepspeed_attention(
+        *as_double, blocks, padding, attn_mask, kp_mode, attn_mode, rpe=ref_rpe
+    )
+    inputs = (q, k, v) if leaf is None else (q, k, v, leaf)
+    if dtype == torch.float64:
+        _check(got, want, inputs)
+    else:
+        _check(got.double(), want, inputs, out_rtol=1e-5, grad_rtol=1e-4)
+    assert not got.detach().masked_select(empty).any()
+
+
+@pytest.mark.parametrize("padding_kind", PADDINGS, ids=lambda p: f"kp-{p}")
+@pytest.mark.parametrize("name", GENERAL_MASKS)
+def test_a_general_attn_mask_in_either_mode_equals_deepspeeds_semantics(name, padding_kind):
+    """Masks that are no band (random, dilated, a row that differs, a row keeping keys 0..4
+    of a window) in 'mul' mode, and 0/-inf or finite values in 'add' mode, through every
+    padding kind: forward and the gradients of q, k, v equal DeepSpeed's softmax, in
+    float64."""
+    case = GENERAL_MASKS.index(name) * len(PADDINGS) + PADDINGS.index(padding_kind)
+    attn_mode, attn_mask = _general_attn_masks(torch.Generator().manual_seed(0))[name]
+    _run_against_deepspeed(case, padding_kind, attn_mode, attn_mask, None, None, torch.float64)
+
+
+@pytest.mark.parametrize("padding_kind", PADDINGS, ids=lambda p: f"kp-{p}")
+@pytest.mark.parametrize("name", RPES)
+def test_an_rpe_not_by_distance_is_a_score_bias_with_its_gradient(name, padding_kind):
+    """An rpe that is no function of k - q ([batch, heads, L, L], [batch, 1, L, L] in
+    float32, one made from a tensor), and leaves that require a gradient (even one by
+    distance, even all zeros): forward and the gradients of q, k, v and the rpe's leaf equal
+    DeepSpeed's softmax with the rpe added densely, through every padding kind."""
+    case = RPES.index(name) * len(PADDINGS) + PADDINGS.index(padding_kind)
+    rpe, leaf = _rpes(torch.Generator().manual_seed(0))[name]
+    _run_against_deepspeed(case, padding_kind, "mul", None, rpe, leaf, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("padding_kind", PADDINGS, ids=lambda p: f"kp-{p}")
+def test_an_rpe_and_a_finite_additive_mask_add_up(padding_kind, dtype):
+    """A dense rpe (a leaf) and a finite 'add' attn_mask that is no band, together: one score
+    bias, their sum; gradients of q, k, v and the rpe. float32 runs on the NumPy backend too."""
+    g = torch.Generator().manual_seed(5)
+    rpe = torch.randn(1, HEADS, SEQ, SEQ, generator=g, dtype=dtype).requires_grad_(True)
+    _, mask = _general_attn_masks(g)["add-finite-dilated-inf"]
+    case = PADDINGS.index(padding_kind) + (7 if dtype == torch.float32 else 0)
+    _run_against_deepspeed(case, padding_kind, "add", mask.to(dtype), rpe, rpe, dtype)
+
+
+def test_a_general_mul_mask_is_a_bitmask_layout_and_no_score_bias(monkeypatch):
+    """A 0/1 mask that is no band restricts the layout exactly (per-block bitmasks, blocks it
+    leaves empty not walked), so the kernels run it without a dense bias; a finite 'add' mask
+    is the only one that becomes a score_bias."""
+    module = ds.SparseSelfAttention(_configs()[1], "mul", "mul", max_seq_length=MAX_LEN)
+    calls = []
+    real = ds.api.sparse_attention
+
+    def spy(q, k, v, layout, **kwargs):
+        calls.append((layout, kwargs.get("score_bias")))
+        return real(q, k, v, layout, **kwargs)
+
+    monkeypatch.setattr(ds.api, "sparse_attention", spy)
+    q, k, v = _qkv(50)
+    keep = _gappy()
+    keep[:, 16:24] = False  # key block 2 holds no kept pair: not walked
+    module(q, k, v, attn_mask=keep)
+    ((layout, bias),) = calls
+    assert bias is None and layout.rule.kind == "bitmask" and not layout.blocks[:, :, 2].any()
+    calls.clear()
+    add = ds.SparseSelfAttention(_configs()[1], "mul", "add", max_seq_length=MAX_LEN)
+    add(q, k, v, attn_mask=torch.zeros(SEQ, SEQ).masked_fill(~keep, INF))
+    ((layout, bias),) = calls
+    assert bias is None and layout.rule.kind == "bitmask"
+    calls.clear()
+    add(q, k, v, attn_mask=_bias(-1e4, (SEQ, SEQ)))
+    ((layout, bias),) = calls
+    assert bias.shape == (1, 1, SEQ, SEQ) and layout.rule.kind == "none"
+
+
+def test_an_rpe_by_distance_stays_a_table_and_any_other_is_a_score_bias(monkeypatch):
+    module = ds.SparseSelfAttention(_configs()[0], max_seq_length=MAX_LEN)
+    calls = []
+    real = ds.api.sparse_attention
+
+    def spy(q, k, v, layout, **kwargs):
+        calls.append((kwargs.get("rel_bias"), kwargs.get("score_bias")))
+        return real(q, k, v, layout, **kwargs)
+
+    monkeypatch.setattr(ds.api, "sparse_attention", spy)
+    q, k, v = _qkv(51)
+    embedding = torch.randn(HEADS, 2 * SEQ - 1, dtype=torch.float64, requires_grad=True)
+    distance = torch.arange(SEQ)[None, :] - torch.arange(SEQ)[:, None]
+    module(q, k, v, rpe=embedding[:, distance + SEQ - 1])
+    module(q, k, v, rpe=embedding[:, distance + SEQ - 1].detach().requires_grad_(True))
+    module(q, k, v, rpe=torch.zeros(SEQ, SEQ))  # adds nothing: dropped
+    (table, none), (no_table, dense), (nothing, nothing_either) = calls
+    assert table.shape == (HEADS, 2 * SEQ - 1) and none is None
+    assert no_table is None and dense.shape == (1, HEADS, SEQ, SEQ)
+    assert nothing is None and nothing_either is None
+
+
 @pytest.mark.parametrize("kwargs,modes,match", REFUSALS)
 def test_refusals_name_the_argument_before_computing(monkeypatch, kwargs, modes, match):
     module = ds.SparseSelfAttention(_configs()[0], *modes, max_seq_length=MAX_LEN)
     q, k, v = _qkv(4)
     _refuse_compute(monkeypatch)
-    error = TypeError if "must be real" in match else ValueError
+    error = TypeError if "must be" in match and "fit" not in match else ValueError
     with pytest.raises(error, match=match):
         module(q, k, v, **kwargs)
 
 
-def test_the_band_reader_finds_each_pattern():
+def test_the_band_reader_finds_each_pattern_and_holds_any_other_mask_as_bits():
     for name, (lo, hi) in BANDS.items():
-        got = ds._band(_band_keep(name))
+        pairs = ds._pairs(_band_keep(name))
+        got = pairs.band
+        assert pairs.table is None
         if name == "all":
             assert got is None
         elif name == "nothing":
@@ -437,3 +612,10 @@ def test_the_band_reader_finds_each_pattern():
         else:
             # the band as the rows span it: the same pairs, bounds clipped to the sequence
             assert got[0] == max(lo, -(SEQ - 1)) and got[1] == min(hi, SEQ - 1), (name, got)
+    q, k = torch.arange(SEQ)[:, None].numpy(), torch.arange(SEQ)[None, :].numpy()
+    for keep in (_gappy(), _one_row_differs(), _row_cut_from_band()):
+        pairs = ds._pairs(keep)
+        assert pairs.band is None and pairs.table.shape == (SEQ, SEQ // 8)
+        assert (pairs.kept(q, k) == keep.numpy()).all()
+        cover = keep.reshape(SEQ // BLOCK, BLOCK, SEQ // BLOCK, BLOCK).any(3).any(1).numpy()
+        assert (pairs.cover(SEQ // BLOCK, SEQ // BLOCK, BLOCK, SEQ) == cover).all()

@@ -243,6 +243,10 @@ def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> np
     return cached[key]
 
 
+# The serving cache's bookkeeping arrays the decode kernels read, by name, in their order
+DECODE_BOOK = ("slot_pos", "page_table", "page_count", "lengths")
+
+
 class KernelBackend:
     """forward/backward like cuattn/backends/numpy_ref.py, through the .cu kernels.
 
@@ -1036,10 +1040,7 @@ class KernelBackend:
         q: Any,
         k_pages: Any,
         v_pages: Any,
-        slot_pos: Any,
-        page_table: Any,
-        page_count: Any,
-        lengths: Any,
+        book: dict[str, Any],
         chosen: Any | None,
         call: AttentionCall,
         keep_scores: bool,
@@ -1056,20 +1057,18 @@ class KernelBackend:
         (``alibi_slopes``, float32 [heads] or [batch, heads]), ``key_bias`` (float32 [batch,
         time_k] or [batch, heads, time_k] by token position), ``rel_bias`` (float32 [heads,
         2M + 1] or [batch, heads, 2M + 1] by token minus query position), dropout (its seed
-        in an array operand or the modifiers). ``fp8``: (k_scale, v_scale, kv_dtype) of fp8
-        pages (_check_fp8_pages), or None. Shapes as the kernel file's header; the cache
-        (cuattn/serving) checks its own arrays, this checks q against them."""
+        in an array operand or the modifiers). ``book``: the cache's bookkeeping arrays by name
+        (DECODE_BOOK: slot_pos, page_table, page_count, lengths). ``fp8``: (k_scale, v_scale,
+        kv_dtype) of fp8 pages (_check_fp8_pages), or None. Shapes as the kernel file's header;
+        the cache (cuattn/serving) checks its own arrays, this checks q against them."""
         scale, mods = call.scale, call.mods
         if fp8 is not None:
             gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
+        if tuple(book) != DECODE_BOOK:
+            raise ValueError(f"book: the cache's arrays {DECODE_BOOK}, got {tuple(book)}")
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
-        book = {
-            "slot_pos": slot_pos,
-            "page_table": page_table,
-            "page_count": page_count,
-            "lengths": lengths,
-        }
         self._check_placement({**arrays, **book})
+        page_table = book["page_table"]
         self._check_contiguous({"k_pages": k_pages, "v_pages": v_pages, **book})
         batch, heads, t_q, head_dim = q.shape
         _, kv_heads, max_pages = page_table.shape
@@ -1127,10 +1126,7 @@ class KernelBackend:
                 q=q,
                 k_pages=k_pages,
                 v_pages=v_pages,
-                slot_pos=slot_pos,
-                page_table=page_table,
-                page_count=page_count,
-                lengths=lengths,
+                **book,
                 chosen=chosen,
                 part_out=part_out,
                 part_lse=part_lse,

@@ -205,14 +205,17 @@ def kernel_call(
     table, count = cache.device_tables()
     # fp8 pages: their codes, their pages' scales
     fp8 = (cache.k_scale, cache.v_scale, cache.dtype) if cache.quantized else None
+    book = dict(
+        slot_pos=cache.device_slot_pos(),
+        page_table=table,
+        page_count=count,
+        lengths=cache.device_lengths(),
+    )
     return impl.decode_pages(
         qb,
         cache.k_pages,
         cache.v_pages,
-        cache.device_slot_pos(),
-        table,
-        count,
-        cache.device_lengths(),
+        book,
         chosen,
         call,
         keep_scores,

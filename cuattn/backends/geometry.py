@@ -250,6 +250,20 @@ _DROPOUT_ARGS = (
     ("dropout_seed_words", "ptr"),
     ("use_seed_words", "i32"),
 )
+# A dense score bias (block kernels' score-modifier variants only: the decode kernels take
+# none): its first element (any view: the four element strides say where the rest is, 0 along
+# a broadcast axis), how it is stored (SCORE_BIAS_KINDS), and its batch, head, query and key
+# strides; a one-element stand-in when use_score_bias is 0.
+_SCORE_BIAS_ARGS = (
+    ("score_bias", "ptr"),
+    ("use_score_bias", "i32"),
+    ("score_bias_batch_stride", "i64"),
+    ("score_bias_head_stride", "i64"),
+    ("score_bias_q_stride", "i64"),
+    ("score_bias_k_stride", "i64"),
+)
+# use_score_bias (kernels/common/score_tile.cuh): none, float32, or the kernel's own 16-bit type
+SCORE_BIAS_KINDS = {"none": 0, "float32": 1, "narrow": 2}
 _RULE_SCALARS = (
     ("n_q", "i32"),
     ("n_k", "i32"),
@@ -261,6 +275,7 @@ _RULE_SCALARS = (
     ("window_right", "i32"),
     ("softcap", "f32"),
     *_SCORE_OPERAND_ARGS,
+    *_SCORE_BIAS_ARGS,
     *_DROPOUT_ARGS,
 )
 STRIDE_AXES = ("batch", "head", "row")
@@ -526,6 +541,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         # [batch, heads, n_q, 2M + 1], zeroed), written when use_rel_bias_grad
         ("rel_bias_grad", "ptr"),
         ("use_rel_bias_grad", "i32"),
+        # the score bias's gradient: dS of every visited element (float32 [batch, heads, n_q,
+        # n_k], zeroed), written when use_score_bias_grad
+        ("score_bias_grad", "ptr"),
+        ("use_score_bias_grad", "i32"),
         *_BWD_STRIDES,
     ),
 }

@@ -282,6 +282,123 @@ __device__ __forceinline__ void key_bias_frags(float (&s)[M_FRAGS][N / 8][4], co
   }
 }
 
+// How the score-modifier kernels read a dense score bias (use_score_bias): not at all, in
+// float32, or in the kernel's own 16-bit type T (a bias in q's dtype, as SDPA and transformers
+// build their float masks): one runtime switch per tile instead of a template argument, which
+// would double the 16-bit MODS_SCORE instantiations.
+constexpr int SCORE_BIAS_NONE = 0;
+constexpr int SCORE_BIAS_FLOAT = 1;
+constexpr int SCORE_BIAS_NARROW = 2;
+
+// A dense additive bias broadcast to [batch, heads, n_q, n_k] (score_bias: xformers' attn_bias,
+// SDPA's float mask, DeepSpeed's rpe), this (batch, head)'s plane, read in place at element
+// strides (0 along a broadcast axis; nothing is assumed contiguous). Only the tiles the walk
+// visits are read, and no element past n_q or n_k.
+template <typename T>
+struct ScoreBias {
+  const void* plane;  // element (0, 0) of this (batch, head); null: no score bias
+  long long q_stride, k_stride;
+  int n_q, n_k;
+  bool narrow;  // stored in T, else in float32
+
+  __device__ __forceinline__ static ScoreBias make(const void* bias, int kind,
+                                                   long long batch_stride, long long head_stride,
+                                                   long long q_stride, long long k_stride, int n_q,
+                                                   int n_k, int batch, int head) {
+    if (kind == SCORE_BIAS_NONE) return {nullptr, 0, 0, 0, 0, false};
+    const bool narrow = is_half_type<T>::value && kind == SCORE_BIAS_NARROW;
+    const long long origin = batch * batch_stride + head * head_stride;
+    const char* plane = static_cast<const char*>(bias) +
+                        origin * static_cast<long long>(narrow ? sizeof(T) : sizeof(float));
+    return {plane, q_stride, k_stride, n_q, n_k, narrow};
+  }
+};
+
+// factor * bias added to M_FRAGS stacked fragments whose rows advance row_step elements and
+// columns col_step; plane points at this lane's first column of row 0. Rows at or past
+// rows_end and columns at or past cols_left (from the lane's first column) are not read.
+template <typename E, int M_FRAGS, int N>
+__device__ __forceinline__ void add_bias_elements(float (&s)[M_FRAGS][N / 8][4], const E* plane,
+                                                  long long row_step, long long col_step,
+                                                  int row_first, int rows_end, int cols_left,
+                                                  float factor) {
+  const AccLayout frag;
+#pragma unroll
+  for (int m = 0; m < M_FRAGS; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_first + 16 * m + frag.row(2 * r);
+      if (row >= rows_end) continue;
+      const E* row_bias = plane + row * row_step;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (8 * j + c < cols_left) {
+            s[m][j][2 * r + c] =
+                fmaf(to_float(row_bias[(8 * j + c) * col_step]), factor, s[m][j][2 * r + c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// factor * score_bias (LOG2E adds it in the log2 domain, -LOG2E takes it back out) on M_FRAGS
+// stacked fragments in the layout of mask_score_frags (ROWS_ARE_QUERIES: forward and dQ; dK/dV
+// work on S^T). Callers add it before the mask: a masked score is replaced, so a bias read in a
+// masked corner of a visited tile (NaN or anything) leaves no trace.
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES, typename T>
+__device__ __forceinline__ void score_bias_frags(float (&s)[M_FRAGS][N / 8][4],
+                                                 const ScoreBias<T>& sb, int row_first,
+                                                 int col_first, float factor) {
+  const AccLayout frag;
+  const long long row_step = ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride;
+  const long long col_step = ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride;
+  const int rows_end = ROWS_ARE_QUERIES ? sb.n_q : sb.n_k;
+  const int col = col_first + frag.col(0, 0);
+  const int cols_left = (ROWS_ARE_QUERIES ? sb.n_k : sb.n_q) - col;
+  if (is_half_type<T>::value && sb.narrow) {
+    const T* plane = static_cast<const T*>(sb.plane) + col * col_step;
+    add_bias_elements<T, M_FRAGS, N>(s, plane, row_step, col_step, row_first, rows_end, cols_left,
+                                     factor);
+  } else {
+    const float* plane = static_cast<const float*>(sb.plane) + col * col_step;
+    add_bias_elements<float, M_FRAGS, N>(s, plane, row_step, col_step, row_first, rows_end,
+                                         cols_left, factor);
+  }
+}
+
+template <int N, bool ROWS_ARE_QUERIES, typename T>
+__device__ __forceinline__ void score_bias_tile(float (&s)[N / 8][4], const ScoreBias<T>& sb,
+                                                int row_first, int col_first, float factor) {
+  score_bias_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), sb, row_first, col_first, factor);
+}
+
+// The score bias's gradient from one dQ warp tile of dS (rows: queries q_first + 16, columns:
+// keys k_first + N) into this (batch, head)'s [n_q, n_k] float32 plane, zeroed by the caller:
+// every element of a visited tile is written once (one dQ CTA owns each query row, and the walk
+// visits each of its tiles once), none past n_q or n_k.
+template <int N>
+__device__ __forceinline__ void score_bias_grad_tile(const float (&ds)[N / 8][4], float* plane,
+                                                     int n_q, int n_k, int q_first, int k_first) {
+  const AccLayout frag;
+  const int keys_left = n_k - k_first - frag.col(0, 0);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q_row = q_first + frag.row(2 * r);
+    if (q_row >= n_q) continue;
+    float* row_grad = plane + size_t(q_row) * n_k + k_first + frag.col(0, 0);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (8 * j + c < keys_left) row_grad[8 * j + c] = ds[j][2 * r + c];
+      }
+    }
+  }
+}
+
 // A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
 // allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a
 // plain multiply. (The forward's plain kernels skip it: row_probs.)

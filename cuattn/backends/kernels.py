@@ -742,8 +742,9 @@ class KernelBackend:
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
         the call is the forward's. Each given operand's gradient
         follows, in SCORE_OPERANDS order: the slopes' and the table's from per-row shares of
-        the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, summed here in
-        a fixed order; a seed array's is None.
+        the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, the dense score
+        bias's from the dQ pass's dS of every visited element (or, broadcast over the queries,
+        from the key bias's sums), summed here in a fixed order; a seed array's is None.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel, so the

@@ -69,8 +69,9 @@ def test_kernels_score_bias_broadcast_shapes(shape):
 
 
 def test_kernels_score_bias_strided_and_transposed_views():
-    """Views read in place at their strides: a transposed [n_k, n_q] array and every other
-    column of a wider one whose other columns are NaN (read, they would poison the rows)."""
+    """Views read in place at their strides: a transposed [n_k, n_q] array, every other
+    column of a wider one whose other columns are NaN (read, they would poison the rows), and
+    a flipped one (negative strides)."""
     n = n_ctx_for(16)
     layout = make_test_layout("window", 16, n)
     q, k, v, dout = _inputs((BATCH, HEADS, n, HEAD_DIM), "float32", seed=5)
@@ -81,6 +82,8 @@ def test_kernels_score_bias_strided_and_transposed_views():
     wide[:, :, ::2] = _bias((HEADS, n, n), np.float32, seed=7)
     strided = wide[:, None, :, ::2]
     check_operands(interp, q, k, v, dout, layout, TOLERANCE["float32"], score_bias=strided)
+    flipped = np.flip(_bias((BATCH, 1, n, n), np.float32, seed=8), axis=(-2, -1))
+    check_operands(interp, q, k, v, dout, layout, TOLERANCE["float32"], score_bias=flipped)
 
 
 CASES = [
@@ -183,3 +186,13 @@ def test_decode_kernels_refuse_a_score_bias():
         interp.backend.decode_pages(
             q, q, q, q, q, q, q, None, call, keep_scores=False, resident_ctas=1
         )
+
+
+def test_kernels_score_bias_with_softcap_at_head_dim_256():
+    """At d = 256 the dQ kernel recovers each capped score from P less the biases (no room to
+    keep the cap's slopes), as dK/dV always does: the score bias is taken back out there too."""
+    n = n_ctx_for(16)
+    layout = make_test_layout("causal", 16, n)
+    q, k, v, dout = _inputs((1, HEADS, n, 256), "float16", seed=19)
+    bias = _bias((HEADS, n, n), q.dtype, seed=20)
+    check_operands(interp, q, k, v, dout, layout, TOLERANCE["float16"], SOFTCAP, score_bias=bias)

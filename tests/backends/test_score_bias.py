@@ -196,3 +196,16 @@ def test_kernels_score_bias_with_softcap_at_head_dim_256():
     q, k, v, dout = _inputs((1, HEADS, n, 256), "float16", seed=19)
     bias = _bias((HEADS, n, n), q.dtype, seed=20)
     check_operands(interp, q, k, v, dout, layout, TOLERANCE["float16"], SOFTCAP, score_bias=bias)
+
+
+def test_kernels_score_bias_beside_a_key_bias():
+    """A padding-mask-shaped score bias and a key bias share dK/dV's per-key sums of dS: each
+    still gets its own gradient, shaped like itself."""
+    n = n_ctx_for(16)
+    layout = make_test_layout("causal", 16, n)
+    q, k, v, dout = _inputs((BATCH, HEADS, n, HEAD_DIM), "float32", seed=21)
+    key_bias = _bias((BATCH, HEADS, n), np.float32, seed=22)
+    bias = _bias((BATCH, 1, 1, n), np.float32, seed=23)
+    check_operands(
+        interp, q, k, v, dout, layout, TOLERANCE["float32"], key_bias=key_bias, score_bias=bias
+    )

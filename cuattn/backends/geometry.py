@@ -604,11 +604,12 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
 # dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
 # dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
-# head dim 32 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
+# head dim 16 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
 # 64-row steps at d48-d80; dK/dV's at d32 with the bitmask rule once dropout's seed could come
-# from memory).
+# from memory, and at d16 in 16-bit types once a softcap's score was recovered less a dense
+# score bias, read again).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
-MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 32
+MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 16
 MODS_BWD_MAX_STEP = 32
 
 

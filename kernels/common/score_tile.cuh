@@ -314,58 +314,50 @@ struct ScoreBias {
   }
 };
 
-// factor * bias added to M_FRAGS stacked fragments whose rows advance row_step elements and
-// columns col_step; plane points at this lane's first column of row 0. Rows at or past
-// rows_end and columns at or past cols_left (from the lane's first column) are not read.
-template <typename E, int M_FRAGS, int N>
-__device__ __forceinline__ void add_bias_elements(float (&s)[M_FRAGS][N / 8][4], const E* plane,
-                                                  long long row_step, long long col_step,
-                                                  int row_first, int rows_end, int cols_left,
-                                                  float factor) {
+// One bias element at a byte address, stored in T (narrow) or in float32. Both loads share the
+// address and one of them is predicated off: one copy of the tile's code serves both storage
+// types instead of a copy each.
+template <typename T>
+__device__ __forceinline__ float bias_at(const char* address, bool narrow) {
+  if (is_half_type<T>::value && narrow) return to_float(*reinterpret_cast<const T*>(address));
+  return *reinterpret_cast<const float*>(address);
+}
+
+// factor * score bias added to M_FRAGS stacked fragments in the layout of mask_score_frags
+// (ROWS_ARE_QUERIES: forward and dQ; dK/dV work on S^T): LOG2E adds it in the log2 domain,
+// -LOG2E takes it back out. Rows at or past their axis's end and columns past theirs are not
+// read. Callers add it before the mask: a masked score is replaced, so a bias read in a masked
+// corner of a visited tile (NaN or anything) leaves no trace.
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES, typename T>
+__device__ __forceinline__ void score_bias_frags(float (&s)[M_FRAGS][N / 8][4],
+                                                 const ScoreBias<T>& sb, int row_first,
+                                                 int col_first, float factor) {
   const AccLayout frag;
+  const int shift = sb.narrow ? 1 : 2;  // log2 of the element's bytes
+  const long long row_step = (ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride) << shift;
+  const long long col_step = (ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride) << shift;
+  const int rows_end = ROWS_ARE_QUERIES ? sb.n_q : sb.n_k;
+  const int col = col_first + frag.col(0, 0);
+  const int cols_left = (ROWS_ARE_QUERIES ? sb.n_k : sb.n_q) - col;
+  const char* plane = static_cast<const char*>(sb.plane) + col * col_step;
 #pragma unroll
   for (int m = 0; m < M_FRAGS; ++m) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_first + 16 * m + frag.row(2 * r);
       if (row >= rows_end) continue;
-      const E* row_bias = plane + row * row_step;
+      const char* row_bias = plane + row * row_step;
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           if (8 * j + c < cols_left) {
-            s[m][j][2 * r + c] =
-                fmaf(to_float(row_bias[(8 * j + c) * col_step]), factor, s[m][j][2 * r + c]);
+            const float bias = bias_at<T>(row_bias + (8 * j + c) * col_step, sb.narrow);
+            s[m][j][2 * r + c] = fmaf(bias, factor, s[m][j][2 * r + c]);
           }
         }
       }
     }
-  }
-}
-
-// factor * score_bias (LOG2E adds it in the log2 domain, -LOG2E takes it back out) on M_FRAGS
-// stacked fragments in the layout of mask_score_frags (ROWS_ARE_QUERIES: forward and dQ; dK/dV
-// work on S^T). Callers add it before the mask: a masked score is replaced, so a bias read in a
-// masked corner of a visited tile (NaN or anything) leaves no trace.
-template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES, typename T>
-__device__ __forceinline__ void score_bias_frags(float (&s)[M_FRAGS][N / 8][4],
-                                                 const ScoreBias<T>& sb, int row_first,
-                                                 int col_first, float factor) {
-  const AccLayout frag;
-  const long long row_step = ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride;
-  const long long col_step = ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride;
-  const int rows_end = ROWS_ARE_QUERIES ? sb.n_q : sb.n_k;
-  const int col = col_first + frag.col(0, 0);
-  const int cols_left = (ROWS_ARE_QUERIES ? sb.n_k : sb.n_q) - col;
-  if (is_half_type<T>::value && sb.narrow) {
-    const T* plane = static_cast<const T*>(sb.plane) + col * col_step;
-    add_bias_elements<T, M_FRAGS, N>(s, plane, row_step, col_step, row_first, rows_end, cols_left,
-                                     factor);
-  } else {
-    const float* plane = static_cast<const float*>(sb.plane) + col * col_step;
-    add_bias_elements<float, M_FRAGS, N>(s, plane, row_step, col_step, row_first, rows_end,
-                                         cols_left, factor);
   }
 }
 

@@ -209,3 +209,14 @@ def test_kernels_score_bias_beside_a_key_bias():
     check_operands(
         interp, q, k, v, dout, layout, TOLERANCE["float32"], key_bias=key_bias, score_bias=bias
     )
+
+
+def test_kernels_score_bias_with_softcap_at_head_dim_16():
+    """d = 16 in 16-bit types steps 32 rows in the variant's backward (geometry:
+    MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM): dK/dV's 64-row step spilled with a softcap and a score
+    bias. The bitmask rule at 64-blocks is the widest such instantiation."""
+    n = n_ctx_for(64)
+    layout = make_test_layout("bitmask", 64, n)
+    q, k, v, dout = _inputs((1, HEADS, n, 16), "float16", seed=24)
+    bias = _bias((HEADS, n, n), q.dtype, seed=25)
+    check_operands(interp, q, k, v, dout, layout, TOLERANCE["float16"], SOFTCAP, score_bias=bias)

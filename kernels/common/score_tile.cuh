@@ -333,9 +333,10 @@ __device__ __forceinline__ void score_bias_frags(float (&s)[M_FRAGS][N / 8][4],
                                                  const ScoreBias<T>& sb, int row_first,
                                                  int col_first, float factor) {
   const AccLayout frag;
-  const int shift = sb.narrow ? 1 : 2;  // log2 of the element's bytes
-  const long long row_step = (ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride) << shift;
-  const long long col_step = (ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride) << shift;
+  // in bytes (a multiply, not a shift: a flipped view's strides are negative)
+  const long long bytes = sb.narrow ? sizeof(T) : sizeof(float);
+  const long long row_step = (ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride) * bytes;
+  const long long col_step = (ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride) * bytes;
   const int rows_end = ROWS_ARE_QUERIES ? sb.n_q : sb.n_k;
   const int col = col_first + frag.col(0, 0);
   const int cols_left = (ROWS_ARE_QUERIES ? sb.n_k : sb.n_q) - col;

@@ -161,7 +161,8 @@ def sparse_attention(
     heads, time_q, time_k]: rank 2 to 4, each axis 1 or its full size, any strides, -inf
     allowed: xformers' ``attn_bias``, SDPA's float mask, T5's ``position_bias``) adds
     ``score_bias[b, h, i, j]`` (broadcast) to the score of query i and key j; it is read only
-    inside the layout's computed blocks (NumPy backend; the kernels refuse it by name for now).
+    inside the layout's computed blocks, on every backend (the kernels' score-modifier variant
+    reads it in place at its strides; decode_attention takes none).
     A gradient reaches the slopes, the key bias, the table and the score bias where they carry
     one (torch, jax, cuattn.Tensor), summed over the axes each broadcasts; the table's
     backward keeps float32 [batch, heads, time_q, 2 M + 1] while it runs, the score bias's a

@@ -17,6 +17,10 @@
 //   attn_bwd_dq writes each query row's share of the table's gradient, [batch, heads, n_q,
 //   2M + 1] zeroed by the caller: dS of the one key a middle column reaches in the row, the sum
 //   of dS over the keys clamped to the first and last columns (the caller sums the rows); with
+//   use_score_bias S carries the dense bias as in attn_fwd, and with use_score_bias_grad
+//   attn_bwd_dq writes dS of every element of its visited tiles into [batch, heads, n_q, n_k]
+//   float32 zeroed by the caller (the caller sums the bias's broadcast axes; a bias broadcast
+//   over queries takes the key bias's sums of attn_bwd_dkdv instead); with
 //   dropout_threshold > 0, dV takes the dropped probabilities and dP is taken through the same
 //   mask (kernels/common/philox.cuh regenerates the forward's), dS = P * (dP - delta).
 // Kernels, in launch order:
@@ -179,7 +183,11 @@ __global__ void __launch_bounds__(
                   const float* __restrict__ key_bias, int use_key_bias,
                   long long key_bias_batch_stride, long long key_bias_head_stride,
                   const float* __restrict__ rel_bias, int use_rel_bias,
-                  int rel_bias_batch_stride, int rel_max_distance, long long dropout_threshold,
+                  int rel_bias_batch_stride, int rel_max_distance,
+                  const void* __restrict__ score_bias, int use_score_bias,
+                  long long score_bias_batch_stride, long long score_bias_head_stride,
+                  long long score_bias_q_stride, long long score_bias_k_stride,
+                  long long dropout_threshold,
                   long long dropout_seed, float dropout_scale,
                   const u32* __restrict__ dropout_seed_words, int use_seed_words,
                   float* __restrict__ key_bias_grad, int use_key_bias_grad,
@@ -262,6 +270,11 @@ __global__ void __launch_bounds__(
     return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
                          dropout_scale);
   };
+  auto score_bias_of = [&] {
+    return ScoreBias<T>::make(score_bias, use_score_bias, score_bias_batch_stride,
+                              score_bias_head_stride, score_bias_q_stride, score_bias_k_stride,
+                              n_q, n_k, int(blockIdx.z), head);
+  };
   if constexpr (MODS == MODS_SCORE) {
     if (use_key_bias) {
       const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride,
@@ -295,6 +308,7 @@ __global__ void __launch_bounds__(
         for (int e = 0; e < 4; ++e) p_t[j][e] += key_bias_log2[e / 2];  // 0 without one
       }
       if (use_rel_bias) rel_bias_tile<TILE_Q, false>(p_t, rel_bias_of(), q_offset, k_warp, q_start);
+      if (use_score_bias) score_bias_tile<TILE_Q, false>(p_t, score_bias_of(), k_warp, q_start, LOG2E);
     }
     if (tile.coverage == TILE_PARTIAL) {
       mask_score_tile<RULE, BLOCK, TILE_Q, false>(p_t, rule, k_warp, q_start, tile.block, k_block,
@@ -364,6 +378,9 @@ __global__ void __launch_bounds__(
           position_bias_frags<1, TILE_Q, false>(as_frags<TILE_Q>(p_t), q_offset, k_warp, q_start,
                                                 [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
         }
+        if (use_score_bias) {
+          score_bias_tile<TILE_Q, false>(p_t, score_bias_of(), k_warp, q_start, -LOG2E);
+        }
 #pragma unroll
         for (int j = 0; j < TILE_Q / 8; ++j) {
 #pragma unroll
@@ -412,10 +429,14 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
                 const float* __restrict__ key_bias, int use_key_bias,
                 long long key_bias_batch_stride, long long key_bias_head_stride,
                 const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
-                int rel_max_distance, long long dropout_threshold, long long dropout_seed,
+                int rel_max_distance, const void* __restrict__ score_bias, int use_score_bias,
+                long long score_bias_batch_stride, long long score_bias_head_stride,
+                long long score_bias_q_stride, long long score_bias_k_stride,
+                long long dropout_threshold, long long dropout_seed,
                 float dropout_scale, const u32* __restrict__ dropout_seed_words, int use_seed_words,
                 float* __restrict__ alibi_grad, int use_alibi_grad,
                 float* __restrict__ rel_bias_grad, int use_rel_bias_grad,
+                float* __restrict__ score_bias_grad, int use_score_bias_grad,
                 long long q_batch_stride, long long q_head_stride, long long q_row_stride,
                 long long k_batch_stride, long long k_head_stride, long long k_row_stride,
                 long long v_batch_stride, long long v_head_stride, long long v_row_stride,
@@ -485,6 +506,11 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
     return Dropout::make(dropout_threshold, dropout_seed, dropout_seed_words, use_seed_words,
                          dropout_scale);
   };
+  auto score_bias_of = [&] {
+    return ScoreBias<T>::make(score_bias, use_score_bias, score_bias_batch_stride,
+                              score_bias_head_stride, score_bias_q_stride, score_bias_k_stride,
+                              n_q, n_k, int(blockIdx.z), head);
+  };
   const KeyBias kb{key_bias + blockIdx.z * key_bias_batch_stride + head * key_bias_head_stride, n_k};
   const ScoreScale score_scale = ScoreScale::make<MODS>(
       scale, softcap, use_alibi ? alibi_slopes : nullptr, alibi_batch_stride, int(blockIdx.z), head);
@@ -530,6 +556,19 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
         warp_gemm_rs_nk<TILE_K, HEAD_DIM>(p, q_smem + warp * 16 * LD, LD, k_smem, LD);
       }
       score_tile<MODS, TILE_K>(p, score_scale);
+      // the softcap's slope of each score, from the capped score before any bias is added (a
+      // masked score's slope multiplies its dS, which is 0)
+      float slope[TILE_K / 8][4];
+      if constexpr (MODS == MODS_SCORE && Traits::KEEP_SLOPES) {
+#pragma unroll
+        for (int j = 0; j < TILE_K / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
+        }
+      }
+      if constexpr (MODS == MODS_SCORE) {  // before the mask, which replaces what it masks
+        if (use_score_bias) score_bias_tile<TILE_K, true>(p, score_bias_of(), q_warp, k_start, LOG2E);
+      }
       if (tile.coverage == TILE_PARTIAL) {
         mask_score_tile<RULE, BLOCK, TILE_K, true>(p, rule, q_warp, k_start, q_block, tile.block,
                                                    tile.mask_id);
@@ -543,15 +582,6 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
 #pragma unroll
             for (int c = 0; c < 2; ++c) key_bias_log2[j][c] = kb.log2_at(k_start + frag.col(j, c));
           }
-        }
-      }
-      // the softcap's slope of each score, from the capped score before any bias is added
-      float slope[TILE_K / 8][4];
-      if constexpr (MODS == MODS_SCORE && Traits::KEEP_SLOPES) {
-#pragma unroll
-        for (int j = 0; j < TILE_K / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) slope[j][e] = softcap_slope<MODS>(p[j][e], score_scale);
         }
       }
       // q_pos - k_pos of this lane's element (0, 0), in float (exact below 2^24): the others
@@ -593,6 +623,10 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
           rel_grad_tile<TILE_K>(ds, rel_bias_of(), q_offset, q_warp, k_start, n_q,
                                 rel_bias_grad + head_offset * rel_width, rel_first_ds, rel_last_ds);
         }
+        if (use_score_bias_grad && operand_grads) {
+          score_bias_grad_tile<TILE_K>(ds, score_bias_grad + head_offset * size_t(n_k), n_q, n_k,
+                                       q_warp, k_start);
+        }
         // With a cap, its slope: kept, or (KEEP_SLOPES false) from the capped score, which comes
         // back from P as log2(P) + lse less the biases (P is dead after dS).
         if constexpr (Traits::KEEP_SLOPES) {
@@ -615,6 +649,9 @@ __global__ void __launch_bounds__(attn_bwd_dq_traits<BLOCK, TILE_Q, TILE_K, HEAD
             const RelBias rb = rel_bias_of();
             position_bias_frags<1, TILE_K, true>(as_frags<TILE_K>(p), q_offset, q_warp, k_start,
                                                  [&](int q_minus_k) { return -rb.log2_at(q_minus_k); });
+          }
+          if (use_score_bias) {
+            score_bias_tile<TILE_K, true>(p, score_bias_of(), q_warp, k_start, -LOG2E);
           }
 #pragma unroll
           for (int j = 0; j < TILE_K / 8; ++j) {

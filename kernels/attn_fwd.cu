@@ -6,7 +6,10 @@
 // use_alibi, S gets -slope[batch, head] * |q + n_k - n_q - k| (ALiBi, end-aligned positions),
 // with use_key_bias key_bias[batch, head, k] (a per-key bias: padding masks as -inf), and with
 // use_rel_bias a relative-position table's rel_bias[batch, head, clamp(k - q_pos, -M, M) + M]
-// (M = rel_max_distance, q_pos the end-aligned query position; T5's learned bias by distance).
+// (M = rel_max_distance, q_pos the end-aligned query position; T5's learned bias by distance),
+// and with use_score_bias (SCORE_BIAS_FLOAT: float32, SCORE_BIAS_NARROW: T) a dense bias
+// score_bias[batch, head, q, k] read at its four element strides (0 along a broadcast axis),
+// only inside the visited tiles.
 // With dropout_threshold > 0 (MODS_SCORE), P's entries are dropped or scaled by dropout_scale
 // before P V (kernels/common/philox.cuh; lse stays that of every score), under the seed
 // dropout_seed or, with use_seed_words, the two words at dropout_seed_words.
@@ -83,7 +86,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
              int alibi_batch_stride, const float* __restrict__ key_bias, int use_key_bias,
              long long key_bias_batch_stride, long long key_bias_head_stride,
              const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,
-             int rel_max_distance, long long dropout_threshold, long long dropout_seed,
+             int rel_max_distance, const void* __restrict__ score_bias, int use_score_bias,
+             long long score_bias_batch_stride, long long score_bias_head_stride,
+             long long score_bias_q_stride, long long score_bias_k_stride,
+             long long dropout_threshold, long long dropout_seed,
              float dropout_scale, const u32* __restrict__ dropout_seed_words, int use_seed_words,
              long long q_batch_stride, long long q_head_stride, long long q_row_stride,
              long long k_batch_stride, long long k_head_stride, long long k_row_stride,
@@ -203,6 +209,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
             const RelBias rb = RelBias::make(rel_bias, use_rel_bias, rel_bias_batch_stride,
                                              rel_max_distance, int(blockIdx.z), head);
             rel_bias_frags<M_FRAGS, TILE_N, true>(s_frag, rb, q_offset, q_warp, tile.start);
+          }
+          if (use_score_bias) {
+            const auto sb = ScoreBias<T>::make(score_bias, use_score_bias, score_bias_batch_stride,
+                                               score_bias_head_stride, score_bias_q_stride,
+                                               score_bias_k_stride, n_q, n_k, int(blockIdx.z), head);
+            score_bias_frags<M_FRAGS, TILE_N, true>(s_frag, sb, q_warp, tile.start, LOG2E);
           }
         }
         if (mine.coverage != TILE_FULL) {

@@ -573,10 +573,12 @@ class XlaBackend(KernelBackend):
         return call(*operands, opaque=opaque)
 
     def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
+        _refuse_score_bias(call)
         out, lse = super().forward(q, k, v, call)
         return out.get(), lse.get()
 
     def backward(self, q, k, v, out, lse, dout, dlse, call):
+        _refuse_score_bias(call)
         grads = super().backward(q, k, v, out, lse, dout, dlse, call)
         return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
 
@@ -595,6 +597,16 @@ class XlaBackend(KernelBackend):
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("paged decode is not staged into jax programs yet")
+
+
+def _refuse_score_bias(call: AttentionCall) -> None:
+    """A dense score bias is read at its own strides (broadcast axes 0), which an XLA buffer does
+    not carry, and its gradient is reduced on the host: not staged into jax programs yet."""
+    if call.operands.score_bias is not None:
+        raise ValueError(
+            "score_bias: a jax program jitted for a CUDA GPU does not take a dense score bias "
+            "yet; call sparse_attention outside jax.jit there, or on CPU arrays"
+        )
 
 
 @functools.cache

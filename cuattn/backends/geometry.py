@@ -289,6 +289,20 @@ _DROPOUT_ARGS = (
     ("dropout_seed_words", "ptr"),
     ("use_seed_words", "i32"),
 )
+# A dense score bias (block kernels' score-modifier variants only: the decode kernels take
+# none): its first element (any view: the four element strides say where the rest is, 0 along
+# a broadcast axis), how it is stored (SCORE_BIAS_KINDS), and its batch, head, query and key
+# strides; a one-element stand-in when use_score_bias is 0.
+_SCORE_BIAS_ARGS = (
+    ("score_bias", "ptr"),
+    ("use_score_bias", "i32"),
+    ("score_bias_batch_stride", "i64"),
+    ("score_bias_head_stride", "i64"),
+    ("score_bias_q_stride", "i64"),
+    ("score_bias_k_stride", "i64"),
+)
+# use_score_bias (kernels/common/score_tile.cuh): none, float32, or the kernel's own 16-bit type
+SCORE_BIAS_KINDS = {"none": 0, "float32": 1, "narrow": 2}
 _RULE_SCALARS = (
     ("n_q", "i32"),
     ("n_k", "i32"),
@@ -300,6 +314,7 @@ _RULE_SCALARS = (
     ("window_right", "i32"),
     ("softcap", "f32"),
     *_SCORE_OPERAND_ARGS,
+    *_SCORE_BIAS_ARGS,
     *_DROPOUT_ARGS,
 )
 STRIDE_AXES = ("batch", "head", "row")
@@ -599,6 +614,10 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         # [batch, heads, n_q, 2M + 1], zeroed), written when use_rel_bias_grad
         ("rel_bias_grad", "ptr"),
         ("use_rel_bias_grad", "i32"),
+        # the score bias's gradient: dS of every visited element (float32 [batch, heads, n_q,
+        # n_k], zeroed), written when use_score_bias_grad
+        ("score_bias_grad", "ptr"),
+        ("use_score_bias_grad", "i32"),
         *_BWD_STRIDES,
     ),
 }
@@ -658,11 +677,12 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # forward at head dims >= 96 runs the 64-row shape of 16 rows per warp; the fp32 forward at head
 # dim 256 owns 32 rows (2 warps), as the fp32 backward does; dK/dV steps half as far from head
 # dim 80 on (at least 16 rows); both backward kernels step at most MODS_BWD_MAX_STEP rows from
-# head dim 32 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
+# head dim 16 on (dropout's copy of P for dV, and dQ's tile of softcap slopes, spilled their
 # 64-row steps at d48-d80; dK/dV's at d32 with the bitmask rule once dropout's seed could come
-# from memory).
+# from memory, and at d16 in 16-bit types once a softcap's score was recovered less a dense
+# score bias, read again).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
-MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 32
+MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 16
 MODS_BWD_MAX_STEP = 32
 
 

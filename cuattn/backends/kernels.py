@@ -53,6 +53,8 @@ _BACKWARD_ORDER: weakref.WeakKeyDictionary[
 _WORK_LISTS: weakref.WeakKeyDictionary[Layout, dict[tuple, np.ndarray]] = (
     weakref.WeakKeyDictionary()
 )
+# The dense score bias's element strides, in the order of its axes [batch, heads, n_q, n_k].
+_SCORE_BIAS_STRIDES = tuple(f"score_bias_{axis}_stride" for axis in ("batch", "head", "q", "k"))
 
 
 def _dropout_values(mods: ScoreMods, seed_words: Any, xp: Any) -> dict[str, Any]:
@@ -119,6 +121,13 @@ def _seed_words(seed: Any, xp: Any) -> Any:
     low first: a view of the same memory."""
     seed = xp.ascontiguousarray(seed).reshape(-1)
     return seed if seed.dtype.itemsize == 4 else seed.view(xp.uint32)
+
+
+def _score_bias_by_key(bias: Any) -> bool:
+    """Whether a score bias is broadcast over the queries ([..., 1, n_k] or [..., 1, 1]): its
+    gradient is then the sum over queries of dS, which attn_bwd_dkdv makes for the key bias,
+    and no [batch, heads, n_q, n_k] buffer is needed."""
+    return bias.shape[-2] == 1
 
 
 def modifier_variant(mods: ScoreMods, scale: float) -> bool:
@@ -746,19 +755,41 @@ class KernelBackend:
 
     def _score_values(self, call: AttentionCall) -> dict[str, Any]:
         """The block and decode kernels' arguments for the call's score modifiers: the softcap,
-        the score operands (stand-ins where absent) and dropout."""
+        the score operands (stand-ins where absent; the dense score bias is the block kernels'
+        alone, the decode kernels take no such argument) and dropout."""
         operands: ScoreOperands = call.operands
-        if operands.score_bias is not None:
-            raise ValueError(
-                f"score_bias: the {self.name} backend's kernels do not read a score bias yet; "
-                "run the call with backend='numpy' (CPU arrays)"
-            )
         return {
             "softcap": call.mods.softcap,
             **self._alibi_values(operands.alibi_slopes),
             **self._key_bias_values(operands.key_bias),
             **self._rel_bias_values(operands.rel_bias),
+            **self._score_bias_values(operands.score_bias),
             **_dropout_values(call.mods, operands.dropout_seed, self.xp),
+        }
+
+    def _score_bias_values(self, bias: Any | None) -> dict[str, Any]:
+        """The block kernels' dense-bias arguments: the bias in place, as a one-element view of
+        its first element (nothing is copied, whatever its strides: the kernels read it at its
+        four element strides, 0 along a broadcast axis, inside the visited tiles only), and how
+        it is stored (float32, or q's 16-bit dtype read as the kernel's own type); or a
+        one-element stand-in the kernels do not read."""
+        if bias is None:
+            return {
+                "score_bias": self.xp.zeros(1, self.xp.float32),
+                "use_score_bias": geometry.SCORE_BIAS_KINDS["none"],
+                **dict.fromkeys(_SCORE_BIAS_STRIDES, 0),
+            }
+        padded = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        strides = (0,) * (4 - bias.ndim) + tuple(bias.strides)
+        itemsize = bias.dtype.itemsize
+        kind = "float32" if bias.dtype == self.xp.float32 else "narrow"
+        return {
+            "score_bias": bias[(slice(0, 1),) * bias.ndim],
+            "use_score_bias": geometry.SCORE_BIAS_KINDS[kind],
+            **{
+                name: (stride // itemsize if size > 1 else 0)
+                for name, stride, size in zip(_SCORE_BIAS_STRIDES, strides, padded, strict=True)
+            },
         }
 
     def _rel_bias_values(self, table: Any | None) -> dict[str, Any]:
@@ -830,8 +861,9 @@ class KernelBackend:
         the gradient reaching the lse output, subtracted from delta by the preprocess kernel;
         the call is the forward's. Each given operand's gradient
         follows, in SCORE_OPERANDS order: the slopes' and the table's from per-row shares of
-        the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, summed here in
-        a fixed order; a seed array's is None.
+        the dQ pass, the key bias's from per-query-head sums of the dK/dV pass, the dense score
+        bias's from the dQ pass's dS of every visited element (or, broadcast over the queries,
+        from the key bias's sums), summed here in a fixed order; a seed array's is None.
 
         dQ is its own pass over the CSR rows, without atomics: on an H100 that measured
         1.2-2.5x faster than adding it with fp32 atomics inside the dK/dV kernel, so the
@@ -839,10 +871,11 @@ class KernelBackend:
         """
         layout, scale, mods = call.layout, call.scale, call.mods
         operands = call.operands
-        alibi_slopes, key_bias, rel_bias = (
+        alibi_slopes, key_bias, rel_bias, score_bias = (
             operands.alibi_slopes,
             operands.key_bias,
             operands.rel_bias,
+            operands.score_bias,
         )
         dropout_seed = operands.dropout_seed
         arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
@@ -909,8 +942,9 @@ class KernelBackend:
             }
             biases = self._score_values(call)
             # the key bias's gradient per query head (a stand-in the kernel does not write
-            # without a key bias)
-            if key_bias is None:
+            # without a key bias); a score bias broadcast over the queries takes the same sums
+            by_key = score_bias is not None and _score_bias_by_key(score_bias)
+            if key_bias is None and not by_key:
                 key_rows = xp.zeros(1, xp.float32)
             else:
                 key_rows = self.output((batch, heads, n_k), xp.float32)
@@ -922,7 +956,7 @@ class KernelBackend:
                 scale=scale,
                 **biases,
                 key_bias_grad=key_rows,
-                use_key_bias_grad=int(key_bias is not None),
+                use_key_bias_grad=int(key_bias is not None or by_key),
                 **self._layout_values(layout, columns=True, kv_group=kv_group),
                 **strides,
             )
@@ -940,6 +974,12 @@ class KernelBackend:
                 rel_rows = self.zeroed_output(
                     (batch, heads, n_q, int(rel_bias.shape[-1])), xp.float32
                 )
+            # any other score bias: dS of every visited element, 0 elsewhere (the kernel writes
+            # each visited element once), its broadcast axes summed below
+            if score_bias is None or by_key:
+                score_planes = xp.zeros(1, xp.float32)
+            else:
+                score_planes = self.zeroed_output((batch, heads, n_q, n_k), xp.float32)
             self.launch(
                 KernelConfig("attn_bwd_dq", *per_head, n_q, **variant),
                 **tensors,
@@ -950,6 +990,8 @@ class KernelBackend:
                 use_alibi_grad=int(alibi_slopes is not None),
                 rel_bias_grad=rel_rows,
                 use_rel_bias_grad=int(rel_bias is not None),
+                score_bias_grad=score_planes,
+                use_score_bias_grad=int(score_bias is not None and not by_key),
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
                 **strides,
             )
@@ -969,6 +1011,9 @@ class KernelBackend:
             grads += (self._key_bias_gradient(key_rows, key_bias.ndim),)
         if rel_bias is not None:
             grads += (self._rel_bias_gradient(rel_rows, rel_bias.ndim),)
+        if score_bias is not None:
+            planes = key_rows[:, :, None, :] if by_key else score_planes
+            grads += (self._score_bias_gradient(planes, score_bias),)
         if dropout_seed is not None:
             grads += (None,)  # a seed has no gradient
         return grads
@@ -979,6 +1024,15 @@ class KernelBackend:
         (fixed order)."""
         summed = rows.sum(axis=2)
         return summed if table_ndim == 3 else summed.sum(axis=0)
+
+    def _score_bias_gradient(self, planes: Any, bias: Any) -> Any:
+        """The dense score bias's gradient from dS [batch, heads, n_q or 1, n_k] (float32):
+        summed over the axes the bias broadcasts (in a fixed order, float32), shaped and typed
+        like the bias."""
+        padded = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        axes = tuple(a for a, d in enumerate(padded) if d == 1 and planes.shape[a] != 1)
+        summed = planes.sum(axis=axes, keepdims=True) if axes else planes
+        return summed.reshape(bias.shape).astype(bias.dtype)
 
     def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
         """The key bias's gradient from the dK/dV pass's per-query-head sums [batch, heads,
@@ -1062,6 +1116,11 @@ class KernelBackend:
         kv_dtype) of fp8 pages (_check_fp8_pages), or None. Shapes as the kernel file's header;
         the cache (cuattn/serving) checks its own arrays, this checks q against them."""
         scale, mods = call.scale, call.mods
+        if call.operands.score_bias is not None:
+            raise ValueError(
+                "score_bias: the decode kernels take no dense score bias (a KV cache's keys have "
+                "no fixed [time_q, time_k] plane); pass a per-key bias as key_bias"
+            )
         if fp8 is not None:
             gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
         if tuple(book) != DECODE_BOOK:

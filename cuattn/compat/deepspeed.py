@@ -95,9 +95,8 @@ anything is computed):
   is, unchecked, as in DeepSpeed.
 - Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
 - A query row whose keys are all dropped (or all -inf) gives 0 where DeepSpeed gives NaN.
-- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) is computed by the NumPy
-  backend today; the kernel backends (the interpreter, CUDA) refuse it by name until its
-  kernel variant lands. Everything else runs on every backend.
+- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) runs on every backend, the
+  kernels' score-modifier variant included.
 - dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
   float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
   DeepSpeed asserts float16. Biases are added in float32 (float64 beside float64 queries).

@@ -282,6 +282,116 @@ __device__ __forceinline__ void key_bias_frags(float (&s)[M_FRAGS][N / 8][4], co
   }
 }
 
+// How the score-modifier kernels read a dense score bias (use_score_bias): not at all, in
+// float32, or in the kernel's own 16-bit type T (a bias in q's dtype, as SDPA and transformers
+// build their float masks): one runtime switch per tile instead of a template argument, which
+// would double the 16-bit MODS_SCORE instantiations.
+constexpr int SCORE_BIAS_NONE = 0;
+constexpr int SCORE_BIAS_FLOAT = 1;
+constexpr int SCORE_BIAS_NARROW = 2;
+
+// A dense additive bias broadcast to [batch, heads, n_q, n_k] (score_bias: xformers' attn_bias,
+// SDPA's float mask, DeepSpeed's rpe), this (batch, head)'s plane, read in place at element
+// strides (0 along a broadcast axis; nothing is assumed contiguous). Only the tiles the walk
+// visits are read, and no element past n_q or n_k.
+template <typename T>
+struct ScoreBias {
+  const void* plane;  // element (0, 0) of this (batch, head); null: no score bias
+  long long q_stride, k_stride;
+  int n_q, n_k;
+  bool narrow;  // stored in T, else in float32
+
+  __device__ __forceinline__ static ScoreBias make(const void* bias, int kind,
+                                                   long long batch_stride, long long head_stride,
+                                                   long long q_stride, long long k_stride, int n_q,
+                                                   int n_k, int batch, int head) {
+    if (kind == SCORE_BIAS_NONE) return {nullptr, 0, 0, 0, 0, false};
+    const bool narrow = is_half_type<T>::value && kind == SCORE_BIAS_NARROW;
+    const long long origin = batch * batch_stride + head * head_stride;
+    const char* plane = static_cast<const char*>(bias) +
+                        origin * static_cast<long long>(narrow ? sizeof(T) : sizeof(float));
+    return {plane, q_stride, k_stride, n_q, n_k, narrow};
+  }
+};
+
+// One bias element at a byte address, stored in T (narrow) or in float32. Both loads share the
+// address and one of them is predicated off: one copy of the tile's code serves both storage
+// types instead of a copy each.
+template <typename T>
+__device__ __forceinline__ float bias_at(const char* address, bool narrow) {
+  if (is_half_type<T>::value && narrow) return to_float(*reinterpret_cast<const T*>(address));
+  return *reinterpret_cast<const float*>(address);
+}
+
+// factor * score bias added to M_FRAGS stacked fragments in the layout of mask_score_frags
+// (ROWS_ARE_QUERIES: forward and dQ; dK/dV work on S^T): LOG2E adds it in the log2 domain,
+// -LOG2E takes it back out. Rows at or past their axis's end and columns past theirs are not
+// read. Callers add it before the mask: a masked score is replaced, so a bias read in a masked
+// corner of a visited tile (NaN or anything) leaves no trace.
+template <int M_FRAGS, int N, bool ROWS_ARE_QUERIES, typename T>
+__device__ __forceinline__ void score_bias_frags(float (&s)[M_FRAGS][N / 8][4],
+                                                 const ScoreBias<T>& sb, int row_first,
+                                                 int col_first, float factor) {
+  const AccLayout frag;
+  // in bytes (a multiply, not a shift: a flipped view's strides are negative)
+  const long long bytes = sb.narrow ? sizeof(T) : sizeof(float);
+  const long long row_step = (ROWS_ARE_QUERIES ? sb.q_stride : sb.k_stride) * bytes;
+  const long long col_step = (ROWS_ARE_QUERIES ? sb.k_stride : sb.q_stride) * bytes;
+  const int rows_end = ROWS_ARE_QUERIES ? sb.n_q : sb.n_k;
+  const int col = col_first + frag.col(0, 0);
+  const int cols_left = (ROWS_ARE_QUERIES ? sb.n_k : sb.n_q) - col;
+  const char* plane = static_cast<const char*>(sb.plane) + col * col_step;
+#pragma unroll
+  for (int m = 0; m < M_FRAGS; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_first + 16 * m + frag.row(2 * r);
+      if (row >= rows_end) continue;
+      const char* row_bias = plane + row * row_step;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (8 * j + c < cols_left) {
+            const float bias = bias_at<T>(row_bias + (8 * j + c) * col_step, sb.narrow);
+            s[m][j][2 * r + c] = fmaf(bias, factor, s[m][j][2 * r + c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int N, bool ROWS_ARE_QUERIES, typename T>
+__device__ __forceinline__ void score_bias_tile(float (&s)[N / 8][4], const ScoreBias<T>& sb,
+                                                int row_first, int col_first, float factor) {
+  score_bias_frags<1, N, ROWS_ARE_QUERIES>(as_frags<N>(s), sb, row_first, col_first, factor);
+}
+
+// The score bias's gradient from one dQ warp tile of dS (rows: queries q_first + 16, columns:
+// keys k_first + N) into this (batch, head)'s [n_q, n_k] float32 plane, zeroed by the caller:
+// every element of a visited tile is written once (one dQ CTA owns each query row, and the walk
+// visits each of its tiles once), none past n_q or n_k.
+template <int N>
+__device__ __forceinline__ void score_bias_grad_tile(const float (&ds)[N / 8][4], float* plane,
+                                                     int n_q, int n_k, int q_first, int k_first) {
+  const AccLayout frag;
+  const int keys_left = n_k - k_first - frag.col(0, 0);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q_row = q_first + frag.row(2 * r);
+    if (q_row >= n_q) continue;
+    float* row_grad = plane + size_t(q_row) * n_k + k_first + frag.col(0, 0);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (8 * j + c < keys_left) row_grad[8 * j + c] = ds[j][2 * r + c];
+      }
+    }
+  }
+}
+
 // A warp tile of q.k products -> log2-domain scores (before masking: any finite scale is
 // allowed, and -inf must stay -inf; a capped score is finite whatever q.k is). MODS_NONE is a
 // plain multiply. (The forward's plain kernels skip it: row_probs.)

@@ -18,8 +18,9 @@
 #             gpu-marked kernel and serving tests with CUATTN_KERNELS=sm90a (the wgmma backward,
 #             kernels/attn_bwd_sm90.cu) and CUATTN_DECODE=gqa (kernels/attn_decode_gqa.cu), then
 #             compute-sanitizer memcheck and racecheck on the same launches; then the same with
-#             CUATTN_KERNELS=sm90a-persistent (the persistent forward) and CUATTN_DECODE_FP8=kernel
-#             (fp8 KV pages: attn_decode_split_fp8, attn_decode_gqa_fp8)
+#             CUATTN_KERNELS=sm90a-persistent (the persistent forward), CUATTN_DECODE_FP8=kernel
+#             (fp8 KV pages: attn_decode_split_fp8, attn_decode_gqa_fp8) and
+#             CUATTN_SCORE_BIAS=kernel (the score-modifier kernels' dense score bias)
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
@@ -149,16 +150,16 @@ for name in $STEPS; do
         step racecheck-optin "$RACECHECK_S" "$SANITIZER" --tool racecheck \
           --racecheck-report all --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       fi
-      export CUATTN_KERNELS=sm90a-persistent CUATTN_DECODE_FP8=kernel
+      export CUATTN_KERNELS=sm90a-persistent CUATTN_DECODE_FP8=kernel CUATTN_SCORE_BIAS=kernel
       step gpu-tests-optin-persistent-fp8 "$OPTIN_S" "$PY" -m pytest -m gpu -v -rfE \
         -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-optin-persistent-fp8.xml" \
         tests/backends/test_cuda_kernels.py tests/backends/test_attn_fwd_sm90_persistent.py \
-        tests/serving/test_decode_fp8.py
+        tests/serving/test_decode_fp8.py tests/backends/test_score_bias.py
       if [ -n "$SANITIZER" ]; then
         step memcheck-optin-persistent "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
           --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       fi
-      unset CUATTN_KERNELS CUATTN_DECODE CUATTN_DECODE_FP8
+      unset CUATTN_KERNELS CUATTN_DECODE CUATTN_DECODE_FP8 CUATTN_SCORE_BIAS
       ;;
     modifiers)
       step modifiers "$MODIFIERS_S" "$PY" scripts/gpu_modifiers_check.py

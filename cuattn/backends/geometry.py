@@ -239,6 +239,8 @@ DECODE_FP8_ENV = "CUATTN_DECODE_FP8"
 DECODE_FP8_OFF_FAMILY = "off"
 DECODE_FP8_KERNEL_FAMILY = "kernel"
 DECODE_FP8_FAMILIES = (DECODE_FP8_OFF_FAMILY, DECODE_FP8_KERNEL_FAMILY)
+# The score-modifier kernels' dense score bias, opt-in on a GPU the same way until one has run it
+SCORE_BIAS_ENV = "CUATTN_SCORE_BIAS"
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -1392,6 +1394,14 @@ def decode_fp8_family() -> str:
     attn_decode_split_fp8 has not run on one) or "kernel" (run it)."""
     return _env_choice(
         DECODE_FP8_ENV, DECODE_FP8_FAMILIES, DECODE_FP8_OFF_FAMILY, "fp8 decode choice"
+    )
+
+
+def score_bias_family() -> str:
+    """What CUATTN_SCORE_BIAS asks of a dense score bias on a GPU: "off" (also when unset:
+    refused, as no GPU has run the kernels' score bias) or "kernel" (run it)."""
+    return _env_choice(
+        SCORE_BIAS_ENV, DECODE_FP8_FAMILIES, DECODE_FP8_OFF_FAMILY, "score bias choice"
     )
 
 

@@ -779,6 +779,12 @@ class KernelBackend:
                 "use_score_bias": geometry.SCORE_BIAS_KINDS["none"],
                 **dict.fromkeys(_SCORE_BIAS_STRIDES, 0),
             }
+        if self.on_gpu and geometry.score_bias_family() != geometry.DECODE_FP8_KERNEL_FAMILY:
+            raise ValueError(
+                f"score_bias: the kernels' dense score bias has not run on a GPU yet; set "
+                f"{geometry.SCORE_BIAS_ENV}={geometry.DECODE_FP8_KERNEL_FAMILY} to run it, or "
+                "compute the call on CPU arrays"
+            )
         padded = (1,) * (4 - bias.ndim) + tuple(bias.shape)
         strides = (0,) * (4 - bias.ndim) + tuple(bias.strides)
         itemsize = bias.dtype.itemsize

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn.backends import NumpyBackend, interp
+from cuattn.backends import NumpyBackend, geometry, interp
 from cuattn.backends.call import AttentionCall, ScoreOperands
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
@@ -219,3 +219,49 @@ def test_kernels_score_bias_with_softcap_at_head_dim_16():
     q, k, v, dout = _inputs((1, HEADS, n, 16), "float16", seed=24)
     bias = _bias((HEADS, n, n), q.dtype, seed=25)
     check_operands(interp, q, k, v, dout, layout, TOLERANCE["float16"], SOFTCAP, score_bias=bias)
+
+
+def test_the_gpu_path_is_opt_in(monkeypatch):
+    """No GPU has run the kernels' score bias: on one it needs CUATTN_SCORE_BIAS=kernel; an
+    unknown value is refused by name."""
+    monkeypatch.setenv(geometry.SCORE_BIAS_ENV, "yes")
+    with pytest.raises(ValueError, match=geometry.SCORE_BIAS_ENV):
+        geometry.score_bias_family()
+    monkeypatch.delenv(geometry.SCORE_BIAS_ENV)
+    assert geometry.score_bias_family() == geometry.DECODE_FP8_OFF_FAMILY
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_the_gpu(dtype, monkeypatch):
+    """CuPy arrays: refused without CUATTN_SCORE_BIAS=kernel; with it, forward and every
+    gradient (the bias's too) within the dtype's tolerance of the NumPy reference in float64."""
+    from cuattn.backends import resolve_backend
+    from cuattn.backends.cuda_runtime import cuda_available
+    from cuattn.tools.oracle import rel_err
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    n = n_ctx_for(64)
+    layout = make_test_layout("causal", 64, n)
+    host = _inputs((2, HEADS, n, 64), dtype, seed=21)
+    bias = _bias((2, 1, n, n), np.float32, seed=22)
+    device = [cupy.asarray(x) for x in host]
+    cuda = resolve_backend("cuda", on_device=True)
+    call = AttentionCall(layout, 0.125).with_operands(ScoreOperands(score_bias=cupy.asarray(bias)))
+    monkeypatch.delenv(geometry.SCORE_BIAS_ENV, raising=False)
+    with pytest.raises(ValueError, match=geometry.SCORE_BIAS_ENV):
+        cuda.forward(*device[:3], call)
+    monkeypatch.setenv(geometry.SCORE_BIAS_ENV, geometry.DECODE_FP8_KERNEL_FAMILY)
+    out, lse = cuda.forward(*device[:3], call)
+    grads = cuda.backward(*device[:3], out, lse, device[3], None, call)
+    wide = [x.astype(np.float64) for x in host]
+    ref_call = AttentionCall(layout, 0.125).with_operands(ScoreOperands(score_bias=bias))
+    reference = NumpyBackend()
+    ref_out, ref_lse = reference.forward(*wide[:3], ref_call)
+    refs = reference.backward(*wide[:3], ref_out, ref_lse, wide[3], None, ref_call)
+    got = [out, *grads]
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dbias"], got, [ref_out, *refs], strict=True):
+        assert rel_err(cupy.asnumpy(a).astype(np.float64), b) <= TOLERANCE[dtype], name

@@ -111,9 +111,10 @@ def test_torch_compile_fullgraph_draws_its_seed_inside_the_graph():
     read, no graph break): under one manual seed it equals eager."""
     q, k, v, _ = _arrays(12)
     tensors = [torch.tensor(x) for x in (q, k, v)]
+    layout = _layout()  # built outside the graph, as a model builds it once
 
     def fn(q, k, v):
-        return cuattn.sparse_attention(q, k, v, _layout(), dropout_p=P)
+        return cuattn.sparse_attention(q, k, v, layout, dropout_p=P)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     torch.manual_seed(3)
@@ -126,9 +127,10 @@ def test_torch_compile_fullgraph_draws_its_seed_inside_the_graph():
 def test_torch_compile_fullgraph_with_a_seed_equals_eager():
     q, k, v, _ = _arrays(4)
     tensors = [torch.tensor(x) for x in (q, k, v)]
+    layout = _layout()  # built outside the graph, as a model builds it once
 
     def fn(q, k, v):
-        return cuattn.sparse_attention(q, k, v, _layout(), dropout_p=P, dropout_seed=SEED)
+        return cuattn.sparse_attention(q, k, v, layout, dropout_p=P, dropout_seed=SEED)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*tensors), fn(*tensors))

@@ -684,6 +684,9 @@ HUGE_HEAD_DKDV_SPLITS = 2
 # from memory, and at d16 in 16-bit types once a softcap's score was recovered less a dense
 # score bias, read again).
 MODS_DKDV_HALF_STEP_FROM_HEAD_DIM = 80
+# The forward's modifier variant leaves the wide 128 x 64 tile from this head dim on: with the
+# score bias's tile code, d80's wide variant spilled 8 bytes on sm_80 at 255 registers.
+MODS_NARROW_FWD_FROM_HEAD_DIM = 80
 MODS_BWD_CAPPED_STEP_FROM_HEAD_DIM = 16
 MODS_BWD_MAX_STEP = 32
 
@@ -730,7 +733,7 @@ def _plain_tile_sizes(
         step = min(block, HUGE_HEAD_STEP_TILE_FP32 if fp32 and backward else HUGE_HEAD_STEP_TILE)
         return own, step, own // MMA_ROWS
     wide = kernel == "attn_fwd" and dtype != "float32" and block >= FWD_WIDE_MIN_BLOCK
-    if wide and not (mods and head_dim >= LARGE_HEAD_DIM):
+    if wide and not (mods and head_dim >= MODS_NARROW_FWD_FROM_HEAD_DIM):
         tile_n = FWD_WIDE_TILE_N_LARGE_HEAD if head_dim >= LARGE_HEAD_DIM else FWD_MAX_TILE
         return FWD_WIDE_TILE_M, tile_n, FWD_WIDE_TILE_M // FWD_WIDE_ROWS_PER_WARP
     if kernel == "attn_fwd":

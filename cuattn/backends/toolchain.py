@@ -163,7 +163,7 @@ def arch_option(arch: str) -> str:
 def ptx_arch_option(compute_capability: int) -> str:
     """NVRTC option producing PTX for the virtual architecture of a device of compute capability
     ``major * 10 + minor`` (90 for an H100 -> `--gpu-architecture=compute_90`): the form jaxlib's
-    kernel-launch custom call takes and compiles itself (cuattn/adapters/jax_xla.py)."""
+    kernel-launch custom call takes and compiles itself (cuattn/backends/xla.py)."""
     if isinstance(compute_capability, bool) or not isinstance(compute_capability, int):
         raise TypeError(f"compute_capability must be an int like 90, got {compute_capability!r}")
     if not 50 <= compute_capability < 1000:

@@ -1,4 +1,5 @@
-"""cuattn under jax.jit on CUDA: each kernel launch an XLA custom call (adapters/jax_xla.py).
+"""cuattn under jax.jit on CUDA: each kernel launch an XLA custom call (backends/xla.py,
+adapters/jax_xla.py).
 
 Without a GPU the programs are lowered for CUDA (``lowering_for_cuda`` + ``lowering_platforms``)
 and every custom call is decoded: target, kernel (NVRTC's lowered name of the right
@@ -24,8 +25,8 @@ import pytest
 
 import cuattn
 from cuattn import backends
-from cuattn.adapters import jax_xla as xla
-from cuattn.backends import geometry
+from cuattn.adapters import jax_xla
+from cuattn.backends import geometry, xla
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.kernels import kernel_layout
@@ -283,7 +284,7 @@ def _qkv(batch, heads, kv_heads, n, head_dim, dtype, vmapped=None):
 
 
 def _lower_for_cuda(fun, *args):
-    with xla.lowering_for_cuda(CC):
+    with jax_xla.lowering_for_cuda(CC):
         traced = jax.jit(fun).trace(*args)
     return traced.lower(lowering_platforms=("cuda",))
 
@@ -575,7 +576,7 @@ class _Interpreted(xla.XlaBackend):
 def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs, softcap):
     backend = _Interpreted(CC)
     backend.staged = []
-    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
+    monkeypatch.setattr(jax_xla, "backend_for", lambda cc: backend)
     # GQA, small enough for the interpreter (one host thread per CUDA thread)
     batch, heads, kv_heads, n, head_dim = 1, 2, 1, 64, 32
     layout = cuattn.make_layout(mode, n, heads, blocksize=16, **kwargs)
@@ -594,7 +595,7 @@ def test_staged_program_runs_on_the_kernel_interpreter(monkeypatch, mode, kwargs
         out, lse = cuattn.sparse_attention(q, k, v, layout, return_lse=True, softcap=softcap)
         return (out.astype(jnp.float32) * weight).sum() + (lse * lse_weight).sum()
 
-    with xla.lowering_for_cuda(CC):
+    with jax_xla.lowering_for_cuda(CC):
         out = jax.jit(f)(q[0], k[0], v[0])
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[0], k[0], v[0])
         mapped = jax.jit(jax.vmap(f))(q, k, v)
@@ -628,7 +629,7 @@ def _interpreted_modifier_case(monkeypatch):
     programs below: batch 2, 2 heads on 1 kv head, 64 tokens, head dim 32, bf16."""
     backend = _Interpreted(CC)
     backend.staged = []
-    monkeypatch.setattr(xla, "backend_for", lambda cc: backend)
+    monkeypatch.setattr(jax_xla, "backend_for", lambda cc: backend)
     layout = cuattn.make_layout("fixed", 64, 2, blocksize=16, local_attn_ctx=32, num_verts=1)
     return backend, layout, _qkv(2, 2, 1, 64, 32, jnp.bfloat16, vmapped=2)
 
@@ -658,7 +659,7 @@ def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_bat
     def loss(q, k, v, slopes, key_bias):
         return (f(q, k, v, slopes, key_bias).astype(jnp.float32) * weight).sum()
 
-    with xla.lowering_for_cuda(CC):
+    with jax_xla.lowering_for_cuda(CC):
         out = jax.jit(f)(q[0], k[0], v[0], slopes, key_bias)
         grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
         grads = jax.jit(grad)(q[0], k[0], v[0], slopes, key_bias)
@@ -698,7 +699,7 @@ def test_staged_dropout_program_takes_a_traced_seed(monkeypatch):
         return (f(q, k, v, seed).astype(jnp.float32) * weight).sum()
 
     host = [np.asarray(x) for x in (q[0], k[0], v[0])]
-    with xla.lowering_for_cuda(CC):
+    with jax_xla.lowering_for_cuda(CC):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         forward = jax.jit(f)
         for key in (2**40 + 17, 2**63 + 5):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -21,9 +23,34 @@ def array_library(x: Any) -> str:
     return "jax" if root == "jaxlib" else root
 
 
+def array_module(x: Any) -> ModuleType:
+    """NumPy or CuPy: the module to compute on a NumPy or CuPy array with (the two kinds a
+    backend is handed, adapters/dlpack.py), read off its type. A CuPy array means CuPy is
+    imported already: nothing here imports it. The one place cuattn asks which array module
+    to compute with."""
+    return sys.modules["cupy"] if array_library(x) == "cupy" else np
+
+
 def dtype_name(x: Any) -> str:
-    """The NumPy name of an array's dtype (torch's without its "torch." prefix)."""
-    return str(x.dtype).replace("torch.", "")
+    """The NumPy name of a dtype, or of an array's or tensor's dtype, however it is spelled: a
+    string ('float16', 'f2', 'half', 'torch.bfloat16'), a NumPy dtype or scalar type (np.float16,
+    ml_dtypes.bfloat16, jnp.float32), a torch dtype, or an array. NumPy's own rules read all
+    but torch's, which are named by their text; 'bfloat16' is read by name, as NumPy knows it
+    only through ml_dtypes. The one place cuattn names dtypes; anything unreadable keeps its
+    text, for the caller's error to quote."""
+    if not isinstance(x, (str, type, np.dtype)) and hasattr(x, "shape") and hasattr(x, "dtype"):
+        x = x.dtype
+    text = str(x)
+    if x is None:  # np.dtype(None) is float64; no dtype is never a default
+        return text
+    if array_library(x) == "torch" or text.startswith("torch."):
+        return text.replace("torch.", "")
+    if text == "bfloat16" or getattr(x, "__name__", None) == "bfloat16":
+        return "bfloat16"
+    try:
+        return np.dtype(x).name
+    except (TypeError, ValueError):
+        return text
 
 
 def dims(x: Any) -> tuple:

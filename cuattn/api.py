@@ -6,7 +6,6 @@ got and what is accepted.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from cuattn import backends
 from cuattn._util import array_library, dims, dtype_name
 from cuattn.adapters import dispatch as _dispatch
 from cuattn.adapters import dlpack as _dlpack
-from cuattn.autograd.tape import Context, Function, Tensor
+from cuattn.autograd.tape import Tensor
 from cuattn.backends.call import (
     NO_MODS,
     AttentionCall,
@@ -229,7 +228,9 @@ def sparse_attention(
     if biased or seed_words is not None:
         call = call.with_operands(operands)  # refuses a bias with a permuted layout
     if empty:
-        return _empty_attention(q, k, v, bool(return_lse))
+        lse_dtype = "float64" if dtype_name(q) == "float64" else "float32"
+        out, lse = _dispatch.no_keys(q, k, v, lse_dtype)
+        return (out, lse) if return_lse else out
     return _route(q, k, v, call)
 
 
@@ -329,55 +330,6 @@ def _forward_placed(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
     crossed beside q, k, v (first in ``rest``, the call last)."""
     *present, call = rest
     return backends.forward(q, k, v, call.placed(present))
-
-
-def _empty_attention(q: Any, k: Any, v: Any, return_lse: bool) -> Any:
-    """The result of a call with an empty axis: out like q, all zeros (with time_k = 0 every
-    row has no key), lse -inf [batch, heads, time_q] (float32, float64 for float64), as the
-    caller's own kind of array on its device. torch and jax results come from q, k and v
-    through where(False, ...), so autograd and tracing see the inputs (gradients: zeros) and no
-    value of theirs (a NaN) can leak; tape Tensors through a tape op of zero gradient."""
-    lse_dtype = "float64" if dtype_name(q) == "float64" else "float32"
-    if any(isinstance(x, Tensor) for x in (q, k, v)):
-        out, lse = _NoKeys.apply(*_dispatch.tape_args(q, k, v), lse_dtype)
-    elif array_library(q) == "torch":
-        import torch
-
-        never = torch.zeros((), dtype=torch.bool, device=q.device)
-        seen = q + (k.sum() + v.sum()).to(q.dtype)  # every input, for autograd
-        out = torch.where(never, seen, 0.0)
-        lse_type = getattr(torch, lse_dtype)
-        lse = torch.where(never, seen[..., 0].to(lse_type), float("-inf"))
-    elif _dlpack._framework(q) == "jax":
-        import jax.numpy as jnp
-
-        seen = q + (k.sum() + v.sum()).astype(q.dtype)
-        out = jnp.where(False, seen, jnp.zeros((), q.dtype))
-        lse = jnp.where(False, seen[..., 0].astype(lse_dtype), -jnp.inf)
-    else:
-        out, lse = _dlpack.call(_no_keys_arrays, {"q": q, "k": k, "v": v}, lse_dtype)
-    return (out, lse) if return_lse else out
-
-
-def _no_keys_arrays(q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
-    """NumPy or CuPy zeros like q and lse -inf, on q's device."""
-    xp = backends.array_module(q)
-    with q.device if xp is not np else contextlib.nullcontext():
-        return xp.zeros(q.shape, q.dtype), xp.full(q.shape[:3], -np.inf, lse_dtype)
-
-
-class _NoKeys(Function):
-    """Tape op: (zeros like q, lse -inf) whose gradients in q, k and v are zeros."""
-
-    @staticmethod
-    def forward(ctx: Context, q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
-        ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v)]
-        return _no_keys_arrays(q, k, v, lse_dtype)
-
-    @staticmethod
-    def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
-        xp = backends.array_module(dout)
-        return (*(xp.zeros(shape, dtype) for shape, dtype in ctx.shapes), None)
 
 
 def split_heads(x: Any, heads: int) -> Any:

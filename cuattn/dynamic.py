@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, host_array, widened
+from cuattn._util import array_module, ceil_div, host_array, widened
 from cuattn.adapters import dlpack
-from cuattn.backends import array_module, geometry, layout_build, resolve_backend
+from cuattn.backends import geometry, layout_build, resolve_backend
 from cuattn.backends.kernels import KernelBackend
 from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
 from cuattn.layout.dynamic import (

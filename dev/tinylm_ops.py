@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from cuattn._util import array_module
 from cuattn.autograd.tape import Context, Function, Tensor, unbroadcast
-from cuattn.backends import array_module
 
 __all__ = [
     "cross_entropy",

@@ -7,6 +7,7 @@ goes from the API straight to its route's adapter.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -14,12 +15,19 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cuattn import backends as _backend
-from cuattn._util import array_library
+from cuattn._util import array_library, array_module
 from cuattn.adapters import dlpack
-from cuattn.autograd.tape import Tensor
+from cuattn.autograd.tape import Context, Function, Tensor
 from cuattn.backends.call import ScoreMods, check_same_kind
 
-__all__ = ["dropout_mods", "merge_states", "outside_graph", "tape_args", "wants_gradient"]
+__all__ = [
+    "dropout_mods",
+    "merge_states",
+    "no_keys",
+    "outside_graph",
+    "tape_args",
+    "wants_gradient",
+]
 
 MAX_DRAWN_SEED = 2**63 - 1  # a drawn dropout seed: a non-negative int64
 
@@ -53,13 +61,62 @@ def tape_args(q: Any, k: Any, v: Any) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(out)
 
 
+def no_keys(q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
+    """The result of a call with an empty axis: out like q, all zeros (with time_k = 0 every
+    row has no key), lse -inf [batch, heads, time_q] of ``lse_dtype``, as the caller's own kind
+    of array on its device. torch and jax results come from q, k and v through where(False,
+    ...), so autograd and tracing see the inputs (gradients: zeros) and no value of theirs (a
+    NaN) can leak; tape Tensors through a tape op of zero gradient."""
+    if any(isinstance(x, Tensor) for x in (q, k, v)):
+        return _NoKeys.apply(*tape_args(q, k, v), lse_dtype)
+    if array_library(q) == "torch":
+        import torch
+
+        never = torch.zeros((), dtype=torch.bool, device=q.device)
+        seen = q + (k.sum() + v.sum()).to(q.dtype)  # every input, for autograd
+        lse_type = getattr(torch, lse_dtype)
+        return (
+            torch.where(never, seen, 0.0),
+            torch.where(never, seen[..., 0].to(lse_type), float("-inf")),
+        )
+    if array_library(q) == "jax":
+        import jax.numpy as jnp
+
+        seen = q + (k.sum() + v.sum()).astype(q.dtype)
+        return (
+            jnp.where(False, seen, jnp.zeros((), q.dtype)),
+            jnp.where(False, seen[..., 0].astype(lse_dtype), -jnp.inf),
+        )
+    return dlpack.call(_no_keys_arrays, {"q": q, "k": k, "v": v}, lse_dtype)
+
+
+def _no_keys_arrays(q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
+    """NumPy or CuPy zeros like q and lse -inf, on q's device."""
+    xp = array_module(q)
+    with q.device if xp is not np else contextlib.nullcontext():
+        return xp.zeros(q.shape, q.dtype), xp.full(q.shape[:3], -np.inf, lse_dtype)
+
+
+class _NoKeys(Function):
+    """Tape op: (zeros like q, lse -inf) whose gradients in q, k and v are zeros."""
+
+    @staticmethod
+    def forward(ctx: Context, q: Any, k: Any, v: Any, lse_dtype: str) -> tuple[Any, Any]:
+        ctx.shapes = [(x.shape, x.dtype) for x in (q, k, v)]
+        return _no_keys_arrays(q, k, v, lse_dtype)
+
+    @staticmethod
+    def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
+        xp = array_module(dout)
+        return (*(xp.zeros(shape, dtype) for shape, dtype in ctx.shapes), None)
+
+
 def outside_graph(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, run outside any graph torch.compile is tracing (a graph break there):
     for host work on a call's metadata (a varlen call's packed layout from cu_seqlens), which
     dynamo would otherwise trace into NumPy code it cannot follow. Plain call otherwise."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.compiler.is_compiling():
-        return torch.compiler.disable(fn)(*args)
+    if dlpack.torch_compiling():
+        return sys.modules["torch"].compiler.disable(fn)(*args)
     return fn(*args)
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cuattn._util import array_library
+from cuattn._util import array_library, array_module
 
 if TYPE_CHECKING:
     import torch
@@ -242,7 +242,7 @@ def stream_for(info: ArrayInfo) -> Iterator[None]:
     with (
         cupy.cuda.Device(info.device_id),
         cupy_stream_of_torch(info.device_id),
-        cupy.cuda.using_allocator(_torch_allocation),
+        torch_allocator_for_cupy(),
     ):
         yield
 
@@ -261,6 +261,15 @@ def _torch_allocation(size: int) -> Any:
     return cupy.cuda.MemoryPointer(memory, 0)
 
 
+def torch_allocator_for_cupy() -> Any:
+    """Context manager: CuPy allocates from torch's caching allocator (this thread, the current
+    device and stream), so torch's memory statistics see our kernels' outputs and workspaces,
+    and both libraries share one pool."""
+    import cupy
+
+    return cupy.cuda.using_allocator(_torch_allocation)
+
+
 def cupy_stream_of_torch(device_id: int | None = None) -> Any:
     """torch's current CUDA stream (of ``device_id``, default the current device) as a CuPy
     stream; used as a context manager it makes CuPy launch there."""
@@ -273,3 +282,34 @@ def cupy_stream_of_torch(device_id: int | None = None) -> Any:
         return from_external(stream)
     # CuPy < 14, or a torch without the CUDA stream protocol (ExternalStream is deprecated in 14).
     return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
+def torch_compiling() -> bool:
+    """Whether torch.compile is tracing this call (never imports torch): the layers below the
+    adapters ask here rather than torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+def narrow(x: Any, dim: int, start: int, size: int) -> Any:
+    """x[..., start:start + size, ...] along ``dim``, a view in x's own library (torch's
+    ``narrow`` keeps a traced length symbolic)."""
+    if array_library(x) == "torch":
+        return x.narrow(dim, start, size)
+    index = [slice(None)] * len(x.shape)
+    index[dim] = slice(start, start + size)
+    return x[tuple(index)]
+
+
+def concatenate(parts: Sequence[Any], dim: int) -> Any:
+    """The parts (one library's arrays) joined along ``dim`` by that library."""
+    library = array_library(parts[0])
+    if library == "torch":
+        import torch
+
+        return torch.cat(list(parts), dim)
+    if library == "jax":
+        import jax.numpy as xp
+    else:
+        xp = array_module(parts[0])
+    return xp.concatenate(list(parts), axis=dim)

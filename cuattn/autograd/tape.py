@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import array_library
-from cuattn.backends import array_module
+from cuattn._util import array_library, array_module
 
 __all__ = [
     "Context",

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cuattn._util import array_library
+from cuattn._util import array_module
 from cuattn.backends import dropout
 from cuattn.backends import numpy_ref as reference
 from cuattn.backends.call import AttentionCall
@@ -120,13 +120,6 @@ def resolve_backend(name: str | None, on_device: bool) -> Backend:
         module, cls = _LAZY[name]
         _INSTANCES[name] = getattr(importlib.import_module(module), cls)()
     return _INSTANCES[name]
-
-
-def array_module(x: Any) -> ModuleType:
-    """NumPy or CuPy: the module of a NumPy or CuPy array (the two kinds a backend is handed,
-    adapters/dlpack.py), read off its type; a NumPy array never imports CuPy. The one place
-    cuattn asks which array module to compute with."""
-    return importlib.import_module("cupy") if array_library(x) == "cupy" else np
 
 
 def device_module(device: str, name: str) -> ModuleType:

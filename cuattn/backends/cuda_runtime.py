@@ -12,6 +12,7 @@ Importing this module needs neither CuPy nor a GPU; the first launch does.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import threading
 import weakref
@@ -52,13 +53,21 @@ def cupy_module() -> Any:
     return cupy
 
 
+def why_no_cuda() -> str | None:
+    """Why the cuda backend cannot run here, or None when CuPy imports and sees a CUDA device."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    try:
+        import cupy
+
+        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
+    except Exception:  # no driver or no device
+        return "no CUDA driver or device"
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
-    try:
-        cupy = cupy_module()
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device, or no CuPy: all mean "no CUDA here"
-        return False
+    return why_no_cuda() is None
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,11 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div
+from cuattn._util import ceil_div, dtype_name
 
 BLOCK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
@@ -1520,9 +1521,9 @@ def all_instantiations() -> dict[str, list[str]]:
     return files
 
 
-def dtype_name(dtype: np.dtype | str) -> str:
-    """NumPy/ml_dtypes dtype -> one of DTYPES."""
-    name = np.dtype(dtype).name
+def kernel_dtype(dtype: Any) -> str:
+    """The name of ``dtype`` (_util.dtype_name), checked to be one of DTYPES."""
+    name = dtype_name(dtype)
     if name not in DTYPES:
         raise TypeError(f"dtype: got {name}, kernels accept {', '.join(DTYPES)}")
     return name

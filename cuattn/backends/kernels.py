@@ -377,7 +377,7 @@ class KernelBackend:
                 f"q has heads={heads}, n_q={n_q} and k has n_k={n_k}"
             )
         kernel_layout(layout)  # a block size with no kernel fails here, before any launch
-        return geometry.dtype_name(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
+        return geometry.kernel_dtype(q.dtype), (batch, heads, n_q, head_dim, kv_heads, n_k)
 
     def _check_placement(self, arrays: dict[str, Any]) -> None:
         """Every array of this backend's kind and on the device of the first one."""
@@ -1077,7 +1077,7 @@ class KernelBackend:
             lse = self.output(tuple(lse_a.shape), self.xp.float32)
             if rows:
                 config = KernelConfig(
-                    "merge_states", head_dim, geometry.dtype_name(out_a.dtype), n_rows=rows
+                    "merge_states", head_dim, geometry.kernel_dtype(out_a.dtype), n_rows=rows
                 )
                 self.launch(
                     config,
@@ -1143,7 +1143,7 @@ class KernelBackend:
                 f"k_pages: {int(k_pages.shape[0])} pages of {page_size} tokens; the decode "
                 f"kernels index at most {geometry.DECODE_MAX_SLOTS} slots (int32)"
             )
-        dtype = geometry.dtype_name(q.dtype)
+        dtype = geometry.kernel_dtype(q.dtype)
         if head_dim not in geometry.HEAD_DIMS:
             raise ValueError(
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import array_library
+from cuattn.adapters import dlpack
 
 BALANCES = ("contiguous", "zigzag")
 
@@ -60,29 +60,6 @@ def positions(n: int, rank: int, world_size: int, balance: str = "zigzag") -> np
     return np.concatenate([np.arange(c * size, (c + 1) * size) for c in ids])
 
 
-def _take(x: Any, dim: int, start: int, size: int) -> Any:
-    if array_library(x) == "torch":
-        return x.narrow(dim, start, size)
-    index = [slice(None)] * len(x.shape)
-    index[dim] = slice(start, start + size)
-    return x[tuple(index)]
-
-
-def _concat(parts: Sequence[Any], dim: int) -> Any:
-    library = array_library(parts[0])
-    if library == "torch":
-        import torch
-
-        return torch.cat(list(parts), dim)
-    if library == "cupy":
-        import cupy as xp
-    elif library in ("jax", "jaxlib"):
-        import jax.numpy as xp
-    else:
-        xp = np
-    return xp.concatenate(list(parts), axis=dim)
-
-
 def _axis(x: Any, dim: int) -> int:
     if not -len(x.shape) <= dim < len(x.shape):
         raise ValueError(f"dim={dim} is out of range for an array of shape {tuple(x.shape)}")
@@ -94,7 +71,7 @@ def shard(x: Any, rank: int, world_size: int, balance: str = "zigzag", dim: int 
     dim = _axis(x, dim)
     size = chunk_length(int(x.shape[dim]), world_size, balance)
     ids = chunk_ids(rank, world_size, balance)
-    return _concat([_take(x, dim, c * size, size) for c in ids], dim)
+    return dlpack.concatenate([dlpack.narrow(x, dim, c * size, size) for c in ids], dim)
 
 
 def unshard(shards: Sequence[Any], balance: str = "zigzag", dim: int = 2) -> Any:
@@ -112,5 +89,5 @@ def unshard(shards: Sequence[Any], balance: str = "zigzag", dim: int = 2) -> Any
     chunks: dict[int, Any] = {}
     for rank, share in enumerate(shards):
         for slot, c in enumerate(chunk_ids(rank, world_size, balance)):
-            chunks[c] = _take(share, dim, slot * size, size)
-    return _concat([chunks[c] for c in sorted(chunks)], dim)
+            chunks[c] = dlpack.narrow(share, dim, slot * size, size)
+    return dlpack.concatenate([chunks[c] for c in sorted(chunks)], dim)

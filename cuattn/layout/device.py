@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, host_array
+from cuattn._util import array_module, ceil_div, host_array
 from cuattn.layout.layout import (
     BITS_PER_WORD,
     FULL_BLOCK,
@@ -128,13 +128,10 @@ class DeviceLayout(Layout):
         for field in INDEX_FIELDS:
             setattr(self, field, index[field])
         # Plain attributes, not properties: every launch asks where the layout lives.
-        if isinstance(self.row_ptr, np.ndarray):
-            self.array_module: Any = np  # numpy or cupy: the module of the index arrays
-            self.device: int | None = None  # the CUDA device of the arrays, None on the host
-        else:
-            import cupy
-
-            self.array_module, self.device = cupy, int(self.row_ptr.device.id)
+        self.array_module: Any = array_module(self.row_ptr)  # of the index arrays
+        on_host = self.array_module is np
+        # the CUDA device of the arrays, None on the host
+        self.device: int | None = None if on_host else int(self.row_ptr.device.id)
         xp = self.array_module
         words = ceil_div(self.blocksize, BITS_PER_WORD)
         if (rule.kind == "bitmask") != (mask_table is not None):

@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import ast
 import math
-import sys
 from dataclasses import dataclass
 
+from cuattn.adapters.dlpack import torch_compiling
 from cuattn.layout.layout import Layout, check_positive_int
 from cuattn.layout.registry import check_pattern, make_layout, modes
 
 # Keys whose arguments passed check_pattern's trial build.
 _CHECKED: set[str] = set()
-
-
-def _tracing() -> bool:
-    """Whether torch.compile is tracing this call (never imports torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
 
 
 # Option values a key can spell (Python literals, and tuples of them).
@@ -78,7 +72,7 @@ class Pattern:
         # build per distinct key, outside torch.compile's tracing (a Layout is not traceable).
         # Tracing is asked first: a compiled graph must not guard on the checked set (a key
         # checked later, by an eager call, would make it compile again).
-        trial = not _tracing() and key not in _CHECKED
+        trial = not torch_compiling() and key not in _CHECKED
         check_pattern(mode, heads, blocksize, trial=trial, **options)
         if trial:
             _CHECKED.add(key)

@@ -23,6 +23,7 @@ from cuattn import backends as _backend
 from cuattn import dynamic
 from cuattn._util import ceil_div, host_array
 from cuattn.backends.call import AttentionCall
+from cuattn.backends.cuda_runtime import why_no_cuda
 from cuattn.backends.geometry import BLOCK_SIZES, HEAD_DIMS
 from cuattn.backends.geometry import DTYPES as KERNEL_DTYPES
 from cuattn.layout import make_layout
@@ -174,16 +175,7 @@ def _has_bfloat16() -> bool:
 
 def no_cuda_device() -> str | None:
     """Why the cuda backend cannot run here (None: a CUDA device is present)."""
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed"
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-        return "no CUDA device"
-    except Exception:  # no driver or no device
-        return "no CUDA driver or device"
+    return why_no_cuda()
 
 
 def best_backend() -> tuple[str, str]:
@@ -203,11 +195,7 @@ def _to_backend(x: np.ndarray, backend: str, dtype: str) -> Any:
         x = x.astype(ml_dtypes.bfloat16)
     else:
         x = x.astype(dtype)
-    if backend == "cuda":
-        import cupy
-
-        return cupy.asarray(x)
-    return x
+    return _backend.device_module("cuda", "x").asarray(x) if backend == "cuda" else x
 
 
 def _to_host(x: Any) -> np.ndarray:

@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from cuattn._util import host_array
-from cuattn.backends import array_module
+from cuattn._util import array_module, host_array
 from cuattn.backends.dropout import keep_mask
 
 # Below this magnitude errors are measured as absolute: a gradient that is exactly 0 in exact

@@ -336,7 +336,7 @@ def _scalars(case, layout, names=("q", "k", "v", "dout")):
 def _forward_config(case, dtype):
     batch, heads, _, n, head_dim, _ = CASES[case]
     layout = kernel_layout(_layout(case))
-    name = geometry.dtype_name(dtype)
+    name = geometry.kernel_dtype(dtype)
     return KernelConfig(
         "attn_fwd",
         head_dim,
@@ -376,7 +376,7 @@ def test_grad_lowers_to_forward_and_backward_launches(case, dtype):
         return cuattn.sparse_attention(q, k, v, layout).astype(jnp.float32).sum()
 
     calls = _custom_calls(_lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v))
-    name = geometry.dtype_name(dtype)
+    name = geometry.kernel_dtype(dtype)
     per_head = (head_dim, name, batch, heads)
     block, rule = kernel.blocksize, kernel.rule.kind
     scalars = _scalars(case, layout)

@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from cuattn._util import array_library, one_line
-from cuattn.adapters.dlpack import cupy_stream_of_torch
+from cuattn._util import array_library, host_array, one_line
+from cuattn.adapters.dlpack import cupy_stream_of_torch, torch_allocator_for_cupy
 from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import HEAD_DIMS
 from cuattn.tools.bench import report as bench_report
@@ -38,7 +38,6 @@ from cuattn.tools.bench.timing import (
     CpuTimer,
     CudaEventTimer,
     input_sets_needed,
-    torch_allocator_for_cupy,
 )
 
 FWD_FLOPS_PER_BLOCK_ELEMENT = 4  # two matmuls of b x b x d, 2 FLOPs per multiply-add
@@ -102,13 +101,9 @@ class Environment:
 
 def to_float64(x: Any) -> np.ndarray:
     """Any of our arrays (NumPy, CuPy, torch; bf16 included) as a float64 NumPy array."""
-    if isinstance(x, np.ndarray):
-        return x.astype(np.float64)
-    if array_library(x) == "cupy":
-        import torch
-
-        x = torch.from_dlpack(x)
-    return x.detach().double().cpu().numpy()
+    if array_library(x) == "torch":
+        return x.detach().double().cpu().numpy()
+    return host_array(x).astype(np.float64)
 
 
 def relative_error(got: Any, want: np.ndarray) -> float:
@@ -260,13 +255,13 @@ def build_environment(dry_run: bool, backend: str | None) -> Environment:
             CPU_WARMUP,
             CPU_REPEATS,
         )
-    import cupy
     import torch
 
-    from cuattn.backends import resolve_backend
+    from cuattn.backends import device_module, resolve_backend
 
     torch.manual_seed(SEED)
-    ours = CuattnRunner(resolve_backend(backend or "cuda", on_device=True), cupy.from_dlpack)
+    to_cupy = device_module("cuda", "inputs").from_dlpack
+    ours = CuattnRunner(resolve_backend(backend or "cuda", on_device=True), to_cupy)
     return Environment(
         True,
         torch.cuda.get_device_name(),

@@ -107,47 +107,6 @@ class CpuTimer:
         return None
 
 
-class torch_allocator_for_cupy:
-    """Context manager: CuPy allocates from torch's caching allocator, so torch's peak-memory
-    statistics include our kernels' outputs and workspaces, and both libraries share one pool."""
-
-    def __enter__(self) -> torch_allocator_for_cupy:
-        import cupy
-        import torch
-
-        self._cupy = cupy
-        self._previous = cupy.cuda.get_allocator()
-
-        def allocate(size: int) -> Any:
-            device = cupy.cuda.runtime.getDevice()
-            stream = torch.cuda.current_stream(device)
-            ptr = torch.cuda.caching_allocator_alloc(size, device, stream)
-            owner = _TorchBlock(ptr, torch.cuda.caching_allocator_delete)
-            memory = cupy.cuda.UnownedMemory(ptr, size, owner, device)
-            return cupy.cuda.MemoryPointer(memory, 0)
-
-        cupy.cuda.set_allocator(allocate)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._cupy.cuda.set_allocator(self._previous)
-
-
-class _TorchBlock:
-    """Returns its block to torch's caching allocator when CuPy drops the last reference.
-
-    The free function is bound at allocation: arrays still alive at interpreter exit are
-    collected after the import system is gone, when `import torch` would fail in __del__.
-    """
-
-    def __init__(self, ptr: int, free: Callable[[int], None]) -> None:
-        self.ptr = ptr
-        self._free = free
-
-    def __del__(self) -> None:
-        self._free(self.ptr)
-
-
 def median_ms(fn: Callable[[], Any], sync: Callable[[], Any], repeats: int) -> float:
     """Median wall milliseconds of ``fn`` (one untimed warm-up call), ``sync`` after each call
     (torch.cuda.synchronize, a CuPy device's synchronize, or a no-op on the CPU)."""

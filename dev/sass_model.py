@@ -64,6 +64,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dev import sass
 
@@ -293,6 +294,24 @@ class HotSpec:
     strided: tuple[ColdRegion, ...] = (STEP_ROW_LOOP,)
     arch: str = ARCH
 
+    @classmethod
+    def of(cls, config: Any, label: str, kind: str, **facts: Any) -> HotSpec:
+        """The spec of one geometry.KernelConfig: what the config knows (source, name, threads,
+        shared memory, head dim, element size) read from it, the tile ``facts`` given."""
+        from cuattn.backends.geometry import ITEMSIZE
+
+        return cls(
+            label=label,
+            kind=kind,
+            source_file=config.source_file,
+            name_expression=config.name_expression,
+            threads=config.threads,
+            smem_bytes=config.smem_bytes,
+            head_dim=config.head_dim,
+            itemsize=ITEMSIZE[config.dtype],
+            **facts,
+        )
+
     @property
     def work_class(self) -> str:
         """The instruction class of work_opcode (HMMA, HGMMA, FP32)."""
@@ -334,7 +353,7 @@ def _geometry_spec(
     paired: bool = False,
     regions: tuple[ColdRegion, ...] = PARTIAL_TILE_CODE,
 ) -> HotSpec:
-    from cuattn.backends.geometry import ITEMSIZE, KernelConfig
+    from cuattn.backends.geometry import KernelConfig
 
     config = KernelConfig(
         kernel, head_dim, dtype, block=block, rule="causal", mods=mods, paired=paired
@@ -354,15 +373,10 @@ def _geometry_spec(
         # S, dP (16 x tile_n x d) and dQ (16 x d x tile_n) per warp
         hmma = 3 * (tile_n // 8) * (head_dim // 16)
         kind, own, stats = "dq", 2, 0
-    return HotSpec(
-        label=label,
-        kind=kind,
-        source_file=config.source_file,
-        name_expression=config.name_expression,
-        threads=config.threads,
-        smem_bytes=config.smem_bytes,
-        head_dim=head_dim,
-        itemsize=ITEMSIZE[dtype],
+    return HotSpec.of(
+        config,
+        label,
+        kind,
         block=block,
         tile_m=tile_m,
         tile_n=tile_n,
@@ -374,19 +388,14 @@ def _geometry_spec(
 
 
 def _decode_spec(head_dim: int, dtype: str) -> HotSpec:
-    from cuattn.backends.geometry import ITEMSIZE, KernelConfig
+    from cuattn.backends.geometry import KernelConfig
 
     config = KernelConfig("attn_decode_split", head_dim, dtype)
     tokens_per_warp = config.tile_n // config.num_warps
-    return HotSpec(
-        label=f"decode d{head_dim}",
-        kind="decode",
-        source_file=config.source_file,
-        name_expression=config.name_expression,
-        threads=config.threads,
-        smem_bytes=config.smem_bytes,
-        head_dim=head_dim,
-        itemsize=ITEMSIZE[dtype],
+    return HotSpec.of(
+        config,
+        f"decode d{head_dim}",
+        "decode",
         block=0,
         tile_m=config.tile_m,
         tile_n=tokens_per_warp,  # a warp's sub-tile: the unit of the main loop
@@ -409,7 +418,6 @@ def _sm90_backward_spec(head_dim: int, dtype: str, block: int) -> HotSpec:
     warpgroups of 64 keys, a step of 64 queries. HGMMA a consumer warp issues a step: S^T and
     dP^T d / 16 each, dV and dK 4 each, dQ_part 8."""
     from cuattn.backends.geometry import (
-        ITEMSIZE,
         SM90_BWD,
         SM90_BWD_TILE_K,
         SM90_BWD_TILE_Q,
@@ -419,15 +427,10 @@ def _sm90_backward_spec(head_dim: int, dtype: str, block: int) -> HotSpec:
     config = KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule="causal")
     k16 = 16  # wgmma's K
     hgmma = 2 * head_dim // k16 + 2 * SM90_BWD_TILE_Q // k16 + SM90_BWD_TILE_K // k16
-    return HotSpec(
-        label=f"bwd sm90a d{head_dim} b{block}",
-        kind=SM90_BWD_KIND,
-        source_file=config.source_file,
-        name_expression=config.name_expression,
-        threads=config.threads,
-        smem_bytes=config.smem_bytes,
-        head_dim=head_dim,
-        itemsize=ITEMSIZE[dtype],
+    return HotSpec.of(
+        config,
+        f"bwd sm90a d{head_dim} b{block}",
+        SM90_BWD_KIND,
         block=block,
         tile_m=SM90_BWD_TILE_K,
         tile_n=SM90_BWD_TILE_Q,

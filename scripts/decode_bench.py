@@ -30,7 +30,6 @@ the tokens stay bf16; it sets CUATTN_DECODE_FP8=kernel), GB/s then counting one 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -44,7 +43,7 @@ from cuattn import policies  # noqa: E402
 from cuattn.backends import geometry, resolve_backend  # noqa: E402
 from cuattn.backends.call import AttentionCall  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
-from cuattn.tools.bench.report import rows_table  # noqa: E402
+from cuattn.tools.bench.report import report_rows  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -261,15 +260,8 @@ def main() -> None:
         cases = args.cases or (QUICK if args.quick else FULL)
         args.head_dim, args.repeats, args.baselines = HEAD_DIM, REPEATS, True
         args.page = args.page or PAGE
-    rows = []
-    for b, n in cases:
-        for p in args.policies:
-            rows.append(run_case(args, b, n, p, xp, dtype, backend))
-            print(json.dumps(rows[-1], default=str), flush=True)  # kept if a time limit cuts in
-    report = rows_table(rows)
-    print(report)
-    if args.markdown:
-        args.markdown.write_text(report + "\n")
+    rows = (run_case(args, b, n, p, xp, dtype, backend) for b, n in cases for p in args.policies)
+    report_rows(rows, args.markdown)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cuattn  # noqa: E402
 from cuattn import dynamic  # noqa: E402
-from cuattn.tools.bench.report import rows_table  # noqa: E402
+from cuattn.tools.bench.report import report_rows  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, TOPK, TAU = 16, 128, 64, 16, 0.9
@@ -120,14 +119,7 @@ def main() -> None:
         lengths = QUICK if args.quick else FULL
         args.block, args.repeats, args.flex, args.select_backend = BLOCK, REPEATS, True, None
         sync = torch.cuda.synchronize
-    rows = []
-    for n in lengths:
-        rows.append(run(n, args, device, dtype, sync))
-        print(json.dumps(rows[-1], default=str), flush=True)  # kept if a time limit cuts in
-    report = rows_table(rows)
-    print(report)
-    if args.markdown:
-        args.markdown.write_text(report + "\n")
+    report_rows((run(n, args, device, dtype, sync) for n in lengths), args.markdown)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from cuattn.backends import interp, numpy_ref
 from cuattn.backends.call import AttentionCall
 from cuattn.layout.layout import Layout
 from cuattn.tools.oracle import computed_pairs, dense_attention, dense_attention_grads
+from tests.helpers.special_values import assert_same
 
 BATCH, HEADS, KV_HEADS, N, D, BLOCK = 2, 2, 1, 40, 16, 16
 SCALE = 1.0  # so that q.k itself is the score: its overflow is the score's
@@ -167,30 +168,6 @@ def expected(arrays, layout, all_pairs=False):
         q, k, v, dout, mask, SCALE, computed=computed, score_dtype=score_dtype
     )
     return (out, lse, *grads)
-
-
-def assert_same(name, got, want, tol, dtype=np.float64):
-    """NaN where want is NaN, +-inf where it is, and the finite elements close (within a few
-    subnormal steps of dtype, which subnormal results lose)."""
-    got = np.asarray(got, dtype=np.float64)
-    assert got.shape == want.shape, name
-    for what, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        wrong = test(got) != test(want)
-        assert not wrong.any(), (
-            f"{name}: {what} differs at {np.argwhere(wrong)[:6].tolist()} "
-            f"({int(wrong.sum())} elements); got {got[wrong][:4]}, want {want[wrong][:4]}"
-        )
-    finite = np.isfinite(want)
-    g, w = got[finite], want[finite]
-    if w.any() and np.isfinite(tol):
-        # relative to each element and to the array's typical nonzero size (a gradient that is
-        # exactly 0 comes out as rounding noise of that size)
-        typical = np.median(np.abs(w[w != 0]))
-        bound = tol * (np.abs(w) + typical) + 64 * np.finfo(dtype).smallest_subnormal
-        worst = np.argmax(np.abs(g - w) - bound)
-        assert np.all(np.abs(g - w) <= bound), f"{name}: got {g[worst]}, want {w[worst]}"
-    elif not w.any():
-        assert np.all(np.abs(g) <= 64 * np.finfo(dtype).smallest_subnormal), f"{name}: not 0"
 
 
 def assert_all_same(got, want, tol, dtype, case):

@@ -349,9 +349,13 @@ def _forward_config(case, dtype):
     )
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("case", sorted(CASES))
+def each_lowering_case(test):
+    """``test(case, dtype)`` for every case of CASES in both 16-bit dtypes, where NVRTC is."""
+    test = pytest.mark.parametrize("case", sorted(CASES))(test)
+    return needs_nvrtc(pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])(test))
+
+
+@each_lowering_case
 def test_forward_lowers_to_one_launch(case, dtype):
     batch, heads, kv_heads, n, head_dim, _ = CASES[case]
     layout = _layout(case)
@@ -363,9 +367,7 @@ def test_forward_lowers_to_one_launch(case, dtype):
     assert "callback" not in lowered.as_text()
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("case", sorted(CASES))
+@each_lowering_case
 def test_grad_lowers_to_forward_and_backward_launches(case, dtype):
     batch, heads, kv_heads, n, head_dim, _ = CASES[case]
     layout = _layout(case)

@@ -450,24 +450,17 @@ def wgmma(lib, cxx_type: str, n: int, swizzle: Swizzle, bug=0, registers=False, 
     `registers`, in each thread's registers. Returns A, B and every thread's accumulators."""
     steps = WGMMA_STEPS[swizzle]
     a, b = random_operands(cxx_type, n, swizzle, seed)
-    image, a_offset, b_offset, leading, stride = wgmma_image(a, b, swizzle, TILE_OFFSET)
+    image, *descriptors = wgmma_image(a, b, swizzle, TILE_OFFSET)
     out = np.zeros((WARPGROUP, n // 2), np.float32)
-    run(
+    run_wgmma(
         lib,
         wgmma_expression(cxx_type, n, steps, bug, registers),
-        1,
-        WARPGROUP,
         image,
-        len(image),
-        a_offset,
-        b_offset,
-        leading,
-        stride,
-        DESCRIPTOR_SWIZZLE[swizzle],
-        WGMMA_K * ELEMENT_BYTES,
+        descriptors,
+        swizzle,
+        (WGMMA_K * ELEMENT_BYTES,),
         np.ascontiguousarray(a_fragments(a)),
         out,
-        smem=len(image),
     )
     return a, b, out
 
@@ -478,31 +471,40 @@ def wgmma_mn_major(lib, cxx_type: str, n: int, swizzle: Swizzle, registers: bool
     steps = WGMMA_STEPS[swizzle]
     a, b_rows_of_n = random_operands(cxx_type, n, swizzle, seed)
     b = np.ascontiguousarray(b_rows_of_n.T)
-    image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, b_step = (
-        wgmma_image_mn_major(a, b, swizzle, TILE_OFFSET)
-    )
+    image, *descriptors, b_step = wgmma_image_mn_major(a, b, swizzle, TILE_OFFSET)
     out = np.zeros((WARPGROUP, n // 2), np.float32)
-    run(
+    run_wgmma(
         lib,
         mn_major_expression(cxx_type, n, steps, registers),
+        image,
+        descriptors,
+        swizzle,
+        (WGMMA_K * ELEMENT_BYTES, b_step),
+        np.ascontiguousarray(a_fragments(a)),
+        out,
+    )
+    return a, b, out
+
+
+def run_wgmma(lib, expression, image, descriptors, swizzle, steps, a_fragments, out):
+    """One warpgroup's wgmma kernel over a shared-memory image: ``descriptors`` are A's and B's
+    offsets, then the leading and stride byte offsets (one pair for both, or A's then B's);
+    ``steps`` the advance a K-step (one for both, or A's then B's); ``a_fragments`` A in
+    registers (read where the expression takes A from them)."""
+    run(
+        lib,
+        expression,
         1,
         WARPGROUP,
         image,
         len(image),
-        a_offset,
-        b_offset,
-        a_leading,
-        a_stride,
-        b_leading,
-        b_stride,
+        *descriptors,
         DESCRIPTOR_SWIZZLE[swizzle],
-        WGMMA_K * ELEMENT_BYTES,
-        b_step,
-        np.ascontiguousarray(a_fragments(a)),
+        *steps,
+        a_fragments,
         out,
         smem=len(image),
     )
-    return a, b, out
 
 
 @pytest.mark.parametrize("b_major", ["K-major B", "MN-major B"])
@@ -537,31 +539,11 @@ def test_wgmma_takes_a_mn_major_from_shared_memory(lib, cxx_type, n, swizzle):
     steps = WGMMA_STEPS[swizzle]
     a, b_rows_of_n = random_operands(cxx_type, n, swizzle, seed=17)
     b = np.ascontiguousarray(b_rows_of_n.T)
-    image, a_offset, b_offset, a_leading, a_stride, b_leading, b_stride, a_step, b_step = (
-        wgmma_image_both_mn_major(a, b, swizzle, TILE_OFFSET)
-    )
+    image, *descriptors, a_step, b_step = wgmma_image_both_mn_major(a, b, swizzle, TILE_OFFSET)
     out = np.zeros((WARPGROUP, n // 2), np.float32)
     unused_fragments = np.zeros(1, np.uint32)
-    run(
-        lib,
-        a_mn_major_expression(cxx_type, n, steps),
-        1,
-        WARPGROUP,
-        image,
-        len(image),
-        a_offset,
-        b_offset,
-        a_leading,
-        a_stride,
-        b_leading,
-        b_stride,
-        DESCRIPTOR_SWIZZLE[swizzle],
-        a_step,
-        b_step,
-        unused_fragments,
-        out,
-        smem=len(image),
-    )
+    expression = a_mn_major_expression(cxx_type, n, steps)
+    run_wgmma(lib, expression, image, descriptors, swizzle, (a_step, b_step), unused_fragments, out)
     expected = a.astype(np.float64) @ b.astype(np.float64)
     rows, columns = accumulator_positions(n)
     np.testing.assert_allclose(out, expected[rows, columns], rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ import cuattn
 from cuattn import policies as P
 from cuattn.serving import decode
 from cuattn.tools.oracle import dense_attention
+from tests.helpers.special_values import assert_same
 
 BATCH, KV_HEADS, GROUP, T_Q, D, PAGE = 2, 2, 2, 2, 16, 4
 # queries at 27, 28 and 21, 22; the newest token of sequence 0 opens a page of its own
@@ -172,24 +173,6 @@ def expected(cache, q):
             p = np.where(np.isnan(p), 0.0, p)  # a NaN row adds nothing
             mass[pages, offsets] = p.sum(axis=(0, 1))
     return out, lse, mass
-
-
-def assert_same(name, got, want, tol):
-    """NaN where want is NaN, +-inf where it is, the finite elements close."""
-    got = np.asarray(got).astype(np.float64)
-    assert got.shape == want.shape, name
-    for what, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        wrong = test(got) != test(want)
-        assert not wrong.any(), (
-            f"{name}: {what} differs at {np.argwhere(wrong)[:6].tolist()} "
-            f"({int(wrong.sum())} elements); got {got[wrong][:4]}, want {want[wrong][:4]}"
-        )
-    finite = np.isfinite(want)
-    g, w = got[finite], want[finite]
-    typical = np.median(np.abs(w[w != 0])) if (w != 0).any() else 1.0
-    bound = tol * (np.abs(w) + typical)
-    worst = np.argmax(np.abs(g - w) - bound)
-    assert np.all(np.abs(g - w) <= bound), f"{name}: got {g[worst]}, want {w[worst]}"
 
 
 def check(cache, q, backend, tol):

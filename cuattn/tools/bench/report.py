@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +167,17 @@ def rows_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = N
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def report_rows(rows: Iterable[dict[str, Any]], markdown: Path | None) -> list[dict[str, Any]]:
+    """Each row printed as a JSON line as soon as it is measured (kept should a time limit cut
+    the run), then the whole markdown table, printed and written to ``markdown`` if given."""
+    done = []
+    for row in rows:
+        done.append(row)
+        print(json.dumps(row, default=str), flush=True)
+    table = rows_table(done)
+    print(table)
+    if markdown:
+        markdown.write_text(table + "\n")
+    return done

@@ -14,13 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn.backends import NumpyBackend, forward, geometry, interp
+from cuattn.backends import NumpyBackend, geometry, interp
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands
 from cuattn.layout import Pattern, make_layout
 from cuattn.tools.oracle import rel_err
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
-from tests.helpers.score_operands import check_operands
+from tests.helpers.score_operands import check_bit_identical, check_operands, check_sets_its_flag
 
 REF_RTOL = 1e-12
 REFERENCE = NumpyBackend()
@@ -99,10 +99,7 @@ def test_kernels_alibi_with_softcap_gqa_fewer_queries_bit_identical(mods_kernels
     q, _, _, dout = _inputs((2, 4, n_q, HEAD_DIM), "float32", seed=11)
     _, k, v, _ = _inputs((2, 2, n_k, HEAD_DIM), "float32", seed=12)
     slopes = _slopes(2, 4, False, 13)
-    args = (interp, q, k, v, dout, layout, TOLERANCE["float32"], SOFTCAP, slopes)
-    first, again = check_operands(*args), check_operands(*args)
-    for a, b in zip((first[0], first[1], *first[2]), (again[0], again[1], *again[2]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    check_bit_identical(interp, q, k, v, dout, layout, TOLERANCE["float32"], SOFTCAP, slopes)
 
 
 def test_alibi_slopes_sets_its_flag():
@@ -110,15 +107,7 @@ def test_alibi_slopes_sets_its_flag():
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=14)
     slopes = _slopes(1, HEADS, False, 15)
-    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(ScoreOperands(slopes))
-    assert call.mods.alibi and sum(call.mods.given) == 1
-    assert (
-        call.operands.alibi_slopes is slopes
-        and call.without_operands().operands.alibi_slopes is None
-    )
-    out, _ = forward(q, k, v, call)
-    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
-    assert not np.array_equal(out, plain)
+    check_sets_its_flag("alibi_slopes", slopes, "alibi", q, k, v, layout)
 
 
 def test_a_bias_refuses_a_permuted_layout_where_the_call_is_built():

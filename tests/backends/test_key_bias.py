@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn.backends import NumpyBackend, forward, geometry, interp
-from cuattn.backends.call import AttentionCall, ScoreOperands
+from cuattn.backends import NumpyBackend, geometry, interp
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
-from tests.helpers.score_operands import check_operands
+from tests.helpers.score_operands import check_bit_identical, check_operands, check_sets_its_flag
 
 REF_RTOL = 1e-12
 REFERENCE = NumpyBackend()
@@ -77,9 +76,7 @@ def test_kernels_key_bias_softcap_alibi_gqa_bit_identical(mods_kernels):  # noqa
     slopes = np.random.default_rng(10).uniform(0.05, 0.5, (2, 4)).astype(np.float32)
     key_bias = _key_bias(2, 4, n_k, False, 11)
     args = (interp, q, k, v, dout, layout, TOLERANCE["float32"], SOFTCAP, slopes, key_bias)
-    first, again = check_operands(*args), check_operands(*args)
-    for a, b in zip((first[0], first[1], *first[2]), (again[0], again[1], *again[2]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    check_bit_identical(*args)
 
 
 def test_key_bias_sets_its_flag():
@@ -87,11 +84,4 @@ def test_key_bias_sets_its_flag():
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=12)
     key_bias = _key_bias(1, HEADS, 24, False, 13)
-    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(
-        ScoreOperands(key_bias=key_bias)
-    )
-    assert call.mods.key_bias and sum(call.mods.given) == 1
-    assert call.operands.key_bias is key_bias and call.without_operands().operands.key_bias is None
-    out, _ = forward(q, k, v, call)
-    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
-    assert not np.array_equal(out, plain)
+    check_sets_its_flag("key_bias", key_bias, "key_bias", q, k, v, layout)

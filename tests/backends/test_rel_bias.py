@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuattn.backends import NumpyBackend, forward, geometry, interp
-from cuattn.backends.call import AttentionCall, ScoreOperands
+from cuattn.backends import NumpyBackend, geometry, interp
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs, mods_kernels  # noqa: F401
-from tests.helpers.score_operands import check_operands
+from tests.helpers.score_operands import check_bit_identical, check_operands, check_sets_its_flag
 
 REF_RTOL = 1e-12
 REFERENCE = NumpyBackend()
@@ -61,12 +60,7 @@ def test_rel_bias_sets_its_flag():
     layout = make_test_layout("causal", 16, 24)
     q, k, v, _ = _inputs((1, HEADS, 24, 8), np.float64, seed=12)
     table = _table(None, HEADS, 3, 13)
-    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(ScoreOperands(rel_bias=table))
-    assert call.mods.rel_bias and sum(call.mods.given) == 1
-    assert call.operands.rel_bias is table and call.without_operands().operands.rel_bias is None
-    out, _ = forward(q, k, v, call)
-    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
-    assert not np.array_equal(out, plain)
+    check_sets_its_flag("rel_bias", table, "rel_bias", q, k, v, layout)
 
 
 KERNEL_CASES = [(16, HEAD_DIM, dtype, "causal", False) for dtype in geometry.DTYPES]
@@ -96,10 +90,7 @@ def test_kernels_rel_bias_with_everything_else_bit_identical(mods_kernels, max_d
     key_bias = (np.random.default_rng(11).standard_normal((2, 4, n_k)) * 2).astype(np.float32)
     table = _table(None, 4, max_distance, 12)
     args = (interp, q, k, v, dout, layout, TOLERANCE["float32"], SOFTCAP, slopes, key_bias)
-    first = check_operands(*args, rel_bias=table)
-    again = check_operands(*args, rel_bias=table)
-    for a, b in zip((first[0], first[1], *first[2]), (again[0], again[1], *again[2]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    check_bit_identical(*args, rel_bias=table)
 
 
 def test_kernels_one_column_table_gets_every_scores_gradient(mods_kernels):  # noqa: F811

@@ -209,11 +209,17 @@ def test_a_padded_batch_runs_each_sequences_own_sparse_layout_from_its_first_tok
     n = 70
     ids = _ids(6, batch=3, n=n)
     mask = _padding(n, [n, 45, 33], ["right", "right", "left"])
-    got = _out(ours, ids, attention_mask=mask, position_ids=_positions(mask))
+    _assert_padded_rows_equal_alone(ours, ours, ids, mask, PADDED_RTOL)
+
+
+def _assert_padded_rows_equal_alone(model, reference, ids, mask, rtol):
+    """``model`` on the padded batch (positions from the mask) equals ``reference`` on each
+    sequence alone, on the sequence's kept tokens."""
+    got = _out(model, ids, attention_mask=mask, position_ids=_positions(mask))
     kept = mask.bool()
     for row in range(len(ids)):
-        alone = _out(ours, ids[row, kept[row]][None])[0]
-        assert rel(got[row, kept[row]], alone) <= PADDED_RTOL, row
+        alone = _out(reference, ids[row, kept[row]][None])[0]
+        assert rel(got[row, kept[row]], alone) <= rtol, row
 
 
 def test_padded_query_rows_return_zeros_and_gradients_equal_sdpa():
@@ -484,11 +490,7 @@ def test_gemma2_softcap_on_a_padded_batch_equals_eager_on_each_sequence_alone():
     eager, ours = _gemma2_pair()
     ids = _ids(seed=4, batch=3, n=60)
     mask = _padding(60, [60, 41, 29], ["right", "left", "left"])
-    got = _out(ours, ids, attention_mask=mask, position_ids=_positions(mask))
-    kept = mask.bool()
-    for row in range(len(ids)):
-        alone = _out(eager, ids[row, kept[row]][None])[0]
-        assert rel(got[row, kept[row]], alone) <= EAGER_RTOL, row
+    _assert_padded_rows_equal_alone(ours, eager, ids, mask, EAGER_RTOL)
 
 
 def _t5_pair():

@@ -133,3 +133,28 @@ def check_operands(
         assert next(wrt) is None, "a seed has no gradient"
     assert next(wrt, "none left") == "none left"
     return out, lse, grads
+
+
+def check_bit_identical(*args, **operands):
+    """check_operands(*args, **operands) twice: both pass, and the second run gives the first's
+    bits (out, lse and every gradient: each sum is taken in a fixed order)."""
+    first, again = (check_operands(*args, **operands) for _ in range(2))
+    for a, b in zip((first[0], first[1], *first[2]), (again[0], again[1], *again[2]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def check_sets_its_flag(name, operand, flag, q, k, v, layout):
+    """A call carrying operand ``name`` alone flags it (``flag``: the ScoreMods field the
+    kernels' variant follows), holds it, drops it with without_operands, and changes the
+    NumPy reference's output."""
+    from cuattn.backends import forward
+
+    call = AttentionCall(layout, 0.5, backend="numpy").with_operands(
+        ScoreOperands(**{name: operand})
+    )
+    assert getattr(call.mods, flag) and sum(call.mods.given) == 1
+    assert getattr(call.operands, name) is operand
+    assert getattr(call.without_operands().operands, name) is None
+    out, _ = forward(q, k, v, call)
+    plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
+    assert not np.array_equal(out, plain)

@@ -261,6 +261,16 @@ def _torch_allocation(size: int) -> Any:
     return cupy.cuda.MemoryPointer(memory, 0)
 
 
+def on_device(info: ArrayInfo) -> Any:
+    """Context manager: CuPy work (allocations, launches) on the CUDA device ``info`` names;
+    nothing for a CPU array."""
+    if info.device != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(info.device_id)
+
+
 def torch_allocator_for_cupy() -> Any:
     """Context manager: CuPy allocates from torch's caching allocator (this thread, the current
     device and stream), so torch's memory statistics see our kernels' outputs and workspaces,

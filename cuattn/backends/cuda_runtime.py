@@ -11,6 +11,7 @@ Importing this module needs neither CuPy nor a GPU; the first launch does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -63,6 +64,19 @@ def why_no_cuda() -> str | None:
         return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
     except Exception:  # no driver or no device
         return "no CUDA driver or device"
+
+
+def device_arch_and_sms() -> tuple[str, int]:
+    """(the architecture the kernels' geometry sizes for: "sm_90" from compute capability 9.0 up,
+    else "sm_80"; the multiprocessor count) of the current CUDA device, read once a device."""
+    return _arch_and_sms(cupy_module().cuda.runtime.getDevice())
+
+
+@functools.cache
+def _arch_and_sms(device_id: int) -> tuple[str, int]:
+    device = cupy_module().cuda.Device(device_id)
+    major = int(device.compute_capability[:-1])
+    return ("sm_90" if major >= 9 else "sm_80"), int(device.attributes["MultiProcessorCount"])
 
 
 def cuda_available() -> bool:

@@ -37,12 +37,11 @@ bytes per slot, 16 for HeavyHitters, small beside a token's key and value). Only
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
 
-from cuattn._util import array_library, ceil_div, host_array, stable_kind, widened
+from cuattn._util import ceil_div, dtype_name, host_array, stable_kind, widened
 from cuattn.adapters import dlpack
 from cuattn.backends import device_module
 from cuattn.layout.layout import check_positive_int
@@ -58,25 +57,6 @@ FP8_INPUT_DTYPES = ("float16", "bfloat16")
 SPARE = 0  # the spare page (see module doc); slot 0 of it is the spare slot
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
 GROWTH = 16  # a budgeted pool that must grow takes 1/GROWTH of its kept tokens as slack
-
-
-def _dtype_name(dtype: Any) -> str:
-    """The NumPy name of a dtype as users spell it: a string ('float16', 'f2', 'half',
-    'torch.bfloat16'), a NumPy dtype or scalar type (np.float16, ml_dtypes.bfloat16, jnp.float32),
-    a torch dtype, or an array's ``.dtype``. NumPy's own rules read all but torch's, which are
-    named by their text; 'bfloat16' is read by name, as NumPy knows it only through ml_dtypes.
-    Anything unreadable keeps its text, for the caller's error to quote."""
-    text = str(dtype)
-    if dtype is None:  # np.dtype(None) is float64; a cache's dtype is never a default
-        return text
-    if array_library(dtype) == "torch" or text.startswith("torch."):
-        return text.replace("torch.", "")
-    if text == "bfloat16" or getattr(dtype, "__name__", None) == "bfloat16":
-        return "bfloat16"
-    try:
-        return np.dtype(dtype).name
-    except (TypeError, ValueError):
-        return text
 
 
 def _positive(name: str, value: object) -> int:
@@ -112,7 +92,7 @@ class KVCache:
         self.head_dim = _positive("head_dim", head_dim)
         self.page_size = _positive("page_size", page_size)
         self.capacity = None if capacity is None else _positive("capacity", capacity)
-        self.dtype = _dtype_name(dtype)
+        self.dtype = dtype_name(dtype)
         if self.dtype not in CACHE_DTYPES:
             raise TypeError(
                 f"dtype must be one of {CACHE_DTYPES} (a string, a NumPy dtype or scalar type "
@@ -144,7 +124,7 @@ class KVCache:
         self._most = np.zeros((self.batch, self.kv_heads), dtype=np.int64)
         self._kept = np.zeros(self.batch, dtype=np.int64)
         xp = self.xp
-        with _on_device(self.info):
+        with dlpack.on_device(self.info):
             self._allocate(self._first_pool_pages())
             self.page_table = xp.full((self.batch, self.kv_heads, 1), EMPTY, dtype=xp.int32)
             self.page_count = xp.zeros((self.batch, self.kv_heads), dtype=xp.int32)
@@ -353,7 +333,7 @@ class KVCache:
         """(pages, offsets, positions) of the kept tokens of sequence b, kv head h, by position
         (host)."""
         pages = self.pages(b, h)
-        with _on_device(self.info):
+        with dlpack.on_device(self.info):
             pos = host_array(self.slot_pos[self.xp.asarray(pages)])
         rows, offsets = np.nonzero(pos != EMPTY)
         order = np.argsort(pos[rows, offsets], kind="stable")
@@ -362,7 +342,7 @@ class KVCache:
     def positions(self) -> np.ndarray:
         """int64 [batch, kv_heads, n_kept]: the kept positions, sorted; -1 pads heads that keep
         fewer than the most."""
-        with _on_device(self.info):
+        with dlpack.on_device(self.info):
             slot, in_table = self._slots(*self._pairs())
             pos = self.xp.where(in_table, self.slot_pos.reshape(-1)[slot], EMPTY)
         pos = host_array(pos)
@@ -448,7 +428,7 @@ class KVCache:
         """The dtype of an array the cache is given (k, v) or asked with (q): the cache's own,
         or for an fp8 cache one of FP8_INPUT_DTYPES (the model's; the cache quantises what it
         keeps, which is what it was built to do, not a silent cast)."""
-        given = _dtype_name(x.dtype)
+        given = dtype_name(x.dtype)
         if self.quantized:
             if given not in FP8_INPUT_DTYPES:
                 raise TypeError(
@@ -484,7 +464,7 @@ class KVCache:
         self._check_capacity(given, most)
         info = dlpack.describe(k, "k")
         if int(given.max()) > 0:
-            with dlpack.stream_for(info), _on_device(self.info):
+            with dlpack.stream_for(info), dlpack.on_device(self.info):
                 self._reserve(most, kept)
                 kb = dlpack.to_backend(k, info, "k")
                 vb = dlpack.to_backend(v, dlpack.describe(v, "v"), "v")
@@ -815,11 +795,3 @@ def _storage_dtype(xp: Any, name: str) -> Any:
             ) from err
         return ml_dtypes.bfloat16
     return getattr(xp, name)
-
-
-def _on_device(info: dlpack.ArrayInfo) -> Any:
-    if info.device != "cuda":
-        return contextlib.nullcontext()
-    import cupy
-
-    return cupy.cuda.Device(info.device_id)

@@ -52,9 +52,10 @@ from cuattn.backends.call import (
     checked_operands,
     rel_max_distance,
 )
+from cuattn.backends.cuda_runtime import device_arch_and_sms
 from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
-from cuattn.serving.cache import KVCache, _on_device
+from cuattn.serving.cache import KVCache
 
 __all__ = ["decode_attention", "kernel_call", "kernel_decode", "quest_chosen", "reference_decode"]
 
@@ -141,23 +142,10 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
 
 
 def _resident_ctas(impl: Any, head_dim: int, dtype: str, gqa: bool) -> int:
+    """Decode CTAs (attn_decode_gqa's with ``gqa``) the current device holds at once."""
     if not impl.on_gpu:
         return INTERP_RESIDENT_CTAS
-    import cupy
-
-    return _device_resident_ctas(cupy.cuda.Device().id, head_dim, dtype, gqa)
-
-
-@functools.cache
-def _device_resident_ctas(device_id: int, head_dim: int, dtype: str, gqa: bool) -> int:
-    """Decode CTAs (attn_decode_gqa's with ``gqa``) device ``device_id`` holds (its properties
-    read once, not every step)."""
-    import cupy
-
-    device = cupy.cuda.Device(device_id)
-    major = int(device.compute_capability[:-1])
-    arch = "sm_90" if major >= 9 else "sm_80"
-    sms = int(device.attributes["MultiProcessorCount"])
+    arch, sms = device_arch_and_sms()
     if gqa:
         return geometry.decode_gqa_resident_ctas(arch, sms, head_dim, dtype)
     return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
@@ -285,7 +273,7 @@ def decode_attention(
     call = AttentionCall(None, scale, return_lse=bool(return_lse), backend=backend, mods=mods)
     info = dlpack.describe(q, "q")
     impl = _backends.resolve_backend(backend, on_device=cache.xp is not np)
-    with dlpack.stream_for(info), _on_device(cache.info):
+    with dlpack.stream_for(info), dlpack.on_device(cache.info):
         qb = dlpack.to_backend(q, info, "q")
         operands = given.map(lambda name, x: dlpack.to_backend(x, info, name))
         out, lse = impl.decode(qb, cache, call.with_operands(operands))

@@ -27,7 +27,8 @@ SURFACE = [
 ]
 # Documented elsewhere: the serving package (KVCache, decode_attention, policies), a submodule.
 SKIPPED = {"KVCache", "decode_attention", "policies", "tape"}
-SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Attributes|Note):\s*$")
+TITLES = "Args|Arguments|Returns|Yields|Raises|Example|Examples|Attributes|Note"
+SECTION = re.compile(rf"^({TITLES}):\s*$")
 ENTRY = re.compile(r"^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:")
 
 

@@ -163,9 +163,21 @@ def check_config(config: Any, heads: int | None = None) -> None:
 
     transformers gives a custom attention implementation no hook when a model is built, so the
     adapter runs this itself at the start of every forward (in the mask function, before any
-    layer); call it after setting the attribute to fail even earlier. ``heads`` defaults to
-    ``config.num_attention_heads`` (heads-dependent checks, e.g. num_verts dividing heads, are
-    skipped when neither is known)."""
+    layer); call it after setting the attribute to fail even earlier.
+
+    Args:
+        config (PretrainedConfig): the model's config; without ``cuattn_pattern`` the default
+            (dense) pattern is checked.
+        heads (int, optional): the query heads; None (default) is
+            ``config.num_attention_heads`` (heads-dependent checks, e.g. num_verts dividing
+            heads, are skipped when neither is known).
+
+    Raises:
+        TypeError: ``cuattn_pattern`` is not a dict; an argument of the wrong type, or one the
+            pattern does not take.
+        ValueError: no or an unknown ``attn_mode``; a key a layer decides (``causal``,
+            ``heads``, ``n_ctx``, ``n_q``); a value the pattern refuses.
+    """
     mode, blocksize, options = _spec(config)
     heads = heads if heads is not None else getattr(config, "num_attention_heads", None)
     if isinstance(heads, int) and heads > 0:
@@ -174,7 +186,23 @@ def check_config(config: Any, heads: int | None = None) -> None:
 
 
 def pattern_of(config: Any, heads: int, causal: bool, sliding_window: int | None = None) -> Pattern:
-    """The Pattern a layer runs: ``config.cuattn_pattern`` (or DEFAULT_PATTERN) for ``heads``."""
+    """The Pattern a layer runs: ``config.cuattn_pattern`` (or DEFAULT_PATTERN) for ``heads``.
+
+    Args:
+        config (PretrainedConfig): the model's config.
+        heads (int): the layer's query heads.
+        causal (bool): whether the layer is causal.
+        sliding_window (int, optional): the layer's sliding window (Mistral-style), run as the
+            ``local`` pattern; only with the dense pattern. None (default): no window.
+
+    Returns:
+        Pattern: the layer's pattern.
+
+    Raises:
+        TypeError: as :func:`check_config`.
+        ValueError: a sliding window with a pattern other than the dense one; as
+            :func:`check_config`.
+    """
     mode, blocksize, options = _spec(config)
     if sliding_window is not None:
         if mode != DENSE_MODE:
@@ -434,9 +462,39 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [batch, heads, q_len, head_dim], key
-    and value [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim],
-    None)."""
+    """cuattn as a transformers attention function (``attn_implementation="cuattn"``).
+
+    transformers calls it from each attention layer; padding, packed rows and T5's relative
+    bias run as docs/frameworks.md, section "Hugging Face transformers", describes.
+
+    Args:
+        module (torch.nn.Module): the attention layer (its ``config``, ``is_causal`` and
+            ``training`` are read).
+        query (torch.Tensor): [batch, heads, q_len, head_dim].
+        key (torch.Tensor): [batch, kv_heads, kv_len, head_dim] (kv_heads dividing heads).
+        value (torch.Tensor): key's shape.
+        attention_mask (torch.Tensor, optional): None, a 2-D [batch, kv_len] padding mask, or a
+            4-D one that is padding plus the layer's rule.
+        dropout (float): the layer's attention dropout, applied in training mode (default
+            0.0).
+        scaling (float, optional): the layer's score scale; None is ``1 / sqrt(head_dim)``.
+        is_causal (bool, optional): the layer's causal hint; None: ``module.is_causal`` (a
+            causal layer stays causal under a mask or a single query).
+        **kwargs: what the layer passes: ``softcap``, ``position_bias`` (T5),
+            ``sliding_window``, ``position_ids``, ``cu_seq_lens_q``/``cu_seq_lens_k``; refused:
+            ``s_aux``, ``output_attentions``.
+
+    Returns:
+        tuple: ``(out, None)``, out [batch, q_len, heads, head_dim] contiguous.
+
+    Raises:
+        TypeError: ``attention_mask`` not a tensor; as :func:`check_config`.
+        ValueError: an unsupported feature, named (``s_aux``, ``output_attentions``, a 4-D mask
+            that is not padding plus the layer's rule, a mask of another rank, a position bias
+            not by distance, a sliding window with a sparse pattern, dropout or a position bias
+            with a cuattn ``Cache``); as :func:`check_config` and
+            :func:`cuattn.sparse_attention`.
+    """
     if kwargs.get("s_aux") is not None:
         _refuse("s_aux", "the kernels add nothing of it to the scores")
     # how the scores are formed: the layer's scale, logit soft-capping (Gemma 2) and a
@@ -509,14 +567,27 @@ def attention_forward(
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for "cuattn": FlashAttention's (the 2-D padding mask, or
-    None when nothing is padded), after checking ``config.cuattn_pattern`` and refusing the
-    model's own extra mask functions, which the 2-D mask would silently drop. transformers
-    calls it once per forward, before any layer: the earliest point a config is seen.
+    """transformers' mask function for "cuattn": FlashAttention's 2-D padding mask.
 
-    Its arguments are handed to transformers' own ``flash_attention_mask`` as they came: the
-    interface has named the queries by ``cache_position`` and later by ``q_length``/``q_offset``,
-    and this function reads neither."""
+    Checks ``config.cuattn_pattern`` and refuses the model's own extra mask functions, which
+    the 2-D mask would silently drop. transformers calls it once per forward, before any layer:
+    the earliest point a config is seen.
+
+    Args:
+        *args: handed to transformers' ``flash_attention_mask`` as they came (the interface
+            has named the queries by ``cache_position`` and later by ``q_length``/``q_offset``;
+            this function reads neither).
+        **kwargs: the same; ``config``, ``use_vmap`` and ``mask_function`` are read.
+
+    Returns:
+        torch.Tensor | None: the 2-D [batch, kv_len] padding mask, or None when nothing is
+        padded.
+
+    Raises:
+        ValueError: the model adds mask functions of its own (``or_mask_function`` /
+            ``and_mask_function``); as :func:`check_config`.
+        TypeError: as :func:`check_config`.
+    """
     config = kwargs.get("config")
     if config is not None:
         check_config(config)
@@ -566,7 +637,15 @@ def _only_own_rules(rule: Any) -> bool:
 
 
 def register(name: str = NAME) -> str:
-    """Register cuattn under ``name`` with transformers' attention and mask interfaces."""
+    """Register cuattn with transformers' attention and mask interfaces (importing this module
+    does it for ``"cuattn"``).
+
+    Args:
+        name (str): the ``attn_implementation`` name (default ``"cuattn"``).
+
+    Returns:
+        str: ``name``.
+    """
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
     return name

@@ -211,3 +211,29 @@ def test_continuation_lines_are_not_parameters():
 
     assert documented_args(fn.__doc__) == ["layout", "scale"]
     assert problems("fn", fn, fn.__doc__) == []
+
+
+# Modules whose public docstrings hold ``Example:`` sections.
+EXAMPLE_MODULES = [
+    "cuattn.api",
+    "cuattn.autograd.tape",
+    "cuattn.compat.hf_cache",
+    "cuattn.layout.layout",
+    "cuattn.layout.pattern",
+    "cuattn.layout.registry",
+    "cuattn.nn",
+    "cuattn.sdpa",
+]
+
+
+@pytest.mark.parametrize("module_name", EXAMPLE_MODULES)
+def test_docstring_examples_run(module_name):
+    """The ``Example:`` sections run as written (doctest), so they cannot drift from the API."""
+    import doctest
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        pytest.skip(f"{module_name} needs a framework that is not installed")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0

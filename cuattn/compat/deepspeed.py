@@ -9,31 +9,7 @@ This module keeps its Python API, so a model moves over by changing one import l
 The sparsity configs take DeepSpeed's constructor arguments and defaults, raise its errors under
 its conditions, and ``make_layout(seq_len)`` returns its layouts: int64 torch tensors
 [num_heads, seq_len / block, seq_len / block] of 0/1, identical block for block, random blocks
-included (drawn with Python's ``random.sample`` in DeepSpeed's order, so the same
-``random.seed`` gives the same layout). The rules, for query block row r and key block column c
-(nb blocks per row; "causal" means ``attention='unidirectional'``):
-
-- Dense: every block.
-- Fixed: windows of ``num_local_blocks`` blocks, r and c in the same window (causal: c <= r);
-  in each window, ``num_global_blocks`` global columns starting at
-  ``num_local_blocks - (1 + h % num_different_global_patterns) * num_global_blocks`` (a short
-  last window: at ``min(window start + that offset, nb - num_global_blocks)``), seen by every
-  row (causal: by rows from the group's first block on), and with
-  ``horizontal_global_attention`` also global rows that see every column.
-- Variable: ``num_random_blocks`` random columns per row; windows of ``local_window_blocks``
-  sizes in turn, then the last size repeated (causal: c <= r); global columns (causal: from the
-  global block's own row on) at ``global_block_indices`` or the ranges [start, end) with
-  ``global_block_end_indices``, plus global rows with ``horizontal_global_attention``.
-- BigBird: ``num_random_blocks`` random columns per row (causal: drawn from c <= r), the window
-  ``|c - r| <= num_sliding_window_blocks // 2``, the first ``num_global_blocks`` rows and
-  columns; causal then keeps c <= r only.
-- BSLongformer: Longformer's window as BigBird's, global rows and columns at
-  ``global_block_indices`` (or [start, end) ranges); causal then keeps c <= r only.
-- LocalSlidingWindow: ``r - w <= c <= r + w``, w = ``num_sliding_window_blocks // 2``; any
-  ``attention`` other than 'bidirectional' keeps ``r - w <= c <= r``.
-
-With ``different_layout_per_head=False`` every head gets head 0's layout (random blocks are
-drawn once); with True each head draws its own.
+included. Each config's rule: docs/frameworks.md, section "The sparsity configs' rules".
 
 The block rules themselves are ``cuattn.layout.extended``'s builders, those of cuattn's own
 ``bigbird`` and ``variable`` patterns (``band_blocks``, ``bigbird_blocks``, ``variable_blocks``;
@@ -43,65 +19,9 @@ random blocks drawn here are handed in as drawn (``random_blocks``; cuattn draws
 among the blocks not on yet), and Variable's and Fixed's causal global columns start at the
 group's first row (``causal_columns="start"``; cuattn's at the diagonal).
 
-``SparseSelfAttention`` has DeepSpeed's constructor and ``forward(query, key, value, rpe=None,
-key_padding_mask=None, attn_mask=None)`` on [batch, heads, seq_len, head_dim] tensors (key may
-come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed: copied once into rows),
-scale ``head_dim ** -0.5``, the layout for a length being the top-left corner of
-``make_layout(max_seq_length)`` (the ``master_layout`` buffer, so DeepSpeed checkpoints load).
-It computes with ``cuattn.sparse_attention`` and has autograd.
-
-Masks are read as DeepSpeed's softmax reads them: cast to the query's dtype, singleton dimensions
-squeezed (``key_padding_mask`` [batch, seq_len], ``attn_mask`` [seq_len, seq_len]); mode 'mul'
-drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores
-(-inf drops). ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes)
-is added to the scores. Each runs the cheapest exact way:
-
-- ``key_padding_mask``: batch rows are grouped by their padding. A row that keeps its first n
-  keys (right padding) runs with its keys cut to n: a layout for n keys, no element table.
-  Any other padding (left, scattered) is a per-key element rule (O(seq_len) to hold; evaluated
-  into per-block bitmasks). Rows that share a padding share one call; a row with no key gives 0.
-  In mode 'add', finite values other than 0 (such as -10000, or a learned bias) are added as
-  they are: cuattn's per-key bias (``key_bias``), with its gradient when the mask carries one
-  (-inf entries drop their keys there too).
-- ``attn_mask``, the pairs it keeps (mode 'mul': nonzero; 'add': not -inf): one band
-  ``lo <= q - k <= hi`` for every query (causal, a sliding window, causal with a window, all
-  pairs, none) is read once, on its device, and applied as the kernels' causal or window rule
-  (combined with a padding length by shifting the window's bounds; with another padding,
-  inside the per-key rule). Any other mask (rows with gaps, a row that differs from the rest)
-  is read back whole and held as bits (seq_len^2 / 8 bytes): an exact element rule, evaluated
-  once into per-block bitmasks, blocks it leaves empty not walked. In mode 'add', finite values
-  other than 0 are added as they are: cuattn's ``score_bias`` (read inside the layout's
-  computed blocks only), with its gradient when the mask carries one.
-- ``rpe`` that is a function of key minus query position (Toeplitz, as relative-position
-  embeddings are) runs as cuattn's ``rel_bias``, one column per distance read from it
-  (``cuattn.compat.distance_bias``); its gradient goes through the read columns, exact for an
-  rpe built from a table by distance (each parameter moves whole diagonals). Any other rpe, and
-  a leaf rpe that requires a gradient or a view or cast of one (a zero-initialised learned rpe
-  sliced to seq_len: by distance in value, but its entries are free), is cuattn's
-  ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's own gradient. An
-  rpe computed otherwise that happens to be by distance in value (``w * ones``) is read by
-  distance: its gradient is exact when each parameter moves whole diagonals. An all-zero rpe
-  that carries no gradient adds nothing and is dropped.
-
-What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
-anything is computed):
-
-- rpe and finite 'add' masks get a gradient where they carry one; DeepSpeed's softmax returns
-  none for them.
-- NaN in a mask is refused: DeepSpeed would keep it in 'mul' (by accident of ``NaN != 0``) and
-  poison the row in 'add'. +inf in an 'add' mask is refused: the row's softmax would have no
-  finite scale (NaN in DeepSpeed). In 'mul' both infinities are nonzero and keep, as in
-  DeepSpeed. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops. An rpe is added as it
-  is, unchecked, as in DeepSpeed.
-- Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
-- A query row whose keys are all dropped (or all -inf) gives 0 where DeepSpeed gives NaN.
-- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) runs on every backend, the
-  kernels' score-modifier variant included.
-- dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
-  float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
-  DeepSpeed asserts float16. Biases are added in float32 (float64 beside float64 queries).
-- Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
-  shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
+``SparseSelfAttention`` has DeepSpeed's constructor and ``forward`` and computes with
+``cuattn.sparse_attention``, with autograd. How each mask and rpe runs, and what differs from
+DeepSpeed: docs/frameworks.md, section "Replacing DeepSpeed sparse attention".
 """
 
 from __future__ import annotations
@@ -210,8 +130,8 @@ def _check_attention(attention: str, horizontal_global_attention: bool | None = 
 class SparsityConfig:
     """DeepSpeed's base sparsity config: ``num_heads`` heads of ``block`` x ``block`` blocks.
 
-    The subclasses give the rule (each subclass's rule: the module doc); this base class has
-    none, and its :meth:`make_layout` raises NotImplementedError.
+    The subclasses give the rule (docs/frameworks.md, section "The sparsity configs' rules");
+    this base class has none, and its :meth:`make_layout` raises NotImplementedError.
 
     Args:
         num_heads (int): the attention heads.
@@ -305,8 +225,8 @@ class DenseSparsityConfig(SparsityConfig):
 
 
 class FixedSparsityConfig(SparsityConfig):
-    """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (the rule: the module
-    doc).
+    """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (docs/frameworks.md,
+    section "The sparsity configs' rules").
 
     Args:
         num_heads (int): the attention heads.
@@ -384,8 +304,8 @@ class FixedSparsityConfig(SparsityConfig):
 
 
 class VariableSparsityConfig(SparsityConfig):
-    """Random blocks, variable local windows and chosen global blocks (the rule: the module
-    doc).
+    """Random blocks, variable local windows and chosen global blocks (docs/frameworks.md,
+    section "The sparsity configs' rules").
 
     Args:
         num_heads (int): the attention heads.
@@ -455,7 +375,8 @@ class VariableSparsityConfig(SparsityConfig):
 
 
 class BigBirdSparsityConfig(SparsityConfig):
-    """BigBird: random, sliding-window and leading global blocks (the rule: the module doc).
+    """BigBird: random, sliding-window and leading global blocks (docs/frameworks.md, section
+    "The sparsity configs' rules").
 
     Args:
         num_heads (int): the attention heads.
@@ -505,7 +426,8 @@ class BigBirdSparsityConfig(SparsityConfig):
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
-    """Block-sparse Longformer: sliding window and global blocks (the rule: the module doc).
+    """Block-sparse Longformer: sliding window and global blocks (docs/frameworks.md, section
+    "The sparsity configs' rules").
 
     Args:
         num_heads (int): the attention heads.
@@ -551,8 +473,8 @@ class BSLongformerSparsityConfig(SparsityConfig):
 
 
 class LocalSlidingWindowSparsityConfig(SparsityConfig):
-    """A sliding window only; causal unless ``attention='bidirectional'`` (the rule: the module
-    doc).
+    """A sliding window only; causal unless ``attention='bidirectional'`` (docs/frameworks.md,
+    section "The sparsity configs' rules").
 
     Args:
         num_heads (int): the attention heads.

@@ -4,34 +4,9 @@
     model.generate(ids, cache=cache, max_new_tokens=32)    # attn_implementation="cuattn"
     # before transformers 5.24: past_key_values=cache (cache_keyword(model) names it)
 
-Why the attention must run through cuattn. An evicting cache changes which past tokens exist:
-the tokens a step attends are the ones the cache kept, at their original positions, different
-per (sequence, kv head). transformers' attention functions attend to the dense K/V that
-``update`` returns under one mask per sequence; kept sets of unequal size per kv head, or
-whose positions are not contiguous, do not fit that, and HeavyHitters (scores added by each
-decode query) and Quest (pages chosen per query) need the decode step itself. So ``update``
-only hands the new tokens over, and cuattn's attention function (``attn_implementation=
-"cuattn"``), which sees the queries, does the work with the layer's KVCache:
-
-* the layer's first forward (the prefill): dense causal attention over the whole prompt, as
-  without a cache; then the prompt is appended, with its queries for a policy that votes with
-  them (SnapKV), and the policy compresses it;
-* every later forward: the new tokens are appended (the policy evicts at once, so the kept
-  count never exceeds the budget), then ``decode_attention`` attends the new queries to
-  exactly the kept tokens, causal by position (RoPE is in the keys already, applied by the
-  model before ``update``).
-
-The hand-over is exact: ``update`` records the very key tensor it returns, and the attention
-function takes the layer's cache only for that tensor object. An ``update`` whose attention
-did not come through cuattn (another attn_implementation) leaves its tokens unstored, and the
-next ``update`` (the next layer, or the next step) refuses to go on: the prefill's dense
-attention is right under any implementation, so no wrong number is returned before that.
-
-Padding: the prefill may be padded (left or right: a 2-D attention_mask with zeros); each
-sequence's real tokens are stored from position 0, as generate numbers them. Later forwards
-must bring real tokens only (generate's do). Not supported (each a ValueError naming it):
-sliding-window layers, a sparse ``config.cuattn_pattern``, packed rows, 4-D masks, beam
-search (``reorder_cache``), ``crop`` and batch reshuffles.
+Why the attention must run through cuattn (``update`` only hands the new tokens over; the
+attention function stores them, lets the policy evict and attends to the kept ones), padding,
+and what is refused: docs/serving.md, section "In Hugging Face generate".
 """
 
 from __future__ import annotations

@@ -6,50 +6,12 @@
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cuattn")
 
 Every attention layer of the model then runs cuattn with a :class:`cuattn.Pattern` made from
-``config.cuattn_pattern`` (make_layout's arguments; ``attn_mode`` names the pattern; the layer
-itself decides ``causal``, ``heads``, ``n_ctx`` and ``n_q``), causal or not as the layer is, for
-whatever query and key lengths the layer sees (prefill, and decoding with a KV cache: queries
-aligned to the end of the keys). GQA layers pass their kv heads as they are. A layer with a
-sliding window (Mistral-style ``sliding_window``) under the dense pattern runs the ``local``
-pattern with that window, which is the same mask.
-
-Batches that are not one full-length sequence per row run as a packed varlen batch
-(``cuattn.sparse_attention_varlen``), as transformers' FlashAttention-2 path does, so nothing of
-size T x T is built and every sequence gets its own layout, aligned to its own first token:
-
-* padding: a 2-D attention mask with zeros (transformers' mask function for "cuattn" is
-  FlashAttention's, so layers receive the 2-D mask, or None when there is no padding). The kept
-  tokens of each row are one sequence; padded query rows return zeros; with a KV cache the
-  mask covers the cached keys too, so padded keys stay masked at every decoding step.
-* a 4-D mask (a caller's own, handed through as it is) that is a padding mask combined with the
-  layer's causal / window rule is read back into that padding; any other 4-D mask is refused.
-* packed rows: ``position_ids`` that do not continue by +1 (a new document restarts them; the
-  rule of transformers' ``find_packed_sequence_indices``) with no padding mask split a row into
-  documents, each attended alone; so do FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
-  keyword arguments (DataCollatorWithFlattening).
-
-Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
-T5's relative-position bias (the ``position_bias`` [1 or batch, heads, q_len, kv_len] its
-layers pass, a function of key minus query position) runs as cuattn's ``rel_bias``: a table
-of one column per distance, read from the bias tensor (``cuattn.compat.distance_bias``: checked
-once per tensor, its gradient back to T5's bucket embedding through the read). A bias that is
-not a function of the distance, or a leaf one that requires a gradient, is refused by name;
-T5's all-zero placeholder (layers without a table) adds nothing and is dropped.
-
-``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
-paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
-compresses at the prefill and at every decode step; its layers attend through this function
-(``past_key_values=`` before transformers 5.24: ``cache_keyword(model)`` says which).
-
-Attention dropout while training (the ``dropout`` a layer passes, BERT's
-``attention_probs_dropout_prob``) is cuattn's ``dropout_p``, its seed drawn from torch's default
-generator at each call; its masks are cuattn's generator's, not torch's.
-
-Not supported, each a ValueError naming it: a ``position_bias`` as above,
-``s_aux (attention sinks), ``output_attentions``, a model's own extra mask functions
-(``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
-is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
-tracing, ``position_ids`` that split a row are a RuntimeError when the compiled call runs.
+``config.cuattn_pattern`` (make_layout's arguments; the layer decides ``causal``, ``heads``,
+``n_ctx`` and ``n_q``). Padding, 4-D masks and packed rows run as a packed varlen batch; Gemma
+2's softcap, T5's relative-position bias and attention dropout map onto cuattn's modifiers;
+``Cache(policy=...)`` keeps generate's KV cache in cuattn's paged KVCache. All of it, the
+supported releases and what is refused: docs/frameworks.md, section "Hugging Face
+transformers", and docs/serving.md, section "In Hugging Face generate".
 """
 
 from __future__ import annotations

@@ -1,43 +1,15 @@
 """Layouts chosen from the data (``cuattn.dynamic``): block selection by pooled scores, top-k
 (MoBA/NSA) and mass threshold (XAttention-style adaptive budgets), and vertical-slash
 (MInference, its rule in cuattn/layout/dynamic.py). The selection is not differentiable;
-attention over the chosen layout is, on every route. Each is built on the device for device
-arrays (a DeviceLayout), see below.
-
-Top-k and mass threshold score query block i against key block j of head h from block-pooled
-queries and keys:
-    pooled_q[h, i] = pool of q[h, rows of block i]   (mean or element-wise max; a ragged last
-                                                      block pools only its real rows)
-    score[h, i, j] = pooled_q[h, i] . pooled_k[h // (heads / kv_heads), j]      (GQA)
-and allow j <= i when ``causal`` (square: as many queries as keys). The element rule of the
-layout is causal (k <= q) or none, plus the sequence end.
-
-topk_blocks(q, k, blocksize, topk, ...): per (h, i) the forced blocks (the diagonal with
-    ``keep_diagonal``, and the first ``keep_first`` blocks, where allowed) plus the highest-scored
-    other allowed blocks until there are ``topk`` (an int, or one per head); ties go to the
-    lower j. The forced blocks count toward topk, so no row ever holds more than topk.
-mass_threshold_blocks(q, k, blocksize, tau, ...): per (h, i) the estimated softmax over the
-    allowed blocks, p = softmax(score * scale); blocks taken in order (the diagonal first with
-    ``keep_diagonal``, then by p, ties to the lower j) until their mass reaches ``tau``, at most
-    ``max_blocks``: a concentrated head spends few blocks, a diffuse one many.
-``layout.nnz`` reports the blocks each head received.
+attention over the chosen layout is, on every route.
 
 q, k: [heads, n, d] or [1, heads, n, d] (k: kv_heads dividing heads) of any framework cuattn
 takes. Where the choice is made follows ``backend`` (as for attention: from the arrays' device
-and CUATTN_BACKEND by default):
-    cuda    (CUDA arrays: CuPy, torch, jax) pooling, scores, the choice and the CSR/CSC index
-            arrays are all made on the arrays' device by kernels/layout_build.cu, on the
-            caller's stream, in buffers sized from the budget: a :class:`DeviceLayout` with
-            nothing copied to or waited for on the host, so the step can be captured in a CUDA
-            graph (torch: after one warm-up call, which compiles the kernels and places a
-            per-head budget on the device). Scores are float32 there (float64 for float64).
-    interp  (NumPy arrays) the same kernels on the CPU interpreter: a DeviceLayout of NumPy
-            arrays, the CI's view of what the GPU runs.
-    numpy   (NumPy arrays, the default) the choice made with NumPy in float64: a Layout.
-Both routes choose the same blocks from the same scores (tested against each other and against
-a NumPy restatement of each definition). A device layout needs a kernel block size
-(16, 32, 64, 128) and at most 8192 key blocks; attention takes it unchanged, forward and
-backward, on every route.
+and CUATTN_BACKEND by default): on the kernel backends (CUDA arrays, or ``"interp"`` on the
+CPU) the whole layout is built on the arrays' device by kernels/layout_build.cu, a
+:class:`DeviceLayout`; on the NumPy backend the choice is made with NumPy in float64, a Layout.
+Both choose the same blocks from the same scores: docs/patterns.md, section "Layouts chosen
+from the data".
 """
 
 from __future__ import annotations

@@ -158,6 +158,26 @@ def test_public_docstrings_match_signatures(module_name, names):
     assert not found, "\n".join(found)
 
 
+def test_public_properties_have_a_docstring():
+    missing = []
+    for module_name, names in SURFACE:
+        if module_name.startswith(("cuattn.nn", "cuattn.compat")):
+            continue  # their classes' properties are torch's and transformers'
+        module = importlib.import_module(module_name)
+        for name in names or module.__all__:
+            obj = getattr(module, name)
+            if name in SKIPPED or not inspect.isclass(obj):
+                continue
+            for klass in obj.__mro__:
+                if not klass.__module__.startswith("cuattn"):
+                    continue
+                for attr, value in vars(klass).items():
+                    if isinstance(value, property) and not attr.startswith("_"):
+                        if not (inspect.getdoc(getattr(obj, attr, value)) or "").strip():
+                            missing.append(f"{module_name}.{klass.__qualname__}.{attr}")
+    assert not missing, missing
+
+
 def test_the_surface_is_found():
     names = {entry[0] for entry in public_callables("cuattn", None)}
     names |= {entry[0] for entry in public_callables("cuattn.dynamic", None)}

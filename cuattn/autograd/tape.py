@@ -329,22 +329,27 @@ class Tensor:
     # -- array-like properties ---------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The data's shape, as a tuple of ints."""
         return tuple(self.data.shape)
 
     @property
     def dtype(self) -> Any:
+        """The data's dtype."""
         return self.data.dtype
 
     @property
     def ndim(self) -> int:
+        """The data's number of axes."""
         return self.data.ndim
 
     @property
     def size(self) -> int:
+        """The data's number of elements."""
         return int(self.data.size)
 
     @property
     def xp(self) -> ModuleType:
+        """The data's array module: numpy or cupy."""
         return array_module(self.data)
 
     def __repr__(self) -> str:

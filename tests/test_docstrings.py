@@ -5,9 +5,10 @@ spelt with their stars), and ``Returns:`` (``Yields:`` for a context manager). A
 ``Args:`` is in its class's docstring and compared with ``__init__``; a callable annotated
 ``-> None`` needs no ``Returns:``.
 
-The public surface: ``cuattn.__all__`` (the serving package aside: its own test covers it), the
-public methods of the exported classes, ``cuattn.dynamic``, the tape (``cuattn.tape``),
-``cuattn.nn`` and the ``cuattn.compat`` entry points."""
+The public surface: ``cuattn.__all__`` (the serving package aside: its docstrings are written
+separately; to check them, drop its names from SKIPPED and add ``cuattn.serving``), the public
+methods of the exported classes, ``cuattn.dynamic``, the tape (``cuattn.tape``), ``cuattn.nn``
+and the ``cuattn.compat`` entry points."""
 
 import importlib
 import inspect
@@ -25,7 +26,8 @@ SURFACE = [
     ("cuattn.compat.hf_cache", None),
     ("cuattn.compat.deepspeed", None),
 ]
-# Documented elsewhere: the serving package (KVCache, decode_attention, policies), a submodule.
+# Not checked here: the serving package's exports (KVCache, decode_attention, policies) and a
+# submodule.
 SKIPPED = {"KVCache", "decode_attention", "policies", "tape"}
 TITLES = "Args|Arguments|Returns|Yields|Raises|Example|Examples|Attributes|Note"
 SECTION = re.compile(rf"^({TITLES}):\s*$")

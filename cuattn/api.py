@@ -134,52 +134,89 @@ def sparse_attention(
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
 ) -> Any:
-    """Block-sparse attention on [batch, heads, time, head_dim] inputs with a :class:`Layout`
-    (one length) or a :class:`Pattern` (built for each call's lengths); without one, dense
-    attention as FlashAttention's keywords say: ``causal`` (default False) and ``window_size``
-    ``(left, right)`` (query at position p sees keys p - left .. p + right, -1 for no limit;
-    causal makes right 0), on the ``window`` pattern's IMPLICIT_BLOCKSIZE blocks.
+    """Block-sparse attention on [batch, heads, time, head_dim] inputs.
 
-    q is [batch, heads, time_q, head_dim]; k and v are [batch, kv_heads, time_k, head_dim] with
-    kv_heads dividing heads (GQA/MQA: query head h reads kv head h // (heads / kv_heads); nothing
-    is repeated in memory) and time_k the keys' length; the layout is per query head, built for
-    time_q queries and time_k keys (``make_layout(..., n_ctx=time_k, n_q=time_q)``: causal rules
-    align the ends, as SDPA's bottom-right causal mask).
-    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True`` (lse float32, float64
-    for float64 input, [batch, heads, time_q], -inf on rows with nothing to attend to).
-    ``scale`` defaults to 1/sqrt(head_dim). ``softcap`` (> 0; None or 0: off) caps each scaled
-    score s as ``softcap * tanh(s / softcap)`` before the mask (Gemma 2). ``alibi_slopes``
-    (float32 [heads] or [batch, heads], an array of q's kind and device) adds ALiBi's
-    ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j after the softcap
-    (FlashAttention's convention); ``key_bias`` (float32 [batch, time_k] or [batch, heads,
-    time_k], q's kind of array; any finite value or -inf, e.g. a key padding mask) adds
-    ``key_bias[b, (h,) j]`` to every query's score of key j; ``rel_bias`` (float32 [heads,
-    2 M + 1] or [batch, heads, 2 M + 1], q's kind of array: a learned bias by relative
-    position, T5's and Swin's) adds ``rel_bias[(b,) h, clamp(j - (i + time_k - time_q), -M, M)
-    + M]``; ``score_bias`` (float32 or q's dtype, q's kind of array, broadcastable to [batch,
-    heads, time_q, time_k]: rank 2 to 4, each axis 1 or its full size, any strides, -inf
-    allowed: xformers' ``attn_bias``, SDPA's float mask, T5's ``position_bias``) adds
-    ``score_bias[b, h, i, j]`` (broadcast) to the score of query i and key j; it is read only
-    inside the layout's computed blocks, on every backend (the kernels' score-modifier variant
-    reads it in place at its strides; decode_attention takes none).
-    A gradient reaches the slopes, the key bias, the table and the score bias where they carry
-    one (torch, jax, cuattn.Tensor), summed over the axes each broadcasts; the table's
-    backward keeps float32 [batch, heads, time_q, 2 M + 1] while it runs, the score bias's a
-    dense [batch, heads, time_q, time_k] in the accumulation dtype.
-    ``dropout_p`` (0 <= p < 1) drops each attention probability with probability p after the
-    softmax (the lse stays that of every score) and scales the kept ones by 1 / (1 - p); which
-    ones is a pure function of ``dropout_seed`` and the element's (batch, head, query, key),
-    from Philox-4x32-10 (cuattn/backends/dropout.py), so the backward regenerates the mask and
-    stores nothing of size T x T. The seed is an int in [0, 2^63) or an array of q's kind on
-    its device holding the 64-bit key (int64/uint64 [] or [1], uint32/int32 [2] low word
-    first), which the kernels read there: a traced jax seed (``jax.random.bits(key, (2,),
-    jnp.uint32)``) runs one compiled program for every seed. Without a seed one is drawn: on
-    q's device from torch's generator for torch tensors (``torch.manual_seed`` repeats it; a
-    CUDA graph's replay or a compiled graph draws anew), from NumPy's global one otherwise; jax
-    has no global generator, so jax calls pass the seed.
-    ``backend``: 'numpy', 'interp' or 'cuda' (default: from the arrays' device and
-    CUATTN_BACKEND). ``recompute`` keeps only q, k, v for backward and recomputes the forward
-    there. Every backward is bit-identical run to run.
+    Computes ``softmax(scale * q @ k^T + biases) @ v`` over the pairs ``layout`` allows, visiting
+    only its blocks. Without a layout, dense attention as FlashAttention's ``causal`` and
+    ``window_size`` keywords say (on the ``all``/``window`` pattern's 64-blocks). GQA/MQA: query
+    head h reads kv head ``h // (heads / kv_heads)``, nothing repeated in memory. With
+    ``time_q != time_k`` query i stands at key position ``i + time_k - time_q`` (SDPA's
+    bottom-right causal mask). The score modifiers apply in the order softcap, then the biases
+    (summed), then the mask (docs/design.md, section 2); their gradients, memory and dropout's
+    seed: docs/frameworks.md, section "Score modifiers: gradients and seeds".
+
+    Args:
+        q (array): queries, [batch, heads, time_q, head_dim], float16, bfloat16, float32 or
+            float64: a NumPy, CuPy, torch or jax array, a ``cuattn.Tensor`` or any
+            ``__dlpack__`` object. Batch, heads and times may be 0 (an empty result).
+        k (array): keys, [batch, kv_heads, time_k, head_dim], q's dtype and kind of array;
+            kv_heads divides heads.
+        v (array): values, shaped and typed like k.
+        layout (Layout | Pattern, optional): which blocks and elements are computed: a
+            ``Layout`` built for ``heads``, ``n_q=time_q`` and ``n_ctx=time_k``
+            (``make_layout(..., n_ctx=time_k, n_q=time_q)``), or a ``Pattern``, built for each
+            call's lengths. None (default): dense, as ``causal`` and ``window_size`` say.
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        recompute (bool): keep only q, k and v for the backward and recompute the forward
+            there (default False).
+        return_lse (bool): also return the per-row log-sum-exp (default False).
+        causal (bool, optional): without a layout, keys after the query's (end-aligned)
+            position are masked; None means False. Keyword only.
+        window_size (tuple[int, int], optional): without a layout, ``(left, right)``: the query
+            at position p sees keys ``p - left .. p + right``, -1 for no limit on that side
+            (``causal`` makes right 0). None: no window. Keyword only.
+        softcap (float, optional): caps each scaled score s as ``softcap * tanh(s / softcap)``
+            before the biases and the mask (Gemma 2); None or 0 (default): off.
+        alibi_slopes (array, optional): ALiBi's slopes, float32 [heads] or [batch, heads], q's
+            kind of array on its device (e.g. ``cuattn.alibi_slopes(heads)``); adds
+            ``-slope * |i + time_k - time_q - j|`` to the score of query i and key j.
+        key_bias (array, optional): float32 [batch, time_k] or [batch, heads, time_k] (float64
+            beside float64 q), q's kind of array; ``key_bias[b, (h,) j]`` is added to every
+            query's score of key j (finite or -inf: a key padding mask in O(T)).
+        rel_bias (array, optional): a relative-position table (T5's, Swin's), float32
+            [heads, 2 M + 1] or [batch, heads, 2 M + 1]; adds
+            ``rel_bias[(b,) h, clamp(j - (i + time_k - time_q), -M, M) + M]``.
+        score_bias (array, optional): a dense bias broadcastable to [batch, heads, time_q,
+            time_k] (rank 2 to 4, each axis 1 or full, any strides, -inf allowed), float32 or
+            q's dtype, q's kind of array: xformers' ``attn_bias``, SDPA's float mask. Read only
+            inside the layout's computed blocks.
+        dropout_p (float): probability of dropping each attention probability after the
+            softmax, in [0, 1); kept ones are scaled by ``1 / (1 - p)``, the lse is that of
+            every score. Default 0.0 (off).
+        dropout_seed (int | array, optional): the dropout mask's 64-bit key: an int in
+            [0, 2^63), or an array of q's kind on its device (int64/uint64 [] or [1],
+            uint32/int32 [2], low word first; a traced jax seed). None: drawn from torch's
+            generator (torch tensors) or NumPy's global one; jax calls with dropout pass one.
+        backend (str, optional): ``"numpy"``, ``"interp"`` or ``"cuda"``; None (default): from
+            the arrays' device and ``CUATTN_BACKEND``.
+
+    Returns:
+        out, like q (its shape, dtype, kind of array and device); with ``return_lse=True`` the
+        pair ``(out, lse)``, lse [batch, heads, time_q] float32 (float64 for float64 inputs),
+        -inf on rows with nothing to attend to (whose out is 0). Every backward is bit-identical
+        run to run.
+
+    Raises:
+        TypeError: q, k or v is not an array, has a non-floating dtype or dtypes differ; the
+            layout is neither a Layout nor a Pattern; ``causal``, ``window_size``, ``scale``,
+            ``softcap``, ``dropout_p`` or ``dropout_seed`` has the wrong type; a score operand
+            is not an array of q's kind or has the wrong dtype.
+        ValueError: a rank or shape does not fit (k's batch or head_dim, kv_heads not dividing
+            heads, v unlike k, a head_dim of 0, an empty dimension on a computed call); the
+            layout is for other heads or lengths; ``causal``/``window_size`` given with a
+            layout; a value is out of range (``scale`` not finite, ``softcap`` < 0,
+            ``dropout_p`` outside [0, 1), a seed outside [0, 2^63), window sides < -1); a score
+            operand's shape does not fit, or a bias comes with a permuted layout; the backend
+            is unknown or does not fit the arrays' device, or has no kernel for the head dim or
+            block size.
+
+    Example:
+        >>> import numpy as np, cuattn
+        >>> q = k = v = np.random.randn(1, 4, 256, 64).astype(np.float32)
+        >>> layout = cuattn.make_layout("local", n_ctx=256, heads=4, blocksize=32,
+        ...                             local_attn_ctx=64)
+        >>> cuattn.sparse_attention(q, k, v, layout).shape
+        (1, 4, 256, 64)
     """
     _check_qkv(q, k, v, 4, "[batch, heads, time, head_dim]", allow_empty=True)
     if layout is None:
@@ -235,9 +272,21 @@ def sparse_attention(
 
 
 def alibi_slopes(heads: int) -> np.ndarray:
-    """The ALiBi paper's slopes for ``heads`` heads, float32 [heads] (BLOOM's, MPT's): with
-    ``p`` the largest power of two <= heads, head h < p gets ``2 ** (-8 (h + 1) / p)`` and the
-    rest the odd powers of ``2 ** (-4 / p)`` (the slopes of 2p heads that p lacks)."""
+    """The ALiBi paper's slopes for ``heads`` heads (BLOOM's, MPT's).
+
+    With ``p`` the largest power of two <= heads, head h < p gets ``2 ** (-8 (h + 1) / p)`` and
+    the rest the odd powers of ``2 ** (-4 / p)`` (the slopes of 2p heads that p lacks).
+
+    Args:
+        heads (int): the number of query heads, positive.
+
+    Returns:
+        numpy.ndarray: float32 [heads], for ``alibi_slopes=`` (convert it to the caller's kind
+        of array, e.g. ``torch.from_numpy``).
+
+    Raises:
+        ValueError: ``heads`` is not a positive int.
+    """
     if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads <= 0:
         raise ValueError(f"heads must be a positive int, got {heads!r}")
     p = 2 ** int(math.floor(math.log2(int(heads))))
@@ -333,7 +382,22 @@ def _forward_placed(q: Any, k: Any, v: Any, *rest: Any) -> tuple[Any, Any]:
 
 
 def split_heads(x: Any, heads: int) -> Any:
-    """[batch, time, heads * head_dim] -> [batch, heads, time, head_dim] (a view where possible)."""
+    """Split the heads out of the last axis: [batch, time, heads * head_dim] to
+    [batch, heads, time, head_dim].
+
+    Args:
+        x (array): [batch, time, heads * head_dim], any kind of array cuattn takes (or a
+            ``cuattn.Tensor``).
+        heads (int): the number of heads, dividing the last axis.
+
+    Returns:
+        x as [batch, heads, time, head_dim], the same kind of array (a view where possible).
+
+    Raises:
+        TypeError: ``heads`` is not an int.
+        ValueError: ``heads`` is not positive, x is not of rank 3, or heads does not divide its
+            last axis.
+    """
     _check_int("heads", heads)
     if len(x.shape) != 3:
         raise ValueError(f"x must have rank 3 [batch, time, embd], got shape {tuple(x.shape)}")
@@ -344,7 +408,19 @@ def split_heads(x: Any, heads: int) -> Any:
 
 
 def merge_heads(x: Any) -> Any:
-    """[batch, heads, time, head_dim] -> [batch, time, heads * head_dim]."""
+    """Merge the heads into the last axis: [batch, heads, time, head_dim] to
+    [batch, time, heads * head_dim] (the inverse of :func:`split_heads`).
+
+    Args:
+        x (array): [batch, heads, time, head_dim], any kind of array cuattn takes (or a
+            ``cuattn.Tensor``).
+
+    Returns:
+        x as [batch, time, heads * head_dim], the same kind of array.
+
+    Raises:
+        ValueError: x is not of rank 4.
+    """
     if len(x.shape) != 4:
         raise ValueError(
             f"x must have rank 4 [batch, heads, time, head_dim], got shape {tuple(x.shape)}"
@@ -415,13 +491,49 @@ def blocksparse_attention(
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
 ) -> Any:
-    """The original ``blocksparse_attention_impl``: q, k, v [batch, time, heads * head_dim].
+    """Block-sparse attention with the original's interface (``blocksparse_attention_impl``).
 
-    ``attn_mode`` is any :func:`cuattn.make_layout` mode (the original's: all, local, strided,
-    fixed); the result has q's shape and dtype. ``kv_heads`` (GQA/MQA): k and v are
-    [batch, time_k, kv_heads * head_dim]; k's time may differ from q's (end-aligned).
-    ``softcap``, ``alibi_slopes``, ``key_bias``, ``rel_bias``, ``score_bias``, ``dropout_p`` and
-    ``dropout_seed`` as in :func:`sparse_attention`.
+    q, k and v keep their heads in the last axis; the layout is the named pattern ``attn_mode``,
+    built for each call's lengths (a :class:`Pattern`, so a compiled torch graph serves every
+    length).
+
+    Args:
+        q (array): queries, [batch, time_q, heads * head_dim], a floating dtype, any kind of
+            array :func:`sparse_attention` takes.
+        k (array): keys, [batch, time_k, kv_heads * head_dim], q's dtype; time_k may differ
+            from time_q (queries end-aligned).
+        v (array): values, shaped and typed like k.
+        heads (int): the number of query heads, dividing q's last axis.
+        attn_mode (str): any :func:`cuattn.make_layout` mode (the original's ``all``,
+            ``local``, ``strided``, ``fixed``, and cuattn's others: ``cuattn.MODES``).
+        local_attn_ctx (int, optional): the window (``local``), stride (``strided``) or group
+            size (``fixed``, a multiple of blocksize), as in make_layout.
+        blocksize (int): the block size of the layout (default 32).
+        num_verts (int, optional): ``fixed`` only: the summary-column chunks heads cycle over.
+        vertsize (int, optional): ``fixed`` only: the blocks per summary-column chunk.
+        recompute (bool): keep only q, k and v for the backward (default False).
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        kv_heads (int, optional): GQA/MQA: the heads of k and v, dividing ``heads``; None
+            (default) is ``heads``. Keyword only.
+        softcap (float, optional): as in :func:`sparse_attention`.
+        alibi_slopes (array, optional): as in :func:`sparse_attention`.
+        key_bias (array, optional): as in :func:`sparse_attention`.
+        rel_bias (array, optional): as in :func:`sparse_attention`.
+        score_bias (array, optional): as in :func:`sparse_attention`.
+        dropout_p (float): as in :func:`sparse_attention` (default 0.0, off).
+        dropout_seed (int | array, optional): as in :func:`sparse_attention`.
+        backend (str, optional): as in :func:`sparse_attention`.
+
+    Returns:
+        out, q's shape, dtype and kind of array, [batch, time_q, heads * head_dim].
+
+    Raises:
+        TypeError: ``heads`` or ``kv_heads`` is not an int; an input is not a floating array or
+            dtypes differ; a pattern argument the mode does not take; as
+            :func:`sparse_attention` for the keywords.
+        ValueError: ``attn_mode`` is not a registered pattern; ``heads``/``kv_heads`` not
+            positive, kv_heads not dividing heads, heads not dividing q's last axis, k or v of
+            another shape; a pattern argument out of range; as :func:`sparse_attention`.
     """
     heads, kv_heads, _, _ = _check_bte(q, k, v, heads, kv_heads)
     if not isinstance(attn_mode, str) or attn_mode not in MODES:
@@ -468,10 +580,31 @@ def attention(
     *,
     backend: str | None = None,
 ) -> Any:
-    """The original dense masked ``attention_impl`` (modes all, local, strided).
+    """Dense masked attention with the original's interface (``attention_impl``).
 
-    Same element rules as the block-sparse modes; computed blockwise on a natural-order layout,
-    so no time x time array is built. q, k, v [batch, time, heads * head_dim].
+    The modes' element rules are the block-sparse modes' own; the call computes blockwise on a
+    natural-order layout of 32-blocks, so no time x time array is built.
+
+    Args:
+        q (array): queries, [batch, time, heads * head_dim], a floating dtype, any kind of array
+            :func:`sparse_attention` takes.
+        k (array): keys, q's shape and dtype (as many keys as queries).
+        v (array): values, q's shape and dtype.
+        heads (int): the number of heads, dividing q's last axis.
+        attn_mode (str): ``"all"``, ``"local"`` or ``"strided"``.
+        local_attn_ctx (int, optional): the window (``local``) or stride (``strided``).
+        recompute (bool): keep only q, k and v for the backward (default False).
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        backend (str, optional): as in :func:`sparse_attention`. Keyword only.
+
+    Returns:
+        out, q's shape, dtype and kind of array, [batch, time, heads * head_dim].
+
+    Raises:
+        TypeError: ``heads`` is not an int; an input is not a floating array or dtypes differ.
+        ValueError: ``attn_mode`` is not one of the three; ``heads`` not positive or not
+            dividing q's last axis; k or v shaped unlike q; a mode's ``local_attn_ctx`` missing
+            or not positive; as :func:`sparse_attention`.
     """
     if attn_mode not in DENSE_MODES:
         raise ValueError(f"attention's attn_mode must be one of {DENSE_MODES}, got {attn_mode!r}")
@@ -600,29 +733,54 @@ def sparse_attention_varlen(
 ) -> Any:
     """Block-sparse attention over a packed batch of sequences of different lengths.
 
-    q is [total_q, heads, head_dim]; k and v are [total_k, kv_heads, head_dim] (kv_heads dividing
-    heads). Sequence s owns queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys
-    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` (int32/int64, starting at 0, non-decreasing, ending at
-    the totals: FlashAttention's varlen convention) and attends, with its own layout, only to its
-    own keys; there is no padding. ``layouts``: one Layout per sequence, built for its
-    (n_q, n_k), or a callable ``(n_q, n_k) -> Layout`` (e.g. ``lambda n_q, n_k:
-    make_layout("local", n_k, heads, 64, local_attn_ctx=256, n_q=n_q)``). ``max_seqlen_*`` are
-    optional and only checked; ``softcap`` as in :func:`sparse_attention`; ``alibi_slopes``
-    float32 [heads] (one slope per head for every sequence) where each sequence's queries are its
-    keys (cu_seqlens_q equal to cu_seqlens_k), so that ALiBi's distances are the sequence's own
-    |i - j|; ``key_bias`` float32 [total_k] or [heads, total_k] (each sequence's keys' bias, at
-    their packed positions); ``rel_bias`` float32 [heads, 2 M + 1] (a relative-position table,
-    each sequence's own distances: cu_seqlens_q equal to cu_seqlens_k as for ALiBi);
-    ``dropout_p``/``dropout_seed`` as in :func:`sparse_attention` (positions in the packing).
-    Returns
-    ``out``
-    [total_q, heads, head_dim], and with ``return_lse`` also lse [heads, total_q].
+    FlashAttention's varlen convention: sequence s owns queries
+    ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` and
+    attends, with its own layout, only to its own keys; there is no padding. The batch runs as
+    one call on one packed layout, built on the host from cu_seqlens (a device cu_seqlens is read
+    back once) and cached per packing: docs/patterns.md, section "Packed batches".
 
-    The sequences run as one call on one packed layout (block-diagonal, with bitmasks on the
-    blocks a sequence boundary crosses), built on the host from cu_seqlens and cached per
-    packing: cu_seqlens on a device is read back once for that (it is a few integers). A layout
-    computed in a permuted order (strided) keeps it when cu_seqlens_q equals cu_seqlens_k;
-    otherwise its sequence runs, exactly, on its natural-order blocks (denser).
+    Args:
+        q (array): queries, [total_q, heads, head_dim], a floating dtype, any kind of array
+            :func:`sparse_attention` takes.
+        k (array): keys, [total_k, kv_heads, head_dim] (kv_heads dividing heads), q's dtype.
+        v (array): values, shaped and typed like k.
+        cu_seqlens_q (array): int32/int64 [sequences + 1], starting at 0, non-decreasing,
+            ending at total_q (a repeated value is an empty sequence).
+        cu_seqlens_k (array): the same for the keys, ending at total_k.
+        layouts (Sequence[Layout] | Callable[[int, int], Layout]): one Layout per sequence,
+            built for its (n_q, n_k) (None for an empty one), or a callable
+            ``(n_q, n_k) -> Layout``, e.g. ``lambda n_q, n_k: make_layout("local", n_k, heads,
+            64, local_attn_ctx=256, n_q=n_q)`` (not asked for empty sequences).
+        max_seqlen_q (int, optional): FlashAttention's argument, only checked (>= the longest).
+        max_seqlen_k (int, optional): the same for the keys.
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        return_lse (bool): also return the log-sum-exp (default False).
+        softcap (float, optional): as in :func:`sparse_attention`. Keyword only.
+        alibi_slopes (array, optional): float32 [heads], one slope per head for every
+            sequence; needs cu_seqlens_q equal to cu_seqlens_k (each sequence's distances are
+            its own |i - j|).
+        key_bias (array, optional): float32 [total_k] or [heads, total_k]: each key's bias at
+            its packed position.
+        rel_bias (array, optional): float32 [heads, 2 M + 1], one table for every sequence;
+            needs cu_seqlens_q equal to cu_seqlens_k.
+        dropout_p (float): as in :func:`sparse_attention` (positions in the packing; default
+            0.0, off).
+        dropout_seed (int | array, optional): as in :func:`sparse_attention`.
+        backend (str, optional): as in :func:`sparse_attention`.
+
+    Returns:
+        out [total_q, heads, head_dim] like q; with ``return_lse=True`` the pair
+        ``(out, lse)``, lse [heads, total_q] float32 (float64 for float64 inputs).
+
+    Raises:
+        TypeError: an input is not an array; cu_seqlens not int32/int64; ``layouts`` neither a
+            sequence of Layouts nor a callable, or an entry not a Layout; ``max_seqlen_*`` not an
+            int; as :func:`sparse_attention`.
+        ValueError: an input of another rank; cu_seqlens not 1-D, not starting at 0,
+            decreasing, not ending at the total, or describing different numbers of sequences;
+            a ``max_seqlen_*`` below the longest sequence; ``alibi_slopes``, ``key_bias`` or
+            ``rel_bias`` of another shape, or ALiBi/a table with cu_seqlens_q unlike
+            cu_seqlens_k; a layout unlike its sequence's lengths; as :func:`sparse_attention`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, 3, "[total_tokens, heads, head_dim]")
@@ -694,15 +852,30 @@ def merge_attention_states(
 ) -> tuple[Any, Any]:
     """Exact attention over keys A u B from two partial attentions over disjoint A and B.
 
-    out_a, out_b: [..., head_dim] (e.g. [batch, heads, time, head_dim]); lse_a, lse_b: [...]
-    (as ``sparse_attention(..., return_lse=True)`` returns them: float32, float64 for float64).
-    Returns (out, lse) with ``lse = log(exp(lse_a) + exp(lse_b))`` and out the weighted mean of
-    the two outs: what a split-KV decode or a ring of context-parallel ranks combines. A side
-    with lse = -inf (it saw no key) contributes nothing; both empty give 0 and -inf, never NaN.
-    NumPy, CuPy, torch and jax (eager) arrays; the kernel backends run kernels/merge_states.cu.
-    torch tensors get gradients in all four inputs (``d out_x = w_x dout``, ``d lse_x =
-    w_x (dout . (out_x - out) + dlse)`` with ``w_x = exp(lse_x - lse)``; an empty side gets 0);
-    jax tracers are refused.
+    ``lse = log(exp(lse_a) + exp(lse_b))`` and out is the two outs' mean weighted by
+    ``exp(lse_x - lse)``: what a split-KV decode or a ring of context-parallel ranks combines. A
+    side with lse -inf (it saw no key) contributes nothing; both empty give 0 and -inf, never
+    NaN. torch tensors get gradients in all four inputs (``d out_x = w_x dout``, ``d lse_x =
+    w_x (dout . (out_x - out) + dlse)``, ``w_x = exp(lse_x - lse)``; an empty side gets 0). The
+    kernel backends run kernels/merge_states.cu.
+
+    Args:
+        out_a (array): [..., head_dim] (e.g. [batch, heads, time, head_dim]), a floating dtype:
+            NumPy, CuPy, torch or eager jax.
+        lse_a (array): [...] (out_a's shape without head_dim), float32 (float64 for float64
+            outs), as ``sparse_attention(..., return_lse=True)`` returns it.
+        out_b (array): out_a's shape and dtype.
+        lse_b (array): lse_a's shape and dtype.
+        backend (str, optional): as in :func:`sparse_attention`. Keyword only.
+
+    Returns:
+        tuple: ``(out, lse)``, out like out_a and lse like lse_a.
+
+    Raises:
+        TypeError: an out is not a floating array; an lse of another dtype than the outs call
+            for.
+        ValueError: out_b unlike out_a; an lse of another shape; inputs that want a gradient
+            but are not all torch tensors (jax tracers).
     """
     for name, x in (("out_a", out_a), ("out_b", out_b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):

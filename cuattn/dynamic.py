@@ -1,43 +1,15 @@
 """Layouts chosen from the data (``cuattn.dynamic``): block selection by pooled scores, top-k
 (MoBA/NSA) and mass threshold (XAttention-style adaptive budgets), and vertical-slash
 (MInference, its rule in cuattn/layout/dynamic.py). The selection is not differentiable;
-attention over the chosen layout is, on every route. Each is built on the device for device
-arrays (a DeviceLayout), see below.
-
-Top-k and mass threshold score query block i against key block j of head h from block-pooled
-queries and keys:
-    pooled_q[h, i] = pool of q[h, rows of block i]   (mean or element-wise max; a ragged last
-                                                      block pools only its real rows)
-    score[h, i, j] = pooled_q[h, i] . pooled_k[h // (heads / kv_heads), j]      (GQA)
-and allow j <= i when ``causal`` (square: as many queries as keys). The element rule of the
-layout is causal (k <= q) or none, plus the sequence end.
-
-topk_blocks(q, k, blocksize, topk, ...): per (h, i) the forced blocks (the diagonal with
-    ``keep_diagonal``, and the first ``keep_first`` blocks, where allowed) plus the highest-scored
-    other allowed blocks until there are ``topk`` (an int, or one per head); ties go to the
-    lower j. The forced blocks count toward topk, so no row ever holds more than topk.
-mass_threshold_blocks(q, k, blocksize, tau, ...): per (h, i) the estimated softmax over the
-    allowed blocks, p = softmax(score * scale); blocks taken in order (the diagonal first with
-    ``keep_diagonal``, then by p, ties to the lower j) until their mass reaches ``tau``, at most
-    ``max_blocks``: a concentrated head spends few blocks, a diffuse one many.
-``layout.nnz`` reports the blocks each head received.
+attention over the chosen layout is, on every route.
 
 q, k: [heads, n, d] or [1, heads, n, d] (k: kv_heads dividing heads) of any framework cuattn
 takes. Where the choice is made follows ``backend`` (as for attention: from the arrays' device
-and CUATTN_BACKEND by default):
-    cuda    (CUDA arrays: CuPy, torch, jax) pooling, scores, the choice and the CSR/CSC index
-            arrays are all made on the arrays' device by kernels/layout_build.cu, on the
-            caller's stream, in buffers sized from the budget: a :class:`DeviceLayout` with
-            nothing copied to or waited for on the host, so the step can be captured in a CUDA
-            graph (torch: after one warm-up call, which compiles the kernels and places a
-            per-head budget on the device). Scores are float32 there (float64 for float64).
-    interp  (NumPy arrays) the same kernels on the CPU interpreter: a DeviceLayout of NumPy
-            arrays, the CI's view of what the GPU runs.
-    numpy   (NumPy arrays, the default) the choice made with NumPy in float64: a Layout.
-Both routes choose the same blocks from the same scores (tested against each other and against
-a NumPy restatement of each definition). A device layout needs a kernel block size
-(16, 32, 64, 128) and at most 8192 key blocks; attention takes it unchanged, forward and
-backward, on every route.
+and CUATTN_BACKEND by default): on the kernel backends (CUDA arrays, or ``"interp"`` on the
+CPU) the whole layout is built on the arrays' device by kernels/layout_build.cu, a
+:class:`DeviceLayout`; on the NumPy backend the choice is made with NumPy in float64, a Layout.
+Both choose the same blocks from the same scores: docs/patterns.md, section "Layouts chosen
+from the data".
 """
 
 from __future__ import annotations
@@ -113,7 +85,25 @@ def _pooled(x: Any, blocksize: int, pool: str) -> Any:
 
 
 def block_scores(q: Any, k: Any, blocksize: int, pool: str = "mean") -> tuple[np.ndarray, int, int]:
-    """(score [heads, nb, nb] float64 on the host, tokens n, head_dim) from pooled q and k."""
+    """Block scores from pooled q and k: ``score[h, i, j] = pooled_q[h, i] . pooled_k[g(h), j]``.
+
+    The scores top-k and mass threshold choose from (g(h) the kv head of query head h).
+
+    Args:
+        q (array): [heads, n, d] or [1, heads, n, d], any framework cuattn takes.
+        k (array): [kv_heads, n, d] (kv_heads dividing heads), on q's device.
+        blocksize (int): the block size; a ragged last block pools only its real rows.
+        pool (str): ``"mean"`` (default) or ``"max"`` (element-wise) over a block's rows.
+
+    Returns:
+        tuple: ``(score, n, head_dim)``, score float64 [heads, nb, nb] on the host.
+
+    Raises:
+        TypeError: ``blocksize`` not an int; q or k a jax tracer.
+        ValueError: ``blocksize`` not positive; an unknown ``pool``; q or k of another rank or
+            a batch other than 1; k unlike q or its heads not dividing q's; q and k on
+            different devices.
+    """
     qa, ka = _checked_pair(q, k, blocksize, pool)
     scores = _scores(qa, ka, blocksize, pool)
     return host_array(scores).astype(np.float64), qa.shape[1], qa.shape[2]
@@ -211,13 +201,41 @@ def vertical_slash_layout(
     *,
     backend: str | None = None,
 ) -> Layout:
-    """``vertical_slash`` (MInference) on arrays of any framework; see
-    cuattn.layout.dynamic.host_vertical_slash_layout for the rule. On the kernel backends
-    (CUDA arrays, or backend="interp") the whole layout is built on the arrays' device: the
-    columns and offsets, the blocks holding an allowed element (exactly, from prefix counts of
-    the chosen columns and offsets per block's key and offset range), CSR/CSC, and one bit table
-    per active block (kernels/layout_build.cu mask_vertical_slash), in buffers sized from
-    num_vertical and num_slash; the host's deduplicated tables would need the host."""
+    """The vertical-slash layout (MInference): per-head key columns and diagonals chosen from q
+    and k.
+
+    The last ``last_q`` queries' softmax rows, averaged over the batch, score every key column
+    (vertical) and every offset q - k (slash); head h keeps its ``num_vertical`` best columns
+    V_h, its ``num_slash`` best offsets S_h and always offset 0, and query q sees key k when
+    ``k in V_h or q - k in S_h`` (and k <= q when causal). On the kernel backends (CUDA arrays,
+    or ``backend="interp"``) the whole layout is built on the arrays' device: docs/patterns.md,
+    section "Layouts chosen from the data".
+
+    Args:
+        q (array): [heads, n, d] or [batch, heads, n, d], any framework cuattn takes (not a jax
+            tracer).
+        k (array): q's shape.
+        blocksize (int): the layout's block size (default 64; a kernel block size on the
+            kernel backends).
+        num_vertical (int): the key columns each head keeps (default 64).
+        num_slash (int): the offsets each head keeps, besides 0 (default 64).
+        last_q (int): the last queries whose scores choose (default 64).
+        causal (bool): causal scores and layout (default True).
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(d)``.
+        backend (str, optional): where the choice is made: ``"numpy"`` (a host Layout),
+            ``"interp"`` or ``"cuda"`` (a :class:`DeviceLayout`); None (default): from the
+            arrays' device and ``CUATTN_BACKEND``. Keyword only.
+
+    Returns:
+        Layout: a square layout of n tokens with a bitmask rule (a DeviceLayout on the kernel
+        backends).
+
+    Raises:
+        TypeError: q or k a jax tracer; a count not an int.
+        ValueError: q or k of another rank, or k unlike q; a count not positive; a block size
+            without a kernel on the kernel backends; an unknown backend or one unlike the
+            arrays' device; bit tables over 2 GiB on the device.
+    """
     (qa, _), (ka, _) = _described_batch("q", q), _described_batch("k", k)
     check_vertical_slash_args(qa, ka, blocksize, num_vertical, num_slash, last_q)
     n = int(qa.shape[-2])
@@ -338,7 +356,37 @@ def topk_blocks(
     *,
     backend: str | None = None,
 ) -> Layout:
-    """MoBA/NSA-style top-k key blocks per (head, query block); see the module doc."""
+    """MoBA/NSA-style layout: the ``topk`` highest-scored key blocks per (head, query block).
+
+    Per (h, i) the forced blocks (the diagonal with ``keep_diagonal``, the first ``keep_first``
+    blocks, where allowed) plus the highest-scored other allowed blocks (:func:`block_scores`)
+    until there are ``topk``; ties go to the lower block. The forced blocks count toward topk,
+    so no row holds more. The choice takes no gradient; attention over it does. Where it is
+    made: docs/patterns.md, section "Layouts chosen from the data".
+
+    Args:
+        q (array): [heads, n, d] or [1, heads, n, d], any framework cuattn takes (not a jax
+            tracer).
+        k (array): [kv_heads, n, d] (kv_heads dividing heads), on q's device.
+        blocksize (int): the block size (a kernel block size on the kernel backends).
+        topk (int | Sequence[int]): the blocks per query block row, one for every head or one
+            per head, each >= 1.
+        pool (str): ``"mean"`` (default) or ``"max"`` pooling of a block's rows.
+        causal (bool): only key blocks j <= i, and a causal element rule (default True).
+        keep_diagonal (bool): always keep the diagonal block (default True).
+        keep_first (int): always keep the first blocks, >= 0 (default 1).
+        backend (str, optional): as in :func:`vertical_slash_layout`. Keyword only.
+
+    Returns:
+        Layout: square, n tokens, named ``"topk"`` (a DeviceLayout on the kernel backends);
+        ``layout.nnz`` counts each head's blocks.
+
+    Raises:
+        TypeError: ``keep_first`` or ``blocksize`` not an int; q or k a jax tracer.
+        ValueError: ``topk`` not >= 1 (or not one per head), or leaving no room for the forced
+            blocks; ``keep_first`` < 0; as :func:`block_scores`; a block size without a kernel,
+            or more key blocks than the device sort takes, on the kernel backends.
+    """
     qa, ka = _checked_pair(q, k, blocksize, pool)
     heads, n, _ = qa.shape
     nb = ceil_div(n, blocksize)
@@ -392,7 +440,38 @@ def mass_threshold_blocks(
     *,
     backend: str | None = None,
 ) -> Layout:
-    """XAttention-style: the fewest blocks whose estimated softmax mass reaches tau."""
+    """XAttention-style layout: per (head, query block) the fewest key blocks whose estimated
+    softmax mass reaches ``tau``.
+
+    Per (h, i) the estimated softmax over the allowed blocks, ``p = softmax(score * scale)``
+    (:func:`block_scores`); blocks are taken in order (the diagonal first with
+    ``keep_diagonal``, then by p, ties to the lower block) until their mass reaches tau, at most
+    ``max_blocks``: a concentrated head spends few blocks, a diffuse one many.
+
+    Args:
+        q (array): [heads, n, d] or [1, heads, n, d], any framework cuattn takes (not a jax
+            tracer).
+        k (array): [kv_heads, n, d] (kv_heads dividing heads), on q's device.
+        blocksize (int): the block size (a kernel block size on the kernel backends).
+        tau (float): the mass to reach, in (0, 1].
+        pool (str): ``"mean"`` (default) or ``"max"`` pooling of a block's rows.
+        causal (bool): only key blocks j <= i, and a causal element rule (default True).
+        keep_diagonal (bool): take the diagonal block first (default True).
+        max_blocks (int, optional): the most blocks per row; None (default): no limit.
+        scale (float, optional): the scores' scale; None (default) is ``1 / sqrt(d)``.
+        backend (str, optional): as in :func:`vertical_slash_layout`. Keyword only.
+
+    Returns:
+        Layout: square, n tokens, named ``"mass_threshold"`` (a DeviceLayout on the kernel
+        backends); ``layout.nnz`` counts each head's blocks.
+
+    Raises:
+        TypeError: ``tau`` not a number; ``max_blocks`` or ``blocksize`` not an int; q or k a
+            jax tracer.
+        ValueError: ``tau`` outside (0, 1]; ``max_blocks`` not positive; as
+            :func:`block_scores`; a block size without a kernel, or more key blocks than the
+            device sort takes, on the kernel backends.
+    """
     if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating)):
         raise TypeError(f"tau must be a number in (0, 1], got {tau!r}")
     if not 0.0 < float(tau) <= 1.0:

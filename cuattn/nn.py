@@ -47,21 +47,49 @@ def _as_layout(
 
 
 class SparseSelfAttention(nn.Module):
-    """Block-sparse attention of q, k, v [batch, heads, time, head_dim] (k, v may have fewer
-    heads dividing q's: GQA/MQA), as ``cuattn.sparse_attention``; no parameters.
+    """Block-sparse attention of q, k, v as a module: :func:`cuattn.sparse_attention` with its
+    layout and modifiers held.
 
-    ``SparseSelfAttention("strided", heads=8, blocksize=64, local_attn_ctx=128)``, or with a
-    Layout/Pattern. ``scale`` defaults to 1/sqrt(head_dim); ``recompute`` keeps only q, k, v
-    for backward; ``softcap`` (keyword) caps the scores as in ``cuattn.sparse_attention``;
-    ``alibi_slopes`` (keyword: a float32 [heads] tensor, e.g. ``torch.from_numpy(
-    cuattn.alibi_slopes(heads))``) adds ALiBi's bias: a buffer of the module (moved with it by
-    ``.to()``), or a parameter that learns if it is an ``nn.Parameter``. ``rel_max_distance``
-    (keyword: an int M >= 0) gives the module a learned relative-position bias (T5's, Swin's):
-    the parameter ``rel_bias`` [heads, 2 M + 1] (float32, zeros at first), whose column
-    clamp(k_pos - q_pos, -M, M) + M is added to each score (``cuattn.sparse_attention``'s
-    ``rel_bias``). ``dropout`` (keyword, 0 <= p < 1) is attention dropout while the module is
-    training (``cuattn.sparse_attention``'s ``dropout_p``; each call draws its seed from torch's
-    default generator), none in eval mode.
+    q [batch, heads, time, head_dim]; k, v may have fewer heads dividing q's (GQA/MQA). The
+    module has no parameters unless ``alibi_slopes`` is an ``nn.Parameter`` or
+    ``rel_max_distance`` is given.
+
+    Args:
+        layout (Layout | Pattern | str): a :class:`cuattn.Layout` (one length), a
+            :class:`cuattn.Pattern`, or a pattern name (``cuattn.MODES``), which with
+            ``heads``, ``blocksize`` and ``pattern_options`` becomes a Pattern: built for each
+            length the module meets, one compiled graph for all of them.
+        heads (int, optional): the query heads; needed with a pattern name.
+        blocksize (int): the pattern's block size, with a pattern name (default 32).
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        recompute (bool): keep only q, k and v for the backward (default False).
+        softcap (float, optional): caps the scores as in :func:`cuattn.sparse_attention`; None
+            (default): off. Keyword only.
+        alibi_slopes (torch.Tensor, optional): float32 [heads] ALiBi slopes (e.g.
+            ``torch.from_numpy(cuattn.alibi_slopes(heads))``): a buffer of the module (moved by
+            ``.to()``), or a learned parameter if it is an ``nn.Parameter``.
+        rel_max_distance (int, optional): M >= 0 gives the module a learned relative-position
+            bias, the parameter ``rel_bias`` float32 [heads, 2 M + 1] (zeros at first), read as
+            :func:`cuattn.sparse_attention`'s ``rel_bias``.
+        dropout (float): attention dropout probability in [0, 1) while the module is training
+            (a seed per call from torch's generator); none in eval mode. Default 0.0.
+        **pattern_options: the pattern's options with a pattern name (``local_attn_ctx``,
+            ``num_verts``, ``vertsize``, ``causal``, pattern-specific ones).
+
+    Raises:
+        TypeError: ``layout`` not a Layout, Pattern or name; options beside a Layout or
+            Pattern; a name without ``heads``; ``alibi_slopes`` not a tensor; ``softcap`` or
+            ``dropout`` of the wrong type; a pattern option the mode does not take.
+        ValueError: an unknown pattern name or an option out of range; ``softcap`` < 0;
+            ``dropout`` outside [0, 1); ``rel_max_distance`` not an int >= 0.
+
+    Example:
+        >>> import torch
+        >>> from cuattn.nn import SparseSelfAttention
+        >>> attn = SparseSelfAttention("strided", heads=4, blocksize=32, local_attn_ctx=32)
+        >>> q = k = v = torch.randn(1, 4, 128, 32)
+        >>> attn(q, k, v).shape
+        torch.Size([1, 4, 128, 32])
     """
 
     def __init__(
@@ -104,6 +132,23 @@ class SparseSelfAttention(nn.Module):
             self.rel_bias = nn.Parameter(torch.zeros(self.layout.heads, width))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attend q to k and v with the module's layout and modifiers.
+
+        Args:
+            q (torch.Tensor): [batch, heads, time_q, head_dim], a floating dtype.
+            k (torch.Tensor): [batch, kv_heads, time_k, head_dim], q's dtype (kv_heads
+                dividing heads; keys may be longer, queries end-aligned).
+            v (torch.Tensor): k's shape and dtype.
+
+        Returns:
+            torch.Tensor: [batch, heads, time_q, head_dim], q's dtype.
+
+        Raises:
+            TypeError: as :func:`cuattn.sparse_attention` (dtypes that differ or are not
+                floating).
+            ValueError: as :func:`cuattn.sparse_attention` (shapes, a Layout built for other
+                heads or lengths).
+        """
         return api.sparse_attention(
             q,
             k,
@@ -129,13 +174,34 @@ class SparseSelfAttention(nn.Module):
 class SparseMultiheadAttention(nn.Module):
     """Multi-head attention with block-sparse scores: projections, GQA, output projection.
 
-    ``forward(query, key=None, value=None)`` with [batch, time, embed_dim] inputs (key and
-    value default to query: self-attention; key/value may be longer than query, end-aligned)
-    returns [batch, time_q, embed_dim]. ``kv_heads`` (default ``heads``) must divide ``heads``;
-    k_proj and v_proj then map embed_dim to kv_heads * head_dim. Parameters: q_proj, k_proj,
-    v_proj, out_proj (``nn.Linear``, ``bias`` on all four); with ``rel_max_distance``, also
-    attention.rel_bias. ``softcap``, ``alibi_slopes``, ``rel_max_distance`` and ``dropout`` as
-    in :class:`SparseSelfAttention`.
+    ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ``nn.Linear`` (k_proj and v_proj map
+    embed_dim to kv_heads * head_dim), around a :class:`SparseSelfAttention` (``attention``,
+    which holds ``rel_bias`` with ``rel_max_distance``).
+
+    Args:
+        embed_dim (int): the model width, divisible by ``heads``.
+        heads (int): the query heads.
+        layout (Layout | Pattern | str): as in :class:`SparseSelfAttention`, for ``heads``
+            heads.
+        kv_heads (int, optional): the key/value heads, dividing ``heads`` (GQA/MQA); None
+            (default) is ``heads``.
+        bias (bool): whether the four projections have a bias (default True).
+        blocksize (int): the pattern's block size, with a pattern name (default 32).
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(head_dim)``.
+        recompute (bool): keep only q, k and v for the attention's backward (default False).
+        device (torch.device | str, optional): where the projections' parameters are made.
+        dtype (torch.dtype, optional): the projections' parameter dtype.
+        softcap (float, optional): as in :class:`SparseSelfAttention`. Keyword only.
+        alibi_slopes (torch.Tensor, optional): as in :class:`SparseSelfAttention`.
+        rel_max_distance (int, optional): as in :class:`SparseSelfAttention`.
+        dropout (float): as in :class:`SparseSelfAttention` (default 0.0).
+        **pattern_options: the pattern's options with a pattern name.
+
+    Raises:
+        ValueError: ``embed_dim``, ``heads`` or ``kv_heads`` not a positive int; heads not
+            dividing embed_dim, kv_heads not dividing heads; a layout for other heads; as
+            :class:`SparseSelfAttention`.
+        TypeError: as :class:`SparseSelfAttention`.
     """
 
     def __init__(
@@ -196,6 +262,21 @@ class SparseMultiheadAttention(nn.Module):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Project, attend and project back.
+
+        Args:
+            query (torch.Tensor): [batch, time_q, embed_dim].
+            key (torch.Tensor, optional): [batch, time_k, embed_dim]; None (default) is
+                ``query`` (self-attention). A longer key aligns the queries to its end.
+            value (torch.Tensor, optional): key's shape; None (default) is ``key``.
+
+        Returns:
+            torch.Tensor: [batch, time_q, embed_dim].
+
+        Raises:
+            ValueError: as :func:`cuattn.sparse_attention` (lengths a Layout was not built
+                for).
+        """
         key = query if key is None else key
         value = key if value is None else value
         q = api.split_heads(self.q_proj(query), self.heads)

@@ -2,32 +2,9 @@
 
 Replacing ``torch.nn.functional.scaled_dot_product_attention`` is one import: the same
 arguments, the same masks, the same output, computed by :func:`cuattn.sparse_attention`, which
-visits only the blocks a mask allows. A mask becomes a layout: 64-blocks holding at least one
-allowed element, each with a bitmask of its elements (a causal mask, or none, takes the
-element rule instead, with no table). A mask that differs between batch elements by padded
-keys (HF's and PyTorch's padding masks, [batch, 1, 1, S] or combined with a causal rule) and an
-additive mask whose finite values are one per key run as the rule plus a per-key bias
-(``key_bias``). Every other mask torch accepts (a bias on each (query, key) pair, masks that
-differ between batch elements otherwise, an additive mask that carries a gradient: a learned
-bias) runs on the union of what the batch allows, with the mask itself as a dense score bias
-(``score_bias``: ``where(allowed, mask, -inf)`` for an additive mask, ``where(mask, 0, -inf)``
-for a boolean one, made once in the mask's shape on the query's device; an additive mask's
-gradient flows through it). An additive value at or below half the mask dtype's lowest (the
-``torch.finfo(dtype).min`` masks transformers builds) masks its pair, as ``-inf`` does.
-``dropout_p`` is cuattn's attention dropout
-(its generator is not PyTorch's: the masks differ from SDPA's, their law is the same), with a
-seed drawn from torch's default generator, so ``torch.manual_seed`` repeats it.
-
-A query row with nothing to attend to gives 0 and adds nothing to the gradients (as PyTorch
-2.13's CPU implementation does for a boolean or ``-inf`` mask). A row whose every key is masked by
-a finite ``finfo.min`` is such a row here too; PyTorch adds that value to every score of the row
-and returns an average of all its values instead (the plain mean where that value absorbs the
-scores, as float32's and float64's do). Where the
-NumPy backend, the CPU default, has no kernel for the dtype (bfloat16) and no backend was chosen
-(``CUATTN_BACKEND``), CPU tensors run on the kernel interpreter. The mask is read on the host to
-build the layout, once per
-call: for repeated calls build the :class:`Layout` once (``Layout.from_blocks``) and call
-``sparse_attention``.
+visits only the blocks a mask allows. How a mask becomes a layout, a key bias or a score bias,
+rows with nothing to attend to, ``finfo.min`` masks and dropout: docs/frameworks.md, section
+"Replacing torch's SDPA".
 """
 
 from __future__ import annotations
@@ -62,17 +39,55 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Any:
-    """``softmax(query @ key^T * scale + mask) @ value`` as PyTorch's
-    ``scaled_dot_product_attention``: query [batch, heads, L, E] (or [batch, L, E]), key and
-    value [batch, kv_heads, S, E]; ``attn_mask`` boolean (True: take part) or additive (0 or
-    -inf) broadcastable to [batch, heads, L, S], the same for every batch element;
-    ``is_causal`` PyTorch's top-left causal mask (query i sees keys 0..i; for L == S the same as
-    cuattn's end-aligned one); ``scale`` default 1/sqrt(E); ``enable_gqa`` lets kv_heads divide
-    heads (query head h reads kv head h // (heads / kv_heads)). ``dropout_p`` (0 <= p < 1)
-    drops attention probabilities as :func:`cuattn.sparse_attention` does (apply it in training
-    only, as with PyTorch's).
-    Gradients flow to query, key and value through the framework's autograd, as from
-    :func:`cuattn.sparse_attention`.
+    """PyTorch's ``scaled_dot_product_attention``, computed block-sparse by cuattn.
+
+    ``softmax(query @ key^T * scale + mask) @ value`` with PyTorch's arguments and semantics; the
+    mask is read on the host once per call into a layout (for repeated calls build the
+    :class:`Layout` once, ``Layout.from_blocks``, and call :func:`cuattn.sparse_attention`).
+    Gradients flow to query, key, value (and a learned additive mask) through the framework's
+    autograd. CPU tensors of a dtype the NumPy backend lacks (bfloat16) run on the kernel
+    interpreter when ``CUATTN_BACKEND`` is unset. Details: docs/frameworks.md, section
+    "Replacing torch's SDPA".
+
+    Args:
+        query (torch.Tensor | numpy.ndarray): [batch, heads, L, E] or [batch, L, E], a
+            floating dtype.
+        key (torch.Tensor | numpy.ndarray): [batch, kv_heads, S, E] (or [batch, S, E]),
+            query's dtype.
+        value (torch.Tensor | numpy.ndarray): key's shape; its head dim must equal query's.
+        attn_mask (torch.Tensor | numpy.ndarray, optional): boolean (True: take part) or
+            additive (finite values added, -inf or a value at or below half the dtype's lowest
+            masks the pair), broadcastable to [batch, heads, L, S] ([batch, L, S] for 3-D
+            inputs). None (default): no mask.
+        dropout_p (float): attention dropout probability in [0, 1), cuattn's generator seeded
+            from torch's (``torch.manual_seed`` repeats it); apply it in training only. Default
+            0.0.
+        is_causal (bool): PyTorch's top-left causal mask (query i sees keys 0..i; the same as
+            cuattn's end-aligned one when L == S). Default False.
+        scale (float, optional): score scale; None (default) is ``1 / sqrt(E)``.
+        enable_gqa (bool): let kv_heads divide heads (query head h reads kv head
+            ``h // (heads / kv_heads)``). Default False.
+
+    Returns:
+        The attention output, query's shape, dtype and kind of array ([batch, heads, L, E] or
+        [batch, L, E]). A query row with nothing to attend to gives 0.
+
+    Raises:
+        TypeError: ``is_causal`` or ``enable_gqa`` not a bool; ``dropout_p`` not a number;
+            ``attn_mask`` neither a torch tensor nor a NumPy array, or neither boolean nor
+            floating; as :func:`cuattn.sparse_attention` for the inputs' dtypes.
+        ValueError: an input not of rank 3 or 4, ranks that differ, value's head dim unlike
+            query's; ``dropout_p`` outside [0, 1); ``attn_mask`` with ``is_causal=True``; key
+            heads unlike query's without ``enable_gqa`` or not dividing them; a mask that does
+            not broadcast, or an additive one holding NaN or +inf; as
+            :func:`cuattn.sparse_attention`.
+
+    Example:
+        >>> import torch, cuattn
+        >>> q, k, v = (torch.randn(2, 8, 300, 64) for _ in range(3))
+        >>> mask = torch.ones(300, 300, dtype=torch.bool).tril()
+        >>> cuattn.scaled_dot_product_attention(q, k, v, attn_mask=mask).shape
+        torch.Size([2, 8, 300, 64])
     """
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     one_head = query.ndim == 3

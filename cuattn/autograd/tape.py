@@ -2,12 +2,8 @@
 
 ``Tensor`` wraps an array; every differentiable op is a ``Function`` subclass with static
 ``forward(ctx, *args)`` (arrays in, array or tuple of arrays out) and ``backward(ctx, *grads)``
-(one gradient per positional forward argument, ``None`` for non-tensors). The graph links output
-tensors to ``Node`` objects and nodes to their input nodes, never to intermediate tensors, so an
-intermediate array stays alive only if some ``ctx.save_for_backward`` kept it. That makes
-``recompute`` meaningful: inside ``with recompute():`` every op still builds its node, but on
-leaving the region the nodes drop their saved arrays and the region keeps only its inputs; the
-first backward step that reaches the region re-runs its forward, then its backward proceeds.
+(one gradient per positional forward argument, ``None`` for non-tensors). How the graph keeps
+arrays alive, and so what ``recompute`` saves: docs/design.md, section 4.
 
 ``Tensor``'s arithmetic (``+ - * / @``, unary ``-``, ``sum``, ``mean``, ``reshape``,
 ``transpose``) is ordinary methods of its class calling the Functions defined here (``Add``,
@@ -49,12 +45,21 @@ _state = _State()
 
 
 def is_grad_enabled() -> bool:
+    """Whether ops record the graph now (False inside :func:`no_grad`; per thread).
+
+    Returns:
+        bool: True unless inside ``no_grad()``.
+    """
     return _state.grad_enabled
 
 
 @contextlib.contextmanager
 def no_grad() -> Iterator[None]:
-    """Ops inside build no graph and their outputs do not require grad."""
+    """Context manager: ops inside build no graph and their outputs do not require grad.
+
+    Yields:
+        None. The previous setting is restored on leaving (per thread).
+    """
     previous = _state.grad_enabled
     _state.grad_enabled = False
     try:
@@ -64,7 +69,14 @@ def no_grad() -> Iterator[None]:
 
 
 class Context:
-    """Per-call scratch space handed to ``forward`` and ``backward``."""
+    """Per-call scratch space handed to a :class:`Function`'s ``forward`` and ``backward``.
+
+    Made by :meth:`Function.apply`; a Function may set any attribute on it.
+
+    Args:
+        needs_input_grad (tuple[bool, ...]): per positional forward argument, whether a
+            gradient is wanted for it.
+    """
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
@@ -72,10 +84,20 @@ class Context:
         self.non_differentiable: frozenset[int] = frozenset()
 
     def save_for_backward(self, *arrays: Any) -> None:
+        """Keep arrays for ``backward`` (as ``ctx.saved_tensors``); counted by
+        :func:`saved_nbytes` and dropped by a recompute region.
+
+        Args:
+            *arrays: the arrays (or None) backward will read.
+        """
         self.saved_tensors = arrays
 
     def mark_non_differentiable(self, *output_indices: int) -> None:
-        """Outputs (by position) that never receive a gradient, e.g. a log-sum-exp side output."""
+        """Mark outputs (by position) that never receive a gradient, e.g. a side output.
+
+        Args:
+            *output_indices: positions in forward's output tuple.
+        """
         self.non_differentiable = frozenset(output_indices)
 
 
@@ -158,10 +180,27 @@ class _Region:
 
 @contextlib.contextmanager
 def recompute(enabled: bool = True) -> Iterator[None]:
-    """Keep only the region's inputs; backward re-runs the region's forward, then its backward.
+    """Context manager: keep only the region's inputs; backward re-runs the region's forward,
+    then its backward.
 
-    Nested regions join the outermost one. The region's inputs must not be modified in place
-    between forward and backward (the recomputed forward would see the new values).
+    Nested regions join the outermost one; nothing is recorded under :func:`no_grad`. The
+    region's inputs must not be modified in place between forward and backward (the recomputed
+    forward would see the new values).
+
+    Args:
+        enabled (bool): False makes the region an ordinary one (default True).
+
+    Yields:
+        None.
+
+    Example:
+        >>> import numpy as np, cuattn
+        >>> x = cuattn.Tensor(np.ones((2, 3), np.float32), requires_grad=True)
+        >>> with cuattn.recompute():
+        ...     y = (x * x).sum()
+        >>> y.backward()
+        >>> x.grad.tolist()
+        [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
     """
     if not enabled or _state.region is not None or not _state.grad_enabled:
         yield
@@ -176,18 +215,51 @@ def recompute(enabled: bool = True) -> Iterator[None]:
 
 
 class Function:
-    """Base class of differentiable ops. Subclasses define static ``forward`` and ``backward``."""
+    """Base class of differentiable ops. Subclasses define static ``forward`` and ``backward``
+    and are called through :meth:`apply`."""
 
     @staticmethod
     def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:
+        """The op on arrays (a subclass defines it).
+
+        Args:
+            ctx (Context): scratch space shared with ``backward``.
+            *args: the arrays (the Tensors' data) and other values ``apply`` received.
+            **kwargs: keyword arguments ``apply`` received (never differentiated).
+
+        Returns:
+            An array, or a tuple of arrays.
+        """
         raise NotImplementedError
 
     @staticmethod
     def backward(ctx: Context, *grads: Any) -> Any:
+        """The gradients of the op's inputs (a subclass defines it).
+
+        Args:
+            ctx (Context): what ``forward`` kept.
+            *grads: one gradient per forward output (zeros for an output that got none), each
+                in that output's dtype.
+
+        Returns:
+            One gradient per positional forward argument (a tuple unless there is one), None
+            where no gradient is wanted (``ctx.needs_input_grad``) or the argument is not a
+            tensor; each shaped as its input.
+        """
         raise NotImplementedError
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Run the op: ``forward`` on the arrays, and a graph node when a gradient is wanted.
+
+        Args:
+            *args: Tensors (differentiated where they require grad) and other values.
+            **kwargs: passed to ``forward`` as they are.
+
+        Returns:
+            A Tensor, or a tuple of Tensors as forward returns a tuple; they require grad when
+            an input did (and grad is enabled), except outputs marked non-differentiable.
+        """
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         record = _state.grad_enabled and any(needs)
@@ -221,7 +293,21 @@ class Function:
 
 
 class Tensor:
-    """An array with an optional gradient. ``data`` is a NumPy or CuPy array, never copied."""
+    """An array with an optional gradient, recorded on cuattn's tape.
+
+    The attention calls, ``split_heads`` and ``merge_heads`` take Tensors; the arithmetic
+    (``+ - * / @``, unary ``-``, :meth:`sum`, :meth:`mean`, :meth:`reshape`,
+    :meth:`transpose`) records on the tape. docs/frameworks.md, section "The tape
+    (`cuattn.Tensor`) and recompute".
+
+    Args:
+        data (array): a NumPy or CuPy array, kept as ``.data`` (never copied); anything else
+            goes through ``numpy.asarray``.
+        requires_grad (bool): a leaf whose ``.grad`` backward fills (default False).
+
+    Raises:
+        TypeError: ``data`` is already a Tensor; ``requires_grad`` with a non-floating dtype.
+    """
 
     __slots__ = ("data", "grad", "requires_grad", "_node", "_index", "__weakref__")
     __array_ufunc__ = None  # so ndarray + Tensor defers to Tensor.__radd__ (and friends)
@@ -242,22 +328,27 @@ class Tensor:
     # -- array-like properties ---------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The data's shape, as a tuple of ints."""
         return tuple(self.data.shape)
 
     @property
     def dtype(self) -> Any:
+        """The data's dtype."""
         return self.data.dtype
 
     @property
     def ndim(self) -> int:
+        """The data's number of axes."""
         return self.data.ndim
 
     @property
     def size(self) -> int:
+        """The data's number of elements."""
         return int(self.data.size)
 
     @property
     def xp(self) -> ModuleType:
+        """The data's array module: numpy or cupy."""
         return array_module(self.data)
 
     def __repr__(self) -> str:
@@ -268,12 +359,27 @@ class Tensor:
         return self.shape[0]
 
     def detach(self) -> Tensor:
+        """A Tensor of the same array, off the tape.
+
+        Returns:
+            Tensor: sharing ``data``, not requiring grad.
+        """
         return Tensor(self.data)
 
     def item(self) -> float:
+        """The value of a one-element tensor.
+
+        Returns:
+            float: the Python scalar (as the array's ``item()``).
+        """
         return self.data.item()
 
     def numpy(self) -> np.ndarray:
+        """The data as a NumPy array (a copy from CuPy's device memory).
+
+        Returns:
+            numpy.ndarray: ``data`` itself for a NumPy tensor.
+        """
         xp = self.xp
         return self.data if xp is np else xp.asnumpy(self.data)
 
@@ -306,23 +412,57 @@ class Tensor:
         return MatMul.apply(self, _operand(other))
 
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """The sum over axes, differentiable.
+
+        Args:
+            axis (int | tuple[int, ...], optional): the axes; None (default): all of them.
+            keepdims (bool): keep the summed axes with size 1 (default False).
+
+        Returns:
+            Tensor: the sum.
+        """
         return Sum.apply(self, axis=axis, keepdims=keepdims)
 
     def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """The mean over axes, differentiable.
+
+        Args:
+            axis (int | tuple[int, ...], optional): the axes; None (default): all of them.
+            keepdims (bool): keep the averaged axes with size 1 (default False).
+
+        Returns:
+            Tensor: the mean.
+        """
         count = 1
         for ax in _norm_axes(axis, self.ndim):
             count *= self.shape[ax]
         return Mul.apply(Sum.apply(self, axis=axis, keepdims=keepdims), 1.0 / count)
 
     def reshape(self, *shape: int | tuple[int, ...] | list[int]) -> Tensor:
-        """``t.reshape(2, 3)`` or ``t.reshape((2, 3))``."""
+        """The tensor in another shape, differentiable: ``t.reshape(2, 3)`` or
+        ``t.reshape((2, 3))``.
+
+        Args:
+            *shape: the new shape, as ints or one tuple/list (one -1 allowed, as NumPy's).
+
+        Returns:
+            Tensor: the reshaped tensor.
+        """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
         return Reshape.apply(self, tuple(shape))
 
     def transpose(self, *axes: int | tuple[int, ...] | list[int] | None) -> Tensor:
-        """``t.transpose(2, 0, 1)`` or ``t.transpose((2, 0, 1))``; no axes (or None) reverses
-        them all, as NumPy's."""
+        """The tensor with its axes permuted, differentiable: ``t.transpose(2, 0, 1)`` or
+        ``t.transpose((2, 0, 1))``.
+
+        Args:
+            *axes: the permutation, as ints or one tuple/list; none (or None) reverses the axes,
+                as NumPy's.
+
+        Returns:
+            Tensor: the transposed tensor.
+        """
         if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
             axes = axes[0]
         return Transpose.apply(self, tuple(axes) if axes else None)
@@ -331,8 +471,17 @@ class Tensor:
     def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
         """Accumulate d(self)/d(leaf) * grad into every leaf's ``.grad``.
 
-        ``grad`` defaults to 1 for a single-element tensor. Saved arrays are released after
-        use unless ``retain_graph``; recompute regions then drop their recomputed arrays again.
+        Args:
+            grad (array | Tensor, optional): the gradient of self, its shape; None (default):
+                1, for a single-element tensor.
+            retain_graph (bool): keep the saved arrays for another backward (default False:
+                released after use; recompute regions drop their recomputed arrays again).
+
+        Raises:
+            RuntimeError: self does not require grad; the graph was freed by an earlier
+                backward; a Function's backward returned the wrong number of gradients.
+            ValueError: no ``grad`` for a tensor of more than one element; ``grad`` of another
+                shape; a Function's backward returned a gradient of the wrong shape.
         """
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad")
@@ -452,6 +601,12 @@ def saved_nbytes(*tensors: Tensor) -> int:
 
     Counts every array saved by a node's ``save_for_backward`` and every input kept by a
     recompute region, each underlying allocation once. The tensors' own data is not counted.
+
+    Args:
+        *tensors: the tensors whose graphs are counted.
+
+    Returns:
+        int: bytes.
     """
     roots = [t._node for t in tensors if t._node is not None]
     nodes: dict[int, _Node] = {}
@@ -481,7 +636,15 @@ def saved_nbytes(*tensors: Tensor) -> int:
 
 
 def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
-    """Sum a broadcast gradient back down to the input's shape."""
+    """Sum a broadcast gradient back down to the input's shape (for a Function's backward).
+
+    Args:
+        grad (array): the gradient of a broadcast result.
+        shape (tuple[int, ...]): the input's shape, which broadcast to grad's.
+
+    Returns:
+        grad summed over the leading and the size-1 axes, reshaped to ``shape``.
+    """
     if grad.shape == shape:
         return grad
     lead = grad.ndim - len(shape)

@@ -9,31 +9,7 @@ This module keeps its Python API, so a model moves over by changing one import l
 The sparsity configs take DeepSpeed's constructor arguments and defaults, raise its errors under
 its conditions, and ``make_layout(seq_len)`` returns its layouts: int64 torch tensors
 [num_heads, seq_len / block, seq_len / block] of 0/1, identical block for block, random blocks
-included (drawn with Python's ``random.sample`` in DeepSpeed's order, so the same
-``random.seed`` gives the same layout). The rules, for query block row r and key block column c
-(nb blocks per row; "causal" means ``attention='unidirectional'``):
-
-- Dense: every block.
-- Fixed: windows of ``num_local_blocks`` blocks, r and c in the same window (causal: c <= r);
-  in each window, ``num_global_blocks`` global columns starting at
-  ``num_local_blocks - (1 + h % num_different_global_patterns) * num_global_blocks`` (a short
-  last window: at ``min(window start + that offset, nb - num_global_blocks)``), seen by every
-  row (causal: by rows from the group's first block on), and with
-  ``horizontal_global_attention`` also global rows that see every column.
-- Variable: ``num_random_blocks`` random columns per row; windows of ``local_window_blocks``
-  sizes in turn, then the last size repeated (causal: c <= r); global columns (causal: from the
-  global block's own row on) at ``global_block_indices`` or the ranges [start, end) with
-  ``global_block_end_indices``, plus global rows with ``horizontal_global_attention``.
-- BigBird: ``num_random_blocks`` random columns per row (causal: drawn from c <= r), the window
-  ``|c - r| <= num_sliding_window_blocks // 2``, the first ``num_global_blocks`` rows and
-  columns; causal then keeps c <= r only.
-- BSLongformer: Longformer's window as BigBird's, global rows and columns at
-  ``global_block_indices`` (or [start, end) ranges); causal then keeps c <= r only.
-- LocalSlidingWindow: ``r - w <= c <= r + w``, w = ``num_sliding_window_blocks // 2``; any
-  ``attention`` other than 'bidirectional' keeps ``r - w <= c <= r``.
-
-With ``different_layout_per_head=False`` every head gets head 0's layout (random blocks are
-drawn once); with True each head draws its own.
+included. Each config's rule: docs/frameworks.md, section "The sparsity configs' rules".
 
 The block rules themselves are ``cuattn.layout.extended``'s builders, those of cuattn's own
 ``bigbird`` and ``variable`` patterns (``band_blocks``, ``bigbird_blocks``, ``variable_blocks``;
@@ -43,65 +19,9 @@ random blocks drawn here are handed in as drawn (``random_blocks``; cuattn draws
 among the blocks not on yet), and Variable's and Fixed's causal global columns start at the
 group's first row (``causal_columns="start"``; cuattn's at the diagonal).
 
-``SparseSelfAttention`` has DeepSpeed's constructor and ``forward(query, key, value, rpe=None,
-key_padding_mask=None, attn_mask=None)`` on [batch, heads, seq_len, head_dim] tensors (key may
-come transposed, [batch, heads, head_dim, seq_len], as in DeepSpeed: copied once into rows),
-scale ``head_dim ** -0.5``, the layout for a length being the top-left corner of
-``make_layout(max_seq_length)`` (the ``master_layout`` buffer, so DeepSpeed checkpoints load).
-It computes with ``cuattn.sparse_attention`` and has autograd.
-
-Masks are read as DeepSpeed's softmax reads them: cast to the query's dtype, singleton dimensions
-squeezed (``key_padding_mask`` [batch, seq_len], ``attn_mask`` [seq_len, seq_len]); mode 'mul'
-drops where the value is 0 and keeps any other value, mode 'add' adds the value to the scores
-(-inf drops). ``rpe`` ([batch or 1, heads or 1, seq_len, seq_len], or without its leading axes)
-is added to the scores. Each runs the cheapest exact way:
-
-- ``key_padding_mask``: batch rows are grouped by their padding. A row that keeps its first n
-  keys (right padding) runs with its keys cut to n: a layout for n keys, no element table.
-  Any other padding (left, scattered) is a per-key element rule (O(seq_len) to hold; evaluated
-  into per-block bitmasks). Rows that share a padding share one call; a row with no key gives 0.
-  In mode 'add', finite values other than 0 (such as -10000, or a learned bias) are added as
-  they are: cuattn's per-key bias (``key_bias``), with its gradient when the mask carries one
-  (-inf entries drop their keys there too).
-- ``attn_mask``, the pairs it keeps (mode 'mul': nonzero; 'add': not -inf): one band
-  ``lo <= q - k <= hi`` for every query (causal, a sliding window, causal with a window, all
-  pairs, none) is read once, on its device, and applied as the kernels' causal or window rule
-  (combined with a padding length by shifting the window's bounds; with another padding,
-  inside the per-key rule). Any other mask (rows with gaps, a row that differs from the rest)
-  is read back whole and held as bits (seq_len^2 / 8 bytes): an exact element rule, evaluated
-  once into per-block bitmasks, blocks it leaves empty not walked. In mode 'add', finite values
-  other than 0 are added as they are: cuattn's ``score_bias`` (read inside the layout's
-  computed blocks only), with its gradient when the mask carries one.
-- ``rpe`` that is a function of key minus query position (Toeplitz, as relative-position
-  embeddings are) runs as cuattn's ``rel_bias``, one column per distance read from it
-  (``cuattn.compat.distance_bias``); its gradient goes through the read columns, exact for an
-  rpe built from a table by distance (each parameter moves whole diagonals). Any other rpe, and
-  a leaf rpe that requires a gradient or a view or cast of one (a zero-initialised learned rpe
-  sliced to seq_len: by distance in value, but its entries are free), is cuattn's
-  ``score_bias`` (summed with a finite 'add' attn_mask), with each entry's own gradient. An
-  rpe computed otherwise that happens to be by distance in value (``w * ones``) is read by
-  distance: its gradient is exact when each parameter moves whole diagonals. An all-zero rpe
-  that carries no gradient adds nothing and is dropped.
-
-What differs from DeepSpeed (the refusals are ValueErrors naming the argument, raised before
-anything is computed):
-
-- rpe and finite 'add' masks get a gradient where they carry one; DeepSpeed's softmax returns
-  none for them.
-- NaN in a mask is refused: DeepSpeed would keep it in 'mul' (by accident of ``NaN != 0``) and
-  poison the row in 'add'. +inf in an 'add' mask is refused: the row's softmax would have no
-  finite scale (NaN in DeepSpeed). In 'mul' both infinities are nonzero and keep, as in
-  DeepSpeed. Cast to float16, -1e5 is -inf, as in DeepSpeed, and drops. An rpe is added as it
-  is, unchecked, as in DeepSpeed.
-- Modes other than 'add' and 'mul' are refused at construction (DeepSpeed runs them as 'add').
-- A query row whose keys are all dropped (or all -inf) gives 0 where DeepSpeed gives NaN.
-- ``score_bias`` (a non-Toeplitz rpe, a finite 'add' attn_mask) runs on every backend, the
-  kernels' score-modifier variant included.
-- dtypes: those ``cuattn.sparse_attention`` takes on the tensors' device (CPU: float16, float32,
-  float64, and bfloat16 with ``CUATTN_BACKEND=interp``; CUDA: float16, bfloat16, float32) where
-  DeepSpeed asserts float16. Biases are added in float32 (float64 beside float64 queries).
-- Errors on inputs are ValueError/TypeError naming the argument; mismatched query/key/value
-  shapes raise an error that is both a ValueError and DeepSpeed's NotImplementedError.
+``SparseSelfAttention`` has DeepSpeed's constructor and ``forward`` and computes with
+``cuattn.sparse_attention``, with autograd. How each mask and rpe runs, and what differs from
+DeepSpeed: docs/frameworks.md, section "Replacing DeepSpeed sparse attention".
 """
 
 from __future__ import annotations
@@ -208,8 +128,17 @@ def _check_attention(attention: str, horizontal_global_attention: bool | None = 
 
 
 class SparsityConfig:
-    """A block-sparse pattern: ``num_heads`` heads, ``block`` x ``block`` blocks; one layout for
-    all heads unless ``different_layout_per_head``. Subclasses give the rule."""
+    """DeepSpeed's base sparsity config: ``num_heads`` heads of ``block`` x ``block`` blocks.
+
+    The subclasses give the rule (docs/frameworks.md, section "The sparsity configs' rules");
+    this base class has none, and its :meth:`make_layout` raises NotImplementedError.
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+    """
 
     def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False):
         self.num_heads = num_heads
@@ -218,8 +147,17 @@ class SparsityConfig:
         self.num_layout_heads = num_heads if different_layout_per_head else 1
 
     def setup_layout(self, seq_len: int) -> torch.Tensor:
-        """Zeros, int64 [num_heads, seq_len / block, seq_len / block]; ValueError unless block
-        divides seq_len."""
+        """An empty layout for ``seq_len`` tokens (DeepSpeed's first step of make_layout).
+
+        Args:
+            seq_len (int): the sequence length, a multiple of ``block``.
+
+        Returns:
+            torch.Tensor: zeros, int64 [num_heads, seq_len / block, seq_len / block].
+
+        Raises:
+            ValueError: ``block`` is not positive, or does not divide ``seq_len``.
+        """
         if not self.block > 0:
             raise ValueError(f"block must be a positive int, got {self.block!r}")
         if seq_len % self.block != 0:
@@ -228,14 +166,36 @@ class SparsityConfig:
         return torch.zeros((self.num_heads, nb, nb), dtype=torch.int64)
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
-        """Unless ``different_layout_per_head``, copies head 0 into every head (in place)."""
+        """Copy head 0 into every head (in place), unless ``different_layout_per_head``.
+
+        Args:
+            layout (torch.Tensor): [num_heads, nb, nb].
+
+        Returns:
+            torch.Tensor: ``layout`` itself.
+        """
         if not self.different_layout_per_head:
             layout[1 : self.num_heads] = layout[0]
         return layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
-        """The layout, int64 0/1 [num_heads, seq_len / block, seq_len / block]: each layout head
-        from the rule, then head 0 copied to all heads unless ``different_layout_per_head``."""
+        """The layout for ``seq_len`` tokens, block for block DeepSpeed's (random blocks drawn
+        with Python's ``random`` in DeepSpeed's order).
+
+        Args:
+            seq_len (int): the sequence length, a multiple of ``block``.
+
+        Returns:
+            torch.Tensor: int64 0/1 [num_heads, seq_len / block, seq_len / block]: each layout
+            head from the rule, then head 0 copied to all heads unless
+            ``different_layout_per_head``.
+
+        Raises:
+            ValueError: ``block`` does not divide ``seq_len``; a count (random, window or
+                global blocks) that the row of blocks cannot hold, under DeepSpeed's conditions;
+                ``local_window_blocks`` not ending with a size > 0.
+            NotImplementedError: on the base class, which has no rule.
+        """
         layout = self.setup_layout(seq_len)
         nb = layout.shape[1]
         for h in range(self.num_layout_heads):
@@ -251,14 +211,42 @@ class SparsityConfig:
 
 
 class DenseSparsityConfig(SparsityConfig):
-    """Every block (dense attention in block form)."""
+    """Every block (dense attention in block form).
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+    """
 
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         return np.ones((nb, nb), dtype=bool)
 
 
 class FixedSparsityConfig(SparsityConfig):
-    """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (see the module doc)."""
+    """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (docs/frameworks.md,
+    section "The sparsity configs' rules").
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+        num_local_blocks (int): blocks per local window (default 4).
+        num_global_blocks (int): global blocks per window, dividing num_local_blocks (default 1).
+        attention (str): ``"bidirectional"`` (default) or ``"unidirectional"`` (causal).
+        horizontal_global_attention (bool): global rows that see every column too
+            (bidirectional only; default False).
+        num_different_global_patterns (int): global positions heads cycle over (needs
+            ``different_layout_per_head``; default 1).
+
+    Raises:
+        ValueError: ``num_global_blocks`` 0 or not dividing ``num_local_blocks``; horizontal
+            global attention that is not bidirectional; more global patterns than a window's
+            positions, or several without ``different_layout_per_head``.
+        NotImplementedError: ``attention`` neither of the two.
+    """
 
     def __init__(
         self,
@@ -316,7 +304,29 @@ class FixedSparsityConfig(SparsityConfig):
 
 
 class VariableSparsityConfig(SparsityConfig):
-    """Random blocks, variable local windows and chosen global blocks (see the module doc)."""
+    """Random blocks, variable local windows and chosen global blocks (docs/frameworks.md,
+    section "The sparsity configs' rules").
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+        num_random_blocks (int): random columns per row (default 0).
+        local_window_blocks (Sequence[int]): window sizes in blocks, in turn, the last repeated
+            (default (4,)).
+        global_block_indices (Sequence[int]): global blocks (default (0,)), or the starts of
+            global ranges with ``global_block_end_indices``.
+        global_block_end_indices (Sequence[int], optional): the ranges' ends (exclusive).
+        attention (str): ``"bidirectional"`` (default) or ``"unidirectional"`` (causal).
+        horizontal_global_attention (bool): global rows that see every column too
+            (bidirectional only; default False).
+
+    Raises:
+        ValueError: ends unlike the starts in number, or not above them; horizontal global
+            attention that is not bidirectional.
+        NotImplementedError: ``attention`` neither of the two.
+    """
 
     def __init__(
         self,
@@ -365,7 +375,22 @@ class VariableSparsityConfig(SparsityConfig):
 
 
 class BigBirdSparsityConfig(SparsityConfig):
-    """BigBird: random, sliding-window and leading global blocks (see the module doc)."""
+    """BigBird: random, sliding-window and leading global blocks (docs/frameworks.md, section
+    "The sparsity configs' rules").
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+        num_random_blocks (int): random columns per row (default 1).
+        num_sliding_window_blocks (int): the window's width in blocks (default 3).
+        num_global_blocks (int): the leading global rows and columns (default 1).
+        attention (str): ``"bidirectional"`` (default) or ``"unidirectional"`` (causal).
+
+    Raises:
+        NotImplementedError: ``attention`` neither of the two.
+    """
 
     def __init__(
         self,
@@ -401,7 +426,24 @@ class BigBirdSparsityConfig(SparsityConfig):
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
-    """Block-sparse Longformer: sliding window and global blocks (see the module doc)."""
+    """Block-sparse Longformer: sliding window and global blocks (docs/frameworks.md, section
+    "The sparsity configs' rules").
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
+            rather than head 0's for all (default False).
+        num_sliding_window_blocks (int): the window's width in blocks (default 3).
+        global_block_indices (Sequence[int]): global blocks (default (0,)), or the starts of
+            global ranges with ``global_block_end_indices``.
+        global_block_end_indices (Sequence[int], optional): the ranges' ends (exclusive).
+        attention (str): ``"unidirectional"`` (causal) or anything else (bidirectional; not
+            validated, as in DeepSpeed). Default ``"bidirectional"``.
+
+    Raises:
+        ValueError: ends unlike the starts in number, or not above them.
+    """
 
     def __init__(
         self,
@@ -431,7 +473,16 @@ class BSLongformerSparsityConfig(SparsityConfig):
 
 
 class LocalSlidingWindowSparsityConfig(SparsityConfig):
-    """A sliding window only; causal unless ``attention='bidirectional'`` (see the module doc)."""
+    """A sliding window only; causal unless ``attention='bidirectional'`` (docs/frameworks.md,
+    section "The sparsity configs' rules").
+
+    Args:
+        num_heads (int): the attention heads.
+        block (int): the block size (default 16).
+        num_sliding_window_blocks (int): the window's width in blocks (default 3).
+        attention (str): ``"bidirectional"``, or anything else for the causal window (not
+            validated, as in DeepSpeed). Default ``"unidirectional"``.
+    """
 
     def __init__(
         self,
@@ -638,10 +689,25 @@ def _band_rule(band: tuple[int, int] | None, n_q: int, n_keys: int) -> ElementRu
 
 
 class SparseSelfAttention(nn.Module):
-    """DeepSpeed's SparseSelfAttention on ``cuattn.sparse_attention`` (see the module doc).
+    """DeepSpeed's SparseSelfAttention on :func:`cuattn.sparse_attention`.
 
-    The layout is ``sparsity_config.make_layout(max_seq_length)`` (buffer ``master_layout``);
-    a length L uses its top-left ``L / block`` blocks. Mask modes are 'add' or 'mul'.
+    The layout is ``sparsity_config.make_layout(max_seq_length)`` (buffer ``master_layout``, so
+    DeepSpeed checkpoints load); a length L uses its top-left ``L / block`` blocks. How masks
+    and rpe run: docs/frameworks.md, section "Replacing DeepSpeed sparse attention".
+
+    Args:
+        sparsity_config (SparsityConfig): the pattern (default
+            ``SparsityConfig(num_heads=4)``, DeepSpeed's default, which has no rule).
+        key_padding_mask_mode (str): ``"add"`` (default: values added to the scores, -inf
+            drops) or ``"mul"`` (0 drops, anything else keeps).
+        attn_mask_mode (str): ``"add"`` or ``"mul"`` (default), as above.
+        max_seq_length (int): the longest sequence; the master layout is made for it (default
+            2048).
+
+    Raises:
+        ValueError: a mask mode other than ``"add"`` and ``"mul"``; as the config's
+            ``make_layout`` for ``max_seq_length``.
+        NotImplementedError: the base ``SparsityConfig``, which has no rule.
     """
 
     def __init__(
@@ -667,8 +733,18 @@ class SparseSelfAttention(nn.Module):
         self._layouts_of: tuple[int, int] | None = None
 
     def get_layout(self, L: int) -> torch.Tensor:
-        """The int64 CPU layout for length L: ``master_layout[..., :L/block, :L/block]``. Under
-        torch.distributed, rank 0's master layout is broadcast first (once), as in DeepSpeed."""
+        """The block layout for length L (under torch.distributed, rank 0's master layout is
+        broadcast first, once, as in DeepSpeed).
+
+        Args:
+            L (int): the sequence length, a multiple of the block size.
+
+        Returns:
+            torch.Tensor: int64 on the CPU, ``master_layout[..., :L/block, :L/block]``.
+
+        Raises:
+            ValueError: the block size does not divide L.
+        """
         if self._need_layout_synchronization and dist.is_available() and dist.is_initialized():
             dist.broadcast(self.master_layout, src=0)
             self._need_layout_synchronization = False
@@ -679,12 +755,19 @@ class SparseSelfAttention(nn.Module):
         return self.master_layout[..., :nb, :nb].cpu()
 
     def transpose_key_for_scores(self, x: torch.Tensor, L: int) -> torch.Tensor:
-        """key as [batch, heads, seq_len, head_dim]: one whose dim 2 is not L is taken as
-        transposed ([batch, heads, head_dim, seq_len]) and transposed back.
+        """The key as [batch, heads, seq_len, head_dim], as DeepSpeed's method.
 
-        Transposed back, its head_dim axis is strided, which the kernels cannot read (they load
-        whole rows); DeepSpeed's own Bert layer hands the key over transposed, so such a key is
-        copied once, contiguous, here rather than refused by the CUDA and interpreter backends.
+        A key whose dim 2 is not L is taken as transposed ([batch, heads, head_dim, seq_len]),
+        transposed back and, its head_dim axis then strided (which the kernels cannot read),
+        copied once into rows: DeepSpeed's own Bert layer hands the key over transposed.
+
+        Args:
+            x (torch.Tensor): the key, [batch, heads, L, head_dim] or [batch, heads, head_dim,
+                L].
+            L (int): the sequence length.
+
+        Returns:
+            torch.Tensor: [batch, heads, L, head_dim], x itself when it already is.
         """
         if x.shape[2] == L:
             return x
@@ -759,18 +842,34 @@ class SparseSelfAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Block-sparse attention of query, key, value [batch, heads, seq_len, head_dim] (key
-        may be [batch, heads, head_dim, seq_len]) -> [batch, heads, seq_len, head_dim].
+        """Block-sparse self-attention with DeepSpeed's masks and relative-position bias.
 
         Every argument is checked before anything is computed. Batch rows are grouped by their
-        key padding: a row that keeps its first n keys (right padding, what tokenizers make)
-        runs with the keys cut to n and a mask-free layout; a row with any other padding runs
-        with a per-key element rule. Rows that share a padding share one call. One packed
-        varlen call would instead need per-element bitmasks on every block a padding length
-        cuts, rebuilt for every new batch; grouped calls reuse one cached table-free layout
-        per length. An attn_mask that is no band restricts each call's layout by its bits; a
-        dense bias (an rpe not by distance, a finite 'add' attn_mask) is one score_bias,
-        sliced to each call's rows and keys.
+        key padding, one call per group; how each mask and rpe runs: docs/frameworks.md,
+        section "Replacing DeepSpeed sparse attention".
+
+        Args:
+            query (torch.Tensor): [batch, heads, seq_len, head_dim]; heads as the config's,
+                seq_len a multiple of the block size and at most ``max_seq_length``.
+            key (torch.Tensor): query's shape, or [batch, heads, head_dim, seq_len].
+            value (torch.Tensor): query's shape.
+            rpe (torch.Tensor, optional): a relative-position bias added to the scores,
+                [batch or 1, heads or 1, seq_len, seq_len] (or fewer leading axes).
+            key_padding_mask (torch.Tensor, optional): [batch, seq_len] (singleton axes between
+                allowed), read in ``key_padding_mask_mode``.
+            attn_mask (torch.Tensor, optional): [seq_len, seq_len], read in ``attn_mask_mode``.
+
+        Returns:
+            torch.Tensor: [batch, heads, seq_len, head_dim], query's dtype. A query row with no
+            key left gives 0.
+
+        Raises:
+            SelfAttentionOnlyError: query, key and value of different shapes (a ValueError and
+                DeepSpeed's NotImplementedError).
+            TypeError: an input, mask or rpe not a tensor (or a complex mask).
+            ValueError: an input not 4-D; a length over ``max_seq_length`` or not a multiple
+                of the block size; heads unlike the config's; a mask or rpe of the wrong shape;
+                NaN in a mask, +inf in an ``add`` mask.
         """
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x)

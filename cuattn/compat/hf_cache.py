@@ -4,34 +4,9 @@
     model.generate(ids, cache=cache, max_new_tokens=32)    # attn_implementation="cuattn"
     # before transformers 5.24: past_key_values=cache (cache_keyword(model) names it)
 
-Why the attention must run through cuattn. An evicting cache changes which past tokens exist:
-the tokens a step attends are the ones the cache kept, at their original positions, different
-per (sequence, kv head). transformers' attention functions attend to the dense K/V that
-``update`` returns under one mask per sequence; kept sets of unequal size per kv head, or
-whose positions are not contiguous, do not fit that, and HeavyHitters (scores added by each
-decode query) and Quest (pages chosen per query) need the decode step itself. So ``update``
-only hands the new tokens over, and cuattn's attention function (``attn_implementation=
-"cuattn"``), which sees the queries, does the work with the layer's KVCache:
-
-* the layer's first forward (the prefill): dense causal attention over the whole prompt, as
-  without a cache; then the prompt is appended, with its queries for a policy that votes with
-  them (SnapKV), and the policy compresses it;
-* every later forward: the new tokens are appended (the policy evicts at once, so the kept
-  count never exceeds the budget), then ``decode_attention`` attends the new queries to
-  exactly the kept tokens, causal by position (RoPE is in the keys already, applied by the
-  model before ``update``).
-
-The hand-over is exact: ``update`` records the very key tensor it returns, and the attention
-function takes the layer's cache only for that tensor object. An ``update`` whose attention
-did not come through cuattn (another attn_implementation) leaves its tokens unstored, and the
-next ``update`` (the next layer, or the next step) refuses to go on: the prefill's dense
-attention is right under any implementation, so no wrong number is returned before that.
-
-Padding: the prefill may be padded (left or right: a 2-D attention_mask with zeros); each
-sequence's real tokens are stored from position 0, as generate numbers them. Later forwards
-must bring real tokens only (generate's do). Not supported (each a ValueError naming it):
-sliding-window layers, a sparse ``config.cuattn_pattern``, packed rows, 4-D masks, beam
-search (``reorder_cache``), ``crop`` and batch reshuffles.
+Why the attention must run through cuattn (``update`` only hands the new tokens over; the
+attention function stores them, lets the policy evict and attends to the kept ones), padding,
+and what is refused: docs/serving.md, section "In Hugging Face generate".
 """
 
 from __future__ import annotations
@@ -245,15 +220,29 @@ def _check_policy(policy: object) -> Policy | list[Policy] | None:
 
 
 class Cache(cache_utils.Cache):
-    """transformers' Cache kept in one cuattn :class:`KVCache` per layer (module doc).
+    """transformers' Cache kept in one cuattn :class:`KVCache` per layer, with an eviction
+    policy.
 
-    ``policy``: a cuattn policy (each layer gets its own copy), a sequence of them (one per
-    layer: per-layer budgets such as ``policies.pyramid``), or None (keep every token).
-    ``page_size``: tokens per page of each layer's KVCache (Quest's must equal it). Needs
-    ``attn_implementation="cuattn"``; pass it to ``generate`` as ``cache=`` (transformers
-    5.24 and later) or ``past_key_values=`` (earlier releases, and deprecated from 5.24 on);
-    :func:`cache_keyword` says which a model takes. ``kv_cache(layer_idx)`` is a layer's
-    KVCache.
+    Needs ``attn_implementation="cuattn"``; pass it to ``generate`` as ``cache=``
+    (transformers 5.24 and later) or ``past_key_values=`` (earlier releases);
+    :func:`cache_keyword` says which a model takes. Why the attention must run through cuattn,
+    and what is refused: docs/serving.md, section "In Hugging Face generate".
+
+    Args:
+        policy (Policy | Sequence[Policy], optional): a ``cuattn.policies`` policy (each layer
+            gets its own copy), a sequence of them (one per layer: per-layer budgets such as
+            ``policies.pyramid``), or None (default: keep every token).
+        page_size (int): tokens per page of each layer's KVCache (Quest's must equal it;
+            default 16). Keyword only.
+
+    Raises:
+        TypeError: ``policy`` (or an entry) is not a policy; ``page_size`` not an int.
+        ValueError: an empty policy sequence; ``page_size`` not positive.
+
+    Example:
+        >>> from cuattn import policies  # doctest: +SKIP
+        >>> cache = Cache(policy=policies.SnapKV(budget=64, window=8))  # doctest: +SKIP
+        >>> model.generate(ids, cache=cache, max_new_tokens=32)  # doctest: +SKIP
     """
 
     def __init__(
@@ -286,8 +275,26 @@ class Cache(cache_utils.Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hand the layer's new tokens to cuattn's attention function, which stores them
-        (module doc); returns them as they are."""
+        """Hand the layer's new tokens to cuattn's attention function, which stores them.
+
+        transformers calls it from each attention layer, before its attention.
+
+        Args:
+            key_states (torch.Tensor): the new keys, [batch, kv_heads, t, head_dim].
+            value_states (torch.Tensor): the new values, key_states' shape.
+            layer_idx (int): the layer.
+            *args: transformers' further arguments (unread).
+            **kwargs: transformers' further keyword arguments (unread).
+
+        Returns:
+            tuple: ``(key_states, value_states)`` as they are (cuattn's attention function
+            recognises the key tensor).
+
+        Raises:
+            TypeError: a state is not a 4-D torch tensor.
+            ValueError: the previous layer's attention did not run through cuattn (another
+                ``attn_implementation``); more layers than a per-layer policy sequence holds.
+        """
         if self._pending is not None:
             self._pending = None
             raise ValueError(
@@ -310,7 +317,17 @@ class Cache(cache_utils.Cache):
         return keys, values
 
     def kv_cache(self, layer_idx: int) -> KVCache:
-        """The KVCache of layer ``layer_idx`` (after the layer's first forward)."""
+        """The KVCache of one layer (after the layer's first forward).
+
+        Args:
+            layer_idx (int): the layer.
+
+        Returns:
+            KVCache: the layer's paged cache.
+
+        Raises:
+            ValueError: no forward has run the layer yet.
+        """
         if not 0 <= layer_idx < len(self.layers) or self.layers[layer_idx].kv is None:
             raise ValueError(f"layer_idx={layer_idx} has no KVCache yet (no forward has run it)")
         return self.layers[layer_idx].kv
@@ -321,10 +338,21 @@ class Cache(cache_utils.Cache):
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword under which ``model`` (and its ``generate``) takes a Cache: ``"cache"``
-    where its forward has that parameter (transformers 5.24 renamed it), else
-    ``"past_key_values"``. ``model.generate(ids, **{cache_keyword(model): cache})`` works on
-    every transformers release cuattn supports."""
+    """The keyword under which ``model`` (and its ``generate``) takes a Cache.
+
+    ``model.generate(ids, **{cache_keyword(model): cache})`` works on every transformers release
+    cuattn supports.
+
+    Args:
+        model (torch.nn.Module): a transformers model.
+
+    Returns:
+        str: ``"cache"`` where its forward has that parameter (transformers 5.24 renamed it),
+        else ``"past_key_values"``.
+
+    Raises:
+        TypeError: the model's forward takes neither.
+    """
     parameters = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in parameters:
@@ -336,8 +364,17 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def take_layer(key: torch.Tensor) -> _Layer | None:
-    """The cuattn cache layer whose ``update`` returned ``key`` and waits for its attention
-    (then no longer waiting), or None when ``key`` did not come from a cuattn Cache."""
+    """The cuattn cache layer whose ``update`` returned ``key`` and waits for its attention.
+
+    Called by cuattn's attention function; the layer no longer waits afterwards.
+
+    Args:
+        key (torch.Tensor): the key tensor an attention layer received.
+
+    Returns:
+        The waiting cache layer, or None when ``key`` did not come from a cuattn Cache's
+        ``update`` (or was taken already).
+    """
     ref = getattr(_HANDOFF, "cache", None)
     cache = ref() if ref is not None else None
     if cache is None or cache._pending is None or cache._pending.key is not key:

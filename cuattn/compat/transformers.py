@@ -6,50 +6,12 @@
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cuattn")
 
 Every attention layer of the model then runs cuattn with a :class:`cuattn.Pattern` made from
-``config.cuattn_pattern`` (make_layout's arguments; ``attn_mode`` names the pattern; the layer
-itself decides ``causal``, ``heads``, ``n_ctx`` and ``n_q``), causal or not as the layer is, for
-whatever query and key lengths the layer sees (prefill, and decoding with a KV cache: queries
-aligned to the end of the keys). GQA layers pass their kv heads as they are. A layer with a
-sliding window (Mistral-style ``sliding_window``) under the dense pattern runs the ``local``
-pattern with that window, which is the same mask.
-
-Batches that are not one full-length sequence per row run as a packed varlen batch
-(``cuattn.sparse_attention_varlen``), as transformers' FlashAttention-2 path does, so nothing of
-size T x T is built and every sequence gets its own layout, aligned to its own first token:
-
-* padding: a 2-D attention mask with zeros (transformers' mask function for "cuattn" is
-  FlashAttention's, so layers receive the 2-D mask, or None when there is no padding). The kept
-  tokens of each row are one sequence; padded query rows return zeros; with a KV cache the
-  mask covers the cached keys too, so padded keys stay masked at every decoding step.
-* a 4-D mask (a caller's own, handed through as it is) that is a padding mask combined with the
-  layer's causal / window rule is read back into that padding; any other 4-D mask is refused.
-* packed rows: ``position_ids`` that do not continue by +1 (a new document restarts them; the
-  rule of transformers' ``find_packed_sequence_indices``) with no padding mask split a row into
-  documents, each attended alone; so do FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
-  keyword arguments (DataCollatorWithFlattening).
-
-Gemma 2's logit soft-capping (the ``softcap`` the layer passes) is cuattn's ``softcap``.
-T5's relative-position bias (the ``position_bias`` [1 or batch, heads, q_len, kv_len] its
-layers pass, a function of key minus query position) runs as cuattn's ``rel_bias``: a table
-of one column per distance, read from the bias tensor (``cuattn.compat.distance_bias``: checked
-once per tensor, its gradient back to T5's bucket embedding through the read). A bias that is
-not a function of the distance, or a leaf one that requires a gradient, is refused by name;
-T5's all-zero placeholder (layers without a table) adds nothing and is dropped.
-
-``Cache(policy=...)`` (``cuattn.compat.hf_cache``) is a transformers cache kept in cuattn's
-paged KVCache with an eviction policy: ``model.generate(ids, cache=Cache(policy=SnapKV(...)))``
-compresses at the prefill and at every decode step; its layers attend through this function
-(``past_key_values=`` before transformers 5.24: ``cache_keyword(model)`` says which).
-
-Attention dropout while training (the ``dropout`` a layer passes, BERT's
-``attention_probs_dropout_prob``) is cuattn's ``dropout_p``, its seed drawn from torch's default
-generator at each call; its masks are cuattn's generator's, not torch's.
-
-Not supported, each a ValueError naming it: a ``position_bias`` as above,
-``s_aux (attention sinks), ``output_attentions``, a model's own extra mask functions
-(``or_mask_function``/``and_mask_function``, e.g. bidirectional image tokens) and a 4-D mask that
-is not padding plus the layer's rule. Under torch.compile, where values cannot be read while
-tracing, ``position_ids`` that split a row are a RuntimeError when the compiled call runs.
+``config.cuattn_pattern`` (make_layout's arguments; the layer decides ``causal``, ``heads``,
+``n_ctx`` and ``n_q``). Padding, 4-D masks and packed rows run as a packed varlen batch; Gemma
+2's softcap, T5's relative-position bias and attention dropout map onto cuattn's modifiers;
+``Cache(policy=...)`` keeps generate's KV cache in cuattn's paged KVCache. All of it, the
+supported releases and what is refused: docs/frameworks.md, section "Hugging Face
+transformers", and docs/serving.md, section "In Hugging Face generate".
 """
 
 from __future__ import annotations
@@ -163,9 +125,21 @@ def check_config(config: Any, heads: int | None = None) -> None:
 
     transformers gives a custom attention implementation no hook when a model is built, so the
     adapter runs this itself at the start of every forward (in the mask function, before any
-    layer); call it after setting the attribute to fail even earlier. ``heads`` defaults to
-    ``config.num_attention_heads`` (heads-dependent checks, e.g. num_verts dividing heads, are
-    skipped when neither is known)."""
+    layer); call it after setting the attribute to fail even earlier.
+
+    Args:
+        config (PretrainedConfig): the model's config; without ``cuattn_pattern`` the default
+            (dense) pattern is checked.
+        heads (int, optional): the query heads; None (default) is
+            ``config.num_attention_heads`` (heads-dependent checks, e.g. num_verts dividing
+            heads, are skipped when neither is known).
+
+    Raises:
+        TypeError: ``cuattn_pattern`` is not a dict; an argument of the wrong type, or one the
+            pattern does not take.
+        ValueError: no or an unknown ``attn_mode``; a key a layer decides (``causal``,
+            ``heads``, ``n_ctx``, ``n_q``); a value the pattern refuses.
+    """
     mode, blocksize, options = _spec(config)
     heads = heads if heads is not None else getattr(config, "num_attention_heads", None)
     if isinstance(heads, int) and heads > 0:
@@ -174,7 +148,23 @@ def check_config(config: Any, heads: int | None = None) -> None:
 
 
 def pattern_of(config: Any, heads: int, causal: bool, sliding_window: int | None = None) -> Pattern:
-    """The Pattern a layer runs: ``config.cuattn_pattern`` (or DEFAULT_PATTERN) for ``heads``."""
+    """The Pattern a layer runs: ``config.cuattn_pattern`` (or DEFAULT_PATTERN) for ``heads``.
+
+    Args:
+        config (PretrainedConfig): the model's config.
+        heads (int): the layer's query heads.
+        causal (bool): whether the layer is causal.
+        sliding_window (int, optional): the layer's sliding window (Mistral-style), run as the
+            ``local`` pattern; only with the dense pattern. None (default): no window.
+
+    Returns:
+        Pattern: the layer's pattern.
+
+    Raises:
+        TypeError: as :func:`check_config`.
+        ValueError: a sliding window with a pattern other than the dense one; as
+            :func:`check_config`.
+    """
     mode, blocksize, options = _spec(config)
     if sliding_window is not None:
         if mode != DENSE_MODE:
@@ -434,9 +424,39 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [batch, heads, q_len, head_dim], key
-    and value [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim],
-    None)."""
+    """cuattn as a transformers attention function (``attn_implementation="cuattn"``).
+
+    transformers calls it from each attention layer; padding, packed rows and T5's relative
+    bias run as docs/frameworks.md, section "Hugging Face transformers", describes.
+
+    Args:
+        module (torch.nn.Module): the attention layer (its ``config``, ``is_causal`` and
+            ``training`` are read).
+        query (torch.Tensor): [batch, heads, q_len, head_dim].
+        key (torch.Tensor): [batch, kv_heads, kv_len, head_dim] (kv_heads dividing heads).
+        value (torch.Tensor): key's shape.
+        attention_mask (torch.Tensor, optional): None, a 2-D [batch, kv_len] padding mask, or a
+            4-D one that is padding plus the layer's rule.
+        dropout (float): the layer's attention dropout, applied in training mode (default
+            0.0).
+        scaling (float, optional): the layer's score scale; None is ``1 / sqrt(head_dim)``.
+        is_causal (bool, optional): the layer's causal hint; None: ``module.is_causal`` (a
+            causal layer stays causal under a mask or a single query).
+        **kwargs: what the layer passes: ``softcap``, ``position_bias`` (T5),
+            ``sliding_window``, ``position_ids``, ``cu_seq_lens_q``/``cu_seq_lens_k``; refused:
+            ``s_aux``, ``output_attentions``.
+
+    Returns:
+        tuple: ``(out, None)``, out [batch, q_len, heads, head_dim] contiguous.
+
+    Raises:
+        TypeError: ``attention_mask`` not a tensor; as :func:`check_config`.
+        ValueError: an unsupported feature, named (``s_aux``, ``output_attentions``, a 4-D mask
+            that is not padding plus the layer's rule, a mask of another rank, a position bias
+            not by distance, a sliding window with a sparse pattern, dropout or a position bias
+            with a cuattn ``Cache``); as :func:`check_config` and
+            :func:`cuattn.sparse_attention`.
+    """
     if kwargs.get("s_aux") is not None:
         _refuse("s_aux", "the kernels add nothing of it to the scores")
     # how the scores are formed: the layer's scale, logit soft-capping (Gemma 2) and a
@@ -509,14 +529,27 @@ def attention_forward(
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for "cuattn": FlashAttention's (the 2-D padding mask, or
-    None when nothing is padded), after checking ``config.cuattn_pattern`` and refusing the
-    model's own extra mask functions, which the 2-D mask would silently drop. transformers
-    calls it once per forward, before any layer: the earliest point a config is seen.
+    """transformers' mask function for "cuattn": FlashAttention's 2-D padding mask.
 
-    Its arguments are handed to transformers' own ``flash_attention_mask`` as they came: the
-    interface has named the queries by ``cache_position`` and later by ``q_length``/``q_offset``,
-    and this function reads neither."""
+    Checks ``config.cuattn_pattern`` and refuses the model's own extra mask functions, which
+    the 2-D mask would silently drop. transformers calls it once per forward, before any layer:
+    the earliest point a config is seen.
+
+    Args:
+        *args: handed to transformers' ``flash_attention_mask`` as they came (the interface
+            has named the queries by ``cache_position`` and later by ``q_length``/``q_offset``;
+            this function reads neither).
+        **kwargs: the same; ``config``, ``use_vmap`` and ``mask_function`` are read.
+
+    Returns:
+        torch.Tensor | None: the 2-D [batch, kv_len] padding mask, or None when nothing is
+        padded.
+
+    Raises:
+        ValueError: the model adds mask functions of its own (``or_mask_function`` /
+            ``and_mask_function``); as :func:`check_config`.
+        TypeError: as :func:`check_config`.
+    """
     config = kwargs.get("config")
     if config is not None:
         check_config(config)
@@ -566,7 +599,15 @@ def _only_own_rules(rule: Any) -> bool:
 
 
 def register(name: str = NAME) -> str:
-    """Register cuattn under ``name`` with transformers' attention and mask interfaces."""
+    """Register cuattn with transformers' attention and mask interfaces (importing this module
+    does it for ``"cuattn"``).
+
+    Args:
+        name (str): the ``attn_implementation`` name (default ``"cuattn"``).
+
+    Returns:
+        str: ``name``.
+    """
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
     return name

@@ -84,8 +84,34 @@ class TableRule:
 
 
 class DeviceLayout(Layout):
-    """A block layout whose arrays stay where they were made; see the module doc. Built by
-    cuattn.dynamic, or read back from a layout's arrays by :meth:`from_arrays`."""
+    """A block layout whose arrays stay where they were made (a CUDA device or the host).
+
+    A Layout's semantics with the arrays read in place; what needs the whole layout on the host
+    (``to_mask``, ``picture``, ``allowed``, ``repr``) goes through :meth:`host`, an explicit
+    copy. Built by :mod:`cuattn.dynamic` (docs/patterns.md, section "Layouts chosen from the
+    data"), or read back from a layout's arrays by :meth:`from_arrays`; not usually constructed
+    by hand.
+
+    Args:
+        chosen (array): bool or uint8 [heads, nbq, nb] on the device: the active blocks.
+        index (dict): the six index arrays ``row_ptr``, ``col_idx``, ``row_mask``,
+            ``col_ptr``, ``row_idx``, ``col_mask`` (int32; the four entry arrays are buffers of
+            ``capacity`` entries), NumPy or CuPy.
+        blocksize (int): the block size.
+        n_ctx (int): the keys.
+        rule (ElementRule): kind ``none``, ``causal``, ``window`` or ``bitmask``.
+        name (str): the layout's name in its repr.
+        capacity (int): the entries the index buffers hold.
+        mask_table (array, optional): uint32 [n_masks, b, ceil(b / 32)], exactly when the rule
+            is ``bitmask``.
+        n_q (int, optional): the queries, end-aligned; None (default) is n_ctx. Keyword only.
+        perm (array, optional): int64 [n_ctx] token permutation (square layouts only).
+
+    Raises:
+        ValueError: a rule kind a device layout does not take; ``chosen``'s shape unlike
+            [heads, ceil(n_q / b), ceil(n_ctx / b)]; ``perm`` with n_q != n_ctx; a mask table
+            given without a bitmask rule or missing with one.
+    """
 
     def __init__(
         self,
@@ -162,10 +188,26 @@ class DeviceLayout(Layout):
         window: tuple[int, int] = (0, 0),
         name: str = "arrays",
     ) -> DeviceLayout:
-        """The layout whose arrays these are, read in place: ``blocks`` (bool [heads, nbq, nb]),
-        the six index arrays, ``mask_table`` (bitmask rules) and ``perm`` (absent or None when
-        not permuted); the rule of kind ``rule_kind`` with the (left, right) ``window`` bounds,
-        a bitmask rule read from the table (:class:`TableRule`)."""
+        """The layout whose arrays these are, read in place (no copy).
+
+        Args:
+            arrays (dict): ``blocks`` (bool [heads, nbq, nb]), the six index arrays,
+                ``mask_table`` (bitmask rules) and ``perm`` (absent or None when not permuted).
+            blocksize (int): the block size.
+            n_q (int): the queries.
+            n_ctx (int): the keys.
+            rule_kind (str): ``none``, ``causal``, ``window`` or ``bitmask`` (its bits read from
+                ``mask_table``).
+            window (tuple[int, int]): the window rule's (left, right) bounds (default (0, 0)).
+            name (str): the layout's name in its repr (default ``"arrays"``).
+
+        Returns:
+            DeviceLayout: over the given arrays.
+
+        Raises:
+            KeyError: an array the rule needs is missing from ``arrays``.
+            ValueError: as :class:`DeviceLayout`.
+        """
         bitmask = rule_kind == "bitmask"
         if bitmask:
             rule = ElementRule("bitmask", mask_fn=TableRule(arrays, blocksize))
@@ -192,12 +234,21 @@ class DeviceLayout(Layout):
         )
 
     def kernel_arrays(self) -> SimpleNamespace:
-        """The index arrays as the attention kernels take them (mask_table never empty)."""
+        """The index arrays as the attention kernels take them.
+
+        Returns:
+            types.SimpleNamespace: the six index arrays and ``mask_table`` (never empty: a
+            one-word placeholder when the rule reads none).
+        """
         fields = {field: getattr(self, field) for field in INDEX_FIELDS}
         return SimpleNamespace(**fields, mask_table=self._table_pointer)
 
     def host(self) -> Layout:
-        """The same layout with its arrays on the host (copied once; on CUDA, a sync)."""
+        """The same layout with its arrays on the host (copied once; on CUDA, a sync).
+
+        Returns:
+            Layout: a host Layout equal to this one.
+        """
         if self._host is None:
             perm = None if self.perm is None else host_array(self.perm)
             self._host = Layout(

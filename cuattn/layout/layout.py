@@ -44,7 +44,23 @@ MaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 @dataclass(frozen=True)
 class ElementRule:
-    """The element rule applied inside active blocks that are not fully allowed."""
+    """The element rule applied inside active blocks that are not fully allowed.
+
+    Positions: p = q + n_ctx - n_q is query row q's position (end-aligned), k the key's.
+
+    Args:
+        kind (str): ``"none"`` (every element), ``"causal"`` (k <= p), ``"window"``
+            (``p - k < window_left`` and ``k - p < window_right``) or ``"bitmask"`` (per-block
+            bit tables from ``mask_fn``). Default ``"none"``.
+        window_left (int): the window's bound before the query (kind ``"window"``; default 0).
+        window_right (int): the window's bound after the query (kind ``"window"``; default 0;
+            1 with a causal window).
+        mask_fn (Callable, optional): ``mask_fn(h, q, k) -> bool array`` over broadcast
+            integer arrays (kind ``"bitmask"``, where it is required).
+
+    Raises:
+        ValueError: an unknown ``kind``, or ``"bitmask"`` without ``mask_fn``.
+    """
 
     kind: str = "none"
     window_left: int = 0
@@ -111,7 +127,32 @@ def _unpack_bits(table: np.ndarray, b: int) -> np.ndarray:
 
 
 class Layout:
-    """Block-sparse attention layout. Build with :func:`cuattn.make_layout` or :meth:`from_blocks`.
+    """Block-sparse attention layout: which blocks are computed, and which elements inside.
+
+    Build one with :func:`cuattn.make_layout` (a named pattern) or :meth:`from_blocks` (your own
+    blocks and element rule); the constructor takes the block array and a rule directly. The
+    layout's contract (``allowed``) and what it holds: docs/design.md, section 2, and
+    docs/patterns.md, section "A `Layout`: what it holds, how to look at it".
+
+    Args:
+        blocks (numpy.ndarray): bool or 0/1 [heads, nbq, nb] (or [nbq, nb], one head): query
+            block i of head h sees key block j.
+        blocksize (int): the block size b, positive.
+        n_ctx (int, optional): the keys; None (default) is ``nb * blocksize``.
+        rule (ElementRule, optional): the element rule inside active blocks; None (default):
+            every element of an active block.
+        perm (numpy.ndarray, optional): a permutation of range(n_ctx), the computed token order
+            (square layouts only); None (default): natural order.
+        name (str): the layout's name in its repr (default ``"custom"``).
+        n_q (int, optional): the queries, end-aligned to the keys; None (default) is n_ctx when
+            the block array is square, else ``nbq * blocksize``.
+
+    Raises:
+        TypeError: ``blocks`` neither bool nor numeric; ``blocksize``, ``n_ctx`` or ``n_q`` not
+            an int.
+        ValueError: ``blocks`` not 2-D or 3-D or holding values other than 0 and 1; a size not
+            positive; the block array's shape unlike ``ceil(n / blocksize)`` on an axis;
+            ``perm`` not a permutation of range(n_ctx), or given with n_q != n_ctx.
 
     Attributes (all arrays read-only):
         blocks      bool [heads, nbq, nb], nbq = ceil(n_q / blocksize), nb = ceil(n_ctx / blocksize)
@@ -184,13 +225,37 @@ class Layout:
         n_ctx: int | None = None,
         n_q: int | None = None,
     ) -> Layout:
-        """A user layout: a 0/1 block array [heads, n_q/b, n/b] and an optional element rule.
+        """A user layout: a 0/1 block array and an optional element rule.
 
-        ``mask_fn(h, q, k) -> bool`` is evaluated with NumPy broadcasting (h, q, k are integer
-        arrays) once, at build time, over the active blocks only, into per-block bitmasks;
-        the indices it sees are q < n_q and k < n_ctx (q is the query's row, not shifted by
-        q_offset: add ``n_ctx - n_q`` for its end-aligned position).
         Query q of head h sees key k when ``blocks[h, q//b, k//b] and mask_fn(h, q, k)``.
+
+        Args:
+            blocks (numpy.ndarray): bool or 0/1 [heads, n_q/b, n/b] (or [n_q/b, n/b]).
+            blocksize (int): the block size b.
+            mask_fn (Callable, optional): ``mask_fn(h, q, k) -> bool array``, evaluated with
+                NumPy broadcasting (h, q, k integer arrays) once, at build time, over the
+                active blocks only, into per-block bitmasks; it sees q < n_q and k < n_ctx (q is
+                the query's row: add ``n_ctx - n_q`` for its end-aligned position). None
+                (default): every element of an active block.
+            n_ctx (int, optional): the keys; None (default) is ``n/b * blocksize``.
+            n_q (int, optional): the queries, end-aligned; None (default) as in
+                :class:`Layout`.
+
+        Returns:
+            Layout: the layout, named ``"custom"``.
+
+        Raises:
+            TypeError: ``mask_fn`` not callable, or returning a non-bool array; as
+                :class:`Layout`.
+            ValueError: as :class:`Layout`.
+
+        Example:
+            >>> import numpy as np
+            >>> from cuattn import Layout
+            >>> blocks = np.tril(np.ones((4, 4), dtype=bool))[None]
+            >>> layout = Layout.from_blocks(blocks, 16, lambda h, q, k: k <= q)
+            >>> layout.to_mask().shape
+            (1, 64, 64)
         """
         if mask_fn is not None and not callable(mask_fn):
             raise TypeError(f"mask_fn must be callable(h, q, k) -> bool array, got {mask_fn!r}")
@@ -201,17 +266,41 @@ class Layout:
     def from_block_mask(
         cls, block_mask: Any, heads: int | None = None, blocksize: int | None = None
     ) -> Layout:
-        """FlexAttention's ``BlockMask`` as a Layout: its full and partial blocks, its
-        ``mask_mod`` evaluated once over the partial ones (``heads`` broadcasts a one-head mask;
-        ``blocksize`` defaults to the largest of cuattn's dividing its BLOCK_SIZE). Needs torch:
-        the conversion lives in ``cuattn.adapters.flex``, which documents it."""
+        """FlexAttention's ``BlockMask`` as a Layout.
+
+        Its full and partial blocks, its ``mask_mod`` evaluated once over the partial ones into
+        per-block bitmasks. Needs torch; docs/frameworks.md, section "FlexAttention's
+        BlockMask".
+
+        Args:
+            block_mask (BlockMask): ``torch.nn.attention.flex_attention.BlockMask``, the same for
+                every batch element.
+            heads (int, optional): the heads, to broadcast a one-head mask; None (default): the
+                mask's own.
+            blocksize (int, optional): one of cuattn's block sizes dividing the mask's
+                BLOCK_SIZE; None (default): the largest that does.
+
+        Returns:
+            Layout: the same pattern, for the mask's query and key lengths.
+
+        Raises:
+            TypeError: ``block_mask`` is not a BlockMask.
+            ValueError: no cuattn block size divides its BLOCK_SIZE (or ``blocksize`` does not);
+                the mask differs between batch elements; ``heads`` does not fit its heads.
+        """
         from cuattn.adapters.flex import layout_from_block_mask
 
         return layout_from_block_mask(block_mask, heads, blocksize)
 
     def to_block_mask(self, device: Any = "cpu") -> Any:
-        """This layout as a FlexAttention ``BlockMask`` on ``device`` (torch's), in the caller's
-        natural token order (``cuattn.adapters.flex``)."""
+        """This layout as a FlexAttention ``BlockMask``, in the caller's natural token order.
+
+        Args:
+            device (torch.device | str): where the mask's tensors go (default ``"cpu"``).
+
+        Returns:
+            BlockMask: for ``flex_attention`` (needs torch).
+        """
         from cuattn.adapters.flex import to_block_mask
 
         return to_block_mask(self, device)
@@ -322,7 +411,17 @@ class Layout:
     def block_masks(
         self, h: np.ndarray, i: np.ndarray, j: np.ndarray, mask_id: np.ndarray
     ) -> np.ndarray:
-        """bool [R, b, b] element masks of R active blocks (computed order), k < n_ctx included."""
+        """Element masks of R active blocks, in computed order, the sequence end included.
+
+        Args:
+            h (numpy.ndarray): int [R], each block's head (read by the bitmask rule's ids only).
+            i (numpy.ndarray): int [R], each block's query block.
+            j (numpy.ndarray): int [R], each block's key block.
+            mask_id (numpy.ndarray): int [R], each block's ``row_mask``/``col_mask`` entry.
+
+        Returns:
+            numpy.ndarray: bool [R, b, b].
+        """
         b, kind = self.blocksize, self.rule.kind
         qpos, kpos = positions(np.asarray(i), np.asarray(j), b)
         if kind == "none":
@@ -342,12 +441,20 @@ class Layout:
     def allowed(
         self, h: np.ndarray, q: np.ndarray, k: np.ndarray, natural: bool = True
     ) -> np.ndarray:
-        """Whether query row q of head h sees key k, element-wise over broadcast integer arrays.
+        """Whether query row q of head h sees key k: the layout's whole contract in one call.
 
-        The layout's whole contract in one vectorised call (blocks, element rule, bounds); q and
-        k are in the caller's natural token order unless ``natural=False``. Indices outside
-        [0, n_q) x [0, n_ctx) are not allowed. Used to derive layouts from layouts (end-aligned
-        queries, packed sequences, coarser blocks); costs O(elements asked), so ask in chunks.
+        Blocks, element rule and bounds, element-wise; costs O(elements asked), so ask in
+        chunks.
+
+        Args:
+            h (numpy.ndarray): head indices (any integer array broadcasting with q and k).
+            q (numpy.ndarray): query rows; outside [0, n_q) nothing is allowed.
+            k (numpy.ndarray): key indices; outside [0, n_ctx) nothing is allowed.
+            natural (bool): q and k in the caller's natural token order (default True), or in
+                the computed (permuted) order.
+
+        Returns:
+            numpy.ndarray: bool, the broadcast shape of h, q and k.
         """
         h, q, k = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (h, q, k)))
         inside = (q >= 0) & (q < self.n_q) & (k >= 0) & (k < self.n_ctx) & (h >= 0)
@@ -368,9 +475,21 @@ class Layout:
         return inside & on
 
     def density_at(self, blocksize: int) -> float:
-        """Density of this layout on blocks of ``blocksize`` (a multiple of its own): the share
-        of the coarser blocks that hold an active block. What the kernels walk for a block size
-        they run coarsened (block 8 on 16-blocks), beside ``density`` at the user's size."""
+        """Density of this layout on coarser blocks: the share of them holding an active block.
+
+        What the kernels walk for a block size they run coarsened (block 8 on 16-blocks), beside
+        ``density`` at the layout's own size.
+
+        Args:
+            blocksize (int): the coarser block size, a multiple of the layout's.
+
+        Returns:
+            float: in [0, 1].
+
+        Raises:
+            TypeError: ``blocksize`` is not an int.
+            ValueError: ``blocksize`` is not positive or not a multiple of the layout's.
+        """
         check_positive_int("blocksize", blocksize)
         if blocksize % self.blocksize:
             raise ValueError(f"blocksize: {blocksize} is not a multiple of {self.blocksize}")
@@ -382,13 +501,25 @@ class Layout:
         return float(coarse.sum()) / coarse.size
 
     def row_entries(self, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(query block, key block, mask id) of every active block of head ``h``, CSR order."""
+        """Every active block of one head, in CSR order.
+
+        Args:
+            h (int): the head.
+
+        Returns:
+            tuple: ``(query_block, key_block, mask_id)``, three int arrays [nnz[h]] (mask_id as
+            ``row_mask``: -1 for a full block).
+        """
         lo, hi = self.row_ptr[h, 0], self.row_ptr[h, -1]
         rows = np.repeat(np.arange(self.num_q_blocks), np.diff(self.row_ptr[h]))
         return rows, self.col_idx[lo:hi], self.row_mask[lo:hi]
 
     def to_mask(self) -> np.ndarray:
-        """bool [heads, n_q, n_ctx] element mask in the caller's natural token order (small n)."""
+        """The dense element mask, in the caller's natural token order (for small lengths).
+
+        Returns:
+            numpy.ndarray: bool [heads, n_q, n_ctx].
+        """
         b, nb, nbq = self.blocksize, self.num_blocks, self.num_q_blocks
         full = np.zeros((self.heads, nbq * b, nb * b), dtype=bool)
         for h in range(self.heads):
@@ -420,10 +551,20 @@ class Layout:
     ) -> str:
         """ASCII block picture per head: '█' full block, '░' partial, '·' off.
 
-        In the caller's natural token order by default; a permuted layout (strided in its
-        transposed form) says so, and ``natural=False`` draws the blocks as computed. When there
-        are more blocks than ``max_width`` a character stands for a group of blocks: '█' all of
-        them full, '░' any active. ``heads`` draws only those heads (default: every head).
+        Args:
+            max_width (int): the most characters per row (default 64); with more blocks a
+                character stands for a group of them: '█' all full, '░' any active.
+            natural (bool): draw in the caller's natural token order (default True); False
+                draws a permuted layout's blocks as computed.
+            heads (Sequence[int], optional): the heads to draw; None (default): every head.
+
+        Returns:
+            str: a title line for a permuted layout, then per head a ``head h`` line and one
+            line per row of blocks.
+
+        Raises:
+            TypeError: a head index is not an int.
+            ValueError: a head out of range; ``max_width`` < 1.
         """
         shown = range(self.heads) if heads is None else list(heads)
         for h in shown:

@@ -44,9 +44,32 @@ def _plain(name: str, value: object) -> object:
 class Pattern:
     """A registered pattern (``cuattn.MODES``) with its options and no length.
 
-    ``Pattern(mode, heads, blocksize=32, **options)``: options are make_layout's keyword
-    arguments (local_attn_ctx, num_verts, vertsize, causal, pattern-specific ones) except
-    ``n_ctx`` and ``n_q``, which come from each call's q and k.
+    :func:`cuattn.sparse_attention` builds its Layout for each call's lengths
+    (:meth:`layout`, cached by make_layout), so a compiled torch graph keeps the length dynamic.
+    A plain, hashable value: ``key`` is its canonical text (a Python literal, what a torch
+    custom op takes) and :meth:`from_key` its inverse. The arguments are checked here: names,
+    kinds, and every value a trial build on one block can judge.
+
+    Args:
+        mode (str): a registered pattern name (``cuattn.MODES``).
+        heads (int): the query heads.
+        blocksize (int): the block size (default 32).
+        **options: make_layout's keyword arguments (``local_attn_ctx``, ``num_verts``,
+            ``vertsize``, ``causal``, pattern-specific ones) except ``n_ctx`` and ``n_q``,
+            which come from each call's q and k; bools, ints, floats, strings, None or lists of
+            them.
+
+    Raises:
+        TypeError: ``n_ctx`` or ``n_q`` given; ``heads`` or ``blocksize`` not an int; an option
+            of another type, or one the mode does not take.
+        ValueError: an unknown mode; ``heads`` or ``blocksize`` not positive; an option value
+            the pattern refuses (a non-finite float, a window out of range, ...).
+
+    Example:
+        >>> import cuattn
+        >>> p = cuattn.Pattern("local", heads=4, blocksize=32, local_attn_ctx=64)
+        >>> p.layout(128, 256).n_q, p.layout(128, 256).n_ctx
+        (128, 256)
     """
 
     mode: str
@@ -83,15 +106,43 @@ class Pattern:
 
     @property
     def options(self) -> dict[str, object]:
+        """The pattern's options, as given (lists as tuples)."""
         return dict(ast.literal_eval(self.key)[3])
 
     @classmethod
     def from_key(cls, key: str) -> Pattern:
+        """The Pattern whose ``key`` this is (the inverse of ``Pattern(...).key``).
+
+        Args:
+            key (str): a Pattern's ``key``.
+
+        Returns:
+            Pattern: equal to the one the key came from.
+
+        Raises:
+            SyntaxError: ``key`` is not Python.
+            ValueError: ``key`` is Python but not a literal; arguments :class:`Pattern`
+                refuses.
+            TypeError: a literal not of a key's form (mode, heads, blocksize, options); as
+                :class:`Pattern`.
+        """
         mode, heads, blocksize, options = ast.literal_eval(key)
         return cls(mode, heads, blocksize, **dict(options))
 
     def layout(self, n_q: int, n_k: int) -> Layout:
-        """The Layout of this pattern for n_q queries and n_k keys (cached by make_layout)."""
+        """The Layout of this pattern for one call's lengths (cached by make_layout).
+
+        Args:
+            n_q (int): the queries, end-aligned to the keys.
+            n_k (int): the keys.
+
+        Returns:
+            Layout: ``make_layout(mode, n_k, heads, blocksize, n_q=n_q, **options)``.
+
+        Raises:
+            TypeError: as :func:`cuattn.make_layout`.
+            ValueError: as :func:`cuattn.make_layout` (a length the pattern cannot serve).
+        """
         return make_layout(self.mode, n_k, self.heads, self.blocksize, n_q=n_q, **self.options)
 
     def __repr__(self) -> str:

@@ -160,13 +160,45 @@ def make_layout(
 ) -> Layout:
     """Build (or fetch from the cache) the layout of a named pattern.
 
-    attn_mode: a registered pattern (``modes()``: ``all``, ``local``, ``strided``, ``fixed``,
-    ``longformer``, ``bigbird``, ``variable``); see each ``*_layout`` constructor for its element
-    rule and parameters.
-    ``causal=False`` gives the bidirectional variant. ``n_q`` (default ``n_ctx``) builds the
-    layout of n_q queries against n_ctx keys, aligned at the end (query i is position
-    i + n_ctx - n_q of the pattern: cross-attention, chunked prefill; ``to_mask()`` is then
-    [heads, n_q, n_ctx]). Layouts are cached by their arguments.
+    Each pattern's element rule and parameters: docs/patterns.md, section "The named patterns".
+    Layouts are cached by their arguments.
+
+    Args:
+        attn_mode (str): a registered pattern (``cuattn.MODES``: ``all``, ``local``,
+            ``strided``, ``fixed``, ``window``, ``longformer``, ``bigbird``, ``variable``,
+            ``document``, and any registered since).
+        n_ctx (int): the keys (the sequence length for self-attention).
+        heads (int): the query heads.
+        blocksize (int): the block size (default 32).
+        local_attn_ctx (int, optional): the window (``local``, ``longformer``), stride
+            (``strided``) or group size (``fixed``, a multiple of blocksize); modes without one
+            ignore it, as the original's do.
+        num_verts (int, optional): ``fixed`` only: the summary-column chunks heads cycle over.
+        vertsize (int, optional): ``fixed`` only: the blocks per summary-column chunk.
+        causal (bool): True (default): keys after the query's position are masked; False: the
+            bidirectional variant.
+        n_q (int, optional): the queries, aligned to the end of the keys (query i is position
+            ``i + n_ctx - n_q``: cross-attention, chunked prefill; ``to_mask()`` is then
+            [heads, n_q, n_ctx]); None (default) is n_ctx.
+        **pattern_args: the pattern's own arguments (e.g. ``window_left``, ``global_tokens``,
+            ``num_random_blocks``, ``seed``, ``doc_lengths``, ``transpose``).
+
+    Returns:
+        Layout: the pattern's layout for n_q queries and n_ctx keys.
+
+    Raises:
+        TypeError: a size not an int; ``causal`` not a bool; an argument the mode does not take
+            (the message lists those it does, and the closest name).
+        ValueError: an unknown ``attn_mode``; a size not positive; ``num_verts``/``vertsize``
+            with a mode other than ``fixed``; a value the pattern refuses (a missing
+            ``local_attn_ctx``, a group not a multiple of blocksize, ...).
+
+    Example:
+        >>> import cuattn
+        >>> layout = cuattn.make_layout("local", n_ctx=1024, heads=4, blocksize=64,
+        ...                             local_attn_ctx=256, n_q=256)
+        >>> layout.n_q, layout.n_ctx, layout.heads
+        (256, 1024, 4)
     """
     check_positive_int("n_ctx", n_ctx)
     if n_q is not None:

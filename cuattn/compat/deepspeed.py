@@ -27,7 +27,9 @@ DeepSpeed: docs/frameworks.md, section "Replacing DeepSpeed sparse attention".
 from __future__ import annotations
 
 import hashlib
+import inspect
 import random
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -210,29 +212,40 @@ class SparsityConfig:
         )
 
 
+# The base class's arguments, as every subclass's docstring repeats them for help().
+# (No docstrings under python -OO: then nothing to repeat.)
+_COMMON_ARGS = textwrap.dedent(
+    inspect.cleandoc(SparsityConfig.__doc__ or "").partition("Args:\n")[2]
+).strip()
+
+
+def _with_common_args(cls: type) -> type:
+    """``cls`` with its docstring's ``{common_args}`` line replaced by SparsityConfig's three."""
+    cls.__doc__ = (cls.__doc__ or "").replace(
+        "{common_args}", _COMMON_ARGS.replace("\n", "\n        ")
+    )
+    return cls
+
+
+@_with_common_args
 class DenseSparsityConfig(SparsityConfig):
     """Every block (dense attention in block form).
 
     Args:
-        num_heads (int): the attention heads.
-        block (int): the block size (default 16).
-        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
-            rather than head 0's for all (default False).
+        {common_args}
     """
 
     def _head_blocks(self, h: int, nb: int) -> np.ndarray:
         return np.ones((nb, nb), dtype=bool)
 
 
+@_with_common_args
 class FixedSparsityConfig(SparsityConfig):
     """Sparse Transformer's 'fixed' pattern as DeepSpeed customises it (docs/frameworks.md,
     section "The sparsity configs' rules").
 
     Args:
-        num_heads (int): the attention heads.
-        block (int): the block size (default 16).
-        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
-            rather than head 0's for all (default False).
+        {common_args}
         num_local_blocks (int): blocks per local window (default 4).
         num_global_blocks (int): global blocks per window, dividing num_local_blocks (default 1).
         attention (str): ``"bidirectional"`` (default) or ``"unidirectional"`` (causal).
@@ -303,15 +316,13 @@ class FixedSparsityConfig(SparsityConfig):
         )
 
 
+@_with_common_args
 class VariableSparsityConfig(SparsityConfig):
     """Random blocks, variable local windows and chosen global blocks (docs/frameworks.md,
     section "The sparsity configs' rules").
 
     Args:
-        num_heads (int): the attention heads.
-        block (int): the block size (default 16).
-        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
-            rather than head 0's for all (default False).
+        {common_args}
         num_random_blocks (int): random columns per row (default 0).
         local_window_blocks (Sequence[int]): window sizes in blocks, in turn, the last repeated
             (default (4,)).
@@ -374,15 +385,13 @@ class VariableSparsityConfig(SparsityConfig):
         )
 
 
+@_with_common_args
 class BigBirdSparsityConfig(SparsityConfig):
     """BigBird: random, sliding-window and leading global blocks (docs/frameworks.md, section
     "The sparsity configs' rules").
 
     Args:
-        num_heads (int): the attention heads.
-        block (int): the block size (default 16).
-        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
-            rather than head 0's for all (default False).
+        {common_args}
         num_random_blocks (int): random columns per row (default 1).
         num_sliding_window_blocks (int): the window's width in blocks (default 3).
         num_global_blocks (int): the leading global rows and columns (default 1).
@@ -425,15 +434,13 @@ class BigBirdSparsityConfig(SparsityConfig):
         )
 
 
+@_with_common_args
 class BSLongformerSparsityConfig(SparsityConfig):
     """Block-sparse Longformer: sliding window and global blocks (docs/frameworks.md, section
     "The sparsity configs' rules").
 
     Args:
-        num_heads (int): the attention heads.
-        block (int): the block size (default 16).
-        different_layout_per_head (bool): a layout per head (random blocks drawn per head)
-            rather than head 0's for all (default False).
+        {common_args}
         num_sliding_window_blocks (int): the window's width in blocks (default 3).
         global_block_indices (Sequence[int]): global blocks (default (0,)), or the starts of
             global ranges with ``global_block_end_indices``.

@@ -17,7 +17,6 @@ transformers", and docs/serving.md, section "In Hugging Face generate".
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,8 +57,8 @@ LAYER_KEYS = {
     "n_q": "each call's queries give the length",
 }
 
-# Parsed config specs, by their text: the deprecation warning is given once per spec and the
-# parse is not repeated for every layer of every forward.
+# Parsed config specs, by their text: the parse is not repeated for every layer of every
+# forward.
 _SPECS: dict[str, tuple[str, int, dict[str, Any]]] = {}
 
 
@@ -79,19 +78,10 @@ def _spec(config: Any) -> tuple[str, int, dict[str, Any]]:
         return mode, blocksize, dict(options)
     spec = dict(raw)
     if "mode" in spec:
-        if "attn_mode" in spec:
-            raise ValueError(
-                f"config.{CONFIG_ATTRIBUTE} names its pattern twice, attn_mode="
-                f"{spec['attn_mode']!r} and mode={spec['mode']!r}; give only 'attn_mode'"
-            )
-        # 'mode' was this adapter's own key before it spoke make_layout's vocabulary.
-        warnings.warn(
-            f"config.{CONFIG_ATTRIBUTE}['mode'] is deprecated: name the pattern with "
-            "'attn_mode', as make_layout does",
-            DeprecationWarning,
-            stacklevel=3,
+        raise ValueError(
+            f"config.{CONFIG_ATTRIBUTE} names its pattern with 'attn_mode', as make_layout "
+            f"does, not 'mode': got {raw!r}"
         )
-        spec["attn_mode"] = spec.pop("mode")
     if "attn_mode" not in spec:
         raise ValueError(
             f"config.{CONFIG_ATTRIBUTE} must name its pattern with 'attn_mode' (one of "

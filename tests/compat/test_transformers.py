@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -368,11 +367,7 @@ def test_the_config_pattern_speaks_make_layouts_vocabulary_and_is_checked_before
     _, ours = _pair("llama")
     ids = _ids(14, batch=1, n=24)
     ours.config.cuattn_pattern = {"attn_mode": "local", "blocksize": 16, "local_attn_ctx": 8}
-    want = _out(ours, ids)
-    # 'mode', this adapter's key before, still works and says it is deprecated
-    ours.config.cuattn_pattern = {"mode": "local", "blocksize": 16, "local_attn_ctx": 8}
-    with pytest.warns(DeprecationWarning, match="'attn_mode'"):
-        assert torch.equal(_out(ours, ids), want)
+    _out(ours, ids)
 
     bad = {
         "layer key causal": ({"attn_mode": "all", "causal": False}, ValueError, "'causal'"),
@@ -380,7 +375,8 @@ def test_the_config_pattern_speaks_make_layouts_vocabulary_and_is_checked_before
         "layer key n_ctx": ({"attn_mode": "all", "n_ctx": 64}, ValueError, "'n_ctx'"),
         "layer key n_q": ({"attn_mode": "all", "n_q": 64}, ValueError, "'n_q'"),
         "no mode": ({"blocksize": 16}, ValueError, "with 'attn_mode'"),
-        "both names": ({"attn_mode": "all", "mode": "all"}, ValueError, "twice"),
+        "mode": ({"mode": "local", "local_attn_ctx": 8}, ValueError, "not 'mode'"),
+        "both names": ({"attn_mode": "all", "mode": "all"}, ValueError, "not 'mode'"),
         "unknown mode": ({"attn_mode": "nope"}, ValueError, r"\['attn_mode'\] must be one of"),
         "unknown option": ({"attn_mode": "local", "local_ctx": 8}, TypeError, "local_attn_ctx"),
         "heads": (
@@ -395,13 +391,10 @@ def test_the_config_pattern_speaks_make_layouts_vocabulary_and_is_checked_before
     layer.register_forward_pre_hook(lambda *args: calls.append(1))
     for case, (spec, error, message) in bad.items():
         ours.config.cuattn_pattern = spec
-        with pytest.raises(error, match=message), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(error, match=message):
             hf.check_config(ours.config)  # at once, for a caller who asks
         with pytest.raises(error, match=message):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                ours(ids)  # at the first forward: transformers' mask step, before any layer
+            ours(ids)  # at the first forward: transformers' mask step, before any layer
         assert not calls, case
 
 

@@ -162,30 +162,45 @@ def forward(
 
 
 def _batched_operands(operands: ScoreOperands, q: Any) -> tuple[tuple, tuple]:
-    """(the operands given, batch axis first; which of those were broadcast to it): ALiBi's
-    [heads] slopes become [batch, heads] and a table [heads, 2 M + 1] becomes [batch, heads,
-    2 M + 1]; a key bias has its batch axis already; a 64-bit seed becomes its two 32-bit words
-    (the low first, as the kernels read them), with no batch axis."""
+    """(the operands given, batch axis first; for each, how its gradient comes back to the
+    operand's own shape, or None): ALiBi's [heads] slopes become [batch, heads], a table [heads,
+    2 M + 1] becomes [batch, heads, 2 M + 1] and a score bias [batch, heads, time_q, time_k]
+    with its batch axis as q's (its other broadcast axes stay 1, read at stride 0), their
+    gradients summed over the batch they were broadcast along; a key bias has its batch axis
+    already; a 64-bit seed becomes its two 32-bit words (the low first, as the kernels read
+    them), with no batch axis."""
     import jax
     import jax.numpy as jnp
 
+    batch = q.shape[0]
+    batched, restore = operands, dict.fromkeys(operands.named())
+
+    def sum_batch(g: Any) -> Any:
+        return g.sum(axis=0)
+
     alibi_slopes, rel_bias = operands.alibi_slopes, operands.rel_bias
-    seed_words = operands.dropout_seed
-    widen = {
-        "alibi_slopes": alibi_slopes is not None and alibi_slopes.ndim == 1,
-        "rel_bias": rel_bias is not None and rel_bias.ndim == 2,
-    }
-    batched = operands
-    if widen["alibi_slopes"]:
+    if alibi_slopes is not None and alibi_slopes.ndim == 1:
         batched = replace(batched, alibi_slopes=jnp.broadcast_to(alibi_slopes, q.shape[:2]))
-    if widen["rel_bias"]:
-        table = jnp.broadcast_to(rel_bias, (q.shape[0], *rel_bias.shape))
-        batched = replace(batched, rel_bias=table)
+        restore["alibi_slopes"] = sum_batch
+    if rel_bias is not None and rel_bias.ndim == 2:
+        batched = replace(batched, rel_bias=jnp.broadcast_to(rel_bias, (batch, *rel_bias.shape)))
+        restore["rel_bias"] = sum_batch
+    score_bias = operands.score_bias
+    if score_bias is not None:
+        shape = tuple(score_bias.shape)
+        full = (1,) * (4 - len(shape)) + shape
+        widened = jnp.broadcast_to(score_bias.reshape(full), (batch, *full[1:]))
+        batched = replace(batched, score_bias=widened)
+
+        def unbroadcast(g: Any) -> Any:
+            return (g.sum(axis=0, keepdims=True) if full[0] == 1 else g).reshape(shape)
+
+        restore["score_bias"] = unbroadcast
+    seed_words = operands.dropout_seed
     if seed_words is not None and seed_words.dtype.itemsize == 8:  # one 64-bit value
         words = jax.lax.bitcast_convert_type(seed_words.reshape(()), jnp.uint32)
         batched = replace(batched, dropout_seed=words)
-    widened = tuple(widen.get(name, False) for name in batched.named())
-    return batched.present, widened
+    return batched.present, tuple(restore[name] for name in batched.named())
 
 
 def backward(
@@ -204,7 +219,7 @@ def backward(
     follow, each like its operand (None for a seed)."""
     backend = backend_for(compute_capability)
     layout = call.layout
-    present, widened = _batched_operands(call.operands, q)
+    present, restore = _batched_operands(call.operands, q)
     seeded = call.mods.seed_words
     bare = call.without_operands()
 
@@ -216,5 +231,5 @@ def backward(
 
     grads = folding_vmap(run, seeded)(q, k, v, out, lse, dout, dlse, *present)
     # an operand that went in broadcast along the batch has its gradient per batch: summed
-    summed = (g.sum(axis=0) if b else g for g, b in zip(grads[3:], widened, strict=False))
-    return (*grads[:3], *summed, *((None,) if seeded else ()))
+    restored = (r(g) if r else g for g, r in zip(grads[3:], restore, strict=False))
+    return (*grads[:3], *restored, *((None,) if seeded else ()))

@@ -785,18 +785,24 @@ class KernelBackend:
                 f"{geometry.SCORE_BIAS_ENV}={geometry.DECODE_FP8_KERNEL_FAMILY} to run it, or "
                 "compute the call on CPU arrays"
             )
+        first, strides = self._score_bias_operand(bias)
         padded = (1,) * (4 - bias.ndim) + tuple(bias.shape)
-        strides = (0,) * (4 - bias.ndim) + tuple(bias.strides)
-        itemsize = bias.dtype.itemsize
+        strides = (0,) * (4 - bias.ndim) + strides
         kind = "float32" if bias.dtype == self.xp.float32 else "narrow"
         return {
-            "score_bias": bias[(slice(0, 1),) * bias.ndim],
+            "score_bias": first,
             "use_score_bias": geometry.SCORE_BIAS_KINDS[kind],
             **{
-                name: (stride // itemsize if size > 1 else 0)
+                name: (stride if size > 1 else 0)
                 for name, stride, size in zip(_SCORE_BIAS_STRIDES, strides, padded, strict=True)
             },
         }
+
+    def _score_bias_operand(self, bias: Any) -> tuple[Any, tuple[int, ...]]:
+        """(what the kernels take for the bias: a one-element view of its first element,
+        nothing copied; its element strides)."""
+        strides = tuple(stride // bias.dtype.itemsize for stride in bias.strides)
+        return bias[(slice(0, 1),) * bias.ndim], strides
 
     def _rel_bias_values(self, table: Any | None) -> dict[str, Any]:
         """The kernels' relative-position arguments: the table (contiguous float32 [heads,
@@ -1018,8 +1024,8 @@ class KernelBackend:
         if rel_bias is not None:
             grads += (self._rel_bias_gradient(rel_rows, rel_bias.ndim),)
         if score_bias is not None:
-            planes = key_rows[:, :, None, :] if by_key else score_planes
-            grads += (self._score_bias_gradient(planes, score_bias),)
+            rows = key_rows if by_key else score_planes
+            grads += (self._score_bias_gradient(rows, by_key, score_bias),)
         if dropout_seed is not None:
             grads += (None,)  # a seed has no gradient
         return grads
@@ -1031,10 +1037,12 @@ class KernelBackend:
         summed = rows.sum(axis=2)
         return summed if table_ndim == 3 else summed.sum(axis=0)
 
-    def _score_bias_gradient(self, planes: Any, bias: Any) -> Any:
-        """The dense score bias's gradient from dS [batch, heads, n_q or 1, n_k] (float32):
-        summed over the axes the bias broadcasts (in a fixed order, float32), shaped and typed
-        like the bias."""
+    def _score_bias_gradient(self, rows: Any, by_key: bool, bias: Any) -> Any:
+        """The dense score bias's gradient from dS [batch, heads, n_q, n_k] (float32), or, for
+        a bias broadcast over the queries (``by_key``), from the dK/dV pass's sums over the
+        queries [batch, heads, n_k]: summed over the axes the bias broadcasts (in a fixed order,
+        float32), shaped and typed like the bias."""
+        planes = rows[:, :, None, :] if by_key else rows
         padded = (1,) * (4 - bias.ndim) + tuple(bias.shape)
         axes = tuple(a for a, d in enumerate(padded) if d == 1 and planes.shape[a] != 1)
         summed = planes.sum(axis=axes, keepdims=True) if axes else planes

@@ -408,6 +408,7 @@ class XlaBackend(KernelBackend):
 
     name = "xla"
     array_kind = "jax arrays"
+    on_gpu = True  # staged for a CUDA device: GPU-only kernel variants stay opt-in here too
 
     def __init__(self, compute_capability: int) -> None:
         ptx_arch_option(compute_capability)  # validates
@@ -504,12 +505,10 @@ class XlaBackend(KernelBackend):
         return call(*operands, opaque=opaque)
 
     def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
-        _refuse_score_bias(call)
         out, lse = super().forward(q, k, v, call)
         return out.get(), lse.get()
 
     def backward(self, q, k, v, out, lse, dout, dlse, call):
-        _refuse_score_bias(call)
         grads = super().backward(q, k, v, out, lse, dout, dlse, call)
         return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
 
@@ -523,21 +522,19 @@ class XlaBackend(KernelBackend):
     def _rel_bias_gradient(self, rows: Any, table_ndim: int) -> Any:
         return super()._rel_bias_gradient(rows.get(), table_ndim)
 
+    def _score_bias_operand(self, bias: Any) -> tuple[Any, tuple[int, ...]]:
+        # a jit operand is its own contiguous buffer: the whole of it, read at its shape's
+        # row-major strides (0 along a broadcast axis: _score_bias_values)
+        return bias, contiguous_strides(tuple(bias.shape), 1)
+
+    def _score_bias_gradient(self, rows: Any, by_key: bool, bias: Any) -> Any:
+        return super()._score_bias_gradient(rows.get(), by_key, bias)
+
     def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         raise NotImplementedError("merge_attention_states is not staged into jax programs yet")
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("paged decode is not staged into jax programs yet")
-
-
-def _refuse_score_bias(call: AttentionCall) -> None:
-    """A dense score bias is read at its own strides (broadcast axes 0), which an XLA buffer does
-    not carry, and its gradient is reduced on the host: not staged into jax programs yet."""
-    if call.operands.score_bias is not None:
-        raise ValueError(
-            "score_bias: a jax program jitted for a CUDA GPU does not take a dense score bias "
-            "yet; call sparse_attention outside jax.jit there, or on CPU arrays"
-        )
 
 
 @functools.cache

@@ -532,10 +532,15 @@ def test_ptx_assembles_for_the_handlers_target(tmp_path):
         assert f"Compiling entry function '{call.kernel_name}' for 'sm_90a'" in result.stderr
 
 
+# The outputs KernelBackend asks as zeroed_output (a launch writes only part of them).
+ZEROED_OUTPUTS = {"rel_bias_grad", "score_bias_grad", "work_counter", "dq_accum", "semaphores"}
+
+
 class _Interpreted(xla.XlaBackend):
     """The staged program run on the CPU: each launch, instead of the custom call, is a host
     callback that decodes the launch's protobuf and runs the kernel interpreter with the
-    decoded scalars on the operands in order, outputs poisoned with NaN first, and returns the
+    decoded scalars on the operands in order, outputs poisoned with NaN first (those the program
+    zeroes checked to be 0 instead), and returns the
     aliased operands as the call's results: the staging (operand order, aliasing, the scalars
     baked into the protobuf, token order, vmap folding) checked by value without a GPU."""
 
@@ -549,10 +554,15 @@ class _Interpreted(xla.XlaBackend):
         self.staged.append(config.kernel)
         written = sorted(aliases, key=aliases.get)  # the operand behind each result
 
+        names = [name for name, kind in config.args if kind == "ptr"]
+
         def host(*arrays):
             arrays = [np.array(a) for a in arrays]
             for i in written:
-                arrays[i][...] = np.nan
+                if names[i] in ZEROED_OUTPUTS:  # the launch writes part: the rest must be 0
+                    assert not arrays[i].any(), names[i]
+                else:
+                    arrays[i][...] = np.nan
             pointers = iter(arrays)
             values = {
                 name: next(pointers) if kind == "ptr" else value
@@ -680,6 +690,57 @@ def test_staged_bias_program_runs_on_the_kernel_interpreter(monkeypatch, per_bat
     np.testing.assert_allclose(np.asarray(grads[3]), want[3], rtol=1e-6, atol=0)
     assert grads[4].shape == key_bias.shape and np.array_equal(np.asarray(grads[4]), want[4])
     assert np.array_equal(np.asarray(mapped[0]), want_out)
+
+
+@needs_nvrtc
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel interpreter needs g++")
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((2, 64, 64), np.float32), ((2, 1, 1, 64), np.float32), ((64, 64), jnp.bfloat16)],
+    ids=["per head", "by key per batch", "one plane bf16"],
+)
+def test_staged_score_bias_program_runs_on_the_kernel_interpreter(monkeypatch, shape, dtype):
+    """A dense score bias crosses the staged program as an operand with its batch axis as q's
+    (its other broadcast axes read at stride 0); its gradient comes back summed over what it
+    broadcasts, shaped like it: bit for bit the eager interpreter's out and dq, dk, dv, the
+    bias's gradient within float32 summation order; a vmap folds it with the batch. Without
+    the opt-in it is refused by name, as on the eager CUDA path (it has not run on a GPU)."""
+    backend, layout, (q, k, v) = _interpreted_modifier_case(monkeypatch)
+    head_dim = 32
+    rng = np.random.default_rng(6)
+    bias = jnp.asarray(rng.standard_normal(shape), dtype)
+    weight = rng.standard_normal(q.shape[1:]).astype(np.float32)
+    scale = head_dim**-0.5
+
+    def f(q, k, v, bias):
+        return cuattn.sparse_attention(q, k, v, layout, score_bias=bias)
+
+    def loss(q, k, v, bias):
+        return (f(q, k, v, bias).astype(jnp.float32) * weight).sum()
+
+    with jax_xla.lowering_for_cuda(CC):
+        with pytest.raises(ValueError, match="score_bias: .* not run on a GPU"):
+            jax.jit(f)(q[0], k[0], v[0], bias)
+        monkeypatch.setenv(geometry.SCORE_BIAS_ENV, geometry.DECODE_FP8_KERNEL_FAMILY)
+        out = jax.jit(f)(q[0], k[0], v[0], bias)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q[0], k[0], v[0], bias)
+        mapped = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None)))(q, k, v, bias)
+    host = [np.asarray(x) for x in (q[0], k[0], v[0])]
+    call = AttentionCall(layout, scale, backend="interp")
+    call = call.with_operands(ScoreOperands(score_bias=np.asarray(bias)))
+    want_out, want_lse = backends.forward(*host, call)
+    want = backends.backward(*host, want_out, want_lse, weight.astype(want_out.dtype), None, call)
+    assert np.array_equal(np.asarray(out), want_out)
+    for name, got, expected in zip("qkv", grads[:3], want[:3], strict=True):
+        assert np.array_equal(np.asarray(got), expected), name
+    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    tol = 1e-6 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(
+        np.asarray(grads[3], np.float32), np.asarray(want[3], np.float32), rtol=tol, atol=tol
+    )
+    assert np.array_equal(np.asarray(mapped[0]), want_out)
+    second = backends.forward(*(np.asarray(x[1]) for x in (q, k, v)), call)
+    assert np.array_equal(np.asarray(mapped[1]), second[0])
 
 
 @needs_nvrtc

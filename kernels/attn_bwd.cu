@@ -106,19 +106,6 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, size_t index,
   return value == -INFINITY ? INFINITY : value * LOG2E;
 }
 
-// Columns (queries) >= valid of a warp's [16 x TILE_Q] tile set to 0.
-template <int TILE_Q>
-__device__ __forceinline__ void zero_columns_past(float (&tile)[TILE_Q / 8][4],
-                                                  const AccLayout& frag, int valid) {
-#pragma unroll
-  for (int j = 0; j < TILE_Q / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (frag.col(j, e) >= valid) tile[j][e] = 0.f;
-    }
-  }
-}
-
 // delta[row] = sum_d dout[row, d] * out[row, d] - dlse[row], one warp per row. dlse (like lse)
 // is the gradient reaching the lse output: d lse / d s = P, so it enters dS = P * (dP - delta)
 // through delta alone. use_dlse = 0 when nothing reached the lse (dlse is then not read).

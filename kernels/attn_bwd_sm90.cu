@@ -167,19 +167,6 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
   return row * SWIZZLE_ROW_BYTES + chunk * SWIZZLE_CHUNK_BYTES + byte % SWIZZLE_CHUNK_BYTES;
 }
 
-// Columns (queries) >= valid of a [16 x TILE_Q] accumulator tile set to 0.
-template <int TILE_Q>
-__device__ __forceinline__ void zero_queries_past(float (&tile)[TILE_Q / 8][4],
-                                                  const AccLayout& frag, int valid) {
-#pragma unroll
-  for (int j = 0; j < TILE_Q / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (frag.col(j, e) >= valid) tile[j][e] = 0.f;
-    }
-  }
-}
-
 template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -355,26 +342,21 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   // S^T = K Q^T and dP^T = V dO^T of stage `stage`, one commit group each.
   auto issue_scores = [&](int stage) {
     const unsigned stage_bytes = unsigned(stage * Traits::Q_BYTES);
+    // acc = A B^T over the head dim: A (K or V) from its panels, B (Q or dO) from the stage's.
+    auto panels_gemm = [&](float(&acc)[TILE_Q / 2], u64 a_desc, u64 b_desc) {
 #pragma unroll
-    for (int step = 0; step < Traits::S_STEPS; ++step) {
-      const int panel = step / Traits::STEPS_PER_PANEL;
-      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::S_STEP_BYTES;
-      const unsigned kv_offset = unsigned(panel * Traits::KV_PANEL_BYTES + within);
-      const unsigned q_offset_bytes = stage_bytes + unsigned(panel * Traits::Q_PANEL_BYTES + within);
-      wgmma_m64k16<T, TILE_Q>(s_acc, descriptor_advance(k_desc, kv_offset),
-                              descriptor_advance(q_desc, q_offset_bytes), step > 0);
-    }
-    wgmma_commit_group();
-#pragma unroll
-    for (int step = 0; step < Traits::S_STEPS; ++step) {
-      const int panel = step / Traits::STEPS_PER_PANEL;
-      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::S_STEP_BYTES;
-      const unsigned kv_offset = unsigned(panel * Traits::KV_PANEL_BYTES + within);
-      const unsigned do_offset = stage_bytes + unsigned(panel * Traits::Q_PANEL_BYTES + within);
-      wgmma_m64k16<T, TILE_Q>(dp_acc, descriptor_advance(v_desc, kv_offset),
-                              descriptor_advance(do_desc, do_offset), step > 0);
-    }
-    wgmma_commit_group();
+      for (int step = 0; step < Traits::S_STEPS; ++step) {
+        const int panel = step / Traits::STEPS_PER_PANEL;
+        const int within = (step % Traits::STEPS_PER_PANEL) * Traits::S_STEP_BYTES;
+        const unsigned kv_offset = unsigned(panel * Traits::KV_PANEL_BYTES + within);
+        const unsigned stage_offset = stage_bytes + unsigned(panel * Traits::Q_PANEL_BYTES + within);
+        wgmma_m64k16<T, TILE_Q>(acc, descriptor_advance(a_desc, kv_offset),
+                                descriptor_advance(b_desc, stage_offset), step > 0);
+      }
+      wgmma_commit_group();
+    };
+    panels_gemm(s_acc, k_desc, q_desc);
+    panels_gemm(dp_acc, v_desc, do_desc);
   };
   // dV += P^T dO and dK += dS^T Q of stage `stage`, one commit group.
   auto issue_dkdv = [&](int stage) {
@@ -474,7 +456,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         }
         // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
         // is 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
-        if (ragged) zero_queries_past<TILE_Q>(s, frag, n_q - q_start);
+        if (ragged) zero_columns_past<TILE_Q>(s, frag, n_q - q_start);
         wgmma_wait_group<0>();
         wgmma_fence_operands(dp_acc);
 #pragma unroll
@@ -484,7 +466,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
             dp[j][e] = s[j][e] * (dp[j][e] - delta_smem[frag.col(j, e)]);
           }
         }
-        if (ragged) zero_queries_past<TILE_Q>(dp, frag, n_q - q_start);
+        if (ragged) zero_columns_past<TILE_Q>(dp, frag, n_q - q_start);
         // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
 #pragma unroll
         for (int step = 0; step < Traits::DKV_STEPS; ++step) {

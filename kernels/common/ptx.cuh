@@ -103,6 +103,20 @@ struct AccLayout {
   __device__ __forceinline__ int pair_col(int j) const { return 8 * j + 2 * t; }
 };
 
+// Columns >= valid of a warp's [16 x COLS] accumulator tile set to 0 (the queries or keys past
+// a ragged tile's end).
+template <int COLS>
+__device__ __forceinline__ void zero_columns_past(float (&tile)[COLS / 8][4],
+                                                  const AccLayout& frag, int valid) {
+#pragma unroll
+  for (int j = 0; j < COLS / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (frag.col(j, e) >= valid) tile[j][e] = 0.f;
+    }
+  }
+}
+
 #ifdef CUATTN_INTERP
 namespace cuattn_interp {
 // Shared body of ldmatrix .x4 with and without .trans: every lane publishes its row address.

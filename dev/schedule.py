@@ -461,6 +461,18 @@ def predict_persistent(
     return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share), row_share)
 
 
+def merge_seconds(p: FwdParams, work: geometry.Sm90WorkList, head_dim: int) -> float:
+    """attn_fwd_sm90_merge after the persistent launch: a launch of its own, and its bytes at
+    the DRAM rate (each slot's float32 partial out and lse read, each split row's out (16-bit)
+    and lse written); 0 where no row is split."""
+    if not len(work.merges):
+        return 0.0
+    rows = geometry.SM90_TILE_M
+    read = work.slots * rows * (head_dim + 1) * 4
+    written = len(work.merges) * rows * (head_dim * 2 + 4)
+    return p.launch_us * 1e-6 + (read + written) / DRAM_BYTES_PER_S
+
+
 def predict_built_persistent(
     layout: object,
     batch: int,
@@ -469,24 +481,39 @@ def predict_built_persistent(
     item_share: float,
     kv_group: int = 1,
     stride: bool = False,
+    split_tiles: int | None = 0,
 ) -> Prediction:
-    """attn_fwd_sm90_persistent as built: SMS CTAs claim today's CTAs as items in the order of
-    geometry.sm90_work_list (the list the host hands the kernel), each item paying
-    ``item_share`` of today's per-CTA cost and each CTA the rest once. ``stride``: the
-    alternative not built, CTA i taking items i, i + SMS, ... instead of claiming the next."""
+    """attn_fwd_sm90_persistent as built: SMS CTAs claim the entries of geometry.sm90_work_list
+    (the list the host hands the kernel) in its order, each paying ``item_share`` of today's
+    per-CTA cost and each CTA the rest once. ``split_tiles``: 0 splits no row (the first step);
+    None, geometry's choice (sm90_split_tiles); a chunk is its row's CTA cut to the key tiles of
+    its blocks (tensor and masked work in proportion), and the merge (merge_seconds) follows.
+    ``stride``: the alternative not built, CTA i taking items i, i + SMS, ... instead of
+    claiming the next."""
     block = layout.blocksize
     tile_n = geometry.sm90_tile_n(block, head_dim)
     ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
     by_key = {(c.pair, c.tile): c for c in ctas}
     tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
-    order = geometry.sm90_work_list(
-        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block
+    work = geometry.sm90_work_list(
+        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block, split_tiles
     )
-    items = [by_key[divmod(int(i), tiles)] for i in order]
+    items = []
+    for item, first, end, slot in work.items.tolist():
+        c = by_key[divmod(item, tiles)]
+        if slot == geometry.SM90_NO_SLOT:
+            items.append(c)
+            continue
+        reads = tuple(r for r in c.reads if first <= r[1] * tile_n // block < end)
+        share = len(reads) / c.walked
+        items.append(
+            Cta(c.pair, c.tile, len(reads), c.tensor_cycles * share, round(c.masked * share), reads)
+        )
     slots = SMS * SM90_RESIDENT
     terms = fwd_terms(items, head_dim, tile_n, slots)
     per_slot = p.cta_cycles * (1 - item_share)
     pred = predict_terms(terms, p, slots, item_share, per_slot)
+    pred = dataclasses.replace(pred, seconds=pred.seconds + merge_seconds(p, work, head_dim))
     if not stride:
         return pred
     share = _fixed_share(terms[:, 0], item_share, None)
@@ -497,6 +524,74 @@ def predict_built_persistent(
     return dataclasses.replace(
         pred, seconds=p.launch_us * 1e-6 + makespan / CLOCK_HZ, makespan_cycles=makespan
     )
+
+
+def split_table(
+    p: FwdParams,
+    labels: Sequence[str] = ("bigbird", "longformer", "variable"),
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    blocks: Sequence[int] = (64, 128),
+) -> str:
+    """bench/NOTES.md's split-row table: each pattern on the persistent grid as built (no row
+    split) and with geometry's split, an item paying 1/2 and 3/4 of today's per-CTA cost; the
+    ratio is the computed-block rate over dense causal's on the same variant."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    patterns = {pattern.label: pattern for pattern in ALL_PATTERNS}
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        "",
+        "| pattern, block | split rows x chunks (tiles above) | item 1/2: unsplit ms (ratio), tail "
+        "| split ms (ratio), tail | change | item 3/4: unsplit ms | split ms | merge us |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for block in blocks:
+        causal = patterns["dense-causal"].make_layout(n_ctx, heads, block)
+        base = {
+            (share, split): predict_built_persistent(
+                causal, batch, head_dim, p, share, split_tiles=split
+            )
+            for share in (0.5, 0.75)
+            for split in (0, None)
+        }
+        for label in labels:
+            layout = patterns[label].make_layout(n_ctx, heads, block)
+            work = geometry.sm90_work_list(
+                layout.blocks, batch, n_ctx, head_dim, "bfloat16", 1, block
+            )
+            rows = len(work.merges)
+            chunks = f"{rows} x {work.slots / rows:.1f}" if rows else "0"
+            walked = layout.blocks.reshape(
+                layout.heads, -1, geometry.SM90_TILE_M // block, layout.blocks.shape[2]
+            )
+            above = geometry.sm90_split_tiles(
+                walked.any(axis=2).sum(axis=2)
+                * max(1, block // geometry.sm90_tile_n(block, head_dim))
+            )
+            pred = {
+                (share, split): predict_built_persistent(
+                    layout, batch, head_dim, p, share, split_tiles=split
+                )
+                for share in (0.5, 0.75)
+                for split in (0, None)
+            }
+
+            def cell(key: tuple, tail: bool = True) -> str:
+                ratio = layout.density / causal.density * base[key].seconds / pred[key].seconds
+                text = f"{pred[key].seconds * 1e3:.3f} ({ratio:.2f})"
+                return f"{text}, {pred[key].tail:.2f}" if tail else text
+
+            change = pred[(0.5, None)].seconds / pred[(0.5, 0)].seconds - 1
+            lines.append(
+                f"| {label}, {block} | {chunks} ({above}) | {cell((0.5, 0))} | "
+                f"{cell((0.5, None))} | {100 * change:+.0f} % | "
+                f"{pred[(0.75, 0)].seconds * 1e3:.3f} | {pred[(0.75, None)].seconds * 1e3:.3f} | "
+                f"{merge_seconds(p, work, head_dim) * 1e6:.1f} |"
+            )
+    return "\n".join(lines)
 
 
 def persistent_table(
@@ -788,10 +883,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--persistent", action="store_true", help="the persistent forward's table (bench/NOTES.md)"
     )
+    parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
     if args.whatif:
         print(whatif_tables(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        return 0
+    if args.split:
+        print(
+            split_table(
+                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
+            )
+        )
         return 0
     if args.persistent:
         print(persistent_table(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))

@@ -550,10 +550,10 @@ def split_table(
     ]
     for block in blocks:
         causal = patterns["dense-causal"].make_layout(n_ctx, heads, block)
-        base = {
+        base_seconds = {
             (share, split): predict_built_persistent(
                 causal, batch, head_dim, p, share, split_tiles=split
-            )
+            ).seconds
             for share in (0.5, 0.75)
             for split in (0, None)
         }
@@ -564,13 +564,7 @@ def split_table(
             )
             rows = len(work.merges)
             chunks = f"{rows} x {work.slots / rows:.1f}" if rows else "0"
-            walked = layout.blocks.reshape(
-                layout.heads, -1, geometry.SM90_TILE_M // block, layout.blocks.shape[2]
-            )
-            above = geometry.sm90_split_tiles(
-                walked.any(axis=2).sum(axis=2)
-                * max(1, block // geometry.sm90_tile_n(block, head_dim))
-            )
+            rate_scale = layout.density / causal.density
             pred = {
                 (share, split): predict_built_persistent(
                     layout, batch, head_dim, p, share, split_tiles=split
@@ -579,14 +573,15 @@ def split_table(
                 for split in (0, None)
             }
 
-            def cell(key: tuple, tail: bool = True) -> str:
-                ratio = layout.density / causal.density * base[key].seconds / pred[key].seconds
-                text = f"{pred[key].seconds * 1e3:.3f} ({ratio:.2f})"
-                return f"{text}, {pred[key].tail:.2f}" if tail else text
+            def cell(
+                key: tuple, pred: dict = pred, scale: float = rate_scale, base: dict = base_seconds
+            ) -> str:
+                ratio = scale * base[key] / pred[key].seconds
+                return f"{pred[key].seconds * 1e3:.3f} ({ratio:.2f}), {pred[key].tail:.2f}"
 
             change = pred[(0.5, None)].seconds / pred[(0.5, 0)].seconds - 1
             lines.append(
-                f"| {label}, {block} | {chunks} ({above}) | {cell((0.5, 0))} | "
+                f"| {label}, {block} | {chunks} ({work.split_tiles}) | {cell((0.5, 0))} | "
                 f"{cell((0.5, None))} | {100 * change:+.0f} % | "
                 f"{pred[(0.75, 0)].seconds * 1e3:.3f} | {pred[(0.75, None)].seconds * 1e3:.3f} | "
                 f"{merge_seconds(p, work, head_dim) * 1e6:.1f} |"

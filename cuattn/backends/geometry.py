@@ -1277,10 +1277,12 @@ class Sm90WorkList:
     """attn_fwd_sm90_persistent's work: ``items`` int32 [entries, SM90_WORK_FIELDS] in the order
     its CTAs claim them (item = pair * query tiles + tile with pair = batch * heads + head, the
     item's key blocks [first, end), its chunk's slot or SM90_NO_SLOT), and ``merges`` int32
-    [split items, SM90_MERGE_FIELDS] (item, first slot, chunks: what SM90_FWD_MERGE merges)."""
+    [split items, SM90_MERGE_FIELDS] (item, first slot, chunks: what SM90_FWD_MERGE merges);
+    ``split_tiles``, the key tiles above which a row was split (0: none was to be)."""
 
     items: np.ndarray
     merges: np.ndarray
+    split_tiles: int
 
     @property
     def slots(self) -> int:
@@ -1333,7 +1335,6 @@ def sm90_work_list(
     key_tiles = max(1, block // sm90_tile_n(block, head_dim))  # key tiles of one key block
     union = owned.any(axis=2)  # [heads, tiles, key blocks]
     walked = union.sum(axis=2) * key_tiles  # [heads, tiles]
-    computed = owned.sum(axis=(2, 3))
     if split_tiles is None:
         split_tiles = sm90_split_tiles(walked)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
@@ -1382,6 +1383,7 @@ def sm90_work_list(
     return Sm90WorkList(
         items.astype(np.int32).reshape(-1, SM90_WORK_FIELDS),
         merges.astype(np.int32).reshape(-1, SM90_MERGE_FIELDS),
+        split_tiles,
     )
 
 

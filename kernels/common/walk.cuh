@@ -13,6 +13,19 @@
 #include "mask.cuh"
 #include "ptx.cuh"
 
+// The first entry in [begin, end) of an ascending list of blocks whose block is >= `block`.
+__device__ __forceinline__ int first_entry_from(const int* blocks, int begin, int end, int block) {
+  while (begin < end) {
+    const int mid = (begin + end) / 2;
+    if (blocks[mid] < block) {
+      begin = mid + 1;
+    } else {
+      end = mid;
+    }
+  }
+  return begin;
+}
+
 struct ActiveTile {
   int start;     // first position on the other axis
   int block;     // the layout block it lies in
@@ -43,6 +56,13 @@ struct ActiveTiles {
   __device__ __forceinline__ ActiveTiles(const int* entries, const int* partner_blocks,
                                          const int* partner_masks)
       : blocks_(partner_blocks), masks_(partner_masks), entry_(entries[0]), end_(entries[1]) {}
+
+  // The walk cut to the partner blocks [first_block, end_block) (a chunk of a split row), before
+  // the first next().
+  __device__ __forceinline__ void restrict_to(int first_block, int end_block) {
+    entry_ = first_entry_from(blocks_, entry_, end_, first_block);
+    end_ = first_entry_from(blocks_, entry_, end_, end_block);
+  }
 
   // The next sub-tile the rule does not empty for own positions [own_first, own_last]; false
   // when the walk is over. Uniform across the CTA.
@@ -113,6 +133,15 @@ struct PairedRowTiles {
         entry_b_(row_a[1]),
         end_b_(has_b ? row_a[2] : row_a[1]),
         row_block_(row_block) {}
+
+  // Both rows cut to the partner blocks [first_block, end_block) (a chunk of a split row),
+  // before the first next().
+  __device__ __forceinline__ void restrict_to(int first_block, int end_block) {
+    entry_a_ = first_entry_from(blocks_, entry_a_, end_a_, first_block);
+    end_a_ = first_entry_from(blocks_, entry_a_, end_a_, end_block);
+    entry_b_ = first_entry_from(blocks_, entry_b_, end_b_, first_block);
+    end_b_ = first_entry_from(blocks_, entry_b_, end_b_, end_block);
+  }
 
   // The next sub-tile of either row, for the calling warp's rows own_first..own_last; false
   // when both rows are walked.

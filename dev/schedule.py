@@ -499,7 +499,7 @@ def predict_built_persistent(
         layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block, split_tiles
     )
     items = []
-    for item, first, end, slot in work.items.tolist():
+    for item, first, end, slot, *_ in work.items.tolist():
         c = by_key[divmod(item, tiles)]
         if slot == geometry.SM90_NO_SLOT:
             items.append(c)

@@ -99,8 +99,18 @@ constexpr unsigned SWIZZLED_K_MAJOR_LEADING = 16;
 // Columns of a score tile one mask pass covers: a bitmask row is read 64 bits at a time.
 constexpr int MASK_PASS_COLUMNS = 64;
 // attn_fwd_sm90_persistent's work list: an entry a claim (geometry.Sm90WorkList.items, the
-// fields in geometry's SM90_WORK_FIELDS order), and the slot of an unsplit row (SM90_NO_SLOT).
-enum WorkField { WORK_ITEM, WORK_FIRST_BLOCK, WORK_END_BLOCK, WORK_SLOT, WORK_FIELDS };
+// fields in the order of geometry's SM90_WORK_FIELDS): the item, the key blocks [first, end) it
+// walks (for the host), its slot (NO_SLOT: an unsplit row), and where those key blocks lie in
+// its CSR rows, entries [first, end) of row a, then of row b (the second block of a paired
+// item), counted from each row's first (the walk's restrict_to).
+enum WorkField {
+  WORK_ITEM,
+  WORK_FIRST_BLOCK,
+  WORK_END_BLOCK,
+  WORK_SLOT,
+  WORK_ROW_ENTRIES,
+  WORK_FIELDS = WORK_ROW_ENTRIES + 4
+};
 constexpr int NO_SLOT = -1;
 // attn_fwd_sm90_merge's list: an entry a split row (geometry.Sm90WorkList.merges).
 enum MergeField { MERGE_ITEM, MERGE_FIRST_SLOT, MERGE_CHUNKS, MERGE_FIELDS };
@@ -237,23 +247,24 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
 // count: stage and phase continue across items), and Q by `load_q` once `q_after` of them are
 // issued (0: first; a persistent CTA copies an item's first tiles into the stages the previous
 // item has handed back while that item's epilogue still holds the Q tile). CHUNKED: the item
-// is the key blocks [first_block, end_block) of its rows (a chunk of a split row) rather than
-// all of them.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename LoadQ>
+// is the part of its rows that `chunk()` names (its WORK_ROW_ENTRIES: a chunk of a split row),
+// read once Q is on its way (so nothing is held through load_q's wait).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename LoadQ,
+          typename Chunk>
 __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
                                              const TensorMap& k_map, const TensorMap& v_map,
                                              int k_col, int v_col, const int* row_ptr,
                                              const int* col_idx, const int* row_mask,
                                              const RuleParams& rule, int num_blocks, int head,
-                                             int kv_head, int batch, int q_start, int first_block,
-                                             int end_block, int q_after, int& t, LoadQ load_q) {
+                                             int kv_head, int batch, int q_start, int q_after,
+                                             int& t, LoadQ load_q, Chunk chunk) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
   if (q_after == 0) load_q();
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
-  if constexpr (CHUNKED) walk.restrict_to(first_block, end_block);
+  if constexpr (CHUNKED) walk.restrict_to(chunk());
   const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   const int q_at = t + q_after;  // Q goes once tile q_at - 1 is issued
@@ -274,8 +285,8 @@ __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
 // producer numbered from `t` (advanced past them), once Q has landed (the caller waits for
 // q_full); ends once this consumer's O rows are stored and the TMA unit has read them out of
 // the Q tile (only the thread that stored them knows when: a persistent CTA lets it hand the
-// tile back). CHUNKED: the item is the key blocks [first_block, end_block) of its rows, and a
-// chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own sum, and
+// tile back). CHUNKED: the item is the part of its rows `row_entries` names (WORK_ROW_ENTRIES),
+// and a chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own sum, and
 // lse as float32 to rows slot x TILE_M on of part_out and part_lse instead of out and lse.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED>
 __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
@@ -284,8 +295,8 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
                                              const int* col_idx, const int* row_mask,
                                              const RuleParams& rule, int n_q, int num_blocks,
                                              float scale, int consumer, int head, int heads,
-                                             int batch, int q_start, int first_block,
-                                             int end_block, int slot, float* __restrict__ part_out,
+                                             int batch, int q_start, const int* row_entries,
+                                             int slot, float* __restrict__ part_out,
                                              float* __restrict__ part_lse, int& t) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
@@ -298,7 +309,7 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
   const int warp_first = group_first + warp_in_group * 16;
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
-  if constexpr (CHUNKED) walk.restrict_to(first_block, end_block);
+  if constexpr (CHUNKED) walk.restrict_to(row_entries);
   // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
   const int walk_first = Traits::ROW_BLOCKS == 2 ? group_first : q_start;
   const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
@@ -604,7 +615,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     int t = 0;
     produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
         smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, cta.head,
-        cta.head / kv_group, cta.batch, q_start, 0, num_blocks, 0, t, load_q);
+        cta.head / kv_group, cta.batch, q_start, 0, t, load_q, [] { return nullptr; });
     return;
   }
 
@@ -614,8 +625,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   int t = 0;
   consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
       smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
-      warpgroup - 1, cta.head, int(gridDim.y), cta.batch, q_start, 0, num_blocks, NO_SLOT,
-      nullptr, nullptr, t);
+      warpgroup - 1, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr,
+      nullptr, t);
 }
 
 // The persistent forward (issue 53): the same items, (128 query rows, head, batch), taken by a
@@ -640,7 +651,16 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
 // store has been read. The list out, the producer publishes NO_ITEM with a plain arrive and the
 // consumers leave: no copy is then in flight (every one issued was waited for).
 constexpr int NO_ITEM = -1;
-enum ProducerState { CLAIMED, PUBLISHED, PRODUCER_STATE_INTS };
+// The producer's state in shared memory: the place claimed, the count of items published, and
+// the claimed entry's item and WORK_ROW_ENTRIES, copied there when claimed (read from the list
+// where used, their 64-bit addresses spill the producer's 24 registers).
+enum ProducerState {
+  CLAIMED,
+  PUBLISHED,
+  CLAIMED_ITEM,
+  ROW_ENTRIES,
+  PRODUCER_STATE_INTS = ROW_ENTRIES + 4
+};
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
@@ -686,8 +706,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0) return;
-    // The claimed place and the count of items published live in shared memory, read where
-    // used: held in registers through an item's copies they spill (the producer has 24).
+    // Its state lives in shared memory (ProducerState), read where used.
     auto publish = [&] {
       const int published = producer_state[PUBLISHED];
       if (published > 0) mbarrier_wait_parity(q_empty, unsigned(published - 1) & 1u);
@@ -696,7 +715,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     };
     auto load_q = [&] {
       publish();
-      const int item = work_list[producer_state[CLAIMED] * WORK_FIELDS + WORK_ITEM];
+      const int item = producer_state[CLAIMED_ITEM];
       const int pair = item / q_tiles;
       mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
       load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
@@ -713,15 +732,19 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
         return;
       }
       const int* entry = work_list + place * WORK_FIELDS;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) producer_state[ROW_ENTRIES + i] = entry[WORK_ROW_ENTRIES + i];
       const int item = entry[WORK_ITEM];
+      producer_state[CLAIMED_ITEM] = item;
       const int pair = item / q_tiles;
       const int head = pair % heads;
       // The first item's Q goes first: there is no epilogue to copy under.
       const int q_after = producer_state[PUBLISHED] == 0 ? 0 : Traits::KV_STAGES;
+      auto chunk = [&] { return producer_state + ROW_ENTRIES; };
       produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
           smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, head,
-          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, entry[WORK_FIRST_BLOCK],
-          entry[WORK_END_BLOCK], q_after, t, load_q);
+          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, q_after, t, load_q,
+          chunk);
     }
   }
 
@@ -737,7 +760,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
         smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
         warpgroup - 1, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
-        entry[WORK_FIRST_BLOCK], entry[WORK_END_BLOCK], entry[WORK_SLOT], part_out, part_lse, t);
+        entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);
     if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) mbarrier_arrive(q_empty);
   }
 }

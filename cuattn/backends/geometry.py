@@ -156,9 +156,9 @@ SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
 # d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
 SM90_PERSISTENT_HEAD_DIMS = (64, 128)
 SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
-# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's claimed
-# item and count of items published.
-SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + 3 * 4
+# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's state (the
+# place claimed, the count of items published, the claimed item and its four row entries).
+SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + (1 + 7) * 4
 SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
 # Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
 # the others walk a few) are split into chunks of their key blocks, each chunk an item of its
@@ -170,9 +170,13 @@ SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the
 # same bits whichever CTA computed which chunk.
 SM90_SPLIT_FACTOR = 4
 SM90_SPLIT_MIN_TILES = 8
-# A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), and the
-# workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse).
-SM90_WORK_FIELDS = 4
+# A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
+# workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse), and where
+# those key blocks lie in the item's CSR rows: entries [first, end) of its first block's row,
+# then of its second's (64-blocks; 0, 0 where there is none), counted from each row's first
+# entry (the kernel cuts its walk with them and searches nothing).
+SM90_WORK_FIELDS = 8
+SM90_ITEM_ROWS = 2  # CSR rows an item's entry names: a 64-block item's two (128-blocks: one)
 SM90_NO_SLOT = -1
 # A merge list entry: the item, its first chunk's slot (the rest follow), its chunks.
 SM90_MERGE_FIELDS = 3
@@ -1276,8 +1280,9 @@ def sm90_backward_cta_groups(
 class Sm90WorkList:
     """attn_fwd_sm90_persistent's work: ``items`` int32 [entries, SM90_WORK_FIELDS] in the order
     its CTAs claim them (item = pair * query tiles + tile with pair = batch * heads + head, the
-    item's key blocks [first, end), its chunk's slot or SM90_NO_SLOT), and ``merges`` int32
-    [split items, SM90_MERGE_FIELDS] (item, first slot, chunks: what SM90_FWD_MERGE merges);
+    item's key blocks [first, end), its chunk's slot or SM90_NO_SLOT, and those blocks' entries
+    in each of its rows), and ``merges`` int32 [split items, SM90_MERGE_FIELDS] (item, first
+    slot, chunks: what SM90_FWD_MERGE merges);
     ``split_tiles``, the key tiles above which a row was split (0: none was to be)."""
 
     items: np.ndarray
@@ -1339,8 +1344,12 @@ def sm90_work_list(
         split_tiles = sm90_split_tiles(walked)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
     narrow, wide = divmod(pairs, groups)
-    # entries as columns: pair, tile, chunk, first block, end block, walked, computed
-    columns: list[list[int]] = [[] for _ in range(7)]
+    # entries as columns: pair, tile, chunk, first block, end block, walked, computed, and the
+    # blocks' entries [first, end) in each of the item's rows
+    columns: list[list[int]] = [[] for _ in range(7 + 2 * SM90_ITEM_ROWS)]
+    # [heads, tiles, rows, key blocks + 1]: a row's entries before each key block
+    before = np.zeros((heads, tiles, SM90_ITEM_ROWS, nb + 1), np.int64)
+    before[:, :, :per_tile, 1:] = owned.cumsum(axis=3)
     for head, tile in np.ndindex(heads, tiles):
         walk = int(walked[head, tile])
         chunks = ceil_div(walk, split_tiles) if split_tiles and walk > split_tiles else 1
@@ -1348,6 +1357,7 @@ def sm90_work_list(
         cuts = [0, *(int(keys[len(keys) * c // chunks]) for c in range(1, chunks)), nb]
         for chunk in range(chunks):
             first, end = cuts[chunk], cuts[chunk + 1]
+            entries = before[head, tile][:, [first, end]].ravel().tolist()
             for b in range(batch):
                 row = (
                     b * heads + head,
@@ -1357,10 +1367,12 @@ def sm90_work_list(
                     end,
                     int(union[head, tile, first:end].sum()) * key_tiles,
                     int(owned[head, tile, :, first:end].sum()),
+                    *entries,
                 )
                 for column, value in zip(columns, row, strict=True):
                     column.append(value)
-    pair, tile, chunk, first, end, walk, comp = (np.asarray(c, np.int64) for c in columns)
+    pair, tile, chunk, first, end, walk, comp = (np.asarray(c, np.int64) for c in columns[:7])
+    row_entries = np.asarray(columns[7:], np.int64).T
     # the group of each pair: the first `wide` groups hold narrow + 1 pairs
     group = np.where(
         pair < wide * (narrow + 1),
@@ -1379,7 +1391,8 @@ def sm90_work_list(
     merge_order = np.argsort(split_items, kind="stable")
     counts = np.bincount(item[split], minlength=pairs * tiles)[split_items]
     merges = np.stack([split_items, first_slots, counts], axis=1)[merge_order]
-    items = np.stack([item, first, end, slot], axis=1)[order]
+    items = np.concatenate([np.stack([item, first, end, slot], axis=1), row_entries], axis=1)
+    items = items[order]
     return Sm90WorkList(
         items.astype(np.int32).reshape(-1, SM90_WORK_FIELDS),
         merges.astype(np.int32).reshape(-1, SM90_MERGE_FIELDS),

@@ -13,19 +13,6 @@
 #include "mask.cuh"
 #include "ptx.cuh"
 
-// The first entry in [begin, end) of an ascending list of blocks whose block is >= `block`.
-__device__ __forceinline__ int first_entry_from(const int* blocks, int begin, int end, int block) {
-  while (begin < end) {
-    const int mid = (begin + end) / 2;
-    if (blocks[mid] < block) {
-      begin = mid + 1;
-    } else {
-      end = mid;
-    }
-  }
-  return begin;
-}
-
 struct ActiveTile {
   int start;     // first position on the other axis
   int block;     // the layout block it lies in
@@ -57,11 +44,13 @@ struct ActiveTiles {
                                          const int* partner_masks)
       : blocks_(partner_blocks), masks_(partner_masks), entry_(entries[0]), end_(entries[1]) {}
 
-  // The walk cut to the partner blocks [first_block, end_block) (a chunk of a split row), before
-  // the first next().
-  __device__ __forceinline__ void restrict_to(int first_block, int end_block) {
-    entry_ = first_entry_from(blocks_, entry_, end_, first_block);
-    end_ = first_entry_from(blocks_, entry_, end_, end_block);
+  // The walk cut to the row's entries [cut[0], cut[1]) (counted from the row's first: a chunk of
+  // a split row, its blocks found by the host), before the first next(). Offsets rather than
+  // blocks: no search, so a producer at its register limit holds nothing more.
+  template <typename Cut>
+  __device__ __forceinline__ void restrict_to(Cut cut) {
+    end_ = entry_ + cut[1];
+    entry_ += cut[0];
   }
 
   // The next sub-tile the rule does not empty for own positions [own_first, own_last]; false
@@ -134,13 +123,14 @@ struct PairedRowTiles {
         end_b_(has_b ? row_a[2] : row_a[1]),
         row_block_(row_block) {}
 
-  // Both rows cut to the partner blocks [first_block, end_block) (a chunk of a split row),
-  // before the first next().
-  __device__ __forceinline__ void restrict_to(int first_block, int end_block) {
-    entry_a_ = first_entry_from(blocks_, entry_a_, end_a_, first_block);
-    end_a_ = first_entry_from(blocks_, entry_a_, end_a_, end_block);
-    entry_b_ = first_entry_from(blocks_, entry_b_, end_b_, first_block);
-    end_b_ = first_entry_from(blocks_, entry_b_, end_b_, end_block);
+  // Row a cut to its entries [cut[0], cut[1]) and row b to [cut[2], cut[3]) (counted from each
+  // row's first: a chunk of a split row, as ActiveTiles::restrict_to), before the first next().
+  template <typename Cut>
+  __device__ __forceinline__ void restrict_to(Cut cut) {
+    end_a_ = entry_a_ + cut[1];
+    entry_a_ += cut[0];
+    end_b_ = entry_b_ + cut[3];
+    entry_b_ += cut[2];
   }
 
   // The next sub-tile of either row, for the calling warp's rows own_first..own_last; false

@@ -342,7 +342,7 @@ def test_the_work_list_is_every_item_once_longest_first_within_each_l2_group():
         items = work.items
         assert items.dtype == np.int32 and items.shape[1] == geometry.SM90_WORK_FIELDS
         assert sorted(items[:, 0].tolist()) == list(range(batch * 3 * tiles))
-        assert (items[:, 1:] == [0, layout.num_blocks, geometry.SM90_NO_SLOT]).all()
+        assert (items[:, 1:4] == [0, layout.num_blocks, geometry.SM90_NO_SLOT]).all()
         assert work.merges.shape == (0, geometry.SM90_MERGE_FIELDS) and work.slots == 0
         pair, tile = np.divmod(items[:, 0], tiles)
         union = layout.blocks.reshape(3, tiles, 2, -1).any(axis=2).sum(axis=2)
@@ -398,8 +398,17 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
         mean = np.mean([walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)])
         assert threshold == max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * mean)))
     entries: dict[int, list[tuple[int, int, int]]] = {}
-    for item, first, end, slot in work.items.tolist():
+    for item, first, end, slot, *row_entries in work.items.tolist():
         entries.setdefault(item, []).append((first, end, slot))
+        # the CSR entries each row's walk is cut to hold exactly its blocks in [first, end)
+        head, tile = item // tiles % heads, item % tiles
+        for r in range(2):
+            row = tile * per_tile + r
+            columns = (
+                np.flatnonzero(blocks[head, row]) if r < per_tile and row < len(blocks[0]) else []
+            )
+            cut = row_entries[2 * r : 2 * r + 2]
+            assert list(columns[cut[0] : cut[1]]) == [c for c in columns if first <= c < end]
     assert sorted(entries) == list(range(batch * heads * tiles))
     merges = {m[0]: (m[1], m[2]) for m in work.merges.tolist()}
     assert len(merges) == len(work.merges) and list(merges) == sorted(merges)
@@ -425,7 +434,7 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
     assert geometry.sm90_cta_groups(batch, heads, n_k, head_dim, "bfloat16", 1) == 1
     lengths = [
         walked(item // tiles % heads, item % tiles, first, end)
-        for item, first, end, _ in work.items.tolist()
+        for item, first, end, *_ in work.items.tolist()
     ]
     assert lengths == sorted(lengths, reverse=True)
 
@@ -455,9 +464,9 @@ def test_the_work_list_numbers_items_in_31_bits():
 
 def test_every_instantiation_compiles_for_sm_90a_without_spills():
     """The persistent family (every block and key tile, head dims 64 and 128, dtype and rule)
-    for sm_90a: no spills (its producer keeps its claimed item in shared memory to stay within
-    24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic in the SASS, no serialised
-    wgmma (C7520)."""
+    and its merge for sm_90a: no spills (its producer keeps its claimed item and row entries in
+    shared memory to stay within 24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic
+    in the SASS, no serialised wgmma (C7520)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from dev import sass, sass_model
@@ -473,14 +482,21 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills():
         for dtype in CXX_TYPES
         for rule in RULES
     ]
+    merges = [
+        merge_expression(head_dim, dtype)
+        for head_dim in geometry.SM90_PERSISTENT_HEAD_DIMS
+        for dtype in CXX_TYPES
+    ]
     source = (kernel_dir() / SOURCE).read_text()
     lowered, cubin, log = sass_model.compile_module(
-        source, SOURCE, expressions, common_options(), "sm_90a"
+        source, SOURCE, expressions + merges, common_options(), "sm_90a"
     )
     assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
     stats = parse_ptxas_log(log)
     with tempfile.TemporaryDirectory() as workdir:
         kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    for name in merges:
+        assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
     for name in expressions:
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = {i.base for i in kernels[lowered[name]].instructions}
@@ -538,6 +554,35 @@ def test_cuattn_kernels_sm90a_persistent_chooses_it(
     refs = (refs[0], *(r.reshape(2, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
+
+
+def test_the_backends_split_a_global_row_and_merge_it(monkeypatch):
+    """Through the backends, geometry's own threshold: a Longformer layout whose global row
+    walks 40 key tiles beside rows of about 4 (threshold max(8, 4 x the mean)) is split, the
+    persistent launch followed by the merge's; the oracle's result, the unsplit rows
+    attn_fwd_sm90's bits."""
+    from tests.backends.test_interp_kernels import TOLERANCE
+    from tests.helpers.oracle import rel_err
+
+    block, blocks, head_dim, dtype = 64, 40, 64, "bfloat16"
+    layout = make_layout("longformer", blocks * block, 2, block, local_attn_ctx=block, causal=False)
+    q, k, v = random_inputs(layout, 1, 1, head_dim, dtype, 17)
+    work = geometry.sm90_work_list(layout.blocks, 1, layout.n_ctx, head_dim, dtype, 2, block)
+    assert len(work.merges) == 2 and work.split_tiles < blocks  # each head's global row
+    scale = head_dim**-0.5
+    (out, lse), names = forward_launches(monkeypatch, "sm90a-persistent", q, k, v, layout, scale)
+    rule = geometry.CXX_RULE[layout.rule.kind]
+    assert names == [
+        f"attn_fwd_sm90_persistent<64, 64, 64, __nv_bfloat16, {rule}>",
+        "attn_fwd_sm90_merge<64, __nv_bfloat16>",
+    ]
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    check_forward(out, lse, q, k_full, v_full, layout, scale, dtype)
+    (ref_out, ref_lse), _ = forward_launches(monkeypatch, "sm90a", q, k, v, layout, scale)
+    split = split_rows(work, layout, 1)
+    np.testing.assert_array_equal(out[~split].view(np.uint16), ref_out[~split].view(np.uint16))
+    np.testing.assert_array_equal(lse[~split], ref_lse[~split])
+    assert rel_err(out[split], ref_out[split]) <= TOLERANCE[dtype]
 
 
 def launched_backward(q, k, v, out, lse, dout, layout, scale):

@@ -140,6 +140,21 @@ def test_the_built_split_keeps_the_work_and_removes_the_global_rows_tail():
     ) == schedule.predict_built_persistent(causal, batch, HEAD_DIM, FITTED[0], 0.5)
 
 
+def test_the_packing_threshold_keeps_enough_items_a_slot():
+    """pack_threshold: the largest candidate whose packed list keeps PACK_MIN_ITEMS_PER_SLOT
+    items a CTA; none where packing even the shortest rows would leave fewer."""
+    items = [schedule.Cta(pair, tile, 2, 1.0, 0, ()) for pair in range(4) for tile in range(64)]
+    slots = 4
+    below = schedule.pack_threshold(items, slots, 0)
+    assert below in schedule.PACK_CANDIDATES
+    assert len(schedule.work_list(items, below, None)) >= schedule.PACK_MIN_ITEMS_PER_SLOT * slots
+    larger = [c for c in schedule.PACK_CANDIDATES if c > below]
+    for candidate in larger:
+        packed = schedule.work_list(items, candidate, None)
+        assert len(packed) < schedule.PACK_MIN_ITEMS_PER_SLOT * slots
+    assert schedule.pack_threshold(items, 64, 0) == 0  # 256 items: fewer than 8 a slot already
+
+
 def test_work_list_packs_and_splits():
     layout = make_layout("bigbird", n_ctx=2048, heads=2, blocksize=64, causal=False)
     ctas = schedule.fwd_sm90_ctas(layout, 1, HEAD_DIM)

@@ -1344,35 +1344,55 @@ def sm90_work_list(
         split_tiles = sm90_split_tiles(walked)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
     narrow, wide = divmod(pairs, groups)
-    # entries as columns: pair, tile, chunk, first block, end block, walked, computed, and the
-    # blocks' entries [first, end) in each of the item's rows
-    columns: list[list[int]] = [[] for _ in range(7 + 2 * SM90_ITEM_ROWS)]
     # [heads, tiles, rows, key blocks + 1]: a row's entries before each key block
     before = np.zeros((heads, tiles, SM90_ITEM_ROWS, nb + 1), np.int64)
     before[:, :, :per_tile, 1:] = owned.cumsum(axis=3)
-    for head, tile in np.ndindex(heads, tiles):
-        walk = int(walked[head, tile])
-        chunks = ceil_div(walk, split_tiles) if split_tiles and walk > split_tiles else 1
+    # one row a (head, tile, chunk): head, tile, chunk, first block, end block, walked,
+    # computed, then the blocks' entries [first, end) in each of the item's rows
+    chunks_of = np.ones_like(walked)
+    if split_tiles:
+        chunks_of = np.where(walked > split_tiles, -(-walked // split_tiles), 1)
+    head_of, tile_of = np.nonzero(chunks_of == 1)
+    whole = np.stack(
+        [
+            head_of,
+            tile_of,
+            np.full(len(head_of), SM90_NO_SLOT),
+            np.zeros(len(head_of), np.int64),
+            np.full(len(head_of), nb),
+            walked[head_of, tile_of],
+            owned.sum(axis=(2, 3))[head_of, tile_of],
+            *before[head_of, tile_of][:, :, [0, nb]].reshape(len(head_of), 2 * SM90_ITEM_ROWS).T,
+        ],
+        axis=1,
+    ).reshape(-1, 7 + 2 * SM90_ITEM_ROWS)
+    chunked = []
+    for head, tile in zip(*np.nonzero(chunks_of > 1), strict=True):
+        chunks = int(chunks_of[head, tile])
         keys = np.flatnonzero(union[head, tile])
         cuts = [0, *(int(keys[len(keys) * c // chunks]) for c in range(1, chunks)), nb]
         for chunk in range(chunks):
             first, end = cuts[chunk], cuts[chunk + 1]
-            entries = before[head, tile][:, [first, end]].ravel().tolist()
-            for b in range(batch):
-                row = (
-                    b * heads + head,
+            chunked.append(
+                [
+                    head,
                     tile,
-                    chunk if chunks > 1 else SM90_NO_SLOT,
+                    chunk,
                     first,
                     end,
                     int(union[head, tile, first:end].sum()) * key_tiles,
                     int(owned[head, tile, :, first:end].sum()),
-                    *entries,
-                )
-                for column, value in zip(columns, row, strict=True):
-                    column.append(value)
-    pair, tile, chunk, first, end, walk, comp = (np.asarray(c, np.int64) for c in columns[:7])
-    row_entries = np.asarray(columns[7:], np.int64).T
+                    *before[head, tile][:, [first, end]].ravel().tolist(),
+                ]
+            )
+    per_head = np.concatenate(
+        [whole, np.asarray(chunked, np.int64).reshape(-1, whole.shape[1])]
+    ).astype(np.int64)
+    # every batch: the same rows, pair = batch * heads + head
+    table = np.tile(per_head, (batch, 1))
+    table[:, 0] += np.repeat(np.arange(batch) * heads, len(per_head))
+    pair, tile, chunk, first, end, walk, comp = table[:, :7].T
+    row_entries = table[:, 7:]
     # the group of each pair: the first `wide` groups hold narrow + 1 pairs
     group = np.where(
         pair < wide * (narrow + 1),

@@ -29,7 +29,8 @@
 //     two taking turns at the tensor pipe.
 // attn_fwd_sm90_persistent (issue 53) computes the same items, each exactly as a CTA here does,
 // on a grid of about one CTA per SM that claims them from a work list the host builds from the
-// layout, longest rows first (its own note, at the end of the file).
+// layout, longest rows first, rows far longer than the rest split into chunks that
+// attn_fwd_sm90_merge merges after it (its own note, at the end of the file).
 // With 128-blocks the CTA owns one layout block and walks its CSR row; with 64-blocks it owns
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
@@ -76,7 +77,9 @@
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
 // maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
 // (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
-// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py).
+// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py),
+// then, where it split rows, `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128
+// / 16), 1, 1), row_kernel_traits' 128 threads and no shared memory.
 #include "common/merge_row.cuh"
 #include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
@@ -103,13 +106,14 @@ constexpr int MASK_PASS_COLUMNS = 64;
 // walks (for the host), its slot (NO_SLOT: an unsplit row), and where those key blocks lie in
 // its CSR rows, entries [first, end) of row a, then of row b (the second block of a paired
 // item), counted from each row's first (the walk's restrict_to).
+constexpr int ROW_ENTRY_INTS = 2 * 2;  // [first, end) of each of an item's (up to) two rows
 enum WorkField {
   WORK_ITEM,
   WORK_FIRST_BLOCK,
   WORK_END_BLOCK,
   WORK_SLOT,
   WORK_ROW_ENTRIES,
-  WORK_FIELDS = WORK_ROW_ENTRIES + 4
+  WORK_FIELDS = WORK_ROW_ENTRIES + ROW_ENTRY_INTS
 };
 constexpr int NO_SLOT = -1;
 // attn_fwd_sm90_merge's list: an entry a split row (geometry.Sm90WorkList.merges).
@@ -286,8 +290,9 @@ __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
 // q_full); ends once this consumer's O rows are stored and the TMA unit has read them out of
 // the Q tile (only the thread that stored them knows when: a persistent CTA lets it hand the
 // tile back). CHUNKED: the item is the part of its rows `row_entries` names (WORK_ROW_ENTRIES),
-// and a chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own sum, and
-// lse as float32 to rows slot x TILE_M on of part_out and part_lse instead of out and lse.
+// and a chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own
+// sum, and lse as float32 to rows slot x TILE_M on of part_out and part_lse instead of out and
+// lse.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED>
 __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
                                              const TensorMap& out_map, int out_col,
@@ -659,7 +664,7 @@ enum ProducerState {
   PUBLISHED,
   CLAIMED_ITEM,
   ROW_ENTRIES,
-  PRODUCER_STATE_INTS = ROW_ENTRIES + 4
+  PRODUCER_STATE_INTS = ROW_ENTRIES + ROW_ENTRY_INTS
 };
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
@@ -733,7 +738,9 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
       }
       const int* entry = work_list + place * WORK_FIELDS;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) producer_state[ROW_ENTRIES + i] = entry[WORK_ROW_ENTRIES + i];
+      for (int i = 0; i < ROW_ENTRY_INTS; ++i) {
+        producer_state[ROW_ENTRIES + i] = entry[WORK_ROW_ENTRIES + i];
+      }
       const int item = entry[WORK_ITEM];
       producer_state[CLAIMED_ITEM] = item;
       const int pair = item / q_tiles;

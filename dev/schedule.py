@@ -461,6 +461,143 @@ def predict_persistent(
     return predict_terms(terms, p, slots, item_share, p.cta_cycles * (1 - item_share), row_share)
 
 
+def merge_seconds(p: FwdParams, work: geometry.Sm90WorkList, head_dim: int) -> float:
+    """attn_fwd_sm90_merge after the persistent launch: a launch of its own, and its bytes at
+    the DRAM rate (each slot's float32 partial out and lse read, each split row's out (16-bit)
+    and lse written); 0 where no row is split."""
+    if not len(work.merges):
+        return 0.0
+    rows = geometry.SM90_TILE_M
+    read = work.slots * rows * (head_dim + 1) * 4
+    written = len(work.merges) * rows * (head_dim * 2 + 4)
+    return p.launch_us * 1e-6 + (read + written) / DRAM_BYTES_PER_S
+
+
+def built_items(
+    layout: object, batch: int, head_dim: int, kv_group: int, split_tiles: int | None
+) -> tuple[list[Cta], geometry.Sm90WorkList, int]:
+    """The entries of geometry.sm90_work_list as the simulator's items, in the list's order (a
+    chunk: its row's CTA cut to the key tiles of its blocks, tensor and masked work in
+    proportion), the list, and the key tile."""
+    block = layout.blocksize
+    tile_n = geometry.sm90_tile_n(block, head_dim)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
+    by_key = {(c.pair, c.tile): c for c in ctas}
+    tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
+    work = geometry.sm90_work_list(
+        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block, split_tiles
+    )
+    items = []
+    for item, first, end, slot, *_ in work.items.tolist():
+        c = by_key[divmod(item, tiles)]
+        if slot == geometry.SM90_NO_SLOT:
+            items.append(c)
+            continue
+        reads = tuple(r for r in c.reads if first <= r[1] * tile_n // block < end)
+        share = len(reads) / c.walked
+        items.append(
+            Cta(c.pair, c.tile, len(reads), c.tensor_cycles * share, round(c.masked * share), reads)
+        )
+    return items, work, tile_n
+
+
+# Packing short rows (issue 53, not built): rows of a pair walking fewer than a threshold of key
+# tiles go into one item, up to the threshold. The threshold is the largest of PACK_CANDIDATES
+# whose packed list still holds PACK_MIN_ITEMS_PER_SLOT items a persistent CTA: fewer, and the
+# tail grows by more than packing saves (the first what-ifs lost 4-6 % on the causal thin
+# layouts at ~5 items a CTA).
+PACK_CANDIDATES = (4, 8, 16, 32)
+PACK_MIN_ITEMS_PER_SLOT = 8
+
+
+def pack_threshold(items: Sequence[Cta], slots: int, pairs_per_group: int) -> int:
+    """The walked tiles short rows are packed up to (0: none): the largest PACK_CANDIDATES
+    entry that keeps at least PACK_MIN_ITEMS_PER_SLOT x ``slots`` items."""
+    best = 0
+    for below in PACK_CANDIDATES:
+        packed = work_list(items, below, None, pairs_per_group)
+        if len(packed) >= PACK_MIN_ITEMS_PER_SLOT * slots:
+            best = below
+    return best
+
+
+def predict_packed(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    p: FwdParams,
+    item_share: float,
+    row_share: float,
+    kv_group: int = 1,
+) -> tuple[Prediction, int, int]:
+    """The built list (geometry's split) with short rows packed (pack_threshold), each item
+    paying ``item_share`` of today's per-CTA cost for its first row and ``row_share`` for each
+    packed row after it; the merge follows. Returns the prediction, the threshold and the
+    packed item count."""
+    items, work, tile_n = built_items(layout, batch, head_dim, kv_group, None)
+    heads = layout.blocks.shape[0]
+    groups = geometry.sm90_cta_groups(batch, heads, layout.n_ctx, head_dim, "bfloat16", kv_group)
+    per_group = -(-batch * heads // groups)
+    slots = SMS * SM90_RESIDENT
+    below = pack_threshold(items, slots, per_group)
+    packed = work_list(items, below, None, per_group)
+    terms = fwd_terms(packed, head_dim, tile_n, slots)
+    per_slot = p.cta_cycles * (1 - item_share)
+    pred = predict_terms(terms, p, slots, item_share, per_slot, row_share)
+    pred = dataclasses.replace(pred, seconds=pred.seconds + merge_seconds(p, work, head_dim))
+    return pred, below, len(packed)
+
+
+def pack_table(
+    p: FwdParams,
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    blocks: Sequence[int] = (64, 128),
+) -> str:
+    """bench/NOTES.md's packing table: every bench pattern on the built list (split rows, item
+    1/2), then packed at pack_threshold with a packed row paying 1/2 (what consecutive items
+    pay now) and 1/4 (its Q loaded under the previous row's tiles); ratios over dense causal's
+    under the same variant."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        "",
+        "| pattern, block | entries | pack below (tiles), items | split ms (ratio), tail "
+        "| packed, row 1/2: ms (ratio), tail | packed, row 1/4: ms (ratio) | change at 1/4 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for block in blocks:
+        rows = {}
+        for pattern in ALL_PATTERNS:
+            try:
+                layout = pattern.make_layout(n_ctx, heads, block)
+            except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
+                continue
+            split = predict_built_persistent(layout, batch, head_dim, p, 0.5, split_tiles=None)
+            half, below, count = predict_packed(layout, batch, head_dim, p, 0.5, 0.5)
+            quarter, _, _ = predict_packed(layout, batch, head_dim, p, 0.5, 0.25)
+            rows[pattern.label] = (layout.density, split.ctas, below, count, split, half, quarter)
+        base = rows["dense-causal"]
+        for label, (density, entries, below, count, *preds) in rows.items():
+
+            def cell(
+                i: int, preds: list = preds, density: float = density, base: tuple = base
+            ) -> str:
+                ratio = density / base[0] * base[4 + i].seconds / preds[i].seconds
+                return f"{preds[i].seconds * 1e3:.3f} ({ratio:.2f})"
+
+            change = preds[2].seconds / preds[0].seconds - 1
+            lines.append(
+                f"| {label}, {block} | {entries} | {below}, {count} | {cell(0)}, "
+                f"{preds[0].tail:.2f} | {cell(1)}, {preds[1].tail:.2f} | {cell(2)} | "
+                f"{100 * change:+.0f} % |"
+            )
+    return "\n".join(lines)
+
+
 def predict_built_persistent(
     layout: object,
     batch: int,
@@ -469,24 +606,21 @@ def predict_built_persistent(
     item_share: float,
     kv_group: int = 1,
     stride: bool = False,
+    split_tiles: int | None = 0,
 ) -> Prediction:
-    """attn_fwd_sm90_persistent as built: SMS CTAs claim today's CTAs as items in the order of
-    geometry.sm90_work_list (the list the host hands the kernel), each item paying
-    ``item_share`` of today's per-CTA cost and each CTA the rest once. ``stride``: the
-    alternative not built, CTA i taking items i, i + SMS, ... instead of claiming the next."""
-    block = layout.blocksize
-    tile_n = geometry.sm90_tile_n(block, head_dim)
-    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
-    by_key = {(c.pair, c.tile): c for c in ctas}
-    tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
-    order = geometry.sm90_work_list(
-        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block
-    )
-    items = [by_key[divmod(int(i), tiles)] for i in order]
+    """attn_fwd_sm90_persistent as built: SMS CTAs claim the entries of geometry.sm90_work_list
+    (the list the host hands the kernel) in its order, each paying ``item_share`` of today's
+    per-CTA cost and each CTA the rest once. ``split_tiles``: 0 splits no row (the first step);
+    None, geometry's choice (sm90_split_tiles); a chunk is its row's CTA cut to the key tiles of
+    its blocks (tensor and masked work in proportion), and the merge (merge_seconds) follows.
+    ``stride``: the alternative not built, CTA i taking items i, i + SMS, ... instead of
+    claiming the next."""
+    items, work, tile_n = built_items(layout, batch, head_dim, kv_group, split_tiles)
     slots = SMS * SM90_RESIDENT
     terms = fwd_terms(items, head_dim, tile_n, slots)
     per_slot = p.cta_cycles * (1 - item_share)
     pred = predict_terms(terms, p, slots, item_share, per_slot)
+    pred = dataclasses.replace(pred, seconds=pred.seconds + merge_seconds(p, work, head_dim))
     if not stride:
         return pred
     share = _fixed_share(terms[:, 0], item_share, None)
@@ -497,6 +631,69 @@ def predict_built_persistent(
     return dataclasses.replace(
         pred, seconds=p.launch_us * 1e-6 + makespan / CLOCK_HZ, makespan_cycles=makespan
     )
+
+
+def split_table(
+    p: FwdParams,
+    labels: Sequence[str] = ("bigbird", "longformer", "variable"),
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    blocks: Sequence[int] = (64, 128),
+) -> str:
+    """bench/NOTES.md's split-row table: each pattern on the persistent grid as built (no row
+    split) and with geometry's split, an item paying 1/2 and 3/4 of today's per-CTA cost; the
+    ratio is the computed-block rate over dense causal's on the same variant."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    patterns = {pattern.label: pattern for pattern in ALL_PATTERNS}
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        "",
+        "| pattern, block | split rows x chunks (tiles above) | item 1/2: unsplit ms (ratio), tail "
+        "| split ms (ratio), tail | change | item 3/4: unsplit ms | split ms | merge us |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for block in blocks:
+        causal = patterns["dense-causal"].make_layout(n_ctx, heads, block)
+        base_seconds = {
+            (share, split): predict_built_persistent(
+                causal, batch, head_dim, p, share, split_tiles=split
+            ).seconds
+            for share in (0.5, 0.75)
+            for split in (0, None)
+        }
+        for label in labels:
+            layout = patterns[label].make_layout(n_ctx, heads, block)
+            work = geometry.sm90_work_list(
+                layout.blocks, batch, n_ctx, head_dim, "bfloat16", 1, block
+            )
+            rows = len(work.merges)
+            chunks = f"{rows} x {work.slots / rows:.1f}" if rows else "0"
+            rate_scale = layout.density / causal.density
+            pred = {
+                (share, split): predict_built_persistent(
+                    layout, batch, head_dim, p, share, split_tiles=split
+                )
+                for share in (0.5, 0.75)
+                for split in (0, None)
+            }
+
+            def cell(
+                key: tuple, pred: dict = pred, scale: float = rate_scale, base: dict = base_seconds
+            ) -> str:
+                ratio = scale * base[key] / pred[key].seconds
+                return f"{pred[key].seconds * 1e3:.3f} ({ratio:.2f}), {pred[key].tail:.2f}"
+
+            change = pred[(0.5, None)].seconds / pred[(0.5, 0)].seconds - 1
+            lines.append(
+                f"| {label}, {block} | {chunks} ({work.split_tiles}) | {cell((0.5, 0))} | "
+                f"{cell((0.5, None))} | {100 * change:+.0f} % | "
+                f"{pred[(0.75, 0)].seconds * 1e3:.3f} | {pred[(0.75, None)].seconds * 1e3:.3f} | "
+                f"{merge_seconds(p, work, head_dim) * 1e6:.1f} |"
+            )
+    return "\n".join(lines)
 
 
 def persistent_table(
@@ -788,10 +985,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--persistent", action="store_true", help="the persistent forward's table (bench/NOTES.md)"
     )
+    parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
+    parser.add_argument("--pack", action="store_true", help="the packing table (bench/NOTES.md)")
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
     if args.whatif:
         print(whatif_tables(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        return 0
+    if args.pack:
+        print(
+            pack_table(
+                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
+            )
+        )
+        return 0
+    if args.split:
+        print(
+            split_table(
+                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
+            )
+        )
         return 0
     if args.persistent:
         print(persistent_table(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))

@@ -29,7 +29,8 @@
 //     two taking turns at the tensor pipe.
 // attn_fwd_sm90_persistent (issue 53) computes the same items, each exactly as a CTA here does,
 // on a grid of about one CTA per SM that claims them from a work list the host builds from the
-// layout, longest rows first (its own note, at the end of the file).
+// layout, longest rows first, rows far longer than the rest split into chunks that
+// attn_fwd_sm90_merge merges after it (its own note, at the end of the file).
 // With 128-blocks the CTA owns one layout block and walks its CSR row; with 64-blocks it owns
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
@@ -76,7 +77,11 @@
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
 // maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
 // (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
-// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py).
+// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py),
+// then, where it split rows, `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128
+// / 16), 1, 1), row_kernel_traits' 128 threads and no shared memory.
+#include "common/merge_row.cuh"
+#include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
 #include "common/semaphore.cuh"
 #include "common/smem.cuh"
@@ -96,6 +101,23 @@ constexpr int SWIZZLE_CHUNK_BYTES = 16;  // the unit the pattern moves
 constexpr unsigned SWIZZLED_K_MAJOR_LEADING = 16;
 // Columns of a score tile one mask pass covers: a bitmask row is read 64 bits at a time.
 constexpr int MASK_PASS_COLUMNS = 64;
+// attn_fwd_sm90_persistent's work list: an entry a claim (geometry.Sm90WorkList.items, the
+// fields in the order of geometry's SM90_WORK_FIELDS): the item, the key blocks [first, end) it
+// walks (for the host), its slot (NO_SLOT: an unsplit row), and where those key blocks lie in
+// its CSR rows, entries [first, end) of row a, then of row b (the second block of a paired
+// item), counted from each row's first (the walk's restrict_to).
+constexpr int ROW_ENTRY_INTS = 2 * 2;  // [first, end) of each of an item's (up to) two rows
+enum WorkField {
+  WORK_ITEM,
+  WORK_FIRST_BLOCK,
+  WORK_END_BLOCK,
+  WORK_SLOT,
+  WORK_ROW_ENTRIES,
+  WORK_FIELDS = WORK_ROW_ENTRIES + ROW_ENTRY_INTS
+};
+constexpr int NO_SLOT = -1;
+// attn_fwd_sm90_merge's list: an entry a split row (geometry.Sm90WorkList.merges).
+enum MergeField { MERGE_ITEM, MERGE_FIRST_SLOT, MERGE_CHUNKS, MERGE_FIELDS };
 
 // Every size of the kernel, chosen here and checked.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
@@ -228,21 +250,25 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
 // active key tile into the rings, the item's tiles numbered on from `t` (the CTA's running
 // count: stage and phase continue across items), and Q by `load_q` once `q_after` of them are
 // issued (0: first; a persistent CTA copies an item's first tiles into the stages the previous
-// item has handed back while that item's epilogue still holds the Q tile).
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, typename LoadQ>
+// item has handed back while that item's epilogue still holds the Q tile). CHUNKED: the item
+// is the part of its rows that `chunk()` names (its WORK_ROW_ENTRIES: a chunk of a split row),
+// read once Q is on its way (so nothing is held through load_q's wait).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename LoadQ,
+          typename Chunk>
 __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
                                              const TensorMap& k_map, const TensorMap& v_map,
                                              int k_col, int v_col, const int* row_ptr,
                                              const int* col_idx, const int* row_mask,
                                              const RuleParams& rule, int num_blocks, int head,
                                              int kv_head, int batch, int q_start, int q_after,
-                                             int& t, LoadQ load_q) {
+                                             int& t, LoadQ load_q, Chunk chunk) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
   if (q_after == 0) load_q();
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
+  if constexpr (CHUNKED) walk.restrict_to(chunk());
   const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   const int q_at = t + q_after;  // Q goes once tile q_at - 1 is issued
@@ -263,15 +289,20 @@ __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
 // producer numbered from `t` (advanced past them), once Q has landed (the caller waits for
 // q_full); ends once this consumer's O rows are stored and the TMA unit has read them out of
 // the Q tile (only the thread that stored them knows when: a persistent CTA lets it hand the
-// tile back).
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+// tile back). CHUNKED: the item is the part of its rows `row_entries` names (WORK_ROW_ENTRIES),
+// and a chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own
+// sum, and lse as float32 to rows slot x TILE_M on of part_out and part_lse instead of out and
+// lse.
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED>
 __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
                                              const TensorMap& out_map, int out_col,
                                              float* __restrict__ lse, const int* row_ptr,
                                              const int* col_idx, const int* row_mask,
                                              const RuleParams& rule, int n_q, int num_blocks,
                                              float scale, int consumer, int head, int heads,
-                                             int batch, int q_start, int& t) {
+                                             int batch, int q_start, const int* row_entries,
+                                             int slot, float* __restrict__ part_out,
+                                             float* __restrict__ part_lse, int& t) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
   Ring* k_ring = smem.k_ring;
@@ -283,6 +314,7 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
   const int warp_first = group_first + warp_in_group * 16;
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
+  if constexpr (CHUNKED) walk.restrict_to(row_entries);
   // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
   const int walk_first = Traits::ROW_BLOCKS == 2 ? group_first : q_start;
   const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
@@ -493,6 +525,27 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
   // values out of it and hold them through the main loop, which spills.
   opaque_to_compiler(frag.g);
   opaque_to_compiler(frag.t);
+  if (CHUNKED && slot != NO_SLOT) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_i[r]);
+      const int row = consumer * WGMMA_M + warp_in_group * 16 + frag.row(2 * r);  // in the 128
+      const bool empty = l == 0.f;  // as below: 0 and -inf, which the merge weighs by 0
+      const float inv_l = 1.f / l;
+      const size_t part_row = size_t(slot) * Traits::TILE_M + size_t(row);
+      float* out_row = part_out + part_row * HEAD_DIM;
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+        *reinterpret_cast<float2*>(out_row + frag.pair_col(j)) =
+            make_float2(empty ? 0.f : o[j][2 * r] * inv_l, empty ? 0.f : o[j][2 * r + 1] * inv_l);
+      }
+      if (frag.t == 0) part_lse[part_row] = empty ? -INFINITY : (m_i[r] + log2f(l)) * LN2;
+    }
+    // Every thread of this consumer past its last wgmma before its storing thread hands the Q
+    // tile back.
+    named_barrier_sync(Traits::STORE_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+    return;
+  }
   unsigned char* o_tile = q_group;  // this consumer's rows of the Q tile
   const size_t head_offset = (size_t(batch) * heads + head) * size_t(n_q);
 #pragma unroll
@@ -565,10 +618,9 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                                               q_start, cta.head, cta.batch, smem.q_full);
     };
     int t = 0;
-    produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(smem, k_map, v_map, k_col, v_col, row_ptr,
-                                                   col_idx, row_mask, rule, num_blocks, cta.head,
-                                                   cta.head / kv_group, cta.batch, q_start, 0, t,
-                                                   load_q);
+    produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
+        smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, cta.head,
+        cta.head / kv_group, cta.batch, q_start, 0, t, load_q, [] { return nullptr; });
     return;
   }
 
@@ -576,32 +628,44 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   mbarrier_wait_parity(smem.q_full, 0);  // always: no copy may be in flight when the CTA ends
   int t = 0;
-  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(smem, out_map, out_col, lse, row_ptr, col_idx,
-                                                 row_mask, rule, n_q, num_blocks, scale,
-                                                 warpgroup - 1, cta.head, int(gridDim.y),
-                                                 cta.batch, q_start, t);
+  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
+      smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
+      warpgroup - 1, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr,
+      nullptr, t);
 }
 
 // The persistent forward (issue 53): the same items, (128 query rows, head, batch), taken by a
 // grid of about one CTA per SM from a work list the host builds from the layout
 // (geometry.sm90_work_list: longest rows first within the L2-sized groups of pairs that
-// attn_fwd_sm90 starts together). Item n of the list is pair * ceil(n_q / 128) + tile, pair =
-// batch * heads + head. A CTA claims list places from a counter (claim_work, zeroed before the
-// launch) until the list is out: the place claimed next is always the next in the list, so the
-// order is the list's whatever the CTAs' speeds (a fixed stride would hand one CTA every
-// longest row of each round).
+// attn_fwd_sm90 starts together). An entry of the list (WorkField) is an item, pair *
+// ceil(n_q / 128) + tile with pair = batch * heads + head, the key blocks [first, end) it
+// walks, and a slot: a row far longer than the rest is split into chunks of its key blocks,
+// each an entry whose consumers write a float32 partial (out, lse) to its slot of part_out and
+// part_lse; attn_fwd_sm90_merge merges them after the launch. A CTA claims list places from a
+// counter (claim_work, zeroed before the launch) until the list is out: the place claimed next
+// is always the next in the list, so the order is the list's whatever the CTAs' speeds (a fixed
+// stride would hand one CTA every longest row of each round).
 //
 // What persists across a CTA's items: the barriers, the rings' running tile count (stage and
 // phase continue), the consumers' turns. Per item, the producer thread claims a place, copies
 // the item's first KV_STAGES key tiles into the stages the previous item has handed back (they
 // land while that item's epilogue runs), waits for q_empty (both consumers' O rows read out of
-// the Q tile by the TMA unit), writes the item into item_slot and copies Q with q_full
-// announcing both; the consumers wait for q_full, read the item, compute it exactly as
+// the Q tile by the TMA unit), writes the claimed place into item_slot and copies Q with q_full
+// announcing both; the consumers wait for q_full, read the entry, compute it exactly as
 // attn_fwd_sm90's CTA does, and each consumer's storing thread arrives on q_empty once its
 // store has been read. The list out, the producer publishes NO_ITEM with a plain arrive and the
 // consumers leave: no copy is then in flight (every one issued was waited for).
 constexpr int NO_ITEM = -1;
-enum ProducerState { CLAIMED, PUBLISHED, PRODUCER_STATE_INTS };
+// The producer's state in shared memory: the place claimed, the count of items published, and
+// the claimed entry's item and WORK_ROW_ENTRIES, copied there when claimed (read from the list
+// where used, their 64-bit addresses spill the producer's 24 registers).
+enum ProducerState {
+  CLAIMED,
+  PUBLISHED,
+  CLAIMED_ITEM,
+  ROW_ENTRIES,
+  PRODUCER_STATE_INTS = ROW_ENTRIES + ROW_ENTRY_INTS
+};
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
@@ -621,7 +685,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
         const int* __restrict__ row_mask, const u32* __restrict__ mask_table, int n_q, int n_k,
         int q_offset, int kv_group, int num_blocks, float scale, int window_left,
         int window_right, const int* __restrict__ work_list, int num_items, int heads,
-        int* __restrict__ work_counter) {
+        int* __restrict__ work_counter, float* __restrict__ part_out,
+        float* __restrict__ part_lse) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>;
   // At d = 256 the producer's four panels a copy do not fit its 24 registers beside the loop's
@@ -646,8 +711,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0) return;
-    // The claimed item and the count of items published live in shared memory, read where
-    // used: held in registers through an item's copies they spill (the producer has 24).
+    // Its state lives in shared memory (ProducerState), read where used.
     auto publish = [&] {
       const int published = producer_state[PUBLISHED];
       if (published > 0) mbarrier_wait_parity(q_empty, unsigned(published - 1) & 1u);
@@ -656,7 +720,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     };
     auto load_q = [&] {
       publish();
-      const int item = producer_state[CLAIMED];
+      const int item = producer_state[CLAIMED_ITEM];
       const int pair = item / q_tiles;
       mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
       load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
@@ -666,20 +730,28 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     int t = 0;
     for (;;) {
       const int place = claim_work(work_counter);
-      const int item = place < num_items ? work_list[place] : NO_ITEM;
-      producer_state[CLAIMED] = item;
-      if (item == NO_ITEM) {
+      producer_state[CLAIMED] = place < num_items ? place : NO_ITEM;
+      if (place >= num_items) {
         publish();
         mbarrier_arrive(smem.q_full);
         return;
       }
+      const int* entry = work_list + place * WORK_FIELDS;
+#pragma unroll
+      for (int i = 0; i < ROW_ENTRY_INTS; ++i) {
+        producer_state[ROW_ENTRIES + i] = entry[WORK_ROW_ENTRIES + i];
+      }
+      const int item = entry[WORK_ITEM];
+      producer_state[CLAIMED_ITEM] = item;
       const int pair = item / q_tiles;
       const int head = pair % heads;
       // The first item's Q goes first: there is no epilogue to copy under.
       const int q_after = producer_state[PUBLISHED] == 0 ? 0 : Traits::KV_STAGES;
-      produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(
+      auto chunk = [&] { return producer_state + ROW_ENTRIES; };
+      produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
           smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, head,
-          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, q_after, t, load_q);
+          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, q_after, t, load_q,
+          chunk);
     }
   }
 
@@ -687,12 +759,61 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   int t = 0;
   for (int n = 0;; ++n) {
     mbarrier_wait_parity(smem.q_full, unsigned(n) & 1u);
-    const int item = *item_slot;
-    if (item == NO_ITEM) return;
+    const int place = *item_slot;
+    if (place == NO_ITEM) return;
+    const int* entry = work_list + place * WORK_FIELDS;
+    const int item = entry[WORK_ITEM];
     const int pair = item / q_tiles;
-    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE>(
+    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
         smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
-        warpgroup - 1, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M, t);
+        warpgroup - 1, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
+        entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);
     if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) mbarrier_arrive(q_empty);
+  }
+}
+
+// The merge of split rows (issue 53): after attn_fwd_sm90_persistent, each split row's chunks
+// (merge_list: MergeField, its chunks' slots consecutive) merged through the LSE in chunk order,
+// one warp a query row (row_kernel_traits; merge_row, kernels/common/merge_row.cuh), into out
+// [batch, heads, n_q, HEAD_DIM] (contiguous) and lse. rows = split rows x 128; a row past n_q
+// (the last query tile's) is left alone. A chunk with no key for a row (lse -inf, out 0) weighs
+// 0; a row no chunk reaches gets out 0 and lse -inf.
+template <int HEAD_DIM>
+struct ChunkSlots {
+  static constexpr int SPLITS = 0;
+  static constexpr int SLOT_ROWS = 2 * WGMMA_M;  // a slot holds an item's 128 rows
+  const float* row_out;  // the row in the first chunk's slot; the next chunk's SLOT_ROWS on
+  const float* row_lse;
+  int chunks;
+  __device__ __forceinline__ int count() const { return chunks; }
+  __device__ __forceinline__ float lse(int s) const { return row_lse[size_t(s) * SLOT_ROWS]; }
+  __device__ __forceinline__ float out(int s, int d) const {
+    return row_out[size_t(s) * SLOT_ROWS * HEAD_DIM + d];
+  }
+};
+
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS)
+    attn_fwd_sm90_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                        const int* __restrict__ merge_list, T* __restrict__ out,
+                        float* __restrict__ lse, int n_q, int rows) {
+  using Traits = row_kernel_traits<HEAD_DIM, T>;
+  constexpr int SLOT_ROWS = ChunkSlots<HEAD_DIM>::SLOT_ROWS;
+  const int q_tiles = (n_q + SLOT_ROWS - 1) / SLOT_ROWS;
+  const int warp = int(threadIdx.x / 32);
+  const int lane = int(threadIdx.x % 32);
+  for (int r = warp; r < Traits::ROWS_PER_CTA; r += Traits::NUM_WARPS) {
+    const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
+    if (row >= rows) break;  // uniform across the warp
+    const int* entry = merge_list + row / SLOT_ROWS * MERGE_FIELDS;
+    const int within = row % SLOT_ROWS;
+    const int item = entry[MERGE_ITEM];
+    const int q_row = item % q_tiles * SLOT_ROWS + within;
+    if (q_row >= n_q) continue;
+    const size_t at = size_t(item / q_tiles) * n_q + q_row;
+    const size_t first = size_t(entry[MERGE_FIRST_SLOT]) * SLOT_ROWS + within;
+    const ChunkSlots<HEAD_DIM> parts{part_out + first * HEAD_DIM, part_lse + first,
+                                     entry[MERGE_CHUNKS]};
+    merge_row<HEAD_DIM, MERGE_WEIGH_EMPTY>(parts, out + at * HEAD_DIM, lse + at, lane);
   }
 }

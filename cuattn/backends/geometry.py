@@ -87,6 +87,7 @@ KERNEL_FILES = {
     "mask_vertical_slash": "layout_build.cu",
     "attn_fwd_sm90": "attn_fwd_sm90.cu",
     "attn_fwd_sm90_persistent": "attn_fwd_sm90.cu",
+    "attn_fwd_sm90_merge": "attn_fwd_sm90.cu",
     "attn_bwd_sm90": "attn_bwd_sm90.cu",
     "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
 }
@@ -156,12 +157,35 @@ SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
 # d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
 SM90_PERSISTENT_HEAD_DIMS = (64, 128)
 SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
-# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's claimed
-# item and count of items published.
-SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + 3 * 4
+# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's state (the
+# place claimed, the count of items published, the claimed item and its four row entries).
+SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + (1 + 7) * 4
 SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
+# Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
+# the others walk a few) are split into chunks of their key blocks, each chunk an item of its
+# own: the one CTA holding a whole global row otherwise ends 1.4-1.5x after the others. A row is
+# split when it walks more than SM90_SPLIT_FACTOR x the mean item's key tiles (and more than
+# SM90_SPLIT_MIN_TILES: a chunk pays an item's fixed cost), into chunks of at most that many
+# tiles. Each chunk writes its partial (out, lse) in float32 to a slot of a workspace, and
+# SM90_FWD_MERGE merges a row's chunks through the LSE in chunk order after the launch: the
+# same bits whichever CTA computed which chunk.
+SM90_SPLIT_FACTOR = 4
+SM90_SPLIT_MIN_TILES = 8
+# A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
+# workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse), and where
+# those key blocks lie in the item's CSR rows: entries [first, end) of its first block's row,
+# then of its second's (64-blocks; 0, 0 where there is none), counted from each row's first
+# entry (the kernel cuts its walk with them and searches nothing).
+SM90_WORK_FIELDS = 8
+SM90_ITEM_ROWS = 2  # CSR rows an item's entry names: a 64-block item's two (128-blocks: one)
+SM90_NO_SLOT = -1
+# A merge list entry: the item, its first chunk's slot (the rest follow), its chunks.
+SM90_MERGE_FIELDS = 3
+SM90_FWD_MERGE = "attn_fwd_sm90_merge"  # one warp per row, row_kernel_traits
 # built for sm_90a alone
-SM90_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT, SM90_BWD, SM90_BWD_DQ)
+SM90_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT, SM90_FWD_MERGE, SM90_BWD, SM90_BWD_DQ)
+# The row kernels of the sm_90a family (row_kernel_traits, grid of ROWS_PER_CTA_ELEMENTWISE rows)
+SM90_ROW_KERNELS = (SM90_FWD_MERGE, SM90_BWD_DQ)
 KERNELS_ENV = "CUATTN_KERNELS"
 AUTO_FAMILY = "auto"  # the default: the backend's own choice (KernelBackend.sm90a_by_default)
 MMA_FAMILY = "mma"
@@ -383,10 +407,21 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     SM90_FWD: (*_SM90_FWD_ARGS, ("cta_groups", "i32")),  # sm90_cta_groups
     SM90_FWD_PERSISTENT: (
         *_SM90_FWD_ARGS,
-        ("work_list", "ptr"),  # int32, sm90_work_list
+        ("work_list", "ptr"),  # int32 [num_items, SM90_WORK_FIELDS], Sm90WorkList.items
         ("num_items", "i32"),
         ("heads", "i32"),
         ("work_counter", "ptr"),  # int32, zeroed
+        ("part_out", "ptr"),  # float32 [slots, SM90_TILE_M, head_dim]: the chunks' partial outs
+        ("part_lse", "ptr"),  # float32 [slots, SM90_TILE_M]
+    ),
+    SM90_FWD_MERGE: (
+        ("part_out", "ptr"),
+        ("part_lse", "ptr"),
+        ("merge_list", "ptr"),  # int32 [split items, SM90_MERGE_FIELDS], Sm90WorkList.merges
+        ("out", "ptr"),  # [batch, heads, n_q, head_dim], contiguous
+        ("lse", "ptr"),  # float32 [batch, heads, n_q]
+        ("n_q", "i32"),
+        ("rows", "i32"),  # split items x SM90_TILE_M
     ),
     SM90_BWD: (
         ("q", "tmap"),
@@ -814,7 +849,7 @@ class KernelConfig(_Launch):
         half = self.dtype != "float32"
         ld = _smem_stride(self.head_dim, itemsize)
         assert (ld * itemsize) % 16 == 0, "cp.async / ldmatrix rows must stay 16-byte aligned"
-        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
+        if self.kernel in ROW_KERNELS or self.kernel in SM90_ROW_KERNELS:
             assert self.block is None and self.rule is None
             tile_m = tile_n = ROWS_PER_CTA_ELEMENTWISE
             num_warps = ELEMENTWISE_WARPS
@@ -928,7 +963,7 @@ class KernelConfig(_Launch):
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
+        if self.kernel in ROW_KERNELS or self.kernel in SM90_ROW_KERNELS:
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel == SM90_BWD:  # heads: kv heads; n_rows: keys
             return (ceil_div(self.n_rows, SM90_BWD_TILE_K), self.heads, self.batch)
@@ -957,7 +992,7 @@ class KernelConfig(_Launch):
         flag) or
         ``attn_bwd_dq<64, 64, 32, 128, ...>`` (block, own tile, step tile, ...)."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
+        if self.kernel in ROW_KERNELS or self.kernel in SM90_ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
         if self.kernel == DECODE_GQA_KERNEL:
             return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
@@ -982,7 +1017,7 @@ class KernelConfig(_Launch):
     def traits_expression(self) -> str:
         """The C++ traits struct the kernel derives the rest of its geometry from."""
         cxx = CXX_TYPE[self.dtype]
-        if self.kernel in ROW_KERNELS or self.kernel == SM90_BWD_DQ:
+        if self.kernel in ROW_KERNELS or self.kernel in SM90_ROW_KERNELS:
             return f"row_kernel_traits<{self.head_dim}, {cxx}>"
         if self.kernel in DECODE_KERNELS:  # the split kernel's traits, of its pages' type
             kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else cxx
@@ -1242,19 +1277,56 @@ def sm90_backward_cta_groups(
     return ceil_div(pairs, most)
 
 
-def sm90_work_list(
-    blocks: np.ndarray, batch: int, n_k: int, head_dim: int, dtype: str, kv_group: int, block: int
-) -> np.ndarray:
-    """attn_fwd_sm90_persistent's work list (int32): every (128 query rows, head, batch) item,
-    numbered pair * query tiles + tile with pair = batch * heads + head, in the order its CTAs
-    claim them. ``blocks``: the layout's bool [heads, query blocks, key blocks].
+@dataclass(frozen=True)
+class Sm90WorkList:
+    """attn_fwd_sm90_persistent's work: ``items`` int32 [entries, SM90_WORK_FIELDS] in the order
+    its CTAs claim them (item = pair * query tiles + tile with pair = batch * heads + head, the
+    item's key blocks [first, end), its chunk's slot or SM90_NO_SLOT, and those blocks' entries
+    in each of its rows), and ``merges`` int32 [split items, SM90_MERGE_FIELDS] (item, first
+    slot, chunks: what SM90_FWD_MERGE merges);
+    ``split_tiles``, the key tiles above which a row was split (0: none was to be)."""
 
-    The pairs fall into the sm90_cta_groups groups attn_fwd_sm90 starts one after another (a
-    group's K and V fit the L2 its CTAs share; the first pairs % groups groups hold one pair
-    more); within a group the items go longest first, by the key tiles the CTA walks (the union
-    of its blocks' rows), then by the blocks its consumers compute, ties in attn_fwd_sm90's own
-    order (the last rows first, pairs ascending). The longest rows start first, so the short
-    ones fill the SMs at the tail."""
+    items: np.ndarray
+    merges: np.ndarray
+    split_tiles: int
+
+    @property
+    def slots(self) -> int:
+        """Partial (out, lse) slots the chunks write."""
+        return int(self.merges[:, 2].sum())
+
+
+def sm90_split_tiles(walked: np.ndarray) -> int:
+    """Key tiles above which a row is split, and the most a chunk walks: SM90_SPLIT_FACTOR x the
+    mean item's (``walked``: the key tiles of every item), at least SM90_SPLIT_MIN_TILES."""
+    mean = float(walked.mean()) if walked.size else 0.0
+    return max(SM90_SPLIT_MIN_TILES, int(np.ceil(SM90_SPLIT_FACTOR * mean)))
+
+
+def sm90_work_list(
+    blocks: np.ndarray,
+    batch: int,
+    n_k: int,
+    head_dim: int,
+    dtype: str,
+    kv_group: int,
+    block: int,
+    split_tiles: int | None = None,
+) -> Sm90WorkList:
+    """attn_fwd_sm90_persistent's work list: every (128 query rows, head, batch) item, rows that
+    walk more than ``split_tiles`` key tiles (None: sm90_split_tiles) cut into chunks of their
+    key blocks, in the order its CTAs claim them. ``blocks``: the layout's bool [heads, query
+    blocks, key blocks].
+
+    A split row's walked key blocks (the union of its blocks' rows) are cut into
+    ceil(walked / split_tiles) runs of near-equal length; a chunk's range reaches to the next
+    chunk's first block (the first from block 0, the last to the end), so the chunks cover the
+    row. The pairs fall into the sm90_cta_groups groups attn_fwd_sm90 starts one after another
+    (a group's K and V fit the L2 its CTAs share; the first pairs % groups groups hold one pair
+    more); within a group the entries go longest first, by the key tiles walked, then by the
+    blocks its consumers compute, ties in attn_fwd_sm90's own order (the last rows first, pairs
+    ascending, a row's chunks ascending). The longest start first, so the short ones fill the
+    SMs at the tail."""
     heads, nbq, nb = blocks.shape
     per_tile = SM90_TILE_M // block  # layout blocks an item owns
     tiles = ceil_div(nbq, per_tile)
@@ -1267,29 +1339,86 @@ def sm90_work_list(
     owned[:, :nbq] = blocks
     owned = owned.reshape(heads, tiles, per_tile, nb)
     key_tiles = max(1, block // sm90_tile_n(block, head_dim))  # key tiles of one key block
-    walked = owned.any(axis=2).sum(axis=2) * key_tiles  # [heads, tiles]
-    computed = owned.sum(axis=(2, 3))
+    union = owned.any(axis=2)  # [heads, tiles, key blocks]
+    walked = union.sum(axis=2) * key_tiles  # [heads, tiles]
+    if split_tiles is None:
+        split_tiles = sm90_split_tiles(walked)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
     narrow, wide = divmod(pairs, groups)
-    pair = np.arange(pairs)
+    # [heads, tiles, rows, key blocks + 1]: a row's entries before each key block
+    before = np.zeros((heads, tiles, SM90_ITEM_ROWS, nb + 1), np.int64)
+    before[:, :, :per_tile, 1:] = owned.cumsum(axis=3)
+    # one row a (head, tile, chunk): head, tile, chunk, first block, end block, walked,
+    # computed, then the blocks' entries [first, end) in each of the item's rows
+    chunks_of = np.ones_like(walked)
+    if split_tiles:
+        chunks_of = np.where(walked > split_tiles, -(-walked // split_tiles), 1)
+    head_of, tile_of = np.nonzero(chunks_of == 1)
+    whole = np.stack(
+        [
+            head_of,
+            tile_of,
+            np.full(len(head_of), SM90_NO_SLOT),
+            np.zeros(len(head_of), np.int64),
+            np.full(len(head_of), nb),
+            walked[head_of, tile_of],
+            owned.sum(axis=(2, 3))[head_of, tile_of],
+            *before[head_of, tile_of][:, :, [0, nb]].reshape(len(head_of), 2 * SM90_ITEM_ROWS).T,
+        ],
+        axis=1,
+    ).reshape(-1, 7 + 2 * SM90_ITEM_ROWS)
+    chunked = []
+    for head, tile in zip(*np.nonzero(chunks_of > 1), strict=True):
+        chunks = int(chunks_of[head, tile])
+        keys = np.flatnonzero(union[head, tile])
+        cuts = [0, *(int(keys[len(keys) * c // chunks]) for c in range(1, chunks)), nb]
+        for chunk in range(chunks):
+            first, end = cuts[chunk], cuts[chunk + 1]
+            chunked.append(
+                [
+                    head,
+                    tile,
+                    chunk,
+                    first,
+                    end,
+                    int(union[head, tile, first:end].sum()) * key_tiles,
+                    int(owned[head, tile, :, first:end].sum()),
+                    *before[head, tile][:, [first, end]].ravel().tolist(),
+                ]
+            )
+    per_head = np.concatenate(
+        [whole, np.asarray(chunked, np.int64).reshape(-1, whole.shape[1])]
+    ).astype(np.int64)
+    # every batch: the same rows, pair = batch * heads + head
+    table = np.tile(per_head, (batch, 1))
+    table[:, 0] += np.repeat(np.arange(batch) * heads, len(per_head))
+    pair, tile, chunk, first, end, walk, comp = table[:, :7].T
+    row_entries = table[:, 7:]
     # the group of each pair: the first `wide` groups hold narrow + 1 pairs
     group = np.where(
         pair < wide * (narrow + 1),
         pair // (narrow + 1),
         wide + (pair - wide * (narrow + 1)) // max(narrow, 1),
     )
-    pair_of, tile_of = np.meshgrid(pair, np.arange(tiles), indexing="ij")  # [pairs, tiles]
-    head_of = pair_of % heads
-    order = np.lexsort(
-        (
-            pair_of.ravel(),
-            -tile_of.ravel(),
-            -computed[head_of, tile_of].ravel(),
-            -walked[head_of, tile_of].ravel(),
-            group[pair_of].ravel(),
-        )
+    order = np.lexsort((chunk, pair, -tile, -comp, -walk, group))
+    item = pair * tiles + tile
+    # slots: the split items' chunks in item order, a row's chunks consecutive
+    split = chunk != SM90_NO_SLOT
+    by_item = np.lexsort((chunk[split], item[split]))
+    slot = np.full(len(item), SM90_NO_SLOT, np.int64)
+    slot[np.flatnonzero(split)[by_item]] = np.arange(int(split.sum()))
+    firsts = split & (chunk == 0)
+    split_items, first_slots = item[firsts], slot[firsts]
+    merge_order = np.argsort(split_items, kind="stable")
+    counts = np.bincount(item[split], minlength=pairs * tiles)[split_items]
+    merges = np.stack([split_items, first_slots, counts], axis=1)[merge_order]
+    items = np.concatenate([np.stack([item, first, end, slot], axis=1), row_entries], axis=1)
+    items = items[order]
+    return Sm90WorkList(
+        items.astype(np.int32).reshape(-1, SM90_WORK_FIELDS),
+        merges.astype(np.int32).reshape(-1, SM90_MERGE_FIELDS),
+        split_tiles,
     )
-    return (pair_of * tiles + tile_of).ravel()[order].astype(np.int32)
 
 
 def sm90_tile_n(block: int, head_dim: int) -> int:
@@ -1311,11 +1440,17 @@ def sm90_configs() -> list[KernelConfig]:
 
 def sm90_persistent_configs() -> list[KernelConfig]:
     """One config per instantiation of the persistent sm_90a forward (32: sm90_configs' at
-    head dims 64 and 128)."""
+    head dims 64 and 128) and of its chunks' merge (4: head dims x dtypes)."""
     return [
-        KernelConfig(SM90_FWD_PERSISTENT, c.head_dim, c.dtype, block=c.block, rule=c.rule)
-        for c in sm90_configs()
-        if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
+        *[
+            KernelConfig(SM90_FWD_PERSISTENT, c.head_dim, c.dtype, block=c.block, rule=c.rule)
+            for c in sm90_configs()
+            if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
+        ],
+        *[
+            KernelConfig(SM90_FWD_MERGE, head_dim, dtype)
+            for head_dim, dtype in itertools.product(SM90_PERSISTENT_HEAD_DIMS, SM90_DTYPES)
+        ],
     ]
 
 

@@ -50,7 +50,7 @@ _BACKWARD_ORDER: weakref.WeakKeyDictionary[
     Layout, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
 ] = weakref.WeakKeyDictionary()
 # attn_fwd_sm90_persistent's work lists of host layouts (_layout_work_list)
-_WORK_LISTS: weakref.WeakKeyDictionary[Layout, dict[tuple, np.ndarray]] = (
+_WORK_LISTS: weakref.WeakKeyDictionary[Layout, dict[tuple, geometry.Sm90WorkList]] = (
     weakref.WeakKeyDictionary()
 )
 # The dense score bias's element strides, in the order of its axes [batch, heads, n_q, n_k].
@@ -240,7 +240,7 @@ def _layout_backward_order(
     return cached[key]
 
 
-def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> np.ndarray:
+def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> geometry.Sm90WorkList:
     """geometry.sm90_work_list of a host layout, built once per layout and (batch, keys, dtype,
     kv_group, head dim)."""
     cached = _WORK_LISTS.setdefault(layout, {})
@@ -582,11 +582,16 @@ class KernelBackend:
         self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
     ) -> tuple[Any, Any] | None:
         """The forward on attn_fwd_sm90_persistent, as _forward_sm90 (None where the device
-        refuses a map): the host layout's work list (cached per layout), one CTA an SM."""
+        refuses a map): the host layout's work list (cached per layout), one CTA an SM; then,
+        where the list split rows, attn_fwd_sm90_merge over their chunks' partials."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
         work = _layout_work_list(layout, (batch, n_k, dtype, kv_group, head_dim))
-        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), len(work))
+        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), len(work.items))
+        xp = self.xp
+        slots = max(work.slots, 1)  # (a pointer to pass where no row is split)
+        part_out = self.output((slots, geometry.SM90_TILE_M, head_dim), xp.float32)
+        part_lse = self.output((slots, geometry.SM90_TILE_M), xp.float32)
         config = KernelConfig(
             geometry.SM90_FWD_PERSISTENT,
             head_dim,
@@ -595,18 +600,35 @@ class KernelBackend:
             block=layout.blocksize,
             rule=layout.rule.kind,
         )
-        return self._launch_sm90_forward(
+        result = self._launch_sm90_forward(
             config,
             q,
             k,
             v,
             layout,
             scale,
-            work_list=self.xp.asarray(work),
-            num_items=len(work),
+            work_list=xp.asarray(work.items),
+            num_items=len(work.items),
             heads=heads,
-            work_counter=self.zeroed_output((1,), self.xp.int32),
+            work_counter=self.zeroed_output((1,), xp.int32),
+            part_out=part_out,
+            part_lse=part_lse,
         )
+        if result is None or not len(work.merges):
+            return result
+        out, lse = result
+        rows = len(work.merges) * geometry.SM90_TILE_M
+        self.launch(
+            KernelConfig(geometry.SM90_FWD_MERGE, head_dim, dtype, n_rows=rows),
+            part_out=part_out,
+            part_lse=part_lse,
+            merge_list=xp.asarray(work.merges),
+            out=out,
+            lse=lse,
+            n_q=n_q,
+            rows=rows,
+        )
+        return out, lse
 
     def _sm90a_forward(
         self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str

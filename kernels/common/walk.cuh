@@ -44,6 +44,15 @@ struct ActiveTiles {
                                          const int* partner_masks)
       : blocks_(partner_blocks), masks_(partner_masks), entry_(entries[0]), end_(entries[1]) {}
 
+  // The walk cut to the row's entries [cut[0], cut[1]) (counted from the row's first: a chunk of
+  // a split row, its blocks found by the host), before the first next(). Offsets rather than
+  // blocks: no search, so a producer at its register limit holds nothing more.
+  template <typename Cut>
+  __device__ __forceinline__ void restrict_to(Cut cut) {
+    end_ = entry_ + cut[1];
+    entry_ += cut[0];
+  }
+
   // The next sub-tile the rule does not empty for own positions [own_first, own_last]; false
   // when the walk is over. Uniform across the CTA.
   __device__ __forceinline__ bool next(ActiveTile& tile, const RuleParams& rule, int own_first,
@@ -113,6 +122,16 @@ struct PairedRowTiles {
         entry_b_(row_a[1]),
         end_b_(has_b ? row_a[2] : row_a[1]),
         row_block_(row_block) {}
+
+  // Row a cut to its entries [cut[0], cut[1]) and row b to [cut[2], cut[3]) (counted from each
+  // row's first: a chunk of a split row, as ActiveTiles::restrict_to), before the first next().
+  template <typename Cut>
+  __device__ __forceinline__ void restrict_to(Cut cut) {
+    end_a_ = entry_a_ + cut[1];
+    entry_a_ += cut[0];
+    end_b_ = entry_b_ + cut[3];
+    entry_b_ += cut[2];
+  }
 
   // The next sub-tile of either row, for the calling warp's rows own_first..own_last; false
   // when both rows are walked.

@@ -23,7 +23,7 @@ from cuattn.backends import geometry, interp
 from cuattn.backends.call import AttentionCall
 from cuattn.backends.kernels import panel_map
 from cuattn.backends.toolchain import kernel_dir
-from cuattn.layout.layout import Layout
+from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.registry import make_layout
 from tests.backends.test_attn_fwd_sm90 import (
     CXX_TYPES,
@@ -53,6 +53,10 @@ def persistent_expression(block, tile_n, head_dim, dtype, rule) -> str:
     return expression(block, tile_n, head_dim, dtype, rule).replace(
         "attn_fwd_sm90<", "attn_fwd_sm90_persistent<", 1
     )
+
+
+def merge_expression(head_dim, dtype) -> str:
+    return f"attn_fwd_sm90_merge<{head_dim}, {CXX_TYPES[dtype]}>"
 
 
 def persistent_traits(block, tile_n, head_dim, dtype) -> str:
@@ -98,20 +102,30 @@ def thin_config(mode: str, block: int) -> tuple:
 def lib() -> interp.Library:
     configs = {c[:5] for c in RUN_CASES} | {thin_config(m, b) for m, b in THIN_CASES}
     configs = sorted(configs)
+    merges = sorted({c[2:4] for c in configs})
     expressions = [persistent_expression(*c) for c in configs] + [expression(*c) for c in configs]
+    expressions += [merge_expression(*m) for m in merges]
     kernel_traits = [persistent_traits(*c[:4]) for c in configs] + [traits(*c[:4]) for c in configs]
+    kernel_traits += [f"row_kernel_traits<{d}, {CXX_TYPES[t]}>" for d, t in merges]
     return interp.build_library(SOURCE, expressions, kernel_traits)
 
 
-def run_persistent(lib, config, layout: Layout, q, k, v, scale: float, ctas: int = GRID_CTAS):
+def run_persistent(
+    lib, config, layout: Layout, q, k, v, scale: float, ctas: int = GRID_CTAS, split_tiles=0
+):
     """One launch of attn_fwd_sm90_persistent `config` on `ctas` CTAs over the work list the
-    backends build; returns (out, lse, counter after the launch)."""
+    backends build (rows split above ``split_tiles`` key tiles: 0 none, None geometry's
+    choice), then attn_fwd_sm90_merge over the split rows as the backends run it; returns
+    (out, lse, counter after the launch, the work list)."""
     batch, heads, n_q, head_dim = q.shape
     block, tile_n, _, dtype, _ = config
     kv_group = heads // k.shape[1]
     work = geometry.sm90_work_list(
-        layout.blocks, batch, layout.n_ctx, head_dim, dtype, kv_group, block
+        layout.blocks, batch, layout.n_ctx, head_dim, dtype, kv_group, block, split_tiles
     )
+    slots = max(work.slots, 1)
+    part_out = np.full((slots, TILE_M, head_dim), np.nan, np.float32)
+    part_lse = np.full((slots, TILE_M), np.nan, np.float32)
     counter = np.zeros(1, np.int32)
     out = np.full((batch, heads, n_q, head_dim), np.nan, q.dtype)
     lse = np.full((batch, heads, n_q), np.nan, np.float32)
@@ -128,10 +142,21 @@ def run_persistent(lib, config, layout: Layout, q, k, v, scale: float, ctas: int
     args += [ctypes.c_int32(i) for i in ints]
     args.append(ctypes.c_float(scale))
     args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
-    args += [ctypes.c_void_p(work.ctypes.data), ctypes.c_int32(len(work)), ctypes.c_int32(heads)]
-    args.append(ctypes.c_void_p(counter.ctypes.data))
+    items = np.ascontiguousarray(work.items)
+    args += [ctypes.c_void_p(items.ctypes.data), ctypes.c_int32(len(items)), ctypes.c_int32(heads)]
+    args += [ctypes.c_void_p(a.ctypes.data) for a in (counter, part_out, part_lse)]
     lib.launch(name, (ctas, 1, 1), (threads, 1, 1), smem, args)
-    return out, lse, int(counter[0])
+    if len(work.merges):
+        merges = np.ascontiguousarray(work.merges)
+        rows = len(merges) * TILE_M
+        config = geometry.KernelConfig(geometry.SM90_FWD_MERGE, head_dim, dtype, n_rows=rows)
+        name = merge_expression(head_dim, dtype)
+        assert lib.traits(name) == (config.threads, config.smem_bytes)
+        pointers = (part_out, part_lse, merges, out, lse)
+        args = [ctypes.c_void_p(a.ctypes.data) for a in pointers]
+        args += [ctypes.c_int32(n_q), ctypes.c_int32(rows)]
+        lib.launch(name, config.grid, config.block_dims, config.smem_bytes, args)
+    return out, lse, int(counter[0]), work
 
 
 def random_inputs(layout: Layout, batch: int, kv_heads: int, head_dim: int, dtype: str, seed):
@@ -148,7 +173,7 @@ def check_against_both(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
     counter shows every item claimed once and each CTA's one failed claim."""
     dtype, head_dim = config[3], config[2]
     scale = head_dim**-0.5
-    out, lse, claims = run_persistent(lib, config, layout, q, k, v, scale, ctas)
+    out, lse, claims, _ = run_persistent(lib, config, layout, q, k, v, scale, ctas)
     check_forward(out, lse, q, k, v, layout, scale, dtype)
     ref_out, ref_lse = run_forward(lib, config, layout, q, k, v, scale)
     np.testing.assert_array_equal(out.view(np.uint16), ref_out.view(np.uint16))
@@ -205,6 +230,101 @@ def test_any_cta_order_gives_the_same_bits(lib, monkeypatch, seed):
     check_against_both(lib, thin_config("bigbird", 64), layout, q, k, v)
 
 
+# ---- split rows -------------------------------------------------------------------------------
+
+# Every row that walks more than SPLIT_TILES key tiles is split (into chunks of one tile): at
+# these sizes geometry's own threshold (8 tiles at least) would split none.
+SPLIT_TILES = 1
+SPLIT_CASES = [c for c in RUN_CASES if c[-1] != "one warpgroup of rows"] + [
+    (64, 64, 64, "bfloat16", "bitmask", "longformer"),
+    (64, 64, 64, "bfloat16", "none", "empty rows in a split item"),
+]
+
+
+def split_case(block, case, rule):
+    """(layout, batch, kv heads) of a split case: RUN_CASES' own, or a Longformer layout (a
+    global row, a ragged last block)."""
+    if case == "longformer":
+        layout = make_layout(
+            "longformer", THIN_BLOCKS * block + RAGGED_ROWS, 2, block, local_attn_ctx=block
+        )
+        return layout, 2, 2
+    if case == "empty rows in a split item":
+        # a paired item whose first block attends to nothing and whose second walks three key
+        # blocks: every chunk leaves the first block's rows empty (out 0, lse -inf)
+        blocks = np.array([[[0, 0, 0], [1, 1, 1], [1, 0, 1]]], bool)
+        return Layout(blocks, block, 3 * block - 7, ElementRule("none")), 1, 1
+    return case_layout(rule, block, case)
+
+
+def split_rows(work, layout, batch):
+    """bool [batch, heads, n_q]: the query rows of the items the work list split."""
+    tiles = -(-layout.n_q // TILE_M)
+    split = np.zeros((batch, layout.heads, tiles * TILE_M), bool)
+    for item in work.merges[:, 0].tolist():
+        pair, tile = divmod(item, tiles)
+        split[pair // layout.heads, pair % layout.heads, tile * TILE_M : (tile + 1) * TILE_M] = True
+    return split[:, :, : layout.n_q]
+
+
+def check_split(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
+    """The persistent forward with rows split into chunks and merged: against the float64
+    oracle; the rows it did not split bit-equal to attn_fwd_sm90, the split ones within the
+    dtype's tolerance of it; every entry claimed once."""
+    from tests.backends.test_interp_kernels import TOLERANCE
+    from tests.helpers.oracle import rel_err
+
+    dtype, head_dim = config[3], config[2]
+    scale = head_dim**-0.5
+    out, lse, claims, work = run_persistent(lib, config, layout, q, k, v, scale, ctas, SPLIT_TILES)
+    assert len(work.merges) and claims == len(work.items) + ctas
+    check_forward(out, lse, q, k, v, layout, scale, dtype)
+    ref_out, ref_lse = run_forward(lib, config, layout, q, k, v, scale)
+    split = split_rows(work, layout, q.shape[0])
+    np.testing.assert_array_equal(out[~split].view(np.uint16), ref_out[~split].view(np.uint16))
+    np.testing.assert_array_equal(lse[~split], ref_lse[~split])
+    assert rel_err(out[split], ref_out[split]) <= TOLERANCE[dtype]
+    finite = split & np.isfinite(ref_lse)
+    assert rel_err(lse[finite], ref_lse[finite]) <= TOLERANCE[dtype]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "block, tile_n, head_dim, dtype, rule, case", SPLIT_CASES, ids=lambda x: str(x)
+)
+def test_split_rows_merge_to_the_oracle(lib, block, tile_n, head_dim, dtype, rule, case):
+    layout, batch, kv_heads = split_case(block, case, rule)
+    assert layout.rule.kind == rule
+    q, k, v = random_inputs(layout, batch, kv_heads, head_dim, dtype, block + head_dim + 1)
+    if case == "gqa":
+        q, k, v = strided_view(q), strided_view(k), strided_view(v)
+    check_split(lib, (block, tile_n, head_dim, dtype, rule), layout, q, k, v)
+
+
+# (128-blocks: RUN_CASES' split cases)
+@pytest.mark.parametrize("mode, block", [c for c in THIN_CASES if c[1] == 64], ids=str)
+def test_split_thin_layouts(lib, mode, block):
+    layout = thin_layout(mode, block)
+    q, k, v = random_inputs(layout, 2, layout.heads, 64, "bfloat16", block + 1)
+    check_split(lib, thin_config(mode, block), layout, q, k, v)
+
+
+def test_split_rows_give_the_same_bits_whatever_the_claim_order(lib, monkeypatch):
+    """One CTA taking every chunk, more CTAs than entries, and other blocks run first
+    (CUATTN_INTERP_BLOCK_SEED): the merge reads the chunks in one order, so the bits agree."""
+    layout = thin_layout("bigbird", 64)
+    config = thin_config("bigbird", 64)
+    q, k, v = random_inputs(layout, 2, layout.heads, 64, "bfloat16", 13)
+    first, first_lse = check_split(lib, config, layout, q, k, v, ctas=1)
+    work = geometry.sm90_work_list(layout.blocks, 2, layout.n_ctx, 64, "bfloat16", 1, 64, 1)
+    for seed, ctas in [(0, len(work.items) + 2), *((seed, GRID_CTAS) for seed in BLOCK_SEEDS)]:
+        monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", str(seed))
+        out, lse, _, _ = run_persistent(lib, config, layout, q, k, v, 64**-0.5, ctas, SPLIT_TILES)
+        np.testing.assert_array_equal(out.view(np.uint16), first.view(np.uint16))
+        np.testing.assert_array_equal(lse, first_lse)
+
+
 # ---- the work list ----------------------------------------------------------------------------
 
 
@@ -216,9 +336,15 @@ def test_the_work_list_is_every_item_once_longest_first_within_each_l2_group():
     # group of the 16 MiB budget), 8 MiB at 16384 (groups of 2 pairs)
     for n_k, groups in ((layout.n_ctx, 1), (1 << 14, 3)):
         assert geometry.sm90_cta_groups(batch, 3, n_k, head_dim, "bfloat16", 1) == groups
-        work = geometry.sm90_work_list(layout.blocks, batch, n_k, head_dim, "bfloat16", 1, 64)
-        assert work.dtype == np.int32 and sorted(work.tolist()) == list(range(batch * 3 * tiles))
-        pair, tile = np.divmod(work, tiles)
+        work = geometry.sm90_work_list(
+            layout.blocks, batch, n_k, head_dim, "bfloat16", 1, 64, split_tiles=0
+        )
+        items = work.items
+        assert items.dtype == np.int32 and items.shape[1] == geometry.SM90_WORK_FIELDS
+        assert sorted(items[:, 0].tolist()) == list(range(batch * 3 * tiles))
+        assert (items[:, 1:4] == [0, layout.num_blocks, geometry.SM90_NO_SLOT]).all()
+        assert work.merges.shape == (0, geometry.SM90_MERGE_FIELDS) and work.slots == 0
+        pair, tile = np.divmod(items[:, 0], tiles)
         union = layout.blocks.reshape(3, tiles, 2, -1).any(axis=2).sum(axis=2)
         walked = union[pair % 3, tile]
         size = batch * 3 // groups
@@ -226,6 +352,105 @@ def test_the_work_list_is_every_item_once_longest_first_within_each_l2_group():
         assert (np.diff(group) >= 0).all()  # the groups one after another
         for g in range(groups):
             assert (np.diff(walked[group == g]) <= 0).all()  # longest first within each
+
+
+def split_layouts():
+    """Layouts with rows far longer than the rest (global rows), a ragged last query tile (an
+    odd count of 64-blocks), and a random one."""
+    rng = np.random.default_rng(0)
+    random_blocks = rng.random((2, 9, 11)) < 0.3
+    random_blocks[0, 4] = True  # one full row
+    longformer = make_layout("longformer", 23 * 64 + 5, 3, 64, local_attn_ctx=128)
+    longformer_blocks = longformer.blocks
+    return [
+        ("bigbird", make_layout("bigbird", 29 * 64, 2, 64, causal=False).blocks, 64),
+        ("longformer", longformer_blocks, 64),
+        ("bigbird-128", make_layout("bigbird", 17 * 128, 2, 128, causal=False).blocks, 128),
+        ("random", random_blocks, 64),
+    ]
+
+
+@pytest.mark.parametrize("split_tiles", [None, 1, 3, 8])
+@pytest.mark.parametrize("label, blocks, block", split_layouts(), ids=lambda x: str(x)[:12])
+def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
+    label, blocks, block, split_tiles
+):
+    """Every (query tile, head, batch) item once unsplit, or, where it walks more than the
+    threshold, as chunks of at most that many key tiles, none empty, whose key-block ranges
+    cover [0, key blocks) in order with consecutive slots; the merge list names each split item
+    with its first slot and chunk count; longest first within each L2 group."""
+    batch, head_dim, heads = 2, 128, blocks.shape[0]
+    nb = blocks.shape[2]
+    per_tile = 128 // block
+    tiles = -(-blocks.shape[1] // per_tile)
+    n_k = nb * block
+    work = geometry.sm90_work_list(blocks, batch, n_k, head_dim, "bfloat16", 1, block, split_tiles)
+    threshold = work.split_tiles
+    key_tiles = block // geometry.sm90_tile_n(block, head_dim)
+
+    def walked(head, tile, first, end):  # the key tiles an item walks, brute force
+        keys = set()
+        for r in range(tile * per_tile, min((tile + 1) * per_tile, blocks.shape[1])):
+            keys |= {c for c in range(first, end) if blocks[head, r, c]}
+        return len(keys) * key_tiles
+
+    if split_tiles is None:
+        mean = np.mean([walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)])
+        assert threshold == max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * mean)))
+    entries: dict[int, list[tuple[int, int, int]]] = {}
+    for item, first, end, slot, *row_entries in work.items.tolist():
+        entries.setdefault(item, []).append((first, end, slot))
+        # the CSR entries each row's walk is cut to hold exactly its blocks in [first, end)
+        head, tile = item // tiles % heads, item % tiles
+        for r in range(2):
+            row = tile * per_tile + r
+            columns = (
+                np.flatnonzero(blocks[head, row]) if r < per_tile and row < len(blocks[0]) else []
+            )
+            cut = row_entries[2 * r : 2 * r + 2]
+            assert list(columns[cut[0] : cut[1]]) == [c for c in columns if first <= c < end]
+    assert sorted(entries) == list(range(batch * heads * tiles))
+    merges = {m[0]: (m[1], m[2]) for m in work.merges.tolist()}
+    assert len(merges) == len(work.merges) and list(merges) == sorted(merges)
+    slots = []
+    for item, chunks in entries.items():
+        head, tile = item // tiles % heads, item % tiles
+        whole = walked(head, tile, 0, nb)
+        if whole <= threshold:
+            assert chunks == [(0, nb, geometry.SM90_NO_SLOT)] and item not in merges
+            continue
+        chunks.sort(key=lambda c: c[2])
+        assert merges[item] == (chunks[0][2], len(chunks))
+        assert len(chunks) == -(-whole // threshold)
+        assert [c[2] for c in chunks] == list(range(chunks[0][2], chunks[0][2] + len(chunks)))
+        bounds = [c[0] for c in chunks] + [chunks[-1][1]]
+        assert bounds[0] == 0 and bounds[-1] == nb and bounds == sorted(bounds)
+        assert all(c[0] == d[1] for c, d in zip(chunks[1:], chunks, strict=False))
+        for first, end, _ in chunks:
+            assert 0 < walked(head, tile, first, end) <= threshold
+        slots += [c[2] for c in chunks]
+    assert sorted(slots) == list(range(work.slots))
+    # longest first within each group (one group at these sizes)
+    assert geometry.sm90_cta_groups(batch, heads, n_k, head_dim, "bfloat16", 1) == 1
+    lengths = [
+        walked(item // tiles % heads, item % tiles, first, end)
+        for item, first, end, *_ in work.items.tolist()
+    ]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_bench_shapes_split_only_the_global_rows():
+    """At issue 53's bench shape only BigBird's and Longformer's global rows are split: dense
+    causal and the other thin layouts keep every row whole."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    patterns = {p.label: p for p in ALL_PATTERNS}
+    for label, split in (("dense-causal", 0), ("variable", 0), ("bigbird", 32), ("longformer", 32)):
+        layout = patterns[label].make_layout(8192, 16, 64)
+        work = geometry.sm90_work_list(layout.blocks, 2, 8192, 128, "bfloat16", 1, 64)
+        assert len(work.merges) == split, label
+        if split:  # the first query tile of every (head, batch): the global rows
+            assert (work.merges[:, 0] % 32 == 0).all(), label
 
 
 def test_the_work_list_numbers_items_in_31_bits():
@@ -239,9 +464,9 @@ def test_the_work_list_numbers_items_in_31_bits():
 
 def test_every_instantiation_compiles_for_sm_90a_without_spills():
     """The persistent family (every block and key tile, head dims 64 and 128, dtype and rule)
-    for sm_90a: no spills (its producer keeps its claimed item in shared memory to stay within
-    24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic in the SASS, no serialised
-    wgmma (C7520)."""
+    and its merge for sm_90a: no spills (its producer keeps its claimed item and row entries in
+    shared memory to stay within 24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic
+    in the SASS, no serialised wgmma (C7520)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options
     from dev import sass, sass_model
@@ -257,14 +482,21 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills():
         for dtype in CXX_TYPES
         for rule in RULES
     ]
+    merges = [
+        merge_expression(head_dim, dtype)
+        for head_dim in geometry.SM90_PERSISTENT_HEAD_DIMS
+        for dtype in CXX_TYPES
+    ]
     source = (kernel_dir() / SOURCE).read_text()
     lowered, cubin, log = sass_model.compile_module(
-        source, SOURCE, expressions, common_options(), "sm_90a"
+        source, SOURCE, expressions + merges, common_options(), "sm_90a"
     )
     assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
     stats = parse_ptxas_log(log)
     with tempfile.TemporaryDirectory() as workdir:
         kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    for name in merges:
+        assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
     for name in expressions:
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = {i.base for i in kernels[lowered[name]].instructions}
@@ -322,6 +554,35 @@ def test_cuattn_kernels_sm90a_persistent_chooses_it(
     refs = (refs[0], *(r.reshape(2, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name}"
+
+
+def test_the_backends_split_a_global_row_and_merge_it(monkeypatch):
+    """Through the backends, geometry's own threshold: a Longformer layout whose global row
+    walks 40 key tiles beside rows of about 4 (threshold max(8, 4 x the mean)) is split, the
+    persistent launch followed by the merge's; the oracle's result, the unsplit rows
+    attn_fwd_sm90's bits."""
+    from tests.backends.test_interp_kernels import TOLERANCE
+    from tests.helpers.oracle import rel_err
+
+    block, blocks, head_dim, dtype = 64, 40, 64, "bfloat16"
+    layout = make_layout("longformer", blocks * block, 2, block, local_attn_ctx=block, causal=False)
+    q, k, v = random_inputs(layout, 1, 1, head_dim, dtype, 17)
+    work = geometry.sm90_work_list(layout.blocks, 1, layout.n_ctx, head_dim, dtype, 2, block)
+    assert len(work.merges) == 2 and work.split_tiles < blocks  # each head's global row
+    scale = head_dim**-0.5
+    (out, lse), names = forward_launches(monkeypatch, "sm90a-persistent", q, k, v, layout, scale)
+    rule = geometry.CXX_RULE[layout.rule.kind]
+    assert names == [
+        f"attn_fwd_sm90_persistent<64, 64, 64, __nv_bfloat16, {rule}>",
+        "attn_fwd_sm90_merge<64, __nv_bfloat16>",
+    ]
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    check_forward(out, lse, q, k_full, v_full, layout, scale, dtype)
+    (ref_out, ref_lse), _ = forward_launches(monkeypatch, "sm90a", q, k, v, layout, scale)
+    split = split_rows(work, layout, 1)
+    np.testing.assert_array_equal(out[~split].view(np.uint16), ref_out[~split].view(np.uint16))
+    np.testing.assert_array_equal(lse[~split], ref_lse[~split])
+    assert rel_err(out[split], ref_out[split]) <= TOLERANCE[dtype]
 
 
 def launched_backward(q, k, v, out, lse, dout, layout, scale):

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from cuattn.backends import geometry
 from cuattn.layout import Layout, make_layout
 from dev import calibrate_schedule, schedule
 
@@ -115,6 +116,43 @@ def test_the_built_persistent_list_is_today_s_ctas_and_a_counter_beats_a_stride(
     counter = schedule.predict_built_persistent(layout, batch, HEAD_DIM, FITTED[0], 0.5)
     assert counter.seconds < stride.seconds
     assert counter.seconds < today.seconds
+
+
+def test_the_built_split_keeps_the_work_and_removes_the_global_rows_tail():
+    """BigBird's global rows split by geometry's threshold: the same tiles and tensor work in
+    more entries (the chunks), the tail much shorter, a faster prediction with the merge included; a
+    layout with no split row predicts the same either way."""
+    bigbird = make_layout("bigbird", n_ctx=4096, heads=4, blocksize=64, causal=False)
+    batch = 2
+    whole = schedule.predict_built_persistent(bigbird, batch, HEAD_DIM, FITTED[0], 0.5)
+    split = schedule.predict_built_persistent(
+        bigbird, batch, HEAD_DIM, FITTED[0], 0.5, split_tiles=None
+    )
+    assert split.ctas > whole.ctas
+    work = geometry.sm90_work_list(bigbird.blocks, batch, 4096, HEAD_DIM, "bfloat16", 1, 64)
+    assert split.ctas == len(work.items) and len(work.merges) == batch * 4
+    assert split.tile_cycles == pytest.approx(whole.tile_cycles, rel=0.01)
+    assert split.tail < 0.6 * whole.tail and split.seconds < 0.7 * whole.seconds
+    assert schedule.merge_seconds(FITTED[0], work, HEAD_DIM) > FITTED[0].launch_us * 1e-6
+    causal = _causal(2048, 64)
+    assert schedule.predict_built_persistent(
+        causal, batch, HEAD_DIM, FITTED[0], 0.5, split_tiles=None
+    ) == schedule.predict_built_persistent(causal, batch, HEAD_DIM, FITTED[0], 0.5)
+
+
+def test_the_packing_threshold_keeps_enough_items_a_slot():
+    """pack_threshold: the largest candidate whose packed list keeps PACK_MIN_ITEMS_PER_SLOT
+    items a CTA; none where packing even the shortest rows would leave fewer."""
+    items = [schedule.Cta(pair, tile, 2, 1.0, 0, ()) for pair in range(4) for tile in range(64)]
+    slots = 4
+    below = schedule.pack_threshold(items, slots, 0)
+    assert below in schedule.PACK_CANDIDATES
+    assert len(schedule.work_list(items, below, None)) >= schedule.PACK_MIN_ITEMS_PER_SLOT * slots
+    larger = [c for c in schedule.PACK_CANDIDATES if c > below]
+    for candidate in larger:
+        packed = schedule.work_list(items, candidate, None)
+        assert len(packed) < schedule.PACK_MIN_ITEMS_PER_SLOT * slots
+    assert schedule.pack_threshold(items, 64, 0) == 0  # 256 items: fewer than 8 a slot already
 
 
 def test_work_list_packs_and_splits():

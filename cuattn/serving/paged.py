@@ -25,12 +25,15 @@ from cuattn import backends as _backends
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, checked_operands
-from cuattn.serving.cache import _dtype_name, _on_device
+from cuattn.backends.kernels import KernelBackend
+from cuattn.serving import fp8
+from cuattn.serving.cache import FP8_INPUT_DTYPES, _dtype_name, _on_device
 from cuattn.serving.decode import _quiet_specials, _resident_ctas, reference_rows
 
 __all__ = ["paged_decode"]
 
 PAGE_DTYPES = ("float16", "bfloat16", "float32")  # what the kernels read (float64: the reference)
+CODE_DTYPE = "uint8"  # fp8 pages: their codes, of the format kv_dtype names (cuattn/serving/fp8.py)
 INDEX_DTYPE = "int32"  # block_table's and seq_lens's, as vLLM and FlashAttention hold them
 
 
@@ -41,7 +44,7 @@ def _shape(name: str, x: Any, want: str) -> tuple[int, ...]:
 
 
 def _check_shapes(
-    q: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any
+    q: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any, kv_dtype: str | None
 ) -> tuple[int, ...]:
     """Shapes and dtypes (docs/design.md §7: by name, before anything runs); returns (batch,
     heads, t_q, head_dim, num_blocks, block_size, kv_heads, max_blocks)."""
@@ -67,15 +70,26 @@ def _check_shapes(
             "(GQA: query head h reads kv head h // (heads / kv_heads))"
         )
     q_dtype = _dtype_name(q.dtype)
-    if q_dtype not in (*PAGE_DTYPES, "float64"):
+    if kv_dtype is not None and kv_dtype not in fp8.FP8_DTYPES:
+        raise TypeError(f"kv_dtype must be None or one of {fp8.FP8_DTYPES}, got {kv_dtype!r}")
+    accepted = FP8_INPUT_DTYPES if kv_dtype else (*PAGE_DTYPES, "float64")
+    if q_dtype not in accepted:
         raise TypeError(
-            f"q has dtype {q_dtype}; paged_decode takes {PAGE_DTYPES} (float64 on NumPy)"
+            f"q has dtype {q_dtype}; paged_decode takes {accepted}"
+            + (f" over {kv_dtype} pages" if kv_dtype else " (float64 on NumPy)")
         )
+    page_dtype = CODE_DTYPE if kv_dtype else q_dtype
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if _dtype_name(x.dtype) != q_dtype:
+        if _dtype_name(x.dtype) != page_dtype:
             raise TypeError(
-                f"{name} has dtype {_dtype_name(x.dtype)}, q has {q_dtype}; the pages and q "
-                "must share one dtype (cuattn never casts silently)"
+                f"{name} has dtype {_dtype_name(x.dtype)}; "
+                + (
+                    f"{kv_dtype} pages are their uint8 codes (a torch float8 tensor: "
+                    "x.view(torch.uint8))"
+                    if kv_dtype
+                    else f"q has {q_dtype}, and the pages and q must share one dtype (uint8 "
+                    "codes with kv_dtype for fp8 pages; cuattn never casts silently)"
+                )
             )
     table_shape = _shape("block_table", block_table, f"int32 [batch={batch}, max_blocks]")
     if len(table_shape) != 2 or table_shape[0] != batch:
@@ -143,6 +157,32 @@ def _chosen(xp: Any, block_mask: Any, sizes: tuple[int, int, int, int]) -> Any:
     return xp.ascontiguousarray(wide.astype(xp.uint8))
 
 
+def _page_scales(
+    xp: Any, name: str, scale: Any, kv_dtype: str | None, num_blocks: int, like: Any
+) -> Any:
+    """fp8 pages' scale ``name`` (k_scale, v_scale) as the kernels' float32 [num_blocks]: a
+    number (one for the whole cache, vLLM's; default 1) filled in, or a float32 [num_blocks]
+    array (one per block) as it is. None without fp8 pages."""
+    if kv_dtype is None:
+        if scale is not None:
+            raise ValueError(f"{name} is for fp8 pages (kv_dtype=...); these pages hold values")
+        return None
+    if scale is None or isinstance(scale, (int, float, np.floating)):
+        if isinstance(scale, bool) or not np.isfinite(1.0 if scale is None else scale):
+            raise TypeError(f"{name} must be a finite number or a float32 array, got {scale!r}")
+        return xp.full(num_blocks, 1.0 if scale is None else float(scale), dtype=xp.float32)
+    info = dlpack.describe(scale, name)
+    if info != dlpack.describe(like, "k_pages"):
+        raise ValueError(f"{name} is a {info}; k_pages is a {dlpack.describe(like, 'k_pages')}")
+    array = dlpack.to_backend(scale, info, name)
+    if _dtype_name(array.dtype) != "float32" or tuple(array.shape) != (num_blocks,):
+        raise ValueError(
+            f"{name} must be a number or float32 [num_blocks] = ({num_blocks},) (a scale per "
+            f"block), got {_dtype_name(array.dtype)} {tuple(array.shape)}"
+        )
+    return xp.ascontiguousarray(array)
+
+
 def _scale(scale: Any, head_dim: int) -> float:
     if scale is None:
         return float(head_dim) ** -0.5
@@ -160,10 +200,13 @@ def reference_paged(
     host_lens: np.ndarray,
     chosen: Any | None,
     call: AttentionCall,
+    scales: tuple[Any, Any, str] | None = None,
 ) -> tuple[Any, Any]:
     """paged_decode's exact computation on NumPy (or CuPy) arrays, one (sequence, kv head) at
     a time: the tokens the table names, in order, through reference_rows (decode_attention's
-    reference). Returns (out like q, lse float32, float64 for float64)."""
+    reference); fp8 pages (``scales``: k_scale, v_scale float32 [num_blocks], kv_dtype) read
+    as their codes' values times their block's scale, as the kernels read them. Returns (out
+    like q, lse float32, float64 for float64)."""
     xp = np if isinstance(qb, np.ndarray) else _backends.array_module(qb)
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     block_size, kv_heads = int(k_pages.shape[1]), int(k_pages.shape[2])
@@ -184,6 +227,10 @@ def reference_paged(
         for h in range(kv_heads):
             heads_of = slice(h * group, (h + 1) * group)
             keys, values = k_pages[blocks, offsets, h], v_pages[blocks, offsets, h]
+            if scales is not None:
+                k_scale, v_scale, kv_dtype = scales
+                keys = fp8.decode(xp, keys, kv_dtype) * k_scale[blocks][:, None]
+                values = fp8.decode(xp, values, kv_dtype) * v_scale[blocks][:, None]
             rows = None if host_chosen is None else host_chosen[b, heads_of][..., entry] != 0
             out[b, heads_of], lse[b, heads_of], _ = reference_rows(
                 xp, qb, call, b, heads_of, keys, values, q_pos, pos, rows, acc
@@ -201,6 +248,9 @@ def paged_decode(
     return_lse: bool = False,
     *,
     block_mask: Any = None,
+    kv_dtype: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     softcap: float | None = None,
     alibi_slopes: Any = None,
     key_bias: Any = None,
@@ -241,6 +291,12 @@ def paged_decode(
             sequence (query head, query) reads, the others skipped as if their tokens were
             masked (a page subset: Quest's choice, or the caller's). Tokens keep their
             positions. A row that reads nothing gives 0 and -inf.
+        kv_dtype: None (the pages hold q's dtype) or "float8_e4m3fn" / "float8_e5m2": the
+            pages are uint8 codes of that format (a torch float8 cache: ``x.view(torch.uint8)``)
+            and q is float16 or bfloat16. On a GPU opt-in with CUATTN_DECODE_FP8=kernel, as
+            KVCache's fp8 pages.
+        k_scale, v_scale: fp8 pages' scales: a number for the whole cache (vLLM's; default 1)
+            or float32 [num_blocks], one per block; a kept element is ``code * scale``.
         softcap: as in :func:`cuattn.sparse_attention`: ``softcap * tanh(s / softcap)``.
         alibi_slopes: float32 [heads] or [batch, heads]: adds ``-slope * (query position -
             token position)``.
@@ -271,7 +327,7 @@ def paged_decode(
     Example:
         >>> out = cuattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens)
     """
-    sizes = _check_shapes(q, k_pages, v_pages, block_table, seq_lens)
+    sizes = _check_shapes(q, k_pages, v_pages, block_table, seq_lens, kv_dtype)
     batch, heads, t_q, head_dim, num_blocks, block_size, kv_heads, max_blocks = sizes
     named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
     named.update(block_table=block_table, seq_lens=seq_lens)
@@ -304,18 +360,23 @@ def paged_decode(
             chosen = _chosen(xp, arrays["block_mask"], (batch, heads, t_q, max_blocks))
         qb, kb, vb = arrays["q"], arrays["k_pages"], arrays["v_pages"]
         table = arrays["block_table"]
-        if not hasattr(impl, "decode_block_table"):  # the NumPy backend: the reference
-            out, lse = reference_paged(qb, kb, vb, table, host_lens, chosen, call)
+        k_scales, v_scales = (
+            _page_scales(xp, name, x, kv_dtype, num_blocks, k_pages)
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale))
+        )
+        scales = None if kv_dtype is None else (k_scales, v_scales, kv_dtype)
+        if not isinstance(impl, KernelBackend):  # the NumPy backend: the reference
+            out, lse = reference_paged(qb, kb, vb, table, host_lens, chosen, call, scales)
         elif batch == 0 or max_blocks == 0:  # nothing to read: every row is empty
             out = xp.zeros(qb.shape, qb.dtype)
             lse = xp.full((batch, heads, t_q), -np.inf, dtype=xp.float32)
         else:
-            dtype = _dtype_name(qb.dtype)
+            dtype = kv_dtype or _dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
             gqa = geometry.decode_gqa_applies(head_dim, dtype, mods.any, False, scale)
             lengths = xp.asarray(arrays["seq_lens"], dtype=xp.int64)
             resident = _resident_ctas(impl, head_dim, dtype, gqa)
             out, lse = impl.decode_block_table(
-                qb, kb, vb, table, lengths, chosen, call, resident, gqa=gqa
+                qb, kb, vb, table, lengths, chosen, call, resident, gqa=gqa, fp8=scales
             )
         out_q, lse_q = dlpack.from_backend(out, info), dlpack.from_backend(lse, info)
     return (out_q, lse_q) if return_lse else out_q

@@ -11,7 +11,7 @@ import pytest
 import cuattn
 from cuattn.backends import geometry
 from cuattn.backends.interp import InterpBackend
-from cuattn.serving import decode
+from cuattn.serving import decode, fp8
 
 HEAD_DIM = 32
 TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
@@ -347,7 +347,7 @@ def test_refusals(monkeypatch):
         TypeError, "block_table has dtype int64; it must be int32", table=table.astype(np.int64)
     )
     refused(TypeError, "seq_lens has dtype int64; it must be int32", lens=lens.astype(np.int64))
-    refused(TypeError, "k_pages has dtype float32, q has float16", k=k.astype(np.float32))
+    refused(TypeError, "k_pages has dtype float32; q has float16", k=k.astype(np.float32))
     refused(
         ValueError, r"heads=3, which is not a multiple of k_pages's kv_heads=2", q=q[:, :3].copy()
     )
@@ -388,3 +388,128 @@ def test_a_q_that_asks_for_a_gradient_is_refused():
     tq = torch.from_numpy(q).requires_grad_()
     with pytest.raises(ValueError, match="q requires a gradient"):
         cuattn.paged_decode(tq, *(torch.from_numpy(x) for x in (k, v, table, lens)))
+
+
+def _fp8_case(rng, kv_dtype, per_block):
+    """fp8 pages: the codes of a bf16 case's values at a scale per block (a power of two) or
+    one for the cache, NaN codes in the blocks and slots nobody reads."""
+    q, k, v, table, lens = _case(rng, "float32", heads=4, t_q=2, lens=(37, 20))
+    num_blocks = k.shape[0]
+    if per_block:
+        scales = [2.0 ** rng.integers(-3, 3, num_blocks).astype(np.float32) for _ in range(2)]
+    else:
+        scales = [np.float32(0.25), np.float32(2.0)]
+    codes = []
+    for x, scale in zip((k, v), scales, strict=True):
+        per = np.broadcast_to(np.asarray(scale, np.float32), (num_blocks,))[:, None, None, None]
+        codes.append(fp8.encode(np, x / per, kv_dtype))  # NaN stays a NaN code
+    return q.astype(_dtype("bfloat16")), codes, scales, table, lens
+
+
+def _dequantised(codes, scales, kv_dtype):
+    num_blocks = codes[0].shape[0]
+    return [
+        fp8.decode(np, c, kv_dtype)
+        * np.broadcast_to(np.asarray(s, np.float32), (num_blocks,))[:, None, None, None]
+        for c, s in zip(codes, scales, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("kv_dtype", fp8.FP8_DTYPES)
+def test_fp8_pages(kv_dtype, per_block, backend, monkeypatch):
+    """uint8 codes with kv_dtype and a scale for the cache (vLLM's) or per block: against the
+    oracle over the dequantised values, within bf16's tolerance; both kernel families."""
+    rng = np.random.default_rng(21)
+    q, (kc, vc), scales, table, lens = _fp8_case(rng, kv_dtype, per_block)
+    k_scale, v_scale = scales
+    want, want_lse = oracle(q, *_dequantised((kc, vc), scales, kv_dtype), table, lens)
+    for family in (geometry.DECODE_SPLIT_FAMILY, geometry.DECODE_GQA_FAMILY):
+        monkeypatch.setenv(geometry.DECODE_ENV, family)
+        out, lse = cuattn.paged_decode(
+            q,
+            kc,
+            vc,
+            table,
+            lens,
+            return_lse=True,
+            kv_dtype=kv_dtype,
+            k_scale=k_scale if per_block else float(k_scale),
+            v_scale=v_scale if per_block else float(v_scale),
+            backend=backend,
+        )
+        _assert_close(out, want, "bfloat16", lse, want_lse)
+
+
+def test_fp8_kv_cache_and_paged_decode_agree_bit_for_bit():
+    """An fp8 KVCache of one kv head is a block table of its pages: the same bits."""
+    rng = np.random.default_rng(13)
+    bf16 = _dtype("bfloat16")
+    cache = cuattn.KVCache(2, 1, HEAD_DIM, "float8_e4m3fn", page_size=16)
+    k, v = (rng.standard_normal((2, 1, 45, HEAD_DIM)).astype(bf16) for _ in range(2))
+    cache.append(k, v, lengths=[45, 30])
+    q = rng.standard_normal((2, 4, 1, HEAD_DIM)).astype(bf16)
+    want, want_lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+    got, got_lse = cuattn.paged_decode(
+        q,
+        cache.k_pages[:, :, None],
+        cache.v_pages[:, :, None],
+        np.ascontiguousarray(cache.page_table[:, 0]).astype(np.int32),
+        cache.lengths.astype(np.int32),
+        return_lse=True,
+        kv_dtype="float8_e4m3fn",
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        backend="interp",
+    )
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert np.array_equal(got_lse, want_lse)
+
+
+def test_fp8_refusals(monkeypatch):
+    rng = np.random.default_rng(1)
+    q, (kc, vc), _, table, lens = _fp8_case(rng, "float8_e5m2", True)
+
+    def refused(error, match, **kwargs):
+        _refused(
+            monkeypatch,
+            error,
+            match,
+            kwargs.pop("q", q),
+            kwargs.pop("k", kc),
+            vc,
+            table,
+            lens,
+            **{"kv_dtype": "float8_e5m2", **kwargs},
+        )
+
+    refused(TypeError, "kv_dtype must be None or one of", kv_dtype="float8")
+    refused(
+        TypeError,
+        r"q has dtype float32; paged_decode takes \('float16', 'bfloat16'\)",
+        q=q.astype(np.float32),
+    )
+    refused(
+        TypeError,
+        "k_pages has dtype float32; float8_e5m2 pages are their uint8 codes",
+        k=kc.astype(np.float32),
+    )
+    refused(
+        ValueError,
+        r"k_scale must be a number or float32 \[num_blocks\]",
+        k_scale=np.ones(3, np.float32),
+    )
+    refused(TypeError, "v_scale must be a finite number", v_scale=float("nan"))
+    q16, k16, v16, table16, lens16 = _case(rng, "float16")
+    _refused(
+        monkeypatch,
+        ValueError,
+        "k_scale is for fp8 pages",
+        q16,
+        k16,
+        v16,
+        table16,
+        lens16,
+        k_scale=1.0,
+    )

@@ -163,11 +163,11 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
     const int chunk = lane + 32 * c;
     const int row = min_int(chunk / CPR, TPW - 1);
     // every lane shuffles (a shuffle needs the whole warp); lane `row` holds token `row`
-    const int row_slot = __shfl_sync(FULL_WARP, slot_row, row);
+    const int src_row = __shfl_sync(FULL_WARP, slot_row, row);
     const int row_valid = __shfl_sync(FULL_WARP, int(pos >= 0), row);
     if (chunk < TPW * CPR) {
       const int col = (chunk % CPR) * Traits::CHUNK;
-      const size_t src = size_t(row_slot) * HEAD_DIM + col;
+      const size_t src = size_t(src_row) * HEAD_DIM + col;
       cp_async_16(stage + row * Traits::LD + col, k_pages + src, row_valid != 0);
       cp_async_16(stage + Traits::STAGE_ELEMS + row * Traits::LD + col, v_pages + src,
                   row_valid != 0);
@@ -216,8 +216,9 @@ __device__ __forceinline__ void attn_decode_split_body(
   const int b = int(blockIdx.z);
   const long long length = lengths[b];
   const long long first_query_pos = length - t_q;  // query r % t_q sits at this + r % t_q
-  const int* table = page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
-  // a caller's table (no slot_pos) holds the sequence's tokens in order: its pages are the length's
+  const int* table =
+      page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
+  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
   const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
                                  : int((length + page_size - 1) / page_size);
   const PageWalk walk{table, slot_pos, page_size, page_rows, token_rows, kv_head * head_rows,
@@ -469,8 +470,8 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
   attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, T, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
       token_scores, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
-      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split, scale,
-      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
+      scale, softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
       key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
       rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
       use_seed_words, use_chosen, keep_scores, nullptr, nullptr);
@@ -508,8 +509,8 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
   attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, KV, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
       token_scores, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
-      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split, scale,
-      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
+      scale, softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
       key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
       rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
       use_seed_words, use_chosen, keep_scores, k_scale, v_scale);

@@ -13,17 +13,17 @@
 //   when its position >= 0 (kept), it is <= the row's position and, with use_chosen, the row's
 //   Quest (or caller's) choice reads its page; scores are scale * q.k. The two page layouts are
 //   attn_decode_split's (a KVCache's with use_slot_pos, a caller's block table without: see its
-//   PageWalk). With one split it writes out [B, H,
-//   t_q, HEAD_DIM] (T) and lse [B, H, t_q] (float, natural log; -inf: nothing counted) itself;
-//   with more, the split's partial part_out [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H,
-//   t_q, splits] (float), and the CTA that writes the last split of its rows (counted in
-//   tickets [B, kv_heads * row_chunks], zeros at launch) merges them into out and lse as
-//   attn_decode_merge does (kernels/common/merge_row.cuh: no merge launch).
+//   PageWalk). With one split it writes out [B, H, t_q, HEAD_DIM] (T) and lse [B, H, t_q]
+//   (float, natural log; -inf: nothing counted) itself; with more, the split's partial part_out
+//   [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H, t_q, splits] (float), and the CTA that
+//   writes the last split of its rows (counted in tickets [B, kv_heads * row_chunks], zeros at
+//   launch) merges them into out and lse as attn_decode_merge does
+//   (kernels/common/merge_row.cuh: no merge launch).
 //   How: the split's slots are cut in tiles of TILE tokens; tile t goes to stage t % STAGES and
 //   consumer warp t % CONSUMER_WARPS (STAGES a multiple of it, so a stage always has the same
 //   consumer). The producer warp (the last) gives each tile's token a lane: its table entry,
-//   slot and position, and a 32-bit row mask (bit i: the token counts for row i) into the
-//   stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
+//   slot, K/V row and position, and a 32-bit row mask (bit i: the token counts for row i) into
+//   the stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
 //   lanes along a row, zero-filled where no token is kept (evicted, room in a page, past the
 //   run), so that whatever an unused slot holds (a NaN) meets no probability. Each producer lane
 //   arrives on the stage's `full` barrier twice: once when its copies land
@@ -190,7 +190,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const int rows = min_of(ROWS, group_rows - first_row);
   const int b = int(blockIdx.z);
   const long long length = lengths[b];
-  // a caller's table (no slot_pos) holds the sequence's tokens in order: its pages are the length's
+  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
   const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
                                  : int((length + page_size - 1) / page_size);
   const int page_lo = min_of(split * pages_per_split, pages);

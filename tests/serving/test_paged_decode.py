@@ -253,6 +253,20 @@ def test_torch_tensors_in_place_and_a_strided_cache():
         _assert_close(out.numpy(), want, "float32", lse.numpy(), want_lse)
 
 
+def test_jax_arrays():
+    """jax arrays in, jax arrays out, on the reference and the kernels."""
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(6)
+    q, k, v, table, lens = _case(rng, "float32", t_q=2)
+    want, want_lse = oracle(q, k, v, table, lens)
+    for backend in ("numpy", "interp"):
+        out, lse = cuattn.paged_decode(
+            *(jnp.asarray(x) for x in (q, k, v, table, lens)), return_lse=True, backend=backend
+        )
+        assert type(out) is type(jnp.asarray(q))
+        _assert_close(np.asarray(out), want, "float32", np.asarray(lse), want_lse)
+
+
 def test_bfloat16_torch_tensors():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)

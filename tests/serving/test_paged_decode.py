@@ -231,19 +231,25 @@ def test_an_empty_sequence_and_shared_blocks(backend):
 
 def test_torch_tensors_in_place_and_a_strided_cache():
     """torch tensors go in and come out as torch tensors; the pages are k = kv[:, 0] of a
-    [num_blocks, 2, block_size, kv_heads, d] cache (FlashInfer's NHD), read at its strides."""
+    [num_blocks, 2, block_size, kv_heads, d] cache (FlashInfer's NHD), and the table the first
+    columns of a wider one, read at their strides."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
     q, k, v, table, lens = _case(rng, "float32", heads=4, t_q=1)
     kv = torch.from_numpy(np.stack([k, v], axis=1).copy())
     kt, vt = kv[:, 0], kv[:, 1]
     assert not kt.is_contiguous()
+    # the table: the first columns of a wider one (vLLM keeps one for the largest batch)
+    wide = np.full((table.shape[0], table.shape[1] + 5), 10**6, np.int32)
+    wide[:, : table.shape[1]] = table
+    table_view = torch.from_numpy(wide)[:, : table.shape[1]]
+    assert not table_view.is_contiguous()
     for backend in ("interp", "numpy"):
         out, lse = cuattn.paged_decode(
             torch.from_numpy(q),
             kt,
             vt,
-            torch.from_numpy(table),
+            table_view,
             torch.from_numpy(lens),
             return_lse=True,
             backend=backend,

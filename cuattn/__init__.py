@@ -29,7 +29,7 @@ from cuattn.layout import (
     make_layout,
 )
 from cuattn.sdpa import scaled_dot_product_attention
-from cuattn.serving import KVCache, decode_attention, policies
+from cuattn.serving import KVCache, decode_attention, paged_decode, policies
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     "merge_attention_states",
     "merge_heads",
     "no_grad",
+    "paged_decode",
     "policies",
     "recompute",
     "scaled_dot_product_attention",

@@ -8,8 +8,13 @@
 //   of table slots (slot f is offset f % page_size of table entry f / page_size, so any page
 //   size walks the same way), and up to ROWS of the kv group's kv_group * t_q query rows (query
 //   head kv_head * kv_group + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q).
-//   A token counts for a row when its position slot_pos >= 0 (not evicted), <= the row's
-//   position (causal) and, with use_chosen, the row's Quest choice reads its page. A score is
+//   A token counts for a row when its position >= 0 (kept), <= the row's position (causal) and,
+//   with use_chosen, the row's Quest (or caller's) choice reads its page. Two page layouts, one
+//   walk (PageWalk): a KVCache's (use_slot_pos: a table row and page count per (sequence, kv
+//   head), positions in slot_pos, pages [num_pages, page_size, HEAD_DIM]) and a caller's
+//   (cuattn.paged_decode: one table row per sequence for every kv head, the table slot is the
+//   position, kept below lengths[b], which also give the page count; pages [num_blocks,
+//   block_size, kv_heads, HEAD_DIM] at any strides that are whole HEAD_DIM rows). A score is
 //   scale * q.k, in the MODS_SCORE variant capped as softcap * tanh(s / softcap) if softcap > 0
 //   and, with use_alibi, given ALiBi's -slope[b, head] * (query position - token position), and
 //   with use_key_bias the key bias of the token's position, key_bias[b, (head,) position], and
@@ -50,14 +55,17 @@
 //   count: a token a row does not attend has score -inf (probability 0) and still multiplies its
 //   v (0 * NaN = NaN); a slot with no kept token is read as zeros, so what it still holds reaches
 //   nothing; a NaN or +inf score makes its row NaN; a row with nothing but -inf gives 0 and -inf.
-// Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
-// contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
-// [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
-// [B, H, t_q, max_pages]; lse float32 [B, H, t_q] (the merged one); slot_score float64
-// [num_pages, page_size].
-// Run: through cuattn.decode_attention on a KVCache (backend "cuda" or "interp"); TILE, ROWS
-// and the split count come from cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta,
-// decode_splits).
+// Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages: the row of table slot f is
+// page_rows page + token_rows offset + head_rows kv_head (HEAD_DIM contiguous elements each,
+// 16-byte aligned), fewer than 2^31 rows; page_table int32, the row of (b, kv head) at
+// b table_batch_stride + kv_head table_head_stride, max_pages entries (attn_decode_mass: [B,
+// kv_heads, max_pages]); with use_slot_pos slot_pos int64 [num_pages, page_size] and page_count
+// int32 [B, kv_heads] (otherwise not read); lengths int64 [B]; chosen uint8 [B, H, t_q,
+// max_pages]; lse float32 [B, H, t_q] (the merged one); slot_score float64 [num_pages,
+// page_size].
+// Run: through cuattn.decode_attention on a KVCache or cuattn.paged_decode on a caller's page
+// table (backend "cuda" or "interp"); TILE, ROWS and the split count come from
+// cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta, decode_splits).
 #include "common/philox.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
@@ -98,19 +106,42 @@ __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
 // score, so that the row comes out NaN rather than missing that score.
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 
+// One (sequence, kv head)'s page table and where its tokens live. Table entry e names a page;
+// the token at offset o of page p starts page_rows p + token_rows o + head_row HEAD_DIM-element
+// rows into k_pages and v_pages (a KVCache's per-(sequence, kv head) pages: page_size, 1, 0; a
+// caller's [num_blocks, block_size, kv_heads, HEAD_DIM] pages: block_size kv_heads, kv_heads,
+// kv_head). Its position: slot_pos[p page_size + o] with use_slot_pos (a KVCache's), otherwise
+// the table slot itself, kept while below the sequence's length.
+struct PageWalk {
+  const int* __restrict__ table;
+  const long long* __restrict__ slot_pos;
+  int page_size, page_rows, token_rows, head_row;
+  long long length;
+  int use_slot_pos;
+
+  // The k_pages / v_pages row of table slot f (in entry `entry`, page `page`) and its position.
+  __device__ __forceinline__ int row_of(int f, int entry, int page) const {
+    return page * page_rows + (f - entry * page_size) * token_rows + head_row;
+  }
+  __device__ __forceinline__ long long position(int f, int entry, int page) const {
+    if (!use_slot_pos) return f < length ? f : -1;
+    return slot_pos[page * page_size + (f - entry * page_size)];
+  }
+};
+
 // Starts the copy of one sub-tile (table slots first_slot + t, t < TOKENS_PER_WARP; none past
 // last_slot) of K and V into `stage` ([K, V][token][LD]) and commits it. A slot past the run or
-// keeping no token (position -1: evicted, or room in a page) is zero-filled: its memory may hold
-// an earlier token's NaN or inf, which 0 * x would carry into every row. Returns this lane's
-// token's position (-1 for those) and, in `entry`, the token's page-table entry; for fp8 pages
-// (T fp8_e4m3 or fp8_e5m2) also its page's scales, read here so that their loads are in flight
-// with the copies (the spare page's, finite, past the run; unused otherwise).
+// keeping no token (position -1: evicted, room in a page, past a caller's sequence) is
+// zero-filled: its memory may hold an earlier token's NaN or inf, which 0 * x would carry into
+// every row. Returns this lane's token's position (-1 for those) and, in `entry`, the token's
+// page-table entry; for fp8 pages (T fp8_e4m3 or fp8_e5m2) also its page's scales, read here so
+// that their loads are in flight with the copies (page 0's, finite, past the run; unused
+// otherwise).
 template <typename Traits, int HEAD_DIM, typename T>
 __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict__ k_pages,
                                                    const T* __restrict__ v_pages,
-                                                   const long long* __restrict__ slot_pos,
-                                                   const int* __restrict__ table, int page_size,
-                                                   int first_slot, int last_slot, int& entry,
+                                                   const PageWalk& walk, int first_slot,
+                                                   int last_slot, int& entry,
                                                    const float* __restrict__ k_scale,
                                                    const float* __restrict__ v_scale,
                                                    float& token_k_scale, float& token_v_scale) {
@@ -119,24 +150,24 @@ __device__ __forceinline__ long long copy_sub_tile(T* stage, const T* __restrict
   const int lane = int(threadIdx.x) % 32;
   const int f = first_slot + lane % TPW;
   const bool valid = f < last_slot;
-  entry = valid ? f / page_size : 0;
-  const int slot = valid ? table[entry] * page_size + (f - entry * page_size) : 0;
+  entry = valid ? f / walk.page_size : 0;
+  const int page = valid ? walk.table[entry] : 0;
+  const int slot_row = valid ? walk.row_of(f, entry, page) : 0;
   if constexpr (is_fp8_type<T>::value) {
-    const int page = valid ? table[entry] : 0;
     token_k_scale = k_scale[page];
     token_v_scale = v_scale[page];
   }
-  const long long pos = valid ? slot_pos[slot] : -1;
+  const long long pos = valid ? walk.position(f, entry, page) : -1;
 #pragma unroll
   for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
     const int chunk = lane + 32 * c;
     const int row = min_int(chunk / CPR, TPW - 1);
     // every lane shuffles (a shuffle needs the whole warp); lane `row` holds token `row`
-    const int row_slot = __shfl_sync(FULL_WARP, slot, row);
+    const int src_row = __shfl_sync(FULL_WARP, slot_row, row);
     const int row_valid = __shfl_sync(FULL_WARP, int(pos >= 0), row);
     if (chunk < TPW * CPR) {
       const int col = (chunk % CPR) * Traits::CHUNK;
-      const size_t src = size_t(row_slot) * HEAD_DIM + col;
+      const size_t src = size_t(src_row) * HEAD_DIM + col;
       cp_async_16(stage + row * Traits::LD + col, k_pages + src, row_valid != 0);
       cp_async_16(stage + Traits::STAGE_ELEMS + row * Traits::LD + col, v_pages + src,
                   row_valid != 0);
@@ -156,7 +187,9 @@ __device__ __forceinline__ void attn_decode_split_body(
                       const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
                       float* __restrict__ part_out, float* __restrict__ part_lse,
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
-                      int page_size, int max_pages, int splits, int pages_per_split, float scale,
+                      int page_size, int max_pages, int table_batch_stride,
+                      int table_head_stride, int page_rows, int token_rows, int head_rows,
+                      int use_slot_pos, int splits, int pages_per_split, float scale,
                       float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
                       int alibi_batch_stride, const float* __restrict__ key_bias,
                       int use_key_bias, long long key_bias_batch_stride,
@@ -181,10 +214,15 @@ __device__ __forceinline__ void attn_decode_split_body(
   const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
   const int rows = min_int(ROWS, group_rows - first_row);
   const int b = int(blockIdx.z);
-  const long long first_query_pos = lengths[b] - t_q;  // query r % t_q sits at this + r % t_q
-  const size_t table_row = size_t(b) * kv_heads + kv_head;
-  const int* table = page_table + table_row * max_pages;
-  const int pages = page_count[table_row];
+  const long long length = lengths[b];
+  const long long first_query_pos = length - t_q;  // query r % t_q sits at this + r % t_q
+  const int* table =
+      page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
+  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
+  const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
+                                 : int((length + page_size - 1) / page_size);
+  const PageWalk walk{table, slot_pos, page_size, page_rows, token_rows, kv_head * head_rows,
+                      length, use_slot_pos};
   const int page_lo = min_int(split * pages_per_split, pages);
   const int page_hi = min_int(page_lo + pages_per_split, pages);
   const int slot_lo = page_lo * page_size;
@@ -224,9 +262,9 @@ __device__ __forceinline__ void attn_decode_split_body(
   long long pos_next = -1;
   float k_scale_next = 1.f, v_scale_next = 1.f;  // fp8: the lane's token's page scales
   if (mine > 0) {
-    pos_next = copy_sub_tile<Traits, HEAD_DIM>(warp_stages, k_pages, v_pages, slot_pos, table,
-                                               page_size, slot_lo + warp * TPW, slot_hi, entry_next,
-                                               k_scale, v_scale, k_scale_next, v_scale_next);
+    pos_next = copy_sub_tile<Traits, HEAD_DIM>(warp_stages, k_pages, v_pages, walk,
+                                               slot_lo + warp * TPW, slot_hi, entry_next, k_scale,
+                                               v_scale, k_scale_next, v_scale_next);
   }
 
   // The sub-tile loop: warp `warp`'s k-th sub-tile starts at table slot first_slot.
@@ -239,10 +277,10 @@ __device__ __forceinline__ void attn_decode_split_body(
     const KV* v_tile = k_tile + Traits::STAGE_ELEMS;
     if (k + 1 < mine) {
       KV* next = warp_stages + ((k + 1) % Traits::STAGES) * 2 * Traits::STAGE_ELEMS;
-      pos_next = copy_sub_tile<Traits, HEAD_DIM>(next, k_pages, v_pages, slot_pos, table,
-                                                 page_size, first_slot + Traits::NUM_WARPS * TPW,
-                                                 slot_hi, entry_next, k_scale, v_scale,
-                                                 k_scale_next, v_scale_next);
+      pos_next = copy_sub_tile<Traits, HEAD_DIM>(next, k_pages, v_pages, walk,
+                                                 first_slot + Traits::NUM_WARPS * TPW, slot_hi,
+                                                 entry_next, k_scale, v_scale, k_scale_next,
+                                                 v_scale_next);
     } else {
       cp_async_commit();  // an empty group, so that waiting for all but one means this sub-tile
     }
@@ -418,7 +456,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
                       float* __restrict__ part_out, float* __restrict__ part_lse,
                       float* __restrict__ token_scores, int heads, int kv_heads, int t_q,
-                      int page_size, int max_pages, int splits, int pages_per_split, float scale,
+                      int page_size, int max_pages, int table_batch_stride,
+                      int table_head_stride, int page_rows, int token_rows, int head_rows,
+                      int use_slot_pos, int splits, int pages_per_split, float scale,
                       float softcap, const float* __restrict__ alibi_slopes, int use_alibi,
                       int alibi_batch_stride, const float* __restrict__ key_bias,
                       int use_key_bias, long long key_bias_batch_stride,
@@ -429,8 +469,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                       int use_chosen, int keep_scores) {
   attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, T, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
-      token_scores, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split, scale,
-      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      token_scores, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
+      scale, softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
       key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
       rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
       use_seed_words, use_chosen, keep_scores, nullptr, nullptr);
@@ -451,7 +492,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
                           const long long* __restrict__ lengths,
                           const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
                           float* __restrict__ part_lse, float* __restrict__ token_scores, int heads,
-                          int kv_heads, int t_q, int page_size, int max_pages, int splits,
+                          int kv_heads, int t_q, int page_size, int max_pages,
+                          int table_batch_stride, int table_head_stride, int page_rows,
+                          int token_rows, int head_rows, int use_slot_pos, int splits,
                           int pages_per_split, float scale, float softcap,
                           const float* __restrict__ alibi_slopes, int use_alibi,
                           int alibi_batch_stride, const float* __restrict__ key_bias,
@@ -465,8 +508,9 @@ __global__ void __launch_bounds__(attn_decode_split_traits<TILE, ROWS, HEAD_DIM,
   static_assert(is_fp8_type<KV>::value, "the fp8 split kernel reads fp8 pages");
   attn_decode_split_body<TILE, ROWS, HEAD_DIM, T, KV, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
-      token_scores, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split, scale,
-      softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
+      token_scores, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
+      scale, softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias, use_key_bias,
       key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias, rel_bias_batch_stride,
       rel_max_distance, dropout_threshold, dropout_seed, dropout_scale, dropout_seed_words,
       use_seed_words, use_chosen, keep_scores, k_scale, v_scale);

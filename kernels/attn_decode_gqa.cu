@@ -10,18 +10,20 @@
 //   walked as table slots (slot f is offset f % page_size of entry f / page_size), and up to
 //   ROWS = 16 of the kv group's kv_group * t_q query rows (row r: query head kv_head * kv_group
 //   + r / t_q, query r % t_q at position lengths[b] - t_q + r % t_q). A token counts for a row
-//   when slot_pos >= 0 (kept), it is <= the row's position and, with use_chosen, the row's
-//   Quest choice reads its page; scores are scale * q.k. With one split it writes out [B, H,
-//   t_q, HEAD_DIM] (T) and lse [B, H, t_q] (float, natural log; -inf: nothing counted) itself;
-//   with more, the split's partial part_out [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H,
-//   t_q, splits] (float), and the CTA that writes the last split of its rows (counted in
-//   tickets [B, kv_heads * row_chunks], zeros at launch) merges them into out and lse as
-//   attn_decode_merge does (kernels/common/merge_row.cuh: no merge launch).
+//   when its position >= 0 (kept), it is <= the row's position and, with use_chosen, the row's
+//   Quest (or caller's) choice reads its page; scores are scale * q.k. The two page layouts are
+//   attn_decode_split's (a KVCache's with use_slot_pos, a caller's block table without: see its
+//   PageWalk). With one split it writes out [B, H, t_q, HEAD_DIM] (T) and lse [B, H, t_q]
+//   (float, natural log; -inf: nothing counted) itself; with more, the split's partial part_out
+//   [B, H, t_q, splits, HEAD_DIM] and part_lse [B, H, t_q, splits] (float), and the CTA that
+//   writes the last split of its rows (counted in tickets [B, kv_heads * row_chunks], zeros at
+//   launch) merges them into out and lse as attn_decode_merge does
+//   (kernels/common/merge_row.cuh: no merge launch).
 //   How: the split's slots are cut in tiles of TILE tokens; tile t goes to stage t % STAGES and
 //   consumer warp t % CONSUMER_WARPS (STAGES a multiple of it, so a stage always has the same
 //   consumer). The producer warp (the last) gives each tile's token a lane: its table entry,
-//   slot and position, and a 32-bit row mask (bit i: the token counts for row i) into the
-//   stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
+//   slot, K/V row and position, and a 32-bit row mask (bit i: the token counts for row i) into
+//   the stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
 //   lanes along a row, zero-filled where no token is kept (evicted, room in a page, past the
 //   run), so that whatever an unused slot holds (a NaN) meets no probability. Each producer lane
 //   arrives on the stage's `full` barrier twice: once when its copies land
@@ -42,13 +44,14 @@
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
 //   NaN; a row that counts nothing in a split writes lse -inf and an out the merge multiplies
 //   by 0 (with one split: 0).
-// Shapes: q [B, H, t_q, HEAD_DIM] contiguous; k_pages, v_pages [num_pages, page_size, HEAD_DIM]
-//   contiguous, fewer than 2^31 slots; slot_pos int64 [num_pages, page_size]; page_table int32
-//   [B, kv_heads, max_pages]; page_count int32 [B, kv_heads]; lengths int64 [B]; chosen uint8
-//   [B, H, t_q, max_pages].
-// Run: cuattn.decode_attention on a KVCache with CUATTN_DECODE=gqa (backend "cuda" or
-//   "interp"); TILE and the split count come from cuattn/backends/geometry.py (decode_gqa_tile,
-//   decode_gqa_splits).
+// Shapes: as attn_decode_split's (kernels/attn_decode.cu): q [B, H, t_q, HEAD_DIM] contiguous;
+//   k_pages, v_pages rows page_rows page + token_rows offset + head_rows kv_head, fewer than
+//   2^31; page_table rows at table_batch_stride, table_head_stride; with use_slot_pos slot_pos
+//   int64 [num_pages, page_size] and page_count int32 [B, kv_heads]; lengths int64 [B]; chosen
+//   uint8 [B, H, t_q, max_pages].
+// Run: cuattn.decode_attention on a KVCache or cuattn.paged_decode, with CUATTN_DECODE=gqa
+//   (backend "cuda" or "interp"); TILE and the split count come from
+//   cuattn/backends/geometry.py (decode_gqa_tile, decode_gqa_splits).
 #include "common/mbarrier.cuh"
 #include "common/merge_row.cuh"
 #include "common/smem.cuh"
@@ -166,7 +169,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
     float* __restrict__ part_lse, T* __restrict__ out, float* __restrict__ lse,
     int* __restrict__ tickets, int heads, int kv_heads, int t_q, int page_size, int max_pages,
-    int splits, int pages_per_split, float scale, int use_chosen,
+    int table_batch_stride, int table_head_stride, int page_rows, int token_rows, int head_rows,
+    int use_slot_pos, int splits, int pages_per_split, float scale, int use_chosen,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
   using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>;
   constexpr bool FP8 = Traits::FP8;
@@ -185,8 +189,10 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
   const int rows = min_of(ROWS, group_rows - first_row);
   const int b = int(blockIdx.z);
-  const size_t table_row = size_t(b) * kv_heads + kv_head;
-  const int pages = page_count[table_row];
+  const long long length = lengths[b];
+  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
+  const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
+                                 : int((length + page_size - 1) / page_size);
   const int page_lo = min_of(split * pages_per_split, pages);
   const int page_hi = min_of(page_lo + pages_per_split, pages);
   const int slot_lo = page_lo * page_size;
@@ -223,8 +229,10 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   }
 
   if (warp == Traits::PRODUCER_WARP) {
-    const int* table = page_table + table_row * max_pages;
-    const long long first_query_pos = lengths[b] - t_q;  // query r % t_q sits at this + r % t_q
+    const int* table =
+        page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
+    const int head_row = kv_head * head_rows;
+    const long long first_query_pos = length - t_q;  // query r % t_q sits at this + r % t_q
     int query_of[ROWS];
     u32 all_rows = 0u;
 #pragma unroll
@@ -234,12 +242,14 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     }
     // Quest's choices of the CTA's rows: [ROWS][max_pages] from here (a stand-in without Quest)
     const unsigned char* chosen_rows = chosen + (use_chosen ? first_q_row * max_pages : 0);
-    // A tile's tokens, one a lane per round (token lane + 32 r): the table slot (-1: past the
-    // run) and the position there (-1: none kept). Read ahead: while tile t is issued, the
+    // A tile's tokens, one a lane per round (token lane + 32 r): the page slot (-1: past the
+    // run), its k_pages / v_pages row and the position there (-1: none kept; a caller's table's
+    // is the table slot, kept below the length). Read ahead: while tile t is issued, the
     // positions of tile t + 1 and the table entries of tile t + 2 are loaded, so that the
     // producer never waits for its own dependent pair of loads (table, then slot_pos).
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
+      int row[Traits::TOKEN_ROUNDS];
       long long pos[Traits::TOKEN_ROUNDS];
       float k_scale[Traits::TOKEN_ROUNDS];  // fp8: the page's scales, read with the position
       float v_scale[Traits::TOKEN_ROUNDS];
@@ -251,13 +261,17 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const int f = slot_lo + t * TILE + token;
         const bool in_run = t < tiles && token < TILE && f < slot_hi;
         const int entry = in_run ? f / page_size : 0;
-        tokens.slot[r] = in_run ? table[entry] * page_size + (f - entry * page_size) : -1;
+        const int page = in_run ? table[entry] : 0;
+        const int offset = f - entry * page_size;
+        tokens.slot[r] = in_run ? page * page_size + offset : -1;
+        tokens.row[r] = page * page_rows + offset * token_rows + head_row;
+        if (!use_slot_pos) tokens.pos[r] = in_run && f < length ? f : -1;
       }
     };
     auto read_positions = [&](Tokens& tokens) {
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-        tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
+        if (use_slot_pos) tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
         if constexpr (FP8) {
           const int page = tokens.slot[r] >= 0 ? tokens.slot[r] / page_size : 0;
           tokens.k_scale[r] = k_scale[page];
@@ -274,13 +288,13 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       read_positions(next);
       read_slots(t + 2, after);
       u32 mask[Traits::TOKEN_ROUNDS];
-      int kept_slot[Traits::TOKEN_ROUNDS];  // -1: zero-filled
+      int kept_row[Traits::TOKEN_ROUNDS];  // -1: zero-filled
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         const int entry = use_chosen ? (slot_lo + t * TILE + lane + 32 * r) / page_size : 0;
         mask[r] = row_mask<ROWS>(now.pos[r], first_query_pos, t_q, query_of, all_rows,
                                  chosen_rows + entry, max_pages, use_chosen);
-        kept_slot[r] = now.pos[r] >= 0 ? now.slot[r] : -1;
+        kept_row[r] = now.pos[r] >= 0 ? now.row[r] : -1;
       }
       mbarrier_wait_parity(&empty[s], unsigned(t / STAGES & 1) ^ 1u);  // the stage is free
 #pragma unroll
@@ -301,10 +315,10 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const int row = chunk / Traits::CHUNKS_PER_ROW;  // the tile's token
         const int col = chunk % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
         // token `row` is lane row % 32's, in round c / CHUNKS_PER_ROW (= row / 32)
-        const int row_slot =
-            __shfl_sync(FULL_WARP, kept_slot[c / Traits::CHUNKS_PER_ROW], row % 32);
-        const bool kept = row_slot >= 0;
-        const size_t src = size_t(kept ? row_slot : 0) * HEAD_DIM + col;
+        const int row_of_token =
+            __shfl_sync(FULL_WARP, kept_row[c / Traits::CHUNKS_PER_ROW], row % 32);
+        const bool kept = row_of_token >= 0;
+        const size_t src = size_t(kept ? row_of_token : 0) * HEAD_DIM + col;
         cp_async_16(k_tile + row * LD + col, k_pages + src, kept);
         cp_async_16(v_tile + row * LD + col, v_pages + src, kept);
       }
@@ -517,11 +531,14 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
                     const long long* __restrict__ lengths, const unsigned char* __restrict__ chosen,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
                     T* __restrict__ out, float* __restrict__ lse, int* __restrict__ tickets,
-                    int heads, int kv_heads, int t_q, int page_size, int max_pages, int splits,
-                    int pages_per_split, float scale, int use_chosen) {
+                    int heads, int kv_heads, int t_q, int page_size, int max_pages,
+                    int table_batch_stride, int table_head_stride, int page_rows, int token_rows,
+                    int head_rows, int use_slot_pos, int splits, int pages_per_split, float scale,
+                    int use_chosen) {
   attn_decode_gqa_body<TILE, HEAD_DIM, T, T>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
-      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split,
+      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
       scale, use_chosen, nullptr, nullptr);
 }
 
@@ -540,12 +557,15 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>:
                         const unsigned char* __restrict__ chosen, float* __restrict__ part_out,
                         float* __restrict__ part_lse, T* __restrict__ out, float* __restrict__ lse,
                         int* __restrict__ tickets, int heads, int kv_heads, int t_q, int page_size,
-                        int max_pages, int splits, int pages_per_split, float scale,
+                        int max_pages, int table_batch_stride, int table_head_stride,
+                        int page_rows, int token_rows, int head_rows, int use_slot_pos,
+                        int splits, int pages_per_split, float scale,
                         int use_chosen, const float* __restrict__ k_scale,
                         const float* __restrict__ v_scale) {
   static_assert(is_fp8_type<KV>::value, "the fp8 tensor-core decode reads fp8 pages");
   attn_decode_gqa_body<TILE, HEAD_DIM, T, KV>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
-      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, splits, pages_per_split,
+      out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
+      table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
       scale, use_chosen, k_scale, v_scale);
 }

@@ -383,6 +383,14 @@ _DECODE_SIZE_ARGS = (
     ("t_q", "i32"),
     ("page_size", "i32"),
     ("max_pages", "i32"),
+    # where a (sequence, kv head)'s table row and its tokens' K/V rows are (kernels/attn_decode.cu
+    # PageWalk): a KVCache's per-pair tables and pages, or a caller's block table
+    ("table_batch_stride", "i32"),
+    ("table_head_stride", "i32"),
+    ("page_rows", "i32"),
+    ("token_rows", "i32"),
+    ("head_rows", "i32"),
+    ("use_slot_pos", "i32"),  # 1: slot_pos and page_count (a KVCache's); 0: positions in order
     ("splits", "i32"),
     ("pages_per_split", "i32"),
     ("scale", "f32"),

@@ -1151,28 +1151,178 @@ class KernelBackend:
         (DECODE_BOOK: slot_pos, page_table, page_count, lengths). ``fp8``: (k_scale, v_scale,
         kv_dtype) of fp8 pages (_check_fp8_pages), or None. Shapes as the kernel file's header;
         the cache (cuattn/serving) checks its own arrays, this checks q against them."""
-        scale, mods = call.scale, call.mods
-        if call.operands.score_bias is not None:
-            raise ValueError(
-                "score_bias: the decode kernels take no dense score bias (a KV cache's keys have "
-                "no fixed [time_q, time_k] plane); pass a per-key bias as key_bias"
-            )
         if fp8 is not None:
             gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
         if tuple(book) != DECODE_BOOK:
             raise ValueError(f"book: the cache's arrays {DECODE_BOOK}, got {tuple(book)}")
-        arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
-        self._check_placement({**arrays, **book})
-        page_table = book["page_table"]
+        self._check_placement({"q": q, "k_pages": k_pages, "v_pages": v_pages, **book})
         self._check_contiguous({"k_pages": k_pages, "v_pages": v_pages, **book})
-        batch, heads, t_q, head_dim = q.shape
-        _, kv_heads, max_pages = page_table.shape
+        _, kv_heads, max_pages = book["page_table"].shape
         page_size = int(k_pages.shape[1])
         if int(k_pages.shape[0]) * page_size > geometry.DECODE_MAX_SLOTS:
             raise ValueError(
                 f"k_pages: {int(k_pages.shape[0])} pages of {page_size} tokens; the decode "
                 f"kernels index at most {geometry.DECODE_MAX_SLOTS} slots (int32)"
             )
+        # a table row and a page per (sequence, kv head), positions in slot_pos
+        walk = dict(
+            table_batch_stride=kv_heads * max_pages,
+            table_head_stride=max_pages,
+            page_rows=page_size,
+            token_rows=1,
+            head_rows=0,
+            use_slot_pos=1,
+        )
+        return self._decode_launch(
+            q,
+            k_pages,
+            v_pages,
+            book,
+            walk,
+            kv_heads,
+            max_pages,
+            page_size,
+            chosen,
+            call,
+            keep_scores,
+            resident_ctas,
+            gqa,
+            fp8,
+        )
+
+    def decode_block_table(
+        self,
+        q: Any,
+        k_pages: Any,
+        v_pages: Any,
+        block_table: Any,
+        lengths: Any,
+        chosen: Any | None,
+        call: AttentionCall,
+        resident_ctas: int,
+        gqa: bool = False,
+        fp8: tuple[Any, Any, str] | None = None,
+    ) -> tuple[Any, Any]:
+        """The decode kernels of ``decode_pages`` over a caller's page table (vLLM's and
+        FlashAttention's ``block_table`` layout, cuattn.paged_decode): k_pages, v_pages
+        [num_blocks, block_size, kv_heads, head_dim] read in place at their strides (the same
+        for both; head_dim contiguous, every other stride a whole number of head_dim rows),
+        block_table int32 [batch, max_blocks] (entries contiguous) naming the blocks of each
+        sequence's tokens in order for every kv head, lengths int64 [batch] the tokens of each
+        (the blocks past ceil(length / block_size) are not read). Positions are the tokens'
+        places in their sequence; ``chosen`` (uint8 [batch, heads, t_q, max_blocks]) as Quest's
+        in decode_pages. Returns (out like q, lse float32 [batch, heads, t_q]). The caller
+        (cuattn/serving/paged.py) checks the table's values; this checks shapes and strides."""
+        if fp8 is not None:
+            gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
+        self._check_placement(
+            {
+                "q": q,
+                "k_pages": k_pages,
+                "v_pages": v_pages,
+                "block_table": block_table,
+                "lengths": lengths,
+            }
+        )
+        self._check_contiguous({"lengths": lengths})
+        num_blocks, block_size, kv_heads, head_dim = (int(d) for d in k_pages.shape)
+        batch, max_blocks = (int(d) for d in block_table.shape)
+        itemsize = k_pages.dtype.itemsize
+        # the stride of a length-1 axis is never used
+        strides, v_strides = (
+            [st // itemsize if n > 1 else 0 for st, n in zip(x.strides, x.shape, strict=True)]
+            for x in (k_pages, v_pages)
+        )
+        if strides != v_strides or tuple(v_pages.shape) != tuple(k_pages.shape):
+            raise ValueError(
+                f"v_pages: shape {tuple(v_pages.shape)} and strides {tuple(v_pages.strides)}; "
+                f"the kernels read k_pages and v_pages at one set of strides, k_pages's "
+                f"{tuple(k_pages.shape)} and {tuple(k_pages.strides)}"
+            )
+        if head_dim > 1 and strides[3] != 1 or any(st % head_dim for st in strides[:3]):
+            raise ValueError(
+                f"k_pages: strides {tuple(k_pages.strides)} bytes for shape "
+                f"{tuple(k_pages.shape)}; the kernels read each token's head_dim elements "
+                "contiguously and every other stride as a whole number of head_dim rows (a "
+                "contiguous [num_blocks, block_size, kv_heads, head_dim], or a view of one "
+                "block axis of a larger contiguous cache)"
+            )
+        page_rows, token_rows, head_rows = (st // head_dim for st in strides[:3])
+        last_row = (num_blocks - 1) * page_rows + (block_size - 1) * token_rows
+        last_row += (kv_heads - 1) * head_rows
+        if last_row >= geometry.DECODE_MAX_SLOTS:
+            raise ValueError(
+                f"k_pages: shape {tuple(k_pages.shape)} spans {last_row + 1} rows of head_dim; "
+                f"the decode kernels index at most {geometry.DECODE_MAX_SLOTS} (int32)"
+            )
+        table_strides = tuple(int(st) // 4 for st in block_table.strides)
+        if max_blocks > 1 and table_strides[1] != 1:
+            raise ValueError(
+                f"block_table: strides {tuple(block_table.strides)} bytes; the kernels read a "
+                "sequence's entries contiguously (a row slice of a larger table is fine)"
+            )
+        xp = self.xp
+        with self.on_device_of(q):
+            book = dict(
+                slot_pos=xp.zeros(1, xp.int64),  # stand-ins: positions come in order
+                page_table=block_table,
+                page_count=xp.zeros(1, xp.int32),
+                lengths=lengths,
+            )
+        walk = dict(
+            table_batch_stride=table_strides[0] if batch > 1 else 0,
+            table_head_stride=0,  # every kv head reads the sequence's row
+            page_rows=page_rows,
+            token_rows=token_rows,
+            head_rows=head_rows,
+            use_slot_pos=0,
+        )
+        out, lse, _ = self._decode_launch(
+            q,
+            k_pages,
+            v_pages,
+            book,
+            walk,
+            kv_heads,
+            max_blocks,
+            block_size,
+            chosen,
+            call,
+            False,
+            resident_ctas,
+            gqa,
+            fp8,
+        )
+        return out, lse
+
+    def _decode_launch(
+        self,
+        q: Any,
+        k_pages: Any,
+        v_pages: Any,
+        book: dict[str, Any],
+        walk: dict[str, int],
+        kv_heads: int,
+        max_pages: int,
+        page_size: int,
+        chosen: Any | None,
+        call: AttentionCall,
+        keep_scores: bool,
+        resident_ctas: int,
+        gqa: bool,
+        fp8: tuple[Any, Any, str] | None = None,
+    ) -> tuple[Any, Any, Any | None]:
+        """decode_pages's and decode_block_table's launches, once each one's checks are done:
+        ``book`` the arrays of DECODE_BOOK (stand-ins where ``walk`` says the kernels read
+        none), ``walk`` the kernels' table and page strides (kernels/attn_decode.cu PageWalk)."""
+        scale, mods = call.scale, call.mods
+        if call.operands.score_bias is not None:
+            raise ValueError(
+                "score_bias: the decode kernels take no dense score bias (a KV cache's keys have "
+                "no fixed [time_q, time_k] plane); pass a per-key bias as key_bias"
+            )
+        arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+        batch, heads, t_q, head_dim = q.shape
         dtype = geometry.kernel_dtype(q.dtype)
         if head_dim not in geometry.HEAD_DIMS:
             raise ValueError(
@@ -1230,6 +1380,7 @@ class KernelBackend:
                 t_q=t_q,
                 page_size=page_size,
                 max_pages=max_pages,
+                **walk,
                 splits=splits,
                 pages_per_split=per_split,
                 scale=scale,

@@ -57,7 +57,14 @@ from cuattn.backends.dropout import keep_mask, seed_of
 from cuattn.backends.numpy_ref import modified_scores
 from cuattn.serving.cache import KVCache
 
-__all__ = ["decode_attention", "kernel_call", "kernel_decode", "quest_chosen", "reference_decode"]
+__all__ = [
+    "decode_attention",
+    "kernel_call",
+    "kernel_decode",
+    "quest_chosen",
+    "reference_decode",
+    "reference_rows",
+]
 
 # Decode CTAs the interpreter pretends a device holds: small, so that tests split page tables.
 INTERP_RESIDENT_CTAS = 8
@@ -286,13 +293,7 @@ def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any,
     """The exact computation, one (sequence, kv head) pair at a time: every row of the kv group
     against every kept token (module doc), as dense arithmetic takes NaN and inf: the NumPy
     backend's decode."""
-    xp, scale, mods = cache.xp, call.scale, call.mods
-    operands = call.operands
-    slopes, key_bias, rel_bias = operands.alibi_slopes, operands.key_bias, operands.rel_bias
-    seed_words = operands.dropout_seed
-    seed = mods.dropout_seed
-    if seed_words is not None:  # the reference reads the key on the host
-        seed = seed_of(seed_words.get() if xp is not np else seed_words)
+    xp = cache.xp
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     group = heads // cache.kv_heads
     acc = xp.float64 if cache.dtype == "float64" else xp.float32
@@ -308,52 +309,86 @@ def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any,
             if pos.size == 0:
                 continue
             heads_of = slice(h * group, (h + 1) * group)
-            q_group = qb[b, heads_of]
             keys, values = cache.token_values(xp.asarray(pages), xp.asarray(offsets))
-            keys, values = keys.astype(acc), values.astype(acc)
-            s = (q_group.astype(acc) @ keys.T) * scale  # [g, t_q, n]
-            s = modified_scores(s, mods, xp)
-            if slopes is not None:  # ALiBi: -slope * (query position - token position)
-                slope = xp.broadcast_to(slopes, (batch, heads))[b, heads_of].astype(acc)
-                distance = xp.asarray((q_pos[:, None] - pos[None, :]).astype(np.float64))
-                s = s - slope[:, None, None] * distance.astype(acc)
-            if key_bias is not None:  # the bias of each kept token's position
-                rows = key_bias[b] if key_bias.ndim == 2 else key_bias[b, heads_of]
-                s = s + rows[..., xp.asarray(pos)].astype(acc)[..., None, :]
-            if rel_bias is not None:  # the table's column of (token - query position)
-                reach = rel_max_distance(rel_bias)
-                table = rel_bias if rel_bias.ndim == 2 else rel_bias[b]
-                column = np.clip(pos[None, :] - q_pos[:, None], -reach, reach) + reach
-                s = s + table[heads_of][:, xp.asarray(column)].astype(acc)
-            allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
+            chosen = None
             if quest:
-                chosen = _quest_pages(cache, b, h, q_group, length)
+                chosen_pages = _quest_pages(cache, b, h, qb[b, heads_of], length)
                 where = {page: i for i, page in enumerate(cache.pages(b, h))}
-                page_index = np.array([where[p] for p in pages])
-                allowed = allowed & chosen[..., page_index]
-            allowed = xp.asarray(np.ascontiguousarray(allowed))
-            s = xp.where(allowed, s, -xp.inf)  # replaced, never multiplied
-            m = s.max(axis=-1, keepdims=True)  # NaN-propagating
-            # Nothing but -inf: shift by 0 so that exp gives 0, not NaN. NaN and +inf stay: a
-            # NaN p (NaN score, or +inf - +inf) makes the row NaN, as the dense computation.
-            m = xp.where(m == -xp.inf, 0.0, m)
-            p = xp.where(allowed, xp.exp(s - m), 0.0)
-            total = p.sum(axis=-1, keepdims=True)
-            # total == 0: no allowed key, or only -inf scores: 0 and -inf, written whatever
-            # p @ values holds (0 * NaN from a kept v); a NaN total gives NaN for both
-            empty = total == 0
-            safe = xp.where(empty, 1.0, total)
-            kept = p
-            if mods.dropout_p:  # after the sums: the lse and the scores are of every p
-                query_heads = np.arange(heads_of.start, heads_of.stop)[:, None, None]
-                mask = keep_mask(mods.dropout_p, seed, b, query_heads, q_pos[:, None], pos)
-                kept = xp.where(xp.asarray(mask), p / (1.0 - mods.dropout_p), 0.0)
-            out[b, heads_of] = xp.where(empty, 0.0, (kept @ values) / safe)
-            lse[b, heads_of] = xp.where(empty, -xp.inf, m + xp.log(safe))[..., 0]
+                chosen = chosen_pages[..., np.array([where[p] for p in pages])]
+            out[b, heads_of], lse[b, heads_of], prob = reference_rows(
+                xp, qb, call, b, heads_of, keys, values, q_pos, pos, chosen, acc
+            )
             if scores:
                 # a NaN probability (a NaN row) adds nothing: the scores stay finite
-                prob = p / safe
                 mass = xp.where(xp.isnan(prob), 0.0, prob).sum(axis=(0, 1))
                 mass = mass.get() if xp is not np else mass
                 cache.slot_score[pages, offsets] += mass
     return out.astype(qb.dtype), lse
+
+
+@_quiet_specials
+def reference_rows(
+    xp: Any,
+    qb: Any,
+    call: AttentionCall,
+    b: int,
+    heads_of: slice,
+    keys: Any,
+    values: Any,
+    q_pos: np.ndarray,
+    pos: np.ndarray,
+    chosen: np.ndarray | None,
+    acc: Any,
+) -> tuple[Any, Any, Any]:
+    """The exact rows of sequence ``b``'s query heads ``heads_of`` (one kv group: qb[b,
+    heads_of], [g, t_q, head_dim], at positions ``q_pos`` [t_q]) against the tokens ``keys``,
+    ``values`` [n, head_dim] at positions ``pos`` [n] (host ints), causal, with the call's scale
+    and score modifiers, and where ``chosen`` (bool [g, t_q, n], or None: every token) says
+    which tokens each row may read: (out [g, t_q, head_dim], lse [g, t_q], each row's
+    probabilities [g, t_q, n]) in ``acc``. NaN and inf as the module doc says. The reference
+    of decode_attention (reference_decode) and of paged_decode (cuattn/serving/paged.py)."""
+    scale, mods, operands = call.scale, call.mods, call.operands
+    slopes, key_bias, rel_bias = operands.alibi_slopes, operands.key_bias, operands.rel_bias
+    seed = mods.dropout_seed
+    if operands.dropout_seed is not None:  # the reference reads the key on the host
+        words = operands.dropout_seed
+        seed = seed_of(words.get() if xp is not np else words)
+    batch, heads = int(qb.shape[0]), int(qb.shape[1])
+    keys, values = keys.astype(acc), values.astype(acc)
+    s = (qb[b, heads_of].astype(acc) @ keys.T) * scale  # [g, t_q, n]
+    s = modified_scores(s, mods, xp)
+    if slopes is not None:  # ALiBi: -slope * (query position - token position)
+        slope = xp.broadcast_to(slopes, (batch, heads))[b, heads_of].astype(acc)
+        distance = xp.asarray((q_pos[:, None] - pos[None, :]).astype(np.float64))
+        s = s - slope[:, None, None] * distance.astype(acc)
+    if key_bias is not None:  # the bias of each kept token's position
+        rows = key_bias[b] if key_bias.ndim == 2 else key_bias[b, heads_of]
+        s = s + rows[..., xp.asarray(pos)].astype(acc)[..., None, :]
+    if rel_bias is not None:  # the table's column of (token - query position)
+        reach = rel_max_distance(rel_bias)
+        table = rel_bias if rel_bias.ndim == 2 else rel_bias[b]
+        column = np.clip(pos[None, :] - q_pos[:, None], -reach, reach) + reach
+        s = s + table[heads_of][:, xp.asarray(column)].astype(acc)
+    allowed = np.broadcast_to(pos[None, :] <= q_pos[:, None], s.shape)
+    if chosen is not None:
+        allowed = allowed & chosen
+    allowed = xp.asarray(np.ascontiguousarray(allowed))
+    s = xp.where(allowed, s, -xp.inf)  # replaced, never multiplied
+    m = s.max(axis=-1, keepdims=True)  # NaN-propagating
+    # Nothing but -inf: shift by 0 so that exp gives 0, not NaN. NaN and +inf stay: a NaN p
+    # (NaN score, or +inf - +inf) makes the row NaN, as the dense computation.
+    m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.where(allowed, xp.exp(s - m), 0.0)
+    total = p.sum(axis=-1, keepdims=True)
+    # total == 0: no allowed key, or only -inf scores: 0 and -inf, written whatever p @ values
+    # holds (0 * NaN from a kept v); a NaN total gives NaN for both
+    empty = total == 0
+    safe = xp.where(empty, 1.0, total)
+    kept = p
+    if mods.dropout_p:  # after the sums: the lse and the scores are of every p
+        query_heads = np.arange(heads_of.start, heads_of.stop)[:, None, None]
+        mask = keep_mask(mods.dropout_p, seed, b, query_heads, q_pos[:, None], pos)
+        kept = xp.where(xp.asarray(mask), p / (1.0 - mods.dropout_p), 0.0)
+    out = xp.where(empty, 0.0, (kept @ values) / safe)
+    lse = xp.where(empty, -xp.inf, m + xp.log(safe))[..., 0]
+    return out, lse, p / safe

@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 
 from cuattn import backends as _backends
+from cuattn._util import dtype_name
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, checked_operands
 from cuattn.backends.kernels import KernelBackend
 from cuattn.serving import fp8
-from cuattn.serving.cache import FP8_INPUT_DTYPES, _dtype_name, _on_device
+from cuattn.serving.cache import FP8_INPUT_DTYPES
 from cuattn.serving.decode import _quiet_specials, _resident_ctas, reference_rows
 
 __all__ = ["paged_decode"]
@@ -69,7 +70,7 @@ def _check_shapes(
             f"q has heads={heads}, which is not a multiple of k_pages's kv_heads={kv_heads} "
             "(GQA: query head h reads kv head h // (heads / kv_heads))"
         )
-    q_dtype = _dtype_name(q.dtype)
+    q_dtype = dtype_name(q.dtype)
     if kv_dtype is not None and kv_dtype not in fp8.FP8_DTYPES:
         raise TypeError(f"kv_dtype must be None or one of {fp8.FP8_DTYPES}, got {kv_dtype!r}")
     accepted = FP8_INPUT_DTYPES if kv_dtype else (*PAGE_DTYPES, "float64")
@@ -80,9 +81,9 @@ def _check_shapes(
         )
     page_dtype = CODE_DTYPE if kv_dtype else q_dtype
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if _dtype_name(x.dtype) != page_dtype:
+        if dtype_name(x.dtype) != page_dtype:
             raise TypeError(
-                f"{name} has dtype {_dtype_name(x.dtype)}; "
+                f"{name} has dtype {dtype_name(x.dtype)}; "
                 + (
                     f"{kv_dtype} pages are their uint8 codes (a torch float8 tensor: "
                     "x.view(torch.uint8))"
@@ -100,9 +101,9 @@ def _check_shapes(
     if lens_shape != (batch,):
         raise ValueError(f"seq_lens must be [batch={batch}] (q's batch), got shape {lens_shape}")
     for name, x in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if _dtype_name(x.dtype) != INDEX_DTYPE:
+        if dtype_name(x.dtype) != INDEX_DTYPE:
             raise TypeError(
-                f"{name} has dtype {_dtype_name(x.dtype)}; it must be {INDEX_DTYPE}, as vLLM and "
+                f"{name} has dtype {dtype_name(x.dtype)}; it must be {INDEX_DTYPE}, as vLLM and "
                 "FlashAttention hold it (cuattn never casts silently)"
             )
     return (batch, heads, t_q, head_dim, num_blocks, block_size, kv_heads, table_shape[1])
@@ -151,8 +152,8 @@ def _chosen(xp: Any, block_mask: Any, sizes: tuple[int, int, int, int]) -> Any:
             f"max_blocks] = ({batch}, {heads}, {max_blocks}) or [batch, heads, t_q, max_blocks] "
             f"= ({batch}, {heads}, {t_q}, {max_blocks}) (block_table's columns), got {shape}"
         )
-    if _dtype_name(block_mask.dtype) not in ("bool", "uint8"):
-        raise TypeError(f"block_mask must be bool or uint8, got {_dtype_name(block_mask.dtype)}")
+    if dtype_name(block_mask.dtype) not in ("bool", "uint8"):
+        raise TypeError(f"block_mask must be bool or uint8, got {dtype_name(block_mask.dtype)}")
     wide = xp.broadcast_to((block_mask != 0).reshape(accepted[shape]), sizes)
     return xp.ascontiguousarray(wide.astype(xp.uint8))
 
@@ -175,10 +176,10 @@ def _page_scales(
     if info != dlpack.describe(like, "k_pages"):
         raise ValueError(f"{name} is a {info}; k_pages is a {dlpack.describe(like, 'k_pages')}")
     array = dlpack.to_backend(scale, info, name)
-    if _dtype_name(array.dtype) != "float32" or tuple(array.shape) != (num_blocks,):
+    if dtype_name(array.dtype) != "float32" or tuple(array.shape) != (num_blocks,):
         raise ValueError(
             f"{name} must be a number or float32 [num_blocks] = ({num_blocks},) (a scale per "
-            f"block), got {_dtype_name(array.dtype)} {tuple(array.shape)}"
+            f"block), got {dtype_name(array.dtype)} {tuple(array.shape)}"
         )
     return xp.ascontiguousarray(array)
 
@@ -211,7 +212,7 @@ def reference_paged(
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     block_size, kv_heads = int(k_pages.shape[1]), int(k_pages.shape[2])
     group = heads // kv_heads
-    acc = xp.float64 if _dtype_name(qb.dtype) == "float64" else xp.float32
+    acc = xp.float64 if dtype_name(qb.dtype) == "float64" else xp.float32
     out = xp.zeros((batch, heads, t_q, head_dim), dtype=acc)
     lse = xp.full((batch, heads, t_q), -np.inf, dtype=acc)
     host_table = np.asarray(table.get() if xp is not np else table)
@@ -295,8 +296,9 @@ def paged_decode(
             pages are uint8 codes of that format (a torch float8 cache: ``x.view(torch.uint8)``)
             and q is float16 or bfloat16. On a GPU opt-in with CUATTN_DECODE_FP8=kernel, as
             KVCache's fp8 pages.
-        k_scale, v_scale: fp8 pages' scales: a number for the whole cache (vLLM's; default 1)
-            or float32 [num_blocks], one per block; a kept element is ``code * scale``.
+        k_scale: fp8 key pages' scale: a number for the whole cache (vLLM's; default 1) or
+            float32 [num_blocks], one per block; a kept element is ``code * scale``.
+        v_scale: fp8 value pages' scale, as k_scale.
         softcap: as in :func:`cuattn.sparse_attention`: ``softcap * tanh(s / softcap)``.
         alibi_slopes: float32 [heads] or [batch, heads]: adds ``-slope * (query position -
             token position)``.
@@ -304,8 +306,9 @@ def paged_decode(
             longest sequence: adds ``key_bias[b, (h,) token position]``.
         rel_bias: float32 [heads, 2M + 1] or [batch, heads, 2M + 1]: adds the column
             ``clamp(token position - query position, -M, M) + M``.
-        dropout_p, dropout_seed: Monte Carlo dropout of the probabilities, as in
-            :func:`cuattn.decode_attention`.
+        dropout_p: Monte Carlo dropout of the probabilities, as in
+            :func:`cuattn.decode_attention` (default 0.0).
+        dropout_seed: its seed, as in :func:`cuattn.decode_attention`.
         backend: "numpy" (the reference; default for CPU arrays), "interp" (the decode
             kernels on the CPU) or "cuda" (default for CUDA arrays).
 
@@ -343,7 +346,7 @@ def paged_decode(
     mods = ScoreMods.from_arguments(softcap)
     mods, seed_words = dispatch.dropout_mods(mods, q, dropout_p, dropout_seed)
     impl = _backends.resolve_backend(backend, on_device=info.device == "cuda")
-    with dlpack.stream_for(info), _on_device(info):
+    with dlpack.stream_for(info), dlpack.on_device(info):
         arrays = {name: dlpack.to_backend(x, info, name) for name, x in named.items()}
         xp = _backends.array_module(arrays["q"])
         host_lens = _check_table(
@@ -371,7 +374,7 @@ def paged_decode(
             out = xp.zeros(qb.shape, qb.dtype)
             lse = xp.full((batch, heads, t_q), -np.inf, dtype=xp.float32)
         else:
-            dtype = kv_dtype or _dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
+            dtype = kv_dtype or dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
             gqa = geometry.decode_gqa_applies(head_dim, dtype, mods.any, False, scale)
             lengths = xp.asarray(arrays["seq_lens"], dtype=xp.int64)
             resident = _resident_ctas(impl, head_dim, dtype, gqa)

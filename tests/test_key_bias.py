@@ -1,8 +1,8 @@
-"""``key_bias=`` on ``sparse_attention`` through NumPy arrays, torch autograd (eager, with
-recompute, and compiled), jax (eager, jit, grad), the tape and blocksparse_attention, alone and
-with a softcap and ALiBi; every gradient (q, k, v and the bias) against the dense float64 oracle
-with the bias; a -inf padding mask equals attention over the unpadded keys; argument checks.
-Kernel-level tests: tests/backends/test_key_bias.py."""
+"""``key_bias=`` on ``sparse_attention``: NumPy arrays against the dense float64 oracle with
+the bias, a -inf padding mask equals attention over the unpadded keys, varlen, argument checks.
+The fronts (torch autograd and compile, jax, the tape, blocksparse_attention):
+tests/test_operand_fronts.py, with this module's arrays and oracle. Kernel-level tests:
+tests/backends/test_key_bias.py."""
 
 from __future__ import annotations
 
@@ -72,89 +72,6 @@ def test_a_padding_mask_equals_attention_over_the_unpadded_keys():
             q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], short
         )
         np.testing.assert_allclose(out[b : b + 1], alone, rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("per_head", [False, True])
-def test_torch_autograd_reaches_the_key_bias(recompute, per_head):
-    q, k, v, dout, key_bias = _arrays(2, per_head)
-    layout = _layout()
-    slopes = cuattn.alibi_slopes(HEADS)
-    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, key_bias)]
-    out = cuattn.sparse_attention(
-        *leaves[:3],
-        layout,
-        recompute=recompute,
-        softcap=SOFTCAP,
-        alibi_slopes=torch.from_numpy(slopes),
-        key_bias=leaves[3],
-    )
-    out.backward(torch.tensor(dout))
-    ref_out, _, refs, ref_dkey = _oracle(q, k, v, dout, key_bias, layout, SOFTCAP, slopes)
-    assert rel_err(out.detach().numpy(), ref_out) <= RTOL
-    for name, leaf, ref in zip("qkv", leaves[:3], refs, strict=True):
-        assert rel_err(leaf.grad.numpy(), ref) <= RTOL, name
-    grad = leaves[3].grad
-    assert grad.dtype == torch.float32 and not grad.isnan().any()
-    assert rel_err(grad.numpy(), ref_dkey) <= BIAS_RTOL
-
-
-def test_torch_compile_fullgraph_equals_eager():
-    q, k, v, _, key_bias = _arrays(3)
-    layout = _layout()
-    tensors = [torch.tensor(x) for x in (q, k, v, key_bias)]
-
-    def fn(q, k, v, key_bias):
-        return cuattn.sparse_attention(q, k, v, layout, key_bias=key_bias)
-
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    np.testing.assert_array_equal(compiled(*tensors).numpy(), fn(*tensors).numpy())
-
-
-def test_tape_gradients_reach_the_key_bias():
-    q, k, v, dout, key_bias = _arrays(4, per_head=True)
-    layout = _layout()
-    leaves = [cuattn.Tensor(x, requires_grad=True) for x in (q, k, v, key_bias)]
-    out = cuattn.sparse_attention(*leaves[:3], layout, key_bias=leaves[3])
-    (out * cuattn.Tensor(dout)).sum().backward()
-    _, _, refs, ref_dkey = _oracle(q, k, v, dout, key_bias, layout)
-    for name, leaf, ref in zip("qkv", leaves, refs, strict=False):
-        assert rel_err(leaf.grad, ref) <= RTOL, name
-    assert rel_err(leaves[3].grad, ref_dkey) <= BIAS_RTOL
-
-
-@pytest.mark.parametrize("per_head", [False, True])
-def test_jax_eager_jit_and_grad_reach_the_key_bias(per_head):
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
-    q, k, v, dout, key_bias = _arrays(5, per_head)
-    layout = _layout()
-    slopes = cuattn.alibi_slopes(HEADS)
-    ref_out, _, refs, ref_dkey = _oracle(q, k, v, dout, key_bias, layout, SOFTCAP, slopes)
-    arrays = [jax.numpy.asarray(x) for x in (q, k, v, key_bias)]
-    slopes_j = jax.numpy.asarray(slopes)
-
-    def attend(q, k, v, key_bias):
-        kw = dict(softcap=SOFTCAP, alibi_slopes=slopes_j, key_bias=key_bias)
-        return cuattn.sparse_attention(q, k, v, layout, **kw)
-
-    assert rel_err(np.asarray(attend(*arrays)), ref_out) <= RTOL
-    grad = jax.grad(lambda *a: (attend(*a) * dout).sum(), argnums=(0, 1, 2, 3))
-    for fn in (grad, jax.jit(grad)):
-        *grads, dkey = fn(*arrays)
-        for name, g, ref in zip("qkv", grads, refs, strict=True):
-            assert rel_err(np.asarray(g), ref) <= RTOL, name
-        assert rel_err(np.asarray(dkey), ref_dkey) <= BIAS_RTOL
-
-
-def test_blocksparse_attention_takes_a_key_bias():
-    q, k, v, _, key_bias = _arrays(6)
-    heads_last = [x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1) for x in (q, k, v)]
-    out = cuattn.blocksparse_attention(
-        *heads_last, HEADS, "all", blocksize=BLOCK, kv_heads=KV_HEADS, key_bias=key_bias
-    )
-    want = cuattn.sparse_attention(q, k, v, _layout(), key_bias=key_bias)
-    np.testing.assert_allclose(out, cuattn.merge_heads(want), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,8 @@
-"""``rel_bias=`` (a learned relative-position table) on ``sparse_attention`` through NumPy
-arrays, torch autograd (eager, with recompute, and compiled), jax (eager, jit, grad), the tape,
-blocksparse_attention and varlen, alone and with a softcap, ALiBi and a key bias; every
-gradient (q, k, v and the table) against the dense float64 oracle with the table's bias; T5's
-bucketed bias (transformers' own) through a table; argument checks.
-Kernel-level tests: tests/backends/test_rel_bias.py."""
+"""``rel_bias=`` (a learned relative-position table) on ``sparse_attention``: NumPy arrays
+against the dense float64 oracle with the table's bias, varlen, T5's bucketed bias
+(transformers' own) through a table, argument checks. The fronts (torch autograd and compile,
+jax, the tape, blocksparse_attention): tests/test_operand_fronts.py, with this module's arrays
+and oracle. Kernel-level tests: tests/backends/test_rel_bias.py."""
 
 from __future__ import annotations
 
@@ -64,92 +63,6 @@ def test_numpy_arrays_forward_and_lse(per_batch):
     assert rel_err(out, ref_out) <= RTOL and rel_err(lse, ref_lse) <= RTOL
     plain = cuattn.sparse_attention(q, k, v, layout)
     assert rel_err(plain, ref_out) > 1e-2  # the table matters
-
-
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("per_batch", [False, True])
-def test_torch_autograd_reaches_the_table(recompute, per_batch):
-    q, k, v, dout, table = _arrays(2, per_batch)
-    layout = _layout()
-    slopes = cuattn.alibi_slopes(HEADS)
-    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, table)]
-    out = cuattn.sparse_attention(
-        *leaves[:3],
-        layout,
-        recompute=recompute,
-        softcap=SOFTCAP,
-        alibi_slopes=torch.from_numpy(slopes),
-        rel_bias=leaves[3],
-    )
-    out.backward(torch.tensor(dout))
-    ref_out, _, refs, ref_dtable = _oracle(q, k, v, dout, table, layout, SOFTCAP, slopes)
-    assert rel_err(out.detach().numpy(), ref_out) <= RTOL
-    for name, leaf, ref in zip("qkv", leaves[:3], refs, strict=True):
-        assert rel_err(leaf.grad.numpy(), ref) <= RTOL, name
-    grad = leaves[3].grad
-    assert grad.dtype == torch.float32 and grad.shape == leaves[3].shape
-    assert rel_err(grad.numpy(), ref_dtable) <= TABLE_RTOL
-
-
-def test_torch_compile_fullgraph_equals_eager_with_gradients():
-    q, k, v, dout, table = _arrays(3)
-    layout = _layout()
-
-    def fn(q, k, v, table):
-        return cuattn.sparse_attention(q, k, v, layout, rel_bias=table)
-
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    runs = []
-    for f in (fn, compiled):
-        leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, table)]
-        out = f(*leaves)
-        out.backward(torch.tensor(dout))
-        runs.append([out.detach(), *(x.grad for x in leaves)])
-    for eager, traced in zip(*runs, strict=True):
-        np.testing.assert_array_equal(traced.numpy(), eager.numpy())
-
-
-def test_tape_gradients_reach_the_table():
-    q, k, v, dout, table = _arrays(4, per_batch=True)
-    layout = _layout()
-    leaves = [cuattn.Tensor(x, requires_grad=True) for x in (q, k, v, table)]
-    out = cuattn.sparse_attention(*leaves[:3], layout, rel_bias=leaves[3])
-    (out * cuattn.Tensor(dout)).sum().backward()
-    _, _, refs, ref_dtable = _oracle(q, k, v, dout, table, layout)
-    for name, leaf, ref in zip("qkv", leaves, refs, strict=False):
-        assert rel_err(leaf.grad, ref) <= RTOL, name
-    assert rel_err(leaves[3].grad, ref_dtable) <= TABLE_RTOL
-
-
-@pytest.mark.parametrize("per_batch", [False, True])
-def test_jax_eager_jit_and_grad_reach_the_table(per_batch):
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
-    q, k, v, dout, table = _arrays(5, per_batch)
-    layout = _layout()
-    ref_out, _, refs, ref_dtable = _oracle(q, k, v, dout, table, layout, SOFTCAP)
-    arrays = [jax.numpy.asarray(x) for x in (q, k, v, table)]
-
-    def attend(q, k, v, table):
-        return cuattn.sparse_attention(q, k, v, layout, softcap=SOFTCAP, rel_bias=table)
-
-    assert rel_err(np.asarray(attend(*arrays)), ref_out) <= RTOL
-    grad = jax.grad(lambda *a: (attend(*a) * dout).sum(), argnums=(0, 1, 2, 3))
-    for fn in (grad, jax.jit(grad)):
-        *grads, dtable = fn(*arrays)
-        for name, g, ref in zip("qkv", grads, refs, strict=True):
-            assert rel_err(np.asarray(g), ref) <= RTOL, name
-        assert rel_err(np.asarray(dtable), ref_dtable) <= TABLE_RTOL
-
-
-def test_blocksparse_attention_takes_a_table():
-    q, k, v, _, table = _arrays(6)
-    heads_last = [x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1) for x in (q, k, v)]
-    out = cuattn.blocksparse_attention(
-        *heads_last, HEADS, "all", blocksize=BLOCK, kv_heads=KV_HEADS, rel_bias=table
-    )
-    want = cuattn.sparse_attention(q, k, v, _layout(), rel_bias=table)
-    np.testing.assert_allclose(out, cuattn.merge_heads(want), rtol=1e-12, atol=0)
 
 
 def test_varlen_equals_each_sequence_alone():

@@ -9,21 +9,14 @@ import torch
 import cuattn
 from cuattn.autograd.tape import Tensor, saved_nbytes
 from dev.tinylm_ops import merge_heads, split_heads
-from tests.helpers.attn_cases import (
-    BLOCK,
-    GRAD_RTOL_F64,
-    HEADS,
-    MODES,
-    random_qkv,
-    rel,
-    torch_dense,
-)
+from tests.helpers import attn_cases as cases
+from tests.helpers.attn_cases import random_qkv, rel, torch_dense
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(cases.MODES))
 def test_tape_grads_match_dense_and_recompute_is_bit_identical(mode):
-    kwargs, mask = MODES[mode]
-    arrays = random_qkv(seed=40 + sorted(MODES).index(mode))
+    kwargs, mask = cases.MODES[mode]
+    arrays = random_qkv(seed=40 + sorted(cases.MODES).index(mode))
     weight = np.random.default_rng(8).standard_normal(arrays[0].shape)
 
     ref_leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
@@ -33,20 +26,22 @@ def test_tape_grads_match_dense_and_recompute_is_bit_identical(mode):
     for recompute in (False, True):
         leaves = [Tensor(a.copy(), requires_grad=True) for a in arrays]
         out = cuattn.blocksparse_attention(
-            *leaves, heads=HEADS, blocksize=BLOCK, recompute=recompute, **kwargs
+            *leaves, heads=cases.HEADS, blocksize=cases.BLOCK, recompute=recompute, **kwargs
         )
         assert isinstance(out, Tensor) and out.dtype == np.float64
         (out * weight).sum().backward()
         grads[recompute] = [t.grad for t in leaves]
     for name, plain, again, want in zip("qkv", grads[False], grads[True], ref_leaves, strict=True):
-        assert rel(plain, want.grad) <= GRAD_RTOL_F64, name
+        assert rel(plain, want.grad) <= cases.GRAD_RTOL_F64, name
         assert np.array_equal(plain, again), name
 
 
 def test_attention_recompute_drops_out_and_lse():
-    lay = cuattn.make_layout("all", 64, HEADS, blocksize=BLOCK)
+    lay = cuattn.make_layout("all", 64, cases.HEADS, blocksize=cases.BLOCK)
     rng = np.random.default_rng(9)
-    q, k, v = (Tensor(rng.standard_normal((2, HEADS, 64, 8)), requires_grad=True) for _ in "qkv")
+    q, k, v = (
+        Tensor(rng.standard_normal((2, cases.HEADS, 64, 8)), requires_grad=True) for _ in "qkv"
+    )
     out, lse = cuattn.sparse_attention(q, k, v, lay, return_lse=True)
     plain = saved_nbytes(out)
     again = cuattn.sparse_attention(q, k, v, lay, recompute=True)
@@ -56,13 +51,13 @@ def test_attention_recompute_drops_out_and_lse():
 
 def _attention_block(x, wq, wk, wv, wo, layout):
     """Projection, split heads, sparse attention, merge heads, output projection."""
-    q, k, v = (split_heads(x @ w, HEADS) for w in (wq, wk, wv))
+    q, k, v = (split_heads(x @ w, cases.HEADS) for w in (wq, wk, wv))
     return merge_heads(cuattn.sparse_attention(q, k, v, layout)) @ wo
 
 
 def test_recompute_region_around_an_attention_block():
     batch, n_ctx, width = 2, 64, 16
-    lay = cuattn.make_layout("local", n_ctx, HEADS, blocksize=BLOCK, local_attn_ctx=16)
+    lay = cuattn.make_layout("local", n_ctx, cases.HEADS, blocksize=cases.BLOCK, local_attn_ctx=16)
     rng = np.random.default_rng(10)
     x0 = rng.standard_normal((batch, n_ctx, width))
     weights0 = [rng.standard_normal((width, width)) / 4 for _ in range(4)]
@@ -82,7 +77,7 @@ def test_recompute_region_around_an_attention_block():
     # copy saved by attention (3x), attention's out and lse, and the merged heads saved by the
     # output matmul. The region keeps only its inputs.
     act = batch * n_ctx * width * 8
-    lse = batch * HEADS * n_ctx * 8
+    lse = batch * cases.HEADS * n_ctx * 8
     inputs = act + 4 * width * width * 8
     assert results[True] == inputs
     assert results[False] - results[True] == 5 * act + lse

@@ -130,6 +130,15 @@ def _score_bias_by_key(bias: Any) -> bool:
     return bias.shape[-2] == 1
 
 
+def _refuse_decode_score_bias(call: AttentionCall) -> None:
+    """The decode kernels take every score operand but a dense score bias: refused by name."""
+    if call.operands.score_bias is not None:
+        raise ValueError(
+            "score_bias: the decode kernels take no dense score bias (a KV cache's keys have "
+            "no fixed [time_q, time_k] plane); pass a per-key bias as key_bias"
+        )
+
+
 def modifier_variant(mods: ScoreMods, scale: float) -> bool:
     """Whether a block-kernel call runs the score-modifier variant (MODS_SCORE): with a
     modifier, and for a scale that is not positive, since the plain kernels fold their scale
@@ -1151,6 +1160,7 @@ class KernelBackend:
         (DECODE_BOOK: slot_pos, page_table, page_count, lengths). ``fp8``: (k_scale, v_scale,
         kv_dtype) of fp8 pages (_check_fp8_pages), or None. Shapes as the kernel file's header;
         the cache (cuattn/serving) checks its own arrays, this checks q against them."""
+        _refuse_decode_score_bias(call)
         if fp8 is not None:
             gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
         if tuple(book) != DECODE_BOOK:
@@ -1213,6 +1223,7 @@ class KernelBackend:
         places in their sequence; ``chosen`` (uint8 [batch, heads, t_q, max_blocks]) as Quest's
         in decode_pages. Returns (out like q, lse float32 [batch, heads, t_q]). The caller
         (cuattn/serving/paged.py) checks the table's values; this checks shapes and strides."""
+        _refuse_decode_score_bias(call)
         if fp8 is not None:
             gqa = self._check_fp8_pages(q, k_pages, v_pages, fp8) and gqa
         self._check_placement(
@@ -1316,11 +1327,6 @@ class KernelBackend:
         ``book`` the arrays of DECODE_BOOK (stand-ins where ``walk`` says the kernels read
         none), ``walk`` the kernels' table and page strides (kernels/attn_decode.cu PageWalk)."""
         scale, mods = call.scale, call.mods
-        if call.operands.score_bias is not None:
-            raise ValueError(
-                "score_bias: the decode kernels take no dense score bias (a KV cache's keys have "
-                "no fixed [time_q, time_k] plane); pass a per-key bias as key_bias"
-            )
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         batch, heads, t_q, head_dim = q.shape
         dtype = geometry.kernel_dtype(q.dtype)

@@ -5,12 +5,14 @@ spelt with their stars), and ``Returns:`` (``Yields:`` for a context manager). A
 ``Args:`` is in its class's docstring and compared with ``__init__``; a callable annotated
 ``-> None`` needs no ``Returns:``.
 
-The public surface: ``cuattn.__all__`` (the serving package aside: its docstrings are written
-separately; to check them, drop its names from SKIPPED and add ``cuattn.serving``), the public
-methods of the exported classes, ``cuattn.dynamic``, the tape (``cuattn.tape``), ``cuattn.nn``
-and the ``cuattn.compat`` entry points."""
+The public surface: ``cuattn.__all__``, the public methods of the exported classes,
+``cuattn.dynamic``, the tape (``cuattn.tape``), ``cuattn.nn``, the ``cuattn.compat`` entry
+points, the serving package (``KVCache``, ``decode_attention``, ``paged_decode`` and every
+policy of ``cuattn.policies``, with the ``Policy`` methods the cache calls) and
+``cuattn.distributed`` (``ring_attention``, ``shard`` and the rest of its ``__all__``)."""
 
 import importlib
+import importlib.util
 import inspect
 import re
 
@@ -25,10 +27,14 @@ SURFACE = [
     ("cuattn.compat.transformers", None),
     ("cuattn.compat.hf_cache", None),
     ("cuattn.compat.deepspeed", None),
+    ("cuattn.serving", None),
+    ("cuattn.serving.policies", None),
+    ("cuattn.distributed", None),
 ]
-# Not checked here: the serving package's exports (KVCache, decode_attention, policies) and a
-# submodule.
-SKIPPED = {"KVCache", "decode_attention", "policies", "tape"}
+# Not checked here: the tape's module, exported by name (its callables: cuattn.autograd.tape).
+SKIPPED = {"tape"}
+# Modules that import torch (and transformers) when they load.
+NEEDS_TORCH = ("cuattn.nn", "cuattn.compat", "cuattn.distributed")
 TITLES = "Args|Arguments|Returns|Yields|Raises|Example|Examples|Attributes|Note"
 SECTION = re.compile(rf"^({TITLES}):\s*$")
 ENTRY = re.compile(r"^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:")
@@ -148,7 +154,7 @@ def public_callables(module_name: str, names: list[str] | None) -> list[tuple]:
 # Imported inside the tests, not at collection: torch and transformers load only where needed.
 @pytest.mark.parametrize(("module_name", "names"), SURFACE, ids=[m for m, _ in SURFACE])
 def test_public_docstrings_match_signatures(module_name, names):
-    if module_name.startswith(("cuattn.nn", "cuattn.compat")):
+    if module_name.startswith(NEEDS_TORCH):
         pytest.importorskip("torch")
         if module_name.startswith("cuattn.compat.t") or module_name.endswith("hf_cache"):
             pytest.importorskip("transformers")
@@ -165,6 +171,8 @@ def test_public_properties_have_a_docstring():
     for module_name, names in SURFACE:
         if module_name.startswith(("cuattn.nn", "cuattn.compat")):
             continue  # their classes' properties are torch's and transformers'
+        if module_name.startswith(NEEDS_TORCH) and importlib.util.find_spec("torch") is None:
+            continue
         module = importlib.import_module(module_name)
         for name in names or module.__all__:
             obj = getattr(module, name)
@@ -182,7 +190,8 @@ def test_public_properties_have_a_docstring():
 
 def test_the_surface_is_found():
     names = {entry[0] for entry in public_callables("cuattn", None)}
-    names |= {entry[0] for entry in public_callables("cuattn.dynamic", None)}
+    for module_name in ("cuattn.dynamic", "cuattn.serving.policies"):
+        names |= {entry[0] for entry in public_callables(module_name, None)}
     for expected in (
         "cuattn.sparse_attention",
         "cuattn.Layout",
@@ -192,9 +201,18 @@ def test_the_surface_is_found():
         "cuattn.Tensor.backward",
         "cuattn.Function.apply",
         "cuattn.dynamic.topk_blocks",
+        "cuattn.KVCache",
+        "cuattn.KVCache.append",
+        "cuattn.decode_attention",
+        "cuattn.paged_decode",
+        "cuattn.serving.policies.SnapKV",
+        "cuattn.serving.policies.Policy.keep",
+        "cuattn.serving.policies.pyramid",
     ):
         assert expected in names
-    assert not names & {"cuattn.KVCache", "cuattn.decode_attention"}  # serving's own test
+    if importlib.util.find_spec("torch") is not None:
+        names = {entry[0] for entry in public_callables("cuattn.distributed", None)}
+        assert {"cuattn.distributed.ring_attention", "cuattn.distributed.shard"} <= names
 
 
 def test_an_undocumented_parameter_is_found():
@@ -250,6 +268,8 @@ EXAMPLE_MODULES = [
     "cuattn.layout.registry",
     "cuattn.nn",
     "cuattn.sdpa",
+    "cuattn.serving.cache",
+    "cuattn.serving.decode",
 ]
 
 

@@ -36,8 +36,16 @@ GRAD_TAG = 1  # the dK/dV accumulators' messages; keys and values use tag 0
 
 @dataclass(frozen=True)
 class RingPlan:
-    """What rank ``rank`` computes at each ring step: ``steps[s]`` is the layout of its queries
-    against the keys of rank (rank - s) mod world_size, None where that pair has nothing."""
+    """What one rank computes at each ring step (:func:`ring_plan` builds it).
+
+    Args:
+        rank (int): the rank, in [0, world_size).
+        world_size (int): the ranks in the ring.
+        balance (str): how the sequence is sharded, ``"contiguous"`` or ``"zigzag"``.
+        steps (tuple[Layout | None, ...]): ``steps[s]`` is the layout of the rank's queries
+            against the keys of rank (rank - s) mod world_size, None where that pair has no
+            active block (no launch).
+    """
 
     rank: int
     world_size: int
@@ -46,16 +54,28 @@ class RingPlan:
 
     @property
     def skipped(self) -> int:
+        """The steps with nothing to compute."""
         return sum(sub is None for sub in self.steps)
 
     @property
     def active_blocks(self) -> int:
+        """The active blocks over every step: the rank's share of the work."""
         return sum(int(sub.nnz.sum()) for sub in self.steps if sub is not None)
 
 
 @dataclass
 class RingStats:
-    """Counters one ring_attention call adds to (pass the same object to several calls)."""
+    """Counters one :func:`ring_attention` call adds to (pass the same object to several calls).
+
+    Args:
+        bytes_sent (int): bytes this rank sent (keys and values, and in the backward the
+            gradient accumulators). Default 0.
+        steps_computed (int): ring steps that launched kernels. Default 0.
+        steps_skipped (int): ring steps with no active block. Default 0.
+        compute_seconds (float): seconds spent in the kernels (synchronised on a GPU).
+            Default 0.0.
+        per_step_seconds (list[float]): each computed step's seconds. Default empty.
+    """
 
     bytes_sent: int = 0
     steps_computed: int = 0
@@ -70,7 +90,25 @@ _PLANS: weakref.WeakKeyDictionary[Layout, dict[tuple[int, int, str], RingPlan]] 
 
 
 def ring_plan(layout: Layout, rank: int, world_size: int, balance: str = "zigzag") -> RingPlan:
-    """The per-step restricted layouts of ``rank`` (built once per layout, rank and balance)."""
+    """The per-step restricted layouts of one rank (built once per layout, rank and balance).
+
+    Step s pairs the rank's queries with the keys of rank (rank - s) mod world_size, on exactly
+    the elements the whole layout allows between those tokens.
+
+    Args:
+        layout (Layout): the whole sequence's square layout.
+        rank (int): the rank, in [0, world_size).
+        world_size (int): the ranks in the ring.
+        balance (str): ``"contiguous"`` or ``"zigzag"`` (default), as :func:`shard`.
+
+    Returns:
+        RingPlan: the rank's steps, cached with the layout.
+
+    Raises:
+        TypeError: ``rank`` or ``world_size`` not an int.
+        ValueError: ``balance`` unknown; the layout's length not cutting into the balance's
+            chunks; ``rank`` outside [0, world_size).
+    """
     key = (rank, world_size, balance)
     per_layout = _PLANS.setdefault(layout, {})
     if key not in per_layout:
@@ -245,13 +283,46 @@ def ring_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of a sequence sharded over the ranks of ``group``.
 
-    q [B, H, T/W, d], k and v [B, H_kv, T/W, d] are this rank's shards (``shard(x, rank, W,
-    balance)``) of a sequence of T tokens; ``layout`` is the whole sequence's square layout
-    (n_ctx = T). Returns this rank's shard of the output (and of lse [B, H, T/W] with
-    ``return_lse``), equal to ``shard(sparse_attention(whole q, k, v, layout))``; gradients
-    of out and lse flow to q, k, v through torch.autograd. Every rank calls it with the same
-    layout and balance. ``stats`` (a RingStats) collects bytes sent, steps computed/skipped,
-    compute time.
+    Keys and values travel around the ring; each rank attends its queries to every visiting
+    shard on the restricted layout of that pair (skipping pairs with no active block) and
+    merges the partial results by LSE. The result equals ``shard(sparse_attention(whole q, k,
+    v, layout))``, and gradients of out and lse flow to q, k and v through torch.autograd.
+    Every rank calls it with the same layout and balance. The ring's schedule, its backward
+    and how it is tested: docs/context-parallel.md.
+
+    Args:
+        q (torch.Tensor): this rank's shard of the queries, [B, H, T/W, d] for a sequence of T
+            tokens over W ranks (``shard(x, rank, W, balance)``).
+        k (torch.Tensor): this rank's shard of the keys, [B, H_kv, T/W, d], H_kv dividing H;
+            q's dtype.
+        v (torch.Tensor): the values' shard, shaped and typed like k.
+        layout (Layout): the whole sequence's square layout, n_ctx = T, for H heads.
+        group (ProcessGroup, optional): the torch.distributed group; None (default) is the
+            default group.
+        balance (str): how the sequence was sharded, ``"contiguous"`` or ``"zigzag"``
+            (default).
+        scale (float, optional): the score scale; None (default) is ``1 / sqrt(d)``.
+        return_lse (bool): also return the rows' log-sum-exp (default False).
+        backend (str, optional): the backend each step runs on, as in
+            :func:`cuattn.sparse_attention`; None (default): from the tensors' device. Keyword
+            only.
+        stats (RingStats, optional): counters this call adds to (bytes sent, steps computed
+            and skipped, compute time). Keyword only.
+
+    Returns:
+        This rank's shard of the output, like q; with ``return_lse=True`` the pair ``(out,
+        lse)``, lse [B, H, T/W] (float32; float64 for float64), -inf for a row that attends
+        nothing.
+
+    Raises:
+        TypeError: q, k or v not an array, of a non-floating dtype or of different dtypes;
+            ``layout`` not a Layout; ``scale`` not a real number.
+        ValueError: no initialised process group; q, k, v not 4-D or of shapes that do not fit
+            (k's batch or head_dim, H_kv not dividing H, v unlike k, an empty dimension, k with
+            another length than q); a layout not square, for other heads, or for another
+            length than W shards of q; a length not cutting into the balance's chunks or an
+            unknown balance; shards of different shapes on different ranks; ``scale`` not
+            finite. All before any transfer.
     """
     group = _check_group(group)
     api._check_qkv(q, k, v, 4, "[batch, heads, time / world_size, head_dim]")

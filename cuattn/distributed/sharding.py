@@ -54,7 +54,23 @@ def chunk_length(n: int, world_size: int, balance: str) -> int:
 
 
 def positions(n: int, rank: int, world_size: int, balance: str = "zigzag") -> np.ndarray:
-    """int64 token indices (of a sequence of n) that rank's shard holds, in shard order."""
+    """The token indices one rank's shard holds.
+
+    Args:
+        n (int): the sequence's tokens, a multiple of the balance's chunks (W or 2W).
+        rank (int): the rank, in [0, world_size).
+        world_size (int): the ranks W.
+        balance (str): ``"contiguous"`` (W chunks; rank r holds chunk r) or ``"zigzag"``
+            (default: 2W chunks; rank r holds chunks r and 2W-1-r, equal causal work).
+
+    Returns:
+        numpy.ndarray: int64 [n / W], the indices in shard order.
+
+    Raises:
+        TypeError: ``rank`` or ``world_size`` not an int.
+        ValueError: ``balance`` unknown; ``n`` not cutting into its chunks; ``rank`` outside
+            [0, world_size).
+    """
     size = chunk_length(n, world_size, balance)
     ids = chunk_ids(rank, world_size, balance)
     return np.concatenate([np.arange(c * size, (c + 1) * size) for c in ids])
@@ -67,7 +83,24 @@ def _axis(x: Any, dim: int) -> int:
 
 
 def shard(x: Any, rank: int, world_size: int, balance: str = "zigzag", dim: int = 2) -> Any:
-    """rank's share of the whole sequence x (cut along ``dim``; [B, H, T, d] by default)."""
+    """Cut one rank's share out of a whole sequence.
+
+    Args:
+        x (array): the whole sequence: a torch tensor or a NumPy, CuPy or jax array.
+        rank (int): the rank, in [0, world_size).
+        world_size (int): the ranks W.
+        balance (str): ``"contiguous"`` or ``"zigzag"`` (default), as :func:`positions`.
+        dim (int): the sequence axis (default 2: [B, H, T, d]); negative counts from the end.
+
+    Returns:
+        The share, a new array of x's kind with T / W along ``dim``: the tokens
+        ``positions(T, rank, world_size, balance)``.
+
+    Raises:
+        TypeError: ``rank`` or ``world_size`` not an int.
+        ValueError: ``dim`` out of range; ``balance`` unknown; the length not cutting into
+            the balance's chunks; ``rank`` outside [0, world_size).
+    """
     dim = _axis(x, dim)
     size = chunk_length(int(x.shape[dim]), world_size, balance)
     ids = chunk_ids(rank, world_size, balance)
@@ -75,8 +108,22 @@ def shard(x: Any, rank: int, world_size: int, balance: str = "zigzag", dim: int 
 
 
 def unshard(shards: Sequence[Any], balance: str = "zigzag", dim: int = 2) -> Any:
-    """The whole sequence from every rank's share, ``shards[r]`` being rank r's (the inverse
-    of ``shard``)."""
+    """Put a whole sequence back together from every rank's share (the inverse of
+    :func:`shard`).
+
+    Args:
+        shards (Sequence[array]): one share per rank, ``shards[r]`` being rank r's, all of one
+            shape and kind of array; W = len(shards).
+        balance (str): how they were cut, ``"contiguous"`` or ``"zigzag"`` (default).
+        dim (int): the sequence axis (default 2); negative counts from the end.
+
+    Returns:
+        The whole sequence, a new array of the shares' kind.
+
+    Raises:
+        ValueError: no shares; shares of different shapes; ``dim`` out of range; ``balance``
+            unknown.
+    """
     world_size = len(shards)
     if world_size == 0:
         raise ValueError("shards must hold one share per rank, got none")

@@ -67,13 +67,62 @@ def _positive(name: str, value: object) -> int:
 class KVCache:
     """Paged KV cache for ``batch`` sequences of ``kv_heads`` heads of ``head_dim``.
 
-    ``append(k, v, lengths=None, q=None)`` adds [batch, kv_heads, t, head_dim] tokens (sequence
-    b takes the first ``lengths[b]`` of them), then the ``policy`` evicts (SnapKV: by the votes
-    of the queries ``q``, when given). ``len(cache)``: tokens the
-    longest sequence was given (``cache.lengths`` per sequence); ``positions()``: the kept
-    positions; ``nbytes``: bytes held. ``capacity``: tokens per sequence (kv head) the cache may
-    keep; an append after which a kv head might keep more (no policy, or SnapKV's decoding) is
-    refused.
+    ``append`` adds each sequence's new keys and values, then the ``policy`` evicts (SnapKV: by
+    the votes of the queries given with them); :func:`cuattn.decode_attention` attends to what
+    the cache keeps. Keys and values live in a pool of pages, each (sequence, kv head) with a
+    page table of its own, on the array library and device of ``like``; a page whose every token
+    is evicted goes back to the pool. ``len(cache)`` counts the tokens the longest sequence was
+    given (``cache.lengths`` per sequence), every one evicted or not. How the pool is sized and
+    why a decode step reads nothing back: docs/serving.md, section "The cache, the decode
+    kernels, the policies"; fp8 pages: its section "FP8 pages".
+
+    Args:
+        batch (int): sequences, positive.
+        kv_heads (int): key/value heads of each sequence, positive.
+        head_dim (int): elements of a key or value, positive.
+        dtype (str | dtype): what the pages hold: ``"float16"``, ``"bfloat16"``, ``"float32"``,
+            ``"float64"``, or ``"float8_e4m3fn"`` / ``"float8_e5m2"`` (one-byte codes with a
+            power-of-two scale per page; such a cache is given k, v and asked with q in float16
+            or bfloat16). A string, a NumPy dtype or scalar type, or a torch dtype.
+        page_size (int): tokens per page, positive (default 16).
+        capacity (int, optional): the most tokens a (sequence, kv head) may keep; an append
+            after which one might keep more (no policy, or SnapKV's decoding) is refused. None
+            (default): no limit, the pool grows as needed.
+        policy (Policy, optional): which tokens the cache keeps (:mod:`cuattn.policies`:
+            ``SlidingWindow``, ``StreamingLLM``, ``HeavyHitters``, ``SnapKV``, ``Quest``),
+            bound to this cache's kv heads and page size when it is built. None (default): every
+            token.
+        like (array, optional): an array whose library and device the cache's arrays take:
+            None (default) is NumPy on the CPU; a CUDA array puts them on its GPU through CuPy;
+            torch and jax arrays are read through DLPack.
+
+    Raises:
+        TypeError: ``batch``, ``kv_heads``, ``head_dim``, ``page_size`` or ``capacity`` not an
+            int; ``dtype`` not one of those above (or bfloat16 without ml_dtypes installed);
+            ``policy`` not a :mod:`cuattn.policies` policy, or a per-head budget entry of it
+            not an int; ``like`` not an array.
+        ValueError: a size not positive; ``like`` on a device other than the CPU or a CUDA
+            GPU; a policy that does not fit the cache (a per-head budget with other than
+            ``kv_heads`` entries, a budget under HeavyHitters' ``recent``, a ``head_adaptive``
+            total that cannot keep every head's newest tokens, Quest's ``page_size`` unlike
+            the cache's) or that keeps more tokens per kv head than ``capacity``.
+
+    Attributes:
+        batch, kv_heads, head_dim, page_size, capacity: as given.
+        dtype (str): the pages' dtype name. policy: as given.
+        lengths (numpy.ndarray): int64 [batch], the tokens each sequence was given (host).
+        k_pages, v_pages: [1 + num_pages, page_size, head_dim], the pool on the cache's device
+            (uint8 codes for fp8, with float32 ``k_scale``, ``v_scale`` [1 + num_pages]); the
+            other arrays it keeps: the module docstring of cuattn/serving/cache.py.
+
+    Example:
+        >>> import numpy as np, cuattn
+        >>> cache = cuattn.KVCache(batch=2, kv_heads=2, head_dim=64, dtype="float32",
+        ...                        policy=cuattn.policies.SlidingWindow(32))
+        >>> k = np.random.randn(2, 2, 100, 64).astype(np.float32)
+        >>> cache.append(k, k, lengths=[100, 40])
+        >>> len(cache), cache.positions().shape
+        (100, (2, 2, 32))
     """
 
     def __init__(
@@ -320,18 +369,38 @@ class KVCache:
     # -- what the host asks for ---------------------------------------------------------------
 
     def page_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """(page_table int32 [batch, kv_heads, width], page_count int32 [batch, kv_heads]) on
-        the host (a copy from the device)."""
+        """The page tables, copied to the host.
+
+        Returns:
+            ``(page_table, page_count)`` as NumPy arrays: page_table int32 [batch, kv_heads,
+            width] in table order, -1 padded; page_count int32 [batch, kv_heads].
+        """
         return host_array(self.page_table), host_array(self.page_count)
 
     def pages(self, b: int, h: int) -> np.ndarray:
-        """The pages of sequence b, kv head h, in table order (host)."""
+        """The pages one (sequence, kv head) holds, copied to the host.
+
+        Args:
+            b (int): the sequence, in [0, batch).
+            h (int): the kv head, in [0, kv_heads).
+
+        Returns:
+            int64 [n] page ids (rows of ``k_pages``) in table order.
+        """
         table, count = self.page_tables()
         return table[b, h, : count[b, h]].astype(np.int64)
 
     def kept(self, b: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pages, offsets, positions) of the kept tokens of sequence b, kv head h, by position
-        (host)."""
+        """Where the kept tokens of one (sequence, kv head) are, copied to the host.
+
+        Args:
+            b (int): the sequence, in [0, batch).
+            h (int): the kv head, in [0, kv_heads).
+
+        Returns:
+            ``(pages, offsets, positions)``, int64 [n] NumPy arrays ordered by position: each
+            kept token's page, its slot in the page, and its position in the sequence.
+        """
         pages = self.pages(b, h)
         with dlpack.on_device(self.info):
             pos = host_array(self.slot_pos[self.xp.asarray(pages)])
@@ -340,8 +409,12 @@ class KVCache:
         return pages[rows][order], offsets[order], pos[rows, offsets][order]
 
     def positions(self) -> np.ndarray:
-        """int64 [batch, kv_heads, n_kept]: the kept positions, sorted; -1 pads heads that keep
-        fewer than the most."""
+        """The positions of the tokens the cache keeps, copied to the host.
+
+        Returns:
+            int64 [batch, kv_heads, n] NumPy array, each row sorted; n is the most any
+            (sequence, kv head) keeps, and -1 pads the rows that keep fewer.
+        """
         with dlpack.on_device(self.info):
             slot, in_table = self._slots(*self._pairs())
             pos = self.xp.where(in_table, self.slot_pos.reshape(-1)[slot], EMPTY)
@@ -425,9 +498,17 @@ class KVCache:
         self._check_device(name, x)
 
     def check_input_dtype(self, name: str, x: Any) -> None:
-        """The dtype of an array the cache is given (k, v) or asked with (q): the cache's own,
-        or for an fp8 cache one of FP8_INPUT_DTYPES (the model's; the cache quantises what it
-        keeps, which is what it was built to do, not a silent cast)."""
+        """Refuse an array the cache is given (k, v) or asked with (q) in a dtype it does not
+        take: its own, or for an fp8 cache float16 or bfloat16 (the model's; the cache quantises
+        what it keeps, which is what it was built to do, not a silent cast).
+
+        Args:
+            name (str): the argument's name, for the message.
+            x (array): the array.
+
+        Raises:
+            TypeError: x's dtype is not one the cache takes.
+        """
         given = dtype_name(x.dtype)
         if self.quantized:
             if given not in FP8_INPUT_DTYPES:
@@ -451,10 +532,31 @@ class KVCache:
             )
 
     def append(self, k: Any, v: Any, lengths: Any = None, q: Any = None) -> None:
-        """Add tokens [batch, kv_heads, t, head_dim] (sequence b: the first lengths[b]), then
-        evict by the policy. ``q`` [batch, heads, t, head_dim]: the same tokens' queries, for a
-        policy that reads them (SnapKV, at the end of a prefill; it keeps everything without).
-        Every check runs before anything is written; nothing is read back from the device."""
+        """Add each sequence's new tokens, then evict by the policy.
+
+        New tokens fill the holes eviction left, then new pages. Every check runs before
+        anything is written (a refused append leaves the cache as it was), and nothing is read
+        back from the device.
+
+        Args:
+            k (array): keys [batch, kv_heads, t, head_dim], the cache's dtype (float16 or
+                bfloat16 for an fp8 cache), on its device; a prefill is a large t, a step t = 1.
+            v (array): values, shaped and typed like k.
+            lengths (array-like, optional): batch ints in [0, t]: sequence b takes the first
+                ``lengths[b]`` tokens (ragged prompts). None (default): all t.
+            q (array, optional): the same tokens' queries [batch, heads, t, head_dim], heads a
+                multiple of kv_heads, for a policy that reads them (SnapKV, at the end of a
+                prefill: each sequence must bring at least min(window, its length) tokens);
+                SnapKV keeps everything in an append without them. None (default).
+
+        Raises:
+            TypeError: k, v or q not an array, or of a dtype the cache does not take.
+            ValueError: a shape that does not fit (k or q unlike [batch, kv_heads or heads, t,
+                head_dim], v unlike k), ``lengths`` not batch ints in [0, t]; an array on
+                another device than the cache's; q given to a cache whose policy does not read
+                queries, or bringing too few tokens for SnapKV's window; an append after which
+                a kv head might keep more than ``capacity``.
+        """
         given = self._check_tokens(k, v, lengths)
         new_lengths = self.lengths + given
         if q is not None:
@@ -688,16 +790,30 @@ class KVCache:
     # -- what the decode kernels read ---------------------------------------------------------
 
     def device_slot_pos(self) -> Any:
-        """int64 [1 + num_pages, page_size] slot positions where the kernels read them."""
+        """The position of the token in each slot, on the cache's device.
+
+        Returns:
+            int64 [1 + num_pages, page_size], the cache's own array (not a copy): -1 where a
+            slot is empty; row 0 is the spare page, whose contents mean nothing.
+        """
         return self.slot_pos
 
     def device_tables(self) -> tuple[Any, Any]:
-        """(page_table int32 [batch, kv_heads, width] in table order, -1 padded; page_count
-        int32 [batch, kv_heads]) where the kernels read them."""
+        """The page tables, on the cache's device, where the decode kernels read them.
+
+        Returns:
+            ``(page_table, page_count)``, the cache's own arrays (not copies): page_table int32
+            [batch, kv_heads, width], each (sequence, kv head)'s pages in table order, -1
+            padded; page_count int32 [batch, kv_heads], the pages in each table.
+        """
         return self.page_table, self.page_count
 
     def device_lengths(self) -> Any:
-        """int64 [batch]: tokens each sequence was given, where the kernels read them."""
+        """The tokens each sequence was given, on the cache's device.
+
+        Returns:
+            int64 [batch] (``lengths`` as the kernels read it).
+        """
         return self._lengths_device
 
     def _written_pages(self, pages: Any, most: int) -> Any:
@@ -714,9 +830,17 @@ class KVCache:
         return written[:, :most].reshape(-1)
 
     def token_values(self, pages: Any, offsets: Any) -> tuple[Any, Any]:
-        """(keys, values) of the slots at ``pages``, ``offsets`` (int arrays of one shape), as
-        the kernels read them: the stored elements, or for an fp8 cache the float32 values
-        of its codes times their page's scale."""
+        """The keys and values of some slots, as the decode kernels read them.
+
+        Args:
+            pages (array): int page ids, on the cache's device.
+            offsets (array): int slot offsets within those pages, the shape of ``pages``.
+
+        Returns:
+            ``(keys, values)``, each [*pages.shape, head_dim] on the cache's device: the stored
+            elements, or for an fp8 cache the float32 values of its codes times their page's
+            scale.
+        """
         if not self.quantized:
             return self.k_pages[pages, offsets], self.v_pages[pages, offsets]
         xp = self.xp

@@ -8,18 +8,10 @@ the pages it chooses per query (cuattn.policies); HeavyHitters gets every attend
 probability, summed over the query heads of its group and the t_q queries, added to its score.
 
 NaN and inf (docs/design.md §7) propagate as in a dense float64 masked softmax over the kept
-tokens, identically on the reference and the kernels, whatever the split count. Decode computes
-every (query row, kept token) pair of a kv group: each row walks its whole page table, and a
-token it may not attend (a newer one when t_q > 1, one on a page Quest does not read) has its
-score replaced by -inf, probability 0. So a NaN or +inf allowed score makes its row's out and
-lse NaN; a row with no allowed key, or only -inf scores, gives 0 and -inf (written, whatever it
-multiplied by 0); and otherwise 0 * NaN = NaN carries a NaN or inf in a kept token's v to every
-row of its kv group. A slot the cache does not keep (evicted, or room in a page) reaches nothing,
-whatever an earlier token left in it. HeavyHitters: a row whose probabilities are NaN (its lse is
-NaN) adds nothing to any score, so the scores stay finite: a NaN score has no rank (it would sort
-below an empty slot and evict a token the budget has room for), and the row's NaN output already
-says what happened. Quest: a page whose key bound is NaN (a NaN key element, or an infinite one
-meeting a query element of 0 or of the other sign, 0 * inf) is read ahead of every other.
+tokens, identically on the reference and the kernels: every row walks its whole page table, and
+a token it may not attend has its score replaced by -inf, never multiplied; what follows for
+each row, HeavyHitters' scores and Quest's page bounds: docs/serving.md, section "Special
+values in decode".
 
 Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decode.cu: the
 splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
@@ -249,26 +241,75 @@ def decode_attention(
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
 ) -> Any:
-    """Exact attention of q [batch, heads, t_q, head_dim] (each sequence's newest t_q tokens)
-    over the tokens ``cache`` keeps (``cache.positions()``), causal, GQA; ``softcap`` as in
-    :func:`cuattn.sparse_attention` (HeavyHitters then scores the capped probabilities, and
-    Quest's page bounds keep their order: the cap is monotone); returns out like q
-    (and lse [batch, heads, t_q]: float32 from the kernels, float64 from the NumPy reference
-    on float64; -inf where nothing is attended). ``alibi_slopes`` (float32 [heads] or [batch,
-    heads], q's kind of array) adds ALiBi's ``-slope * (query position - token position)``
-    after the cap, with the positions the cache keeps (an evicted token's neighbours keep their
-    distance); ``key_bias`` (float32 [batch, time_k] or [batch, heads, time_k], time_k at least
-    the longest sequence) adds key_bias[b, (h,) position] to each kept token's score;
-    ``rel_bias`` (float32 [heads, 2 M + 1] or [batch, heads, 2 M + 1]) adds the table's column
-    clamp(token position - query position, -M, M) + M. Quest's page bounds leave
-    them out. ``dropout_p`` and ``dropout_seed`` as in :func:`cuattn.sparse_attention` (an
-    inference call computes no gradient, so this is Monte Carlo dropout: each row's probability
-    of a token is dropped or scaled by 1 / (1 - p) after the softmax, by the generator at (query
-    position, token position, query head, batch); the lse and HeavyHitters' scores are of
-    every probability). ``backend``: "numpy" (the reference, default
-    for a host cache), "interp" (the kernels on the CPU) or "cuda" (default on a device).
-    NaN and inf propagate as in a dense masked softmax over the kept tokens (module doc); a
-    query row whose out is NaN from a NaN or +inf score adds nothing to HeavyHitters' scores."""
+    """Exact attention of each sequence's newest queries over the tokens a KVCache keeps.
+
+    Query i of sequence b (of L_b tokens appended) sits at position ``L_b - t_q + i`` and
+    attends, causally, exactly the tokens the cache keeps (``cache.positions()``) at positions
+    <= its own; query head h reads kv head ``h // (heads / kv_heads)`` (GQA, MQA). The policy
+    takes part: Quest reads only the pages it chooses per query, and HeavyHitters adds each
+    attended token's probability (summed over its kv group's query heads and the t_q queries)
+    to the token's score. The score modifiers apply by the kept tokens' positions (an evicted
+    token's neighbours keep their distance). NaN and inf propagate as in a dense masked
+    softmax over the kept tokens: docs/serving.md, section "Special values in decode"; the
+    kernels and their costs: its section "The cache, the decode kernels, the policies".
+
+    Args:
+        q (array): [batch, heads, t_q, head_dim], each sequence's newest t_q tokens (a step:
+            t_q = 1; speculative or chunked decoding: more, at most the shortest sequence);
+            the cache's batch and head_dim, heads a multiple of its kv_heads, its dtype (float16
+            or bfloat16 for an fp8 cache), on its device; any array library (DLPack).
+        cache (KVCache): the keys and values, after the append of the queries' own tokens.
+        scale (float, optional): the score scale; None (default) is ``1 / sqrt(head_dim)``.
+        return_lse (bool): also return each row's log-sum-exp (default False).
+        softcap (float, optional): as in :func:`cuattn.sparse_attention`: ``softcap *
+            tanh(s / softcap)`` before the biases (HeavyHitters then scores the capped
+            probabilities; Quest's page bounds keep their order, the cap being monotone). None
+            or 0 (default): off. Keyword only.
+        alibi_slopes (array, optional): float32 [heads] or [batch, heads], q's kind of array:
+            adds ``-slope * (query position - token position)`` after the cap. Keyword only.
+        key_bias (array, optional): float32 [batch, time_k] or [batch, heads, time_k], time_k
+            at least the longest sequence: adds ``key_bias[b, (h,) token position]`` to each
+            kept token's score. Keyword only.
+        rel_bias (array, optional): float32 [heads, 2 M + 1] or [batch, heads, 2 M + 1]: adds
+            the column ``clamp(token position - query position, -M, M) + M``. Quest's page
+            bounds leave the biases out. Keyword only.
+        dropout_p (float): Monte Carlo dropout (an inference call computes no gradient): each
+            row's probability of a token is dropped, or scaled by ``1 / (1 - p)``, after the
+            softmax, by the generator at (query position, token position, query head, batch);
+            the lse and HeavyHitters' scores are of every probability. In [0, 1), default 0.0
+            (off). Keyword only.
+        dropout_seed (int | array, optional): the dropout mask's key, as in
+            :func:`cuattn.sparse_attention`. Keyword only.
+        backend (str, optional): ``"numpy"`` (the exact reference; default for a host cache),
+            ``"interp"`` (the decode kernels on the CPU) or ``"cuda"`` (default for a cache on
+            a GPU). Keyword only.
+
+    Returns:
+        out like q ([batch, heads, t_q, head_dim], q's dtype and kind of array); with
+        ``return_lse=True`` the pair ``(out, lse)``, lse [batch, heads, t_q] (float32 from the
+        kernels, float64 from the reference on float64), natural log, -inf for a row that
+        attends nothing (whose out is 0).
+
+    Raises:
+        TypeError: ``cache`` not a KVCache; q not an array or of a dtype the cache does not
+            take; ``scale``, ``softcap``, ``dropout_p`` or ``dropout_seed`` of the wrong type; a
+            score operand not an array of q's kind, or of the wrong dtype.
+        ValueError: q requiring a gradient; q's shape not fitting the cache (batch, head_dim,
+            heads not a multiple of kv_heads, t_q outside [1, the shortest sequence]); q on
+            another device than the cache; a value out of range (``softcap`` < 0, ``dropout_p``
+            outside [0, 1), a seed outside [0, 2^63)); a score operand's shape not fitting; the
+            backend unknown or not fitting the cache's device, or without a decode kernel for
+            the cache (its head dim; fp8 pages on a GPU without ``CUATTN_DECODE_FP8=kernel``).
+
+    Example:
+        >>> import numpy as np, cuattn
+        >>> cache = cuattn.KVCache(batch=1, kv_heads=2, head_dim=64, dtype="float32")
+        >>> k = np.random.randn(1, 2, 10, 64).astype(np.float32)
+        >>> cache.append(k, k)
+        >>> q = np.random.randn(1, 8, 1, 64).astype(np.float32)  # 8 query heads on 2 kv heads
+        >>> cuattn.decode_attention(q, cache).shape
+        (1, 8, 1, 64)
+    """
     scale = _check(q, cache, scale)
     mods = ScoreMods.from_arguments(softcap)
     batch, heads = int(q.shape[0]), int(q.shape[1])

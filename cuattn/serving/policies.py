@@ -73,20 +73,55 @@ def _count(name: str, value: object, minimum: int = 1) -> int:
 
 @dataclass(frozen=True)
 class HeadAdaptive:
-    """``total`` tokens per sequence shared by a layer's kv heads (Ada-KV); see module doc."""
+    """A budget of ``total`` tokens per sequence shared by a layer's kv heads (Ada-KV).
+
+    Build it with :func:`head_adaptive`, which checks ``total``; HeavyHitters and SnapKV take it
+    as their ``budget`` (the module docstring says how the heads share it).
+
+    Args:
+        total (int): tokens per sequence, over all the layer's kv heads.
+    """
 
     total: int
 
 
 def head_adaptive(total: int) -> HeadAdaptive:
-    """A layer budget of ``total`` tokens per sequence, spent where the scores are highest."""
+    """A layer budget of ``total`` tokens per sequence, spent where the scores are highest.
+
+    Each kv head keeps its newest tokens (HeavyHitters' ``recent``, SnapKV's ``window``), and
+    the rest of the total goes to the highest scores over all the heads (ties: the newer, then
+    the lower head).
+
+    Args:
+        total (int): tokens per sequence over the layer's kv heads, positive.
+
+    Returns:
+        HeadAdaptive: the budget, for HeavyHitters' or SnapKV's ``budget``.
+
+    Raises:
+        TypeError: ``total`` not an int.
+        ValueError: ``total`` < 1.
+    """
     return HeadAdaptive(_count("total", total))
 
 
 def pyramid(total: int, num_layers: int) -> list[int]:
-    """Per-layer budgets, largest at the first layer (PyramidKV): layer l of L gets
-    floor(total * (L - l) / (L (L + 1) / 2)), at least 1; non-increasing, summing to at most
-    ``total``."""
+    """Per-layer budgets, largest at the first layer (PyramidKV).
+
+    Layer l of L gets floor(total * (L - l) / (L (L + 1) / 2)), at least 1 (taken back from
+    the largest where the floor of 1 overshoots).
+
+    Args:
+        total (int): tokens over all the layers, at least ``num_layers``.
+        num_layers (int): the layers, positive.
+
+    Returns:
+        list[int]: one budget per layer, non-increasing, summing to at most ``total``.
+
+    Raises:
+        TypeError: ``total`` or ``num_layers`` not an int.
+        ValueError: either < 1, or ``total`` < ``num_layers``.
+    """
     total, num_layers = _count("total", total), _count("num_layers", num_layers)
     if total < num_layers:
         raise ValueError(f"total={total} cannot give each of num_layers={num_layers} a token")
@@ -109,7 +144,20 @@ def _per_head(name: str, value: object, kv_heads: int) -> np.ndarray:
 
 
 class Policy:
-    """Base: ``bind`` checks the policy against a cache; ``keep`` decides per sequence."""
+    """The base of the policies: what a KVCache asks of the one it is given.
+
+    ``bind`` checks the policy against the cache when it is built; ``budgets`` and
+    ``shared_budget`` size its pool; after every ``append``, ``keep`` decides which tokens each
+    (sequence, kv head) keeps (from ``vote``'s scores when the append brings queries and the
+    policy reads them). Users construct its subclasses, not it.
+
+    Attributes:
+        scores_tokens (bool): decode_attention accumulates each kept token's probability mass
+            into the cache's scores (HeavyHitters).
+        selects_pages (bool): decode_attention reads only the pages the policy chooses (Quest).
+        reads_queries (bool): the policy chooses only at an append given the tokens' queries,
+            and its budget binds only there (SnapKV).
+    """
 
     #: True when decode_attention must accumulate each kept token's probability mass
     scores_tokens = False
@@ -117,6 +165,21 @@ class Policy:
     selects_pages = False
 
     def bind(self, kv_heads: int, page_size: int, capacity: int | None) -> None:
+        """Check the policy against a cache and take its kv head count (KVCache calls it once,
+        when it is built).
+
+        Args:
+            kv_heads (int): the cache's kv heads.
+            page_size (int): the cache's tokens per page.
+            capacity (int | None): the cache's capacity per (sequence, kv head), or None.
+
+        Raises:
+            TypeError: (a policy's own check) an entry of a per-head budget not an int.
+            ValueError: (a policy's own check) a per-head budget with other than ``kv_heads``
+                entries or an entry < 1; a budget under HeavyHitters' ``recent``; a
+                ``head_adaptive`` total below kv_heads times the tokens each head always keeps;
+                Quest's ``page_size`` unlike the cache's.
+        """
         self.kv_heads = kv_heads
 
     #: True when the policy chooses only at an append given the tokens' queries (SnapKV);
@@ -124,44 +187,94 @@ class Policy:
     reads_queries = False
 
     def budgets(self) -> np.ndarray | None:
-        """Most tokens each kv head keeps (None: no limit)."""
+        """The most tokens each kv head keeps (after ``bind``).
+
+        Returns:
+            int64 [kv_heads] NumPy array, or None: no limit (a policy that evicts nothing).
+        """
         return None
 
     def shared_budget(self) -> int | None:
-        """Tokens per sequence the kv heads share (a head-adaptive budget), or None: the cache
-        sizes its pool by this total, not by each head's most."""
+        """The tokens per sequence a head-adaptive budget shares over the kv heads.
+
+        Returns:
+            int | None: ``head_adaptive``'s total, by which the cache sizes its pool instead of
+            by each head's most; None for any other budget.
+        """
         budget = getattr(self, "budget", None)
         return budget.total if isinstance(budget, HeadAdaptive) else None
 
     def check_queries(self, given: np.ndarray, lengths: np.ndarray) -> None:
-        """Refuse (ValueError) an append of ``given`` tokens per sequence, bringing them to
-        ``lengths``, whose queries do not hold what ``vote`` reads (host arrays; only called
-        when ``reads_queries``)."""
+        """Refuse an append whose queries do not hold what ``vote`` reads (called before
+        anything is written, only when ``reads_queries``).
+
+        Args:
+            given (numpy.ndarray): int64 [batch], the tokens each sequence appends (host).
+            lengths (numpy.ndarray): int64 [batch], each sequence's tokens after the append.
+
+        Raises:
+            ValueError: (SnapKV) a sequence bringing fewer than min(window, its length)
+                tokens.
+        """
 
     def vote(
         self, xp: Any, lengths: Any, queries: Any, query_positions: Any, keys: Any, positions: Any
     ) -> Any:
-        """float64 [batch, kv_heads, n]: the candidates' scores, given to ``keep``, from the
-        queries of an append (only when ``reads_queries``). queries float64 [batch, heads, t,
-        head_dim] at query_positions int64 [batch, t] (-1: none); keys float64 [batch,
-        kv_heads, n, head_dim] of the candidates at ``positions`` (as ``keep``'s)."""
+        """Score the candidates from the queries of an append (only when ``reads_queries``).
+
+        Args:
+            xp (module): the array module, NumPy or CuPy on the cache's device.
+            lengths (array): int64 [batch], each sequence's tokens, this append included.
+            queries (array): float64 [batch, heads, t, head_dim], the append's queries.
+            query_positions (array): int64 [batch, t], their positions (-1: none).
+            keys (array): float64 [batch, kv_heads, n, head_dim], the candidates' keys.
+            positions (array): int64 [batch, kv_heads, n], the candidates' positions, as
+                ``keep``'s.
+
+        Returns:
+            float64 [batch, kv_heads, n]: the candidates' scores, which ``keep`` is given.
+
+        Raises:
+            NotImplementedError: a policy that does not read queries (the base's).
+        """
         raise NotImplementedError
 
     def keep(
         self, xp: Any, lengths: Any, positions: Any, scores: Any | None, budgets: Any | None
     ) -> Any:
-        """bool [batch, kv_heads, n]: which candidates (the kept tokens and the incoming ones)
-        each (sequence, kv head) keeps, in whole-array operations of the array module ``xp``
-        (NumPy, or CuPy on the cache's device; nothing is read back). lengths int64 [batch]:
-        tokens each sequence was given, this append included; positions int64 [batch, kv_heads,
-        n], -1 where there is no candidate (never kept); scores float64 like positions, or None
-        unless ``scores_tokens`` (or ``vote``'s at an append given queries); budgets:
-        ``budgets()`` on the cache's device."""
+        """Decide which candidates (the kept tokens and the incoming ones) each (sequence, kv
+        head) keeps, in whole-array operations of ``xp`` (nothing is read back).
+
+        Args:
+            xp (module): the array module, NumPy or CuPy on the cache's device.
+            lengths (array): int64 [batch], each sequence's tokens, this append included.
+            positions (array): int64 [batch, kv_heads, n], the candidates' positions, -1 where
+                there is no candidate (never kept).
+            scores (array | None): float64 like positions: the accumulated scores where
+                ``scores_tokens``, ``vote``'s at an append given queries, else None.
+            budgets (array | None): ``budgets()`` on the cache's device.
+
+        Returns:
+            bool [batch, kv_heads, n]: the candidates kept.
+
+        Raises:
+            NotImplementedError: the base's (every policy defines it).
+        """
         raise NotImplementedError
 
 
 class SlidingWindow(Policy):
-    """Keep the last ``window`` positions (an int, or one per kv head)."""
+    """Keep each sequence's last ``window`` positions, ``[L - window, L)``.
+
+    Args:
+        window (int | Sequence[int]): tokens kept, positive: one for every kv head, or one per
+            kv head (its entries checked when a cache binds the policy).
+
+    Raises:
+        TypeError: ``window`` (or an entry of it, at binding) not an int.
+        ValueError: ``window`` (or an entry) < 1; one per kv head of another length than the
+            cache's kv heads (at binding).
+    """
 
     def __init__(self, window: int | Sequence[int]) -> None:
         self.window = window
@@ -184,8 +297,17 @@ class SlidingWindow(Policy):
 
 
 class StreamingLLM(Policy):
-    """Keep the first ``sinks`` positions and the last ``window`` (StreamingLLM's attention
-    sinks plus a window)."""
+    """Keep the first ``sinks`` positions and the last ``window``: ``[0, sinks)`` and
+    ``[L - window, L)`` (StreamingLLM's attention sinks plus a window).
+
+    Args:
+        sinks (int): the first positions kept, >= 0.
+        window (int): the newest positions kept, positive.
+
+    Raises:
+        TypeError: ``sinks`` or ``window`` not an int.
+        ValueError: ``sinks`` < 0 or ``window`` < 1.
+    """
 
     def __init__(self, sinks: int, window: int) -> None:
         self.sinks = _count("sinks", sinks, minimum=0)
@@ -272,7 +394,25 @@ def _keep_best(
 
 
 class HeavyHitters(Policy):
-    """H2O: the ``recent`` newest tokens plus the highest-scored others, ``budget`` in all."""
+    """H2O: keep the ``recent`` newest tokens plus the highest-scored others, ``budget`` in all.
+
+    A token's score is the sum of the attention probabilities every decode query gave it,
+    summed over its kv group's query heads (an append does not score); ties keep the newer
+    token.
+
+    Args:
+        budget (int | Sequence[int] | HeadAdaptive): tokens kept: one for every kv head, one
+            per kv head (its entries checked when a cache binds the policy), or
+            ``head_adaptive(total)``, a total per sequence the kv heads share.
+        recent (int): the newest tokens always kept (the one just appended included), >= 0
+            and at most ``budget``.
+
+    Raises:
+        TypeError: ``recent`` or an int ``budget`` (or an entry, at binding) not an int.
+        ValueError: ``recent`` < 0; ``budget`` < 1 or under ``recent`` (a per-head or
+            head-adaptive one at binding: also one per kv head of another length, a total
+            below kv_heads * recent).
+    """
 
     scores_tokens = True
 
@@ -304,11 +444,31 @@ class HeavyHitters(Policy):
 
 
 class SnapKV(Policy):
-    """SnapKV: at an append given its queries (the end of a prefill), the last ``window``
-    tokens and the older ones those queries attend to most, ``budget`` in all (an int, one per
-    kv head, or ``head_adaptive(total)``: Ada-KV's budget shared by the layer's kv heads); see
-    the module doc. Appends without queries keep everything: SnapKV compresses the prompt and
-    leaves the generated tokens alone, so decoding grows the cache again."""
+    """SnapKV: keep the last ``window`` tokens and the older ones the prompt's last queries
+    attend to most, ``budget`` in all.
+
+    The policy chooses at an append given its queries (``cache.append(k, v, lengths, q=q)`` at
+    the end of a prefill); appends without queries keep everything, as SnapKV compresses the
+    prompt and leaves the generated tokens alone, so decoding grows the cache again. The vote:
+    the module docstring; docs/serving.md, section "SnapKV and Ada-KV: choosing at the end of
+    the prefill".
+
+    Args:
+        budget (int | Sequence[int] | HeadAdaptive): tokens kept, at least ``window``: one
+            for every kv head, one per kv head, or ``head_adaptive(total)`` (Ada-KV: a total
+            per sequence the layer's kv heads share).
+        window (int): the last queries that vote, whose tokens are always kept; positive.
+        kernel_size (int): the width of the pool over the votes along positions, odd and
+            positive (default 7, the paper's).
+        pooling (str): ``"max"`` (default) or ``"avg"``.
+
+    Raises:
+        TypeError: ``window``, ``kernel_size`` or a budget (or its entries) not an int;
+            ``budget`` a str; ``pooling`` not a str.
+        ValueError: ``window``, ``kernel_size`` or a budget < 1; ``kernel_size`` even;
+            ``pooling`` neither "max" nor "avg"; a budget under ``window``; (at binding) one
+            per kv head of another length, a head-adaptive total below kv_heads * window.
+    """
 
     reads_queries = True
 
@@ -439,8 +599,20 @@ class SnapKV(Policy):
 
 
 class Quest(Policy):
-    """Evicts nothing; each decode query reads ``pages`` pages chosen by their key bounds plus
-    the newest page (``page_size`` must be the cache's)."""
+    """Quest: evict nothing; each decode query reads only ``pages`` pages, chosen by their key
+    bounds, plus the newest page.
+
+    The bound of a page is ``sum_i max(q_i min_i, q_i max_i)`` over its element-wise key min
+    and max; ties read the lower page.
+
+    Args:
+        pages (int): pages each query reads besides the newest, positive.
+        page_size (int): the cache's page size (checked when a cache binds the policy).
+
+    Raises:
+        TypeError: ``pages`` or ``page_size`` not an int.
+        ValueError: either < 1; ``page_size`` unlike the cache's (at binding).
+    """
 
     selects_pages = True
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -68,14 +69,14 @@ def _pattern(key: str) -> Pattern:
     return Pattern.from_key(key)
 
 
-def _layout_ints(layout: Layout) -> tuple[int, int, int, int]:
-    """(blocksize, rule, window_left, window_right) of a layout, as the ops take them."""
+def _layout_ints(layout: Layout) -> list[int]:
+    """[blocksize, rule, window_left, window_right] of a layout, as the ops take them."""
     rule = layout.rule
-    return layout.blocksize, RULE_KINDS.index(rule.kind), rule.window_left, rule.window_right
+    return [layout.blocksize, RULE_KINDS.index(rule.kind), rule.window_left, rule.window_right]
 
 
 def _resolve(
-    pattern: str, ints: tuple[int, int, int, int], n_q: int, n_k: int, index: list[torch.Tensor]
+    pattern: str, ints: Sequence[int], n_q: int, n_k: int, index: list[torch.Tensor]
 ) -> Layout:
     """The layout an op's arguments name: the Pattern's for these lengths, or the arrays'."""
     if pattern:
@@ -86,9 +87,7 @@ def _resolve(
     return _read_back(index, ints, n_q, n_k) if read_back is None else read_back
 
 
-def _read_back(
-    index: list[torch.Tensor], ints: tuple[int, int, int, int], n_q: int, n_k: int
-) -> DeviceLayout:
+def _read_back(index: list[torch.Tensor], ints: Sequence[int], n_q: int, n_k: int) -> DeviceLayout:
     """The DeviceLayout sharing these tensors' memory (no copy)."""
     info = dlpack.describe(index[0], "layout")
     arrays = {
@@ -137,9 +136,9 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
-# attention_fwd's arguments before the score operands: q, k, v, the five of the layout, scale,
-# softcap, dropout_p, dropout_seed, backend, recompute, index
-OP_ARGUMENTS = 15
+# attention_fwd's arguments before the score operands: q, k, v, pattern, layout_rule, scores,
+# dropout_seed, backend, recompute, index
+OP_ARGUMENTS = 10
 # the seed, last of the score operands, has no gradient
 SEED_BIT = len(SCORE_OPERANDS) - 1
 
@@ -150,15 +149,11 @@ def given_bits(call: AttentionCall) -> int:
 
 
 def _call(
-    layout: Layout,
-    scale: float,
-    softcap: float,
-    dropout_p: float,
-    dropout_seed: int,
-    backend: str,
-    given: int,
+    layout: Layout, scores: Sequence[float], dropout_seed: int, backend: str, given: int
 ) -> AttentionCall:
-    """The call an op's plain arguments describe (its operands placed by the caller)."""
+    """The call an op's plain arguments describe (``scores``: scale, softcap, dropout_p; its
+    operands placed by the caller)."""
+    scale, softcap, dropout_p = scores
     if not given and not dropout_p:
         mods = ScoreMods(softcap) if softcap else NO_MODS
         return AttentionCall(layout, scale, backend=backend or None, mods=mods)
@@ -177,13 +172,8 @@ def attention_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     pattern: str,
-    blocksize: int,
-    rule: int,
-    window_left: int,
-    window_right: int,
-    scale: float,
-    softcap: float,
-    dropout_p: float,
+    layout_rule: list[int],
+    scores: list[float],
     dropout_seed: int,
     backend: str,
     recompute: bool,
@@ -191,14 +181,14 @@ def attention_fwd(
     operands: list[torch.Tensor],
     given: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); ``recompute`` only shapes the backward."""
+    """(out, lse); ``recompute`` only shapes the backward. The layout: a Pattern's key, or
+    ``index`` with ``layout_rule`` [blocksize, rule, window_left, window_right]; ``scores``:
+    [scale, softcap, dropout_p] (op_arguments spells them)."""
     named = {"q": q, "k": k, "v": v}
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
-        lay = _resolve(
-            pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
-        )
-        call = _call(lay, scale, softcap, dropout_p, dropout_seed, backend, given)
+        lay = _resolve(pattern, layout_rule, q.shape[2], k.shape[2], index)
+        call = _call(lay, scores, dropout_seed, backend, given)
         if given:
             named.update(call.placed(operands).operands.named())
         out, lse = dlpack.call(_forward_arrays, named, call, info=info)
@@ -226,13 +216,8 @@ def attention_bwd(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     pattern: str,
-    blocksize: int,
-    rule: int,
-    window_left: int,
-    window_right: int,
-    scale: float,
-    softcap: float,
-    dropout_p: float,
+    layout_rule: list[int],
+    scores: list[float],
     dropout_seed: int,
     backend: str,
     index: list[torch.Tensor],
@@ -247,10 +232,8 @@ def attention_bwd(
         named["dlse"] = dlse
     info = dlpack.torch_info(named)
     with dlpack.stream_for(info):
-        lay = _resolve(
-            pattern, (blocksize, rule, window_left, window_right), q.shape[2], k.shape[2], index
-        )
-        call = _call(lay, scale, softcap, dropout_p, dropout_seed, backend, given)
+        lay = _resolve(pattern, layout_rule, q.shape[2], k.shape[2], index)
+        call = _call(lay, scores, dropout_seed, backend, given)
         named.update(call.placed(operands).operands.named())
         grads = dlpack.call(_backward_arrays, named, dlse is not None, call, info=info)
     return [g.contiguous() for g in grads if g is not None]  # the seed's None: no gradient
@@ -272,9 +255,7 @@ def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, *layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute, index = (
-        inputs[:OP_ARGUMENTS]
-    )
+    q, k, v, *plain, recompute, index = inputs[:OP_ARGUMENTS]
     operands, given = inputs[OP_ARGUMENTS:]
     out, lse = output
     saved = (q, k, v) if recompute else (q, k, v, out, lse)
@@ -282,27 +263,27 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.saved_count = len(saved)
     ctx.index_count = len(index)
     ctx.given = given
-    ctx.args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute)
+    ctx.args = (*plain, recompute)  # pattern, layout_rule, scores, dropout_seed, backend
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
-    *layout_args, scale, softcap, dropout_p, dropout_seed, backend, recompute = ctx.args
+    *plain, recompute = ctx.args
     tensors = ctx.saved_tensors
     q, k, v, *saved = tensors[: ctx.saved_count]
     after = tensors[ctx.saved_count :]
     index = list(after[: ctx.index_count])
     operands = list(after[ctx.index_count :])
     if recompute:
-        args = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, False, index)
-        saved = attention_fwd(q, k, v, *args, operands, ctx.given)
+        saved = attention_fwd(q, k, v, *plain, False, index, operands, ctx.given)
     out, lse = saved
     if dout is None:  # only the lse reached the loss
         dout = torch.zeros_like(out)
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    plain = (*layout_args, scale, softcap, dropout_p, dropout_seed, backend, index)
-    dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, operands, ctx.given)
+    dq, dk, dv, *wrt = attention_bwd(
+        q, k, v, out, lse, dout, dlse, *plain, index, operands, ctx.given
+    )
     # None for each plain argument and each tensor of index, then a gradient for each operand
     # given (None for the seed), then None for ``given``
     nones = [None] * (OP_ARGUMENTS - 4)  # every argument but q, k, v and index
@@ -339,19 +320,19 @@ def attend(
 
 
 def op_arguments(call: AttentionCall, device: torch.device) -> tuple:
-    """(pattern, blocksize, rule, window_left, window_right, scale, softcap, dropout_p,
-    dropout_seed, backend, recompute, index, operands, given):
+    """(pattern, layout_rule, scores, dropout_seed, backend, recompute, index, operands, given):
     the call as attention_fwd's arguments after q, k, v for q on ``device`` (attention_bwd takes
-    the same but recompute), the one place that spells them. A Pattern's ints are unused (0)."""
+    the same but recompute), the one place that spells them. A Pattern's layout_rule is unused
+    (zeros)."""
     layout, backend, mods = call.layout, call.backend or "", call.mods
-    scores = (call.scale, mods.softcap, mods.dropout_p, mods.dropout_seed)
+    scores = ([call.scale, mods.softcap, mods.dropout_p], mods.dropout_seed)
     operands = (
         ([], 0) if call.given_operands is None else (list(call.operands.present), given_bits(call))
     )
     if isinstance(layout, Pattern):
-        return layout.key, 0, 0, 0, 0, *scores, backend, call.recompute, [], *operands
+        return layout.key, [0, 0, 0, 0], *scores, backend, call.recompute, [], *operands
     index = index_tensors(layout, device)
-    return "", *_layout_ints(layout), *scores, backend, call.recompute, index, *operands
+    return "", _layout_ints(layout), *scores, backend, call.recompute, index, *operands
 
 
 def _side_weight(lse_x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ def test_a_layout_crosses_the_ops_as_its_arrays_made_once_per_device():
         AttentionCall(layout, 1.0), q.device
     )
     assert (operands, given) == ([], 0)
-    assert layout_args == ["", BLOCK, 3, 0, 0, 1.0, 0.0, 0.0, 0, ""]
+    assert layout_args == ["", [BLOCK, 3, 0, 0], [1.0, 0.0, 0.0], 0, ""]
     assert index[1].data_ptr() == layout.row_ptr.ctypes.data  # shared, not copied
     again = torch_ops.op_arguments(AttentionCall(layout, 1.0), q.device)[-3]
     assert all(a is b for a, b in zip(index, again, strict=True))

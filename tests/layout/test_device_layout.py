@@ -264,7 +264,7 @@ def test_opcheck_passes_on_device_layouts(recompute, rule):
     *layout_args, _, index, operands, given = torch_ops.op_arguments(
         AttentionCall(layout, 0.25), q.device
     )
-    assert layout_args[:3] == ["", B, RULE_KINDS.index(layout.rule.kind)]
+    assert layout_args[:2] == ["", [B, RULE_KINDS.index(layout.rule.kind), 0, 0]]
     args = (q, k, v, *layout_args, recompute, index, operands, given)
     torch.library.opcheck(torch.ops.cuattn.attention_fwd.default, args)
     out, lse = torch.ops.cuattn.attention_fwd(*args)

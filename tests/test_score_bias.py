@@ -228,3 +228,48 @@ def test_a_permuted_layout_is_refused_with_it():
     assert permuted.perm is not None
     with pytest.raises(ValueError, match="score_bias needs the natural token order"):
         cuattn.sparse_attention(q, k, v, permuted, score_bias=bias)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "interp"])
+@pytest.mark.parametrize("front", ["torch", "tape"])
+def test_a_bias_that_asks_no_gradient_makes_no_planes(backend, front, monkeypatch):
+    """A score bias nothing differentiates (a fixed mask, a constant table) is frozen in the
+    backward: its dS planes (float32 [batch, heads, time_q, time_k]) are never made, and q, k
+    and v get the gradients of the same call with a bias that asks one, bit for bit."""
+    from cuattn.backends import kernels, numpy_ref
+
+    q, k, v, dout, bias = (x.astype(np.float32) for x in _arrays(9, SHAPES["one batch"]))
+    layout = _layout(sparse=True)
+    wrap = torch.tensor if front == "torch" else cuattn.Tensor
+    planes = []
+
+    def run(bias_grad):
+        leaves = [wrap(x, requires_grad=True) for x in (q, k, v)]
+        fixed = wrap(bias, requires_grad=bias_grad)
+        out = cuattn.sparse_attention(*leaves, layout, score_bias=fixed, backend=backend)
+        if front == "torch":
+            out.backward(torch.tensor(dout))
+        else:
+            (out * cuattn.Tensor(dout)).sum().backward()
+        grads = [np.asarray(leaf.grad) for leaf in leaves]
+        return grads, fixed.grad
+
+    def spy_grid(*args):
+        planes.append("numpy_ref._score_grid")
+        return score_grid(*args)
+
+    def spy_zeroed(self, shape, dtype):
+        if tuple(shape)[-2:] == (N_Q, N_K):
+            planes.append(f"zeroed_output{tuple(shape)}")
+        return zeroed(self, shape, dtype)
+
+    score_grid, zeroed = numpy_ref._score_grid, kernels.KernelBackend.zeroed_output
+    monkeypatch.setattr(numpy_ref, "_score_grid", spy_grid)
+    monkeypatch.setattr(kernels.KernelBackend, "zeroed_output", spy_zeroed)
+    learned, learned_bias_grad = run(bias_grad=True)
+    assert planes and learned_bias_grad is not None  # the spies see the planes when asked
+    planes.clear()
+    frozen, frozen_bias_grad = run(bias_grad=False)
+    assert planes == [] and frozen_bias_grad is None
+    for name, a, b in zip("qkv", frozen, learned, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -141,6 +142,10 @@ def index_tensors(layout: Layout, device: torch.device) -> list[torch.Tensor]:
 OP_ARGUMENTS = 10
 # the seed, last of the score operands, has no gradient
 SEED_BIT = len(SCORE_OPERANDS) - 1
+SCORE_BIAS_BIT = SCORE_OPERANDS.index("score_bias")
+# past the operands' bits in attention_bwd's ``given``: the score bias takes no gradient (none
+# is asked of it), so the backward skips its dS planes and answers none for it
+FROZEN_BIAS_BIT = len(SCORE_OPERANDS)
 
 
 def given_bits(call: AttentionCall) -> int:
@@ -159,6 +164,8 @@ def _call(
         return AttentionCall(layout, scale, backend=backend or None, mods=mods)
     flags = [bool(given >> i & 1) for i in range(len(SCORE_OPERANDS))]
     mods = ScoreMods(softcap).with_dropout(dropout_p, dropout_seed).with_given(flags)
+    if given >> FROZEN_BIAS_BIT & 1:
+        mods = replace(mods, score_bias_frozen=True)
     return AttentionCall(layout, scale, backend=backend or None, mods=mods)
 
 
@@ -250,8 +257,17 @@ def _backward_arrays(q, k, v, out, lse, dout, *rest):
 @attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, *rest):
     *_, operands, given = rest
-    wrt = operands[:-1] if given >> SEED_BIT & 1 else operands  # the seed has no gradient
+    answered = _with_gradients(operands, given)
+    wrt = [x for x, a in zip(operands, answered, strict=True) if a]
     return [x.new_empty(x.shape) for x in (q, k, v, *wrt)]
+
+
+def _with_gradients(operands: list[torch.Tensor], given: int) -> list[bool]:
+    """For each operand given, whether attention_bwd answers a gradient for it: all but the
+    seed and a frozen score bias."""
+    bits = [i for i in range(len(SCORE_OPERANDS)) if given >> i & 1]
+    frozen = given >> FROZEN_BIAS_BIT & 1
+    return [bit != SEED_BIT and not (bit == SCORE_BIAS_BIT and frozen) for bit in bits]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -281,14 +297,18 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
     dout, dlse = (
         g.contiguous() if g is not None and 0 in g.stride() else g for g in (dout, dlse)
     )  # an expanded gradient (of a sum): the kernels read real rows
-    dq, dk, dv, *wrt = attention_bwd(
-        q, k, v, out, lse, dout, dlse, *plain, index, operands, ctx.given
-    )
-    # None for each plain argument and each tensor of index, then a gradient for each operand
-    # given (None for the seed), then None for ``given``
+    given = ctx.given
+    bits = [i for i in range(len(SCORE_OPERANDS)) if given >> i & 1]
+    wanted = ctx.needs_input_grad[OP_ARGUMENTS]  # one flag a score operand
+    if SCORE_BIAS_BIT in bits and not wanted[bits.index(SCORE_BIAS_BIT)]:
+        given |= 1 << FROZEN_BIAS_BIT  # no dS planes for a bias nothing differentiates
+    dq, dk, dv, *wrt = attention_bwd(q, k, v, out, lse, dout, dlse, *plain, index, operands, given)
+    # None for each plain argument and each tensor of index, then a gradient or None for each
+    # operand given (None for the seed and a frozen score bias), then None for ``given``
+    grads = iter(wrt)
+    operand_grads = [next(grads) if a else None for a in _with_gradients(operands, given)]
     nones = [None] * (OP_ARGUMENTS - 4)  # every argument but q, k, v and index
-    seed = [None] if ctx.given >> SEED_BIT & 1 else []
-    return (dq, dk, dv, *nones, [None] * len(index), [*wrt, *seed], None)
+    return (dq, dk, dv, *nones, [None] * len(index), operand_grads, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

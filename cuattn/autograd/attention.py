@@ -37,7 +37,7 @@ class SparseAttention(Function):
     @staticmethod
     def backward(ctx: Context, dout: Any, dlse: Any) -> tuple:
         q, k, v, out, lse, *present = ctx.saved_tensors
-        call = ctx.call.placed(present)
+        call = ctx.call.placed(present).wanting(ctx.needs_input_grad[3 : 3 + len(present)])
         grads = _backend.backward(q, k, v, out, lse, dout, dlse, call)
         return (*grads[:3], *grads[3 : 3 + len(present)], None)  # the call has none
 

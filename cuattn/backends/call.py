@@ -34,6 +34,8 @@ class ScoreMods:
     score_bias  the call carries a dense bias broadcastable to [batch, heads, n_q, n_k] (an
               array operand, read only inside the computed blocks): each score gets
               ``score_bias[b, h, i, j]`` (broadcast)
+    score_bias_frozen  the score bias takes no gradient (its caller asks none): the backward
+              skips its dS planes, O(batch x heads x n_q x n_k), and gives None for it
     dropout_p     0 <= p < 1: each probability is dropped with probability p (after the softmax,
                   whose log-sum-exp is of every score), a kept one scaled by 1 / (1 - p), by the
                   counter-based generator of backends/dropout.py
@@ -54,6 +56,7 @@ class ScoreMods:
     key_bias: bool = False
     rel_bias: bool = False
     score_bias: bool = False
+    score_bias_frozen: bool = False
     dropout_p: float = 0.0
     dropout_seed: int = 0
     seed_words: bool = False
@@ -278,6 +281,14 @@ class AttentionCall:
         if not present:
             return self.without_operands()
         return replace(self, given_operands=ScoreOperands.placed(present, self.mods.given))
+
+    def wanting(self, wanted: Sequence[bool]) -> AttentionCall:
+        """This call for a backward in which ``wanted[i]`` says whether the i-th operand given
+        asks a gradient: a score bias that asks none is frozen (no dS planes are made)."""
+        present = [name for name, g in zip(SCORE_OPERANDS, self.mods.given, strict=True) if g]
+        if "score_bias" not in present or wanted[present.index("score_bias")]:
+            return self
+        return replace(self, mods=replace(self.mods, score_bias_frozen=True))
 
 
 def _check_natural_order(layout: Layout | Pattern | None, mods: ScoreMods) -> None:

@@ -986,7 +986,9 @@ class KernelBackend:
             biases = self._score_values(call)
             # the key bias's gradient per query head (a stand-in the kernel does not write
             # without a key bias); a score bias broadcast over the queries takes the same sums
-            by_key = score_bias is not None and _score_bias_by_key(score_bias)
+            # a frozen score bias (no gradient asked) needs neither of its gradient's buffers
+            bias_grad = score_bias is not None and not mods.score_bias_frozen
+            by_key = bias_grad and _score_bias_by_key(score_bias)
             if key_bias is None and not by_key:
                 key_rows = xp.zeros(1, xp.float32)
             else:
@@ -1019,7 +1021,7 @@ class KernelBackend:
                 )
             # any other score bias: dS of every visited element, 0 elsewhere (the kernel writes
             # each visited element once), its broadcast axes summed below
-            if score_bias is None or by_key:
+            if not bias_grad or by_key:
                 score_planes = xp.zeros(1, xp.float32)
             else:
                 score_planes = self.zeroed_output((batch, heads, n_q, n_k), xp.float32)
@@ -1034,7 +1036,7 @@ class KernelBackend:
                 rel_bias_grad=rel_rows,
                 use_rel_bias_grad=int(rel_bias is not None),
                 score_bias_grad=score_planes,
-                use_score_bias_grad=int(score_bias is not None and not by_key),
+                use_score_bias_grad=int(bias_grad and not by_key),
                 **self._layout_values(layout, columns=False, kv_group=kv_group),
                 **strides,
             )
@@ -1054,9 +1056,11 @@ class KernelBackend:
             grads += (self._key_bias_gradient(key_rows, key_bias.ndim),)
         if rel_bias is not None:
             grads += (self._rel_bias_gradient(rel_rows, rel_bias.ndim),)
-        if score_bias is not None:
+        if bias_grad:
             rows = key_rows if by_key else score_planes
             grads += (self._score_bias_gradient(rows, by_key, score_bias),)
+        elif score_bias is not None:
+            grads += (None,)  # a frozen score bias: no gradient asked
         if dropout_seed is not None:
             grads += (None,)  # a seed has no gradient
         return grads

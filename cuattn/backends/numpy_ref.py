@@ -269,7 +269,8 @@ def attention_backward(
     drel = None if rel_b is None else np.zeros_like(rel_b)
     key_b = _key_bias(key_bias, q.shape[1], layout, acc_t)
     score_b = _broadcast_bias(operands.score_bias, q, k)
-    dscore = None if score_b is None else _score_grid(q, k, layout, acc_t)
+    wants_dscore = score_b is not None and not mods.score_bias_frozen
+    dscore = _score_grid(q, k, layout, acc_t) if wants_dscore else None
     biases = ScoreOperands(slopes, key_b, rel_b, score_b)
     qb, kb, vb, dob = (_blocked(x, layout, acc_t) for x in (q, k, v, dout))
     row_delta = np.sum(dout.astype(acc_t) * out.astype(acc_t), axis=-1)
@@ -343,6 +344,8 @@ def attention_backward(
         grads = (*grads, summed.astype(rel_bias.dtype))
     if dscore is not None:
         grads = (*grads, _bias_gradient(dscore[:, :, :n_q, :n_k], operands.score_bias))
+    elif score_b is not None:
+        grads = (*grads, None)  # a frozen score bias: no gradient asked
     return grads
 
 

@@ -6,6 +6,7 @@ got and what is accepted.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -624,22 +625,20 @@ def attention(
     )
 
 
-# Packed layouts of recent varlen calls, keyed by the packing and the identity of the per-sequence
-# layouts (which the entry keeps alive, so an id is never reused while its entry exists).
-# A dict, not functools.lru_cache, for make_layout's reason (layout/registry.py _CACHE).
-_PACKED: dict[tuple, tuple[tuple[Layout, ...], Layout]] = {}
-PACKED_CACHE_SIZE = 32
+PACKED_CACHE_SIZE = 32  # packed layouts of recent varlen calls kept
 
 LayoutFn = Callable[[int, int], Layout]
 
 
 def _packed_layout(layouts: Sequence[Layout], cu_q: np.ndarray, cu_k: np.ndarray) -> Layout:
-    key = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), tuple(id(lay) for lay in layouts))
-    if key not in _PACKED:
-        if len(_PACKED) >= PACKED_CACHE_SIZE:
-            _PACKED.pop(next(iter(_PACKED)))
-        _PACKED[key] = (tuple(layouts), packed(layouts, cu_q, cu_k))
-    return _PACKED[key][1]
+    return _packed_of(tuple(cu_q.tolist()), tuple(cu_k.tolist()), tuple(layouts))
+
+
+@functools.lru_cache(maxsize=PACKED_CACHE_SIZE)
+def _packed_of(cu_q: tuple, cu_k: tuple, layouts: tuple[Layout | None, ...]) -> Layout:
+    """The packed layout of one packing of these per-sequence layouts (keyed by their identity,
+    and kept alive by the cache, so an identity is never reused while its entry exists)."""
+    return packed(layouts, np.asarray(cu_q), np.asarray(cu_k))
 
 
 def _check_max_seqlen(name: str, value: object, lengths: np.ndarray) -> None:

@@ -9,6 +9,7 @@ calls the constructor.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -134,10 +135,7 @@ def check_pattern(
             raise
 
 
-# A dict, not functools.lru_cache: torch.compile traces through an lru_cache wrapper into the
-# layout build (dynamo ignores the cache) and fails there, where it reads a dict hit as a constant.
-_CACHE: dict[tuple, Layout] = {}
-CACHE_SIZE = 64
+CACHE_SIZE = 64  # layouts make_layout keeps
 
 
 def _freeze(value: object) -> object:
@@ -218,8 +216,14 @@ def make_layout(
         n_q,
         tuple(sorted((k, _freeze(v)) for k, v in pattern_args.items())),
     )
-    if key in _CACHE:
-        return _CACHE[key]
+    return _built(key, pattern)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _built(key: tuple, pattern: Constructor) -> Layout:
+    """The layout of make_layout's checked, frozen arguments (``key``), built once per key."""
+    _, n_ctx, heads, blocksize, local_attn_ctx, num_verts, vertsize, causal, n_q, frozen = key
+    pattern_args = dict(frozen)
     given = dict(local_attn_ctx=local_attn_ctx, num_verts=num_verts, vertsize=vertsize)
     # The original passes local_attn_ctx to every mode; a pattern without a window ignores it.
     named = {name: value for name, value in given.items() if name in pattern.params}
@@ -231,7 +235,4 @@ def make_layout(
     )
     if rectangular:
         layout = end_aligned(layout, n_q)
-    if len(_CACHE) >= CACHE_SIZE:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = layout
     return layout

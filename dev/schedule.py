@@ -548,6 +548,20 @@ def predict_packed(
     return pred, below, len(packed)
 
 
+def bench_layouts(n_ctx: int, heads: int, block: int) -> dict[str, object]:
+    """Every bench pattern's layout at this shape, by label (a pattern this block size cannot
+    build, fixed's groups at 128, is left out)."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    layouts = {}
+    for pattern in ALL_PATTERNS:
+        try:
+            layouts[pattern.label] = pattern.make_layout(n_ctx, heads, block)
+        except ValueError:
+            continue
+    return layouts
+
+
 def pack_table(
     p: FwdParams,
     n_ctx: int = 8192,
@@ -560,8 +574,6 @@ def pack_table(
     1/2), then packed at pack_threshold with a packed row paying 1/2 (what consecutive items
     pay now) and 1/4 (its Q loaded under the previous row's tiles); ratios over dense causal's
     under the same variant."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
     lines = [
         f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
         "",
@@ -571,15 +583,11 @@ def pack_table(
     ]
     for block in blocks:
         rows = {}
-        for pattern in ALL_PATTERNS:
-            try:
-                layout = pattern.make_layout(n_ctx, heads, block)
-            except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-                continue
+        for label, layout in bench_layouts(n_ctx, heads, block).items():
             split = predict_built_persistent(layout, batch, head_dim, p, 0.5, split_tiles=None)
             half, below, count = predict_packed(layout, batch, head_dim, p, 0.5, 0.5)
             quarter, _, _ = predict_packed(layout, batch, head_dim, p, 0.5, 0.25)
-            rows[pattern.label] = (layout.density, split.ctas, below, count, split, half, quarter)
+            rows[label] = (layout.density, split.ctas, below, count, split, half, quarter)
         base = rows["dense-causal"]
         for label, (density, entries, below, count, *preds) in rows.items():
 
@@ -595,6 +603,55 @@ def pack_table(
                 f"{preds[0].tail:.2f} | {cell(1)}, {preds[1].tail:.2f} | {cell(2)} | "
                 f"{100 * change:+.0f} % |"
             )
+    return "\n".join(lines)
+
+
+def qbuffer_table(
+    p: FwdParams,
+    n_ctx: int = 8192,
+    heads: int = 16,
+    batch: int = 2,
+    head_dim: int = 128,
+    blocks: Sequence[int] = (64, 128),
+    shares: Sequence[float] = (0.5, 0.25, 0.375),
+) -> str:
+    """bench/NOTES.md's double-buffered Q table: every bench pattern on the built list (split
+    rows, geometry's threshold), an item paying each of ``shares`` of today's per-CTA cost: the
+    first as built (Q copied once the previous item's store is read out), the others with Q
+    copied under the previous item's tiles; ratios over dense causal's under the same share."""
+    lines = [
+        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        "",
+        "| pattern, block | density | "
+        + " | ".join(
+            f"item {share:g}: ms (ratio), tail" + (" | change" if i else "")
+            for i, share in enumerate(shares)
+        )
+        + " |",
+        "| --- | ---: | "
+        + " | ".join("---:" if i == 0 else "---: | ---:" for i in range(len(shares)))
+        + " |",
+    ]
+    for block in blocks:
+        rows = {
+            label: (
+                layout.density,
+                [
+                    predict_built_persistent(layout, batch, head_dim, p, share, split_tiles=None)
+                    for share in shares
+                ],
+            )
+            for label, layout in bench_layouts(n_ctx, heads, block).items()
+        }
+        base_density, base = rows["dense-causal"]
+        for label, (density, preds) in rows.items():
+            cells = [f"{label}, {block}", f"{density:.3f}"]
+            for i, pred in enumerate(preds):
+                ratio = density / base_density * base[i].seconds / pred.seconds
+                cells.append(f"{pred.seconds * 1e3:.3f} ({ratio:.2f}), {pred.tail:.2f}")
+                if i:
+                    cells.append(f"{100 * (pred.seconds / preds[0].seconds - 1):+.0f} %")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -645,9 +702,6 @@ def split_table(
     """bench/NOTES.md's split-row table: each pattern on the persistent grid as built (no row
     split) and with geometry's split, an item paying 1/2 and 3/4 of today's per-CTA cost; the
     ratio is the computed-block rate over dense causal's on the same variant."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
-    patterns = {pattern.label: pattern for pattern in ALL_PATTERNS}
     lines = [
         f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
         "",
@@ -656,7 +710,8 @@ def split_table(
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for block in blocks:
-        causal = patterns["dense-causal"].make_layout(n_ctx, heads, block)
+        layouts = bench_layouts(n_ctx, heads, block)
+        causal = layouts["dense-causal"]
         base_seconds = {
             (share, split): predict_built_persistent(
                 causal, batch, head_dim, p, share, split_tiles=split
@@ -665,7 +720,7 @@ def split_table(
             for split in (0, None)
         }
         for label in labels:
-            layout = patterns[label].make_layout(n_ctx, heads, block)
+            layout = layouts[label]
             work = geometry.sm90_work_list(
                 layout.blocks, batch, n_ctx, head_dim, "bfloat16", 1, block
             )
@@ -706,15 +761,9 @@ def persistent_table(
 ) -> str:
     """bench/NOTES.md's persistent-forward table: every bench pattern today and as built, an
     item paying 1/2 and 3/4 of today's per-CTA cost, and the static stride at 1/2."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
     rows = {}
-    for pattern in ALL_PATTERNS:
-        try:
-            layout = pattern.make_layout(n_ctx, heads, block)
-        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-            continue
-        rows[pattern.label] = (
+    for label, layout in bench_layouts(n_ctx, heads, block).items():
+        rows[label] = (
             layout.density,
             predict_fwd(layout, batch, head_dim, p),
             predict_built_persistent(layout, batch, head_dim, p, 0.5),
@@ -893,20 +942,12 @@ def whatif_tables(
 ) -> str:
     """bench/NOTES.md's tables: every bench pattern under each WHATIFS schedule, with the
     measured 510d8d7 forward beside today's prediction."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
     measured = _measured_fwd(n_ctx, head_dim, block)
     preds: dict[str, dict[str, Prediction]] = {}
     density = {}
-    for pattern in ALL_PATTERNS:
-        try:
-            layout = pattern.make_layout(n_ctx, heads, block)
-        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-            continue
-        density[pattern.label] = layout.density
-        preds[pattern.label] = {
-            w[0]: whatif(layout, batch, head_dim, p, w[2], w[3]) for w in WHATIFS
-        }
+    for label, layout in bench_layouts(n_ctx, heads, block).items():
+        density[label] = layout.density
+        preds[label] = {w[0]: whatif(layout, batch, head_dim, p, w[2], w[3]) for w in WHATIFS}
     base = "dense-causal"
 
     def ratio(label: str, seconds: float, causal_seconds: float) -> float:
@@ -987,6 +1028,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
     parser.add_argument("--pack", action="store_true", help="the packing table (bench/NOTES.md)")
+    parser.add_argument(
+        "--qbuffer", action="store_true", help="the double-buffered Q table (bench/NOTES.md)"
+    )
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
     if args.whatif:
@@ -995,6 +1039,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pack:
         print(
             pack_table(
+                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
+            )
+        )
+        return 0
+    if args.qbuffer:
+        print(
+            qbuffer_table(
                 fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
             )
         )

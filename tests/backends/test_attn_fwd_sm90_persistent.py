@@ -599,7 +599,9 @@ def test_its_grid_is_one_cta_an_sm_and_never_more_than_the_items():
     )
     base = geometry.KernelConfig(geometry.SM90_FWD, 128, "bfloat16", block=64, rule="causal")
     assert config.grid == (132, 1, 1)
-    assert config.smem_bytes == base.smem_bytes + geometry.SM90_PERSISTENT_SMEM_BYTES
+    q_tile_bytes = geometry.SM90_TILE_M * 128 * 2  # 128 rows x d = 128 of bf16
+    extra_q = (geometry.SM90_PERSISTENT_Q_BUFFERS - 1) * q_tile_bytes
+    assert config.smem_bytes == base.smem_bytes + extra_q + geometry.SM90_PERSISTENT_SMEM_BYTES
     assert config.threads == base.threads
 
 

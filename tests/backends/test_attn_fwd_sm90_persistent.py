@@ -210,13 +210,21 @@ def test_thin_layouts_of_the_issue_s_table(lib, mode, block):
     check_against_both(lib, config, layout, q, k, v)
 
 
-def test_one_cta_runs_every_item_and_spare_ctas_find_the_list_out(lib):
-    """One CTA for the whole list (Q's and the rings' phases wrap many times), then more CTAs
-    than items: the result is the same bits."""
+@pytest.mark.parametrize("items", [16, 9])
+def test_one_cta_runs_every_item_and_spare_ctas_find_the_list_out(lib, items):
+    """One CTA for the whole list (both Q tiles' and the rings' phases wrap many times), then
+    more CTAs than items: the result is the same bits. An odd count of items leaves the end of
+    the list to the second Q tile."""
     layout = thin_layout("variable", 64)
+    batch = 2
+    if items % 2:  # 3 heads x 3 query tiles, one batch
+        layout = make_layout(
+            "variable", 5 * 64 + RAGGED_ROWS, 3, 64, causal=True, local_window_blocks=(2,)
+        )
+        batch = 1
     config = thin_config("variable", 64)
-    q, k, v = random_inputs(layout, 2, layout.heads, 64, "bfloat16", 5)
-    items = 2 * layout.heads * -(-layout.n_q // TILE_M)
+    q, k, v = random_inputs(layout, batch, layout.heads, 64, "bfloat16", 5)
+    assert items == batch * layout.heads * -(-layout.n_q // TILE_M)
     one, _ = check_against_both(lib, config, layout, q, k, v, ctas=1)
     many, _ = check_against_both(lib, config, layout, q, k, v, ctas=items + 2)
     np.testing.assert_array_equal(one.view(np.uint16), many.view(np.uint16))

@@ -129,6 +129,11 @@ def run_persistent(
     lse = np.full((batch, heads, n_q), np.nan, np.float32)
     name = persistent_expression(*config)
     threads, smem = lib.traits(name)
+    geometry_config = geometry.KernelConfig(
+        geometry.SM90_FWD_PERSISTENT, head_dim, dtype, n_rows=ctas, block=block, rule=config[4]
+    )
+    # the kernel's own traits (its two Q tiles included) are what the backends launch with
+    assert (geometry_config.threads, geometry_config.smem_bytes) == (threads, smem), name
     args = forward_args(q, k, v, out, lse, layout, tile_n, scale)
     items = np.ascontiguousarray(work.items)
     args += [ctypes.c_void_p(items.ctypes.data), ctypes.c_int32(len(items)), ctypes.c_int32(heads)]

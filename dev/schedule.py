@@ -548,22 +548,46 @@ def predict_packed(
     return pred, below, len(packed)
 
 
+@dataclass(frozen=True)
+class BenchShape:
+    """The shape of bench/NOTES.md's tables: T, heads, batch, head dim."""
+
+    n_ctx: int
+    heads: int
+    batch: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"T={self.n_ctx}, heads={self.heads}, batch={self.batch}, d={self.head_dim}"
+
+    def layouts(self, block: int) -> dict[str, object]:
+        """Every bench pattern's layout at this shape, by label (a pattern this block size
+        cannot build, fixed's groups at 128, is left out)."""
+        from cuattn.tools.bench.cases import ALL_PATTERNS
+
+        layouts = {}
+        for pattern in ALL_PATTERNS:
+            try:
+                layouts[pattern.label] = pattern.make_layout(self.n_ctx, self.heads, block)
+            except ValueError:
+                continue
+        return layouts
+
+
+BENCH_SHAPE = BenchShape(n_ctx=8192, heads=16, batch=2, head_dim=128)  # issue 53's bench
+
+
 def pack_table(
     p: FwdParams,
-    n_ctx: int = 8192,
-    heads: int = 16,
-    batch: int = 2,
-    head_dim: int = 128,
+    shape: BenchShape = BENCH_SHAPE,
     blocks: Sequence[int] = (64, 128),
 ) -> str:
     """bench/NOTES.md's packing table: every bench pattern on the built list (split rows, item
     1/2), then packed at pack_threshold with a packed row paying 1/2 (what consecutive items
     pay now) and 1/4 (its Q loaded under the previous row's tiles); ratios over dense causal's
     under the same variant."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
     lines = [
-        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        str(shape),
         "",
         "| pattern, block | entries | pack below (tiles), items | split ms (ratio), tail "
         "| packed, row 1/2: ms (ratio), tail | packed, row 1/4: ms (ratio) | change at 1/4 |",
@@ -571,15 +595,13 @@ def pack_table(
     ]
     for block in blocks:
         rows = {}
-        for pattern in ALL_PATTERNS:
-            try:
-                layout = pattern.make_layout(n_ctx, heads, block)
-            except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-                continue
-            split = predict_built_persistent(layout, batch, head_dim, p, 0.5, split_tiles=None)
-            half, below, count = predict_packed(layout, batch, head_dim, p, 0.5, 0.5)
-            quarter, _, _ = predict_packed(layout, batch, head_dim, p, 0.5, 0.25)
-            rows[pattern.label] = (layout.density, split.ctas, below, count, split, half, quarter)
+        for label, layout in shape.layouts(block).items():
+            split = predict_built_persistent(
+                layout, shape.batch, shape.head_dim, p, 0.5, split_tiles=None
+            )
+            half, below, count = predict_packed(layout, shape.batch, shape.head_dim, p, 0.5, 0.5)
+            quarter, _, _ = predict_packed(layout, shape.batch, shape.head_dim, p, 0.5, 0.25)
+            rows[label] = (layout.density, split.ctas, below, count, split, half, quarter)
         base = rows["dense-causal"]
         for label, (density, entries, below, count, *preds) in rows.items():
 
@@ -595,6 +617,54 @@ def pack_table(
                 f"{preds[0].tail:.2f} | {cell(1)}, {preds[1].tail:.2f} | {cell(2)} | "
                 f"{100 * change:+.0f} % |"
             )
+    return "\n".join(lines)
+
+
+def qbuffer_table(
+    p: FwdParams,
+    shape: BenchShape = BENCH_SHAPE,
+    blocks: Sequence[int] = (64, 128),
+    shares: Sequence[float] = (0.5, 0.25, 0.375),
+) -> str:
+    """bench/NOTES.md's double-buffered Q table: every bench pattern on the built list (split
+    rows, geometry's threshold), an item paying each of ``shares`` of today's per-CTA cost: the
+    first as built (Q copied once the previous item's store is read out), the others with Q
+    copied under the previous item's tiles; ratios over dense causal's under the same share."""
+    lines = [
+        str(shape),
+        "",
+        "| pattern, block | density | "
+        + " | ".join(
+            f"item {share:g}: ms (ratio), tail" + (" | change" if i else "")
+            for i, share in enumerate(shares)
+        )
+        + " |",
+        "| --- | ---: | "
+        + " | ".join("---:" if i == 0 else "---: | ---:" for i in range(len(shares)))
+        + " |",
+    ]
+    for block in blocks:
+        rows = {
+            label: (
+                layout.density,
+                [
+                    predict_built_persistent(
+                        layout, shape.batch, shape.head_dim, p, share, split_tiles=None
+                    )
+                    for share in shares
+                ],
+            )
+            for label, layout in shape.layouts(block).items()
+        }
+        base_density, base = rows["dense-causal"]
+        for label, (density, preds) in rows.items():
+            cells = [f"{label}, {block}", f"{density:.3f}"]
+            for i, pred in enumerate(preds):
+                ratio = density / base_density * base[i].seconds / pred.seconds
+                cells.append(f"{pred.seconds * 1e3:.3f} ({ratio:.2f}), {pred.tail:.2f}")
+                if i:
+                    cells.append(f"{100 * (pred.seconds / preds[0].seconds - 1):+.0f} %")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -636,45 +706,40 @@ def predict_built_persistent(
 def split_table(
     p: FwdParams,
     labels: Sequence[str] = ("bigbird", "longformer", "variable"),
-    n_ctx: int = 8192,
-    heads: int = 16,
-    batch: int = 2,
-    head_dim: int = 128,
+    shape: BenchShape = BENCH_SHAPE,
     blocks: Sequence[int] = (64, 128),
 ) -> str:
     """bench/NOTES.md's split-row table: each pattern on the persistent grid as built (no row
     split) and with geometry's split, an item paying 1/2 and 3/4 of today's per-CTA cost; the
     ratio is the computed-block rate over dense causal's on the same variant."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
-    patterns = {pattern.label: pattern for pattern in ALL_PATTERNS}
     lines = [
-        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}",
+        str(shape),
         "",
         "| pattern, block | split rows x chunks (tiles above) | item 1/2: unsplit ms (ratio), tail "
         "| split ms (ratio), tail | change | item 3/4: unsplit ms | split ms | merge us |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for block in blocks:
-        causal = patterns["dense-causal"].make_layout(n_ctx, heads, block)
+        layouts = shape.layouts(block)
+        causal = layouts["dense-causal"]
         base_seconds = {
             (share, split): predict_built_persistent(
-                causal, batch, head_dim, p, share, split_tiles=split
+                causal, shape.batch, shape.head_dim, p, share, split_tiles=split
             ).seconds
             for share in (0.5, 0.75)
             for split in (0, None)
         }
         for label in labels:
-            layout = patterns[label].make_layout(n_ctx, heads, block)
+            layout = layouts[label]
             work = geometry.sm90_work_list(
-                layout.blocks, batch, n_ctx, head_dim, "bfloat16", 1, block
+                layout.blocks, shape.batch, shape.n_ctx, shape.head_dim, "bfloat16", 1, block
             )
             rows = len(work.merges)
             chunks = f"{rows} x {work.slots / rows:.1f}" if rows else "0"
             rate_scale = layout.density / causal.density
             pred = {
                 (share, split): predict_built_persistent(
-                    layout, batch, head_dim, p, share, split_tiles=split
+                    layout, shape.batch, shape.head_dim, p, share, split_tiles=split
                 )
                 for share in (0.5, 0.75)
                 for split in (0, None)
@@ -691,39 +756,30 @@ def split_table(
                 f"| {label}, {block} | {chunks} ({work.split_tiles}) | {cell((0.5, 0))} | "
                 f"{cell((0.5, None))} | {100 * change:+.0f} % | "
                 f"{pred[(0.75, 0)].seconds * 1e3:.3f} | {pred[(0.75, None)].seconds * 1e3:.3f} | "
-                f"{merge_seconds(p, work, head_dim) * 1e6:.1f} |"
+                f"{merge_seconds(p, work, shape.head_dim) * 1e6:.1f} |"
             )
     return "\n".join(lines)
 
 
 def persistent_table(
     p: FwdParams,
-    n_ctx: int = 8192,
-    heads: int = 16,
-    batch: int = 2,
-    head_dim: int = 128,
+    shape: BenchShape = BENCH_SHAPE,
     block: int = 64,
 ) -> str:
     """bench/NOTES.md's persistent-forward table: every bench pattern today and as built, an
     item paying 1/2 and 3/4 of today's per-CTA cost, and the static stride at 1/2."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
     rows = {}
-    for pattern in ALL_PATTERNS:
-        try:
-            layout = pattern.make_layout(n_ctx, heads, block)
-        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-            continue
-        rows[pattern.label] = (
+    for label, layout in shape.layouts(block).items():
+        rows[label] = (
             layout.density,
-            predict_fwd(layout, batch, head_dim, p),
-            predict_built_persistent(layout, batch, head_dim, p, 0.5),
-            predict_built_persistent(layout, batch, head_dim, p, 0.75),
-            predict_built_persistent(layout, batch, head_dim, p, 0.5, stride=True),
+            predict_fwd(layout, shape.batch, shape.head_dim, p),
+            predict_built_persistent(layout, shape.batch, shape.head_dim, p, 0.5),
+            predict_built_persistent(layout, shape.batch, shape.head_dim, p, 0.75),
+            predict_built_persistent(layout, shape.batch, shape.head_dim, p, 0.5, stride=True),
         )
     density, *base = rows["dense-causal"]
     lines = [
-        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}, {block}-blocks",
+        f"{shape}, {block}-blocks",
         "",
         "| pattern | density | today ms (ratio), tail | built, item 1/2: ms (ratio), tail "
         "| change | built, item 3/4: ms (ratio) | static stride, item 1/2: ms |",
@@ -885,27 +941,18 @@ def whatif(
 
 def whatif_tables(
     p: FwdParams,
-    n_ctx: int = 8192,
-    heads: int = 16,
-    batch: int = 2,
-    head_dim: int = 128,
+    shape: BenchShape = BENCH_SHAPE,
     block: int = 64,
 ) -> str:
     """bench/NOTES.md's tables: every bench pattern under each WHATIFS schedule, with the
     measured 510d8d7 forward beside today's prediction."""
-    from cuattn.tools.bench.cases import ALL_PATTERNS
-
-    measured = _measured_fwd(n_ctx, head_dim, block)
+    measured = _measured_fwd(shape.n_ctx, shape.head_dim, block)
     preds: dict[str, dict[str, Prediction]] = {}
     density = {}
-    for pattern in ALL_PATTERNS:
-        try:
-            layout = pattern.make_layout(n_ctx, heads, block)
-        except ValueError:  # a pattern this block size cannot build (fixed's groups at 128)
-            continue
-        density[pattern.label] = layout.density
-        preds[pattern.label] = {
-            w[0]: whatif(layout, batch, head_dim, p, w[2], w[3]) for w in WHATIFS
+    for label, layout in shape.layouts(block).items():
+        density[label] = layout.density
+        preds[label] = {
+            w[0]: whatif(layout, shape.batch, shape.head_dim, p, w[2], w[3]) for w in WHATIFS
         }
     base = "dense-causal"
 
@@ -913,7 +960,7 @@ def whatif_tables(
         return density[label] / density[base] * causal_seconds / seconds
 
     lines = [
-        f"T={n_ctx}, heads={heads}, batch={batch}, d={head_dim}, {block}-blocks; ratio = "
+        f"{shape}, {block}-blocks; ratio = "
         "computed-block rate over dense causal's under the same schedule",
         "",
         "| pattern | density | measured ms (ratio) | today ms (ratio), error | tail | fixed % "
@@ -975,10 +1022,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pattern", default=None, help="a bench pattern label (default: all)")
-    parser.add_argument("--n-ctx", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--n-ctx", type=int, default=BENCH_SHAPE.n_ctx)
+    parser.add_argument("--heads", type=int, default=BENCH_SHAPE.heads)
+    parser.add_argument("--batch", type=int, default=BENCH_SHAPE.batch)
+    parser.add_argument("--head-dim", type=int, default=BENCH_SHAPE.head_dim)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--order", default="heads-fastest", choices=ORDERS)
     parser.add_argument("--whatif", action="store_true", help="bench/NOTES.md's what-if tables")
@@ -987,27 +1034,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
     parser.add_argument("--pack", action="store_true", help="the packing table (bench/NOTES.md)")
+    parser.add_argument(
+        "--qbuffer", action="store_true", help="the double-buffered Q table (bench/NOTES.md)"
+    )
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
+    shape = BenchShape(args.n_ctx, args.heads, args.batch, args.head_dim)
     if args.whatif:
-        print(whatif_tables(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        print(whatif_tables(fwd, shape, args.block))
         return 0
     if args.pack:
-        print(
-            pack_table(
-                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
-            )
-        )
+        print(pack_table(fwd, shape))
+        return 0
+    if args.qbuffer:
+        print(qbuffer_table(fwd, shape))
         return 0
     if args.split:
-        print(
-            split_table(
-                fwd, n_ctx=args.n_ctx, heads=args.heads, batch=args.batch, head_dim=args.head_dim
-            )
-        )
+        print(split_table(fwd, shape=shape))
         return 0
     if args.persistent:
-        print(persistent_table(fwd, args.n_ctx, args.heads, args.batch, args.head_dim, args.block))
+        print(persistent_table(fwd, shape, args.block))
         return 0
     print("| pattern | density | CTAs | predicted ms | tail | fixed % | miss % |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

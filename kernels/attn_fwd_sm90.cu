@@ -47,7 +47,8 @@
 //                             to T), B = V from shared memory MN-major (imm-trans-b = 1: V's
 //                             rows as stored, keys x head dim)
 //
-// Shared memory: Q (128 rows; each consumer's O rows on the way out), KV_STAGES stages of K,
+// Shared memory: Q (128 rows; each consumer's O rows on the way out; attn_fwd_sm90_persistent
+// has two such tiles, one item's Q landing while the other computes), KV_STAGES stages of K,
 // then of V (TILE_N rows each), then the mbarriers. Every tile is in 64-column panels of
 // 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), each
 // panel on a 1024-byte boundary: what a TMA box of 64 columns with the 128-byte swizzle writes,
@@ -199,39 +200,59 @@ __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsi
   return wgmma_descriptor(at, panel_bytes, SWIZZLE_REPEAT_BYTES, WGMMA_SWIZZLE_128B);
 }
 
-// The shared memory every item of a CTA reuses: Q (each consumer's O rows on the way out), the
-// K and the V stages, q_full and the two rings.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+// The shared memory every item of a CTA reuses: Q_BUFFERS Q tiles (each consumer's O rows on
+// the way out), the K and the V stages, a q_full a Q tile, and the two rings.
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int Q_BUFFERS>
 struct Sm90FwdSmem {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
-  unsigned char* q_tile;
+  unsigned char* q_tiles;
   unsigned char* k_stages;
   unsigned char* v_stages;
-  u64* q_full;
+  u64* q_full;  // one a Q tile
   Ring* k_ring;
   Ring* v_ring;
 
   // Carved from the dynamic shared memory; `extra` is what follows v_ring (the persistent
-  // kernel's q_empty and item slot).
+  // kernel's q_empty barriers, item slots and producer state).
   static __device__ __forceinline__ Sm90FwdSmem carve(unsigned char** extra) {
     Sm90FwdSmem smem;
-    smem.q_tile = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
-    smem.k_stages = smem.q_tile + Traits::Q_BYTES;
+    smem.q_tiles = align_to_swizzle_repeat(dynamic_smem<unsigned char>());
+    smem.k_stages = smem.q_tiles + Q_BUFFERS * Traits::Q_BYTES;
     smem.v_stages = smem.k_stages + Traits::KV_STAGES * Traits::KV_BYTES;
     smem.q_full = reinterpret_cast<u64*>(smem.v_stages + Traits::KV_STAGES * Traits::KV_BYTES);
-    smem.k_ring = reinterpret_cast<Ring*>(smem.q_full + 1);
+    smem.k_ring = reinterpret_cast<Ring*>(smem.q_full + Q_BUFFERS);
     smem.v_ring = smem.k_ring + 1;
     *extra = reinterpret_cast<unsigned char*>(smem.v_ring + 1);
     return smem;
   }
   // By thread 0, before a __syncthreads.
   __device__ __forceinline__ void init() const {
-    mbarrier_init(q_full, 1);
+#pragma unroll
+    for (int buffer = 0; buffer < Q_BUFFERS; ++buffer) mbarrier_init(q_full + buffer, 1);
     k_ring->init(Traits::CONSUMER_THREADS);
     v_ring->init(Traits::CONSUMER_THREADS);
   }
+  __device__ __forceinline__ unsigned char* q_tile(int buffer) const {
+    return q_tiles + buffer * Traits::Q_BYTES;
+  }
 };
+
+// The consumers' turns at the tensor pipe (consume_item) run on across a CTA's items, and the
+// first consumer issues first: the second opens with a pass, once a CTA.
+template <typename Traits>
+__device__ __forceinline__ void open_turns(int consumer) {
+  if (consumer == 1) named_barrier_arrive(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+}
+// Once a CTA, after its last item: the first consumer takes the turn the second passed last, so
+// that no named barrier phase is left half-arrived when the CTA ends. Not once an item: a
+// persistent CTA's second consumer may start the next item (its Q is in) while the first still
+// finishes this one, and its opening pass would then be a second arrival on a phase the first
+// has not yet taken.
+template <typename Traits>
+__device__ __forceinline__ void close_turns(int consumer) {
+  if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+}
 
 // One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
@@ -246,32 +267,26 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
   }
 }
 
-// The producer's copies of one item (128 query rows of one head and batch): K and V of every
-// active key tile into the rings, the item's tiles numbered on from `t` (the CTA's running
-// count: stage and phase continue across items), and Q by `load_q` once `q_after` of them are
-// issued (0: first; a persistent CTA copies an item's first tiles into the stages the previous
-// item has handed back while that item's epilogue still holds the Q tile). CHUNKED: the item
-// is the part of its rows that `chunk()` names (its WORK_ROW_ENTRIES: a chunk of a split row),
-// read once Q is on its way (so nothing is held through load_q's wait).
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename LoadQ,
+// The producer's K and V copies of one item (128 query rows of one head and batch), after its
+// Q's (the caller's): every active key tile's into the rings, the item's tiles numbered on from
+// `t` (the CTA's running count: stage and phase continue across items). CHUNKED: the item is
+// the part of its rows that `chunk()` names (its WORK_ROW_ENTRIES: a chunk of a split row).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename Smem,
           typename Chunk>
-__device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
-                                             const TensorMap& k_map, const TensorMap& v_map,
-                                             int k_col, int v_col, const int* row_ptr,
-                                             const int* col_idx, const int* row_mask,
-                                             const RuleParams& rule, int num_blocks, int head,
-                                             int kv_head, int batch, int q_start, int q_after,
-                                             int& t, LoadQ load_q, Chunk chunk) {
+__device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& k_map,
+                                             const TensorMap& v_map, int k_col, int v_col,
+                                             const int* row_ptr, const int* col_idx,
+                                             const int* row_mask, const RuleParams& rule,
+                                             int num_blocks, int head, int kv_head, int batch,
+                                             int q_start, int& t, Chunk chunk) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
-  if (q_after == 0) load_q();
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
   if constexpr (CHUNKED) walk.restrict_to(chunk());
   const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
-  const int q_at = t + q_after;  // Q goes once tile q_at - 1 is issued
   while (walk.next(tile, rule, q_start, walk_last)) {
     // K first: the consumers read K(t) an iteration before V(t) (header)
     load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
@@ -280,21 +295,20 @@ __device__ __forceinline__ void produce_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
     load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
         smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map, v_col,
         tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-    if (++t == q_at) load_q();
+    ++t;
   }
-  if (t < q_at) load_q();  // an item of fewer tiles (none at all included)
 }
 
 // A consumer's part of one item: rows 64 `consumer` on of the item's 128, over the tiles the
-// producer numbered from `t` (advanced past them), once Q has landed (the caller waits for
-// q_full); ends once this consumer's O rows are stored and the TMA unit has read them out of
-// the Q tile (only the thread that stored them knows when: a persistent CTA lets it hand the
-// tile back). CHUNKED: the item is the part of its rows `row_entries` names (WORK_ROW_ENTRIES),
-// and a chunk of a split row (slot != NO_SLOT) writes its partial out, normalised by its own
-// sum, and lse as float32 to rows slot x TILE_M on of part_out and part_lse instead of out and
-// lse.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED>
-__device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>& smem,
+// producer numbered from `t` (advanced past them), once Q has landed in Q tile `q_buffer` (the
+// caller waits for its q_full); ends once this consumer's O rows are stored and the TMA unit
+// has read them out of that Q tile (only the thread that stored them knows when: a persistent
+// CTA lets it hand the tile back). CHUNKED: the item is the part of its rows `row_entries`
+// names (WORK_ROW_ENTRIES), and a chunk of a split row (slot != NO_SLOT) writes its partial out,
+// normalised by its own sum, and lse as float32 to rows slot x TILE_M on of part_out and
+// part_lse instead of out and lse.
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename Smem>
+__device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              const TensorMap& out_map, int out_col,
                                              float* __restrict__ lse, const int* row_ptr,
                                              const int* col_idx, const int* row_mask,
@@ -332,7 +346,7 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
   float m_i[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 domain
   float l_i[2] = {};                      // this thread's columns only
   const ScoreScale score_scale = ScoreScale::make<MODS_NONE>(scale, 0.f, nullptr, 0, 0, 0);
-  unsigned char* q_group = smem.q_tile + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
+  unsigned char* q_group = smem.q_tile(q_buffer) + consumer * WGMMA_M * SWIZZLE_ROW_BYTES;
 
   // The operands' descriptors, each advanced by offsets from these (descriptor_advance).
   const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
@@ -375,8 +389,8 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
     wgmma_fence_operands(o_acc);
     wgmma_fence_operands(p_regs);
   };
-  // This consumer's turn to issue (named barriers: the two consumers alternate), and the
-  // other's after it. Taken every tile, issuing or not, so that the turns pair up.
+  // This consumer's turn to issue (named barriers: the two consumers alternate, open_turns),
+  // and the other's after it. Taken every tile, issuing or not, so that the turns pair up.
   const int my_turn = Traits::TURN_BARRIER + consumer;
   const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
   auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
@@ -455,7 +469,6 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
   // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
   // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
   // serialise every wgmma, C7520).
-  if (consumer == 1) pass_turn();  // the first consumer issues first
   bool pending = false;  // whether tile t - 1's PV is still to issue
   typename decltype(walk)::Tile tile;
   for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
@@ -510,9 +523,6 @@ __device__ __forceinline__ void consume_item(const Sm90FwdSmem<BLOCK, TILE_N, HE
     }
   }
   pv_turn(pending, t - 1);  // the last tile's PV
-  // The first consumer takes the turn the second passes last (the second opened with one):
-  // no named barrier phase is left half-arrived when the CTA ends.
-  if (consumer == 0) take_turn();
 
   // The epilogue through shared memory: O normalised, as T, into this consumer's
   // 64 rows of the Q tile, which no wgmma reads any more, in the swizzled panel layout a TMA box
@@ -596,7 +606,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                   int kv_group, int num_blocks, float scale, int window_left, int window_right,
                   int cta_groups) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, 1>;
 
   const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
   const int q_start = cta.tile * Traits::TILE_M;
@@ -612,26 +622,27 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     // The producer: one thread issues every copy; the warpgroup's registers go to the others.
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0) return;
-    auto load_q = [&] {
-      mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
-      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
-                                              q_start, cta.head, cta.batch, smem.q_full);
-    };
+    mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
+    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile(0), Traits::Q_PANEL_BYTES, q_map, q_col,
+                                            q_start, cta.head, cta.batch, smem.q_full);
     int t = 0;
     produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
         smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, cta.head,
-        cta.head / kv_group, cta.batch, q_start, 0, t, load_q, [] { return nullptr; });
+        cta.head / kv_group, cta.batch, q_start, t, [] { return nullptr; });
     return;
   }
 
   // A consumer: rows 64 (warpgroup - 1) on of the CTA.
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   mbarrier_wait_parity(smem.q_full, 0);  // always: no copy may be in flight when the CTA ends
+  const int consumer = warpgroup - 1;
+  open_turns<Traits>(consumer);
   int t = 0;
   consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
-      smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
-      warpgroup - 1, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr,
-      nullptr, t);
+      smem, 0, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
+      consumer, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr, nullptr,
+      t);
+  close_turns<Traits>(consumer);
 }
 
 // The persistent forward (issue 53): the same items, (128 query rows, head, batch), taken by a
@@ -647,22 +658,24 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
 // stride would hand one CTA every longest row of each round).
 //
 // What persists across a CTA's items: the barriers, the rings' running tile count (stage and
-// phase continue), the consumers' turns. Per item, the producer thread claims a place, copies
-// the item's first KV_STAGES key tiles into the stages the previous item has handed back (they
-// land while that item's epilogue runs), waits for q_empty (both consumers' O rows read out of
-// the Q tile by the TMA unit), writes the claimed place into item_slot and copies Q with q_full
-// announcing both; the consumers wait for q_full, read the entry, compute it exactly as
-// attn_fwd_sm90's CTA does, and each consumer's storing thread arrives on q_empty once its
-// store has been read. The list out, the producer publishes NO_ITEM with a plain arrive and the
-// consumers leave: no copy is then in flight (every one issued was waited for).
+// phase continue), the consumers' turns. The CTA's n-th item uses Q tile n % Q_BUFFERS, each
+// tile with its own q_full, q_empty and item slot, whose phases count that tile's uses
+// (n / Q_BUFFERS). Per item, the producer thread claims a place once it has issued the
+// previous item's last K/V copy, waits for the tile's q_empty (both consumers' O rows of the
+// item Q_BUFFERS back read out of it by the TMA unit), writes the claimed place into the tile's
+// item slot, copies Q with q_full announcing both, then the item's K and V: so the next item's
+// Q lands while the consumers still compute the current one and store it from the other tile.
+// The consumers wait for q_full, read the entry, compute it exactly as attn_fwd_sm90's CTA
+// does, and each consumer's storing thread arrives on the tile's q_empty once its store has
+// been read. The list out, the producer publishes NO_ITEM with a plain arrive and the consumers
+// leave: no copy is then in flight (every one issued was waited for).
 constexpr int NO_ITEM = -1;
 // The producer's state in shared memory: the place claimed, the count of items published, and
-// the claimed entry's item and WORK_ROW_ENTRIES, copied there when claimed (read from the list
-// where used, their 64-bit addresses spill the producer's 24 registers).
+// the claimed entry's WORK_ROW_ENTRIES, copied there when claimed (read from the list where
+// used, their 64-bit addresses spill the producer's 24 registers).
 enum ProducerState {
   CLAIMED,
   PUBLISHED,
-  CLAIMED_ITEM,
   ROW_ENTRIES,
   PRODUCER_STATE_INTS = ROW_ENTRIES + ROW_ENTRY_INTS
 };
@@ -670,9 +683,16 @@ enum ProducerState {
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
   using Base = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  // q_empty, then the item slot and the producer's state, after attn_fwd_sm90's barriers.
-  static constexpr int SMEM_BYTES =
-      Base::SMEM_BYTES + int(sizeof(u64)) + (1 + PRODUCER_STATE_INTS) * int(sizeof(int));
+  // Q tiles: the next item's Q lands in one while the current item computes from the other
+  // (at d <= 128 a second tile of 16 or 32 KB fits beside the rings at every key tile).
+  static constexpr int Q_BUFFERS = 2;
+  // The other Q tiles and their q_full, then a q_empty and an item slot a Q tile and the
+  // producer's state, after attn_fwd_sm90's.
+  static constexpr int SMEM_BYTES = Base::SMEM_BYTES +
+                                    (Q_BUFFERS - 1) * (Base::Q_BYTES + int(sizeof(u64))) +
+                                    Q_BUFFERS * int(sizeof(u64)) +
+                                    (Q_BUFFERS + PRODUCER_STATE_INTS) * int(sizeof(int));
+  static_assert(SMEM_BYTES <= 227 * 1024, "sm_90's shared memory a CTA");
 };
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
@@ -687,8 +707,9 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
         int window_right, const int* __restrict__ work_list, int num_items, int heads,
         int* __restrict__ work_counter, float* __restrict__ part_out,
         float* __restrict__ part_lse) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = attn_fwd_sm90_persistent_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  constexpr int Q_BUFFERS = Traits::Q_BUFFERS;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, Q_BUFFERS>;
   // At d = 256 the producer's four panels a copy do not fit its 24 registers beside the loop's
   // state (ptxas spills 4 to 16 bytes); attn_fwd_sm90 keeps that head dim.
   static_assert(HEAD_DIM <= 128, "the persistent forward takes head dims 64 and 128");
@@ -698,12 +719,16 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
   unsigned char* extra;
   const Smem smem = Smem::carve(&extra);
-  u64* q_empty = reinterpret_cast<u64*>(extra);
-  volatile int* item_slot = reinterpret_cast<int*>(q_empty + 1);  // the item the consumers take
-  volatile int* producer_state = item_slot + 1;                     // CLAIMED, PUBLISHED
+  u64* q_empty = reinterpret_cast<u64*>(extra);  // one a Q tile
+  // The place of the item each Q tile holds, for the consumers
+  volatile int* item_slot = reinterpret_cast<int*>(q_empty + Q_BUFFERS);
+  volatile int* producer_state = item_slot + Q_BUFFERS;
   if (threadIdx.x == 0) {
     smem.init();
-    mbarrier_init(q_empty, Traits::CONSUMERS);  // each consumer's storing thread
+#pragma unroll
+    for (int buffer = 0; buffer < Q_BUFFERS; ++buffer) {
+      mbarrier_init(q_empty + buffer, Traits::CONSUMERS);  // each consumer's storing thread
+    }
     producer_state[PUBLISHED] = 0;
   }
   __syncthreads();  // the barriers, initialised, before any thread uses them (the last barrier)
@@ -711,29 +736,25 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0) return;
-    // Its state lives in shared memory (ProducerState), read where used.
+    // Its state lives in shared memory (ProducerState), read where used. The claimed place
+    // into the next Q tile's item slot once the item that tile held is stored and read out:
+    // that tile, returned.
     auto publish = [&] {
       const int published = producer_state[PUBLISHED];
-      if (published > 0) mbarrier_wait_parity(q_empty, unsigned(published - 1) & 1u);
-      *item_slot = producer_state[CLAIMED];
+      const int buffer = published % Q_BUFFERS;
+      if (published >= Q_BUFFERS) {
+        mbarrier_wait_parity(q_empty + buffer, unsigned(published / Q_BUFFERS - 1) & 1u);
+      }
+      item_slot[buffer] = producer_state[CLAIMED];
       producer_state[PUBLISHED] = published + 1;
-    };
-    auto load_q = [&] {
-      publish();
-      const int item = producer_state[CLAIMED_ITEM];
-      const int pair = item / q_tiles;
-      mbarrier_arrive_expect_tx(smem.q_full, unsigned(Traits::Q_BYTES));
-      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile, Traits::Q_PANEL_BYTES, q_map, q_col,
-                                              item % q_tiles * Traits::TILE_M, pair % heads,
-                                              pair / heads, smem.q_full);
+      return buffer;
     };
     int t = 0;
     for (;;) {
       const int place = claim_work(work_counter);
       producer_state[CLAIMED] = place < num_items ? place : NO_ITEM;
       if (place >= num_items) {
-        publish();
-        mbarrier_arrive(smem.q_full);
+        mbarrier_arrive(smem.q_full + publish());
         return;
       }
       const int* entry = work_list + place * WORK_FIELDS;
@@ -742,33 +763,42 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
         producer_state[ROW_ENTRIES + i] = entry[WORK_ROW_ENTRIES + i];
       }
       const int item = entry[WORK_ITEM];
-      producer_state[CLAIMED_ITEM] = item;
       const int pair = item / q_tiles;
       const int head = pair % heads;
-      // The first item's Q goes first: there is no epilogue to copy under.
-      const int q_after = producer_state[PUBLISHED] == 0 ? 0 : Traits::KV_STAGES;
+      const int q_start = item % q_tiles * Traits::TILE_M;
+      // Q first, into the other tile: it lands while the consumers finish the previous item.
+      const int buffer = publish();
+      u64* q_full = smem.q_full + buffer;
+      mbarrier_arrive_expect_tx(q_full, unsigned(Traits::Q_BYTES));
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(smem.q_tile(buffer), Traits::Q_PANEL_BYTES, q_map,
+                                              q_col, q_start, head, pair / heads, q_full);
       auto chunk = [&] { return producer_state + ROW_ENTRIES; };
       produce_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
           smem, k_map, v_map, k_col, v_col, row_ptr, col_idx, row_mask, rule, num_blocks, head,
-          head / kv_group, pair / heads, item % q_tiles * Traits::TILE_M, q_after, t, load_q,
-          chunk);
+          head / kv_group, pair / heads, q_start, t, chunk);
     }
   }
 
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
+  const int consumer = warpgroup - 1;
+  open_turns<Traits>(consumer);
   int t = 0;
   for (int n = 0;; ++n) {
-    mbarrier_wait_parity(smem.q_full, unsigned(n) & 1u);
-    const int place = *item_slot;
-    if (place == NO_ITEM) return;
+    const int buffer = n % Q_BUFFERS;
+    mbarrier_wait_parity(smem.q_full + buffer, unsigned(n / Q_BUFFERS) & 1u);
+    const int place = item_slot[buffer];
+    if (place == NO_ITEM) {
+      close_turns<Traits>(consumer);
+      return;
+    }
     const int* entry = work_list + place * WORK_FIELDS;
     const int item = entry[WORK_ITEM];
     const int pair = item / q_tiles;
     consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
-        smem, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
-        warpgroup - 1, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
+        smem, buffer, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks,
+        scale, consumer, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
         entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);
-    if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) mbarrier_arrive(q_empty);
+    if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) mbarrier_arrive(q_empty + buffer);
   }
 }
 

@@ -157,9 +157,17 @@ SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
 # d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
 SM90_PERSISTENT_HEAD_DIMS = (64, 128)
 SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
-# Its shared memory beyond attn_fwd_sm90's: q_empty, the item slot and the producer's state (the
-# place claimed, the count of items published, the claimed item and its four row entries).
-SM90_PERSISTENT_SMEM_BYTES = SM90_BARRIER_BYTES + (1 + 7) * 4
+# Q tiles a persistent CTA: the next item's Q lands in one while the current item computes from
+# the other (a second tile of 16 or 32 KB fits beside the rings at d <= 128, every key tile).
+SM90_PERSISTENT_Q_BUFFERS = 2
+# Its shared memory beyond attn_fwd_sm90's and its Q tiles: the other tiles' q_full, a q_empty
+# and an item slot a Q tile, and the producer's state (the place claimed, the count of items
+# published, the claimed entry's four row entries).
+SM90_PERSISTENT_SMEM_BYTES = (
+    (SM90_PERSISTENT_Q_BUFFERS - 1) * SM90_BARRIER_BYTES
+    + SM90_PERSISTENT_Q_BUFFERS * (SM90_BARRIER_BYTES + 4)
+    + (2 + 4) * 4
+)
 SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
 # Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
 # the others walk a few) are split into chunks of their key blocks, each chunk an item of its
@@ -920,9 +928,11 @@ class KernelConfig(_Launch):
             )
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
-            smem = panels * (tile_m + kv_rows) * SM90_SWIZZLE_ROW_BYTES
+            persistent = self.kernel == SM90_FWD_PERSISTENT
+            q_rows = (SM90_PERSISTENT_Q_BUFFERS if persistent else 1) * tile_m
+            smem = panels * (q_rows + kv_rows) * SM90_SWIZZLE_ROW_BYTES
             smem += SM90_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
-            if self.kernel == SM90_FWD_PERSISTENT:
+            if persistent:
                 smem += SM90_PERSISTENT_SMEM_BYTES
         else:
             assert self.block in BLOCK_SIZES, self.block

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -491,7 +491,6 @@ class KernelBackend:
         dtype, shape = self._check_inputs({"q": q, "k": k, "v": v}, layout)
         batch, heads, n_q, head_dim, kv_heads, _ = shape
         layout = kernel_layout(layout)
-        xp = self.xp
         with self.on_device_of(q):
             self._check_strides({"q": q, "k": k, "v": v})
             self._check_alignment({"q": q, "k": k, "v": v})
@@ -514,22 +513,48 @@ class KernelBackend:
                 geometry.pairs_rows("attn_fwd", block, head_dim, dtype)
                 and layout_pairs_rows(layout),
             )
-            out = self.output(q.shape, q.dtype)
-            lse = self.output((batch, heads, n_q), xp.float32)
-            self.launch(
+            return self._launch_forward(
                 config,
+                q,
+                layout,
+                scale,
+                heads // kv_heads,
+                lambda out: {"out": out},
                 q=q,
                 k=k,
                 v=v,
-                out=out,
-                lse=lse,
-                scale=scale,
                 **self._score_values(call),
-                **self._layout_values(layout, columns=False, kv_group=heads // kv_heads),
                 **self._strides("q", q),
                 **self._strides("k", k),
                 **self._strides("v", v),
             )
+
+    def _launch_forward(
+        self,
+        config: KernelConfig,
+        q: Any,
+        layout: Layout,
+        scale: float,
+        kv_group: int,
+        out_values: Callable[[Any], dict[str, Any]],
+        /,
+        **values: Any,
+    ) -> tuple[Any, Any]:
+        """(out, lse) of a forward launch of ``config``: out allocated like q and handed to the
+        kernel as ``out_values(out)`` (the array, or its tensor map), lse float32 [batch, heads,
+        n_q], the scale and the layout's arrays; ``values``, the kernel's own (q among them:
+        the arguments before are positional only)."""
+        batch, heads, n_q = q.shape[:3]
+        out = self.output(q.shape, q.dtype)
+        lse = self.output((batch, heads, n_q), self.xp.float32)
+        self.launch(
+            config,
+            **out_values(out),
+            lse=lse,
+            scale=scale,
+            **self._layout_values(layout, columns=False, kv_group=kv_group),
+            **values,
+        )
         return out, lse
 
     def _forward_sm90(
@@ -572,20 +597,16 @@ class KernelBackend:
         }
         if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
             return None
-        batch, heads, n_q = q.shape[:3]
-        kv_group = heads // k.shape[1]
-        out = self.output(q.shape, q.dtype)
-        lse = self.output((batch, heads, n_q), self.xp.float32)
-        self.launch(
+        return self._launch_forward(
             config,
+            q,
+            layout,
+            scale,
+            q.shape[1] // k.shape[1],
+            lambda out: self._panel_map("out", out, geometry.SM90_STORE_ROWS),
             **input_maps,
-            **self._panel_map("out", out, geometry.SM90_STORE_ROWS),
-            lse=lse,
-            scale=scale,
-            **self._layout_values(layout, columns=False, kv_group=kv_group),
             **extra,
         )
-        return out, lse
 
     def _forward_sm90_persistent(
         self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str

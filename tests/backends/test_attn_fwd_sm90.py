@@ -115,12 +115,71 @@ def strided_view(x: np.ndarray) -> np.ndarray:
     return stored.transpose(0, 2, 1, 3)
 
 
+def random_inputs(layout: Layout, batch: int, kv_heads: int, head_dim: int, dtype: str, seed):
+    """Fresh standard-normal q, k and v for `layout` ([batch, heads or kv heads, rows, d])."""
+    rng = np.random.default_rng(seed)
+    shape_q = (batch, layout.heads, layout.n_q, head_dim)
+    shape_kv = (batch, kv_heads, layout.n_ctx, head_dim)
+    return tuple(
+        rng.standard_normal(s).astype(NUMPY_DTYPES[dtype]) for s in (shape_q, shape_kv, shape_kv)
+    )
+
+
+def case_inputs(rule: str, block: int, case: str, head_dim: int, dtype: str, seed) -> tuple:
+    """(layout, q, k, v) of a run case: the gqa case's inputs as strided views."""
+    layout, batch, kv_heads = case_layout(rule, block, case)
+    assert layout.rule.kind == rule
+    q, k, v = random_inputs(layout, batch, kv_heads, head_dim, dtype, seed)
+    if case == "gqa":
+        q, k, v = strided_view(q), strided_view(k), strided_view(v)
+    return layout, q, k, v
+
+
 @pytest.fixture(scope="module")
 def lib() -> interp.Library:
     cases = sorted({(b, t, d, dtype, rule) for b, t, d, dtype, rule, _ in RUN_CASES})
     return interp.build_library(
         SOURCE, [expression(*c) for c in cases], [traits(*c[:4]) for c in cases]
     )
+
+
+def forward_args(q, k, v, out, lse, layout: Layout, tile_n: int, scale: float) -> list:
+    """The ctypes arguments every sm_90a forward kernel of the file opens with: the four tensor
+    maps and their first columns, lse, the layout's CSR arrays and sizes, the scale and the
+    window (then each kernel's own)."""
+    index = interp.backend.index_arrays(layout)
+    operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
+    maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
+    args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
+    pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
+    args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
+    kv_group = q.shape[1] // k.shape[1]
+    ints = [layout.n_q, layout.n_ctx, layout.q_offset, kv_group, layout.num_q_blocks]
+    args += [ctypes.c_int32(i) for i in ints]
+    args.append(ctypes.c_float(scale))
+    return args + [ctypes.c_int32(i) for i in (layout.rule.window_left, layout.rule.window_right)]
+
+
+def compile_for_sm90a(expressions: list[str]) -> tuple[dict, object, dict]:
+    """NVRTC's sm_90a build of `expressions` from the file: (lowered names, ptxas stats, SASS
+    kernels), after checking that ptxas neither injects waits between wgmma (C7519) nor
+    serialises them (C7520); skips where NVRTC or the SASS tools are missing."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cuattn.backends.toolchain import common_options
+    from dev import sass, sass_model
+    from dev.ptxas import parse_ptxas_log
+
+    problem = sass_model.missing_tools()
+    if problem is not None:
+        pytest.skip(f"no SASS tools: {problem}")
+    source = (kernel_dir() / SOURCE).read_text()
+    lowered, cubin, log = sass_model.compile_module(
+        source, SOURCE, expressions, common_options(), "sm_90a"
+    )
+    assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
+    with tempfile.TemporaryDirectory() as workdir:
+        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    return lowered, parse_ptxas_log(log), kernels
 
 
 def run_forward(lib, config, layout: Layout, q, k, v, scale: float, cta_groups: int = 0):
@@ -134,20 +193,9 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float, cta_groups: 
         cta_groups = sm90_cta_groups(batch, heads, layout.n_ctx, head_dim, dtype, kv_group)
     out = np.full((batch, heads, n_q, head_dim), np.nan, q.dtype)
     lse = np.full((batch, heads, n_q), np.nan, np.float32)
-    index = interp.backend.index_arrays(layout)
     name = expression(*config)
     threads, smem = lib.traits(name)
-    operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
-    maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
-    args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
-    pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
-    args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
-    rule = layout.rule
-    ints = [layout.n_q, layout.n_ctx, layout.q_offset, kv_group, layout.num_q_blocks]
-    args += [ctypes.c_int32(i) for i in ints]
-    args.append(ctypes.c_float(scale))
-    ints = [rule.window_left, rule.window_right, cta_groups]
-    args += [ctypes.c_int32(i) for i in ints]
+    args = forward_args(q, k, v, out, lse, layout, tile_n, scale) + [ctypes.c_int32(cta_groups)]
     geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
     assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config
     grid = geometry_config.grid
@@ -161,16 +209,7 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float, cta_groups: 
 def test_the_sm90a_forward_matches_the_dense_oracle(
     lib, monkeypatch, block, tile_n, head_dim, dtype, rule, case
 ):
-    layout, batch, kv_heads = case_layout(rule, block, case)
-    assert layout.rule.kind == rule
-    rng = np.random.default_rng(block + head_dim)
-    shape_q = (batch, layout.heads, layout.n_q, head_dim)
-    shape_kv = (batch, kv_heads, layout.n_ctx, head_dim)
-    q, k, v = (
-        rng.standard_normal(s).astype(NUMPY_DTYPES[dtype]) for s in (shape_q, *[shape_kv] * 2)
-    )
-    if case == "gqa":
-        q, k, v = strided_view(q), strided_view(k), strided_view(v)
+    layout, q, k, v = case_inputs(rule, block, case, head_dim, dtype, block + head_dim)
     scale = head_dim**-0.5
     for seed in ALTERNATING_SEEDS if case == "alternating rows" else [None]:
         if seed is not None:
@@ -185,28 +224,13 @@ def test_every_instantiation_compiles_for_sm_90a_to_hgmma_without_spills():
     """NVRTC compiles the whole family (every block and key tile, head dim, dtype and rule) for
     sm_90a: no spills, HGMMA, TMA and setmaxnreg in the SASS of each kernel, and ptxas neither
     injects waits between wgmma (C7519) nor serialises them (C7520)."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cuattn.backends.toolchain import common_options
-    from dev import sass, sass_model
-    from dev.ptxas import parse_ptxas_log
-
-    problem = sass_model.missing_tools()
-    if problem is not None:
-        pytest.skip(f"no SASS tools: {problem}")
     expressions = [
         expression(block, tile_n, head_dim, dtype, rule)
         for block, tile_n, head_dim in SHAPES
         for dtype in CXX_TYPES
         for rule in RULES
     ]
-    source = (kernel_dir() / SOURCE).read_text()
-    lowered, cubin, log = sass_model.compile_module(
-        source, SOURCE, expressions, common_options(), "sm_90a"
-    )
-    assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
-    stats = parse_ptxas_log(log)
-    with tempfile.TemporaryDirectory() as workdir:
-        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    lowered, stats, kernels = compile_for_sm90a(expressions)
     for name in expressions:
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = {i.base for i in kernels[lowered[name]].instructions}

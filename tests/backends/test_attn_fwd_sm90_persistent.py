@@ -13,27 +13,25 @@ changes which block that is. Outputs are NaN-poisoned before launch.
 from __future__ import annotations
 
 import ctypes
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cuattn.backends import geometry, interp
 from cuattn.backends.call import AttentionCall
-from cuattn.backends.kernels import panel_map
-from cuattn.backends.toolchain import kernel_dir
 from cuattn.layout.layout import ElementRule, Layout
 from cuattn.layout.registry import make_layout
 from tests.backends.test_attn_fwd_sm90 import (
     CXX_TYPES,
-    NUMPY_DTYPES,
     RULES,
     SHAPES,
-    STORE_ROWS,
     TILE_M,
+    case_inputs,
     case_layout,
+    compile_for_sm90a,
     expression,
+    forward_args,
+    random_inputs,
     run_forward,
     strided_view,
     traits,
@@ -129,19 +127,14 @@ def run_persistent(
     counter = np.zeros(1, np.int32)
     out = np.full((batch, heads, n_q, head_dim), np.nan, q.dtype)
     lse = np.full((batch, heads, n_q), np.nan, np.float32)
-    index = interp.backend.index_arrays(layout)
     name = persistent_expression(*config)
     threads, smem = lib.traits(name)
-    operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
-    maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
-    args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
-    pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
-    args += [ctypes.c_void_p(a.ctypes.data) for a in pointers]
-    rule = layout.rule
-    ints = [layout.n_q, layout.n_ctx, layout.q_offset, kv_group, layout.num_q_blocks]
-    args += [ctypes.c_int32(i) for i in ints]
-    args.append(ctypes.c_float(scale))
-    args += [ctypes.c_int32(rule.window_left), ctypes.c_int32(rule.window_right)]
+    geometry_config = geometry.KernelConfig(
+        geometry.SM90_FWD_PERSISTENT, head_dim, dtype, n_rows=ctas, block=block, rule=config[4]
+    )
+    # the kernel's own traits (its two Q tiles included) are what the backends launch with
+    assert (geometry_config.threads, geometry_config.smem_bytes) == (threads, smem), name
+    args = forward_args(q, k, v, out, lse, layout, tile_n, scale)
     items = np.ascontiguousarray(work.items)
     args += [ctypes.c_void_p(items.ctypes.data), ctypes.c_int32(len(items)), ctypes.c_int32(heads)]
     args += [ctypes.c_void_p(a.ctypes.data) for a in (counter, part_out, part_lse)]
@@ -157,15 +150,6 @@ def run_persistent(
         args += [ctypes.c_int32(n_q), ctypes.c_int32(rows)]
         lib.launch(name, config.grid, config.block_dims, config.smem_bytes, args)
     return out, lse, int(counter[0]), work
-
-
-def random_inputs(layout: Layout, batch: int, kv_heads: int, head_dim: int, dtype: str, seed):
-    rng = np.random.default_rng(seed)
-    shape_q = (batch, layout.heads, layout.n_q, head_dim)
-    shape_kv = (batch, kv_heads, layout.n_ctx, head_dim)
-    return tuple(
-        rng.standard_normal(s).astype(NUMPY_DTYPES[dtype]) for s in (shape_q, shape_kv, shape_kv)
-    )
 
 
 def check_against_both(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
@@ -189,11 +173,7 @@ def check_against_both(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
 def test_the_persistent_forward_matches_the_oracle_and_attn_fwd_sm90(
     lib, monkeypatch, block, tile_n, head_dim, dtype, rule, case
 ):
-    layout, batch, kv_heads = case_layout(rule, block, case)
-    assert layout.rule.kind == rule
-    q, k, v = random_inputs(layout, batch, kv_heads, head_dim, dtype, block + head_dim)
-    if case == "gqa":
-        q, k, v = strided_view(q), strided_view(k), strided_view(v)
+    layout, q, k, v = case_inputs(rule, block, case, head_dim, dtype, block + head_dim)
     if case == "alternating rows":
         monkeypatch.setenv("CUATTN_INTERP_SEED", "1")
     check_against_both(lib, (block, tile_n, head_dim, dtype, rule), layout, q, k, v)
@@ -210,13 +190,21 @@ def test_thin_layouts_of_the_issue_s_table(lib, mode, block):
     check_against_both(lib, config, layout, q, k, v)
 
 
-def test_one_cta_runs_every_item_and_spare_ctas_find_the_list_out(lib):
-    """One CTA for the whole list (Q's and the rings' phases wrap many times), then more CTAs
-    than items: the result is the same bits."""
+@pytest.mark.parametrize("items", [16, 9])
+def test_one_cta_runs_every_item_and_spare_ctas_find_the_list_out(lib, items):
+    """One CTA for the whole list (both Q tiles' and the rings' phases wrap many times), then
+    more CTAs than items: the result is the same bits. An odd count of items leaves the end of
+    the list to the second Q tile."""
     layout = thin_layout("variable", 64)
+    batch = 2
+    if items % 2:  # 3 heads x 3 query tiles, one batch
+        layout = make_layout(
+            "variable", 5 * 64 + RAGGED_ROWS, 3, 64, causal=True, local_window_blocks=(2,)
+        )
+        batch = 1
     config = thin_config("variable", 64)
-    q, k, v = random_inputs(layout, 2, layout.heads, 64, "bfloat16", 5)
-    items = 2 * layout.heads * -(-layout.n_q // TILE_M)
+    q, k, v = random_inputs(layout, batch, layout.heads, 64, "bfloat16", 5)
+    assert items == batch * layout.heads * -(-layout.n_q // TILE_M)
     one, _ = check_against_both(lib, config, layout, q, k, v, ctas=1)
     many, _ = check_against_both(lib, config, layout, q, k, v, ctas=items + 2)
     np.testing.assert_array_equal(one.view(np.uint16), many.view(np.uint16))
@@ -467,14 +455,6 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills():
     and its merge for sm_90a: no spills (its producer keeps its claimed item and row entries in
     shared memory to stay within 24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic
     in the SASS, no serialised wgmma (C7520)."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cuattn.backends.toolchain import common_options
-    from dev import sass, sass_model
-    from dev.ptxas import parse_ptxas_log
-
-    problem = sass_model.missing_tools()
-    if problem is not None:
-        pytest.skip(f"no SASS tools: {problem}")
     expressions = [
         persistent_expression(block, tile_n, head_dim, dtype, rule)
         for block, tile_n, head_dim in SHAPES
@@ -487,14 +467,7 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills():
         for head_dim in geometry.SM90_PERSISTENT_HEAD_DIMS
         for dtype in CXX_TYPES
     ]
-    source = (kernel_dir() / SOURCE).read_text()
-    lowered, cubin, log = sass_model.compile_module(
-        source, SOURCE, expressions + merges, common_options(), "sm_90a"
-    )
-    assert "C7519" not in log and "C7520" not in log and "serialized" not in log, log
-    stats = parse_ptxas_log(log)
-    with tempfile.TemporaryDirectory() as workdir:
-        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
+    lowered, stats, kernels = compile_for_sm90a(expressions + merges)
     for name in merges:
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
     for name in expressions:
@@ -599,7 +572,9 @@ def test_its_grid_is_one_cta_an_sm_and_never_more_than_the_items():
     )
     base = geometry.KernelConfig(geometry.SM90_FWD, 128, "bfloat16", block=64, rule="causal")
     assert config.grid == (132, 1, 1)
-    assert config.smem_bytes == base.smem_bytes + geometry.SM90_PERSISTENT_SMEM_BYTES
+    q_tile_bytes = geometry.SM90_TILE_M * 128 * 2  # 128 rows x d = 128 of bf16
+    extra_q = (geometry.SM90_PERSISTENT_Q_BUFFERS - 1) * q_tile_bytes
+    assert config.smem_bytes == base.smem_bytes + extra_q + geometry.SM90_PERSISTENT_SMEM_BYTES
     assert config.threads == base.threads
 
 

@@ -16,6 +16,7 @@ from cuattn.backends import geometry, interp
 from cuattn.backends.cuda_runtime import cuda_available
 from cuattn.serving import decode, fp8
 from cuattn.tools.oracle import dense_attention, kept_attention
+from tests.helpers.opt_in import check_opt_in
 
 FORMATS = fp8.FP8_DTYPES
 BF16_TOLERANCE = 2e-2  # of max |oracle|: the bf16 output's rounding and float32 sums
@@ -272,11 +273,7 @@ def test_fp8_arrays_are_not_inputs():
 def test_the_gpu_kernel_is_opt_in(monkeypatch):
     """On a GPU the fp8 pages need CUATTN_DECODE_FP8=kernel (no GPU has run the kernel); an
     unknown value is refused by name."""
-    monkeypatch.setenv(geometry.DECODE_FP8_ENV, "yes")
-    with pytest.raises(ValueError, match=geometry.DECODE_FP8_ENV):
-        geometry.decode_fp8_family()
-    monkeypatch.delenv(geometry.DECODE_FP8_ENV)
-    assert geometry.decode_fp8_family() == geometry.DECODE_FP8_OFF_FAMILY
+    check_opt_in(monkeypatch, geometry.DECODE_FP8_ENV, geometry.decode_fp8_family)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -291,21 +288,6 @@ def test_bytes_halve(name):
     quantised = caches[name]
     assert quantised.k_pages.nbytes == half
     assert quantised.k_scale.nbytes + quantised.v_scale.nbytes == 8 * quantised.k_pages.shape[0]
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels the interpreter launches, in order, with CUATTN_DECODE=gqa."""
-    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    names: list[str] = []
-    launch = interp.InterpBackend.launch
-
-    def spy(self, config, **values):
-        names.append(config.kernel)
-        return launch(self, config, **values)
-
-    monkeypatch.setattr(interp.InterpBackend, "launch", spy)
-    return names
 
 
 def _gqa_cache(

@@ -23,21 +23,6 @@ TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2}  # max |x - ref| / max |ref|
 WINDOW = 40  # tokens SlidingWindow keeps: the older ones are evicted, their slots emptied
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels the interpreter launches, in order, with CUATTN_DECODE=gqa."""
-    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    names: list[str] = []
-    launch = interp.InterpBackend.launch
-
-    def spy(self, config, **values):
-        names.append(config.kernel)
-        return launch(self, config, **values)
-
-    monkeypatch.setattr(interp.InterpBackend, "launch", spy)
-    return names
-
-
 def _cache(dtype, head_dim, page_size, t_q, group, seed, xp=np, prefill=60, window=WINDOW):
     """Two ragged sequences (prefill and three quarters of it, then a step of t_q) under a
     sliding window, every slot the window evicted or never filled poisoned with NaN in K and V;

@@ -1492,12 +1492,18 @@ def _env_choice(variable: str, accepted: tuple[str, ...], unset: str, what: str)
     return value
 
 
+def _tokens_in(tile_bytes: int, head_dim: int, dtype: str, least: int, most: int) -> int:
+    """The power of two of tokens whose K tile (head_dim elements of dtype a token) is about
+    ``tile_bytes``: the largest not over it, within [least, most]."""
+    tokens = tile_bytes // (head_dim * ITEMSIZE[dtype])
+    tokens = 1 << (tokens.bit_length() - 1)
+    return min(max(tokens, least), most)
+
+
 def decode_tile(head_dim: int, dtype: str) -> int:
     """Tokens per decode tile (4 warps' sub-tiles): the power of two whose K tile is about
     DECODE_TILE_BYTES, within [DECODE_MIN_TILE, DECODE_MAX_TILE]."""
-    tokens = DECODE_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
-    tokens = 1 << (tokens.bit_length() - 1)
-    return min(max(tokens, DECODE_MIN_TILE), DECODE_MAX_TILE)
+    return _tokens_in(DECODE_TILE_BYTES, head_dim, dtype, DECODE_MIN_TILE, DECODE_MAX_TILE)
 
 
 def decode_rows_per_cta(head_dim: int) -> int:
@@ -1577,9 +1583,9 @@ def decode_gqa_applies(
 def decode_gqa_tile(head_dim: int, dtype: str) -> int:
     """Tokens per stage of attn_decode_gqa: the power of two whose K tile is about
     DECODE_GQA_TILE_BYTES, within [DECODE_GQA_MIN_TILE, DECODE_GQA_MAX_TILE]."""
-    tokens = DECODE_GQA_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
-    tokens = 1 << (tokens.bit_length() - 1)
-    return min(max(tokens, DECODE_GQA_MIN_TILE), DECODE_GQA_MAX_TILE)
+    return _tokens_in(
+        DECODE_GQA_TILE_BYTES, head_dim, dtype, DECODE_GQA_MIN_TILE, DECODE_GQA_MAX_TILE
+    )
 
 
 def decode_gqa_fp8_tile(head_dim: int) -> int:

@@ -55,6 +55,7 @@
 // Run: cuattn.decode_attention on a KVCache or cuattn.paged_decode, with CUATTN_DECODE=gqa
 //   (backend "cuda" or "interp"); TILE and the split count come from
 //   cuattn/backends/geometry.py (decode_gqa_tile, decode_gqa_splits).
+#include "common/decode_cta.cuh"
 #include "common/mbarrier.cuh"
 #include "common/merge_row.cuh"
 #include "common/smem.cuh"
@@ -123,9 +124,6 @@ struct attn_decode_gqa_traits {
   static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
   static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
 };
-
-// CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
-__device__ __forceinline__ int min_of(int a, int b) { return a < b ? a : b; }
 
 // A token's row mask: bit i when the token at position `pos` (-1: none kept) counts for row i
 // (all_rows: the CTA's rows). query_of[i]: row i's query index (0 .. t_q - 1); first_query_pos:
@@ -208,21 +206,11 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const int warp = int(threadIdx.x / 32);
   const int lane = int(threadIdx.x % 32);
   const int kv_group = heads / kv_heads;
-  const int group_rows = kv_group * t_q;
-  const int row_chunks = (group_rows + ROWS - 1) / ROWS;
-  const int split = int(blockIdx.x);
-  const int kv_head = int(blockIdx.y) / row_chunks;
-  const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
-  const int rows = min_of(ROWS, group_rows - first_row);
-  const int b = int(blockIdx.z);
-  const long long length = lengths[b];
-  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
-  const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
-                                 : int((length + page_size - 1) / page_size);
-  const int page_lo = min_of(split * pages_per_split, pages);
-  const int page_hi = min_of(page_lo + pages_per_split, pages);
-  const int slot_lo = page_lo * page_size;
-  const int slot_hi = page_hi * page_size;
+  const DecodeCta<ROWS> cta(heads, kv_heads, t_q, lengths, page_count, page_size,
+                            pages_per_split, use_slot_pos);
+  const int split = cta.split, kv_head = cta.kv_head, first_row = cta.first_row, b = cta.b;
+  const int rows = cta.rows, slot_lo = cta.slot_lo, slot_hi = cta.slot_hi;
+  const long long length = cta.length;
   const int tiles = (slot_hi - slot_lo + TILE - 1) / TILE;
   // Row i of the CTA is row first_q_row + i of [B, H, t_q] (query head, then query): the kv
   // group's rows are consecutive there.
@@ -515,36 +503,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   }
   __syncthreads();
   for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
-    // fmaxf leaves a warp's NaN m out of m_all, not out of the sums: its weight is NaN
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-      m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
-    }
-    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
-    float weight[Traits::CONSUMER_WARPS];
-    float l_all = 0.f;
-#pragma unroll
-    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-      const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
-      // a warp that counted nothing (m -inf) weighs 0, which still multiplies its O: 0, or the
-      // NaN of a 0 * NaN
-      weight[w] = exp2f(row[HEAD_DIM] - m_shift);
-      l_all += weight[w] * row[HEAD_DIM + 1];
-    }
+    WarpPartials<Traits::CONSUMER_WARPS, HEAD_DIM, true> parts{merge_smem + i * MERGE_LD,
+                                                               ROWS * MERGE_LD};
+    parts.weigh();
     // l_all == 0: the row counts nothing in this split: lse -inf and out the bare sum, which
     // the merge multiplies by its weight 0; a NaN l_all gives NaN for both
+    const float m_all = parts.m_all, l_all = parts.l_all;
     const bool none = l_all == 0.f;
     const float inv_l = none ? 1.f : 1.f / l_all;
     // With one split the row's answer itself (what attn_decode_merge makes of one part),
     // otherwise the split's partial
     const size_t q_row = first_q_row + i;
     for (int d = lane; d < HEAD_DIM; d += 32) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-        sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
-      }
+      const float sum = parts.column(d);
       if (splits == 1) {
         out[q_row * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_l);
       } else {

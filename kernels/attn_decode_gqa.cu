@@ -96,7 +96,8 @@ struct attn_decode_gqa_traits {
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
   // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
-  // masks), and after the ring each consumer's K and V tiles widened to T, which ldmatrix reads
+  // masks), and after the ring each consumer's K and V tiles widened (K to QK, V to T), which
+  // ldmatrix reads
   static constexpr bool FP8 = is_fp8_type<KV>::value;
   // Q K^T's operand type: T, or over fp8 pages fp16 (a cvt widens two codes to an fp16 pair in
   // one instruction, exactly); P V stays in T (a probability times a page's V scale needs bf16's

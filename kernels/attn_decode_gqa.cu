@@ -268,6 +268,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
       int row[Traits::TOKEN_ROUNDS];
+      int page[Traits::TOKEN_ROUNDS];  // fp8: its scales' index (0 past the run)
       long long pos[Traits::TOKEN_ROUNDS];
       float k_scale[Traits::TOKEN_ROUNDS];  // fp8: the page's scales, read with the position
       float v_scale[Traits::TOKEN_ROUNDS];
@@ -281,6 +282,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const int page = in_run ? table[entry] : 0;
         const int offset = f - entry * page_size;
         tokens.slot[r] = in_run ? page * page_size + offset : -1;
+        if constexpr (FP8) tokens.page[r] = page;
         tokens.row[r] = page * page_rows + offset * token_rows + head_row;
         if (!use_slot_pos) tokens.pos[r] = in_run && f < length ? f : -1;
       }
@@ -290,9 +292,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         if (use_slot_pos) tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
         if constexpr (FP8) {
-          const int page = tokens.slot[r] >= 0 ? tokens.slot[r] / page_size : 0;
-          tokens.k_scale[r] = k_scale[page];
-          tokens.v_scale[r] = v_scale[page];
+          tokens.k_scale[r] = k_scale[tokens.page[r]];
+          tokens.v_scale[r] = v_scale[tokens.page[r]];
         }
       }
     };

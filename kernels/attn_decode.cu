@@ -66,6 +66,8 @@
 // Run: through cuattn.decode_attention on a KVCache or cuattn.paged_decode on a caller's page
 // table (backend "cuda" or "interp"); TILE, ROWS and the split count come from
 // cuattn/backends/geometry.py (decode_tile, decode_rows_per_cta, decode_splits).
+#include "common/decode_cta.cuh"
+#include "common/merge_row.cuh"
 #include "common/philox.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
@@ -98,9 +100,6 @@ struct attn_decode_split_traits {
   static_assert(HEAD_DIM % CHUNK == 0, "K rows are whole 16-byte chunks");
   static_assert(ROWS % 4 == 0, "the stages after q must stay 16-byte aligned");
 };
-
-// CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
-__device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
 
 // max(a, b) that is NaN when either is (fmaxf drops a NaN): a row's running max carries a NaN
 // score, so that the row comes out NaN rather than missing that score.
@@ -207,26 +206,16 @@ __device__ __forceinline__ void attn_decode_split_body(
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   const int kv_group = heads / kv_heads;
-  const int group_rows = kv_group * t_q;
-  const int row_chunks = (group_rows + ROWS - 1) / ROWS;
-  const int split = int(blockIdx.x);
-  const int kv_head = int(blockIdx.y) / row_chunks;
-  const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
-  const int rows = min_int(ROWS, group_rows - first_row);
-  const int b = int(blockIdx.z);
-  const long long length = lengths[b];
+  const DecodeCta<ROWS> cta(heads, kv_heads, t_q, lengths, page_count, page_size,
+                            pages_per_split, use_slot_pos);
+  const int split = cta.split, kv_head = cta.kv_head, first_row = cta.first_row, b = cta.b;
+  const int rows = cta.rows, slot_lo = cta.slot_lo, slot_hi = cta.slot_hi;
+  const long long length = cta.length;
   const long long first_query_pos = length - t_q;  // query r % t_q sits at this + r % t_q
   const int* table =
       page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
-  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
-  const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
-                                 : int((length + page_size - 1) / page_size);
   const PageWalk walk{table, slot_pos, page_size, page_rows, token_rows, kv_head * head_rows,
                       length, use_slot_pos};
-  const int page_lo = min_int(split * pages_per_split, pages);
-  const int page_hi = min_int(page_lo + pages_per_split, pages);
-  const int slot_lo = page_lo * page_size;
-  const int slot_hi = page_hi * page_size;
   const size_t tokens_per_row = size_t(max_pages) * page_size;
   // row i of the CTA: row index into [B, H, t_q] (query head, then query)
   auto q_row_of = [&](int i) {
@@ -413,37 +402,20 @@ __device__ __forceinline__ void attn_decode_split_body(
   }
   __syncthreads();
   for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
-    // fmaxf leaves a warp's NaN m_i (a NaN score) out of m_all, not out of the sums: its
-    // weight is NaN
-    float m_all = -INFINITY;
-    for (int w = 0; w < Traits::NUM_WARPS; ++w) {
-      m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
-    }
-    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
-    float weight[Traits::NUM_WARPS];
-    float l_all = 0.f;
-#pragma unroll
-    for (int w = 0; w < Traits::NUM_WARPS; ++w) {
-      const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
-      // a warp whose m_i is -inf (no token counted, or only -inf scores) has weight 0, which
-      // still multiplies its acc: 0, or NaN where it multiplied 0 by a NaN or inf in v
-      weight[w] = expf(row[HEAD_DIM] - m_shift);
-      l_all += weight[w] * row[HEAD_DIM + 1];
-    }
+    WarpPartials<Traits::NUM_WARPS, HEAD_DIM, false> parts{merge_smem + i * MERGE_LD,
+                                                           ROWS * MERGE_LD};
+    parts.weigh();
     // l_all == 0: no token the row attends in this split, or only -inf scores: lse -inf, and
     // out the bare sum, 0 or the NaN of a 0 * NaN, which the merge multiplies by its weight 0
     // (so that the split count never decides whether it reaches the row). A NaN l_all (a NaN or
     // +inf score) gives NaN for both.
-    const bool empty = l_all == 0.f;
-    const float inv_l = empty ? 1.f : 1.f / l_all;
+    const bool empty = parts.l_all == 0.f;
+    const float inv_l = empty ? 1.f : 1.f / parts.l_all;
     const size_t out_row = q_row_of(i) * splits + split;
     for (int d = lane; d < HEAD_DIM; d += 32) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < Traits::NUM_WARPS; ++w) sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
-      part_out[out_row * HEAD_DIM + d] = sum * inv_l;
+      part_out[out_row * HEAD_DIM + d] = parts.column(d) * inv_l;
     }
-    if (lane == 0) part_lse[out_row] = empty ? -INFINITY : m_all + logf(l_all);
+    if (lane == 0) part_lse[out_row] = empty ? -INFINITY : parts.m_all + logf(parts.l_all);
   }
 }
 

@@ -21,14 +21,16 @@
 //   (kernels/common/merge_row.cuh: no merge launch).
 //   How: the split's slots are cut in tiles of TILE tokens; tile t goes to stage t % STAGES and
 //   consumer warp t % CONSUMER_WARPS (STAGES a multiple of it, so a stage always has the same
-//   consumer). The producer warp (the last) gives each tile's token a lane: its table entry,
-//   slot, K/V row and position, and a 32-bit row mask (bit i: the token counts for row i) into
-//   the stage's mask words; its lanes then copy the K and V rows by 16-byte cp.async, consecutive
-//   lanes along a row, zero-filled where no token is kept (evicted, room in a page, past the
-//   run), so that whatever an unused slot holds (a NaN) meets no probability. Each producer lane
-//   arrives on the stage's `full` barrier twice: once when its copies land
-//   (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask words. Tile t + 1's
-//   positions and tile t + 2's table entries are loaded while tile t is issued.
+//   consumer). The producer warp (the last) walks rounds of max(TILE, 32) tokens (a round
+//   fills 32 / TILE stages where TILE is 16, a stage where TILE >= 32) and gives each token of
+//   a round a lane: its table entry, slot, K/V row and position, and a 32-bit row mask (bit i:
+//   the token counts for row i) into its stage's mask words; its lanes then copy each tile's K
+//   and V rows by 16-byte cp.async, consecutive lanes along a row, zero-filled where no token is
+//   kept (evicted, room in a page, past the run), so that whatever an unused slot holds (a NaN)
+//   meets no probability. Each producer lane arrives on a stage's `full` barrier twice: once
+//   when its copies land (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask
+//   words. Round u + 1's positions and round u + 2's table entries are loaded while round u is
+//   issued.
 //   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e), computes
 //   S = Q K^T (ldmatrix), sets uncounted scores to -inf, runs an exp2 online softmax on the
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
@@ -37,8 +39,9 @@
 // attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV>: the same over fp8 pages (KV fp8_e4m3 or fp8_e5m2,
 //   uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the producer
 //   also writes each token's page scales beside its row mask; a consumer widens its stage's
-//   codes into bf16 tiles of its own (exact) before the ldmatrix reads, multiplies S's columns
-//   by the K scales and P's by the V scales.
+//   codes into tiles of its own (exact), K to fp16 and V to bf16, before the ldmatrix reads,
+//   computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in
+//   fp16's range), multiplies S's columns by the K scales and P's by the V scales.
 // Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
 //   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
@@ -52,6 +55,7 @@
 // Run: cuattn.decode_attention on a KVCache or cuattn.paged_decode, with CUATTN_DECODE=gqa
 //   (backend "cuda" or "interp"); TILE and the split count come from
 //   cuattn/backends/geometry.py (decode_gqa_tile, decode_gqa_splits).
+#include "common/decode_cta.cuh"
 #include "common/mbarrier.cuh"
 #include "common/merge_row.cuh"
 #include "common/smem.cuh"
@@ -67,10 +71,16 @@ struct attn_decode_gqa_traits {
   // Two resident CTAs per SM at least (shared memory allows 3 on sm_90 at d <= 128): a
   // thread's registers stay under 204, the O, S and Q fragments unspilled.
   static constexpr int MIN_CTAS_PER_SM = 2;
-  static constexpr int STAGES = CONSUMER_WARPS;  // one stage per consumer warp
+  // The producer reads a round of ROUND_TOKENS tokens at once, a token a lane (TILE at least),
+  // so that a tile under a warp's 32 tokens (fp8 at d96 and d128) pays the table, position,
+  // scale and row-mask work once per 32 tokens; a round fills ROUND_TILES stages, and the ring
+  // holds CONSUMER_WARPS rounds (a stage per consumer and round tile).
+  static constexpr int ROUND_TOKENS = TILE > 32 ? TILE : 32;
+  static constexpr int ROUND_TILES = ROUND_TOKENS / TILE;
+  static constexpr int STAGES = CONSUMER_WARPS * ROUND_TILES;
   static constexpr int CHUNK = 16 / int(sizeof(KV));  // elements of one 16-byte copy
   static constexpr int CHUNKS_PER_ROW = HEAD_DIM / CHUNK;
-  static constexpr int TOKEN_ROUNDS = (TILE + 31) / 32;  // producer: tokens a lane per tile
+  static constexpr int TOKEN_ROUNDS = ROUND_TOKENS / 32;  // producer: tokens a lane per round
   static constexpr int COPIES_PER_LANE = TILE * CHUNKS_PER_ROW / 32;  // of K (as many of V)
   static constexpr int LD = SmemStride<KV, HEAD_DIM>::value;
   static constexpr int TILE_ELEMS = TILE * LD;  // one K or V tile
@@ -86,28 +96,35 @@ struct attn_decode_gqa_traits {
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
   // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
-  // masks), and after the ring each consumer's K and V tiles widened to T, which ldmatrix reads
+  // masks), and after the ring each consumer's K and V tiles widened (K to QK, V to T), which
+  // ldmatrix reads
   static constexpr bool FP8 = is_fp8_type<KV>::value;
+  // Q K^T's operand type: T, or over fp8 pages fp16 (a cvt widens two codes to an fp16 pair in
+  // one instruction, exactly); P V stays in T (a probability times a page's V scale needs bf16's
+  // range)
+  using QK = typename type_if<FP8, __half, T>::type;
   static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 : 0;
   static constexpr int WIDE_LD = SmemStride<T, HEAD_DIM>::value;
-  static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * 2 * TILE * WIDE_LD * int(sizeof(T)) : 0;
+  static constexpr int WIDE_WARP_BYTES = 2 * TILE * WIDE_LD * int(sizeof(T));  // K, then V
+  static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * WIDE_WARP_BYTES : 0;
+  // fp16 Q: the largest finite |q scale log2(e)| is brought under 2^QK_MAX_EXPONENT
+  static constexpr int QK_MAX_EXPONENT = 15;
   static constexpr int SMEM_BYTES = BARRIER_BYTES + MASK_BYTES + SCALE_BYTES +
                                     (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) +
                                     WIDE_BYTES;
   static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
   static_assert(is_same_type<KV, T>::value || FP8, "pages of T or of fp8 codes");
+  static_assert(sizeof(QK) == sizeof(T), "the widened K and V tiles are alike in size");
   static_assert((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) % 16 == 0,
                 "the widened tiles stay 16-byte aligned");
   static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole m16n8k16 steps");
   static_assert(TILE * CHUNKS_PER_ROW % 32 == 0, "a tile's copies divide among the lanes");
-  static_assert(TILE <= 32 || TILE % 32 == 0, "a producer lane's tokens are lane + 32 r");
+  static_assert(ROUND_TOKENS % TILE == 0 && ROUND_TOKENS % 32 == 0,
+                "a round is whole tiles, a producer lane's tokens are lane + 32 r");
   static_assert(ROWS <= 32, "a token's row mask is one word");
   static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
   static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
 };
-
-// CUDA's integer min is a device builtin the interpreter's host compiler lacks; one spelling.
-__device__ __forceinline__ int min_of(int a, int b) { return a < b ? a : b; }
 
 // A token's row mask: bit i when the token at position `pos` (-1: none kept) counts for row i
 // (all_rows: the CTA's rows). query_of[i]: row i's query index (0 .. t_q - 1); first_query_pos:
@@ -139,10 +156,11 @@ __device__ __forceinline__ u32 row_mask(long long pos, long long first_query_pos
   return mask;
 }
 
-// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to T in its own
-// tile ([TILE][WIDE_LD]), 16 codes a lane at a time.
-template <typename Traits, typename T, typename KV>
-__device__ __forceinline__ void widen_tile(T* wide, const KV* codes, int lane) {
+// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to W (fp16: the
+// cvt's pairs as they come; bf16: through float) in its own tile ([TILE][WIDE_LD]), 16 codes a
+// lane at a time.
+template <typename Traits, typename W, typename KV>
+__device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
   constexpr int CHUNKS = Traits::TILE_ELEMS / Traits::LD * Traits::CHUNKS_PER_ROW;
   static_assert(CHUNKS % 32 == 0, "a tile's chunks divide among the lanes");
   // a chunk at a time: unrolled, every chunk's load goes ahead of the stores (registers)
@@ -151,11 +169,18 @@ __device__ __forceinline__ void widen_tile(T* wide, const KV* codes, int lane) {
     const int c = lane + 32 * i;
     const int row = c / Traits::CHUNKS_PER_ROW;
     const int col = c % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
-    float x[Traits::CHUNK];
-    load_16_as_float(codes + row * Traits::LD + col, x);
+    u32 words[4];
+    load_16_words(codes + row * Traits::LD + col, words);
     u32* dst = reinterpret_cast<u32*>(wide + row * Traits::WIDE_LD + col);
 #pragma unroll
-    for (int e = 0; e < Traits::CHUNK / 2; ++e) dst[e] = pack_pair<T>(x[2 * e], x[2 * e + 1]);
+    for (int e = 0; e < Traits::CHUNK / 2; ++e) {
+      const u32 pair = fp8x2_to_half2<KV>((unsigned short)(words[e / 2] >> (16 * (e % 2))));
+      if constexpr (is_same_type<W, __half>::value) {
+        dst[e] = pair;
+      } else {
+        dst[e] = pack_pair<W>(unpack_element<__half>(pair, 0), unpack_element<__half>(pair, 1));
+      }
+    }
   }
 }
 
@@ -182,21 +207,11 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const int warp = int(threadIdx.x / 32);
   const int lane = int(threadIdx.x % 32);
   const int kv_group = heads / kv_heads;
-  const int group_rows = kv_group * t_q;
-  const int row_chunks = (group_rows + ROWS - 1) / ROWS;
-  const int split = int(blockIdx.x);
-  const int kv_head = int(blockIdx.y) / row_chunks;
-  const int first_row = (int(blockIdx.y) % row_chunks) * ROWS;
-  const int rows = min_of(ROWS, group_rows - first_row);
-  const int b = int(blockIdx.z);
-  const long long length = lengths[b];
-  // a caller's table (no slot_pos) holds a sequence's tokens in order: its length's pages
-  const int pages = use_slot_pos ? page_count[size_t(b) * kv_heads + kv_head]
-                                 : int((length + page_size - 1) / page_size);
-  const int page_lo = min_of(split * pages_per_split, pages);
-  const int page_hi = min_of(page_lo + pages_per_split, pages);
-  const int slot_lo = page_lo * page_size;
-  const int slot_hi = page_hi * page_size;
+  const DecodeCta<ROWS> cta(heads, kv_heads, t_q, lengths, page_count, page_size,
+                            pages_per_split, use_slot_pos);
+  const int split = cta.split, kv_head = cta.kv_head, first_row = cta.first_row, b = cta.b;
+  const int rows = cta.rows, slot_lo = cta.slot_lo, slot_hi = cta.slot_hi;
+  const long long length = cta.length;
   const int tiles = (slot_hi - slot_lo + TILE - 1) / TILE;
   // Row i of the CTA is row first_q_row + i of [B, H, t_q] (query head, then query): the kv
   // group's rows are consecutive there.
@@ -242,28 +257,32 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     }
     // Quest's choices of the CTA's rows: [ROWS][max_pages] from here (a stand-in without Quest)
     const unsigned char* chosen_rows = chosen + (use_chosen ? first_q_row * max_pages : 0);
-    // A tile's tokens, one a lane per round (token lane + 32 r): the page slot (-1: past the
-    // run), its k_pages / v_pages row and the position there (-1: none kept; a caller's table's
-    // is the table slot, kept below the length). Read ahead: while tile t is issued, the
-    // positions of tile t + 1 and the table entries of tile t + 2 are loaded, so that the
-    // producer never waits for its own dependent pair of loads (table, then slot_pos).
+    // A round's tokens, one a lane per token round r (token lane + 32 r): the page slot (-1:
+    // past the run), its k_pages / v_pages row and the position there (-1: none kept; a
+    // caller's table's is the table slot, kept below the length). Read ahead: while round u is
+    // issued, the positions of round u + 1 and the table entries of round u + 2 are loaded, so
+    // that the producer never waits for its own dependent pair of loads (table, then slot_pos).
+    constexpr int ROUND_TOKENS = Traits::ROUND_TOKENS;
+    constexpr int ROUND_TILES = Traits::ROUND_TILES;
+    const int rounds = (tiles + ROUND_TILES - 1) / ROUND_TILES;
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
       int row[Traits::TOKEN_ROUNDS];
+      int page[Traits::TOKEN_ROUNDS];  // fp8: its scales' index (0 past the run)
       long long pos[Traits::TOKEN_ROUNDS];
       float k_scale[Traits::TOKEN_ROUNDS];  // fp8: the page's scales, read with the position
       float v_scale[Traits::TOKEN_ROUNDS];
     };
-    auto read_slots = [&](int t, Tokens& tokens) {
+    auto read_slots = [&](int u, Tokens& tokens) {
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-        const int token = lane + 32 * r;
-        const int f = slot_lo + t * TILE + token;
-        const bool in_run = t < tiles && token < TILE && f < slot_hi;
+        const int f = slot_lo + u * ROUND_TOKENS + lane + 32 * r;
+        const bool in_run = u < rounds && f < slot_hi;
         const int entry = in_run ? f / page_size : 0;
         const int page = in_run ? table[entry] : 0;
         const int offset = f - entry * page_size;
         tokens.slot[r] = in_run ? page * page_size + offset : -1;
+        if constexpr (FP8) tokens.page[r] = page;
         tokens.row[r] = page * page_rows + offset * token_rows + head_row;
         if (!use_slot_pos) tokens.pos[r] = in_run && f < length ? f : -1;
       }
@@ -273,9 +292,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
         if (use_slot_pos) tokens.pos[r] = tokens.slot[r] >= 0 ? slot_pos[tokens.slot[r]] : -1;
         if constexpr (FP8) {
-          const int page = tokens.slot[r] >= 0 ? tokens.slot[r] / page_size : 0;
-          tokens.k_scale[r] = k_scale[page];
-          tokens.v_scale[r] = v_scale[page];
+          tokens.k_scale[r] = k_scale[tokens.page[r]];
+          tokens.v_scale[r] = v_scale[tokens.page[r]];
         }
       }
     };
@@ -283,85 +301,115 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     read_slots(0, now);
     read_slots(1, next);
     read_positions(now);
-    for (int t = 0; t < tiles; ++t) {
-      const int s = t % STAGES;
+    for (int u = 0; u < rounds; ++u) {
       read_positions(next);
-      read_slots(t + 2, after);
+      read_slots(u + 2, after);
       u32 mask[Traits::TOKEN_ROUNDS];
       int kept_row[Traits::TOKEN_ROUNDS];  // -1: zero-filled
 #pragma unroll
       for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-        const int entry = use_chosen ? (slot_lo + t * TILE + lane + 32 * r) / page_size : 0;
+        const int entry =
+            use_chosen ? (slot_lo + u * ROUND_TOKENS + lane + 32 * r) / page_size : 0;
         mask[r] = row_mask<ROWS>(now.pos[r], first_query_pos, t_q, query_of, all_rows,
                                  chosen_rows + entry, max_pages, use_chosen);
         kept_row[r] = now.pos[r] >= 0 ? now.row[r] : -1;
       }
-      mbarrier_wait_parity(&empty[s], unsigned(t / STAGES & 1) ^ 1u);  // the stage is free
 #pragma unroll
-      for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-        if (lane + 32 * r < TILE) mask_smem[s * TILE + lane + 32 * r] = mask[r];
-        if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
-          if (lane + 32 * r < TILE) {
-            k_scale_smem[s * TILE + lane + 32 * r] = now.k_scale[r];
-            v_scale_smem[s * TILE + lane + 32 * r] = now.v_scale[r];
+      for (int g = 0; g < ROUND_TILES; ++g) {
+        const int t = u * ROUND_TILES + g;
+        if (t >= tiles) break;
+        const int s = t % STAGES;
+        mbarrier_wait_parity(&empty[s], unsigned(t / STAGES & 1) ^ 1u);  // the stage is free
+#pragma unroll
+        for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+          const int token = lane + 32 * r - g * TILE;  // of tile g, if in [0, TILE)
+          if (token >= 0 && token < TILE) {
+            mask_smem[s * TILE + token] = mask[r];
+            if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
+              k_scale_smem[s * TILE + token] = now.k_scale[r];
+              v_scale_smem[s * TILE + token] = now.v_scale[r];
+            }
           }
         }
-      }
-      KV* k_tile = ring + s * Traits::STAGE_ELEMS;
-      KV* v_tile = k_tile + Traits::TILE_ELEMS;
+        KV* k_tile = ring + s * Traits::STAGE_ELEMS;
+        KV* v_tile = k_tile + Traits::TILE_ELEMS;
 #pragma unroll
-      for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
-        const int chunk = lane + 32 * c;
-        const int row = chunk / Traits::CHUNKS_PER_ROW;  // the tile's token
-        const int col = chunk % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
-        // token `row` is lane row % 32's, in round c / CHUNKS_PER_ROW (= row / 32)
-        const int row_of_token =
-            __shfl_sync(FULL_WARP, kept_row[c / Traits::CHUNKS_PER_ROW], row % 32);
-        const bool kept = row_of_token >= 0;
-        const size_t src = size_t(kept ? row_of_token : 0) * HEAD_DIM + col;
-        cp_async_16(k_tile + row * LD + col, k_pages + src, kept);
-        cp_async_16(v_tile + row * LD + col, v_pages + src, kept);
+        for (int c = 0; c < Traits::COPIES_PER_LANE; ++c) {
+          const int chunk = lane + 32 * c;
+          const int row = chunk / Traits::CHUNKS_PER_ROW;  // the tile's token
+          const int col = chunk % Traits::CHUNKS_PER_ROW * Traits::CHUNK;
+          // the round's token g TILE + row is lane (g TILE + row) % 32's, in token round
+          // c / CHUNKS_PER_ROW where a round is one tile (g = 0), else in the only one
+          const int round = Traits::TOKEN_ROUNDS == 1 ? 0 : c / Traits::CHUNKS_PER_ROW;
+          const int row_of_token =
+              __shfl_sync(FULL_WARP, kept_row[round], (g * TILE + row) % 32);
+          const bool kept = row_of_token >= 0;
+          const size_t src = size_t(kept ? row_of_token : 0) * HEAD_DIM + col;
+          cp_async_16(k_tile + row * LD + col, k_pages + src, kept);
+          cp_async_16(v_tile + row * LD + col, v_pages + src, kept);
+        }
+        cp_async_mbarrier_arrive_noinc(&full[s]);  // when this lane's copies have landed
+        mbarrier_arrive(&full[s]);                 // and the mask words, now
       }
-      cp_async_mbarrier_arrive_noinc(&full[s]);  // when this lane's copies have landed
-      mbarrier_arrive(&full[s]);                 // and the mask words, now
       now = next;
       next = after;
     }
   } else {
     // Q's A fragments: reg r of k-step ks holds row g + 8 (r % 2), columns 16 ks + 2 t + 8 (r / 2)
     // and the next (ptx.cuh), rows past `rows` zero.
-    const float q_scale = scale * LOG2E;
+    using QK = typename Traits::QK;
+    float q_scale = scale * LOG2E;
+    // fp8 pages (fp16 Q): q_scale also takes a power of two that keeps the CTA's largest finite
+    // |q q_scale| under 2^15, so none overflows fp16 (1 where none would); S's K scales take its
+    // inverse, q_unscale. An inf or NaN element stays what it is.
+    float q_unscale = 1.f;
+    auto q_at = [&](int ks, int r, int half) {
+      const int row = frag.g + 8 * (r % 2);
+      const int col = 16 * ks + 2 * frag.t + 8 * (r / 2) + half;
+      return row < rows ? to_float(q[(first_q_row + row) * HEAD_DIM + col]) * q_scale : 0.f;
+    };
+    if constexpr (FP8) {
+      float q_max = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          const float x = fabsf(q_at(ks, r / 2, r % 2));
+          if (x < INFINITY) q_max = fmaxf(q_max, x);  // a NaN compares false too
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        q_max = fmaxf(q_max, __shfl_xor_sync(FULL_WARP, q_max, offset));
+      }
+      const int exponent = (__float_as_int(q_max) >> 23) - 127;  // of a finite, non-negative max
+      if (exponent >= Traits::QK_MAX_EXPONENT) {
+        q_scale *= __int_as_float((127 + Traits::QK_MAX_EXPONENT - 1 - exponent) << 23);
+        q_unscale = __int_as_float((127 - Traits::QK_MAX_EXPONENT + 1 + exponent) << 23);
+      }
+    }
     u32 q_frag[HEAD_DIM / 16][4];
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = frag.g + 8 * (r % 2);
-        const int col = 16 * ks + 2 * frag.t + 8 * (r / 2);
-        float x0 = 0.f, x1 = 0.f;
-        if (row < rows) {
-          const T* q_row = q + (first_q_row + row) * HEAD_DIM + col;
-          x0 = to_float(q_row[0]) * q_scale;
-          x1 = to_float(q_row[1]) * q_scale;
-        }
-        q_frag[ks][r] = pack_pair<T>(x0, x1);
-      }
+      for (int r = 0; r < 4; ++r) q_frag[ks][r] = pack_pair<QK>(q_at(ks, r, 0), q_at(ks, r, 1));
     }
     for (int t = warp; t < tiles; t += Traits::CONSUMER_WARPS) {
       const int s = t % STAGES;
       mbarrier_wait_parity(&full[s], unsigned(t / STAGES & 1));
-      const T* k_tile;
+      const QK* k_tile;
       const T* v_tile;
       int tile_ld;
       if constexpr (FP8) {
-        // the codes widened to T (exact: every e4m3 and e5m2 code is a bf16) into this warp's
-        // own tiles; the scales stay outside, on the scores and the probabilities
-        T* k_wide = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(ring) +
-                                         (Traits::RING_BYTES > Traits::MERGE_BYTES
-                                              ? Traits::RING_BYTES
-                                              : Traits::MERGE_BYTES)) +
-                    warp * 2 * TILE * Traits::WIDE_LD;
-        T* v_wide = k_wide + TILE * Traits::WIDE_LD;
+        // the codes widened (exact: every e4m3 and e5m2 code is an fp16 and a bf16) into this
+        // warp's own tiles, K to fp16 and V to T; the scales stay outside, on the scores and
+        // the probabilities
+        unsigned char* wide = reinterpret_cast<unsigned char*>(ring) +
+                              (Traits::RING_BYTES > Traits::MERGE_BYTES ? Traits::RING_BYTES
+                                                                        : Traits::MERGE_BYTES) +
+                              warp * Traits::WIDE_WARP_BYTES;
+        QK* k_wide = reinterpret_cast<QK*>(wide);
+        T* v_wide = reinterpret_cast<T*>(wide + Traits::WIDE_WARP_BYTES / 2);
         widen_tile<Traits>(k_wide, ring + s * Traits::STAGE_ELEMS, lane);
         widen_tile<Traits>(v_wide, ring + s * Traits::STAGE_ELEMS + Traits::TILE_ELEMS, lane);
         __syncwarp();
@@ -388,8 +436,10 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const u32 words[2] = {masks[frag.pair_col(j)], masks[frag.pair_col(j) + 1]};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          // fp8: q.code times the token's K scale is the score
-          if constexpr (FP8) s_acc[j][e] *= k_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
+          // fp8: q.code times the token's K scale (and q_unscale) is the score
+          if constexpr (FP8) {
+            s_acc[j][e] *= k_scale_smem[s * TILE + frag.pair_col(j) + e % 2] * q_unscale;
+          }
           const u32 word = words[e % 2] >> frag.g;
           const bool counts = (word >> (8 * (e / 2))) & 1u;
           s_acc[j][e] = counts ? s_acc[j][e] : -INFINITY;
@@ -455,36 +505,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   }
   __syncthreads();
   for (int i = warp; i < rows; i += Traits::NUM_WARPS) {
-    // fmaxf leaves a warp's NaN m out of m_all, not out of the sums: its weight is NaN
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-      m_all = fmaxf(m_all, merge_smem[(w * ROWS + i) * MERGE_LD + HEAD_DIM]);
-    }
-    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
-    float weight[Traits::CONSUMER_WARPS];
-    float l_all = 0.f;
-#pragma unroll
-    for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-      const float* row = merge_smem + (w * ROWS + i) * MERGE_LD;
-      // a warp that counted nothing (m -inf) weighs 0, which still multiplies its O: 0, or the
-      // NaN of a 0 * NaN
-      weight[w] = exp2f(row[HEAD_DIM] - m_shift);
-      l_all += weight[w] * row[HEAD_DIM + 1];
-    }
+    WarpPartials<Traits::CONSUMER_WARPS, HEAD_DIM, true> parts{merge_smem + i * MERGE_LD,
+                                                               ROWS * MERGE_LD};
+    parts.weigh();
     // l_all == 0: the row counts nothing in this split: lse -inf and out the bare sum, which
     // the merge multiplies by its weight 0; a NaN l_all gives NaN for both
+    const float m_all = parts.m_all, l_all = parts.l_all;
     const bool none = l_all == 0.f;
     const float inv_l = none ? 1.f : 1.f / l_all;
     // With one split the row's answer itself (what attn_decode_merge makes of one part),
     // otherwise the split's partial
     const size_t q_row = first_q_row + i;
     for (int d = lane; d < HEAD_DIM; d += 32) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < Traits::CONSUMER_WARPS; ++w) {
-        sum += weight[w] * merge_smem[(w * ROWS + i) * MERGE_LD + d];
-      }
+      const float sum = parts.column(d);
       if (splits == 1) {
         out[q_row * HEAD_DIM + d] = from_float<T>(none ? 0.f : sum * inv_l);
       } else {
@@ -544,9 +577,10 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
 
 // attn_decode_gqa over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out bf16): the producer copies
 // the codes (half the bytes) and each token's page scales (k_scale / v_scale float32
-// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the codes to T in a tile
-// of its own (exact), multiplies each score by its token's K scale before the mask and each
-// probability by its V scale after l_i's sum, and computes on tensor cores as attn_decode_gqa.
+// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K codes to fp16 and
+// the V codes to T in tiles of its own (exact), multiplies each score by its token's K scale
+// before the mask and each probability by its V scale after l_i's sum, and computes on tensor
+// cores as attn_decode_gqa (Q K^T in fp16).
 template <int TILE, int HEAD_DIM, typename T, typename KV>
 __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::NUM_THREADS,
                                   attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::MIN_CTAS_PER_SM)

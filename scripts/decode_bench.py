@@ -13,6 +13,12 @@ the kernels read the pages it chose, as in a step. GB/s counts the K and V bytes
 read: every kept token, or with Quest every token of each page some query head of a kv group
 chose.
 
+After the full cache's row come `paged_decode` rows (policy column "paged_decode"): the same
+tokens in vLLM's layout (k/v [num_blocks, page, kv_heads, d] in shuffled blocks, an int32
+block_table and seq_lens), decoded by cuattn.paged_decode (kernel_ms; no cache bookkeeping, so
+step_ms is "-"): in bf16 pages, and with --pages fp8 also in that format (one scale a block), so
+that one run holds the fp8 step beside the bf16 one over the same tokens.
+
     PYTHONPATH=. python scripts/decode_bench.py                 # on a GPU: the full table
     PYTHONPATH=. python scripts/decode_bench.py --quick
     python scripts/decode_bench.py --smoke                      # CPU: tiny, the interpreter
@@ -43,6 +49,7 @@ from cuattn import policies  # noqa: E402
 from cuattn.backends import geometry, resolve_backend  # noqa: E402
 from cuattn.backends.call import AttentionCall  # noqa: E402
 from cuattn.serving import decode as decode_module  # noqa: E402
+from cuattn.serving import fp8  # noqa: E402
 from cuattn.tools.bench.report import report_rows  # noqa: E402
 from cuattn.tools.bench.timing import median_ms  # noqa: E402
 
@@ -138,6 +145,7 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         context=context,
         t_q=args.t_q,
         page=page,
+        pages=pages,
         policy=policy_name,
         kept=kept // (batch * KV_HEADS),
         step_ms=step_ms,
@@ -148,6 +156,74 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
     )
     if args.baselines:
         row.update(baselines(cache, q, kept // (batch * KV_HEADS), args, sync))
+    if policy is not None:
+        return [row]
+    paged_dtypes = dict.fromkeys((dtype, pages))  # the tokens' dtype, then the fp8 pages'
+    return [
+        row,
+        *(paged_row(row, cache, q, context, kind, args, sync, backend) for kind in paged_dtypes),
+    ]
+
+
+def vllm_pages(cache, context: int, kind: str, rng):
+    """A full ``cache``'s first ``context`` tokens of every sequence in vLLM's layout: (k, v
+    [num_blocks, page, kv_heads, d] with the blocks shuffled, block_table int32 [batch, blocks],
+    seq_lens int32 [batch], paged_decode's fp8 keywords). ``kind``: the pages' dtype; an fp8 one
+    re-quantises the values with a scale a block (a block holds every kv head's tokens)."""
+    xp = cache.xp
+    page = cache.page_size
+    blocks = -(-context // page)
+    table = cache.page_table[:, :, :blocks]  # [batch, kv_heads, blocks]: filled in order
+    shuffle = xp.asarray(rng.permutation(cache.batch * blocks).astype(np.int32))
+    block_table = shuffle.reshape(cache.batch, blocks)
+    seq_lens = xp.full(cache.batch, context, dtype=xp.int32)
+    out, scales = [], []
+    for pages, page_scale in ((cache.k_pages, cache.k_scale), (cache.v_pages, cache.v_scale)):
+        values = pages[table]  # [batch, kv_heads, blocks, page, d]
+        if page_scale is not None:
+            values = fp8.decode(xp, values, cache.dtype) * page_scale[table][..., None, None]
+        values = values.transpose(0, 2, 3, 1, 4)  # [batch, blocks, page, kv_heads, d]
+        flat = xp.empty((cache.batch * blocks, *values.shape[2:]), dtype=values.dtype)
+        flat[shuffle] = values.reshape(-1, *values.shape[2:])
+        if kind in geometry.KV_DTYPES:
+            used = xp.ones(flat.shape[:2], dtype=bool)
+            codes, block_scale = fp8.quantize_pages(
+                xp, flat.reshape(*flat.shape[:2], -1).astype(xp.float32), used, kind
+            )
+            flat, scale = codes.reshape(flat.shape), block_scale
+        else:
+            flat, scale = flat.astype(storage(kind)), None
+        out.append(flat)
+        scales.append(scale)
+    fp8_keywords = {}
+    if kind in geometry.KV_DTYPES:
+        fp8_keywords = dict(kv_dtype=kind, k_scale=scales[0], v_scale=scales[1])
+    return out[0], out[1], block_table, seq_lens, fp8_keywords
+
+
+def paged_row(full_row, cache, q, context, kind, args, sync, backend):
+    """cuattn.paged_decode over the full cache's tokens in vLLM's layout, pages of ``kind``."""
+    k, v, block_table, seq_lens, fp8_keywords = vllm_pages(
+        cache, context, kind, np.random.default_rng(1)
+    )
+    q = q if kind in geometry.KV_DTYPES else q.astype(storage(kind))
+
+    def decode():
+        cuattn.paged_decode(q, k, v, block_table, seq_lens, backend=backend, **fp8_keywords)
+
+    kernel_ms = median_ms(decode, sync, args.repeats)
+    kv_bytes = 2 * cache.batch * KV_HEADS * context * args.head_dim * geometry.ITEMSIZE[kind]
+    row = dict(full_row)  # the same tokens: the same baselines
+    row.update(
+        pages=kind,
+        policy="paged_decode",
+        kept=context,
+        step_ms="-",
+        choice_ms="-",
+        kernel_ms=kernel_ms,
+        gbps=kv_bytes / kernel_ms / 1e6,
+        decode=decode_kernel(args.head_dim, kind),
+    )
     return row
 
 
@@ -260,7 +336,12 @@ def main() -> None:
         cases = args.cases or (QUICK if args.quick else FULL)
         args.head_dim, args.repeats, args.baselines = HEAD_DIM, REPEATS, True
         args.page = args.page or PAGE
-    rows = (run_case(args, b, n, p, xp, dtype, backend) for b, n in cases for p in args.policies)
+    rows = (
+        row
+        for b, n in cases
+        for p in args.policies
+        for row in run_case(args, b, n, p, xp, dtype, backend)
+    )
     report_rows(rows, args.markdown)
 
 

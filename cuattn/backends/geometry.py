@@ -233,11 +233,11 @@ DECODE_REGISTERS_ASSUMED = 240
 
 # The tensor-core decode (kernels/attn_decode_gqa.cu),
 # templated on <TILE, HEAD_DIM, T>: a producer warp streams tiles of TILE tokens' K and V through
-# DECODE_GQA_STAGES shared-memory stages (one per consumer warp) while 4 consumer warps compute
-# 16 query rows of a kv group (the M of mma.sync m16n8k16) against them. fp16/bf16, no score
-# modifiers, no per-token scores (HeavyHitters): those keep attn_decode_split. Opt-in: it has not
-# run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the default ("split")
-# never does.
+# decode_gqa_stages shared-memory stages (a consumer warp's per tile of a producer round) while 4
+# consumer warps compute 16 query rows of a kv group (the M of mma.sync m16n8k16) against them.
+# fp16/bf16, no score modifiers, no per-token scores (HeavyHitters): those keep attn_decode_split.
+# Opt-in: it has not run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the
+# default ("split") never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
 # attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (a
 # probability times a small V scale could leave fp16's range), TILE half of bf16's
@@ -248,7 +248,8 @@ DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
 DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
 DECODE_GQA_ROWS = 16
 DECODE_GQA_WARPS = 5  # 4 consumers and the producer
-DECODE_GQA_STAGES = 4
+# Stages: one per consumer warp and tile of a producer round (decode_gqa_stages)
+DECODE_GQA_CONSUMERS = 4
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
@@ -895,14 +896,15 @@ class KernelConfig(_Launch):
             )
             num_warps = DECODE_GQA_WARPS
             consumers = num_warps - 1
-            barriers = 2 * DECODE_GQA_STAGES * DECODE_GQA_BARRIER_BYTES
-            masks = DECODE_GQA_STAGES * tile_n * 4
-            ring = DECODE_GQA_STAGES * 2 * tile_n * ld * itemsize
+            stages = decode_gqa_stages(tile_n)
+            barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
+            masks = stages * tile_n * 4
+            ring = stages * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
             if fp8:  # a K and a V scale a stage's token; each consumer's widened K and V tiles
                 wide_ld = _smem_stride(self.head_dim, ITEMSIZE[self.dtype])
-                smem += 2 * DECODE_GQA_STAGES * tile_n * 4
+                smem += 2 * stages * tile_n * 4
                 smem += consumers * 2 * tile_n * wide_ld * ITEMSIZE[self.dtype]
         elif self.kernel == SM90_BWD:
             assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self
@@ -1500,12 +1502,18 @@ def _env_choice(variable: str, accepted: tuple[str, ...], unset: str, what: str)
     return value
 
 
+def _tokens_in(tile_bytes: int, head_dim: int, dtype: str, least: int, most: int) -> int:
+    """The power of two of tokens whose K tile (head_dim elements of dtype a token) is about
+    ``tile_bytes``: the largest not over it, within [least, most]."""
+    tokens = tile_bytes // (head_dim * ITEMSIZE[dtype])
+    tokens = 1 << (tokens.bit_length() - 1)
+    return min(max(tokens, least), most)
+
+
 def decode_tile(head_dim: int, dtype: str) -> int:
     """Tokens per decode tile (4 warps' sub-tiles): the power of two whose K tile is about
     DECODE_TILE_BYTES, within [DECODE_MIN_TILE, DECODE_MAX_TILE]."""
-    tokens = DECODE_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
-    tokens = 1 << (tokens.bit_length() - 1)
-    return min(max(tokens, DECODE_MIN_TILE), DECODE_MAX_TILE)
+    return _tokens_in(DECODE_TILE_BYTES, head_dim, dtype, DECODE_MIN_TILE, DECODE_MAX_TILE)
 
 
 def decode_rows_per_cta(head_dim: int) -> int:
@@ -1585,9 +1593,9 @@ def decode_gqa_applies(
 def decode_gqa_tile(head_dim: int, dtype: str) -> int:
     """Tokens per stage of attn_decode_gqa: the power of two whose K tile is about
     DECODE_GQA_TILE_BYTES, within [DECODE_GQA_MIN_TILE, DECODE_GQA_MAX_TILE]."""
-    tokens = DECODE_GQA_TILE_BYTES // (head_dim * ITEMSIZE[dtype])
-    tokens = 1 << (tokens.bit_length() - 1)
-    return min(max(tokens, DECODE_GQA_MIN_TILE), DECODE_GQA_MAX_TILE)
+    return _tokens_in(
+        DECODE_GQA_TILE_BYTES, head_dim, dtype, DECODE_GQA_MIN_TILE, DECODE_GQA_MAX_TILE
+    )
 
 
 def decode_gqa_fp8_tile(head_dim: int) -> int:
@@ -1597,6 +1605,13 @@ def decode_gqa_fp8_tile(head_dim: int) -> int:
     tile = max(decode_gqa_tile(head_dim, "bfloat16") // 2, DECODE_GQA_MIN_TILE)
     copies = tile * head_dim // ITEMSIZE_OF_COPY
     return tile if copies % WARP_SIZE == 0 else 2 * tile
+
+
+def decode_gqa_stages(tile: int) -> int:
+    """Shared-memory stages of attn_decode_gqa at ``tile`` tokens a stage: the producer reads
+    rounds of max(tile, WARP_SIZE) tokens (a token a lane) and the ring holds one round per
+    consumer warp, so a 16-token tile (fp8 at d96 and d128) gets two stages a consumer."""
+    return DECODE_GQA_CONSUMERS * max(WARP_SIZE // tile, 1)
 
 
 def decode_gqa_row_chunks(kv_group: int, t_q: int) -> int:

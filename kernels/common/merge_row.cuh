@@ -1,7 +1,8 @@
 // The row merge of partial attentions over disjoint key sets (see kernels/merge_states.cu):
 // merge_row, one warp per row, over any accessor of a row's parts; SplitMajor, the decode's
 // float32 split partials. Shared by the merge kernels and by kernels/attn_decode_gqa.cu, whose
-// last CTA of a (sequence, kv head) merges its rows' splits itself.
+// last CTA of a (sequence, kv head) merges its rows' splits itself; and WarpPartials, the decode
+// kernels' merge of their warps' partial rows in shared memory.
 #pragma once
 
 #include "types.cuh"
@@ -90,3 +91,38 @@ __device__ __forceinline__ void merge_row(const Parts& parts, T* __restrict__ ou
   }
   if (lane == 0) *row_lse = none ? -INFINITY : shift + logf(total);
 }
+
+// One query row's partials from the WARPS warps of a CTA that split its keys among them, in
+// shared memory: warp w's at rows + w * warp_stride, HEAD_DIM floats of acc, then its m and l
+// (m in log2 units with BASE2, natural ones otherwise). weigh() finds m_all, the largest m
+// (fmaxf leaves a warp's NaN m out of it, not out of the sums: its weight is NaN), each warp's
+// weight exp(m - m_all) and l_all, the weighted sum of the l. A warp that counted nothing (m
+// -inf) weighs 0, which still multiplies its acc: 0, or the NaN of a 0 * NaN. l_all == 0: the
+// row counts nothing here; a NaN l_all: a NaN or +inf score reached it.
+template <int WARPS, int HEAD_DIM, bool BASE2>
+struct WarpPartials {
+  const float* rows;
+  int warp_stride;
+  float m_all = -INFINITY;
+  float l_all = 0.f;
+  float weight[WARPS];
+
+  __device__ __forceinline__ void weigh() {
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, rows[w * warp_stride + HEAD_DIM]);
+    const float m_shift = m_all == -INFINITY ? 0.f : m_all;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float* row = rows + w * warp_stride;
+      weight[w] = BASE2 ? exp2f(row[HEAD_DIM] - m_shift) : expf(row[HEAD_DIM] - m_shift);
+      l_all += weight[w] * row[HEAD_DIM + 1];
+    }
+  }
+  // Element d of the weighted sum of the warps' acc.
+  __device__ __forceinline__ float column(int d) const {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += weight[w] * rows[w * warp_stride + d];
+    return sum;
+  }
+};

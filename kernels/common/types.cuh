@@ -43,6 +43,16 @@ struct is_same_type<A, A> {
   static constexpr bool value = true;
 };
 
+// A or B by a compile-time condition (std::conditional, which NVRTC's headers lack).
+template <bool C, typename A, typename B>
+struct type_if {
+  using type = A;
+};
+template <typename A, typename B>
+struct type_if<false, A, B> {
+  using type = B;
+};
+
 template <typename T>
 struct is_half_type {
   static constexpr bool value = false;

@@ -20,6 +20,7 @@ from cuattn.backends.call import AttentionCall, ScoreOperands
 from cuattn.layout import make_layout
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_score_mods import HEAD_DIM, SOFTCAP, _inputs
+from tests.helpers.opt_in import check_opt_in
 from tests.helpers.score_operands import check_bit_identical, check_operands
 
 REF_RTOL = 1e-12
@@ -220,11 +221,7 @@ def test_kernels_score_bias_with_softcap_at_head_dim_16():
 def test_the_gpu_path_is_opt_in(monkeypatch):
     """No GPU has run the kernels' score bias: on one it needs CUATTN_SCORE_BIAS=kernel; an
     unknown value is refused by name."""
-    monkeypatch.setenv(geometry.SCORE_BIAS_ENV, "yes")
-    with pytest.raises(ValueError, match=geometry.SCORE_BIAS_ENV):
-        geometry.score_bias_family()
-    monkeypatch.delenv(geometry.SCORE_BIAS_ENV)
-    assert geometry.score_bias_family() == geometry.DECODE_FP8_OFF_FAMILY
+    check_opt_in(monkeypatch, geometry.SCORE_BIAS_ENV, geometry.score_bias_family)
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from cuattn.backends import geometry, interp
 from cuattn.backends.cuda_runtime import cuda_available
 from cuattn.serving import decode, fp8
 from cuattn.tools.oracle import dense_attention, kept_attention
+from tests.helpers.opt_in import check_opt_in
 
 FORMATS = fp8.FP8_DTYPES
 BF16_TOLERANCE = 2e-2  # of max |oracle|: the bf16 output's rounding and float32 sums
@@ -272,11 +273,7 @@ def test_fp8_arrays_are_not_inputs():
 def test_the_gpu_kernel_is_opt_in(monkeypatch):
     """On a GPU the fp8 pages need CUATTN_DECODE_FP8=kernel (no GPU has run the kernel); an
     unknown value is refused by name."""
-    monkeypatch.setenv(geometry.DECODE_FP8_ENV, "yes")
-    with pytest.raises(ValueError, match=geometry.DECODE_FP8_ENV):
-        geometry.decode_fp8_family()
-    monkeypatch.delenv(geometry.DECODE_FP8_ENV)
-    assert geometry.decode_fp8_family() == geometry.DECODE_FP8_OFF_FAMILY
+    check_opt_in(monkeypatch, geometry.DECODE_FP8_ENV, geometry.decode_fp8_family)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -293,36 +290,23 @@ def test_bytes_halve(name):
     assert quantised.k_scale.nbytes + quantised.v_scale.nbytes == 8 * quantised.k_pages.shape[0]
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels the interpreter launches, in order, with CUATTN_DECODE=gqa."""
-    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    names: list[str] = []
-    launch = interp.InterpBackend.launch
-
-    def spy(self, config, **values):
-        names.append(config.kernel)
-        return launch(self, config, **values)
-
-    monkeypatch.setattr(interp.InterpBackend, "launch", spy)
-    return names
-
-
-def _gqa_cache(name, head_dim, page_size, t_q, group, seed, prefill=60, window=40):
+def _gqa_cache(
+    name, head_dim, page_size, t_q, group, seed, prefill=60, window=40, k_gain=1.0, q_gain=1.0
+):
     """Two ragged sequences under a sliding window, every slot it evicted or never filled
-    holding NaN codes; a bf16 q."""
+    holding NaN codes; a bf16 q. k_gain and q_gain multiply the keys and the queries."""
     rng = np.random.default_rng(seed)
     cache = cuattn.KVCache(
         2, 2, head_dim, name, page_size=page_size, policy=P.SlidingWindow(window)
     )
-    k, v = (_bf16(rng.standard_normal((2, 2, prefill, head_dim))) for _ in "kv")
-    cache.append(k, v, lengths=[prefill, prefill * 3 // 4])
-    k, v = (_bf16(2 * rng.standard_normal((2, 2, t_q, head_dim))) for _ in "kv")
-    cache.append(k, v)
+    k, v = (rng.standard_normal((2, 2, prefill, head_dim)) for _ in "kv")
+    cache.append(_bf16(k * k_gain), _bf16(v), lengths=[prefill, prefill * 3 // 4])
+    k, v = (2 * rng.standard_normal((2, 2, t_q, head_dim)) for _ in "kv")
+    cache.append(_bf16(k * k_gain), _bf16(v))
     unused = cache.slot_pos < 0
     assert unused.any()
     cache.k_pages[unused] = cache.v_pages[unused] = 0x7F  # NaN in both formats
-    return cache, _bf16(rng.standard_normal((2, 2 * group, t_q, head_dim)))
+    return cache, _bf16(q_gain * rng.standard_normal((2, 2 * group, t_q, head_dim)))
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -364,6 +348,39 @@ def test_tensor_core_kernel_cycles_its_ring(launched, monkeypatch):
         monkeypatch.setenv("CUATTN_INTERP_SEED", str(seed))
         _close(cuattn.decode_attention(q, cache, backend="interp"), want)
     assert launched == [geometry.DECODE_GQA_FP8_KERNEL] * 3
+
+
+def test_tensor_core_kernel_wraps_its_ring_many_times(launched, monkeypatch):
+    """One split of ~1500 kept tokens at d128: 16-token tiles through 8 stages (two a
+    consumer, two a producer round), every stage's barrier phase flipping ~12 times, and a
+    sequence whose odd page count leaves its last round one tile."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
+    cache, q = _gqa_cache("float8_e5m2", 128, 16, 1, 4, seed=22, prefill=1540, window=1500)
+    assert geometry.decode_gqa_stages(geometry.decode_gqa_fp8_tile(128)) == 8
+    assert (np.asarray(cache.page_count) % 2 == 1).any()
+    _close(cuattn.decode_attention(q, cache, backend="interp"), kept_attention(cache, q))
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_tensor_core_kernel_keeps_large_queries_in_fp16_range(name, launched, monkeypatch):
+    """Q K^T runs in fp16: queries whose |q scale log2(e)| reaches ~10^5 (past fp16's 65504)
+    against keys ~10^-6, so the scores stay ~1, match the oracle; an inf in q stays inf (a
+    NaN row, as in float64), the other rows unharmed."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 3)
+    cache, q = _gqa_cache(name, 64, 16, 2, 2, seed=23, k_gain=1e-6, q_gain=1e6)
+    assert np.abs(np.asarray(q, np.float64)).max() * 64**-0.5 * np.log2(np.e) > 2**16
+    want = kept_attention(cache, q)
+    _close(cuattn.decode_attention(q, cache, backend="interp"), want)
+    q = np.array(q)
+    q[0, 1, 0, 5] = np.inf
+    got = np.asarray(cuattn.decode_attention(q, cache, backend="interp")).astype(np.float64)
+    want = kept_attention(cache, q)
+    assert np.isnan(got[0, 1, 0]).all() and np.isnan(want[0, 1, 0]).all()
+    rest = np.ones(got.shape[:3], dtype=bool)
+    rest[0, 1, 0] = False
+    assert np.abs(got[rest] - want[rest]).max() <= BF16_TOLERANCE * np.abs(want[rest]).max()
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL] * 2
 
 
 def test_fp16_queries_and_modifiers_keep_the_split_kernel(launched, monkeypatch):

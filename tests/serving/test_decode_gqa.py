@@ -14,6 +14,7 @@ from cuattn import policies as P
 from cuattn.backends import geometry, interp
 from cuattn.serving import decode
 from cuattn.tools.oracle import kept_attention
+from tests.helpers.launches import record_launches
 from tests.serving import test_decode_special_values as special
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -21,21 +22,6 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2}  # max |x - ref| / max |ref|
 WINDOW = 40  # tokens SlidingWindow keeps: the older ones are evicted, their slots emptied
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels the interpreter launches, in order, with CUATTN_DECODE=gqa."""
-    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    names: list[str] = []
-    launch = interp.InterpBackend.launch
-
-    def spy(self, config, **values):
-        names.append(config.kernel)
-        return launch(self, config, **values)
-
-    monkeypatch.setattr(interp.InterpBackend, "launch", spy)
-    return names
 
 
 def _cache(dtype, head_dim, page_size, t_q, group, seed, xp=np, prefill=60, window=WINDOW):
@@ -247,14 +233,7 @@ def test_on_the_gpu(dtype, head_dim, page_size, t_q, group, resident_ctas, monke
 
     monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
     monkeypatch.setattr(decode, "_resident_ctas", lambda impl, d, dt, gqa: resident_ctas)
-    names: list[str] = []
-    launch = cuda.CudaBackend.launch
-
-    def spy(self, config, **values):
-        names.append(config.kernel)
-        return launch(self, config, **values)
-
-    monkeypatch.setattr(cuda.CudaBackend, "launch", spy)
+    names = record_launches(monkeypatch, cuda.CudaBackend)
     cache, q = _cache(dtype, head_dim, page_size, t_q, group, seed=3, xp=cupy, prefill=600)
     out, lse = cuattn.decode_attention(q, cache, return_lse=True)
     assert names == [geometry.DECODE_GQA_KERNEL]

@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("dynamic_bench.py", ["--smoke"], "topk_select_ms"),
         ("decode_bench.py", ["--smoke", "--policies", "full"], "kernel_ms"),
+        (  # paged_decode over the full cache's tokens in vLLM's layout, bf16 and fp8 pages
+            "decode_bench.py",
+            ["--smoke", "--policies", "full", "--pages", "float8_e4m3fn"],
+            "| float8_e4m3fn | paged_decode |",
+        ),
         ("decode_bench.py", ["--smoke", "--policies", "quest"], "choice_ms"),
         (
             "decode_bench.py",

@@ -12,6 +12,7 @@ import torch
 
 import cuattn
 from cuattn.tools.oracle import alibi_bias, dense_attention, dense_attention_grads, rel_err
+from tests.helpers.score_operands import attention_inputs
 
 SOFTCAP = 1.5
 HEADS, KV_HEADS, N_Q, N_K, HEAD_DIM, BLOCK = 4, 2, 40, 56, 16, 8
@@ -21,9 +22,7 @@ BIAS_RTOL = 1e-6  # the bias's gradient comes back in float32, as the bias
 
 def _arrays(seed, per_head=False):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, HEADS, N_Q, HEAD_DIM)) * 2
-    k, v = (rng.standard_normal((2, KV_HEADS, N_K, HEAD_DIM)) * 2 for _ in range(2))
-    dout = rng.standard_normal(q.shape)
+    q, k, v, dout = attention_inputs(rng, HEADS, KV_HEADS, N_Q, N_K, HEAD_DIM)
     key_bias = (rng.standard_normal((2, HEADS, N_K) if per_head else (2, N_K)) * 2).astype(
         np.float32
     )

@@ -19,6 +19,7 @@ from cuattn.tools.oracle import (
     rel_position_bias,
     rel_table_gradient,
 )
+from tests.helpers.score_operands import attention_inputs
 
 SOFTCAP = 1.5
 HEADS, KV_HEADS, N_Q, N_K, HEAD_DIM, BLOCK = 4, 2, 40, 56, 16, 8
@@ -29,9 +30,7 @@ TABLE_RTOL = 1e-6  # the table's gradient comes back in float32, as the table
 
 def _arrays(seed, per_batch=False):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, HEADS, N_Q, HEAD_DIM)) * 2
-    k, v = (rng.standard_normal((2, KV_HEADS, N_K, HEAD_DIM)) * 2 for _ in range(2))
-    dout = rng.standard_normal(q.shape)
+    q, k, v, dout = attention_inputs(rng, HEADS, KV_HEADS, N_Q, N_K, HEAD_DIM)
     width = 2 * MAX_DISTANCE + 1
     shape = (2, HEADS, width) if per_batch else (HEADS, width)
     table = (rng.standard_normal(shape) * 2).astype(np.float32)

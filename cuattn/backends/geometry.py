@@ -822,6 +822,12 @@ class _Launch:
     def args(self) -> tuple[tuple[str, str], ...]:
         return KERNEL_ARGS[self.kernel]
 
+    @property
+    def group(self) -> tuple:
+        """The instantiations the interpreter compiles into one library with this one: those of
+        its source file, unless a config says finer."""
+        return (self.source_file,)
+
 
 @dataclass(frozen=True)
 class KernelConfig(_Launch):
@@ -1112,10 +1118,6 @@ class LayoutKernelConfig(_Launch):
         return (ceil_div(self.rows, INDEX_WARPS), self.heads, 1)
 
     @property
-    def group(self) -> tuple:
-        return (self.source_file,)
-
-    @property
     def name_expression(self) -> str:
         if self.kernel in SELECT_KERNELS:
             assert self.score_dtype is not None
@@ -1154,10 +1156,6 @@ class DecodeMassConfig(_Launch):
     @property
     def grid(self) -> tuple[int, int, int]:
         return (ceil_div(self.slots, DECODE_MASS_THREADS), self.pairs, 1)
-
-    @property
-    def group(self) -> tuple:
-        return (self.source_file,)
 
     @property
     def name_expression(self) -> str:

@@ -690,23 +690,14 @@ class KernelBackend:
         )
 
     def _backward_sm90(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        out: Any,
-        lse: Any,
-        dout: Any,
-        dlse: Any | None,
-        layout: Layout,
-        scale: float,
-        shape: tuple,
-        dtype: str,
+        self, saved: tuple, dlse: Any | None, layout: Layout, scale: float, shape: tuple, dtype: str
     ) -> tuple[Any, Any, Any] | None:
-        """(dq, dk, dv) by attn_bwd_sm90 (inputs checked, on their device): delta by
-        attn_bwd_preprocess, lse (log2 domain) and delta padded to whole steps, the main kernel
-        with its dQ reduces into a zeroed fp32 accumulator, then attn_bwd_sm90_dq. None, before
-        any launch, when the device refuses a tensor map: the caller runs the mma.sync pair."""
+        """(dq, dk, dv) by attn_bwd_sm90 from ``saved`` (q, k, v, out, lse, dout; checked, on
+        their device): delta by attn_bwd_preprocess, lse (log2 domain) and delta padded to whole
+        steps, the main kernel with its dQ reduces into a zeroed fp32 accumulator, then
+        attn_bwd_sm90_dq. None, before any launch, when the device refuses a tensor map: the
+        caller runs the mma.sync pair."""
+        q, k, v, out, lse, dout = saved
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         xp = self.xp
         config = KernelConfig(
@@ -973,9 +964,8 @@ class KernelBackend:
                 and not isinstance(layout, DeviceLayout)  # its ranks come from the host blocks
                 and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
             ):
-                result = self._backward_sm90(
-                    q, k, v, out, lse, dout, dlse, layout, scale, shape, dtype
-                )
+                saved = (q, k, v, out, lse, dout)
+                result = self._backward_sm90(saved, dlse, layout, scale, shape, dtype)
                 if result is not None:
                     return result
             dout_strides = self._strides("dout", dout)

@@ -158,3 +158,11 @@ def check_sets_its_flag(name, operand, flag, q, k, v, layout):
     out, _ = forward(q, k, v, call)
     plain, _ = forward(q, k, v, AttentionCall(layout, 0.5, backend="numpy"))
     assert not np.array_equal(out, plain)
+
+
+def attention_inputs(rng, heads, kv_heads, n_q, n_k, head_dim):
+    """q [2, heads, n_q, head_dim], k and v [2, kv_heads, n_k, head_dim] (normal, times 2) and
+    dout like q, drawn from ``rng`` in that order: the API-level operand tests' inputs."""
+    q = rng.standard_normal((2, heads, n_q, head_dim)) * 2
+    k, v = (rng.standard_normal((2, kv_heads, n_k, head_dim)) * 2 for _ in range(2))
+    return q, k, v, rng.standard_normal(q.shape)

@@ -1020,12 +1020,8 @@ class KernelConfig(_Launch):
         cxx = CXX_TYPE[self.dtype]
         if self.kernel in ROW_KERNELS or self.kernel in SM90_ROW_KERNELS:
             return f"{self.kernel}<{self.head_dim}, {cxx}>"
-        if self.kernel == DECODE_GQA_KERNEL:
-            return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}>"
-        if self.kernel == DECODE_GQA_FP8_KERNEL:
-            assert self.kv_dtype is not None
-            kv = KV_CXX_TYPE[self.kv_dtype]
-            return f"{self.kernel}<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
+        if self.kernel in (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL):
+            return f"{self.kernel}<{self._decode_gqa_args}>"
         mods = CXX_MODS[self.mods]
         if self.kernel == DECODE_FP8_KERNEL:
             assert self.kv_dtype is not None
@@ -1048,13 +1044,19 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS:  # the split kernel's traits, of its pages' type
             kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else cxx
             return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
-        if self.kernel == DECODE_GQA_KERNEL:
-            return f"{self.kernel}_traits<{self.tile_n}, {self.head_dim}, {cxx}>"
-        if self.kernel == DECODE_GQA_FP8_KERNEL:
-            assert self.kv_dtype is not None
-            kv = KV_CXX_TYPE[self.kv_dtype]
-            return f"{DECODE_GQA_KERNEL}_traits<{self.tile_n}, {self.head_dim}, {cxx}, {kv}>"
+        if self.kernel in (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL):
+            return f"{DECODE_GQA_KERNEL}_traits<{self._decode_gqa_args}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
+
+    @property
+    def _decode_gqa_args(self) -> str:
+        """The tensor-core decode kernels' template arguments (their traits' too): tile, head
+        dim, q's type, and the pages' fp8 type for attn_decode_gqa_fp8."""
+        args = f"{self.tile_n}, {self.head_dim}, {CXX_TYPE[self.dtype]}"
+        if self.kernel != DECODE_GQA_FP8_KERNEL:
+            return args
+        assert self.kv_dtype is not None
+        return f"{args}, {KV_CXX_TYPE[self.kv_dtype]}"
 
     @property
     def _tile_args(self) -> str:

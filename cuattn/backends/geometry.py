@@ -372,6 +372,9 @@ _FWD_ARGS = (
     *_strides("k"),
     *_strides("v"),
 )
+# What the mma.sync backward passes read: q, k, v, the output's gradient, the forward's lse and
+# attn_bwd_preprocess's delta.
+_BWD_INPUTS = tuple((name, "ptr") for name in ("q", "k", "v", "dout", "lse", "delta"))
 _BWD_STRIDES = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("dout"))
 # Both decode kernels' leading arguments (the cache's arrays, the split partials) and sizes.
 _DECODE_CACHE_ARGS = (
@@ -635,12 +638,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("causal", "i32"),
     ),
     "attn_bwd_dkdv": (
-        ("q", "ptr"),
-        ("k", "ptr"),
-        ("v", "ptr"),
-        ("dout", "ptr"),
-        ("lse", "ptr"),
-        ("delta", "ptr"),
+        *_BWD_INPUTS,
         ("dk", "ptr"),
         ("dv", "ptr"),
         *_LAYOUT_ARGS,
@@ -652,12 +650,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *_BWD_STRIDES,
     ),
     "attn_bwd_dq": (
-        ("q", "ptr"),
-        ("k", "ptr"),
-        ("v", "ptr"),
-        ("dout", "ptr"),
-        ("lse", "ptr"),
-        ("delta", "ptr"),
+        *_BWD_INPUTS,
         ("dq", "ptr"),
         *_LAYOUT_ARGS,
         *_RULE_SCALARS,

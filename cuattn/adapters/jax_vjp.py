@@ -105,7 +105,7 @@ def _backward(q, k, v, present, out, lse, dout, dlse, call: AttentionCall):
     if _traced(*named.values(), *present):
         target = _device_target(call.backend)
         if target is not None:
-            grads = _xla.backward(*named.values(), call.placed(present), target)
+            grads = _xla.backward(named, call.placed(present), target)
         else:
             wrt = (x for name, x in extra.items() if name != SEED_OPERAND)
             shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *wrt))

@@ -204,22 +204,15 @@ def _batched_operands(operands: ScoreOperands, q: Any) -> tuple[tuple, tuple]:
 
 
 def backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    dout: Any,
-    dlse: Any,
-    call: AttentionCall,
-    compute_capability: int,
+    named: dict[str, Any], call: AttentionCall, compute_capability: int
 ) -> tuple[Any, ...]:
-    """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls; dlse
-    (like lse) is the cotangent of the lse output. The gradients of the call's score operands
-    follow, each like its operand (None for a seed)."""
+    """(dq, dk, dv) of traced jax arrays in the caller's token order, as custom calls, from
+    ``named``: q, k, v, out, lse, dout and dlse (like lse: the cotangent of the lse output), in
+    that order. The gradients of the call's score operands follow, each like its operand (None
+    for a seed)."""
     backend = backend_for(compute_capability)
     layout = call.layout
-    present, restore = _batched_operands(call.operands, q)
+    present, restore = _batched_operands(call.operands, named["q"])
     seeded = call.mods.seed_words
     bare = call.without_operands()
 
@@ -229,7 +222,7 @@ def backward(
         grads = grads[:-1] if seeded else grads  # the seed's None: not an array to map
         return (*(_to_natural(g, layout) for g in grads[:3]), *grads[3:])
 
-    grads = folding_vmap(run, seeded)(q, k, v, out, lse, dout, dlse, *present)
+    grads = folding_vmap(run, seeded)(*named.values(), *present)
     # an operand that went in broadcast along the batch has its gradient per batch: summed
     restored = (r(g) if r else g for g, r in zip(grads[3:], restore, strict=False))
     return (*grads[:3], *restored, *((None,) if seeded else ()))

@@ -88,3 +88,50 @@ def test_tape_hands_each_output_its_own_dtype_of_gradient():
     out, lse = cuattn.sparse_attention(x, x, x, layout, return_lse=True, backend="interp")
     (out.sum() + lse.sum()).backward()
     assert x.grad.dtype == np.float16 and np.isfinite(x.grad).all()
+
+
+def test_the_yardstick_rounds_gqa_gradients_as_the_kernels_do():
+    """float16, GQA 4:1, one query: the kernels' dK is 2.05x the yardstick's error when the
+    yardstick summed the group's per-head gradients in float32 and multiplied P and dS unrounded;
+    the kernels (and a float16 dense GQA: its repeated K sums fp16 gradients) round dK per query
+    head, and feed P and dS to the tensor cores in float16. The yardstick now does the same and
+    the case is within it (the NumPy backend and the same case without GQA were all along)."""
+    pytest.importorskip("jax")
+    from tests.fuzz.strategies import Case, LayoutSpec, Shape, Special
+    from tests.fuzz.test_differential import run_attention_case
+
+    layout = LayoutSpec(
+        kind="named",
+        blocksize=16,
+        mode="longformer",
+        options=(("causal", False), ("global_tokens", ()), ("local_attn_ctx", 4)),
+        as_pattern=True,
+        density=1.0,
+        empty_rows=(),
+        rule="none",
+        seed=0,
+    )
+    run_attention_case(
+        Case(
+            path="plain",
+            front="jax",
+            backend="interp",
+            dtype="float16",
+            shape=Shape(batch=2, heads=4, kv_heads=1, n_q=1, n_k=8, head_dim=128),
+            layout=layout,
+            memory=("contiguous", "contiguous", "contiguous"),
+            dout_memory="contiguous",
+            special=Special(kind="denormal", target="q", count=1),
+            scale=-0.8638987349216345,
+            return_lse=False,
+            grad=True,
+            dlse=False,
+            recompute=True,
+            amplitude=1.0,
+            seed=1519,
+            seqs=(),
+            extra=(),
+            corruption=None,
+            layouts_per_seq=(),
+        )
+    )

@@ -452,6 +452,15 @@ def flash(q, k, v, mask, scale, dout, dlse, acc, dtype: str, block: int = 16) ->
         return empty_result(q, k, v, dout)
     q, k, v = (np.asarray(x, dtype=acc) for x in (q, k, v))
     group = heads // k.shape[1]
+
+    def narrow(x):
+        """P or dS as a tensor-core operand: in the inputs' 16-bit dtype (kept in acc for
+        float32 and float64 inputs, which the kernels multiply as they are)."""
+        if dtype not in ("float16", "bfloat16"):
+            return x
+        with np.errstate(all="ignore"):
+            return round_to(x.astype(np.float64), dtype).astype(acc)
+
     kr, vr = (np.repeat(x, group, axis=1) for x in (k, v))
     m = np.broadcast_to(mask, (bsz, heads, nq, nk))
     log2e = acc(1.4426950408889634)
@@ -469,7 +478,7 @@ def flash(q, k, v, mask, scale, dout, dlse, acc, dtype: str, block: int = 16) ->
             pb = np.exp2(s2 - safe[..., None])
             alpha = np.exp2(mi - safe)
             li = li * alpha + pb.sum(axis=-1)
-            o = o * alpha[..., None] + np.einsum("bhqk,bhkd->bhqd", pb, vr[:, :, kb])
+            o = o * alpha[..., None] + np.einsum("bhqk,bhkd->bhqd", narrow(pb), vr[:, :, kb])
             mi = m_new
         has = li > 0
         out = np.where(has[..., None], o / np.where(has, li, 1.0)[..., None], 0.0)
@@ -499,12 +508,19 @@ def flash(q, k, v, mask, scale, dout, dlse, acc, dtype: str, block: int = 16) ->
         dk = np.zeros(kr.shape, acc)
         dv = np.zeros(vr.shape, acc)
         for kb in keys:  # dQ: each query row walks the key blocks
-            dq += np.einsum("bhqk,bhkd->bhqd", probs(slice(None), kb)[1], kr[:, :, kb])
+            dq += np.einsum("bhqk,bhkd->bhqd", narrow(probs(slice(None), kb)[1]), kr[:, :, kb])
         for rb in rows:  # dK, dV: each key walks the query blocks
-            p, ds = probs(rb, slice(None))
+            p, ds = (narrow(x) for x in probs(rb, slice(None)))
             dv += np.einsum("bhqk,bhqd->bhkd", p, dout[:, :, rb])
             dk += np.einsum("bhqk,bhqd->bhkd", ds, q[:, :, rb])
-        dk, dv = sum_groups(k.shape[1], dk * acc(scale), dv)
+        if group > 1:  # per query head in dtype first, then summed: as the kernels (and a
+            # same-precision dense GQA, whose repeated K and V sum their heads' gradients) do
+            dk, dv = (
+                round_to(g.astype(np.float64), dtype).astype(acc) for g in (dk * acc(scale), dv)
+            )
+            dk, dv = sum_groups(k.shape[1], dk, dv)
+        else:
+            dk = dk * acc(scale)
         res.grads = {
             n: round_to(g.astype(np.float64), dtype)
             for n, g in (("dq", dq * acc(scale)), ("dk", dk), ("dv", dv))

@@ -1191,6 +1191,9 @@ class KernelBackend:
             )
         # a table row and a page per (sequence, kv head), positions in slot_pos
         walk = dict(
+            kv_heads=kv_heads,
+            max_pages=max_pages,
+            page_size=page_size,
             table_batch_stride=kv_heads * max_pages,
             table_head_stride=max_pages,
             page_rows=page_size,
@@ -1204,9 +1207,6 @@ class KernelBackend:
             v_pages,
             book,
             walk,
-            kv_heads,
-            max_pages,
-            page_size,
             chosen,
             call,
             keep_scores,
@@ -1296,6 +1296,9 @@ class KernelBackend:
                 lengths=lengths,
             )
         walk = dict(
+            kv_heads=kv_heads,
+            max_pages=max_blocks,
+            page_size=block_size,
             table_batch_stride=table_strides[0] if batch > 1 else 0,
             table_head_stride=0,  # every kv head reads the sequence's row
             page_rows=page_rows,
@@ -1309,9 +1312,6 @@ class KernelBackend:
             v_pages,
             book,
             walk,
-            kv_heads,
-            max_blocks,
-            block_size,
             chosen,
             call,
             False,
@@ -1328,9 +1328,6 @@ class KernelBackend:
         v_pages: Any,
         book: dict[str, Any],
         walk: dict[str, int],
-        kv_heads: int,
-        max_pages: int,
-        page_size: int,
         chosen: Any | None,
         call: AttentionCall,
         keep_scores: bool,
@@ -1340,8 +1337,10 @@ class KernelBackend:
     ) -> tuple[Any, Any, Any | None]:
         """decode_pages's and decode_block_table's launches, once each one's checks are done:
         ``book`` the arrays of DECODE_BOOK (stand-ins where ``walk`` says the kernels read
-        none), ``walk`` the kernels' table and page strides (kernels/attn_decode.cu PageWalk)."""
+        none), ``walk`` the pages' geometry as the kernels take it: kv_heads, max_pages,
+        page_size, and the table and page strides (kernels/attn_decode.cu PageWalk)."""
         scale, mods = call.scale, call.mods
+        kv_heads, max_pages, page_size = walk["kv_heads"], walk["max_pages"], walk["page_size"]
         arrays = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
         batch, heads, t_q, head_dim = q.shape
         dtype = geometry.kernel_dtype(q.dtype)
@@ -1397,10 +1396,7 @@ class KernelBackend:
                 part_out=part_out,
                 part_lse=part_lse,
                 heads=heads,
-                kv_heads=kv_heads,
                 t_q=t_q,
-                page_size=page_size,
-                max_pages=max_pages,
                 **walk,
                 splits=splits,
                 pages_per_split=per_split,

@@ -689,6 +689,26 @@ class KernelBackend:
             and self.runs_sm90a(arrays[0])
         )
 
+    def _delta(self, out: Any, dout: Any, dlse: Any | None, head_dim: int, dtype: str) -> Any:
+        """delta = rowsum(dout * out) - dlse, float32 [batch, heads, n_q], by
+        attn_bwd_preprocess (which reads dlse only when given: a one-element stand-in
+        otherwise)."""
+        xp = self.xp
+        batch, heads, n_q = out.shape[:3]
+        use_dlse = dlse is not None
+        delta = self.output((batch, heads, n_q), xp.float32)
+        self.launch(
+            KernelConfig("attn_bwd_preprocess", head_dim, dtype, batch, heads, n_q),
+            out=out,
+            dout=dout,
+            dlse=xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32),
+            delta=delta,
+            n_q=n_q,
+            use_dlse=int(use_dlse),
+            **self._strides("dout", dout),
+        )
+        return delta
+
     def _backward_sm90(
         self, saved: tuple, dlse: Any | None, layout: Layout, scale: float, shape: tuple, dtype: str
     ) -> tuple[Any, Any, Any] | None:
@@ -722,18 +742,7 @@ class KernelBackend:
         maps["stats"] = TensorMap.of(stats, (step, 2, 1, 1))
         if not all(self.encodes(maps[name]) for name in ("q", "k", "v", "dout", "stats")):
             return None
-        use_dlse = dlse is not None
-        delta = self.output((batch, heads, n_q), xp.float32)
-        self.launch(
-            KernelConfig("attn_bwd_preprocess", head_dim, dtype, batch, heads, n_q),
-            out=out,
-            dout=dout,
-            dlse=xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32),
-            delta=delta,
-            n_q=n_q,
-            use_dlse=int(use_dlse),
-            **self._strides("dout", dout),
-        )
+        delta = self._delta(out, dout, dlse, head_dim, dtype)
         # lse in the log2 domain, +inf where a row has nothing to attend and past n_q (its P is
         # then exactly 0); delta 0 past n_q
         stats[:, :, 0, n_q:] = xp.inf
@@ -810,6 +819,11 @@ class KernelBackend:
             **_dropout_values(call.mods, operands.dropout_seed, self.xp),
         }
 
+    def _absent(self, operand: str, *scalars: str) -> dict[str, Any]:
+        """The kernels' arguments of a score operand the call does not carry: a one-element
+        stand-in the kernels do not read, and 0 for its flag, strides and sizes."""
+        return {operand: self.xp.zeros(1, self.xp.float32), **dict.fromkeys(scalars, 0)}
+
     def _score_bias_values(self, bias: Any | None) -> dict[str, Any]:
         """The block kernels' dense-bias arguments: the bias in place, as a one-element view of
         its first element (nothing is copied, whatever its strides: the kernels read it at its
@@ -817,11 +831,7 @@ class KernelBackend:
         it is stored (float32, or q's 16-bit dtype read as the kernel's own type); or a
         one-element stand-in the kernels do not read."""
         if bias is None:
-            return {
-                "score_bias": self.xp.zeros(1, self.xp.float32),
-                "use_score_bias": geometry.SCORE_BIAS_KINDS["none"],
-                **dict.fromkeys(_SCORE_BIAS_STRIDES, 0),
-            }
+            return self._absent("score_bias", "use_score_bias", *_SCORE_BIAS_STRIDES)
         if self.on_gpu and geometry.score_bias_family() != geometry.DECODE_FP8_KERNEL_FAMILY:
             raise ValueError(
                 f"score_bias: the kernels' dense score bias has not run on a GPU yet; set "
@@ -852,12 +862,9 @@ class KernelBackend:
         2M + 1] or [batch, heads, 2M + 1], checked by the public call), its batch stride (0: one
         table per head) and M, or a one-element stand-in the kernels do not read."""
         if table is None:
-            return {
-                "rel_bias": self.xp.zeros(1, self.xp.float32),
-                "use_rel_bias": 0,
-                "rel_bias_batch_stride": 0,
-                "rel_max_distance": 0,
-            }
+            return self._absent(
+                "rel_bias", "use_rel_bias", "rel_bias_batch_stride", "rel_max_distance"
+            )
         table = self.xp.ascontiguousarray(table)
         return {
             "rel_bias": table,
@@ -871,11 +878,7 @@ class KernelBackend:
         [batch, heads], checked by the public call) and their batch stride, or a one-element
         stand-in the kernels do not read."""
         if slopes is None:
-            return {
-                "alibi_slopes": self.xp.zeros(1, self.xp.float32),
-                "use_alibi": 0,
-                "alibi_batch_stride": 0,
-            }
+            return self._absent("alibi_slopes", "use_alibi", "alibi_batch_stride")
         slopes = self.xp.ascontiguousarray(slopes)
         stride = 0 if slopes.ndim == 1 else slopes.shape[1]
         return {"alibi_slopes": slopes, "use_alibi": 1, "alibi_batch_stride": stride}
@@ -885,12 +888,9 @@ class KernelBackend:
         (checked by the public call) made contiguous and its element strides (head 0 for one
         row per batch), or a one-element stand-in the kernels do not read."""
         if key_bias is None:
-            return {
-                "key_bias": self.xp.zeros(1, self.xp.float32),
-                "use_key_bias": 0,
-                "key_bias_batch_stride": 0,
-                "key_bias_head_stride": 0,
-            }
+            return self._absent(
+                "key_bias", "use_key_bias", "key_bias_batch_stride", "key_bias_head_stride"
+            )
         key_bias = self.xp.ascontiguousarray(key_bias)
         n_k = key_bias.shape[-1]
         heads = key_bias.shape[1] if key_bias.ndim == 3 else 1
@@ -968,23 +968,14 @@ class KernelBackend:
                 result = self._backward_sm90(saved, dlse, layout, scale, shape, dtype)
                 if result is not None:
                     return result
-            dout_strides = self._strides("dout", dout)
-            strides = {**self._strides("q", q), **self._strides("k", k), **self._strides("v", v)}
-            strides.update(dout_strides)
+            named = {"q": q, "k": k, "v": v, "dout": dout}
+            strides = {
+                stride: value
+                for name, x in named.items()
+                for stride, value in self._strides(name, x).items()
+            }
             per_head = (head_dim, dtype, batch, heads)
-            delta = self.output((batch, heads, n_q), xp.float32)
-            # The kernel reads dlse only when use_dlse: a one-element stand-in otherwise.
-            dlse = xp.ascontiguousarray(dlse) if use_dlse else xp.zeros(1, xp.float32)
-            self.launch(
-                KernelConfig("attn_bwd_preprocess", *per_head, n_q),
-                out=out,
-                dout=dout,
-                dlse=dlse,
-                delta=delta,
-                n_q=n_q,
-                use_dlse=int(use_dlse),
-                **dout_strides,
-            )
+            delta = self._delta(out, dout, dlse, head_dim, dtype)
             dq = self.output(q.shape, q.dtype)
             # dK, dV per query head; with kv_group == 1 that is already k's shape.
             dk, dv = (self.output((batch, heads, n_k, head_dim), q.dtype) for _ in range(2))
@@ -1202,17 +1193,7 @@ class KernelBackend:
             use_slot_pos=1,
         )
         return self._decode_launch(
-            q,
-            k_pages,
-            v_pages,
-            book,
-            walk,
-            chosen,
-            call,
-            keep_scores,
-            resident_ctas,
-            gqa,
-            fp8,
+            q, k_pages, v_pages, book, walk, chosen, call, keep_scores, resident_ctas, gqa, fp8
         )
 
     def decode_block_table(
@@ -1306,18 +1287,9 @@ class KernelBackend:
             head_rows=head_rows,
             use_slot_pos=0,
         )
+        no_scores = False  # a caller's own table keeps no per-token scores
         out, lse, _ = self._decode_launch(
-            q,
-            k_pages,
-            v_pages,
-            book,
-            walk,
-            chosen,
-            call,
-            False,
-            resident_ctas,
-            gqa,
-            fp8,
+            q, k_pages, v_pages, book, walk, chosen, call, no_scores, resident_ctas, gqa, fp8
         )
         return out, lse
 

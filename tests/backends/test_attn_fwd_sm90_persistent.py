@@ -584,3 +584,50 @@ def test_head_dim_256_keeps_attn_fwd_sm90(monkeypatch):
     (out, lse), names = forward_launches(monkeypatch, "sm90a-persistent", q, k, v, layout, 0.1)
     assert names == ["attn_fwd_sm90<64, 64, 256, __nv_bfloat16, MASK_CAUSAL>"]
     check_forward(out, lse, q, k, v, layout, 0.1, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["longformer", "bigbird"])
+def test_on_the_gpu_split_rows_merge_to_the_oracle(mode, monkeypatch):
+    """What a GPU run must pass before the persistent forward can be the sm_90 default: a
+    layout whose global rows geometry's own threshold splits, through the cuda backend (the
+    persistent launch, then the merge's), against the float64 oracle; the rows no chunk splits
+    bit for bit attn_fwd_sm90's on the same GPU."""
+    from cuattn.backends import cuda
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU (H100, H200)")
+    block, blocks, head_dim, dtype = 64, 40, 128, "bfloat16"
+    options = {"local_attn_ctx": block} if mode == "longformer" else {}
+    layout = make_layout(mode, blocks * block, 2, block, causal=False, **options)
+    q, k, v = random_inputs(layout, 2, 1, head_dim, dtype, 23)
+    work = geometry.sm90_work_list(layout.blocks, 2, layout.n_ctx, head_dim, dtype, 2, block)
+    assert work.merges, "the layout's global rows must be split"
+    scale = head_dim**-0.5
+    names = []
+    launch = cuda.CudaBackend.launch
+
+    def spy(self, config, **values):
+        names.append(config.kernel)
+        return launch(self, config, **values)
+
+    monkeypatch.setattr(cuda.CudaBackend, "launch", spy)
+    results = {}
+    for family in ("sm90a-persistent", "sm90a"):
+        monkeypatch.setenv(geometry.KERNELS_ENV, family)
+        gpu = [cupy.asarray(x) for x in (q, k, v)]
+        out, lse = cuda.CudaBackend().forward(*gpu, AttentionCall(layout, scale))
+        results[family] = cupy.asnumpy(out), cupy.asnumpy(lse)
+    assert names[:2] == [geometry.SM90_FWD_PERSISTENT, geometry.SM90_FWD_MERGE], names
+    out, lse = results["sm90a-persistent"]
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    check_forward(out, lse, q, k_full, v_full, layout, scale, dtype)
+    split = split_rows(work, layout, 2)
+    ref_out, ref_lse = results["sm90a"]
+    np.testing.assert_array_equal(out[~split].view(np.uint16), ref_out[~split].view(np.uint16))
+    np.testing.assert_array_equal(lse[~split], ref_lse[~split])

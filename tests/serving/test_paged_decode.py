@@ -533,3 +533,57 @@ def test_fp8_refusals(monkeypatch):
         lens16,
         k_scale=1.0,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [geometry.DECODE_SPLIT_FAMILY, geometry.DECODE_GQA_FAMILY])
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "t_q", "heads"),
+    [("bfloat16", 16, 1, 4), ("float16", 64, 3, 8), ("bfloat16", 1, 2, 2)],
+)
+def test_on_the_gpu(family, dtype, block_size, t_q, heads, monkeypatch):
+    """The interpreter's cases on CuPy arrays (NaN in every block and slot no sequence reads),
+    both kernel families, against the float64 oracle: what a GPU run must pass before
+    paged_decode's launches are trusted there."""
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    monkeypatch.setenv(geometry.DECODE_ENV, family)
+    rng = np.random.default_rng(block_size * 10 + t_q)
+    q, k, v, table, lens = _case(rng, dtype, heads=heads, t_q=t_q, block_size=block_size)
+    args = [cupy.asarray(x) for x in (q, k, v, table, lens)]
+    out, lse = cuattn.paged_decode(*args, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
+    want, want_lse = oracle(q, k, v, table, lens)
+    _assert_close(cupy.asnumpy(out), want, dtype, cupy.asnumpy(lse), want_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", fp8.FP8_DTYPES)
+def test_fp8_pages_on_the_gpu(kv_dtype, monkeypatch):
+    """fp8 codes with a scale per block on CuPy arrays, both kernel families (opt-in: never run
+    on a GPU before), against the oracle over the dequantised values."""
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    monkeypatch.setenv(geometry.DECODE_FP8_ENV, geometry.DECODE_FP8_KERNEL_FAMILY)
+    rng = np.random.default_rng(22)
+    q, (kc, vc), scales, table, lens = _fp8_case(rng, kv_dtype, per_block=True)
+    want, want_lse = oracle(q, *_dequantised((kc, vc), scales, kv_dtype), table, lens)
+    for family in (geometry.DECODE_SPLIT_FAMILY, geometry.DECODE_GQA_FAMILY):
+        monkeypatch.setenv(geometry.DECODE_ENV, family)
+        arrays = [cupy.asarray(x) for x in (q, kc, vc, table, lens)]
+        out, lse = cuattn.paged_decode(
+            *arrays,
+            return_lse=True,
+            kv_dtype=kv_dtype,
+            k_scale=cupy.asarray(scales[0]),
+            v_scale=cupy.asarray(scales[1]),
+        )
+        _assert_close(cupy.asnumpy(out), want, "bfloat16", cupy.asnumpy(lse), want_lse)

@@ -154,7 +154,8 @@ for name in $STEPS; do
       step gpu-tests-optin-persistent-fp8 "$OPTIN_S" "$PY" -m pytest -m gpu -v -rfE \
         -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-optin-persistent-fp8.xml" \
         tests/backends/test_cuda_kernels.py tests/backends/test_attn_fwd_sm90_persistent.py \
-        tests/serving/test_decode_fp8.py tests/backends/test_score_bias.py
+        tests/serving/test_decode_fp8.py tests/serving/test_paged_decode.py \
+        tests/backends/test_score_bias.py
       if [ -n "$SANITIZER" ]; then
         step memcheck-optin-persistent "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
           --error-exitcode 1 "$PY" scripts/sanitize_launch.py

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from cuattn import backends as _backends
-from cuattn._util import stable_kind
+from cuattn._util import host_array, stable_kind
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import (
@@ -93,6 +93,11 @@ def _check(q: Any, cache: KVCache, scale: Any) -> float:
             f"1 <= t_q <= the shortest sequence ({shortest} tokens appended)"
         )
     cache._check_device("q", q)
+    return decode_scale(scale, head_dim)
+
+
+def decode_scale(scale: Any, head_dim: int) -> float:
+    """A decode call's score scale: a real number, or None for 1 / sqrt(head_dim)."""
     if scale is None:
         return float(head_dim) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
@@ -130,7 +135,7 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
     table = cache.pages(b, h)
     lo, hi = cache.key_min[xp.asarray(table)], cache.key_max[xp.asarray(table)]
     bound = _page_bounds(xp, q_group.astype(xp.float32), lo, hi)  # [g, t_q, pages]
-    bound = np.asarray(bound.get() if xp is not np else bound)
+    bound = host_array(bound)
     newest = (length - 1) // cache.page_size
     chosen = np.zeros(bound.shape, dtype=bool)
     chosen[..., newest] = True
@@ -362,7 +367,7 @@ def reference_decode(qb: Any, cache: KVCache, call: AttentionCall) -> tuple[Any,
             if scores:
                 # a NaN probability (a NaN row) adds nothing: the scores stay finite
                 mass = xp.where(xp.isnan(prob), 0.0, prob).sum(axis=(0, 1))
-                mass = mass.get() if xp is not np else mass
+                mass = host_array(mass)
                 cache.slot_score[pages, offsets] += mass
     return out.astype(qb.dtype), lse
 
@@ -393,7 +398,7 @@ def reference_rows(
     seed = mods.dropout_seed
     if operands.dropout_seed is not None:  # the reference reads the key on the host
         words = operands.dropout_seed
-        seed = seed_of(words.get() if xp is not np else words)
+        seed = seed_of(host_array(words))
     batch, heads = int(qb.shape[0]), int(qb.shape[1])
     keys, values = keys.astype(acc), values.astype(acc)
     s = (qb[b, heads_of].astype(acc) @ keys.T) * scale  # [g, t_q, n]

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 from cuattn import backends as _backends
-from cuattn._util import dtype_name
+from cuattn._util import array_module, ceil_div, dtype_name, host_array
 from cuattn.adapters import dispatch, dlpack
 from cuattn.backends import geometry
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, checked_operands
 from cuattn.backends.kernels import KernelBackend
 from cuattn.serving import fp8
 from cuattn.serving.cache import FP8_INPUT_DTYPES
-from cuattn.serving.decode import _quiet_specials, _resident_ctas, reference_rows
+from cuattn.serving.decode import _quiet_specials, _resident_ctas, decode_scale, reference_rows
 
 __all__ = ["paged_decode"]
 
@@ -114,7 +114,7 @@ def _check_table(xp: Any, table: Any, lens: Any, num_blocks: int, block_size: in
     every entry a sequence reads (the first ceil(length / block_size) of its row) a block of
     k_pages. Reads the B lengths and one flag back to the host (the first bad entry's place
     when there is one). Returns the lengths (host int64)."""
-    host_lens = np.asarray(lens.get() if xp is not np else lens).astype(np.int64)
+    host_lens = host_array(lens).astype(np.int64)
     max_blocks = int(table.shape[1])
     room = max_blocks * block_size
     wrong = np.flatnonzero((host_lens < 0) | (host_lens > room))
@@ -124,13 +124,13 @@ def _check_table(xp: Any, table: Any, lens: Any, num_blocks: int, block_size: in
             f"seq_lens[{b}] = {int(host_lens[b])}; a length must be in [0, max_blocks * "
             f"block_size = {max_blocks} * {block_size} = {room}] (block_table's room)"
         )
-    used = xp.arange(max_blocks)[None, :] < xp.asarray(-(-host_lens // block_size))[:, None]
+    used = xp.arange(max_blocks)[None, :] < xp.asarray(ceil_div(host_lens, block_size))[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
-        b, j = (int(i) for i in np.argwhere(np.asarray(bad.get() if xp is not np else bad))[0])
+        b, j = (int(i) for i in np.argwhere(host_array(bad))[0])
         raise ValueError(
             f"block_table[{b}, {j}] = {int(table[b, j])}, a block sequence {b} reads (its "
-            f"{int(host_lens[b])} tokens use its first {-(-int(host_lens[b]) // block_size)} "
+            f"{int(host_lens[b])} tokens use its first {ceil_div(int(host_lens[b]), block_size)} "
             f"entries); block ids must be in [0, num_blocks = {num_blocks})"
         )
     return host_lens
@@ -184,14 +184,6 @@ def _page_scales(
     return xp.ascontiguousarray(array)
 
 
-def _scale(scale: Any, head_dim: int) -> float:
-    if scale is None:
-        return float(head_dim) ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    return float(scale)
-
-
 @_quiet_specials
 def reference_paged(
     qb: Any,
@@ -208,15 +200,15 @@ def reference_paged(
     reference); fp8 pages (``scales``: k_scale, v_scale float32 [num_blocks], kv_dtype) read
     as their codes' values times their block's scale, as the kernels read them. Returns (out
     like q, lse float32, float64 for float64)."""
-    xp = np if isinstance(qb, np.ndarray) else _backends.array_module(qb)
+    xp = array_module(qb)
     batch, heads, t_q, head_dim = (int(d) for d in qb.shape)
     block_size, kv_heads = int(k_pages.shape[1]), int(k_pages.shape[2])
     group = heads // kv_heads
     acc = xp.float64 if dtype_name(qb.dtype) == "float64" else xp.float32
     out = xp.zeros((batch, heads, t_q, head_dim), dtype=acc)
     lse = xp.full((batch, heads, t_q), -np.inf, dtype=acc)
-    host_table = np.asarray(table.get() if xp is not np else table)
-    host_chosen = None if chosen is None else np.asarray(chosen.get() if xp is not np else chosen)
+    host_table = host_array(table)
+    host_chosen = None if chosen is None else host_array(chosen)
     for b in range(batch):
         length = int(host_lens[b])
         if length == 0:
@@ -342,13 +334,13 @@ def paged_decode(
             "q requires a gradient, which paged_decode does not compute (an inference call); "
             "call it under torch.no_grad() or outside jax transformations"
         )
-    scale = _scale(scale, head_dim)
+    scale = decode_scale(scale, head_dim)
     mods = ScoreMods.from_arguments(softcap)
     mods, seed_words = dispatch.dropout_mods(mods, q, dropout_p, dropout_seed)
     impl = _backends.resolve_backend(backend, on_device=info.device == "cuda")
     with dlpack.stream_for(info), dlpack.on_device(info):
         arrays = {name: dlpack.to_backend(x, info, name) for name, x in named.items()}
-        xp = _backends.array_module(arrays["q"])
+        xp = array_module(arrays["q"])
         host_lens = _check_table(
             xp, arrays["block_table"], arrays["seq_lens"], num_blocks, block_size
         )

@@ -1,7 +1,8 @@
 """The package's layers, read from its imports (docs/design.md): CuPy is imported only by the
 backends and the adapters; torch and jax only by the adapters and the modules that exist for
-them (the torch modules, the drop-ins, the context-parallel ring, the bench harness); and no
-two modules of cuattn import each other, directly or through others."""
+them (the torch modules, the drop-ins, the context-parallel ring, the bench harness), never
+below adapters/; and no two modules of cuattn import each other, directly or through
+others."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ CUPY_HOMES = ("cuattn/backends/", "cuattn/adapters/")
 # Modules whose job is one framework's: torch modules, the transformers/DeepSpeed/SDPA drop-ins,
 # the context-parallel ring over torch.distributed, the bench harness timing torch's peers.
 FRAMEWORK_HOMES = (
-    *CUPY_HOMES,
+    "cuattn/adapters/",
     "cuattn/compat/",
     "cuattn/nn.py",
     "cuattn/sdpa.py",

@@ -1,6 +1,7 @@
-"""The XLA backend: KernelBackend's launch sequences staged into a jax program, one XLA custom
-call per kernel launch (the jax-facing side, vmap and tracing for CUDA, is
-cuattn/adapters/jax_xla.py).
+"""What one XLA custom call that launches a kernel carries, written without jax: its PTX and
+the protobuf of its ``opaque`` attribute. The XLA backend that stages KernelBackend's launch
+sequences as these calls is jax's, in cuattn/adapters/jax_xla.py (nothing below adapters/
+knows jax, docs/design.md).
 
 Under ``jax.jit`` there is no buffer to hand the CuPy backend; instead each kernel launch of
 backends/kernels.py's launch sequences is staged into the program as one custom call to
@@ -41,23 +42,17 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
-
 from cuattn.backends import geometry
-from cuattn.backends.call import AttentionCall
 from cuattn.backends.geometry import KernelConfig
-from cuattn.backends.kernels import COPY_ALIGNMENT, LAYOUT_FIELDS, KernelBackend
+from cuattn.backends.kernels import COPY_ALIGNMENT
 from cuattn.backends.toolchain import (
     CUPY_IMPLICIT_OPTIONS,
     common_options,
     kernel_program,
     ptx_arch_option,
 )
-from cuattn.layout.device import DeviceLayout
-from cuattn.layout.layout import Layout
 
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
 # Every buffer the kernels read or write starts 16-byte aligned (cp.async, ldmatrix); XLA's
@@ -338,205 +333,3 @@ def kernel_call_opaque(
     )
     call = kernel_call_message(kernel, config.grid, parameters)
     return zlib.compress(any_kernel_call_message(call, CALL_NAME_PREFIX + config.name_expression))
-
-
-# ---- the backend ----------------------------------------------------------------------------
-
-
-class _Pending:
-    """An output buffer not written yet: its launch makes it an aliased operand and binds the
-    call's result to ``value``, which later launches read and the caller gets back. ``zeroed``:
-    the launch writes part of it, the rest is 0."""
-
-    __slots__ = ("shape", "dtype", "value", "zeroed")
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any, zeroed: bool = False) -> None:
-        self.shape = tuple(int(n) for n in shape)
-        self.dtype = np.dtype(dtype)
-        self.value: Any = None
-        self.zeroed = zeroed
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get(self) -> Any:
-        if self.value is None:
-            raise AssertionError(f"output {self.shape} {self.dtype} was never written by a launch")
-        return self.value
-
-
-@dataclass(frozen=True)
-class _Described:
-    """Shape, dtype and (contiguous) byte strides of a traced array, for the stride checks."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    strides: tuple[int, ...]
-
-
-def contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Row-major byte strides: a jit operand's buffer (jax.ffi.ffi_call's default layout)."""
-    strides, step = [], itemsize
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
-
-
-def _described(x: Any) -> _Described:
-    dtype = np.dtype(x.dtype)
-    return _Described(tuple(x.shape), dtype, contiguous_strides(tuple(x.shape), dtype.itemsize))
-
-
-# What the shared launch sequences use of an array module: outputs of the backward's
-# ascontiguousarray are the operands themselves (a jit operand is contiguous); zeros is the
-# stand-in for an optional operand the kernel does not read.
-def _zeros(shape: Any, dtype: Any) -> Any:
-    import jax.numpy as jnp
-
-    return jnp.zeros(shape, dtype)
-
-
-_XP = SimpleNamespace(
-    float32=np.float32, uint32=np.uint32, ascontiguousarray=lambda x: x, zeros=_zeros
-)
-
-
-class XlaBackend(KernelBackend):
-    """KernelBackend's launch sequences on traced jax arrays: one custom call per launch."""
-
-    name = "xla"
-    array_kind = "jax arrays"
-    on_gpu = True  # staged for a CUDA device: GPU-only kernel variants stay opt-in here too
-
-    def __init__(self, compute_capability: int) -> None:
-        ptx_arch_option(compute_capability)  # validates
-        self.compute_capability = compute_capability
-
-    @property
-    def xp(self) -> Any:
-        return _XP
-
-    def is_array(self, x: Any) -> bool:
-        import jax
-
-        return isinstance(x, (jax.Array, _Pending))
-
-    def data_address(self, x: Any) -> int:
-        # No address at trace time; XLA's buffers are at least 16-byte aligned, and every
-        # pointer parameter asks the handler to check that (PTR_DIVISIBILITY) before launching.
-        return 0
-
-    def output(self, shape: tuple[int, ...], dtype: Any) -> _Pending:
-        return _Pending(shape, dtype)
-
-    def zeroed_output(self, shape: tuple[int, ...], dtype: Any) -> _Pending:
-        return _Pending(shape, dtype, zeroed=True)
-
-    def index_arrays(self, layout: Layout) -> SimpleNamespace:
-        import jax.dlpack
-        import jax.numpy as jnp
-
-        if isinstance(layout, DeviceLayout):
-            if layout.device is None:
-                raise ValueError(
-                    "layout: a DeviceLayout built on the CPU, but this jax program runs on a "
-                    "CUDA GPU; build the layout from the jax arrays on the GPU"
-                )
-            arrays = vars(layout.kernel_arrays())  # shared with XLA, not copied
-            return SimpleNamespace(**{k: jax.dlpack.from_dlpack(v) for k, v in arrays.items()})
-        fields = {}
-        for name in LAYOUT_FIELDS:
-            host = np.ascontiguousarray(getattr(layout, name))
-            if not host.size:  # the kernels take a valid pointer (cuda_runtime._MIN_ELEMENTS)
-                host = np.zeros(1, host.dtype)
-            fields[name] = jnp.asarray(host)
-        return SimpleNamespace(**fields)
-
-    def _check_strides(self, arrays: dict[str, Any]) -> None:
-        super()._check_strides({name: _described(x) for name, x in arrays.items()})
-
-    @staticmethod
-    def _strides(name: str, x: Any) -> dict[str, int]:
-        return KernelBackend._strides(name, _described(x))
-
-    def launch(self, config: KernelConfig, **values: Any) -> None:
-        import jax
-        import jax.numpy as jnp
-
-        operands: list[Any] = []
-        parameters: list[bytes] = []
-        aliases: dict[int, int] = {}
-        written: list[_Pending] = []
-        for name, kind in config.args:
-            value = values[name]
-            if kind != "ptr":
-                parameters.append(create_scalar_parameter(value, SCALAR_KINDS[kind]))
-                continue
-            if isinstance(value, _Pending):
-                if value.value is None:  # written by this launch: an aliased output
-                    aliases[len(operands)] = len(written)
-                    written.append(value)
-                    value = (jnp.zeros if value.zeroed else jnp.empty)(value.shape, value.dtype)
-                else:  # written by an earlier launch
-                    value = value.value
-            operands.append(value)
-            parameters.append(create_array_parameter())
-        opaque = kernel_call_opaque(config, parameters, self.compute_capability)
-        shapes = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in written]
-        results = self.emit(config, operands, aliases, shapes, opaque)
-        for pending, result in zip(written, results, strict=True):
-            pending.value = result
-
-    def emit(
-        self,
-        config: KernelConfig,
-        operands: list[Any],
-        aliases: dict[int, int],
-        results: list[Any],
-        opaque: bytes,
-    ) -> list[Any]:
-        """Stage one launch: the custom call, its results the aliased operands once written.
-        (Tests replace this with a host callback that runs the kernel interpreter.)"""
-        import jax
-
-        call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=aliases)
-        return call(*operands, opaque=opaque)
-
-    def forward(self, q: Any, k: Any, v: Any, call: AttentionCall) -> tuple[Any, Any]:
-        out, lse = super().forward(q, k, v, call)
-        return out.get(), lse.get()
-
-    def backward(self, q, k, v, out, lse, dout, dlse, call):
-        grads = super().backward(q, k, v, out, lse, dout, dlse, call)
-        return tuple(g.get() if isinstance(g, _Pending) else g for g in grads)
-
-    def _slopes_gradient(self, rows: Any, slopes_ndim: int) -> Any:
-        # the rows are the dQ launch's result, a jax array once that launch is staged
-        return super()._slopes_gradient(rows.get(), slopes_ndim)
-
-    def _key_bias_gradient(self, rows: Any, bias_ndim: int) -> Any:
-        return super()._key_bias_gradient(rows.get(), bias_ndim)
-
-    def _rel_bias_gradient(self, rows: Any, table_ndim: int) -> Any:
-        return super()._rel_bias_gradient(rows.get(), table_ndim)
-
-    def _score_bias_operand(self, bias: Any) -> tuple[Any, tuple[int, ...]]:
-        # a jit operand is its own contiguous buffer: the whole of it, read at its shape's
-        # row-major strides (0 along a broadcast axis: _score_bias_values)
-        return bias, contiguous_strides(tuple(bias.shape), 1)
-
-    def _score_bias_gradient(self, rows: Any, by_key: bool, bias: Any) -> Any:
-        return super()._score_bias_gradient(rows.get(), by_key, bias)
-
-    def merge_states(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
-        raise NotImplementedError("merge_attention_states is not staged into jax programs yet")
-
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("paged decode is not staged into jax programs yet")
-
-
-@functools.cache
-def backend_for(compute_capability: int) -> XlaBackend:
-    return XlaBackend(compute_capability)

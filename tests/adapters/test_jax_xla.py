@@ -536,7 +536,7 @@ def test_ptx_assembles_for_the_handlers_target(tmp_path):
 ZEROED_OUTPUTS = {"rel_bias_grad", "score_bias_grad", "work_counter", "dq_accum", "semaphores"}
 
 
-class _Interpreted(xla.XlaBackend):
+class _Interpreted(jax_xla.XlaBackend):
     """The staged program run on the CPU: each launch, instead of the custom call, is a host
     callback that decodes the launch's protobuf and runs the kernel interpreter with the
     decoded scalars on the operands in order, outputs poisoned with NaN first (those the program

@@ -268,7 +268,7 @@ def test_the_cuda_runtime_builds_an_sm90a_cubin_and_loads_it_from_disk(monkeypat
 def test_jax_s_xla_path_keeps_the_mma_forward():
     """Its custom calls carry PTX for the device's plain architecture, which has no wgmma."""
     pytest.importorskip("jax")
-    from cuattn.backends.xla import XlaBackend
+    from cuattn.adapters.jax_xla import XlaBackend
 
     assert not XlaBackend(90).runs_sm90a(None)
     assert interp.backend.runs_sm90a(None)

@@ -251,6 +251,7 @@ def paged_decode(
     dropout_p: float = 0.0,
     dropout_seed: int | Any | None = None,
     backend: str | None = None,
+    check_table: bool = True,
 ) -> Any:
     """Decode attention of each sequence's newest queries over a paged KV cache the caller
     owns, in vLLM's and FlashAttention's ``block_table`` layout.
@@ -303,6 +304,13 @@ def paged_decode(
         dropout_seed: its seed, as in :func:`cuattn.decode_attention`.
         backend: "numpy" (the reference; default for CPU arrays), "interp" (the decode
             kernels on the CPU) or "cuda" (default for CUDA arrays).
+        check_table: True (default): seq_lens and the block ids a sequence reads are checked
+            before any launch, which reads them back to the host (a synchronisation each call).
+            False, for an engine that calls once a layer and vouches for its table (as vLLM's
+            and FlashAttention's kernels assume): nothing is read back; each length is clamped
+            to the table's room (max_blocks * block_size) on the device, a block id outside
+            [0, num_blocks) that a sequence reads is undefined behaviour, and a key_bias must
+            cover the table's room. The NumPy backend checks either way.
 
     Returns:
         out like q ([batch, heads, t_q, head_dim], q's dtype and kind of array); with
@@ -321,8 +329,12 @@ def paged_decode(
 
     Example:
         >>> out = cuattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens)
+        >>> for layer in range(num_layers):  # table checked by the caller: no sync per layer
+        ...     out = cuattn.paged_decode(q, k[layer], v[layer], table, lens, check_table=False)
     """
     sizes = _check_shapes(q, k_pages, v_pages, block_table, seq_lens, kv_dtype)
+    if not isinstance(check_table, bool):
+        raise TypeError(f"check_table must be True or False, got {check_table!r}")
     batch, heads, t_q, head_dim, num_blocks, block_size, kv_heads, max_blocks = sizes
     named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
     named.update(block_table=block_table, seq_lens=seq_lens)
@@ -341,10 +353,14 @@ def paged_decode(
     with dlpack.stream_for(info), dlpack.on_device(info):
         arrays = {name: dlpack.to_backend(x, info, name) for name, x in named.items()}
         xp = array_module(arrays["q"])
-        host_lens = _check_table(
-            xp, arrays["block_table"], arrays["seq_lens"], num_blocks, block_size
-        )
-        longest = int(host_lens.max(initial=0))
+        trusted = not check_table and isinstance(impl, KernelBackend)
+        if trusted:  # nothing read back: the longest a sequence can be is the table's room
+            host_lens, longest = None, max_blocks * block_size
+        else:
+            host_lens = _check_table(
+                xp, arrays["block_table"], arrays["seq_lens"], num_blocks, block_size
+            )
+            longest = int(host_lens.max(initial=0))
         given = ScoreOperands(alibi_slopes, key_bias, rel_bias, dropout_seed=seed_words)
         checked_operands(q, (batch, heads, t_q, longest), given, covering=True)
         call = AttentionCall(None, scale, return_lse=bool(return_lse), backend=backend, mods=mods)
@@ -369,6 +385,8 @@ def paged_decode(
             dtype = kv_dtype or dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
             gqa = geometry.decode_gqa_applies(head_dim, dtype, mods.any, False, scale)
             lengths = xp.asarray(arrays["seq_lens"], dtype=xp.int64)
+            if trusted:  # the kernels then never walk past a table row
+                lengths = xp.clip(lengths, 0, max_blocks * block_size)
             resident = _resident_ctas(impl, head_dim, dtype, gqa)
             out, lse = impl.decode_block_table(
                 qb, kb, vb, table, lengths, chosen, call, resident, gqa=gqa, fp8=scales

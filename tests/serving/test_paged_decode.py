@@ -11,7 +11,7 @@ import pytest
 import cuattn
 from cuattn.backends import geometry
 from cuattn.backends.interp import InterpBackend
-from cuattn.serving import decode, fp8
+from cuattn.serving import decode, fp8, paged
 
 HEAD_DIM = 32
 TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 2e-2}
@@ -587,3 +587,71 @@ def test_fp8_pages_on_the_gpu(kv_dtype, monkeypatch):
             v_scale=cupy.asarray(scales[1]),
         )
         _assert_close(cupy.asnumpy(out), want, "bfloat16", cupy.asnumpy(lse), want_lse)
+
+
+def test_a_trusted_table_is_not_read_back(monkeypatch):
+    """check_table=False: no check reads the table or the lengths (the synchronisation an
+    engine pays each layer otherwise), the kernels give the checked call's bits, and a length
+    past the table's room reads the room instead of walking past the row."""
+    rng = np.random.default_rng(7)
+    q, k, v, table, lens = _case(rng, "bfloat16", t_q=2, lens=(37, 20))
+    want, want_lse = cuattn.paged_decode(q, k, v, table, lens, return_lse=True, backend="interp")
+
+    def no_check(*args, **kwargs):
+        raise AssertionError("check_table=False read the table back")
+
+    monkeypatch.setattr(paged, "_check_table", no_check)
+    got, got_lse = cuattn.paged_decode(
+        q, k, v, table, lens, return_lse=True, backend="interp", check_table=False
+    )
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert np.array_equal(got_lse, want_lse)
+
+    room = table.shape[1] * 16
+    full = table.copy()
+    full[0, -1] = table[1, 0]  # a real block in the row's spare entry
+    # every slot of the room is read: no NaN in them (nan_to_num skips bfloat16)
+    k, v = (np.where(np.isnan(x.astype(np.float32)), 0.5, x).astype(x.dtype) for x in (k, v))
+    kept, kept_lse = cuattn.paged_decode(
+        q,
+        k,
+        v,
+        full,
+        np.array([room, 20], np.int32),
+        return_lse=True,
+        backend="interp",
+        check_table=False,
+    )
+    past, past_lse = cuattn.paged_decode(
+        q,
+        k,
+        v,
+        full,
+        np.array([room + 1000, 20], np.int32),
+        return_lse=True,
+        backend="interp",
+        check_table=False,
+    )
+    assert not np.isnan(np.asarray(kept, np.float64)).any()
+    assert np.array_equal(np.asarray(past).view(np.uint16), np.asarray(kept).view(np.uint16))
+    assert np.array_equal(past_lse, kept_lse)
+
+
+def test_the_reference_checks_a_trusted_table_too(monkeypatch):
+    rng = np.random.default_rng(8)
+    q, k, v, table, lens = _case(rng, "float16")
+    bad = table.copy()
+    bad[0, 0] = k.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\]"):
+        cuattn.paged_decode(q, k, v, bad, lens, backend="numpy", check_table=False)
+    _refused(
+        monkeypatch,
+        TypeError,
+        "check_table must be True or False",
+        q,
+        k,
+        v,
+        table,
+        lens,
+        check_table="no",
+    )

@@ -78,6 +78,11 @@ PASSKEY_CONFIG = TinyConfig(
 )
 PASSKEY_SHARES = (0.1, 0.25, 0.5, 0.75)
 PASSKEY_POLICIES = ("sliding", "streaming", "h2o", "quest", "snapkv", "ada-snapkv")
+# the long tasks' full cache again with pages narrower than the model's float32: bfloat16, and
+# fp8 codes with a scale per page (the model's keys and values rounded to bfloat16 first)
+NARROW_KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+FP8_SCALE_BYTES = 8  # an fp8 page's float32 key and value scales
 # --task copy and recall: context 512, as the passkey, trained until a held-out check passes
 # STOP_MATCH (longtasks.train_task's stop_at) or the steps run out. In trials at 512 (seed 0, one
 # core beside other work) copy's held-out exact match (64 prompts) was 0.73-0.80 at steps
@@ -289,9 +294,11 @@ def answer_prompts(
     config: TinyConfig,
     policy_name: str | None,
     budget: int,
+    kv_dtype: str = "float32",
 ) -> tuple[np.ndarray, float, float]:
     """Greedy answers [count, answer_len] to ``prompts`` through a KVCache per layer under the
-    policy (None: the full cache), the kept KV bytes per prompt at the end (all layers), and
+    policy (None: the full cache) with pages of ``kv_dtype``, the kept KV bytes per prompt at
+    the end (all layers; an fp8 cache's page scales included), and
     decode tokens per second. The prompt goes in as one prefill (full attention, then the
     policy chooses; SnapKV from the prompt's queries) and its last position gives the first
     token, as in serving; every later one is a decode step over what the cache keeps. A
@@ -303,7 +310,7 @@ def answer_prompts(
             count,
             config.heads,
             config.head_dim,
-            "float32",
+            kv_dtype,
             page_size=PAGE_SIZE,
             policy=None if policy_name is None else make_policy(policy_name, budget, config.heads),
         )
@@ -323,7 +330,9 @@ def answer_prompts(
         decoded += count
     seconds = time.perf_counter() - start
     kept = sum(int((c.positions() >= 0).sum()) for c in caches) / count
-    kv_bytes = kept * config.head_dim * 4 * 2  # float32 keys and values
+    kv_bytes = kept * config.head_dim * KV_BYTES[kv_dtype] * 2  # keys and values
+    if kv_dtype not in ("float32", "bfloat16"):
+        kv_bytes += kept / PAGE_SIZE * FP8_SCALE_BYTES
     return np.stack(digits, axis=1), kv_bytes, decoded / seconds
 
 
@@ -358,15 +367,28 @@ def run_long(args: argparse.Namespace, task: longtasks.LongTask) -> int:
 
     through_hf = _through_generate(args, params, config, task, prompts, answers)
 
-    def answered(name: str | None, budget: int, label: str, budget_cell: str, share: str) -> dict:
+    def answered(
+        name: str | None,
+        budget: int,
+        label: str,
+        budget_cell: str,
+        share: str,
+        kv_dtype: str = "float32",
+    ) -> dict:
         predicted, kv_bytes, tokens_per_s = answer_prompts(
-            params, prompts, task.answer_len, config, name, budget
+            params, prompts, task.answer_len, config, name, budget, kv_dtype
         )
         cells = row(label, budget_cell, share, predicted, kv_bytes, tokens_per_s)
-        return cells | (through_hf(name, budget, predicted) if through_hf else {})
+        if not through_hf:
+            return cells
+        if kv_dtype != "float32":  # generate's cache holds the model's float32
+            return cells | {HF_ACCURACY: "-", HF_SAME: "-"}
+        return cells | through_hf(name, budget, predicted)
 
     rows = [answered(None, 0, "full cache", "-", "-")]
     full = rows[0]["accuracy"]
+    for kv_dtype in NARROW_KV_DTYPES:
+        rows.append(answered(None, 0, f"full cache, {kv_dtype} pages", "-", "-", kv_dtype))
     for share in PASSKEY_SHARES:
         budget = int(share * context)
         for name in PASSKEY_POLICIES:

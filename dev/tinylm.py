@@ -149,6 +149,16 @@ def adam_step(p: dict, state: dict, step: int, lr: float) -> None:
         t.grad = None
 
 
+def for_cache(cache: Any, x: Any) -> Any:
+    """The model's float32 ``x`` in the dtype ``cache`` takes: its own, and for fp8 pages
+    bfloat16 (the model dtype the cache quantises from; cuattn never casts silently)."""
+    if cache.quantized:
+        import ml_dtypes
+
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(cache.dtype, copy=False)
+
+
 def prefill(p: dict, idx: Any, caches: list, config: TinyConfig) -> Any:
     """Logits of every prompt position (full attention over the prompt, as the model was
     trained), with each layer's keys and values appended to its cache (the policy evicts;
@@ -163,8 +173,9 @@ def prefill(p: dict, idx: Any, caches: list, config: TinyConfig) -> Any:
                 q, k, v, heads=heads, blocksize=config.blocksize, **config.layer_modes[layer]
             )
             reads = cache.policy is not None and cache.policy.reads_queries
-            queries = cuattn.split_heads(q.data, heads) if reads else None
-            cache.append(*(cuattn.split_heads(t.data, heads) for t in (k, v)), q=queries)
+            queries = for_cache(cache, cuattn.split_heads(q.data, heads)) if reads else None
+            keys, values = (for_cache(cache, cuattn.split_heads(t.data, heads)) for t in (k, v))
+            cache.append(keys, values, q=queries)
             x = _mlp(x + a @ p[f"{layer}.wo"], p, layer)
         return (layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data
 
@@ -179,9 +190,10 @@ def step_logits(p: dict, token: Any, position: int, caches: list, config: TinyCo
         for layer, cache in enumerate(caches):
             h = layer_norm(x, p[f"{layer}.ln1.w"], p[f"{layer}.ln1.b"])
             q, k, v = (
-                cuattn.split_heads((h @ p[f"{layer}.{w}"]).data, heads) for w in ("wq", "wk", "wv")
+                for_cache(cache, cuattn.split_heads((h @ p[f"{layer}.{w}"]).data, heads))
+                for w in ("wq", "wk", "wv")
             )
             cache.append(k, v)
-            a = cuattn.merge_heads(cuattn.decode_attention(q, cache))
+            a = cuattn.merge_heads(cuattn.decode_attention(q, cache)).astype(x.data.dtype)
             x = _mlp(x + Tensor(a) @ p[f"{layer}.wo"], p, layer)
         return (layer_norm(x, p["lnf.w"], p["lnf.b"]) @ p["head"]).data[:, 0]

@@ -86,7 +86,8 @@ def test_generate_passkey_smoke(tmp_path, capsys):
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[4:]]
     table = {(r[0], r[1]): dict(zip(columns, r, strict=True)) for r in rows}
     budgets = [int(share * SMOKE_CONTEXT) for share in generate.PASSKEY_SHARES]
-    assert set(table) == {("full cache", "-")} | {
+    narrow = {(f"full cache, {d} pages", "-") for d in generate.NARROW_KV_DTYPES}
+    assert set(table) == {("full cache", "-")} | narrow | {
         (name, str(b)) for name in generate.PASSKEY_POLICIES for b in budgets
     }
     config = generate.PASSKEY_CONFIG
@@ -94,6 +95,15 @@ def test_generate_passkey_smoke(tmp_path, capsys):
     decoded = longtasks.PASSKEY_DIGITS - 1  # the answer digits fed back to the cache
     full = table[("full cache", "-")]
     assert int(full["KV bytes"]) == SMOKE_CONTEXT * per_token  # the prompt and the answer fed back
+    # narrower pages: bfloat16 half the bytes; fp8 a quarter, and a page's two float32 scales
+    half = table[("full cache, bfloat16 pages", "-")]
+    assert int(half["KV bytes"]) == SMOKE_CONTEXT * per_token // 2
+    kept = SMOKE_CONTEXT * config.heads * len(config.layer_modes)
+    scales = kept / generate.PAGE_SIZE * generate.FP8_SCALE_BYTES
+    for kv_dtype in ("float8_e4m3fn", "float8_e5m2"):
+        fp8 = table[(f"full cache, {kv_dtype} pages", "-")]
+        assert int(fp8["KV bytes"]) == int(SMOKE_CONTEXT * per_token // 4 + scales)
+        assert 0.0 <= float(fp8["accuracy"]) <= 1.0
     for budget in budgets:
         assert int(table[("sliding", str(budget))]["KV bytes"]) == budget * per_token
         assert table[("quest", str(budget))]["KV bytes"] == full["KV bytes"]  # evicts nothing
@@ -282,7 +292,7 @@ def test_generate_transformers_flag_adds_its_columns(tmp_path, capsys):
     assert columns[-2:] == [generate.HF_ACCURACY, generate.HF_SAME]
     for line in lines[4:]:
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if cells[0] in generate.STREAMED:
+        if cells[0] in generate.STREAMED or cells[0].endswith(" pages"):  # narrow pages too
             assert cells[-2:] == ["-", "-"]
         else:
             assert cells[-1] == "1.000", line  # the same answers on every prompt

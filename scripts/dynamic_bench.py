@@ -4,7 +4,9 @@ Per sequence length T: the time of cuattn.dynamic.topk_blocks, mass_threshold_bl
 vertical_slash_layout (pooling or scores, the choice, the CSR/CSC and vertical-slash's bit tables
 all on the device: a DeviceLayout, no host round trip; a vertical-slash layout whose tables would
 pass the device limit is refused and the table says so), then
-forward and forward+backward of cuattn.sparse_attention on the chosen layout, of FlexAttention
+forward and forward+backward of cuattn.sparse_attention on the chosen layout and on dense causal
+(the rate of the chosen layout's computed blocks over dense causal's, issue 53's measure: 1.0
+when time follows the active blocks), of FlexAttention
 with a BlockMask built from the same choice (compiled; `flex_mask_build_ms` is what building
 that BlockMask on the host costs a step), and of dense causal SDPA. One sequence, 16 heads,
 head dim 128, bf16, blocks of 64; top-k keeps TOPK blocks per query block.
@@ -77,6 +79,21 @@ def run(n, args, device, dtype, sync):
 
     row["cuattn_fwd_ms"] = median_ms(lambda: ours(q, k, v), sync, args.repeats)
     row["cuattn_fwd_bwd_ms"] = median_ms(lambda: _fwd_bwd(ours, q, k, v), sync, args.repeats)
+
+    causal = cuattn.make_layout("all", n, HEADS, block, causal=True)
+
+    def ours_causal(a, b, c):
+        return cuattn.sparse_attention(a, b, c, causal)
+
+    row["cuattn_causal_fwd_ms"] = median_ms(lambda: ours_causal(q, k, v), sync, args.repeats)
+    row["cuattn_causal_fwd_bwd_ms"] = median_ms(
+        lambda: _fwd_bwd(ours_causal, q, k, v), sync, args.repeats
+    )
+    # computed blocks per ms over dense causal's (the same FLOP per block): 1.0 = its rate
+    blocks = float(layout.host().nnz.sum()) / float(causal.nnz.sum())
+    for step in ("fwd", "fwd_bwd"):
+        speedup = row[f"cuattn_causal_{step}_ms"] / row[f"cuattn_{step}_ms"]
+        row[f"{step}_rate_vs_causal"] = round(blocks * speedup, 3)
 
     def sdpa(a, b, c):
         return F.scaled_dot_product_attention(a, b, c, is_causal=True)

@@ -42,6 +42,9 @@ from dev import sass
 from dev.sass_model import (
     PARTIAL_TILE_CODE,
     SM90_BWD_KIND,
+    SM90_FWD_CONSUMERS,
+    SM90_FWD_KINDS,
+    SM90_FWD_PERSISTENT_KIND,
     STATS_BYTES,
     HotSpec,
     TileModel,
@@ -87,6 +90,7 @@ class Work:
     l2_bytes: float
     warps_per_sm: int
     wgmma_flop: float = 0.0
+    dram_bytes: float = 0.0  # the sm_90a forward's (sm90_forward_work); 0: not modelled
 
     def cycles(self) -> dict[str, float]:
         """Busy cycles per SM of each resource."""
@@ -97,6 +101,7 @@ class Work:
             "shared": (self.ld_wavefronts + self.st_wavefronts)
             / (SMS * SHARED_WAVEFRONTS_PER_SM_CYCLE),
             "L2": self.l2_bytes / (L2_BYTES_PER_S / CLOCK_HZ),
+            "DRAM": self.dram_bytes / (DRAM_BYTES_PER_S / CLOCK_HZ),
         }
 
 
@@ -292,11 +297,133 @@ def sm90_backward_extra_seconds(shape: Shape) -> float:
     return elements * (2 * STATS_BYTES + shape.itemsize) / DRAM_BYTES_PER_S
 
 
+# ----------------------------------------------------------------------------------------------
+# The sm_90a forward over a dense causal layout
+
+
+@dataclass(frozen=True)
+class Sm90ForwardTiles:
+    """What one head of a dense causal layout gives the sm_90a forward: items (128 query rows:
+    attn_fwd_sm90's CTAs, attn_fwd_sm90_persistent's work items), steps (key tiles of the union
+    of an item's rows, each copied once for both consumers) and per consumer (64 rows) and step
+    whether it computes the tile (``computed``; ``partial`` of those under the mask) or skips
+    it (``skipped``: the other block's tile in a paired 64-block item, or keys past its rows)."""
+
+    items: int
+    steps: int
+    computed: int
+    partial: int
+    skipped: int
+
+    def times(self, pairs: int) -> Sm90ForwardTiles:
+        return Sm90ForwardTiles(*(pairs * x for x in dataclasses.astuple(self)))
+
+
+def sm90_forward_tiles(n_ctx: int, block: int, tile_n: int, tile_m: int = 128):
+    """Sm90ForwardTiles of one head, queries = keys = n_ctx, causal. An item walks the key
+    blocks up to its last query's (the union of its blocks' rows); a consumer skips a tile of
+    a key block past its own (paired 64-blocks) or whose first key is past its last row, and
+    computes whole one whose last key is at most its first row (not ragged)."""
+    consumer = tile_m // 2
+    items = steps = computed = partial = skipped = 0
+    for q_start in range(0, n_ctx, tile_m):
+        items += 1
+        keys = min((min(q_start + tile_m, n_ctx) - 1) // block * block + block, n_ctx)
+        for k0 in range(0, keys, tile_n):
+            k1 = k0 + tile_n - 1
+            steps += 1
+            for g0 in (q_start, q_start + consumer):
+                g1 = min(g0 + consumer, n_ctx) - 1
+                own_block = g0 // block if block < tile_m else q_start // block
+                if g0 >= n_ctx or k0 // block > own_block or k0 > g1:
+                    skipped += 1
+                    continue
+                computed += 1
+                partial += not (k1 <= g0 and k1 < n_ctx and g0 + consumer <= n_ctx)
+    return Sm90ForwardTiles(items, steps, computed, partial, skipped)
+
+
+def sm90_forward_tiles_of(model: TileModel, shape: Shape) -> Sm90ForwardTiles:
+    spec = model.spec
+    one = sm90_forward_tiles(shape.n_ctx, spec.block, spec.tile_n, spec.tile_m)
+    return one.times(shape.pairs)
+
+
+def sm90_forward_compulsory_dram(shape: Shape) -> float:
+    """Bytes the sm_90a forward must move through DRAM: q, k, v read once, out and lse
+    written once."""
+    elements = shape.pairs * shape.n_ctx * shape.head_dim
+    return 4 * elements * shape.itemsize + shape.pairs * shape.n_ctx * STATS_BYTES
+
+
+def sm90_forward_work(model: TileModel, shape: Shape, dram_bytes: float | None = None) -> Work:
+    """attn_fwd_sm90 (or _persistent) over a dense causal ``shape``: the tiles' counts, the
+    producer's per step, per item and per CTA code (the CTA's: its 8 consumer warps; the
+    persistent grid SMS CTAs); wgmma FLOP and operand reads of the computed tiles; TMA writes
+    of Q, K, V and the O tile's stores and TMA read as shared wavefronts; K and V a step, Q,
+    out and lse an item through L2; DRAM ``dram_bytes``, by default the compulsory bytes."""
+    spec = model.spec
+    n = sm90_forward_tiles_of(model, shape)
+    group = sass.WARPGROUP_WARPS
+    consumers = SM90_FWD_CONSUMERS * group
+    per_item = getattr(model, "per_item", {})
+    producer_item = getattr(model, "producer_item", {})
+    persistent = spec.kind == SM90_FWD_PERSISTENT_KIND
+    ctas = min(SMS, n.items) if persistent else n.items
+    skip = model.skipped
+    skipped_instructions = sum(skip.get(c, 0.0) for c in sass.CLASSES)
+    instructions = (
+        group
+        * (
+            n.computed * model.instructions
+            + n.partial * sum(model.partial.values())
+            + n.skipped * skipped_instructions
+        )
+        + n.steps * sum(model.producer.get(c, 0.0) for c in sass.CLASSES)
+        + n.items * (consumers * sum(per_item.values()) + sum(producer_item.values()))
+        + ctas * consumers * sum(model.per_cta.values())
+    )
+    q_bytes = spec.tile_m * spec.head_dim * spec.itemsize  # Q in, and O out, an item
+    tile_ld = n.computed * model.ld_wavefronts + n.partial * model.partial_ld_wavefronts
+    tile_st = n.computed * model.st_wavefronts + n.partial * model.partial_st_wavefronts
+    ld = (
+        group * (tile_ld + n.skipped * skip.get("ld_wavefronts", 0.0))
+        + group * n.computed * model.wgmma_shared_bytes / sass.WAVEFRONT_BYTES
+        + n.items * q_bytes / sass.WAVEFRONT_BYTES
+    )
+    st = (
+        group * (tile_st + n.skipped * skip.get("st_wavefronts", 0.0))
+        + n.steps * spec.step_bytes / sass.WAVEFRONT_BYTES
+        + n.items * 2 * q_bytes / sass.WAVEFRONT_BYTES
+    )
+    lse = spec.tile_m * STATS_BYTES
+    return Work(
+        instructions=instructions,
+        hmma=0.0,
+        ld_wavefronts=ld,
+        st_wavefronts=st,
+        l2_bytes=n.steps * spec.step_bytes + n.items * (2 * q_bytes + lse),
+        warps_per_sm=model.warps_per_sm,
+        wgmma_flop=group * n.computed * model.wgmma_flop,
+        dram_bytes=sm90_forward_compulsory_dram(shape) if dram_bytes is None else dram_bytes,
+    )
+
+
+def sm90_forward_hgmma(model: TileModel, shape: Shape) -> int:
+    """HGMMA the whole sm_90a forward issues over a dense causal ``shape`` (ncu's count): a
+    consumer warp's per tile times the computed tiles; each QK^T and each PV is issued once,
+    the PV of a consumer's last tile after its loop."""
+    n = sm90_forward_tiles_of(model, shape)
+    return round(sass.WARPGROUP_WARPS * n.computed * model.hmma)
+
+
 def kernel_work(model: TileModel, shape: Shape) -> Work:
     """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
     spec = model.spec
     if spec.kind == SM90_BWD_KIND:
         return sm90_backward_work(model, shape)
+    if spec.kind in SM90_FWD_KINDS:
+        return sm90_forward_work(model, shape)
     warps = tile_warps = spec.warps
     if spec.kind == "fwd" and spec.tile_m > spec.block:  # paired: a block's tiles, its warps
         ctas, steps, tiles, partial = paired_causal_tiles(shape.n_ctx, spec.block, spec.tile_n)
@@ -803,6 +930,121 @@ def format_sm90_backward(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# The 510d8d7 H200 run's sm_90a forward (bench/results/2026-11-26-h200-510d8d7/: quick.json and
+# full-partial.json's medians, the ncu counters' time where the sweep did not reach), dense
+# causal bf16 at bench_shape: (label, T) -> (ms, where). attn_fwd_sm90 then had the CTA order
+# of change 27 (heads fastest), whose DRAM reads ncu measured (SM90_FORWARD_MEASURED_DRAM);
+# change 34's L2-sized groups came after.
+SM90_FORWARD_RUN = "510d8d7"
+SM90_FORWARD_MEASURED = {
+    ("fwd sm90a d128 b128", 4096): (0.622, "quick sweep"),
+    ("fwd sm90a d128 b64", 2048): (0.476, "full sweep"),
+    ("fwd sm90a d128 b64", 4096): (0.847, "quick sweep (ncu 0.855)"),
+    ("fwd sm90a d128 b64", 8192): (1.586, "full sweep"),
+    ("fwd sm90a d128 b64", 16384): (3.101, "full sweep"),
+    ("fwd sm90a d64 b64", 2048): (0.768, "full sweep"),
+    ("fwd sm90a d64 b64", 4096): (1.378, "ncu"),
+}
+SM90_FORWARD_MEASURED_DRAM = {
+    ("fwd sm90a d128 b64", 4096): 1146e6,
+    ("fwd sm90a d64 b64", 4096): 2085e6,
+}
+# ncu's HGMMA count at the profiled shape (T = 4096, batch 4, heads x d = 2048, 64-blocks)
+SM90_FORWARD_MEASURED_HGMMA = {"fwd sm90a d128 b64": 6_389_760, "fwd sm90a d64 b64": 8_519_680}
+SM90_FORWARD_T = (4096, 8192)  # the quick sweep's T and the hot table's
+
+
+def sm90_forward_rows(models: Sequence[TileModel]) -> list[dict]:
+    """The sm_90a forward's predicted time, dense causal bf16 at the benchmark's shapes
+    (SM90_FORWARD_T and every T the 510d8d7 run measured), beside the measured time; where
+    ncu measured the DRAM bytes, the prediction with them too."""
+    rows = []
+    for model in models:
+        spec = model.spec
+        if spec.kind not in SM90_FWD_KINDS:
+            continue
+        measured_t = {t for label, t in SM90_FORWARD_MEASURED if label == spec.label}
+        for n_ctx in sorted(set(SM90_FORWARD_T) | measured_t):
+            shape = bench_shape(n_ctx, spec.head_dim)
+            work = sm90_forward_work(model, shape)
+            seconds = predict_seconds(work)
+            n = sm90_forward_tiles_of(model, shape)
+            flop = sass.WARPGROUP_WARPS * n.computed * model.wgmma_flop
+            measured = SM90_FORWARD_MEASURED.get((spec.label, n_ctx))
+            dram = SM90_FORWARD_MEASURED_DRAM.get((spec.label, n_ctx))
+            rows.append(
+                {
+                    "label": spec.label,
+                    "T": n_ctx,
+                    "shape": shape,
+                    "ms": seconds * MS,
+                    "bound": bound(work),
+                    "cycles": work.cycles(),
+                    "tflops": flop / seconds / 1e12,
+                    "measured_ms": None if measured is None else measured[0],
+                    "measured_where": None if measured is None else measured[1],
+                    "ms_measured_dram": None
+                    if dram is None
+                    else predict_seconds(sm90_forward_work(model, shape, dram)) * MS,
+                    "hgmma": sm90_forward_hgmma(model, shape),
+                }
+            )
+    return rows
+
+
+def format_sm90_forward_tiles(models: Sequence[TileModel]) -> str:
+    """Per consumer warp per tile: the tile, its masked and skipped variants, the producer's
+    step, what runs once an item."""
+    lines = [
+        "| instantiation | tile (rows x keys) | HGMMA | instr | instr/HGMMA | MUFU | FP32 | INT"
+        " | uniform | BAR | wgmma shared B (a warp) | wgmma FLOP (a warp) | masked tile, extra"
+        " instr | skipped tile: HGMMA / instr | producer a step: UTMALDG / instr | once an item"
+        " (a consumer warp) | regs | spill B |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for m in models:
+        s = m.spec
+        if s.kind not in SM90_FWD_KINDS:
+            continue
+        c = m.per_tile
+        skipped = sum(m.skipped.get(k, 0.0) for k in sass.CLASSES)
+        producer = sum(m.producer.get(k, 0.0) for k in sass.CLASSES)
+        item = sum(getattr(m, "per_item", {}).values()) or sum(m.per_cta.values())
+        lines.append(
+            f"| {s.label} `{s.name_expression}` | {s.tile_m // SM90_FWD_CONSUMERS} x {s.tile_n}"
+            f" | {m.hmma:.0f} | {m.instructions:.0f} | {m.per_hmma:.1f} | {c['MUFU']:.0f}"
+            f" | {c['FP32']:.0f} | {c['INT']:.0f} | {c['uniform']:.0f} | {c['BAR']:.0f}"
+            f" | {m.wgmma_shared_bytes:,.0f} | {m.wgmma_flop:,.0f}"
+            f" | {sum(m.partial.values()):.0f} | {m.skipped.get('HGMMA', 0.0):.0f} / {skipped:.0f}"
+            f" | {m.producer.get('UTMALDG', 0.0):.0f} / {producer:.0f} | {item:.0f}"
+            f" | {m.registers} | {m.spill_bytes} |"
+        )
+    return "\n".join(lines)
+
+
+def format_sm90_forward(rows: Sequence[dict]) -> str:
+    lines = [
+        "| instantiation | T | batch x heads | predicted ms | bound | issue / tensor / shared /"
+        f" L2 / DRAM kcycles an SM | TFLOP/s (computed tiles) | measured ms ({SM90_FORWARD_RUN},"
+        " H200) | error | predicted with the run's DRAM bytes | whole-kernel HGMMA |",
+        "|---|---:|---|---:|---|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["cycles"]
+        keys = ("issue", "tensor", "shared", "L2", "DRAM")
+        kcycles = " / ".join(f"{c[k] / 1e3:.0f}" for k in keys)
+        measured = r["measured_ms"]
+        cell = "-" if measured is None else f"{measured:.3f} ({r['measured_where']})"
+        error = "-" if measured is None else _pct(r["ms"], measured)
+        dram = r["ms_measured_dram"]
+        lines.append(
+            f"| {r['label']} | {r['T']} | {r['shape'].batch} x {r['shape'].heads}"
+            f" | {r['ms']:.3f} | {r['bound']} | {kcycles} | {r['tflops']:.0f} | {cell} | {error}"
+            f" | {'-' if dram is None else f'{dram:.3f}'} | {r['hgmma']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def _pct(model: float, measured: float) -> str:
     return f"{model / measured - 1:+.0%}"
 
@@ -965,6 +1207,17 @@ def report(
             " per consumer warp per step above: the HMMA column is its HGMMA)",
             "",
             format_sm90_backward(sm90_rows),
+        ]
+    forward_rows = sm90_forward_rows(models)
+    if forward_rows:
+        parts += [
+            "",
+            "## The sm_90a forward (per consumer warp per tile; predicted beside measured, dense"
+            " causal bf16, batch x T = 16k, heads x d = 2048)",
+            "",
+            format_sm90_forward_tiles(models),
+            "",
+            format_sm90_forward(forward_rows),
         ]
     if calibration is not None:
         parts += [

@@ -73,7 +73,7 @@ OVERLAP = 0.32  # fitted: see calibrate()
 
 # The checkout's committed profile (absent from an installed wheel: then no calibration, no
 # SDPA-flash rows and no ratios).
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-11-23-h100"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-11-23-h100"
 PROFILE_CSV = "ncu-metrics-f532ccd.csv"
 PROFILE_COMMIT = "f532ccd"
 MS = 1e3
@@ -582,7 +582,7 @@ def f532ccd_specs() -> list[HotSpec]:
 
 def checkout_kernels(commit: str, into: Path) -> Path:
     """kernels/ of ``commit``, written under ``into`` (read with git show, the tree untouched)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
         try:

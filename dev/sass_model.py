@@ -44,6 +44,10 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   issuing UBLKRED, at the consumers' step-loop depth) count once a step for the CTA
   (``TileModel.producer``) and not once per CTA. HGMMA FLOP and the shared bytes their
   operands read (sass.hgmma_flop, hgmma_shared_bytes) are summed with the counts.
+* The sm_90a forward (attn_fwd_sm90, attn_fwd_sm90_persistent): a tile is one key tile of one
+  consumer warp, the steady path that issues QK^T(t) with PV(t - 1); an item's first tile and
+  a skipped tile are told apart by control flow, the producer's tile loop counts once a step,
+  and the persistent grid's item loops once an item (the section "The sm_90a forward" below).
 * ``@!PT`` instructions (ptxas pads each LDGSTS with three) count as instructions (they are
   fetched and issued, predicated off) but move no data. The f532ccd calibration cannot tell
   whether ncu counts them: +1..+4 % with them, 0..+2.5 % without.

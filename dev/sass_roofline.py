@@ -25,6 +25,14 @@ measured: its tensor term is its HGMMA FLOP at WGMMA_FLOP_PER_SM_CYCLE (the dens
 the fp32 dQ tile the bulk reduce reads, at the same 128 bytes a cycle. Its warps are 8 consumer
 warps, whose counts are per step, and a producer whose two active warps' step loops count once
 a step (``sm90_backward_work``).
+
+The sm_90a forward (kernels/attn_fwd_sm90.cu) is modelled the same way (``sm90_forward_work``):
+its consumer tiles' HGMMA FLOP at the wgmma rate; QK^T's Q and K and PV's V read from shared
+memory, the TMA writes of Q, K and V and the O tile's stores and TMA read as shared wavefronts;
+K and V a step, Q, out and lse an item through L2; and a fifth resource, DRAM, at
+DRAM_BYTES_PER_S: the compulsory bytes (q, k, v read once, out and lse written once) unless
+given, e.g. the DRAM reads ncu measured on the 510d8d7 run (``SM90_FORWARD_MEASURED_DRAM``).
+The report sets its prediction beside that run's measured times (``SM90_FORWARD_MEASURED``).
 """
 
 from __future__ import annotations
@@ -939,15 +947,16 @@ SM90_FORWARD_RUN = "510d8d7"
 SM90_FORWARD_MEASURED = {
     ("fwd sm90a d128 b128", 4096): (0.622, "quick sweep"),
     ("fwd sm90a d128 b64", 2048): (0.476, "full sweep"),
-    ("fwd sm90a d128 b64", 4096): (0.847, "quick sweep (ncu 0.855)"),
+    ("fwd sm90a d128 b64", 4096): (0.847, "quick sweep; ncu 0.855"),
     ("fwd sm90a d128 b64", 8192): (1.586, "full sweep"),
     ("fwd sm90a d128 b64", 16384): (3.101, "full sweep"),
     ("fwd sm90a d64 b64", 2048): (0.768, "full sweep"),
     ("fwd sm90a d64 b64", 4096): (1.378, "ncu"),
 }
+# ncu's dram__bytes_read.sum + dram__bytes_write.sum (counters-d128.log, counters-d64.log)
 SM90_FORWARD_MEASURED_DRAM = {
-    ("fwd sm90a d128 b64", 4096): 1146e6,
-    ("fwd sm90a d64 b64", 4096): 2085e6,
+    ("fwd sm90a d128 b64", 4096): 1_145_718_784 + 58_653_952,
+    ("fwd sm90a d64 b64", 4096): 2_084_794_624 + 60_897_792,
 }
 # ncu's HGMMA count at the profiled shape (T = 4096, batch 4, heads x d = 2048, 64-blocks)
 SM90_FORWARD_MEASURED_HGMMA = {"fwd sm90a d128 b64": 6_389_760, "fwd sm90a d64 b64": 8_519_680}

@@ -411,6 +411,10 @@ def test_sm90_forward_tiles_of_a_causal_layout():
     big = sass_roofline.sm90_forward_tiles(4096, 64, 64)
     assert big.computed + big.skipped == 2 * big.steps
     assert big.computed == 2080 and big.skipped == 32
+    # DRAM, by default: q, k, v read and out written once (bf16), lse written once
+    shape = sass_roofline.PROFILE_SHAPE
+    elements = 64 * 4096 * 128
+    assert sass_roofline.sm90_forward_compulsory_dram(shape) == 4 * 2 * elements + 64 * 4096 * 4
 
 
 @functools.cache

@@ -1403,8 +1403,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validate",
         action="store_true",
-        help="also rebuild e6a0613's kernels from git and compare with its H200 counters"
-        " (out of sample: nothing is fitted on them)",
+        help="also rebuild e6a0613's and 510d8d7's kernels from git and compare with their H200"
+        " counters (out of sample: nothing is fitted on them)",
     )
     parser.add_argument(
         "--write-baseline",
@@ -1436,7 +1436,8 @@ def run(args: argparse.Namespace) -> int:
     models = model_specs(specs, current_sources(specs), common_options(), kernel_dir(), args.jobs)
     calibration = sass_roofline.calibrate(args.jobs) if args.calibrate else None
     validation = sass_roofline.validate(args.jobs) if args.validate else None
-    report = sass_roofline.report(models, calibration, validation)
+    forward = sass_roofline.validate_sm90_forward(args.jobs) if args.validate else None
+    report = sass_roofline.report(models, calibration, validation, forward)
     print(report)
     print(f"\n{len(models)} instantiations in {time.perf_counter() - start:.0f}s")
     if args.markdown:

@@ -364,33 +364,48 @@ def sm90_forward_compulsory_dram(shape: Shape) -> float:
     return 4 * elements * shape.itemsize + shape.pairs * shape.n_ctx * STATS_BYTES
 
 
-def sm90_forward_work(model: TileModel, shape: Shape, dram_bytes: float | None = None) -> Work:
-    """attn_fwd_sm90 (or _persistent) over a dense causal ``shape``: the tiles' counts, the
-    producer's per step, per item and per CTA code (the CTA's: its 8 consumer warps; the
-    persistent grid SMS CTAs); wgmma FLOP and operand reads of the computed tiles; TMA writes
-    of Q, K, V and the O tile's stores and TMA read as shared wavefronts; K and V a step, Q,
-    out and lse an item through L2; DRAM ``dram_bytes``, by default the compulsory bytes."""
+def sm90_forward_executed(model: TileModel, shape: Shape, classes: Sequence[str] = sass.CLASSES):
+    """Warp instructions of ``classes`` the sm_90a forward executes over a dense causal
+    ``shape``: the consumer tiles (computed, their masks, skipped), the producer's steps, the
+    code once an item (the 8 consumer warps' and the producer's) and once a CTA (charged to
+    the 8 consumer warps; attn_fwd_sm90's CTA is an item, the persistent grid has SMS CTAs)."""
     spec = model.spec
     n = sm90_forward_tiles_of(model, shape)
     group = sass.WARPGROUP_WARPS
     consumers = SM90_FWD_CONSUMERS * group
-    per_item = getattr(model, "per_item", {})
-    producer_item = getattr(model, "producer_item", {})
     persistent = spec.kind == SM90_FWD_PERSISTENT_KIND
     ctas = min(SMS, n.items) if persistent else n.items
-    skip = model.skipped
-    skipped_instructions = sum(skip.get(c, 0.0) for c in sass.CLASSES)
-    instructions = (
+
+    def total(counts: dict[str, float]) -> float:
+        return sum(counts.get(c, 0.0) for c in classes)
+
+    return (
         group
         * (
-            n.computed * model.instructions
-            + n.partial * sum(model.partial.values())
-            + n.skipped * skipped_instructions
+            n.computed * total(model.per_tile)
+            + n.partial * total(model.partial)
+            + n.skipped * total(model.skipped)
         )
-        + n.steps * sum(model.producer.get(c, 0.0) for c in sass.CLASSES)
-        + n.items * (consumers * sum(per_item.values()) + sum(producer_item.values()))
-        + ctas * consumers * sum(model.per_cta.values())
+        + n.steps * total(model.producer)
+        + n.items
+        * (
+            consumers * total(getattr(model, "per_item", {}))
+            + total(getattr(model, "producer_item", {}))
+        )
+        + ctas * consumers * total(model.per_cta)
     )
+
+
+def sm90_forward_work(model: TileModel, shape: Shape, dram_bytes: float | None = None) -> Work:
+    """attn_fwd_sm90 (or _persistent) over a dense causal ``shape``: its instructions
+    (sm90_forward_executed); wgmma FLOP and operand reads of the computed tiles; TMA writes of
+    Q, K, V and the O tile's stores and TMA read as shared wavefronts; K and V a step, Q, out
+    and lse an item through L2; DRAM ``dram_bytes``, by default the compulsory bytes."""
+    spec = model.spec
+    n = sm90_forward_tiles_of(model, shape)
+    group = sass.WARPGROUP_WARPS
+    skip = model.skipped
+    instructions = sm90_forward_executed(model, shape)
     q_bytes = spec.tile_m * spec.head_dim * spec.itemsize  # Q in, and O out, an item
     tile_ld = n.computed * model.ld_wavefronts + n.partial * model.partial_ld_wavefronts
     tile_st = n.computed * model.st_wavefronts + n.partial * model.partial_st_wavefronts
@@ -963,6 +978,87 @@ SM90_FORWARD_MEASURED_HGMMA = {"fwd sm90a d128 b64": 6_389_760, "fwd sm90a d64 b
 SM90_FORWARD_T = (4096, 8192)  # the quick sweep's T and the hot table's
 
 
+SM90_FORWARD_DIR = PROFILE_DIR.parent / "2026-11-26-h200-510d8d7"
+SM90_FORWARD_LOGS = {128: "counters-d128.log", 64: "counters-d64.log"}
+SM90_FORWARD_PROFILED = "fwd sm90a d{d} b64"  # scripts/profile_kernels.py: 64-blocks, paired
+_SM90_FORWARD_METRICS = {
+    "gpu__time_duration.sum": "seconds",
+    "smsp__inst_executed.sum": "instructions",
+    "smsp__inst_executed_pipe_tensor_op_hmma.sum": "hgmma",
+    "smsp__inst_executed_pipe_xu.sum": "xu",
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+}
+
+
+def read_sm90_forward_counters(path: Path) -> dict[str, float]:
+    """attn_fwd_sm90's metrics in one of the 510d8d7 run's counter logs (ncu CSV)."""
+    values: dict[str, float] = {}
+    for row in csv.reader(path.read_text().splitlines()):
+        if len(row) < 15 or "attn_fwd_sm90<" not in row[4] or row[12] not in _SM90_FORWARD_METRICS:
+            continue
+        number = float(row[14].replace(",", ""))
+        values[_SM90_FORWARD_METRICS[row[12]]] = number * 1e-9 if row[13] == "ns" else number
+    return values
+
+
+def validate_sm90_forward(jobs: int = 1, profile_dir: Path = SM90_FORWARD_DIR) -> list[dict]:
+    """SM90_FORWARD_RUN's attn_fwd_sm90 rebuilt from git and modelled at the instantiations its
+    counters profiled (d = 64 and 128, 64-blocks, validation_shape), beside those counters:
+    instructions, HGMMA, MUFU against the XU pipe, time (with the run's DRAM bytes too). Nothing
+    in the model is fitted on them."""
+    from cuattn.backends.toolchain import CXX_STANDARD_OPTION, cuda_include_options
+    from dev.sass_model import hot_specs
+
+    by_label = {s.label: s for s in hot_specs()}
+    specs = [by_label[SM90_FORWARD_PROFILED.format(d=d)] for d in SM90_FORWARD_LOGS]
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = checkout_kernels(SM90_FORWARD_RUN, Path(tmp))
+        sources = {s.source_file: (kernels / s.source_file).read_text() for s in specs}
+        options = (CXX_STANDARD_OPTION, f"-I{kernels}", *cuda_include_options())
+        models = {m.spec.head_dim: m for m in model_specs(specs, sources, options, kernels, jobs)}
+    rows = []
+    for d, log in SM90_FORWARD_LOGS.items():
+        measured = read_sm90_forward_counters(profile_dir / log)
+        model, shape = models[d], validation_shape(d)
+        dram = measured["dram_read"] + measured["dram_write"]
+        rows.append(
+            {
+                "kernel": f"attn_fwd_sm90 d{d} b64",
+                "instructions": sm90_forward_executed(model, shape),
+                "ncu_instructions": measured["instructions"],
+                "hgmma": sm90_forward_hgmma(model, shape),
+                "ncu_hgmma": measured["hgmma"],
+                "mufu": sm90_forward_executed(model, shape, ("MUFU",)),
+                "ncu_xu": measured["xu"],
+                "seconds": predict_seconds(sm90_forward_work(model, shape)),
+                "seconds_dram": predict_seconds(sm90_forward_work(model, shape, dram)),
+                "ncu_seconds": measured["seconds"],
+            }
+        )
+    return rows
+
+
+def format_sm90_forward_validation(rows: Sequence[dict]) -> str:
+    lines = [
+        f"| kernel ({SM90_FORWARD_RUN}, H200, T=4096 B4, heads x d = 2048) | instructions model /"
+        " ncu | error | HGMMA model / ncu | MUFU model / XU pipe | error | time model (with the"
+        " run's DRAM bytes) / ncu ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kernel']} | {r['instructions'] / 1e6:.1f}M / {r['ncu_instructions'] / 1e6:.1f}M"
+            f" | {_pct(r['instructions'], r['ncu_instructions'])}"
+            f" | {r['hgmma']:,} / {r['ncu_hgmma']:,.0f}"
+            f" | {r['mufu'] / 1e6:.2f}M / {r['ncu_xu'] / 1e6:.2f}M | {_pct(r['mufu'], r['ncu_xu'])}"
+            f" | {r['seconds'] * MS:.3f} ({r['seconds_dram'] * MS:.3f})"
+            f" / {r['ncu_seconds'] * MS:.3f} | {_pct(r['seconds'], r['ncu_seconds'])}"
+            f" ({_pct(r['seconds_dram'], r['ncu_seconds'])}) |"
+        )
+    return "\n".join(lines)
+
+
 def sm90_forward_rows(models: Sequence[TileModel]) -> list[dict]:
     """The sm_90a forward's predicted time, dense causal bf16 at the benchmark's shapes
     (SM90_FORWARD_T and every T the 510d8d7 run measured), beside the measured time; where
@@ -1187,6 +1283,7 @@ def report(
     models: Sequence[TileModel],
     calibration: Calibration | None,
     validation: Sequence[dict] | None = None,
+    forward_validation: Sequence[dict] | None = None,
 ) -> str:
     """The markdown report of ``python -m dev sass``."""
     csv_path = PROFILE_DIR / PROFILE_CSV
@@ -1241,6 +1338,14 @@ def report(
             f"## Out of sample: {VALIDATION_COMMIT} rebuilt and modelled vs its H200 counters",
             "",
             format_validation(validation),
+        ]
+    if forward_validation is not None:
+        parts += [
+            "",
+            f"## Out of sample: the sm_90a forward of {SM90_FORWARD_RUN} rebuilt and modelled vs"
+            " its H200 counters",
+            "",
+            format_sm90_forward_validation(forward_validation),
         ]
     labels = {m.spec.label for m in models}
     needed = {f"{k} d{d} b64" for k in ("fwd", "dkdv", "dq") for d in (64, 128)}

@@ -485,3 +485,26 @@ def test_sm90a_forward_whole_kernel_hgmma_from_the_layout():
     assert sass_roofline.SM90_FORWARD_MEASURED_HGMMA["fwd sm90a d128 b64"] == 6_389_760
     wide = models["fwd sm90a persistent d128 b128"]
     assert sass_roofline.sm90_forward_hgmma(wide, shape) == 64 * 1056 * 4 * 16
+
+
+@pytest.mark.slow
+def test_model_counts_the_510d8d7_forward_out_of_sample():
+    """510d8d7's attn_fwd_sm90 rebuilt from git against that H200 run's counters, which nothing
+    in the model was fitted on: HGMMA exact, instructions within 5 % (+2.1 / +3.4 %), MUFU within
+    2 % of the XU pipe. The time is not held to them: the roofline is 28-42 % optimistic for the
+    64-block forward (bench/NOTES.md, "The static model judges the sm_90a forward"), a gap this
+    test records rather than hides."""
+    _tools_or_skip()
+    logs = sass_roofline.SM90_FORWARD_LOGS.values()
+    if not all((sass_roofline.SM90_FORWARD_DIR / log).exists() for log in logs):
+        pytest.skip("the 510d8d7 counters are not in this checkout")
+    try:
+        rows = sass_roofline.validate_sm90_forward(jobs=1)
+    except (OSError, RuntimeError) as exc:  # no git, or no 510d8d7 in a shallow clone
+        pytest.skip(f"510d8d7's kernels cannot be rebuilt here: {exc}")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["hgmma"] == row["ncu_hgmma"], row
+        assert abs(row["instructions"] / row["ncu_instructions"] - 1) < 0.05, row
+        assert abs(row["mufu"] / row["ncu_xu"] - 1) < 0.02, row
+        assert row["seconds"] < row["ncu_seconds"], row

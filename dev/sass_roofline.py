@@ -1103,9 +1103,9 @@ def format_sm90_forward_tiles(models: Sequence[TileModel]) -> str:
     lines = [
         "| instantiation | tile (rows x keys) | HGMMA | instr | instr/HGMMA | MUFU | FP32 | INT"
         " | uniform | BAR | wgmma shared B (a warp) | wgmma FLOP (a warp) | masked tile, extra"
-        " instr | skipped tile: HGMMA / instr | producer a step: UTMALDG / instr | once an item"
-        " (a consumer warp) | regs | spill B |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
+        " instr | skipped tile: HGMMA / instr | producer a step: UTMALDG / instr | TMA B a step"
+        " (K, V) | once an item (a consumer warp) | regs | spill B |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for m in models:
         s = m.spec
@@ -1121,7 +1121,8 @@ def format_sm90_forward_tiles(models: Sequence[TileModel]) -> str:
             f" | {c['FP32']:.0f} | {c['INT']:.0f} | {c['uniform']:.0f} | {c['BAR']:.0f}"
             f" | {m.wgmma_shared_bytes:,.0f} | {m.wgmma_flop:,.0f}"
             f" | {sum(m.partial.values()):.0f} | {m.skipped.get('HGMMA', 0.0):.0f} / {skipped:.0f}"
-            f" | {m.producer.get('UTMALDG', 0.0):.0f} / {producer:.0f} | {item:.0f}"
+            f" | {m.producer.get('UTMALDG', 0.0):.0f} / {producer:.0f} | {s.step_bytes:,}"
+            f" | {item:.0f}"
             f" | {m.registers} | {m.spill_bytes} |"
         )
     return "\n".join(lines)

@@ -1060,6 +1060,11 @@ class _Sm90ForwardCounter(_Counter):
 
     def _settled(self, main: sass.Loop) -> sass.Kernel:
         kernel = self.kernel
+        if not self.first_tile or not self.skipped_regions:
+            raise AttributionError(
+                f"{self.spec.label}: no else-branch of `if (pending)` or of `if (... TILE_EMPTY)`"
+                " in the sources"
+            )
         seeds = [
             b
             for b in main.blocks
@@ -1072,11 +1077,6 @@ class _Sm90ForwardCounter(_Counter):
         for seed in seeds:
             around = sass._reach(kernel.blocks, main.header, avoid=seed)
             first_blocks |= set(main.blocks) - around
-        if not self.first_tile or not self.skipped_regions:
-            raise AttributionError(
-                f"{self.spec.label}: no else-branch of `if (pending)` or of `if (... TILE_EMPTY)`"
-                " in the sources"
-            )
         marker = {
             name: (sass.SourceLine(file, spans[0][0]),)
             for name, (file, spans) in (

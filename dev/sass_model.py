@@ -44,6 +44,10 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   issuing UBLKRED, at the consumers' step-loop depth) count once a step for the CTA
   (``TileModel.producer``) and not once per CTA. HGMMA FLOP and the shared bytes their
   operands read (sass.hgmma_flop, hgmma_shared_bytes) are summed with the counts.
+* The sm_90a forward (attn_fwd_sm90, attn_fwd_sm90_persistent): a tile is one key tile of one
+  consumer warp, the steady path that issues QK^T(t) with PV(t - 1); an item's first tile and
+  a skipped tile are told apart by control flow, the producer's tile loop counts once a step,
+  and the persistent grid's item loops once an item (the section "The sm_90a forward" below).
 * ``@!PT`` instructions (ptxas pads each LDGSTS with three) count as instructions (they are
   fetched and issued, predicated off) but move no data. The f532ccd calibration cannot tell
   whether ncu counts them: +1..+4 % with them, 0..+2.5 % without.
@@ -52,6 +56,7 @@ How the main loop is found and counted (the attribution rules; each a stated heu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -453,7 +458,8 @@ def hot_specs() -> list[HotSpec]:
     the forward d128 b64 in fp16 too; the paired forward (two 64-blocks per CTA) at d = 64/128;
     the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs)
     and with dropout (the same instantiations, dropout's generator counted);
-    decode; the sm_90a backward at d = 64/128, 64- and 128-blocks."""
+    decode; the sm_90a backward at d = 64/128, 64- and 128-blocks; the sm_90a forward
+    (sm90_forward_specs)."""
     names = {
         "attn_fwd": "fwd",
         "attn_bwd_dkdv": "dkdv",
@@ -480,11 +486,18 @@ def hot_specs() -> list[HotSpec]:
     for head_dim in HOT_HEAD_DIMS:
         for block in HOT_BLOCKS:
             specs.append(_sm90_backward_spec(head_dim, HOT_DTYPE, block))
+    specs.extend(sm90_forward_specs())
     return specs
 
 
 # ----------------------------------------------------------------------------------------------
 # Compile and count
+
+
+# The C++ front end's diagnostics in NVRTC's log, not ptxas': e.g. attn_fwd_sm90.cu's constants
+# of attn_fwd_sm90_persistent are unreferenced where attn_fwd_sm90 is compiled alone (#177-D),
+# and the remark under them.
+FRONT_END_DIAGNOSTIC = re.compile(r"\(\d+\): warning #\d+-D:|^Remark: The warnings can be")
 
 
 @dataclass(frozen=True)
@@ -545,7 +558,11 @@ def compile_spec(spec: HotSpec, source: str, options: Sequence[str], arch: str =
     if stats is None:
         raise RuntimeError(f"{spec.name_expression}: no ptxas report\n{log}")
     spills = sum(f.spill_store_bytes + f.spill_load_bytes for f in report.functions.values())
-    warnings = tuple(line.strip() for line in log.splitlines() if "warning" in line.lower())
+    warnings = tuple(
+        line.strip()
+        for line in log.splitlines()
+        if "warning" in line.lower() and not FRONT_END_DIAGNOSTIC.search(line)
+    )
     return Compiled(
         spec,
         lowered,
@@ -626,7 +643,11 @@ def analyse(compiled: Compiled, source_root: Path) -> TileModel:
     kernel = kernels[compiled.lowered]
     regions = cold_lines(source_root, spec.regions)
     strided = cold_lines(source_root, spec.strided)
-    counter = _Counter(kernel, spec, regions, strided)
+    if spec.kind in SM90_FWD_KINDS:
+        first_tile = cold_lines(source_root, (SM90_FWD_FIRST_TILE,))[False]
+        counter = _Sm90ForwardCounter(kernel, spec, regions, strided, first_tile)
+    else:
+        counter = _Counter(kernel, spec, regions, strided)
     model = counter.count()
     ctas = ctas_per_sm(
         ARCH, compiled.registers, spec.threads, spec.smem_bytes + compiled.static_smem
@@ -921,6 +942,265 @@ def _copy_trips(
 
 
 # ----------------------------------------------------------------------------------------------
+# The sm_90a forward (kernels/attn_fwd_sm90.cu: attn_fwd_sm90 and attn_fwd_sm90_persistent)
+#
+# Warp-specialised like the sm_90a backward: a producer thread issues the TMA copies, two
+# consumer warpgroups own 64 query rows each. A tile is one key tile of one consumer warp: its
+# work opcode HGMMA, QK^T (HEAD_DIM / 16 m64nTILE_Nk16, Q and K from shared memory) and PV
+# (TILE_N / 16 m64nHEAD_DIMk16, P in registers, V from shared memory). The consumer's tile
+# loop holds three paths; the attribution keeps one as the tile:
+# * ``if (pending)``: QK^T(t) and PV(t - 1) issued back to back, the softmax of S(t) under PV:
+#   every computed tile but an item's first; the tile (``TileModel.per_tile``).
+# * its else-branch, QK^T alone: an item's first computed tile. Left out: its PV is issued by
+#   the next tile's path or by the ``pv_turn`` after the loop (code once an item), so counting
+#   every computed tile as the pending path counts each QK^T and each PV once; what is counted
+#   twice is one PV issue an item (the trailing turn's), about 20 instructions a warp.
+# * the else-branch of ``if (mine.coverage != TILE_EMPTY)``: a tile the consumer skips (the
+#   other block's key tile in a paired 64-block CTA), counted apart (``TileModel.skipped``):
+#   its turn, with the previous tile's PV where one is pending (both branches of ``pv_turn``
+#   once: its HGMMA are the previous tile's PV, which the tile count already holds).
+# The producer's tile loop (the loop at the consumers' tile-loop depth with the most UTMALDG:
+# K and V of a tile, 2 x HEAD_DIM / 64 box copies) counts once a step for the CTA
+# (``TileModel.producer``). In attn_fwd_sm90_persistent both tile loops sit in an item loop:
+# the code of the consumers' item loop outside their tile loop, and of the producer's outside
+# its tile loop, counts once an item (``Sm90ForwardModel.per_item``, ``producer_item``), the
+# rest once a CTA; in attn_fwd_sm90 a CTA is an item and both are in ``per_cta``.
+
+SM90_FWD_KIND = "fwd sm90"
+SM90_FWD_PERSISTENT_KIND = "fwd sm90 persistent"
+SM90_FWD_KINDS = (SM90_FWD_KIND, SM90_FWD_PERSISTENT_KIND)
+SM90_FWD_PRODUCER_OPCODE = "UTMALDG"
+# an item's first computed tile: QK^T alone (see above)
+SM90_FWD_FIRST_TILE = ColdRegion("else", "pending", partial=False)
+SM90_FWD_CODE = (
+    *PARTIAL_TILE_CODE,
+    ColdRegion("else", "TILE_EMPTY", skipped=True),
+    SM90_FWD_FIRST_TILE,
+)
+SM90_FWD_CONSUMERS = 2  # consumer warpgroups a CTA
+WGMMA_K = 16
+
+
+def _sm90_forward_spec(kernel: str, head_dim: int, dtype: str, block: int) -> HotSpec:
+    """attn_fwd_sm90 or attn_fwd_sm90_persistent: a CTA (an item) of 128 query rows, two
+    consumer warpgroups of 64; 128-blocks walk 128-key tiles (d <= 128), 64-blocks pair two
+    blocks, one a consumer, over 64-key tiles. HGMMA a consumer warp issues a tile: QK^T
+    HEAD_DIM / 16, PV TILE_N / 16."""
+    from cuattn.backends.geometry import SM90_FWD_PERSISTENT, KernelConfig
+
+    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal")
+    persistent = kernel == SM90_FWD_PERSISTENT
+    name = "fwd sm90a persistent" if persistent else "fwd sm90a"
+    return HotSpec.of(
+        config,
+        f"{name} d{head_dim} b{block}",
+        SM90_FWD_PERSISTENT_KIND if persistent else SM90_FWD_KIND,
+        block=block,
+        tile_m=config.tile_m,
+        tile_n=config.tile_n,
+        hmma_per_warp_tile=head_dim // WGMMA_K + config.tile_n // WGMMA_K,
+        own_copies=1,
+        work_opcode="HGMMA",
+        regions=SM90_FWD_CODE,
+        arch=SM90A_ARCH,
+    )
+
+
+def sm90_forward_specs() -> list[HotSpec]:
+    """The sm_90a forward the sweep runs: attn_fwd_sm90 and attn_fwd_sm90_persistent at d =
+    64/128, 64- and 128-blocks, bf16, causal."""
+    from cuattn.backends.geometry import SM90_FWD_KERNELS
+
+    return [
+        _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block)
+        for kernel in SM90_FWD_KERNELS
+        for head_dim in HOT_HEAD_DIMS
+        for block in HOT_BLOCKS
+    ]
+
+
+@dataclass
+class Sm90ForwardModel(TileModel):
+    """A TileModel of the sm_90a forward: ``per_item`` what a warp runs once an item outside
+    its tile loop, ``producer_item`` the producer's once an item (both empty in attn_fwd_sm90,
+    where a CTA is an item and ``per_cta`` holds them)."""
+
+    per_item: dict[str, float] = field(default_factory=dict)
+    producer_item: dict[str, float] = field(default_factory=dict)
+
+
+def _level_in(level: sass.SourceLine, regions: dict[str, list[tuple[int, int]]]) -> bool:
+    return any(first <= level.line <= last for first, last in regions.get(level.file, ()))
+
+
+class _Sm90ForwardCounter(_Counter):
+    """The sm_90a forward's counts by the rules of the section's note.
+
+    Source lines alone misplace some of the tile loop's code, so two fix-ups by control flow:
+    * An item's first tile (``first_tile``: the lines of the else-branch of ``if (pending)``)
+      is the blocks the wgmma issue of that branch dominates, and nothing else. ptxas keeps a
+      copy of the softmax for each branch but gives both copies' exponentials the lines of the
+      else-branch's call: by lines alone the tile would lose its MUFU.
+    * An instruction in no region (ptxas ends some of the wgmma issue's chains at a lambda's
+      own line) in a block most of whose instructions a skipped tile runs is a skipped tile's:
+      a basic block runs whole."""
+
+    def __init__(
+        self,
+        kernel: sass.Kernel,
+        spec: HotSpec,
+        regions,
+        strided,
+        first_tile: dict[str, list[tuple[int, int]]],
+    ) -> None:
+        super().__init__(kernel, spec, regions, strided)
+        self.first_tile = first_tile
+        main, _ = self.main_loop()
+        self.kernel = self._settled(main)
+
+    def _settled(self, main: sass.Loop) -> sass.Kernel:
+        kernel = self.kernel
+        if not self.first_tile or not self.skipped_regions:
+            raise AttributionError(
+                f"{self.spec.label}: no else-branch of `if (pending)` or of `if (... TILE_EMPTY)`"
+                " in the sources"
+            )
+        seeds = [
+            b
+            for b in main.blocks
+            if any(
+                i.base == self.spec.work_opcode and _in_regions(i, self.first_tile)
+                for i in kernel.block_instructions([b])
+            )
+        ]
+        first_blocks: set[int] = set()
+        for seed in seeds:
+            around = sass._reach(kernel.blocks, main.header, avoid=seed)
+            first_blocks |= set(main.blocks) - around
+        marker = {
+            name: (sass.SourceLine(file, spans[0][0]),)
+            for name, (file, spans) in (
+                ("first", next(iter(self.first_tile.items()))),
+                ("skipped", next(iter(self.skipped_regions.items()))),
+            )
+        }
+        instructions = list(kernel.instructions)
+        for b in main.blocks:
+            block = kernel.blocks[b]
+            span = range(block.first, block.last + 1)
+            skipped = sum(_in_regions(instructions[n], self.skipped_regions) for n in span)
+            for n in span:
+                inst = instructions[n]
+                source = tuple(
+                    level for level in inst.source if not _level_in(level, self.first_tile)
+                )
+                if b in first_blocks:
+                    source += marker["first"]
+                elif 2 * skipped > len(span) and not any(
+                    _in_regions(inst, r)
+                    for r in (self.skipped_regions, self.off_regions, self.partial_regions)
+                ):
+                    source += marker["skipped"]
+                instructions[n] = dataclasses.replace(inst, source=source)
+        return sass.Kernel(kernel.name, instructions, dict(kernel.labels))
+
+    def count(self) -> Sm90ForwardModel:
+        spec = self.spec
+        main, parents = self.main_loop()
+        hot, partial, skipped = self._count_blocks(main.blocks, main, 0)
+        if abs(hot.get("HGMMA", 0.0) - spec.hmma_per_warp_tile) > 1e-6:
+            raise AttributionError(
+                f"{spec.label}: {hot.get('HGMMA', 0.0):g} HGMMA in the tile loop's pending path,"
+                f" not one tile's {spec.hmma_per_warp_tile}"
+            )
+        kernel = self.kernel
+        consumer_item = parents[-1] if parents else None
+        producer = self._producer_loop(main)
+        producer_parent = next(
+            (
+                loop
+                for loop, _ in self._loops_with_parents()
+                if producer in loop.children and loop is not consumer_item
+            ),
+            None,
+        )
+        per_item: dict[str, float] = {}
+        producer_item: dict[str, float] = {}
+        if consumer_item is not None:
+            per_item, _, _ = self._count_blocks(
+                consumer_item.blocks - main.blocks, consumer_item, 0
+            )
+        if producer_parent is not None:
+            producer_item, _, _ = self._count_blocks(
+                producer_parent.blocks - producer.blocks, producer_parent, 0
+            )
+        tile_producer, _, _ = self._count_blocks(producer.blocks, producer, 0)
+        tile_producer[SM90_FWD_PRODUCER_OPCODE] = sum(
+            1
+            for i in kernel.block_instructions(producer.blocks)
+            if i.base == SM90_FWD_PRODUCER_OPCODE and not i.never_executes
+        )
+        outside = set(kernel.reachable) - (parents[0].blocks if parents else main.blocks)
+        outside -= producer_parent.blocks if producer_parent is not None else producer.blocks
+        cta, _, _ = self._count_blocks(outside, None, 0)
+
+        def classes(counts: dict[str, float]) -> dict[str, float]:
+            return {c: counts.get(c, 0.0) for c in sass.CLASSES}
+
+        def extras(counts: dict[str, float]) -> dict[str, float]:
+            return {k: v for k, v in counts.items() if not k.startswith(SOURCE_KEY)}
+
+        return Sm90ForwardModel(
+            spec=spec,
+            registers=0,
+            spill_bytes=0,
+            ctas_per_sm=0,
+            warps_per_sm=0,
+            per_tile=classes(hot),
+            partial=classes(partial),
+            per_cta=classes(cta),
+            hmma=hot.get("HGMMA", 0.0),
+            ldsm=hot.get("LDSM", 0.0),
+            ld_wavefronts=hot.get("ld_wavefronts", 0.0),
+            st_wavefronts=hot.get("st_wavefronts", 0.0),
+            barriers=hot.get("barriers", 0.0),
+            local_accesses=hot.get("local", 0.0),
+            tiles_per_iteration=1,
+            partial_ld_wavefronts=partial.get("ld_wavefronts", 0.0),
+            partial_st_wavefronts=partial.get("st_wavefronts", 0.0),
+            by_origin={k[len(SOURCE_KEY) :]: v for k, v in hot.items() if k.startswith(SOURCE_KEY)},
+            wgmma_flop=hot.get("wgmma_flop", 0.0),
+            wgmma_shared_bytes=hot.get("wgmma_shared_bytes", 0.0),
+            skipped=extras(skipped),
+            producer=extras(tile_producer),
+            per_item=classes(per_item),
+            producer_item=classes(producer_item),
+        )
+
+    def main_loop(self) -> tuple[sass.Loop, tuple[sass.Loop, ...]]:
+        """The consumers' tile loop: the deepest loop holding HGMMA (in attn_fwd_sm90_persistent
+        the item loop around it holds more: the trailing PV)."""
+        loops = [(loop, p) for loop, p in self._loops_with_parents() if self._work(loop.blocks)]
+        if not loops:
+            raise AttributionError(f"{self.spec.label}: no HGMMA in any loop")
+        return max(loops, key=lambda item: (item[0].depth, self._work(item[0].blocks)))
+
+    def _producer_loop(self, main: sass.Loop) -> sass.Loop:
+        """The producer's tile loop: at the consumers' tile-loop depth, the most UTMALDG (the
+        one-lane loops ptxas wraps around each TMA copy hold one; Q's lie outside it)."""
+
+        def copies(loop: sass.Loop) -> int:
+            body = self.kernel.block_instructions(loop.blocks)
+            return sum(1 for i in body if i.base == SM90_FWD_PRODUCER_OPCODE)
+
+        loops = [loop for loop, _ in self._loops_with_parents() if loop.depth == main.depth]
+        loops = [loop for loop in loops if loop is not main and copies(loop)]
+        if not loops:
+            raise AttributionError(f"{self.spec.label}: no producer loop issues UTMALDG")
+        return max(loops, key=copies)
+
+
+# ----------------------------------------------------------------------------------------------
 # Running the hot set
 
 
@@ -1128,8 +1408,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validate",
         action="store_true",
-        help="also rebuild e6a0613's kernels from git and compare with its H200 counters"
-        " (out of sample: nothing is fitted on them)",
+        help="also rebuild e6a0613's and 510d8d7's kernels from git and compare with their H200"
+        " counters (out of sample: nothing is fitted on them)",
     )
     parser.add_argument(
         "--write-baseline",
@@ -1161,7 +1441,8 @@ def run(args: argparse.Namespace) -> int:
     models = model_specs(specs, current_sources(specs), common_options(), kernel_dir(), args.jobs)
     calibration = sass_roofline.calibrate(args.jobs) if args.calibrate else None
     validation = sass_roofline.validate(args.jobs) if args.validate else None
-    report = sass_roofline.report(models, calibration, validation)
+    forward = sass_roofline.validate_sm90_forward(args.jobs) if args.validate else None
+    report = sass_roofline.report(models, calibration, validation, forward)
     print(report)
     print(f"\n{len(models)} instantiations in {time.perf_counter() - start:.0f}s")
     if args.markdown:

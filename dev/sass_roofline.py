@@ -25,6 +25,14 @@ measured: its tensor term is its HGMMA FLOP at WGMMA_FLOP_PER_SM_CYCLE (the dens
 the fp32 dQ tile the bulk reduce reads, at the same 128 bytes a cycle. Its warps are 8 consumer
 warps, whose counts are per step, and a producer whose two active warps' step loops count once
 a step (``sm90_backward_work``).
+
+The sm_90a forward (kernels/attn_fwd_sm90.cu) is modelled the same way (``sm90_forward_work``):
+its consumer tiles' HGMMA FLOP at the wgmma rate; QK^T's Q and K and PV's V read from shared
+memory, the TMA writes of Q, K and V and the O tile's stores and TMA read as shared wavefronts;
+K and V a step, Q, out and lse an item through L2; and a fifth resource, DRAM, at
+DRAM_BYTES_PER_S: the compulsory bytes (q, k, v read once, out and lse written once) unless
+given, e.g. the DRAM reads ncu measured on the 510d8d7 run (``SM90_FORWARD_MEASURED_DRAM``).
+The report sets its prediction beside that run's measured times (``SM90_FORWARD_MEASURED``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from dev import sass
 from dev.sass_model import (
     PARTIAL_TILE_CODE,
     SM90_BWD_KIND,
+    SM90_FWD_CONSUMERS,
+    SM90_FWD_KINDS,
+    SM90_FWD_PERSISTENT_KIND,
     STATS_BYTES,
     HotSpec,
     TileModel,
@@ -70,7 +81,7 @@ OVERLAP = 0.32  # fitted: see calibrate()
 
 # The checkout's committed profile (absent from an installed wheel: then no calibration, no
 # SDPA-flash rows and no ratios).
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-11-23-h100"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-11-23-h100"
 PROFILE_CSV = "ncu-metrics-f532ccd.csv"
 PROFILE_COMMIT = "f532ccd"
 MS = 1e3
@@ -87,6 +98,7 @@ class Work:
     l2_bytes: float
     warps_per_sm: int
     wgmma_flop: float = 0.0
+    dram_bytes: float = 0.0  # the sm_90a forward's (sm90_forward_work); 0: not modelled
 
     def cycles(self) -> dict[str, float]:
         """Busy cycles per SM of each resource."""
@@ -97,6 +109,7 @@ class Work:
             "shared": (self.ld_wavefronts + self.st_wavefronts)
             / (SMS * SHARED_WAVEFRONTS_PER_SM_CYCLE),
             "L2": self.l2_bytes / (L2_BYTES_PER_S / CLOCK_HZ),
+            "DRAM": self.dram_bytes / (DRAM_BYTES_PER_S / CLOCK_HZ),
         }
 
 
@@ -292,11 +305,148 @@ def sm90_backward_extra_seconds(shape: Shape) -> float:
     return elements * (2 * STATS_BYTES + shape.itemsize) / DRAM_BYTES_PER_S
 
 
+# ----------------------------------------------------------------------------------------------
+# The sm_90a forward over a dense causal layout
+
+
+@dataclass(frozen=True)
+class Sm90ForwardTiles:
+    """What one head of a dense causal layout gives the sm_90a forward: items (128 query rows:
+    attn_fwd_sm90's CTAs, attn_fwd_sm90_persistent's work items), steps (key tiles of the union
+    of an item's rows, each copied once for both consumers) and per consumer (64 rows) and step
+    whether it computes the tile (``computed``; ``partial`` of those under the mask) or skips
+    it (``skipped``: the other block's tile in a paired 64-block item, or keys past its rows)."""
+
+    items: int
+    steps: int
+    computed: int
+    partial: int
+    skipped: int
+
+    def times(self, pairs: int) -> Sm90ForwardTiles:
+        return Sm90ForwardTiles(*(pairs * x for x in dataclasses.astuple(self)))
+
+
+def sm90_forward_tiles(n_ctx: int, block: int, tile_n: int, tile_m: int = 128):
+    """Sm90ForwardTiles of one head, queries = keys = n_ctx, causal. An item walks the key
+    blocks up to its last query's (the union of its blocks' rows); a consumer skips a tile of
+    a key block past its own (paired 64-blocks) or whose first key is past its last row, and
+    computes whole one whose last key is at most its first row (not ragged)."""
+    consumer = tile_m // 2
+    items = steps = computed = partial = skipped = 0
+    for q_start in range(0, n_ctx, tile_m):
+        items += 1
+        keys = min((min(q_start + tile_m, n_ctx) - 1) // block * block + block, n_ctx)
+        for k0 in range(0, keys, tile_n):
+            k1 = k0 + tile_n - 1
+            steps += 1
+            for g0 in (q_start, q_start + consumer):
+                g1 = min(g0 + consumer, n_ctx) - 1
+                own_block = g0 // block if block < tile_m else q_start // block
+                if g0 >= n_ctx or k0 // block > own_block or k0 > g1:
+                    skipped += 1
+                    continue
+                computed += 1
+                partial += not (k1 <= g0 and k1 < n_ctx and g0 + consumer <= n_ctx)
+    return Sm90ForwardTiles(items, steps, computed, partial, skipped)
+
+
+def sm90_forward_tiles_of(model: TileModel, shape: Shape) -> Sm90ForwardTiles:
+    spec = model.spec
+    one = sm90_forward_tiles(shape.n_ctx, spec.block, spec.tile_n, spec.tile_m)
+    return one.times(shape.pairs)
+
+
+def sm90_forward_compulsory_dram(shape: Shape) -> float:
+    """Bytes the sm_90a forward must move through DRAM: q, k, v read once, out and lse
+    written once."""
+    elements = shape.pairs * shape.n_ctx * shape.head_dim
+    return 4 * elements * shape.itemsize + shape.pairs * shape.n_ctx * STATS_BYTES
+
+
+def sm90_forward_executed(model: TileModel, shape: Shape, classes: Sequence[str] = sass.CLASSES):
+    """Warp instructions of ``classes`` the sm_90a forward executes over a dense causal
+    ``shape``: the consumer tiles (computed, their masks, skipped), the producer's steps, the
+    code once an item (the 8 consumer warps' and the producer's) and once a CTA (charged to
+    the 8 consumer warps; attn_fwd_sm90's CTA is an item, the persistent grid has SMS CTAs)."""
+    spec = model.spec
+    n = sm90_forward_tiles_of(model, shape)
+    group = sass.WARPGROUP_WARPS
+    consumers = SM90_FWD_CONSUMERS * group
+    persistent = spec.kind == SM90_FWD_PERSISTENT_KIND
+    ctas = min(SMS, n.items) if persistent else n.items
+
+    def total(counts: dict[str, float]) -> float:
+        return sum(counts.get(c, 0.0) for c in classes)
+
+    return (
+        group
+        * (
+            n.computed * total(model.per_tile)
+            + n.partial * total(model.partial)
+            + n.skipped * total(model.skipped)
+        )
+        + n.steps * total(model.producer)
+        + n.items
+        * (
+            consumers * total(getattr(model, "per_item", {}))
+            + total(getattr(model, "producer_item", {}))
+        )
+        + ctas * consumers * total(model.per_cta)
+    )
+
+
+def sm90_forward_work(model: TileModel, shape: Shape, dram_bytes: float | None = None) -> Work:
+    """attn_fwd_sm90 (or _persistent) over a dense causal ``shape``: its instructions
+    (sm90_forward_executed); wgmma FLOP and operand reads of the computed tiles; TMA writes of
+    Q, K, V and the O tile's stores and TMA read as shared wavefronts; K and V a step, Q, out
+    and lse an item through L2; DRAM ``dram_bytes``, by default the compulsory bytes."""
+    spec = model.spec
+    n = sm90_forward_tiles_of(model, shape)
+    group = sass.WARPGROUP_WARPS
+    skip = model.skipped
+    instructions = sm90_forward_executed(model, shape)
+    q_bytes = spec.tile_m * spec.head_dim * spec.itemsize  # Q in, and O out, an item
+    tile_ld = n.computed * model.ld_wavefronts + n.partial * model.partial_ld_wavefronts
+    tile_st = n.computed * model.st_wavefronts + n.partial * model.partial_st_wavefronts
+    ld = (
+        group * (tile_ld + n.skipped * skip.get("ld_wavefronts", 0.0))
+        + group * n.computed * model.wgmma_shared_bytes / sass.WAVEFRONT_BYTES
+        + n.items * q_bytes / sass.WAVEFRONT_BYTES
+    )
+    st = (
+        group * (tile_st + n.skipped * skip.get("st_wavefronts", 0.0))
+        + n.steps * spec.step_bytes / sass.WAVEFRONT_BYTES
+        + n.items * 2 * q_bytes / sass.WAVEFRONT_BYTES
+    )
+    lse = spec.tile_m * STATS_BYTES
+    return Work(
+        instructions=instructions,
+        hmma=0.0,
+        ld_wavefronts=ld,
+        st_wavefronts=st,
+        l2_bytes=n.steps * spec.step_bytes + n.items * (2 * q_bytes + lse),
+        warps_per_sm=model.warps_per_sm,
+        wgmma_flop=group * n.computed * model.wgmma_flop,
+        dram_bytes=sm90_forward_compulsory_dram(shape) if dram_bytes is None else dram_bytes,
+    )
+
+
+def sm90_forward_hgmma(model: TileModel, shape: Shape) -> int:
+    """HGMMA the whole sm_90a forward issues over a dense causal ``shape`` (ncu's count): a
+    consumer warp's per tile times the computed tiles; each QK^T and each PV is issued once,
+    the PV of a consumer's last tile after its loop."""
+    n = sm90_forward_tiles_of(model, shape)
+    return round(sass.WARPGROUP_WARPS * n.computed * model.hmma)
+
+
 def kernel_work(model: TileModel, shape: Shape) -> Work:
     """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
     spec = model.spec
     if spec.kind == SM90_BWD_KIND:
         return sm90_backward_work(model, shape)
+    if spec.kind in SM90_FWD_KINDS:
+        return sm90_forward_work(model, shape)
     warps = tile_warps = spec.warps
     if spec.kind == "fwd" and spec.tile_m > spec.block:  # paired: a block's tiles, its warps
         ctas, steps, tiles, partial = paired_causal_tiles(shape.n_ctx, spec.block, spec.tile_n)
@@ -455,7 +605,7 @@ def f532ccd_specs() -> list[HotSpec]:
 
 def checkout_kernels(commit: str, into: Path) -> Path:
     """kernels/ of ``commit``, written under ``into`` (read with git show, the tree untouched)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
         try:
@@ -803,6 +953,204 @@ def format_sm90_backward(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# The 510d8d7 H200 run's sm_90a forward (bench/results/2026-11-26-h200-510d8d7/: quick.json and
+# full-partial.json's medians, the ncu counters' time where the sweep did not reach), dense
+# causal bf16 at bench_shape: (label, T) -> (ms, where). attn_fwd_sm90 then had the CTA order
+# of change 27 (heads fastest), whose DRAM reads ncu measured (SM90_FORWARD_MEASURED_DRAM);
+# change 34's L2-sized groups came after.
+SM90_FORWARD_RUN = "510d8d7"
+SM90_FORWARD_MEASURED = {
+    ("fwd sm90a d128 b128", 4096): (0.622, "quick sweep"),
+    ("fwd sm90a d128 b64", 2048): (0.476, "full sweep"),
+    ("fwd sm90a d128 b64", 4096): (0.847, "quick sweep; ncu 0.855"),
+    ("fwd sm90a d128 b64", 8192): (1.586, "full sweep"),
+    ("fwd sm90a d128 b64", 16384): (3.101, "full sweep"),
+    ("fwd sm90a d64 b64", 2048): (0.768, "full sweep"),
+    ("fwd sm90a d64 b64", 4096): (1.378, "ncu"),
+}
+# ncu's dram__bytes_read.sum + dram__bytes_write.sum (counters-d128.log, counters-d64.log)
+SM90_FORWARD_MEASURED_DRAM = {
+    ("fwd sm90a d128 b64", 4096): 1_145_718_784 + 58_653_952,
+    ("fwd sm90a d64 b64", 4096): 2_084_794_624 + 60_897_792,
+}
+# ncu's HGMMA count at the profiled shape (T = 4096, batch 4, heads x d = 2048, 64-blocks)
+SM90_FORWARD_MEASURED_HGMMA = {"fwd sm90a d128 b64": 6_389_760, "fwd sm90a d64 b64": 8_519_680}
+SM90_FORWARD_T = (4096, 8192)  # the quick sweep's T and the hot table's
+
+
+SM90_FORWARD_DIR = PROFILE_DIR.parent / "2026-11-26-h200-510d8d7"
+SM90_FORWARD_LOGS = {128: "counters-d128.log", 64: "counters-d64.log"}
+SM90_FORWARD_PROFILED = "fwd sm90a d{d} b64"  # scripts/profile_kernels.py: 64-blocks, paired
+_SM90_FORWARD_METRICS = {
+    "gpu__time_duration.sum": "seconds",
+    "smsp__inst_executed.sum": "instructions",
+    "smsp__inst_executed_pipe_tensor_op_hmma.sum": "hgmma",
+    "smsp__inst_executed_pipe_xu.sum": "xu",
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+}
+
+
+def read_sm90_forward_counters(path: Path) -> dict[str, float]:
+    """attn_fwd_sm90's metrics in one of the 510d8d7 run's counter logs (ncu CSV)."""
+    values: dict[str, float] = {}
+    for row in csv.reader(path.read_text().splitlines()):
+        if len(row) < 15 or "attn_fwd_sm90<" not in row[4] or row[12] not in _SM90_FORWARD_METRICS:
+            continue
+        number = float(row[14].replace(",", ""))
+        values[_SM90_FORWARD_METRICS[row[12]]] = number * 1e-9 if row[13] == "ns" else number
+    return values
+
+
+def validate_sm90_forward(jobs: int = 1, profile_dir: Path = SM90_FORWARD_DIR) -> list[dict]:
+    """SM90_FORWARD_RUN's attn_fwd_sm90 rebuilt from git and modelled at the instantiations its
+    counters profiled (d = 64 and 128, 64-blocks, validation_shape), beside those counters:
+    instructions, HGMMA, MUFU against the XU pipe, time (with the run's DRAM bytes too). Nothing
+    in the model is fitted on them."""
+    from cuattn.backends.toolchain import CXX_STANDARD_OPTION, cuda_include_options
+    from dev.sass_model import hot_specs
+
+    by_label = {s.label: s for s in hot_specs()}
+    specs = [by_label[SM90_FORWARD_PROFILED.format(d=d)] for d in SM90_FORWARD_LOGS]
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = checkout_kernels(SM90_FORWARD_RUN, Path(tmp))
+        sources = {s.source_file: (kernels / s.source_file).read_text() for s in specs}
+        options = (CXX_STANDARD_OPTION, f"-I{kernels}", *cuda_include_options())
+        models = {m.spec.head_dim: m for m in model_specs(specs, sources, options, kernels, jobs)}
+    rows = []
+    for d, log in SM90_FORWARD_LOGS.items():
+        measured = read_sm90_forward_counters(profile_dir / log)
+        model, shape = models[d], validation_shape(d)
+        dram = measured["dram_read"] + measured["dram_write"]
+        rows.append(
+            {
+                "kernel": f"attn_fwd_sm90 d{d} b64",
+                "instructions": sm90_forward_executed(model, shape),
+                "ncu_instructions": measured["instructions"],
+                "hgmma": sm90_forward_hgmma(model, shape),
+                "ncu_hgmma": measured["hgmma"],
+                "mufu": sm90_forward_executed(model, shape, ("MUFU",)),
+                "ncu_xu": measured["xu"],
+                "seconds": predict_seconds(sm90_forward_work(model, shape)),
+                "seconds_dram": predict_seconds(sm90_forward_work(model, shape, dram)),
+                "ncu_seconds": measured["seconds"],
+            }
+        )
+    return rows
+
+
+def format_sm90_forward_validation(rows: Sequence[dict]) -> str:
+    lines = [
+        f"| kernel ({SM90_FORWARD_RUN}, H200, T=4096 B4, heads x d = 2048) | instructions model /"
+        " ncu | error | HGMMA model / ncu | MUFU model / XU pipe | error | time model (with the"
+        " run's DRAM bytes) / ncu ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kernel']} | {r['instructions'] / 1e6:.1f}M / {r['ncu_instructions'] / 1e6:.1f}M"
+            f" | {_pct(r['instructions'], r['ncu_instructions'])}"
+            f" | {r['hgmma']:,} / {r['ncu_hgmma']:,.0f}"
+            f" | {r['mufu'] / 1e6:.2f}M / {r['ncu_xu'] / 1e6:.2f}M | {_pct(r['mufu'], r['ncu_xu'])}"
+            f" | {r['seconds'] * MS:.3f} ({r['seconds_dram'] * MS:.3f})"
+            f" / {r['ncu_seconds'] * MS:.3f} | {_pct(r['seconds'], r['ncu_seconds'])}"
+            f" ({_pct(r['seconds_dram'], r['ncu_seconds'])}) |"
+        )
+    return "\n".join(lines)
+
+
+def sm90_forward_rows(models: Sequence[TileModel]) -> list[dict]:
+    """The sm_90a forward's predicted time, dense causal bf16 at the benchmark's shapes
+    (SM90_FORWARD_T and every T the 510d8d7 run measured), beside the measured time; where
+    ncu measured the DRAM bytes, the prediction with them too."""
+    rows = []
+    for model in models:
+        spec = model.spec
+        if spec.kind not in SM90_FWD_KINDS:
+            continue
+        measured_t = {t for label, t in SM90_FORWARD_MEASURED if label == spec.label}
+        for n_ctx in sorted(set(SM90_FORWARD_T) | measured_t):
+            shape = bench_shape(n_ctx, spec.head_dim)
+            work = sm90_forward_work(model, shape)
+            seconds = predict_seconds(work)
+            n = sm90_forward_tiles_of(model, shape)
+            flop = sass.WARPGROUP_WARPS * n.computed * model.wgmma_flop
+            measured = SM90_FORWARD_MEASURED.get((spec.label, n_ctx))
+            dram = SM90_FORWARD_MEASURED_DRAM.get((spec.label, n_ctx))
+            rows.append(
+                {
+                    "label": spec.label,
+                    "T": n_ctx,
+                    "shape": shape,
+                    "ms": seconds * MS,
+                    "bound": bound(work),
+                    "cycles": work.cycles(),
+                    "tflops": flop / seconds / 1e12,
+                    "measured_ms": None if measured is None else measured[0],
+                    "measured_where": None if measured is None else measured[1],
+                    "ms_measured_dram": None
+                    if dram is None
+                    else predict_seconds(sm90_forward_work(model, shape, dram)) * MS,
+                    "hgmma": sm90_forward_hgmma(model, shape),
+                }
+            )
+    return rows
+
+
+def format_sm90_forward_tiles(models: Sequence[TileModel]) -> str:
+    """Per consumer warp per tile: the tile, its masked and skipped variants, the producer's
+    step, what runs once an item."""
+    lines = [
+        "| instantiation | tile (rows x keys) | HGMMA | instr | instr/HGMMA | MUFU | FP32 | INT"
+        " | uniform | BAR | wgmma shared B (a warp) | wgmma FLOP (a warp) | masked tile, extra"
+        " instr | skipped tile: HGMMA / instr | producer a step: UTMALDG / instr | TMA B a step"
+        " (K, V) | once an item (a consumer warp) | regs | spill B |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for m in models:
+        s = m.spec
+        if s.kind not in SM90_FWD_KINDS:
+            continue
+        c = m.per_tile
+        skipped = sum(m.skipped.get(k, 0.0) for k in sass.CLASSES)
+        producer = sum(m.producer.get(k, 0.0) for k in sass.CLASSES)
+        item = sum(getattr(m, "per_item", {}).values()) or sum(m.per_cta.values())
+        lines.append(
+            f"| {s.label} `{s.name_expression}` | {s.tile_m // SM90_FWD_CONSUMERS} x {s.tile_n}"
+            f" | {m.hmma:.0f} | {m.instructions:.0f} | {m.per_hmma:.1f} | {c['MUFU']:.0f}"
+            f" | {c['FP32']:.0f} | {c['INT']:.0f} | {c['uniform']:.0f} | {c['BAR']:.0f}"
+            f" | {m.wgmma_shared_bytes:,.0f} | {m.wgmma_flop:,.0f}"
+            f" | {sum(m.partial.values()):.0f} | {m.skipped.get('HGMMA', 0.0):.0f} / {skipped:.0f}"
+            f" | {m.producer.get('UTMALDG', 0.0):.0f} / {producer:.0f} | {s.step_bytes:,}"
+            f" | {item:.0f}"
+            f" | {m.registers} | {m.spill_bytes} |"
+        )
+    return "\n".join(lines)
+
+
+def format_sm90_forward(rows: Sequence[dict]) -> str:
+    lines = [
+        "| instantiation | T | batch x heads | predicted ms | bound | issue / tensor / shared /"
+        f" L2 / DRAM kcycles an SM | TFLOP/s (computed tiles) | measured ms ({SM90_FORWARD_RUN},"
+        " H200) | error | predicted with the run's DRAM bytes | whole-kernel HGMMA |",
+        "|---|---:|---|---:|---|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["cycles"]
+        keys = ("issue", "tensor", "shared", "L2", "DRAM")
+        kcycles = " / ".join(f"{c[k] / 1e3:.0f}" for k in keys)
+        measured = r["measured_ms"]
+        cell = "-" if measured is None else f"{measured:.3f} ({r['measured_where']})"
+        error = "-" if measured is None else _pct(r["ms"], measured)
+        dram = r["ms_measured_dram"]
+        lines.append(
+            f"| {r['label']} | {r['T']} | {r['shape'].batch} x {r['shape'].heads}"
+            f" | {r['ms']:.3f} | {r['bound']} | {kcycles} | {r['tflops']:.0f} | {cell} | {error}"
+            f" | {'-' if dram is None else f'{dram:.3f}'} | {r['hgmma']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def _pct(model: float, measured: float) -> str:
     return f"{model / measured - 1:+.0%}"
 
@@ -936,6 +1284,7 @@ def report(
     models: Sequence[TileModel],
     calibration: Calibration | None,
     validation: Sequence[dict] | None = None,
+    forward_validation: Sequence[dict] | None = None,
 ) -> str:
     """The markdown report of ``python -m dev sass``."""
     csv_path = PROFILE_DIR / PROFILE_CSV
@@ -966,6 +1315,17 @@ def report(
             "",
             format_sm90_backward(sm90_rows),
         ]
+    forward_rows = sm90_forward_rows(models)
+    if forward_rows:
+        parts += [
+            "",
+            "## The sm_90a forward (per consumer warp per tile; predicted beside measured, dense"
+            " causal bf16, batch x T = 16k, heads x d = 2048)",
+            "",
+            format_sm90_forward_tiles(models),
+            "",
+            format_sm90_forward(forward_rows),
+        ]
     if calibration is not None:
         parts += [
             "",
@@ -979,6 +1339,14 @@ def report(
             f"## Out of sample: {VALIDATION_COMMIT} rebuilt and modelled vs its H200 counters",
             "",
             format_validation(validation),
+        ]
+    if forward_validation is not None:
+        parts += [
+            "",
+            f"## Out of sample: the sm_90a forward of {SM90_FORWARD_RUN} rebuilt and modelled vs"
+            " its H200 counters",
+            "",
+            format_sm90_forward_validation(forward_validation),
         ]
     labels = {m.spec.label for m in models}
     needed = {f"{k} d{d} b64" for k in ("fwd", "dkdv", "dq") for d in (64, 128)}

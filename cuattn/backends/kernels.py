@@ -617,8 +617,8 @@ class KernelBackend:
         self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
     ) -> tuple[Any, Any] | None:
         """The forward on attn_fwd_sm90_persistent, as _forward_sm90 (None where the device
-        refuses a map): the host layout's work list (cached per layout), one CTA an SM; then,
-        where the list split rows, attn_fwd_sm90_merge over their chunks' partials."""
+        refuses a map): the layout's work list (_sm90_work), one CTA an SM; then, where the
+        list may split rows, attn_fwd_sm90_merge over their chunks' partials."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
         work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim))

@@ -246,8 +246,12 @@ def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, 
     (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
     (ref_out, ref_lse), ref_names = launched(interp.forward, q, k, v, AttentionCall(host, scale))
     schedule = ["sm90_work_count", "sm90_work_scan", "sm90_work_fill", "sm90_work_order"]
-    assert names == [*schedule, *ref_names], names
     assert ref_names[0].startswith("attn_fwd_sm90_persistent<")
+    # the merge runs wherever rows could split (its padding entries left alone where none did)
+    merge = names[len(schedule) + 1 :]
+    assert names[: len(schedule) + 1] == [*schedule, ref_names[0]], names
+    assert merge == ref_names[1:] or (len(ref_names) == 1 and len(merge) == 1), names
+    assert all(n.startswith("attn_fwd_sm90_merge<") for n in merge)
     np.testing.assert_array_equal(out.view(np.uint16), ref_out.view(np.uint16))
     np.testing.assert_array_equal(lse, ref_lse)
 
@@ -277,7 +281,7 @@ def test_backward_through_a_device_layout_is_the_host_layouts(monkeypatch, make,
     refs, ref_names = launched(
         interp.backward, q, k, v, out, lse, dout, None, AttentionCall(host, scale)
     )
-    assert names == ["sm90_claim_order", "sm90_dq_ranks", *ref_names], names
+    assert names == [ref_names[0], "sm90_claim_order", "sm90_dq_ranks", *ref_names[1:]], names
     assert any(n.startswith("attn_bwd_sm90<") for n in ref_names), ref_names
     for grad, ref in zip(grads, refs, strict=True):
         np.testing.assert_array_equal(grad.view(np.uint16), ref.view(np.uint16))

@@ -499,11 +499,11 @@ __device__ __forceinline__ int unit_chunks(int union_blocks, int key_tiles, int 
 __global__ void __launch_bounds__(SCAN_THREADS, 1)
     sm90_work_scan(const int* __restrict__ union_count, int* __restrict__ entry_ptr,
                    int* __restrict__ slot_ptr, int* __restrict__ merge_ptr,
-                   int* __restrict__ split_tiles_out, int units, int key_tiles, int split_factor,
+                   int* __restrict__ split_tiles, int units, int key_tiles, int split_factor,
                    int split_min_tiles) {
   __shared__ long long walked_sums[SCAN_THREADS];
   __shared__ int chunk_sums[3][SCAN_THREADS];
-  __shared__ int split_tiles_smem;
+  __shared__ int threshold_smem;
   const int chunk = (units + SCAN_THREADS - 1) / SCAN_THREADS;
   const int lo = int(threadIdx.x) * chunk < units ? int(threadIdx.x) * chunk : units;
   const int hi = lo + chunk < units ? lo + chunk : units;
@@ -516,14 +516,14 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     for (int t = 0; t < SCAN_THREADS; ++t) total += walked_sums[t];
     const double mean = units > 0 ? double(total) / double(units) : 0.0;
     const int above = int(ceil(double(split_factor) * mean));
-    split_tiles_smem = above > split_min_tiles ? above : split_min_tiles;
-    *split_tiles_out = split_tiles_smem;
+    threshold_smem = above > split_min_tiles ? above : split_min_tiles;
+    *split_tiles = threshold_smem;
   }
   __syncthreads();
-  const int split_tiles = split_tiles_smem;
+  const int threshold = threshold_smem;
   int sums[3] = {0, 0, 0};  // entries, split chunks, split units
   for (int u = lo; u < hi; ++u) {
-    const int chunks = unit_chunks(union_count[u], key_tiles, split_tiles);
+    const int chunks = unit_chunks(union_count[u], key_tiles, threshold);
     sums[0] += chunks;
     sums[1] += chunks > 1 ? chunks : 0;
     sums[2] += chunks > 1;
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     entry_ptr[u] = offsets[0];
     slot_ptr[u] = offsets[1];
     merge_ptr[u] = offsets[2];
-    const int chunks = unit_chunks(union_count[u], key_tiles, split_tiles);
+    const int chunks = unit_chunks(union_count[u], key_tiles, threshold);
     offsets[0] += chunks;
     offsets[1] += chunks > 1 ? chunks : 0;
     offsets[2] += chunks > 1;

@@ -3,6 +3,9 @@
     select_topk / select_mass -> chosen uint8 [heads, nbq, nb]
     layout_count -> row_count, col_count;  layout_scan -> row_ptr, col_ptr;
     layout_fill -> col_idx, row_mask (CSR) and row_idx, col_mask (CSC)
+and, for the sm_90a kernels, the schedules of a device layout (sm90_work_list: the persistent
+forward's work list; sm90_backward_order: the backward's claim order and dQ ranks), equal to what
+the host builds from a host layout.
 Every buffer is sized from arguments the host already has (the budget bounds the blocks of a
 row), so no launch waits for another's result on the host: the sequence can be captured in a
 CUDA graph. ``impl`` is a kernel backend (cuattn.backends: "interp" on NumPy arrays, "cuda" on
@@ -219,7 +222,9 @@ class DeviceWorkList:
     ``work_counter`` (int32 [1]) starts at its first entry, so that a persistent launch with
     ``num_items`` claims exactly the list; ``merges`` int32 [num_merges, SM90_MERGE_FIELDS]
     holds the split rows' merges first, then entries of no chunks; ``slots`` bounds the partial
-    slots the chunks write; ``split_tiles`` int32 [1] is the threshold the device chose."""
+    slots the chunks write; ``split_tiles`` int32 [1] is the threshold the device chose. A host
+    list (kernels.KernelBackend._sm90_work) fills the same fields exactly: its own entries,
+    counts and threshold (an int)."""
 
     items: Any
     work_counter: Any

@@ -6,6 +6,9 @@ bit for bit the host layout's. The build kernels run on the CPU interpreter."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -213,6 +216,26 @@ def launched(fn, *args):
     return spy(fn, *args)
 
 
+def no_host_schedule():
+    """A context in which reading a device layout back to the host, or building a schedule
+    from host blocks, fails the test (the interpreter's arrays are on the host, so such a
+    build would otherwise pass unseen)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device layout's schedule was built on the host")
+
+    patches = [
+        mock.patch.object(DeviceLayout, "host", refuse),
+        mock.patch.object(kernels, "_layout_work_list", refuse),
+        mock.patch.object(kernels, "_layout_backward_order", refuse),
+        mock.patch.object(geometry, "sm90_work_list", refuse),
+    ]
+    stack = contextlib.ExitStack()
+    for patch in patches:
+        stack.enter_context(patch)
+    return stack
+
+
 def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
     from tests.backends.test_attn_fwd_sm90_persistent import random_inputs as inputs
 
@@ -243,7 +266,8 @@ def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, 
     q, k, v = random_inputs(host, batch, kv_heads, 64, "bfloat16", 11)
     monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a-persistent")
     scale = 64**-0.5
-    (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
+    with no_host_schedule():
+        (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
     (ref_out, ref_lse), ref_names = launched(interp.forward, q, k, v, AttentionCall(host, scale))
     schedule = ["sm90_work_count", "sm90_work_scan", "sm90_work_fill", "sm90_work_order"]
     assert ref_names[0].startswith("attn_fwd_sm90_persistent<")
@@ -275,9 +299,10 @@ def test_backward_through_a_device_layout_is_the_host_layouts(monkeypatch, make,
     scale = 64**-0.5
     out, lse = interp.forward(q, k, v, AttentionCall(host, scale))
     dout = np.random.default_rng(14).standard_normal(q.shape).astype(q.dtype)
-    grads, names = launched(
-        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(device, scale)
-    )
+    with no_host_schedule():
+        grads, names = launched(
+            interp.backward, q, k, v, out, lse, dout, None, AttentionCall(device, scale)
+        )
     refs, ref_names = launched(
         interp.backward, q, k, v, out, lse, dout, None, AttentionCall(host, scale)
     )

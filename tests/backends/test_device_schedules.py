@@ -186,6 +186,23 @@ def test_dynamic_topk_layouts(seed, n, heads, kv_heads, block, topk, causal):
     assert_backward_orders_equal(layout, kv_group)
 
 
+@pytest.mark.parametrize("rule", ["mass", "vertical-slash"])
+def test_the_other_dynamic_rules(rule):
+    """Layouts chosen by softmax mass and by the vertical-slash rule (a bitmask DeviceLayout)."""
+    rng = np.random.default_rng(21)
+    q, k = rng.standard_normal((4, 2000, 16)), rng.standard_normal((2, 2000, 16))
+    if rule == "mass":
+        layout = dynamic.mass_threshold_blocks(q, k, 64, 0.6, backend="interp")
+    else:
+        layout = dynamic.vertical_slash_layout(
+            q, np.repeat(k, 2, axis=0), 64, num_vertical=96, num_slash=64, backend="interp"
+        )
+    assert isinstance(layout, DeviceLayout)
+    for batch, kv_group in ((1, 1), (2, 2)):
+        assert_work_lists_equal(layout.blocks, 2000, batch, kv_group, 64, "float16", 64)
+        assert_backward_orders_equal(layout, kv_group)
+
+
 def test_empty_layout_and_one_item():
     """No block at all (every row empty), and a single item: nothing to split or merge."""
     for blocks in (np.zeros((2, 5, 7), bool), np.ones((1, 1, 1), bool)):

@@ -805,9 +805,10 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
 // The merge of split rows (issue 53): after attn_fwd_sm90_persistent, each split row's chunks
 // (merge_list: MergeField, its chunks' slots consecutive) merged through the LSE in chunk order,
 // one warp a query row (row_kernel_traits; merge_row, kernels/common/merge_row.cuh), into out
-// [batch, heads, n_q, HEAD_DIM] (contiguous) and lse. rows = split rows x 128; a row past n_q
-// (the last query tile's) is left alone. A chunk with no key for a row (lse -inf, out 0) weighs
-// 0; a row no chunk reaches gets out 0 and lse -inf.
+// [batch, heads, n_q, HEAD_DIM] (contiguous) and lse. rows = merge entries x 128; a row past n_q
+// (the last query tile's) and an entry of no chunks (the padding of a list built on the device,
+// cuattn/backends/layout_build.py) are left alone. A chunk with no key for a row (lse -inf,
+// out 0) weighs 0; a row no chunk reaches gets out 0 and lse -inf.
 template <int HEAD_DIM>
 struct ChunkSlots {
   static constexpr int SPLITS = 0;
@@ -836,6 +837,7 @@ __global__ void __launch_bounds__(row_kernel_traits<HEAD_DIM, T>::NUM_THREADS)
     const int row = int(blockIdx.x) * Traits::ROWS_PER_CTA + r;
     if (row >= rows) break;  // uniform across the warp
     const int* entry = merge_list + row / SLOT_ROWS * MERGE_FIELDS;
+    if (entry[MERGE_CHUNKS] == 0) continue;  // a device-built list's padding past its split rows
     const int within = row % SLOT_ROWS;
     const int item = entry[MERGE_ITEM];
     const int q_row = item % q_tiles * SLOT_ROWS + within;

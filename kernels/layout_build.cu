@@ -381,3 +381,405 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
     if (lane == 0) row_mask[e] = needs_table ? e : FULL_BLOCK;
   }
 }
+
+// ---- The sm_90a kernels' schedules of a device layout ------------------------------------------
+//
+// The same lists the host builds from a host layout's blocks (geometry.sm90_work_list for
+// attn_fwd_sm90_persistent; backward_tile_order and dq_ranks of cuattn/backends/kernels.py for
+// attn_bwd_sm90), built where the layout lives from its chosen blocks and CSR/CSC arrays, equal
+// to the host's entry for entry. Nothing comes back to the host: every buffer is sized from
+// shapes (the bounds below), and where the host needs a count for a launch it takes the bound.
+//
+// The forward's work list, four launches (units: the (head, query tile) pairs, tiles of 128
+// query rows of ITEM_ROWS layout rows each):
+//   sm90_work_count: a warp per unit: the key blocks the union of its rows holds, union_count.
+//   sm90_work_scan: one CTA: the split threshold (split_factor x the mean unit's key tiles, at
+//     least split_min_tiles, as geometry.sm90_split_tiles), each unit's chunks (1: not split)
+//     and the exclusive prefix sums of its entries (entry_ptr), of the chunks of split units
+//     (slot_ptr: partial slots) and of the split units (merge_ptr), each [units + 1].
+//   sm90_work_fill: a warp per unit: its entries of one batch (EntryField), a split unit's
+//     chunk boundaries at the union's (L c / chunks)-th key block (L the union's blocks) with
+//     the rows' entries before each, and each entry's sort weight (walk, computed, tile).
+//   sm90_work_order: a thread per (entry, batch): its place, the number of entries of its L2
+//     group (the pairs attn_fwd_sm90 starts together: the first groups % pairs one pair more)
+//     that sort before it: heavier weight first (more key tiles walked, then more blocks
+//     computed, then the later tile), then pair and chunk ascending; writes the entry
+//     (attn_fwd_sm90.cu's WorkField) and, for a split row's first chunk, its merge entry.
+// The list holds at most list_bound = batch x (units + units / 4) entries (a unit is split
+// above 4 x the mean, so the chunks beyond one a unit sum to under units / 4), the merges
+// batch x units / 4 and the slots twice that. The list is written to the END of its
+// list_bound entries and work_counter starts at its first: the persistent kernel, launched with
+// num_items = list_bound, claims exactly the list. Merge entries past the split rows are left
+// with no chunks (attn_fwd_sm90_merge passes them by).
+//
+// The backward's, two launches:
+//   sm90_claim_order: a CTA per kv head: each key tile's walked query blocks (the union of its
+//     columns' CSC rows, summed over the kv head's query heads), then its place in the claim
+//     order (fewest first, ties the higher tile first): tile_order [kv heads, tiles] and its
+//     inverse tile_place.
+//   sm90_dq_ranks: a warp per query-block row (h, i): the tiles holding a block of the row
+//     flagged at their claim places in shared memory, their bits and popcount prefix, then for
+//     each CSR entry (i, j) the held tiles claimed before j's, written to the CSC entry of
+//     (i, j) (found by binary search of column j's ascending rows).
+constexpr int NO_CHUNK = -1;  // an entry of a whole row (attn_fwd_sm90.cu's NO_SLOT)
+enum EntryField {
+  ENTRY_HEAD,
+  ENTRY_TILE,
+  ENTRY_CHUNK,
+  ENTRY_FIRST,  // key blocks [first, end)
+  ENTRY_END,
+  ENTRY_A_FIRST,  // entries of the item's first row before `first`, before `end`
+  ENTRY_A_END,
+  ENTRY_B_FIRST,  // of its second row (64-blocks)
+  ENTRY_B_END,
+  ENTRY_U_FIRST,  // key blocks of the rows' union before `first`, before `end`
+  ENTRY_U_END,
+  ENTRY_FIELDS
+};
+// The persistent forward's list entry (attn_fwd_sm90.cu WorkField) and merge entry (MergeField)
+enum ListField {
+  LIST_ITEM,
+  LIST_FIRST,
+  LIST_END,
+  LIST_SLOT,
+  LIST_A_FIRST,
+  LIST_A_END,
+  LIST_B_FIRST,
+  LIST_B_END,
+  LIST_FIELDS
+};
+enum MergeListField { MERGE_LIST_ITEM, MERGE_LIST_FIRST_SLOT, MERGE_LIST_CHUNKS, MERGE_LIST_FIELDS };
+// A sort weight: key tiles walked, blocks computed and tile, WEIGHT_BITS each, high to low.
+constexpr int WEIGHT_BITS = 21;
+// Key tiles an sm90_dq_ranks row flags in shared memory (a selection row's most key blocks), and
+// the key blocks an sm_90a backward tile holds at most (two 64-blocks).
+constexpr int MAX_CLAIM_TILES = 8192;
+constexpr int MAX_TILE_BLOCKS = 2;
+constexpr int WORD_BITS = 32;
+
+// A unit's layout rows (the item's first and, with 64-blocks, second; nullptr past nbq).
+struct WorkUnit {
+  int lane, h, t, unit;
+  const unsigned char* row_a;
+  const unsigned char* row_b;
+};
+
+__device__ __forceinline__ WorkUnit work_unit(const unsigned char* chosen, int nbq, int nb,
+                                              int item_rows, int tiles) {
+  const int t = int(blockIdx.x) * INDEX_WARPS + int(threadIdx.x) / 32;
+  const int h = int(blockIdx.y);
+  const int row = t * item_rows;
+  const unsigned char* head = chosen + size_t(h) * nbq * nb;
+  const bool has_a = t < tiles, has_b = has_a && item_rows > 1 && row + 1 < nbq;
+  return {int(threadIdx.x) % 32, h, t, h * tiles + t,
+          has_a ? head + size_t(row) * nb : nullptr,
+          has_b ? head + size_t(row + 1) * nb : nullptr};
+}
+
+__global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
+    sm90_work_count(const unsigned char* __restrict__ chosen, int* __restrict__ union_count,
+                    int nbq, int nb, int item_rows, int tiles) {
+  const WorkUnit u = work_unit(chosen, nbq, nb, item_rows, tiles);
+  if (u.row_a == nullptr) return;  // uniform over the warp
+  int count = 0;
+  for (int j0 = 0; j0 < nb; j0 += 32) {
+    const int j = j0 + u.lane;
+    const bool on = j < nb && (u.row_a[j] != 0 || (u.row_b != nullptr && u.row_b[j] != 0));
+    count += __popc(__ballot_sync(FULL_WARP, on));
+  }
+  if (u.lane == 0) union_count[u.unit] = count;
+}
+
+// A unit's chunks: split above split_tiles key tiles into ceil(walked / split_tiles).
+__device__ __forceinline__ int unit_chunks(int union_blocks, int key_tiles, int split_tiles) {
+  const int walked = union_blocks * key_tiles;
+  return walked > split_tiles ? (walked + split_tiles - 1) / split_tiles : 1;
+}
+
+__global__ void __launch_bounds__(SCAN_THREADS, 1)
+    sm90_work_scan(const int* __restrict__ union_count, int* __restrict__ entry_ptr,
+                   int* __restrict__ slot_ptr, int* __restrict__ merge_ptr,
+                   int* __restrict__ split_tiles, int units, int key_tiles, int split_factor,
+                   int split_min_tiles) {
+  __shared__ long long walked_sums[SCAN_THREADS];
+  __shared__ int chunk_sums[3][SCAN_THREADS];
+  __shared__ int threshold_smem;
+  const int chunk = (units + SCAN_THREADS - 1) / SCAN_THREADS;
+  const int lo = int(threadIdx.x) * chunk < units ? int(threadIdx.x) * chunk : units;
+  const int hi = lo + chunk < units ? lo + chunk : units;
+  long long walked = 0;
+  for (int u = lo; u < hi; ++u) walked += (long long)union_count[u] * key_tiles;
+  walked_sums[threadIdx.x] = walked;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the host's mean in float64, ceil of split_factor times it
+    long long total = 0;
+    for (int t = 0; t < SCAN_THREADS; ++t) total += walked_sums[t];
+    const double mean = units > 0 ? double(total) / double(units) : 0.0;
+    const int above = int(ceil(double(split_factor) * mean));
+    threshold_smem = above > split_min_tiles ? above : split_min_tiles;
+    *split_tiles = threshold_smem;
+  }
+  __syncthreads();
+  const int threshold = threshold_smem;
+  int sums[3] = {0, 0, 0};  // entries, split chunks, split units
+  for (int u = lo; u < hi; ++u) {
+    const int chunks = unit_chunks(union_count[u], key_tiles, threshold);
+    sums[0] += chunks;
+    sums[1] += chunks > 1 ? chunks : 0;
+    sums[2] += chunks > 1;
+  }
+  for (int s = 0; s < 3; ++s) chunk_sums[s][threadIdx.x] = sums[s];
+  __syncthreads();
+  if (threadIdx.x < 3) {  // three exclusive prefixes, one thread each
+    int running = 0;
+    for (int t = 0; t < SCAN_THREADS; ++t) {
+      const int mine = chunk_sums[threadIdx.x][t];
+      chunk_sums[threadIdx.x][t] = running;
+      running += mine;
+    }
+  }
+  __syncthreads();
+  int offsets[3] = {chunk_sums[0][threadIdx.x], chunk_sums[1][threadIdx.x],
+                    chunk_sums[2][threadIdx.x]};
+  for (int u = lo; u < hi; ++u) {
+    entry_ptr[u] = offsets[0];
+    slot_ptr[u] = offsets[1];
+    merge_ptr[u] = offsets[2];
+    const int chunks = unit_chunks(union_count[u], key_tiles, threshold);
+    offsets[0] += chunks;
+    offsets[1] += chunks > 1 ? chunks : 0;
+    offsets[2] += chunks > 1;
+  }
+  if (hi == units && lo < hi) {
+    entry_ptr[units] = offsets[0];
+    slot_ptr[units] = offsets[1];
+    merge_ptr[units] = offsets[2];
+  }
+  if (units == 0 && threadIdx.x == 0) entry_ptr[0] = slot_ptr[0] = merge_ptr[0] = 0;
+}
+
+__global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
+    sm90_work_fill(const unsigned char* __restrict__ chosen, const int* __restrict__ union_count,
+                   const int* __restrict__ entry_ptr, int* __restrict__ entries,
+                   u64* __restrict__ weights, int nbq, int nb, int item_rows, int tiles,
+                   int key_tiles) {
+  const WorkUnit u = work_unit(chosen, nbq, nb, item_rows, tiles);
+  if (u.row_a == nullptr) return;  // uniform over the warp
+  const int first_entry = entry_ptr[u.unit];
+  const int chunks = entry_ptr[u.unit + 1] - first_entry;
+  const long long union_blocks = union_count[u.unit];
+  int* rows = entries + size_t(first_entry) * ENTRY_FIELDS;
+  const unsigned below = (1u << u.lane) - 1u;
+  int before_a = 0, before_b = 0, before_union = 0;
+  for (int j0 = 0; j0 < nb; j0 += 32) {
+    const int j = j0 + u.lane;
+    const bool a = j < nb && u.row_a[j] != 0;
+    const bool b = j < nb && u.row_b != nullptr && u.row_b[j] != 0;
+    const unsigned votes_a = __ballot_sync(FULL_WARP, a), votes_b = __ballot_sync(FULL_WARP, b);
+    const unsigned votes_union = votes_a | votes_b;
+    if ((a || b) && chunks > 1) {
+      // key j is the union's r-th: a cut when r = floor(L c / chunks) for some 0 < c < chunks,
+      // that is for c = ceil(r chunks / L) (the targets are distinct: chunks <= L)
+      const long long r = before_union + __popc(votes_union & below);
+      const long long c = (r * chunks + union_blocks - 1) / union_blocks;
+      if (c >= 1 && c < chunks && union_blocks * c / chunks == r) {
+        const int at_a = before_a + __popc(votes_a & below);
+        const int at_b = before_b + __popc(votes_b & below);
+        int* starts = rows + c * ENTRY_FIELDS;
+        int* ends = starts - ENTRY_FIELDS;
+        starts[ENTRY_FIRST] = ends[ENTRY_END] = j;
+        starts[ENTRY_A_FIRST] = ends[ENTRY_A_END] = at_a;
+        starts[ENTRY_B_FIRST] = ends[ENTRY_B_END] = at_b;
+        starts[ENTRY_U_FIRST] = ends[ENTRY_U_END] = int(r);
+      }
+    }
+    before_a += __popc(votes_a);
+    before_b += __popc(votes_b);
+    before_union += __popc(votes_union);
+  }
+  if (u.lane == 0) {
+    for (int c = 0; c < chunks; ++c) {
+      rows[c * ENTRY_FIELDS + ENTRY_HEAD] = u.h;
+      rows[c * ENTRY_FIELDS + ENTRY_TILE] = u.t;
+      rows[c * ENTRY_FIELDS + ENTRY_CHUNK] = chunks > 1 ? c : NO_CHUNK;
+    }
+    rows[ENTRY_FIRST] = rows[ENTRY_A_FIRST] = rows[ENTRY_B_FIRST] = rows[ENTRY_U_FIRST] = 0;
+    int* last = rows + (chunks - 1) * ENTRY_FIELDS;
+    last[ENTRY_END] = nb;
+    last[ENTRY_A_END] = before_a;
+    last[ENTRY_B_END] = before_b;
+    last[ENTRY_U_END] = before_union;
+  }
+  __syncwarp();
+  for (int c = u.lane; c < chunks; c += 32) {
+    const int* row = rows + c * ENTRY_FIELDS;
+    const u64 walk = u64(row[ENTRY_U_END] - row[ENTRY_U_FIRST]) * u64(key_tiles);
+    const u64 computed =
+        u64(row[ENTRY_A_END] - row[ENTRY_A_FIRST] + row[ENTRY_B_END] - row[ENTRY_B_FIRST]);
+    weights[first_entry + c] =
+        (walk << (2 * WEIGHT_BITS)) | (computed << WEIGHT_BITS) | u64(u.t);
+  }
+}
+
+// The first pair of L2 group g: the first `wide` groups hold narrow + 1 pairs, the rest narrow.
+__device__ __forceinline__ int group_first_pair(int g, int narrow, int wide) {
+  return g < wide ? g * (narrow + 1) : wide * (narrow + 1) + (g - wide) * narrow;
+}
+
+__global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
+    sm90_work_order(const int* __restrict__ entries, const u64* __restrict__ weights,
+                    const int* __restrict__ entry_ptr, const int* __restrict__ slot_ptr,
+                    const int* __restrict__ merge_ptr, int* __restrict__ work_list,
+                    int* __restrict__ merge_list, int* __restrict__ work_counter, int heads,
+                    int tiles, int batch, int groups, int list_bound) {
+  const int p = int(blockIdx.x) * INDEX_WARPS * 32 + int(threadIdx.x);
+  const int b = int(blockIdx.y);
+  const int units = heads * tiles;
+  const int per_batch = entry_ptr[units];
+  const int list_first = list_bound - batch * per_batch;  // the list ends at list_bound
+  if (p == 0 && b == 0) *work_counter = list_first;
+  if (p >= per_batch) return;
+  const int* entry = entries + size_t(p) * ENTRY_FIELDS;
+  const int h = entry[ENTRY_HEAD], t = entry[ENTRY_TILE], chunk = entry[ENTRY_CHUNK];
+  const int unit = h * tiles + t;
+  const int pairs = batch * heads, pair = b * heads + h;
+  const int narrow = pairs / groups, wide = pairs % groups;
+  const int g = pair < wide * (narrow + 1) ? pair / (narrow + 1)
+                                           : wide + (pair - wide * (narrow + 1)) / narrow;
+  const int first_pair = group_first_pair(g, narrow, wide);
+  const int end_pair = group_first_pair(g + 1, narrow, wide);
+  const u64 weight = weights[p];
+  int rank = 0;
+  for (int q = first_pair; q < end_pair; ++q) {
+    const int bq = q / heads, hq = q % heads;
+    const int lo = entry_ptr[hq * tiles], hi = entry_ptr[(hq + 1) * tiles];
+    for (int other = lo; other < hi; ++other) {
+      const u64 w = weights[other];
+      rank += w > weight || (w == weight && (bq < b || (bq == b && other < p)));
+    }
+  }
+  const int group_start = first_pair / heads * per_batch + entry_ptr[first_pair % heads * tiles];
+  int* out = work_list + size_t(list_first + group_start + rank) * LIST_FIELDS;
+  const int item = pair * tiles + t;
+  const int slot = chunk == NO_CHUNK ? NO_CHUNK : b * slot_ptr[units] + slot_ptr[unit] + chunk;
+  out[LIST_ITEM] = item;
+  out[LIST_FIRST] = entry[ENTRY_FIRST];
+  out[LIST_END] = entry[ENTRY_END];
+  out[LIST_SLOT] = slot;
+  out[LIST_A_FIRST] = entry[ENTRY_A_FIRST];
+  out[LIST_A_END] = entry[ENTRY_A_END];
+  out[LIST_B_FIRST] = entry[ENTRY_B_FIRST];
+  out[LIST_B_END] = entry[ENTRY_B_END];
+  if (chunk == 0) {
+    int* merge = merge_list + size_t(b * merge_ptr[units] + merge_ptr[unit]) * MERGE_LIST_FIELDS;
+    merge[MERGE_LIST_ITEM] = item;
+    merge[MERGE_LIST_FIRST_SLOT] = slot;
+    merge[MERGE_LIST_CHUNKS] = entry_ptr[unit + 1] - entry_ptr[unit];
+  }
+}
+
+// Query blocks of head h that key tile `tile` (key blocks [tile kb, tile kb + kb), kb <=
+// MAX_TILE_BLOCKS) walks: the union of its columns' ascending CSC rows, merged.
+__device__ int tile_walked(const int* col_ptr, const int* row_idx, int h, int tile, int nb,
+                           int key_blocks) {
+  int next[MAX_TILE_BLOCKS], end[MAX_TILE_BLOCKS];
+  for (int c = 0; c < MAX_TILE_BLOCKS; ++c) {
+    const int j = tile * key_blocks + c;
+    const bool has = c < key_blocks && j < nb;
+    next[c] = has ? col_ptr[size_t(h) * (nb + 1) + j] : 0;
+    end[c] = has ? col_ptr[size_t(h) * (nb + 1) + j + 1] : 0;
+  }
+  int walked = 0;
+  for (;;) {
+    int lowest = -1;
+    for (int c = 0; c < MAX_TILE_BLOCKS; ++c) {
+      if (next[c] < end[c] && (lowest < 0 || row_idx[next[c]] < lowest)) lowest = row_idx[next[c]];
+    }
+    if (lowest < 0) return walked;
+    ++walked;
+    for (int c = 0; c < MAX_TILE_BLOCKS; ++c) {
+      if (next[c] < end[c] && row_idx[next[c]] == lowest) ++next[c];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(SCAN_THREADS, 1)
+    sm90_claim_order(const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
+                     int* __restrict__ walked, int* __restrict__ tile_order,
+                     int* __restrict__ tile_place, int nb, int tiles, int key_blocks,
+                     int kv_group) {
+  const int kv_head = int(blockIdx.x);
+  int* kv_walked = walked + size_t(kv_head) * tiles;
+  for (int tile = int(threadIdx.x); tile < tiles; tile += SCAN_THREADS) {
+    int total = 0;
+    for (int g = 0; g < kv_group; ++g) {
+      total += tile_walked(col_ptr, row_idx, kv_head * kv_group + g, tile, nb, key_blocks);
+    }
+    kv_walked[tile] = total;
+  }
+  __syncthreads();  // every tile's count, before any is ranked against it
+  for (int tile = int(threadIdx.x); tile < tiles; tile += SCAN_THREADS) {
+    const int mine = kv_walked[tile];
+    int place = 0;
+    for (int other = 0; other < tiles; ++other) {
+      const int theirs = kv_walked[other];
+      place += theirs < mine || (theirs == mine && other > tile);
+    }
+    tile_order[size_t(kv_head) * tiles + place] = tile;
+    tile_place[size_t(kv_head) * tiles + tile] = place;
+  }
+}
+
+__global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
+    sm90_dq_ranks(const int* __restrict__ row_ptr, const int* __restrict__ col_idx,
+                  const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
+                  const int* __restrict__ tile_place, int* __restrict__ dq_ranks, int nbq,
+                  int nb, int tiles, int key_blocks, int kv_group) {
+  constexpr int WORDS = MAX_CLAIM_TILES / WORD_BITS;
+  __shared__ unsigned char held_smem[INDEX_WARPS][MAX_CLAIM_TILES];  // by claim place
+  __shared__ unsigned bits_smem[INDEX_WARPS][WORDS];
+  __shared__ int before_smem[INDEX_WARPS][WORDS];  // held places in the words before
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int i = int(blockIdx.x) * INDEX_WARPS + warp, h = int(blockIdx.y);
+  if (i >= nbq) return;  // uniform over the warp
+  unsigned char* held = held_smem[warp];
+  unsigned* bits = bits_smem[warp];
+  int* before = before_smem[warp];
+  const int* place_of = tile_place + size_t(h / kv_group) * tiles;
+  const int words = (tiles + WORD_BITS - 1) / WORD_BITS;
+  const int lo = row_ptr[size_t(h) * (nbq + 1) + i], hi = row_ptr[size_t(h) * (nbq + 1) + i + 1];
+  for (int place = lane; place < words * WORD_BITS; place += 32) held[place] = 0;
+  __syncwarp();
+  for (int e = lo + lane; e < hi; e += 32) held[place_of[col_idx[e] / key_blocks]] = 1;
+  __syncwarp();
+  for (int w = lane; w < words; w += 32) {
+    unsigned word = 0;
+    for (int c = 0; c < WORD_BITS; ++c) word |= unsigned(held[w * WORD_BITS + c]) << c;
+    bits[w] = word;
+  }
+  __syncwarp();
+  if (lane == 0) {
+    int running = 0;
+    for (int w = 0; w < words; ++w) {
+      before[w] = running;
+      running += __popc(bits[w]);
+    }
+  }
+  __syncwarp();
+  for (int e = lo + lane; e < hi; e += 32) {
+    const int j = col_idx[e];
+    const int place = place_of[j / key_blocks];
+    const int w = place / WORD_BITS;
+    const int rank = before[w] + __popc(bits[w] & ((1u << (place % WORD_BITS)) - 1u));
+    int first = col_ptr[size_t(h) * (nb + 1) + j], last = col_ptr[size_t(h) * (nb + 1) + j + 1];
+    while (first < last) {  // column j's rows ascend: the entry of row i
+      const int mid = (first + last) / 2;
+      if (row_idx[mid] < i) {
+        first = mid + 1;
+      } else {
+        last = mid;
+      }
+    }
+    dq_ranks[first] = rank;
+  }
+}

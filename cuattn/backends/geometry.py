@@ -85,6 +85,12 @@ KERNEL_FILES = {
     "layout_scan": "layout_build.cu",
     "layout_fill": "layout_build.cu",
     "mask_vertical_slash": "layout_build.cu",
+    "sm90_work_count": "layout_build.cu",
+    "sm90_work_scan": "layout_build.cu",
+    "sm90_work_fill": "layout_build.cu",
+    "sm90_work_order": "layout_build.cu",
+    "sm90_claim_order": "layout_build.cu",
+    "sm90_dq_ranks": "layout_build.cu",
     "attn_fwd_sm90": "attn_fwd_sm90.cu",
     "attn_fwd_sm90_persistent": "attn_fwd_sm90.cu",
     "attn_fwd_sm90_merge": "attn_fwd_sm90.cu",
@@ -281,7 +287,23 @@ SCORE_BIAS_ENV = "CUATTN_SCORE_BIAS"
 # (counts -> scan -> fill of CSR and CSC) have one instantiation each.
 SELECT_KERNELS = ("select_topk", "select_mass")
 INDEX_KERNELS = ("layout_count", "layout_scan", "layout_fill", "mask_vertical_slash")
-LAYOUT_BUILD_KERNELS = SELECT_KERNELS + INDEX_KERNELS
+# The sm_90a kernels' schedules of a device layout (kernels/layout_build.cu): the persistent
+# forward's work list (count, scan, fill, order) and the backward's claim order and dQ ranks.
+# Warp-unit kernels (INDEX_WARPS warps a CTA) but for the one-CTA scan and the CTA a kv head.
+SCHEDULE_KERNELS = (
+    "sm90_work_count",
+    "sm90_work_scan",
+    "sm90_work_fill",
+    "sm90_work_order",
+    "sm90_claim_order",
+    "sm90_dq_ranks",
+)
+SCHEDULE_SCAN_KERNELS = ("sm90_work_scan", "sm90_claim_order")  # SCAN_THREADS a CTA
+LAYOUT_BUILD_KERNELS = SELECT_KERNELS + INDEX_KERNELS + SCHEDULE_KERNELS
+# Key tiles sm90_dq_ranks flags per row in shared memory, and the most key blocks an sm_90a
+# backward tile holds (kernels/layout_build.cu MAX_CLAIM_TILES, MAX_TILE_BLOCKS)
+SCHEDULE_MAX_TILES = 8192
+SCHEDULE_MAX_TILE_BLOCKS = 2
 MAX_SELECT_THREADS = 256  # a selection CTA has a thread per sort pair, 32 to this many
 SELECT_SCORE_DTYPES = ("float32", "float64")
 SELECT_SCORE_CXX = {"float32": "float", "float64": "double"}
@@ -636,6 +658,76 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("n", "i32"),
         ("blocksize", "i32"),
         ("causal", "i32"),
+    ),
+    "sm90_work_count": (
+        ("chosen", "ptr"),
+        ("union_count", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("item_rows", "i32"),
+        ("tiles", "i32"),
+    ),
+    "sm90_work_scan": (
+        ("union_count", "ptr"),
+        ("entry_ptr", "ptr"),
+        ("slot_ptr", "ptr"),
+        ("merge_ptr", "ptr"),
+        ("split_tiles", "ptr"),
+        ("units", "i32"),
+        ("key_tiles", "i32"),
+        ("split_factor", "i32"),
+        ("split_min_tiles", "i32"),
+    ),
+    "sm90_work_fill": (
+        ("chosen", "ptr"),
+        ("union_count", "ptr"),
+        ("entry_ptr", "ptr"),
+        ("entries", "ptr"),
+        ("weights", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("item_rows", "i32"),
+        ("tiles", "i32"),
+        ("key_tiles", "i32"),
+    ),
+    "sm90_work_order": (
+        ("entries", "ptr"),
+        ("weights", "ptr"),
+        ("entry_ptr", "ptr"),
+        ("slot_ptr", "ptr"),
+        ("merge_ptr", "ptr"),
+        ("work_list", "ptr"),
+        ("merge_list", "ptr"),
+        ("work_counter", "ptr"),
+        ("heads", "i32"),
+        ("tiles", "i32"),
+        ("batch", "i32"),
+        ("groups", "i32"),
+        ("list_bound", "i32"),
+    ),
+    "sm90_claim_order": (
+        ("col_ptr", "ptr"),
+        ("row_idx", "ptr"),
+        ("walked", "ptr"),
+        ("tile_order", "ptr"),
+        ("tile_place", "ptr"),
+        ("nb", "i32"),
+        ("tiles", "i32"),
+        ("key_blocks", "i32"),
+        ("kv_group", "i32"),
+    ),
+    "sm90_dq_ranks": (
+        ("row_ptr", "ptr"),
+        ("col_idx", "ptr"),
+        ("col_ptr", "ptr"),
+        ("row_idx", "ptr"),
+        ("tile_place", "ptr"),
+        ("dq_ranks", "ptr"),
+        ("nbq", "i32"),
+        ("nb", "i32"),
+        ("tiles", "i32"),
+        ("key_blocks", "i32"),
+        ("kv_group", "i32"),
     ),
     "attn_bwd_dkdv": (
         *_BWD_INPUTS,
@@ -1072,6 +1164,10 @@ class LayoutKernelConfig(_Launch):
     scores' type and ``sort_size`` the padded row (``select_sort_size``). layout_count /
     layout_fill: ``rows`` warp units (query-block rows + 32-column strips). layout_scan: two
     CTAs. mask_vertical_slash: ``rows`` query-block rows, one CTA each. ``heads`` is grid.y.
+    The schedule kernels (SCHEDULE_KERNELS): ``rows`` warp units (sm90_work_count /
+    sm90_work_fill: query tiles; sm90_dq_ranks: query-block rows) or threads (sm90_work_order:
+    entries) a grid.y, ``heads`` of grid.y (heads, batch); sm90_work_scan one CTA,
+    sm90_claim_order ``rows`` CTAs (kv heads).
     """
 
     kernel: str
@@ -1095,7 +1191,9 @@ class LayoutKernelConfig(_Launch):
         if self.kernel in SELECT_KERNELS:
             assert self.sort_size is not None
             return min(max(self.sort_size // 2, WARP_SIZE), MAX_SELECT_THREADS)
-        return SCAN_THREADS if self.kernel == "layout_scan" else INDEX_WARPS * WARP_SIZE
+        if self.kernel == "layout_scan" or self.kernel in SCHEDULE_SCAN_KERNELS:
+            return SCAN_THREADS
+        return INDEX_WARPS * WARP_SIZE
 
     @property
     def smem_bytes(self) -> int:
@@ -1110,6 +1208,12 @@ class LayoutKernelConfig(_Launch):
             return (self.rows, self.heads, 1)
         if self.kernel == "layout_scan":
             return (SCAN_CTAS, 1, 1)
+        if self.kernel == "sm90_work_scan":
+            return (1, 1, 1)
+        if self.kernel == "sm90_claim_order":
+            return (self.rows, 1, 1)
+        if self.kernel == "sm90_work_order":
+            return (ceil_div(self.rows, INDEX_WARPS * WARP_SIZE), self.heads, 1)
         return (ceil_div(self.rows, INDEX_WARPS), self.heads, 1)
 
     @property
@@ -1124,7 +1228,9 @@ class LayoutKernelConfig(_Launch):
         if self.kernel in SELECT_KERNELS:
             assert self.score_dtype is not None
             return f"select_traits<{SELECT_SCORE_CXX[self.score_dtype]}, {self.sort_size}>"
-        return "layout_scan_traits" if self.kernel == "layout_scan" else "layout_index_traits"
+        if self.kernel == "layout_scan" or self.kernel in SCHEDULE_SCAN_KERNELS:
+            return "layout_scan_traits"
+        return "layout_index_traits"
 
 
 @dataclass(frozen=True)
@@ -1230,7 +1336,7 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
     for kernel in SELECT_KERNELS:
         for dtype, size in itertools.product(SELECT_SCORE_DTYPES, SELECT_SORT_SIZES):
             configs.append(LayoutKernelConfig(kernel, dtype, size))
-    configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS)
+    configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS + SCHEDULE_KERNELS)
     configs.append(DecodeMassConfig())
     return configs
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends import dropout, geometry
+from cuattn.backends import dropout, geometry, layout_build
 from cuattn.backends.call import AttentionCall, ScoreMods, ScoreOperands, rel_max_distance
 from cuattn.backends.geometry import KernelConfig
 from cuattn.backends.tensor_map import Swizzle, TensorMap
@@ -568,7 +568,12 @@ class KernelBackend:
         if (
             geometry.kernel_family() == geometry.SM90_PERSISTENT_FAMILY
             and head_dim in geometry.SM90_PERSISTENT_HEAD_DIMS
-            and not isinstance(layout, DeviceLayout)
+            and (
+                not isinstance(layout, DeviceLayout)
+                or layout_build.work_list_fits(
+                    layout.num_q_blocks, layout.num_blocks, heads, batch, layout.blocksize
+                )
+            )
         ):
             return self._forward_sm90_persistent(q, k, v, layout, scale, shape, dtype)
         config = KernelConfig(
@@ -612,12 +617,12 @@ class KernelBackend:
         self, q: Any, k: Any, v: Any, layout: Layout, scale: float, shape: tuple, dtype: str
     ) -> tuple[Any, Any] | None:
         """The forward on attn_fwd_sm90_persistent, as _forward_sm90 (None where the device
-        refuses a map): the host layout's work list (cached per layout), one CTA an SM; then,
-        where the list split rows, attn_fwd_sm90_merge over their chunks' partials."""
+        refuses a map): the layout's work list (_sm90_work), one CTA an SM; then, where the
+        list may split rows, attn_fwd_sm90_merge over their chunks' partials."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
-        work = _layout_work_list(layout, (batch, n_k, dtype, kv_group, head_dim))
-        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), len(work.items))
+        work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim))
+        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), work.num_items)
         xp = self.xp
         slots = max(work.slots, 1)  # (a pointer to pass where no row is split)
         part_out = self.output((slots, geometry.SM90_TILE_M, head_dim), xp.float32)
@@ -637,28 +642,52 @@ class KernelBackend:
             v,
             layout,
             scale,
-            work_list=xp.asarray(work.items),
-            num_items=len(work.items),
+            work_list=work.items,
+            num_items=work.num_items,
             heads=heads,
-            work_counter=self.zeroed_output((1,), xp.int32),
+            work_counter=work.work_counter,
             part_out=part_out,
             part_lse=part_lse,
         )
-        if result is None or not len(work.merges):
+        if result is None or not work.num_merges:
             return result
         out, lse = result
-        rows = len(work.merges) * geometry.SM90_TILE_M
+        rows = work.num_merges * geometry.SM90_TILE_M
         self.launch(
             KernelConfig(geometry.SM90_FWD_MERGE, head_dim, dtype, n_rows=rows),
             part_out=part_out,
             part_lse=part_lse,
-            merge_list=xp.asarray(work.merges),
+            merge_list=work.merges,
             out=out,
             lse=lse,
             n_q=n_q,
             rows=rows,
         )
         return out, lse
+
+    def _sm90_work(
+        self, layout: Layout, key: tuple[int, int, str, int, int]
+    ) -> layout_build.DeviceWorkList:
+        """attn_fwd_sm90_persistent's work for ``layout`` and (batch, keys, dtype, kv group,
+        head dim), where its kernels read it: a device layout's built where it lives by
+        layout_build.sm90_work_list on every call (no host round trip; not kept, since a build
+        recorded into a CUDA graph only runs when the graph does), a host layout's from its
+        cached geometry.sm90_work_list, copied over as a list of exactly its entries."""
+        batch, n_k, dtype, kv_group, head_dim = key
+        if isinstance(layout, DeviceLayout):
+            return layout_build.sm90_work_list(
+                self, layout.blocks, batch, n_k, head_dim, dtype, kv_group, layout.blocksize
+            )
+        work = _layout_work_list(layout, key)
+        return layout_build.DeviceWorkList(
+            items=self.xp.asarray(work.items),
+            work_counter=self.zeroed_output((1,), self.xp.int32),
+            merges=self.xp.asarray(work.merges),
+            split_tiles=work.split_tiles,
+            num_items=len(work.items),
+            num_merges=len(work.merges),
+            slots=work.slots,
+        )
 
     def _sm90a_forward(
         self, qkv: tuple[Any, Any, Any], block: int, head_dim: int, dtype: str
@@ -755,9 +784,15 @@ class KernelBackend:
         dk, dv = (self.output(k.shape, k.dtype) for _ in range(2))
         index = self.index_arrays(layout)
         kv_group = heads // kv_heads
-        tile_order, ranks = _layout_backward_order(
-            layout, geometry.sm90_bwd_key_blocks(layout.blocksize), kv_group
-        )
+        key_blocks = geometry.sm90_bwd_key_blocks(layout.blocksize)
+        if isinstance(layout, DeviceLayout):  # built where it lives, no host round trip
+            tile_order, ranks = layout_build.sm90_backward_order(
+                self, layout, index, key_blocks, kv_group
+            )
+        else:
+            tile_order, ranks = (
+                xp.asarray(order) for order in _layout_backward_order(layout, key_blocks, kv_group)
+            )
         self.launch(
             config,
             **maps,
@@ -769,8 +804,8 @@ class KernelBackend:
             col_ptr=index.col_ptr,
             row_idx=index.row_idx,
             col_mask=index.col_mask,
-            dq_ranks=xp.asarray(ranks),
-            tile_order=xp.asarray(tile_order),
+            dq_ranks=ranks,
+            tile_order=tile_order,
             mask_table=index.mask_table,
             n_q=n_q,
             n_k=n_k,
@@ -961,7 +996,12 @@ class KernelBackend:
             if (
                 not modifier_variant(mods, scale)
                 and not any(call.operands.given)
-                and not isinstance(layout, DeviceLayout)  # its ranks come from the host blocks
+                and (
+                    not isinstance(layout, DeviceLayout)
+                    or layout_build.backward_order_fits(
+                        layout.num_blocks, geometry.sm90_bwd_key_blocks(layout.blocksize)
+                    )
+                )
                 and self._sm90a_backward((q, k, v, dout), layout.blocksize, head_dim, dtype)
             ):
                 saved = (q, k, v, out, lse, dout)

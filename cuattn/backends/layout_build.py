@@ -3,6 +3,9 @@
     select_topk / select_mass -> chosen uint8 [heads, nbq, nb]
     layout_count -> row_count, col_count;  layout_scan -> row_ptr, col_ptr;
     layout_fill -> col_idx, row_mask (CSR) and row_idx, col_mask (CSC)
+and, for the sm_90a kernels, the schedules of a device layout (sm90_work_list: the persistent
+forward's work list; sm90_backward_order: the backward's claim order and dQ ranks), equal to what
+the host builds from a host layout.
 Every buffer is sized from arguments the host already has (the budget bounds the blocks of a
 row), so no launch waits for another's result on the host: the sequence can be captured in a
 CUDA graph. ``impl`` is a kernel backend (cuattn.backends: "interp" on NumPy arrays, "cuda" on
@@ -13,6 +16,7 @@ that an entry a kernel fails to write cannot pass for a result on the interprete
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -203,3 +207,178 @@ def index_layout(
     impl.launch(fill_config, **fill, part=FILL_COLUMNS)
     rule = ElementRule("bitmask", mask_fn=vertical_slash)
     return DeviceLayout(chosen, index, blocksize, n_ctx, rule, name, capacity, mask_table)
+
+
+# ---- the sm_90a kernels' schedules of a device layout (kernels/layout_build.cu) ---------------
+
+ENTRY_FIELDS = 11  # sm90_work_fill's entries (kernels/layout_build.cu EntryField)
+WEIGHT_LIMIT = 2**21  # each of an entry's sort weights (walk, computed, tile) stays below
+
+
+@dataclass(frozen=True)
+class DeviceWorkList:
+    """geometry.sm90_work_list of a device layout, where the layout lives, in buffers sized from
+    shapes: ``items`` int32 [num_items, SM90_WORK_FIELDS] holds the list at its END, and
+    ``work_counter`` (int32 [1]) starts at its first entry, so that a persistent launch with
+    ``num_items`` claims exactly the list; ``merges`` int32 [num_merges, SM90_MERGE_FIELDS]
+    holds the split rows' merges first, then entries of no chunks; ``slots`` bounds the partial
+    slots the chunks write; ``split_tiles`` int32 [1] is the threshold the device chose. A host
+    list (kernels.KernelBackend._sm90_work) fills the same fields exactly: its own entries,
+    counts and threshold (an int)."""
+
+    items: Any
+    work_counter: Any
+    merges: Any
+    split_tiles: Any
+    num_items: int
+    num_merges: int
+    slots: int
+
+
+def work_list_bounds(units: int, batch: int) -> tuple[int, int, int]:
+    """(entries, merges, slots) a device-built work list of ``units`` (head, query tile) items
+    a batch holds at most. A unit is split when it walks more than SM90_SPLIT_FACTOR x the
+    mean unit's key tiles, into ceil(walked / threshold) chunks: the chunks beyond the first
+    sum to under units / SM90_SPLIT_FACTOR, and fewer units than that are split."""
+    split = units // geometry.SM90_SPLIT_FACTOR
+    return batch * (units + split), batch * split, batch * 2 * split
+
+
+def work_list_fits(num_q_blocks: int, num_blocks: int, heads: int, batch: int, block: int) -> bool:
+    """Whether sm90_work_list can build this shape's list on the device: its sort weights and
+    list places within the kernels' integers (else the caller keeps attn_fwd_sm90)."""
+    tiles = ceil_div(num_q_blocks, geometry.SM90_TILE_M // block)
+    entries, _, _ = work_list_bounds(heads * tiles, batch)
+    return (
+        block in geometry.SM90_BLOCKS
+        and 2 * num_blocks < WEIGHT_LIMIT  # key tiles walked, blocks computed
+        and tiles < WEIGHT_LIMIT
+        and entries * geometry.SM90_WORK_FIELDS <= INT32_LIMIT
+    )
+
+
+def sm90_work_list(
+    impl: Any,
+    blocks: Any,
+    batch: int,
+    n_k: int,
+    head_dim: int,
+    dtype: str,
+    kv_group: int,
+    block: int,
+) -> DeviceWorkList:
+    """The persistent forward's work list of the device layout whose active blocks are
+    ``blocks`` (bool [heads, query blocks, key blocks], where the layout lives): the entries
+    geometry.sm90_work_list gives for these blocks, in its order, built by sm90_work_count,
+    sm90_work_scan, sm90_work_fill and sm90_work_order with no host round trip."""
+    xp = impl.xp
+    heads, nbq, nb = blocks.shape
+    item_rows = geometry.SM90_TILE_M // block
+    tiles = ceil_div(nbq, item_rows)
+    units = heads * tiles
+    key_tiles = max(1, block // geometry.sm90_tile_n(block, head_dim))
+    list_bound, merge_bound, slot_bound = work_list_bounds(units, batch)
+    chosen = xp.ascontiguousarray(blocks).view(xp.uint8)
+
+    def buffer(*shape: int) -> Any:
+        return xp.full(shape, UNWRITTEN, dtype=xp.int32)
+
+    union_count = buffer(units)
+    pointers = {name: buffer(units + 1) for name in ("entry_ptr", "slot_ptr", "merge_ptr")}
+    split_tiles = buffer(1)
+    shape = {"nbq": nbq, "nb": nb, "item_rows": item_rows, "tiles": tiles}
+    per_tile = LayoutKernelConfig("sm90_work_count", rows=tiles, heads=heads)
+    impl.launch(per_tile, chosen=chosen, union_count=union_count, **shape)
+    impl.launch(
+        LayoutKernelConfig("sm90_work_scan"),
+        union_count=union_count,
+        **pointers,
+        split_tiles=split_tiles,
+        units=units,
+        key_tiles=key_tiles,
+        split_factor=geometry.SM90_SPLIT_FACTOR,
+        split_min_tiles=geometry.SM90_SPLIT_MIN_TILES,
+    )
+    entry_bound = units + units // geometry.SM90_SPLIT_FACTOR
+    entries = buffer(entry_bound, ENTRY_FIELDS)
+    weights = xp.zeros(entry_bound, dtype=xp.uint64)
+    impl.launch(
+        LayoutKernelConfig("sm90_work_fill", rows=tiles, heads=heads),
+        chosen=chosen,
+        union_count=union_count,
+        entry_ptr=pointers["entry_ptr"],
+        entries=entries,
+        weights=weights,
+        key_tiles=key_tiles,
+        **shape,
+    )
+    items = buffer(list_bound, geometry.SM90_WORK_FIELDS)
+    # a merge entry of no chunks is passed by: the padding past the split rows
+    merges = xp.zeros((max(merge_bound, 1), geometry.SM90_MERGE_FIELDS), dtype=xp.int32)
+    work_counter = buffer(1)
+    impl.launch(
+        LayoutKernelConfig("sm90_work_order", rows=entry_bound, heads=batch),
+        entries=entries,
+        weights=weights,
+        **pointers,
+        work_list=items,
+        merge_list=merges,
+        work_counter=work_counter,
+        heads=heads,
+        tiles=tiles,
+        batch=batch,
+        groups=geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group),
+        list_bound=list_bound,
+    )
+    return DeviceWorkList(
+        items, work_counter, merges, split_tiles, list_bound, merge_bound, slot_bound
+    )
+
+
+def backward_order_fits(num_blocks: int, key_blocks: int) -> bool:
+    """Whether sm90_backward_order builds this shape's order on the device: a row's key tiles
+    within what sm90_dq_ranks flags in shared memory (else the caller keeps the mma.sync
+    backward)."""
+    return (
+        key_blocks <= geometry.SCHEDULE_MAX_TILE_BLOCKS
+        and ceil_div(num_blocks, key_blocks) <= geometry.SCHEDULE_MAX_TILES
+    )
+
+
+def sm90_backward_order(
+    impl: Any, layout: DeviceLayout, index: Any, key_blocks: int, kv_group: int
+) -> tuple[Any, Any]:
+    """(tile_order int32 [kv heads, key tiles], dq_ranks int32 [one per CSC entry]) of a device
+    layout, where it lives: kernels.backward_tile_order's and kernels.dq_ranks' values, by
+    sm90_claim_order and sm90_dq_ranks from ``index`` (the layout's arrays where the kernels
+    read them). Entries past the layout's own are left poisoned (never read)."""
+    xp = impl.xp
+    heads, nbq, nb = layout.heads, layout.num_q_blocks, layout.num_blocks
+    tiles = ceil_div(nb, key_blocks)
+    kv_heads = heads // kv_group
+    walked, tile_order, tile_place = (
+        xp.full((kv_heads, tiles), UNWRITTEN, dtype=xp.int32) for _ in range(3)
+    )
+    shape = {"nb": nb, "tiles": tiles, "key_blocks": key_blocks, "kv_group": kv_group}
+    impl.launch(
+        LayoutKernelConfig("sm90_claim_order", rows=kv_heads),
+        col_ptr=index.col_ptr,
+        row_idx=index.row_idx,
+        walked=walked,
+        tile_order=tile_order,
+        tile_place=tile_place,
+        **shape,
+    )
+    dq_ranks = xp.full(index.row_idx.shape, UNWRITTEN, dtype=xp.int32)
+    impl.launch(
+        LayoutKernelConfig("sm90_dq_ranks", rows=nbq, heads=heads),
+        row_ptr=index.row_ptr,
+        col_idx=index.col_idx,
+        col_ptr=index.col_ptr,
+        row_idx=index.row_idx,
+        tile_place=tile_place,
+        dq_ranks=dq_ranks,
+        nbq=nbq,
+        **shape,
+    )
+    return tile_order, dq_ranks

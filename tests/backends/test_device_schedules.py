@@ -1,0 +1,353 @@
+"""The sm_90a kernels' schedules built on the device (kernels/layout_build.cu): the persistent
+forward's work list and the backward's claim order and dQ ranks of a DeviceLayout, equal entry for
+entry to what the host builds from a host layout (geometry.sm90_work_list, kernels.
+backward_tile_order and kernels.dq_ranks), and the forward and backward through a DeviceLayout
+bit for bit the host layout's. The build kernels run on the CPU interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import dynamic
+from cuattn.backends import geometry, interp, kernels, layout_build
+from cuattn.backends.call import AttentionCall
+from cuattn.layout import registry
+from cuattn.layout.device import INDEX_FIELDS, DeviceLayout
+from cuattn.layout.layout import Layout
+from tests.helpers.kernel_cases import PATTERNS, pattern_id, sweep_layout
+
+# Every registered pattern, with the arguments it needs at 16 blocks of 64 (or 8 of 128).
+REGISTRY_ARGS = {
+    "all": {},
+    "local": {"local_attn_ctx": 192},
+    "strided": {"local_attn_ctx": 192},
+    "fixed": {"local_attn_ctx": 256, "num_verts": 2, "vertsize": 1},
+    "window": {"window_left": 130, "window_right": 70},
+    "longformer": {"local_attn_ctx": 128, "global_tokens": (0, 700)},
+    "bigbird": {"num_random_blocks": 1, "seed": 3},
+    "variable": {"num_random_blocks": 1, "seed": 5},
+    "document": {"doc_lengths": (300, 500, 261)},
+}
+# (batch, kv_group, head_dim, dtype): GQA, batch > 1, the wide key tile (two a 128-block)
+SHAPES = [(1, 1, 64, "bfloat16"), (2, 2, 128, "float16"), (3, 4, 64, "float16")]
+
+
+def as_device(layout: Layout) -> DeviceLayout:
+    """The host layout's own arrays read as a DeviceLayout (as a torch op receives one)."""
+    arrays = {"blocks": layout.blocks, "mask_table": layout.mask_table}
+    arrays.update({field: getattr(layout, field) for field in INDEX_FIELDS})
+    rule = layout.rule
+    return DeviceLayout.from_arrays(
+        arrays,
+        layout.blocksize,
+        layout.n_q,
+        layout.n_ctx,
+        rule.kind,
+        (rule.window_left, rule.window_right),
+    )
+
+
+def assert_work_lists_equal(blocks, n_k, batch, kv_group, head_dim, dtype, block):
+    """The device list (at the end of its bound, the counter at its first entry), its merges
+    (then padding of no chunks) and threshold, against geometry.sm90_work_list. Returns the
+    host list."""
+    host = geometry.sm90_work_list(blocks, batch, n_k, head_dim, dtype, kv_group, block)
+    device = layout_build.sm90_work_list(
+        interp.backend, blocks, batch, n_k, head_dim, dtype, kv_group, block
+    )
+    entries = len(host.items)
+    first = device.num_items - entries
+    assert first >= 0 and int(device.work_counter[0]) == first
+    np.testing.assert_array_equal(device.items[first:], host.items)
+    splits = len(host.merges)
+    np.testing.assert_array_equal(device.merges[:splits], host.merges)
+    assert not device.merges[splits:].any()  # the padding: entries of no chunks
+    assert int(device.split_tiles[0]) == host.split_tiles
+    assert host.slots <= device.slots and splits <= device.num_merges
+    return host
+
+
+def assert_backward_orders_equal(layout: Layout, kv_group: int) -> None:
+    key_blocks = geometry.sm90_bwd_key_blocks(layout.blocksize)
+    order = kernels.backward_tile_order(layout.blocks, key_blocks, kv_group)
+    ranks = kernels.dq_ranks(layout.blocks, layout.col_ptr, layout.row_idx, key_blocks, order)
+    device = layout if isinstance(layout, DeviceLayout) else as_device(layout)
+    assert layout_build.backward_order_fits(device.num_blocks, key_blocks)
+    device_order, device_ranks = layout_build.sm90_backward_order(
+        interp.backend, device, device.kernel_arrays(), key_blocks, kv_group
+    )
+    np.testing.assert_array_equal(device_order, order)
+    entries = int(np.asarray(layout.col_ptr)[-1, -1])
+    np.testing.assert_array_equal(device_ranks[:entries], ranks[:entries])
+
+
+def test_the_registry_table_names_every_pattern():
+    assert set(REGISTRY_ARGS) == set(registry.modes())
+
+
+@pytest.mark.parametrize("mode", sorted(REGISTRY_ARGS))
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_registered_pattern(mode, block, causal):
+    """Every pattern at both block sizes, a ragged last block, a shorter query side for the
+    causal ones: the forward's list for each of SHAPES and the backward's order and ranks."""
+    n = 1024 + 37
+    n_q = 700 if causal and mode not in ("strided", "fixed") else None
+    options = dict(REGISTRY_ARGS[mode])
+    if mode == "window" and causal:
+        options["window_right"] = 0
+    layout = cuattn.make_layout(mode, n, 8, block, causal=causal, n_q=n_q, **options)
+    for batch, kv_group, head_dim, dtype in SHAPES:
+        assert_work_lists_equal(
+            layout.blocks, layout.n_ctx, batch, kv_group, head_dim, dtype, block
+        )
+        assert_backward_orders_equal(layout, kv_group)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=pattern_id)
+def test_the_gpu_sweep_patterns(pattern):
+    layout = sweep_layout(pattern, 64)
+    host = assert_work_lists_equal(layout.blocks, layout.n_ctx, 2, 2, 128, "bfloat16", 64)
+    assert len(host.items)
+    assert_backward_orders_equal(layout, 2)
+
+
+def random_blocks(rng, heads, nbq, nb, density, global_rows, empty):
+    """Random blocks [heads, nbq, nb]: a density, some rows full (long rows the list splits),
+    some rows and columns emptied."""
+    blocks = rng.random((heads, nbq, nb)) < density
+    for h in range(heads):
+        blocks[h, rng.choice(nbq, size=min(global_rows, nbq), replace=False)] = True
+        if empty:
+            blocks[h, rng.choice(nbq, size=max(1, nbq // 4), replace=False)] = False
+            blocks[h, :, rng.choice(nb, size=max(1, nb // 4), replace=False)] = False
+    return blocks
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_layouts(seed):
+    """Random shapes and densities, full rows (split) and none, empty rows and columns, GQA,
+    batch > 1: the two sides equal; across the seeds both split and unsplit lists occur."""
+    rng = np.random.default_rng(seed)
+    block = (64, 128)[seed % 2]
+    heads = int(rng.choice([1, 2, 4, 8]))
+    kv_group = int(rng.choice([g for g in (1, 2, 4) if heads % g == 0]))
+    nbq, nb = int(rng.integers(1, 24)), int(rng.integers(1, 48))
+    density = float(rng.choice([0.02, 0.1, 0.3, 0.8]))
+    blocks = random_blocks(rng, heads, nbq, nb, density, seed % 3, seed % 4 == 1)
+    n_k = nb * block - int(rng.integers(0, block))
+    batch = int(rng.integers(1, 4))
+    head_dim = (64, 128)[seed // 2 % 2]
+    host = assert_work_lists_equal(blocks, n_k, batch, kv_group, head_dim, "bfloat16", block)
+    SPLITS.add(len(host.merges) > 0)
+    layout = Layout(blocks, block, n_k, n_q=nbq * block, name="random")
+    assert_backward_orders_equal(layout, kv_group)
+
+
+SPLITS: set[bool] = set()
+
+
+def test_random_layouts_had_split_rows_and_none():
+    if len(SPLITS) < 2:  # run alone: the seeds again
+        for seed in range(24):
+            test_random_layouts(seed)
+    assert SPLITS == {True, False}
+
+
+def topk_layout(seed, n, heads, kv_heads, block, topk, causal=True):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((heads, n, 16))
+    k = rng.standard_normal((kv_heads, n, 16))
+    return dynamic.topk_blocks(q, k, block, topk, causal=causal, backend="interp")
+
+
+@pytest.mark.parametrize(
+    "seed, n, heads, kv_heads, block, topk, causal",
+    [
+        (1, 1500, 4, 2, 64, 3, True),
+        (2, 2048, 4, 1, 64, [2, 3, 8, 30], False),
+        (3, 3000, 2, 2, 128, 2, True),
+        (4, 4096, 8, 2, 64, 4, True),
+    ],
+)
+def test_dynamic_topk_layouts(seed, n, heads, kv_heads, block, topk, causal):
+    """Layouts chosen on the device (top-k, a DeviceLayout): its schedules from its own
+    arrays, equal to the host's from its host copy."""
+    layout = topk_layout(seed, n, heads, kv_heads, block, topk, causal)
+    assert isinstance(layout, DeviceLayout)
+    kv_group = heads // kv_heads
+    for batch in (1, 3):
+        assert_work_lists_equal(layout.blocks, n, batch, kv_group, 128, "bfloat16", block)
+    assert_backward_orders_equal(layout, kv_group)
+
+
+@pytest.mark.parametrize("rule", ["mass", "vertical-slash"])
+def test_the_other_dynamic_rules(rule):
+    """Layouts chosen by softmax mass and by the vertical-slash rule (a bitmask DeviceLayout)."""
+    rng = np.random.default_rng(21)
+    q, k = rng.standard_normal((4, 2000, 16)), rng.standard_normal((2, 2000, 16))
+    if rule == "mass":
+        layout = dynamic.mass_threshold_blocks(q, k, 64, 0.6, backend="interp")
+    else:
+        layout = dynamic.vertical_slash_layout(
+            q, np.repeat(k, 2, axis=0), 64, num_vertical=96, num_slash=64, backend="interp"
+        )
+    assert isinstance(layout, DeviceLayout)
+    for batch, kv_group in ((1, 1), (2, 2)):
+        assert_work_lists_equal(layout.blocks, 2000, batch, kv_group, 64, "float16", 64)
+        assert_backward_orders_equal(layout, kv_group)
+
+
+def test_empty_layout_and_one_item():
+    """No block at all (every row empty), and a single item: nothing to split or merge."""
+    for blocks in (np.zeros((2, 5, 7), bool), np.ones((1, 1, 1), bool)):
+        assert_work_lists_equal(blocks, blocks.shape[2] * 64, 2, 1, 64, "bfloat16", 64)
+        layout = Layout(blocks, 64, blocks.shape[2] * 64, n_q=blocks.shape[1] * 64)
+        assert_backward_orders_equal(layout, 1)
+
+
+def test_the_bounds_hold_where_the_split_is_largest():
+    """Every unit but a few walking one key tile and the rest walking many: the most chunks and
+    split rows the bounds allow for, within them (and used nearly up)."""
+    heads, nbq, nb = 1, 64, 64  # 32 units at 64-blocks
+    blocks = np.zeros((heads, nbq, nb), bool)
+    blocks[0, :, 0] = True
+    blocks[0, :14, :] = True  # 7 units walking all 64 key blocks, 25 walking one
+    host = assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64)
+    entries, merges, slots = layout_build.work_list_bounds(32, 1)
+    assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
+    assert len(host.merges) == 7
+
+
+# ---- through the backends -------------------------------------------------------------------
+
+
+def launched(fn, *args):
+    from tests.backends.test_sm90a_family import launched as spy
+
+    return spy(fn, *args)
+
+
+def no_host_schedule():
+    """A context in which reading a device layout back to the host, or building a schedule
+    from host blocks, fails the test (the interpreter's arrays are on the host, so such a
+    build would otherwise pass unseen)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device layout's schedule was built on the host")
+
+    patches = [
+        mock.patch.object(DeviceLayout, "host", refuse),
+        mock.patch.object(kernels, "_layout_work_list", refuse),
+        mock.patch.object(kernels, "_layout_backward_order", refuse),
+        mock.patch.object(geometry, "sm90_work_list", refuse),
+    ]
+    stack = contextlib.ExitStack()
+    for patch in patches:
+        stack.enter_context(patch)
+    return stack
+
+
+def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
+    from tests.backends.test_attn_fwd_sm90_persistent import random_inputs as inputs
+
+    return inputs(layout, batch, kv_heads, head_dim, dtype, seed)
+
+
+@pytest.mark.parametrize(
+    "make, batch, kv_heads",
+    [
+        (
+            lambda: cuattn.make_layout(
+                "longformer", 40 * 64, 2, 64, local_attn_ctx=64, causal=False
+            ),
+            1,
+            1,
+        ),
+        (lambda: topk_layout(7, 5 * 64 + 9, 4, 2, 64, 2), 2, 2),
+    ],
+    ids=["longformer-split", "topk-gqa"],
+)
+def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, batch, kv_heads):
+    """CUATTN_KERNELS=sm90a-persistent: a DeviceLayout runs the persistent kernel (after the
+    four list kernels, the merge where rows split) and its out and lse are the host layout's
+    bits."""
+    layout = make()
+    device = layout if isinstance(layout, DeviceLayout) else as_device(layout)
+    host = device.host()
+    q, k, v = random_inputs(host, batch, kv_heads, 64, "bfloat16", 11)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a-persistent")
+    scale = 64**-0.5
+    with no_host_schedule():
+        (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
+    (ref_out, ref_lse), ref_names = launched(interp.forward, q, k, v, AttentionCall(host, scale))
+    schedule = ["sm90_work_count", "sm90_work_scan", "sm90_work_fill", "sm90_work_order"]
+    assert ref_names[0].startswith("attn_fwd_sm90_persistent<")
+    # the merge runs wherever rows could split (its padding entries left alone where none did)
+    merge = names[len(schedule) + 1 :]
+    assert names[: len(schedule) + 1] == [*schedule, ref_names[0]], names
+    assert merge == ref_names[1:] or (len(ref_names) == 1 and len(merge) == 1), names
+    assert all(n.startswith("attn_fwd_sm90_merge<") for n in merge)
+    np.testing.assert_array_equal(out.view(np.uint16), ref_out.view(np.uint16))
+    np.testing.assert_array_equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize(
+    "make, batch, kv_heads",
+    [
+        (lambda: cuattn.make_layout("bigbird", 6 * 64 + 5, 2, 64, causal=True), 2, 1),
+        (lambda: topk_layout(9, 4 * 128, 4, 2, 128, 2), 1, 2),
+    ],
+    ids=["bigbird", "topk-gqa"],
+)
+def test_backward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, batch, kv_heads):
+    """CUATTN_KERNELS=sm90a: a DeviceLayout's backward runs attn_bwd_sm90 on the ranks built on
+    the device (no longer the mma.sync pair), dQ, dK and dV the host layout's bits."""
+    layout = make()
+    device = layout if isinstance(layout, DeviceLayout) else as_device(layout)
+    host = device.host()
+    q, k, v = random_inputs(host, batch, kv_heads, 64, "bfloat16", 13)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
+    scale = 64**-0.5
+    out, lse = interp.forward(q, k, v, AttentionCall(host, scale))
+    dout = np.random.default_rng(14).standard_normal(q.shape).astype(q.dtype)
+    with no_host_schedule():
+        grads, names = launched(
+            interp.backward, q, k, v, out, lse, dout, None, AttentionCall(device, scale)
+        )
+    refs, ref_names = launched(
+        interp.backward, q, k, v, out, lse, dout, None, AttentionCall(host, scale)
+    )
+    assert names == [ref_names[0], "sm90_claim_order", "sm90_dq_ranks", *ref_names[1:]], names
+    assert any(n.startswith("attn_bwd_sm90<") for n in ref_names), ref_names
+    for grad, ref in zip(grads, refs, strict=True):
+        np.testing.assert_array_equal(grad.view(np.uint16), ref.view(np.uint16))
+
+
+# ---- NVRTC ----------------------------------------------------------------------------------
+
+
+def test_the_schedule_kernels_compile_without_spills():
+    """NVRTC for sm_80 and sm_90: every schedule kernel compiles, 0 spill bytes."""
+    from dev import compile_check
+
+    if compile_check.missing_toolchain():
+        pytest.skip(compile_check.missing_toolchain())
+    units = [
+        u
+        for u in compile_check.kernel_instantiations()
+        if u.name_expression in geometry.SCHEDULE_KERNELS
+    ]
+    assert {u.name_expression for u in units} == set(geometry.SCHEDULE_KERNELS)
+    sources = compile_check.load_sources(units)
+    results = compile_check.run_check(
+        units, ["sm_80", "sm_90"], sources, compile_check.common_options(), 1, progress=None
+    )
+    for result in results:
+        assert result.error is None, (result.unit.name_expression, result.error)
+        assert not result.spills, (result.unit.name_expression, result.arch, result.stats)

@@ -47,6 +47,9 @@ struct quest_select_traits {
   // rows whose max(q, 0) and min(q, 0) a lane holds at once: 2 x 8 x 4 registers at d128
   static constexpr int ROW_TILE = HEAD_DIM <= 128 ? 8 : 4;
   static constexpr int PAGES_IN_FLIGHT = 2;  // a warp's pages loaded before their sums
+  // Two CTAs an SM up to d128 (32 KB of bounds in flight); d256's row tile needs one CTA's
+  // registers (ptxas left to choose spilled d256 on sm_80)
+  static constexpr int MIN_CTAS_PER_SM = HEAD_DIM <= 128 ? 2 : 1;
   static constexpr int RADIX_BITS = 8;
   static constexpr int BINS = 1 << RADIX_BITS;
   static constexpr int PASSES = 32 / RADIX_BITS;
@@ -70,7 +73,8 @@ __device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
 }
 
 template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS)
+__global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
+                                  quest_select_traits<HEAD_DIM, T>::MIN_CTAS_PER_SM)
     quest_select(const T* __restrict__ q, const float* __restrict__ key_min,
                  const float* __restrict__ key_max, const int* __restrict__ page_table,
                  const int* __restrict__ page_count, float* __restrict__ bounds,
@@ -109,13 +113,16 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS)
 #pragma unroll
       for (int p = 0; p < FLIGHT; ++p) {
         const int entry = first + p * NUM_WARPS;
-        const size_t page = entry < count ? size_t(table[entry]) : 0;
+        const bool real = entry < count;
+        // one address a page; the elements at constant offsets from it
+        const size_t row = (real ? size_t(table[entry]) : 0) * HEAD_DIM + lane;
+        const float* lo_row = key_min + row;
+        const float* hi_row = key_max + row;
 #pragma unroll
         for (int e = 0; e < LANE_ELEMS; ++e) {
-          const int i = lane + 32 * e;
-          const bool here = entry < count && i < HEAD_DIM;
-          lo[p][e] = here ? key_min[page * HEAD_DIM + i] : 0.f;
-          hi[p][e] = here ? key_max[page * HEAD_DIM + i] : 0.f;
+          const bool here = real && lane + 32 * e < HEAD_DIM;
+          lo[p][e] = here ? lo_row[32 * e] : 0.f;
+          hi[p][e] = here ? hi_row[32 * e] : 0.f;
         }
       }
 #pragma unroll

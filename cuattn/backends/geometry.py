@@ -1305,7 +1305,8 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig |
     configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS)
     configs.append(DecodeMassConfig())
     configs.extend(
-        QuestSelectConfig(head_dim, dtype) for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES)
+        QuestSelectConfig(head_dim, dtype)
+        for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES)
     )
     return configs
 

@@ -1517,7 +1517,9 @@ class KernelBackend:
         dtype = geometry.kernel_dtype(q.dtype)
         batch, heads, t_q, head_dim = (int(d) for d in q.shape)
         if head_dim not in geometry.HEAD_DIMS:
-            raise ValueError(f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}")
+            raise ValueError(
+                f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
+            )
         for name, array, kind in (
             ("key_min", key_min, np.float32),
             ("key_max", key_max, np.float32),

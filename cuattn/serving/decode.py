@@ -21,9 +21,10 @@ splits of each page table in parallel; kernels/merge_states.cu: their merge), as
 scores), opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
 on the cache's device from the per-page key bounds (kernels/quest_select.cu in one launch on the
-interpreter, and on a GPU with CUATTN_QUEST=kernel; the array library's operations otherwise); HeavyHitters turns the kernel's per-token
-scores into probabilities with the merged lse in one more kernel (no second pass over K) that
-adds them to the cache's scores where they are (nothing read back).
+interpreter, and on a GPU with CUATTN_QUEST=kernel; the array library's operations otherwise);
+HeavyHitters turns the kernel's per-token scores into probabilities with the merged lse in one
+more kernel (no second pass over K) that adds them to the cache's scores where they are
+(nothing read back).
 """
 
 from __future__ import annotations
@@ -175,9 +176,7 @@ def quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any, impl: Any = No
     launch of kernels/quest_select.cu (its bounds summed in a fixed float32 order, 0 past each
     table's page count); otherwise the array library's operations below."""
     if quest_kernel_applies(impl, qb):
-        return impl.quest_select(
-            qb, cache.key_min, cache.key_max, table, count, cache.policy.pages
-        )
+        return impl.quest_select(qb, cache.key_min, cache.key_max, table, count, cache.policy.pages)
     xp, policy = cache.xp, cache.policy
     batch, heads, t_q, head_dim = qb.shape
     kv_heads, max_pages = table.shape[1], table.shape[2]

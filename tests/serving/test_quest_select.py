@@ -31,7 +31,12 @@ def _cache(lengths, kv_heads, head_dim, page_size, budget, seed, dtype="float32"
     rng = np.random.default_rng(seed)
     batch = len(lengths)
     cache = cuattn.KVCache(
-        batch, kv_heads, head_dim, dtype, page_size=page_size, policy=policies.Quest(budget, page_size)
+        batch,
+        kv_heads,
+        head_dim,
+        dtype,
+        page_size=page_size,
+        policy=policies.Quest(budget, page_size),
     )
     shape = (batch, kv_heads, max(lengths), head_dim)
     k = rng.integers(-KEY_RANGE, KEY_RANGE + 1, shape).astype(np.float32)
@@ -83,7 +88,9 @@ def test_the_chosen_sets_equal_the_reference(lengths, kv_heads, group, t_q, head
     _assert_reference_sets(cache, q, _kernel_choice(cache, q))
 
 
-@pytest.mark.parametrize(("page_size", "lengths"), [(1, [34, 12]), (16, [250, 40]), (64, [700, 65])])
+@pytest.mark.parametrize(
+    ("page_size", "lengths"), [(1, [34, 12]), (16, [250, 40]), (64, [700, 65])]
+)
 def test_every_budget(page_size, lengths):
     """Budgets 1 to past every table's pages: fewer real pages than the budget takes them all."""
     cache = _cache(lengths, 2, 16, page_size, 1, seed=page_size)

@@ -26,21 +26,25 @@ KEY_RANGE = 4  # keys in [-4, 4], queries in [-3, 3]: bounds exact in float32 up
 QUERY_RANGE = 3
 
 
-def _cache(lengths, kv_heads, head_dim, page_size, budget, seed, dtype="float32"):
-    """A Quest cache holding integer keys (values: the same), ``lengths`` tokens a sequence."""
+def _keys(lengths, kv_heads, head_dim, seed):
+    """Integer keys [batch, kv_heads, longest, head_dim] in [-KEY_RANGE, KEY_RANGE]."""
     rng = np.random.default_rng(seed)
-    batch = len(lengths)
+    shape = (len(lengths), kv_heads, max(lengths), head_dim)
+    return rng.integers(-KEY_RANGE, KEY_RANGE + 1, shape).astype(np.float32)
+
+
+def _cache(lengths, kv_heads, head_dim, page_size, budget, seed, dtype="float32"):
+    """A Quest cache holding _keys (values: the same), ``lengths`` tokens a sequence."""
     cache = cuattn.KVCache(
-        batch,
+        len(lengths),
         kv_heads,
         head_dim,
         dtype,
         page_size=page_size,
         policy=policies.Quest(budget, page_size),
     )
-    shape = (batch, kv_heads, max(lengths), head_dim)
-    k = rng.integers(-KEY_RANGE, KEY_RANGE + 1, shape).astype(np.float32)
-    cache.append(k.astype(cache.k_pages.dtype), k.astype(cache.k_pages.dtype), lengths=lengths)
+    k = _keys(lengths, kv_heads, head_dim, seed).astype(cache.k_pages.dtype)
+    cache.append(k, k, lengths=lengths)
     return cache
 
 
@@ -254,3 +258,46 @@ def test_every_instantiation_compiles_without_spills(arch):
     results = compile_units(kernel_source("quest_select.cu"), units, arch, common_options())
     for result in results:
         assert result.ok, (result.unit.name_expression, result.error, result.stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("page_size", "t_q", "group"), [(16, 1, 4), (64, 4, 4), (1, 8, 2)])
+def test_on_the_gpu(page_size, t_q, group, monkeypatch):
+    """A CuPy cache with CUATTN_QUEST=kernel: quest_select's sets equal the reference's on a
+    host cache given the same tokens (integer keys: exact bounds; fp32 FTZ changes nothing for
+    them), and decode_attention's output the CuPy path's; without the variable the CuPy path
+    runs. What a GPU run must pass before the kernel can be the GPU's default."""
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    from cuattn.backends import resolve_backend
+
+    lengths = [900, 333, 40]
+    host = _cache(lengths, 2, 128, page_size, 7, seed=page_size)
+    q = _queries(host, group, t_q, seed=page_size)
+    gpu = cuattn.KVCache(
+        3,
+        2,
+        128,
+        "float32",
+        page_size=page_size,
+        policy=policies.Quest(7, page_size),
+        like=cupy.zeros(1, dtype=cupy.float32),
+    )
+    keys = _keys(lengths, 2, 128, seed=page_size)
+    gpu.append(cupy.asarray(keys), cupy.asarray(keys), lengths=lengths)
+    impl = resolve_backend("cuda", on_device=True)
+    q_gpu = cupy.asarray(q)
+    monkeypatch.delenv(geometry.QUEST_ENV, raising=False)
+    assert not decode.quest_kernel_applies(impl, q_gpu)
+    monkeypatch.setenv(geometry.QUEST_ENV, geometry.QUEST_KERNEL_FAMILY)
+    names = record_launches(monkeypatch, type(impl))
+    chosen = decode.quest_chosen(gpu, q_gpu, *gpu.device_tables(), impl=impl)
+    assert names == [geometry.QUEST_SELECT_KERNEL]
+    _assert_reference_sets(host, q, cupy.asnumpy(chosen))
+    out = cupy.asnumpy(cuattn.decode_attention(q_gpu, gpu))
+    monkeypatch.setenv(geometry.QUEST_ENV, geometry.QUEST_XP_FAMILY)
+    np.testing.assert_array_equal(out, cupy.asnumpy(cuattn.decode_attention(q_gpu, gpu)))

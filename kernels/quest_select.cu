@@ -171,6 +171,8 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
         __syncwarp();  // the last pass's reads of the bins are done
         for (int bin = lane; bin < BINS; bin += 32) histogram[bin] = 0;
         __syncwarp();
+        // the bounds come back from L2 (other warps wrote them): 8 loads in flight a lane
+#pragma unroll 8
         for (int j = lane; j < candidates; j += 32) {
           const u32 code = order_code(row_bounds[j]);
           if ((code & prefix_mask) == prefix) atomicAdd(&histogram[(code >> shift) & (BINS - 1)], 1);

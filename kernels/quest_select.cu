@@ -17,7 +17,9 @@
 //   reference's comparisons have it). The sums are float32 in this fixed order, not in the
 //   reference's matrix-product order (_page_bounds): the same value where every partial sum is
 //   exact, within float32 rounding of it otherwise; the special values (NaN from 0 * inf or a
-//   NaN element, +inf, -inf, inf - inf) are those of the same terms in any order. Each bound
+//   NaN element, +inf, -inf, inf - inf) are those of the same terms in any order (a GPU build
+//   flushes denormals, -ftz as every kernel's: a denormal key or query element counts as 0
+//   there, on the interpreter as itself). Each bound
 //   goes to bounds[row, entry] (float32 [B, H, t_q, max_pages], a workspace: entries >= count
 //   are never written nor read).
 //   Phase 2, the choice: a warp per row. The candidates are entries [0, count - 1), every real

@@ -8,10 +8,14 @@ choice, HeavyHitters' score update) and the decode kernels alone (split + merge)
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
 would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
 them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no
-eviction). For a policy that chooses pages (Quest) the choice is timed alone (choice_ms) and
-the kernels read the pages it chose, as in a step. GB/s counts the K and V bytes the kernels
-read: every kept token, or with Quest every token of each page some query head of a kv group
-chose.
+eviction). For a policy that chooses pages (Quest) the step is split into its choice, timed
+alone (choice_ms; `choice` names the path: quest_select, one kernel, or xp, the array library's
+operations, as --quest / CUATTN_QUEST choose on a GPU), and its attention (kernel_ms: the
+kernels over the pages it chose), beside the full step's attention over the same cache read
+whole (full_ms: Quest keeps every token) and their ratio, quest_x_full = (choice_ms +
+kernel_ms) / full_ms (issue 52's target at a quarter of the pages: <= 0.35). GB/s counts the K
+and V bytes the kernels read: every kept token, or with Quest every token of each page some
+query head of a kv group chose.
 
 After the full cache's row come `paged_decode` rows (policy column "paged_decode"): the same
 tokens in vLLM's layout (k/v [num_blocks, page, kv_heads, d] in shuffled blocks, an int32
@@ -24,6 +28,7 @@ that one run holds the fp8 step beside the bf16 one over the same tokens.
     python scripts/decode_bench.py --smoke                      # CPU: tiny, the interpreter
     PYTHONPATH=. python scripts/decode_bench.py --decode gqa    # the tensor-core decode kernel
     PYTHONPATH=. python scripts/decode_bench.py --decode gqa --t-q 4 --page 64 --cases 64x32768
+    PYTHONPATH=. python scripts/decode_bench.py --policies quest --quest kernel --cases 64x32768
 
 The `decode` column names the kernel kernel_ms timed (--decode sets CUATTN_DECODE: "split",
 the default, or "gqa", attn_decode_gqa wherever it applies; the smoke runs it in bf16).
@@ -60,6 +65,7 @@ SMOKE = [(1, 96), (2, 64)]
 SMOKE_PAGE = 8
 PREFILL_CHUNK = 8192  # tokens appended at once while filling a cache
 REPEATS = 20
+QUEST_XP_CHOICE = "xp"  # the choice column of Quest's array-library path
 FLEX_FALLBACK_PAGE = 128  # FlexAttention's default block size
 
 
@@ -121,23 +127,31 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
     step_ms = median_ms(step, sync, args.repeats)
     impl = resolve_backend(backend, on_device=xp is not np)
     kept = int((cache.positions() >= 0).sum())
-    read_tokens, chosen, choice_ms = kept, None, None
+    read_tokens, chosen = kept, None
+    call = AttentionCall(None, args.head_dim**-0.5)
+    quest = dict(choice="-", choice_ms="-", full_ms="-", quest_x_full="-")
     if policy is not None and policy.selects_pages:  # the kernels read the pages Quest chose
-        choice_ms = median_ms(
-            lambda: decode_module.quest_chosen(cache, q, *cache.device_tables()),
-            sync,
-            args.repeats,
+        tables = cache.device_tables()
+        quest["choice"] = (
+            geometry.QUEST_SELECT_KERNEL
+            if decode_module.quest_kernel_applies(impl, q)
+            else QUEST_XP_CHOICE
         )
-        chosen = decode_module.quest_chosen(cache, q, *cache.device_tables())
+        quest["choice_ms"] = median_ms(
+            lambda: decode_module.quest_chosen(cache, q, *tables, impl=impl), sync, args.repeats
+        )
+        chosen = decode_module.quest_chosen(cache, q, *tables, impl=impl)
         by_kv_head = chosen.reshape(batch, KV_HEADS, -1, chosen.shape[-1]).any(axis=2)
         read_tokens = int(by_kv_head.sum()) * page
+        # Quest keeps every token: the same cache read whole is the full step's attention
+        quest["full_ms"] = median_ms(
+            lambda: decode_module.kernel_call(impl, cache, q, call), sync, args.repeats
+        )
     kernel_ms = median_ms(
-        lambda: decode_module.kernel_call(
-            impl, cache, q, AttentionCall(None, args.head_dim**-0.5), chosen
-        ),
-        sync,
-        args.repeats,
+        lambda: decode_module.kernel_call(impl, cache, q, call, chosen), sync, args.repeats
     )
+    if chosen is not None:
+        quest["quest_x_full"] = (quest["choice_ms"] + kernel_ms) / quest["full_ms"]
     itemsize = geometry.ITEMSIZE[pages]
     kv_bytes = 2 * read_tokens * args.head_dim * itemsize
     row = dict(
@@ -149,8 +163,11 @@ def run_case(args, batch, context, policy_name, xp, dtype, backend):
         policy=policy_name,
         kept=kept // (batch * KV_HEADS),
         step_ms=step_ms,
-        choice_ms=choice_ms if choice_ms is not None else "-",
+        choice=quest["choice"],
+        choice_ms=quest["choice_ms"],
         kernel_ms=kernel_ms,
+        full_ms=quest["full_ms"],
+        quest_x_full=quest["quest_x_full"],
         gbps=kv_bytes / kernel_ms / 1e6,
         decode=decode_kernel(args.head_dim, pages),
     )
@@ -219,8 +236,11 @@ def paged_row(full_row, cache, q, context, kind, args, sync, backend):
         policy="paged_decode",
         kept=context,
         step_ms="-",
+        choice="-",
         choice_ms="-",
         kernel_ms=kernel_ms,
+        full_ms="-",
+        quest_x_full="-",
         gbps=kv_bytes / kernel_ms / 1e6,
         decode=decode_kernel(args.head_dim, kind),
     )
@@ -311,6 +331,12 @@ def main() -> None:
         help=f"the decode kernel family ({geometry.DECODE_ENV}; default: the environment's)",
     )
     parser.add_argument(
+        "--quest",
+        choices=geometry.QUEST_FAMILIES,
+        help=f"Quest's page choice on a GPU ({geometry.QUEST_ENV}: 'xp', the array library, or "
+        "'kernel', quest_select; default: the environment's; the smoke always runs the kernel)",
+    )
+    parser.add_argument(
         "--pages",
         choices=("bfloat16", *geometry.KV_DTYPES),
         default="bfloat16",
@@ -319,6 +345,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.decode:
         os.environ[geometry.DECODE_ENV] = args.decode
+    if args.quest:
+        os.environ[geometry.QUEST_ENV] = args.quest
     fp8 = args.pages in geometry.KV_DTYPES
     if fp8:  # the fp8 kernels are opt-in on a GPU until one has run them
         os.environ[geometry.DECODE_FP8_ENV] = geometry.DECODE_FP8_KERNEL_FAMILY

@@ -96,6 +96,7 @@ KERNEL_FILES = {
     "attn_fwd_sm90_merge": "attn_fwd_sm90.cu",
     "attn_bwd_sm90": "attn_bwd_sm90.cu",
     "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
+    "quest_select": "quest_select.cu",
 }
 # Templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>.
 BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
@@ -281,6 +282,20 @@ DECODE_FP8_KERNEL_FAMILY = "kernel"
 DECODE_FP8_FAMILIES = (DECODE_FP8_OFF_FAMILY, DECODE_FP8_KERNEL_FAMILY)
 # The score-modifier kernels' dense score bias, opt-in on a GPU the same way until one has run it
 SCORE_BIAS_ENV = "CUATTN_SCORE_BIAS"
+
+# Quest's page choice (kernels/quest_select.cu), templated on <HEAD_DIM, T>: a CTA of
+# QUEST_SELECT_WARPS warps per (sequence, kv head) computes every real page's bound for the kv
+# group's query rows into a float32 workspace, then selects each row's pages by a radix select
+# over QUEST_SELECT_BINS-bin histograms (one a warp, in shared memory). On a GPU opt-in until one
+# has run it: CUATTN_QUEST=kernel chooses it, "xp" (the default) keeps the CuPy path; the
+# interpreter always runs it.
+QUEST_SELECT_KERNEL = "quest_select"
+QUEST_SELECT_WARPS = 8
+QUEST_SELECT_BINS = 256
+QUEST_ENV = "CUATTN_QUEST"
+QUEST_XP_FAMILY = "xp"
+QUEST_KERNEL_FAMILY = "kernel"
+QUEST_FAMILIES = (QUEST_XP_FAMILY, QUEST_KERNEL_FAMILY)
 
 # Device-side layout construction (kernels/layout_build.cu): the selection kernels sort one row
 # of key blocks per CTA in shared memory, templated on <score type, sort size>; the index kernels
@@ -590,6 +605,20 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("lse", "ptr"),
         ("rows", "i32"),
         ("splits", "i32"),
+    ),
+    QUEST_SELECT_KERNEL: (
+        ("q", "ptr"),  # [batch, heads, t_q, head_dim], contiguous
+        ("key_min", "ptr"),  # float32 [pool rows, head_dim]: each page's element-wise key min
+        ("key_max", "ptr"),
+        ("page_table", "ptr"),  # int32 [batch, kv_heads, max_pages]
+        ("page_count", "ptr"),  # int32 [batch, kv_heads]
+        ("bounds", "ptr"),  # float32 [batch, heads, t_q, max_pages]: the workspace
+        ("chosen", "ptr"),  # uint8 [batch, heads, t_q, max_pages]
+        ("heads", "i32"),
+        ("kv_heads", "i32"),
+        ("t_q", "i32"),
+        ("max_pages", "i32"),
+        ("budget_pages", "i32"),  # Quest's pages besides the newest
     ),
     "select_topk": (
         ("scores", "ptr"),
@@ -1267,6 +1296,49 @@ class DecodeMassConfig(_Launch):
         return f"{self.kernel}_traits"
 
 
+@dataclass(frozen=True)
+class QuestSelectConfig(_Launch):
+    """Geometry of Quest's page choice (kernels/quest_select.cu quest_select): one CTA of
+    QUEST_SELECT_WARPS warps per (sequence, kv head) of ``pairs``, templated on the head dim and
+    q's dtype; its shared memory is a warp's histogram of QUEST_SELECT_BINS int32 each."""
+
+    head_dim: int
+    dtype: str
+    pairs: int = 1
+    kernel: str = field(default=QUEST_SELECT_KERNEL, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.head_dim in HEAD_DIMS and self.dtype in DTYPES, self
+        assert self.pairs >= 1
+
+    @property
+    def threads(self) -> int:
+        return QUEST_SELECT_WARPS * WARP_SIZE
+
+    @property
+    def smem_bytes(self) -> int:
+        return QUEST_SELECT_WARPS * QUEST_SELECT_BINS * 4
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.pairs, 1, 1)
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.kernel}<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
+
+    @property
+    def traits_expression(self) -> str:
+        return f"{self.kernel}_traits<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
+
+
+def quest_family() -> str:
+    """How a GPU chooses Quest's pages, as CUATTN_QUEST asks: "xp" (also when unset: the CuPy
+    path of cuattn/serving/decode.py) or "kernel" (quest_select, which has not run on a GPU
+    yet). The interpreter always runs quest_select."""
+    return _env_choice(QUEST_ENV, QUEST_FAMILIES, QUEST_XP_FAMILY, "Quest page choice")
+
+
 def select_sort_size(num_blocks: int) -> int:
     """The sort size of a selection over rows of ``num_blocks`` key blocks."""
     for size in SELECT_SORT_SIZES:
@@ -1314,9 +1386,9 @@ def name_expression(
     return KernelConfig(kernel, head_dim, dtype, block=block, rule=rule).name_expression
 
 
-def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
+def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
-    configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig] = []
+    configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig] = []
     for kernel in BLOCK_KERNELS:
         for block, head_dim, dtype, rule, mods in itertools.product(
             BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES, CXX_MODS
@@ -1338,6 +1410,10 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig]:
             configs.append(LayoutKernelConfig(kernel, dtype, size))
     configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS + SCHEDULE_KERNELS)
     configs.append(DecodeMassConfig())
+    configs.extend(
+        QuestSelectConfig(head_dim, dtype)
+        for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES)
+    )
     return configs
 
 

@@ -261,6 +261,8 @@ def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> ge
     return cached[key]
 
 
+# Poison of Quest's choice before quest_select writes it (it writes 0 or 1 everywhere)
+QUEST_UNWRITTEN = 255
 # The serving cache's bookkeeping arrays the decode kernels read, by name, in their order
 DECODE_BOOK = ("slot_pos", "page_table", "page_count", "lengths")
 
@@ -1525,3 +1527,91 @@ class KernelBackend:
                 page_size=slots // max_pages,
                 max_pages=max_pages,
             )
+
+    def quest_select(
+        self,
+        q: Any,
+        key_min: Any,
+        key_max: Any,
+        page_table: Any,
+        page_count: Any,
+        budget_pages: int,
+    ) -> Any:
+        """Quest's page choice (kernels/quest_select.cu): uint8 [batch, heads, t_q, max_pages],
+        1 where query row (b, head, t) reads table entry j: the ``budget_pages`` entries below
+        page_count - 1 with the largest bound max(q, 0) . key_max[page] + min(q, 0) .
+        key_min[page] (NaN read as +inf; ties: the lower entry), and the newest entry
+        (page_count - 1); 0 elsewhere, past page_count included. q [batch, heads, t_q,
+        head_dim] (float32, float16 or bfloat16); key_min, key_max float32 [pool rows,
+        head_dim]; page_table int32 [batch, kv_heads, max_pages] naming their rows; page_count
+        int32 [batch, kv_heads]. One launch: the bound workspace and the answer come from the
+        backend's allocator."""
+        arrays = {
+            "q": q,
+            "key_min": key_min,
+            "key_max": key_max,
+            "page_table": page_table,
+            "page_count": page_count,
+        }
+        self._check_placement(arrays)
+        dtype = geometry.kernel_dtype(q.dtype)
+        batch, heads, t_q, head_dim = (int(d) for d in q.shape)
+        if head_dim not in geometry.HEAD_DIMS:
+            raise ValueError(
+                f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
+            )
+        for name, array, kind in (
+            ("key_min", key_min, np.float32),
+            ("key_max", key_max, np.float32),
+            ("page_table", page_table, np.int32),
+            ("page_count", page_count, np.int32),
+        ):
+            if np.dtype(array.dtype) != kind:
+                raise TypeError(f"{name}: dtype {array.dtype}, expected {np.dtype(kind).name}")
+        for name in ("key_min", "key_max"):
+            if tuple(arrays[name].shape[1:]) != (head_dim,):
+                raise ValueError(
+                    f"{name}: shape {tuple(arrays[name].shape)}, expected [pool rows, {head_dim}]"
+                )
+        if page_table.ndim != 3 or int(page_table.shape[0]) != batch:
+            raise ValueError(
+                f"page_table: shape {tuple(page_table.shape)}, expected [{batch}, kv_heads, "
+                "max_pages]"
+            )
+        _, kv_heads, max_pages = (int(d) for d in page_table.shape)
+        if heads % kv_heads:
+            raise ValueError(f"q: heads={heads} is not a multiple of kv_heads={kv_heads}")
+        if tuple(page_count.shape) != (batch, kv_heads):
+            raise ValueError(
+                f"page_count: shape {tuple(page_count.shape)}, expected ({batch}, {kv_heads})"
+            )
+        if isinstance(budget_pages, bool) or not isinstance(budget_pages, (int, np.integer)):
+            raise TypeError(f"budget_pages must be an int, got {type(budget_pages).__name__}")
+        if budget_pages < 0:
+            raise ValueError(f"budget_pages must be >= 0, got {budget_pages}")
+        xp = self.xp
+        with self.on_device_of(q):
+            q = xp.ascontiguousarray(q)
+            self._check_contiguous({k: v for k, v in arrays.items() if k != "q"})
+            shape = (batch, heads, t_q, max_pages)
+            bounds = self.output(shape, xp.float32)
+            chosen = xp.empty(shape, dtype=xp.uint8)
+            if not self.on_gpu:  # the interpreter's poison: the kernel writes every entry
+                chosen.fill(QUEST_UNWRITTEN)
+            if batch * kv_heads and max_pages:
+                self.launch(
+                    geometry.QuestSelectConfig(head_dim, dtype, batch * kv_heads),
+                    q=q,
+                    key_min=key_min,
+                    key_max=key_max,
+                    page_table=page_table,
+                    page_count=page_count,
+                    bounds=bounds,
+                    chosen=chosen,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    t_q=t_q,
+                    max_pages=max_pages,
+                    budget_pages=int(budget_pages),
+                )
+        return chosen

@@ -20,9 +20,11 @@ splits of each page table in parallel; kernels/merge_states.cu: their merge), as
 (geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, no score modifier, no HeavyHitters
 scores), opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
-on the cache's device from the per-page key bounds; HeavyHitters turns the kernel's per-token
-scores into probabilities with the merged lse in one more kernel (no second pass over K) that
-adds them to the cache's scores where they are (nothing read back).
+on the cache's device from the per-page key bounds (kernels/quest_select.cu in one launch on the
+interpreter, and on a GPU with CUATTN_QUEST=kernel; the array library's operations otherwise);
+HeavyHitters turns the kernel's per-token scores into probabilities with the merged lse in one
+more kernel (no second pass over K) that adds them to the cache's scores where they are
+(nothing read back).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "kernel_call",
     "kernel_decode",
     "quest_chosen",
+    "quest_kernel_applies",
     "reference_decode",
     "reference_rows",
 ]
@@ -155,10 +158,25 @@ def _resident_ctas(impl: Any, head_dim: int, dtype: str, gqa: bool) -> int:
     return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
 
 
+def quest_kernel_applies(impl: Any, qb: Any) -> bool:
+    """Whether Quest's choice runs kernels/quest_select.cu: on a kernel backend
+    (``impl.quest_select``), for q of a kernel dtype and head dim, on the interpreter always and
+    on a GPU where CUATTN_QUEST=kernel asks for it (opt-in until a GPU has run it)."""
+    if impl is None or not hasattr(impl, "quest_select"):
+        return False
+    if np.dtype(qb.dtype).name not in geometry.DTYPES or int(qb.shape[3]) not in geometry.HEAD_DIMS:
+        return False
+    return not impl.on_gpu or geometry.quest_family() == geometry.QUEST_KERNEL_FAMILY
+
+
 @_quiet_specials
-def quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any) -> Any:
+def quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any, impl: Any = None) -> Any:
     """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device, by the
-    bound _page_bounds computes."""
+    bound _page_bounds computes. With a kernel backend ``impl`` where quest_kernel_applies: one
+    launch of kernels/quest_select.cu (its bounds summed in a fixed float32 order, 0 past each
+    table's page count); otherwise the array library's operations below."""
+    if quest_kernel_applies(impl, qb):
+        return impl.quest_select(qb, cache.key_min, cache.key_max, table, count, cache.policy.pages)
     xp, policy = cache.xp, cache.policy
     batch, heads, t_q, head_dim = qb.shape
     kv_heads, max_pages = table.shape[1], table.shape[2]
@@ -225,7 +243,7 @@ def kernel_decode(impl: Any, qb: Any, cache: KVCache, call: AttentionCall) -> tu
     chosen = None
     if quest:
         table, count = cache.device_tables()
-        chosen = quest_chosen(cache, qb, table, count)
+        chosen = quest_chosen(cache, qb, table, count, impl=impl)
     out, lse, scores = kernel_call(impl, cache, qb, call, chosen, keep_scores)
     if keep_scores:  # each kept token's probability, from its score and the merged lse
         impl.decode_mass(scores, lse, *cache.device_tables(), cache.slot_score)

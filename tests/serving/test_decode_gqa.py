@@ -116,7 +116,7 @@ def test_quest_pages(launched, monkeypatch):
     cache.append(k, v, lengths=[70, 51])
     q = rng.standard_normal((2, 6, 2, 64)).astype(ml_dtypes.bfloat16)
     out = cuattn.decode_attention(q, cache, backend="interp")
-    assert launched == [geometry.DECODE_GQA_KERNEL]
+    assert launched == [geometry.QUEST_SELECT_KERNEL, geometry.DECODE_GQA_KERNEL]
     want = cuattn.decode_attention(q, cache, backend="numpy").astype(np.float64)
     error = np.abs(out.astype(np.float64) - want).max()
     assert error <= TOLERANCE["bfloat16"] * np.abs(want).max()

@@ -1,0 +1,235 @@
+// Quest's page choice on the device: every real page's bound for every query row, then the top
+// pages of each row by a radix select, in one launch (cuattn/serving/decode.py quest_chosen).
+//
+// quest_select<HEAD_DIM, T>: grid (batch * kv_heads), NUM_WARPS warps; CTA `pair` = b * kv_heads
+//   + kv head owns the kv group's rows = kv_group * t_q query rows (query head kv head *
+//   kv_group + r / t_q, query r % t_q: consecutive rows of [B, H, t_q]) and the pair's table
+//   entries [0, count), count = page_count[pair], read in place (page_table[pair, entry] names
+//   the row of key_min / key_max).
+//   Phase 1, the bounds: warp w takes entries w, w + NUM_WARPS, ..., PAGES_IN_FLIGHT at a time;
+//   lane l holds elements l + 32 e of the page's key_min and key_max rows and, per row, of
+//   max(q, 0) and min(q, 0) (a NaN q element stays NaN in both, as NumPy's maximum and minimum
+//   give it), in register tiles of ROW_TILE rows (more rows walk the pages again). A row's bound
+//   is the sum over the page's elements of max(q, 0) * max_i + min(q, 0) * min_i: each lane
+//   adds fmaf(max(q,0), max_i) then fmaf(min(q,0), min_i) over its elements in order, then a
+//   butterfly over the 32 lanes (every lane ends with the same bits: a + b == b + a). A NaN
+//   bound becomes +inf (read ahead of every other page), -0 becomes +0 (a tie with +0, as the
+//   reference's comparisons have it). The sums are float32 in this fixed order, not in the
+//   reference's matrix-product order (_page_bounds): the same value where every partial sum is
+//   exact, within float32 rounding of it otherwise; the special values (NaN from 0 * inf or a
+//   NaN element, +inf, -inf, inf - inf) are those of the same terms in any order (a GPU build
+//   flushes denormals, -ftz as every kernel's: a denormal key or query element counts as 0
+//   there, on the interpreter as itself). Each bound
+//   goes to bounds[row, entry] (float32 [B, H, t_q, max_pages], a workspace: entries >= count
+//   are never written nor read).
+//   Phase 2, the choice: a warp per row. The candidates are entries [0, count - 1), every real
+//   page but the newest; take = min(budget_pages, count - 1) of them, the largest bounds, ties
+//   to the lower entry. Where take < count - 1 a radix select over the bounds' order-preserving
+//   codes (order_code: unsigned order is float order) finds the take-th largest code,
+//   RADIX_BITS a pass from the top, with a BINS-bin histogram a warp in shared memory (atomics
+//   on the warp's own bins), and how many codes equal to it are taken; then one pass in entry
+//   order writes chosen[row, entry] = 1 for a code above the threshold, for the first of those
+//   equal to it (a ballot's prefix count) and for the newest entry (count - 1), 0 for every
+//   other entry up to max_pages. No sort: O(count) work a row.
+// Shapes: q [B, H, t_q, HEAD_DIM] contiguous, T float, __half or __nv_bfloat16 (widened to
+// float exactly); key_min, key_max float32 [pool rows, HEAD_DIM]; page_table int32 [B,
+// kv_heads, max_pages]; page_count int32 [B, kv_heads]; chosen uint8 [B, H, t_q, max_pages]
+// (what the decode kernels read as `chosen`). budget_pages >= 0.
+// Run: cuattn.decode_attention on a Quest cache (backend "interp"; on a GPU with
+// CUATTN_QUEST=kernel), or KernelBackend.quest_select; geometry in
+// cuattn/backends/geometry.py (QuestSelectConfig).
+#include "common/smem.cuh"
+#include "common/types.cuh"
+
+template <int HEAD_DIM, typename T>
+struct quest_select_traits {
+  static constexpr int NUM_WARPS = 8;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int LANE_ELEMS = (HEAD_DIM + 31) / 32;  // elements lane + 32 e of a row
+  // rows whose max(q, 0) and min(q, 0) a lane holds at once: 2 x 8 x 4 registers at d128
+  static constexpr int ROW_TILE = HEAD_DIM <= 128 ? 8 : 4;
+  static constexpr int PAGES_IN_FLIGHT = 2;  // a warp's pages loaded before their sums
+  // Two CTAs an SM up to d128 (32 KB of bounds in flight); d256's row tile needs one CTA's
+  // registers (ptxas left to choose spilled d256 on sm_80)
+  static constexpr int MIN_CTAS_PER_SM = HEAD_DIM <= 128 ? 2 : 1;
+  static constexpr int RADIX_BITS = 8;
+  static constexpr int BINS = 1 << RADIX_BITS;
+  static constexpr int PASSES = 32 / RADIX_BITS;
+  static constexpr int BINS_PER_LANE = BINS / 32;
+  static constexpr int SMEM_BYTES = NUM_WARPS * BINS * int(sizeof(int));  // the histograms
+};
+
+// The unsigned code of a bound (no NaN, no -0) whose unsigned order is the float order.
+__device__ __forceinline__ u32 order_code(float bound) {
+  const u32 bits = u32(__float_as_int(bound));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Inclusive prefix sum over the warp's lanes.
+__device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int other = __shfl_sync(FULL_WARP, value, lane >= offset ? lane - offset : 0);
+    if (lane >= offset) value += other;
+  }
+  return value;
+}
+
+template <int HEAD_DIM, typename T>
+__global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
+                                  quest_select_traits<HEAD_DIM, T>::MIN_CTAS_PER_SM)
+    quest_select(const T* __restrict__ q, const float* __restrict__ key_min,
+                 const float* __restrict__ key_max, const int* __restrict__ page_table,
+                 const int* __restrict__ page_count, float* __restrict__ bounds,
+                 unsigned char* __restrict__ chosen, int heads, int kv_heads, int t_q,
+                 int max_pages, int budget_pages) {
+  using Traits = quest_select_traits<HEAD_DIM, T>;
+  constexpr int NUM_WARPS = Traits::NUM_WARPS, ROW_TILE = Traits::ROW_TILE;
+  constexpr int LANE_ELEMS = Traits::LANE_ELEMS, FLIGHT = Traits::PAGES_IN_FLIGHT;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int pair = int(blockIdx.x);
+  const int kv_group = heads / kv_heads;
+  const int rows = kv_group * t_q;
+  const size_t first_row =
+      (size_t(pair / kv_heads) * heads + size_t(pair % kv_heads) * kv_group) * t_q;
+  const int count = page_count[pair];
+  const int* table = page_table + size_t(pair) * max_pages;
+
+  // ---- phase 1: the bounds ----
+  for (int tile = 0; tile < rows; tile += ROW_TILE) {
+    const int tile_rows = rows - tile < ROW_TILE ? rows - tile : ROW_TILE;
+    float q_pos[ROW_TILE][LANE_ELEMS], q_neg[ROW_TILE][LANE_ELEMS];
+#pragma unroll
+    for (int r = 0; r < ROW_TILE; ++r) {
+#pragma unroll
+      for (int e = 0; e < LANE_ELEMS; ++e) {
+        const int i = lane + 32 * e;
+        const float x = (r < tile_rows && i < HEAD_DIM)
+                            ? to_float(q[(first_row + tile + r) * HEAD_DIM + i])
+                            : 0.f;
+        q_pos[r][e] = x < 0.f ? 0.f : x;  // NaN fails both tests: it stays NaN
+        q_neg[r][e] = x > 0.f ? 0.f : x;
+      }
+    }
+    for (int first = warp; first < count; first += NUM_WARPS * FLIGHT) {
+      float lo[FLIGHT][LANE_ELEMS], hi[FLIGHT][LANE_ELEMS];
+#pragma unroll
+      for (int p = 0; p < FLIGHT; ++p) {
+        const int entry = first + p * NUM_WARPS;
+        const bool real = entry < count;
+        // one address a page; the elements at constant offsets from it
+        const size_t row = (real ? size_t(table[entry]) : 0) * HEAD_DIM + lane;
+        const float* lo_row = key_min + row;
+        const float* hi_row = key_max + row;
+#pragma unroll
+        for (int e = 0; e < LANE_ELEMS; ++e) {
+          const bool here = real && lane + 32 * e < HEAD_DIM;
+          lo[p][e] = here ? lo_row[32 * e] : 0.f;
+          hi[p][e] = here ? hi_row[32 * e] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < FLIGHT; ++p) {
+        const int entry = first + p * NUM_WARPS;
+        if (entry >= count) break;
+        float mine = 0.f;  // lane r keeps row r's bound
+#pragma unroll
+        for (int r = 0; r < ROW_TILE; ++r) {
+          if (r >= tile_rows) break;
+          float acc = 0.f;
+#pragma unroll
+          for (int e = 0; e < LANE_ELEMS; ++e) {
+            acc = fmaf(q_pos[r][e], hi[p][e], acc);
+            acc = fmaf(q_neg[r][e], lo[p][e], acc);
+          }
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2)
+            acc += __shfl_xor_sync(FULL_WARP, acc, offset);
+          if (lane == r) mine = acc;
+        }
+        if (lane < tile_rows) {
+          // NaN (unequal to itself) -> +inf; -0 (equal to 0) -> +0
+          const float bound = mine != mine ? INFINITY : (mine == 0.f ? 0.f : mine);
+          bounds[(first_row + tile + lane) * max_pages + entry] = bound;
+        }
+      }
+    }
+  }
+  __syncthreads();  // every warp's bounds are written (and visible to the CTA)
+
+  // ---- phase 2: the choice, a warp per row ----
+  constexpr int BINS = Traits::BINS, BINS_PER_LANE = Traits::BINS_PER_LANE;
+  int* histogram = dynamic_smem<int>() + warp * BINS;
+  const int candidates = count > 0 ? count - 1 : 0;  // every real page but the newest
+  const int take = budget_pages < candidates ? budget_pages : candidates;
+  for (int r = warp; r < rows; r += NUM_WARPS) {
+    const float* row_bounds = bounds + (first_row + r) * max_pages;
+    u32 threshold = 0;
+    int ties_wanted = 0;  // codes equal to the threshold taken, the lowest entries first
+    if (take < candidates) {
+      u32 prefix = 0, prefix_mask = 0;
+      int remaining = take;  // still to take among the codes matching prefix
+      for (int pass = 0; pass < Traits::PASSES; ++pass) {
+        const int shift = 32 - Traits::RADIX_BITS * (pass + 1);
+        __syncwarp();  // the last pass's reads of the bins are done
+        for (int bin = lane; bin < BINS; bin += 32) histogram[bin] = 0;
+        __syncwarp();
+        // the bounds come back from L2 (other warps wrote them): 8 loads in flight a lane
+#pragma unroll 8
+        for (int j = lane; j < candidates; j += 32) {
+          const u32 code = order_code(row_bounds[j]);
+          if ((code & prefix_mask) == prefix) atomicAdd(&histogram[(code >> shift) & (BINS - 1)], 1);
+        }
+        __syncwarp();
+        // lane l owns digits BINS - 1 - BINS_PER_LANE l - c, c ascending: the largest first
+        int bin_counts[BINS_PER_LANE];
+        int lane_total = 0;
+#pragma unroll
+        for (int c = 0; c < BINS_PER_LANE; ++c) {
+          bin_counts[c] = histogram[BINS - 1 - BINS_PER_LANE * lane - c];
+          lane_total += bin_counts[c];
+        }
+        const int inclusive = warp_inclusive_sum(lane_total, lane);
+        const int exclusive = inclusive - lane_total;
+        // the one lane whose digits hold the remaining-th largest code
+        const unsigned crossing =
+            __ballot_sync(FULL_WARP, exclusive < remaining && remaining <= inclusive);
+        const int owner = __popc((crossing & (0u - crossing)) - 1u);
+        int digit = 0, above = 0, before = exclusive;
+        bool found = false;
+#pragma unroll
+        for (int c = 0; c < BINS_PER_LANE; ++c) {
+          if (!found && before + bin_counts[c] >= remaining) {
+            digit = BINS - 1 - BINS_PER_LANE * lane - c;
+            above = before;
+            found = true;
+          }
+          before += bin_counts[c];
+        }
+        digit = __shfl_sync(FULL_WARP, digit, owner);
+        above = __shfl_sync(FULL_WARP, above, owner);
+        prefix |= u32(digit) << shift;
+        prefix_mask |= u32(BINS - 1) << shift;
+        remaining -= above;
+      }
+      threshold = prefix;
+      ties_wanted = remaining;
+    }
+    unsigned char* row_chosen = chosen + (first_row + r) * max_pages;
+    int ties_before = 0;
+    for (int base = 0; base < max_pages; base += 32) {
+      const int j = base + lane;
+      bool taken = j < candidates && take == candidates;
+      bool tie = false;
+      if (j < candidates && take < candidates) {
+        const u32 code = order_code(row_bounds[j]);
+        taken = code > threshold;
+        tie = code == threshold;
+      }
+      const unsigned ties = __ballot_sync(FULL_WARP, tie);
+      const int rank = ties_before + __popc(ties & ((1u << lane) - 1u));
+      taken = taken || (tie && rank < ties_wanted);
+      ties_before += __popc(ties);
+      if (j < max_pages) row_chosen[j] = (taken || j == count - 1) ? 1 : 0;
+    }
+  }
+}

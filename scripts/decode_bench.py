@@ -8,7 +8,8 @@ choice, HeavyHitters' score update) and the decode kernels alone (split + merge)
 torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
 would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
 them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no
-eviction). For a policy that chooses pages (Quest) the step is split into its choice, timed
+eviction), and where flashinfer imports its batch decode over them in shuffled pages of our page
+size (flashinfer_ms; cuattn/tools/bench/flashinfer_paged.py; one query a sequence). For a policy that chooses pages (Quest) the step is split into its choice, timed
 alone (choice_ms; `choice` names the path: quest_select, one kernel, or xp, the array library's
 operations, as --quest / CUATTN_QUEST choose on a GPU), and its attention (kernel_ms: the
 kernels over the pages it chose), beside the full step's attention over the same cache read
@@ -284,7 +285,25 @@ def baselines(cache, q, kept, args, sync):
     except Exception as err:  # a torch without FlexAttention or its GQA path: say so
         out["flex_ms"] = f"n/a ({type(err).__name__})"
     out.update(flex_paged(tq, k, v, args))
+    out["flashinfer_ms"] = flashinfer_paged(tq, k, v, args)
     return out
+
+
+def flashinfer_paged(tq, k, v, args):
+    """FlashInfer's batch decode over the same kept tokens in shuffled pages of our page size
+    (cuattn/tools/bench/flashinfer_paged.py), or why not: it does not import, or t_q > 1."""
+    import torch
+
+    from cuattn.tools.bench.flashinfer_paged import paged_decode
+
+    try:
+        decode = paged_decode(k, v, args.page, HEADS)
+        decode(tq)  # refuses t_q > 1 by name before any timing
+    except ImportError:
+        return "n/a (no flashinfer)"
+    except Exception as err:  # a release whose API or kernels refuse this case: say which
+        return f"n/a ({type(err).__name__}: {str(err)[:80]})"
+    return median_ms(lambda: decode(tq), torch.cuda.synchronize, args.repeats)
 
 
 def flex_paged(tq, k, v, args):

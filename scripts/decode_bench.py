@@ -5,18 +5,18 @@ then a decode step (append t_q tokens to every sequence, decode_attention with t
 queries; --t-q, default 1: speculative decoding checks more) is
 timed end to end (what a serving loop pays: the cache's bookkeeping on the device, Quest's
 choice, HeavyHitters' score update) and the decode kernels alone (split + merge). The baseline is
-torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache
-would read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over
-them in shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no
-eviction), and where flashinfer imports its batch decode over them in shuffled pages of our page
-size (flashinfer_ms; cuattn/tools/bench/flashinfer_paged.py; one query a sequence). For a policy that chooses pages (Quest) the step is split into its choice, timed
-alone (choice_ms; `choice` names the path: quest_select, one kernel, or xp, the array library's
-operations, as --quest / CUATTN_QUEST choose on a GPU), and its attention (kernel_ms: the
-kernels over the pages it chose), beside the full step's attention over the same cache read
-whole (full_ms: Quest keeps every token) and their ratio, quest_x_full = (choice_ms +
-kernel_ms) / full_ms (issue 52's target at a quarter of the pages: <= 0.35). GB/s counts the K
-and V bytes the kernels read: every kept token, or with Quest every token of each page some
-query head of a kv group chose.
+torch's SDPA (enable_gqa) over the same kept tokens laid out contiguously (what a dense cache would
+read), FlexAttention over them (contiguous), and FlexAttention's own paged decode over them in
+shuffled pages (cuattn/tools/bench/flex_paged.py; it keeps every token: Flex has no eviction), and
+where flashinfer imports its batch decode over them in shuffled pages of our page size
+(flashinfer_ms; cuattn/tools/bench/flashinfer_paged.py; one query a sequence). For a policy that
+chooses pages (Quest) the step is split into its choice, timed alone (choice_ms; `choice` names the
+path: quest_select, one kernel, or xp, the array library's operations, as --quest / CUATTN_QUEST
+choose on a GPU), and its attention (kernel_ms: the kernels over the pages it chose), beside the
+full step's attention over the same cache read whole (full_ms: Quest keeps every token) and their
+ratio, quest_x_full = (choice_ms + kernel_ms) / full_ms (issue 52's target at a quarter of the
+pages: <= 0.35). GB/s counts the K and V bytes the kernels read: every kept token, or with Quest
+every token of each page some query head of a kv group chose.
 
 After the full cache's row come `paged_decode` rows (policy column "paged_decode"): the same
 tokens in vLLM's layout (k/v [num_blocks, page, kv_heads, d] in shuffled blocks, an int32

@@ -16,7 +16,8 @@
 #             forward (attn_fwd) that other GPUs and the score modifiers run
 #   optin     the kernels no GPU has run yet, which stay opt-in until this step passes them: the
 #             gpu-marked kernel and serving tests with CUATTN_KERNELS=sm90a (the wgmma backward,
-#             kernels/attn_bwd_sm90.cu) and CUATTN_DECODE=gqa (kernels/attn_decode_gqa.cu), then
+#             kernels/attn_bwd_sm90.cu), CUATTN_DECODE=gqa (kernels/attn_decode_gqa.cu) and
+#             CUATTN_QUEST=kernel (Quest's page choice, kernels/quest_select.cu), then
 #             compute-sanitizer memcheck and racecheck on the same launches; then the same with
 #             CUATTN_KERNELS=sm90a-persistent (the persistent forward), CUATTN_DECODE_FP8=kernel
 #             (fp8 KV pages: attn_decode_split_fp8, attn_decode_gqa_fp8) and
@@ -139,7 +140,7 @@ for name in $STEPS; do
         tests/backends/test_cuda_kernels.py
       ;;
     optin)
-      export CUATTN_KERNELS=sm90a CUATTN_DECODE=gqa
+      export CUATTN_KERNELS=sm90a CUATTN_DECODE=gqa CUATTN_QUEST=kernel
       step gpu-tests-optin "$OPTIN_S" "$PY" -m pytest -m gpu -v -rfE -p no:cacheprovider \
         --junitxml="$REPORT_DIR/gpu-tests-optin.xml" tests/backends/test_cuda_kernels.py \
         tests/serving
@@ -160,7 +161,7 @@ for name in $STEPS; do
         step memcheck-optin-persistent "$MEMCHECK_S" "$SANITIZER" --tool memcheck \
           --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       fi
-      unset CUATTN_KERNELS CUATTN_DECODE CUATTN_DECODE_FP8 CUATTN_SCORE_BIAS
+      unset CUATTN_KERNELS CUATTN_DECODE CUATTN_DECODE_FP8 CUATTN_SCORE_BIAS CUATTN_QUEST
       ;;
     modifiers)
       step modifiers "$MODIFIERS_S" "$PY" scripts/gpu_modifiers_check.py

@@ -329,6 +329,58 @@ def test_backward_through_a_device_layout_is_the_host_layouts(monkeypatch, make,
         np.testing.assert_array_equal(grad.view(np.uint16), ref.view(np.uint16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sm90a-persistent", "sm90a"])
+def test_on_the_gpu_a_device_layout_is_the_host_layouts(family, monkeypatch):
+    """What a GPU run must pass before DeviceLayouts take the sm_90a schedules there: the
+    longformer layout whose global rows split, its arrays on the GPU, through the cuda backend
+    (the schedule kernels, then the persistent forward and its merge, or the sm_90a backward on
+    device-built ranks), bit for bit what the same layout's host arrays give on the same GPU."""
+    from cuattn.backends import cuda
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU (H100, H200)")
+    host = cuattn.make_layout("longformer", 40 * 64, 2, 64, local_attn_ctx=64, causal=False)
+    arrays = {"blocks": host.blocks, "mask_table": host.mask_table}
+    arrays.update({field: getattr(host, field) for field in INDEX_FIELDS})
+    rule = host.rule
+    device = DeviceLayout.from_arrays(
+        {name: cupy.asarray(x) for name, x in arrays.items()},
+        host.blocksize,
+        host.n_q,
+        host.n_ctx,
+        rule.kind,
+        (rule.window_left, rule.window_right),
+    )
+    inputs = random_inputs(host, 2, 1, 128, "bfloat16", 29)
+    dout_host = np.random.default_rng(30).standard_normal(inputs[0].shape).astype(inputs[0].dtype)
+    q, k, v, dout = (cupy.asarray(x) for x in (*inputs, dout_host))
+    monkeypatch.setenv(geometry.KERNELS_ENV, family)
+    names = []
+    launch = cuda.CudaBackend.launch
+
+    def spy(self, config, **values):
+        names.append(config.kernel)
+        return launch(self, config, **values)
+
+    monkeypatch.setattr(cuda.CudaBackend, "launch", spy)
+    backend, scale = cuda.CudaBackend(), 128**-0.5
+    results = []
+    for layout in (device, host):
+        out, lse = backend.forward(q, k, v, AttentionCall(layout, scale))
+        grads = backend.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
+        results.append([cupy.asnumpy(x) for x in (out, lse, *grads)])
+    schedule = "sm90_work_count" if family == "sm90a-persistent" else "sm90_claim_order"
+    assert schedule in names, names
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 # ---- NVRTC ----------------------------------------------------------------------------------
 
 

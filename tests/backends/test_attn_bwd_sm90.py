@@ -24,8 +24,8 @@ from tests.helpers.oracle import dense_attention_grads, rel_err
 pytest.importorskip("ml_dtypes")
 
 # HGMMA a consumer warp issues a step (bench/NOTES.md, change 35): S^T and dP^T d/16 each, dV
-# and dK 4 each, dQ_part 8; the kernel holds dQ_part's 8 twice (the path of a consumer that
-# computes the step and of one that skips it).
+# and dK 4 each, dQ_part 8 over both halves of dS^T. The kernel holds dQ_part also over one half
+# (4) on the computing path and on the skipping one: 4 + 4 more.
 HGMMA_PER_STEP = {64: 24, 128: 32}
 DQ_HGMMA = 8
 
@@ -108,6 +108,60 @@ def test_the_sm90a_backward_matches_the_oracle_and_the_mma_backward(
         assert not layout.blocks[1, :, 1].any()
         for grad in grads[1:]:
             assert (grad[:, 1, block:] == 0).all()
+
+
+# Named patterns whose 64-block pairs often hold a query block in one column of the pair alone
+# (the dQ GEMM then runs over that half of dS^T): (pattern, options, n_ctx, head dim, dtype, kv
+# heads, batch). fixed at d = 128 (the consumers' registers are tightest there) and with GQA
+# (2 query heads on 1 kv head, whose summary columns differ), strided (bitmask), bigbird
+# (bidirectional, a ragged last block).
+PATTERN_CASES = [
+    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}, 384, 128, "bfloat16", 2, 1),
+    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}, 384, 64, "float16", 1, 2),
+    ("strided", {"local_attn_ctx": 16}, 384, 64, "bfloat16", 2, 1),
+    ("bigbird", {"causal": False}, 350, 64, "float16", 2, 1),
+]
+
+
+def one_half_steps(layout) -> int:
+    """Query blocks held by exactly one key block of a 64-block pair, over heads and pairs."""
+    blocks = layout.blocks
+    if blocks.shape[2] % 2:
+        blocks = np.concatenate([blocks, np.zeros_like(blocks[:, :, :1])], axis=2)
+    return int((blocks[:, :, 0::2] ^ blocks[:, :, 1::2]).sum())
+
+
+@pytest.mark.parametrize(
+    "pattern, options, n_ctx, head_dim, dtype, kv_heads, batch",
+    PATTERN_CASES,
+    ids=[f"{c[0]}-d{c[3]}-kv{c[5]}" for c in PATTERN_CASES],
+)
+def test_paired_blocks_with_a_missing_half_match_the_oracle_and_the_mma_backward(
+    monkeypatch, pattern, options, n_ctx, head_dim, dtype, kv_heads, batch
+):
+    """Steps that one consumer of a 64-block pair computes and the other skips: dQ_part runs
+    over the computing half of dS^T alone (both consumers), the skipping consumer stores
+    nothing; steps neither computes reduce zeros. dQ, dK, dV against the float64 oracle and the
+    mma.sync backward."""
+    layout = make_layout(pattern, n_ctx, HEADS, 64, **options)
+    assert one_half_steps(layout) > 0
+    q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed=3)
+    scale = head_dim**-0.5
+    call = AttentionCall(layout, scale)
+    out, lse = interp.forward(q, k, v, call)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
+    grads, names = launched(interp.backward, q, k, v, out, lse, dout, None, call)
+    assert names == sm90_names(64, head_dim, dtype, layout.rule.kind)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
+    mma = interp.backward(q, k, v, out, lse, dout, None, call)
+    group = HEADS // kv_heads
+    k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), scale)
+    refs = (refs[0], *(r.reshape(batch, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for name, grad, ref, other in zip("qkv", grads, refs, mma, strict=True):
+        assert not np.isnan(grad.astype(np.float32)).any(), f"d{name} left poisoned"
+        assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name} against the oracle"
+        assert rel_err(grad, other.astype(np.float64)) <= TOLERANCE[dtype], f"d{name} against mma"
 
 
 def test_gradients_are_bit_identical_whatever_order_the_ctas_run_in(sm90a, monkeypatch):

@@ -63,6 +63,10 @@
 // walking down its column, such a CTA reaches each of its query blocks before the longer
 // columns that share it, so in a causal layout no CTA waits on the one ranked before it. The
 // longest-first order of the forward would make every CTA wait for the longer columns beside it.
+// DQ_ORDER = DQ_UNORDERED (opt-in: CUATTN_BWD_DQ=unordered) skips the semaphores: each reduce
+// goes as soon as its step's dQ tile is stored, so the adds into a tile land in whatever order
+// the CTAs reach it and dQ may differ run to run in its last bits (dK and dV do not); dq_ranks
+// and the semaphores are then not read.
 //
 // Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
 // panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
@@ -76,7 +80,8 @@
 // halves (dS^T and the flags alternate between two stages, so the next step's stores cannot
 // reach a stage the other consumer still reads).
 //
-// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule).
+// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule),
+// DQ_ORDER (DqOrder, DQ_ORDERED unless named).
 // Run: compiled by NVRTC for sm_90a only, or on the CPU interpreter
 // (tests/backends/test_attn_bwd_sm90.py), e.g. `attn_bwd_sm90<128, 64, 128, __nv_bfloat16,
 // MASK_CAUSAL>` on grid (ceil(n_k / 128), kv heads, batch), 384 threads,
@@ -172,7 +177,11 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
   return row * SWIZZLE_ROW_BYTES + chunk * SWIZZLE_CHUNK_BYTES + byte % SWIZZLE_CHUNK_BYTES;
 }
 
-template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
+// The order of the dQ adds into one tile: the layout's, by the semaphores (bit-identical run to
+// run), or whatever order the CTAs reach the tile in (no waits; CUATTN_BWD_DQ=unordered).
+enum DqOrder : int { DQ_ORDERED = 0, DQ_UNORDERED = 1 };
+
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
@@ -286,16 +295,20 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
           const int dq_tile_index = head_tile + tile.start / TILE_Q;
           int* semaphore = semaphores + dq_tile_index;
           mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
-          semaphore_wait(semaphore, dq_ranks[tile.entry]);
+          if constexpr (DQ_ORDER == DQ_ORDERED) semaphore_wait(semaphore, dq_ranks[tile.entry]);
           bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
                               unsigned(Traits::DQ_BYTES));
           tma_store_commit();
           tma_store_wait_read<0>();
           mbarrier_arrive(dq_empty);
-          bulk_wait_group_complete<0>();
-          semaphore_release(semaphore);
+          if constexpr (DQ_ORDER == DQ_ORDERED) {
+            bulk_wait_group_complete<0>();
+            semaphore_release(semaphore);
+          }
         }
       }
+      // Unordered, the reduces' writes to dq_accum are retired once, before the CTA ends.
+      if constexpr (DQ_ORDER == DQ_UNORDERED) bulk_wait_group_complete<0>();
     }
     return;
   }

@@ -466,3 +466,23 @@ def test_a_dq_order_that_is_none_is_refused_before_any_launch(sm90a, monkeypatch
     with pytest.raises(ValueError, match="CUATTN_BWD_DQ='fast'.*ordered, unordered"):
         interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
     assert launches == []
+
+
+def test_the_order_model_prices_the_ordered_waits():
+    """dev/bwd_order_model.py, the prediction the GPU run compares with: at the built claim
+    order the ordered reduces cost nothing over unordered ones in a causal layout (every CTA
+    reaches a query block after those ranked before it), and bigbird's global blocks make them
+    wait; unordered is never slower."""
+    from dev import bwd_order_model as model
+
+    def makespans(pattern: str) -> tuple[float, float]:
+        columns, tile_order = model.layout_case(pattern, 1024, 64)
+        order = [(p, j) for j in tile_order for p in range(8)]
+        return tuple(
+            model.makespan(order, 1024, 1.0, ordered=o, columns=columns) for o in (True, False)
+        )
+
+    causal = makespans("dense-causal")
+    assert causal[0] == causal[1]
+    bigbird = makespans("bigbird")
+    assert bigbird[0] > 1.05 * bigbird[1]

@@ -134,12 +134,16 @@ PARTIAL_TILE_CODE = (
 # step's query rows, which only the first TILE / 32 warps enter (see _Counter.strided_weight).
 STEP_ROW_LOOP = ColdRegion("loop", "", r"for\s*\(\s*int\s+i\s*=\s*tid\s*;", partial=False)
 # The sm_90a backward: a consumer whose keys a step does not reach runs the else-branch of
-# `if (tile.coverage != TILE_EMPTY)` (dS^T zeros and dQ_part) instead of the step's GEMMs;
+# `if (tile.coverage != TILE_EMPTY)` (dQ_part over the other half, or nothing) instead of the
+# step's GEMMs;
 # zero_queries_past runs on a ragged last step only.
 SM90_BWD_CODE = (
     *PARTIAL_TILE_CODE,
     ColdRegion("function", "zero_queries_past"),
     ColdRegion("else", "TILE_EMPTY", skipped=True),
+    # a computing consumer's dQ_part over its own half of dS^T alone (the other consumer skipped
+    # the step): once a CTA in a dense causal layout, which the model's call is
+    ColdRegion("else", "both_computed", partial=False),
 )
 # Dropout's generator and mask (kernels/common/philox.cuh): off in the softcap call the
 # variant's specs model; the dropout specs count it.

@@ -33,7 +33,7 @@
 //   warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc); consumer c owns keys
 //     64c .. 64c + 63 of the CTA (with 64-blocks, block c of the pair), the M = 64 of one wgmma.
 //     A consumer whose keys a step does not reach (its block's column lacks the query block, or
-//     the rule empties it) skips its GEMMs and stores zeros for its dS^T. Per step:
+//     the rule empties it) skips its GEMMs and stores nothing. Per step:
 //       S^T[64 x 64]  = K Q^T    HEAD_DIM / 16 wgmma m64n64k16, A = K, B = Q (both K-major)
 //       dP^T[64 x 64] = V dO^T   the same with V and dO
 //       P^T = exp2(S^T * scale * log2 e - lse_log2), masked; dS^T = P^T (dP^T - delta)
@@ -41,9 +41,12 @@
 //                                accumulators of 16 queries are one K-step's A fragment), B =
 //                                dO MN-major (its rows as stored: queries x head dim)
 //       dK[64 x d] += dS^T Q     the same with dS^T and Q
-//       dQ_part[64 x d / 2] = dS K  the consumer's half of the head dim, over all 128 keys:
-//                                8 wgmma m64n{d/2}k16, A = dS read MN-major from dS^T, which
-//                                both consumers store to shared memory, B = K MN-major
+//       dQ_part[64 x d / 2] = dS K  the consumer's half of the head dim, over the keys of the
+//                                consumers that computed the step: 8 wgmma m64n{d/2}k16 for
+//                                both, 4 for one (also run by the consumer that skipped), none
+//                                for neither (dQ_part = 0); A = dS read MN-major from dS^T,
+//                                which the computing consumers store to shared memory, B = K
+//                                MN-major
 //     and the consumers store dQ_part into an fp32 tile that thread 32 adds into dq_accum with
 //     one bulk reduce (cp.reduce.async.bulk .add.f32), 5 GEMMs in all.
 // Determinism: the adds into one (TILE_Q queries, head, batch) tile happen in one order. Its
@@ -60,6 +63,10 @@
 // walking down its column, such a CTA reaches each of its query blocks before the longer
 // columns that share it, so in a causal layout no CTA waits on the one ranked before it. The
 // longest-first order of the forward would make every CTA wait for the longer columns beside it.
+// DQ_ORDER = DQ_UNORDERED (opt-in: CUATTN_BWD_DQ=unordered) skips the semaphores: each reduce
+// goes as soon as its step's dQ tile is stored, so the adds into a tile land in whatever order
+// the CTAs reach it and dQ may differ run to run in its last bits (dK and dV do not); dq_ranks
+// and the semaphores are then not read.
 //
 // Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
 // panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
@@ -69,10 +76,12 @@
 // Pipeline: kv_full completes with K and V; the step ring (StageRing) with each step's Q, dO,
 // lse and delta; dq_full when the 256 consumer threads have written the dQ tile, dq_empty when
 // the reduce has read it. The two consumers meet on a named barrier once a step, between their
-// dS^T stores and the dQ GEMM that reads both halves (dS^T alternates between two stages, so the
-// next step's stores cannot reach a stage the other consumer still reads).
+// dS^T stores (and a flag each: computed or skipped) and the dQ GEMM that reads the computed
+// halves (dS^T and the flags alternate between two stages, so the next step's stores cannot
+// reach a stage the other consumer still reads).
 //
-// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule).
+// Template parameters: BLOCK (64 or 128), TILE_Q (64), HEAD_DIM (64, 128), T, RULE (MaskRule),
+// DQ_ORDER (DqOrder, DQ_ORDERED unless named).
 // Run: compiled by NVRTC for sm_90a only, or on the CPU interpreter
 // (tests/backends/test_attn_bwd_sm90.py), e.g. `attn_bwd_sm90<128, 64, 128, __nv_bfloat16,
 // MASK_CAUSAL>` on grid (ceil(n_k / 128), kv heads, batch), 384 threads,
@@ -130,6 +139,7 @@ struct attn_bwd_sm90_traits {
   static constexpr int S_STEPS = HEAD_DIM / WGMMA_K;    // wgmma of S^T and of dP^T
   static constexpr int DKV_STEPS = TILE_Q / WGMMA_K;    // wgmma of dV and of dK
   static constexpr int DQ_STEPS = TILE_K / WGMMA_K;     // wgmma of dQ_part
+  static constexpr int HALF_DQ_STEPS = WGMMA_M / WGMMA_K;  // over one consumer's keys
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
   static constexpr int S_STEP_BYTES = WGMMA_K * int(sizeof(T));       // along a K-major row
   static constexpr int ROWS_STEP_BYTES = WGMMA_K * SWIZZLE_ROW_BYTES;  // 16 rows on
@@ -167,7 +177,11 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
   return row * SWIZZLE_ROW_BYTES + chunk * SWIZZLE_CHUNK_BYTES + byte % SWIZZLE_CHUNK_BYTES;
 }
 
-template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE>
+// The order of the dQ adds into one tile: the layout's, by the semaphores (bit-identical run to
+// run), or whatever order the CTAs reach the tile in (no waits; CUATTN_BWD_DQ=unordered).
+enum DqOrder : int { DQ_ORDERED = 0, DQ_UNORDERED = 1 };
+
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
@@ -198,6 +212,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   u64* dq_empty = dq_full + 1;
   Ring* ring = reinterpret_cast<Ring*>(dq_empty + 1);
   __shared__ int claimed;
+  __shared__ int computed[Traits::DS_STAGES][Traits::CONSUMERS];  // a consumer's dS^T stage
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
     mbarrier_init(dq_full, Traits::CONSUMER_THREADS);
@@ -225,17 +240,18 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   // consumer's descriptors) can then live in uniform registers.
   const int warpgroup = __shfl_sync(FULL_WARP, int(threadIdx.x) / Traits::WARPGROUP_SIZE, 0);
   const RuleParams rule{n_q, n_k, q_offset, window_left, window_right, mask_table};
-  // The CTA's steps for query head `head`: every query step of the union of its key blocks'
-  // CSC columns (one column with 128-blocks), each with the caller's block's entry mask and the
-  // coverage of the rows it passes to next() (row_block: the caller's block, 0 or 1). The CSC
-  // index is unsigned: no sign extension held in a register by the producer, which runs on 24
-  // of them at d = 128.
-  auto column_walk = [&](int head, int row_block) {
-    const int* column = col_ptr + unsigned(head * (num_k_blocks + 1) + k_block);
-    return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(
-        column, KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks, row_idx, col_mask, row_block);
+  // The CTA's steps for one query head: every query step of the union of its key blocks' CSC
+  // columns (one column with 128-blocks), each with the caller's block's entry mask and the
+  // coverage of the rows it passes to next() (row_block: the caller's block, 0 or 1). `column`
+  // indexes the first block's col_ptr entry, head * (num_k_blocks + 1) + first block: the walk
+  // of the next query head is num_k_blocks + 1 on. Unsigned: no sign extension held in a
+  // register by the producer, which runs on 24 of them at d = 128.
+  const unsigned head_columns = unsigned(num_k_blocks + 1);
+  const bool paired = KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks;  // the second block exists
+  auto column_walk = [&](unsigned column, bool paired, int row_block) {
+    return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(col_ptr + column, paired, row_idx,
+                                                      col_mask, row_block);
   };
-
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x == 0) {
@@ -254,7 +270,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
       int t = 0;
       for (int group_head = 0; group_head < kv_group; ++group_head) {
         const int head = kv_head * kv_group + group_head;
-        auto walk = column_walk(head, 0);
+        auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
         PairedTile tile;
         for (; walk.next(tile, rule, k_start, k_last); ++t) {
           const int stage = Ring::stage(t);
@@ -273,31 +289,36 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         const int head = kv_head * kv_group + group_head;
         // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
         const int head_tile = (batch * heads + head) * (q_padded / TILE_Q);
-        auto walk = column_walk(head, 0);
+        auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
         PairedTile tile;
         for (; walk.next(tile, rule, k_start, k_last); ++reduced) {
           const int dq_tile_index = head_tile + tile.start / TILE_Q;
           int* semaphore = semaphores + dq_tile_index;
           mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
-          semaphore_wait(semaphore, dq_ranks[tile.entry]);
+          if constexpr (DQ_ORDER == DQ_ORDERED) semaphore_wait(semaphore, dq_ranks[tile.entry]);
           bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
                               unsigned(Traits::DQ_BYTES));
           tma_store_commit();
           tma_store_wait_read<0>();
           mbarrier_arrive(dq_empty);
-          bulk_wait_group_complete<0>();
-          semaphore_release(semaphore);
+          if constexpr (DQ_ORDER == DQ_ORDERED) {
+            bulk_wait_group_complete<0>();
+            semaphore_release(semaphore);
+          }
         }
       }
+      // Unordered, the reduces' writes to dq_accum are retired once, before the CTA ends.
+      if constexpr (DQ_ORDER == DQ_UNORDERED) bulk_wait_group_complete<0>();
     }
     return;
   }
 
-  // A consumer: keys 64 (warpgroup - 1) on of the CTA, in key block my_k_block.
+  // A consumer: keys 64 (warpgroup - 1) on of the CTA, in key block key_first / BLOCK. What
+  // derives from the CTA's tile derives from key_first: one register, where the consumers use
+  // all setmaxnreg gives them at d = 128.
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   const int consumer = warpgroup - 1;
   const int row_block = KEY_BLOCKS == 2 ? consumer : 0;
-  const int my_k_block = k_block + row_block;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
   const int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
   const int warp_key = key_first + warp_in_group * 16;
@@ -375,17 +396,19 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     }
     wgmma_commit_group();
   };
-  // Both consumers' dS^T stored: dQ_part = dS K over all TILE_K keys from dS stage
+  // dQ_part = dS K over `steps` wgmma from K-step `first` (16 keys each) of dS stage
   // `ds_stage`, retired with whatever else is in flight (no wgmma is left in flight where the
-  // skipping and the computing paths meet: ptxas would serialise every wgmma, C7520).
-  auto dq_and_retire = [&](int ds_stage) {
-    named_barrier_sync(Traits::DS_READY_BARRIER, Traits::CONSUMER_THREADS);
+  // paths meet: ptxas would serialise every wgmma, C7520).
+  auto dq_gemm = [&](int ds_stage, int first, int steps) {
+    const unsigned rows = unsigned(ds_stage * Traits::DS_BYTES + first * Traits::ROWS_STEP_BYTES);
+    const unsigned k_rows = unsigned(first * Traits::ROWS_STEP_BYTES);
+    wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < Traits::DQ_STEPS; ++step) {
-      const unsigned rows = unsigned(step * Traits::ROWS_STEP_BYTES);
+    for (int step = 0; step < steps; ++step) {
+      const unsigned step_rows = unsigned(step * Traits::ROWS_STEP_BYTES);
       wgmma_m64k16<T, Traits::DQ_COLUMNS, WGMMA_MN_MAJOR, WGMMA_MN_MAJOR>(
-          dq_acc, descriptor_advance(ds_desc, unsigned(ds_stage * Traits::DS_BYTES) + rows),
-          descriptor_advance(k_mn_desc, rows), step > 0);
+          dq_acc, descriptor_advance(ds_desc, rows + step_rows),
+          descriptor_advance(k_mn_desc, k_rows + step_rows), step > 0);
     }
     wgmma_commit_group();
     wgmma_wait_group<0>();
@@ -405,27 +428,42 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     wgmma_fence_operands(ds_regs);
     wgmma_fence();
   };
-  // This consumer's rows of dS^T stage `ds_stage`, from the packed dS^T or zeros: register
-  // `reg` of K-step `step` holds row g + 8 (reg % 2), queries 16 step + 8 (reg / 2) + 2t and
-  // the next.
-  auto store_ds = [&](int ds_stage, bool zeros) {
-    unsigned char* ds_tile = ds_stages + ds_stage * Traits::DS_BYTES;
+  // This consumer's rows of dS^T stage `ds_stage`: register `reg` of K-step `step` holds row
+  // g + 8 (reg % 2), queries 16 step + 8 (reg / 2) + 2t and the next. Rows g and g + 8 share
+  // their swizzle (row % 8), so the pair's stores are one offset apart by a constant: 8 swizzled
+  // offsets held across the step loop, not 16.
+  auto store_ds = [&](int ds_stage) {
+    unsigned char* ds_rows = ds_stages + ds_stage * Traits::DS_BYTES +
+                             (consumer * WGMMA_M + warp_in_group * 16) * SWIZZLE_ROW_BYTES;
 #pragma unroll
     for (int step = 0; step < Traits::DKV_STEPS; ++step) {
 #pragma unroll
-      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-        const int row = consumer * WGMMA_M + warp_in_group * 16 + frag.row(2 * (reg % 2));
-        const int col = frag.pair_col(2 * step + reg / 2);
-        *reinterpret_cast<u32*>(ds_tile + swizzled_byte<T>(row, col)) = zeros ? 0u : ds[step][reg];
+      for (int reg = 0; reg < WGMMA_A_REGISTERS; reg += 2) {
+        unsigned char* at = ds_rows + swizzled_byte<T>(frag.g, frag.pair_col(2 * step + reg / 2));
+        *reinterpret_cast<u32*>(at) = ds[step][reg];
+        *reinterpret_cast<u32*>(at + SWIZZLE_REPEAT_BYTES) = ds[step][reg + 1];
       }
     }
     fence_proxy_async();  // the dS^T stores, before wgmma reads them
   };
+  // Says whether this consumer computed dS stage `ds_stage` and, once both have said so (and
+  // stored their dS^T), whether the other did. The flags alternate with the dS stages, so the
+  // next step's cannot overwrite one the other consumer has yet to read.
+  auto other_computed = [&](int ds_stage, bool mine) {
+    computed[ds_stage][consumer] = mine;
+    named_barrier_sync(Traits::DS_READY_BARRIER, Traits::CONSUMER_THREADS);
+    return computed[ds_stage][1 - consumer] != 0;
+  };
 
   mbarrier_wait_parity(kv_full, 0);  // always: no copy may be in flight when the CTA ends
   int t = 0;  // steps walked (the ring's items, and the dQ tiles handed to the reduce)
-  for (int group_head = 0; group_head < kv_group; ++group_head) {
-    auto walk = column_walk(kv_head * kv_group + group_head, row_block);
+  unsigned column = unsigned(kv_head * kv_group) * head_columns +
+                    unsigned(key_first / TILE_K * KEY_BLOCKS);
+  for (int group_head = 0; group_head < kv_group; ++group_head, column += head_columns) {
+    // Whether the second block exists, from the column (column % head_columns is the first
+    // block) rather than held across the heads: the consumers have no register to spare at d128.
+    const bool has_second = KEY_BLOCKS == 2 && column % head_columns + 1 < head_columns - 1;
+    auto walk = column_walk(column, has_second, row_block);
     PairedTile tile;
     for (; walk.next(tile, rule, key_first, key_first + WGMMA_M - 1); ++t) {
       const int stage = Ring::stage(t);
@@ -433,8 +471,10 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
       const int q_start = tile.start;
       ring->wait(t);  // also when skipped: see StageRing
       // A consumer whose keys the step does not reach (its block's column lacks the query
-      // block, or the rule empties it) skips its GEMMs and gives dQ zeros; the coverage is the
-      // warpgroup's, uniform across it.
+      // block, or the rule empties it) skips its GEMMs; the coverage is the warpgroup's,
+      // uniform across it. dQ_part = dS K runs over the halves of dS^T that were computed: both
+      // (every key), one (its 64 keys), or none (dQ_part = 0, still reduced in its turn).
+      bool dq_zero = false;
       if (tile.coverage != TILE_EMPTY) {
         const float* lse_smem = stats + stage * 2 * TILE_Q;
         const float* delta_smem = lse_smem + TILE_Q;
@@ -444,14 +484,15 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         wgmma_fence_operands(s_acc);
         if (tile.coverage != TILE_FULL) {
           mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
-                                                      my_k_block, tile.mask_id);
+                                                      key_first / BLOCK, tile.mask_id);
         }
         const bool ragged = q_start + TILE_Q > n_q;
 #pragma unroll
         for (int j = 0; j < TILE_Q / 8; ++j) {
+          const float2 lse = *reinterpret_cast<const float2*>(lse_smem + frag.pair_col(j));
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            s[j][e] = exp2f(s[j][e] * score_log2 - lse_smem[frag.col(j, e)]);
+            s[j][e] = exp2f(s[j][e] * score_log2 - (e % 2 ? lse.y : lse.x));
           }
         }
         // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
@@ -461,9 +502,10 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         wgmma_fence_operands(dp_acc);
 #pragma unroll
         for (int j = 0; j < TILE_Q / 8; ++j) {
+          const float2 delta = *reinterpret_cast<const float2*>(delta_smem + frag.pair_col(j));
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            dp[j][e] = s[j][e] * (dp[j][e] - delta_smem[frag.col(j, e)]);
+            dp[j][e] = s[j][e] * (dp[j][e] - (e % 2 ? delta.y : delta.x));
           }
         }
         if (ragged) zero_columns_past<TILE_Q>(dp, frag, n_q - q_start);
@@ -477,14 +519,21 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
             ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
           }
         }
-        store_ds(ds_stage, false);
+        store_ds(ds_stage);
         fence();
         issue_dkdv(stage);
-        dq_and_retire(ds_stage);
+        const bool both_computed = other_computed(ds_stage, true);
+        if (both_computed) {
+          dq_gemm(ds_stage, 0, Traits::DQ_STEPS);
+        } else {
+          dq_gemm(ds_stage, consumer * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
+        }
       } else {
-        store_ds(ds_stage, true);
-        fence();
-        dq_and_retire(ds_stage);
+        dq_zero = !other_computed(ds_stage, false);
+        if (!dq_zero) {
+          fence();
+          dq_gemm(ds_stage, (1 - consumer) * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
+        }
       }
       ring->release(t);
       // dQ_part to the fp32 tile once the reduce has read the previous one.
@@ -496,7 +545,7 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
         for (int j = 0; j < Traits::DQ_COLUMNS / 8; ++j) {
           const int col = consumer * Traits::DQ_COLUMNS + frag.pair_col(j);
           *reinterpret_cast<float2*>(dq_tile + row * HEAD_DIM + col) =
-              make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+              dq_zero ? make_float2(0.0f, 0.0f) : make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
         }
       }
       fence_proxy_async();  // the dQ stores, before the bulk reduce reads them

@@ -18,7 +18,9 @@
 #             gpu-marked kernel and serving tests with CUATTN_KERNELS=sm90a (the wgmma backward,
 #             kernels/attn_bwd_sm90.cu), CUATTN_DECODE=gqa (kernels/attn_decode_gqa.cu) and
 #             CUATTN_QUEST=kernel (Quest's page choice, kernels/quest_select.cu), then
-#             compute-sanitizer memcheck and racecheck on the same launches; then the same with
+#             compute-sanitizer memcheck and racecheck on the same launches, and the wgmma
+#             backward's dQ reduces ordered against CUATTN_BWD_DQ=unordered, timed side by side
+#             (scripts/bwd_dq_order_bench.py, bwd-dq-order.md); then the same with
 #             CUATTN_KERNELS=sm90a-persistent (the persistent forward), CUATTN_DECODE_FP8=kernel
 #             (fp8 KV pages: attn_decode_split_fp8, attn_decode_gqa_fp8) and
 #             CUATTN_SCORE_BIAS=kernel (the score-modifier kernels' dense score bias)
@@ -61,6 +63,7 @@ MODIFIERS_S=${MODIFIERS_S:-60}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
 COUNTERS_S=${COUNTERS_S:-50}; DECODE_S=${DECODE_S:-150}; DYNAMIC_S=${DYNAMIC_S:-150}
+BWD_DQ_S=${BWD_DQ_S:-45}  # 6 cases x 2 dQ orders x 8 backwards, from the warm step's cubins
 NCU_SECTIONS="${NCU_SECTIONS:-SpeedOfLight LaunchStats Occupancy WarpStateStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis}"
 # Sections collected with the counters: the warp stall reasons name a latency-bound kernel's
 # limiter, which no throughput counter does (what the 2026-11-25 run lacked).
@@ -151,6 +154,8 @@ for name in $STEPS; do
         step racecheck-optin "$RACECHECK_S" "$SANITIZER" --tool racecheck \
           --racecheck-report all --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       fi
+      step bwd-dq-order "$BWD_DQ_S" "$PY" scripts/bwd_dq_order_bench.py \
+        --markdown "$REPORT_DIR/bwd-dq-order.md"
       export CUATTN_KERNELS=sm90a-persistent CUATTN_DECODE_FP8=kernel CUATTN_SCORE_BIAS=kernel
       step gpu-tests-optin-persistent-fp8 "$OPTIN_S" "$PY" -m pytest -m gpu -v -rfE \
         -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-optin-persistent-fp8.xml" \

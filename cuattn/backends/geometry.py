@@ -156,6 +156,16 @@ SM90_BWD_STAGES = 2  # stages of each step's Q, dO, lse and delta
 SM90_BWD_DS_STAGES = 2  # dS^T stages (the next step's stores never meet the dQ GEMM's reads)
 # kv_full, dq_full, dq_empty; a full and an empty barrier a stage
 SM90_BWD_BARRIERS = 3 + 2 * SM90_BWD_STAGES
+# What CUATTN_BWD_DQ asks of attn_bwd_sm90's dQ reduces: "ordered" (also when unset: the adds
+# into each dQ tile in the layout's order, so the gradients are bit-identical run to run) or
+# "unordered" (the instantiation without the semaphore waits: each reduce is issued as soon as
+# its step is computed, the adds into a tile land in whatever order the CTAs reach them, and dQ's
+# low bits may differ run to run; dK and dV do not). Opt-in, named: the ordered one is the
+# contract.
+BWD_DQ_ENV = "CUATTN_BWD_DQ"
+BWD_DQ_ORDERED = "ordered"
+BWD_DQ_UNORDERED = "unordered"
+BWD_DQ_ORDERS = (BWD_DQ_ORDERED, BWD_DQ_UNORDERED)
 # The persistent sm_90a forward (issue 53): attn_fwd_sm90's items taken by one CTA an SM from a
 # work list built from the layout (sm90_work_list) through a zeroed counter. It has never run on
 # a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
@@ -965,6 +975,7 @@ class KernelConfig(_Launch):
     mods: bool = False
     paired: bool = False
     kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
+    dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -977,6 +988,7 @@ class KernelConfig(_Launch):
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
+        assert not self.dq_unordered or self.kernel == SM90_BWD, self.kernel
         fp8 = self.kernel in (DECODE_FP8_KERNEL, DECODE_GQA_FP8_KERNEL)
         assert (self.kv_dtype in KV_DTYPES) if fp8 else self.kv_dtype is None, self
         assert not fp8 or self.dtype in DECODE_FP8_Q_DTYPES, self
@@ -1122,8 +1134,15 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants apart: only calls with modifiers build them)."""
-        return (self.source_file, self.dtype, self.head_dim, self.mods, self.kv_dtype)
+        modifier variants and the unordered dQ apart: only calls that ask build them)."""
+        return (
+            self.source_file,
+            self.dtype,
+            self.head_dim,
+            self.mods,
+            self.kv_dtype,
+            self.dq_unordered,
+        )
 
     @property
     def name_expression(self) -> str:
@@ -1145,8 +1164,11 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS:
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
-        if self.kernel in (*SM90_FWD_KERNELS, SM90_BWD):
+        if self.kernel in SM90_FWD_KERNELS:
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
+        if self.kernel == SM90_BWD:
+            order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
+            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{order}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
 
     @property
@@ -1428,13 +1450,15 @@ def sm90_backward_supports(block: int | None, head_dim: int, dtype: str) -> bool
 
 
 def sm90_backward_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a backward (32: blocks x head dims x dtypes x
-    rules) and of its dQ conversion (4)."""
+    """One config per instantiation of the sm_90a backward (64: blocks x head dims x dtypes x
+    rules x the dQ order) and of its dQ conversion (4)."""
     shapes = list(itertools.product(SM90_BWD_HEAD_DIMS, SM90_DTYPES))
     return [
         *[
-            KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule=rule)
-            for block, (head_dim, dtype), rule in itertools.product(SM90_BWD_BLOCKS, shapes, RULES)
+            KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule=rule, dq_unordered=unordered)
+            for unordered, block, (head_dim, dtype), rule in itertools.product(
+                (False, True), SM90_BWD_BLOCKS, shapes, RULES
+            )
         ],
         *[KernelConfig(SM90_BWD_DQ, head_dim, dtype) for head_dim, dtype in shapes],
     ]
@@ -1663,6 +1687,13 @@ def kernel_family() -> str:
     attn_fwd_sm90 at 256). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
     return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
+
+
+def sm90_backward_dq_order() -> str:
+    """The order CUATTN_BWD_DQ asks of attn_bwd_sm90's dQ reduces: "ordered" (also when unset:
+    bit-identical run to run) or "unordered" (no semaphore waits; dQ may differ run to run in
+    its last bits)."""
+    return _env_choice(BWD_DQ_ENV, BWD_DQ_ORDERS, BWD_DQ_ORDERED, "dQ order")
 
 
 def _env_choice(variable: str, accepted: tuple[str, ...], unset: str, what: str) -> str:

@@ -746,8 +746,9 @@ class KernelBackend:
         """(dq, dk, dv) by attn_bwd_sm90 from ``saved`` (q, k, v, out, lse, dout; checked, on
         their device): delta by attn_bwd_preprocess, lse (log2 domain) and delta padded to whole
         steps, the main kernel with its dQ reduces into a zeroed fp32 accumulator, then
-        attn_bwd_sm90_dq. None, before any launch, when the device refuses a tensor map: the
-        caller runs the mma.sync pair."""
+        attn_bwd_sm90_dq. CUATTN_BWD_DQ=unordered runs the instantiation whose reduces skip the
+        semaphores (geometry.BWD_DQ_ENV). None, before any launch, when the device refuses a
+        tensor map: the caller runs the mma.sync pair."""
         q, k, v, out, lse, dout = saved
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         xp = self.xp
@@ -760,6 +761,7 @@ class KernelBackend:
             n_k,
             layout.blocksize,
             layout.rule.kind,
+            dq_unordered=geometry.sm90_backward_dq_order() == geometry.BWD_DQ_UNORDERED,
         )
         maps = {
             **self._panel_map("q", q, config.tile_n),

@@ -24,8 +24,8 @@ from tests.helpers.oracle import dense_attention_grads, rel_err
 pytest.importorskip("ml_dtypes")
 
 # HGMMA a consumer warp issues a step (bench/NOTES.md, change 35): S^T and dP^T d/16 each, dV
-# and dK 4 each, dQ_part 8; the kernel holds dQ_part's 8 twice (the path of a consumer that
-# computes the step and of one that skips it).
+# and dK 4 each, dQ_part 8 over both halves of dS^T. The kernel holds dQ_part also over one half
+# (4) on the computing path and on the skipping one: 4 + 4 more.
 HGMMA_PER_STEP = {64: 24, 128: 32}
 DQ_HGMMA = 8
 
@@ -110,6 +110,60 @@ def test_the_sm90a_backward_matches_the_oracle_and_the_mma_backward(
             assert (grad[:, 1, block:] == 0).all()
 
 
+# Named patterns whose 64-block pairs often hold a query block in one column of the pair alone
+# (the dQ GEMM then runs over that half of dS^T): (pattern, options, n_ctx, head dim, dtype, kv
+# heads, batch). fixed at d = 128 (the consumers' registers are tightest there) and with GQA
+# (2 query heads on 1 kv head, whose summary columns differ), strided (bitmask), bigbird
+# (bidirectional, a ragged last block).
+PATTERN_CASES = [
+    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}, 384, 128, "bfloat16", 2, 1),
+    ("fixed", {"local_attn_ctx": 128, "num_verts": 2, "vertsize": 1}, 384, 64, "float16", 1, 2),
+    ("strided", {"local_attn_ctx": 16}, 384, 64, "bfloat16", 2, 1),
+    ("bigbird", {"causal": False}, 350, 64, "float16", 2, 1),
+]
+
+
+def one_half_steps(layout) -> int:
+    """Query blocks held by exactly one key block of a 64-block pair, over heads and pairs."""
+    blocks = layout.blocks
+    if blocks.shape[2] % 2:
+        blocks = np.concatenate([blocks, np.zeros_like(blocks[:, :, :1])], axis=2)
+    return int((blocks[:, :, 0::2] ^ blocks[:, :, 1::2]).sum())
+
+
+@pytest.mark.parametrize(
+    "pattern, options, n_ctx, head_dim, dtype, kv_heads, batch",
+    PATTERN_CASES,
+    ids=[f"{c[0]}-d{c[3]}-kv{c[5]}" for c in PATTERN_CASES],
+)
+def test_paired_blocks_with_a_missing_half_match_the_oracle_and_the_mma_backward(
+    monkeypatch, pattern, options, n_ctx, head_dim, dtype, kv_heads, batch
+):
+    """Steps that one consumer of a 64-block pair computes and the other skips: dQ_part runs
+    over the computing half of dS^T alone (both consumers), the skipping consumer stores
+    nothing; steps neither computes reduce zeros. dQ, dK, dV against the float64 oracle and the
+    mma.sync backward."""
+    layout = make_layout(pattern, n_ctx, HEADS, 64, **options)
+    assert one_half_steps(layout) > 0
+    q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed=3)
+    scale = head_dim**-0.5
+    call = AttentionCall(layout, scale)
+    out, lse = interp.forward(q, k, v, call)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a")
+    grads, names = launched(interp.backward, q, k, v, out, lse, dout, None, call)
+    assert names == sm90_names(64, head_dim, dtype, layout.rule.kind)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "mma")
+    mma = interp.backward(q, k, v, out, lse, dout, None, call)
+    group = HEADS // kv_heads
+    k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), scale)
+    refs = (refs[0], *(r.reshape(batch, kv_heads, group, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for name, grad, ref, other in zip("qkv", grads, refs, mma, strict=True):
+        assert not np.isnan(grad.astype(np.float32)).any(), f"d{name} left poisoned"
+        assert rel_err(grad, ref) <= TOLERANCE[dtype], f"d{name} against the oracle"
+        assert rel_err(grad, other.astype(np.float64)) <= TOLERANCE[dtype], f"d{name} against mma"
+
+
 def test_gradients_are_bit_identical_whatever_order_the_ctas_run_in(sm90a, monkeypatch):
     """The dQ reduces into a tile happen in the layout's order, not the CTAs' (GQA causal: each
     query tile takes adds from several key tiles of several CTAs)."""
@@ -159,7 +213,7 @@ def test_by_default_the_backward_stays_on_mma(monkeypatch):
 
 def test_geometry_matches_every_instantiation_s_traits():
     configs = geometry.sm90_backward_configs()
-    assert len(configs) == len({c.name_expression for c in configs}) == 36
+    assert len(configs) == len({c.name_expression for c in configs}) == 68
     for config in configs:
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
@@ -168,10 +222,11 @@ def test_geometry_matches_every_instantiation_s_traits():
 
 
 def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wgmma():
-    """NVRTC compiles the whole backward family for sm_90a: no spills, ptxas neither injects
-    waits between wgmma (C7519) nor serialises them (C7520, C7512), and each kernel holds the
-    HGMMA of one step (the loop is not unrolled; dQ_part's on both paths), the TMA loads, the
-    bulk reduce and setmaxnreg."""
+    """NVRTC compiles the whole backward family for sm_90a, the unordered dQ's instantiations
+    too: no spills, ptxas neither injects waits between wgmma (C7519) nor serialises them
+    (C7520, C7512), and each kernel holds the HGMMA of one step (the loop is not unrolled;
+    dQ_part's over one half on both paths beside it), the TMA loads, the bulk reduce and
+    setmaxnreg."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options, kernel_program
     from dev import sass, sass_model
@@ -340,3 +395,94 @@ def test_ranks_that_do_not_follow_the_claim_order_are_reported_not_hung(sm90a, m
     refs = (refs[0], *(r.reshape(2, 2, 2, *r.shape[2:]).sum(2) for r in refs[1:]))
     for name, grad, ref in zip("qkv", grads, refs, strict=True):
         assert rel_err(grad, ref) <= TOLERANCE["bfloat16"], f"d{name}"
+
+
+def test_the_unordered_dq_matches_the_oracle_and_leaves_dk_dv_bit_identical(sm90a, monkeypatch):
+    """CUATTN_BWD_DQ=unordered runs the instantiation without the semaphore waits: dQ within
+    the dtype's tolerance of the float64 oracle and of the ordered run, dK and dV the same bits
+    (only dQ is added across CTAs), on 64-block pairs with a missing half (bigbird) and GQA
+    causal."""
+    cases = [
+        (make_layout("bigbird", 350, HEADS, 64, causal=False), 1, HEADS, 64, "float16"),
+        (make_layout("all", 3 * 64, 4, 64), 2, 2, 64, "bfloat16"),
+    ]
+    for layout, batch, kv_heads, head_dim, dtype in cases:
+        q, k, v, dout = inputs(layout, batch, kv_heads, head_dim, dtype, seed=5)
+        call = AttentionCall(layout, head_dim**-0.5)
+        out, lse = interp.forward(q, k, v, call)
+        monkeypatch.setenv(geometry.BWD_DQ_ENV, "ordered")
+        ordered = interp.backward(q, k, v, out, lse, dout, None, call)
+        monkeypatch.setenv(geometry.BWD_DQ_ENV, "unordered")
+        grads, names = launched(interp.backward, q, k, v, out, lse, dout, None, call)
+        assert names[1].endswith(", DQ_UNORDERED>"), names
+        group = layout.heads // kv_heads
+        k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+        refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), head_dim**-0.5)
+        assert rel_err(grads[0], refs[0]) <= TOLERANCE[dtype]
+        assert rel_err(grads[0], ordered[0].astype(np.float64)) <= TOLERANCE[dtype]
+        for name, grad, other in zip("kv", grads[1:], ordered[1:], strict=True):
+            np.testing.assert_array_equal(grad.view(np.uint16), other.view(np.uint16), f"d{name}")
+
+
+def test_the_unordered_dq_never_waits_on_a_rank(sm90a, monkeypatch):
+    """Caught by the ordered kernel, passed by the unordered one: CTAs claimed longest column
+    first with the dQ ranks still shortest first deadlock the ordered reduces (the interpreter
+    runs one CTA at a time); the unordered instantiation reads no rank, so the same launch
+    completes, under three shuffled CTA orders, within the oracle's tolerance."""
+    from cuattn.backends import kernels
+
+    shortest_first = kernels.backward_tile_order
+    dq_ranks = kernels.dq_ranks
+
+    def longest_first(blocks, key_blocks, kv_group):
+        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
+
+    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
+        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
+        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
+
+    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
+    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
+    layout, q, k, v, dout, out, lse = order_case()
+    call = AttentionCall(layout, 0.125)
+    with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):
+        interp.backward(q, k, v, out, lse, dout, None, call)
+    monkeypatch.setenv(geometry.BWD_DQ_ENV, "unordered")
+    k_full, v_full = (np.repeat(x, 2, axis=1) for x in (k, v))
+    refs = dense_attention_grads(q, k_full, v_full, dout, layout.to_mask(), 0.125)
+    refs = (refs[0], *(r.reshape(2, 2, 2, *r.shape[2:]).sum(2) for r in refs[1:]))
+    for seed in ("0", "3", "8"):
+        monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", seed)
+        grads = interp.backward(q, k, v, out, lse, dout, None, call)
+        for name, grad, ref in zip("qkv", grads, refs, strict=True):
+            assert rel_err(grad, ref) <= TOLERANCE["bfloat16"], f"d{name}, block seed {seed}"
+
+
+def test_a_dq_order_that_is_none_is_refused_before_any_launch(sm90a, monkeypatch):
+    layout, q, k, v, dout, out, lse, scale, _ = case_inputs(128, "causal", 64, "bfloat16", "square")
+    monkeypatch.setenv(geometry.BWD_DQ_ENV, "fast")
+    launches = []
+    monkeypatch.setattr(interp, "launch", lambda config, **values: launches.append(config))
+    with pytest.raises(ValueError, match="CUATTN_BWD_DQ='fast'.*ordered, unordered"):
+        interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, scale))
+    assert launches == []
+
+
+def test_the_order_model_prices_the_ordered_waits():
+    """dev/bwd_order_model.py, the prediction the GPU run compares with: at the built claim
+    order the ordered reduces cost nothing over unordered ones in a causal layout (every CTA
+    reaches a query block after those ranked before it), and bigbird's global blocks make them
+    wait; unordered is never slower."""
+    from dev import bwd_order_model as model
+
+    def makespans(pattern: str) -> tuple[float, float]:
+        columns, tile_order = model.layout_case(pattern, 1024, 64)
+        order = [(p, j) for j in tile_order for p in range(8)]
+        return tuple(
+            model.makespan(order, 1024, 1.0, ordered=o, columns=columns) for o in (True, False)
+        )
+
+    causal = makespans("dense-causal")
+    assert causal[0] == causal[1]
+    bigbird = makespans("bigbird")
+    assert bigbird[0] > 1.05 * bigbird[1]

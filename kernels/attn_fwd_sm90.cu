@@ -141,6 +141,14 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
+  // Key tiles of two adjacent key blocks (64-blocks, TILE_N = 128: KeyPairTiles): each half is
+  // copied as a box of BLOCK rows where a row of the CTA holds it, and computed by a consumer
+  // whose row holds it; a consumer with one half issues the N = BLOCK wgmma over that half alone.
+  static constexpr bool PAIRED_KEYS = TILE_N > BLOCK;
+  static constexpr int KV_BOX_ROWS = PAIRED_KEYS ? BLOCK : TILE_N;  // rows of a K/V copy
+  static constexpr int KV_BOXES = TILE_N / KV_BOX_ROWS;             // copies a panel, at most
+  static constexpr int KV_BOX_BYTES = PANELS * KV_BOX_ROWS * SWIZZLE_ROW_BYTES;  // all panels'
+  static constexpr int KV_BOX_OFFSET = KV_BOX_ROWS * SWIZZLE_ROW_BYTES;  // of box h in a panel
   // Stages of each of the K and the V ring; tile t's K and V are in stage t % KV_STAGES of theirs.
   static constexpr int KV_STAGES = 2;
   // q_full, then the K and the V ring (a full and an empty barrier a stage): 8 bytes each.
@@ -173,8 +181,10 @@ struct attn_fwd_sm90_traits {
                     65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
                 "setmaxnreg requests the launch's registers cannot cover hang the GPU");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
-  static_assert(BLOCK % TILE_N == 0 && (TILE_N == 64 || TILE_N == 128),
-                "key tiles of 64 or 128 inside one block");
+  static_assert((BLOCK % TILE_N == 0 || (TILE_N == 2 * BLOCK && ROW_BLOCKS == 2)) &&
+                    (TILE_N == 64 || TILE_N == 128),
+                "key tiles of 64 or 128 inside one block, or of two 64-blocks");
+  static_assert(TILE_N <= 64 || HEAD_DIM <= 128, "S and O of 128 keys fit at d <= 128 alone");
   static_assert(HEAD_DIM % PANEL_COLUMNS == 0 && HEAD_DIM <= 256,
                 "whole 128-byte panels, and N <= 256 for O += P V");
 };
@@ -193,6 +203,12 @@ __device__ __forceinline__ void opaque_to_compiler(int& value) {
   asm volatile("" : "+r"(value));
 #endif
 }
+
+// A count of keys as a type: which wgmma width (and P's K-steps) a generic lambda issues.
+template <int KEYS>
+struct WgmmaKeys {
+  static constexpr int value = KEYS;
+};
 
 // The descriptor of a swizzled operand at `at` (K-major: 8-row groups one repeat apart; MN-major:
 // the same, and the next 64 columns `panel_bytes` on).
@@ -288,13 +304,40 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
   const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   while (walk.next(tile, rule, q_start, walk_last)) {
-    // K first: the consumers read K(t) an iteration before V(t) (header)
-    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-        smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map, k_col,
-        tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-        smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map, v_col,
-        tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    if constexpr (Traits::PAIRED_KEYS) {
+      // The halves a row of the CTA holds, each a box of BLOCK rows into its half of the stage
+      // (the 128-byte swizzle repeats every 8 rows, so a half lands as one 128-row box would
+      // write it); a half no row holds is not read (it may lie past the keys).
+      const unsigned bytes = unsigned(__popc(tile.held) * Traits::KV_BOX_BYTES);
+      u64* k_full = smem.k_ring->acquire(t, bytes);
+#pragma unroll
+      for (int half = 0; half < Traits::KV_BOXES; ++half) {
+        if (tile.held >> half & 1) {
+          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+              smem.k_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
+              Traits::KV_PANEL_BYTES, k_map, k_col, tile.start + half * BLOCK, kv_head, batch,
+              k_full);
+        }
+      }
+      u64* v_full = smem.v_ring->acquire(t, bytes);
+#pragma unroll
+      for (int half = 0; half < Traits::KV_BOXES; ++half) {
+        if (tile.held >> half & 1) {
+          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+              smem.v_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
+              Traits::KV_PANEL_BYTES, v_map, v_col, tile.start + half * BLOCK, kv_head, batch,
+              v_full);
+        }
+      }
+    } else {
+      // K first: the consumers read K(t) an iteration before V(t) (header)
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+          smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map,
+          k_col, tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+          smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map,
+          v_col, tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    }
     ++t;
   }
 }
@@ -352,9 +395,12 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
   const u64 k_desc = swizzled_descriptor(smem.k_stages, SWIZZLED_K_MAJOR_LEADING);
   const u64 v_desc = swizzled_descriptor(smem.v_stages, unsigned(Traits::KV_PANEL_BYTES));
-  // S = Q K^T of tile t, one commit group.
-  auto issue_qk = [&](int t) {
-    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
+  // S = Q K^T of tile t over KEYS keys (the tile's, or with paired keys one half's), `offset`
+  // bytes into its K stage, into S's first KEYS columns: one commit group.
+  auto issue_qk = [&](auto keys, int t, unsigned offset) {
+    constexpr int KEYS = decltype(keys)::value;
+    auto& s_keys = reinterpret_cast<float(&)[KEYS / 2]>(s_acc);
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
 #pragma unroll
     for (int step = 0; step < Traits::QK_STEPS; ++step) {
       const int panel = step / Traits::STEPS_PER_PANEL;
@@ -362,15 +408,17 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
       const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
       const u64 desc_k =
           descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
-      wgmma_m64k16<T, TILE_N>(s_acc, desc_q, desc_k, step > 0);
+      wgmma_m64k16<T, KEYS>(s_keys, desc_q, desc_k, step > 0);
     }
     wgmma_commit_group();
   };
-  // O += P V with the V of tile t, one commit group.
-  auto issue_pv = [&](int t) {
-    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
+  // O += P V with the V of tile t over KEYS keys `offset` bytes into its stage (P's first
+  // KEYS / 16 K-steps), one commit group.
+  auto issue_pv = [&](auto keys, int t, unsigned offset) {
+    constexpr int KEYS = decltype(keys)::value;
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
 #pragma unroll
-    for (int step = 0; step < Traits::PV_STEPS; ++step) {
+    for (int step = 0; step < KEYS / WGMMA_K; ++step) {
       const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
       wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
     }
@@ -395,57 +443,59 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
   auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
   auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
+  // What is pending of tile t - 1: the keys of its PV still to issue (0: none; BLOCK: one half
+  // of a key pair) and where they lie in its V stage.
+  int pending = 0;
+  unsigned pending_offset = 0;
   // A turn with no QK^T to issue: PV(previous) alone when it is pending, issued and retired in
-  // this branch (see the loop's note on C7520), else an empty turn.
-  auto pv_turn = [&](bool has_pv, int previous) {
-    if (has_pv) {
-      v_ring->wait(previous);
-      take_turn();
-      fence();
-      issue_pv(previous);
-      pass_turn();
-      wgmma_wait_group<0>();
-      settle_pv();
-      v_ring->release(previous);
+  // its own branch (see the loop's note on C7520), else an empty turn.
+  auto pv_alone = [&](auto keys, int previous) {
+    v_ring->wait(previous);
+    take_turn();
+    fence();
+    issue_pv(keys, previous, pending_offset);
+    pass_turn();
+    wgmma_wait_group<0>();
+    settle_pv();
+    v_ring->release(previous);
+  };
+  auto pv_turn = [&](int previous) {
+    if (pending == TILE_N) {
+      pv_alone(WgmmaKeys<TILE_N>{}, previous);
+    } else if (Traits::PAIRED_KEYS && pending == Traits::KV_BOX_ROWS) {
+      pv_alone(WgmmaKeys<Traits::KV_BOX_ROWS>{}, previous);
     } else {
       take_turn();
       pass_turn();
     }
   };
-  // The mask and the online softmax of S(t): S exponentiated in place against the new running
-  // max, l_i and m_i updated; alpha[r], the rescale O needs, returned for when PV is in.
-  auto softmax = [&](const typename decltype(walk)::Tile& tile, const WarpTile& mine,
-                     float (&alpha)[2]) {
-    if (mine.coverage != TILE_FULL) {
-#pragma unroll
-      for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
-        constexpr int COLUMNS = Traits::MASK_COLUMNS;
-        auto& columns = *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s[pass * COLUMNS / 8]);
-        mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(columns, rule, warp_first,
-                                                        tile.start + pass * COLUMNS,
-                                                        q_block + row_block, tile.block,
-                                                        mine.mask_id);
-      }
-    }
+  // The mask (`mask(s_keys)`: the element rule on S's first KEYS columns) and the online
+  // softmax of S(t): S exponentiated in place against the new running max, l_i and m_i
+  // updated; alpha[r], the rescale O needs, returned for when PV is in.
+  auto softmax = [&](auto keys, const auto& mask, float (&alpha)[2]) {
+    constexpr int KEYS = decltype(keys)::value;
+    auto& s_keys = reinterpret_cast<float(&)[KEYS / 8][4]>(s);
+    mask(s_keys);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < TILE_N / 8; ++j) {
-        tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      for (int j = 0; j < KEYS / 8; ++j) {
+        tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
       }
       const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
       // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
       // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
       const float m_base = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = exp2f(m_i[r] - m_base);
-      const float row_sum = row_probs<MODS_NONE, TILE_N>(s, r, score_scale, m_base);
+      const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
       l_i[r] = l_i[r] * alpha[r] + row_sum;
       m_i[r] = m_new;
     }
   };
-  // O rescaled to the running max, P(t) packed for its PV.
-  auto rescale_and_pack = [&](const float (&alpha)[2]) {
+  // O rescaled to the running max, P(t) of KEYS keys packed for its PV.
+  auto rescale_and_pack = [&](auto keys, const float (&alpha)[2]) {
+    constexpr int KEYS = decltype(keys)::value;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -455,7 +505,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
       }
     }
 #pragma unroll
-    for (int step = 0; step < Traits::PV_STEPS; ++step) {
+    for (int step = 0; step < KEYS / WGMMA_K; ++step) {
 #pragma unroll
       for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
         const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
@@ -463,66 +513,122 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
       }
     }
   };
-
-  // The inner loop, one active key tile t per iteration: QK^T(t) and PV(t - 1), when this
-  // consumer computed tile t - 1, issued back to back; the mask and softmax of S(t) while PV
-  // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
-  // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
-  // serialise every wgmma, C7520).
-  bool pending = false;  // whether tile t - 1's PV is still to issue
-  typename decltype(walk)::Tile tile;
-  for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
-    // A consumer whose rows the tile does not reach (the other block's tile in a paired CTA,
-    // or above the diagonal) skips it; the coverage is the warpgroup's, uniform across it.
-    const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
-                                                   group_first + WGMMA_M - 1);
-    k_ring->wait(t);  // also when skipped: see StageRing
-    if (mine.coverage != TILE_EMPTY) {
-      float alpha[2];
-      if (pending) {
-        v_ring->wait(t - 1);
-        take_turn();
-        fence();
-        issue_qk(t);
-        issue_pv(t - 1);
-        pass_turn();
-        if constexpr (Traits::SOFTMAX_UNDER_PV) {
-          wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
-          wgmma_fence_operands(s_acc);
-          k_ring->release(t);
-          softmax(tile, mine, alpha);
-          wgmma_wait_group<0>();
-          settle_pv();
-          v_ring->release(t - 1);
-        } else {
-          wgmma_wait_group<0>();
-          wgmma_fence_operands(s_acc);
-          settle_pv();
-          k_ring->release(t);
-          v_ring->release(t - 1);
-          softmax(tile, mine, alpha);
-        }
-      } else {
-        take_turn();
-        fence();
-        issue_qk(t);
-        pass_turn();
-        wgmma_wait_group<0>();
+  // Tile t computed over KEYS keys `offset` bytes into its stages (mask: softmax's): QK^T(t)
+  // and PV(t - 1), when this consumer computed tile t - 1, issued back to back; the mask and
+  // softmax of S(t) while PV runs; then O rescaled and P(t) packed for the next iteration's PV.
+  // Each branch issues and waits for its own wgmma: none is in flight where the paths meet
+  // (ptxas would otherwise serialise every wgmma, C7520).
+  auto compute = [&](auto keys, unsigned offset, const auto& mask) {
+    float alpha[2];
+    auto with_pv = [&](auto pv_keys) {
+      v_ring->wait(t - 1);
+      take_turn();
+      fence();
+      issue_qk(keys, t, offset);
+      issue_pv(pv_keys, t - 1, pending_offset);
+      pass_turn();
+      if constexpr (Traits::SOFTMAX_UNDER_PV) {
+        wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
         wgmma_fence_operands(s_acc);
         k_ring->release(t);
-        softmax(tile, mine, alpha);
+        softmax(keys, mask, alpha);
+        wgmma_wait_group<0>();
+        settle_pv();
+        v_ring->release(t - 1);
+      } else {
+        wgmma_wait_group<0>();
+        wgmma_fence_operands(s_acc);
+        settle_pv();
+        k_ring->release(t);
+        v_ring->release(t - 1);
+        softmax(keys, mask, alpha);
       }
-      rescale_and_pack(alpha);
-      pending = true;
+    };
+    if (pending == TILE_N) {
+      with_pv(WgmmaKeys<TILE_N>{});
+    } else if (Traits::PAIRED_KEYS && pending == Traits::KV_BOX_ROWS) {
+      with_pv(WgmmaKeys<Traits::KV_BOX_ROWS>{});
     } else {
+      take_turn();
+      fence();
+      issue_qk(keys, t, offset);
+      pass_turn();
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(s_acc);
       k_ring->release(t);
-      pv_turn(pending, t - 1);
-      v_ring->wait(t);  // V(t) is never read, but waited for all the same (StageRing)
-      v_ring->release(t);
-      pending = false;
+      softmax(keys, mask, alpha);
+    }
+    rescale_and_pack(keys, alpha);
+    pending = decltype(keys)::value;
+    pending_offset = offset;
+  };
+  // A tile this consumer's rows do not reach (the other block's tile in a paired CTA, or above
+  // the diagonal): K(t) and V(t) are never read, but waited for all the same (StageRing).
+  auto skip = [&] {
+    k_ring->release(t);
+    pv_turn(t - 1);
+    v_ring->wait(t);
+    v_ring->release(t);
+    pending = 0;
+  };
+
+  // The inner loop, one active key tile t per iteration. The coverage is the warpgroup's,
+  // uniform across it.
+  typename decltype(walk)::Tile tile;
+  for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
+    k_ring->wait(t);  // also when skipped: see StageRing
+    if constexpr (Traits::PAIRED_KEYS) {
+      // Each half under its own block's entry mask; a consumer whose row holds one half
+      // computes that half alone (the N = BLOCK wgmma over its rows of the stage).
+      auto mask_half = [&](auto& s_keys, int half) {
+        const int coverage = half ? tile.coverage[1] : tile.coverage[0];
+        if (coverage != TILE_FULL) {
+          mask_score_frags<RULE, BLOCK, 1, BLOCK, true>(
+              *reinterpret_cast<float(*)[1][BLOCK / 8][4]>(&s_keys), rule, warp_first,
+              tile.start + half * BLOCK, q_block + row_block, tile.block + half,
+              half ? tile.mask_id[1] : tile.mask_id[0]);
+        }
+      };
+      const bool first = tile.coverage[0] != TILE_EMPTY;
+      const bool second = tile.coverage[1] != TILE_EMPTY;
+      if (first && second) {
+        compute(WgmmaKeys<TILE_N>{}, 0u, [&](auto& s_keys) {
+#pragma unroll
+          for (int half = 0; half < KEY_HALVES; ++half) {
+            mask_half(*reinterpret_cast<float(*)[BLOCK / 8][4]>(&s_keys[half * BLOCK / 8]),
+                      half);
+          }
+        });
+      } else if (first || second) {
+        const int half = int(second);
+        compute(WgmmaKeys<Traits::KV_BOX_ROWS>{}, unsigned(half * Traits::KV_BOX_OFFSET),
+                [&](auto& s_keys) { mask_half(s_keys, half); });
+      } else {
+        skip();
+      }
+    } else {
+      const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
+                                                     group_first + WGMMA_M - 1);
+      if (mine.coverage != TILE_EMPTY) {
+        compute(WgmmaKeys<TILE_N>{}, 0u, [&](auto& s_keys) {
+          if (mine.coverage != TILE_FULL) {
+#pragma unroll
+            for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
+              constexpr int COLUMNS = Traits::MASK_COLUMNS;
+              auto& columns =
+                  *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s_keys[pass * COLUMNS / 8]);
+              mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(
+                  columns, rule, warp_first, tile.start + pass * COLUMNS, q_block + row_block,
+                  tile.block, mine.mask_id);
+            }
+          }
+        });
+      } else {
+        skip();
+      }
     }
   }
-  pv_turn(pending, t - 1);  // the last tile's PV
+  pv_turn(t - 1);  // the last tile's PV
 
   // The epilogue through shared memory: O normalised, as T, into this consumer's
   // 64 rows of the Q tile, which no wgmma reads any more, in the swizzled panel layout a TMA box

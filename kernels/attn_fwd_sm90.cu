@@ -35,6 +35,11 @@
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
 // warpgroup, so that is the grain of every skip). Every thread that walks walks the same tiles.
+// With 64-blocks and TILE_N = 128 (key pairs, opt-in: geometry.sm90_key_pairs) a key tile is
+// two adjacent key blocks 2j, 2j + 1 (KeyPairTiles): the producer copies each half a row of the
+// CTA holds (a box of BLOCK rows into its half of the stage; a half no row holds is not read),
+// each half is masked under its own block's entry mask, and a consumer whose row holds one half
+// computes it alone, QK^T and PV as the N = BLOCK wgmma over that half's rows of the stages.
 //
 // Per active key tile of TILE_N keys, for each consumer:
 //   S[64 x TILE_N]  = Q K^T   HEAD_DIM / 16 wgmma m64nTILE_Nk16, A = Q and B = K from shared
@@ -71,12 +76,13 @@
 // walk the same tiles and always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
-// 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
+// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
 // only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
 // interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
-// maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
+// maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x KV_BOX_ROWS (k, v: TILE_N, or BLOCK
+// with key pairs) and PANEL_COLUMNS x 64
 // (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
 // attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py),
 // then, where it split rows, `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128
@@ -204,11 +210,73 @@ __device__ __forceinline__ void opaque_to_compiler(int& value) {
 #endif
 }
 
-// A count of keys as a type: which wgmma width (and P's K-steps) a generic lambda issues.
+// The consumer's width-dependent steps over KEYS keys of a TILE_N-key tile (all of them, or with
+// key pairs one half's): templates here rather than generic lambdas in the kernel, which NVRTC
+// compiles as host code. A half's S has accumulators of its own (s_half): where it shared S's,
+// ptxas serialised every wgmma for want of registers (C7511).
+
+// S of KEYS keys = Q K^T, K `stage_bytes` into the K stages: HEAD_DIM / 16 wgmma.
+template <int KEYS, typename T, typename Traits>
+__device__ __forceinline__ void issue_qk_steps(float (&s_keys)[KEYS / 2], u64 q_desc, u64 k_desc,
+                                               unsigned stage_bytes) {
+#pragma unroll
+  for (int step = 0; step < Traits::QK_STEPS; ++step) {
+    const int panel = step / Traits::STEPS_PER_PANEL;
+    const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
+    const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
+    const u64 desc_k =
+        descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
+    wgmma_m64k16<T, KEYS>(s_keys, desc_q, desc_k, step > 0);
+  }
+}
+// O += P V over KEYS keys, V `stage_bytes` into the V stages: P's first KEYS / 16 K-steps.
+template <int KEYS, int HEAD_DIM, typename T, int PV_STEPS, typename Traits>
+__device__ __forceinline__ void issue_pv_steps(float (&o_acc)[HEAD_DIM / 2],
+                                               const u32 (&p)[PV_STEPS][WGMMA_A_REGISTERS],
+                                               u64 v_desc, unsigned stage_bytes) {
+#pragma unroll
+  for (int step = 0; step < KEYS / WGMMA_K; ++step) {
+    const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
+    wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
+  }
+}
+// The online softmax of S of KEYS keys (masked already): exponentiated in place against the
+// new running max, l_i and m_i updated, alpha[r] the rescale O needs.
 template <int KEYS>
-struct WgmmaKeys {
-  static constexpr int value = KEYS;
-};
+__device__ __forceinline__ void softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
+                                             float (&l_i)[2], float (&alpha)[2],
+                                             const ScoreScale& score_scale) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+      tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
+    }
+    const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
+    // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
+    // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
+    const float m_base = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = exp2f(m_i[r] - m_base);
+    const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+    l_i[r] = l_i[r] * alpha[r] + row_sum;
+    m_i[r] = m_new;
+  }
+}
+// P of S of KEYS keys, as T, in P's first KEYS / 16 K-steps: the accumulators of keys 16 step ..
+// 16 step + 15 are the A fragment of K-step `step` (kernels/common/wgmma.cuh).
+template <int KEYS, typename T, int PV_STEPS>
+__device__ __forceinline__ void pack_p(const float (&s_keys)[KEYS / 2],
+                                       u32 (&p)[PV_STEPS][WGMMA_A_REGISTERS]) {
+#pragma unroll
+  for (int step = 0; step < KEYS / WGMMA_K; ++step) {
+#pragma unroll
+    for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+      const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+      p[step][reg] = pack_pair<T>(s_keys[element], s_keys[element + 1]);
+    }
+  }
+}
 
 // The descriptor of a swizzled operand at `at` (K-major: 8-row groups one repeat apart; MN-major:
 // the same, and the next 64 columns `panel_bytes` on).
@@ -381,6 +449,10 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   float(&o_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(o);
   float s[TILE_N / 8][4];
   float(&s_acc)[TILE_N / 2] = reinterpret_cast<float(&)[TILE_N / 2]>(s);
+  // With key pairs, S of a tile one half of which this consumer computes.
+  constexpr int HALF_KEYS = Traits::KV_BOX_ROWS;
+  float s_half[HALF_KEYS / 8][4];
+  float(&s_half_acc)[HALF_KEYS / 2] = reinterpret_cast<float(&)[HALF_KEYS / 2]>(s_half);
   // P of the pending tile as T: the accumulators of keys 16 step .. 16 step + 15 are the A
   // fragment of K-step `step` (kernels/common/wgmma.cuh); PV's operand until its wait.
   u32 p[Traits::PV_STEPS][WGMMA_A_REGISTERS];
@@ -395,47 +467,61 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
   const u64 k_desc = swizzled_descriptor(smem.k_stages, SWIZZLED_K_MAJOR_LEADING);
   const u64 v_desc = swizzled_descriptor(smem.v_stages, unsigned(Traits::KV_PANEL_BYTES));
-  // S = Q K^T of tile t over KEYS keys (the tile's, or with paired keys one half's), `offset`
-  // bytes into its K stage, into S's first KEYS columns: one commit group.
-  auto issue_qk = [&](auto keys, int t, unsigned offset) {
-    constexpr int KEYS = decltype(keys)::value;
-    auto& s_keys = reinterpret_cast<float(&)[KEYS / 2]>(s_acc);
+  // Keys a wgmma of this consumer spans: the tile's, or (`half_keys`, with key pairs) one
+  // half's, `offset` bytes into the stage. Every call passes a constant `half_keys`: the
+  // branches on it fold away.
+  // S = Q K^T of tile t, one commit group.
+  auto issue_qk = [&](bool half_keys, int t, unsigned offset) {
     const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
-#pragma unroll
-    for (int step = 0; step < Traits::QK_STEPS; ++step) {
-      const int panel = step / Traits::STEPS_PER_PANEL;
-      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
-      const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
-      const u64 desc_k =
-          descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
-      wgmma_m64k16<T, KEYS>(s_keys, desc_q, desc_k, step > 0);
+    if (Traits::PAIRED_KEYS && half_keys) {
+      issue_qk_steps<HALF_KEYS, T, Traits>(s_half_acc, q_desc, k_desc, stage_bytes);
+    } else {
+      issue_qk_steps<TILE_N, T, Traits>(s_acc, q_desc, k_desc, stage_bytes);
     }
     wgmma_commit_group();
   };
-  // O += P V with the V of tile t over KEYS keys `offset` bytes into its stage (P's first
-  // KEYS / 16 K-steps), one commit group.
-  auto issue_pv = [&](auto keys, int t, unsigned offset) {
-    constexpr int KEYS = decltype(keys)::value;
+  // O += P V with the V of tile t, one commit group.
+  auto issue_pv = [&](bool half_keys, int t, unsigned offset) {
     const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
-#pragma unroll
-    for (int step = 0; step < KEYS / WGMMA_K; ++step) {
-      const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
-      wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
+    if (Traits::PAIRED_KEYS && half_keys) {
+      issue_pv_steps<HALF_KEYS, HEAD_DIM, T, Traits::PV_STEPS, Traits>(o_acc, p, v_desc,
+                                                                      stage_bytes);
+    } else {
+      issue_pv_steps<TILE_N, HEAD_DIM, T, Traits::PV_STEPS, Traits>(o_acc, p, v_desc,
+                                                                   stage_bytes);
     }
     wgmma_commit_group();
   };
-  // The registers the next wgmma reads or writes, settled before its wgmma.fence.
-  auto fence = [&] {
-    wgmma_fence_operands(s_acc);
+  // S's and P's registers a wgmma over `half_keys` keys writes or reads: a half's alone (what
+  // else is fenced stays live across the wgmma).
+  auto fence_s = [&](bool half_keys) {
+    if (Traits::PAIRED_KEYS && half_keys) {
+      wgmma_fence_operands(s_half_acc);
+    } else {
+      wgmma_fence_operands(s_acc);
+    }
+  };
+  auto fence_p = [&](bool half_keys) {
+    if (Traits::PAIRED_KEYS && half_keys) {
+      constexpr int HALF_P = HALF_KEYS / WGMMA_K * WGMMA_A_REGISTERS;
+      wgmma_fence_operands(reinterpret_cast<u32(&)[HALF_P]>(p_regs));
+    } else {
+      wgmma_fence_operands(p_regs);
+    }
+  };
+  // The registers the next wgmmas read or write (QK^T's S over `half_s`, PV's P over
+  // `half_p`), settled before their wgmma.fence.
+  auto fence = [&](bool half_s, bool half_p) {
+    fence_s(half_s);
     wgmma_fence_operands(o_acc);
-    wgmma_fence_operands(p_regs);
+    fence_p(half_p);
     wgmma_fence();
   };
   // After the last wait: O, and P's registers, which PV read until then (kept live to here so
   // that none is reused while it runs).
-  auto settle_pv = [&] {
+  auto settle_pv = [&](bool half_p) {
     wgmma_fence_operands(o_acc);
-    wgmma_fence_operands(p_regs);
+    fence_p(half_p);
   };
   // This consumer's turn to issue (named barriers: the two consumers alternate, open_turns),
   // and the other's after it. Taken every tile, issuing or not, so that the turns pair up.
@@ -443,59 +529,79 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
   auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
   auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
-  // What is pending of tile t - 1: the keys of its PV still to issue (0: none; BLOCK: one half
-  // of a key pair) and where they lie in its V stage.
+  // What is pending of tile t - 1: the keys of its PV still to issue (0: none; HALF_KEYS: one
+  // half of a key pair) and where they lie in its V stage.
   int pending = 0;
   unsigned pending_offset = 0;
   // A turn with no QK^T to issue: PV(previous) alone when it is pending, issued and retired in
   // its own branch (see the loop's note on C7520), else an empty turn.
-  auto pv_alone = [&](auto keys, int previous) {
+  auto pv_alone = [&](bool half_keys, int previous) {
     v_ring->wait(previous);
     take_turn();
-    fence();
-    issue_pv(keys, previous, pending_offset);
+    fence(half_keys, half_keys);
+    issue_pv(half_keys, previous, pending_offset);
     pass_turn();
     wgmma_wait_group<0>();
-    settle_pv();
+    settle_pv(half_keys);
     v_ring->release(previous);
   };
   auto pv_turn = [&](int previous) {
     if (pending == TILE_N) {
-      pv_alone(WgmmaKeys<TILE_N>{}, previous);
-    } else if (Traits::PAIRED_KEYS && pending == Traits::KV_BOX_ROWS) {
-      pv_alone(WgmmaKeys<Traits::KV_BOX_ROWS>{}, previous);
+      pv_alone(false, previous);
+    } else if (Traits::PAIRED_KEYS && pending == HALF_KEYS) {
+      pv_alone(true, previous);
     } else {
       take_turn();
       pass_turn();
     }
   };
-  // The mask (`mask(s_keys)`: the element rule on S's first KEYS columns) and the online
-  // softmax of S(t): S exponentiated in place against the new running max, l_i and m_i
-  // updated; alpha[r], the rescale O needs, returned for when PV is in.
-  auto softmax = [&](auto keys, const auto& mask, float (&alpha)[2]) {
-    constexpr int KEYS = decltype(keys)::value;
-    auto& s_keys = reinterpret_cast<float(&)[KEYS / 8][4]>(s);
-    mask(s_keys);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < KEYS / 8; ++j) {
-        tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
+  // The element rule on S(t) (`half_keys`: on s_half, key block tile.block + `half`'s; with
+  // key pairs otherwise each half of S under its own block), with the
+  // tile's view `mine` (WarpTile; unused with key pairs, whose tile holds each half's).
+  typename decltype(walk)::Tile tile{};
+  WarpTile mine{};
+  auto mask_scores = [&](bool half_keys, int half) {
+    if constexpr (Traits::PAIRED_KEYS) {
+      auto mask_half = [&](float(&columns)[HALF_KEYS / 8][4], int half) {
+        const int coverage = half ? tile.coverage[1] : tile.coverage[0];
+        if (coverage != TILE_FULL) {
+          mask_score_frags<RULE, BLOCK, 1, HALF_KEYS, true>(
+              *reinterpret_cast<float(*)[1][HALF_KEYS / 8][4]>(&columns), rule, warp_first,
+              tile.start + half * BLOCK, q_block + row_block, tile.block + half,
+              half ? tile.mask_id[1] : tile.mask_id[0]);
+        }
+      };
+      auto& halves = reinterpret_cast<float(&)[KEY_HALVES][HALF_KEYS / 8][4]>(s);
+      if (half_keys) {
+        mask_half(s_half, half);
+      } else {
+        mask_half(halves[0], 0);
+        mask_half(halves[1], 1);
       }
-      const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
-      // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
-      // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
-      const float m_base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m_i[r] - m_base);
-      const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
-      l_i[r] = l_i[r] * alpha[r] + row_sum;
-      m_i[r] = m_new;
+    } else if (mine.coverage != TILE_FULL) {
+#pragma unroll
+      for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
+        constexpr int COLUMNS = Traits::MASK_COLUMNS;
+        auto& columns = *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s[pass * COLUMNS / 8]);
+        mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(columns, rule, warp_first,
+                                                        tile.start + pass * COLUMNS,
+                                                        q_block + row_block, tile.block,
+                                                        mine.mask_id);
+      }
     }
   };
-  // O rescaled to the running max, P(t) of KEYS keys packed for its PV.
-  auto rescale_and_pack = [&](auto keys, const float (&alpha)[2]) {
-    constexpr int KEYS = decltype(keys)::value;
+  // The mask and the online softmax of S(t); alpha[r], the rescale O needs, returned for when
+  // PV is in.
+  auto softmax = [&](bool half_keys, int half, float (&alpha)[2]) {
+    mask_scores(half_keys, half);
+    if (Traits::PAIRED_KEYS && half_keys) {
+      softmax_rows<HALF_KEYS>(s_half, m_i, l_i, alpha, score_scale);
+    } else {
+      softmax_rows<TILE_N>(s, m_i, l_i, alpha, score_scale);
+    }
+  };
+  // O rescaled to the running max, P(t) packed for its PV.
+  auto rescale_and_pack = [&](bool half_keys, const float (&alpha)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -504,62 +610,60 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
         o[j][2 * r + 1] *= alpha[r];
       }
     }
-#pragma unroll
-    for (int step = 0; step < KEYS / WGMMA_K; ++step) {
-#pragma unroll
-      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-        const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
-        p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
-      }
+    if (Traits::PAIRED_KEYS && half_keys) {
+      pack_p<HALF_KEYS, T>(s_half_acc, p);
+    } else {
+      pack_p<TILE_N, T>(s_acc, p);
     }
   };
-  // Tile t computed over KEYS keys `offset` bytes into its stages (mask: softmax's): QK^T(t)
-  // and PV(t - 1), when this consumer computed tile t - 1, issued back to back; the mask and
-  // softmax of S(t) while PV runs; then O rescaled and P(t) packed for the next iteration's PV.
-  // Each branch issues and waits for its own wgmma: none is in flight where the paths meet
-  // (ptxas would otherwise serialise every wgmma, C7520).
-  auto compute = [&](auto keys, unsigned offset, const auto& mask) {
+  // Tile t computed (`half_keys`: its half `half` alone): QK^T(t) and PV(t - 1), when this
+  // consumer computed tile t - 1, issued back to back; the mask and softmax of S(t) while PV
+  // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
+  // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
+  // serialise every wgmma, C7520).
+  auto compute = [&](bool half_keys, int half) {
+    const unsigned offset = unsigned(half * Traits::KV_BOX_OFFSET);
     float alpha[2];
-    auto with_pv = [&](auto pv_keys) {
+    auto with_pv = [&](bool half_pv) {
       v_ring->wait(t - 1);
       take_turn();
-      fence();
-      issue_qk(keys, t, offset);
-      issue_pv(pv_keys, t - 1, pending_offset);
+      fence(half_keys, half_pv);
+      issue_qk(half_keys, t, offset);
+      issue_pv(half_pv, t - 1, pending_offset);
       pass_turn();
       if constexpr (Traits::SOFTMAX_UNDER_PV) {
         wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
-        wgmma_fence_operands(s_acc);
+        fence_s(half_keys);
         k_ring->release(t);
-        softmax(keys, mask, alpha);
+        softmax(half_keys, half, alpha);
         wgmma_wait_group<0>();
-        settle_pv();
+        settle_pv(half_pv);
         v_ring->release(t - 1);
       } else {
         wgmma_wait_group<0>();
-        wgmma_fence_operands(s_acc);
-        settle_pv();
+        fence_s(half_keys);
+        settle_pv(half_pv);
         k_ring->release(t);
         v_ring->release(t - 1);
-        softmax(keys, mask, alpha);
+        softmax(half_keys, half, alpha);
       }
     };
     if (pending == TILE_N) {
-      with_pv(WgmmaKeys<TILE_N>{});
-    } else if (Traits::PAIRED_KEYS && pending == Traits::KV_BOX_ROWS) {
-      with_pv(WgmmaKeys<Traits::KV_BOX_ROWS>{});
+      with_pv(false);
+    } else if (Traits::PAIRED_KEYS && pending == HALF_KEYS) {
+      with_pv(true);
     } else {
       take_turn();
-      fence();
-      issue_qk(keys, t, offset);
+      fence(half_keys, half_keys);
+      issue_qk(half_keys, t, offset);
       pass_turn();
       wgmma_wait_group<0>();
-      wgmma_fence_operands(s_acc);
+      fence_s(half_keys);
       k_ring->release(t);
-      softmax(keys, mask, alpha);
+      softmax(half_keys, half, alpha);
     }
-    rescale_and_pack(keys, alpha);
-    pending = decltype(keys)::value;
+    rescale_and_pack(half_keys, alpha);
+    pending = Traits::PAIRED_KEYS && half_keys ? HALF_KEYS : TILE_N;
     pending_offset = offset;
   };
   // A tile this consumer's rows do not reach (the other block's tile in a paired CTA, or above
@@ -572,57 +676,27 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
     pending = 0;
   };
 
-  // The inner loop, one active key tile t per iteration. The coverage is the warpgroup's,
+  // The inner loop, one active key tile t per iteration; the coverage is the warpgroup's,
   // uniform across it.
-  typename decltype(walk)::Tile tile;
   for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
     k_ring->wait(t);  // also when skipped: see StageRing
     if constexpr (Traits::PAIRED_KEYS) {
-      // Each half under its own block's entry mask; a consumer whose row holds one half
-      // computes that half alone (the N = BLOCK wgmma over its rows of the stage).
-      auto mask_half = [&](auto& s_keys, int half) {
-        const int coverage = half ? tile.coverage[1] : tile.coverage[0];
-        if (coverage != TILE_FULL) {
-          mask_score_frags<RULE, BLOCK, 1, BLOCK, true>(
-              *reinterpret_cast<float(*)[1][BLOCK / 8][4]>(&s_keys), rule, warp_first,
-              tile.start + half * BLOCK, q_block + row_block, tile.block + half,
-              half ? tile.mask_id[1] : tile.mask_id[0]);
-        }
-      };
+      // A consumer whose row holds one half computes that half alone (the N = HALF_KEYS
+      // wgmma over its rows of the stages)
       const bool first = tile.coverage[0] != TILE_EMPTY;
       const bool second = tile.coverage[1] != TILE_EMPTY;
       if (first && second) {
-        compute(WgmmaKeys<TILE_N>{}, 0u, [&](auto& s_keys) {
-#pragma unroll
-          for (int half = 0; half < KEY_HALVES; ++half) {
-            mask_half(*reinterpret_cast<float(*)[BLOCK / 8][4]>(&s_keys[half * BLOCK / 8]),
-                      half);
-          }
-        });
+        compute(false, 0);
       } else if (first || second) {
-        const int half = int(second);
-        compute(WgmmaKeys<Traits::KV_BOX_ROWS>{}, unsigned(half * Traits::KV_BOX_OFFSET),
-                [&](auto& s_keys) { mask_half(s_keys, half); });
+        compute(true, int(second));  // one copy of the half path for either half
       } else {
         skip();
       }
     } else {
-      const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
-                                                     group_first + WGMMA_M - 1);
+      mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
+                                     group_first + WGMMA_M - 1);
       if (mine.coverage != TILE_EMPTY) {
-        compute(WgmmaKeys<TILE_N>{}, 0u, [&](auto& s_keys) {
-          if (mine.coverage != TILE_FULL) {
-#pragma unroll
-            for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
-              constexpr int COLUMNS = Traits::MASK_COLUMNS;
-              auto& columns =
-                  *reinterpret_cast<float(*)[1][COLUMNS / 8][4]>(&s_keys[pass * COLUMNS / 8]);
-              mask_score_frags<RULE, BLOCK, 1, COLUMNS, true>(
-                  columns, rule, warp_first, tile.start + pass * COLUMNS, q_block + row_block,
-                  tile.block, mine.mask_id);
-            }
-          }
-        });
+        compute(false, 0);
       } else {
         skip();
       }

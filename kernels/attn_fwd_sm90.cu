@@ -76,17 +76,18 @@
 // walk the same tiles and always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
-// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
-// only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
-// interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
+// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run:
+// compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
+// rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
+// tests/backends/test_attn_fwd_sm90.py), e.g.
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
 // maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x KV_BOX_ROWS (k, v: TILE_N, or BLOCK
-// with key pairs) and PANEL_COLUMNS x 64
-// (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
-// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py),
-// then, where it split rows, `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128
-// / 16), 1, 1), row_kernel_traits' 128 threads and no shared memory.
+// with key pairs) and PANEL_COLUMNS x 64 (out) x 1 x 1; attn_fwd_sm90_persistent the same way
+// on (CTAs, 1, 1) with attn_fwd_sm90_persistent_traits::SMEM_BYTES
+// (tests/backends/test_attn_fwd_sm90_persistent.py), then, where it split rows,
+// `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128 / 16), 1, 1),
+// row_kernel_traits' 128 threads and no shared memory.
 #include "common/merge_row.cuh"
 #include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
@@ -556,8 +557,8 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
     }
   };
   // The element rule on S(t) (`half_keys`: on s_half, key block tile.block + `half`'s; with
-  // key pairs otherwise each half of S under its own block), with the
-  // tile's view `mine` (WarpTile; unused with key pairs, whose tile holds each half's).
+  // key pairs otherwise each half of S under its own block), with the tile's view `mine`
+  // (WarpTile; unused with key pairs, whose tile holds each half's mask and coverage).
   typename decltype(walk)::Tile tile{};
   WarpTile mine{};
   auto mask_scores = [&](bool half_keys, int half) {

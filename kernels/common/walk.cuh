@@ -233,9 +233,10 @@ struct KeyPairTiles {
       const bool in_b = entry_b_ < end_b_ && blocks_[entry_b_] == block;
       const bool mine = row_block_ ? in_b : in_a;
       tile.mask_id[half] = mine ? masks_[row_block_ ? entry_b_ : entry_a_] : -1;
-      tile.coverage[half] = mine ? coverage_of<RULE, BLOCK, true>(rule, own_first, own_last,
-                                                                   block * BLOCK, tile.mask_id[half])
-                                 : TILE_EMPTY;
+      tile.coverage[half] =
+          mine ? coverage_of<RULE, BLOCK, true>(rule, own_first, own_last, block * BLOCK,
+                                                tile.mask_id[half])
+               : TILE_EMPTY;
       tile.held |= int(in_a || in_b) << half;
       entry_a_ += in_a;
       entry_b_ += in_b;

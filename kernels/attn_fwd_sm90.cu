@@ -35,6 +35,11 @@
 // two adjacent blocks, one per consumer, and walks the union of their rows (PairedRowTiles),
 // each consumer skipping the key tiles its own block's row lacks (wgmma is issued by a whole
 // warpgroup, so that is the grain of every skip). Every thread that walks walks the same tiles.
+// With 64-blocks and TILE_N = 128 (key pairs, opt-in: geometry.sm90_key_pairs) a key tile is
+// two adjacent key blocks 2j, 2j + 1 (KeyPairTiles): the producer copies each half a row of the
+// CTA holds (a box of BLOCK rows into its half of the stage; a half no row holds is not read),
+// each half is masked under its own block's entry mask, and a consumer whose row holds one half
+// computes it alone, QK^T and PV as the N = BLOCK wgmma over that half's rows of the stages.
 //
 // Per active key tile of TILE_N keys, for each consumer:
 //   S[64 x TILE_N]  = Q K^T   HEAD_DIM / 16 wgmma m64nTILE_Nk16, A = Q and B = K from shared
@@ -71,16 +76,18 @@
 // walk the same tiles and always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
-// 128-blocks), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run: compiled by NVRTC for sm_90a
-// only (CuPy's RawModule compiles for the device's own arch, which rejects wgmma), or on the CPU
-// interpreter (cuattn/backends/interp.py; tests/backends/test_attn_fwd_sm90.py), e.g.
+// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run:
+// compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
+// rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
+// tests/backends/test_attn_fwd_sm90.py), e.g.
 // `attn_fwd_sm90<128, 128, 128, __nv_bfloat16, MASK_CAUSAL>` on grid (ceil(n_q / 128), heads,
 // batch), 384 threads, attn_fwd_sm90_traits::SMEM_BYTES of dynamic shared memory, the tensor
-// maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x TILE_N (k, v) and PANEL_COLUMNS x 64
-// (out) x 1 x 1; attn_fwd_sm90_persistent the same way on (CTAs, 1, 1) with
-// attn_fwd_sm90_persistent_traits::SMEM_BYTES (tests/backends/test_attn_fwd_sm90_persistent.py),
-// then, where it split rows, `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128
-// / 16), 1, 1), row_kernel_traits' 128 threads and no shared memory.
+// maps' boxes PANEL_COLUMNS x TILE_M (q), PANEL_COLUMNS x KV_BOX_ROWS (k, v: TILE_N, or BLOCK
+// with key pairs) and PANEL_COLUMNS x 64 (out) x 1 x 1; attn_fwd_sm90_persistent the same way
+// on (CTAs, 1, 1) with attn_fwd_sm90_persistent_traits::SMEM_BYTES
+// (tests/backends/test_attn_fwd_sm90_persistent.py), then, where it split rows,
+// `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128 / 16), 1, 1),
+// row_kernel_traits' 128 threads and no shared memory.
 #include "common/merge_row.cuh"
 #include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
@@ -141,6 +148,14 @@ struct attn_fwd_sm90_traits {
   static constexpr int KV_PANEL_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
   static constexpr int Q_BYTES = PANELS * Q_PANEL_BYTES;
   static constexpr int KV_BYTES = PANELS * KV_PANEL_BYTES;
+  // Key tiles of two adjacent key blocks (64-blocks, TILE_N = 128: KeyPairTiles): each half is
+  // copied as a box of BLOCK rows where a row of the CTA holds it, and computed by a consumer
+  // whose row holds it; a consumer with one half issues the N = BLOCK wgmma over that half alone.
+  static constexpr bool PAIRED_KEYS = TILE_N > BLOCK;
+  static constexpr int KV_BOX_ROWS = PAIRED_KEYS ? BLOCK : TILE_N;  // rows of a K/V copy
+  static constexpr int KV_BOXES = TILE_N / KV_BOX_ROWS;             // copies a panel, at most
+  static constexpr int KV_BOX_BYTES = PANELS * KV_BOX_ROWS * SWIZZLE_ROW_BYTES;  // all panels'
+  static constexpr int KV_BOX_OFFSET = KV_BOX_ROWS * SWIZZLE_ROW_BYTES;  // of box h in a panel
   // Stages of each of the K and the V ring; tile t's K and V are in stage t % KV_STAGES of theirs.
   static constexpr int KV_STAGES = 2;
   // q_full, then the K and the V ring (a full and an empty barrier a stage): 8 bytes each.
@@ -173,8 +188,10 @@ struct attn_fwd_sm90_traits {
                     65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
                 "setmaxnreg requests the launch's registers cannot cover hang the GPU");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
-  static_assert(BLOCK % TILE_N == 0 && (TILE_N == 64 || TILE_N == 128),
-                "key tiles of 64 or 128 inside one block");
+  static_assert((BLOCK % TILE_N == 0 || (TILE_N == 2 * BLOCK && ROW_BLOCKS == 2)) &&
+                    (TILE_N == 64 || TILE_N == 128),
+                "key tiles of 64 or 128 inside one block, or of two 64-blocks");
+  static_assert(TILE_N <= 64 || HEAD_DIM <= 128, "S and O of 128 keys fit at d <= 128 alone");
   static_assert(HEAD_DIM % PANEL_COLUMNS == 0 && HEAD_DIM <= 256,
                 "whole 128-byte panels, and N <= 256 for O += P V");
 };
@@ -192,6 +209,74 @@ __device__ __forceinline__ void opaque_to_compiler(int& value) {
 #ifndef CUATTN_INTERP
   asm volatile("" : "+r"(value));
 #endif
+}
+
+// The consumer's width-dependent steps over KEYS keys of a TILE_N-key tile (all of them, or with
+// key pairs one half's): templates here rather than generic lambdas in the kernel, which NVRTC
+// compiles as host code. A half's S has accumulators of its own (s_half): where it shared S's,
+// ptxas serialised every wgmma for want of registers (C7511).
+
+// S of KEYS keys = Q K^T, K `stage_bytes` into the K stages: HEAD_DIM / 16 wgmma.
+template <int KEYS, typename T, typename Traits>
+__device__ __forceinline__ void issue_qk_steps(float (&s_keys)[KEYS / 2], u64 q_desc, u64 k_desc,
+                                               unsigned stage_bytes) {
+#pragma unroll
+  for (int step = 0; step < Traits::QK_STEPS; ++step) {
+    const int panel = step / Traits::STEPS_PER_PANEL;
+    const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
+    const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
+    const u64 desc_k =
+        descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
+    wgmma_m64k16<T, KEYS>(s_keys, desc_q, desc_k, step > 0);
+  }
+}
+// O += P V over KEYS keys, V `stage_bytes` into the V stages: P's first KEYS / 16 K-steps.
+template <int KEYS, int HEAD_DIM, typename T, int PV_STEPS, typename Traits>
+__device__ __forceinline__ void issue_pv_steps(float (&o_acc)[HEAD_DIM / 2],
+                                               const u32 (&p)[PV_STEPS][WGMMA_A_REGISTERS],
+                                               u64 v_desc, unsigned stage_bytes) {
+#pragma unroll
+  for (int step = 0; step < KEYS / WGMMA_K; ++step) {
+    const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
+    wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
+  }
+}
+// The online softmax of S of KEYS keys (masked already): exponentiated in place against the
+// new running max, l_i and m_i updated, alpha[r] the rescale O needs.
+template <int KEYS>
+__device__ __forceinline__ void softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
+                                             float (&l_i)[2], float (&alpha)[2],
+                                             const ScoreScale& score_scale) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+      tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
+    }
+    const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
+    // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
+    // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
+    const float m_base = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = exp2f(m_i[r] - m_base);
+    const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+    l_i[r] = l_i[r] * alpha[r] + row_sum;
+    m_i[r] = m_new;
+  }
+}
+// P of S of KEYS keys, as T, in P's first KEYS / 16 K-steps: the accumulators of keys 16 step ..
+// 16 step + 15 are the A fragment of K-step `step` (kernels/common/wgmma.cuh).
+template <int KEYS, typename T, int PV_STEPS>
+__device__ __forceinline__ void pack_p(const float (&s_keys)[KEYS / 2],
+                                       u32 (&p)[PV_STEPS][WGMMA_A_REGISTERS]) {
+#pragma unroll
+  for (int step = 0; step < KEYS / WGMMA_K; ++step) {
+#pragma unroll
+    for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+      const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+      p[step][reg] = pack_pair<T>(s_keys[element], s_keys[element + 1]);
+    }
+  }
 }
 
 // The descriptor of a swizzled operand at `at` (K-major: 8-row groups one repeat apart; MN-major:
@@ -288,13 +373,40 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
   const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   while (walk.next(tile, rule, q_start, walk_last)) {
-    // K first: the consumers read K(t) an iteration before V(t) (header)
-    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-        smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map, k_col,
-        tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-        smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map, v_col,
-        tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    if constexpr (Traits::PAIRED_KEYS) {
+      // The halves a row of the CTA holds, each a box of BLOCK rows into its half of the stage
+      // (the 128-byte swizzle repeats every 8 rows, so a half lands as one 128-row box would
+      // write it); a half no row holds is not read (it may lie past the keys).
+      const unsigned bytes = unsigned(__popc(tile.held) * Traits::KV_BOX_BYTES);
+      u64* k_full = smem.k_ring->acquire(t, bytes);
+#pragma unroll
+      for (int half = 0; half < Traits::KV_BOXES; ++half) {
+        if (tile.held >> half & 1) {
+          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+              smem.k_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
+              Traits::KV_PANEL_BYTES, k_map, k_col, tile.start + half * BLOCK, kv_head, batch,
+              k_full);
+        }
+      }
+      u64* v_full = smem.v_ring->acquire(t, bytes);
+#pragma unroll
+      for (int half = 0; half < Traits::KV_BOXES; ++half) {
+        if (tile.held >> half & 1) {
+          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+              smem.v_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
+              Traits::KV_PANEL_BYTES, v_map, v_col, tile.start + half * BLOCK, kv_head, batch,
+              v_full);
+        }
+      }
+    } else {
+      // K first: the consumers read K(t) an iteration before V(t) (header)
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+          smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map,
+          k_col, tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+          smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map,
+          v_col, tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
+    }
     ++t;
   }
 }
@@ -338,6 +450,10 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   float(&o_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(o);
   float s[TILE_N / 8][4];
   float(&s_acc)[TILE_N / 2] = reinterpret_cast<float(&)[TILE_N / 2]>(s);
+  // With key pairs, S of a tile one half of which this consumer computes.
+  constexpr int HALF_KEYS = Traits::KV_BOX_ROWS;
+  float s_half[HALF_KEYS / 8][4];
+  float(&s_half_acc)[HALF_KEYS / 2] = reinterpret_cast<float(&)[HALF_KEYS / 2]>(s_half);
   // P of the pending tile as T: the accumulators of keys 16 step .. 16 step + 15 are the A
   // fragment of K-step `step` (kernels/common/wgmma.cuh); PV's operand until its wait.
   u32 p[Traits::PV_STEPS][WGMMA_A_REGISTERS];
@@ -352,42 +468,61 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const u64 q_desc = swizzled_descriptor(q_group, SWIZZLED_K_MAJOR_LEADING);
   const u64 k_desc = swizzled_descriptor(smem.k_stages, SWIZZLED_K_MAJOR_LEADING);
   const u64 v_desc = swizzled_descriptor(smem.v_stages, unsigned(Traits::KV_PANEL_BYTES));
+  // Keys a wgmma of this consumer spans: the tile's, or (`half_keys`, with key pairs) one
+  // half's, `offset` bytes into the stage. Every call passes a constant `half_keys`: the
+  // branches on it fold away.
   // S = Q K^T of tile t, one commit group.
-  auto issue_qk = [&](int t) {
-    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
-#pragma unroll
-    for (int step = 0; step < Traits::QK_STEPS; ++step) {
-      const int panel = step / Traits::STEPS_PER_PANEL;
-      const int within = (step % Traits::STEPS_PER_PANEL) * Traits::QK_STEP_BYTES;
-      const u64 desc_q = descriptor_advance(q_desc, panel * Traits::Q_PANEL_BYTES + within);
-      const u64 desc_k =
-          descriptor_advance(k_desc, stage_bytes + panel * Traits::KV_PANEL_BYTES + within);
-      wgmma_m64k16<T, TILE_N>(s_acc, desc_q, desc_k, step > 0);
+  auto issue_qk = [&](bool half_keys, int t, unsigned offset) {
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
+    if (Traits::PAIRED_KEYS && half_keys) {
+      issue_qk_steps<HALF_KEYS, T, Traits>(s_half_acc, q_desc, k_desc, stage_bytes);
+    } else {
+      issue_qk_steps<TILE_N, T, Traits>(s_acc, q_desc, k_desc, stage_bytes);
     }
     wgmma_commit_group();
   };
   // O += P V with the V of tile t, one commit group.
-  auto issue_pv = [&](int t) {
-    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES);
-#pragma unroll
-    for (int step = 0; step < Traits::PV_STEPS; ++step) {
-      const u64 desc_v = descriptor_advance(v_desc, stage_bytes + step * Traits::PV_STEP_BYTES);
-      wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
+  auto issue_pv = [&](bool half_keys, int t, unsigned offset) {
+    const unsigned stage_bytes = unsigned(Ring::stage(t) * Traits::KV_BYTES) + offset;
+    if (Traits::PAIRED_KEYS && half_keys) {
+      issue_pv_steps<HALF_KEYS, HEAD_DIM, T, Traits::PV_STEPS, Traits>(o_acc, p, v_desc,
+                                                                      stage_bytes);
+    } else {
+      issue_pv_steps<TILE_N, HEAD_DIM, T, Traits::PV_STEPS, Traits>(o_acc, p, v_desc,
+                                                                   stage_bytes);
     }
     wgmma_commit_group();
   };
-  // The registers the next wgmma reads or writes, settled before its wgmma.fence.
-  auto fence = [&] {
-    wgmma_fence_operands(s_acc);
+  // S's and P's registers a wgmma over `half_keys` keys writes or reads: a half's alone (what
+  // else is fenced stays live across the wgmma).
+  auto fence_s = [&](bool half_keys) {
+    if (Traits::PAIRED_KEYS && half_keys) {
+      wgmma_fence_operands(s_half_acc);
+    } else {
+      wgmma_fence_operands(s_acc);
+    }
+  };
+  auto fence_p = [&](bool half_keys) {
+    if (Traits::PAIRED_KEYS && half_keys) {
+      constexpr int HALF_P = HALF_KEYS / WGMMA_K * WGMMA_A_REGISTERS;
+      wgmma_fence_operands(reinterpret_cast<u32(&)[HALF_P]>(p_regs));
+    } else {
+      wgmma_fence_operands(p_regs);
+    }
+  };
+  // The registers the next wgmmas read or write (QK^T's S over `half_s`, PV's P over
+  // `half_p`), settled before their wgmma.fence.
+  auto fence = [&](bool half_s, bool half_p) {
+    fence_s(half_s);
     wgmma_fence_operands(o_acc);
-    wgmma_fence_operands(p_regs);
+    fence_p(half_p);
     wgmma_fence();
   };
   // After the last wait: O, and P's registers, which PV read until then (kept live to here so
   // that none is reused while it runs).
-  auto settle_pv = [&] {
+  auto settle_pv = [&](bool half_p) {
     wgmma_fence_operands(o_acc);
-    wgmma_fence_operands(p_regs);
+    fence_p(half_p);
   };
   // This consumer's turn to issue (named barriers: the two consumers alternate, open_turns),
   // and the other's after it. Taken every tile, issuing or not, so that the turns pair up.
@@ -395,28 +530,56 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
   auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
   auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
+  // What is pending of tile t - 1: the keys of its PV still to issue (0: none; HALF_KEYS: one
+  // half of a key pair) and where they lie in its V stage.
+  int pending = 0;
+  unsigned pending_offset = 0;
   // A turn with no QK^T to issue: PV(previous) alone when it is pending, issued and retired in
-  // this branch (see the loop's note on C7520), else an empty turn.
-  auto pv_turn = [&](bool has_pv, int previous) {
-    if (has_pv) {
-      v_ring->wait(previous);
-      take_turn();
-      fence();
-      issue_pv(previous);
-      pass_turn();
-      wgmma_wait_group<0>();
-      settle_pv();
-      v_ring->release(previous);
+  // its own branch (see the loop's note on C7520), else an empty turn.
+  auto pv_alone = [&](bool half_keys, int previous) {
+    v_ring->wait(previous);
+    take_turn();
+    fence(half_keys, half_keys);
+    issue_pv(half_keys, previous, pending_offset);
+    pass_turn();
+    wgmma_wait_group<0>();
+    settle_pv(half_keys);
+    v_ring->release(previous);
+  };
+  auto pv_turn = [&](int previous) {
+    if (pending == TILE_N) {
+      pv_alone(false, previous);
+    } else if (Traits::PAIRED_KEYS && pending == HALF_KEYS) {
+      pv_alone(true, previous);
     } else {
       take_turn();
       pass_turn();
     }
   };
-  // The mask and the online softmax of S(t): S exponentiated in place against the new running
-  // max, l_i and m_i updated; alpha[r], the rescale O needs, returned for when PV is in.
-  auto softmax = [&](const typename decltype(walk)::Tile& tile, const WarpTile& mine,
-                     float (&alpha)[2]) {
-    if (mine.coverage != TILE_FULL) {
+  // The element rule on S(t) (`half_keys`: on s_half, key block tile.block + `half`'s; with
+  // key pairs otherwise each half of S under its own block), with the tile's view `mine`
+  // (WarpTile; unused with key pairs, whose tile holds each half's mask and coverage).
+  typename decltype(walk)::Tile tile{};
+  WarpTile mine{};
+  auto mask_scores = [&](bool half_keys, int half) {
+    if constexpr (Traits::PAIRED_KEYS) {
+      auto mask_half = [&](float(&columns)[HALF_KEYS / 8][4], int half) {
+        const int coverage = half ? tile.coverage[1] : tile.coverage[0];
+        if (coverage != TILE_FULL) {
+          mask_score_frags<RULE, BLOCK, 1, HALF_KEYS, true>(
+              *reinterpret_cast<float(*)[1][HALF_KEYS / 8][4]>(&columns), rule, warp_first,
+              tile.start + half * BLOCK, q_block + row_block, tile.block + half,
+              half ? tile.mask_id[1] : tile.mask_id[0]);
+        }
+      };
+      auto& halves = reinterpret_cast<float(&)[KEY_HALVES][HALF_KEYS / 8][4]>(s);
+      if (half_keys) {
+        mask_half(s_half, half);
+      } else {
+        mask_half(halves[0], 0);
+        mask_half(halves[1], 1);
+      }
+    } else if (mine.coverage != TILE_FULL) {
 #pragma unroll
       for (int pass = 0; pass < Traits::MASK_PASSES; ++pass) {
         constexpr int COLUMNS = Traits::MASK_COLUMNS;
@@ -427,25 +590,19 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                                         mine.mask_id);
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < TILE_N / 8; ++j) {
-        tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      }
-      const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
-      // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
-      // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
-      const float m_base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m_i[r] - m_base);
-      const float row_sum = row_probs<MODS_NONE, TILE_N>(s, r, score_scale, m_base);
-      l_i[r] = l_i[r] * alpha[r] + row_sum;
-      m_i[r] = m_new;
+  };
+  // The mask and the online softmax of S(t); alpha[r], the rescale O needs, returned for when
+  // PV is in.
+  auto softmax = [&](bool half_keys, int half, float (&alpha)[2]) {
+    mask_scores(half_keys, half);
+    if (Traits::PAIRED_KEYS && half_keys) {
+      softmax_rows<HALF_KEYS>(s_half, m_i, l_i, alpha, score_scale);
+    } else {
+      softmax_rows<TILE_N>(s, m_i, l_i, alpha, score_scale);
     }
   };
   // O rescaled to the running max, P(t) packed for its PV.
-  auto rescale_and_pack = [&](const float (&alpha)[2]) {
+  auto rescale_and_pack = [&](bool half_keys, const float (&alpha)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -454,75 +611,99 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
         o[j][2 * r + 1] *= alpha[r];
       }
     }
-#pragma unroll
-    for (int step = 0; step < Traits::PV_STEPS; ++step) {
-#pragma unroll
-      for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-        const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
-        p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
-      }
+    if (Traits::PAIRED_KEYS && half_keys) {
+      pack_p<HALF_KEYS, T>(s_half_acc, p);
+    } else {
+      pack_p<TILE_N, T>(s_acc, p);
     }
   };
-
-  // The inner loop, one active key tile t per iteration: QK^T(t) and PV(t - 1), when this
+  // Tile t computed (`half_keys`: its half `half` alone): QK^T(t) and PV(t - 1), when this
   // consumer computed tile t - 1, issued back to back; the mask and softmax of S(t) while PV
   // runs; then O rescaled and P(t) packed for the next iteration's PV. Each branch issues and
   // waits for its own wgmma: none is in flight where the paths meet (ptxas would otherwise
   // serialise every wgmma, C7520).
-  bool pending = false;  // whether tile t - 1's PV is still to issue
-  typename decltype(walk)::Tile tile;
-  for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
-    // A consumer whose rows the tile does not reach (the other block's tile in a paired CTA,
-    // or above the diagonal) skips it; the coverage is the warpgroup's, uniform across it.
-    const WarpTile mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
-                                                   group_first + WGMMA_M - 1);
-    k_ring->wait(t);  // also when skipped: see StageRing
-    if (mine.coverage != TILE_EMPTY) {
-      float alpha[2];
-      if (pending) {
-        v_ring->wait(t - 1);
-        take_turn();
-        fence();
-        issue_qk(t);
-        issue_pv(t - 1);
-        pass_turn();
-        if constexpr (Traits::SOFTMAX_UNDER_PV) {
-          wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
-          wgmma_fence_operands(s_acc);
-          k_ring->release(t);
-          softmax(tile, mine, alpha);
-          wgmma_wait_group<0>();
-          settle_pv();
-          v_ring->release(t - 1);
-        } else {
-          wgmma_wait_group<0>();
-          wgmma_fence_operands(s_acc);
-          settle_pv();
-          k_ring->release(t);
-          v_ring->release(t - 1);
-          softmax(tile, mine, alpha);
-        }
-      } else {
-        take_turn();
-        fence();
-        issue_qk(t);
-        pass_turn();
-        wgmma_wait_group<0>();
-        wgmma_fence_operands(s_acc);
+  auto compute = [&](bool half_keys, int half) {
+    const unsigned offset = unsigned(half * Traits::KV_BOX_OFFSET);
+    float alpha[2];
+    auto with_pv = [&](bool half_pv) {
+      v_ring->wait(t - 1);
+      take_turn();
+      fence(half_keys, half_pv);
+      issue_qk(half_keys, t, offset);
+      issue_pv(half_pv, t - 1, pending_offset);
+      pass_turn();
+      if constexpr (Traits::SOFTMAX_UNDER_PV) {
+        wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
+        fence_s(half_keys);
         k_ring->release(t);
-        softmax(tile, mine, alpha);
+        softmax(half_keys, half, alpha);
+        wgmma_wait_group<0>();
+        settle_pv(half_pv);
+        v_ring->release(t - 1);
+      } else {
+        wgmma_wait_group<0>();
+        fence_s(half_keys);
+        settle_pv(half_pv);
+        k_ring->release(t);
+        v_ring->release(t - 1);
+        softmax(half_keys, half, alpha);
       }
-      rescale_and_pack(alpha);
-      pending = true;
+    };
+    if (pending == TILE_N) {
+      with_pv(false);
+    } else if (Traits::PAIRED_KEYS && pending == HALF_KEYS) {
+      with_pv(true);
     } else {
+      take_turn();
+      fence(half_keys, half_keys);
+      issue_qk(half_keys, t, offset);
+      pass_turn();
+      wgmma_wait_group<0>();
+      fence_s(half_keys);
       k_ring->release(t);
-      pv_turn(pending, t - 1);
-      v_ring->wait(t);  // V(t) is never read, but waited for all the same (StageRing)
-      v_ring->release(t);
-      pending = false;
+      softmax(half_keys, half, alpha);
+    }
+    rescale_and_pack(half_keys, alpha);
+    pending = Traits::PAIRED_KEYS && half_keys ? HALF_KEYS : TILE_N;
+    pending_offset = offset;
+  };
+  // A tile this consumer's rows do not reach (the other block's tile in a paired CTA, or above
+  // the diagonal): K(t) and V(t) are never read, but waited for all the same (StageRing).
+  auto skip = [&] {
+    k_ring->release(t);
+    pv_turn(t - 1);
+    v_ring->wait(t);
+    v_ring->release(t);
+    pending = 0;
+  };
+
+  // The inner loop, one active key tile t per iteration; the coverage is the warpgroup's,
+  // uniform across it.
+  for (; walk.next(tile, rule, walk_first, walk_last); ++t) {
+    k_ring->wait(t);  // also when skipped: see StageRing
+    if constexpr (Traits::PAIRED_KEYS) {
+      // A consumer whose row holds one half computes that half alone (the N = HALF_KEYS
+      // wgmma over its rows of the stages)
+      const bool first = tile.coverage[0] != TILE_EMPTY;
+      const bool second = tile.coverage[1] != TILE_EMPTY;
+      if (first && second) {
+        compute(false, 0);
+      } else if (first || second) {
+        compute(true, int(second));  // one copy of the half path for either half
+      } else {
+        skip();
+      }
+    } else {
+      mine = warp_view<RULE, TILE_N>(tile, row_block, rule, group_first,
+                                     group_first + WGMMA_M - 1);
+      if (mine.coverage != TILE_EMPTY) {
+        compute(false, 0);
+      } else {
+        skip();
+      }
     }
   }
-  pv_turn(pending, t - 1);  // the last tile's PV
+  pv_turn(t - 1);  // the last tile's PV
 
   // The epilogue through shared memory: O normalised, as T, into this consumer's
   // 64 rows of the Q tile, which no wgmma reads any more, in the swizzled panel layout a TMA box

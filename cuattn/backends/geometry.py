@@ -122,6 +122,16 @@ SM90_DTYPES = ("float16", "bfloat16")
 SM90_WIDE_TILE_N = 128
 SM90_TILE_N = 64
 SM90_WIDE_MAX_HEAD_DIM = 128
+# 64-blocks on 128-key tiles of two adjacent key blocks (attn_fwd_sm90<64, 128, ...>: each half
+# under its own block's entry mask, a half a consumer's row lacks skipped): what
+# CUATTN_SM90_TILE_N=128 asks of both sm_90a forwards. It has never run on a GPU, so 64-key tiles
+# stay the default; its instantiations (sm90_configs) are bf16's at d <= 128 alone, which keeps
+# the compile sweep small; another dtype or head dim keeps 64-key tiles.
+SM90_TILE_N_ENV = "CUATTN_SM90_TILE_N"
+SM90_TILE_N_CHOICES = (str(SM90_TILE_N), str(SM90_WIDE_TILE_N))
+SM90_KEY_PAIR_BLOCK = 64
+SM90_KEY_PAIR_HEAD_DIMS = (64, 128)
+SM90_KEY_PAIR_DTYPES = ("bfloat16",)
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -976,6 +986,7 @@ class KernelConfig(_Launch):
     paired: bool = False
     kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
     dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
+    key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1055,9 +1066,12 @@ class KernelConfig(_Launch):
             assert sm90_forward_supports(self.block, self.head_dim, self.dtype), self
             assert self.kernel == SM90_FWD or self.head_dim in SM90_PERSISTENT_HEAD_DIMS, self
             assert self.rule in RULES and not self.mods and not self.paired, self
+            assert not self.key_pairs or sm90_key_pairs_supported(
+                self.block, self.head_dim, self.dtype
+            ), self
             tile_m, tile_n, num_warps = (
                 SM90_TILE_M,
-                sm90_tile_n(self.block, self.head_dim),
+                sm90_tile_n(self.block, self.head_dim, self.key_pairs),
                 SM90_WARPS,
             )
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
@@ -1069,6 +1083,7 @@ class KernelConfig(_Launch):
             if persistent:
                 smem += SM90_PERSISTENT_SMEM_BYTES
         else:
+            assert not self.key_pairs, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1640,29 +1655,65 @@ def sm90_work_list(
     )
 
 
-def sm90_tile_n(block: int, head_dim: int) -> int:
-    """Keys per tile of the sm_90a forward (see SM90_WIDE_TILE_N)."""
-    wide = block >= SM90_WIDE_TILE_N and head_dim <= SM90_WIDE_MAX_HEAD_DIM
+def sm90_tile_n(block: int, head_dim: int, key_pairs: bool = False) -> int:
+    """Keys per tile of the sm_90a forward (see SM90_WIDE_TILE_N; key_pairs: 64-blocks in tiles
+    of two, SM90_TILE_N_ENV)."""
+    wide = (block >= SM90_WIDE_TILE_N or key_pairs) and head_dim <= SM90_WIDE_MAX_HEAD_DIM
     return SM90_WIDE_TILE_N if wide else SM90_TILE_N
 
 
+def sm90_key_pairs_supported(block: int | None, head_dim: int, dtype: str) -> bool:
+    """Whether the sm_90a forwards have a 128-key-tile instantiation at this block (64 only),
+    head dim and dtype."""
+    return (
+        block == SM90_KEY_PAIR_BLOCK
+        and head_dim in SM90_KEY_PAIR_HEAD_DIMS
+        and dtype in SM90_KEY_PAIR_DTYPES
+    )
+
+
+def sm90_key_pairs(block: int | None, head_dim: int, dtype: str) -> bool:
+    """Whether an sm_90a forward runs on 128-key tiles of two 64-blocks: asked for
+    (CUATTN_SM90_TILE_N=128; unset or 64: 64-key tiles at 64-blocks, 128-blocks unchanged either
+    way) and instantiated (sm90_key_pairs_supported)."""
+    asked = _env_choice(SM90_TILE_N_ENV, SM90_TILE_N_CHOICES, str(SM90_TILE_N), "key tile")
+    return asked == str(SM90_WIDE_TILE_N) and sm90_key_pairs_supported(block, head_dim, dtype)
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (48: blocks x head dims x dtypes x
-    rules)."""
+    """One config per instantiation of the sm_90a forward (56: blocks x head dims x dtypes x
+    rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules)."""
     return [
-        KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
-        for block, head_dim, dtype, rule in itertools.product(
-            SM90_BLOCKS, SM90_HEAD_DIMS, SM90_DTYPES, RULES
-        )
+        *[
+            KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
+            for block, head_dim, dtype, rule in itertools.product(
+                SM90_BLOCKS, SM90_HEAD_DIMS, SM90_DTYPES, RULES
+            )
+        ],
+        *[
+            KernelConfig(
+                SM90_FWD, head_dim, dtype, block=SM90_KEY_PAIR_BLOCK, rule=rule, key_pairs=True
+            )
+            for head_dim, dtype, rule in itertools.product(
+                SM90_KEY_PAIR_HEAD_DIMS, SM90_KEY_PAIR_DTYPES, RULES
+            )
+        ],
     ]
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (32: sm90_configs' at
+    """One config per instantiation of the persistent sm_90a forward (40: sm90_configs' at
     head dims 64 and 128) and of its chunks' merge (4: head dims x dtypes)."""
     return [
         *[
-            KernelConfig(SM90_FWD_PERSISTENT, c.head_dim, c.dtype, block=c.block, rule=c.rule)
+            KernelConfig(
+                SM90_FWD_PERSISTENT,
+                c.head_dim,
+                c.dtype,
+                block=c.block,
+                rule=c.rule,
+                key_pairs=c.key_pairs,
+            )
             for c in sm90_configs()
             if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
         ],

@@ -587,6 +587,7 @@ class KernelBackend:
             n_q,
             layout.blocksize,
             layout.rule.kind,
+            key_pairs=geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype),
         )
         groups = geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
         return self._launch_sm90_forward(config, q, k, v, layout, scale, cta_groups=groups)
@@ -597,10 +598,12 @@ class KernelBackend:
         """(out, lse) of an sm_90a forward launch of ``config`` (its own arguments in
         ``extra``): q, k and v as tensor maps; None, before the outputs are allocated or
         anything is launched, when the device refuses one of them (encodes)."""
+        # a K/V copy is a tile, or with key pairs one 64-block half of it
+        kv_rows = min(config.tile_n, layout.blocksize)
         input_maps = {
             **self._panel_map("q", q, config.tile_m),
-            **self._panel_map("k", k, config.tile_n),
-            **self._panel_map("v", v, config.tile_n),
+            **self._panel_map("k", k, kv_rows),
+            **self._panel_map("v", v, kv_rows),
         }
         if not all(self.encodes(input_maps[name]) for name in ("q", "k", "v")):
             return None
@@ -636,6 +639,7 @@ class KernelBackend:
             n_rows=ctas,
             block=layout.blocksize,
             rule=layout.rule.kind,
+            key_pairs=geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype),
         )
         result = self._launch_sm90_forward(
             config,

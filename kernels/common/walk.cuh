@@ -173,15 +173,101 @@ struct PairedRowTiles {
   int sub_ = 0;
 };
 
+// The sm_90a forward's walk when its key tiles are twice its blocks (TILE_N = 2 BLOCK, with a
+// paired CTA's two query rows a and a + 1): the union of the two CSR rows in key tiles of two
+// adjacent key blocks 2j and 2j + 1, each tile yielded once, to every warpgroup with, per half,
+// its own block's entry mask and its own rows' coverage (TILE_EMPTY where its row lacks that
+// block), and which halves any row of the pair holds (the halves the producer copies; a half no
+// row holds is neither copied nor computed). As PairedRowTiles, the yield depends on the two
+// rows' blocks alone: uniform across the CTA.
+constexpr int KEY_HALVES = 2;
+struct KeyPairTile {
+  int start;                   // first key: block 2j's
+  int block;                   // 2j, its first key block
+  int held;                    // bit h: a row of the pair holds block 2j + h
+  int mask_id[KEY_HALVES];     // the caller's row's entry mask of each half (-1: full, or none)
+  int coverage[KEY_HALVES];    // of the caller's rows, each half
+};
+
+template <int RULE, int BLOCK>
+struct KeyPairTiles {
+  using Tile = KeyPairTile;
+
+  // As PairedRowTiles: row_a, block a's [begin, end) pair of the CSR row_ptr; has_b, whether
+  // block a + 1 exists; row_block, the calling warpgroup's block (0: a).
+  __device__ __forceinline__ KeyPairTiles(const int* row_a, bool has_b, const int* col_idx,
+                                          const int* row_mask, int row_block)
+      : blocks_(col_idx),
+        masks_(row_mask),
+        entry_a_(row_a[0]),
+        end_a_(row_a[1]),
+        entry_b_(row_a[1]),
+        end_b_(has_b ? row_a[2] : row_a[1]),
+        row_block_(row_block) {}
+
+  // As PairedRowTiles::restrict_to (a chunk may end or begin inside a tile: each chunk then
+  // holds the halves of its own entries).
+  template <typename Cut>
+  __device__ __forceinline__ void restrict_to(Cut cut) {
+    end_a_ = entry_a_ + cut[1];
+    entry_a_ += cut[0];
+    end_b_ = entry_b_ + cut[3];
+    entry_b_ += cut[2];
+  }
+
+  // The next key tile either row holds a block of, for the calling warpgroup's rows
+  // own_first..own_last; false when both rows are walked.
+  __device__ __forceinline__ bool next(KeyPairTile& tile, const RuleParams& rule, int own_first,
+                                       int own_last) {
+    if (entry_a_ >= end_a_ && entry_b_ >= end_b_) return false;
+    const int block_a = entry_a_ < end_a_ ? blocks_[entry_a_] : PAST_LAST_BLOCK;
+    const int block_b = entry_b_ < end_b_ ? blocks_[entry_b_] : PAST_LAST_BLOCK;
+    const int first = (block_a < block_b ? block_a : block_b) / KEY_HALVES * KEY_HALVES;
+    tile.start = first * BLOCK;
+    tile.block = first;
+    tile.held = 0;
+#pragma unroll
+    for (int half = 0; half < KEY_HALVES; ++half) {
+      const int block = first + half;
+      const bool in_a = entry_a_ < end_a_ && blocks_[entry_a_] == block;
+      const bool in_b = entry_b_ < end_b_ && blocks_[entry_b_] == block;
+      const bool mine = row_block_ ? in_b : in_a;
+      tile.mask_id[half] = mine ? masks_[row_block_ ? entry_b_ : entry_a_] : -1;
+      tile.coverage[half] =
+          mine ? coverage_of<RULE, BLOCK, true>(rule, own_first, own_last, block * BLOCK,
+                                                tile.mask_id[half])
+               : TILE_EMPTY;
+      tile.held |= int(in_a || in_b) << half;
+      entry_a_ += in_a;
+      entry_b_ += in_b;
+    }
+    return true;
+  }
+
+ private:
+  const int* blocks_;
+  const int* masks_;
+  int entry_a_;
+  int end_a_;
+  int entry_b_;
+  int end_b_;
+  int row_block_;
+};
+
 // The forward's walk over a CTA's query rows: ActiveTiles over query block q_block's CSR row,
 // or with ROW_BLOCKS = 2 PairedRowTiles over blocks q_block and q_block + 1 (row_block: which
-// of the two the caller's rows lie in; the last query block may have no partner).
+// of the two the caller's rows lie in; the last query block may have no partner), in key tiles
+// of two blocks (KeyPairTiles) where TILE_N is twice the block.
 template <int ROW_BLOCKS, int RULE, int BLOCK, int TILE_N>
 __device__ __forceinline__ auto forward_walk(const int* row_ptr, const int* col_idx,
                                              const int* row_mask, int head, int num_blocks,
                                              int q_block, int row_block) {
   const int* entries = row_ptr + head * (num_blocks + 1) + q_block;
-  if constexpr (ROW_BLOCKS == 2) {
+  if constexpr (TILE_N > BLOCK) {
+    static_assert(ROW_BLOCKS == 2 && TILE_N == KEY_HALVES * BLOCK, "a paired CTA's key pairs");
+    return KeyPairTiles<RULE, BLOCK>(entries, q_block + 1 < num_blocks, col_idx, row_mask,
+                                     row_block);
+  } else if constexpr (ROW_BLOCKS == 2) {
     return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
                                                row_mask, row_block);
   } else {

@@ -148,7 +148,8 @@ def forward_args(q, k, v, out, lse, layout: Layout, tile_n: int, scale: float) -
     maps and their first columns, lse, the layout's CSR arrays and sizes, the scale and the
     window (then each kernel's own)."""
     index = interp.backend.index_arrays(layout)
-    operands = ((q, TILE_M), (k, tile_n), (v, tile_n), (out, STORE_ROWS))
+    kv_rows = min(tile_n, layout.blocksize)  # a copy: the tile, or one block of a key pair
+    operands = ((q, TILE_M), (k, kv_rows), (v, kv_rows), (out, STORE_ROWS))
     maps = [panel_map(x, x.ctypes.data, rows) for x, rows in operands]
     args: list = [m.interp_struct() for m, _ in maps] + [ctypes.c_int32(c) for _, c in maps]
     pointers = [lse, index.row_ptr, index.col_idx, index.row_mask, index.mask_table]
@@ -196,7 +197,9 @@ def run_forward(lib, config, layout: Layout, q, k, v, scale: float, cta_groups: 
     name = expression(*config)
     threads, smem = lib.traits(name)
     args = forward_args(q, k, v, out, lse, layout, tile_n, scale) + [ctypes.c_int32(cta_groups)]
-    geometry_config = KernelConfig(SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind)
+    geometry_config = KernelConfig(
+        SM90_FWD, head_dim, dtype, batch, heads, n_q, block, rule_kind, key_pairs=tile_n > block
+    )
     assert geometry_config.tile_n == tile_n and geometry_config.threads == threads, config
     grid = geometry_config.grid
     lib.launch(name, grid, (threads, 1, 1), smem, args)

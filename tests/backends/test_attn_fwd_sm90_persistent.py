@@ -130,7 +130,13 @@ def run_persistent(
     name = persistent_expression(*config)
     threads, smem = lib.traits(name)
     geometry_config = geometry.KernelConfig(
-        geometry.SM90_FWD_PERSISTENT, head_dim, dtype, n_rows=ctas, block=block, rule=config[4]
+        geometry.SM90_FWD_PERSISTENT,
+        head_dim,
+        dtype,
+        n_rows=ctas,
+        block=block,
+        rule=config[4],
+        key_pairs=tile_n > block,
     )
     # the kernel's own traits (its two Q tiles included) are what the backends launch with
     assert (geometry_config.threads, geometry_config.smem_bytes) == (threads, smem), name

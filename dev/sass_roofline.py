@@ -252,6 +252,12 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
     def per_consumer_step(tile: float, part: float, skipped_key: str) -> float:
         return group * (n.computed * tile + n.partial * part + n.skipped * skip.get(skipped_key, 0))
 
+    def per_pair_step(tile: float) -> float:
+        """What the skipped path issues is dQ_part over its partner's 64 keys, which the
+        partner also runs in place of its 128-key dQ_part (twice that): a step one consumer
+        skips adds up to one computed step (a causal layout never has both skip one)."""
+        return group * n.computed * tile
+
     skipped_instructions = sum(skip.get(c, 0.0) for c in sass.CLASSES)
     producer = sum(model.producer.get(c, 0.0) for c in sass.CLASSES)
     instructions = (
@@ -264,7 +270,7 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
         )
         + n.steps * producer
     )
-    wgmma_bytes = per_consumer_step(model.wgmma_shared_bytes, 0.0, "wgmma_shared_bytes")
+    wgmma_bytes = per_pair_step(model.wgmma_shared_bytes)
     dq_tile = spec.tile_n * spec.head_dim * STATS_BYTES  # the fp32 dQ tile a step reduces
     kv_bytes = 2 * spec.tile_m * spec.head_dim * spec.itemsize
     ld = (
@@ -284,7 +290,7 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
         st_wavefronts=st,
         l2_bytes=n.steps * (spec.step_bytes + 2 * dq_tile) + n.ctas * 2 * kv_bytes,
         warps_per_sm=model.warps_per_sm,
-        wgmma_flop=per_consumer_step(model.wgmma_flop, 0.0, "wgmma_flop"),
+        wgmma_flop=per_pair_step(model.wgmma_flop),
     )
 
 
@@ -293,8 +299,10 @@ def sm90_backward_hgmma(model: TileModel, shape: Shape) -> int:
     instruction count of HGMMA should equal)."""
     spec = model.spec
     n = sm90_backward_steps(shape.n_ctx, spec.block, spec.tile_m, spec.tile_n).times(shape.pairs)
-    per_warp = n.computed * model.hmma + n.skipped * model.skipped.get("HGMMA", 0.0)
-    return round(sass.WARPGROUP_WARPS * per_warp)
+    # a step one consumer skips issues one computed step's HGMMA (sm90_backward_work's
+    # per_pair_step): the skipper's dQ_part over one half, its partner's the same in place of
+    # its 128-key one
+    return round(sass.WARPGROUP_WARPS * n.computed * model.hmma)
 
 
 def sm90_backward_extra_seconds(shape: Shape) -> float:

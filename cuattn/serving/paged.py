@@ -367,7 +367,7 @@ def paged_decode(
             lse = xp.full((batch, heads, t_q), -np.inf, dtype=xp.float32)
         else:
             dtype = kv_dtype or dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
-            gqa = geometry.decode_gqa_applies(head_dim, dtype, mods.any, False, scale)
+            gqa = geometry.decode_gqa_applies(head_dim, dtype)
             lengths = xp.asarray(arrays["seq_lens"], dtype=xp.int64)
             resident = _resident_ctas(impl, head_dim, dtype, gqa)
             out, lse = impl.decode_block_table(

@@ -254,14 +254,12 @@ struct GqaScoreMods {
 // scales), then softcap, ALiBi, the key bias and the relative-position bias, in
 // attn_decode_split's order, each flag tested once a tile. pos_of: the tile's token positions
 // (-1: none kept, whose bias is not read: the mask gives it -inf); k_scale_of: its K scales
-// (fp8); row_head, row_pos, row_slope: the lane's rows' (g, g + 8) query heads, positions and
-// ALiBi slopes times log2(e).
+// (fp8); row_head, row_pos: the lane's rows' (g, g + 8) query heads and positions.
 template <int TILE, typename Traits>
 __device__ __forceinline__ void score_mods(float (&s_acc)[TILE / 8][4], const AccLayout& frag,
                                            const GqaScoreMods& mods, const int* pos_of,
                                            const float* k_scale_of, float q_unscale, int b,
-                                           const int (&row_head)[2], const int (&row_pos)[2],
-                                           const float (&row_slope)[2]) {
+                                           const int (&row_head)[2], const int (&row_pos)[2]) {
   constexpr float LOG2E = 1.4426950408889634f;
   constexpr float LN2 = 0.6931471805599453f;
   if constexpr (Traits::Q_RESCALED) {
@@ -284,6 +282,11 @@ __device__ __forceinline__ void score_mods(float (&s_acc)[TILE / 8][4], const Ac
     }
   }
   if (mods.use_alibi) {  // -slope (query position - token position)
+    float row_slope[2];  // in log2 units; read each tile (held across the loop, they spilled)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_slope[r] = mods.alibi_slopes[size_t(b) * mods.alibi_batch_stride + row_head[r]] * LOG2E;
+    }
 #pragma unroll
     for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
@@ -564,10 +567,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       named_barrier_sync(Traits::Q_BARRIER, Traits::CONSUMER_WARPS * 32);
     }
     // The modifier variant: the query head and position of the lane's rows g and g + 8 (a row
-    // past `rows` takes row 0's, so that its operand reads stay in bounds: it counts nothing),
-    // ALiBi's slope in log2 units
+    // past `rows` takes row 0's, so that its operand reads stay in bounds: it counts nothing)
     int row_head[2] = {0, 0}, row_pos[2] = {0, 0};
-    float row_slope[2] = {0.f, 0.f};
     if constexpr (Traits::MODDED) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -575,10 +576,6 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const int group_row = first_row + (row < rows ? row : 0);
         row_head[r] = kv_head * kv_group + group_row / t_q;
         row_pos[r] = int(length - t_q) + group_row % t_q;
-        if (mods.use_alibi) {
-          const size_t slope = size_t(b) * mods.alibi_batch_stride + row_head[r];
-          row_slope[r] = mods.alibi_slopes[slope] * LOG2E;
-        }
       }
     }
     for (int t = warp; t < tiles; t += Traits::CONSUMER_WARPS) {
@@ -638,7 +635,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       }
       if constexpr (Traits::MODDED) {
         score_mods<TILE, Traits>(s_acc, frag, mods, pos_of, k_scale_smem + s * TILE, q_unscale, b,
-                           row_head, row_pos, row_slope);
+                           row_head, row_pos);
       }
       // an uncounted token's score is replaced by -inf, never multiplied
       const u32* masks = mask_smem + s * TILE;

@@ -254,6 +254,9 @@ DECODE_GQA_CONSUMERS = 4
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
+# The modifier variant's tiles: at most 32 tokens (a lane's S is TILE / 2 registers; at 64 the
+# modifiers' operands beside it spilled at d16 and d48)
+DECODE_GQA_MODS_MAX_TILE = 32
 ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
@@ -906,6 +909,8 @@ class KernelConfig(_Launch):
                 if fp8
                 else decode_gqa_tile(self.head_dim, self.dtype)
             )
+            if self.mods:
+                tile_n = min(tile_n, DECODE_GQA_MODS_MAX_TILE)
             num_warps = DECODE_GQA_WARPS
             consumers = num_warps - 1
             stages = decode_gqa_stages(tile_n)

@@ -17,6 +17,7 @@ from cuattn.backends import geometry
 from cuattn.backends.dropout import seed_of
 from cuattn.serving import decode
 from cuattn.tools.oracle import kept_attention
+from tests.helpers.launches import record_launches
 from tests.serving import test_decode_special_values as special
 from tests.serving.test_decode_gqa import TOLERANCE, WINDOW, _cache
 
@@ -106,7 +107,7 @@ def test_fp16_past_the_plain_kernels_scale(launched, monkeypatch):
     k, v = (rng.standard_normal((2, 2, 60, 64)) for _ in "kv")
     cache.append((k * 1e-4).astype(np.float16), v.astype(np.float16), lengths=[60, 45])
     q = (1e3 * rng.standard_normal((2, 4, 2, 64))).astype(np.float16)
-    assert float(np.abs(q).max()) * 50 * geometry.DECODE_GQA_LOG2E > np.finfo(np.float16).max
+    assert float(np.abs(q).max()) * 50 * geometry.DECODE_GQA_LOG2E > float(np.finfo(np.float16).max)
     assert geometry.decode_gqa_mods("float16", False, False, 50.0)
     want = kept_attention(cache, q, 50.0)
     for resident_ctas in (1, 64):
@@ -228,7 +229,8 @@ def test_a_minus_inf_key_bias_empties_rows_and_nan_stays_out(launched, monkeypat
 
 
 def test_the_split_kernel_stays_for_what_gqa_lacks(launched, monkeypatch):
-    """fp32 and d256 keep attn_decode_split with modifiers too (the named fallback)."""
+    """fp32 keeps attn_decode_split with modifiers too (the named fallback; d256 likewise:
+    test_decode_gqa.py's route test)."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 4)
     rng = np.random.default_rng(9)
     cache = cuattn.KVCache(1, 1, 64, "float32", page_size=16)
@@ -237,3 +239,68 @@ def test_the_split_kernel_stays_for_what_gqa_lacks(launched, monkeypatch):
     q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
     cuattn.decode_attention(q, cache, backend="interp", softcap=2.0)
     assert launched == SPLIT_LAUNCHES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident_ctas", [1, 256])
+@pytest.mark.parametrize(
+    ("modifier", "dtype", "head_dim", "page_size", "t_q", "group"),
+    [
+        ("all", "bfloat16", 128, 16, 1, 4),
+        ("dropout", "float16", 128, 64, 4, 4),
+        ("key_bias", "bfloat16", 64, 1, 8, 2),
+        ("softcap", "float16", 64, 16, 2, 8),
+    ],
+)
+def test_on_the_gpu(modifier, dtype, head_dim, page_size, t_q, group, resident_ctas, monkeypatch):
+    """The interpreter's modifier cases on a CuPy cache (NaN in every slot the cache does not
+    keep), one split per table or many, against the float64 oracle; the route launched
+    attn_decode_gqa alone. What a GPU run must pass before CUATTN_DECODE=gqa can be the
+    default for modified decodes."""
+    from cuattn.backends.cuda_runtime import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+    import cupy
+
+    from cuattn.backends import cuda
+
+    monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
+    monkeypatch.setattr(decode, "_resident_ctas", lambda impl, d, dt, gqa: resident_ctas)
+    names = record_launches(monkeypatch, cuda.CudaBackend)
+    cache, q = _cache(dtype, head_dim, page_size, t_q, group, seed=5, xp=cupy, prefill=600)
+    rng = np.random.default_rng(6)
+    kwargs, oracle = _modifier(modifier, rng, 2, 2 * group, int(cache.lengths.max()), True)
+    kwargs = {k: cupy.asarray(x) if isinstance(x, np.ndarray) else x for k, x in kwargs.items()}
+    out = cuattn.decode_attention(q, cache, **kwargs)
+    assert names == [geometry.DECODE_GQA_KERNEL]
+    got = cupy.asnumpy(out).astype(np.float64)
+    want = kept_attention(cache, q, head_dim**-0.5, **oracle)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
+
+
+def test_a_callers_page_table_with_modifiers(launched, monkeypatch):
+    """cuattn.paged_decode (positions are the table slots, no slot_pos) with softcap, ALiBi
+    per (batch, head), a per-head key bias and a relative-position table: the modifier variant
+    against test_paged_decode.py's oracle, one split and several."""
+    from tests.serving.test_paged_decode import _assert_close, _case, oracle
+
+    rng = np.random.default_rng(13)
+    q, k, v, table, lens = _case(rng, "bfloat16", heads=8, t_q=3, lens=(70, 33))
+    batch, heads = q.shape[:2]
+    kwargs = dict(
+        softcap=2.0,
+        alibi_slopes=rng.uniform(0.01, 0.2, (batch, heads)).astype(np.float32),
+        key_bias=rng.standard_normal((batch, heads, 80)).astype(np.float32),
+        rel_bias=rng.standard_normal((heads, 2 * 5 + 1)).astype(np.float32),
+    )
+    want, want_lse = oracle(q, k, v, table, lens, 0.3, **{
+        "softcap": 2.0, "slopes": kwargs["alibi_slopes"], "key_bias": kwargs["key_bias"],
+        "rel_bias": kwargs["rel_bias"],
+    })  # fmt: skip
+    for resident_ctas in (1, 16):
+        monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+        out, lse = cuattn.paged_decode(q, k, v, table, lens, 0.3, True, backend="interp", **kwargs)
+        _assert_close(out, want, "bfloat16", lse, want_lse)
+    assert launched == [geometry.DECODE_GQA_KERNEL] * 2

@@ -2,9 +2,11 @@
 // rows of mma.sync m16n8k16, K and V streamed through a ring of shared-memory stages that a
 // producer warp fills while four consumer warps compute.
 //
-// attn_decode_gqa<TILE, HEAD_DIM, T>: grid (splits, kv_heads * row_chunks, batch), 5 warps;
-//   T __half or __nv_bfloat16, no score modifiers (kernels/attn_decode.cu's attn_decode_split
-//   serves those, fp32, and HeavyHitters' per-token scores).
+// attn_decode_gqa<TILE, HEAD_DIM, T, MODS>: grid (splits, kv_heads * row_chunks, batch), 5
+//   warps; T __half or __nv_bfloat16 (kernels/attn_decode.cu's attn_decode_split serves fp32
+//   and d256). MODS (kernels/common/types.cuh ScoreModsFlag): MODS_NONE the plain kernel,
+//   MODS_SCORE the variant with attn_decode_split's score modifiers and HeavyHitters'
+//   per-token scores (below), which also takes fp16 at any scale.
 //   What it computes is attn_decode_split's (see its header): a CTA owns one split of one
 //   (sequence, kv head)'s page table, pages [split * pages_per_split, ...) of its page_count,
 //   walked as table slots (slot f is offset f % page_size of entry f / page_size), and up to
@@ -36,13 +38,38 @@
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
 //   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
 //   stages, reused) and every warp writes rows of the split's answer or partial.
-// attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV>: the same over fp8 pages (KV fp8_e4m3 or fp8_e5m2,
-//   uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the producer
-//   also writes each token's page scales beside its row mask; a consumer widens its stage's
-//   codes into tiles of its own (exact), K to fp16 and V to bf16, before the ldmatrix reads,
-//   computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in
-//   fp16's range), multiplies S's columns by the K scales and P's by the V scales.
-// Special values (docs/design.md §7): as attn_decode_split. An uncounted token's score is
+// attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3 or
+//   fp8_e5m2, uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the
+//   producer also writes each token's page scales beside its row mask; a consumer widens its
+//   stage's codes into tiles of its own (exact), K to fp16 and V to bf16, before the ldmatrix
+//   reads, computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps
+//   it in fp16's range), multiplies S's columns by the K scales and P's by the V scales.
+// The modifier variant (MODS_SCORE) computes attn_decode_split's modified scores (its header:
+//   softcap, ALiBi, key bias, relative-position bias, dropout, and with keep_scores the
+//   per-token scores token_scores [B, H, t_q, max_pages * page_size], -inf where a token did
+//   not count). The producer also writes each token's position beside its row mask; the
+//   consumers read Q's scaled tile from shared memory at each tile's S = Q K^T (ldmatrix)
+//   instead of holding its fragments (the modifiers' registers beside Q, S and O spilled at
+//   the 168 registers of 2 CTAs an SM). Q holds q scale log2(e), so S is s2 = log2(e) s, s the
+//   natural score the modifiers are defined on; each one is applied in log2 units, in
+//   attn_decode_split's order, before the mask:
+//     S unscaled     s2 = acc u: u = 2^-k, the power of two that brought an fp16 Q into range
+//                    (1 for bf16; over fp8 pages, times the token's K scale)
+//     softcap c      c tanh(s / c)  -> s2 = (c log2(e)) tanh(s2 (ln(2) / c))
+//     ALiBi          - slope (query position - position) -> s2 += (slope log2(e)) (position -
+//                    query position), the difference an exact integer in float as the split
+//                    kernel's
+//     key bias       + key_bias[b, (head,) position] -> s2 += log2(e) key_bias[...]
+//     rel bias       + rel_bias[b, head, clamp(position - query position, -M, M) + M], likewise
+//   so exp2(s2 - m2) is the split kernel's exp(s - m); HeavyHitters' score is s2 ln(2). The
+//   operands are read where the token is kept (position >= 0: a zero-filled slot's -1 reads
+//   none; the mask gives it -inf), and a row past the CTA's rows reads row 0's (it counts
+//   nothing). Dropout: each element's keep decision is made at the top of the tile (before S
+//   is live, one generator call at a time) by the split kernel's generator at (b, query head,
+//   query position, position), and applied to P after l_i's sum (l_i and the lse are of every
+//   probability, as the split kernel's).
+// Special values (docs/design.md §7): as attn_decode_split, modifiers included (a -inf bias is
+//   a -inf score; a NaN in an evicted slot meets no probability). An uncounted token's score is
 //   replaced by -inf (probability 0), which still multiplies its v (0 * NaN = NaN, as dense);
 //   a slot holding no kept token is read as zeros; a NaN or +inf counted score makes its row
 //   NaN; a row that counts nothing in a split writes lse -inf and an out the merge multiplies
@@ -50,18 +77,21 @@
 // Shapes: as attn_decode_split's (kernels/attn_decode.cu): q [B, H, t_q, HEAD_DIM] contiguous;
 //   k_pages, v_pages rows page_rows page + token_rows offset + head_rows kv_head, fewer than
 //   2^31; page_table rows at table_batch_stride, table_head_stride; with use_slot_pos slot_pos
-//   int64 [num_pages, page_size] and page_count int32 [B, kv_heads]; lengths int64 [B]; chosen
-//   uint8 [B, H, t_q, max_pages].
+//   int64 [num_pages, page_size] and page_count int32 [B, kv_heads]; lengths int64 [B], and
+//   positions, below 2^31; chosen uint8 [B, H, t_q, max_pages]; the modifiers' operands as
+//   attn_decode_split's.
 // Run: cuattn.decode_attention on a KVCache or cuattn.paged_decode, with CUATTN_DECODE=gqa
-//   (backend "cuda" or "interp"); TILE and the split count come from
-//   cuattn/backends/geometry.py (decode_gqa_tile, decode_gqa_splits).
+//   (backend "cuda" or "interp"); TILE, the split count and the variant come from
+//   cuattn/backends/geometry.py (decode_gqa_tile, decode_gqa_splits, decode_gqa_mods).
 #include "common/decode_cta.cuh"
 #include "common/mbarrier.cuh"
 #include "common/merge_row.cuh"
+#include "common/philox.cuh"
 #include "common/smem.cuh"
 #include "common/warp_gemm.cuh"
+#include "common/warpgroup.cuh"
 
-template <int TILE, int HEAD_DIM, typename T, typename KV = T>
+template <int TILE, int HEAD_DIM, typename T, typename KV = T, int MODS = MODS_NONE>
 struct attn_decode_gqa_traits {
   static constexpr int ROWS = 16;  // query rows per CTA: the M of one mma fragment
   static constexpr int CONSUMER_WARPS = 4;
@@ -109,7 +139,20 @@ struct attn_decode_gqa_traits {
   static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * WIDE_WARP_BYTES : 0;
   // fp16 Q: the largest finite |q scale log2(e)| is brought under 2^QK_MAX_EXPONENT
   static constexpr int QK_MAX_EXPONENT = 15;
-  static constexpr int SMEM_BYTES = BARRIER_BYTES + MASK_BYTES + SCALE_BYTES +
+  // The modifier variant (MODS_SCORE): each stage's token positions (after the scales), which
+  // the consumers' modifiers read; its fp16 Q is scaled into range as over fp8 pages, since
+  // any scale may come with a modifier
+  static constexpr bool MODDED = MODS == MODS_SCORE;
+  static constexpr bool Q_RESCALED = FP8 || (MODDED && is_same_type<QK, __half>::value);
+  static constexpr int POS_BYTES = MODDED ? STAGES * TILE * 4 : 0;
+  // ... and Q, scaled, as a [ROWS][Q_LD] tile that the S GEMM reads by ldmatrix each tile: the
+  // modifiers' registers (positions, operands, tanh, the dropout generator) beside Q's
+  // fragments, S and O spilled at 168 (2 CTAs of 5 warps an SM)
+  static constexpr int Q_LD = SmemStride<QK, HEAD_DIM>::value;
+  static constexpr int Q_BYTES = MODDED ? ROWS * Q_LD * int(sizeof(QK)) : 0;
+  static constexpr int Q_BARRIER = 1;  // the consumers' named barrier: Q's tile is written
+  static constexpr int SMEM_BYTES = BARRIER_BYTES + MASK_BYTES + SCALE_BYTES + POS_BYTES +
+                                    Q_BYTES +
                                     (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) +
                                     WIDE_BYTES;
   static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
@@ -122,6 +165,7 @@ struct attn_decode_gqa_traits {
   static_assert(ROUND_TOKENS % TILE == 0 && ROUND_TOKENS % 32 == 0,
                 "a round is whole tiles, a producer lane's tokens are lane + 32 r");
   static_assert(ROWS <= 32, "a token's row mask is one word");
+  static_assert(TILE / 2 <= 32, "a lane's dropout decisions of a tile are one word");
   static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
   static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
 };
@@ -184,9 +228,116 @@ __device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
   }
 }
 
+// The modifier variant's operands, attn_decode_split's (kernels/attn_decode.cu: softcap > 0 caps,
+// ALiBi's slopes [B, H] at alibi_batch_stride, key_bias at its batch and query-head strides
+// indexed by position, rel_bias [B, H, 2M + 1] at rel_bias_batch_stride, M =
+// rel_max_distance, dropout), and HeavyHitters' token_scores [B, H, t_q, max_pages page_size]
+// with keep_scores. The plain kernel (MODS_NONE) reads none of them.
+struct GqaScoreMods {
+  float* __restrict__ token_scores;
+  float softcap;
+  const float* __restrict__ alibi_slopes;
+  int use_alibi, alibi_batch_stride;
+  const float* __restrict__ key_bias;
+  int use_key_bias;
+  long long key_bias_batch_stride, key_bias_head_stride;
+  const float* __restrict__ rel_bias;
+  int use_rel_bias, rel_bias_batch_stride, rel_max_distance;
+  long long dropout_threshold, dropout_seed;
+  float dropout_scale;
+  const u32* __restrict__ dropout_seed_words;
+  int use_seed_words, keep_scores;
+};
+
+// The modifier variant's scores (header: the arithmetic in log2 units), in place in a
+// consumer's S accumulators before the mask: the score unscaled (Q's power of two and fp8's K
+// scales), then softcap, ALiBi, the key bias and the relative-position bias, in
+// attn_decode_split's order, each flag tested once a tile. pos_of: the tile's token positions
+// (-1: none kept, whose bias is not read: the mask gives it -inf); k_scale_of: its K scales
+// (fp8); row_head, row_pos: the lane's rows' (g, g + 8) query heads and positions.
+template <int TILE, typename Traits>
+__device__ __forceinline__ void score_mods(float (&s_acc)[TILE / 8][4], const AccLayout& frag,
+                                           const GqaScoreMods& mods, const int* pos_of,
+                                           const float* k_scale_of, float q_unscale, int b,
+                                           const int (&row_head)[2], const int (&row_pos)[2]) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  constexpr float LN2 = 0.6931471805599453f;
+  if constexpr (Traits::Q_RESCALED) {
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float unscale = q_unscale;
+        if constexpr (Traits::FP8) unscale = k_scale_of[frag.col(j, e)] * q_unscale;
+        s_acc[j][e] *= unscale;
+      }
+    }
+  }
+  if (mods.softcap > 0.f) {  // Gemma 2's capped score: c tanh(s / c)
+    const float cap_in = LN2 / mods.softcap, cap_out = mods.softcap * LOG2E;
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[j][e] = cap_out * tanhf(s_acc[j][e] * cap_in);
+    }
+  }
+  if (mods.use_alibi) {  // -slope (query position - token position)
+    float row_slope[2];  // in log2 units; read each tile (held across the loop, they spilled)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_slope[r] = mods.alibi_slopes[size_t(b) * mods.alibi_batch_stride + row_head[r]] * LOG2E;
+    }
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos_of[frag.col(j, e)];
+        s_acc[j][e] += row_slope[e / 2] * float(pos - row_pos[e / 2]);
+      }
+    }
+  }
+  if (mods.use_key_bias) {  // key_bias[b, (head,) position]
+    const float* bias_of[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      bias_of[r] = mods.key_bias + b * mods.key_bias_batch_stride +
+                   row_head[r] * mods.key_bias_head_stride;
+    }
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos_of[frag.col(j, e)];
+        if (pos >= 0) s_acc[j][e] = fmaf(bias_of[e / 2][pos], LOG2E, s_acc[j][e]);
+      }
+    }
+  }
+  if (mods.use_rel_bias) {  // rel_bias[b, head, clamp(position - query position, -M, M) + M]
+    const int reach = mods.rel_max_distance;
+    const float* table_of[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      table_of[r] = mods.rel_bias + size_t(b) * mods.rel_bias_batch_stride +
+                    size_t(row_head[r]) * (2 * reach + 1);
+    }
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos_of[frag.col(j, e)];
+        if (pos >= 0) {
+          const int rel = pos - row_pos[e / 2];
+          const int column = rel < -reach ? 0 : rel > reach ? 2 * reach : rel + reach;
+          s_acc[j][e] = fmaf(table_of[e / 2][column], LOG2E, s_acc[j][e]);
+        }
+      }
+    }
+  }
+}
+
 // The kernel's body, for pages of KV: T (attn_decode_gqa) or fp8 codes whose page scales are
-// k_scale and v_scale (attn_decode_gqa_fp8; nullptr otherwise).
-template <int TILE, int HEAD_DIM, typename T, typename KV>
+// k_scale and v_scale (attn_decode_gqa_fp8; nullptr otherwise); MODS_SCORE applies `mods`.
+template <int TILE, int HEAD_DIM, typename T, typename KV, int MODS>
 __device__ __forceinline__ void attn_decode_gqa_body(
     const T* __restrict__ q, const KV* __restrict__ k_pages, const KV* __restrict__ v_pages,
     const long long* __restrict__ slot_pos, const int* __restrict__ page_table,
@@ -196,8 +347,9 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     int* __restrict__ tickets, int heads, int kv_heads, int t_q, int page_size, int max_pages,
     int table_batch_stride, int table_head_stride, int page_rows, int token_rows, int head_rows,
     int use_slot_pos, int splits, int pages_per_split, float scale, int use_chosen,
-    const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
-  using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>;
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    const GqaScoreMods& mods) {
+  using Traits = attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV, MODS>;
   constexpr bool FP8 = Traits::FP8;
   constexpr int ROWS = Traits::ROWS;
   constexpr int STAGES = Traits::STAGES;
@@ -222,8 +374,13 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
   float* k_scale_smem = reinterpret_cast<float*>(mask_smem + STAGES * TILE);  // fp8 only
   float* v_scale_smem = k_scale_smem + STAGES * TILE;
+  int* pos_smem = reinterpret_cast<int*>(  // the modifier variant only
+      reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) + Traits::SCALE_BYTES);
+  using QK = typename Traits::QK;
+  QK* q_smem = reinterpret_cast<QK*>(  // the modifier variant only
+      reinterpret_cast<unsigned char*>(pos_smem) + Traits::POS_BYTES);
   KV* ring = reinterpret_cast<KV*>(reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) +
-                                   Traits::SCALE_BYTES);
+                                   Traits::SCALE_BYTES + Traits::POS_BYTES + Traits::Q_BYTES);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full[s], Traits::FULL_ARRIVALS);
@@ -329,6 +486,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
               k_scale_smem[s * TILE + token] = now.k_scale[r];
               v_scale_smem[s * TILE + token] = now.v_scale[r];
             }
+            if constexpr (Traits::MODDED) pos_smem[s * TILE + token] = int(now.pos[r]);
           }
         }
         KV* k_tile = ring + s * Traits::STAGE_ELEMS;
@@ -357,18 +515,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   } else {
     // Q's A fragments: reg r of k-step ks holds row g + 8 (r % 2), columns 16 ks + 2 t + 8 (r / 2)
     // and the next (ptx.cuh), rows past `rows` zero.
-    using QK = typename Traits::QK;
     float q_scale = scale * LOG2E;
-    // fp8 pages (fp16 Q): q_scale also takes a power of two that keeps the CTA's largest finite
-    // |q q_scale| under 2^15, so none overflows fp16 (1 where none would); S's K scales take its
-    // inverse, q_unscale. An inf or NaN element stays what it is.
+    // fp16 Q over fp8 pages or with modifiers (Q_RESCALED): q_scale also takes a power of two
+    // that keeps the CTA's largest finite |q q_scale| under 2^15, so none overflows fp16 (1
+    // where none would: the plain fp16 kernel runs only where |scale log2(e)| <= 1 keeps q in
+    // range, geometry.decode_gqa_applies); S takes its inverse, q_unscale (fp8: with the K
+    // scales). An inf or NaN element stays what it is.
     float q_unscale = 1.f;
     auto q_at = [&](int ks, int r, int half) {
       const int row = frag.g + 8 * (r % 2);
       const int col = 16 * ks + 2 * frag.t + 8 * (r / 2) + half;
       return row < rows ? to_float(q[(first_q_row + row) * HEAD_DIM + col]) * q_scale : 0.f;
     };
-    if constexpr (FP8) {
+    if constexpr (Traits::Q_RESCALED) {
       float q_max = 0.f;
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
@@ -394,9 +553,51 @@ __device__ __forceinline__ void attn_decode_gqa_body(
 #pragma unroll
       for (int r = 0; r < 4; ++r) q_frag[ks][r] = pack_pair<QK>(q_at(ks, r, 0), q_at(ks, r, 1));
     }
+    if constexpr (Traits::MODDED) {  // Q's tile, from consumer 0's fragments (all alike)
+      if (warp == 0) {
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int row = frag.g + 8 * (r % 2), col = 16 * ks + 2 * frag.t + 8 * (r / 2);
+            *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) = q_frag[ks][r];
+          }
+        }
+      }
+      named_barrier_sync(Traits::Q_BARRIER, Traits::CONSUMER_WARPS * 32);
+    }
+    // The modifier variant: the query head and position of the lane's rows g and g + 8 (a row
+    // past `rows` takes row 0's, so that its operand reads stay in bounds: it counts nothing)
+    int row_head[2] = {0, 0}, row_pos[2] = {0, 0};
+    if constexpr (Traits::MODDED) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = frag.g + 8 * r;
+        const int group_row = first_row + (row < rows ? row : 0);
+        row_head[r] = kv_head * kv_group + group_row / t_q;
+        row_pos[r] = int(length - t_q) + group_row % t_q;
+      }
+    }
     for (int t = warp; t < tiles; t += Traits::CONSUMER_WARPS) {
       const int s = t % STAGES;
       mbarrier_wait_parity(&full[s], unsigned(t / STAGES & 1));
+      const int* pos_of = pos_smem + s * TILE;  // the modifier variant's token positions
+      // Dropout's decisions for the lane's TILE / 2 elements, bit 4 j + e: made before S is
+      // live and a generator call at a time (its state beside S, Q and O, or unrolled, spilled)
+      u32 kept = 0u;
+      if constexpr (Traits::MODDED) {
+        const Dropout dropout = Dropout::make(mods.dropout_threshold, mods.dropout_seed,
+                                              mods.dropout_seed_words, mods.use_seed_words,
+                                              mods.dropout_scale);
+        if (dropout.on()) {
+#pragma unroll 1
+          for (int i = 0; i < TILE / 2; ++i) {
+            const int r = i % 4 / 2;  // element e = i % 4 of n-tile j = i / 4
+            const int head = r ? row_head[1] : row_head[0], pos = r ? row_pos[1] : row_pos[0];
+            kept |= u32(dropout_keeps(dropout, b, head, pos, pos_of[frag.col(i / 4, i % 4)])) << i;
+          }
+        }
+      }
       const QK* k_tile;
       const T* v_tile;
       int tile_ld;
@@ -427,7 +628,15 @@ __device__ __forceinline__ void attn_decode_gqa_body(
 #pragma unroll
         for (int e = 0; e < 4; ++e) s_acc[j][e] = 0.f;
       }
-      warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, tile_ld);
+      if constexpr (Traits::MODDED) {
+        warp_gemm_rs_nk<TILE, HEAD_DIM>(s_acc, q_smem, Traits::Q_LD, k_tile, tile_ld);
+      } else {
+        warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, tile_ld);
+      }
+      if constexpr (Traits::MODDED) {
+        score_mods<TILE, Traits>(s_acc, frag, mods, pos_of, k_scale_smem + s * TILE, q_unscale, b,
+                           row_head, row_pos);
+      }
       // an uncounted token's score is replaced by -inf, never multiplied
       const u32* masks = mask_smem + s * TILE;
       float m_tile[2] = {-INFINITY, -INFINITY};
@@ -436,8 +645,9 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         const u32 words[2] = {masks[frag.pair_col(j)], masks[frag.pair_col(j) + 1]};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          // fp8: q.code times the token's K scale (and q_unscale) is the score
-          if constexpr (FP8) {
+          // fp8: q.code times the token's K scale (and q_unscale) is the score (the modifier
+          // variant's score_mods did that)
+          if constexpr (FP8 && !Traits::MODDED) {
             s_acc[j][e] *= k_scale_smem[s * TILE + frag.pair_col(j) + e % 2] * q_unscale;
           }
           const u32 word = words[e % 2] >> frag.g;
@@ -445,6 +655,22 @@ __device__ __forceinline__ void attn_decode_gqa_body(
           s_acc[j][e] = counts ? s_acc[j][e] : -INFINITY;
           // fmaxf drops a NaN score from the max; its probability below is NaN all the same
           m_tile[e / 2] = fmaxf(m_tile[e / 2], s_acc[j][e]);
+        }
+      }
+      if constexpr (Traits::MODDED) {
+        if (mods.keep_scores) {  // HeavyHitters': the natural score, -inf where it did not count
+          const size_t tokens_per_row = size_t(max_pages) * page_size;
+#pragma unroll
+          for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int slot = slot_lo + t * TILE + frag.col(j, e);
+              if (frag.row(e) < rows && slot < slot_hi) {
+                mods.token_scores[(first_q_row + frag.row(e)) * tokens_per_row + slot] =
+                    s_acc[j][e] * LN2;
+              }
+            }
+          }
         }
       }
       float base[2], correction[2];
@@ -467,6 +693,17 @@ __device__ __forceinline__ void attn_decode_gqa_body(
           // fp8: P.V multiplies the V codes, so a probability takes its token's V scale (a
           // power of two: exact in the bf16 P too)
           if constexpr (FP8) s_acc[j][e] *= v_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
+        }
+      }
+      if constexpr (Traits::MODDED) {  // l_i is of every probability, dropped or not
+        if (u32(mods.dropout_threshold) != 0u) {
+#pragma unroll
+          for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s_acc[j][e] = (kept >> (4 * j + e) & 1u) ? s_acc[j][e] * mods.dropout_scale : 0.f;
+            }
+          }
         }
       }
 #pragma unroll
@@ -555,9 +792,28 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   }
 }
 
-template <int TILE, int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM_THREADS,
-                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T>::MIN_CTAS_PER_SM)
+// The score modifiers and HeavyHitters' scores (GqaScoreMods), after every argument the plain
+// kernel (MODS_NONE) reads, which ignores them.
+#define CUATTN_GQA_SCORE_MOD_PARAMS                                                        \
+  float* __restrict__ token_scores, float softcap, const float* __restrict__ alibi_slopes,    \
+      int use_alibi, int alibi_batch_stride, const float* __restrict__ key_bias,              \
+      int use_key_bias, long long key_bias_batch_stride, long long key_bias_head_stride,      \
+      const float* __restrict__ rel_bias, int use_rel_bias, int rel_bias_batch_stride,        \
+      int rel_max_distance, long long dropout_threshold, long long dropout_seed,              \
+      float dropout_scale, const u32* __restrict__ dropout_seed_words, int use_seed_words,    \
+      int keep_scores
+#define CUATTN_GQA_SCORE_MODS                                                                 \
+  GqaScoreMods {                                                                              \
+    token_scores, softcap, alibi_slopes, use_alibi, alibi_batch_stride, key_bias,             \
+        use_key_bias, key_bias_batch_stride, key_bias_head_stride, rel_bias, use_rel_bias,    \
+        rel_bias_batch_stride, rel_max_distance, dropout_threshold, dropout_seed,             \
+        dropout_scale, dropout_seed_words, use_seed_words, keep_scores                        \
+  }
+
+template <int TILE, int HEAD_DIM, typename T, int MODS>
+__global__ void __launch_bounds__(
+    attn_decode_gqa_traits<TILE, HEAD_DIM, T, T, MODS>::NUM_THREADS,
+    attn_decode_gqa_traits<TILE, HEAD_DIM, T, T, MODS>::MIN_CTAS_PER_SM)
     attn_decode_gqa(const T* __restrict__ q, const T* __restrict__ k_pages,
                     const T* __restrict__ v_pages, const long long* __restrict__ slot_pos,
                     const int* __restrict__ page_table, const int* __restrict__ page_count,
@@ -567,23 +823,24 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T>::NUM
                     int heads, int kv_heads, int t_q, int page_size, int max_pages,
                     int table_batch_stride, int table_head_stride, int page_rows, int token_rows,
                     int head_rows, int use_slot_pos, int splits, int pages_per_split, float scale,
-                    int use_chosen) {
-  attn_decode_gqa_body<TILE, HEAD_DIM, T, T>(
+                    int use_chosen, CUATTN_GQA_SCORE_MOD_PARAMS) {
+  attn_decode_gqa_body<TILE, HEAD_DIM, T, T, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
       out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
       table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
-      scale, use_chosen, nullptr, nullptr);
+      scale, use_chosen, nullptr, nullptr, CUATTN_GQA_SCORE_MODS);
 }
 
 // attn_decode_gqa over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out bf16): the producer copies
 // the codes (half the bytes) and each token's page scales (k_scale / v_scale float32
 // [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K codes to fp16 and
 // the V codes to T in tiles of its own (exact), multiplies each score by its token's K scale
-// before the mask and each probability by its V scale after l_i's sum, and computes on tensor
-// cores as attn_decode_gqa (Q K^T in fp16).
-template <int TILE, int HEAD_DIM, typename T, typename KV>
-__global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::NUM_THREADS,
-                                  attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>::MIN_CTAS_PER_SM)
+// before the mask (and every modifier) and each probability by its V scale after l_i's sum,
+// and computes on tensor cores as attn_decode_gqa (Q K^T in fp16).
+template <int TILE, int HEAD_DIM, typename T, typename KV, int MODS>
+__global__ void __launch_bounds__(
+    attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV, MODS>::NUM_THREADS,
+    attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV, MODS>::MIN_CTAS_PER_SM)
     attn_decode_gqa_fp8(const T* __restrict__ q, const KV* __restrict__ k_pages,
                         const KV* __restrict__ v_pages, const long long* __restrict__ slot_pos,
                         const int* __restrict__ page_table, const int* __restrict__ page_count,
@@ -595,11 +852,14 @@ __global__ void __launch_bounds__(attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV>:
                         int page_rows, int token_rows, int head_rows, int use_slot_pos,
                         int splits, int pages_per_split, float scale,
                         int use_chosen, const float* __restrict__ k_scale,
-                        const float* __restrict__ v_scale) {
+                        const float* __restrict__ v_scale, CUATTN_GQA_SCORE_MOD_PARAMS) {
   static_assert(is_fp8_type<KV>::value, "the fp8 tensor-core decode reads fp8 pages");
-  attn_decode_gqa_body<TILE, HEAD_DIM, T, KV>(
+  attn_decode_gqa_body<TILE, HEAD_DIM, T, KV, MODS>(
       q, k_pages, v_pages, slot_pos, page_table, page_count, lengths, chosen, part_out, part_lse,
       out, lse, tickets, heads, kv_heads, t_q, page_size, max_pages, table_batch_stride,
       table_head_stride, page_rows, token_rows, head_rows, use_slot_pos, splits, pages_per_split,
-      scale, use_chosen, k_scale, v_scale);
+      scale, use_chosen, k_scale, v_scale, CUATTN_GQA_SCORE_MODS);
 }
+
+#undef CUATTN_GQA_SCORE_MOD_PARAMS
+#undef CUATTN_GQA_SCORE_MODS

@@ -251,8 +251,7 @@ def paged_row(full_row, cache, q, context, kind, args, sync, backend):
 def decode_kernel(head_dim: int, dtype: str) -> str:
     """The kernel decode_attention's route takes for a decode with no policy scores
     (kernel_ms); ``dtype``: the pages' (an fp8 one with a bf16 q)."""
-    scale = head_dim**-0.5
-    gqa = geometry.decode_gqa_applies(head_dim, dtype, False, False, scale)
+    gqa = geometry.decode_gqa_applies(head_dim, dtype)
     if dtype in geometry.KV_DTYPES:
         return geometry.DECODE_GQA_FP8_KERNEL if gqa else geometry.DECODE_FP8_KERNEL
     return geometry.DECODE_GQA_KERNEL if gqa else "attn_decode_split"

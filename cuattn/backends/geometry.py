@@ -238,8 +238,6 @@ DECODE_KERNELS = ("attn_decode_split", "attn_decode_split_fp8")
 # attn_decode_split over fp8 pages: templated on <TILE, ROWS, HEAD_DIM, T, KV, MODS>, its tile
 # sized by the codes' bytes, and two more arguments, the pages' float32 scales
 DECODE_FP8_KERNEL = "attn_decode_split_fp8"
-# The kernels with a score-modifier variant (a last template flag, CXX_MODS).
-MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS
 DECODE_WARPS = 4
 DECODE_TILE_BYTES = 16 * 1024
 DECODE_MIN_TILE = 16  # 4 tokens per warp: 8 lanes split a token's head dim
@@ -259,10 +257,11 @@ DECODE_MASS_THREADS = 128
 DECODE_REGISTERS_ASSUMED = 240
 
 # The tensor-core decode (kernels/attn_decode_gqa.cu),
-# templated on <TILE, HEAD_DIM, T>: a producer warp streams tiles of TILE tokens' K and V through
-# decode_gqa_stages shared-memory stages (a consumer warp's per tile of a producer round) while 4
-# consumer warps compute 16 query rows of a kv group (the M of mma.sync m16n8k16) against them.
-# fp16/bf16, no score modifiers, no per-token scores (HeavyHitters): those keep attn_decode_split.
+# templated on <TILE, HEAD_DIM, T, MODS>: a producer warp streams tiles of TILE tokens' K and V
+# through decode_gqa_stages shared-memory stages (a consumer warp's per tile of a producer round)
+# while 4 consumer warps compute 16 query rows of a kv group (the M of mma.sync m16n8k16) against
+# them. fp16/bf16 (fp32 and d256 keep attn_decode_split); its MODS_SCORE variant takes the score
+# modifiers, HeavyHitters' per-token scores and fp16 at any scale (decode_gqa_mods).
 # Opt-in: it has not run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the
 # default ("split") never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
@@ -273,6 +272,8 @@ DECODE_GQA_KERNEL = "attn_decode_gqa"
 DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
 DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
 DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
+# The kernels with a score-modifier variant (a last template flag, CXX_MODS).
+MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS + DECODE_GQA_KERNELS
 DECODE_GQA_ROWS = 16
 DECODE_GQA_WARPS = 5  # 4 consumers and the producer
 # Stages: one per consumer warp and tile of a producer round (decode_gqa_stages)
@@ -280,6 +281,9 @@ DECODE_GQA_CONSUMERS = 4
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
+# The modifier variant's tiles: at most 32 tokens (a lane's S is TILE / 2 registers; at 64 the
+# modifiers' operands beside it spilled at d16 and d48)
+DECODE_GQA_MODS_MAX_TILE = 32
 ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
 DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
@@ -464,6 +468,16 @@ _DECODE_SIZE_ARGS = (
     ("pages_per_split", "i32"),
     ("scale", "f32"),
 )
+# The tensor-core decode kernels' last arguments, read by their MODS_SCORE variant only (after
+# every argument of the plain one): HeavyHitters' per-token scores, the modifiers, and whether
+# to write the scores
+_DECODE_GQA_MOD_ARGS = (
+    ("token_scores", "ptr"),
+    ("softcap", "f32"),
+    *_SCORE_OPERAND_ARGS,
+    *_DROPOUT_ARGS,
+    ("keep_scores", "i32"),
+)
 # What both sm_90a forwards take first ("tmap": a TMA tensor map of the named array, its columns
 # starting at the "_col" argument)
 _SM90_FWD_ARGS = (
@@ -607,6 +621,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tickets", "ptr"),  # int32 [batch, kv_heads x row chunks], zeros: counts splits done
         *_DECODE_SIZE_ARGS,
         ("use_chosen", "i32"),
+        *_DECODE_GQA_MOD_ARGS,
     ),
     DECODE_GQA_FP8_KERNEL: (
         *_DECODE_CACHE_ARGS,
@@ -617,6 +632,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("use_chosen", "i32"),
         ("k_scale", "ptr"),  # float32 [num_pages]: each page's K scale
         ("v_scale", "ptr"),
+        *_DECODE_GQA_MOD_ARGS,
     ),
     "attn_decode_merge": (
         ("part_out", "ptr"),
@@ -1029,7 +1045,7 @@ class KernelConfig(_Launch):
         elif self.kernel in DECODE_GQA_KERNELS:
             # grid as attn_decode_split's; [barriers][row masks][stages], the final merge of the
             # consumers' (O, m, l) rows reusing the stages
-            assert self.block is None and self.rule is None and not self.mods
+            assert self.block is None and self.rule is None
             assert decode_gqa_supports(self.head_dim, self.dtype), self
             tile_m = DECODE_GQA_ROWS
             tile_n = (
@@ -1037,11 +1053,16 @@ class KernelConfig(_Launch):
                 if fp8
                 else decode_gqa_tile(self.head_dim, self.dtype)
             )
+            if self.mods:
+                tile_n = min(tile_n, DECODE_GQA_MODS_MAX_TILE)
             num_warps = DECODE_GQA_WARPS
             consumers = num_warps - 1
             stages = decode_gqa_stages(tile_n)
             barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
             masks = stages * tile_n * 4
+            if self.mods:  # the modifier variant: a token position beside each row mask, Q
+                masks += stages * tile_n * 4
+                masks += tile_m * _smem_stride(self.head_dim, ITEMSIZE["float16"]) * 2
             ring = stages * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
@@ -1196,18 +1217,26 @@ class KernelConfig(_Launch):
             kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else cxx
             return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel in (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL):
-            return f"{DECODE_GQA_KERNEL}_traits<{self._decode_gqa_args}>"
+            return f"{DECODE_GQA_KERNEL}_traits<{self._decode_gqa_traits_args}>"
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
     def _decode_gqa_args(self) -> str:
-        """The tensor-core decode kernels' template arguments (their traits' too): tile, head
-        dim, q's type, and the pages' fp8 type for attn_decode_gqa_fp8."""
+        """The tensor-core decode kernels' template arguments: tile, head dim, q's type, the
+        pages' fp8 type for attn_decode_gqa_fp8, the modifier flag."""
         args = f"{self.tile_n}, {self.head_dim}, {CXX_TYPE[self.dtype]}"
-        if self.kernel != DECODE_GQA_FP8_KERNEL:
-            return args
-        assert self.kv_dtype is not None
-        return f"{args}, {KV_CXX_TYPE[self.kv_dtype]}"
+        if self.kernel == DECODE_GQA_FP8_KERNEL:
+            assert self.kv_dtype is not None
+            args = f"{args}, {KV_CXX_TYPE[self.kv_dtype]}"
+        return f"{args}, {CXX_MODS[self.mods]}"
+
+    @property
+    def _decode_gqa_traits_args(self) -> str:
+        """attn_decode_gqa_traits' arguments: tile, head dim, q's type, the pages' type (q's,
+        or fp8), the modifier flag."""
+        kv = KV_CXX_TYPE[self.kv_dtype] if self.kv_dtype else CXX_TYPE[self.dtype]
+        tile = f"{self.tile_n}, {self.head_dim}, {CXX_TYPE[self.dtype]}"
+        return f"{tile}, {kv}, {CXX_MODS[self.mods]}"
 
     @property
     def _tile_args(self) -> str:
@@ -1833,18 +1862,22 @@ def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
     return head_dim in DECODE_GQA_HEAD_DIMS and dtype in DECODE_GQA_DTYPES + KV_DTYPES
 
 
-def decode_gqa_applies(
-    head_dim: int, dtype: str, mods: bool, keep_scores: bool, scale: float
-) -> bool:
-    """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa), an instantiation
-    exists, no score modifier, no per-token scores (HeavyHitters), and in fp16 a ``scale`` with
-    |scale| log2(e) <= 1 (the kernel holds q scale log2(e) in q's type: so it stays within
-    fp16's range wherever q is). Otherwise, and by default, attn_decode_split (the named
-    fallback)."""
+def decode_gqa_applies(head_dim: int, dtype: str) -> bool:
+    """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa) and an
+    instantiation exists (fp16/bf16 q, fp8 pages under a bf16 q, DECODE_GQA_HEAD_DIMS), with
+    any score modifier, HeavyHitters' per-token scores and any scale (decode_gqa_mods says which
+    variant). Otherwise, and by default, attn_decode_split (the named fallback: fp32, d256)."""
     wanted = decode_family() == DECODE_GQA_FAMILY
+    return wanted and decode_gqa_supports(head_dim, dtype)
+
+
+def decode_gqa_mods(dtype: str, mods: bool, keep_scores: bool, scale: float) -> bool:
+    """Whether attn_decode_gqa runs its MODS_SCORE variant for q of ``dtype``: with a score
+    modifier, with HeavyHitters' per-token scores, and in fp16 for a ``scale`` with
+    |scale| log2(e) > 1 (the plain kernel holds q scale log2(e) in fp16, which such a scale
+    could overflow; the variant scales Q by a power of two into range and S back)."""
     in_range = dtype != "float16" or abs(scale) * DECODE_GQA_LOG2E <= 1.0
-    plain = not mods and not keep_scores
-    return wanted and decode_gqa_supports(head_dim, dtype) and plain and in_range
+    return mods or keep_scores or not in_range
 
 
 def decode_gqa_tile(head_dim: int, dtype: str) -> int:
@@ -1921,18 +1954,21 @@ def decode_fp8_configs() -> list[KernelConfig]:
 
 
 def decode_gqa_configs() -> list[KernelConfig]:
-    """One config per attn_decode_gqa instantiation (head dims x dtypes). Kept out of
-    all_configs, as the sm_90a forward is: the opt-in kernel's libraries are built by its own
-    tests (tests/serving/test_decode_gqa.py), and the compile check lists it itself."""
+    """One config per attn_decode_gqa instantiation (head dims x dtypes x the modifier flag).
+    Kept out of all_configs, as the sm_90a forward is: the opt-in kernel's libraries are built
+    by its own tests (tests/serving/test_decode_gqa*.py), and the compile check lists it
+    itself."""
     return [
         *[
-            KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
-            for head_dim, dtype in itertools.product(DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES)
+            KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype, mods=mods)
+            for head_dim, dtype, mods in itertools.product(
+                DECODE_GQA_HEAD_DIMS, DECODE_GQA_DTYPES, CXX_MODS
+            )
         ],
         *[
-            KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, dtype, kv_dtype=kv_dtype)
-            for head_dim, dtype, kv_dtype in itertools.product(
-                DECODE_GQA_HEAD_DIMS, DECODE_GQA_FP8_Q_DTYPES, KV_DTYPES
+            KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, dtype, mods=mods, kv_dtype=kv_dtype)
+            for head_dim, dtype, kv_dtype, mods in itertools.product(
+                DECODE_GQA_HEAD_DIMS, DECODE_GQA_FP8_Q_DTYPES, KV_DTYPES, CXX_MODS
             )
         ],
     ]

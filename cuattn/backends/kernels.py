@@ -1203,7 +1203,8 @@ class KernelBackend:
     ) -> tuple[Any, Any, Any | None]:
         """Split-KV decode over a paged cache (kernels/attn_decode.cu, then the splits' merge in
         kernels/merge_states.cu; or with ``gqa`` the tensor-core kernels/attn_decode_gqa.cu,
-        where geometry.decode_gqa_applies, which merges its splits itself): (out like q, lse
+        where geometry.decode_gqa_applies, which merges its splits itself, in its modifier
+        variant where geometry.decode_gqa_mods): (out like q, lse
         float32 [B, H, t_q], and with keep_scores the per-token scores [B, H, t_q, max_pages *
         page_size], -inf where a token did not count, written for the slots below each table's
         page count and not past them). The call's scale and score modifiers: softcap, ALiBi
@@ -1369,14 +1370,15 @@ class KernelBackend:
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
         xp = self.xp
-        if gqa and not geometry.decode_gqa_applies(head_dim, dtype, mods.any, keep_scores, scale):
+        if gqa and not geometry.decode_gqa_applies(head_dim, dtype):
             raise ValueError(
-                f"gqa: attn_decode_gqa does not apply to head_dim {head_dim}, dtype {dtype}, "
-                f"score modifiers {mods.any}, per-token scores {keep_scores}, scale {scale}; it "
-                f"takes head dims {geometry.DECODE_GQA_HEAD_DIMS}, "
-                f"{geometry.DECODE_GQA_DTYPES}, no modifiers, no scores, in fp16 a scale of at "
-                f"most 1 / log2(e), with {geometry.DECODE_ENV}={geometry.DECODE_GQA_FAMILY}"
+                f"gqa: attn_decode_gqa does not apply to head_dim {head_dim}, dtype {dtype}; it "
+                f"takes head dims {geometry.DECODE_GQA_HEAD_DIMS} and "
+                f"{geometry.DECODE_GQA_DTYPES} (every score modifier, per-token scores and "
+                f"scale), with {geometry.DECODE_ENV}={geometry.DECODE_GQA_FAMILY}"
             )
+        # the tensor-core kernel's modifier variant: modifiers, scores, an fp16 q's large scale
+        gqa_mods = gqa and geometry.decode_gqa_mods(dtype, mods.any, keep_scores, scale)
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)  # a few rows per sequence; the kernel reads them once
             self._check_alignment(arrays)
@@ -1434,7 +1436,7 @@ class KernelBackend:
                 batch=batch,
                 heads=kv_heads * chunks,
                 n_rows=splits,
-                mods=False if gqa else mods.any,
+                mods=gqa_mods if gqa else mods.any,
                 kv_dtype=None if fp8 is None else fp8[2],
             )
             if gqa:
@@ -1445,6 +1447,9 @@ class KernelBackend:
                     lse=lse,
                     # the last CTA of a (sequence, kv head, row chunk) merges its splits
                     tickets=xp.zeros((batch, kv_heads * chunks), xp.int32),
+                    token_scores=scores,
+                    **self._score_values(call),
+                    keep_scores=int(keep_scores),
                 )
             else:
                 self.launch(

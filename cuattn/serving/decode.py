@@ -17,8 +17,8 @@ Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decod
 splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
 ``backend="interp"`` on the CPU; with CUATTN_DECODE=gqa the tensor-core kernel
 (kernels/attn_decode_gqa.cu, which merges its own splits) takes the decodes it applies to
-(geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, no score modifier, no HeavyHitters
-scores), opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
+(geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, modifiers and HeavyHitters too),
+opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
 on the cache's device from the per-page key bounds (kernels/quest_select.cu in one launch on the
 interpreter, and on a GPU with CUATTN_QUEST=kernel; the array library's operations otherwise);
@@ -208,10 +208,7 @@ def kernel_call(
     run: (out, lse, per-token scores or None). No policy work: kernel_decode adds that. The
     kernel route: attn_decode_gqa where CUATTN_DECODE=gqa asks for it and it applies
     (geometry.decode_gqa_applies), attn_decode_split otherwise."""
-    mods = call.mods
-    gqa = geometry.decode_gqa_applies(
-        cache.head_dim, cache.dtype, mods.any, keep_scores, call.scale
-    )
+    gqa = geometry.decode_gqa_applies(cache.head_dim, cache.dtype)
     table, count = cache.device_tables()
     # fp8 pages: their codes, their pages' scales
     fp8 = (cache.k_scale, cache.v_scale, cache.dtype) if cache.quantized else None

@@ -383,7 +383,7 @@ def paged_decode(
             lse = xp.full((batch, heads, t_q), -np.inf, dtype=xp.float32)
         else:
             dtype = kv_dtype or dtype_name(qb.dtype)  # an fp8 kernel's geometry: its pages'
-            gqa = geometry.decode_gqa_applies(head_dim, dtype, mods.any, False, scale)
+            gqa = geometry.decode_gqa_applies(head_dim, dtype)
             lengths = xp.asarray(arrays["seq_lens"], dtype=xp.int64)
             if trusted:  # the kernels then never walk past a table row
                 lengths = xp.clip(lengths, 0, max_blocks * block_size)

@@ -383,15 +383,16 @@ def test_tensor_core_kernel_keeps_large_queries_in_fp16_range(name, launched, mo
     assert launched == [geometry.DECODE_GQA_FP8_KERNEL] * 2
 
 
-def test_fp16_queries_and_modifiers_keep_the_split_kernel(launched, monkeypatch):
-    """attn_decode_gqa_fp8 takes bf16 q without modifiers; fp16 q (a probability times a small
-    V scale could leave fp16's range) and a softcap go to attn_decode_split_fp8."""
+def test_fp16_queries_keep_the_split_kernel(launched, monkeypatch):
+    """attn_decode_gqa_fp8 takes bf16 q (with modifiers too: its modifier variant); fp16 q (a
+    probability times a small V scale could leave fp16's range) goes to attn_decode_split_fp8."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
     cache, q = _gqa_cache("float8_e5m2", 64, 16, 1, 2, seed=5)
     fp16_q = np.asarray(q).astype(np.float16)
     _close(cuattn.decode_attention(fp16_q, cache, backend="interp"), kept_attention(cache, fp16_q))
+    assert launched == [geometry.DECODE_FP8_KERNEL, "attn_decode_merge"]
     cuattn.decode_attention(q, cache, backend="interp", softcap=30.0)
-    assert launched == [geometry.DECODE_FP8_KERNEL, "attn_decode_merge"] * 2
+    assert launched[2:] == [geometry.DECODE_GQA_FP8_KERNEL]
 
 
 def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
@@ -404,7 +405,7 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
         c for c in geometry.decode_gqa_configs() if c.kernel == geometry.DECODE_GQA_FP8_KERNEL
     ]
     configs = [*geometry.decode_fp8_configs(), *fp8_gqa]
-    assert len(configs) == 64 + 14
+    assert len(configs) == 64 + 28  # the tensor-core kernel's with and without modifiers
     for config in configs:
         assert config.name_expression in names
         if config.head_dim not in (64, 128) or config.dtype != "bfloat16":

@@ -165,16 +165,19 @@ def test_rows_with_nothing_to_attend_and_stale_slots(launched, monkeypatch):
 
 def test_the_route_keeps_the_split_kernel_by_default_and_for_what_gqa_lacks(monkeypatch):
     assert geometry.decode_family() == geometry.DECODE_SPLIT_FAMILY
-    assert not geometry.decode_gqa_applies(128, "bfloat16", False, False, 0.1)
+    assert not geometry.decode_gqa_applies(128, "bfloat16")
     monkeypatch.setenv(geometry.DECODE_ENV, geometry.DECODE_GQA_FAMILY)
-    assert geometry.decode_gqa_applies(128, "bfloat16", False, False, 0.1)
-    assert not geometry.decode_gqa_applies(128, "float32", False, False, 0.1)  # fp32
-    assert not geometry.decode_gqa_applies(256, "float16", False, False, 0.1)  # no instantiation
-    assert not geometry.decode_gqa_applies(64, "float16", True, False, 0.1)  # score modifiers
-    assert not geometry.decode_gqa_applies(64, "float16", False, True, 0.1)  # HeavyHitters' scores
-    # fp16 holds q scale log2(e): a scale past 1 / log2(e) could overflow it (bf16 cannot)
-    assert not geometry.decode_gqa_applies(64, "float16", False, False, 0.8)
-    assert geometry.decode_gqa_applies(64, "bfloat16", False, False, 0.8)
+    assert geometry.decode_gqa_applies(128, "bfloat16")
+    assert geometry.decode_gqa_applies(64, "float8_e4m3fn")  # fp8 pages (a bf16 q)
+    assert not geometry.decode_gqa_applies(128, "float32")  # fp32
+    assert not geometry.decode_gqa_applies(256, "float16")  # no instantiation (it spilled)
+    # the modifier variant: score modifiers, HeavyHitters' scores, and fp16 holding q scale
+    # log2(e) where a scale past 1 / log2(e) could overflow it (bf16 cannot)
+    assert not geometry.decode_gqa_mods("float16", False, False, 0.1)
+    assert geometry.decode_gqa_mods("float16", True, False, 0.1)
+    assert geometry.decode_gqa_mods("bfloat16", False, True, 0.1)
+    assert geometry.decode_gqa_mods("float16", False, False, 0.8)
+    assert not geometry.decode_gqa_mods("bfloat16", False, False, 0.8)
     monkeypatch.setenv(geometry.DECODE_ENV, "fast")
     with pytest.raises(ValueError, match=r"CUATTN_DECODE='fast' is not a decode kernel family"):
         geometry.decode_family()
@@ -202,8 +205,8 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
     names = {u.name_expression for u in kernel_instantiations()}
     for config in geometry.decode_gqa_configs():
         assert config.name_expression in names
-        if config.head_dim not in (64, 128):
-            continue  # the libraries the tests above built (one dtype of the other head dims)
+        if config.head_dim not in (64, 128) or config.mods and config.head_dim == 128:
+            continue  # the libraries the tests above (and test_decode_gqa_mods.py's) built
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
 

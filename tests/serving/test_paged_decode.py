@@ -144,7 +144,7 @@ def test_the_tensor_core_kernel(dtype, monkeypatch):
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)
     rng = np.random.default_rng(7)
     q, k, v, table, lens = _case(rng, dtype, heads=8, t_q=2, lens=(70, 33))
-    assert geometry.decode_gqa_applies(HEAD_DIM, dtype, False, False, HEAD_DIM**-0.5)
+    assert geometry.decode_gqa_applies(HEAD_DIM, dtype)
     out, lse = cuattn.paged_decode(q, k, v, table, lens, return_lse=True, backend="interp")
     want, want_lse = oracle(q, k, v, table, lens)
     _assert_close(out, want, dtype, lse, want_lse)

@@ -1,47 +1,60 @@
 // Quest's page choice on the device: every real page's bound for every query row, then the top
-// pages of each row by a radix select, in one launch (cuattn/serving/decode.py quest_chosen).
+// pages of each row by a radix select (cuattn/serving/decode.py quest_chosen). One launch where
+// the (sequence, kv head) pairs fill the GPU; where they do not (one long sequence) the pages of
+// a pair are split over CTAs and a second kernel selects, a CTA a row.
 //
-// quest_select<HEAD_DIM, T>: grid (batch * kv_heads), NUM_WARPS warps; CTA `pair` = b * kv_heads
-//   + kv head owns the kv group's rows = kv_group * t_q query rows (query head kv head *
-//   kv_group + r / t_q, query r % t_q: consecutive rows of [B, H, t_q]) and the pair's table
-//   entries [0, count), count = page_count[pair], read in place (page_table[pair, entry] names
+// quest_select<HEAD_DIM, T, B>: grid (batch * kv_heads, splits), NUM_WARPS warps; CTA (pair,
+//   split), pair = b * kv_heads + kv head, owns the kv group's rows = kv_group * t_q query rows
+//   (query head kv head * kv_group + r / t_q, query r % t_q: consecutive rows of [B, H, t_q])
+//   and the pair's table entries [split * pages_per_split, min(count, (split + 1) *
+//   pages_per_split)), count = page_count[pair], read in place (page_table[pair, entry] names
 //   the row of key_min / key_max).
-//   Phase 1, the bounds: warp w takes entries w, w + NUM_WARPS, ..., PAGES_IN_FLIGHT at a time;
-//   lane l holds elements l + 32 e of the page's key_min and key_max rows and, per row, of
-//   max(q, 0) and min(q, 0) (a NaN q element stays NaN in both, as NumPy's maximum and minimum
-//   give it), in register tiles of ROW_TILE rows (more rows walk the pages again). A row's bound
-//   is the sum over the page's elements of max(q, 0) * max_i + min(q, 0) * min_i: each lane
-//   adds fmaf(max(q,0), max_i) then fmaf(min(q,0), min_i) over its elements in order, then a
-//   butterfly over the 32 lanes (every lane ends with the same bits: a + b == b + a). A NaN
-//   bound becomes +inf (read ahead of every other page), -0 becomes +0 (a tie with +0, as the
-//   reference's comparisons have it). The sums are float32 in this fixed order, not in the
-//   reference's matrix-product order (_page_bounds): the same value where every partial sum is
-//   exact, within float32 rounding of it otherwise; the special values (NaN from 0 * inf or a
-//   NaN element, +inf, -inf, inf - inf) are those of the same terms in any order (a GPU build
-//   flushes denormals, -ftz as every kernel's: a denormal key or query element counts as 0
-//   there, on the interpreter as itself). Each bound
+//   Phase 1, the bounds: warp w takes the split's entries w, w + NUM_WARPS, ...,
+//   PAGES_IN_FLIGHT at a time; lane l holds elements l + 32 e of the page's key_min and key_max
+//   rows (B: float, or bfloat16 widened exactly) and, per row, of max(q, 0) and min(q, 0) (a
+//   NaN q element stays NaN in both, as NumPy's maximum and minimum give it), in register tiles
+//   of ROW_TILE rows (more rows walk the pages again). A row's bound is the sum over the page's
+//   elements of max(q, 0) * max_i + min(q, 0) * min_i: each lane adds fmaf(max(q,0), max_i)
+//   then fmaf(min(q,0), min_i) over its elements in order, then a butterfly over the 32 lanes
+//   (every lane ends with the same bits: a + b == b + a), so a page's bound is the same bits
+//   whichever CTA and warp compute it. A NaN bound becomes +inf (read ahead of every other
+//   page), -0 becomes +0 (a tie with +0, as the reference's comparisons have it). The sums are
+//   float32 in this fixed order, not in the reference's matrix-product order (_page_bounds):
+//   the same value where every partial sum is exact, within float32 rounding of it otherwise;
+//   the special values (NaN from 0 * inf or a NaN element, +inf, -inf, inf - inf) are those of
+//   the same terms in any order (a GPU build flushes denormals, -ftz as every kernel's: a
+//   denormal key or query element counts as 0 there, on the interpreter as itself). Each bound
 //   goes to bounds[row, entry] (float32 [B, H, t_q, max_pages], a workspace: entries >= count
 //   are never written nor read).
-//   Phase 2, the choice: a warp per row. The candidates are entries [0, count - 1), every real
-//   page but the newest; take = min(budget_pages, count - 1) of them, the largest bounds, ties
-//   to the lower entry. Where take < count - 1 a radix select over the bounds' order-preserving
+//   Phase 2, the choice, only with one split (gridDim.y == 1; otherwise quest_select_rows
+//   makes it): a warp per row. The candidates are entries [0, count - 1), every real page but
+//   the newest; take = min(budget_pages, count - 1) of them, the largest bounds, ties to the
+//   lower entry. Where 0 < take < count - 1 a radix select over the bounds' order-preserving
 //   codes (order_code: unsigned order is float order) finds the take-th largest code,
 //   RADIX_BITS a pass from the top, with a BINS-bin histogram a warp in shared memory (atomics
 //   on the warp's own bins), and how many codes equal to it are taken; then one pass in entry
 //   order writes chosen[row, entry] = 1 for a code above the threshold, for the first of those
 //   equal to it (a ballot's prefix count) and for the newest entry (count - 1), 0 for every
 //   other entry up to max_pages. No sort: O(count) work a row.
+// quest_select_rows: grid (B * H * t_q), a CTA of NUM_WARPS warps per query row over the
+//   bounds every split wrote: the same selection with the CTA's threads sharing one histogram
+//   (a bin a thread for the scan) and CODES_IN_FLIGHT bounds loaded a thread before their
+//   atomics. The last pass's bin counts the codes equal to the threshold: where all of them
+//   are taken (the usual case) the write pass takes every code at or above it, CODES_IN_FLIGHT
+//   loads a thread in flight; otherwise it ranks the ties in entry order by a prefix sum over
+//   the CTA, NUM_THREADS entries a round.
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous, T float, __half or __nv_bfloat16 (widened to
-// float exactly); key_min, key_max float32 [pool rows, HEAD_DIM]; page_table int32 [B,
-// kv_heads, max_pages]; page_count int32 [B, kv_heads]; chosen uint8 [B, H, t_q, max_pages]
-// (what the decode kernels read as `chosen`). budget_pages >= 0.
+// float exactly); key_min, key_max B [pool rows, HEAD_DIM] (B float or __nv_bfloat16: a 16-bit
+// or fp8 cache keeps them as bf16 bits rounded outward); page_table int32 [B, kv_heads,
+// max_pages]; page_count int32 [B, kv_heads]; chosen uint8 [B, H, t_q, max_pages] (what the
+// decode kernels read as `chosen`). budget_pages >= 0.
 // Run: cuattn.decode_attention on a Quest cache (backend "interp"; on a GPU with
 // CUATTN_QUEST=kernel), or KernelBackend.quest_select; geometry in
-// cuattn/backends/geometry.py (QuestSelectConfig).
+// cuattn/backends/geometry.py (QuestSelectConfig, QuestRowsConfig, quest_splits).
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
-template <int HEAD_DIM, typename T>
+template <int HEAD_DIM, typename T, typename B>
 struct quest_select_traits {
   static constexpr int NUM_WARPS = 8;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
@@ -59,6 +72,9 @@ struct quest_select_traits {
   static constexpr int SMEM_BYTES = NUM_WARPS * BINS * int(sizeof(int));  // the histograms
 };
 
+// No bound's code exceeds it (+inf's is 0xff800000): the threshold of a choice of no page.
+constexpr u32 NO_THRESHOLD = 0xffffffffu;
+
 // The unsigned code of a bound (no NaN, no -0) whose unsigned order is the float order.
 __device__ __forceinline__ u32 order_code(float bound) {
   const u32 bits = u32(__float_as_int(bound));
@@ -74,15 +90,15 @@ __device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
   return value;
 }
 
-template <int HEAD_DIM, typename T>
-__global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
-                                  quest_select_traits<HEAD_DIM, T>::MIN_CTAS_PER_SM)
-    quest_select(const T* __restrict__ q, const float* __restrict__ key_min,
-                 const float* __restrict__ key_max, const int* __restrict__ page_table,
+template <int HEAD_DIM, typename T, typename B>
+__global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T, B>::NUM_THREADS,
+                                  quest_select_traits<HEAD_DIM, T, B>::MIN_CTAS_PER_SM)
+    quest_select(const T* __restrict__ q, const B* __restrict__ key_min,
+                 const B* __restrict__ key_max, const int* __restrict__ page_table,
                  const int* __restrict__ page_count, float* __restrict__ bounds,
                  unsigned char* __restrict__ chosen, int heads, int kv_heads, int t_q,
-                 int max_pages, int budget_pages) {
-  using Traits = quest_select_traits<HEAD_DIM, T>;
+                 int max_pages, int pages_per_split, int budget_pages) {
+  using Traits = quest_select_traits<HEAD_DIM, T, B>;
   constexpr int NUM_WARPS = Traits::NUM_WARPS, ROW_TILE = Traits::ROW_TILE;
   constexpr int LANE_ELEMS = Traits::LANE_ELEMS, FLIGHT = Traits::PAGES_IN_FLIGHT;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -93,6 +109,9 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
       (size_t(pair / kv_heads) * heads + size_t(pair % kv_heads) * kv_group) * t_q;
   const int count = page_count[pair];
   const int* table = page_table + size_t(pair) * max_pages;
+  const int split_first = int(blockIdx.y) * pages_per_split;
+  const int split_end =
+      count - split_first < pages_per_split ? count : split_first + pages_per_split;
 
   // ---- phase 1: the bounds ----
   for (int tile = 0; tile < rows; tile += ROW_TILE) {
@@ -110,27 +129,27 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
         q_neg[r][e] = x > 0.f ? 0.f : x;
       }
     }
-    for (int first = warp; first < count; first += NUM_WARPS * FLIGHT) {
+    for (int first = split_first + warp; first < split_end; first += NUM_WARPS * FLIGHT) {
       float lo[FLIGHT][LANE_ELEMS], hi[FLIGHT][LANE_ELEMS];
 #pragma unroll
       for (int p = 0; p < FLIGHT; ++p) {
         const int entry = first + p * NUM_WARPS;
-        const bool real = entry < count;
+        const bool real = entry < split_end;
         // one address a page; the elements at constant offsets from it
         const size_t row = (real ? size_t(table[entry]) : 0) * HEAD_DIM + lane;
-        const float* lo_row = key_min + row;
-        const float* hi_row = key_max + row;
+        const B* lo_row = key_min + row;
+        const B* hi_row = key_max + row;
 #pragma unroll
         for (int e = 0; e < LANE_ELEMS; ++e) {
           const bool here = real && lane + 32 * e < HEAD_DIM;
-          lo[p][e] = here ? lo_row[32 * e] : 0.f;
-          hi[p][e] = here ? hi_row[32 * e] : 0.f;
+          lo[p][e] = here ? to_float(lo_row[32 * e]) : 0.f;
+          hi[p][e] = here ? to_float(hi_row[32 * e]) : 0.f;
         }
       }
 #pragma unroll
       for (int p = 0; p < FLIGHT; ++p) {
         const int entry = first + p * NUM_WARPS;
-        if (entry >= count) break;
+        if (entry >= split_end) break;
         float mine = 0.f;  // lane r keeps row r's bound
 #pragma unroll
         for (int r = 0; r < ROW_TILE; ++r) {
@@ -154,6 +173,7 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
       }
     }
   }
+  if (gridDim.y > 1) return;  // quest_select_rows selects over every split's bounds
   __syncthreads();  // every warp's bounds are written (and visible to the CTA)
 
   // ---- phase 2: the choice, a warp per row ----
@@ -163,9 +183,9 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
   const int take = budget_pages < candidates ? budget_pages : candidates;
   for (int r = warp; r < rows; r += NUM_WARPS) {
     const float* row_bounds = bounds + (first_row + r) * max_pages;
-    u32 threshold = 0;
+    u32 threshold = NO_THRESHOLD;
     int ties_wanted = 0;  // codes equal to the threshold taken, the lowest entries first
-    if (take < candidates) {
+    if (take > 0 && take < candidates) {
       u32 prefix = 0, prefix_mask = 0;
       int remaining = take;  // still to take among the codes matching prefix
       for (int pass = 0; pass < Traits::PASSES; ++pass) {
@@ -231,5 +251,137 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T>::NUM_THREADS,
       ties_before += __popc(ties);
       if (j < max_pages) row_chosen[j] = (taken || j == count - 1) ? 1 : 0;
     }
+  }
+}
+
+struct quest_select_rows_traits {
+  static constexpr int NUM_WARPS = 8;
+  static constexpr int NUM_THREADS = NUM_WARPS * 32;
+  static constexpr int RADIX_BITS = 8;
+  static constexpr int BINS = 1 << RADIX_BITS;
+  static constexpr int PASSES = 32 / RADIX_BITS;
+  // a thread's bounds loaded before their atomics: 8192 candidates a CTA in one round from L2
+  static constexpr int CODES_IN_FLIGHT = 32;
+  static constexpr int SMEM_BYTES = BINS * int(sizeof(int));  // the CTA's histogram
+  static_assert(BINS == NUM_THREADS, "the scan gives each thread one bin");
+};
+
+// Inclusive prefix sum over the CTA's threads; totals holds NUM_WARPS ints (free on entry,
+// read by every thread before the caller's next __syncthreads).
+template <int NUM_WARPS>
+__device__ __forceinline__ int cta_inclusive_sum(int value, int* totals, int warp, int lane) {
+  const int inclusive = warp_inclusive_sum(value, lane);
+  if (lane == 31) totals[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) before += w < warp ? totals[w] : 0;
+  return before + inclusive;
+}
+
+__global__ void __launch_bounds__(quest_select_rows_traits::NUM_THREADS)
+    quest_select_rows(const float* __restrict__ bounds, const int* __restrict__ page_count,
+                      unsigned char* __restrict__ chosen, int heads, int kv_heads, int t_q,
+                      int max_pages, int budget_pages) {
+  using Traits = quest_select_rows_traits;
+  constexpr int NUM_THREADS = Traits::NUM_THREADS, NUM_WARPS = Traits::NUM_WARPS;
+  constexpr int BINS = Traits::BINS, FLIGHT = Traits::CODES_IN_FLIGHT;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const size_t row = blockIdx.x;  // (b, head, t) of [B, H, t_q]
+  const size_t b = row / (size_t(heads) * t_q);
+  const int head = int(row / t_q % heads);
+  const int count = page_count[b * kv_heads + head / (heads / kv_heads)];
+  const int candidates = count > 0 ? count - 1 : 0;  // every real page but the newest
+  const int take = budget_pages < candidates ? budget_pages : candidates;
+  const float* row_bounds = bounds + row * max_pages;
+  int* histogram = dynamic_smem<int>();
+  __shared__ int warp_totals[NUM_WARPS];
+  __shared__ int found_digit, found_above, found_count;
+
+  u32 threshold = NO_THRESHOLD;
+  int ties_wanted = 0;  // codes equal to the threshold taken, the lowest entries first
+  int ties = 0;         // codes equal to the threshold (the last pass's bin is one code)
+  if (take > 0 && take < candidates) {
+    u32 prefix = 0, prefix_mask = 0;
+    int remaining = take;  // still to take among the codes matching prefix
+    for (int pass = 0; pass < Traits::PASSES; ++pass) {
+      const int shift = 32 - Traits::RADIX_BITS * (pass + 1);
+      histogram[tid] = 0;  // the last pass's reads of it ended at its closing __syncthreads
+      __syncthreads();
+      for (int base = tid; base < candidates; base += NUM_THREADS * FLIGHT) {
+        float loaded[FLIGHT];
+#pragma unroll
+        for (int c = 0; c < FLIGHT; ++c) {
+          const int j = base + c * NUM_THREADS;
+          loaded[c] = j < candidates ? row_bounds[j] : 0.f;
+        }
+#pragma unroll
+        for (int c = 0; c < FLIGHT; ++c) {
+          const u32 code = order_code(loaded[c]);
+          if (base + c * NUM_THREADS < candidates && (code & prefix_mask) == prefix)
+            atomicAdd(&histogram[(code >> shift) & (BINS - 1)], 1);
+        }
+      }
+      __syncthreads();
+      // thread t owns digit BINS - 1 - t: the largest digits first
+      const int digit = BINS - 1 - tid;
+      const int in_bin = histogram[digit];
+      const int inclusive = cta_inclusive_sum<NUM_WARPS>(in_bin, warp_totals, warp, lane);
+      const int exclusive = inclusive - in_bin;
+      if (exclusive < remaining && remaining <= inclusive) {  // the one bin holding it
+        found_digit = digit;
+        found_above = exclusive;
+        found_count = in_bin;
+      }
+      __syncthreads();
+      prefix |= u32(found_digit) << shift;
+      prefix_mask |= u32(BINS - 1) << shift;
+      remaining -= found_above;
+    }
+    threshold = prefix;
+    ties_wanted = remaining;
+    ties = found_count;
+  }
+  unsigned char* row_chosen = chosen + row * max_pages;
+  if (ties_wanted == ties) {
+    // every code at or above the threshold is taken (or, take == 0, none; take == candidates,
+    // all): no ranks, so FLIGHT loads a thread in flight and no barrier
+    const bool take_all = take == candidates, take_some = take > 0;
+    for (int base = tid; base < max_pages; base += NUM_THREADS * FLIGHT) {
+      float loaded[FLIGHT];
+#pragma unroll
+      for (int c = 0; c < FLIGHT; ++c) {
+        const int j = base + c * NUM_THREADS;
+        loaded[c] = j < candidates ? row_bounds[j] : 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < FLIGHT; ++c) {
+        const int j = base + c * NUM_THREADS;
+        const bool taken =
+            j < candidates && (take_all || (take_some && order_code(loaded[c]) >= threshold));
+        if (j < max_pages) row_chosen[j] = (taken || j == count - 1) ? 1 : 0;
+      }
+    }
+    return;
+  }
+  // some of the threshold's ties are left out: rank them in entry order, NUM_THREADS entries a
+  // round (warp_totals was last read before the passes' closing barrier)
+  int ties_before = 0;
+  for (int base = 0; base < max_pages; base += NUM_THREADS) {
+    const int j = base + tid;
+    bool taken = false, tie = false;
+    if (j < candidates) {
+      const u32 code = order_code(row_bounds[j]);
+      taken = code > threshold;
+      tie = code == threshold;
+    }
+    const int tie_rank = cta_inclusive_sum<NUM_WARPS>(tie ? 1 : 0, warp_totals, warp, lane);
+    int chunk_ties = 0;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) chunk_ties += warp_totals[w];
+    taken = taken || (tie && ties_before + tie_rank <= ties_wanted);
+    ties_before += chunk_ties;
+    if (j < max_pages) row_chosen[j] = (taken || j == count - 1) ? 1 : 0;
+    __syncthreads();  // warp_totals read before the next chunk's sum writes them
   }
 }

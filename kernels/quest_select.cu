@@ -39,10 +39,11 @@
 // quest_select_rows: grid (B * H * t_q), a CTA of NUM_WARPS warps per query row over the
 //   bounds every split wrote: the same selection with the CTA's threads sharing one histogram
 //   (a bin a thread for the scan) and CODES_IN_FLIGHT bounds loaded a thread before their
-//   atomics. The last pass's bin counts the codes equal to the threshold: where all of them
-//   are taken (the usual case) the write pass takes every code at or above it, CODES_IN_FLIGHT
-//   loads a thread in flight; otherwise it ranks the ties in entry order by a prefix sum over
-//   the CTA, NUM_THREADS entries a round.
+//   atomics; a row of at most NUM_THREADS * CODES_IN_FLIGHT candidates (8192) is loaded once
+//   and its codes held in registers through every pass. The last pass's bin counts the codes
+//   equal to the threshold: where all of them are taken (the usual case) the write pass takes
+//   every code at or above it, with no barrier; otherwise it ranks the ties in entry order by a
+//   prefix sum over the CTA, NUM_THREADS entries a round.
 // Shapes: q [B, H, t_q, HEAD_DIM] contiguous, T float, __half or __nv_bfloat16 (widened to
 // float exactly); key_min, key_max B [pool rows, HEAD_DIM] (B float or __nv_bfloat16: a 16-bit
 // or fp8 cache keeps them as bf16 bits rounded outward); page_table int32 [B, kv_heads,
@@ -262,9 +263,38 @@ struct quest_select_rows_traits {
   static constexpr int PASSES = 32 / RADIX_BITS;
   // a thread's bounds loaded before their atomics: 8192 candidates a CTA in one round from L2
   static constexpr int CODES_IN_FLIGHT = 32;
-  static constexpr int SMEM_BYTES = BINS * int(sizeof(int));  // the CTA's histogram
+  // the CTA's histogram and a spare bin for the codes a pass does not count
+  static constexpr int SMEM_BYTES = (BINS + 1) * int(sizeof(int));
   static_assert(BINS == NUM_THREADS, "the scan gives each thread one bin");
 };
+
+// The codes of a tile: entries first + c * STRIDE, c < FLIGHT; past the candidates code 0,
+// below every bound's (-inf's is 0x007fffff), so never the threshold nor above it: the select
+// counts it in the lowest bin and never takes it.
+template <int FLIGHT, int STRIDE>
+__device__ __forceinline__ void load_codes(const float* row_bounds, int first, int candidates,
+                                           u32 (&codes)[FLIGHT]) {
+#pragma unroll
+  for (int c = 0; c < FLIGHT; ++c) {
+    const int j = first + c * STRIDE;
+    codes[c] = j < candidates ? order_code(row_bounds[j]) : 0u;
+  }
+}
+
+// A tile's codes matching prefix into the histogram, by digit (shift), the others into the
+// spare bin BINS (every lane adds: no divergent branch a code); warp_first is the warp's first
+// entry of the tile: a warp past the candidates skips the slot (a uniform branch).
+template <int FLIGHT, int STRIDE, int BINS>
+__device__ __forceinline__ void count_codes(const u32 (&codes)[FLIGHT], int warp_first,
+                                            int candidates, u32 prefix, u32 prefix_mask,
+                                            int shift, int* histogram) {
+#pragma unroll
+  for (int c = 0; c < FLIGHT; ++c) {
+    if (warp_first + c * STRIDE >= candidates) break;
+    const bool match = (codes[c] & prefix_mask) == prefix;
+    atomicAdd(&histogram[match ? (codes[c] >> shift) & (BINS - 1) : BINS], 1);
+  }
+}
 
 // Inclusive prefix sum over the CTA's threads; totals holds NUM_WARPS ints (free on entry,
 // read by every thread before the caller's next __syncthreads).
@@ -301,25 +331,26 @@ __global__ void __launch_bounds__(quest_select_rows_traits::NUM_THREADS)
   u32 threshold = NO_THRESHOLD;
   int ties_wanted = 0;  // codes equal to the threshold taken, the lowest entries first
   int ties = 0;         // codes equal to the threshold (the last pass's bin is one code)
+  // a row of at most a tile: its codes stay in registers through every pass
+  const bool held = candidates <= NUM_THREADS * FLIGHT;
+  const int warp_first = tid - lane;
+  u32 codes[FLIGHT];
+  if (held) load_codes<FLIGHT, NUM_THREADS>(row_bounds, tid, candidates, codes);
   if (take > 0 && take < candidates) {
     u32 prefix = 0, prefix_mask = 0;
     int remaining = take;  // still to take among the codes matching prefix
     for (int pass = 0; pass < Traits::PASSES; ++pass) {
       const int shift = 32 - Traits::RADIX_BITS * (pass + 1);
       histogram[tid] = 0;  // the last pass's reads of it ended at its closing __syncthreads
-      __syncthreads();
-      for (int base = tid; base < candidates; base += NUM_THREADS * FLIGHT) {
-        float loaded[FLIGHT];
-#pragma unroll
-        for (int c = 0; c < FLIGHT; ++c) {
-          const int j = base + c * NUM_THREADS;
-          loaded[c] = j < candidates ? row_bounds[j] : 0.f;
-        }
-#pragma unroll
-        for (int c = 0; c < FLIGHT; ++c) {
-          const u32 code = order_code(loaded[c]);
-          if (base + c * NUM_THREADS < candidates && (code & prefix_mask) == prefix)
-            atomicAdd(&histogram[(code >> shift) & (BINS - 1)], 1);
+      __syncthreads();  // (the spare bin is written, never read)
+      if (held) {
+        count_codes<FLIGHT, NUM_THREADS, BINS>(codes, warp_first, candidates, prefix,
+                                                prefix_mask, shift, histogram);
+      } else {
+        for (int first = tid; first - lane < candidates; first += NUM_THREADS * FLIGHT) {
+          load_codes<FLIGHT, NUM_THREADS>(row_bounds, first, candidates, codes);
+          count_codes<FLIGHT, NUM_THREADS, BINS>(codes, first - lane, candidates, prefix,
+                                                  prefix_mask, shift, histogram);
         }
       }
       __syncthreads();
@@ -344,22 +375,19 @@ __global__ void __launch_bounds__(quest_select_rows_traits::NUM_THREADS)
   }
   unsigned char* row_chosen = chosen + row * max_pages;
   if (ties_wanted == ties) {
-    // every code at or above the threshold is taken (or, take == 0, none; take == candidates,
-    // all): no ranks, so FLIGHT loads a thread in flight and no barrier
-    const bool take_all = take == candidates, take_some = take > 0;
-    for (int base = tid; base < max_pages; base += NUM_THREADS * FLIGHT) {
-      float loaded[FLIGHT];
+    // every code at or above the threshold is taken: no ranks, no barrier. The least code
+    // taken: the threshold; 1 where every candidate is (code 0, past them, is not); with
+    // take == 0 NO_THRESHOLD, above every bound's code
+    const u32 least = take == candidates ? 1u : threshold;
+    for (int first = tid; first - lane < max_pages; first += NUM_THREADS * FLIGHT) {
+      // the held tile is the first; past it a held row has no candidates (no loads)
+      if (!held || first != tid)
+        load_codes<FLIGHT, NUM_THREADS>(row_bounds, first, candidates, codes);
 #pragma unroll
       for (int c = 0; c < FLIGHT; ++c) {
-        const int j = base + c * NUM_THREADS;
-        loaded[c] = j < candidates ? row_bounds[j] : 0.f;
-      }
-#pragma unroll
-      for (int c = 0; c < FLIGHT; ++c) {
-        const int j = base + c * NUM_THREADS;
-        const bool taken =
-            j < candidates && (take_all || (take_some && order_code(loaded[c]) >= threshold));
-        if (j < max_pages) row_chosen[j] = (taken || j == count - 1) ? 1 : 0;
+        const int j = first + c * NUM_THREADS;
+        if (j - lane >= max_pages) break;
+        if (j < max_pages) row_chosen[j] = (codes[c] >= least || j == count - 1) ? 1 : 0;
       }
     }
     return;

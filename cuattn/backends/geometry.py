@@ -1368,7 +1368,7 @@ class QuestSelectConfig(_Launch):
 class QuestRowsConfig(_Launch):
     """Geometry of Quest's choice over split bounds (kernels/quest_select.cu
     quest_select_rows): a CTA of QUEST_ROWS_WARPS warps per query row of ``rows``; its shared
-    memory is the CTA's histogram of QUEST_SELECT_BINS int32."""
+    memory is the CTA's histogram of QUEST_SELECT_BINS int32 and a spare bin."""
 
     rows: int = 1
     kernel: str = field(default=QUEST_ROWS_KERNEL, init=False)
@@ -1382,7 +1382,7 @@ class QuestRowsConfig(_Launch):
 
     @property
     def smem_bytes(self) -> int:
-        return QUEST_SELECT_BINS * 4
+        return (QUEST_SELECT_BINS + 1) * 4  # and a spare bin for the codes a pass skips
 
     @property
     def grid(self) -> tuple[int, int, int]:

@@ -601,3 +601,23 @@ def test_bfloat16_bounds_on_the_gpu(monkeypatch):
     chosen = decode.quest_chosen(gpu, cupy.asarray(q), *gpu.device_tables(), impl=impl)
     assert names == [geometry.QUEST_SELECT_KERNEL, geometry.QUEST_ROWS_KERNEL]
     _assert_reference_sets(host, q, cupy.asnumpy(chosen))
+
+
+def test_split_rows_past_a_held_tile():
+    """Rows of more candidates than quest_select_rows holds in registers (8192): the codes
+    loaded again each pass, over a tile that ends mid-way; the single kernel's sets, the
+    reference's, for budgets that rank the threshold's ties and for one that takes them all
+    (the bound after the budget's last is lower in row 0)."""
+    cache = _cache([8500, 300], 1, 16, 1, 2100, seed=81)
+    q = _queries(cache, 2, 1, seed=81)
+    count = int(cache.page_count[0, 0])
+    assert count - 1 > 8192
+    lo, hi = cache.page_bounds(cache.page_table[0, 0, : count - 1])
+    bound = decode._page_bounds(np, q[0, 0, 0].astype(np.float32), lo, hi)
+    ranked = np.sort(bound)[::-1]
+    clear = next(k for k in range(3000, 8000) if ranked[k - 1] > ranked[k])
+    for budget in (2100, 8000, clear):
+        cache.policy.pages = budget
+        split = _select(cache, q, 64)
+        np.testing.assert_array_equal(split, _select(cache, q, None))
+        _assert_reference_sets(cache, q, split)

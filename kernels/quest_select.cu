@@ -15,9 +15,10 @@
 //   NaN q element stays NaN in both, as NumPy's maximum and minimum give it), in register tiles
 //   of ROW_TILE rows (more rows walk the pages again). A row's bound is the sum over the page's
 //   elements of max(q, 0) * max_i + min(q, 0) * min_i: each lane adds fmaf(max(q,0), max_i)
-//   then fmaf(min(q,0), min_i) over its elements in order, then a butterfly over the 32 lanes
-//   (every lane ends with the same bits: a + b == b + a), so a page's bound is the same bits
-//   whichever CTA and warp compute it. A NaN bound becomes +inf (read ahead of every other
+//   then fmaf(min(q,0), min_i) over its elements in order, then the tile's rows are summed
+//   over the 32 lanes by one reduce-scatter (reduce_scatter: of half the tile where the rows
+//   fill at most half), a fixed order, so a page's bound is the same bits whichever CTA and
+//   warp compute it. A NaN bound becomes +inf (read ahead of every other
 //   page), -0 becomes +0 (a tie with +0, as the reference's comparisons have it). The sums are
 //   float32 in this fixed order, not in the reference's matrix-product order (_page_bounds):
 //   the same value where every partial sum is exact, within float32 rounding of it otherwise;
@@ -80,6 +81,44 @@ constexpr u32 NO_THRESHOLD = 0xffffffffu;
 __device__ __forceinline__ u32 order_code(float bound) {
   const u32 bits = u32(__float_as_int(bound));
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The warp's sums of ROWS values a lane (ROWS a power of two <= 32), reduce-scattered: each
+// step halves the rows a lane keeps (the lanes with the step's offset bit set keep the upper
+// half) and adds its partner's; then the lanes of a row add the rest. Lane l returns row
+// l / (32 / ROWS)'s sum over all 32 lanes, the same bits on each of its 32 / ROWS lanes (every
+// addition pairs the same two partial sums on both lanes: a + b == b + a). ROWS - 1 +
+// log2(32 / ROWS) shuffles and additions (and two selects a pair halved), where a butterfly a
+// row is 5 and 5 a row: 6 and 6 for 4 rows (against 20 and 20), 9 and 9 for 8 (40 and 40).
+template <int ROWS>
+__device__ __forceinline__ float reduce_scatter(float* values, int lane) {
+#pragma unroll
+  for (int half = ROWS / 2, offset = 16; half >= 1; half /= 2, offset /= 2) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int k = 0; k < half; ++k) {
+      const float send = upper ? values[k] : values[k + half];
+      const float keep = upper ? values[k + half] : values[k];
+      values[k] = keep + __shfl_xor_sync(FULL_WARP, send, offset);
+    }
+  }
+#pragma unroll
+  for (int offset = 16 / ROWS; offset > 0; offset /= 2)
+    values[0] += __shfl_xor_sync(FULL_WARP, values[0], offset);
+  return values[0];
+}
+
+// The bounds of a tile's first `rows` (<= ROWS) rows from their lanes' partial sums: one lane
+// a row stores row r's bound to out[r * stride]. NaN (unequal to itself) becomes +inf, -0
+// (equal to 0) +0.
+template <int ROWS>
+__device__ __forceinline__ void store_bounds(float* partial, int lane, int rows, float* out,
+                                             int stride) {
+  constexpr int LANES_PER_ROW = 32 / ROWS;
+  const float sum = reduce_scatter<ROWS>(partial, lane);
+  const int row = lane / LANES_PER_ROW;
+  if (lane % LANES_PER_ROW == 0 && row < rows)
+    out[size_t(row) * stride] = sum != sum ? INFINITY : (sum == 0.f ? 0.f : sum);
 }
 
 // Inclusive prefix sum over the warp's lanes.
@@ -151,26 +190,23 @@ __global__ void __launch_bounds__(quest_select_traits<HEAD_DIM, T, B>::NUM_THREA
       for (int p = 0; p < FLIGHT; ++p) {
         const int entry = first + p * NUM_WARPS;
         if (entry >= split_end) break;
-        float mine = 0.f;  // lane r keeps row r's bound
+        float acc[ROW_TILE];
 #pragma unroll
         for (int r = 0; r < ROW_TILE; ++r) {
-          if (r >= tile_rows) break;
-          float acc = 0.f;
+          acc[r] = 0.f;
+          if (r >= tile_rows) continue;
 #pragma unroll
           for (int e = 0; e < LANE_ELEMS; ++e) {
-            acc = fmaf(q_pos[r][e], hi[p][e], acc);
-            acc = fmaf(q_neg[r][e], lo[p][e], acc);
+            acc[r] = fmaf(q_pos[r][e], hi[p][e], acc[r]);
+            acc[r] = fmaf(q_neg[r][e], lo[p][e], acc[r]);
           }
-#pragma unroll
-          for (int offset = 16; offset > 0; offset /= 2)
-            acc += __shfl_xor_sync(FULL_WARP, acc, offset);
-          if (lane == r) mine = acc;
         }
-        if (lane < tile_rows) {
-          // NaN (unequal to itself) -> +inf; -0 (equal to 0) -> +0
-          const float bound = mine != mine ? INFINITY : (mine == 0.f ? 0.f : mine);
-          bounds[(first_row + tile + lane) * max_pages + entry] = bound;
-        }
+        // a tile of at most half its rows reduces half of them (fewer steps); warp-uniform
+        float* page_bounds = bounds + (first_row + tile) * max_pages + entry;
+        if (tile_rows <= ROW_TILE / 2)
+          store_bounds<ROW_TILE / 2>(acc, lane, tile_rows, page_bounds, max_pages);
+        else
+          store_bounds<ROW_TILE>(acc, lane, tile_rows, page_bounds, max_pages);
       }
     }
   }

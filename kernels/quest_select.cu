@@ -18,8 +18,8 @@
 //   then fmaf(min(q,0), min_i) over its elements in order, then the tile's rows are summed
 //   over the 32 lanes by one reduce-scatter (reduce_scatter: of half the tile where the rows
 //   fill at most half), a fixed order, so a page's bound is the same bits whichever CTA and
-//   warp compute it. A NaN bound becomes +inf (read ahead of every other
-//   page), -0 becomes +0 (a tie with +0, as the reference's comparisons have it). The sums are
+//   warp compute it. A NaN bound becomes +inf (read ahead of every other page), -0 becomes +0
+//   (a tie with +0, as the reference's comparisons have it). The sums are
 //   float32 in this fixed order, not in the reference's matrix-product order (_page_bounds):
 //   the same value where every partial sum is exact, within float32 rounding of it otherwise;
 //   the special values (NaN from 0 * inf or a NaN element, +inf, -inf, inf - inf) are those of

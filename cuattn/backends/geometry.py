@@ -97,6 +97,7 @@ KERNEL_FILES = {
     "attn_bwd_sm90": "attn_bwd_sm90.cu",
     "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
     "quest_select": "quest_select.cu",
+    "quest_select_rows": "quest_select.cu",
 }
 # Templated on <BLOCK, tile(s), HEAD_DIM, T, RULE>.
 BLOCK_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
@@ -307,15 +308,26 @@ DECODE_FP8_FAMILIES = (DECODE_FP8_OFF_FAMILY, DECODE_FP8_KERNEL_FAMILY)
 # The score-modifier kernels' dense score bias, opt-in on a GPU the same way until one has run it
 SCORE_BIAS_ENV = "CUATTN_SCORE_BIAS"
 
-# Quest's page choice (kernels/quest_select.cu), templated on <HEAD_DIM, T>: a CTA of
-# QUEST_SELECT_WARPS warps per (sequence, kv head) computes every real page's bound for the kv
-# group's query rows into a float32 workspace, then selects each row's pages by a radix select
-# over QUEST_SELECT_BINS-bin histograms (one a warp, in shared memory). On a GPU opt-in until one
+# Quest's page choice (kernels/quest_select.cu), templated on <HEAD_DIM, T, B> (B: the key
+# bounds' type, QUEST_BOUND_DTYPES): a CTA of QUEST_SELECT_WARPS warps per (sequence, kv head)
+# and split of its table computes each page's bound for the kv group's query rows into a float32
+# workspace; with one split the same CTA selects each row's pages by a radix select over
+# QUEST_SELECT_BINS-bin histograms (one a warp, in shared memory), with more
+# quest_select_rows does, a CTA of QUEST_ROWS_WARPS warps a row sharing one histogram. Splits
+# (quest_splits) only where the pairs leave the GPU's waves part empty. On a GPU opt-in until one
 # has run it: CUATTN_QUEST=kernel chooses it, "xp" (the default) keeps the CuPy path; the
 # interpreter always runs it.
 QUEST_SELECT_KERNEL = "quest_select"
+QUEST_ROWS_KERNEL = "quest_select_rows"
 QUEST_SELECT_WARPS = 8
 QUEST_SELECT_BINS = 256
+QUEST_ROWS_WARPS = 8
+QUEST_BOUND_DTYPES = ("float32", "bfloat16")  # key_min / key_max as the cache keeps them
+QUEST_PAGES_IN_FLIGHT = 2  # a warp's pages loaded before their sums (the kernel's traits)
+# a split holds at least a page pair for each warp, and there are at most this many a table
+QUEST_MIN_SPLIT_PAGES = QUEST_SELECT_WARPS * QUEST_PAGES_IN_FLIGHT
+QUEST_MAX_SPLITS = 64
+QUEST_WAVE_SLACK = 0.9  # the fewest splits within this fraction of the best wave efficiency
 QUEST_ENV = "CUATTN_QUEST"
 QUEST_XP_FAMILY = "xp"
 QUEST_KERNEL_FAMILY = "kernel"
@@ -644,7 +656,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     QUEST_SELECT_KERNEL: (
         ("q", "ptr"),  # [batch, heads, t_q, head_dim], contiguous
-        ("key_min", "ptr"),  # float32 [pool rows, head_dim]: each page's element-wise key min
+        ("key_min", "ptr"),  # [pool rows, head_dim], float32 or bf16: each page's key min
         ("key_max", "ptr"),
         ("page_table", "ptr"),  # int32 [batch, kv_heads, max_pages]
         ("page_count", "ptr"),  # int32 [batch, kv_heads]
@@ -654,7 +666,18 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("kv_heads", "i32"),
         ("t_q", "i32"),
         ("max_pages", "i32"),
+        ("pages_per_split", "i32"),  # table entries a CTA of grid.y bounds
         ("budget_pages", "i32"),  # Quest's pages besides the newest
+    ),
+    QUEST_ROWS_KERNEL: (
+        ("bounds", "ptr"),  # float32 [batch, heads, t_q, max_pages]: every split's bounds
+        ("page_count", "ptr"),
+        ("chosen", "ptr"),
+        ("heads", "i32"),
+        ("kv_heads", "i32"),
+        ("t_q", "i32"),
+        ("max_pages", "i32"),
+        ("budget_pages", "i32"),
     ),
     "select_topk": (
         ("scores", "ptr"),
@@ -1364,18 +1387,22 @@ class DecodeMassConfig(_Launch):
 
 @dataclass(frozen=True)
 class QuestSelectConfig(_Launch):
-    """Geometry of Quest's page choice (kernels/quest_select.cu quest_select): one CTA of
-    QUEST_SELECT_WARPS warps per (sequence, kv head) of ``pairs``, templated on the head dim and
-    q's dtype; its shared memory is a warp's histogram of QUEST_SELECT_BINS int32 each."""
+    """Geometry of Quest's page bounds (and, with one split, choice): kernels/quest_select.cu
+    quest_select, a CTA of QUEST_SELECT_WARPS warps per (sequence, kv head) of ``pairs`` and
+    split of ``splits``, templated on the head dim, q's dtype and the bounds' ``bound_dtype``;
+    its shared memory is a warp's histogram of QUEST_SELECT_BINS int32 each."""
 
     head_dim: int
     dtype: str
+    bound_dtype: str = "float32"
     pairs: int = 1
+    splits: int = 1
     kernel: str = field(default=QUEST_SELECT_KERNEL, init=False)
 
     def __post_init__(self) -> None:
         assert self.head_dim in HEAD_DIMS and self.dtype in DTYPES, self
-        assert self.pairs >= 1
+        assert self.bound_dtype in QUEST_BOUND_DTYPES, self
+        assert self.pairs >= 1 and self.splits >= 1
 
     @property
     def threads(self) -> int:
@@ -1387,15 +1414,74 @@ class QuestSelectConfig(_Launch):
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.pairs, 1, 1)
+        return (self.pairs, self.splits, 1)
+
+    @property
+    def _template(self) -> str:
+        types = f"{CXX_TYPE[self.dtype]}, {CXX_TYPE[self.bound_dtype]}"
+        return f"<{self.head_dim}, {types}>"
 
     @property
     def name_expression(self) -> str:
-        return f"{self.kernel}<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
+        return f"{self.kernel}{self._template}"
 
     @property
     def traits_expression(self) -> str:
-        return f"{self.kernel}_traits<{self.head_dim}, {CXX_TYPE[self.dtype]}>"
+        return f"{self.kernel}_traits{self._template}"
+
+
+@dataclass(frozen=True)
+class QuestRowsConfig(_Launch):
+    """Geometry of Quest's choice over split bounds (kernels/quest_select.cu
+    quest_select_rows): a CTA of QUEST_ROWS_WARPS warps per query row of ``rows``; its shared
+    memory is the CTA's histogram of QUEST_SELECT_BINS int32 and a spare bin."""
+
+    rows: int = 1
+    kernel: str = field(default=QUEST_ROWS_KERNEL, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.rows >= 1
+
+    @property
+    def threads(self) -> int:
+        return QUEST_ROWS_WARPS * WARP_SIZE
+
+    @property
+    def smem_bytes(self) -> int:
+        return (QUEST_SELECT_BINS + 1) * 4  # and a spare bin for the codes a pass skips
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.rows, 1, 1)
+
+    @property
+    def name_expression(self) -> str:
+        return self.kernel
+
+    @property
+    def traits_expression(self) -> str:
+        return f"{self.kernel}_traits"
+
+
+def quest_resident_ctas(arch: str, multiprocessors: int, head_dim: int) -> int:
+    """quest_select CTAs a device of ``multiprocessors`` SMs holds at once: two an SM up to
+    head dim 128, one at 256 (the kernel's launch bounds, which ptxas meets without spills)."""
+    return multiprocessors * (2 if head_dim < HUGE_HEAD_DIM else 1)
+
+
+def quest_splits(pairs: int, max_pages: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, pages per split) of quest_select over ``pairs`` page tables of at most
+    ``max_pages`` pages: the fewest splits (at most QUEST_MAX_SPLITS, and QUEST_MIN_SPLIT_PAGES
+    pages a split at least) whose wave efficiency is within QUEST_WAVE_SLACK of the best. One
+    split (no second kernel) wherever the pairs fill the waves nearly as well as any split."""
+    pages = max(max_pages, 1)
+    pairs = max(pairs, 1)
+    most = max(min(QUEST_MAX_SPLITS, pages // QUEST_MIN_SPLIT_PAGES), 1)
+    efficiency = {s: wave_efficiency(pairs * s, resident_ctas) for s in range(1, most + 1)}
+    best = max(efficiency.values())
+    splits = min(s for s, e in efficiency.items() if e >= QUEST_WAVE_SLACK * best)
+    per_split = ceil_div(pages, splits)
+    return ceil_div(pages, per_split), per_split
 
 
 def quest_family() -> str:
@@ -1452,9 +1538,13 @@ def name_expression(
     return KernelConfig(kernel, head_dim, dtype, block=block, rule=rule).name_expression
 
 
-def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig]:
+def all_configs() -> list[
+    KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig | QuestRowsConfig
+]:
     """One config per kernel instantiation (shape-independent fields at their defaults)."""
-    configs: list[KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig] = []
+    configs: list[
+        KernelConfig | LayoutKernelConfig | DecodeMassConfig | QuestSelectConfig | QuestRowsConfig
+    ] = []
     for kernel in BLOCK_KERNELS:
         for block, head_dim, dtype, rule, mods in itertools.product(
             BLOCK_SIZES, HEAD_DIMS, DTYPES, RULES, CXX_MODS
@@ -1477,9 +1567,10 @@ def all_configs() -> list[KernelConfig | LayoutKernelConfig | DecodeMassConfig |
     configs.extend(LayoutKernelConfig(kernel) for kernel in INDEX_KERNELS + SCHEDULE_KERNELS)
     configs.append(DecodeMassConfig())
     configs.extend(
-        QuestSelectConfig(head_dim, dtype)
-        for head_dim, dtype in itertools.product(HEAD_DIMS, DTYPES)
+        QuestSelectConfig(head_dim, dtype, bound_dtype)
+        for head_dim, dtype, bound_dtype in itertools.product(HEAD_DIMS, DTYPES, QUEST_BOUND_DTYPES)
     )
+    configs.append(QuestRowsConfig())
     return configs
 
 

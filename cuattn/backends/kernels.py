@@ -1547,16 +1547,21 @@ class KernelBackend:
         page_table: Any,
         page_count: Any,
         budget_pages: int,
+        resident_ctas: int | None = None,
     ) -> Any:
         """Quest's page choice (kernels/quest_select.cu): uint8 [batch, heads, t_q, max_pages],
         1 where query row (b, head, t) reads table entry j: the ``budget_pages`` entries below
         page_count - 1 with the largest bound max(q, 0) . key_max[page] + min(q, 0) .
         key_min[page] (NaN read as +inf; ties: the lower entry), and the newest entry
         (page_count - 1); 0 elsewhere, past page_count included. q [batch, heads, t_q,
-        head_dim] (float32, float16 or bfloat16); key_min, key_max float32 [pool rows,
-        head_dim]; page_table int32 [batch, kv_heads, max_pages] naming their rows; page_count
-        int32 [batch, kv_heads]. One launch: the bound workspace and the answer come from the
-        backend's allocator."""
+        head_dim] (float32, float16 or bfloat16); key_min, key_max [pool rows, head_dim], both
+        float32, or both uint16 holding bfloat16 bits (read as the float32 they widen to);
+        page_table int32 [batch, kv_heads, max_pages] naming their rows; page_count int32
+        [batch, kv_heads]. ``resident_ctas``: quest_select CTAs the device holds at once
+        (geometry.quest_resident_ctas); given, each table is split over CTAs where the pairs
+        leave the waves part empty (geometry.quest_splits) and quest_select_rows selects, a
+        launch more; None: one CTA a pair, one launch. The bound workspace and the answer come
+        from the backend's allocator; the chosen set is the same either way."""
         arrays = {
             "q": q,
             "key_min": key_min,
@@ -1571,9 +1576,13 @@ class KernelBackend:
             raise ValueError(
                 f"q: head_dim {head_dim} has no kernel; supported: {geometry.HEAD_DIMS}"
             )
+        bound_kind = np.dtype(key_min.dtype)
+        if bound_kind not in (np.dtype(np.float32), np.dtype(np.uint16)):
+            raise TypeError(
+                f"key_min: dtype {key_min.dtype}, expected float32 or uint16 (bfloat16 bits)"
+            )
         for name, array, kind in (
-            ("key_min", key_min, np.float32),
-            ("key_max", key_max, np.float32),
+            ("key_max", key_max, bound_kind),
             ("page_table", page_table, np.int32),
             ("page_count", page_count, np.int32),
         ):
@@ -1600,6 +1609,17 @@ class KernelBackend:
             raise TypeError(f"budget_pages must be an int, got {type(budget_pages).__name__}")
         if budget_pages < 0:
             raise ValueError(f"budget_pages must be >= 0, got {budget_pages}")
+        if resident_ctas is not None and (
+            isinstance(resident_ctas, bool)
+            or not isinstance(resident_ctas, (int, np.integer))
+            or resident_ctas < 1
+        ):
+            raise ValueError(f"resident_ctas must be a positive int or None, got {resident_ctas!r}")
+        pairs = batch * kv_heads
+        splits, per_split = (1, max_pages)
+        if resident_ctas is not None:
+            splits, per_split = geometry.quest_splits(pairs, max_pages, int(resident_ctas))
+        bound_dtype = "float32" if bound_kind == np.float32 else "bfloat16"
         xp = self.xp
         with self.on_device_of(q):
             q = xp.ascontiguousarray(q)
@@ -1609,9 +1629,9 @@ class KernelBackend:
             chosen = xp.empty(shape, dtype=xp.uint8)
             if not self.on_gpu:  # the interpreter's poison: the kernel writes every entry
                 chosen.fill(QUEST_UNWRITTEN)
-            if batch * kv_heads and max_pages:
+            if pairs and max_pages:
                 self.launch(
-                    geometry.QuestSelectConfig(head_dim, dtype, batch * kv_heads),
+                    geometry.QuestSelectConfig(head_dim, dtype, bound_dtype, pairs, splits),
                     q=q,
                     key_min=key_min,
                     key_max=key_max,
@@ -1623,6 +1643,19 @@ class KernelBackend:
                     kv_heads=kv_heads,
                     t_q=t_q,
                     max_pages=max_pages,
+                    pages_per_split=per_split,
                     budget_pages=int(budget_pages),
                 )
+                if splits > 1 and batch * heads * t_q:
+                    self.launch(
+                        geometry.QuestRowsConfig(batch * heads * t_q),
+                        bounds=bounds,
+                        page_count=page_count,
+                        chosen=chosen,
+                        heads=heads,
+                        kv_heads=kv_heads,
+                        t_q=t_q,
+                        max_pages=max_pages,
+                        budget_pages=int(budget_pages),
+                    )
         return chosen

@@ -6,7 +6,10 @@ default; CuPy for a CUDA array; torch and jax arrays are shared through DLPack):
     k_pages, v_pages  [1 + num_pages, page_size, head_dim]  the tokens
     slot_pos          int64 [1 + num_pages, page_size]      position in each slot, -1: empty
     slot_score        float64, same shape (HeavyHitters)     accumulated attention probability
-    key_min, key_max  float32 [1 + num_pages, head_dim] (Quest) element-wise bounds per page
+    key_min, key_max  [1 + num_pages, head_dim] (Quest) element-wise bounds per page: float32
+                      for float32 / float64 pages; for 16-bit and fp8 pages uint16 bfloat16 bits
+                      rounded outward (min down, max up), half the bytes; ``page_bounds``
+                      widens either to float32
     page_table        int32 [batch, kv_heads, width]         each pair's pages in order, -1 pad
     page_count        int32 [batch, kv_heads]                pages in each pair's table
     free_stack        int32 [1 + num_pages], free_top int64 [1]: free pages in [0, free_top)
@@ -41,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn._util import ceil_div, dtype_name, host_array, stable_kind, widened
+from cuattn._util import BFLOAT16_SHIFT, ceil_div, dtype_name, host_array, stable_kind, widened
 from cuattn.adapters import dlpack
 from cuattn.backends import device_module
 from cuattn.layout.layout import check_positive_int
@@ -54,6 +57,9 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CACHE_DTYPES = FLOAT_DTYPES + fp8.FP8_DTYPES
 # what an fp8 cache is given (k, v at append) and asked with (q at decode): the model's dtype
 FP8_INPUT_DTYPES = ("float16", "bfloat16")
+# Cache dtypes whose Quest bounds stay float32 (their users ask for exact keys); the others keep
+# them as bfloat16 bits rounded outward (bfloat16_outward)
+FLOAT32_BOUND_DTYPES = ("float32", "float64")
 SPARE = 0  # the spare page (see module doc); slot 0 of it is the spare slot
 DEFAULT_TOKENS = 256  # tokens per (sequence, kv head) the first pool holds without a capacity
 GROWTH = 16  # a budgeted pool that must grow takes 1/GROWTH of its kept tokens as slack
@@ -228,8 +234,9 @@ class KVCache:
             xp.zeros((rows, self.page_size), dtype=xp.float64) if self._scores_tokens else None
         )
         bounds = (rows, self.head_dim) if self._bounds_pages else (0, self.head_dim)
-        self.key_min = xp.zeros(bounds, dtype=xp.float32)
-        self.key_max = xp.zeros(bounds, dtype=xp.float32)
+        bound_dtype = xp.float32 if self.dtype in FLOAT32_BOUND_DTYPES else xp.uint16
+        self.key_min = xp.zeros(bounds, dtype=bound_dtype)  # 0 bits: +0.0 either way
+        self.key_max = xp.zeros(bounds, dtype=bound_dtype)
         # popped from the top, so page 1 comes first; cell `pages` is where masked pushes land
         self.free_stack = xp.zeros(rows, dtype=xp.int32)
         self.free_stack[:pages] = xp.arange(pages, 0, -1, dtype=xp.int32)
@@ -888,9 +895,55 @@ class KVCache:
         keys = (
             self._page_values(written)[0] if self.quantized else widened(self.k_pages[written], xp)
         )
-        self.key_min[written] = xp.where(used, keys, xp.inf).min(axis=1)
-        self.key_max[written] = xp.where(used, keys, -xp.inf).max(axis=1)
-        self.key_min[SPARE] = self.key_max[SPARE] = 0.0  # masked rows left it infinite
+        low = xp.where(used, keys, xp.inf).min(axis=1)
+        high = xp.where(used, keys, -xp.inf).max(axis=1)
+        if self.key_min.dtype == xp.uint16:
+            low = bfloat16_outward(xp, low, upward=False)
+            high = bfloat16_outward(xp, high, upward=True)
+        self.key_min[written] = low
+        self.key_max[written] = high
+        self.key_min[SPARE] = self.key_max[SPARE] = 0  # masked rows left it infinite
+
+    def page_bounds(self, pages: Any) -> tuple[Any, Any]:
+        """Quest's (key_min, key_max) of ``pages`` (an index array, any shape) as float32
+        [*pages.shape, head_dim] on the cache's device: the stored float32, or the bfloat16
+        bits widened exactly. What every path of the choice reads, so all choose alike."""
+        xp = self.xp
+        low, high = self.key_min[pages], self.key_max[pages]
+        if low.dtype == xp.uint16:
+            return bfloat16_widened(xp, low), bfloat16_widened(xp, high)
+        return low, high
+
+
+# bfloat16 bit patterns (the high 16 bits of a float32)
+BF16_LOW_BITS = 0xFFFF  # what a float32 loses
+BF16_SIGN = 0x8000
+BF16_QUIET = 0x0040  # the quiet-NaN bit: a NaN whose payload was all in the low bits stays NaN
+
+
+def bfloat16_outward(xp: Any, x: Any, upward: bool) -> Any:
+    """float32 ``x`` rounded to bfloat16 toward +inf (``upward``) or -inf, as uint16 bits:
+    the result widened is >= x (upward) or <= x, within one bfloat16 ulp of it, x itself where
+    bfloat16 holds it (infinities, zeros of either sign included); past bfloat16's largest
+    finite value, toward the infinity it rounds to; NaN stays NaN (sign kept, quiet bit set).
+    Integer operations on the bits: truncation rounds toward zero, so a value that loses bits
+    steps one ulp away from zero where its sign is the rounding's direction (negative for
+    toward -inf) and stays truncated otherwise; a step from the largest finite magnitude
+    carries into the exponent and gives the infinity."""
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    bits = x.view(xp.uint32)
+    high = (bits >> BFLOAT16_SHIFT).astype(xp.uint16)
+    inexact = (bits & BF16_LOW_BITS) != 0
+    negative = (high & BF16_SIGN) != 0
+    away = inexact & (negative if not upward else ~negative)
+    nan = xp.isnan(x)
+    stepped = high + away.astype(xp.uint16)
+    return xp.where(nan, high | BF16_QUIET, stepped).astype(xp.uint16)
+
+
+def bfloat16_widened(xp: Any, bits: Any) -> Any:
+    """uint16 bfloat16 bits as the float32 they stand for (exact)."""
+    return (bits.astype(xp.uint32) << BFLOAT16_SHIFT).view(xp.float32)
 
 
 # the arrays sized by the pool (copied when it grows), and the rest of the bookkeeping

@@ -20,8 +20,9 @@ splits of each page table in parallel; kernels/merge_states.cu: their merge), as
 (geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, modifiers and HeavyHitters too),
 opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
-on the cache's device from the per-page key bounds (kernels/quest_select.cu in one launch on the
-interpreter, and on a GPU with CUATTN_QUEST=kernel; the array library's operations otherwise);
+on the cache's device from the per-page key bounds (kernels/quest_select.cu, one launch, or two
+where a few long tables are split over the device, on the interpreter and on a GPU with
+CUATTN_QUEST=kernel; the array library's operations otherwise);
 HeavyHitters turns the kernel's per-token scores into probabilities with the merged lse in one
 more kernel (no second pass over K) that adds them to the cache's scores where they are
 (nothing read back).
@@ -136,7 +137,7 @@ def _quest_pages(cache: KVCache, b: int, h: int, q_group: Any, length: int) -> n
     """bool [g, t_q, pages in table order]: the pages each query reads (Quest)."""
     xp, policy = cache.xp, cache.policy
     table = cache.pages(b, h)
-    lo, hi = cache.key_min[xp.asarray(table)], cache.key_max[xp.asarray(table)]
+    lo, hi = cache.page_bounds(xp.asarray(table))
     bound = _page_bounds(xp, q_group.astype(xp.float32), lo, hi)  # [g, t_q, pages]
     bound = host_array(bound)
     newest = (length - 1) // cache.page_size
@@ -158,6 +159,14 @@ def _resident_ctas(impl: Any, head_dim: int, dtype: str, gqa: bool) -> int:
     return geometry.decode_resident_ctas(arch, sms, head_dim, dtype)
 
 
+def _quest_resident_ctas(impl: Any, head_dim: int) -> int:
+    """quest_select CTAs the current device holds at once (its table splits follow)."""
+    if not impl.on_gpu:
+        return INTERP_RESIDENT_CTAS
+    arch, sms = device_arch_and_sms()
+    return geometry.quest_resident_ctas(arch, sms, head_dim)
+
+
 def quest_kernel_applies(impl: Any, qb: Any) -> bool:
     """Whether Quest's choice runs kernels/quest_select.cu: on a kernel backend
     (``impl.quest_select``), for q of a kernel dtype and head dim, on the interpreter always and
@@ -172,17 +181,22 @@ def quest_kernel_applies(impl: Any, qb: Any) -> bool:
 @_quiet_specials
 def quest_chosen(cache: KVCache, qb: Any, table: Any, count: Any, impl: Any = None) -> Any:
     """uint8 [B, H, t_q, max_pages]: the pages each query reads (Quest), on the device, by the
-    bound _page_bounds computes. With a kernel backend ``impl`` where quest_kernel_applies: one
-    launch of kernels/quest_select.cu (its bounds summed in a fixed float32 order, 0 past each
-    table's page count); otherwise the array library's operations below."""
+    bound _page_bounds computes from the cache's page_bounds (float32, or its bfloat16 bits
+    widened). With a kernel backend ``impl`` where quest_kernel_applies: kernels/quest_select.cu
+    (its bounds summed in a fixed float32 order, 0 past each table's page count; each table
+    split over CTAs where the pairs are too few to fill the device, then a selection kernel);
+    otherwise the array library's operations below."""
     if quest_kernel_applies(impl, qb):
-        return impl.quest_select(qb, cache.key_min, cache.key_max, table, count, cache.policy.pages)
+        resident = _quest_resident_ctas(impl, int(qb.shape[3]))
+        return impl.quest_select(
+            qb, cache.key_min, cache.key_max, table, count, cache.policy.pages, resident
+        )
     xp, policy = cache.xp, cache.policy
     batch, heads, t_q, head_dim = qb.shape
     kv_heads, max_pages = table.shape[1], table.shape[2]
     group = heads // kv_heads
     safe = xp.maximum(table, 0)
-    lo, hi = cache.key_min[safe], cache.key_max[safe]  # [B, Hkv, max_pages, d]
+    lo, hi = cache.page_bounds(safe)  # [B, Hkv, max_pages, d] float32
     qf = qb.astype(xp.float32).reshape(batch, kv_heads, group * t_q, head_dim)
     bound = _page_bounds(xp, qf, lo, hi).reshape(batch, kv_heads, group, t_q, max_pages)
     page = xp.arange(max_pages)

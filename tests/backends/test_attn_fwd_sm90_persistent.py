@@ -361,36 +361,54 @@ def split_layouts():
         ("longformer", longformer_blocks, 64),
         ("bigbird-128", make_layout("bigbird", 17 * 128, 2, 128, causal=False).blocks, 128),
         ("random", random_blocks, 64),
+        # few items with long rows: the threshold from the SMs (16 at 132) sits between the
+        # minimum and the mean's (132)
+        ("causal", make_layout("all", 64 * 64, 2, 64, causal=True).blocks, 64),
     ]
 
 
-@pytest.mark.parametrize("split_tiles", [None, 1, 3, 8])
+@pytest.mark.parametrize(
+    "split_tiles, sms", [(None, 132), (None, 1), (None, 40), (1, 132), (3, 132), (8, 132)]
+)
+@pytest.mark.parametrize("key_pairs", [False, True], ids=["tile64", "pairs"])
 @pytest.mark.parametrize("label, blocks, block", split_layouts(), ids=lambda x: str(x)[:12])
 def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
-    label, blocks, block, split_tiles
+    label, blocks, block, key_pairs, split_tiles, sms
 ):
     """Every (query tile, head, batch) item once unsplit, or, where it walks more than the
     threshold, as chunks of at most that many key tiles, none empty, whose key-block ranges
     cover [0, key blocks) in order with consecutive slots; the merge list names each split item
-    with its first slot and chunk count; longest first within each L2 group."""
+    with its first slot and chunk count; longest first within each L2 group. With key pairs a
+    row's key tiles are the pairs (2j, 2j + 1) its union holds a block of, and no cut falls
+    inside a pair (no tile is walked by two chunks). The threshold (None): 4 x the mean, at
+    least 8; with fewer items than ``sms``, at most the launch's walked tiles over sms."""
+    if key_pairs and block != geometry.SM90_KEY_PAIR_BLOCK:
+        pytest.skip("key pairs are 64-blocks")
     batch, head_dim, heads = 2, 128, blocks.shape[0]
     nb = blocks.shape[2]
     per_tile = 128 // block
     tiles = -(-blocks.shape[1] // per_tile)
     n_k = nb * block
-    work = geometry.sm90_work_list(blocks, batch, n_k, head_dim, "bfloat16", 1, block, split_tiles)
+    work = geometry.sm90_work_list(
+        blocks, batch, n_k, head_dim, "bfloat16", 1, block, split_tiles, key_pairs, sms
+    )
     threshold = work.split_tiles
-    key_tiles = block // geometry.sm90_tile_n(block, head_dim)
+    span = 2 if key_pairs else 1
+    key_tiles = span * block // geometry.sm90_tile_n(block, head_dim, key_pairs)
 
     def walked(head, tile, first, end):  # the key tiles an item walks, brute force
         keys = set()
         for r in range(tile * per_tile, min((tile + 1) * per_tile, blocks.shape[1])):
-            keys |= {c for c in range(first, end) if blocks[head, r, c]}
+            keys |= {c // span for c in range(first, end) if blocks[head, r, c]}
         return len(keys) * key_tiles
 
     if split_tiles is None:
-        mean = np.mean([walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)])
-        assert threshold == max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * mean)))
+        every = [walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)]
+        expected = max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * np.mean(every))))
+        if batch * heads * tiles < sms:
+            fill = -(-batch * sum(every) // sms)
+            expected = min(expected, max(geometry.SM90_SPLIT_MIN_TILES, fill))
+        assert threshold == expected
     entries: dict[int, list[tuple[int, int, int]]] = {}
     for item, first, end, slot, *row_entries in work.items.tolist():
         entries.setdefault(item, []).append((first, end, slot))
@@ -419,6 +437,7 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
         assert [c[2] for c in chunks] == list(range(chunks[0][2], chunks[0][2] + len(chunks)))
         bounds = [c[0] for c in chunks] + [chunks[-1][1]]
         assert bounds[0] == 0 and bounds[-1] == nb and bounds == sorted(bounds)
+        assert all(b % span == 0 for b in bounds[:-1])  # no cut inside a key pair
         assert all(c[0] == d[1] for c, d in zip(chunks[1:], chunks, strict=False))
         for first, end, _ in chunks:
             assert 0 < walked(head, tile, first, end) <= threshold

@@ -185,7 +185,7 @@ def test_few_items_with_key_pairs_split_by_geometry_s_own_threshold(lib):
     layout = make_layout("all", 24 * BLOCK + 17, 1, BLOCK, causal=True)
     q, k, v = random_inputs(layout, 1, 1, 128, DTYPE, 10)
     _, _, work = check_split(lib, key_config(128, "causal"), layout, q, k, v, split_tiles=None)
-    assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES and len(work.merges) == 4
+    assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES and len(work.merges) == 5
     for chunks in chunk_pairs(work, layout).values():
         assert sum(len(c) for c in chunks) == len(set().union(*chunks))
 

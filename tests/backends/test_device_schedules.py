@@ -289,22 +289,26 @@ def test_few_items_split_to_fill_the_sms(key_pairs, heads, n, sms, threshold):
 
 def test_the_bounds_hold_where_the_split_is_largest():
     """Every unit but a few walking one key tile and the rest walking many: the most chunks and
-    split rows the bounds allow for, within them (and used nearly up)."""
+    split rows the bounds allow for, within them (and used nearly up). The host's list is held
+    to the bounds first: a device build past them writes out of bounds."""
     heads, nbq, nb = 1, 64, 64  # 32 units at 64-blocks
     blocks = np.zeros((heads, nbq, nb), bool)
     blocks[0, :, 0] = True
     blocks[0, :14, :] = True  # 7 units walking all 64 key blocks, 25 walking one
-    host = assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64)
-    entries, merges, slots = layout_build.work_list_bounds(32, 1)
+    # sms 1: the mean's threshold alone (4 x the mean, under units / 4 chunks beyond the first)
+    host = geometry.sm90_work_list(blocks, 1, nb * 64, 128, "bfloat16", 1, 64, sms=1)
+    entries, merges, slots = layout_build.work_list_bounds(32, 1, 1)
     assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
     assert len(host.merges) == 7
+    assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64, sms=1)
     # one item of 2000 key tiles, alone: the threshold ceil(2000 / 132) = 16 cuts it into 125
     # chunks, near the few-items bound of sms / batch chunks beyond the first
     blocks = np.ones((1, 1, 2000), bool)
-    host = assert_work_lists_equal(blocks, 2000 * 64, 1, 1, 128, "bfloat16", 64)
+    host = geometry.sm90_work_list(blocks, 1, 2000 * 64, 128, "bfloat16", 1, 64)
     entries, merges, slots = layout_build.work_list_bounds(1, 1)
     assert host.split_tiles == 16 and len(host.items) == 125
     assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
+    assert_work_lists_equal(blocks, 2000 * 64, 1, 1, 128, "bfloat16", 64)
 
 
 # ---- through the backends -------------------------------------------------------------------

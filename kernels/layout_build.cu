@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 //     (slot_ptr: partial slots) and of the split units (merge_ptr), each [units + 1].
 //   sm90_work_fill: a warp per unit: its entries of one batch (EntryField), a split unit's
 //     chunk boundaries at the first key block of the union's (L c / chunks)-th walk unit (L the
-//     union's walk units: a cut never falls inside a key pair) with
-//     the rows' entries before each, and each entry's sort weight (walk, computed, tile).
+//     union's walk units: a cut never falls inside a key pair) with the rows' entries before
+//     each, and each entry's sort weight (walk, computed, tile).
 //   sm90_work_order: a thread per (entry, batch): its place, the number of entries of its L2
 //     group (the pairs attn_fwd_sm90 starts together: the first groups % pairs one pair more)
 //     that sort before it: heavier weight first (more key tiles walked, then more blocks
@@ -411,10 +411,10 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 // The list holds at most list_bound = batch x (units + extra) entries, the merges batch x extra
 // and the slots twice that: a unit split above 4 x the mean leaves the chunks beyond one a unit
 // under units / 4 (extra = units / 4); where batch x units < sms the threshold may be the
-// launch's key tiles over sms, and they sum to under sms / batch a batch (extra = the larger). The list is written to the END of its
-// list_bound entries and work_counter starts at its first: the persistent kernel, launched with
-// num_items = list_bound, claims exactly the list. Merge entries past the split rows are left
-// with no chunks (attn_fwd_sm90_merge passes them by).
+// launch's key tiles over sms, and they sum to under sms / batch a batch (extra = the larger).
+// The list is written to the END of its list_bound entries and work_counter starts at its
+// first: the persistent kernel, launched with num_items = list_bound, claims exactly the list.
+// Merge entries past the split rows are left with no chunks (attn_fwd_sm90_merge passes them by).
 //
 // The backward's, two launches:
 //   sm90_claim_order: a CTA per kv head: each key tile's walked query blocks (the union of its

@@ -204,13 +204,13 @@ SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the
 # tiles. Each chunk writes its partial (out, lse) in float32 to a slot of a workspace, and
 # SM90_FWD_MERGE merges a row's chunks through the LSE in chunk order after the launch: the
 # same bits whichever CTA computed which chunk.
-SM90_SPLIT_FACTOR = 4
-SM90_SPLIT_MIN_TILES = 8
 # A launch of fewer items than SMs leaves SMs idle whatever its rows' lengths (a batch of 1 with
 # few heads): there the threshold falls to the walked tiles of the whole launch over the SMs (at
 # least SM90_SPLIT_MIN_TILES), so that the chunks fill about one wave. With as many items as SMs
-# or more the mean's threshold stays: the schedule simulator loses 0-35 % splitting such
-# launches further (a longer tail of chunks sorted longest first, and the merge's launch).
+# or more the mean's threshold stays: splitting such launches further is predicted to cost 0-35 %
+# (a longer tail of chunks sorted longest first, and the merge's launch).
+SM90_SPLIT_FACTOR = 4
+SM90_SPLIT_MIN_TILES = 8
 # A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
 # workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse), and where
 # those key blocks lie in the item's CSR rows: entries [first, end) of its first block's row,

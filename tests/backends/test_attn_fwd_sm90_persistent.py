@@ -323,7 +323,7 @@ def test_split_rows_merge_to_the_oracle(lib, block, tile_n, head_dim, dtype, rul
 def test_few_items_are_split_by_geometry_s_own_threshold(lib):
     """Batch 1, one head, causal rows of up to 21 key tiles: 11 items, fewer than the SMs, so
     geometry's threshold is the launch's tiles over the SMs (at least 8) and the rows past 8
-    tiles split, where the mean's (4 x ~11) would split none; merged to the oracle, the rest
+    tiles split, where the mean's (48) would split none; merged to the oracle, the rest
     attn_fwd_sm90's bits."""
     layout = make_layout("all", 20 * 64 + RAGGED_ROWS, 1, 64, causal=True)
     q, k, v = random_inputs(layout, 1, 1, 64, "float16", 23)

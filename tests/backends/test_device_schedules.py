@@ -347,7 +347,7 @@ def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
 
 
 @pytest.mark.parametrize(
-    "make, batch, kv_heads",
+    "make, batch, kv_heads, tile_n",
     [
         (
             lambda: cuattn.make_layout(
@@ -355,15 +355,28 @@ def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
             ),
             1,
             1,
+            "64",
         ),
-        (lambda: topk_layout(7, 5 * 64 + 9, 4, 2, 64, 2), 2, 2),
+        (lambda: topk_layout(7, 5 * 64 + 9, 4, 2, 64, 2), 2, 2, "64"),
+        (
+            lambda: cuattn.make_layout(
+                "longformer", 40 * 64 + 5, 2, 64, local_attn_ctx=64, causal=False
+            ),
+            1,
+            1,
+            "128",
+        ),
     ],
-    ids=["longformer-split", "topk-gqa"],
+    ids=["longformer-split", "topk-gqa", "longformer-split-key-pairs"],
 )
-def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, batch, kv_heads):
+def test_forward_through_a_device_layout_is_the_host_layouts(
+    monkeypatch, make, batch, kv_heads, tile_n
+):
     """CUATTN_KERNELS=sm90a-persistent: a DeviceLayout runs the persistent kernel (after the
     four list kernels, the merge where rows split) and its out and lse are the host layout's
-    bits."""
+    bits; with CUATTN_SM90_TILE_N=128 on 128-key tiles, its list counted and cut in key pairs
+    (a batch of 1, two heads: fewer items than SMs, so the global rows split)."""
+    monkeypatch.setenv(geometry.SM90_TILE_N_ENV, tile_n)
     layout = make()
     device = layout if isinstance(layout, DeviceLayout) else as_device(layout)
     host = device.host()
@@ -374,7 +387,7 @@ def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, 
         (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
     (ref_out, ref_lse), ref_names = launched(interp.forward, q, k, v, AttentionCall(host, scale))
     schedule = ["sm90_work_count", "sm90_work_scan", "sm90_work_fill", "sm90_work_order"]
-    assert ref_names[0].startswith("attn_fwd_sm90_persistent<")
+    assert ref_names[0].startswith(f"attn_fwd_sm90_persistent<64, {tile_n}, ")
     # the merge runs wherever rows could split (its padding entries left alone where none did)
     merge = names[len(schedule) + 1 :]
     assert names[: len(schedule) + 1] == [*schedule, ref_names[0]], names

@@ -474,18 +474,36 @@ def merge_seconds(p: FwdParams, work: geometry.Sm90WorkList, head_dim: int) -> f
 
 
 def built_items(
-    layout: object, batch: int, head_dim: int, kv_group: int, split_tiles: int | None
+    layout: object,
+    batch: int,
+    head_dim: int,
+    kv_group: int,
+    split_tiles: int | None,
+    key_pairs: bool = False,
+    list_in_pairs: bool | None = None,
 ) -> tuple[list[Cta], geometry.Sm90WorkList, int]:
     """The entries of geometry.sm90_work_list as the simulator's items, in the list's order (a
-    chunk: its row's CTA cut to the key tiles of its blocks, tensor and masked work in
-    proportion), the list, and the key tile."""
+    chunk: its row's CTA cut to the key tiles its block range meets, tensor and masked work in
+    proportion), the list, and the key tile. ``key_pairs``: 128-key tiles of two 64-blocks (a
+    half tile as the N = 64 wgmma); the list counted and cut in pairs (``list_in_pairs`` None)
+    or, False, in 64-blocks as before (a tile cut inside is walked by both its chunks)."""
     block = layout.blocksize
-    tile_n = geometry.sm90_tile_n(block, head_dim)
-    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n)
+    tile_n = geometry.sm90_tile_n(block, head_dim, key_pairs)
+    half_tiles = "skip" if key_pairs else "mask"
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, "x-fastest", tile_n, half_tiles)
     by_key = {(c.pair, c.tile): c for c in ctas}
     tiles = -(-layout.blocks.shape[1] // (geometry.SM90_TILE_M // block))
+    in_pairs = key_pairs if list_in_pairs is None else list_in_pairs
     work = geometry.sm90_work_list(
-        layout.blocks, batch, layout.n_ctx, head_dim, "bfloat16", kv_group, block, split_tiles
+        layout.blocks,
+        batch,
+        layout.n_ctx,
+        head_dim,
+        "bfloat16",
+        kv_group,
+        block,
+        split_tiles,
+        key_pairs=in_pairs,
     )
     items = []
     for item, first, end, slot, *_ in work.items.tolist():
@@ -493,7 +511,12 @@ def built_items(
         if slot == geometry.SM90_NO_SLOT:
             items.append(c)
             continue
-        reads = tuple(r for r in c.reads if first <= r[1] * tile_n // block < end)
+        # key tile r holds blocks [r tile_n / block, ceil((r + 1) tile_n / block))
+        reads = tuple(
+            r
+            for r in c.reads
+            if r[1] * tile_n // block < end and -(-(r[1] + 1) * tile_n // block) > first
+        )
         share = len(reads) / c.walked
         items.append(
             Cta(c.pair, c.tile, len(reads), c.tensor_cycles * share, round(c.masked * share), reads)
@@ -677,6 +700,8 @@ def predict_built_persistent(
     kv_group: int = 1,
     stride: bool = False,
     split_tiles: int | None = 0,
+    key_pairs: bool = False,
+    list_in_pairs: bool | None = None,
 ) -> Prediction:
     """attn_fwd_sm90_persistent as built: SMS CTAs claim the entries of geometry.sm90_work_list
     (the list the host hands the kernel) in its order, each paying ``item_share`` of today's
@@ -684,8 +709,10 @@ def predict_built_persistent(
     None, geometry's choice (sm90_split_tiles); a chunk is its row's CTA cut to the key tiles of
     its blocks (tensor and masked work in proportion), and the merge (merge_seconds) follows.
     ``stride``: the alternative not built, CTA i taking items i, i + SMS, ... instead of
-    claiming the next."""
-    items, work, tile_n = built_items(layout, batch, head_dim, kv_group, split_tiles)
+    claiming the next. ``key_pairs``, ``list_in_pairs``: built_items'."""
+    items, work, tile_n = built_items(
+        layout, batch, head_dim, kv_group, split_tiles, key_pairs, list_in_pairs
+    )
     slots = SMS * SM90_RESIDENT
     terms = fwd_terms(items, head_dim, tile_n, slots)
     per_slot = p.cta_cycles * (1 - item_share)

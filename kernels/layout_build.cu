@@ -391,26 +391,30 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 // shapes (the bounds below), and where the host needs a count for a launch it takes the bound.
 //
 // The forward's work list, four launches (units: the (head, query tile) pairs, tiles of 128
-// query rows of ITEM_ROWS layout rows each):
-//   sm90_work_count: a warp per unit: the key blocks the union of its rows holds, union_count.
+// query rows of ITEM_ROWS layout rows each; a walk unit: `span` adjacent key blocks, 2 where the
+// kernel walks 128-key tiles of two 64-blocks, else 1):
+//   sm90_work_count: a warp per unit: the walk units the union of its rows holds, union_count.
 //   sm90_work_scan: one CTA: the split threshold (split_factor x the mean unit's key tiles, at
-//     least split_min_tiles, as geometry.sm90_split_tiles), each unit's chunks (1: not split)
+//     least split_min_tiles; where batch x units < sms, at most the launch's key tiles over sms,
+//     at least split_min_tiles: as geometry.sm90_split_tiles), each unit's chunks (1: not split)
 //     and the exclusive prefix sums of its entries (entry_ptr), of the chunks of split units
 //     (slot_ptr: partial slots) and of the split units (merge_ptr), each [units + 1].
 //   sm90_work_fill: a warp per unit: its entries of one batch (EntryField), a split unit's
-//     chunk boundaries at the union's (L c / chunks)-th key block (L the union's blocks) with
-//     the rows' entries before each, and each entry's sort weight (walk, computed, tile).
+//     chunk boundaries at the first key block of the union's (L c / chunks)-th walk unit (L the
+//     union's walk units: a cut never falls inside a key pair) with the rows' entries before
+//     each, and each entry's sort weight (walk, computed, tile).
 //   sm90_work_order: a thread per (entry, batch): its place, the number of entries of its L2
 //     group (the pairs attn_fwd_sm90 starts together: the first groups % pairs one pair more)
 //     that sort before it: heavier weight first (more key tiles walked, then more blocks
 //     computed, then the later tile), then pair and chunk ascending; writes the entry
 //     (attn_fwd_sm90.cu's WorkField) and, for a split row's first chunk, its merge entry.
-// The list holds at most list_bound = batch x (units + units / 4) entries (a unit is split
-// above 4 x the mean, so the chunks beyond one a unit sum to under units / 4), the merges
-// batch x units / 4 and the slots twice that. The list is written to the END of its
-// list_bound entries and work_counter starts at its first: the persistent kernel, launched with
-// num_items = list_bound, claims exactly the list. Merge entries past the split rows are left
-// with no chunks (attn_fwd_sm90_merge passes them by).
+// The list holds at most list_bound = batch x (units + extra) entries, the merges batch x extra
+// and the slots twice that: a unit split above 4 x the mean leaves the chunks beyond one a unit
+// under units / 4 (extra = units / 4); where batch x units < sms the threshold may be the
+// launch's key tiles over sms, and they sum to under sms / batch a batch (extra = the larger).
+// The list is written to the END of its list_bound entries and work_counter starts at its
+// first: the persistent kernel, launched with num_items = list_bound, claims exactly the list.
+// Merge entries past the split rows are left with no chunks (attn_fwd_sm90_merge passes them by).
 //
 // The backward's, two launches:
 //   sm90_claim_order: a CTA per kv head: each key tile's walked query blocks (the union of its
@@ -432,7 +436,7 @@ enum EntryField {
   ENTRY_A_END,
   ENTRY_B_FIRST,  // of its second row (64-blocks)
   ENTRY_B_END,
-  ENTRY_U_FIRST,  // key blocks of the rows' union before `first`, before `end`
+  ENTRY_U_FIRST,  // walk units of the rows' union before `first`, before `end`
   ENTRY_U_END,
   ENTRY_FIELDS
 };
@@ -456,6 +460,13 @@ constexpr int WEIGHT_BITS = 21;
 constexpr int MAX_CLAIM_TILES = 8192;
 constexpr int MAX_TILE_BLOCKS = 2;
 constexpr int WORD_BITS = 32;
+constexpr unsigned EVEN_LANES = 0x55555555u;
+
+// The walk units of a ballot over 32 adjacent key blocks (the first at a multiple of 32), each
+// at its first block's lane: the votes themselves (span 1), or a key pair's at its even lane.
+__device__ __forceinline__ unsigned unit_votes(unsigned votes, int span) {
+  return span == 1 ? votes : (votes | (votes >> 1)) & EVEN_LANES;
+}
 
 // A unit's layout rows (the item's first and, with 64-blocks, second; nullptr past nbq).
 struct WorkUnit {
@@ -478,21 +489,21 @@ __device__ __forceinline__ WorkUnit work_unit(const unsigned char* chosen, int n
 
 __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
     sm90_work_count(const unsigned char* __restrict__ chosen, int* __restrict__ union_count,
-                    int nbq, int nb, int item_rows, int tiles) {
+                    int nbq, int nb, int item_rows, int tiles, int span) {
   const WorkUnit u = work_unit(chosen, nbq, nb, item_rows, tiles);
   if (u.row_a == nullptr) return;  // uniform over the warp
   int count = 0;
   for (int j0 = 0; j0 < nb; j0 += 32) {
     const int j = j0 + u.lane;
     const bool on = j < nb && (u.row_a[j] != 0 || (u.row_b != nullptr && u.row_b[j] != 0));
-    count += __popc(__ballot_sync(FULL_WARP, on));
+    count += __popc(unit_votes(__ballot_sync(FULL_WARP, on), span));
   }
   if (u.lane == 0) union_count[u.unit] = count;
 }
 
 // A unit's chunks: split above split_tiles key tiles into ceil(walked / split_tiles).
-__device__ __forceinline__ int unit_chunks(int union_blocks, int key_tiles, int split_tiles) {
-  const int walked = union_blocks * key_tiles;
+__device__ __forceinline__ int unit_chunks(int union_units, int key_tiles, int split_tiles) {
+  const int walked = union_units * key_tiles;
   return walked > split_tiles ? (walked + split_tiles - 1) / split_tiles : 1;
 }
 
@@ -500,7 +511,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     sm90_work_scan(const int* __restrict__ union_count, int* __restrict__ entry_ptr,
                    int* __restrict__ slot_ptr, int* __restrict__ merge_ptr,
                    int* __restrict__ split_tiles, int units, int key_tiles, int split_factor,
-                   int split_min_tiles) {
+                   int split_min_tiles, int batch, int sms) {
   __shared__ long long walked_sums[SCAN_THREADS];
   __shared__ int chunk_sums[3][SCAN_THREADS];
   __shared__ int threshold_smem;
@@ -516,7 +527,13 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     for (int t = 0; t < SCAN_THREADS; ++t) total += walked_sums[t];
     const double mean = units > 0 ? double(total) / double(units) : 0.0;
     const int above = int(ceil(double(split_factor) * mean));
-    threshold_smem = above > split_min_tiles ? above : split_min_tiles;
+    int threshold = above > split_min_tiles ? above : split_min_tiles;
+    if ((long long)batch * units < sms) {  // few items: chunks to fill about one wave
+      const long long fill = ((long long)batch * total + sms - 1) / sms;
+      const int fill_tiles = fill > split_min_tiles ? int(fill) : split_min_tiles;
+      threshold = fill_tiles < threshold ? fill_tiles : threshold;
+    }
+    threshold_smem = threshold;
     *split_tiles = threshold_smem;
   }
   __syncthreads();
@@ -562,12 +579,12 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
     sm90_work_fill(const unsigned char* __restrict__ chosen, const int* __restrict__ union_count,
                    const int* __restrict__ entry_ptr, int* __restrict__ entries,
                    u64* __restrict__ weights, int nbq, int nb, int item_rows, int tiles,
-                   int key_tiles) {
+                   int span, int key_tiles) {
   const WorkUnit u = work_unit(chosen, nbq, nb, item_rows, tiles);
   if (u.row_a == nullptr) return;  // uniform over the warp
   const int first_entry = entry_ptr[u.unit];
   const int chunks = entry_ptr[u.unit + 1] - first_entry;
-  const long long union_blocks = union_count[u.unit];
+  const long long union_units = union_count[u.unit];
   int* rows = entries + size_t(first_entry) * ENTRY_FIELDS;
   const unsigned below = (1u << u.lane) - 1u;
   int before_a = 0, before_b = 0, before_union = 0;
@@ -576,13 +593,13 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
     const bool a = j < nb && u.row_a[j] != 0;
     const bool b = j < nb && u.row_b != nullptr && u.row_b[j] != 0;
     const unsigned votes_a = __ballot_sync(FULL_WARP, a), votes_b = __ballot_sync(FULL_WARP, b);
-    const unsigned votes_union = votes_a | votes_b;
-    if ((a || b) && chunks > 1) {
-      // key j is the union's r-th: a cut when r = floor(L c / chunks) for some 0 < c < chunks,
-      // that is for c = ceil(r chunks / L) (the targets are distinct: chunks <= L)
+    const unsigned votes_union = unit_votes(votes_a | votes_b, span);
+    if (((votes_union >> u.lane) & 1u) && chunks > 1) {
+      // key j starts the union's r-th walk unit: a cut when r = floor(L c / chunks) for some
+      // 0 < c < chunks, that is for c = ceil(r chunks / L) (the targets are distinct: chunks <= L)
       const long long r = before_union + __popc(votes_union & below);
-      const long long c = (r * chunks + union_blocks - 1) / union_blocks;
-      if (c >= 1 && c < chunks && union_blocks * c / chunks == r) {
+      const long long c = (r * chunks + union_units - 1) / union_units;
+      if (c >= 1 && c < chunks && union_units * c / chunks == r) {
         const int at_a = before_a + __popc(votes_a & below);
         const int at_b = before_b + __popc(votes_b & below);
         int* starts = rows + c * ENTRY_FIELDS;

@@ -205,6 +205,11 @@ SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the
 # tiles. Each chunk writes its partial (out, lse) in float32 to a slot of a workspace, and
 # SM90_FWD_MERGE merges a row's chunks through the LSE in chunk order after the launch: the
 # same bits whichever CTA computed which chunk.
+# A launch of fewer items than SMs leaves SMs idle whatever its rows' lengths (a batch of 1 with
+# few heads): there the threshold falls to the walked tiles of the whole launch over the SMs (at
+# least SM90_SPLIT_MIN_TILES), so that the chunks fill about one wave. With as many items as SMs
+# or more the mean's threshold stays: splitting such launches further is predicted to cost 0-35 %
+# (a longer tail of chunks sorted longest first, and the merge's launch).
 SM90_SPLIT_FACTOR = 4
 SM90_SPLIT_MIN_TILES = 8
 # A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
@@ -754,6 +759,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("nb", "i32"),
         ("item_rows", "i32"),
         ("tiles", "i32"),
+        ("span", "i32"),
     ),
     "sm90_work_scan": (
         ("union_count", "ptr"),
@@ -765,6 +771,8 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("key_tiles", "i32"),
         ("split_factor", "i32"),
         ("split_min_tiles", "i32"),
+        ("batch", "i32"),
+        ("sms", "i32"),
     ),
     "sm90_work_fill": (
         ("chosen", "ptr"),
@@ -776,6 +784,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("nb", "i32"),
         ("item_rows", "i32"),
         ("tiles", "i32"),
+        ("span", "i32"),
         ("key_tiles", "i32"),
     ),
     "sm90_work_order": (
@@ -1650,11 +1659,25 @@ class Sm90WorkList:
         return int(self.merges[:, 2].sum())
 
 
-def sm90_split_tiles(walked: np.ndarray) -> int:
+def sm90_split_tiles(walked: np.ndarray, batch: int = 1, sms: int = SM90_SMS) -> int:
     """Key tiles above which a row is split, and the most a chunk walks: SM90_SPLIT_FACTOR x the
-    mean item's (``walked``: the key tiles of every item), at least SM90_SPLIT_MIN_TILES."""
+    mean item's (``walked``: the key tiles of every item of one batch), at least
+    SM90_SPLIT_MIN_TILES; where the launch's items (``batch`` x walked's) are fewer than
+    ``sms``, at most the launch's walked tiles over ``sms`` (at least SM90_SPLIT_MIN_TILES)."""
     mean = float(walked.mean()) if walked.size else 0.0
-    return max(SM90_SPLIT_MIN_TILES, int(np.ceil(SM90_SPLIT_FACTOR * mean)))
+    threshold = max(SM90_SPLIT_MIN_TILES, int(np.ceil(SM90_SPLIT_FACTOR * mean)))
+    if batch * walked.size < sms:
+        fill = -(-batch * int(walked.sum()) // sms)
+        threshold = min(threshold, max(SM90_SPLIT_MIN_TILES, fill))
+    return threshold
+
+
+def sm90_key_span(block: int, key_pairs: bool) -> int:
+    """Key blocks of one key tile's walk unit: 2 with key pairs (a 128-key tile of 64-blocks
+    2j, 2j + 1), else 1. The work list counts and cuts a row in these units."""
+    if key_pairs and block != SM90_KEY_PAIR_BLOCK:
+        raise ValueError(f"key_pairs: only at block {SM90_KEY_PAIR_BLOCK}, not {block}")
+    return SM90_WIDE_TILE_N // block if key_pairs else 1
 
 
 def sm90_work_list(
@@ -1666,16 +1689,20 @@ def sm90_work_list(
     kv_group: int,
     block: int,
     split_tiles: int | None = None,
+    key_pairs: bool = False,
+    sms: int = SM90_SMS,
 ) -> Sm90WorkList:
     """attn_fwd_sm90_persistent's work list: every (128 query rows, head, batch) item, rows that
-    walk more than ``split_tiles`` key tiles (None: sm90_split_tiles) cut into chunks of their
-    key blocks, in the order its CTAs claim them. ``blocks``: the layout's bool [heads, query
-    blocks, key blocks].
+    walk more than ``split_tiles`` key tiles (None: sm90_split_tiles over ``sms`` SMs) cut into
+    chunks of their key blocks, in the order its CTAs claim them. ``blocks``: the layout's bool
+    [heads, query blocks, key blocks]; ``key_pairs``: the kernel walks 128-key tiles of two
+    64-blocks (sm90_key_pairs), so a row is counted in tiles of pairs and cut between pairs.
 
-    A split row's walked key blocks (the union of its blocks' rows) are cut into
-    ceil(walked / split_tiles) runs of near-equal length; a chunk's range reaches to the next
-    chunk's first block (the first from block 0, the last to the end), so the chunks cover the
-    row. The pairs fall into the sm90_cta_groups groups attn_fwd_sm90 starts one after another
+    A split row's walked key units (sm90_key_span's blocks that the union of its blocks' rows
+    holds any of) are cut into ceil(walked / split_tiles) runs of near-equal length; a chunk's
+    range reaches to the next chunk's first unit (the first from block 0, the last to the end),
+    so the chunks cover the row and no tile is walked by two chunks. The pairs fall into the
+    sm90_cta_groups groups attn_fwd_sm90 starts one after another
     (a group's K and V fit the L2 its CTAs share; the first pairs % groups groups hold one pair
     more); within a group the entries go longest first, by the key tiles walked, then by the
     blocks its consumers compute, ties in attn_fwd_sm90's own order (the last rows first, pairs
@@ -1689,14 +1716,19 @@ def sm90_work_list(
         raise ValueError(
             f"batch x heads x query tiles = {pairs * tiles}: the work list numbers items in 31 bits"
         )
+    span = sm90_key_span(block, key_pairs)
+    units = ceil_div(nb, span)  # walk units of a row
     owned = np.zeros((heads, tiles * per_tile, nb), dtype=bool)
     owned[:, :nbq] = blocks
     owned = owned.reshape(heads, tiles, per_tile, nb)
-    key_tiles = max(1, block // sm90_tile_n(block, head_dim))  # key tiles of one key block
-    union = owned.any(axis=2)  # [heads, tiles, key blocks]
-    walked = union.sum(axis=2) * key_tiles  # [heads, tiles]
+    # key tiles of one walk unit
+    key_tiles = max(1, span * block // sm90_tile_n(block, head_dim, key_pairs))
+    held = np.zeros((heads, tiles, units * span), dtype=bool)
+    held[:, :, :nb] = owned.any(axis=2)
+    held = held.reshape(heads, tiles, units, span).any(axis=3)  # [heads, tiles, units]
+    walked = held.sum(axis=2) * key_tiles  # [heads, tiles]
     if split_tiles is None:
-        split_tiles = sm90_split_tiles(walked)
+        split_tiles = sm90_split_tiles(walked, batch, sms)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
     narrow, wide = divmod(pairs, groups)
     # [heads, tiles, rows, key blocks + 1]: a row's entries before each key block
@@ -1724,10 +1756,10 @@ def sm90_work_list(
     chunked = []
     for head, tile in zip(*np.nonzero(chunks_of > 1), strict=True):
         chunks = int(chunks_of[head, tile])
-        keys = np.flatnonzero(union[head, tile])
-        cuts = [0, *(int(keys[len(keys) * c // chunks]) for c in range(1, chunks)), nb]
+        keys = np.flatnonzero(held[head, tile])
+        cuts = [0, *(int(keys[len(keys) * c // chunks]) for c in range(1, chunks)), units]
         for chunk in range(chunks):
-            first, end = cuts[chunk], cuts[chunk + 1]
+            first, end = cuts[chunk] * span, min(cuts[chunk + 1] * span, nb)
             chunked.append(
                 [
                     head,
@@ -1735,7 +1767,7 @@ def sm90_work_list(
                     chunk,
                     first,
                     end,
-                    int(union[head, tile, first:end].sum()) * key_tiles,
+                    int(held[head, tile, cuts[chunk] : cuts[chunk + 1]].sum()) * key_tiles,
                     int(owned[head, tile, :, first:end].sum()),
                     *before[head, tile][:, [first, end]].ravel().tolist(),
                 ]

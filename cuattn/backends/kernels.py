@@ -249,14 +249,23 @@ def _layout_backward_order(
     return cached[key]
 
 
-def _layout_work_list(layout: Layout, key: tuple[int, int, str, int, int]) -> geometry.Sm90WorkList:
+def _layout_work_list(
+    layout: Layout, key: tuple[int, int, str, int, int, bool]
+) -> geometry.Sm90WorkList:
     """geometry.sm90_work_list of a host layout, built once per layout and (batch, keys, dtype,
-    kv_group, head dim)."""
+    kv_group, head dim, key pairs)."""
     cached = _WORK_LISTS.setdefault(layout, {})
     if key not in cached:
-        batch, n_k, dtype, kv_group, head_dim = key
+        batch, n_k, dtype, kv_group, head_dim, key_pairs = key
         cached[key] = geometry.sm90_work_list(
-            layout.blocks, batch, n_k, head_dim, dtype, kv_group, layout.blocksize
+            layout.blocks,
+            batch,
+            n_k,
+            head_dim,
+            dtype,
+            kv_group,
+            layout.blocksize,
+            key_pairs=key_pairs,
         )
     return cached[key]
 
@@ -626,7 +635,8 @@ class KernelBackend:
         list may split rows, attn_fwd_sm90_merge over their chunks' partials."""
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
-        work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim))
+        key_pairs = geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype)
+        work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim, key_pairs))
         ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), work.num_items)
         xp = self.xp
         slots = max(work.slots, 1)  # (a pointer to pass where no row is split)
@@ -639,7 +649,7 @@ class KernelBackend:
             n_rows=ctas,
             block=layout.blocksize,
             rule=layout.rule.kind,
-            key_pairs=geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype),
+            key_pairs=key_pairs,
         )
         result = self._launch_sm90_forward(
             config,
@@ -672,17 +682,25 @@ class KernelBackend:
         return out, lse
 
     def _sm90_work(
-        self, layout: Layout, key: tuple[int, int, str, int, int]
+        self, layout: Layout, key: tuple[int, int, str, int, int, bool]
     ) -> layout_build.DeviceWorkList:
         """attn_fwd_sm90_persistent's work for ``layout`` and (batch, keys, dtype, kv group,
-        head dim), where its kernels read it: a device layout's built where it lives by
+        head dim, key pairs), where its kernels read it: a device layout's built where it lives by
         layout_build.sm90_work_list on every call (no host round trip; not kept, since a build
         recorded into a CUDA graph only runs when the graph does), a host layout's from its
         cached geometry.sm90_work_list, copied over as a list of exactly its entries."""
-        batch, n_k, dtype, kv_group, head_dim = key
+        batch, n_k, dtype, kv_group, head_dim, key_pairs = key
         if isinstance(layout, DeviceLayout):
             return layout_build.sm90_work_list(
-                self, layout.blocks, batch, n_k, head_dim, dtype, kv_group, layout.blocksize
+                self,
+                layout.blocks,
+                batch,
+                n_k,
+                head_dim,
+                dtype,
+                kv_group,
+                layout.blocksize,
+                key_pairs=key_pairs,
             )
         work = _layout_work_list(layout, key)
         return layout_build.DeviceWorkList(

@@ -235,12 +235,17 @@ class DeviceWorkList:
     slots: int
 
 
-def work_list_bounds(units: int, batch: int) -> tuple[int, int, int]:
+def work_list_bounds(units: int, batch: int, sms: int = geometry.SM90_SMS) -> tuple[int, int, int]:
     """(entries, merges, slots) a device-built work list of ``units`` (head, query tile) items
-    a batch holds at most. A unit is split when it walks more than SM90_SPLIT_FACTOR x the
-    mean unit's key tiles, into ceil(walked / threshold) chunks: the chunks beyond the first
-    sum to under units / SM90_SPLIT_FACTOR, and fewer units than that are split."""
+    a batch holds at most. A unit is split when it walks more than the threshold, into
+    ceil(walked / threshold) chunks, so the chunks beyond the first sum to under a batch's
+    walked tiles over the threshold, and fewer units than that are split. The threshold is at
+    least SM90_SPLIT_FACTOR x the mean unit's key tiles (under units / SM90_SPLIT_FACTOR
+    chunks beyond the first) or, where batch x units < ``sms``, the launch's walked tiles over
+    ``sms`` (under sms / batch: geometry.sm90_split_tiles)."""
     split = units // geometry.SM90_SPLIT_FACTOR
+    if batch * units < sms:
+        split = max(split, sms // batch)
     return batch * (units + split), batch * split, batch * 2 * split
 
 
@@ -266,18 +271,22 @@ def sm90_work_list(
     dtype: str,
     kv_group: int,
     block: int,
+    key_pairs: bool = False,
+    sms: int = geometry.SM90_SMS,
 ) -> DeviceWorkList:
     """The persistent forward's work list of the device layout whose active blocks are
     ``blocks`` (bool [heads, query blocks, key blocks], where the layout lives): the entries
-    geometry.sm90_work_list gives for these blocks, in its order, built by sm90_work_count,
-    sm90_work_scan, sm90_work_fill and sm90_work_order with no host round trip."""
+    geometry.sm90_work_list gives for these blocks (with ``key_pairs`` and ``sms``), in its
+    order, built by sm90_work_count, sm90_work_scan, sm90_work_fill and sm90_work_order with
+    no host round trip."""
     xp = impl.xp
     heads, nbq, nb = blocks.shape
     item_rows = geometry.SM90_TILE_M // block
     tiles = ceil_div(nbq, item_rows)
     units = heads * tiles
-    key_tiles = max(1, block // geometry.sm90_tile_n(block, head_dim))
-    list_bound, merge_bound, slot_bound = work_list_bounds(units, batch)
+    span = geometry.sm90_key_span(block, key_pairs)
+    key_tiles = max(1, span * block // geometry.sm90_tile_n(block, head_dim, key_pairs))
+    list_bound, merge_bound, slot_bound = work_list_bounds(units, batch, sms)
     chosen = xp.ascontiguousarray(blocks).view(xp.uint8)
 
     def buffer(*shape: int) -> Any:
@@ -286,7 +295,7 @@ def sm90_work_list(
     union_count = buffer(units)
     pointers = {name: buffer(units + 1) for name in ("entry_ptr", "slot_ptr", "merge_ptr")}
     split_tiles = buffer(1)
-    shape = {"nbq": nbq, "nb": nb, "item_rows": item_rows, "tiles": tiles}
+    shape = {"nbq": nbq, "nb": nb, "item_rows": item_rows, "tiles": tiles, "span": span}
     per_tile = LayoutKernelConfig("sm90_work_count", rows=tiles, heads=heads)
     impl.launch(per_tile, chosen=chosen, union_count=union_count, **shape)
     impl.launch(
@@ -298,8 +307,10 @@ def sm90_work_list(
         key_tiles=key_tiles,
         split_factor=geometry.SM90_SPLIT_FACTOR,
         split_min_tiles=geometry.SM90_SPLIT_MIN_TILES,
+        batch=batch,
+        sms=sms,
     )
-    entry_bound = units + units // geometry.SM90_SPLIT_FACTOR
+    entry_bound = list_bound // batch
     entries = buffer(entry_bound, ENTRY_FIELDS)
     weights = xp.zeros(entry_bound, dtype=xp.uint64)
     impl.launch(

@@ -139,11 +139,55 @@ def test_a_half_no_row_holds_past_the_keys_is_not_copied(lib):
 
 @pytest.mark.parametrize("mode", ["bigbird", "fixed"])
 def test_split_rows_cut_inside_a_key_pair_merge_to_the_oracle(lib, mode):
-    """Chunks of one key block each: a chunk holds one half of a tile whose other half is the
-    next chunk's, so each half is computed by exactly one chunk."""
+    """A list counted in 64-blocks (not what the backends build with key pairs): chunks of one
+    key block each, a chunk holding one half of a tile whose other half is the next chunk's, so
+    each half is computed by exactly one chunk."""
     layout = thin_layout(mode)
     q, k, v = random_inputs(layout, 2, layout.heads, 64, DTYPE, 5)
-    check_split(lib, key_config(64, layout.rule.kind), layout, q, k, v)
+    _, _, work = check_split(
+        lib, key_config(64, layout.rule.kind), layout, q, k, v, key_pairs=False
+    )
+    assert (work.items[work.items[:, 3] >= 0, 1] % 2 == 1).any()  # a cut inside a pair
+
+
+def chunk_pairs(work, layout):
+    """Each split chunk's key pairs (2j, 2j + 1) that its item's rows hold a block of, per item."""
+    tiles = -(-layout.n_q // 128)
+    pairs: dict[int, list[set]] = {}
+    for item, first, end, slot, *_ in work.items.tolist():
+        if slot == geometry.SM90_NO_SLOT:
+            continue
+        head, tile = item // tiles % layout.heads, item % tiles
+        union = layout.blocks[head, 2 * tile : 2 * tile + 2].any(axis=0)
+        pairs.setdefault(item, []).append({j // 2 for j in range(first, end) if union[j]})
+    return pairs
+
+
+@pytest.mark.parametrize("mode", ["bigbird", "fixed", "strided", "variable"])
+def test_split_rows_cut_between_key_pairs_merge_to_the_oracle(lib, mode):
+    """The list the backends build with key pairs, one tile a chunk: every cut at an even key
+    block, so no tile is walked by two chunks (each chunk holds one pair), merged to the oracle,
+    the unsplit rows attn_fwd_sm90's bits."""
+    layout = thin_layout(mode)
+    q, k, v = random_inputs(layout, 2, layout.heads, 64, DTYPE, 9)
+    _, _, work = check_split(lib, key_config(64, layout.rule.kind), layout, q, k, v)
+    split = work.items[work.items[:, 3] >= 0]
+    assert (split[:, 1] % 2 == 0).all()
+    assert ((split[:, 2] % 2 == 0) | (split[:, 2] == layout.num_blocks)).all()
+    for item, chunks in chunk_pairs(work, layout).items():
+        assert all(len(c) == 1 for c in chunks), item
+        assert len(set().union(*chunks)) == len(chunks), item  # each pair in one chunk
+
+
+def test_few_items_with_key_pairs_split_by_geometry_s_own_threshold(lib):
+    """Batch 1, one head, causal rows of up to 13 key pairs: fewer items than the SMs, so
+    geometry's threshold falls to 8 tiles (pairs) and the longer rows split between pairs."""
+    layout = make_layout("all", 24 * BLOCK + 17, 1, BLOCK, causal=True)
+    q, k, v = random_inputs(layout, 1, 1, 128, DTYPE, 10)
+    _, _, work = check_split(lib, key_config(128, "causal"), layout, q, k, v, split_tiles=None)
+    assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES and len(work.merges) == 5
+    for chunks in chunk_pairs(work, layout).values():
+        assert sum(len(c) for c in chunks) == len(set().union(*chunks))
 
 
 def test_gqa_strided_inputs_with_a_thin_layout(lib):

@@ -109,17 +109,36 @@ def lib() -> interp.Library:
 
 
 def run_persistent(
-    lib, config, layout: Layout, q, k, v, scale: float, ctas: int = GRID_CTAS, split_tiles=0
+    lib,
+    config,
+    layout: Layout,
+    q,
+    k,
+    v,
+    scale: float,
+    ctas: int = GRID_CTAS,
+    split_tiles=0,
+    key_pairs=None,
 ):
     """One launch of attn_fwd_sm90_persistent `config` on `ctas` CTAs over the work list the
     backends build (rows split above ``split_tiles`` key tiles: 0 none, None geometry's
-    choice), then attn_fwd_sm90_merge over the split rows as the backends run it; returns
-    (out, lse, counter after the launch, the work list)."""
+    choice; counted and cut in key pairs where the config's key tile holds two blocks, unless
+    ``key_pairs`` says otherwise), then attn_fwd_sm90_merge over the split rows as the backends
+    run it; returns (out, lse, counter after the launch, the work list)."""
     batch, heads, n_q, head_dim = q.shape
     block, tile_n, _, dtype, _ = config
     kv_group = heads // k.shape[1]
+    key_pairs = tile_n > block if key_pairs is None else key_pairs
     work = geometry.sm90_work_list(
-        layout.blocks, batch, layout.n_ctx, head_dim, dtype, kv_group, block, split_tiles
+        layout.blocks,
+        batch,
+        layout.n_ctx,
+        head_dim,
+        dtype,
+        kv_group,
+        block,
+        split_tiles,
+        key_pairs,
     )
     slots = max(work.slots, 1)
     part_out = np.full((slots, TILE_M, head_dim), np.nan, np.float32)
@@ -261,16 +280,21 @@ def split_rows(work, layout, batch):
     return split[:, :, : layout.n_q]
 
 
-def check_split(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
-    """The persistent forward with rows split into chunks and merged: against the float64
+def check_split(
+    lib, config, layout, q, k, v, ctas: int = GRID_CTAS, split_tiles=SPLIT_TILES, key_pairs=None
+):
+    """The persistent forward with rows split into chunks and merged (above ``split_tiles``,
+    None: geometry's threshold; ``key_pairs`` as run_persistent): against the float64
     oracle; the rows it did not split bit-equal to attn_fwd_sm90, the split ones within the
-    dtype's tolerance of it; every entry claimed once."""
+    dtype's tolerance of it; every entry claimed once. Returns (out, lse, the work list)."""
     from tests.backends.test_interp_kernels import TOLERANCE
     from tests.helpers.oracle import rel_err
 
     dtype, head_dim = config[3], config[2]
     scale = head_dim**-0.5
-    out, lse, claims, work = run_persistent(lib, config, layout, q, k, v, scale, ctas, SPLIT_TILES)
+    out, lse, claims, work = run_persistent(
+        lib, config, layout, q, k, v, scale, ctas, split_tiles, key_pairs
+    )
     assert len(work.merges) and claims == len(work.items) + ctas
     check_forward(out, lse, q, k, v, layout, scale, dtype)
     ref_out, ref_lse = run_forward(lib, config, layout, q, k, v, scale)
@@ -281,7 +305,7 @@ def check_split(lib, config, layout, q, k, v, ctas: int = GRID_CTAS):
     finite = split & np.isfinite(ref_lse)
     assert rel_err(lse[finite], ref_lse[finite]) <= TOLERANCE[dtype]
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    return out, lse
+    return out, lse, work
 
 
 @pytest.mark.parametrize(
@@ -294,6 +318,20 @@ def test_split_rows_merge_to_the_oracle(lib, block, tile_n, head_dim, dtype, rul
     if case == "gqa":
         q, k, v = strided_view(q), strided_view(k), strided_view(v)
     check_split(lib, (block, tile_n, head_dim, dtype, rule), layout, q, k, v)
+
+
+def test_few_items_are_split_by_geometry_s_own_threshold(lib):
+    """Batch 1, one head, causal rows of up to 21 key tiles: 11 items, fewer than the SMs, so
+    geometry's threshold is the launch's tiles over the SMs (at least 8) and the rows past 8
+    tiles split, where the mean's (48) would split none; merged to the oracle, the rest
+    attn_fwd_sm90's bits."""
+    layout = make_layout("all", 20 * 64 + RAGGED_ROWS, 1, 64, causal=True)
+    q, k, v = random_inputs(layout, 1, 1, 64, "float16", 23)
+    config = (64, 64, 64, "float16", "causal")
+    _, _, work = check_split(lib, config, layout, q, k, v, split_tiles=None)
+    assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES and len(work.merges) == 7
+    mean_only = geometry.sm90_work_list(layout.blocks, 1, layout.n_ctx, 64, "float16", 1, 64, sms=1)
+    assert len(mean_only.merges) == 0
 
 
 # (128-blocks: RUN_CASES' split cases)
@@ -310,7 +348,7 @@ def test_split_rows_give_the_same_bits_whatever_the_claim_order(lib, monkeypatch
     layout = thin_layout("bigbird", 64)
     config = thin_config("bigbird", 64)
     q, k, v = random_inputs(layout, 2, layout.heads, 64, "bfloat16", 13)
-    first, first_lse = check_split(lib, config, layout, q, k, v, ctas=1)
+    first, first_lse, _ = check_split(lib, config, layout, q, k, v, ctas=1)
     work = geometry.sm90_work_list(layout.blocks, 2, layout.n_ctx, 64, "bfloat16", 1, 64, 1)
     for seed, ctas in [(0, len(work.items) + 2), *((seed, GRID_CTAS) for seed in BLOCK_SEEDS)]:
         monkeypatch.setenv("CUATTN_INTERP_BLOCK_SEED", str(seed))
@@ -361,36 +399,54 @@ def split_layouts():
         ("longformer", longformer_blocks, 64),
         ("bigbird-128", make_layout("bigbird", 17 * 128, 2, 128, causal=False).blocks, 128),
         ("random", random_blocks, 64),
+        # few items with long rows: the threshold from the SMs (16 at 132) sits between the
+        # minimum and the mean's (132)
+        ("causal", make_layout("all", 64 * 64, 2, 64, causal=True).blocks, 64),
     ]
 
 
-@pytest.mark.parametrize("split_tiles", [None, 1, 3, 8])
+@pytest.mark.parametrize(
+    "split_tiles, sms", [(None, 132), (None, 1), (None, 40), (1, 132), (3, 132), (8, 132)]
+)
+@pytest.mark.parametrize("key_pairs", [False, True], ids=["tile64", "pairs"])
 @pytest.mark.parametrize("label, blocks, block", split_layouts(), ids=lambda x: str(x)[:12])
 def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
-    label, blocks, block, split_tiles
+    label, blocks, block, key_pairs, split_tiles, sms
 ):
     """Every (query tile, head, batch) item once unsplit, or, where it walks more than the
     threshold, as chunks of at most that many key tiles, none empty, whose key-block ranges
     cover [0, key blocks) in order with consecutive slots; the merge list names each split item
-    with its first slot and chunk count; longest first within each L2 group."""
+    with its first slot and chunk count; longest first within each L2 group. With key pairs a
+    row's key tiles are the pairs (2j, 2j + 1) its union holds a block of, and no cut falls
+    inside a pair (no tile is walked by two chunks). The threshold (None): 4 x the mean, at
+    least 8; with fewer items than ``sms``, at most the launch's walked tiles over sms."""
+    if key_pairs and block != geometry.SM90_KEY_PAIR_BLOCK:
+        pytest.skip("key pairs are 64-blocks")
     batch, head_dim, heads = 2, 128, blocks.shape[0]
     nb = blocks.shape[2]
     per_tile = 128 // block
     tiles = -(-blocks.shape[1] // per_tile)
     n_k = nb * block
-    work = geometry.sm90_work_list(blocks, batch, n_k, head_dim, "bfloat16", 1, block, split_tiles)
+    work = geometry.sm90_work_list(
+        blocks, batch, n_k, head_dim, "bfloat16", 1, block, split_tiles, key_pairs, sms
+    )
     threshold = work.split_tiles
-    key_tiles = block // geometry.sm90_tile_n(block, head_dim)
+    span = 2 if key_pairs else 1
+    key_tiles = span * block // geometry.sm90_tile_n(block, head_dim, key_pairs)
 
     def walked(head, tile, first, end):  # the key tiles an item walks, brute force
         keys = set()
         for r in range(tile * per_tile, min((tile + 1) * per_tile, blocks.shape[1])):
-            keys |= {c for c in range(first, end) if blocks[head, r, c]}
+            keys |= {c // span for c in range(first, end) if blocks[head, r, c]}
         return len(keys) * key_tiles
 
     if split_tiles is None:
-        mean = np.mean([walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)])
-        assert threshold == max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * mean)))
+        every = [walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)]
+        expected = max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * np.mean(every))))
+        if batch * heads * tiles < sms:
+            fill = -(-batch * sum(every) // sms)
+            expected = min(expected, max(geometry.SM90_SPLIT_MIN_TILES, fill))
+        assert threshold == expected
     entries: dict[int, list[tuple[int, int, int]]] = {}
     for item, first, end, slot, *row_entries in work.items.tolist():
         entries.setdefault(item, []).append((first, end, slot))
@@ -419,6 +475,7 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
         assert [c[2] for c in chunks] == list(range(chunks[0][2], chunks[0][2] + len(chunks)))
         bounds = [c[0] for c in chunks] + [chunks[-1][1]]
         assert bounds[0] == 0 and bounds[-1] == nb and bounds == sorted(bounds)
+        assert all(b % span == 0 for b in bounds[:-1])  # no cut inside a key pair
         assert all(c[0] == d[1] for c, d in zip(chunks[1:], chunks, strict=False))
         for first, end, _ in chunks:
             assert 0 < walked(head, tile, first, end) <= threshold
@@ -537,8 +594,8 @@ def test_cuattn_kernels_sm90a_persistent_chooses_it(
 
 def test_the_backends_split_a_global_row_and_merge_it(monkeypatch):
     """Through the backends, geometry's own threshold: a Longformer layout whose global row
-    walks 40 key tiles beside rows of about 4 (threshold max(8, 4 x the mean)) is split, the
-    persistent launch followed by the merge's; the oracle's result, the unsplit rows
+    walks 40 key tiles beside rows of about 4 (40 items, fewer than the SMs: threshold 8) is
+    split, the persistent launch followed by the merge's; the oracle's result, the unsplit rows
     attn_fwd_sm90's bits."""
     from tests.backends.test_interp_kernels import TOLERANCE
     from tests.helpers.oracle import rel_err

@@ -52,13 +52,16 @@ def as_device(layout: Layout) -> DeviceLayout:
     )
 
 
-def assert_work_lists_equal(blocks, n_k, batch, kv_group, head_dim, dtype, block):
+def assert_work_lists_equal(
+    blocks, n_k, batch, kv_group, head_dim, dtype, block, key_pairs=False, sms=geometry.SM90_SMS
+):
     """The device list (at the end of its bound, the counter at its first entry), its merges
-    (then padding of no chunks) and threshold, against geometry.sm90_work_list. Returns the
-    host list."""
-    host = geometry.sm90_work_list(blocks, batch, n_k, head_dim, dtype, kv_group, block)
+    (then padding of no chunks) and threshold, against geometry.sm90_work_list (with
+    ``key_pairs`` and ``sms`` on both sides). Returns the host list."""
+    extra = {"key_pairs": key_pairs, "sms": sms}
+    host = geometry.sm90_work_list(blocks, batch, n_k, head_dim, dtype, kv_group, block, **extra)
     device = layout_build.sm90_work_list(
-        interp.backend, blocks, batch, n_k, head_dim, dtype, kv_group, block
+        interp.backend, blocks, batch, n_k, head_dim, dtype, kv_group, block, **extra
     )
     entries = len(host.items)
     first = device.num_items - entries
@@ -143,8 +146,11 @@ def test_random_layouts(seed):
     n_k = nb * block - int(rng.integers(0, block))
     batch = int(rng.integers(1, 4))
     head_dim = (64, 128)[seed // 2 % 2]
-    host = assert_work_lists_equal(blocks, n_k, batch, kv_group, head_dim, "bfloat16", block)
-    SPLITS.add(len(host.merges) > 0)
+    for key_pairs in (False, True) if block == geometry.SM90_KEY_PAIR_BLOCK else (False,):
+        host = assert_work_lists_equal(
+            blocks, n_k, batch, kv_group, head_dim, "bfloat16", block, key_pairs
+        )
+        SPLITS.add(len(host.merges) > 0)
     layout = Layout(blocks, block, n_k, n_q=nbq * block, name="random")
     assert_backward_orders_equal(layout, kv_group)
 
@@ -211,17 +217,98 @@ def test_empty_layout_and_one_item():
         assert_backward_orders_equal(layout, 1)
 
 
+@pytest.mark.parametrize("mode", ["all", "longformer", "bigbird", "strided", "window"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_pair_lists(mode, causal):
+    """128-key tiles of 64-blocks (CUATTN_SM90_TILE_N=128): rows counted in key pairs and cut
+    between them on both sides, an odd key-block count (the last pair one block), a threshold
+    low enough to split (sms 1000: few items, at least SM90_SPLIT_MIN_TILES); no cut inside a
+    pair."""
+    n = 1024 + 37
+    options = dict(REGISTRY_ARGS[mode])
+    if mode == "window" and causal:
+        options["window_right"] = 0
+    layout = cuattn.make_layout(mode, n, 4, 64, causal=causal, **options)
+    assert layout.num_blocks % 2 == 1
+    for batch, kv_group, head_dim, dtype in SHAPES:
+        for sms in (geometry.SM90_SMS, 1000):
+            host = assert_work_lists_equal(
+                layout.blocks, n, batch, kv_group, head_dim, dtype, 64, True, sms
+            )
+            split = host.items[host.items[:, 3] != geometry.SM90_NO_SLOT]
+            assert (split[:, 1] % 2 == 0).all()
+            assert ((split[:, 2] % 2 == 0) | (split[:, 2] == layout.num_blocks)).all()
+            KEY_PAIR_SPLITS.add(len(split) > 0)
+
+
+KEY_PAIR_SPLITS: set[bool] = set()
+
+
+def test_key_pair_lists_had_split_rows():
+    if True not in KEY_PAIR_SPLITS:  # run alone
+        test_key_pair_lists("longformer", False)
+    assert True in KEY_PAIR_SPLITS
+
+
+@pytest.mark.parametrize("key_pairs", [False, True], ids=["tile64", "pairs"])
+@pytest.mark.parametrize(
+    "heads, n, sms, threshold",
+    [
+        # (threshold with 64-key tiles, with key pairs): the mean's would be (132, 66)
+        (1, 64 * 64, 132, (8, 8)),  # 32 items, 1056 tiles over 132 = 8, the minimum
+        (2, 128 * 64, 132, (64, 32)),  # 128 items, 8320 tiles over 132 (key pairs 4224)
+        (4, 128 * 64, 132, None),  # 256 items: as many as the SMs or more, the mean's (260)
+        (2, 64 * 64, 16, None),  # 64 items on 16 SMs: the mean's
+        (1, 96 * 64, 1000, (8, 8)),  # few items on many SMs: the minimum (the mean's 196)
+    ],
+)
+def test_few_items_split_to_fill_the_sms(key_pairs, heads, n, sms, threshold):
+    """Batch 1, few heads, causal rows: where the items are fewer than the SMs the threshold is
+    the launch's key tiles over the SMs (at least SM90_SPLIT_MIN_TILES), equal on both sides;
+    elsewhere the mean's."""
+    layout = cuattn.make_layout("all", n, heads, 64, causal=True)
+    host = assert_work_lists_equal(layout.blocks, n, 1, 1, 128, "bfloat16", 64, key_pairs, sms)
+    units = heads * layout.num_blocks // 2
+    walked = geometry.sm90_work_list(
+        layout.blocks, 1, n, 128, "bfloat16", 1, 64, 0, key_pairs
+    ).items
+    tiles = 0  # the launch's key tiles, brute force over the items' unions
+    for item, *_ in walked.tolist():
+        head, tile = divmod(item, layout.num_blocks // 2)
+        union = layout.blocks[head, 2 * tile : 2 * tile + 2].any(axis=0)
+        tiles += len(set(np.flatnonzero(union) // (2 if key_pairs else 1)))
+    mean = max(geometry.SM90_SPLIT_MIN_TILES, -(-geometry.SM90_SPLIT_FACTOR * tiles // units))
+    if threshold is None:
+        assert units >= sms and host.split_tiles == mean
+    else:
+        fill = max(geometry.SM90_SPLIT_MIN_TILES, -(-tiles // sms))
+        assert host.split_tiles == min(mean, fill)
+        assert host.split_tiles == threshold[key_pairs]
+        assert len(host.items) > units  # rows were split
+
+
 def test_the_bounds_hold_where_the_split_is_largest():
     """Every unit but a few walking one key tile and the rest walking many: the most chunks and
-    split rows the bounds allow for, within them (and used nearly up)."""
+    split rows the bounds allow for, within them (and used nearly up). The host's list is held
+    to the bounds first: a device build past them writes out of bounds."""
     heads, nbq, nb = 1, 64, 64  # 32 units at 64-blocks
     blocks = np.zeros((heads, nbq, nb), bool)
     blocks[0, :, 0] = True
     blocks[0, :14, :] = True  # 7 units walking all 64 key blocks, 25 walking one
-    host = assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64)
-    entries, merges, slots = layout_build.work_list_bounds(32, 1)
+    # sms 1: the mean's threshold alone (4 x the mean, under units / 4 chunks beyond the first)
+    host = geometry.sm90_work_list(blocks, 1, nb * 64, 128, "bfloat16", 1, 64, sms=1)
+    entries, merges, slots = layout_build.work_list_bounds(32, 1, 1)
     assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
     assert len(host.merges) == 7
+    assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64, sms=1)
+    # one item of 2000 key tiles, alone: the threshold ceil(2000 / 132) = 16 cuts it into 125
+    # chunks, near the few-items bound of sms / batch chunks beyond the first
+    blocks = np.ones((1, 1, 2000), bool)
+    host = geometry.sm90_work_list(blocks, 1, 2000 * 64, 128, "bfloat16", 1, 64)
+    entries, merges, slots = layout_build.work_list_bounds(1, 1)
+    assert host.split_tiles == 16 and len(host.items) == 125
+    assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
+    assert_work_lists_equal(blocks, 2000 * 64, 1, 1, 128, "bfloat16", 64)
 
 
 # ---- through the backends -------------------------------------------------------------------
@@ -260,7 +347,7 @@ def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
 
 
 @pytest.mark.parametrize(
-    "make, batch, kv_heads",
+    "make, batch, kv_heads, tile_n",
     [
         (
             lambda: cuattn.make_layout(
@@ -268,15 +355,28 @@ def random_inputs(layout, batch, kv_heads, head_dim, dtype, seed):
             ),
             1,
             1,
+            "64",
         ),
-        (lambda: topk_layout(7, 5 * 64 + 9, 4, 2, 64, 2), 2, 2),
+        (lambda: topk_layout(7, 5 * 64 + 9, 4, 2, 64, 2), 2, 2, "64"),
+        (
+            lambda: cuattn.make_layout(
+                "longformer", 40 * 64 + 5, 2, 64, local_attn_ctx=64, causal=False
+            ),
+            1,
+            1,
+            "128",
+        ),
     ],
-    ids=["longformer-split", "topk-gqa"],
+    ids=["longformer-split", "topk-gqa", "longformer-split-key-pairs"],
 )
-def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, batch, kv_heads):
+def test_forward_through_a_device_layout_is_the_host_layouts(
+    monkeypatch, make, batch, kv_heads, tile_n
+):
     """CUATTN_KERNELS=sm90a-persistent: a DeviceLayout runs the persistent kernel (after the
     four list kernels, the merge where rows split) and its out and lse are the host layout's
-    bits."""
+    bits; with CUATTN_SM90_TILE_N=128 on 128-key tiles, its list counted and cut in key pairs
+    (a batch of 1, two heads: fewer items than SMs, so the global rows split)."""
+    monkeypatch.setenv(geometry.SM90_TILE_N_ENV, tile_n)
     layout = make()
     device = layout if isinstance(layout, DeviceLayout) else as_device(layout)
     host = device.host()
@@ -287,7 +387,7 @@ def test_forward_through_a_device_layout_is_the_host_layouts(monkeypatch, make, 
         (out, lse), names = launched(interp.forward, q, k, v, AttentionCall(device, scale))
     (ref_out, ref_lse), ref_names = launched(interp.forward, q, k, v, AttentionCall(host, scale))
     schedule = ["sm90_work_count", "sm90_work_scan", "sm90_work_fill", "sm90_work_order"]
-    assert ref_names[0].startswith("attn_fwd_sm90_persistent<")
+    assert ref_names[0].startswith(f"attn_fwd_sm90_persistent<64, {tile_n}, ")
     # the merge runs wherever rows could split (its padding entries left alone where none did)
     merge = names[len(schedule) + 1 :]
     assert names[: len(schedule) + 1] == [*schedule, ref_names[0]], names

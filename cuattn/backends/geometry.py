@@ -132,6 +132,17 @@ SM90_TILE_N_CHOICES = (str(SM90_TILE_N), str(SM90_WIDE_TILE_N))
 SM90_KEY_PAIR_BLOCK = 64
 SM90_KEY_PAIR_HEAD_DIMS = (64, 128)
 SM90_KEY_PAIR_DTYPES = ("bfloat16",)
+# The sm_90a forwards' rescale skip (FlashAttention-4's): O and l_i are left unscaled on a tile
+# whose row max grows by at most 2^8 over the max the exponentials use (kernels/attn_fwd_sm90.cu,
+# RESCALE_SKIP; exact in real arithmetic, not bit-identical to rescaling every tile). What
+# CUATTN_SM90_RESCALE=skip asks of both; it has never run on a GPU, so "always" stays the
+# default. Its instantiations (sm90_configs) are the 64-key and 128-key tiles of the two block
+# sizes at d <= 128, both dtypes; key pairs and d = 256 keep rescaling every tile.
+SM90_RESCALE_ENV = "CUATTN_SM90_RESCALE"
+SM90_RESCALE_ALWAYS = "always"
+SM90_RESCALE_SKIP = "skip"
+SM90_RESCALE_CHOICES = (SM90_RESCALE_ALWAYS, SM90_RESCALE_SKIP)
+SM90_RESCALE_SKIP_HEAD_DIMS = (64, 128)
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -987,6 +998,7 @@ class KernelConfig(_Launch):
     kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
     dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
     key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
+    rescale_skip: bool = False  # the sm_90a forwards' rescale skip (sm90_rescale_skip)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1069,6 +1081,9 @@ class KernelConfig(_Launch):
             assert not self.key_pairs or sm90_key_pairs_supported(
                 self.block, self.head_dim, self.dtype
             ), self
+            assert not self.rescale_skip or sm90_rescale_skip_supported(
+                self.head_dim, self.key_pairs
+            ), self
             tile_m, tile_n, num_warps = (
                 SM90_TILE_M,
                 sm90_tile_n(self.block, self.head_dim, self.key_pairs),
@@ -1083,7 +1098,7 @@ class KernelConfig(_Launch):
             if persistent:
                 smem += SM90_PERSISTENT_SMEM_BYTES
         else:
-            assert not self.key_pairs, self
+            assert not self.key_pairs and not self.rescale_skip, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1149,7 +1164,8 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants and the unordered dQ apart: only calls that ask build them)."""
+        modifier variants, the unordered dQ and the rescale skip apart: only calls that ask
+        build them)."""
         return (
             self.source_file,
             self.dtype,
@@ -1157,6 +1173,7 @@ class KernelConfig(_Launch):
             self.mods,
             self.kv_dtype,
             self.dq_unordered,
+            self.rescale_skip,
         )
 
     @property
@@ -1180,7 +1197,8 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
         if self.kernel in SM90_FWD_KERNELS:
-            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
+            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""  # RESCALE_ALWAYS by default
+            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
         if self.kernel == SM90_BWD:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{order}>"
@@ -1680,9 +1698,24 @@ def sm90_key_pairs(block: int | None, head_dim: int, dtype: str) -> bool:
     return asked == str(SM90_WIDE_TILE_N) and sm90_key_pairs_supported(block, head_dim, dtype)
 
 
+def sm90_rescale_skip_supported(head_dim: int, key_pairs: bool = False) -> bool:
+    """Whether the sm_90a forwards have a rescale-skip instantiation at this head dim (every
+    block and dtype of theirs) and key tiling."""
+    return head_dim in SM90_RESCALE_SKIP_HEAD_DIMS and not key_pairs
+
+
+def sm90_rescale_skip(head_dim: int, key_pairs: bool) -> bool:
+    """Whether an sm_90a forward skips O's rescale while the row max grows by at most 2^8:
+    asked for (CUATTN_SM90_RESCALE=skip; unset or "always": every tile rescales) and
+    instantiated (sm90_rescale_skip_supported)."""
+    asked = _env_choice(SM90_RESCALE_ENV, SM90_RESCALE_CHOICES, SM90_RESCALE_ALWAYS, "rescale")
+    return asked == SM90_RESCALE_SKIP and sm90_rescale_skip_supported(head_dim, key_pairs)
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (56: blocks x head dims x dtypes x
-    rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules)."""
+    """One config per instantiation of the sm_90a forward (88: blocks x head dims x dtypes x
+    rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules, then the
+    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules)."""
     return [
         *[
             KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
@@ -1698,11 +1731,17 @@ def sm90_configs() -> list[KernelConfig]:
                 SM90_KEY_PAIR_HEAD_DIMS, SM90_KEY_PAIR_DTYPES, RULES
             )
         ],
+        *[
+            KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule, rescale_skip=True)
+            for block, head_dim, dtype, rule in itertools.product(
+                SM90_BLOCKS, SM90_RESCALE_SKIP_HEAD_DIMS, SM90_DTYPES, RULES
+            )
+        ],
     ]
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (40: sm90_configs' at
+    """One config per instantiation of the persistent sm_90a forward (72: sm90_configs' at
     head dims 64 and 128) and of its chunks' merge (4: head dims x dtypes)."""
     return [
         *[
@@ -1713,6 +1752,7 @@ def sm90_persistent_configs() -> list[KernelConfig]:
                 block=c.block,
                 rule=c.rule,
                 key_pairs=c.key_pairs,
+                rescale_skip=c.rescale_skip,
             )
             for c in sm90_configs()
             if c.head_dim in SM90_PERSISTENT_HEAD_DIMS

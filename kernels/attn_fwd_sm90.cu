@@ -53,7 +53,8 @@
 //                             rows as stored, keys x head dim)
 //
 // Shared memory: Q (128 rows; each consumer's O rows on the way out; attn_fwd_sm90_persistent
-// has two such tiles, one item's Q landing while the other computes), KV_STAGES stages of K,
+// has two such tiles at d <= 128, one item's Q landing while the other computes, and one at
+// d = 256), KV_STAGES stages of K,
 // then of V (TILE_N rows each), then the mbarriers. Every tile is in 64-column panels of
 // 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), each
 // panel on a 1024-byte boundary: what a TMA box of 64 columns with the 128-byte swizzle writes,
@@ -391,7 +392,10 @@ __device__ __forceinline__ void close_turns(int consumer) {
   if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
 }
 
-// One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side.
+// One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side. Past two
+// panels (d = 256) each panel's first column is computed where it is copied: hoisted out of
+// the producer's tile loop, the K and V maps' six would not fit its 24 registers beside the
+// walk (attn_fwd_sm90_persistent spilled).
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_bytes,
                                             const TensorMap& map, int col, int row, int map_head,
@@ -399,7 +403,9 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
 #pragma unroll
   for (int panel = 0; panel < Traits::PANELS; ++panel) {
-    tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS, row,
+    int column = col;
+    if constexpr (Traits::PANELS > 2) opaque_to_compiler(column);
+    tma_load_4d(tile_smem + panel * panel_bytes, map, column + panel * Traits::PANEL_COLUMNS, row,
                 map_head, batch, full);
   }
 }
@@ -921,8 +927,10 @@ template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
   using Base = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   // Q tiles: the next item's Q lands in one while the current item computes from the other
-  // (at d <= 128 a second tile of 16 or 32 KB fits beside the rings at every key tile).
-  static constexpr int Q_BUFFERS = 2;
+  // (at d <= 128 a second tile of 16 or 32 KB fits beside the rings at every key tile). At
+  // d = 256 one: a second 64 KB tile does not fit beside the rings' 128 KB, so the next Q is
+  // copied once both consumers' O rows of the current item are read out of the tile.
+  static constexpr int Q_BUFFERS = HEAD_DIM <= 128 ? 2 : 1;
   // The other Q tiles and their q_full, then a q_empty and an item slot a Q tile and the
   // producer's state, after attn_fwd_sm90's.
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES +
@@ -948,9 +956,6 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   using Traits = attn_fwd_sm90_persistent_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   constexpr int Q_BUFFERS = Traits::Q_BUFFERS;
   using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, Q_BUFFERS>;
-  // At d = 256 the producer's four panels a copy do not fit its 24 registers beside the loop's
-  // state (ptxas spills 4 to 16 bytes); attn_fwd_sm90 keeps that head dim.
-  static_assert(HEAD_DIM <= 128, "the persistent forward takes head dims 64 and 128");
 
   const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
   const int q_tiles = (n_q + Traits::TILE_M - 1) / Traits::TILE_M;

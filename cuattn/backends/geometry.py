@@ -192,20 +192,29 @@ BWD_DQ_ORDERS = (BWD_DQ_ORDERED, BWD_DQ_UNORDERED)
 # a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
 # attn_fwd_sm90 applies; the backward stays attn_bwd_dkdv + attn_bwd_dq there.
 SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
-# d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
-SM90_PERSISTENT_HEAD_DIMS = (64, 128)
+SM90_PERSISTENT_HEAD_DIMS = (64, 128, 256)
 SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
 # Q tiles a persistent CTA: the next item's Q lands in one while the current item computes from
-# the other (a second tile of 16 or 32 KB fits beside the rings at d <= 128, every key tile).
+# the other (a second tile of 16 or 32 KB fits beside the rings at d <= 128, every key tile); at
+# d = 256 one (a second 64 KB tile does not fit beside the rings' 128 KB):
+# sm90_persistent_q_buffers.
 SM90_PERSISTENT_Q_BUFFERS = 2
-# Its shared memory beyond attn_fwd_sm90's and its Q tiles: the other tiles' q_full, a q_empty
-# and an item slot a Q tile, and the producer's state (the place claimed, the count of items
-# published, the claimed entry's four row entries).
-SM90_PERSISTENT_SMEM_BYTES = (
-    (SM90_PERSISTENT_Q_BUFFERS - 1) * SM90_BARRIER_BYTES
-    + SM90_PERSISTENT_Q_BUFFERS * (SM90_BARRIER_BYTES + 4)
-    + (2 + 4) * 4
-)
+SM90_PERSISTENT_DOUBLE_Q_MAX_HEAD_DIM = 128
+
+
+def sm90_persistent_q_buffers(head_dim: int) -> int:
+    """Q tiles a persistent sm_90a CTA holds at this head dim."""
+    return SM90_PERSISTENT_Q_BUFFERS if head_dim <= SM90_PERSISTENT_DOUBLE_Q_MAX_HEAD_DIM else 1
+
+
+def sm90_persistent_smem_bytes(q_buffers: int) -> int:
+    """Its shared memory beyond attn_fwd_sm90's and its Q tiles: the other tiles' q_full, a
+    q_empty and an item slot a Q tile, and the producer's state (the place claimed, the count
+    of items published, the claimed entry's four row entries)."""
+    return (q_buffers - 1) * SM90_BARRIER_BYTES + q_buffers * (SM90_BARRIER_BYTES + 4) + (2 + 4) * 4
+
+
+SM90_PERSISTENT_SMEM_BYTES = sm90_persistent_smem_bytes(SM90_PERSISTENT_Q_BUFFERS)  # d <= 128
 SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
 # Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
 # the others walk a few) are split into chunks of their key blocks, each chunk an item of its
@@ -1092,11 +1101,12 @@ class KernelConfig(_Launch):
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
             persistent = self.kernel == SM90_FWD_PERSISTENT
-            q_rows = (SM90_PERSISTENT_Q_BUFFERS if persistent else 1) * tile_m
+            q_buffers = sm90_persistent_q_buffers(self.head_dim) if persistent else 1
+            q_rows = q_buffers * tile_m
             smem = panels * (q_rows + kv_rows) * SM90_SWIZZLE_ROW_BYTES
             smem += SM90_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
             if persistent:
-                smem += SM90_PERSISTENT_SMEM_BYTES
+                smem += sm90_persistent_smem_bytes(q_buffers)
         else:
             assert not self.key_pairs and not self.rescale_skip, self
             assert self.block in BLOCK_SIZES, self.block
@@ -1741,8 +1751,8 @@ def sm90_configs() -> list[KernelConfig]:
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (72: sm90_configs' at
-    head dims 64 and 128) and of its chunks' merge (4: head dims x dtypes)."""
+    """One config per instantiation of the persistent sm_90a forward (88: sm90_configs') and of
+    its chunks' merge (6: head dims x dtypes)."""
     return [
         *[
             KernelConfig(
@@ -1774,8 +1784,7 @@ def kernel_family() -> str:
     """The forward family CUATTN_KERNELS asks for: "auto" (also when unset: attn_fwd_sm90 where
     the backend runs it by default, on sm_90 GPUs), "mma" (attn_fwd everywhere), "sm90a"
     (attn_fwd_sm90 wherever it applies, the interpreter included) or "sm90a-persistent"
-    (attn_fwd_sm90_persistent where attn_fwd_sm90 applies, at head dims 64 and 128;
-    attn_fwd_sm90 at 256). attn_fwd_sm90 applies to
+    (attn_fwd_sm90_persistent wherever attn_fwd_sm90 applies). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
     return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
 

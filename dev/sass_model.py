@@ -981,20 +981,31 @@ SM90_FWD_CODE = (
     ColdRegion("else", "TILE_EMPTY", skipped=True),
     SM90_FWD_FIRST_TILE,
 )
+# The rescale skip (RESCALE_SKIP, CUATTN_SM90_RESCALE=skip): the tile counted is one that skips
+# O's rescale (the ``if (rescale)`` bodies off: a tile whose max grows by at most the bound in
+# every row of the warp, nearly every steady tile once the max settles), its vote counted
+SM90_FWD_RESCALE_SKIP_CODE = (*SM90_FWD_CODE, ColdRegion("if", "rescale", partial=False))
 SM90_FWD_CONSUMERS = 2  # consumer warpgroups a CTA
 WGMMA_K = 16
 
 
-def _sm90_forward_spec(kernel: str, head_dim: int, dtype: str, block: int) -> HotSpec:
+def _sm90_forward_spec(
+    kernel: str, head_dim: int, dtype: str, block: int, rescale_skip: bool = False
+) -> HotSpec:
     """attn_fwd_sm90 or attn_fwd_sm90_persistent: a CTA (an item) of 128 query rows, two
     consumer warpgroups of 64; 128-blocks walk 128-key tiles (d <= 128), 64-blocks pair two
     blocks, one a consumer, over 64-key tiles. HGMMA a consumer warp issues a tile: QK^T
-    HEAD_DIM / 16, PV TILE_N / 16."""
+    HEAD_DIM / 16, PV TILE_N / 16. rescale_skip: the RESCALE_SKIP instantiation, its tile one
+    that skips O's rescale (SM90_FWD_RESCALE_SKIP_CODE)."""
     from cuattn.backends.geometry import SM90_FWD_PERSISTENT, KernelConfig
 
-    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal")
+    config = KernelConfig(
+        kernel, head_dim, dtype, block=block, rule="causal", rescale_skip=rescale_skip
+    )
     persistent = kernel == SM90_FWD_PERSISTENT
     name = "fwd sm90a persistent" if persistent else "fwd sm90a"
+    if rescale_skip:
+        name += " skip"
     return HotSpec.of(
         config,
         f"{name} d{head_dim} b{block}",
@@ -1005,19 +1016,19 @@ def _sm90_forward_spec(kernel: str, head_dim: int, dtype: str, block: int) -> Ho
         hmma_per_warp_tile=head_dim // WGMMA_K + config.tile_n // WGMMA_K,
         own_copies=1,
         work_opcode="HGMMA",
-        regions=SM90_FWD_CODE,
+        regions=SM90_FWD_RESCALE_SKIP_CODE if rescale_skip else SM90_FWD_CODE,
         arch=SM90A_ARCH,
     )
 
 
 def sm90_forward_specs() -> list[HotSpec]:
     """The sm_90a forward the sweep runs: attn_fwd_sm90 and attn_fwd_sm90_persistent at d =
-    64/128, 64- and 128-blocks, bf16, causal."""
-    from cuattn.backends.geometry import SM90_FWD_KERNELS
+    64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip at the same."""
+    from cuattn.backends.geometry import SM90_FWD, SM90_FWD_KERNELS
 
     return [
-        _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block)
-        for kernel in SM90_FWD_KERNELS
+        _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block, rescale_skip)
+        for kernel, rescale_skip in [(k, False) for k in SM90_FWD_KERNELS] + [(SM90_FWD, True)]
         for head_dim in HOT_HEAD_DIMS
         for block in HOT_BLOCKS
     ]

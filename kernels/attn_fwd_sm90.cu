@@ -53,7 +53,8 @@
 //                             rows as stored, keys x head dim)
 //
 // Shared memory: Q (128 rows; each consumer's O rows on the way out; attn_fwd_sm90_persistent
-// has two such tiles, one item's Q landing while the other computes), KV_STAGES stages of K,
+// has two such tiles at d <= 128, one item's Q landing while the other computes, and one at
+// d = 256), KV_STAGES stages of K,
 // then of V (TILE_N rows each), then the mbarriers. Every tile is in 64-column panels of
 // 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), each
 // panel on a 1024-byte boundary: what a TMA box of 64 columns with the 128-byte swizzle writes,
@@ -65,7 +66,8 @@
 // V(t), each once its stage is free. A consumer's iteration t issues QK^T(t) and then PV of the
 // previous tile it computed back to back, waits for QK^T(t) alone (wgmma.wait_group 1) and hands
 // K(t)'s stage back, masks and exponentiates S(t) while that PV runs, waits for it and hands its
-// V stage back, then rescales O to S(t)'s running max and packs P(t). The
+// V stage back, then rescales O to S(t)'s running max (with RESCALE_SKIP only where it moved
+// past the bound) and packs P(t). The
 // two consumers take turns to issue (two named barriers): one's softmax runs
 // while the other's GEMMs do; a turn is taken every tile, issuing or not, and once more for the
 // last PV, so the turns pair up. Holding K(t) and V(t - 1) at once is why K and V have rings of
@@ -76,7 +78,9 @@
 // walk the same tiles and always wait for Q), so no copy is in flight when the CTA ends.
 //
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
-// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule). Run:
+// 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule), RESCALE
+// (Sm90Rescale: RESCALE_ALWAYS unless named; RESCALE_SKIP leaves O and l_i unscaled on a tile
+// whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp). Run:
 // compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
 // rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
 // tests/backends/test_attn_fwd_sm90.py), e.g.
@@ -241,27 +245,76 @@ __device__ __forceinline__ void issue_pv_steps(float (&o_acc)[HEAD_DIM / 2],
     wgmma_m64k16_rs<T, HEAD_DIM, WGMMA_MN_MAJOR>(o_acc, p[step], desc_v, true);
   }
 }
-// The online softmax of S of KEYS keys (masked already): exponentiated in place against the
-// new running max, l_i and m_i updated, alpha[r] the rescale O needs.
+// How the consumers keep O and l_i on the running max (the kernels' RESCALE argument):
+// RESCALE_ALWAYS rescales them every tile the max grows; RESCALE_SKIP (opt-in,
+// CUATTN_SM90_RESCALE=skip) keeps the max the exponentials use while no row of the warp's 16
+// has a tile max more than RESCALE_SKIP_LOG2 above it, so those tiles skip O's HEAD_DIM / 2
+// multiplies and the two exp2 of the rescale. P is then at most 2^RESCALE_SKIP_LOG2 instead of
+// 1, and the epilogue divides by l_i summed against the same max: exact in real arithmetic.
+enum Sm90Rescale : int { RESCALE_ALWAYS = 0, RESCALE_SKIP = 1 };
+// exp2 units: P <= 256. P is rounded to T for PV: fp16's largest finite value is 65504, just
+// under 2^16, so any bound up to 2^15 keeps P finite there (bf16 has float's range); O and l_i
+// are float, whose range the extra 2^8 cannot reach.
+constexpr float RESCALE_SKIP_LOG2 = 8.f;
+constexpr float FP16_P_MAX_LOG2 = 15.f;  // fp16 holds 2^15, not 2^16 (65504 is its largest)
+static_assert(RESCALE_SKIP_LOG2 <= FP16_P_MAX_LOG2, "P rounded to fp16 must stay finite");
+
+// Row r's new running max: the larger of m_i and the row's max over S of KEYS keys.
 template <int KEYS>
-__device__ __forceinline__ void softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
+__device__ __forceinline__ float running_max(const float (&s_keys)[KEYS / 8][4], int r,
+                                             float m_i, const ScoreScale& score_scale) {
+  float tile_max = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < KEYS / 8; ++j) {
+    tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
+  }
+  return fmaxf(m_i, scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
+}
+// Row r of S exponentiated in place against max `m_used` (m_i[r], or the new running max where
+// `rescale`: then alpha[r] is the factor O and l_i[r] take to it), l_i[r] and m_i[r] updated.
+template <int KEYS>
+__device__ __forceinline__ void exponentiate_row(float (&s_keys)[KEYS / 8][4], int r,
+                                                 float m_used, bool rescale, float (&m_i)[2],
+                                                 float (&l_i)[2], float (&alpha)[2],
+                                                 const ScoreScale& score_scale) {
+  // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
+  // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
+  const float m_base = m_used == -INFINITY ? 0.f : m_used;
+  if (rescale) alpha[r] = exp2f(m_i[r] - m_base);
+  const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+  l_i[r] = rescale ? l_i[r] * alpha[r] + row_sum : l_i[r] + row_sum;
+  m_i[r] = m_used;
+}
+// The online softmax of S of KEYS keys (masked already), exponentiated in place; returns
+// whether O must be rescaled by alpha[r]: always with RESCALE_ALWAYS; with RESCALE_SKIP only
+// where some row of the warp's 16 grew past the bound (a vote: the branch on it is uniform
+// across the warp), alpha unset otherwise.
+template <int KEYS, int RESCALE>
+__device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
                                              float (&l_i)[2], float (&alpha)[2],
                                              const ScoreScale& score_scale) {
+  if constexpr (RESCALE == RESCALE_ALWAYS) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j) {
-      tile_max = fmaxf(tile_max, fmaxf(s_keys[j][2 * r], s_keys[j][2 * r + 1]));
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = running_max<KEYS>(s_keys, r, m_i[r], score_scale);
+      exponentiate_row<KEYS>(s_keys, r, m_new, true, m_i, l_i, alpha, score_scale);
     }
-    const float m_new = fmaxf(m_i[r], scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
-    // A row that has seen no allowed key yet keeps max -inf; subtracting 0 instead keeps
-    // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
-    const float m_base = m_new == -INFINITY ? 0.f : m_new;
-    alpha[r] = exp2f(m_i[r] - m_base);
-    const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
-    l_i[r] = l_i[r] * alpha[r] + row_sum;
-    m_i[r] = m_new;
+    return true;
+  } else {
+    float m_new[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m_new[r] = running_max<KEYS>(s_keys, r, m_i[r], score_scale);
+    // A row's first allowed key grows its max from -inf by +inf: a rescale (alpha 0). A row
+    // still at -inf gives NaN here, which grows nothing.
+    const bool grows =
+        m_new[0] - m_i[0] > RESCALE_SKIP_LOG2 || m_new[1] - m_i[1] > RESCALE_SKIP_LOG2;
+    const bool rescale = __ballot_sync(FULL_WARP, grows) != 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      exponentiate_row<KEYS>(s_keys, r, rescale ? m_new[r] : m_i[r], rescale, m_i, l_i, alpha,
+                             score_scale);
+    }
+    return rescale;
   }
 }
 // P of S of KEYS keys, as T, in P's first KEYS / 16 K-steps: the accumulators of keys 16 step ..
@@ -339,7 +392,10 @@ __device__ __forceinline__ void close_turns(int consumer) {
   if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
 }
 
-// One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side.
+// One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side. Past two
+// panels (d = 256) each panel's first column is computed where it is copied: hoisted out of
+// the producer's tile loop, the K and V maps' six would not fit its 24 registers beside the
+// walk (attn_fwd_sm90_persistent spilled).
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_bytes,
                                             const TensorMap& map, int col, int row, int map_head,
@@ -347,7 +403,9 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
 #pragma unroll
   for (int panel = 0; panel < Traits::PANELS; ++panel) {
-    tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS, row,
+    int column = col;
+    if constexpr (Traits::PANELS > 2) opaque_to_compiler(column);
+    tma_load_4d(tile_smem + panel * panel_bytes, map, column + panel * Traits::PANEL_COLUMNS, row,
                 map_head, batch, full);
   }
 }
@@ -419,7 +477,8 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
 // names (WORK_ROW_ENTRIES), and a chunk of a split row (slot != NO_SLOT) writes its partial out,
 // normalised by its own sum, and lse as float32 to rows slot x TILE_M on of part_out and
 // part_lse instead of out and lse.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, typename Smem>
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, int RESCALE,
+          typename Smem>
 __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              const TensorMap& out_map, int out_col,
                                              float* __restrict__ lse, const int* row_ptr,
@@ -591,24 +650,25 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
       }
     }
   };
-  // The mask and the online softmax of S(t); alpha[r], the rescale O needs, returned for when
-  // PV is in.
+  // The mask and the online softmax of S(t); whether O needs a rescale, and alpha[r], the
+  // rescale, returned for when PV is in.
   auto softmax = [&](bool half_keys, int half, float (&alpha)[2]) {
     mask_scores(half_keys, half);
     if (Traits::PAIRED_KEYS && half_keys) {
-      softmax_rows<HALF_KEYS>(s_half, m_i, l_i, alpha, score_scale);
-    } else {
-      softmax_rows<TILE_N>(s, m_i, l_i, alpha, score_scale);
+      return softmax_rows<HALF_KEYS, RESCALE>(s_half, m_i, l_i, alpha, score_scale);
     }
+    return softmax_rows<TILE_N, RESCALE>(s, m_i, l_i, alpha, score_scale);
   };
-  // O rescaled to the running max, P(t) packed for its PV.
-  auto rescale_and_pack = [&](bool half_keys, const float (&alpha)[2]) {
+  // O rescaled to the running max where the softmax moved it, P(t) packed for its PV.
+  auto rescale_and_pack = [&](bool half_keys, bool rescale, const float (&alpha)[2]) {
+    if (rescale) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
-      for (int j = 0; j < HEAD_DIM / 8; ++j) {
-        o[j][2 * r] *= alpha[r];
-        o[j][2 * r + 1] *= alpha[r];
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+          o[j][2 * r] *= alpha[r];
+          o[j][2 * r + 1] *= alpha[r];
+        }
       }
     }
     if (Traits::PAIRED_KEYS && half_keys) {
@@ -625,6 +685,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   auto compute = [&](bool half_keys, int half) {
     const unsigned offset = unsigned(half * Traits::KV_BOX_OFFSET);
     float alpha[2];
+    bool rescale;
     auto with_pv = [&](bool half_pv) {
       v_ring->wait(t - 1);
       take_turn();
@@ -636,7 +697,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
         wgmma_wait_group<1>();  // QK^T(t), the older group; PV(t - 1) runs on
         fence_s(half_keys);
         k_ring->release(t);
-        softmax(half_keys, half, alpha);
+        rescale = softmax(half_keys, half, alpha);
         wgmma_wait_group<0>();
         settle_pv(half_pv);
         v_ring->release(t - 1);
@@ -646,7 +707,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
         settle_pv(half_pv);
         k_ring->release(t);
         v_ring->release(t - 1);
-        softmax(half_keys, half, alpha);
+        rescale = softmax(half_keys, half, alpha);
       }
     };
     if (pending == TILE_N) {
@@ -661,9 +722,9 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
       wgmma_wait_group<0>();
       fence_s(half_keys);
       k_ring->release(t);
-      softmax(half_keys, half, alpha);
+      rescale = softmax(half_keys, half, alpha);
     }
-    rescale_and_pack(half_keys, alpha);
+    rescale_and_pack(half_keys, rescale, alpha);
     pending = Traits::PAIRED_KEYS && half_keys ? HALF_KEYS : TILE_N;
     pending_offset = offset;
   };
@@ -776,7 +837,8 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   }
 }
 
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
+          int RESCALE = RESCALE_ALWAYS>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
@@ -819,7 +881,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int consumer = warpgroup - 1;
   open_turns<Traits>(consumer);
   int t = 0;
-  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false>(
+  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false, RESCALE>(
       smem, 0, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
       consumer, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr, nullptr,
       t);
@@ -865,8 +927,10 @@ template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
 struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T> {
   using Base = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   // Q tiles: the next item's Q lands in one while the current item computes from the other
-  // (at d <= 128 a second tile of 16 or 32 KB fits beside the rings at every key tile).
-  static constexpr int Q_BUFFERS = 2;
+  // (at d <= 128 a second tile of 16 or 32 KB fits beside the rings at every key tile). At
+  // d = 256 one: a second 64 KB tile does not fit beside the rings' 128 KB, so the next Q is
+  // copied once both consumers' O rows of the current item are read out of the tile.
+  static constexpr int Q_BUFFERS = HEAD_DIM <= 128 ? 2 : 1;
   // The other Q tiles and their q_full, then a q_empty and an item slot a Q tile and the
   // producer's state, after attn_fwd_sm90's.
   static constexpr int SMEM_BYTES = Base::SMEM_BYTES +
@@ -876,7 +940,8 @@ struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEA
   static_assert(SMEM_BYTES <= 227 * 1024, "sm_90's shared memory a CTA");
 };
 
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE>
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
+          int RESCALE = RESCALE_ALWAYS>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90_persistent(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -891,9 +956,6 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   using Traits = attn_fwd_sm90_persistent_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   constexpr int Q_BUFFERS = Traits::Q_BUFFERS;
   using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, Q_BUFFERS>;
-  // At d = 256 the producer's four panels a copy do not fit its 24 registers beside the loop's
-  // state (ptxas spills 4 to 16 bytes); attn_fwd_sm90 keeps that head dim.
-  static_assert(HEAD_DIM <= 128, "the persistent forward takes head dims 64 and 128");
 
   const int warpgroup = int(threadIdx.x) / Traits::WARPGROUP_SIZE;
   const int q_tiles = (n_q + Traits::TILE_M - 1) / Traits::TILE_M;
@@ -975,7 +1037,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     const int* entry = work_list + place * WORK_FIELDS;
     const int item = entry[WORK_ITEM];
     const int pair = item / q_tiles;
-    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true>(
+    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true, RESCALE>(
         smem, buffer, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks,
         scale, consumer, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
         entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);

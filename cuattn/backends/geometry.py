@@ -133,6 +133,17 @@ SM90_TILE_N_CHOICES = (str(SM90_TILE_N), str(SM90_WIDE_TILE_N))
 SM90_KEY_PAIR_BLOCK = 64
 SM90_KEY_PAIR_HEAD_DIMS = (64, 128)
 SM90_KEY_PAIR_DTYPES = ("bfloat16",)
+# The sm_90a forwards' rescale skip (FlashAttention-4's): O and l_i are left unscaled on a tile
+# whose row max grows by at most 2^8 over the max the exponentials use (kernels/attn_fwd_sm90.cu,
+# RESCALE_SKIP; exact in real arithmetic, not bit-identical to rescaling every tile). What
+# CUATTN_SM90_RESCALE=skip asks of both; it has never run on a GPU, so "always" stays the
+# default. Its instantiations (sm90_configs) are the 64-key and 128-key tiles of the two block
+# sizes at d <= 128, both dtypes; key pairs and d = 256 keep rescaling every tile.
+SM90_RESCALE_ENV = "CUATTN_SM90_RESCALE"
+SM90_RESCALE_ALWAYS = "always"
+SM90_RESCALE_SKIP = "skip"
+SM90_RESCALE_CHOICES = (SM90_RESCALE_ALWAYS, SM90_RESCALE_SKIP)
+SM90_RESCALE_SKIP_HEAD_DIMS = (64, 128)
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -182,20 +193,29 @@ BWD_DQ_ORDERS = (BWD_DQ_ORDERED, BWD_DQ_UNORDERED)
 # a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
 # attn_fwd_sm90 applies; the backward stays attn_bwd_dkdv + attn_bwd_dq there.
 SM90_FWD_PERSISTENT = "attn_fwd_sm90_persistent"
-# d = 256 keeps attn_fwd_sm90: the producer's four panels a copy spill its 24 registers there
-SM90_PERSISTENT_HEAD_DIMS = (64, 128)
+SM90_PERSISTENT_HEAD_DIMS = (64, 128, 256)
 SM90_FWD_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT)
 # Q tiles a persistent CTA: the next item's Q lands in one while the current item computes from
-# the other (a second tile of 16 or 32 KB fits beside the rings at d <= 128, every key tile).
+# the other (a second tile of 16 or 32 KB fits beside the rings at d <= 128, every key tile); at
+# d = 256 one (a second 64 KB tile does not fit beside the rings' 128 KB):
+# sm90_persistent_q_buffers.
 SM90_PERSISTENT_Q_BUFFERS = 2
-# Its shared memory beyond attn_fwd_sm90's and its Q tiles: the other tiles' q_full, a q_empty
-# and an item slot a Q tile, and the producer's state (the place claimed, the count of items
-# published, the claimed entry's four row entries).
-SM90_PERSISTENT_SMEM_BYTES = (
-    (SM90_PERSISTENT_Q_BUFFERS - 1) * SM90_BARRIER_BYTES
-    + SM90_PERSISTENT_Q_BUFFERS * (SM90_BARRIER_BYTES + 4)
-    + (2 + 4) * 4
-)
+SM90_PERSISTENT_DOUBLE_Q_MAX_HEAD_DIM = 128
+
+
+def sm90_persistent_q_buffers(head_dim: int) -> int:
+    """Q tiles a persistent sm_90a CTA holds at this head dim."""
+    return SM90_PERSISTENT_Q_BUFFERS if head_dim <= SM90_PERSISTENT_DOUBLE_Q_MAX_HEAD_DIM else 1
+
+
+def sm90_persistent_smem_bytes(q_buffers: int) -> int:
+    """Its shared memory beyond attn_fwd_sm90's and its Q tiles: the other tiles' q_full, a
+    q_empty and an item slot a Q tile, and the producer's state (the place claimed, the count
+    of items published, the claimed entry's four row entries)."""
+    return (q_buffers - 1) * SM90_BARRIER_BYTES + q_buffers * (SM90_BARRIER_BYTES + 4) + (2 + 4) * 4
+
+
+SM90_PERSISTENT_SMEM_BYTES = sm90_persistent_smem_bytes(SM90_PERSISTENT_Q_BUFFERS)  # d <= 128
 SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
 # Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
 # the others walk a few) are split into chunks of their key blocks, each chunk an item of its
@@ -1035,6 +1055,7 @@ class KernelConfig(_Launch):
     kv_dtype: str | None = None  # the fp8 decode kernels' pages (KV_DTYPES); None elsewhere
     dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
     key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
+    rescale_skip: bool = False  # the sm_90a forwards' rescale skip (sm90_rescale_skip)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1122,6 +1143,9 @@ class KernelConfig(_Launch):
             assert not self.key_pairs or sm90_key_pairs_supported(
                 self.block, self.head_dim, self.dtype
             ), self
+            assert not self.rescale_skip or sm90_rescale_skip_supported(
+                self.head_dim, self.key_pairs
+            ), self
             tile_m, tile_n, num_warps = (
                 SM90_TILE_M,
                 sm90_tile_n(self.block, self.head_dim, self.key_pairs),
@@ -1130,13 +1154,14 @@ class KernelConfig(_Launch):
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
             persistent = self.kernel == SM90_FWD_PERSISTENT
-            q_rows = (SM90_PERSISTENT_Q_BUFFERS if persistent else 1) * tile_m
+            q_buffers = sm90_persistent_q_buffers(self.head_dim) if persistent else 1
+            q_rows = q_buffers * tile_m
             smem = panels * (q_rows + kv_rows) * SM90_SWIZZLE_ROW_BYTES
             smem += SM90_BARRIERS * SM90_BARRIER_BYTES + SM90_SWIZZLE_REPEAT_BYTES
             if persistent:
-                smem += SM90_PERSISTENT_SMEM_BYTES
+                smem += sm90_persistent_smem_bytes(q_buffers)
         else:
-            assert not self.key_pairs, self
+            assert not self.key_pairs and not self.rescale_skip, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1202,7 +1227,8 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants and the unordered dQ apart: only calls that ask build them)."""
+        modifier variants, the unordered dQ and the rescale skip apart: only calls that ask
+        build them)."""
         return (
             self.source_file,
             self.dtype,
@@ -1210,6 +1236,7 @@ class KernelConfig(_Launch):
             self.mods,
             self.kv_dtype,
             self.dq_unordered,
+            self.rescale_skip,
         )
 
     @property
@@ -1233,7 +1260,8 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
         if self.kernel in SM90_FWD_KERNELS:
-            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}>"
+            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""  # RESCALE_ALWAYS by default
+            return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
         if self.kernel == SM90_BWD:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{order}>"
@@ -1832,9 +1860,24 @@ def sm90_key_pairs(block: int | None, head_dim: int, dtype: str) -> bool:
     return asked == str(SM90_WIDE_TILE_N) and sm90_key_pairs_supported(block, head_dim, dtype)
 
 
+def sm90_rescale_skip_supported(head_dim: int, key_pairs: bool = False) -> bool:
+    """Whether the sm_90a forwards have a rescale-skip instantiation at this head dim (every
+    block and dtype of theirs) and key tiling."""
+    return head_dim in SM90_RESCALE_SKIP_HEAD_DIMS and not key_pairs
+
+
+def sm90_rescale_skip(head_dim: int, key_pairs: bool) -> bool:
+    """Whether an sm_90a forward skips O's rescale while the row max grows by at most 2^8:
+    asked for (CUATTN_SM90_RESCALE=skip; unset or "always": every tile rescales) and
+    instantiated (sm90_rescale_skip_supported)."""
+    asked = _env_choice(SM90_RESCALE_ENV, SM90_RESCALE_CHOICES, SM90_RESCALE_ALWAYS, "rescale")
+    return asked == SM90_RESCALE_SKIP and sm90_rescale_skip_supported(head_dim, key_pairs)
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (56: blocks x head dims x dtypes x
-    rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules)."""
+    """One config per instantiation of the sm_90a forward (88: blocks x head dims x dtypes x
+    rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules, then the
+    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules)."""
     return [
         *[
             KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
@@ -1850,12 +1893,18 @@ def sm90_configs() -> list[KernelConfig]:
                 SM90_KEY_PAIR_HEAD_DIMS, SM90_KEY_PAIR_DTYPES, RULES
             )
         ],
+        *[
+            KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule, rescale_skip=True)
+            for block, head_dim, dtype, rule in itertools.product(
+                SM90_BLOCKS, SM90_RESCALE_SKIP_HEAD_DIMS, SM90_DTYPES, RULES
+            )
+        ],
     ]
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (40: sm90_configs' at
-    head dims 64 and 128) and of its chunks' merge (4: head dims x dtypes)."""
+    """One config per instantiation of the persistent sm_90a forward (88: sm90_configs') and of
+    its chunks' merge (6: head dims x dtypes)."""
     return [
         *[
             KernelConfig(
@@ -1865,6 +1914,7 @@ def sm90_persistent_configs() -> list[KernelConfig]:
                 block=c.block,
                 rule=c.rule,
                 key_pairs=c.key_pairs,
+                rescale_skip=c.rescale_skip,
             )
             for c in sm90_configs()
             if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
@@ -1886,8 +1936,7 @@ def kernel_family() -> str:
     """The forward family CUATTN_KERNELS asks for: "auto" (also when unset: attn_fwd_sm90 where
     the backend runs it by default, on sm_90 GPUs), "mma" (attn_fwd everywhere), "sm90a"
     (attn_fwd_sm90 wherever it applies, the interpreter included) or "sm90a-persistent"
-    (attn_fwd_sm90_persistent where attn_fwd_sm90 applies, at head dims 64 and 128;
-    attn_fwd_sm90 at 256). attn_fwd_sm90 applies to
+    (attn_fwd_sm90_persistent wherever attn_fwd_sm90 applies). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
     return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
 

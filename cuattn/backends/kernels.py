@@ -587,6 +587,7 @@ class KernelBackend:
             )
         ):
             return self._forward_sm90_persistent(q, k, v, layout, scale, shape, dtype)
+        key_pairs = geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype)
         config = KernelConfig(
             geometry.SM90_FWD,
             head_dim,
@@ -596,7 +597,8 @@ class KernelBackend:
             n_q,
             layout.blocksize,
             layout.rule.kind,
-            key_pairs=geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype),
+            key_pairs=key_pairs,
+            rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
         )
         groups = geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
         return self._launch_sm90_forward(config, q, k, v, layout, scale, cta_groups=groups)
@@ -650,6 +652,7 @@ class KernelBackend:
             block=layout.blocksize,
             rule=layout.rule.kind,
             key_pairs=key_pairs,
+            rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
         )
         result = self._launch_sm90_forward(
             config,

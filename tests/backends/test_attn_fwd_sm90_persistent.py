@@ -74,7 +74,8 @@ def thin_layout(mode: str, block: int) -> Layout:
 
 
 # (block, key tile, head dim, dtype, rule, case): every rule on 128-blocks (d = 64) and the
-# paired 64-blocks; d = 128 on both (d = 256 keeps attn_fwd_sm90); GQA with strided inputs;
+# paired 64-blocks; d = 128 on both (d = 256: test_attn_fwd_sm90_persistent_d256.py); GQA with
+# strided inputs;
 # queries != keys; a query block with nothing to attend (the "none" square case: head 1's
 # first block). The thin layouts of issue 53's table are THIN_CASES.
 RUN_CASES = [(128, 128, 64, "bfloat16", rule, "square") for rule in RULES] + [
@@ -514,7 +515,7 @@ def test_the_work_list_numbers_items_in_31_bits():
 
 
 def test_every_instantiation_compiles_for_sm_90a_without_spills():
-    """The persistent family (every block and key tile, head dims 64 and 128, dtype and rule)
+    """The persistent family (every block and key tile, head dim, dtype and rule)
     and its merge for sm_90a: no spills (its producer keeps its claimed item and row entries in
     shared memory to stay within 24 registers), HGMMA, TMA, setmaxnreg and the counter's atomic
     in the SASS, no serialised wgmma (C7520)."""
@@ -641,11 +642,11 @@ def test_its_grid_is_one_cta_an_sm_and_never_more_than_the_items():
     assert config.threads == base.threads
 
 
-def test_head_dim_256_keeps_attn_fwd_sm90(monkeypatch):
+def test_head_dim_256_runs_the_persistent_forward_too(monkeypatch):
     layout = make_layout("all", 2 * 64 + 9, 2, 64, causal=True)
     q, k, v = random_inputs(layout, 1, 2, 256, "bfloat16", 3)
     (out, lse), names = forward_launches(monkeypatch, "sm90a-persistent", q, k, v, layout, 0.1)
-    assert names == ["attn_fwd_sm90<64, 64, 256, __nv_bfloat16, MASK_CAUSAL>"]
+    assert names == ["attn_fwd_sm90_persistent<64, 64, 256, __nv_bfloat16, MASK_CAUSAL>"]
     check_forward(out, lse, q, k, v, layout, 0.1, "bfloat16")
 
 

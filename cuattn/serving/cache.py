@@ -905,9 +905,16 @@ class KVCache:
         self.key_min[SPARE] = self.key_max[SPARE] = 0  # masked rows left it infinite
 
     def page_bounds(self, pages: Any) -> tuple[Any, Any]:
-        """Quest's (key_min, key_max) of ``pages`` (an index array, any shape) as float32
-        [*pages.shape, head_dim] on the cache's device: the stored float32, or the bfloat16
-        bits widened exactly. What every path of the choice reads, so all choose alike."""
+        """Quest's element-wise key bounds of pages, as float32: the stored float32, or the
+        bfloat16 bits (rounded outward at append) widened exactly. What every path of the
+        choice reads, so all choose alike.
+
+        Args:
+            pages: an index array (any shape) of pool rows, on the cache's device.
+
+        Returns:
+            (key_min, key_max), each float32 [*pages.shape, head_dim] on the cache's device.
+        """
         xp = self.xp
         low, high = self.key_min[pages], self.key_max[pages]
         if low.dtype == xp.uint16:

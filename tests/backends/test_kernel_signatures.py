@@ -25,11 +25,23 @@ GLOBAL = re.compile(rf"__global__\s+void\s+(?:{LAUNCH_BOUNDS})?(\w+)\s*\(")
 QUALIFIERS = ("const", "__restrict__", "__grid_constant__")
 
 
+DEFINE = re.compile(r"^#define\s+(\w+)[ \t]+((?:[^\n]*\\\n)*[^\n]*)", re.M)
+
+
+def expand_macros(text: str) -> str:
+    """``text`` with the object-like macros it defines expanded (a parameter list a kernel
+    takes as one macro is read as the parameters it stands for)."""
+    for name, body in DEFINE.findall(text):
+        flat = body.replace("\\\n", " ")
+        text = re.sub(rf"\b{name}\b(?!\s*\()", lambda _, flat=flat: flat, text)
+    return text
+
+
 def kernel_signatures() -> dict[str, list[tuple[str, str]]]:
     """{kernel name: [(parameter name, C++ type)]} of every __global__ function in kernels/."""
     found = {}
     for path in sorted(kernel_dir().glob("*.cu")):
-        text = re.sub(r"//[^\n]*", "", path.read_text())
+        text = expand_macros(re.sub(r"//[^\n]*", "", path.read_text()))
         for match in GLOBAL.finditer(text):
             depth, end = 1, match.end()
             while depth:

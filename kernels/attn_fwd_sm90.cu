@@ -80,7 +80,9 @@
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule), RESCALE
 // (Sm90Rescale: RESCALE_ALWAYS unless named; RESCALE_SKIP leaves O and l_i unscaled on a tile
-// whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp). Run:
+// whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp), EXP2 (Sm90Exp2:
+// EXP2_MUFU unless named; EXP2_POLY computes a quarter of the softmax's exp2 on the FMA pipe,
+// common/exp2_poly.cuh). Run:
 // compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
 // rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
 // tests/backends/test_attn_fwd_sm90.py), e.g.
@@ -92,6 +94,7 @@
 // (tests/backends/test_attn_fwd_sm90_persistent.py), then, where it split rows,
 // `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128 / 16), 1, 1),
 // row_kernel_traits' 128 threads and no shared memory.
+#include "common/exp2_poly.cuh"
 #include "common/merge_row.cuh"
 #include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
@@ -259,6 +262,37 @@ constexpr float RESCALE_SKIP_LOG2 = 8.f;
 constexpr float FP16_P_MAX_LOG2 = 15.f;  // fp16 holds 2^15, not 2^16 (65504 is its largest)
 static_assert(RESCALE_SKIP_LOG2 <= FP16_P_MAX_LOG2, "P rounded to fp16 must stay finite");
 
+// How the consumers compute the softmax's exp2 (the kernels' EXP2 argument): EXP2_MUFU all on
+// MUFU (exp2f); EXP2_POLY (opt-in, CUATTN_SM90_EXP2=poly) the two elements of every
+// EXP2_POLY_EVERY-th n-tile of a row on the FMA pipe (exp2_poly of T's degree), the others on
+// MUFU, so that the two pipes share them: at d = 64 MUFU's 16 an SM a cycle keep it as busy as
+// the tensor pipe. The rescale's alphas and the unfolded exponent (huge_score_probs) stay on
+// MUFU.
+enum Sm90Exp2 : int { EXP2_MUFU = 0, EXP2_POLY = 1 };
+constexpr int EXP2_POLY_EVERY = 4;  // a quarter: MUFU's time under the tensor pipe's at d = 64
+constexpr int NO_POLY = 0;          // the polynomial degree that means every exp2 on MUFU
+
+// Row r's probabilities exp2(score - base) of S of KEYS keys in place, as row_probs computes
+// them, the columns of every EXP2_POLY_EVERY-th n-tile by exp2_poly<POLY_DEGREE>; their sum.
+template <int KEYS, int POLY_DEGREE>
+__device__ __forceinline__ float row_probs_poly(float (&s_keys)[KEYS / 8][4], int r,
+                                                const ScoreScale& score_scale, float base) {
+  const float factor = score_factor<MODS_NONE>(score_scale);
+  if (!(fabsf(base) < SCALE_FOLD_MAX)) return huge_score_probs<KEYS>(s_keys, r, factor, base);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float x = fmaf(s_keys[j][2 * r + c], factor, -base);
+      const bool on_fma = j % EXP2_POLY_EVERY == EXP2_POLY_EVERY - 1;
+      s_keys[j][2 * r + c] = on_fma ? exp2_poly<POLY_DEGREE>(x) : exp2f(x);
+      sum += s_keys[j][2 * r + c];
+    }
+  }
+  return sum;
+}
+
 // Row r's new running max: the larger of m_i and the row's max over S of KEYS keys.
 template <int KEYS>
 __device__ __forceinline__ float running_max(const float (&s_keys)[KEYS / 8][4], int r,
@@ -271,8 +305,9 @@ __device__ __forceinline__ float running_max(const float (&s_keys)[KEYS / 8][4],
   return fmaxf(m_i, scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
 }
 // Row r of S exponentiated in place against max `m_used` (m_i[r], or the new running max where
-// `rescale`: then alpha[r] is the factor O and l_i[r] take to it), l_i[r] and m_i[r] updated.
-template <int KEYS>
+// `rescale`: then alpha[r] is the factor O and l_i[r] take to it), l_i[r] and m_i[r] updated;
+// POLY_DEGREE (NO_POLY: every exp2 on MUFU) as in row_probs_poly.
+template <int KEYS, int POLY_DEGREE>
 __device__ __forceinline__ void exponentiate_row(float (&s_keys)[KEYS / 8][4], int r,
                                                  float m_used, bool rescale, float (&m_i)[2],
                                                  float (&l_i)[2], float (&alpha)[2],
@@ -281,15 +316,20 @@ __device__ __forceinline__ void exponentiate_row(float (&s_keys)[KEYS / 8][4], i
   // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
   const float m_base = m_used == -INFINITY ? 0.f : m_used;
   if (rescale) alpha[r] = exp2f(m_i[r] - m_base);
-  const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+  float row_sum;
+  if constexpr (POLY_DEGREE == NO_POLY) {
+    row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+  } else {
+    row_sum = row_probs_poly<KEYS, POLY_DEGREE>(s_keys, r, score_scale, m_base);
+  }
   l_i[r] = rescale ? l_i[r] * alpha[r] + row_sum : l_i[r] + row_sum;
   m_i[r] = m_used;
 }
 // The online softmax of S of KEYS keys (masked already), exponentiated in place; returns
 // whether O must be rescaled by alpha[r]: always with RESCALE_ALWAYS; with RESCALE_SKIP only
 // where some row of the warp's 16 grew past the bound (a vote: the branch on it is uniform
-// across the warp), alpha unset otherwise.
-template <int KEYS, int RESCALE>
+// across the warp), alpha unset otherwise. POLY_DEGREE as in exponentiate_row.
+template <int KEYS, int RESCALE, int POLY_DEGREE>
 __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
                                              float (&l_i)[2], float (&alpha)[2],
                                              const ScoreScale& score_scale) {
@@ -297,7 +337,7 @@ __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float m_new = running_max<KEYS>(s_keys, r, m_i[r], score_scale);
-      exponentiate_row<KEYS>(s_keys, r, m_new, true, m_i, l_i, alpha, score_scale);
+      exponentiate_row<KEYS, POLY_DEGREE>(s_keys, r, m_new, true, m_i, l_i, alpha, score_scale);
     }
     return true;
   } else {
@@ -311,8 +351,8 @@ __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float
     const bool rescale = __ballot_sync(FULL_WARP, grows) != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      exponentiate_row<KEYS>(s_keys, r, rescale ? m_new[r] : m_i[r], rescale, m_i, l_i, alpha,
-                             score_scale);
+      exponentiate_row<KEYS, POLY_DEGREE>(s_keys, r, rescale ? m_new[r] : m_i[r], rescale, m_i,
+                                          l_i, alpha, score_scale);
     }
     return rescale;
   }
@@ -478,7 +518,7 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
 // normalised by its own sum, and lse as float32 to rows slot x TILE_M on of part_out and
 // part_lse instead of out and lse.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, int RESCALE,
-          typename Smem>
+          int EXP2, typename Smem>
 __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              const TensorMap& out_map, int out_col,
                                              float* __restrict__ lse, const int* row_ptr,
@@ -490,6 +530,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              float* __restrict__ part_lse, int& t) {
   using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
   using Ring = StageRing<Traits::KV_STAGES>;
+  constexpr int POLY_DEGREE = EXP2 == EXP2_POLY ? exp2_poly_degree<T>::value : NO_POLY;
   Ring* k_ring = smem.k_ring;
   Ring* v_ring = smem.v_ring;
   const int q_block = q_start / BLOCK;
@@ -655,9 +696,9 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   auto softmax = [&](bool half_keys, int half, float (&alpha)[2]) {
     mask_scores(half_keys, half);
     if (Traits::PAIRED_KEYS && half_keys) {
-      return softmax_rows<HALF_KEYS, RESCALE>(s_half, m_i, l_i, alpha, score_scale);
+      return softmax_rows<HALF_KEYS, RESCALE, POLY_DEGREE>(s_half, m_i, l_i, alpha, score_scale);
     }
-    return softmax_rows<TILE_N, RESCALE>(s, m_i, l_i, alpha, score_scale);
+    return softmax_rows<TILE_N, RESCALE, POLY_DEGREE>(s, m_i, l_i, alpha, score_scale);
   };
   // O rescaled to the running max where the softmax moved it, P(t) packed for its PV.
   auto rescale_and_pack = [&](bool half_keys, bool rescale, const float (&alpha)[2]) {
@@ -838,7 +879,7 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
 }
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
-          int RESCALE = RESCALE_ALWAYS>
+          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
@@ -881,7 +922,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int consumer = warpgroup - 1;
   open_turns<Traits>(consumer);
   int t = 0;
-  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false, RESCALE>(
+  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false, RESCALE, EXP2>(
       smem, 0, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
       consumer, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr, nullptr,
       t);
@@ -941,7 +982,7 @@ struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEA
 };
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
-          int RESCALE = RESCALE_ALWAYS>
+          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90_persistent(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -1037,7 +1078,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     const int* entry = work_list + place * WORK_FIELDS;
     const int item = entry[WORK_ITEM];
     const int pair = item / q_tiles;
-    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true, RESCALE>(
+    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true, RESCALE, EXP2>(
         smem, buffer, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks,
         scale, consumer, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
         entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);

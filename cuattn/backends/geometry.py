@@ -144,6 +144,16 @@ SM90_RESCALE_ALWAYS = "always"
 SM90_RESCALE_SKIP = "skip"
 SM90_RESCALE_CHOICES = (SM90_RESCALE_ALWAYS, SM90_RESCALE_SKIP)
 SM90_RESCALE_SKIP_HEAD_DIMS = (64, 128)
+# The sm_90a forwards' exp2 on the FMA pipe (FlashAttention-4's): a quarter of each row's softmax
+# exp2 by a polynomial (kernels/common/exp2_poly.cuh) instead of MUFU (kernels/attn_fwd_sm90.cu,
+# EXP2_POLY; P within a twentieth of T's rounding of it, not bit-identical to "mufu"). What
+# CUATTN_SM90_EXP2=poly asks of both; it has never run on a GPU, so "mufu" stays the default. Its
+# instantiations (sm90_configs) are the rescale skip's shapes, with either rescale.
+SM90_EXP2_ENV = "CUATTN_SM90_EXP2"
+SM90_EXP2_MUFU = "mufu"
+SM90_EXP2_POLY = "poly"
+SM90_EXP2_CHOICES = (SM90_EXP2_MUFU, SM90_EXP2_POLY)
+SM90_EXP2_POLY_HEAD_DIMS = (64, 128)
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -1056,6 +1066,7 @@ class KernelConfig(_Launch):
     dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
     key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
     rescale_skip: bool = False  # the sm_90a forwards' rescale skip (sm90_rescale_skip)
+    exp2_poly: bool = False  # the sm_90a forwards' exp2 partly on the FMA pipe (sm90_exp2_poly)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1146,6 +1157,9 @@ class KernelConfig(_Launch):
             assert not self.rescale_skip or sm90_rescale_skip_supported(
                 self.head_dim, self.key_pairs
             ), self
+            assert not self.exp2_poly or sm90_exp2_poly_supported(self.head_dim, self.key_pairs), (
+                self
+            )
             tile_m, tile_n, num_warps = (
                 SM90_TILE_M,
                 sm90_tile_n(self.block, self.head_dim, self.key_pairs),
@@ -1161,7 +1175,7 @@ class KernelConfig(_Launch):
             if persistent:
                 smem += sm90_persistent_smem_bytes(q_buffers)
         else:
-            assert not self.key_pairs and not self.rescale_skip, self
+            assert not self.key_pairs and not self.rescale_skip and not self.exp2_poly, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1227,8 +1241,8 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants, the unordered dQ and the rescale skip apart: only calls that ask
-        build them)."""
+        modifier variants, the unordered dQ, the rescale skip and the exp2 polynomial apart: only
+        calls that ask build them)."""
         return (
             self.source_file,
             self.dtype,
@@ -1237,6 +1251,7 @@ class KernelConfig(_Launch):
             self.kv_dtype,
             self.dq_unordered,
             self.rescale_skip,
+            self.exp2_poly,
         )
 
     @property
@@ -1260,7 +1275,10 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
         if self.kernel in SM90_FWD_KERNELS:
-            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""  # RESCALE_ALWAYS by default
+            # RESCALE_ALWAYS and EXP2_MUFU by default
+            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""
+            if self.exp2_poly:
+                rescale = f"{rescale or ', RESCALE_ALWAYS'}, EXP2_POLY"
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
         if self.kernel == SM90_BWD:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
@@ -1874,10 +1892,25 @@ def sm90_rescale_skip(head_dim: int, key_pairs: bool) -> bool:
     return asked == SM90_RESCALE_SKIP and sm90_rescale_skip_supported(head_dim, key_pairs)
 
 
+def sm90_exp2_poly_supported(head_dim: int, key_pairs: bool = False) -> bool:
+    """Whether the sm_90a forwards have an exp2-polynomial instantiation at this head dim (every
+    block and dtype of theirs, either rescale) and key tiling."""
+    return head_dim in SM90_EXP2_POLY_HEAD_DIMS and not key_pairs
+
+
+def sm90_exp2_poly(head_dim: int, key_pairs: bool) -> bool:
+    """Whether an sm_90a forward computes a quarter of its softmax's exp2 by a polynomial on the
+    FMA pipe: asked for (CUATTN_SM90_EXP2=poly; unset or "mufu": every exp2 on MUFU) and
+    instantiated (sm90_exp2_poly_supported)."""
+    asked = _env_choice(SM90_EXP2_ENV, SM90_EXP2_CHOICES, SM90_EXP2_MUFU, "pipe for exp2")
+    return asked == SM90_EXP2_POLY and sm90_exp2_poly_supported(head_dim, key_pairs)
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (88: blocks x head dims x dtypes x
+    """One config per instantiation of the sm_90a forward (152: blocks x head dims x dtypes x
     rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules, then the
-    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules)."""
+    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules, then the
+    exp2 polynomial's, sm90_exp2_poly_supported's the same way with either rescale)."""
     return [
         *[
             KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
@@ -1899,11 +1932,26 @@ def sm90_configs() -> list[KernelConfig]:
                 SM90_BLOCKS, SM90_RESCALE_SKIP_HEAD_DIMS, SM90_DTYPES, RULES
             )
         ],
+        *[
+            KernelConfig(
+                SM90_FWD,
+                head_dim,
+                dtype,
+                block=block,
+                rule=rule,
+                rescale_skip=skip,
+                exp2_poly=True,
+            )
+            for skip, block, head_dim, dtype, rule in itertools.product(
+                (False, True), SM90_BLOCKS, SM90_EXP2_POLY_HEAD_DIMS, SM90_DTYPES, RULES
+            )
+            if not skip or sm90_rescale_skip_supported(head_dim)
+        ],
     ]
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (88: sm90_configs') and of
+    """One config per instantiation of the persistent sm_90a forward (152: sm90_configs') and of
     its chunks' merge (6: head dims x dtypes)."""
     return [
         *[
@@ -1915,6 +1963,7 @@ def sm90_persistent_configs() -> list[KernelConfig]:
                 rule=c.rule,
                 key_pairs=c.key_pairs,
                 rescale_skip=c.rescale_skip,
+                exp2_poly=c.exp2_poly,
             )
             for c in sm90_configs()
             if c.head_dim in SM90_PERSISTENT_HEAD_DIMS

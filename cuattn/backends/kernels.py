@@ -599,6 +599,7 @@ class KernelBackend:
             layout.rule.kind,
             key_pairs=key_pairs,
             rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
+            exp2_poly=geometry.sm90_exp2_poly(head_dim, key_pairs),
         )
         groups = geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
         return self._launch_sm90_forward(config, q, k, v, layout, scale, cta_groups=groups)
@@ -653,6 +654,7 @@ class KernelBackend:
             rule=layout.rule.kind,
             key_pairs=key_pairs,
             rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
+            exp2_poly=geometry.sm90_exp2_poly(head_dim, key_pairs),
         )
         result = self._launch_sm90_forward(
             config,

@@ -1037,9 +1037,9 @@ def _sm90_forward_spec(
 
 def sm90_forward_specs() -> list[HotSpec]:
     """The sm_90a forward the sweep runs: attn_fwd_sm90 and attn_fwd_sm90_persistent at d =
-    64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip and its exp2
-    polynomial at the same."""
-    from cuattn.backends.geometry import SM90_FWD, SM90_FWD_KERNELS
+    64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip at the same and
+    its exp2 polynomial at d = 64."""
+    from cuattn.backends.geometry import SM90_EXP2_POLY_HEAD_DIMS, SM90_FWD, SM90_FWD_KERNELS
 
     variants = [(k, False, False) for k in SM90_FWD_KERNELS]
     variants += [(SM90_FWD, True, False), (SM90_FWD, False, True)]
@@ -1048,6 +1048,7 @@ def sm90_forward_specs() -> list[HotSpec]:
         for kernel, rescale_skip, exp2_poly in variants
         for head_dim in HOT_HEAD_DIMS
         for block in HOT_BLOCKS
+        if not exp2_poly or head_dim in SM90_EXP2_POLY_HEAD_DIMS
     ]
 
 

@@ -148,12 +148,12 @@ SM90_RESCALE_SKIP_HEAD_DIMS = (64, 128)
 # exp2 by a polynomial (kernels/common/exp2_poly.cuh) instead of MUFU (kernels/attn_fwd_sm90.cu,
 # EXP2_POLY; P within a twentieth of T's rounding of it, not bit-identical to "mufu"). What
 # CUATTN_SM90_EXP2=poly asks of both; it has never run on a GPU, so "mufu" stays the default. Its
-# instantiations (sm90_configs) are the rescale skip's shapes, with either rescale.
+# instantiations (sm90_configs) are the rescale skip's shapes at d = 64, with either rescale.
 SM90_EXP2_ENV = "CUATTN_SM90_EXP2"
 SM90_EXP2_MUFU = "mufu"
 SM90_EXP2_POLY = "poly"
 SM90_EXP2_CHOICES = (SM90_EXP2_MUFU, SM90_EXP2_POLY)
-SM90_EXP2_POLY_HEAD_DIMS = (64, 128)
+SM90_EXP2_POLY_HEAD_DIMS = (64,)  # where MUFU binds beside the tensor pipe; at d128 it does not
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8

@@ -985,7 +985,7 @@ SM90_FWD_CODE = (
 # O's rescale (the ``if (rescale)`` bodies off: a tile whose max grows by at most the bound in
 # every row of the warp, nearly every steady tile once the max settles), its vote counted
 SM90_FWD_RESCALE_SKIP_CODE = (*SM90_FWD_CODE, ColdRegion("if", "rescale", partial=False))
-SM90_FWD_CONSUMERS = 2  # consumer warpgroups a CTA
+WGMMA_M = 64  # query rows of a consumer warpgroup
 WGMMA_K = 16
 
 

@@ -27,6 +27,11 @@
 //   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
 //     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile, the
 //     two taking turns at the tensor pipe.
+// With CONSUMERS = 3 (d = 64, 64-blocks, 64-key tiles; opt-in, geometry.sm90_consumers) a CTA
+// is 192 query rows, three adjacent layout blocks, one a consumer (warpgroups 1 to 3, 160
+// registers each), walking the union of the three rows (RowUnionTiles), the consumers taking
+// turns in a ring: at d = 64 a consumer's softmax is as long as at d = 128 over half the wgmma
+// work, and a third warpgroup keeps more warps issuing beside the tensor pipe.
 // attn_fwd_sm90_persistent (issue 53) computes the same items, each exactly as a CTA here does,
 // on a grid of about one CTA per SM that claims them from a work list the host builds from the
 // layout, longest rows first, rows far longer than the rest split into chunks that
@@ -82,7 +87,7 @@
 // (Sm90Rescale: RESCALE_ALWAYS unless named; RESCALE_SKIP leaves O and l_i unscaled on a tile
 // whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp), EXP2 (Sm90Exp2:
 // EXP2_MUFU unless named; EXP2_POLY computes a quarter of the softmax's exp2 on the FMA pipe,
-// common/exp2_poly.cuh). Run:
+// common/exp2_poly.cuh), CONSUMERS (2, or 3: above). Run:
 // compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
 // rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
 // tests/backends/test_attn_fwd_sm90.py), e.g.
@@ -135,19 +140,22 @@ constexpr int NO_SLOT = -1;
 enum MergeField { MERGE_ITEM, MERGE_FIRST_SLOT, MERGE_CHUNKS, MERGE_FIELDS };
 
 // Every size of the kernel, chosen here and checked.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+// CONSUMERS: consumer warpgroups (2; 3 at d = 64 on 64-blocks and 64-key tiles, opt-in:
+// geometry.sm90_consumers).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int CONSUMERS_ = 2>
 struct attn_fwd_sm90_traits {
   static constexpr int WARPGROUP_SIZE = WARPGROUP_WARPS * 32;
-  static constexpr int CONSUMERS = 2;  // warpgroups computing, after the producer
+  static constexpr int CONSUMERS = CONSUMERS_;  // warpgroups computing, after the producer
   static constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_SIZE;
   static constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_SIZE;
   // Registers per thread after setmaxnreg: the producer keeps what issuing copies needs, the
   // consumers take the rest. With one CTA of 384 threads per SM the launch gives each thread
   // 168 (65536 / 384, in steps of 8); 128 x (24 + 2 x 240) = 64512 is what the launch holds.
+  // With three consumers (512 threads, 128 each at launch) 128 x (24 + 3 x 160) = 64512.
   static constexpr int PRODUCER_REGISTERS = 24;
-  static constexpr int CONSUMER_REGISTERS = 240;
+  static constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
   static constexpr int TILE_M = CONSUMERS * WGMMA_M;  // query rows per CTA
-  // Layout blocks per CTA: 1 (128-blocks: the consumers split it), or 2 (64-blocks: one each).
+  // Layout blocks per CTA: 1 (128-blocks: the consumers split it), or one a consumer (64-blocks).
   static constexpr int ROW_BLOCKS = TILE_M / BLOCK;
   static constexpr int PANEL_COLUMNS = SWIZZLE_ROW_BYTES / int(sizeof(T));
   static constexpr int PANELS = HEAD_DIM / PANEL_COLUMNS;
@@ -176,9 +184,11 @@ struct attn_fwd_sm90_traits {
   // fit (the paired bitmask instantiations spill), so PV(t - 1) is waited for first there; it
   // still follows QK^T(t) on the tensor pipe without a gap.
   static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM <= 128;
-  // The consumers' turns at the tensor pipe: consumer c waits on named barrier
-  // TURN_BARRIER + c before it issues, and arrives on the other's after (256 threads each).
+  // The consumers' turns at the tensor pipe, in a ring: consumer c waits on named barrier
+  // TURN_BARRIER + c before it issues, and arrives on the next one's after (its 128 threads
+  // and the previous consumer's 128 meet on each).
   static constexpr int TURN_BARRIER = 1;
+  static constexpr int TURN_THREADS = 2 * WARPGROUP_SIZE;
   // Consumer c's own 128 threads meet on named barrier STORE_BARRIER + c before its TMA stores.
   static constexpr int STORE_BARRIER = TURN_BARRIER + CONSUMERS;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
@@ -195,6 +205,9 @@ struct attn_fwd_sm90_traits {
                     65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
                 "setmaxnreg requests the launch's registers cannot cover hang the GPU");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && BLOCK == 64 && TILE_N == 64 &&
+                                   HEAD_DIM == 64),
+                "three consumers: 192 rows are three 64-blocks, and d = 64 fits 160 registers");
   static_assert((BLOCK % TILE_N == 0 || (TILE_N == 2 * BLOCK && ROW_BLOCKS == 2)) &&
                     (TILE_N == 64 || TILE_N == 128),
                 "key tiles of 64 or 128 inside one block, or of two 64-blocks");
@@ -380,9 +393,9 @@ __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsi
 
 // The shared memory every item of a CTA reuses: Q_BUFFERS Q tiles (each consumer's O rows on
 // the way out), the K and the V stages, a q_full a Q tile, and the two rings.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int Q_BUFFERS>
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int Q_BUFFERS, int CONSUMERS = 2>
 struct Sm90FwdSmem {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>;
   using Ring = StageRing<Traits::KV_STAGES>;
   unsigned char* q_tiles;
   unsigned char* k_stages;
@@ -417,19 +430,30 @@ struct Sm90FwdSmem {
 };
 
 // The consumers' turns at the tensor pipe (consume_item) run on across a CTA's items, and the
-// first consumer issues first: the second opens with a pass, once a CTA.
+// first consumer issues first: the last opens with a pass to it, once a CTA.
 template <typename Traits>
 __device__ __forceinline__ void open_turns(int consumer) {
-  if (consumer == 1) named_barrier_arrive(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+  if (consumer == Traits::CONSUMERS - 1) {
+    named_barrier_arrive(Traits::TURN_BARRIER, Traits::TURN_THREADS);
+  }
 }
-// Once a CTA, after its last item: the first consumer takes the turn the second passed last, so
+// The consumer after `consumer` in the ring of turns.
+template <typename Traits>
+__device__ __forceinline__ int next_consumer(int consumer) {
+  if constexpr (Traits::CONSUMERS == 2) {
+    return 1 - consumer;
+  } else {
+    return consumer + 1 == Traits::CONSUMERS ? 0 : consumer + 1;
+  }
+}
+// Once a CTA, after its last item: the first consumer takes the turn the last passed last, so
 // that no named barrier phase is left half-arrived when the CTA ends. Not once an item: a
 // persistent CTA's second consumer may start the next item (its Q is in) while the first still
 // finishes this one, and its opening pass would then be a second arrival on a phase the first
 // has not yet taken.
 template <typename Traits>
 __device__ __forceinline__ void close_turns(int consumer) {
-  if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+  if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::TURN_THREADS);
 }
 
 // One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side. Past two
@@ -462,13 +486,13 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
                                              const int* row_mask, const RuleParams& rule,
                                              int num_blocks, int head, int kv_head, int batch,
                                              int q_start, int& t, Chunk chunk) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = typename Smem::Traits;
   using Ring = StageRing<Traits::KV_STAGES>;
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
   if constexpr (CHUNKED) walk.restrict_to(chunk());
-  const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+  const int walk_last = q_start + (Traits::ROW_BLOCKS > 1 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   while (walk.next(tile, rule, q_start, walk_last)) {
     if constexpr (Traits::PAIRED_KEYS) {
@@ -528,22 +552,22 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              int batch, int q_start, const int* row_entries,
                                              int slot, float* __restrict__ part_out,
                                              float* __restrict__ part_lse, int& t) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = typename Smem::Traits;
   using Ring = StageRing<Traits::KV_STAGES>;
   constexpr int POLY_DEGREE = EXP2 == EXP2_POLY ? exp2_poly_degree<T>::value : NO_POLY;
   Ring* k_ring = smem.k_ring;
   Ring* v_ring = smem.v_ring;
   const int q_block = q_start / BLOCK;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
-  const int row_block = Traits::ROW_BLOCKS == 2 ? consumer : 0;  // the consumer's own block
+  const int row_block = Traits::ROW_BLOCKS > 1 ? consumer : 0;  // the consumer's own block
   const int group_first = q_start + consumer * WGMMA_M;
   const int warp_first = group_first + warp_in_group * 16;
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
   if constexpr (CHUNKED) walk.restrict_to(row_entries);
-  // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
-  const int walk_first = Traits::ROW_BLOCKS == 2 ? group_first : q_start;
-  const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+  // The rows the walk tests: the CTA's, or where each consumer owns a block its own.
+  const int walk_first = Traits::ROW_BLOCKS > 1 ? group_first : q_start;
+  const int walk_last = walk_first + (Traits::ROW_BLOCKS > 1 ? WGMMA_M : Traits::TILE_M) - 1;
 
   // The consumer's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
   float o[HEAD_DIM / 8][4] = {};
@@ -624,12 +648,13 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
     wgmma_fence_operands(o_acc);
     fence_p(half_p);
   };
-  // This consumer's turn to issue (named barriers: the two consumers alternate, open_turns),
-  // and the other's after it. Taken every tile, issuing or not, so that the turns pair up.
+  // This consumer's turn to issue (named barriers: the consumers take turns in a ring,
+  // open_turns), and the next one's after it. Taken every tile, issuing or not, so that the
+  // turns pair up.
   const int my_turn = Traits::TURN_BARRIER + consumer;
-  const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
-  auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
-  auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
+  const int their_turn = Traits::TURN_BARRIER + next_consumer<Traits>(consumer);
+  auto take_turn = [&] { named_barrier_sync(my_turn, Traits::TURN_THREADS); };
+  auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::TURN_THREADS); };
   // What is pending of tile t - 1: the keys of its PV still to issue (0: none; HALF_KEYS: one
   // half of a key pair) and where they lie in its V stage.
   int pending = 0;
@@ -879,8 +904,9 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
 }
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
-          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU>
-__global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
+          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU, int CONSUMERS = 2>
+__global__ void __launch_bounds__(
+    attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>::NUM_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
                   const __grid_constant__ TensorMap out_map, int q_col, int k_col, int v_col,
@@ -889,8 +915,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
                   int kv_group, int num_blocks, float scale, int window_left, int window_right,
                   int cta_groups) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, 1>;
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, 1, CONSUMERS>;
 
   const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
   const int q_start = cta.tile * Traits::TILE_M;

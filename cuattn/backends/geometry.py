@@ -115,6 +115,8 @@ SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = "90"  # CuPy's spelling of an H100/H200's 9.0
 SM90_TILE_M = 128  # query rows per CTA: two consumer warpgroups of wgmma's M = 64
 SM90_WARPS = 12  # a producer warpgroup (TMA) and the two consumers
+SM90_WARPGROUP_WARPS = 4
+SM90_CONSUMER_ROWS = 64  # a consumer warpgroup's query rows: wgmma's M
 SM90_BLOCKS = (64, 128)  # a warpgroup's 64 rows lie in one layout block
 SM90_HEAD_DIMS = (64, 128, 256)  # whole 128-byte panels; N <= 256 for O += P V
 SM90_DTYPES = ("float16", "bfloat16")
@@ -154,6 +156,19 @@ SM90_EXP2_MUFU = "mufu"
 SM90_EXP2_POLY = "poly"
 SM90_EXP2_CHOICES = (SM90_EXP2_MUFU, SM90_EXP2_POLY)
 SM90_EXP2_POLY_HEAD_DIMS = (64,)  # where MUFU binds beside the tensor pipe; at d128 it does not
+# attn_fwd_sm90 with three consumer warpgroups at d = 64 (FlashAttention-3's choice there): CTAs
+# of 192 query rows, three adjacent 64-blocks walked as the union of their rows, 512 threads
+# (kernels/attn_fwd_sm90.cu, CONSUMERS = 3). What CUATTN_SM90_D64_CONSUMERS=3 asks; it has never
+# run on a GPU, so two stay the default. Its instantiations (sm90_configs) are d = 64 at 64-blocks
+# on 64-key tiles, both dtypes, every rule, with the default rescale and exp2: key pairs (128-key
+# tiles), the rescale skip and the exp2 polynomial, where asked too, keep two consumers, and so do
+# 128-blocks (192 rows would cut a block) and the persistent forward.
+SM90_CONSUMERS_ENV = "CUATTN_SM90_D64_CONSUMERS"
+SM90_CONSUMERS = 2
+SM90_D64_CONSUMERS = 3
+SM90_CONSUMERS_CHOICES = (str(SM90_CONSUMERS), str(SM90_D64_CONSUMERS))
+SM90_D64_CONSUMERS_HEAD_DIM = 64
+SM90_D64_CONSUMERS_BLOCK = 64
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -1067,6 +1082,7 @@ class KernelConfig(_Launch):
     key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
     rescale_skip: bool = False  # the sm_90a forwards' rescale skip (sm90_rescale_skip)
     exp2_poly: bool = False  # the sm_90a forwards' exp2 partly on the FMA pipe (sm90_exp2_poly)
+    consumers: int = SM90_CONSUMERS  # attn_fwd_sm90's consumer warpgroups (sm90_consumers)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1160,10 +1176,16 @@ class KernelConfig(_Launch):
             assert not self.exp2_poly or sm90_exp2_poly_supported(self.head_dim, self.key_pairs), (
                 self
             )
+            assert self.consumers == SM90_CONSUMERS or (
+                self.kernel == SM90_FWD
+                and sm90_consumers_supported(
+                    self.block, self.head_dim, self.key_pairs, self.rescale_skip, self.exp2_poly
+                )
+            ), self
             tile_m, tile_n, num_warps = (
-                SM90_TILE_M,
+                self.consumers * SM90_CONSUMER_ROWS,
                 sm90_tile_n(self.block, self.head_dim, self.key_pairs),
-                SM90_WARPS,
+                (1 + self.consumers) * SM90_WARPGROUP_WARPS,
             )
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
@@ -1176,6 +1198,7 @@ class KernelConfig(_Launch):
                 smem += sm90_persistent_smem_bytes(q_buffers)
         else:
             assert not self.key_pairs and not self.rescale_skip and not self.exp2_poly, self
+            assert self.consumers == SM90_CONSUMERS, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1229,7 +1252,7 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS or self.kernel in DECODE_GQA_KERNELS:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
-            return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
+            return (ceil_div(self.n_rows, self.tile_m), self.heads, self.batch)
         if self.kernel == SM90_FWD_PERSISTENT:
             return (self.n_rows, 1, 1)
         assert self.block is not None
@@ -1252,6 +1275,7 @@ class KernelConfig(_Launch):
             self.dq_unordered,
             self.rescale_skip,
             self.exp2_poly,
+            self.consumers,
         )
 
     @property
@@ -1275,10 +1299,13 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
         if self.kernel in SM90_FWD_KERNELS:
-            # RESCALE_ALWAYS and EXP2_MUFU by default
+            # RESCALE_ALWAYS, EXP2_MUFU and two consumers by default
             rescale = ", RESCALE_SKIP" if self.rescale_skip else ""
             if self.exp2_poly:
                 rescale = f"{rescale or ', RESCALE_ALWAYS'}, EXP2_POLY"
+            if self.consumers != SM90_CONSUMERS:
+                rescale = f"{rescale or ', RESCALE_ALWAYS'}"
+                rescale = f"{rescale}{'' if self.exp2_poly else ', EXP2_MUFU'}, {self.consumers}"
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
         if self.kernel == SM90_BWD:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
@@ -1296,6 +1323,10 @@ class KernelConfig(_Launch):
             return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel in (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL):
             return f"{DECODE_GQA_KERNEL}_traits<{self._decode_gqa_traits_args}>"
+        if self.consumers != SM90_CONSUMERS:
+            return (
+                f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}, {self.consumers}>"
+            )
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -1906,11 +1937,41 @@ def sm90_exp2_poly(head_dim: int, key_pairs: bool) -> bool:
     return asked == SM90_EXP2_POLY and sm90_exp2_poly_supported(head_dim, key_pairs)
 
 
+def sm90_consumers_supported(
+    block: int | None,
+    head_dim: int,
+    key_pairs: bool = False,
+    rescale_skip: bool = False,
+    exp2_poly: bool = False,
+) -> bool:
+    """Whether attn_fwd_sm90 has a three-consumer instantiation here (SM90_CONSUMERS_ENV)."""
+    return (
+        block == SM90_D64_CONSUMERS_BLOCK
+        and head_dim == SM90_D64_CONSUMERS_HEAD_DIM
+        and not (key_pairs or rescale_skip or exp2_poly)
+    )
+
+
+def sm90_consumers(
+    block: int | None, head_dim: int, key_pairs: bool, rescale_skip: bool, exp2_poly: bool
+) -> int:
+    """attn_fwd_sm90's consumer warpgroups: 3 where asked for (CUATTN_SM90_D64_CONSUMERS=3;
+    unset or 2: two) and instantiated (sm90_consumers_supported), else 2."""
+    asked = _env_choice(
+        SM90_CONSUMERS_ENV, SM90_CONSUMERS_CHOICES, str(SM90_CONSUMERS), "consumer count"
+    )
+    wide = asked == str(SM90_D64_CONSUMERS) and sm90_consumers_supported(
+        block, head_dim, key_pairs, rescale_skip, exp2_poly
+    )
+    return SM90_D64_CONSUMERS if wide else SM90_CONSUMERS
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (152: blocks x head dims x dtypes x
+    """One config per instantiation of the sm_90a forward (128: blocks x head dims x dtypes x
     rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules, then the
     rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules, then the
-    exp2 polynomial's, sm90_exp2_poly_supported's the same way with either rescale)."""
+    exp2 polynomial's, sm90_exp2_poly_supported's the same way with either rescale, then the
+    three consumers', d = 64 at 64-blocks x dtypes x rules)."""
     return [
         *[
             KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
@@ -1947,6 +2008,17 @@ def sm90_configs() -> list[KernelConfig]:
             )
             if not skip or sm90_rescale_skip_supported(head_dim)
         ],
+        *[
+            KernelConfig(
+                SM90_FWD,
+                SM90_D64_CONSUMERS_HEAD_DIM,
+                dtype,
+                block=SM90_D64_CONSUMERS_BLOCK,
+                rule=rule,
+                consumers=SM90_D64_CONSUMERS,
+            )
+            for dtype, rule in itertools.product(SM90_DTYPES, RULES)
+        ],
     ]
 
 
@@ -1966,7 +2038,7 @@ def sm90_persistent_configs() -> list[KernelConfig]:
                 exp2_poly=c.exp2_poly,
             )
             for c in sm90_configs()
-            if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
+            if c.head_dim in SM90_PERSISTENT_HEAD_DIMS and c.consumers == SM90_CONSUMERS
         ],
         *[
             KernelConfig(SM90_FWD_MERGE, head_dim, dtype)

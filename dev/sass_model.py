@@ -996,13 +996,16 @@ def _sm90_forward_spec(
     block: int,
     rescale_skip: bool = False,
     exp2_poly: bool = False,
+    consumers: int = 2,
 ) -> HotSpec:
     """attn_fwd_sm90 or attn_fwd_sm90_persistent: a CTA (an item) of 128 query rows, two
     consumer warpgroups of 64; 128-blocks walk 128-key tiles (d <= 128), 64-blocks pair two
     blocks, one a consumer, over 64-key tiles. HGMMA a consumer warp issues a tile: QK^T
     HEAD_DIM / 16, PV TILE_N / 16. rescale_skip: the RESCALE_SKIP instantiation, its tile one
     that skips O's rescale (SM90_FWD_RESCALE_SKIP_CODE); exp2_poly: the EXP2_POLY one (a
-    quarter of the softmax's exp2 on the FMA pipe), its tile counted as today's."""
+    quarter of the softmax's exp2 on the FMA pipe), its tile counted as today's; consumers: 3,
+    the CTA of 192 rows (three 64-blocks, CUATTN_SM90_D64_CONSUMERS), its tile counted as
+    today's."""
     from cuattn.backends.geometry import SM90_FWD_PERSISTENT, KernelConfig
 
     config = KernelConfig(
@@ -1013,6 +1016,7 @@ def _sm90_forward_spec(
         rule="causal",
         rescale_skip=rescale_skip,
         exp2_poly=exp2_poly,
+        consumers=consumers,
     )
     persistent = kernel == SM90_FWD_PERSISTENT
     name = "fwd sm90a persistent" if persistent else "fwd sm90a"
@@ -1020,6 +1024,8 @@ def _sm90_forward_spec(
         name += " skip"
     if exp2_poly:
         name += " poly"
+    if consumers != 2:
+        name += f" wg{consumers}"
     return HotSpec.of(
         config,
         f"{name} d{head_dim} b{block}",
@@ -1038,17 +1044,33 @@ def _sm90_forward_spec(
 def sm90_forward_specs() -> list[HotSpec]:
     """The sm_90a forward the sweep runs: attn_fwd_sm90 and attn_fwd_sm90_persistent at d =
     64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip at the same and
-    its exp2 polynomial at d = 64."""
-    from cuattn.backends.geometry import SM90_EXP2_POLY_HEAD_DIMS, SM90_FWD, SM90_FWD_KERNELS
+    its exp2 polynomial at d = 64, then its three consumers (d = 64, 64-blocks)."""
+    from cuattn.backends.geometry import (
+        SM90_D64_CONSUMERS,
+        SM90_D64_CONSUMERS_BLOCK,
+        SM90_D64_CONSUMERS_HEAD_DIM,
+        SM90_EXP2_POLY_HEAD_DIMS,
+        SM90_FWD,
+        SM90_FWD_KERNELS,
+    )
 
     variants = [(k, False, False) for k in SM90_FWD_KERNELS]
     variants += [(SM90_FWD, True, False), (SM90_FWD, False, True)]
     return [
-        _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block, rescale_skip, exp2_poly)
-        for kernel, rescale_skip, exp2_poly in variants
-        for head_dim in HOT_HEAD_DIMS
-        for block in HOT_BLOCKS
-        if not exp2_poly or head_dim in SM90_EXP2_POLY_HEAD_DIMS
+        *[
+            _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block, rescale_skip, exp2_poly)
+            for kernel, rescale_skip, exp2_poly in variants
+            for head_dim in HOT_HEAD_DIMS
+            for block in HOT_BLOCKS
+            if not exp2_poly or head_dim in SM90_EXP2_POLY_HEAD_DIMS
+        ],
+        _sm90_forward_spec(
+            SM90_FWD,
+            SM90_D64_CONSUMERS_HEAD_DIM,
+            HOT_DTYPE,
+            SM90_D64_CONSUMERS_BLOCK,
+            consumers=SM90_D64_CONSUMERS,
+        ),
     ]
 
 

@@ -555,12 +555,12 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         q_unscale = __int_as_float((127 - Traits::QK_MAX_EXPONENT + 1 + exponent) << 23);
       }
     }
-    // Q's A fragments: held (the plain kernel at d <= 128), or written once as Q's tile
-    // (Q_SHARED) by the consumers together, a pair of columns a thread at a time (every
-    // consumer's q_scale is alike; written whole-tile-at-once by one warp, its loads beside
-    // O's zeros spilled at d256)
-    u32 q_frag[Traits::Q_SHARED ? 1 : HEAD_DIM / 16][4];
-    if constexpr (Traits::Q_SHARED) {
+    // Q's A fragments (d <= 128; the modifier variant writes consumer 0's as Q's tile, all
+    // alike), or at d256 (WIDE) Q's tile written by the consumers together, a pair of columns
+    // a thread at a time (every consumer's q_scale is alike; written from one warp's fragments,
+    // their 128 loads a lane beside O's zeros spilled)
+    u32 q_frag[Traits::WIDE ? 1 : HEAD_DIM / 16][4];
+    if constexpr (Traits::WIDE) {
       constexpr int PAIRS_PER_ROW = HEAD_DIM / 2;
       constexpr int CONSUMER_THREADS = Traits::CONSUMER_WARPS * 32;
 #pragma unroll 4
@@ -578,6 +578,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) q_frag[ks][r] = pack_pair<QK>(q_at(ks, r, 0), q_at(ks, r, 1));
+      }
+      if constexpr (Traits::MODDED) {
+        if (warp == 0) {
+#pragma unroll
+          for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int row = frag.g + 8 * (r % 2), col = 16 * ks + 2 * frag.t + 8 * (r / 2);
+              *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) = q_frag[ks][r];
+            }
+          }
+        }
+        named_barrier_sync(Traits::Q_BARRIER, Traits::CONSUMER_WARPS * 32);
       }
     }
     // The modifier variant: the query head and position of the lane's rows g and g + 8 (a row

@@ -243,6 +243,7 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
         ("float16", 128, 64, 4, 4),
         ("bfloat16", 64, 1, 8, 2),
         ("float16", 64, 16, 2, 8),
+        ("bfloat16", 256, 16, 2, 4),  # Q's tile in shared memory, one CTA an SM
     ],
 )
 def test_on_the_gpu(dtype, head_dim, page_size, t_q, group, resident_ctas, monkeypatch):

@@ -321,11 +321,11 @@ DECODE_GQA_WIDE_HEAD_DIM = 128
 DECODE_GQA_BARRIER_BYTES = 8
 DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
-# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8 (at d <=
-# DECODE_GQA_WIDE_HEAD_DIM; past it the launch bounds' one CTA an SM allows 255, and shared
-# memory holds it to one CTA an SM either way).
+# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8: at d <=
+# DECODE_GQA_WIDE_HEAD_DIM, and past it (one CTA an SM by its launch bounds; its 144-148 KB of
+# shared memory hold it to one either way).
 DECODE_GQA_REGISTERS_ASSUMED = 168
-DECODE_GQA_WIDE_REGISTERS_ASSUMED = 255
+DECODE_GQA_WIDE_REGISTERS_ASSUMED = 224
 # Split counts: the fewest whose wave efficiency is within this fraction of the best.
 DECODE_GQA_WAVE_SLACK = 0.9
 DECODE_ENV = "CUATTN_DECODE"

@@ -558,7 +558,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     // Q's A fragments (d <= 128; the modifier variant writes consumer 0's as Q's tile, all
     // alike), or at d256 (WIDE) Q's tile written by the consumers together, a pair of columns
     // a thread at a time (every consumer's q_scale is alike; written from one warp's fragments,
-    // their 128 loads a lane beside O's zeros spilled)
+    // their 128 loads a lane beside O's zeros spilled), whose S reads no fragment: one unused
+    // row keeps the array's type
     u32 q_frag[Traits::WIDE ? 1 : HEAD_DIM / 16][4];
     if constexpr (Traits::WIDE) {
       constexpr int PAIRS_PER_ROW = HEAD_DIM / 2;
@@ -566,11 +567,11 @@ __device__ __forceinline__ void attn_decode_gqa_body(
 #pragma unroll 4
       for (int i = int(threadIdx.x); i < ROWS * PAIRS_PER_ROW; i += CONSUMER_THREADS) {
         const int row = i / PAIRS_PER_ROW, col = 2 * (i % PAIRS_PER_ROW);
-        const T* q_row = q + (first_q_row + row) * HEAD_DIM + col;
-        const bool mine = row < rows;
+        const bool mine = row < rows;  // rows past the CTA's are zero (and read nothing)
+        const T* q_pair = q + (first_q_row + (mine ? row : 0)) * HEAD_DIM + col;
         *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) =
-            pack_pair<QK>(mine ? to_float(q_row[0]) * q_scale : 0.f,
-                          mine ? to_float(q_row[1]) * q_scale : 0.f);
+            pack_pair<QK>(mine ? to_float(q_pair[0]) * q_scale : 0.f,
+                          mine ? to_float(q_pair[1]) * q_scale : 0.f);
       }
       named_barrier_sync(Traits::Q_BARRIER, CONSUMER_THREADS);
     } else {

@@ -311,8 +311,10 @@ DECODE_REGISTERS_ASSUMED = 240
 # templated on <TILE, HEAD_DIM, T, MODS>: a producer warp streams tiles of TILE tokens' K and V
 # through decode_gqa_stages shared-memory stages (a consumer warp's per tile of a producer round)
 # while 4 consumer warps compute 16 query rows of a kv group (the M of mma.sync m16n8k16) against
-# them. fp16/bf16 (fp32 and d256 keep attn_decode_split); its MODS_SCORE variant takes the score
-# modifiers, HeavyHitters' per-token scores and fp16 at any scale (decode_gqa_mods).
+# them. fp16/bf16 at head dims 16 to 256 (fp32 keeps attn_decode_split); its MODS_SCORE variant
+# takes the score modifiers, HeavyHitters' per-token scores and fp16 at any scale
+# (decode_gqa_mods). Past DECODE_GQA_WIDE_HEAD_DIM (d256) Q's tile stays in shared memory, as in
+# the MODS_SCORE variant, and a CTA runs alone on its SM (O alone is 128 registers a lane).
 # Opt-in: it has not run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the
 # default ("split") never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
@@ -337,12 +339,18 @@ DECODE_GQA_MAX_TILE = 64
 DECODE_GQA_MODS_MAX_TILE = 32
 ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
-DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
+DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
+# The widest head dim whose Q fragments stay in registers (two CTAs an SM); past it Q's scaled
+# tile is in shared memory and one CTA runs an SM (attn_decode_gqa_traits::WIDE)
+DECODE_GQA_WIDE_HEAD_DIM = 128
 DECODE_GQA_BARRIER_BYTES = 8
 DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
-# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8.
+# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8: at d <=
+# DECODE_GQA_WIDE_HEAD_DIM, and past it (one CTA an SM by its launch bounds; its 144-148 KB of
+# shared memory hold it to one either way).
 DECODE_GQA_REGISTERS_ASSUMED = 168
+DECODE_GQA_WIDE_REGISTERS_ASSUMED = 224
 # Split counts: the fewest whose wave efficiency is within this fraction of the best.
 DECODE_GQA_WAVE_SLACK = 0.9
 DECODE_ENV = "CUATTN_DECODE"
@@ -1140,8 +1148,9 @@ class KernelConfig(_Launch):
             stages = decode_gqa_stages(tile_n)
             barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
             masks = stages * tile_n * 4
-            if self.mods:  # the modifier variant: a token position beside each row mask, Q
+            if self.mods:  # the modifier variant: a token position beside each row mask
                 masks += stages * tile_n * 4
+            if self.mods or self.head_dim > DECODE_GQA_WIDE_HEAD_DIM:  # Q's scaled tile
                 masks += tile_m * _smem_stride(self.head_dim, ITEMSIZE["float16"]) * 2
             ring = stages * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
@@ -2157,9 +2166,10 @@ def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
 
 def decode_gqa_applies(head_dim: int, dtype: str) -> bool:
     """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa) and an
-    instantiation exists (fp16/bf16 q, fp8 pages under a bf16 q, DECODE_GQA_HEAD_DIMS), with
-    any score modifier, HeavyHitters' per-token scores and any scale (decode_gqa_mods says which
-    variant). Otherwise, and by default, attn_decode_split (the named fallback: fp32, d256)."""
+    instantiation exists (fp16/bf16 q, fp8 pages under a bf16 q, DECODE_GQA_HEAD_DIMS: 16 to
+    256), with any score modifier, HeavyHitters' per-token scores and any scale
+    (decode_gqa_mods says which variant). Otherwise, and by default, attn_decode_split (the
+    named fallback: fp32)."""
     wanted = decode_family() == DECODE_GQA_FAMILY
     return wanted and decode_gqa_supports(head_dim, dtype)
 
@@ -2229,7 +2239,12 @@ def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dty
         config = KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
     else:
         config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
-    per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
+    registers = (
+        DECODE_GQA_WIDE_REGISTERS_ASSUMED
+        if head_dim > DECODE_GQA_WIDE_HEAD_DIM
+        else DECODE_GQA_REGISTERS_ASSUMED
+    )
+    per_sm = ctas_per_sm(arch, registers, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
 
 

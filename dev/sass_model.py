@@ -985,27 +985,47 @@ SM90_FWD_CODE = (
 # O's rescale (the ``if (rescale)`` bodies off: a tile whose max grows by at most the bound in
 # every row of the warp, nearly every steady tile once the max settles), its vote counted
 SM90_FWD_RESCALE_SKIP_CODE = (*SM90_FWD_CODE, ColdRegion("if", "rescale", partial=False))
-SM90_FWD_CONSUMERS = 2  # consumer warpgroups a CTA
+WGMMA_M = 64  # query rows of a consumer warpgroup
 WGMMA_K = 16
 
 
 def _sm90_forward_spec(
-    kernel: str, head_dim: int, dtype: str, block: int, rescale_skip: bool = False
+    kernel: str,
+    head_dim: int,
+    dtype: str,
+    block: int,
+    rescale_skip: bool = False,
+    exp2_poly: bool = False,
+    consumers: int = 2,
 ) -> HotSpec:
     """attn_fwd_sm90 or attn_fwd_sm90_persistent: a CTA (an item) of 128 query rows, two
     consumer warpgroups of 64; 128-blocks walk 128-key tiles (d <= 128), 64-blocks pair two
     blocks, one a consumer, over 64-key tiles. HGMMA a consumer warp issues a tile: QK^T
     HEAD_DIM / 16, PV TILE_N / 16. rescale_skip: the RESCALE_SKIP instantiation, its tile one
-    that skips O's rescale (SM90_FWD_RESCALE_SKIP_CODE)."""
+    that skips O's rescale (SM90_FWD_RESCALE_SKIP_CODE); exp2_poly: the EXP2_POLY one (a
+    quarter of the softmax's exp2 on the FMA pipe), its tile counted as today's; consumers: 3,
+    the CTA of 192 rows (three 64-blocks, CUATTN_SM90_D64_CONSUMERS), its tile counted as
+    today's."""
     from cuattn.backends.geometry import SM90_FWD_PERSISTENT, KernelConfig
 
     config = KernelConfig(
-        kernel, head_dim, dtype, block=block, rule="causal", rescale_skip=rescale_skip
+        kernel,
+        head_dim,
+        dtype,
+        block=block,
+        rule="causal",
+        rescale_skip=rescale_skip,
+        exp2_poly=exp2_poly,
+        consumers=consumers,
     )
     persistent = kernel == SM90_FWD_PERSISTENT
     name = "fwd sm90a persistent" if persistent else "fwd sm90a"
     if rescale_skip:
         name += " skip"
+    if exp2_poly:
+        name += " poly"
+    if consumers != 2:
+        name += f" wg{consumers}"
     return HotSpec.of(
         config,
         f"{name} d{head_dim} b{block}",
@@ -1023,14 +1043,34 @@ def _sm90_forward_spec(
 
 def sm90_forward_specs() -> list[HotSpec]:
     """The sm_90a forward the sweep runs: attn_fwd_sm90 and attn_fwd_sm90_persistent at d =
-    64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip at the same."""
-    from cuattn.backends.geometry import SM90_FWD, SM90_FWD_KERNELS
+    64/128, 64- and 128-blocks, bf16, causal; then attn_fwd_sm90's rescale skip at the same and
+    its exp2 polynomial at d = 64, then its three consumers (d = 64, 64-blocks)."""
+    from cuattn.backends.geometry import (
+        SM90_D64_CONSUMERS,
+        SM90_D64_CONSUMERS_BLOCK,
+        SM90_D64_CONSUMERS_HEAD_DIM,
+        SM90_EXP2_POLY_HEAD_DIMS,
+        SM90_FWD,
+        SM90_FWD_KERNELS,
+    )
 
+    variants = [(k, False, False) for k in SM90_FWD_KERNELS]
+    variants += [(SM90_FWD, True, False), (SM90_FWD, False, True)]
     return [
-        _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block, rescale_skip)
-        for kernel, rescale_skip in [(k, False) for k in SM90_FWD_KERNELS] + [(SM90_FWD, True)]
-        for head_dim in HOT_HEAD_DIMS
-        for block in HOT_BLOCKS
+        *[
+            _sm90_forward_spec(kernel, head_dim, HOT_DTYPE, block, rescale_skip, exp2_poly)
+            for kernel, rescale_skip, exp2_poly in variants
+            for head_dim in HOT_HEAD_DIMS
+            for block in HOT_BLOCKS
+            if not exp2_poly or head_dim in SM90_EXP2_POLY_HEAD_DIMS
+        ],
+        _sm90_forward_spec(
+            SM90_FWD,
+            SM90_D64_CONSUMERS_HEAD_DIM,
+            HOT_DTYPE,
+            SM90_D64_CONSUMERS_BLOCK,
+            consumers=SM90_D64_CONSUMERS,
+        ),
     ]
 
 

@@ -50,10 +50,10 @@ from dev import sass
 from dev.sass_model import (
     PARTIAL_TILE_CODE,
     SM90_BWD_KIND,
-    SM90_FWD_CONSUMERS,
     SM90_FWD_KINDS,
     SM90_FWD_PERSISTENT_KIND,
     STATS_BYTES,
+    WGMMA_M,
     HotSpec,
     TileModel,
     format_counts_table,
@@ -340,7 +340,7 @@ def sm90_forward_tiles(n_ctx: int, block: int, tile_n: int, tile_m: int = 128):
     blocks up to its last query's (the union of its blocks' rows); a consumer skips a tile of
     a key block past its own (paired 64-blocks) or whose first key is past its last row, and
     computes whole one whose last key is at most its first row (not ragged)."""
-    consumer = tile_m // 2
+    consumer = WGMMA_M  # a consumer warpgroup's rows; tile_m / WGMMA_M consumers an item
     items = steps = computed = partial = skipped = 0
     for q_start in range(0, n_ctx, tile_m):
         items += 1
@@ -348,7 +348,7 @@ def sm90_forward_tiles(n_ctx: int, block: int, tile_n: int, tile_m: int = 128):
         for k0 in range(0, keys, tile_n):
             k1 = k0 + tile_n - 1
             steps += 1
-            for g0 in (q_start, q_start + consumer):
+            for g0 in range(q_start, q_start + tile_m, consumer):
                 g1 = min(g0 + consumer, n_ctx) - 1
                 own_block = g0 // block if block < tile_m else q_start // block
                 if g0 >= n_ctx or k0 // block > own_block or k0 > g1:
@@ -380,7 +380,7 @@ def sm90_forward_executed(model: TileModel, shape: Shape, classes: Sequence[str]
     spec = model.spec
     n = sm90_forward_tiles_of(model, shape)
     group = sass.WARPGROUP_WARPS
-    consumers = SM90_FWD_CONSUMERS * group
+    consumers = spec.tile_m // WGMMA_M * group
     persistent = spec.kind == SM90_FWD_PERSISTENT_KIND
     ctas = min(SMS, n.items) if persistent else n.items
 
@@ -1124,7 +1124,7 @@ def format_sm90_forward_tiles(models: Sequence[TileModel]) -> str:
         producer = sum(m.producer.get(k, 0.0) for k in sass.CLASSES)
         item = sum(getattr(m, "per_item", {}).values()) or sum(m.per_cta.values())
         lines.append(
-            f"| {s.label} `{s.name_expression}` | {s.tile_m // SM90_FWD_CONSUMERS} x {s.tile_n}"
+            f"| {s.label} `{s.name_expression}` | {WGMMA_M} x {s.tile_n}"
             f" | {m.hmma:.0f} | {m.instructions:.0f} | {m.per_hmma:.1f} | {c['MUFU']:.0f}"
             f" | {c['FP32']:.0f} | {c['INT']:.0f} | {c['uniform']:.0f} | {c['BAR']:.0f}"
             f" | {m.wgmma_shared_bytes:,.0f} | {m.wgmma_flop:,.0f}"

@@ -142,6 +142,7 @@ def fwd_sm90_ctas(
     order: str = "heads-fastest",
     tile_n: int | None = None,
     half_tiles: str = "mask",
+    consumers: int = 2,
 ) -> list[Cta]:
     """attn_fwd_sm90's CTAs, one per (128 query rows, head, batch), in ``order``:
     heads-fastest   change 27 (510d8d7): every pair's last tile, then the one before, ...;
@@ -153,13 +154,17 @@ def fwd_sm90_ctas(
     is walked (the producer loads it; both consumers wait for it) but not computed by it. With
     tiles wider than the block, a tile one of whose blocks a row lacks is computed whole with that
     half masked to -inf (``half_tiles="mask"``) or as the narrow wgmma over the half it has
-    (``"skip"``)."""
+    (``"skip"``). ``consumers``: warpgroups of 64 rows a CTA (3: 192 rows, three 64-blocks)."""
     if half_tiles not in HALF_TILES:
         raise ValueError(f"half_tiles={half_tiles!r}; accepted: {', '.join(HALF_TILES)}")
     block = layout.blocksize
     tile_n = tile_n or geometry.sm90_tile_n(block, head_dim)
     heads, nbq, nb = layout.blocks.shape
-    per_cta = geometry.SM90_TILE_M // block  # layout blocks a CTA owns
+    if (consumers * WGMMA_M) % block:
+        raise ValueError(
+            f"consumers={consumers}: {consumers * WGMMA_M} rows are not whole {block}-blocks"
+        )
+    per_cta = consumers * WGMMA_M // block  # layout blocks a CTA owns
     partial = _partial(layout)
     tiles = -(-nbq // per_cta)
     pairs = batch * heads
@@ -353,10 +358,11 @@ def predict_fwd(
     order: str = "heads-fastest",
     tile_n: int | None = None,
     half_tiles: str = "mask",
+    consumers: int = 2,
 ) -> Prediction:
     """attn_fwd_sm90's time on one launch over ``layout`` x ``batch``."""
     tile_n = tile_n or geometry.sm90_tile_n(layout.blocksize, head_dim)
-    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, order, tile_n, half_tiles)
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, kv_group, order, tile_n, half_tiles, consumers)
     slots = SMS * SM90_RESIDENT
     pred = predict_terms(fwd_terms(ctas, head_dim, tile_n, slots), p, slots)
     compulsory = len({key for c in ctas for key in c.reads})
@@ -902,6 +908,60 @@ def predict_bwd(terms: list[tuple[np.ndarray, int]], pre_s: float, p: BwdParams)
     return seconds
 
 
+# Three consumer warpgroups at d = 64 (issue 53): what the simulator, the roofline and the CPI
+# rule of bench/NOTES.md predict for a CTA of 192 rows (three 64-blocks) against today's 128.
+CPI_510D8D7 = 5.35  # cycles between a warp's issues, every consumer warp (ncu on 510d8d7)
+CONSUMER_SHAPES = ((4096, 4, 32), (8192, 2, 32))  # (T, batch, heads): batch x T = 16k, 2048 wide
+
+
+def consumer_rows(p: FwdParams, consumers: Sequence[int] = (2, 3), head_dim: int = 64) -> list:
+    """Per (pattern, T): the simulator's prediction for each consumer count at 64-blocks
+    (grouped order), under two readings of its per-walked-tile cost: "latency" (a step's cost
+    is a consumer's chain, the same with a third warpgroup beside it) and "rows" (a step's cost
+    grows with the rows it feeds: only the per-CTA cost and the walk's shape change)."""
+    from cuattn.tools.bench.cases import ALL_PATTERNS
+
+    rows = []
+    for n_ctx, batch, heads in CONSUMER_SHAPES:
+        for pattern in ALL_PATTERNS:
+            if n_ctx != CONSUMER_SHAPES[-1][0] and pattern.label != "dense-causal":
+                continue
+            layout = pattern.make_layout(n_ctx, heads, 64)
+            row = {"pattern": pattern.label, "n_ctx": n_ctx, "density": layout.density}
+            for c in consumers:
+                for reading, scale in (("latency", 1.0), ("rows", c / 2)):
+                    q = dataclasses.replace(p, tile_cycles=p.tile_cycles * scale)
+                    row[(c, reading)] = predict_fwd(
+                        layout, batch, head_dim, q, order="grouped", consumers=c
+                    )
+            rows.append(row)
+    return rows
+
+
+def consumers_table(p: FwdParams, head_dim: int = 64) -> str:
+    """bench/NOTES.md's table of consumer_rows: ms and CTAs, 3 consumers against 2."""
+    lines = [
+        "| pattern | T | density | 2: CTAs, ms | 3: CTAs | 3 (latency) ms, change | "
+        "3 (rows) ms, change | tail 2 / 3 | fixed % 2 / 3 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in consumer_rows(p, head_dim=head_dim):
+        two = r[(2, "latency")]
+        lat, rows = r[(3, "latency")], r[(3, "rows")]
+
+        def fixed(x: Prediction) -> float:
+            return 100 * x.fixed_cycles / (x.fixed_cycles + x.tile_cycles + x.miss_cycles)
+
+        lines.append(
+            f"| {r['pattern']} | {r['n_ctx']} | {r['density']:.3f} | {two.ctas}, "
+            f"{two.seconds * 1e3:.3f} | {lat.ctas} | {lat.seconds * 1e3:.3f}, "
+            f"{100 * (lat.seconds / two.seconds - 1):+.0f} % | {rows.seconds * 1e3:.3f}, "
+            f"{100 * (rows.seconds / two.seconds - 1):+.0f} % | {two.tail:.2f} / {lat.tail:.2f} "
+            f"| {fixed(two):.0f} / {fixed(lat):.0f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1062,6 +1122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
     parser.add_argument("--pack", action="store_true", help="the packing table (bench/NOTES.md)")
     parser.add_argument(
+        "--consumers", action="store_true", help="three consumers at d = 64 (bench/NOTES.md)"
+    )
+    parser.add_argument(
         "--qbuffer", action="store_true", help="the double-buffered Q table (bench/NOTES.md)"
     )
     args = parser.parse_args(argv)
@@ -1069,6 +1132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = BenchShape(args.n_ctx, args.heads, args.batch, args.head_dim)
     if args.whatif:
         print(whatif_tables(fwd, shape, args.block))
+        return 0
+    if args.consumers:
+        print(consumers_table(fwd))
         return 0
     if args.pack:
         print(pack_table(fwd, shape))

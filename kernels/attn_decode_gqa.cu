@@ -3,10 +3,10 @@
 // producer warp fills while four consumer warps compute.
 //
 // attn_decode_gqa<TILE, HEAD_DIM, T, MODS>: grid (splits, kv_heads * row_chunks, batch), 5
-//   warps; T __half or __nv_bfloat16 (kernels/attn_decode.cu's attn_decode_split serves fp32
-//   and d256). MODS (kernels/common/types.cuh ScoreModsFlag): MODS_NONE the plain kernel,
-//   MODS_SCORE the variant with attn_decode_split's score modifiers and HeavyHitters'
-//   per-token scores (below), which also takes fp16 at any scale.
+//   warps; T __half or __nv_bfloat16, HEAD_DIM 16 to 256 (kernels/attn_decode.cu's
+//   attn_decode_split serves fp32). MODS (kernels/common/types.cuh ScoreModsFlag): MODS_NONE
+//   the plain kernel, MODS_SCORE the variant with attn_decode_split's score modifiers and
+//   HeavyHitters' per-token scores (below), which also takes fp16 at any scale.
 //   What it computes is attn_decode_split's (see its header): a CTA owns one split of one
 //   (sequence, kv head)'s page table, pages [split * pages_per_split, ...) of its page_count,
 //   walked as table slots (slot f is offset f % page_size of entry f / page_size), and up to
@@ -33,7 +33,10 @@
 //   when its copies land (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask
 //   words. Round u + 1's positions and round u + 2's table entries are loaded while round u is
 //   issued.
-//   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e), computes
+//   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e) (at d256 Q's
+//   scaled tile stays in shared memory instead and is read by ldmatrix at each tile's S, as in
+//   the modifier variant below: Q's fragments beside O's 128 registers a lane spilled; there a
+//   CTA runs alone on its SM, its ring two 16-token stages a consumer), computes
 //   S = Q K^T (ldmatrix), sets uncounted scores to -inf, runs an exp2 online softmax on the
 //   fp32 accumulators, O += P V (ldmatrix.trans, P from registers) and arrives on the stage's
 //   `empty` barrier. At the end the four consumers' (O, m, l) merge in shared memory (the
@@ -98,9 +101,12 @@ struct attn_decode_gqa_traits {
   static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the last warp
   static constexpr int NUM_WARPS = CONSUMER_WARPS + 1;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
-  // Two resident CTAs per SM at least (shared memory allows 3 on sm_90 at d <= 128): a
-  // thread's registers stay under 204, the O, S and Q fragments unspilled.
-  static constexpr int MIN_CTAS_PER_SM = 2;
+  // Two resident CTAs per SM at least at d <= 128 (shared memory allows 3 on sm_90): a
+  // thread's registers stay under 204, the O, S and Q fragments unspilled. Past it (d256) one:
+  // O alone is HEAD_DIM / 2 = 128 registers a lane, and the ring of 16-token stages is 135 KB.
+  static constexpr int WIDE_HEAD_DIM = 128;  // the widest head dim with Q's fragments held
+  static constexpr bool WIDE = HEAD_DIM > WIDE_HEAD_DIM;
+  static constexpr int MIN_CTAS_PER_SM = WIDE ? 1 : 2;
   // The producer reads a round of ROUND_TOKENS tokens at once, a token a lane (TILE at least),
   // so that a tile under a warp's 32 tokens (fp8 at d96 and d128) pays the table, position,
   // scale and row-mask work once per 32 tokens; a round fills ROUND_TILES stages, and the ring
@@ -147,9 +153,11 @@ struct attn_decode_gqa_traits {
   static constexpr int POS_BYTES = MODDED ? STAGES * TILE * 4 : 0;
   // ... and Q, scaled, as a [ROWS][Q_LD] tile that the S GEMM reads by ldmatrix each tile: the
   // modifiers' registers (positions, operands, tanh, the dropout generator) beside Q's
-  // fragments, S and O spilled at 168 (2 CTAs of 5 warps an SM)
+  // fragments, S and O spilled at 168 (2 CTAs of 5 warps an SM); at d256 (WIDE) in every
+  // variant, Q's 64 fragment registers beside O's 128 and S past what fits unspilled
+  static constexpr bool Q_SHARED = MODDED || WIDE;
   static constexpr int Q_LD = SmemStride<QK, HEAD_DIM>::value;
-  static constexpr int Q_BYTES = MODDED ? ROWS * Q_LD * int(sizeof(QK)) : 0;
+  static constexpr int Q_BYTES = Q_SHARED ? ROWS * Q_LD * int(sizeof(QK)) : 0;
   static constexpr int Q_BARRIER = 1;  // the consumers' named barrier: Q's tile is written
   static constexpr int SMEM_BYTES = BARRIER_BYTES + MASK_BYTES + SCALE_BYTES + POS_BYTES +
                                     Q_BYTES +
@@ -377,7 +385,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   int* pos_smem = reinterpret_cast<int*>(  // the modifier variant only
       reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) + Traits::SCALE_BYTES);
   using QK = typename Traits::QK;
-  QK* q_smem = reinterpret_cast<QK*>(  // the modifier variant only
+  QK* q_smem = reinterpret_cast<QK*>(  // Q_SHARED only
       reinterpret_cast<unsigned char*>(pos_smem) + Traits::POS_BYTES);
   KV* ring = reinterpret_cast<KV*>(reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) +
                                    Traits::SCALE_BYTES + Traits::POS_BYTES + Traits::Q_BYTES);
@@ -547,24 +555,44 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         q_unscale = __int_as_float((127 - Traits::QK_MAX_EXPONENT + 1 + exponent) << 23);
       }
     }
-    u32 q_frag[HEAD_DIM / 16][4];
+    // Q's A fragments (d <= 128; the modifier variant writes consumer 0's as Q's tile, all
+    // alike), or at d256 (WIDE) Q's tile written by the consumers together, a pair of columns
+    // a thread at a time (every consumer's q_scale is alike; written from one warp's fragments,
+    // their 128 loads a lane beside O's zeros spilled), whose S reads no fragment: one unused
+    // row keeps the array's type
+    u32 q_frag[Traits::WIDE ? 1 : HEAD_DIM / 16][4];
+    if constexpr (Traits::WIDE) {
+      constexpr int PAIRS_PER_ROW = HEAD_DIM / 2;
+      constexpr int CONSUMER_THREADS = Traits::CONSUMER_WARPS * 32;
+#pragma unroll 4
+      for (int i = int(threadIdx.x); i < ROWS * PAIRS_PER_ROW; i += CONSUMER_THREADS) {
+        const int row = i / PAIRS_PER_ROW, col = 2 * (i % PAIRS_PER_ROW);
+        const bool mine = row < rows;  // rows past the CTA's are zero (and read nothing)
+        const T* q_pair = q + (first_q_row + (mine ? row : 0)) * HEAD_DIM + col;
+        *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) =
+            pack_pair<QK>(mine ? to_float(q_pair[0]) * q_scale : 0.f,
+                          mine ? to_float(q_pair[1]) * q_scale : 0.f);
+      }
+      named_barrier_sync(Traits::Q_BARRIER, CONSUMER_THREADS);
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) q_frag[ks][r] = pack_pair<QK>(q_at(ks, r, 0), q_at(ks, r, 1));
-    }
-    if constexpr (Traits::MODDED) {  // Q's tile, from consumer 0's fragments (all alike)
-      if (warp == 0) {
+        for (int r = 0; r < 4; ++r) q_frag[ks][r] = pack_pair<QK>(q_at(ks, r, 0), q_at(ks, r, 1));
+      }
+      if constexpr (Traits::MODDED) {
+        if (warp == 0) {
 #pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+          for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int row = frag.g + 8 * (r % 2), col = 16 * ks + 2 * frag.t + 8 * (r / 2);
-            *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) = q_frag[ks][r];
+            for (int r = 0; r < 4; ++r) {
+              const int row = frag.g + 8 * (r % 2), col = 16 * ks + 2 * frag.t + 8 * (r / 2);
+              *reinterpret_cast<u32*>(q_smem + row * Traits::Q_LD + col) = q_frag[ks][r];
+            }
           }
         }
+        named_barrier_sync(Traits::Q_BARRIER, Traits::CONSUMER_WARPS * 32);
       }
-      named_barrier_sync(Traits::Q_BARRIER, Traits::CONSUMER_WARPS * 32);
     }
     // The modifier variant: the query head and position of the lane's rows g and g + 8 (a row
     // past `rows` takes row 0's, so that its operand reads stay in bounds: it counts nothing)
@@ -628,7 +656,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
 #pragma unroll
         for (int e = 0; e < 4; ++e) s_acc[j][e] = 0.f;
       }
-      if constexpr (Traits::MODDED) {
+      if constexpr (Traits::Q_SHARED) {
         warp_gemm_rs_nk<TILE, HEAD_DIM>(s_acc, q_smem, Traits::Q_LD, k_tile, tile_ld);
       } else {
         warp_gemm_fs_nk<TILE, HEAD_DIM>(s_acc, q_frag, k_tile, tile_ld);

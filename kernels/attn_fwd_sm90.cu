@@ -27,6 +27,11 @@
 //   warpgroups 1 and 2, the consumers, take those registers (setmaxnreg.inc); consumer c owns
 //     rows 64c .. 64c + 63 of the CTA, the M = 64 of one wgmma, and computes every tile, the
 //     two taking turns at the tensor pipe.
+// With CONSUMERS = 3 (d = 64, 64-blocks, 64-key tiles; opt-in, geometry.sm90_consumers) a CTA
+// is 192 query rows, three adjacent layout blocks, one a consumer (warpgroups 1 to 3, 160
+// registers each), walking the union of the three rows (RowUnionTiles), the consumers taking
+// turns in a ring: at d = 64 a consumer's softmax is as long as at d = 128 over half the wgmma
+// work, and a third warpgroup keeps more warps issuing beside the tensor pipe.
 // attn_fwd_sm90_persistent (issue 53) computes the same items, each exactly as a CTA here does,
 // on a grid of about one CTA per SM that claims them from a work list the host builds from the
 // layout, longest rows first, rows far longer than the rest split into chunks that
@@ -80,7 +85,9 @@
 // Template parameters: BLOCK (layout block, 64 or 128), TILE_N (keys per tile: 64, or 128 with
 // 128-blocks or key pairs, at d <= 128), HEAD_DIM (64, 128, 256), T, RULE (MaskRule), RESCALE
 // (Sm90Rescale: RESCALE_ALWAYS unless named; RESCALE_SKIP leaves O and l_i unscaled on a tile
-// whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp). Run:
+// whose max grows by at most 2^RESCALE_SKIP_LOG2 in every row of the warp), EXP2 (Sm90Exp2:
+// EXP2_MUFU unless named; EXP2_POLY computes a quarter of the softmax's exp2 on the FMA pipe,
+// common/exp2_poly.cuh), CONSUMERS (2, or 3: above). Run:
 // compiled by NVRTC for sm_90a only (CuPy's RawModule compiles for the device's own arch, which
 // rejects wgmma), or on the CPU interpreter (cuattn/backends/interp.py;
 // tests/backends/test_attn_fwd_sm90.py), e.g.
@@ -92,6 +99,7 @@
 // (tests/backends/test_attn_fwd_sm90_persistent.py), then, where it split rows,
 // `attn_fwd_sm90_merge<128, __nv_bfloat16>` on (ceil(split rows x 128 / 16), 1, 1),
 // row_kernel_traits' 128 threads and no shared memory.
+#include "common/exp2_poly.cuh"
 #include "common/merge_row.cuh"
 #include "common/row_kernel.cuh"
 #include "common/score_tile.cuh"
@@ -132,19 +140,22 @@ constexpr int NO_SLOT = -1;
 enum MergeField { MERGE_ITEM, MERGE_FIRST_SLOT, MERGE_CHUNKS, MERGE_FIELDS };
 
 // Every size of the kernel, chosen here and checked.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T>
+// CONSUMERS: consumer warpgroups (2; 3 at d = 64 on 64-blocks and 64-key tiles, opt-in:
+// geometry.sm90_consumers).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int CONSUMERS_ = 2>
 struct attn_fwd_sm90_traits {
   static constexpr int WARPGROUP_SIZE = WARPGROUP_WARPS * 32;
-  static constexpr int CONSUMERS = 2;  // warpgroups computing, after the producer
+  static constexpr int CONSUMERS = CONSUMERS_;  // warpgroups computing, after the producer
   static constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_SIZE;
   static constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_SIZE;
   // Registers per thread after setmaxnreg: the producer keeps what issuing copies needs, the
   // consumers take the rest. With one CTA of 384 threads per SM the launch gives each thread
   // 168 (65536 / 384, in steps of 8); 128 x (24 + 2 x 240) = 64512 is what the launch holds.
+  // With three consumers (512 threads, 128 each at launch) 128 x (24 + 3 x 160) = 64512.
   static constexpr int PRODUCER_REGISTERS = 24;
-  static constexpr int CONSUMER_REGISTERS = 240;
+  static constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 240 : 160;
   static constexpr int TILE_M = CONSUMERS * WGMMA_M;  // query rows per CTA
-  // Layout blocks per CTA: 1 (128-blocks: the consumers split it), or 2 (64-blocks: one each).
+  // Layout blocks per CTA: 1 (128-blocks: the consumers split it), or one a consumer (64-blocks).
   static constexpr int ROW_BLOCKS = TILE_M / BLOCK;
   static constexpr int PANEL_COLUMNS = SWIZZLE_ROW_BYTES / int(sizeof(T));
   static constexpr int PANELS = HEAD_DIM / PANEL_COLUMNS;
@@ -173,9 +184,11 @@ struct attn_fwd_sm90_traits {
   // fit (the paired bitmask instantiations spill), so PV(t - 1) is waited for first there; it
   // still follows QK^T(t) on the tensor pipe without a gap.
   static constexpr bool SOFTMAX_UNDER_PV = HEAD_DIM <= 128;
-  // The consumers' turns at the tensor pipe: consumer c waits on named barrier
-  // TURN_BARRIER + c before it issues, and arrives on the other's after (256 threads each).
+  // The consumers' turns at the tensor pipe, in a ring: consumer c waits on named barrier
+  // TURN_BARRIER + c before it issues, and arrives on the next one's after (its 128 threads
+  // and the previous consumer's 128 meet on each).
   static constexpr int TURN_BARRIER = 1;
+  static constexpr int TURN_THREADS = 2 * WARPGROUP_SIZE;
   // Consumer c's own 128 threads meet on named barrier STORE_BARRIER + c before its TMA stores.
   static constexpr int STORE_BARRIER = TURN_BARRIER + CONSUMERS;
   static constexpr int QK_STEPS = HEAD_DIM / WGMMA_K;  // wgmma of S = Q K^T
@@ -192,6 +205,9 @@ struct attn_fwd_sm90_traits {
                     65536 / NUM_THREADS / 8 * 8 * NUM_THREADS,
                 "setmaxnreg requests the launch's registers cannot cover hang the GPU");
   static_assert(BLOCK == 64 || BLOCK == 128, "a warpgroup's 64 rows lie in one layout block");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && BLOCK == 64 && TILE_N == 64 &&
+                                   HEAD_DIM == 64),
+                "three consumers: 192 rows are three 64-blocks, and d = 64 fits 160 registers");
   static_assert((BLOCK % TILE_N == 0 || (TILE_N == 2 * BLOCK && ROW_BLOCKS == 2)) &&
                     (TILE_N == 64 || TILE_N == 128),
                 "key tiles of 64 or 128 inside one block, or of two 64-blocks");
@@ -259,6 +275,37 @@ constexpr float RESCALE_SKIP_LOG2 = 8.f;
 constexpr float FP16_P_MAX_LOG2 = 15.f;  // fp16 holds 2^15, not 2^16 (65504 is its largest)
 static_assert(RESCALE_SKIP_LOG2 <= FP16_P_MAX_LOG2, "P rounded to fp16 must stay finite");
 
+// How the consumers compute the softmax's exp2 (the kernels' EXP2 argument): EXP2_MUFU all on
+// MUFU (exp2f); EXP2_POLY (opt-in, CUATTN_SM90_EXP2=poly) the two elements of every
+// EXP2_POLY_EVERY-th n-tile of a row on the FMA pipe (exp2_poly of T's degree), the others on
+// MUFU, so that the two pipes share them: at d = 64 MUFU's 16 an SM a cycle keep it as busy as
+// the tensor pipe. The rescale's alphas and the unfolded exponent (huge_score_probs) stay on
+// MUFU.
+enum Sm90Exp2 : int { EXP2_MUFU = 0, EXP2_POLY = 1 };
+constexpr int EXP2_POLY_EVERY = 4;  // a quarter: MUFU's time under the tensor pipe's at d = 64
+constexpr int NO_POLY = 0;          // the polynomial degree that means every exp2 on MUFU
+
+// Row r's probabilities exp2(score - base) of S of KEYS keys in place, as row_probs computes
+// them, the columns of every EXP2_POLY_EVERY-th n-tile by exp2_poly<POLY_DEGREE>; their sum.
+template <int KEYS, int POLY_DEGREE>
+__device__ __forceinline__ float row_probs_poly(float (&s_keys)[KEYS / 8][4], int r,
+                                                const ScoreScale& score_scale, float base) {
+  const float factor = score_factor<MODS_NONE>(score_scale);
+  if (!(fabsf(base) < SCALE_FOLD_MAX)) return huge_score_probs<KEYS>(s_keys, r, factor, base);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float x = fmaf(s_keys[j][2 * r + c], factor, -base);
+      const bool on_fma = j % EXP2_POLY_EVERY == EXP2_POLY_EVERY - 1;
+      s_keys[j][2 * r + c] = on_fma ? exp2_poly<POLY_DEGREE>(x) : exp2f(x);
+      sum += s_keys[j][2 * r + c];
+    }
+  }
+  return sum;
+}
+
 // Row r's new running max: the larger of m_i and the row's max over S of KEYS keys.
 template <int KEYS>
 __device__ __forceinline__ float running_max(const float (&s_keys)[KEYS / 8][4], int r,
@@ -271,8 +318,9 @@ __device__ __forceinline__ float running_max(const float (&s_keys)[KEYS / 8][4],
   return fmaxf(m_i, scaled_max<MODS_NONE>(quad_max(tile_max), score_scale));
 }
 // Row r of S exponentiated in place against max `m_used` (m_i[r], or the new running max where
-// `rescale`: then alpha[r] is the factor O and l_i[r] take to it), l_i[r] and m_i[r] updated.
-template <int KEYS>
+// `rescale`: then alpha[r] is the factor O and l_i[r] take to it), l_i[r] and m_i[r] updated;
+// POLY_DEGREE (NO_POLY: every exp2 on MUFU) as in row_probs_poly.
+template <int KEYS, int POLY_DEGREE>
 __device__ __forceinline__ void exponentiate_row(float (&s_keys)[KEYS / 8][4], int r,
                                                  float m_used, bool rescale, float (&m_i)[2],
                                                  float (&l_i)[2], float (&alpha)[2],
@@ -281,15 +329,20 @@ __device__ __forceinline__ void exponentiate_row(float (&s_keys)[KEYS / 8][4], i
   // exp2 away from (-inf) - (-inf) = NaN and still yields p = 0.
   const float m_base = m_used == -INFINITY ? 0.f : m_used;
   if (rescale) alpha[r] = exp2f(m_i[r] - m_base);
-  const float row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+  float row_sum;
+  if constexpr (POLY_DEGREE == NO_POLY) {
+    row_sum = row_probs<MODS_NONE, KEYS>(s_keys, r, score_scale, m_base);
+  } else {
+    row_sum = row_probs_poly<KEYS, POLY_DEGREE>(s_keys, r, score_scale, m_base);
+  }
   l_i[r] = rescale ? l_i[r] * alpha[r] + row_sum : l_i[r] + row_sum;
   m_i[r] = m_used;
 }
 // The online softmax of S of KEYS keys (masked already), exponentiated in place; returns
 // whether O must be rescaled by alpha[r]: always with RESCALE_ALWAYS; with RESCALE_SKIP only
 // where some row of the warp's 16 grew past the bound (a vote: the branch on it is uniform
-// across the warp), alpha unset otherwise.
-template <int KEYS, int RESCALE>
+// across the warp), alpha unset otherwise. POLY_DEGREE as in exponentiate_row.
+template <int KEYS, int RESCALE, int POLY_DEGREE>
 __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float (&m_i)[2],
                                              float (&l_i)[2], float (&alpha)[2],
                                              const ScoreScale& score_scale) {
@@ -297,7 +350,7 @@ __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float m_new = running_max<KEYS>(s_keys, r, m_i[r], score_scale);
-      exponentiate_row<KEYS>(s_keys, r, m_new, true, m_i, l_i, alpha, score_scale);
+      exponentiate_row<KEYS, POLY_DEGREE>(s_keys, r, m_new, true, m_i, l_i, alpha, score_scale);
     }
     return true;
   } else {
@@ -311,8 +364,8 @@ __device__ __forceinline__ bool softmax_rows(float (&s_keys)[KEYS / 8][4], float
     const bool rescale = __ballot_sync(FULL_WARP, grows) != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      exponentiate_row<KEYS>(s_keys, r, rescale ? m_new[r] : m_i[r], rescale, m_i, l_i, alpha,
-                             score_scale);
+      exponentiate_row<KEYS, POLY_DEGREE>(s_keys, r, rescale ? m_new[r] : m_i[r], rescale, m_i,
+                                          l_i, alpha, score_scale);
     }
     return rescale;
   }
@@ -340,9 +393,9 @@ __device__ __forceinline__ u64 swizzled_descriptor(const unsigned char* at, unsi
 
 // The shared memory every item of a CTA reuses: Q_BUFFERS Q tiles (each consumer's O rows on
 // the way out), the K and the V stages, a q_full a Q tile, and the two rings.
-template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int Q_BUFFERS>
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int Q_BUFFERS, int CONSUMERS = 2>
 struct Sm90FwdSmem {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>;
   using Ring = StageRing<Traits::KV_STAGES>;
   unsigned char* q_tiles;
   unsigned char* k_stages;
@@ -377,19 +430,30 @@ struct Sm90FwdSmem {
 };
 
 // The consumers' turns at the tensor pipe (consume_item) run on across a CTA's items, and the
-// first consumer issues first: the second opens with a pass, once a CTA.
+// first consumer issues first: the last opens with a pass to it, once a CTA.
 template <typename Traits>
 __device__ __forceinline__ void open_turns(int consumer) {
-  if (consumer == 1) named_barrier_arrive(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+  if (consumer == Traits::CONSUMERS - 1) {
+    named_barrier_arrive(Traits::TURN_BARRIER, Traits::TURN_THREADS);
+  }
 }
-// Once a CTA, after its last item: the first consumer takes the turn the second passed last, so
+// The consumer after `consumer` in the ring of turns.
+template <typename Traits>
+__device__ __forceinline__ int next_consumer(int consumer) {
+  if constexpr (Traits::CONSUMERS == 2) {
+    return 1 - consumer;
+  } else {
+    return consumer + 1 == Traits::CONSUMERS ? 0 : consumer + 1;
+  }
+}
+// Once a CTA, after its last item: the first consumer takes the turn the last passed last, so
 // that no named barrier phase is left half-arrived when the CTA ends. Not once an item: a
 // persistent CTA's second consumer may start the next item (its Q is in) while the first still
 // finishes this one, and its opening pass would then be a second arrival on a phase the first
 // has not yet taken.
 template <typename Traits>
 __device__ __forceinline__ void close_turns(int consumer) {
-  if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::CONSUMER_THREADS);
+  if (consumer == 0) named_barrier_sync(Traits::TURN_BARRIER, Traits::TURN_THREADS);
 }
 
 // One tile's worth of copies: PANELS boxes of PANEL_COLUMNS columns side by side. Past two
@@ -450,12 +514,12 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
                                              const int* row_mask, const RuleParams& rule,
                                              int num_blocks, int head, int kv_head, int batch,
                                              int q_start, int& t, Chunk chunk) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = typename Smem::Traits;
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
   if constexpr (CHUNKED) walk.restrict_to(chunk());
-  const int walk_last = q_start + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+  const int walk_last = q_start + (Traits::ROW_BLOCKS > 1 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   while (walk.next(tile, rule, q_start, walk_last)) {
     // K first: the consumers read K(t) an iteration before V(t) (header)
@@ -476,7 +540,7 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
 // normalised by its own sum, and lse as float32 to rows slot x TILE_M on of part_out and
 // part_lse instead of out and lse.
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE, bool CHUNKED, int RESCALE,
-          typename Smem>
+          int EXP2, typename Smem>
 __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              const TensorMap& out_map, int out_col,
                                              float* __restrict__ lse, const int* row_ptr,
@@ -486,21 +550,22 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
                                              int batch, int q_start, const int* row_entries,
                                              int slot, float* __restrict__ part_out,
                                              float* __restrict__ part_lse, int& t) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  using Traits = typename Smem::Traits;
   using Ring = StageRing<Traits::KV_STAGES>;
+  constexpr int POLY_DEGREE = EXP2 == EXP2_POLY ? exp2_poly_degree<T>::value : NO_POLY;
   Ring* k_ring = smem.k_ring;
   Ring* v_ring = smem.v_ring;
   const int q_block = q_start / BLOCK;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
-  const int row_block = Traits::ROW_BLOCKS == 2 ? consumer : 0;  // the consumer's own block
+  const int row_block = Traits::ROW_BLOCKS > 1 ? consumer : 0;  // the consumer's own block
   const int group_first = q_start + consumer * WGMMA_M;
   const int warp_first = group_first + warp_in_group * 16;
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_block, row_block);
   if constexpr (CHUNKED) walk.restrict_to(row_entries);
-  // The rows the walk tests: the CTA's, or in a paired CTA the consumer's own.
-  const int walk_first = Traits::ROW_BLOCKS == 2 ? group_first : q_start;
-  const int walk_last = walk_first + (Traits::ROW_BLOCKS == 2 ? WGMMA_M : Traits::TILE_M) - 1;
+  // The rows the walk tests: the CTA's, or where each consumer owns a block its own.
+  const int walk_first = Traits::ROW_BLOCKS > 1 ? group_first : q_start;
+  const int walk_last = walk_first + (Traits::ROW_BLOCKS > 1 ? WGMMA_M : Traits::TILE_M) - 1;
 
   // The consumer's accumulators in the wgmma D layout, seen as mma.sync fragments (header).
   float o[HEAD_DIM / 8][4] = {};
@@ -581,12 +646,13 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
     wgmma_fence_operands(o_acc);
     fence_p(half_p);
   };
-  // This consumer's turn to issue (named barriers: the two consumers alternate, open_turns),
-  // and the other's after it. Taken every tile, issuing or not, so that the turns pair up.
+  // This consumer's turn to issue (named barriers: the consumers take turns in a ring,
+  // open_turns), and the next one's after it. Taken every tile, issuing or not, so that the
+  // turns pair up.
   const int my_turn = Traits::TURN_BARRIER + consumer;
-  const int their_turn = Traits::TURN_BARRIER + (1 - consumer);
-  auto take_turn = [&] { named_barrier_sync(my_turn, Traits::CONSUMER_THREADS); };
-  auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::CONSUMER_THREADS); };
+  const int their_turn = Traits::TURN_BARRIER + next_consumer<Traits>(consumer);
+  auto take_turn = [&] { named_barrier_sync(my_turn, Traits::TURN_THREADS); };
+  auto pass_turn = [&] { named_barrier_arrive(their_turn, Traits::TURN_THREADS); };
   // What is pending of tile t - 1: the keys of its PV still to issue (0: none; HALF_KEYS: one
   // half of a key pair) and where they lie in its V stage.
   int pending = 0;
@@ -653,9 +719,9 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
   auto softmax = [&](bool half_keys, int half, float (&alpha)[2]) {
     mask_scores(half_keys, half);
     if (Traits::PAIRED_KEYS && half_keys) {
-      return softmax_rows<HALF_KEYS, RESCALE>(s_half, m_i, l_i, alpha, score_scale);
+      return softmax_rows<HALF_KEYS, RESCALE, POLY_DEGREE>(s_half, m_i, l_i, alpha, score_scale);
     }
-    return softmax_rows<TILE_N, RESCALE>(s, m_i, l_i, alpha, score_scale);
+    return softmax_rows<TILE_N, RESCALE, POLY_DEGREE>(s, m_i, l_i, alpha, score_scale);
   };
   // O rescaled to the running max where the softmax moved it, P(t) packed for its PV.
   auto rescale_and_pack = [&](bool half_keys, bool rescale, const float (&alpha)[2]) {
@@ -836,8 +902,9 @@ __device__ __forceinline__ void consume_item(const Smem& smem, int q_buffer,
 }
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
-          int RESCALE = RESCALE_ALWAYS>
-__global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
+          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU, int CONSUMERS = 2>
+__global__ void __launch_bounds__(
+    attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>::NUM_THREADS, 1)
     attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                   const __grid_constant__ TensorMap v_map,
                   const __grid_constant__ TensorMap out_map, int q_col, int k_col, int v_col,
@@ -846,8 +913,8 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
                   const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
                   int kv_group, int num_blocks, float scale, int window_left, int window_right,
                   int cta_groups) {
-  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
-  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, 1>;
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T, CONSUMERS>;
+  using Smem = Sm90FwdSmem<BLOCK, TILE_N, HEAD_DIM, T, 1, CONSUMERS>;
 
   const CtaTile cta = cta_tile_longest_first(unsigned(cta_groups));
   const int q_start = cta.tile * Traits::TILE_M;
@@ -879,7 +946,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
   const int consumer = warpgroup - 1;
   open_turns<Traits>(consumer);
   int t = 0;
-  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false, RESCALE>(
+  consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, false, RESCALE, EXP2>(
       smem, 0, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks, scale,
       consumer, cta.head, int(gridDim.y), cta.batch, q_start, nullptr, NO_SLOT, nullptr, nullptr,
       t);
@@ -939,7 +1006,7 @@ struct attn_fwd_sm90_persistent_traits : attn_fwd_sm90_traits<BLOCK, TILE_N, HEA
 };
 
 template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, int RULE,
-          int RESCALE = RESCALE_ALWAYS>
+          int RESCALE = RESCALE_ALWAYS, int EXP2 = EXP2_MUFU>
 __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>::NUM_THREADS, 1)
     attn_fwd_sm90_persistent(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -1035,7 +1102,7 @@ __global__ void __launch_bounds__(attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, 
     const int* entry = work_list + place * WORK_FIELDS;
     const int item = entry[WORK_ITEM];
     const int pair = item / q_tiles;
-    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true, RESCALE>(
+    consume_item<BLOCK, TILE_N, HEAD_DIM, T, RULE, true, RESCALE, EXP2>(
         smem, buffer, out_map, out_col, lse, row_ptr, col_idx, row_mask, rule, n_q, num_blocks,
         scale, consumer, pair % heads, heads, pair / heads, item % q_tiles * Traits::TILE_M,
         entry + WORK_ROW_ENTRIES, entry[WORK_SLOT], part_out, part_lse, t);

@@ -16,6 +16,8 @@ ACCEPTED = {
     geometry.KERNELS_ENV: geometry.KERNEL_FAMILIES,
     geometry.SM90_TILE_N_ENV: geometry.SM90_TILE_N_CHOICES,
     geometry.SM90_RESCALE_ENV: geometry.SM90_RESCALE_CHOICES,
+    geometry.SM90_EXP2_ENV: geometry.SM90_EXP2_CHOICES,
+    geometry.SM90_CONSUMERS_ENV: geometry.SM90_CONSUMERS_CHOICES,
     geometry.BWD_DQ_ENV: geometry.BWD_DQ_ORDERS,
     geometry.DECODE_ENV: geometry.DECODE_FAMILIES,
     geometry.DECODE_FP8_ENV: geometry.DECODE_FP8_FAMILIES,

@@ -115,6 +115,8 @@ SM90_ARCH = "sm_90a"
 SM90_COMPUTE_CAPABILITY = "90"  # CuPy's spelling of an H100/H200's 9.0
 SM90_TILE_M = 128  # query rows per CTA: two consumer warpgroups of wgmma's M = 64
 SM90_WARPS = 12  # a producer warpgroup (TMA) and the two consumers
+SM90_WARPGROUP_WARPS = 4
+SM90_CONSUMER_ROWS = 64  # a consumer warpgroup's query rows: wgmma's M
 SM90_BLOCKS = (64, 128)  # a warpgroup's 64 rows lie in one layout block
 SM90_HEAD_DIMS = (64, 128, 256)  # whole 128-byte panels; N <= 256 for O += P V
 SM90_DTYPES = ("float16", "bfloat16")
@@ -144,6 +146,29 @@ SM90_RESCALE_ALWAYS = "always"
 SM90_RESCALE_SKIP = "skip"
 SM90_RESCALE_CHOICES = (SM90_RESCALE_ALWAYS, SM90_RESCALE_SKIP)
 SM90_RESCALE_SKIP_HEAD_DIMS = (64, 128)
+# The sm_90a forwards' exp2 on the FMA pipe (FlashAttention-4's): a quarter of each row's softmax
+# exp2 by a polynomial (kernels/common/exp2_poly.cuh) instead of MUFU (kernels/attn_fwd_sm90.cu,
+# EXP2_POLY; P within a twentieth of T's rounding of it, not bit-identical to "mufu"). What
+# CUATTN_SM90_EXP2=poly asks of both; it has never run on a GPU, so "mufu" stays the default. Its
+# instantiations (sm90_configs) are the rescale skip's shapes at d = 64, with either rescale.
+SM90_EXP2_ENV = "CUATTN_SM90_EXP2"
+SM90_EXP2_MUFU = "mufu"
+SM90_EXP2_POLY = "poly"
+SM90_EXP2_CHOICES = (SM90_EXP2_MUFU, SM90_EXP2_POLY)
+SM90_EXP2_POLY_HEAD_DIMS = (64,)  # where MUFU binds beside the tensor pipe; at d128 it does not
+# attn_fwd_sm90 with three consumer warpgroups at d = 64 (FlashAttention-3's choice there): CTAs
+# of 192 query rows, three adjacent 64-blocks walked as the union of their rows, 512 threads
+# (kernels/attn_fwd_sm90.cu, CONSUMERS = 3). What CUATTN_SM90_D64_CONSUMERS=3 asks; it has never
+# run on a GPU, so two stay the default. Its instantiations (sm90_configs) are d = 64 at 64-blocks
+# on 64-key tiles, both dtypes, every rule, with the default rescale and exp2: key pairs (128-key
+# tiles), the rescale skip and the exp2 polynomial, where asked too, keep two consumers, and so do
+# 128-blocks (192 rows would cut a block) and the persistent forward.
+SM90_CONSUMERS_ENV = "CUATTN_SM90_D64_CONSUMERS"
+SM90_CONSUMERS = 2
+SM90_D64_CONSUMERS = 3
+SM90_CONSUMERS_CHOICES = (str(SM90_CONSUMERS), str(SM90_D64_CONSUMERS))
+SM90_D64_CONSUMERS_HEAD_DIM = 64
+SM90_D64_CONSUMERS_BLOCK = 64
 SM90_KV_STAGES = 2  # stages of the K ring and of the V ring
 SM90_BARRIERS = 1 + 4 * SM90_KV_STAGES  # q_full; a full and an empty a stage of K and of V
 SM90_BARRIER_BYTES = 8
@@ -290,8 +315,10 @@ DECODE_REGISTERS_ASSUMED = 240
 # templated on <TILE, HEAD_DIM, T, MODS>: a producer warp streams tiles of TILE tokens' K and V
 # through decode_gqa_stages shared-memory stages (a consumer warp's per tile of a producer round)
 # while 4 consumer warps compute 16 query rows of a kv group (the M of mma.sync m16n8k16) against
-# them. fp16/bf16 (fp32 and d256 keep attn_decode_split); its MODS_SCORE variant takes the score
-# modifiers, HeavyHitters' per-token scores and fp16 at any scale (decode_gqa_mods).
+# them. fp16/bf16 at head dims 16 to 256 (fp32 keeps attn_decode_split); its MODS_SCORE variant
+# takes the score modifiers, HeavyHitters' per-token scores and fp16 at any scale
+# (decode_gqa_mods). Past DECODE_GQA_WIDE_HEAD_DIM (d256) Q's tile stays in shared memory, as in
+# the MODS_SCORE variant, and a CTA runs alone on its SM (O alone is 128 registers a lane).
 # Opt-in: it has not run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the
 # default ("split") never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
@@ -316,12 +343,18 @@ DECODE_GQA_MAX_TILE = 64
 DECODE_GQA_MODS_MAX_TILE = 32
 ITEMSIZE_OF_COPY = 16  # bytes of one cp.async: 16 fp8 codes
 DECODE_GQA_DTYPES = ("float16", "bfloat16")
-DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
+DECODE_GQA_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
+# The widest head dim whose Q fragments stay in registers (two CTAs an SM); past it Q's scaled
+# tile is in shared memory and one CTA runs an SM (attn_decode_gqa_traits::WIDE)
+DECODE_GQA_WIDE_HEAD_DIM = 128
 DECODE_GQA_BARRIER_BYTES = 8
 DECODE_GQA_LOG2E = 1.4426950408889634  # Q is pre-scaled by scale * log2(e) for exp2
 # Registers per thread assumed when sizing the split count before the kernel is loaded: the
-# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8.
+# NVRTC report's most for the instantiations above on sm_90, allocated in steps of 8: at d <=
+# DECODE_GQA_WIDE_HEAD_DIM, and past it (one CTA an SM by its launch bounds; its 144-148 KB of
+# shared memory hold it to one either way).
 DECODE_GQA_REGISTERS_ASSUMED = 168
+DECODE_GQA_WIDE_REGISTERS_ASSUMED = 224
 # Split counts: the fewest whose wave efficiency is within this fraction of the best.
 DECODE_GQA_WAVE_SLACK = 0.9
 DECODE_ENV = "CUATTN_DECODE"
@@ -1060,6 +1093,8 @@ class KernelConfig(_Launch):
     dq_unordered: bool = False  # attn_bwd_sm90 without its dQ semaphores (BWD_DQ_ENV)
     key_pairs: bool = False  # the sm_90a forwards at 64-blocks on 128-key tiles (sm90_key_pairs)
     rescale_skip: bool = False  # the sm_90a forwards' rescale skip (sm90_rescale_skip)
+    exp2_poly: bool = False  # the sm_90a forwards' exp2 partly on the FMA pipe (sm90_exp2_poly)
+    consumers: int = SM90_CONSUMERS  # attn_fwd_sm90's consumer warpgroups (sm90_consumers)
     tile_m: int = field(init=False)
     tile_n: int = field(init=False)
     splits: int = field(init=False)  # head dim splits of attn_bwd_dkdv (1 elsewhere)
@@ -1117,8 +1152,9 @@ class KernelConfig(_Launch):
             stages = decode_gqa_stages(tile_n)
             barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
             masks = stages * tile_n * 4
-            if self.mods:  # the modifier variant: a token position beside each row mask, Q
+            if self.mods:  # the modifier variant: a token position beside each row mask
                 masks += stages * tile_n * 4
+            if self.mods or self.head_dim > DECODE_GQA_WIDE_HEAD_DIM:  # Q's scaled tile
                 masks += tile_m * _smem_stride(self.head_dim, ITEMSIZE["float16"]) * 2
             ring = stages * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
@@ -1150,10 +1186,19 @@ class KernelConfig(_Launch):
             assert not self.rescale_skip or sm90_rescale_skip_supported(
                 self.head_dim, self.key_pairs
             ), self
+            assert not self.exp2_poly or sm90_exp2_poly_supported(self.head_dim, self.key_pairs), (
+                self
+            )
+            assert self.consumers == SM90_CONSUMERS or (
+                self.kernel == SM90_FWD
+                and sm90_consumers_supported(
+                    self.block, self.head_dim, self.key_pairs, self.rescale_skip, self.exp2_poly
+                )
+            ), self
             tile_m, tile_n, num_warps = (
-                SM90_TILE_M,
+                self.consumers * SM90_CONSUMER_ROWS,
                 sm90_tile_n(self.block, self.head_dim, self.key_pairs),
-                SM90_WARPS,
+                (1 + self.consumers) * SM90_WARPGROUP_WARPS,
             )
             panels = self.head_dim * itemsize // SM90_SWIZZLE_ROW_BYTES
             kv_rows = SM90_KV_STAGES * 2 * tile_n  # K and V of each stage
@@ -1165,7 +1210,8 @@ class KernelConfig(_Launch):
             if persistent:
                 smem += sm90_persistent_smem_bytes(q_buffers)
         else:
-            assert not self.key_pairs and not self.rescale_skip, self
+            assert not self.key_pairs and not self.rescale_skip and not self.exp2_poly, self
+            assert self.consumers == SM90_CONSUMERS, self
             assert self.block in BLOCK_SIZES, self.block
             assert self.rule in RULES, self.rule
             tile_m, tile_n, num_warps = tile_sizes(
@@ -1219,7 +1265,7 @@ class KernelConfig(_Launch):
         if self.kernel in DECODE_KERNELS or self.kernel in DECODE_GQA_KERNELS:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
-            return (ceil_div(self.n_rows, SM90_TILE_M), self.heads, self.batch)
+            return (ceil_div(self.n_rows, self.tile_m), self.heads, self.batch)
         if self.kernel == SM90_FWD_PERSISTENT:
             return (self.n_rows, 1, 1)
         assert self.block is not None
@@ -1231,8 +1277,8 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants, the unordered dQ and the rescale skip apart: only calls that ask
-        build them)."""
+        modifier variants, the unordered dQ, the rescale skip and the exp2 polynomial apart: only
+        calls that ask build them)."""
         return (
             self.source_file,
             self.dtype,
@@ -1241,6 +1287,8 @@ class KernelConfig(_Launch):
             self.kv_dtype,
             self.dq_unordered,
             self.rescale_skip,
+            self.exp2_poly,
+            self.consumers,
         )
 
     @property
@@ -1264,7 +1312,13 @@ class KernelConfig(_Launch):
             return f"{self.kernel}<{self.tile_n}, {self.tile_m}, {self.head_dim}, {cxx}, {mods}>"
         rule = CXX_RULE[self.rule]
         if self.kernel in SM90_FWD_KERNELS:
-            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""  # RESCALE_ALWAYS by default
+            # RESCALE_ALWAYS, EXP2_MUFU and two consumers by default
+            rescale = ", RESCALE_SKIP" if self.rescale_skip else ""
+            if self.exp2_poly:
+                rescale = f"{rescale or ', RESCALE_ALWAYS'}, EXP2_POLY"
+            if self.consumers != SM90_CONSUMERS:
+                rescale = f"{rescale or ', RESCALE_ALWAYS'}"
+                rescale = f"{rescale}{'' if self.exp2_poly else ', EXP2_MUFU'}, {self.consumers}"
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
         if self.kernel == SM90_BWD:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
@@ -1282,6 +1336,10 @@ class KernelConfig(_Launch):
             return f"attn_decode_split_traits<{self.tile_n}, {self.tile_m}, {self.head_dim}, {kv}>"
         if self.kernel in (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL):
             return f"{DECODE_GQA_KERNEL}_traits<{self._decode_gqa_traits_args}>"
+        if self.consumers != SM90_CONSUMERS:
+            return (
+                f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}, {self.consumers}>"
+            )
         return f"{self.kernel}_traits<{self._tile_args}, {self.head_dim}, {cxx}>"
 
     @property
@@ -1878,10 +1936,55 @@ def sm90_rescale_skip(head_dim: int, key_pairs: bool) -> bool:
     return asked == SM90_RESCALE_SKIP and sm90_rescale_skip_supported(head_dim, key_pairs)
 
 
+def sm90_exp2_poly_supported(head_dim: int, key_pairs: bool = False) -> bool:
+    """Whether the sm_90a forwards have an exp2-polynomial instantiation at this head dim (every
+    block and dtype of theirs, either rescale) and key tiling."""
+    return head_dim in SM90_EXP2_POLY_HEAD_DIMS and not key_pairs
+
+
+def sm90_exp2_poly(head_dim: int, key_pairs: bool) -> bool:
+    """Whether an sm_90a forward computes a quarter of its softmax's exp2 by a polynomial on the
+    FMA pipe: asked for (CUATTN_SM90_EXP2=poly; unset or "mufu": every exp2 on MUFU) and
+    instantiated (sm90_exp2_poly_supported)."""
+    asked = _env_choice(SM90_EXP2_ENV, SM90_EXP2_CHOICES, SM90_EXP2_MUFU, "pipe for exp2")
+    return asked == SM90_EXP2_POLY and sm90_exp2_poly_supported(head_dim, key_pairs)
+
+
+def sm90_consumers_supported(
+    block: int | None,
+    head_dim: int,
+    key_pairs: bool = False,
+    rescale_skip: bool = False,
+    exp2_poly: bool = False,
+) -> bool:
+    """Whether attn_fwd_sm90 has a three-consumer instantiation here (SM90_CONSUMERS_ENV)."""
+    return (
+        block == SM90_D64_CONSUMERS_BLOCK
+        and head_dim == SM90_D64_CONSUMERS_HEAD_DIM
+        and not (key_pairs or rescale_skip or exp2_poly)
+    )
+
+
+def sm90_consumers(
+    block: int | None, head_dim: int, key_pairs: bool, rescale_skip: bool, exp2_poly: bool
+) -> int:
+    """attn_fwd_sm90's consumer warpgroups: 3 where asked for (CUATTN_SM90_D64_CONSUMERS=3;
+    unset or 2: two) and instantiated (sm90_consumers_supported), else 2."""
+    asked = _env_choice(
+        SM90_CONSUMERS_ENV, SM90_CONSUMERS_CHOICES, str(SM90_CONSUMERS), "consumer count"
+    )
+    wide = asked == str(SM90_D64_CONSUMERS) and sm90_consumers_supported(
+        block, head_dim, key_pairs, rescale_skip, exp2_poly
+    )
+    return SM90_D64_CONSUMERS if wide else SM90_CONSUMERS
+
+
 def sm90_configs() -> list[KernelConfig]:
-    """One config per instantiation of the sm_90a forward (88: blocks x head dims x dtypes x
+    """One config per instantiation of the sm_90a forward (128: blocks x head dims x dtypes x
     rules, then the 128-key tiles of 64-blocks, sm90_key_pairs_supported's x rules, then the
-    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules)."""
+    rescale skip's, sm90_rescale_skip_supported's blocks x head dims x dtypes x rules, then the
+    exp2 polynomial's, sm90_exp2_poly_supported's the same way with either rescale, then the
+    three consumers', d = 64 at 64-blocks x dtypes x rules)."""
     return [
         *[
             KernelConfig(SM90_FWD, head_dim, dtype, block=block, rule=rule)
@@ -1903,11 +2006,37 @@ def sm90_configs() -> list[KernelConfig]:
                 SM90_BLOCKS, SM90_RESCALE_SKIP_HEAD_DIMS, SM90_DTYPES, RULES
             )
         ],
+        *[
+            KernelConfig(
+                SM90_FWD,
+                head_dim,
+                dtype,
+                block=block,
+                rule=rule,
+                rescale_skip=skip,
+                exp2_poly=True,
+            )
+            for skip, block, head_dim, dtype, rule in itertools.product(
+                (False, True), SM90_BLOCKS, SM90_EXP2_POLY_HEAD_DIMS, SM90_DTYPES, RULES
+            )
+            if not skip or sm90_rescale_skip_supported(head_dim)
+        ],
+        *[
+            KernelConfig(
+                SM90_FWD,
+                SM90_D64_CONSUMERS_HEAD_DIM,
+                dtype,
+                block=SM90_D64_CONSUMERS_BLOCK,
+                rule=rule,
+                consumers=SM90_D64_CONSUMERS,
+            )
+            for dtype, rule in itertools.product(SM90_DTYPES, RULES)
+        ],
     ]
 
 
 def sm90_persistent_configs() -> list[KernelConfig]:
-    """One config per instantiation of the persistent sm_90a forward (88: sm90_configs') and of
+    """One config per instantiation of the persistent sm_90a forward (152: sm90_configs') and of
     its chunks' merge (6: head dims x dtypes)."""
     return [
         *[
@@ -1919,9 +2048,10 @@ def sm90_persistent_configs() -> list[KernelConfig]:
                 rule=c.rule,
                 key_pairs=c.key_pairs,
                 rescale_skip=c.rescale_skip,
+                exp2_poly=c.exp2_poly,
             )
             for c in sm90_configs()
-            if c.head_dim in SM90_PERSISTENT_HEAD_DIMS
+            if c.head_dim in SM90_PERSISTENT_HEAD_DIMS and c.consumers == SM90_CONSUMERS
         ],
         *[
             KernelConfig(SM90_FWD_MERGE, head_dim, dtype)
@@ -2040,9 +2170,10 @@ def decode_gqa_supports(head_dim: int, dtype: str) -> bool:
 
 def decode_gqa_applies(head_dim: int, dtype: str) -> bool:
     """Whether a decode runs attn_decode_gqa: asked for (CUATTN_DECODE=gqa) and an
-    instantiation exists (fp16/bf16 q, fp8 pages under a bf16 q, DECODE_GQA_HEAD_DIMS), with
-    any score modifier, HeavyHitters' per-token scores and any scale (decode_gqa_mods says which
-    variant). Otherwise, and by default, attn_decode_split (the named fallback: fp32, d256)."""
+    instantiation exists (fp16/bf16 q, fp8 pages under a bf16 q, DECODE_GQA_HEAD_DIMS: 16 to
+    256), with any score modifier, HeavyHitters' per-token scores and any scale
+    (decode_gqa_mods says which variant). Otherwise, and by default, attn_decode_split (the
+    named fallback: fp32)."""
     wanted = decode_family() == DECODE_GQA_FAMILY
     return wanted and decode_gqa_supports(head_dim, dtype)
 
@@ -2112,7 +2243,12 @@ def decode_gqa_resident_ctas(arch: str, multiprocessors: int, head_dim: int, dty
         config = KernelConfig(DECODE_GQA_FP8_KERNEL, head_dim, "bfloat16", kv_dtype=dtype)
     else:
         config = KernelConfig(DECODE_GQA_KERNEL, head_dim, dtype)
-    per_sm = ctas_per_sm(arch, DECODE_GQA_REGISTERS_ASSUMED, config.threads, config.smem_bytes)
+    registers = (
+        DECODE_GQA_WIDE_REGISTERS_ASSUMED
+        if head_dim > DECODE_GQA_WIDE_HEAD_DIM
+        else DECODE_GQA_REGISTERS_ASSUMED
+    )
+    per_sm = ctas_per_sm(arch, registers, config.threads, config.smem_bytes)
     return multiprocessors * per_sm
 
 

@@ -591,6 +591,8 @@ class KernelBackend:
         ):
             return self._forward_sm90_persistent(q, k, v, layout, scale, shape, dtype)
         key_pairs = geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype)
+        rescale_skip = geometry.sm90_rescale_skip(head_dim, key_pairs)
+        exp2_poly = geometry.sm90_exp2_poly(head_dim, key_pairs)
         config = KernelConfig(
             geometry.SM90_FWD,
             head_dim,
@@ -601,7 +603,11 @@ class KernelBackend:
             layout.blocksize,
             layout.rule.kind,
             key_pairs=key_pairs,
-            rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
+            rescale_skip=rescale_skip,
+            exp2_poly=exp2_poly,
+            consumers=geometry.sm90_consumers(
+                layout.blocksize, head_dim, key_pairs, rescale_skip, exp2_poly
+            ),
         )
         groups = geometry.sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
         return self._launch_sm90_forward(config, q, k, v, layout, scale, cta_groups=groups)
@@ -658,6 +664,7 @@ class KernelBackend:
             rule=layout.rule.kind,
             key_pairs=key_pairs,
             rescale_skip=geometry.sm90_rescale_skip(head_dim, key_pairs),
+            exp2_poly=geometry.sm90_exp2_poly(head_dim, key_pairs),
         )
         result = self._launch_sm90_forward(
             config,

@@ -17,7 +17,7 @@ Backends: a cache on a CUDA device runs the split-KV kernels (kernels/attn_decod
 splits of each page table in parallel; kernels/merge_states.cu: their merge), as does
 ``backend="interp"`` on the CPU; with CUATTN_DECODE=gqa the tensor-core kernel
 (kernels/attn_decode_gqa.cu, which merges its own splits) takes the decodes it applies to
-(geometry.decode_gqa_applies: fp16/bf16, head dims 16-128, modifiers and HeavyHitters too),
+(geometry.decode_gqa_applies: fp16/bf16, head dims 16-256, modifiers and HeavyHitters too),
 opt-in until a GPU has run it; a NumPy cache runs the reference by default: exact, written
 with the array library, one (sequence, kv head) pair at a time. Quest's page choice is computed
 on the cache's device from the per-page key bounds (kernels/quest_select.cu, one launch, or two

@@ -234,10 +234,90 @@ struct KeyPairTiles : PairedRows {
   }
 };
 
+// The sm_90a forward's walk when one CTA owns the queries of ROWS adjacent layout blocks
+// q_block .. q_block + ROWS - 1 (three 64-blocks at d = 64: a consumer warpgroup each): the union
+// of their CSR rows in key order, as PairedRowTiles walks two (each key sub-tile yielded once, to
+// every warpgroup with its own block's entry mask and its own rows' coverage, TILE_EMPTY where its
+// block's row lacks the tile; the yield depends on the rows' blocks alone: uniform across the CTA).
+// Row r's entries are row_ptr[r] .. row_ptr[r + 1]: the rows are consecutive in the CSR arrays.
+template <int RULE, int BLOCK, int TILE_N, int ROWS>
+struct RowUnionTiles {
+  using Tile = PairedTile;
+  static constexpr int SUB_TILES = BLOCK / TILE_N;
+  static_assert(BLOCK % TILE_N == 0, "a block is whole sub-tiles");
+  static_assert(ROWS >= 2, "one row is ActiveTiles' walk");
+
+  // rows: block q_block's place in the CSR row_ptr; blocks: how many of the ROWS exist (the
+  // last query blocks may have fewer); row_block: the calling warpgroup's block (0: q_block).
+  __device__ __forceinline__ RowUnionTiles(const int* rows, int blocks, const int* col_idx,
+                                           const int* row_mask, int row_block)
+      : blocks_(col_idx), masks_(row_mask), own_row_(1 << row_block) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      entry_[r] = r < blocks ? rows[r] : rows[0];
+      end_[r] = r < blocks ? rows[r + 1] : rows[0];
+    }
+  }
+
+  // The next sub-tile of any row, for the calling warpgroup's rows own_first..own_last; false
+  // when every row is walked.
+  __device__ __forceinline__ bool next(PairedTile& tile, const RuleParams& rule, int own_first,
+                                       int own_last) {
+    for (;;) {
+      int block = PAST_LAST_BLOCK;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int row_block = entry_[r] < end_[r] ? blocks_[entry_[r]] : PAST_LAST_BLOCK;
+        block = row_block < block ? row_block : block;
+      }
+      if (block == PAST_LAST_BLOCK) return false;
+      bool held = false;
+      int mask_id = -1;
+      int entry = 0;
+#pragma unroll
+      for (int r = ROWS - 1; r >= 0; --r) {
+        const bool in_r = entry_[r] < end_[r] && blocks_[entry_[r]] == block;
+        if (in_r) entry = entry_[r];  // the first row that holds it
+        if (in_r && (own_row_ >> r & 1)) {
+          held = true;
+          mask_id = masks_[entry_[r]];
+        }
+      }
+      if (sub_ < SUB_TILES) {
+        const int start = block * BLOCK + sub_ * TILE_N;
+        ++sub_;
+        if (start < rule.n_k) {  // else a ragged block's rest
+          const int coverage =
+              held ? coverage_of<RULE, TILE_N, true>(rule, own_first, own_last, start, mask_id)
+                   : TILE_EMPTY;
+          tile = PairedTile{start, block, mask_id, coverage, entry};
+          return true;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        entry_[r] += entry_[r] < end_[r] && blocks_[entry_[r]] == block;
+      }
+      sub_ = 0;
+    }
+  }
+
+ private:
+  const int* blocks_;
+  const int* masks_;
+  int entry_[ROWS];
+  int end_[ROWS];
+  // The caller's row as a bit: a test of `r == row_block` lets the compiler index entry_ by
+  // row_block, which puts the arrays in local memory.
+  int own_row_;
+  int sub_ = 0;
+};
+
 // The forward's walk over a CTA's query rows: ActiveTiles over query block q_block's CSR row,
 // or with ROW_BLOCKS = 2 PairedRowTiles over blocks q_block and q_block + 1 (row_block: which
 // of the two the caller's rows lie in; the last query block may have no partner), in key tiles
-// of two blocks (KeyPairTiles) where TILE_N is twice the block.
+// of two blocks (KeyPairTiles) where TILE_N is twice the block, or with ROW_BLOCKS = 3
+// RowUnionTiles over q_block .. q_block + 2.
 template <int ROW_BLOCKS, int RULE, int BLOCK, int TILE_N>
 __device__ __forceinline__ auto forward_walk(const int* row_ptr, const int* col_idx,
                                              const int* row_mask, int head, int num_blocks,
@@ -247,6 +327,10 @@ __device__ __forceinline__ auto forward_walk(const int* row_ptr, const int* col_
     static_assert(ROW_BLOCKS == 2 && TILE_N == KEY_HALVES * BLOCK, "a paired CTA's key pairs");
     return KeyPairTiles<RULE, BLOCK>(entries, q_block + 1 < num_blocks, col_idx, row_mask,
                                      row_block);
+  } else if constexpr (ROW_BLOCKS > 2) {
+    const int blocks = num_blocks - q_block < ROW_BLOCKS ? num_blocks - q_block : ROW_BLOCKS;
+    return RowUnionTiles<RULE, BLOCK, TILE_N, ROW_BLOCKS>(entries, blocks, col_idx, row_mask,
+                                                          row_block);
   } else if constexpr (ROW_BLOCKS == 2) {
     return PairedRowTiles<RULE, BLOCK, TILE_N>(entries, q_block + 1 < num_blocks, col_idx,
                                                row_mask, row_block);

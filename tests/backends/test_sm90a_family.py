@@ -198,7 +198,7 @@ def test_the_cuda_backend_runs_the_wgmma_forward_by_default_on_sm_90_alone():
 
 def test_geometry_matches_every_instantiation_s_traits():
     configs = geometry.sm90_configs()
-    assert len(configs) == len(set(c.name_expression for c in configs)) == 88
+    assert len(configs) == len(set(c.name_expression for c in configs)) == 128
     assert not {c.name_expression for c in configs} & {
         getattr(c, "name_expression", None) for c in geometry.all_configs()
     }

@@ -338,6 +338,20 @@ def test_tensor_core_kernel_against_the_oracle_and_the_split_kernel(
     _close(out, np.asarray(split_out).astype(np.float64))
 
 
+def test_tensor_core_kernel_at_head_dim_256(launched, monkeypatch):
+    """attn_decode_gqa_fp8 at d256 (Q's tile in shared memory, one CTA an SM) over e4m3 pages:
+    GQA 4, t_q 4 (16 rows), NaN codes in every slot the cache does not keep, against the float64
+    oracle over the dequantised values with one split and with a split a page."""
+    cache, q = _gqa_cache("float8_e4m3fn", 256, 16, 4, 4, seed=25)
+    want = kept_attention(cache, q)
+    for resident_ctas in (1, 64):
+        monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+        out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+        _close(out, want)
+        assert np.isfinite(lse).all()
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL] * 2
+
+
 def test_tensor_core_kernel_cycles_its_ring(launched, monkeypatch):
     """One split of ~420 kept tokens at d128: every stage refilled several times (scales and
     widened tiles with it), under several of the interpreter's warp orders."""
@@ -405,7 +419,7 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
         c for c in geometry.decode_gqa_configs() if c.kernel == geometry.DECODE_GQA_FP8_KERNEL
     ]
     configs = [*geometry.decode_fp8_configs(), *fp8_gqa]
-    assert len(configs) == 64 + 28  # the tensor-core kernel's with and without modifiers
+    assert len(configs) == 64 + 32  # the tensor-core kernel's with and without modifiers
     for config in configs:
         assert config.name_expression in names
         if config.head_dim not in (64, 128) or config.dtype != "bfloat16":

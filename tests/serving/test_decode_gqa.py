@@ -1,7 +1,8 @@
 """attn_decode_gqa (kernels/attn_decode_gqa.cu), the opt-in tensor-core decode, on the
 interpreter: against the float64 oracle over the kept tokens and against attn_decode_split,
-over page sizes 1 to 64, t_q 1 to 8, GQA groups 1 to 8, evicted slots poisoned with NaN, one
-split and many, Quest's pages, and the special values of docs/design.md §7. Its route
+over page sizes 1 to 64, t_q 1 to 8, GQA groups 1 to 8, head dims 16 to 256, evicted slots
+poisoned with NaN, one split and many, Quest's pages, and the special values of docs/design.md
+§7. Its route
 (CUATTN_DECODE=gqa; attn_decode_split, the named fallback, otherwise) and its split counts."""
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def test_the_other_head_dims(head_dim, dtype, launched, monkeypatch):
     assert np.abs(out.astype(np.float64) - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "t_q", "resident_ctas", "prefill", "window"),
+    [
+        ("bfloat16", 64, 1, 1, 200, 180),  # one split of ~12 tiles: the 8-stage ring wraps
+        ("float16", 16, 4, 64, 60, WINDOW),  # 16 rows (GQA 4 x t_q 4); a split a page, merged
+    ],
+)
+def test_head_dim_256(dtype, page_size, t_q, resident_ctas, prefill, window, launched, monkeypatch):
+    """d256 (Q's tile in shared memory, one CTA an SM, 16-token tiles through 8 stages): GQA 4,
+    NaN in every slot the window evicted or never filled, outputs NaN-filled, against the
+    float64 oracle; every row counts tokens, so the lse is finite."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+    cache, q = _cache(dtype, 256, page_size, t_q, 4, seed=t_q, prefill=prefill, window=window)
+    out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp")
+    assert launched == [geometry.DECODE_GQA_KERNEL]
+    want = kept_attention(cache, q, 256**-0.5)
+    got = out.astype(np.float64)
+    assert np.isfinite(got).all() and np.isfinite(lse).all()
+    assert np.abs(got - want).max() <= TOLERANCE[dtype] * np.abs(want).max()
+
+
 def test_quest_pages(launched, monkeypatch):
     """Quest's per-row page choice (chosen, read by the producer into each token's row mask)."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 8)
@@ -170,7 +192,8 @@ def test_the_route_keeps_the_split_kernel_by_default_and_for_what_gqa_lacks(monk
     assert geometry.decode_gqa_applies(128, "bfloat16")
     assert geometry.decode_gqa_applies(64, "float8_e4m3fn")  # fp8 pages (a bf16 q)
     assert not geometry.decode_gqa_applies(128, "float32")  # fp32
-    assert not geometry.decode_gqa_applies(256, "float16")  # no instantiation (it spilled)
+    assert geometry.decode_gqa_applies(256, "float16")  # Q's tile in shared memory
+    assert not geometry.decode_gqa_applies(192, "bfloat16")  # no instantiation
     # the modifier variant: score modifiers, HeavyHitters' scores, and fp16 holding q scale
     # log2(e) where a scale past 1 / log2(e) could overflow it (bf16 cannot)
     assert not geometry.decode_gqa_mods("float16", False, False, 0.1)
@@ -220,6 +243,7 @@ def test_geometry_matches_the_kernel_traits_and_the_compile_check_lists_it():
         ("float16", 128, 64, 4, 4),
         ("bfloat16", 64, 1, 8, 2),
         ("float16", 64, 16, 2, 8),
+        ("bfloat16", 256, 16, 2, 4),  # Q's tile in shared memory, one CTA an SM
     ],
 )
 def test_on_the_gpu(dtype, head_dim, page_size, t_q, group, resident_ctas, monkeypatch):

@@ -98,6 +98,26 @@ def test_each_modifier_against_the_oracle_and_the_split_kernel(
     assert np.abs(got - split).max() <= TOLERANCE[dtype] * np.abs(want).max()
 
 
+def test_head_dim_256(launched, monkeypatch):
+    """d256's modifier variant (Q's tile in shared memory as at every head dim, one CTA an SM):
+    softcap, ALiBi, key bias (-inf over the first tokens) and relative bias at once, bf16, GQA 4,
+    t_q 2, NaN in every slot the cache does not keep, against the float64 oracle with one split
+    and with a split a page (merged in the kernel)."""
+    cache, q = _cache("bfloat16", 256, 16, 2, 4, seed=31)
+    rng = np.random.default_rng(31)
+    kwargs, oracle = _modifier("all", rng, 2, 8, int(cache.lengths.max()), True)
+    want = kept_attention(cache, q, 256**-0.5, **oracle)
+    plain = kept_attention(cache, q, 256**-0.5)
+    assert np.abs(plain - want).max() > 0.1 * np.abs(want).max()  # the modifiers matter
+    for resident_ctas in (1, 64):
+        monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", resident_ctas)
+        out, lse = cuattn.decode_attention(q, cache, return_lse=True, backend="interp", **kwargs)
+        got = out.astype(np.float64)
+        assert np.isfinite(got).all() and np.isfinite(lse).all()
+        assert np.abs(got - want).max() <= TOLERANCE["bfloat16"] * np.abs(want).max()
+    assert launched == [geometry.DECODE_GQA_KERNEL] * 2
+
+
 def test_fp16_past_the_plain_kernels_scale(launched, monkeypatch):
     """fp16 at scale 50 (q scale log2(e) past fp16's range for |q| ~ 1000: the plain kernel
     would hold inf in Q): the modifier variant scales Q by a power of two and S back; against
@@ -229,8 +249,7 @@ def test_a_minus_inf_key_bias_empties_rows_and_nan_stays_out(launched, monkeypat
 
 
 def test_the_split_kernel_stays_for_what_gqa_lacks(launched, monkeypatch):
-    """fp32 keeps attn_decode_split with modifiers too (the named fallback; d256 likewise:
-    test_decode_gqa.py's route test)."""
+    """fp32 keeps attn_decode_split with modifiers too (the named fallback)."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 4)
     rng = np.random.default_rng(9)
     cache = cuattn.KVCache(1, 1, 64, "float32", page_size=16)

@@ -474,6 +474,34 @@ __device__ __forceinline__ void load_panels(unsigned char* tile_smem, int panel_
   }
 }
 
+// One key tile's K or V copies into stage t of its ring (`stages`: that ring's buffers), once
+// the stage is free: the whole tile, or with key pairs the halves a row of the CTA holds, each a
+// box of BLOCK rows into its half of the stage (the 128-byte swizzle repeats every 8 rows, so a
+// half lands as one 128-row box would write it); a half no row holds is not read (it may lie
+// past the keys).
+template <int BLOCK, int TILE_N, int HEAD_DIM, typename T, typename Ring, typename Tile>
+__device__ __forceinline__ void load_kv_tile(Ring* ring, unsigned char* stages,
+                                             const TensorMap& map, int col, const Tile& tile,
+                                             int t, int kv_head, int batch) {
+  using Traits = attn_fwd_sm90_traits<BLOCK, TILE_N, HEAD_DIM, T>;
+  if constexpr (Traits::PAIRED_KEYS) {
+    u64* full = ring->acquire(t, unsigned(__popc(tile.held) * Traits::KV_BOX_BYTES));
+#pragma unroll
+    for (int half = 0; half < Traits::KV_BOXES; ++half) {
+      if (tile.held >> half & 1) {
+        load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
+            stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
+            Traits::KV_PANEL_BYTES, map, col, tile.start + half * BLOCK, kv_head, batch, full);
+      }
+    }
+  } else {
+    load_panels<BLOCK, TILE_N, HEAD_DIM, T>(stages + Ring::stage(t) * Traits::KV_BYTES,
+                                            Traits::KV_PANEL_BYTES, map, col, tile.start,
+                                            kv_head, batch,
+                                            ring->acquire(t, unsigned(Traits::KV_BYTES)));
+  }
+}
+
 // The producer's K and V copies of one item (128 query rows of one head and batch), after its
 // Q's (the caller's): every active key tile's into the rings, the item's tiles numbered on from
 // `t` (the CTA's running count: stage and phase continue across items). CHUNKED: the item is
@@ -487,7 +515,6 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
                                              int num_blocks, int head, int kv_head, int batch,
                                              int q_start, int& t, Chunk chunk) {
   using Traits = typename Smem::Traits;
-  using Ring = StageRing<Traits::KV_STAGES>;
   // The CTA's tiles (with 64-blocks every caller gets the same ones: the first block's view).
   auto walk = forward_walk<Traits::ROW_BLOCKS, RULE, BLOCK, TILE_N>(
       row_ptr, col_idx, row_mask, head, num_blocks, q_start / BLOCK, 0);
@@ -495,40 +522,11 @@ __device__ __forceinline__ void produce_item(const Smem& smem, const TensorMap& 
   const int walk_last = q_start + (Traits::ROW_BLOCKS > 1 ? WGMMA_M : Traits::TILE_M) - 1;
   typename decltype(walk)::Tile tile;
   while (walk.next(tile, rule, q_start, walk_last)) {
-    if constexpr (Traits::PAIRED_KEYS) {
-      // The halves a row of the CTA holds, each a box of BLOCK rows into its half of the stage
-      // (the 128-byte swizzle repeats every 8 rows, so a half lands as one 128-row box would
-      // write it); a half no row holds is not read (it may lie past the keys).
-      const unsigned bytes = unsigned(__popc(tile.held) * Traits::KV_BOX_BYTES);
-      u64* k_full = smem.k_ring->acquire(t, bytes);
-#pragma unroll
-      for (int half = 0; half < Traits::KV_BOXES; ++half) {
-        if (tile.held >> half & 1) {
-          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-              smem.k_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
-              Traits::KV_PANEL_BYTES, k_map, k_col, tile.start + half * BLOCK, kv_head, batch,
-              k_full);
-        }
-      }
-      u64* v_full = smem.v_ring->acquire(t, bytes);
-#pragma unroll
-      for (int half = 0; half < Traits::KV_BOXES; ++half) {
-        if (tile.held >> half & 1) {
-          load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-              smem.v_stages + Ring::stage(t) * Traits::KV_BYTES + half * Traits::KV_BOX_OFFSET,
-              Traits::KV_PANEL_BYTES, v_map, v_col, tile.start + half * BLOCK, kv_head, batch,
-              v_full);
-        }
-      }
-    } else {
-      // K first: the consumers read K(t) an iteration before V(t) (header)
-      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-          smem.k_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, k_map,
-          k_col, tile.start, kv_head, batch, smem.k_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-      load_panels<BLOCK, TILE_N, HEAD_DIM, T>(
-          smem.v_stages + Ring::stage(t) * Traits::KV_BYTES, Traits::KV_PANEL_BYTES, v_map,
-          v_col, tile.start, kv_head, batch, smem.v_ring->acquire(t, unsigned(Traits::KV_BYTES)));
-    }
+    // K first: the consumers read K(t) an iteration before V(t) (header)
+    load_kv_tile<BLOCK, TILE_N, HEAD_DIM, T>(smem.k_ring, smem.k_stages, k_map, k_col, tile, t,
+                                             kv_head, batch);
+    load_kv_tile<BLOCK, TILE_N, HEAD_DIM, T>(smem.v_ring, smem.v_stages, v_map, v_col, tile, t,
+                                             kv_head, batch);
     ++t;
   }
 }

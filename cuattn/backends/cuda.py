@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, cupy_module
+from cuattn.backends.cuda_runtime import KERNELS, LAYOUTS, cupy_module, device_multiprocessors
 from cuattn.backends.geometry import SM90_COMPUTE_CAPABILITY, KernelConfig, LayoutKernelConfig
 from cuattn.backends.kernels import KernelBackend
 from cuattn.backends.tensor_map import TensorMap
@@ -84,7 +84,7 @@ class CudaBackend(KernelBackend):
         launch(config, **values)
 
     def multiprocessors(self, x: Any) -> int:
-        return int(x.device.attributes["MultiProcessorCount"])
+        return device_multiprocessors(x.device.id)
 
     def runs_sm90a(self, x: Any) -> bool:
         return x.device.compute_capability == SM90_COMPUTE_CAPABILITY

@@ -72,6 +72,11 @@ def device_arch_and_sms() -> tuple[str, int]:
     return _arch_and_sms(cupy_module().cuda.runtime.getDevice())
 
 
+def device_multiprocessors(device_id: int) -> int:
+    """The multiprocessor count of CUDA device ``device_id``, read once a device."""
+    return _arch_and_sms(device_id)[1]
+
+
 @functools.cache
 def _arch_and_sms(device_id: int) -> tuple[str, int]:
     device = cupy_module().cuda.Device(device_id)

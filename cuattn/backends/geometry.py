@@ -241,7 +241,10 @@ def sm90_persistent_smem_bytes(q_buffers: int) -> int:
 
 
 SM90_PERSISTENT_SMEM_BYTES = sm90_persistent_smem_bytes(SM90_PERSISTENT_Q_BUFFERS)  # d <= 128
-SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the device is not asked
+# An H100 SXM's and an H200's SMs: the persistent grid and the few-items rule's SMs where no
+# device is asked (the interpreter); a GPU backend passes its device's own count
+# (KernelBackend.multiprocessors: 114 on an H100 PCIe).
+SM90_SMS = 132
 # Rows far longer than the rest (BigBird's and Longformer's global rows walk every key tile while
 # the others walk a few) are split into chunks of their key blocks, each chunk an item of its
 # own: the one CTA holding a whole global row otherwise ends 1.4-1.5x after the others. A row is
@@ -250,9 +253,10 @@ SM90_SMS = 132  # an H100 SXM's and an H200's SMs: the persistent grid where the
 # tiles. Each chunk writes its partial (out, lse) in float32 to a slot of a workspace, and
 # SM90_FWD_MERGE merges a row's chunks through the LSE in chunk order after the launch: the
 # same bits whichever CTA computed which chunk.
-# A launch of fewer items than SMs leaves SMs idle whatever its rows' lengths (a batch of 1 with
-# few heads): there the threshold falls to the walked tiles of the whole launch over the SMs (at
-# least SM90_SPLIT_MIN_TILES), so that the chunks fill about one wave. With as many items as SMs
+# A launch of fewer items than SMs (the device's own count, both on the host and in the
+# device-built list) leaves SMs idle whatever its rows' lengths (a batch of 1 with few heads):
+# there the threshold falls to the walked tiles of the whole launch over the SMs (at least
+# SM90_SPLIT_MIN_TILES), so that the chunks fill about one wave. With as many items as SMs
 # or more the mean's threshold stays: splitting such launches further is predicted to cost 0-35 %
 # (a longer tail of chunks sorted longest first, and the merge's launch).
 SM90_SPLIT_FACTOR = 4

@@ -250,13 +250,13 @@ def _layout_backward_order(
 
 
 def _layout_work_list(
-    layout: Layout, key: tuple[int, int, str, int, int, bool]
+    layout: Layout, key: tuple[int, int, str, int, int, bool, int]
 ) -> geometry.Sm90WorkList:
     """geometry.sm90_work_list of a host layout, built once per layout and (batch, keys, dtype,
-    kv_group, head dim, key pairs)."""
+    kv_group, head dim, key pairs, SMs)."""
     cached = _WORK_LISTS.setdefault(layout, {})
     if key not in cached:
-        batch, n_k, dtype, kv_group, head_dim, key_pairs = key
+        batch, n_k, dtype, kv_group, head_dim, key_pairs, sms = key
         cached[key] = geometry.sm90_work_list(
             layout.blocks,
             batch,
@@ -266,6 +266,7 @@ def _layout_work_list(
             kv_group,
             layout.blocksize,
             key_pairs=key_pairs,
+            sms=sms,
         )
     return cached[key]
 
@@ -320,9 +321,11 @@ class KernelBackend:
         raise NotImplementedError
 
     def multiprocessors(self, x: Any) -> int:
-        """SMs of the device of x: the persistent forward's grid (geometry.sm90_persistent_ctas).
-        By default an H100/H200's count (the interpreter runs blocks one after another, so the
-        count only sets how many CTAs find the work list out)."""
+        """SMs of the device of x: the persistent forward's grid (geometry.sm90_persistent_ctas)
+        and the SMs its work list's few-items rule fills (geometry.sm90_split_tiles). By default
+        an H100 SXM's/H200's count, geometry.SM90_SMS (the interpreter runs blocks one after
+        another, so the count only sets how many CTAs find the work list out and which rows the
+        few-items rule splits)."""
         return geometry.SM90_SMS
 
     def runs_sm90a(self, x: Any) -> bool:
@@ -644,8 +647,10 @@ class KernelBackend:
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         kv_group = heads // kv_heads
         key_pairs = geometry.sm90_key_pairs(layout.blocksize, head_dim, dtype)
-        work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim, key_pairs))
-        ctas = geometry.sm90_persistent_ctas(self.multiprocessors(q), work.num_items)
+        # the device's SMs: the grid, and the few-items rule of the work list's threshold
+        sms = self.multiprocessors(q)
+        work = self._sm90_work(layout, (batch, n_k, dtype, kv_group, head_dim, key_pairs, sms))
+        ctas = geometry.sm90_persistent_ctas(sms, work.num_items)
         xp = self.xp
         slots = max(work.slots, 1)  # (a pointer to pass where no row is split)
         part_out = self.output((slots, geometry.SM90_TILE_M, head_dim), xp.float32)
@@ -692,14 +697,15 @@ class KernelBackend:
         return out, lse
 
     def _sm90_work(
-        self, layout: Layout, key: tuple[int, int, str, int, int, bool]
+        self, layout: Layout, key: tuple[int, int, str, int, int, bool, int]
     ) -> layout_build.DeviceWorkList:
         """attn_fwd_sm90_persistent's work for ``layout`` and (batch, keys, dtype, kv group,
-        head dim, key pairs), where its kernels read it: a device layout's built where it lives by
-        layout_build.sm90_work_list on every call (no host round trip; not kept, since a build
-        recorded into a CUDA graph only runs when the graph does), a host layout's from its
-        cached geometry.sm90_work_list, copied over as a list of exactly its entries."""
-        batch, n_k, dtype, kv_group, head_dim, key_pairs = key
+        head dim, key pairs, the device's SMs), where its kernels read it: a device layout's
+        built where it lives by layout_build.sm90_work_list on every call (no host round trip;
+        not kept, since a build recorded into a CUDA graph only runs when the graph does), a host
+        layout's from its cached geometry.sm90_work_list, copied over as a list of exactly its
+        entries."""
+        batch, n_k, dtype, kv_group, head_dim, key_pairs, sms = key
         if isinstance(layout, DeviceLayout):
             return layout_build.sm90_work_list(
                 self,
@@ -711,6 +717,7 @@ class KernelBackend:
                 kv_group,
                 layout.blocksize,
                 key_pairs=key_pairs,
+                sms=sms,
             )
         work = _layout_work_list(layout, key)
         return layout_build.DeviceWorkList(

@@ -105,16 +105,14 @@ struct PairedTile {
 // Past every key block: where one row of the pair is walked to its end.
 constexpr int PAST_LAST_BLOCK = 0x7fffffff;
 
-template <int RULE, int BLOCK, int TILE_N, bool OWN_IS_QUERY = true>
-struct PairedRowTiles {
-  using Tile = PairedTile;
-  static constexpr int SUB_TILES = BLOCK / TILE_N;
-  static_assert(BLOCK % TILE_N == 0, "a block is whole sub-tiles");
-
+// What both paired walks (PairedRowTiles, KeyPairTiles) keep: their place in each of the two
+// CSR rows, a = block a's and b = block a + 1's, and which of them the caller's rows lie in.
+class PairedRows {
+ public:
   // row_a: block a's [begin, end) pair of the CSR row_ptr; has_b: whether block a + 1 exists
   // (the last query block may have no partner); row_block: the calling warp's block (0: a).
-  __device__ __forceinline__ PairedRowTiles(const int* row_a, bool has_b, const int* col_idx,
-                                            const int* row_mask, int row_block)
+  __device__ __forceinline__ PairedRows(const int* row_a, bool has_b, const int* col_idx,
+                                        const int* row_mask, int row_block)
       : blocks_(col_idx),
         masks_(row_mask),
         entry_a_(row_a[0]),
@@ -125,6 +123,8 @@ struct PairedRowTiles {
 
   // Row a cut to its entries [cut[0], cut[1]) and row b to [cut[2], cut[3]) (counted from each
   // row's first: a chunk of a split row, as ActiveTiles::restrict_to), before the first next().
+  // With key pairs a chunk may end or begin inside a tile: each chunk then holds the halves of
+  // its own entries.
   template <typename Cut>
   __device__ __forceinline__ void restrict_to(Cut cut) {
     end_a_ = entry_a_ + cut[1];
@@ -132,6 +132,23 @@ struct PairedRowTiles {
     end_b_ = entry_b_ + cut[3];
     entry_b_ += cut[2];
   }
+
+ protected:
+  const int* blocks_;
+  const int* masks_;
+  int entry_a_;
+  int end_a_;
+  int entry_b_;
+  int end_b_;
+  int row_block_;
+};
+
+template <int RULE, int BLOCK, int TILE_N, bool OWN_IS_QUERY = true>
+struct PairedRowTiles : PairedRows {
+  using Tile = PairedTile;
+  static constexpr int SUB_TILES = BLOCK / TILE_N;
+  static_assert(BLOCK % TILE_N == 0, "a block is whole sub-tiles");
+  using PairedRows::PairedRows;
 
   // The next sub-tile of either row, for the calling warp's rows own_first..own_last; false
   // when both rows are walked.
@@ -163,13 +180,6 @@ struct PairedRowTiles {
   }
 
  private:
-  const int* blocks_;
-  const int* masks_;
-  int entry_a_;
-  int end_a_;
-  int entry_b_;
-  int end_b_;
-  int row_block_;
   int sub_ = 0;
 };
 
@@ -190,30 +200,9 @@ struct KeyPairTile {
 };
 
 template <int RULE, int BLOCK>
-struct KeyPairTiles {
+struct KeyPairTiles : PairedRows {
   using Tile = KeyPairTile;
-
-  // As PairedRowTiles: row_a, block a's [begin, end) pair of the CSR row_ptr; has_b, whether
-  // block a + 1 exists; row_block, the calling warpgroup's block (0: a).
-  __device__ __forceinline__ KeyPairTiles(const int* row_a, bool has_b, const int* col_idx,
-                                          const int* row_mask, int row_block)
-      : blocks_(col_idx),
-        masks_(row_mask),
-        entry_a_(row_a[0]),
-        end_a_(row_a[1]),
-        entry_b_(row_a[1]),
-        end_b_(has_b ? row_a[2] : row_a[1]),
-        row_block_(row_block) {}
-
-  // As PairedRowTiles::restrict_to (a chunk may end or begin inside a tile: each chunk then
-  // holds the halves of its own entries).
-  template <typename Cut>
-  __device__ __forceinline__ void restrict_to(Cut cut) {
-    end_a_ = entry_a_ + cut[1];
-    entry_a_ += cut[0];
-    end_b_ = entry_b_ + cut[3];
-    entry_b_ += cut[2];
-  }
+  using PairedRows::PairedRows;  // row_block: the calling warpgroup's block
 
   // The next key tile either row holds a block of, for the calling warpgroup's rows
   // own_first..own_last; false when both rows are walked.
@@ -243,15 +232,6 @@ struct KeyPairTiles {
     }
     return true;
   }
-
- private:
-  const int* blocks_;
-  const int* masks_;
-  int entry_a_;
-  int end_a_;
-  int entry_b_;
-  int end_b_;
-  int row_block_;
 };
 
 // The sm_90a forward's walk when one CTA owns the queries of ROWS adjacent layout blocks

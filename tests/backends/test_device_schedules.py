@@ -287,6 +287,59 @@ def test_few_items_split_to_fill_the_sms(key_pairs, heads, n, sms, threshold):
         assert len(host.items) > units  # rows were split
 
 
+H100_PCIE_SMS = 114
+# Two heads of 120 causal 64-blocks: 120 items, fewer than an H200's 132 SMs, not fewer than an
+# H100 PCIe's 114. Item i of a head walks 2i + 2 key tiles: 2 x 3660 = 7320 in all, a mean of 61.
+FEW_ITEMS_HEADS, FEW_ITEMS_BLOCKS = 2, 120
+FILL_132 = -(-7320 // 132)  # 56: the launch's tiles over 132 SMs
+MEAN_THRESHOLD = 4 * 61  # 244: the mean's, past every row's 2 x 120 / 2 tiles (none split)
+
+
+def few_items_layout():
+    return cuattn.make_layout("all", FEW_ITEMS_BLOCKS * 64, FEW_ITEMS_HEADS, 64, causal=True)
+
+
+def test_an_h100_pcie_s_sms_take_the_mean_s_threshold():
+    """The few-items rule counts the SMs it is given: 120 items split to fill an H200's 132 SMs
+    but not an H100 PCIe's 114 (as many items as SMs or more: the mean's threshold, no row
+    split), on the host and on the device alike."""
+    blocks = few_items_layout().blocks
+    n = FEW_ITEMS_BLOCKS * 64
+    h200 = geometry.sm90_work_list(blocks, 1, n, 128, "bfloat16", 1, 64)
+    assert h200.split_tiles == FILL_132 and len(h200.items) > FEW_ITEMS_BLOCKS
+    h100 = assert_work_lists_equal(blocks, n, 1, 1, 128, "bfloat16", 64, sms=H100_PCIE_SMS)
+    assert h100.split_tiles == MEAN_THRESHOLD and len(h100.items) == FEW_ITEMS_BLOCKS
+    assert not len(h100.merges)
+
+
+class _WorkBuilt(Exception):
+    """Stops a forward once its work list is built."""
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-layout", "device-layout"])
+def test_the_backend_s_sm_count_sets_the_few_items_rule(monkeypatch, on_device):
+    """The persistent forward builds its work list for its backend's SMs (multiprocessors: a
+    GPU's own count, here an H100 PCIe's injected) on the host and on the device, not for
+    geometry.SM90_SMS: the mean's threshold, where 132 would have split rows."""
+    layout = few_items_layout()
+    call_layout = as_device(layout) if on_device else layout
+    q, k, v = random_inputs(layout, 1, FEW_ITEMS_HEADS, 64, "bfloat16", 3)
+    monkeypatch.setattr(interp.backend, "multiprocessors", lambda x: H100_PCIE_SMS)
+    build = kernels.KernelBackend._sm90_work
+    built = []
+
+    def spy(self, *args):
+        built.append(build(self, *args))
+        raise _WorkBuilt
+
+    monkeypatch.setattr(kernels.KernelBackend, "_sm90_work", spy)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a-persistent")
+    with pytest.raises(_WorkBuilt):
+        interp.forward(q, k, v, AttentionCall(call_layout, 64**-0.5))
+    (work,) = built
+    assert int(np.asarray(work.split_tiles).ravel()[0]) == MEAN_THRESHOLD
+
+
 def test_the_bounds_hold_where_the_split_is_largest():
     """Every unit but a few walking one key tile and the rest walking many: the most chunks and
     split rows the bounds allow for, within them (and used nearly up). The host's list is held

@@ -24,6 +24,10 @@
 #             CUATTN_KERNELS=sm90a-persistent (the persistent forward), CUATTN_DECODE_FP8=kernel
 #             (fp8 KV pages: attn_decode_split_fp8, attn_decode_gqa_fp8) and
 #             CUATTN_SCORE_BIAS=kernel (the score-modifier kernels' dense score bias)
+#   optin-fwd the sm_90a forward's opt-in variants on the forward's oracle, GQA and empty-row
+#             tests, one pass each: CUATTN_SM90_TILE_N=128 (128-key tiles at 64-blocks),
+#             CUATTN_SM90_RESCALE=skip with CUATTN_SM90_EXP2=poly (the rescale skip; the exp2
+#             polynomial at d = 64), CUATTN_SM90_D64_CONSUMERS=3 (three consumers at d = 64)
 #   profile   Nsight Compute on one dense-causal forward + backward of ours and of SDPA-flash
 #             (scripts/profile_kernels.py): throughput, occupancy, warp stalls; then tensor-pipe
 #             use and shared-memory bank conflicts as metrics
@@ -59,6 +63,7 @@ STEPS="${*:-probe tests sanitize quick}"
 CALL_S=${CALL_S:-580}
 PROBE_S=${PROBE_S:-200}  # the probe's own limit per group is 45 s, its 4 groups take ~40 s
 WARM_S=${WARM_S:-60}; TESTS_S=${TESTS_S:-190}; MMA_S=${MMA_S:-$TESTS_S}; OPTIN_S=${OPTIN_S:-$TESTS_S}
+OPTIN_FWD_S=${OPTIN_FWD_S:-90}
 MODIFIERS_S=${MODIFIERS_S:-60}; MEMCHECK_S=${MEMCHECK_S:-60}
 RACECHECK_S=${RACECHECK_S:-90}; SYNCCHECK_S=${SYNCCHECK_S:-40}; BENCH_S=${BENCH_S:-110}
 PROFILE_S=${PROFILE_S:-100}; PROFILE_METRICS_S=${PROFILE_METRICS_S:-50}
@@ -167,6 +172,18 @@ for name in $STEPS; do
           --error-exitcode 1 "$PY" scripts/sanitize_launch.py
       fi
       unset CUATTN_KERNELS CUATTN_DECODE CUATTN_DECODE_FP8 CUATTN_SCORE_BIAS CUATTN_QUEST
+      ;;
+    optin-fwd)
+      for variant in "keypairs CUATTN_SM90_TILE_N=128" \
+          "skip-poly CUATTN_SM90_RESCALE=skip CUATTN_SM90_EXP2=poly" \
+          "wg3 CUATTN_SM90_D64_CONSUMERS=3"; do
+        read -r label switches <<< "$variant"
+        # shellcheck disable=SC2086  # switches is a list of NAME=VALUE words on purpose
+        (export $switches
+         step "gpu-tests-optin-fwd-$label" "$OPTIN_FWD_S" "$PY" -m pytest -m gpu -v -rfE \
+           -p no:cacheprovider --junitxml="$REPORT_DIR/gpu-tests-optin-fwd-$label.xml" \
+           -k "float64_oracle or gqa or fully_masked" tests/backends/test_cuda_kernels.py)
+      done
       ;;
     modifiers)
       step modifiers "$MODIFIERS_S" "$PY" scripts/gpu_modifiers_check.py

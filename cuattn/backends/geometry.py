@@ -266,9 +266,9 @@ SM90_SPLIT_MIN_TILES = 8
 # chunks fit (the longest rows keep their split, in fewer, longer chunks). The split balances the
 # tail over the SMs, so a few chunks an SM are all it needs: the bench patterns at T = 8192 split
 # into at most 2 x SMs slots, and 8 an SM is predicted to cost under 1 % where it binds (4: up to
-# 1.6 %; bench/NOTES.md, the cap on split slots). It bounds the device-built list's workspace,
-# sized before the list's length is known, by the SMs rather than by the layout: 1056 slots, 66
-# MiB of float32 partials at d = 128, where T = 128k, 32 heads, batch 8 would reach 8 GiB.
+# 1.6 %; dev/schedule.py's cap_table). It bounds the device-built list's workspace, sized
+# before the list's length is known, by the SMs rather than by the layout: 1056 slots, 66 MiB
+# of float32 partials at d = 128, where T = 128k, 32 heads, batch 8 would reach 8 GiB.
 SM90_SPLIT_SLOTS_PER_SM = 8
 # A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
 # workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse), and where

@@ -487,12 +487,14 @@ def built_items(
     split_tiles: int | None,
     key_pairs: bool = False,
     list_in_pairs: bool | None = None,
+    max_slots: int | None = None,
 ) -> tuple[list[Cta], geometry.Sm90WorkList, int]:
     """The entries of geometry.sm90_work_list as the simulator's items, in the list's order (a
     chunk: its row's CTA cut to the key tiles its block range meets, tensor and masked work in
     proportion), the list, and the key tile. ``key_pairs``: 128-key tiles of two 64-blocks (a
     half tile as the N = 64 wgmma); the list counted and cut in pairs (``list_in_pairs`` None)
-    or, False, in 64-blocks as before (a tile cut inside is walked by both its chunks)."""
+    or, False, in 64-blocks as before (a tile cut inside is walked by both its chunks).
+    ``max_slots``: the cap on the launch's partial slots (None: geometry.sm90_split_slots)."""
     block = layout.blocksize
     tile_n = geometry.sm90_tile_n(block, head_dim, key_pairs)
     half_tiles = "skip" if key_pairs else "mask"
@@ -510,6 +512,7 @@ def built_items(
         block,
         split_tiles,
         key_pairs=in_pairs,
+        max_slots=max_slots,
     )
     items = []
     for item, first, end, slot, *_ in work.items.tolist():
@@ -708,6 +711,7 @@ def predict_built_persistent(
     split_tiles: int | None = 0,
     key_pairs: bool = False,
     list_in_pairs: bool | None = None,
+    max_slots: int | None = None,
 ) -> Prediction:
     """attn_fwd_sm90_persistent as built: SMS CTAs claim the entries of geometry.sm90_work_list
     (the list the host hands the kernel) in its order, each paying ``item_share`` of today's
@@ -715,9 +719,9 @@ def predict_built_persistent(
     None, geometry's choice (sm90_split_tiles); a chunk is its row's CTA cut to the key tiles of
     its blocks (tensor and masked work in proportion), and the merge (merge_seconds) follows.
     ``stride``: the alternative not built, CTA i taking items i, i + SMS, ... instead of
-    claiming the next. ``key_pairs``, ``list_in_pairs``: built_items'."""
+    claiming the next. ``key_pairs``, ``list_in_pairs``, ``max_slots``: built_items'."""
     items, work, tile_n = built_items(
-        layout, batch, head_dim, kv_group, split_tiles, key_pairs, list_in_pairs
+        layout, batch, head_dim, kv_group, split_tiles, key_pairs, list_in_pairs, max_slots
     )
     slots = SMS * SM90_RESIDENT
     terms = fwd_terms(items, head_dim, tile_n, slots)
@@ -791,6 +795,61 @@ def split_table(
                 f"{pred[(0.75, 0)].seconds * 1e3:.3f} | {pred[(0.75, None)].seconds * 1e3:.3f} | "
                 f"{merge_seconds(p, work, shape.head_dim) * 1e6:.1f} |"
             )
+    return "\n".join(lines)
+
+
+SPLIT_CAP_MULTIPLES = (1, 2, 4, 8)  # cap_table's caps: these times SMS partial slots
+NO_CAP = 2**62  # a max_slots no launch reaches
+
+
+def cap_table(
+    p: FwdParams,
+    shapes: Sequence[BenchShape],
+    labels: Sequence[str] | None = None,
+    blocks: Sequence[int] = (64, 128),
+    multiples: Sequence[int] = SPLIT_CAP_MULTIPLES,
+) -> str:
+    """bench/NOTES.md's split-cap table: each pattern that splits rows at all (of ``labels``,
+    None: every bench pattern), with geometry's threshold uncapped and with the launch's
+    partial slots capped at each of ``multiples`` x SMS (the threshold raised until its chunks
+    fit): slots (threshold) and the predicted time's change, an item paying 1/2 of today's
+    per-CTA cost, the merge included."""
+    lines = [
+        "| shape | pattern, block | uncapped: slots (tiles above), ms | "
+        + " | ".join(f"cap {m} x {SMS} = {m * SMS}" for m in multiples)
+        + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in multiples) + " |",
+    ]
+    for shape in shapes:
+        for block in blocks:
+            for label, layout in shape.layouts(block).items():
+                if labels is not None and label not in labels:
+                    continue
+                cells = []
+                for cap in (NO_CAP, *(m * SMS for m in multiples)):
+                    _, work, _ = built_items(
+                        layout, shape.batch, shape.head_dim, 1, None, 0, None, cap
+                    )
+                    if cap == NO_CAP and not len(work.merges):
+                        break
+                    pred = predict_built_persistent(
+                        layout, shape.batch, shape.head_dim, p, 0.5, split_tiles=None, max_slots=cap
+                    )
+                    cells.append((work.slots, work.split_tiles, pred.seconds))
+                if not cells:
+                    continue
+                base = cells[0][2]
+                row = [
+                    str(shape),
+                    f"{label}, {block}",
+                    f"{cells[0][0]} ({cells[0][1]}), {base * 1e3:.3f}",
+                ]
+                for slots, tiles, seconds in cells[1:]:
+                    same = slots == cells[0][0] and tiles == cells[0][1]
+                    row.append(
+                        "=" if same else f"{slots} ({tiles}), {100 * (seconds / base - 1):+.1f} %"
+                    )
+                lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -1122,6 +1181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", action="store_true", help="the split-row table (bench/NOTES.md)")
     parser.add_argument("--pack", action="store_true", help="the packing table (bench/NOTES.md)")
     parser.add_argument(
+        "--cap", action="store_true", help="the split-cap table (bench/NOTES.md): this shape"
+    )
+    parser.add_argument(
         "--consumers", action="store_true", help="three consumers at d = 64 (bench/NOTES.md)"
     )
     parser.add_argument(
@@ -1144,6 +1206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.split:
         print(split_table(fwd, shape=shape))
+        return 0
+    if args.cap:
+        print(cap_table(fwd, [shape], [args.pattern] if args.pattern else None))
         return 0
     if args.persistent:
         print(persistent_table(fwd, shape, args.block))

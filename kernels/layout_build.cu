@@ -396,9 +396,11 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 //   sm90_work_count: a warp per unit: the walk units the union of its rows holds, union_count.
 //   sm90_work_scan: one CTA: the split threshold (split_factor x the mean unit's key tiles, at
 //     least split_min_tiles; where batch x units < sms, at most the launch's key tiles over sms,
-//     at least split_min_tiles: as geometry.sm90_split_tiles), each unit's chunks (1: not split)
-//     and the exclusive prefix sums of its entries (entry_ptr), of the chunks of split units
-//     (slot_ptr: partial slots) and of the split units (merge_ptr), each [units + 1].
+//     at least split_min_tiles; raised, where the launch's chunks would write more than
+//     max_slots partial slots, to the lowest threshold whose chunks fit: as
+//     geometry.sm90_split_tiles), each unit's chunks (1: not split) and the exclusive prefix
+//     sums of its entries (entry_ptr), of the chunks of split units (slot_ptr: partial slots)
+//     and of the split units (merge_ptr), each [units + 1].
 //   sm90_work_fill: a warp per unit: its entries of one batch (EntryField), a split unit's
 //     chunk boundaries at the first key block of the union's (L c / chunks)-th walk unit (L the
 //     union's walk units: a cut never falls inside a key pair) with the rows' entries before
@@ -412,6 +414,8 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 // and the slots twice that: a unit split above 4 x the mean leaves the chunks beyond one a unit
 // under units / 4 (extra = units / 4); where batch x units < sms the threshold may be the
 // launch's key tiles over sms, and they sum to under sms / batch a batch (extra = the larger).
+// The cap bounds the slots by max_slots, the merges by half of it (a split unit has two chunks
+// or more) and the entries beyond one a unit by it.
 // The list is written to the END of its list_bound entries and work_counter starts at its
 // first: the persistent kernel, launched with num_items = list_bound, claims exactly the list.
 // Merge entries past the split rows are left with no chunks (attn_fwd_sm90_merge passes them by).
@@ -507,24 +511,48 @@ __device__ __forceinline__ int unit_chunks(int union_units, int key_tiles, int s
   return walked > split_tiles ? (walked + split_tiles - 1) / split_tiles : 1;
 }
 
+// Partial slots of units [lo, hi) split above split_tiles: the chunks of every split unit.
+__device__ __forceinline__ long long units_slots(const int* union_count, int lo, int hi,
+                                                 int key_tiles, int split_tiles) {
+  long long slots = 0;
+  for (int u = lo; u < hi; ++u) {
+    const int chunks = unit_chunks(union_count[u], key_tiles, split_tiles);
+    slots += chunks > 1 ? chunks : 0;
+  }
+  return slots;
+}
+
 __global__ void __launch_bounds__(SCAN_THREADS, 1)
     sm90_work_scan(const int* __restrict__ union_count, int* __restrict__ entry_ptr,
                    int* __restrict__ slot_ptr, int* __restrict__ merge_ptr,
                    int* __restrict__ split_tiles, int units, int key_tiles, int split_factor,
-                   int split_min_tiles, int batch, int sms) {
+                   int split_min_tiles, int batch, int sms, int max_slots) {
   __shared__ long long walked_sums[SCAN_THREADS];
   __shared__ int chunk_sums[3][SCAN_THREADS];
-  __shared__ int threshold_smem;
+  // the cap's bisection: over the cap at `low` (or untried), within it at `high`; `candidate`
+  // the threshold tried next, or NO_CANDIDATE once the threshold is `high`
+  __shared__ int low_smem, high_smem, candidate_smem;
+  constexpr int NO_CANDIDATE = -1;
   const int chunk = (units + SCAN_THREADS - 1) / SCAN_THREADS;
   const int lo = int(threadIdx.x) * chunk < units ? int(threadIdx.x) * chunk : units;
   const int hi = lo + chunk < units ? lo + chunk : units;
   long long walked = 0;
-  for (int u = lo; u < hi; ++u) walked += (long long)union_count[u] * key_tiles;
+  int longest = 0;
+  for (int u = lo; u < hi; ++u) {
+    const int tiles = union_count[u] * key_tiles;
+    walked += tiles;
+    longest = tiles > longest ? tiles : longest;
+  }
   walked_sums[threadIdx.x] = walked;
+  chunk_sums[0][threadIdx.x] = longest;
   __syncthreads();
   if (threadIdx.x == 0) {  // the host's mean in float64, ceil of split_factor times it
     long long total = 0;
-    for (int t = 0; t < SCAN_THREADS; ++t) total += walked_sums[t];
+    int most = 0;
+    for (int t = 0; t < SCAN_THREADS; ++t) {
+      total += walked_sums[t];
+      most = chunk_sums[0][t] > most ? chunk_sums[0][t] : most;
+    }
     const double mean = units > 0 ? double(total) / double(units) : 0.0;
     const int above = int(ceil(double(split_factor) * mean));
     int threshold = above > split_min_tiles ? above : split_min_tiles;
@@ -533,11 +561,33 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
       const int fill_tiles = fill > split_min_tiles ? int(fill) : split_min_tiles;
       threshold = fill_tiles < threshold ? fill_tiles : threshold;
     }
-    threshold_smem = threshold;
-    *split_tiles = threshold_smem;
+    // the threshold itself first; the longest unit's tiles split nothing, so are within it
+    low_smem = threshold - 1;
+    high_smem = most > threshold ? most : threshold;
+    candidate_smem = threshold;
   }
   __syncthreads();
-  const int threshold = threshold_smem;
+  // The cap on the launch's partial slots: the lowest threshold from the mean's (or the SMs')
+  // on whose chunks fit max_slots, found by bisection (the slots never grow with the
+  // threshold), as geometry.sm90_split_tiles finds it.
+  for (int candidate = candidate_smem; candidate != NO_CANDIDATE; candidate = candidate_smem) {
+    walked_sums[threadIdx.x] = units_slots(union_count, lo, hi, key_tiles, candidate);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long slots = 0;
+      for (int t = 0; t < SCAN_THREADS; ++t) slots += walked_sums[t];
+      if ((long long)batch * slots <= max_slots) {
+        high_smem = candidate;
+      } else {
+        low_smem = candidate;
+      }
+      const int gap = high_smem - low_smem;
+      candidate_smem = gap > 1 ? low_smem + gap / 2 : NO_CANDIDATE;
+      if (gap <= 1) *split_tiles = high_smem;
+    }
+    __syncthreads();
+  }
+  const int threshold = high_smem;
   int sums[3] = {0, 0, 0};  // entries, split chunks, split units
   for (int u = lo; u < hi; ++u) {
     const int chunks = unit_chunks(union_count[u], key_tiles, threshold);

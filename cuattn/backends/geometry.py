@@ -261,6 +261,15 @@ SM90_SMS = 132
 # (a longer tail of chunks sorted longest first, and the merge's launch).
 SM90_SPLIT_FACTOR = 4
 SM90_SPLIT_MIN_TILES = 8
+# A launch's chunks write at most SM90_SPLIT_SLOTS_PER_SM x its SMs partial slots (all batches
+# together): where the threshold above would split more, it is raised to the lowest one whose
+# chunks fit (the longest rows keep their split, in fewer, longer chunks). The split balances the
+# tail over the SMs, so a few chunks an SM are all it needs: the bench patterns at T = 8192 split
+# into at most 2 x SMs slots, and 8 an SM is predicted to cost under 1 % where it binds (4: up to
+# 1.6 %; dev/schedule.py's cap_table). It bounds the device-built list's workspace, sized
+# before the list's length is known, by the SMs rather than by the layout: 1056 slots, 66 MiB
+# of float32 partials at d = 128, where T = 128k, 32 heads, batch 8 would reach 8 GiB.
+SM90_SPLIT_SLOTS_PER_SM = 8
 # A work list entry: the item (pair * query tiles + tile), its key blocks [first, end), the
 # workspace slot of a chunk (SM90_NO_SLOT: an unsplit row, stored to out and lse), and where
 # those key blocks lie in the item's CSR rows: entries [first, end) of its first block's row,
@@ -830,6 +839,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("split_min_tiles", "i32"),
         ("batch", "i32"),
         ("sms", "i32"),
+        ("max_slots", "i32"),  # sm90_split_slots: the launch's partial slots at most
     ),
     "sm90_work_fill": (
         ("chosen", "ptr"),
@@ -1749,17 +1759,46 @@ class Sm90WorkList:
         return int(self.merges[:, 2].sum())
 
 
-def sm90_split_tiles(walked: np.ndarray, batch: int = 1, sms: int = SM90_SMS) -> int:
+def sm90_split_slots(sms: int = SM90_SMS) -> int:
+    """The most partial slots a launch over ``sms`` SMs splits its rows into:
+    SM90_SPLIT_SLOTS_PER_SM x ``sms``."""
+    return SM90_SPLIT_SLOTS_PER_SM * sms
+
+
+def sm90_chunk_slots(walked: np.ndarray, threshold: int) -> int:
+    """Partial slots of the items of one batch (``walked``: their key tiles) split above
+    ``threshold``: ceil(walked / threshold) each item walking more."""
+    above = walked[walked > threshold]
+    return int((-(-above // threshold)).sum())
+
+
+def sm90_split_tiles(
+    walked: np.ndarray, batch: int = 1, sms: int = SM90_SMS, max_slots: int | None = None
+) -> int:
     """Key tiles above which a row is split, and the most a chunk walks: SM90_SPLIT_FACTOR x the
     mean item's (``walked``: the key tiles of every item of one batch), at least
     SM90_SPLIT_MIN_TILES; where the launch's items (``batch`` x walked's) are fewer than
-    ``sms``, at most the launch's walked tiles over ``sms`` (at least SM90_SPLIT_MIN_TILES)."""
+    ``sms``, at most the launch's walked tiles over ``sms`` (at least SM90_SPLIT_MIN_TILES).
+    Where the launch's chunks would then write more than ``max_slots`` partial slots (None:
+    sm90_split_slots(sms)), the lowest threshold above it whose chunks fit: the slots never
+    grow with the threshold, so the bisection between it and the longest item's tiles (which
+    splits nothing) finds the one threshold layout_build.cu's sm90_work_scan finds."""
     mean = float(walked.mean()) if walked.size else 0.0
     threshold = max(SM90_SPLIT_MIN_TILES, int(np.ceil(SM90_SPLIT_FACTOR * mean)))
     if batch * walked.size < sms:
         fill = -(-batch * int(walked.sum()) // sms)
         threshold = min(threshold, max(SM90_SPLIT_MIN_TILES, fill))
-    return threshold
+    cap = sm90_split_slots(sms) if max_slots is None else max_slots
+    if batch * sm90_chunk_slots(walked, threshold) <= cap:
+        return threshold
+    low, high = threshold, int(walked.max())  # over the cap; splits nothing
+    while high - low > 1:
+        middle = (low + high) // 2
+        if batch * sm90_chunk_slots(walked, middle) <= cap:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def sm90_key_span(block: int, key_pairs: bool) -> int:
@@ -1781,9 +1820,11 @@ def sm90_work_list(
     split_tiles: int | None = None,
     key_pairs: bool = False,
     sms: int = SM90_SMS,
+    max_slots: int | None = None,
 ) -> Sm90WorkList:
     """attn_fwd_sm90_persistent's work list: every (128 query rows, head, batch) item, rows that
-    walk more than ``split_tiles`` key tiles (None: sm90_split_tiles over ``sms`` SMs) cut into
+    walk more than ``split_tiles`` key tiles (None: sm90_split_tiles over ``sms`` SMs, its
+    chunks within ``max_slots`` partial slots, None: sm90_split_slots) cut into
     chunks of their key blocks, in the order its CTAs claim them. ``blocks``: the layout's bool
     [heads, query blocks, key blocks]; ``key_pairs``: the kernel walks 128-key tiles of two
     64-blocks (sm90_key_pairs), so a row is counted in tiles of pairs and cut between pairs.
@@ -1818,7 +1859,7 @@ def sm90_work_list(
     held = held.reshape(heads, tiles, units, span).any(axis=3)  # [heads, tiles, units]
     walked = held.sum(axis=2) * key_tiles  # [heads, tiles]
     if split_tiles is None:
-        split_tiles = sm90_split_tiles(walked, batch, sms)
+        split_tiles = sm90_split_tiles(walked, batch, sms, max_slots)
     groups = sm90_cta_groups(batch, heads, n_k, head_dim, dtype, kv_group)
     narrow, wide = divmod(pairs, groups)
     # [heads, tiles, rows, key blocks + 1]: a row's entries before each key block

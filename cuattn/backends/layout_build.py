@@ -235,18 +235,27 @@ class DeviceWorkList:
     slots: int
 
 
-def work_list_bounds(units: int, batch: int, sms: int = geometry.SM90_SMS) -> tuple[int, int, int]:
+def work_list_bounds(
+    units: int, batch: int, sms: int = geometry.SM90_SMS, max_slots: int | None = None
+) -> tuple[int, int, int]:
     """(entries, merges, slots) a device-built work list of ``units`` (head, query tile) items
     a batch holds at most. A unit is split when it walks more than the threshold, into
     ceil(walked / threshold) chunks, so the chunks beyond the first sum to under a batch's
     walked tiles over the threshold, and fewer units than that are split. The threshold is at
     least SM90_SPLIT_FACTOR x the mean unit's key tiles (under units / SM90_SPLIT_FACTOR
     chunks beyond the first) or, where batch x units < ``sms``, the launch's walked tiles over
-    ``sms`` (under sms / batch: geometry.sm90_split_tiles)."""
+    ``sms`` (under sms / batch: geometry.sm90_split_tiles). The launch's chunks write at most
+    ``max_slots`` slots (None: geometry.sm90_split_slots(sms)), so at most half as many rows
+    are split and as many chunks are beyond the first."""
+    cap = geometry.sm90_split_slots(sms) if max_slots is None else max_slots
     split = units // geometry.SM90_SPLIT_FACTOR
     if batch * units < sms:
         split = max(split, sms // batch)
-    return batch * (units + split), batch * split, batch * 2 * split
+    return (
+        batch * units + min(batch * split, cap),
+        min(batch * split, cap // 2),
+        min(batch * 2 * split, cap),
+    )
 
 
 def work_list_fits(num_q_blocks: int, num_blocks: int, heads: int, batch: int, block: int) -> bool:
@@ -273,10 +282,12 @@ def sm90_work_list(
     block: int,
     key_pairs: bool = False,
     sms: int = geometry.SM90_SMS,
+    max_slots: int | None = None,
 ) -> DeviceWorkList:
     """The persistent forward's work list of the device layout whose active blocks are
     ``blocks`` (bool [heads, query blocks, key blocks], where the layout lives): the entries
-    geometry.sm90_work_list gives for these blocks (with ``key_pairs`` and ``sms``), in its
+    geometry.sm90_work_list gives for these blocks (with ``key_pairs``, ``sms`` and
+    ``max_slots``, None: geometry.sm90_split_slots(sms)), in its
     order, built by sm90_work_count, sm90_work_scan, sm90_work_fill and sm90_work_order with
     no host round trip."""
     xp = impl.xp
@@ -286,7 +297,9 @@ def sm90_work_list(
     units = heads * tiles
     span = geometry.sm90_key_span(block, key_pairs)
     key_tiles = max(1, span * block // geometry.sm90_tile_n(block, head_dim, key_pairs))
-    list_bound, merge_bound, slot_bound = work_list_bounds(units, batch, sms)
+    if max_slots is None:
+        max_slots = geometry.sm90_split_slots(sms)
+    list_bound, merge_bound, slot_bound = work_list_bounds(units, batch, sms, max_slots)
     chosen = xp.ascontiguousarray(blocks).view(xp.uint8)
 
     def buffer(*shape: int) -> Any:
@@ -309,6 +322,7 @@ def sm90_work_list(
         split_min_tiles=geometry.SM90_SPLIT_MIN_TILES,
         batch=batch,
         sms=sms,
+        max_slots=max_slots,
     )
     entry_bound = list_bound // batch
     entries = buffer(entry_bound, ENTRY_FIELDS)

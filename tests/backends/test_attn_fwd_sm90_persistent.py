@@ -120,12 +120,14 @@ def run_persistent(
     ctas: int = GRID_CTAS,
     split_tiles=0,
     key_pairs=None,
+    max_slots=None,
 ):
     """One launch of attn_fwd_sm90_persistent `config` on `ctas` CTAs over the work list the
     backends build (rows split above ``split_tiles`` key tiles: 0 none, None geometry's
-    choice; counted and cut in key pairs where the config's key tile holds two blocks, unless
-    ``key_pairs`` says otherwise), then attn_fwd_sm90_merge over the split rows as the backends
-    run it; returns (out, lse, counter after the launch, the work list)."""
+    choice, its chunks within ``max_slots`` slots; counted and cut in key pairs where the
+    config's key tile holds two blocks, unless ``key_pairs`` says otherwise), then
+    attn_fwd_sm90_merge over the split rows as the backends run it; returns (out, lse, counter
+    after the launch, the work list)."""
     batch, heads, n_q, head_dim = q.shape
     block, tile_n, _, dtype, _ = config
     kv_group = heads // k.shape[1]
@@ -140,6 +142,7 @@ def run_persistent(
         block,
         split_tiles,
         key_pairs,
+        max_slots=max_slots,
     )
     slots = max(work.slots, 1)
     part_out = np.full((slots, TILE_M, head_dim), np.nan, np.float32)
@@ -282,10 +285,20 @@ def split_rows(work, layout, batch):
 
 
 def check_split(
-    lib, config, layout, q, k, v, ctas: int = GRID_CTAS, split_tiles=SPLIT_TILES, key_pairs=None
+    lib,
+    config,
+    layout,
+    q,
+    k,
+    v,
+    ctas: int = GRID_CTAS,
+    split_tiles=SPLIT_TILES,
+    key_pairs=None,
+    max_slots=None,
 ):
     """The persistent forward with rows split into chunks and merged (above ``split_tiles``,
-    None: geometry's threshold; ``key_pairs`` as run_persistent): against the float64
+    None: geometry's threshold; ``key_pairs``, ``max_slots`` as run_persistent): against the
+    float64
     oracle; the rows it did not split bit-equal to attn_fwd_sm90, the split ones within the
     dtype's tolerance of it; every entry claimed once. Returns (out, lse, the work list)."""
     from tests.backends.test_interp_kernels import TOLERANCE
@@ -294,7 +307,7 @@ def check_split(
     dtype, head_dim = config[3], config[2]
     scale = head_dim**-0.5
     out, lse, claims, work = run_persistent(
-        lib, config, layout, q, k, v, scale, ctas, split_tiles, key_pairs
+        lib, config, layout, q, k, v, scale, ctas, split_tiles, key_pairs, max_slots
     )
     assert len(work.merges) and claims == len(work.items) + ctas
     check_forward(out, lse, q, k, v, layout, scale, dtype)
@@ -333,6 +346,19 @@ def test_few_items_are_split_by_geometry_s_own_threshold(lib):
     assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES and len(work.merges) == 7
     mean_only = geometry.sm90_work_list(layout.blocks, 1, layout.n_ctx, 64, "float16", 1, 64, sms=1)
     assert len(mean_only.merges) == 0
+
+
+def test_a_binding_cap_merges_fewer_longer_chunks_to_the_oracle(lib):
+    """Few items as above (7, rows of up to 13 key tiles: 3 rows past 8 split in 6 slots),
+    the launch's slots capped at 4: the threshold raised from 8 to 10, the two longest rows
+    still split; merged to the oracle, the unsplit rows attn_fwd_sm90's bits."""
+    layout = make_layout("all", 12 * 64 + RAGGED_ROWS, 1, 64, causal=True)
+    q, k, v = random_inputs(layout, 1, 1, 64, "float16", 29)
+    config = (64, 64, 64, "float16", "causal")
+    _, _, work = check_split(lib, config, layout, q, k, v, split_tiles=None, max_slots=4)
+    uncapped = geometry.sm90_work_list(layout.blocks, 1, layout.n_ctx, 64, "float16", 1, 64)
+    assert (uncapped.split_tiles, uncapped.slots, len(uncapped.merges)) == (8, 6, 3)
+    assert (work.split_tiles, work.slots, len(work.merges)) == (10, 4, 2)
 
 
 # (128-blocks: RUN_CASES' split cases)

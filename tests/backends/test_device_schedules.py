@@ -53,12 +53,21 @@ def as_device(layout: Layout) -> DeviceLayout:
 
 
 def assert_work_lists_equal(
-    blocks, n_k, batch, kv_group, head_dim, dtype, block, key_pairs=False, sms=geometry.SM90_SMS
+    blocks,
+    n_k,
+    batch,
+    kv_group,
+    head_dim,
+    dtype,
+    block,
+    key_pairs=False,
+    sms=geometry.SM90_SMS,
+    max_slots=None,
 ):
     """The device list (at the end of its bound, the counter at its first entry), its merges
     (then padding of no chunks) and threshold, against geometry.sm90_work_list (with
-    ``key_pairs`` and ``sms`` on both sides). Returns the host list."""
-    extra = {"key_pairs": key_pairs, "sms": sms}
+    ``key_pairs``, ``sms`` and ``max_slots`` on both sides). Returns the host list."""
+    extra = {"key_pairs": key_pairs, "sms": sms, "max_slots": max_slots}
     host = geometry.sm90_work_list(blocks, batch, n_k, head_dim, dtype, kv_group, block, **extra)
     device = layout_build.sm90_work_list(
         interp.backend, blocks, batch, n_k, head_dim, dtype, kv_group, block, **extra
@@ -348,12 +357,14 @@ def test_the_bounds_hold_where_the_split_is_largest():
     blocks = np.zeros((heads, nbq, nb), bool)
     blocks[0, :, 0] = True
     blocks[0, :14, :] = True  # 7 units walking all 64 key blocks, 25 walking one
-    # sms 1: the mean's threshold alone (4 x the mean, under units / 4 chunks beyond the first)
-    host = geometry.sm90_work_list(blocks, 1, nb * 64, 128, "bfloat16", 1, 64, sms=1)
-    entries, merges, slots = layout_build.work_list_bounds(32, 1, 1)
+    # sms 1: the mean's threshold alone (4 x the mean, under units / 4 chunks beyond the first),
+    # the cap out of reach (1 SM's is 8 slots: the shape's bound is what this checks)
+    uncapped = {"sms": 1, "max_slots": NO_CAP}
+    host = geometry.sm90_work_list(blocks, 1, nb * 64, 128, "bfloat16", 1, 64, **uncapped)
+    entries, merges, slots = layout_build.work_list_bounds(32, 1, **uncapped)
     assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
     assert len(host.merges) == 7
-    assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64, sms=1)
+    assert_work_lists_equal(blocks, nb * 64, 1, 1, 128, "bfloat16", 64, **uncapped)
     # one item of 2000 key tiles, alone: the threshold ceil(2000 / 132) = 16 cuts it into 125
     # chunks, near the few-items bound of sms / batch chunks beyond the first
     blocks = np.ones((1, 1, 2000), bool)
@@ -362,6 +373,141 @@ def test_the_bounds_hold_where_the_split_is_largest():
     assert host.split_tiles == 16 and len(host.items) == 125
     assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
     assert_work_lists_equal(blocks, 2000 * 64, 1, 1, 128, "bfloat16", 64)
+
+
+NO_CAP = 2**30  # a max_slots no test's launch reaches
+# Two heads of 16 query tiles at 64-blocks over 64 key blocks: 12 units walking every key
+# block, the rest one (with key pairs: 32 tiles and 1).
+CAP_HEADS, CAP_TILES, CAP_KEYS = 2, 16, 64
+
+
+def capped_blocks():
+    blocks = np.zeros((CAP_HEADS, 2 * CAP_TILES, CAP_KEYS), bool)
+    blocks[:, :, 0] = True
+    blocks[0, 4:16] = True  # head 0: 6 long units
+    blocks[1, 20:32] = True  # head 1: 6 long units, the last tiles (ties across heads)
+    return blocks
+
+
+def brute_force_threshold(walked, batch, sms, max_slots):
+    """The lowest threshold from sm90_split_tiles' uncapped one whose chunks fit, by trying
+    every threshold in turn (the cap's bisection not used)."""
+    base = geometry.sm90_split_tiles(walked, batch, sms, NO_CAP)
+    for threshold in range(base, int(walked.max()) + 1):
+        if batch * geometry.sm90_chunk_slots(walked, threshold) <= max_slots:
+            return threshold
+    raise AssertionError("the longest unit's tiles split nothing")
+
+
+@pytest.mark.parametrize("key_pairs", [False, True], ids=["tile64", "pairs"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("max_slots", [NO_CAP, 96, 95, 40, 13, 3, 0])
+def test_the_cap_raises_the_threshold_until_the_chunks_fit(key_pairs, batch, max_slots):
+    """12 long units among 64 on 1000 SMs (few items: threshold 8, each long unit in 8 chunks
+    of 64 tiles, 96 slots a batch): capped at ``max_slots`` for the launch, the threshold is
+    the lowest whose chunks fit (brute force), the same on the device entry for entry, the
+    slots within the cap and within the buffers' bound; from 96 a batch down to none split."""
+    blocks = capped_blocks()
+    n_k, sms = CAP_KEYS * 64, 1000
+    host = assert_work_lists_equal(
+        blocks, n_k, batch, 1, 128, "bfloat16", 64, key_pairs, sms, max_slots
+    )
+    span = 2 if key_pairs else 1  # key blocks a key tile: a pair's 128 keys or a 64-block's
+    long_units = blocks.reshape(CAP_HEADS, CAP_TILES, 2, CAP_KEYS)[..., 1:].any(axis=(2, 3))
+    walked = np.where(long_units, CAP_KEYS // span, 1)
+    assert host.split_tiles == brute_force_threshold(walked, batch, sms, max_slots)
+    assert host.slots <= max_slots
+    entries, merges, slots = layout_build.work_list_bounds(
+        CAP_HEADS * CAP_TILES, batch, sms, max_slots
+    )
+    assert len(host.items) <= entries and len(host.merges) <= merges and host.slots <= slots
+    if max_slots >= batch * 96 // span:
+        assert host.split_tiles == geometry.SM90_SPLIT_MIN_TILES
+    else:  # the cap binds: the threshold raised, the long units split in fewer chunks, or none
+        assert host.split_tiles > geometry.SM90_SPLIT_MIN_TILES
+        assert len(host.merges) in (0, 12 * batch)
+    CAP_SPLITS.add(len(host.merges) > 0)
+
+
+CAP_SPLITS: set[bool] = set()
+
+
+def test_the_cap_split_some_and_none():
+    if len(CAP_SPLITS) < 2:  # run alone
+        for max_slots in (40, 3):
+            test_the_cap_raises_the_threshold_until_the_chunks_fit(False, 1, max_slots)
+    assert CAP_SPLITS == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_layouts_under_a_binding_cap(seed):
+    """Random layouts with full rows on many SMs (few items: low thresholds, many chunks),
+    the cap at a random share of the uncapped slots: both sides equal."""
+    rng = np.random.default_rng(100 + seed)
+    block = (64, 128)[seed % 2]
+    heads = int(rng.choice([1, 2, 4]))
+    nbq, nb = int(rng.integers(4, 24)), int(rng.integers(16, 64))
+    blocks = random_blocks(rng, heads, nbq, nb, 0.1, 3, seed % 3 == 1)
+    batch = int(rng.integers(1, 4))
+    uncapped = geometry.sm90_work_list(
+        blocks, batch, nb * block, 64, "bfloat16", 1, block, sms=1000, max_slots=NO_CAP
+    )
+    cap = int(rng.integers(0, max(uncapped.slots, 1)))
+    for key_pairs in (False, True) if block == geometry.SM90_KEY_PAIR_BLOCK else (False,):
+        host = assert_work_lists_equal(
+            blocks, nb * block, batch, 1, 64, "bfloat16", block, key_pairs, 1000, cap
+        )
+        assert host.slots <= cap
+
+
+def test_the_workspace_bound_at_scale_is_the_cap():
+    """T = 128k, 32 heads, batch 8, 64-blocks: 32768 units a batch, whose shape bound is 131072
+    slots (8 GiB of float32 partials at d = 128), now the cap's 8 x 132 = 1056 (66 MiB); the
+    merges and the entries beyond one an item bounded by it too."""
+    units, batch = 32 * 1024, 8
+    cap = geometry.sm90_split_slots(geometry.SM90_SMS)
+    assert cap == 1056
+    assert layout_build.work_list_bounds(units, batch, max_slots=NO_CAP) == (
+        batch * units * 5 // 4,
+        batch * units // 4,
+        131072,
+    )
+    assert layout_build.work_list_bounds(units, batch) == (batch * units + cap, cap // 2, cap)
+    assert cap * geometry.SM90_TILE_M * 128 * 4 == 69206016  # bytes of partial out at d = 128
+    # and where the shape bounds it below the cap, the shape's bound stays
+    assert layout_build.work_list_bounds(64, 1) == (64 + 132, 132, 264)
+
+
+def test_the_forward_s_workspace_is_the_capped_bound(monkeypatch):
+    """Through the backend, a cap of 2 slots (sm90_split_slots patched): Longformer's global row
+    of 20 tiles, 3 chunks at the few-items threshold of 8, split in 2 (threshold 10); the
+    persistent launch's partial out and lse hold 2 slots, through a DeviceLayout (its bound,
+    min(the shape's 264, 2)) and the host layout (its list's exact slots); the result the
+    oracle's, and the DeviceLayout's the host layout's bits."""
+    from tests.backends.test_interp_kernels import check_forward
+
+    host = cuattn.make_layout("longformer", 20 * 64, 1, 64, local_attn_ctx=64, causal=False)
+    q, k, v = random_inputs(host, 1, 1, 64, "bfloat16", 19)
+    monkeypatch.setattr(geometry, "sm90_split_slots", lambda sms: 2)
+    monkeypatch.setenv(geometry.KERNELS_ENV, "sm90a-persistent")
+    work = geometry.sm90_work_list(host.blocks, 1, host.n_ctx, 64, "bfloat16", 1, 64)
+    assert (work.split_tiles, work.slots, len(work.merges)) == (10, 2, 1)
+    parts = []
+    launch = interp.backend.launch
+
+    def spy(config, **values):
+        if config.kernel == geometry.SM90_FWD_PERSISTENT:
+            parts.append((values["part_out"].shape, values["part_lse"].shape))
+        return launch(config, **values)
+
+    monkeypatch.setattr(interp.backend, "launch", spy)
+    scale = 64**-0.5
+    out, lse = interp.forward(q, k, v, AttentionCall(as_device(host), scale))
+    ref_out, ref_lse = interp.forward(q, k, v, AttentionCall(host, scale))
+    assert parts == [((2, geometry.SM90_TILE_M, 64), (2, geometry.SM90_TILE_M))] * 2
+    check_forward(out, lse, q, k, v, host, scale, "bfloat16")
+    np.testing.assert_array_equal(out.view(np.uint16), ref_out.view(np.uint16))
+    np.testing.assert_array_equal(lse, ref_lse)
 
 
 # ---- through the backends -------------------------------------------------------------------

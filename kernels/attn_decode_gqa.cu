@@ -43,10 +43,13 @@
 //   stages, reused) and every warp writes rows of the split's answer or partial.
 // attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3 or
 //   fp8_e5m2, uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the
-//   producer also writes each token's page scales beside its row mask; a consumer widens its
-//   stage's codes into tiles of its own (exact), K to fp16 and V to bf16, before the ldmatrix
-//   reads, computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps
-//   it in fp16's range), multiplies S's columns by the K scales and P's by the V scales.
+//   producer also writes each token's page scales beside its row mask, the V scales relative to
+//   v_ref, the largest of the tile's counted tokens' (a stage's v_ref beside them); a consumer
+//   widens its stage's codes into fp16 tiles of its own (exact), before the ldmatrix reads,
+//   computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in
+//   fp16's range), multiplies S's columns by the K scales and P's by the relative V scales (so
+//   P <= 1 stays in fp16's range at any scale), runs O += P V on fp16 tensor cores with O in
+//   units of its last tile's v_ref, and multiplies O by that v_ref before the merge.
 // The modifier variant (MODS_SCORE) computes attn_decode_split's modified scores (its header:
 //   softcap, ALiBi, key bias, relative-position bias, dropout, and with keep_scores the
 //   per-token scores token_scores [B, H, t_q, max_pages * page_size], -inf where a token did
@@ -132,14 +135,16 @@ struct attn_decode_gqa_traits {
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
   // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
-  // masks), and after the ring each consumer's K and V tiles widened (K to QK, V to T), which
-  // ldmatrix reads
+  // masks; the V scales relative to the stage's v_ref) and the stage's (v_ref, 1 / v_ref), and
+  // after the ring each consumer's K and V tiles widened (to QK and PV), which ldmatrix reads
   static constexpr bool FP8 = is_fp8_type<KV>::value;
-  // Q K^T's operand type: T, or over fp8 pages fp16 (a cvt widens two codes to an fp16 pair in
-  // one instruction, exactly); P V stays in T (a probability times a page's V scale needs bf16's
-  // range)
+  // Q K^T's and P V's operand types: T, or over fp8 pages fp16 (a cvt widens two codes to an
+  // fp16 pair in one instruction, exactly; every code is under fp16's largest). P takes its V
+  // scale relative to the tile's v_ref, at most 1: a probability times a page's V scale itself
+  // could leave fp16's range
   using QK = typename type_if<FP8, __half, T>::type;
-  static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 : 0;
+  using PV = QK;
+  static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 + STAGES * 8 : 0;
   static constexpr int WIDE_LD = SmemStride<T, HEAD_DIM>::value;
   static constexpr int WIDE_WARP_BYTES = 2 * TILE * WIDE_LD * int(sizeof(T));  // K, then V
   static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * WIDE_WARP_BYTES : 0;
@@ -165,7 +170,8 @@ struct attn_decode_gqa_traits {
                                     WIDE_BYTES;
   static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
   static_assert(is_same_type<KV, T>::value || FP8, "pages of T or of fp8 codes");
-  static_assert(sizeof(QK) == sizeof(T), "the widened K and V tiles are alike in size");
+  static_assert(sizeof(QK) == sizeof(T) && sizeof(PV) == sizeof(T),
+                "the widened K and V tiles are alike in size");
   static_assert((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) % 16 == 0,
                 "the widened tiles stay 16-byte aligned");
   static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole m16n8k16 steps");
@@ -208,11 +214,10 @@ __device__ __forceinline__ u32 row_mask(long long pos, long long first_query_pos
   return mask;
 }
 
-// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to W (fp16: the
-// cvt's pairs as they come; bf16: through float) in its own tile ([TILE][WIDE_LD]), 16 codes a
-// lane at a time.
-template <typename Traits, typename W, typename KV>
-__device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
+// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to fp16 (the cvt's
+// pairs as they come, exact) in its own tile ([TILE][WIDE_LD]), 16 codes a lane at a time.
+template <typename Traits, typename KV>
+__device__ __forceinline__ void widen_tile(__half* wide, const KV* codes, int lane) {
   constexpr int CHUNKS = Traits::TILE_ELEMS / Traits::LD * Traits::CHUNKS_PER_ROW;
   static_assert(CHUNKS % 32 == 0, "a tile's chunks divide among the lanes");
   // a chunk at a time: unrolled, every chunk's load goes ahead of the stores (registers)
@@ -226,12 +231,7 @@ __device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
     u32* dst = reinterpret_cast<u32*>(wide + row * Traits::WIDE_LD + col);
 #pragma unroll
     for (int e = 0; e < Traits::CHUNK / 2; ++e) {
-      const u32 pair = fp8x2_to_half2<KV>((unsigned short)(words[e / 2] >> (16 * (e % 2))));
-      if constexpr (is_same_type<W, __half>::value) {
-        dst[e] = pair;
-      } else {
-        dst[e] = pack_pair<W>(unpack_element<__half>(pair, 0), unpack_element<__half>(pair, 1));
-      }
+      dst[e] = fp8x2_to_half2<KV>((unsigned short)(words[e / 2] >> (16 * (e % 2))));
     }
   }
 }
@@ -381,7 +381,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   u64* empty = full + STAGES;
   u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
   float* k_scale_smem = reinterpret_cast<float*>(mask_smem + STAGES * TILE);  // fp8 only
-  float* v_scale_smem = k_scale_smem + STAGES * TILE;
+  float* v_scale_smem = k_scale_smem + STAGES * TILE;  // relative to the stage's v_ref
+  float2* v_ref_smem = reinterpret_cast<float2*>(v_scale_smem + STAGES * TILE);  // (v_ref, 1 / it)
   int* pos_smem = reinterpret_cast<int*>(  // the modifier variant only
       reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) + Traits::SCALE_BYTES);
   using QK = typename Traits::QK;
@@ -401,6 +402,9 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const AccLayout frag;
   float m_i[2] = {-INFINITY, -INFINITY};  // running max (log2 units), the same in a quad
   float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum
+  // fp8: O is in units of v_units, the v_ref of this warp's last tile (P V's P is relative to
+  // it), brought to the V scales' units before the merge
+  float v_units = 1.f;
   float acc[HEAD_DIM / 8][4];
 #pragma unroll
   for (int j = 0; j < HEAD_DIM / 8; ++j) {
@@ -479,6 +483,29 @@ __device__ __forceinline__ void attn_decode_gqa_body(
                                  chosen_rows + entry, max_pages, use_chosen);
         kept_row[r] = now.pos[r] >= 0 ? now.row[r] : -1;
       }
+      // fp8: v_ref, the largest V scale of the tile's counted tokens (a lane holds its tile's:
+      // the shuffles stay within TILE lanes, or the warp), 1 where none counts; each token's V
+      // scale over it (0 where the token counts for no row: its probability is 0 everywhere,
+      // and a scale far over v_ref must not make 0 x inf)
+      float v_ref = 1.f, v_ref_inv = 1.f;
+      float v_ratio[Traits::TOKEN_ROUNDS];
+      if constexpr (FP8) {
+        float v_max = 0.f;  // fmaxf drops a NaN scale: its ratio below stays NaN
+#pragma unroll
+        for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+          v_max = fmaxf(v_max, mask[r] != 0u ? now.v_scale[r] : 0.f);
+        }
+#pragma unroll
+        for (int offset = (TILE < 32 ? TILE : 32) / 2; offset > 0; offset /= 2) {
+          v_max = fmaxf(v_max, __shfl_xor_sync(FULL_WARP, v_max, offset));
+        }
+        v_ref = v_max > 0.f ? v_max : 1.f;
+        v_ref_inv = __fdividef(1.f, v_ref);  // exact for the powers of two a KVCache keeps
+#pragma unroll
+        for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+          v_ratio[r] = mask[r] != 0u ? now.v_scale[r] * v_ref_inv : 0.f;
+        }
+      }
 #pragma unroll
       for (int g = 0; g < ROUND_TILES; ++g) {
         const int t = u * ROUND_TILES + g;
@@ -492,10 +519,13 @@ __device__ __forceinline__ void attn_decode_gqa_body(
             mask_smem[s * TILE + token] = mask[r];
             if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
               k_scale_smem[s * TILE + token] = now.k_scale[r];
-              v_scale_smem[s * TILE + token] = now.v_scale[r];
+              v_scale_smem[s * TILE + token] = v_ratio[r];
             }
             if constexpr (Traits::MODDED) pos_smem[s * TILE + token] = int(now.pos[r]);
           }
+        }
+        if constexpr (FP8) {  // the tile's first lane holds its v_ref
+          if (lane == g * TILE % 32) v_ref_smem[s] = make_float2(v_ref, v_ref_inv);
         }
         KV* k_tile = ring + s * Traits::STAGE_ELEMS;
         KV* v_tile = k_tile + Traits::TILE_ELEMS;
@@ -626,19 +656,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
           }
         }
       }
+      using PV = typename Traits::PV;
       const QK* k_tile;
-      const T* v_tile;
+      const PV* v_tile;
       int tile_ld;
       if constexpr (FP8) {
-        // the codes widened (exact: every e4m3 and e5m2 code is an fp16 and a bf16) into this
-        // warp's own tiles, K to fp16 and V to T; the scales stay outside, on the scores and
-        // the probabilities
+        // the codes widened (exact: every e4m3 and e5m2 code is an fp16) into this warp's own
+        // fp16 tiles; the scales stay outside, on the scores and the probabilities
         unsigned char* wide = reinterpret_cast<unsigned char*>(ring) +
                               (Traits::RING_BYTES > Traits::MERGE_BYTES ? Traits::RING_BYTES
                                                                         : Traits::MERGE_BYTES) +
                               warp * Traits::WIDE_WARP_BYTES;
         QK* k_wide = reinterpret_cast<QK*>(wide);
-        T* v_wide = reinterpret_cast<T*>(wide + Traits::WIDE_WARP_BYTES / 2);
+        PV* v_wide = reinterpret_cast<PV*>(wide + Traits::WIDE_WARP_BYTES / 2);
         widen_tile<Traits>(k_wide, ring + s * Traits::STAGE_ELEMS, lane);
         widen_tile<Traits>(v_wide, ring + s * Traits::STAGE_ELEMS + Traits::TILE_ELEMS, lane);
         __syncwarp();
@@ -718,8 +748,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         for (int e = 0; e < 4; ++e) {
           s_acc[j][e] = exp2f(s_acc[j][e] - base[e / 2]);
           p_sum[e / 2] += s_acc[j][e];
-          // fp8: P.V multiplies the V codes, so a probability takes its token's V scale (a
-          // power of two: exact in the bf16 P too)
+          // fp8: P.V multiplies the V codes, so a probability takes its token's V scale over
+          // the tile's v_ref (at most 1: the fp16 P stays in range at any scale)
           if constexpr (FP8) s_acc[j][e] *= v_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
         }
       }
@@ -736,10 +766,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l_i[r] = l_i[r] * correction[r] + p_sum[r];
+      // fp8: O from v_units to this tile's v_ref (l_i stays of the probabilities alone); a 0
+      // correction (nothing counted yet) stays 0
+      float acc_correction[2] = {correction[0], correction[1]};
+      if constexpr (FP8) {
+        const float2 ref = v_ref_smem[s];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) acc_correction[r] = correction[r] * v_units * ref.y;
+        v_units = ref.x;
+      }
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] *= correction[e / 2];
+        for (int e = 0; e < 4; ++e) acc[j][e] *= acc_correction[e / 2];
       }
       // O += P V: P's zeros still multiply v, 0 * NaN = NaN, as the dense computation
       warp_gemm_regs_kn<HEAD_DIM, TILE>(acc, s_acc, v_tile, tile_ld, nullptr);
@@ -757,7 +796,11 @@ __device__ __forceinline__ void attn_decode_gqa_body(
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) mine[frag.row(e) * MERGE_LD + frag.col(j, e)] = acc[j][e];
+      for (int e = 0; e < 4; ++e) {
+        float o = acc[j][e];
+        if constexpr (FP8) o *= v_units;  // in the V scales' units
+        mine[frag.row(e) * MERGE_LD + frag.col(j, e)] = o;
+      }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

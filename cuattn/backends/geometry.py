@@ -295,9 +295,10 @@ DECODE_REGISTERS_ASSUMED = 240
 DECODE_GQA_KERNEL = "attn_decode_gqa"
 # attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (the
 # instantiations made; Q K^T and P V run on fp16 tensor cores, Q times a power of two and P
-# with its V scale relative to its tile's largest, in fp16's range either way), TILE half of bf16's (decode_gqa_fp8_tile: each consumer widens its stage's
-# codes into fp16 tiles of its own; at bf16's TILE, d128 needed 218 registers, one CTA an SM,
-# and d64 117 KB of shared memory)
+# with its V scale relative to its tile's largest, in fp16's range either way), TILE half of
+# bf16's (decode_gqa_fp8_tile: each consumer widens its stage's codes into fp16 tiles of its
+# own; at bf16's TILE, d128 needed 218 registers, one CTA an SM, and d64 117 KB of shared
+# memory)
 DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
 DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
 DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)

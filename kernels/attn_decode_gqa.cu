@@ -44,12 +44,14 @@
 // attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3 or
 //   fp8_e5m2, uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the
 //   producer also writes each token's page scales beside its row mask, the V scales relative to
-//   v_ref, the largest of the tile's counted tokens' (a stage's v_ref beside them); a consumer
+//   v_ref, the largest of the tile's counted tokens' (beside them the stage's v_ref and its
+//   ratio to the v_ref of its consumer's tile before, 1 for the first); a consumer
 //   widens its stage's codes into fp16 tiles of its own (exact), before the ldmatrix reads,
 //   computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in
 //   fp16's range), multiplies S's columns by the K scales and P's by the relative V scales (so
 //   P <= 1 stays in fp16's range at any scale), runs O += P V on fp16 tensor cores with O in
-//   units of its last tile's v_ref, and multiplies O by that v_ref before the merge.
+//   units of its last tile's v_ref (O's correction times the ratio), and multiplies O by that
+//   v_ref before the merge.
 // The modifier variant (MODS_SCORE) computes attn_decode_split's modified scores (its header:
 //   softcap, ALiBi, key bias, relative-position bias, dropout, and with keep_scores the
 //   per-token scores token_scores [B, H, t_q, max_pages * page_size], -inf where a token did
@@ -109,7 +111,12 @@ struct attn_decode_gqa_traits {
   // O alone is HEAD_DIM / 2 = 128 registers a lane, and the ring of 16-token stages is 135 KB.
   static constexpr int WIDE_HEAD_DIM = 128;  // the widest head dim with Q's fragments held
   static constexpr bool WIDE = HEAD_DIM > WIDE_HEAD_DIM;
-  static constexpr int MIN_CTAS_PER_SM = WIDE ? 1 : 2;
+  // fp8 pages at d <= 64 (the plain kernel): three, as shared memory allows on sm_90 (<= 136
+  // registers; held to two, ptxas took 137 at d64)
+  static constexpr int FP8_THREE_CTAS_HEAD_DIM = 64;
+  static constexpr bool THREE_CTAS =
+      is_fp8_type<KV>::value && MODS == MODS_NONE && HEAD_DIM <= FP8_THREE_CTAS_HEAD_DIM;
+  static constexpr int MIN_CTAS_PER_SM = WIDE ? 1 : THREE_CTAS ? 3 : 2;
   // The producer reads a round of ROUND_TOKENS tokens at once, a token a lane (TILE at least),
   // so that a tile under a warp's 32 tokens (fp8 at d96 and d128) pays the table, position,
   // scale and row-mask work once per 32 tokens; a round fills ROUND_TILES stages, and the ring
@@ -135,7 +142,7 @@ struct attn_decode_gqa_traits {
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
   // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
-  // masks; the V scales relative to the stage's v_ref) and the stage's (v_ref, 1 / v_ref), and
+  // masks; the V scales relative to the stage's v_ref) and the stage's (v_ref, step), and
   // after the ring each consumer's K and V tiles widened (to QK and PV), which ldmatrix reads
   static constexpr bool FP8 = is_fp8_type<KV>::value;
   // Q K^T's and P V's operand types: T, or over fp8 pages fp16 (a cvt widens two codes to an
@@ -382,7 +389,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
   float* k_scale_smem = reinterpret_cast<float*>(mask_smem + STAGES * TILE);  // fp8 only
   float* v_scale_smem = k_scale_smem + STAGES * TILE;  // relative to the stage's v_ref
-  float2* v_ref_smem = reinterpret_cast<float2*>(v_scale_smem + STAGES * TILE);  // (v_ref, 1 / it)
+  // (v_ref, step): step is the v_ref of the consumer's tile before (1 for its first) over v_ref
+  float2* v_ref_smem = reinterpret_cast<float2*>(v_scale_smem + STAGES * TILE);
   int* pos_smem = reinterpret_cast<int*>(  // the modifier variant only
       reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) + Traits::SCALE_BYTES);
   using QK = typename Traits::QK;
@@ -402,9 +410,6 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   const AccLayout frag;
   float m_i[2] = {-INFINITY, -INFINITY};  // running max (log2 units), the same in a quad
   float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum
-  // fp8: O is in units of v_units, the v_ref of this warp's last tile (P V's P is relative to
-  // it), brought to the V scales' units before the merge
-  float v_units = 1.f;
   float acc[HEAD_DIM / 8][4];
 #pragma unroll
   for (int j = 0; j < HEAD_DIM / 8; ++j) {
@@ -488,7 +493,6 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       // scale over it (0 where the token counts for no row: its probability is 0 everywhere,
       // and a scale far over v_ref must not make 0 x inf)
       float v_ref = 1.f, v_ref_inv = 1.f;
-      float v_ratio[Traits::TOKEN_ROUNDS];
       if constexpr (FP8) {
         float v_max = 0.f;  // fmaxf drops a NaN scale: its ratio below stays NaN
 #pragma unroll
@@ -501,10 +505,6 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         }
         v_ref = v_max > 0.f ? v_max : 1.f;
         v_ref_inv = __fdividef(1.f, v_ref);  // exact for the powers of two a KVCache keeps
-#pragma unroll
-        for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
-          v_ratio[r] = mask[r] != 0u ? now.v_scale[r] * v_ref_inv : 0.f;
-        }
       }
 #pragma unroll
       for (int g = 0; g < ROUND_TILES; ++g) {
@@ -519,13 +519,17 @@ __device__ __forceinline__ void attn_decode_gqa_body(
             mask_smem[s * TILE + token] = mask[r];
             if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
               k_scale_smem[s * TILE + token] = now.k_scale[r];
-              v_scale_smem[s * TILE + token] = v_ratio[r];
+              v_scale_smem[s * TILE + token] = mask[r] != 0u ? now.v_scale[r] * v_ref_inv : 0.f;
             }
             if constexpr (Traits::MODDED) pos_smem[s * TILE + token] = int(now.pos[r]);
           }
         }
-        if constexpr (FP8) {  // the tile's first lane holds its v_ref
-          if (lane == g * TILE % 32) v_ref_smem[s] = make_float2(v_ref, v_ref_inv);
+        if constexpr (FP8) {  // the tile's first lane holds its v_ref, and wrote tile t - 4's
+          if (lane == g * TILE % 32) {
+            constexpr int BEFORE = Traits::CONSUMER_WARPS;  // the consumer's tile before
+            const float v_ref_before = t >= BEFORE ? v_ref_smem[(t - BEFORE) % STAGES].x : 1.f;
+            v_ref_smem[s] = make_float2(v_ref, v_ref_before * v_ref_inv);
+          }
         }
         KV* k_tile = ring + s * Traits::STAGE_ELEMS;
         KV* v_tile = k_tile + Traits::TILE_ELEMS;
@@ -766,19 +770,18 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l_i[r] = l_i[r] * correction[r] + p_sum[r];
-      // fp8: O from v_units to this tile's v_ref (l_i stays of the probabilities alone); a 0
-      // correction (nothing counted yet) stays 0
-      float acc_correction[2] = {correction[0], correction[1]};
+      // fp8: O's correction also takes it from the v_ref of this warp's tile before to this
+      // tile's (l_i's stays of the probabilities alone); a 0 correction (nothing counted yet)
+      // stays 0
       if constexpr (FP8) {
-        const float2 ref = v_ref_smem[s];
+        const float step = v_ref_smem[s].y;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) acc_correction[r] = correction[r] * v_units * ref.y;
-        v_units = ref.x;
+        for (int r = 0; r < 2; ++r) correction[r] *= step;
       }
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] *= acc_correction[e / 2];
+        for (int e = 0; e < 4; ++e) acc[j][e] *= correction[e / 2];
       }
       // O += P V: P's zeros still multiply v, 0 * NaN = NaN, as the dense computation
       warp_gemm_regs_kn<HEAD_DIM, TILE>(acc, s_acc, v_tile, tile_ld, nullptr);
@@ -792,15 +795,22 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   float* merge_smem = reinterpret_cast<float*>(ring);
   constexpr int MERGE_LD = Traits::MERGE_LD;
   if (warp < Traits::CONSUMER_WARPS) {
+    if constexpr (FP8) {
+      // O in the V scales' units: times the v_ref of this warp's last tile, whose stage no tile
+      // refills (1 without a tile)
+      const int last = warp + (tiles - 1 - warp) / Traits::CONSUMER_WARPS * Traits::CONSUMER_WARPS;
+      const float v_units = warp < tiles ? v_ref_smem[last % STAGES].x : 1.f;
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= v_units;
+      }
+    }
     float* mine = merge_smem + warp * ROWS * MERGE_LD;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float o = acc[j][e];
-        if constexpr (FP8) o *= v_units;  // in the V scales' units
-        mine[frag.row(e) * MERGE_LD + frag.col(j, e)] = o;
-      }
+      for (int e = 0; e < 4; ++e) mine[frag.row(e) * MERGE_LD + frag.col(j, e)] = acc[j][e];
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

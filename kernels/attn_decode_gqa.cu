@@ -471,6 +471,13 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         }
       }
     };
+    // fp8: the v_ref of the tiles of the last V_REF_ROUNDS rounds, oldest first (1 before the
+    // first), each lane its tile's: round u - V_REF_ROUNDS's tile g is tile t - CONSUMER_WARPS,
+    // the one before of tile t's consumer
+    constexpr int V_REF_ROUNDS = Traits::CONSUMER_WARPS / ROUND_TILES;
+    float v_ref_before[V_REF_ROUNDS];
+#pragma unroll
+    for (int i = 0; i < V_REF_ROUNDS; ++i) v_ref_before[i] = 1.f;
     Tokens now, next, after;
     read_slots(0, now);
     read_slots(1, next);
@@ -492,7 +499,7 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       // the shuffles stay within TILE lanes, or the warp), 1 where none counts; each token's V
       // scale over it (0 where the token counts for no row: its probability is 0 everywhere,
       // and a scale far over v_ref must not make 0 x inf)
-      float v_ref = 1.f, v_ref_inv = 1.f;
+      float v_ref = 1.f, v_ref_inv = 1.f, v_step = 1.f;
       if constexpr (FP8) {
         float v_max = 0.f;  // fmaxf drops a NaN scale: its ratio below stays NaN
 #pragma unroll
@@ -505,6 +512,10 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         }
         v_ref = v_max > 0.f ? v_max : 1.f;
         v_ref_inv = __fdividef(1.f, v_ref);  // exact for the powers of two a KVCache keeps
+        v_step = v_ref_before[0] * v_ref_inv;  // the consumer's O from its tile before's units
+#pragma unroll
+        for (int i = 0; i + 1 < V_REF_ROUNDS; ++i) v_ref_before[i] = v_ref_before[i + 1];
+        v_ref_before[V_REF_ROUNDS - 1] = v_ref;
       }
 #pragma unroll
       for (int g = 0; g < ROUND_TILES; ++g) {
@@ -524,12 +535,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
             if constexpr (Traits::MODDED) pos_smem[s * TILE + token] = int(now.pos[r]);
           }
         }
-        if constexpr (FP8) {  // the tile's first lane holds its v_ref, and wrote tile t - 4's
-          if (lane == g * TILE % 32) {
-            constexpr int BEFORE = Traits::CONSUMER_WARPS;  // the consumer's tile before
-            const float v_ref_before = t >= BEFORE ? v_ref_smem[(t - BEFORE) % STAGES].x : 1.f;
-            v_ref_smem[s] = make_float2(v_ref, v_ref_before * v_ref_inv);
-          }
+        if constexpr (FP8) {  // the tile's first lane
+          if (lane == g * TILE % 32) v_ref_smem[s] = make_float2(v_ref, v_step);
         }
         KV* k_tile = ring + s * Traits::STAGE_ELEMS;
         KV* v_tile = k_tile + Traits::TILE_ELEMS;

@@ -44,14 +44,14 @@
 // attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3 or
 //   fp8_e5m2, uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the
 //   producer also writes each token's page scales beside its row mask, the V scales relative to
-//   v_ref, the largest of the tile's counted tokens' (beside them the stage's v_ref and its
-//   ratio to the v_ref of its consumer's tile before, 1 for the first); a consumer
-//   widens its stage's codes into fp16 tiles of its own (exact), before the ldmatrix reads,
-//   computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in
-//   fp16's range), multiplies S's columns by the K scales and P's by the relative V scales (so
-//   P <= 1 stays in fp16's range at any scale), runs O += P V on fp16 tensor cores with O in
-//   units of its last tile's v_ref (O's correction times the ratio), and multiplies O by that
-//   v_ref before the merge.
+//   v_ref, the largest of the tile's counted tokens' (and the stage's v_ref and step: the
+//   v_ref of its consumer's tile before, 1 for the first, over v_ref); a consumer widens its
+//   stage's codes into fp16 tiles of its own (exact), before the ldmatrix reads, computes
+//   S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in fp16's
+//   range), multiplies S's columns by the K scales and P's by the relative V scales (so P <= 1
+//   stays in fp16's range at any scale), runs O += P V on fp16 tensor cores with O in units of
+//   its last tile's v_ref (O's correction times the step), and multiplies O by that v_ref
+//   before the merge.
 // The modifier variant (MODS_SCORE) computes attn_decode_split's modified scores (its header:
 //   softcap, ALiBi, key bias, relative-position bias, dropout, and with keep_scores the
 //   per-token scores token_scores [B, H, t_q, max_pages * page_size], -inf where a token did
@@ -921,10 +921,11 @@ __global__ void __launch_bounds__(
 
 // attn_decode_gqa over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out bf16): the producer copies
 // the codes (half the bytes) and each token's page scales (k_scale / v_scale float32
-// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K codes to fp16 and
-// the V codes to T in tiles of its own (exact), multiplies each score by its token's K scale
-// before the mask (and every modifier) and each probability by its V scale after l_i's sum,
-// and computes on tensor cores as attn_decode_gqa (Q K^T in fp16).
+// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K and V codes to
+// fp16 in tiles of its own (exact), multiplies each score by its token's K scale before the
+// mask (and every modifier) and each probability by its V scale over the tile's v_ref after
+// l_i's sum, and computes on tensor cores as attn_decode_gqa (Q K^T and P V in fp16, O in
+// units of its last tile's v_ref).
 template <int TILE, int HEAD_DIM, typename T, typename KV, int MODS>
 __global__ void __launch_bounds__(
     attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV, MODS>::NUM_THREADS,

@@ -32,7 +32,8 @@
 //   meets no probability. Each producer lane arrives on a stage's `full` barrier twice: once
 //   when its copies land (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask
 //   words. Round u + 1's positions and round u + 2's table entries are loaded while round u is
-//   issued.
+//   issued. (fp8 at d >= 128: two producer warps, the last two, take alternate rounds, each
+//   reading its own rounds ahead.)
 //   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e) (at d256 Q's
 //   scaled tile stays in shared memory instead and is read by ldmatrix at each tile's S, as in
 //   the modifier variant below: Q's fragments beside O's 128 registers a lane spilled; there a
@@ -103,8 +104,16 @@ template <int TILE, int HEAD_DIM, typename T, typename KV = T, int MODS = MODS_N
 struct attn_decode_gqa_traits {
   static constexpr int ROWS = 16;  // query rows per CTA: the M of one mma fragment
   static constexpr int CONSUMER_WARPS = 4;
-  static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the last warp
-  static constexpr int NUM_WARPS = CONSUMER_WARPS + 1;
+  // One producer warp (the last), or over fp8 pages at d >= 128 two (the last two) taking
+  // alternate rounds: a warp issues on scheduler (warp % 4), and the one producer shares consumer
+  // 0's with its whole round (the busiest scheduler: 0.98 of its issue at d256); two fit there
+  // without costing residency (d128: 2 CTAs of 6 warps, d256: one), where d <= 96 would lose
+  // its third CTA
+  static constexpr int FP8_TWO_PRODUCERS_HEAD_DIM = 128;
+  static constexpr int PRODUCER_WARPS =
+      is_fp8_type<KV>::value && HEAD_DIM >= FP8_TWO_PRODUCERS_HEAD_DIM ? 2 : 1;
+  static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer
+  static constexpr int NUM_WARPS = CONSUMER_WARPS + PRODUCER_WARPS;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   // Two resident CTAs per SM at least at d <= 128 (shared memory allows 3 on sm_90): a
   // thread's registers stay under 204, the O, S and Q fragments unspilled. Past it (d256) one:
@@ -188,6 +197,8 @@ struct attn_decode_gqa_traits {
   static_assert(ROWS <= 32, "a token's row mask is one word");
   static_assert(TILE / 2 <= 32, "a lane's dropout decisions of a tile are one word");
   static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
+  static_assert(CONSUMER_WARPS / ROUND_TILES % PRODUCER_WARPS == 0,
+                "a stage is always filled by the same producer, its tile before's round too");
   static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
 };
 
@@ -417,7 +428,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   }
 
-  if (warp == Traits::PRODUCER_WARP) {
+  constexpr int PRODUCERS = Traits::PRODUCER_WARPS;
+  if (PRODUCERS == 1 ? warp == Traits::PRODUCER_WARP : warp >= Traits::PRODUCER_WARP) {
     const int* table =
         page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
     const int head_row = kv_head * head_rows;
@@ -434,11 +446,14 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     // A round's tokens, one a lane per token round r (token lane + 32 r): the page slot (-1:
     // past the run), its k_pages / v_pages row and the position there (-1: none kept; a
     // caller's table's is the table slot, kept below the length). Read ahead: while round u is
-    // issued, the positions of round u + 1 and the table entries of round u + 2 are loaded, so
-    // that the producer never waits for its own dependent pair of loads (table, then slot_pos).
+    // issued, the positions of this warp's next round and the table entries of the one after
+    // are loaded, so that the producer never waits for its own dependent pair of loads (table,
+    // then slot_pos).
     constexpr int ROUND_TOKENS = Traits::ROUND_TOKENS;
     constexpr int ROUND_TILES = Traits::ROUND_TILES;
     const int rounds = (tiles + ROUND_TILES - 1) / ROUND_TILES;
+    // this warp's rounds: first_round, first_round + PRODUCERS, ...
+    const int first_round = PRODUCERS == 1 ? 0 : warp - Traits::PRODUCER_WARP;
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
       int row[Traits::TOKEN_ROUNDS];
@@ -471,20 +486,20 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         }
       }
     };
-    // fp8: the v_ref of the tiles of the last V_REF_ROUNDS rounds, oldest first (1 before the
-    // first), each lane its tile's: round u - V_REF_ROUNDS's tile g is tile t - CONSUMER_WARPS,
-    // the one before of tile t's consumer
-    constexpr int V_REF_ROUNDS = Traits::CONSUMER_WARPS / ROUND_TILES;
+    // fp8: the v_ref of the tiles of this warp's last V_REF_ROUNDS rounds, oldest first (1
+    // before the first), each lane its tile's: round u - CONSUMER_WARPS / ROUND_TILES's tile g
+    // is tile t - CONSUMER_WARPS, the one before of tile t's consumer
+    constexpr int V_REF_ROUNDS = Traits::CONSUMER_WARPS / ROUND_TILES / PRODUCERS;
     float v_ref_before[V_REF_ROUNDS];
 #pragma unroll
     for (int i = 0; i < V_REF_ROUNDS; ++i) v_ref_before[i] = 1.f;
     Tokens now, next, after;
-    read_slots(0, now);
-    read_slots(1, next);
+    read_slots(first_round, now);
+    read_slots(first_round + PRODUCERS, next);
     read_positions(now);
-    for (int u = 0; u < rounds; ++u) {
+    for (int u = first_round; u < rounds; u += PRODUCERS) {
       read_positions(next);
-      read_slots(u + 2, after);
+      read_slots(u + 2 * PRODUCERS, after);
       u32 mask[Traits::TOKEN_ROUNDS];
       int kept_row[Traits::TOKEN_ROUNDS];  // -1: zero-filled
 #pragma unroll

@@ -305,9 +305,12 @@ DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
 # The kernels with a score-modifier variant (a last template flag, CXX_MODS).
 MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS + DECODE_GQA_KERNELS
 DECODE_GQA_ROWS = 16
-DECODE_GQA_WARPS = 5  # 4 consumers and the producer
 # Stages: one per consumer warp and tile of a producer round (decode_gqa_stages)
 DECODE_GQA_CONSUMERS = 4
+DECODE_GQA_WARPS = DECODE_GQA_CONSUMERS + 1  # and the producer
+# attn_decode_gqa_fp8 from this head dim up: two producer warps taking alternate rounds (the one
+# producer's warp scheduler, shared with consumer 0, was the busiest); 2 CTAs of 6 warps at d128
+DECODE_GQA_FP8_TWO_PRODUCERS_HEAD_DIM = 128
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
@@ -1118,8 +1121,9 @@ class KernelConfig(_Launch):
             )
             if self.mods:
                 tile_n = min(tile_n, DECODE_GQA_MODS_MAX_TILE)
-            num_warps = DECODE_GQA_WARPS
-            consumers = num_warps - 1
+            consumers = DECODE_GQA_CONSUMERS
+            two_producers = fp8 and self.head_dim >= DECODE_GQA_FP8_TWO_PRODUCERS_HEAD_DIM
+            num_warps = DECODE_GQA_WARPS + (1 if two_producers else 0)
             stages = decode_gqa_stages(tile_n)
             barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
             masks = stages * tile_n * 4

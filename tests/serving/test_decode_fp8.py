@@ -377,7 +377,8 @@ def test_tensor_core_kernel_wraps_its_ring_many_times(launched, monkeypatch):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_tensor_core_kernel_takes_v_scales_past_fp16s_range(name, launched, monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])  # one producer warp; two, taking alternate rounds
+def test_tensor_core_kernel_takes_v_scales_past_fp16s_range(name, d, launched, monkeypatch):
     """P V runs on fp16 tensor cores over the V codes widened to fp16, P with its token's V scale
     relative to its tile's largest: values 2^-24 and 2^40 in size (page scales past fp16's range
     both ways), pages of 4 tokens whose scales differ by up to 2^10 within a 16-token tile and
@@ -386,7 +387,7 @@ def test_tensor_core_kernel_takes_v_scales_past_fp16s_range(name, launched, monk
     over the dequantised values, at its own magnitude."""
     monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)  # one split: ~12 tiles a CTA
     rng = np.random.default_rng(31)
-    d, group, prefill = 64, 4, 200
+    group, prefill = 4, 200
     cache = cuattn.KVCache(2, 2, d, name, page_size=4, policy=P.SlidingWindow(180))
     sizes = np.array([[2.0**-24, 2.0**40], [1.0, 2.0**-10]])[:, :, None, None]
     page_gain = 2.0 ** np.array([0, 3, -4, 6, 1])  # by the token's page of 4: tiles' v_ref differ

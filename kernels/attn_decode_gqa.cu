@@ -32,7 +32,8 @@
 //   meets no probability. Each producer lane arrives on a stage's `full` barrier twice: once
 //   when its copies land (cp.async.mbarrier.arrive.noinc) and once at once, publishing the mask
 //   words. Round u + 1's positions and round u + 2's table entries are loaded while round u is
-//   issued.
+//   issued. (fp8 at d >= 128: two producer warps, the last two, take alternate rounds, each
+//   reading its own rounds ahead.)
 //   A consumer holds Q in A fragments (registers), pre-scaled by scale * log2(e) (at d256 Q's
 //   scaled tile stays in shared memory instead and is read by ldmatrix at each tile's S, as in
 //   the modifier variant below: Q's fragments beside O's 128 registers a lane spilled; there a
@@ -43,10 +44,15 @@
 //   stages, reused) and every warp writes rows of the split's answer or partial.
 // attn_decode_gqa_fp8<TILE, HEAD_DIM, T, KV, MODS>: the same over fp8 pages (KV fp8_e4m3 or
 //   fp8_e5m2, uint8 codes; T __nv_bfloat16), with k_scale and v_scale float32 [num_pages]: the
-//   producer also writes each token's page scales beside its row mask; a consumer widens its
-//   stage's codes into tiles of its own (exact), K to fp16 and V to bf16, before the ldmatrix
-//   reads, computes S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps
-//   it in fp16's range), multiplies S's columns by the K scales and P's by the V scales.
+//   producer also writes each token's page scales beside its row mask, the V scales relative to
+//   v_ref, the largest of the tile's counted tokens' (and the stage's v_ref and step: the
+//   v_ref of its consumer's tile before, 1 for the first, over v_ref); a consumer widens its
+//   stage's codes into fp16 tiles of its own (exact), before the ldmatrix reads, computes
+//   S = Q K^T on fp16 tensor cores (Q in fp16, times a power of two that keeps it in fp16's
+//   range), multiplies S's columns by the K scales and P's by the relative V scales (so P <= 1
+//   stays in fp16's range at any scale), runs O += P V on fp16 tensor cores with O in units of
+//   its last tile's v_ref (O's correction times the step), and multiplies O by that v_ref
+//   before the merge.
 // The modifier variant (MODS_SCORE) computes attn_decode_split's modified scores (its header:
 //   softcap, ALiBi, key bias, relative-position bias, dropout, and with keep_scores the
 //   per-token scores token_scores [B, H, t_q, max_pages * page_size], -inf where a token did
@@ -98,15 +104,28 @@ template <int TILE, int HEAD_DIM, typename T, typename KV = T, int MODS = MODS_N
 struct attn_decode_gqa_traits {
   static constexpr int ROWS = 16;  // query rows per CTA: the M of one mma fragment
   static constexpr int CONSUMER_WARPS = 4;
-  static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the last warp
-  static constexpr int NUM_WARPS = CONSUMER_WARPS + 1;
+  // One producer warp (the last), or over fp8 pages at d >= 128 two (the last two) taking
+  // alternate rounds: a warp issues on scheduler (warp % 4), and the one producer shares consumer
+  // 0's with its whole round (the busiest scheduler: 0.98 of its issue at d256); two fit there
+  // without costing residency (d128: 2 CTAs of 6 warps, d256: one), where d <= 96 would lose
+  // its third CTA
+  static constexpr int FP8_TWO_PRODUCERS_HEAD_DIM = 128;
+  static constexpr int PRODUCER_WARPS =
+      is_fp8_type<KV>::value && HEAD_DIM >= FP8_TWO_PRODUCERS_HEAD_DIM ? 2 : 1;
+  static constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer
+  static constexpr int NUM_WARPS = CONSUMER_WARPS + PRODUCER_WARPS;
   static constexpr int NUM_THREADS = NUM_WARPS * 32;
   // Two resident CTAs per SM at least at d <= 128 (shared memory allows 3 on sm_90): a
   // thread's registers stay under 204, the O, S and Q fragments unspilled. Past it (d256) one:
   // O alone is HEAD_DIM / 2 = 128 registers a lane, and the ring of 16-token stages is 135 KB.
   static constexpr int WIDE_HEAD_DIM = 128;  // the widest head dim with Q's fragments held
   static constexpr bool WIDE = HEAD_DIM > WIDE_HEAD_DIM;
-  static constexpr int MIN_CTAS_PER_SM = WIDE ? 1 : 2;
+  // fp8 pages at d <= 64 (the plain kernel): three, as shared memory allows on sm_90 (<= 136
+  // registers; held to two, ptxas took 137 at d64)
+  static constexpr int FP8_THREE_CTAS_HEAD_DIM = 64;
+  static constexpr bool THREE_CTAS =
+      is_fp8_type<KV>::value && MODS == MODS_NONE && HEAD_DIM <= FP8_THREE_CTAS_HEAD_DIM;
+  static constexpr int MIN_CTAS_PER_SM = WIDE ? 1 : THREE_CTAS ? 3 : 2;
   // The producer reads a round of ROUND_TOKENS tokens at once, a token a lane (TILE at least),
   // so that a tile under a warp's 32 tokens (fp8 at d96 and d128) pays the table, position,
   // scale and row-mask work once per 32 tokens; a round fills ROUND_TILES stages, and the ring
@@ -132,14 +151,16 @@ struct attn_decode_gqa_traits {
   static constexpr int MERGE_LD = HEAD_DIM + 2;
   static constexpr int MERGE_BYTES = CONSUMER_WARPS * ROWS * MERGE_LD * 4;
   // fp8 pages (KV fp8_e4m3 / fp8_e5m2): each stage's K and V page scale a token (after the row
-  // masks), and after the ring each consumer's K and V tiles widened (K to QK, V to T), which
-  // ldmatrix reads
+  // masks; the V scales relative to the stage's v_ref) and the stage's (v_ref, step), and
+  // after the ring each consumer's K and V tiles widened (to QK and PV), which ldmatrix reads
   static constexpr bool FP8 = is_fp8_type<KV>::value;
-  // Q K^T's operand type: T, or over fp8 pages fp16 (a cvt widens two codes to an fp16 pair in
-  // one instruction, exactly); P V stays in T (a probability times a page's V scale needs bf16's
-  // range)
+  // Q K^T's and P V's operand types: T, or over fp8 pages fp16 (a cvt widens two codes to an
+  // fp16 pair in one instruction, exactly; every code is under fp16's largest). P takes its V
+  // scale relative to the tile's v_ref, at most 1: a probability times a page's V scale itself
+  // could leave fp16's range
   using QK = typename type_if<FP8, __half, T>::type;
-  static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 : 0;
+  using PV = QK;
+  static constexpr int SCALE_BYTES = FP8 ? 2 * STAGES * TILE * 4 + STAGES * 8 : 0;
   static constexpr int WIDE_LD = SmemStride<T, HEAD_DIM>::value;
   static constexpr int WIDE_WARP_BYTES = 2 * TILE * WIDE_LD * int(sizeof(T));  // K, then V
   static constexpr int WIDE_BYTES = FP8 ? CONSUMER_WARPS * WIDE_WARP_BYTES : 0;
@@ -165,7 +186,8 @@ struct attn_decode_gqa_traits {
                                     WIDE_BYTES;
   static_assert(is_half_type<T>::value, "tensor-core decode: fp16 or bf16");
   static_assert(is_same_type<KV, T>::value || FP8, "pages of T or of fp8 codes");
-  static_assert(sizeof(QK) == sizeof(T), "the widened K and V tiles are alike in size");
+  static_assert(sizeof(QK) == sizeof(T) && sizeof(PV) == sizeof(T),
+                "the widened K and V tiles are alike in size");
   static_assert((RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) % 16 == 0,
                 "the widened tiles stay 16-byte aligned");
   static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole m16n8k16 steps");
@@ -175,6 +197,8 @@ struct attn_decode_gqa_traits {
   static_assert(ROWS <= 32, "a token's row mask is one word");
   static_assert(TILE / 2 <= 32, "a lane's dropout decisions of a tile are one word");
   static_assert(STAGES % CONSUMER_WARPS == 0, "a stage always has the same consumer");
+  static_assert(CONSUMER_WARPS / ROUND_TILES % PRODUCER_WARPS == 0,
+                "a stage is always filled by the same producer, its tile before's round too");
   static_assert((BARRIER_BYTES + MASK_BYTES) % 16 == 0, "the stages stay 16-byte aligned");
 };
 
@@ -208,11 +232,10 @@ __device__ __forceinline__ u32 row_mask(long long pos, long long first_query_pos
   return mask;
 }
 
-// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to W (fp16: the
-// cvt's pairs as they come; bf16: through float) in its own tile ([TILE][WIDE_LD]), 16 codes a
-// lane at a time.
-template <typename Traits, typename W, typename KV>
-__device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
+// fp8 pages: a consumer widens one stage's K or V tile of codes ([TILE][LD]) to fp16 (the cvt's
+// pairs as they come, exact) in its own tile ([TILE][WIDE_LD]), 16 codes a lane at a time.
+template <typename Traits, typename KV>
+__device__ __forceinline__ void widen_tile(__half* wide, const KV* codes, int lane) {
   constexpr int CHUNKS = Traits::TILE_ELEMS / Traits::LD * Traits::CHUNKS_PER_ROW;
   static_assert(CHUNKS % 32 == 0, "a tile's chunks divide among the lanes");
   // a chunk at a time: unrolled, every chunk's load goes ahead of the stores (registers)
@@ -226,12 +249,7 @@ __device__ __forceinline__ void widen_tile(W* wide, const KV* codes, int lane) {
     u32* dst = reinterpret_cast<u32*>(wide + row * Traits::WIDE_LD + col);
 #pragma unroll
     for (int e = 0; e < Traits::CHUNK / 2; ++e) {
-      const u32 pair = fp8x2_to_half2<KV>((unsigned short)(words[e / 2] >> (16 * (e % 2))));
-      if constexpr (is_same_type<W, __half>::value) {
-        dst[e] = pair;
-      } else {
-        dst[e] = pack_pair<W>(unpack_element<__half>(pair, 0), unpack_element<__half>(pair, 1));
-      }
+      dst[e] = fp8x2_to_half2<KV>((unsigned short)(words[e / 2] >> (16 * (e % 2))));
     }
   }
 }
@@ -381,7 +399,9 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   u64* empty = full + STAGES;
   u32* mask_smem = reinterpret_cast<u32*>(empty + STAGES);
   float* k_scale_smem = reinterpret_cast<float*>(mask_smem + STAGES * TILE);  // fp8 only
-  float* v_scale_smem = k_scale_smem + STAGES * TILE;
+  float* v_scale_smem = k_scale_smem + STAGES * TILE;  // relative to the stage's v_ref
+  // (v_ref, step): step is the v_ref of the consumer's tile before (1 for its first) over v_ref
+  float2* v_ref_smem = reinterpret_cast<float2*>(v_scale_smem + STAGES * TILE);
   int* pos_smem = reinterpret_cast<int*>(  // the modifier variant only
       reinterpret_cast<unsigned char*>(mask_smem + STAGES * TILE) + Traits::SCALE_BYTES);
   using QK = typename Traits::QK;
@@ -408,7 +428,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   }
 
-  if (warp == Traits::PRODUCER_WARP) {
+  constexpr int PRODUCERS = Traits::PRODUCER_WARPS;
+  if (PRODUCERS == 1 ? warp == Traits::PRODUCER_WARP : warp >= Traits::PRODUCER_WARP) {
     const int* table =
         page_table + size_t(b) * table_batch_stride + size_t(kv_head) * table_head_stride;
     const int head_row = kv_head * head_rows;
@@ -425,11 +446,14 @@ __device__ __forceinline__ void attn_decode_gqa_body(
     // A round's tokens, one a lane per token round r (token lane + 32 r): the page slot (-1:
     // past the run), its k_pages / v_pages row and the position there (-1: none kept; a
     // caller's table's is the table slot, kept below the length). Read ahead: while round u is
-    // issued, the positions of round u + 1 and the table entries of round u + 2 are loaded, so
-    // that the producer never waits for its own dependent pair of loads (table, then slot_pos).
+    // issued, the positions of this warp's next round and the table entries of the one after
+    // are loaded, so that the producer never waits for its own dependent pair of loads (table,
+    // then slot_pos).
     constexpr int ROUND_TOKENS = Traits::ROUND_TOKENS;
     constexpr int ROUND_TILES = Traits::ROUND_TILES;
     const int rounds = (tiles + ROUND_TILES - 1) / ROUND_TILES;
+    // this warp's rounds: first_round, first_round + PRODUCERS, ...
+    const int first_round = PRODUCERS == 1 ? 0 : warp - Traits::PRODUCER_WARP;
     struct Tokens {
       int slot[Traits::TOKEN_ROUNDS];
       int row[Traits::TOKEN_ROUNDS];
@@ -462,13 +486,20 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         }
       }
     };
+    // fp8: the v_ref of the tiles of this warp's last V_REF_ROUNDS rounds, oldest first (1
+    // before the first), each lane its tile's: round u - CONSUMER_WARPS / ROUND_TILES's tile g
+    // is tile t - CONSUMER_WARPS, the one before of tile t's consumer
+    constexpr int V_REF_ROUNDS = Traits::CONSUMER_WARPS / ROUND_TILES / PRODUCERS;
+    float v_ref_before[V_REF_ROUNDS];
+#pragma unroll
+    for (int i = 0; i < V_REF_ROUNDS; ++i) v_ref_before[i] = 1.f;
     Tokens now, next, after;
-    read_slots(0, now);
-    read_slots(1, next);
+    read_slots(first_round, now);
+    read_slots(first_round + PRODUCERS, next);
     read_positions(now);
-    for (int u = 0; u < rounds; ++u) {
+    for (int u = first_round; u < rounds; u += PRODUCERS) {
       read_positions(next);
-      read_slots(u + 2, after);
+      read_slots(u + 2 * PRODUCERS, after);
       u32 mask[Traits::TOKEN_ROUNDS];
       int kept_row[Traits::TOKEN_ROUNDS];  // -1: zero-filled
 #pragma unroll
@@ -478,6 +509,28 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         mask[r] = row_mask<ROWS>(now.pos[r], first_query_pos, t_q, query_of, all_rows,
                                  chosen_rows + entry, max_pages, use_chosen);
         kept_row[r] = now.pos[r] >= 0 ? now.row[r] : -1;
+      }
+      // fp8: v_ref, the largest V scale of the tile's counted tokens (a lane holds its tile's:
+      // the shuffles stay within TILE lanes, or the warp), 1 where none counts; each token's V
+      // scale over it (0 where the token counts for no row: its probability is 0 everywhere,
+      // and a scale far over v_ref must not make 0 x inf)
+      float v_ref = 1.f, v_ref_inv = 1.f, v_step = 1.f;
+      if constexpr (FP8) {
+        float v_max = 0.f;  // fmaxf drops a NaN scale: its ratio below stays NaN
+#pragma unroll
+        for (int r = 0; r < Traits::TOKEN_ROUNDS; ++r) {
+          v_max = fmaxf(v_max, mask[r] != 0u ? now.v_scale[r] : 0.f);
+        }
+#pragma unroll
+        for (int offset = (TILE < 32 ? TILE : 32) / 2; offset > 0; offset /= 2) {
+          v_max = fmaxf(v_max, __shfl_xor_sync(FULL_WARP, v_max, offset));
+        }
+        v_ref = v_max > 0.f ? v_max : 1.f;
+        v_ref_inv = __fdividef(1.f, v_ref);  // exact for the powers of two a KVCache keeps
+        v_step = v_ref_before[0] * v_ref_inv;  // the consumer's O from its tile before's units
+#pragma unroll
+        for (int i = 0; i + 1 < V_REF_ROUNDS; ++i) v_ref_before[i] = v_ref_before[i + 1];
+        v_ref_before[V_REF_ROUNDS - 1] = v_ref;
       }
 #pragma unroll
       for (int g = 0; g < ROUND_TILES; ++g) {
@@ -492,10 +545,13 @@ __device__ __forceinline__ void attn_decode_gqa_body(
             mask_smem[s * TILE + token] = mask[r];
             if constexpr (FP8) {  // a zero-filled slot is 0 at any scale
               k_scale_smem[s * TILE + token] = now.k_scale[r];
-              v_scale_smem[s * TILE + token] = now.v_scale[r];
+              v_scale_smem[s * TILE + token] = mask[r] != 0u ? now.v_scale[r] * v_ref_inv : 0.f;
             }
             if constexpr (Traits::MODDED) pos_smem[s * TILE + token] = int(now.pos[r]);
           }
+        }
+        if constexpr (FP8) {  // the tile's first lane
+          if (lane == g * TILE % 32) v_ref_smem[s] = make_float2(v_ref, v_step);
         }
         KV* k_tile = ring + s * Traits::STAGE_ELEMS;
         KV* v_tile = k_tile + Traits::TILE_ELEMS;
@@ -626,19 +682,19 @@ __device__ __forceinline__ void attn_decode_gqa_body(
           }
         }
       }
+      using PV = typename Traits::PV;
       const QK* k_tile;
-      const T* v_tile;
+      const PV* v_tile;
       int tile_ld;
       if constexpr (FP8) {
-        // the codes widened (exact: every e4m3 and e5m2 code is an fp16 and a bf16) into this
-        // warp's own tiles, K to fp16 and V to T; the scales stay outside, on the scores and
-        // the probabilities
+        // the codes widened (exact: every e4m3 and e5m2 code is an fp16) into this warp's own
+        // fp16 tiles; the scales stay outside, on the scores and the probabilities
         unsigned char* wide = reinterpret_cast<unsigned char*>(ring) +
                               (Traits::RING_BYTES > Traits::MERGE_BYTES ? Traits::RING_BYTES
                                                                         : Traits::MERGE_BYTES) +
                               warp * Traits::WIDE_WARP_BYTES;
         QK* k_wide = reinterpret_cast<QK*>(wide);
-        T* v_wide = reinterpret_cast<T*>(wide + Traits::WIDE_WARP_BYTES / 2);
+        PV* v_wide = reinterpret_cast<PV*>(wide + Traits::WIDE_WARP_BYTES / 2);
         widen_tile<Traits>(k_wide, ring + s * Traits::STAGE_ELEMS, lane);
         widen_tile<Traits>(v_wide, ring + s * Traits::STAGE_ELEMS + Traits::TILE_ELEMS, lane);
         __syncwarp();
@@ -718,8 +774,8 @@ __device__ __forceinline__ void attn_decode_gqa_body(
         for (int e = 0; e < 4; ++e) {
           s_acc[j][e] = exp2f(s_acc[j][e] - base[e / 2]);
           p_sum[e / 2] += s_acc[j][e];
-          // fp8: P.V multiplies the V codes, so a probability takes its token's V scale (a
-          // power of two: exact in the bf16 P too)
+          // fp8: P.V multiplies the V codes, so a probability takes its token's V scale over
+          // the tile's v_ref (at most 1: the fp16 P stays in range at any scale)
           if constexpr (FP8) s_acc[j][e] *= v_scale_smem[s * TILE + frag.pair_col(j) + e % 2];
         }
       }
@@ -736,6 +792,14 @@ __device__ __forceinline__ void attn_decode_gqa_body(
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l_i[r] = l_i[r] * correction[r] + p_sum[r];
+      // fp8: O's correction also takes it from the v_ref of this warp's tile before to this
+      // tile's (l_i's stays of the probabilities alone); a 0 correction (nothing counted yet)
+      // stays 0
+      if constexpr (FP8) {
+        const float step = v_ref_smem[s].y;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) correction[r] *= step;
+      }
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 8; ++j) {
 #pragma unroll
@@ -753,6 +817,17 @@ __device__ __forceinline__ void attn_decode_gqa_body(
   float* merge_smem = reinterpret_cast<float*>(ring);
   constexpr int MERGE_LD = Traits::MERGE_LD;
   if (warp < Traits::CONSUMER_WARPS) {
+    if constexpr (FP8) {
+      // O in the V scales' units: times the v_ref of this warp's last tile, whose stage no tile
+      // refills (1 without a tile)
+      const int last = warp + (tiles - 1 - warp) / Traits::CONSUMER_WARPS * Traits::CONSUMER_WARPS;
+      const float v_units = warp < tiles ? v_ref_smem[last % STAGES].x : 1.f;
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= v_units;
+      }
+    }
     float* mine = merge_smem + warp * ROWS * MERGE_LD;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
@@ -861,10 +936,11 @@ __global__ void __launch_bounds__(
 
 // attn_decode_gqa over fp8 pages (KV fp8_e4m3 or fp8_e5m2; q and out bf16): the producer copies
 // the codes (half the bytes) and each token's page scales (k_scale / v_scale float32
-// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K codes to fp16 and
-// the V codes to T in tiles of its own (exact), multiplies each score by its token's K scale
-// before the mask (and every modifier) and each probability by its V scale after l_i's sum,
-// and computes on tensor cores as attn_decode_gqa (Q K^T in fp16).
+// [num_pages], cuattn/serving/fp8.py) into the stage; a consumer widens the K and V codes to
+// fp16 in tiles of its own (exact), multiplies each score by its token's K scale before the
+// mask (and every modifier) and each probability by its V scale over the tile's v_ref after
+// l_i's sum, and computes on tensor cores as attn_decode_gqa (Q K^T and P V in fp16, O in
+// units of its last tile's v_ref).
 template <int TILE, int HEAD_DIM, typename T, typename KV, int MODS>
 __global__ void __launch_bounds__(
     attn_decode_gqa_traits<TILE, HEAD_DIM, T, KV, MODS>::NUM_THREADS,

@@ -331,19 +331,24 @@ DECODE_REGISTERS_ASSUMED = 240
 # Opt-in: it has not run on a GPU yet, so CUATTN_DECODE=gqa chooses it where it applies and the
 # default ("split") never does.
 DECODE_GQA_KERNEL = "attn_decode_gqa"
-# attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (a
-# probability times a small V scale could leave fp16's range), TILE half of bf16's
-# (decode_gqa_fp8_tile: each consumer widens its stage's codes into bf16 tiles of its own; at
-# bf16's TILE, d128 needed 218 registers, one CTA an SM, and d64 117 KB of shared memory)
+# attn_decode_gqa over fp8 pages, templated on <TILE, HEAD_DIM, T, KV>: bf16 q only (the
+# instantiations made; Q K^T and P V run on fp16 tensor cores, Q times a power of two and P
+# with its V scale relative to its tile's largest, in fp16's range either way), TILE half of
+# bf16's (decode_gqa_fp8_tile: each consumer widens its stage's codes into fp16 tiles of its
+# own; at bf16's TILE, d128 needed 218 registers, one CTA an SM, and d64 117 KB of shared
+# memory)
 DECODE_GQA_FP8_KERNEL = "attn_decode_gqa_fp8"
 DECODE_GQA_FP8_Q_DTYPES = ("bfloat16",)
 DECODE_GQA_KERNELS = (DECODE_GQA_KERNEL, DECODE_GQA_FP8_KERNEL)
 # The kernels with a score-modifier variant (a last template flag, CXX_MODS).
 MODS_KERNELS = BLOCK_KERNELS + DECODE_KERNELS + DECODE_GQA_KERNELS
 DECODE_GQA_ROWS = 16
-DECODE_GQA_WARPS = 5  # 4 consumers and the producer
 # Stages: one per consumer warp and tile of a producer round (decode_gqa_stages)
 DECODE_GQA_CONSUMERS = 4
+DECODE_GQA_WARPS = DECODE_GQA_CONSUMERS + 1  # and the producer
+# attn_decode_gqa_fp8 from this head dim up: two producer warps taking alternate rounds (the one
+# producer's warp scheduler, shared with consumer 0, was the busiest); 2 CTAs of 6 warps at d128
+DECODE_GQA_FP8_TWO_PRODUCERS_HEAD_DIM = 128
 DECODE_GQA_TILE_BYTES = 8 * 1024  # one stage's K tile, as many bytes of V
 DECODE_GQA_MIN_TILE = 16  # a whole m16n8k16 step
 DECODE_GQA_MAX_TILE = 64
@@ -1157,8 +1162,9 @@ class KernelConfig(_Launch):
             )
             if self.mods:
                 tile_n = min(tile_n, DECODE_GQA_MODS_MAX_TILE)
-            num_warps = DECODE_GQA_WARPS
-            consumers = num_warps - 1
+            consumers = DECODE_GQA_CONSUMERS
+            two_producers = fp8 and self.head_dim >= DECODE_GQA_FP8_TWO_PRODUCERS_HEAD_DIM
+            num_warps = DECODE_GQA_WARPS + (1 if two_producers else 0)
             stages = decode_gqa_stages(tile_n)
             barriers = 2 * stages * DECODE_GQA_BARRIER_BYTES
             masks = stages * tile_n * 4
@@ -1169,9 +1175,10 @@ class KernelConfig(_Launch):
             ring = stages * 2 * tile_n * ld * itemsize
             merge = consumers * tile_m * (self.head_dim + 2) * 4
             smem = barriers + masks + max(ring, merge)
-            if fp8:  # a K and a V scale a stage's token; each consumer's widened K and V tiles
+            if fp8:  # a K and a V scale a stage's token and its (v_ref, 1 / v_ref); each
+                # consumer's widened K and V tiles (fp16)
                 wide_ld = _smem_stride(self.head_dim, ITEMSIZE[self.dtype])
-                smem += 2 * stages * tile_n * 4
+                smem += 2 * stages * tile_n * 4 + stages * 2 * 4
                 smem += consumers * 2 * tile_n * wide_ld * ITEMSIZE[self.dtype]
         elif self.kernel == SM90_BWD:
             assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self

@@ -377,6 +377,43 @@ def test_tensor_core_kernel_wraps_its_ring_many_times(launched, monkeypatch):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("d", [64, 128])  # one producer warp; two, taking alternate rounds
+def test_tensor_core_kernel_takes_v_scales_past_fp16s_range(name, d, launched, monkeypatch):
+    """P V runs on fp16 tensor cores over the V codes widened to fp16, P with its token's V scale
+    relative to its tile's largest: values 2^-24 and 2^40 in size (page scales past fp16's range
+    both ways), pages of 4 tokens whose scales differ by up to 2^10 within a 16-token tile and
+    whose tiles' largest differ from tile to tile (O changes its units), NaN
+    codes in every slot the cache does not keep; each kv head's rows against the float64 oracle
+    over the dequantised values, at its own magnitude."""
+    monkeypatch.setattr(decode, "INTERP_RESIDENT_CTAS", 1)  # one split: ~12 tiles a CTA
+    rng = np.random.default_rng(31)
+    group, prefill = 4, 200
+    cache = cuattn.KVCache(2, 2, d, name, page_size=4, policy=P.SlidingWindow(180))
+    sizes = np.array([[2.0**-24, 2.0**40], [1.0, 2.0**-10]])[:, :, None, None]
+    page_gain = 2.0 ** np.array([0, 3, -4, 6, 1])  # by the token's page of 4: tiles' v_ref differ
+
+    def gained(tokens, first):
+        x = rng.standard_normal((2, 2, tokens, d))
+        page = (first + np.arange(tokens)) // 4 % len(page_gain)
+        return x * page_gain[page][None, None, :, None]
+
+    k = rng.standard_normal((2, 2, prefill, d))
+    cache.append(_bf16(k), _bf16(sizes * gained(prefill, 0)), lengths=[prefill, prefill - 9])
+    cache.append(_bf16(rng.standard_normal((2, 2, 1, d))), _bf16(sizes * gained(1, prefill)))
+    cache.v_pages[cache.slot_pos < 0] = 0x7F  # NaN in both formats
+    v_scale = np.asarray(cache.v_scale)[np.unique(np.asarray(cache.page_table))]
+    assert v_scale.min() < 2.0**-24 and v_scale.max() > 2.0**16  # past fp16's, both ways
+    q = _bf16(rng.standard_normal((2, 2 * group, 1, d)))
+    got = np.asarray(cuattn.decode_attention(q, cache, backend="interp")).astype(np.float64)
+    want = kept_attention(cache, q)
+    for b in range(2):
+        for kv_head in range(2):
+            rows = slice(kv_head * group, (kv_head + 1) * group)
+            _close(got[b, rows], want[b, rows])
+    assert launched == [geometry.DECODE_GQA_FP8_KERNEL]
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_tensor_core_kernel_keeps_large_queries_in_fp16_range(name, launched, monkeypatch):
     """Q K^T runs in fp16: queries whose |q scale log2(e)| reaches ~10^5 (past fp16's 65504)
     against keys ~10^-6, so the scores stay ~1, match the oracle; an inf in q stays inf (a

@@ -968,7 +968,9 @@ def bwd_sm90_items(layout: object, batch: int, head_dim: int, kv_group: int = 1)
             for h in range(kv_head * kv_group, (kv_head + 1) * kv_group):
                 for i in np.flatnonzero(per_tile[h, :, tile]):
                     held = int(per_tile[h, i, tile]) * (2 // key_blocks)
-                    steps += [(h, int(i) * steps_per_block + s, held) for s in range(steps_per_block)]
+                    steps += [
+                        (h, int(i) * steps_per_block + s, held) for s in range(steps_per_block)
+                    ]
             columns[(kv_head, tile)] = tuple(steps)
     groups = geometry.sm90_backward_cta_groups(
         batch, kv_heads, layout.n_ctx, head_dim, "bfloat16", kv_group
@@ -982,9 +984,7 @@ def bwd_sm90_items(layout: object, batch: int, head_dim: int, kv_group: int = 1)
             for pair in range(first, first + size):
                 b, kv_head = divmod(pair, kv_heads)
                 tile = int(order[kv_head, position])
-                steps = tuple(
-                    (b * heads + h, q, held) for h, q, held in columns[(kv_head, tile)]
-                )
+                steps = tuple((b * heads + h, q, held) for h, q, held in columns[(kv_head, tile)])
                 out.append(BwdItem(pair, tile, steps))
         first += size
     return out
@@ -1162,7 +1162,9 @@ def bwd_sm90_table(
         "| unordered dQ ms | "
         + " | ".join(f"{lever[0]} ms (ratio), change" for lever in SM90_BWD_LEVERS[1:])
         + " |",
-        "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in SM90_BWD_LEVERS[1:]) + " |",
+        "| --- | ---: | ---: | ---: | ---: | "
+        + " | ".join("---:" for _ in SM90_BWD_LEVERS[1:])
+        + " |",
     ]
     for block in blocks:
         layouts = shape.layouts(block)
@@ -1193,7 +1195,13 @@ def bwd_sm90_table(
             if labels is not None and label not in labels:
                 continue
 
-            def ratio(i: int, density: float = density, preds: list = preds) -> float:
+            def ratio(
+                i: int,
+                density: float = density,
+                preds: list = preds,
+                base_density: float = base_density,
+                base: list = base,
+            ) -> float:
                 return density / base_density * base[i].seconds / preds[i].seconds
 
             today = preds[0]

@@ -17,6 +17,7 @@ ACCEPTED = {
     geometry.SM90_TILE_N_ENV: geometry.SM90_TILE_N_CHOICES,
     geometry.SM90_RESCALE_ENV: geometry.SM90_RESCALE_CHOICES,
     geometry.BWD_DQ_ENV: geometry.BWD_DQ_ORDERS,
+    geometry.BWD_SM90_ENV: geometry.BWD_SM90_SCHEDULES,
     geometry.DECODE_ENV: geometry.DECODE_FAMILIES,
     geometry.DECODE_FP8_ENV: geometry.DECODE_FP8_FAMILIES,
     geometry.SCORE_BIAS_ENV: geometry.DECODE_FP8_FAMILIES,

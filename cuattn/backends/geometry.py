@@ -199,6 +199,10 @@ BWD_SM90_ENV = "CUATTN_BWD_SM90"
 BWD_SM90_ONE_SHOT = "one-shot"
 BWD_SM90_PERSISTENT = "persistent"
 BWD_SM90_SCHEDULES = (BWD_SM90_ONE_SHOT, BWD_SM90_PERSISTENT)
+# (block, head dim, rule) the persistent backward has no instantiation for: at d = 128 with
+# 64-blocks the window and bitmask rules leave its item loop 4-14 bytes of registers short
+# (ptxas spills); there CUATTN_BWD_SM90=persistent keeps attn_bwd_sm90.
+SM90_BWD_PERSISTENT_SPILLS = ((64, 128, "window"), (64, 128, "bitmask"))
 # The persistent sm_90a forward (issue 53): attn_fwd_sm90's items taken by one CTA an SM from a
 # work list built from the layout (sm90_work_list) through a zeroed counter. It has never run on
 # a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
@@ -1640,10 +1644,17 @@ def sm90_backward_supports(block: int | None, head_dim: int, dtype: str) -> bool
     return block in SM90_BWD_BLOCKS and head_dim in SM90_BWD_HEAD_DIMS and dtype in SM90_DTYPES
 
 
+def sm90_backward_persistent_supports(block: int, head_dim: int, rule: str) -> bool:
+    """Whether attn_bwd_sm90_persistent has an instantiation for this block, head dim and rule
+    (wherever attn_bwd_sm90 has one, but SM90_BWD_PERSISTENT_SPILLS)."""
+    return (block, head_dim, rule) not in SM90_BWD_PERSISTENT_SPILLS
+
+
 def sm90_backward_configs(kernel: str = SM90_BWD) -> list[KernelConfig]:
     """One config per instantiation of the sm_90a backward (64: blocks x head dims x dtypes x
     rules x the dQ order) and of its dQ conversion (4); ``kernel`` SM90_BWD_PERSISTENT: the
-    persistent backward's 64 alone (the conversion is the same)."""
+    persistent backward's alone (56: those 64 but SM90_BWD_PERSISTENT_SPILLS'; the conversion
+    is the same)."""
     shapes = list(itertools.product(SM90_BWD_HEAD_DIMS, SM90_DTYPES))
     return [
         *[
@@ -1651,6 +1662,7 @@ def sm90_backward_configs(kernel: str = SM90_BWD) -> list[KernelConfig]:
             for unordered, block, (head_dim, dtype), rule in itertools.product(
                 (False, True), SM90_BWD_BLOCKS, shapes, RULES
             )
+            if kernel == SM90_BWD or sm90_backward_persistent_supports(block, head_dim, rule)
         ],
         *[
             KernelConfig(SM90_BWD_DQ, head_dim, dtype)

@@ -780,6 +780,9 @@ class KernelBackend:
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         xp = self.xp
         persistent = geometry.sm90_backward_schedule() == geometry.BWD_SM90_PERSISTENT
+        persistent &= geometry.sm90_backward_persistent_supports(
+            layout.blocksize, head_dim, layout.rule.kind
+        )
         key_blocks = geometry.sm90_bwd_key_blocks(layout.blocksize)
         # persistent: its grid (CTAs) and the pairs' sizes, which the grid no longer gives
         items = -(-layout.num_blocks // key_blocks) * kv_heads * batch

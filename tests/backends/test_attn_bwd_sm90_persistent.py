@@ -237,3 +237,25 @@ def test_where_it_has_no_instantiation_the_one_shot_kernel_runs(sm90a, monkeypat
         geometry.SM90_BWD,
         geometry.SM90_BWD_DQ,
     ]
+
+
+def test_a_device_layout_runs_it_on_the_order_built_on_the_device(sm90a, monkeypatch):
+    """A DeviceLayout (bigbird causal, a ragged tail, 2 batches): the persistent backward runs on
+    the claim order and ranks built on the device (nothing read back to the host), the bits of
+    the host layout's one-shot backward."""
+    from tests.backends.test_device_schedules import as_device, no_host_schedule
+
+    device = as_device(make_layout("bigbird", 6 * 64 + 5, 2, 64, causal=True))
+    host = device.host()
+    q, k, v, dout = inputs(host, 2, 2, HEAD_DIM, DTYPE, seed=17)
+    call = AttentionCall(host, 0.125)
+    out, lse = interp.forward(q, k, v, call)
+    one_shot = interp.backward(q, k, v, out, lse, dout, None, call)
+    monkeypatch.setenv(geometry.BWD_SM90_ENV, geometry.BWD_SM90_PERSISTENT)
+    with no_host_schedule():
+        grads, names = launched(
+            interp.backward, q, k, v, out, lse, dout, None, AttentionCall(device, 0.125)
+        )
+    assert names[1:3] == ["sm90_claim_order", "sm90_dq_ranks"], names
+    assert names[3].startswith("attn_bwd_sm90_persistent<"), names
+    assert_same_bits(grads, one_shot, "device layout against the host's one-shot")

@@ -199,13 +199,6 @@ __device__ __forceinline__ void bwd_opaque_to_compiler(int& value) {
 #endif
 }
 
-// A claimed item: its kv head, batch and key tile (the tile_order entry its place names).
-struct BwdItem {
-  int kv_head;
-  int batch;
-  int k_tile;
-};
-
 // The persistent backward's hand-over of claimed places: the producer's thread publishes its
 // n-th place (BWD_NO_ITEM once the counter has passed the last item) in slot n % SLOTS; each
 // consumer thread and the reduce thread reads it, and releases the slot once done with the
@@ -289,7 +282,7 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
   __shared__ int claimed;
   __shared__ int computed[Traits::DS_STAGES][Traits::CONSUMERS];  // a consumer's dS^T stage
   // Persistent: kv_empty (the consumers are done with K and V) and the places claimed, handed
-  // from the producer to the consumers and the reduce thread through two slots.
+  // from the producer to the consumers and the reduce thread.
   __shared__ u64 kv_empty;
   __shared__ BwdItemSlots item_slots;
   if (threadIdx.x == 0) {
@@ -307,11 +300,12 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
   __syncthreads();  // the barriers and the claimed work, before anyone uses them
 
   // A claimed place: a (kv head, batch) pair of its group and a place in the kv head's
-  // tile_order (header).
+  // tile_order (header). attn_bwd_sm90 decodes its one place here; the persistent kernel each
+  // role's at each item (set_item), its sizes (and the divisions' reciprocals) recomputed
+  // there rather than held across the items.
   const int num_k_tiles = (num_k_blocks + KEY_BLOCKS - 1) / KEY_BLOCKS;
-  auto item_of = [&](int place) {
-    // Persistent: the sizes (and the divisions' reciprocals) recomputed at each decode, not
-    // held across the items.
+  int kv_head, batch, k_tile_index, k_block, k_start, k_last;
+  auto set_item = [&](int place) {
     int tiles = num_k_tiles;
     int pairs = kv_heads * batch_size;
     int groups = cta_groups;
@@ -322,11 +316,14 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
     }
     const GroupedItem item = grouped_item(unsigned(place), unsigned(tiles), unsigned(pairs),
                                           unsigned(groups));
-    const int kv_head = item.pair % kv_heads;
-    return BwdItem{kv_head, item.pair / kv_heads, tile_order[kv_head * tiles + item.position]};
+    kv_head = item.pair % kv_heads;
+    batch = item.pair / kv_heads;
+    k_tile_index = tile_order[kv_head * tiles + item.position];
+    k_block = k_tile_index * KEY_BLOCKS;  // the item's (first) key block
+    k_start = k_tile_index * TILE_K;
+    k_last = k_start + TILE_K - 1;
   };
-  // attn_bwd_sm90's one item, decoded once for every role
-  const BwdItem claimed_item = PERSISTENT ? BwdItem{} : item_of(claimed);
+  if constexpr (!PERSISTENT) set_item(claimed);
   const int heads = kv_heads * kv_group;
   const int q_padded = (n_q + TILE_Q - 1) / TILE_Q * TILE_Q;  // rows of stats and dq_accum
   // Shuffled from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the
@@ -340,6 +337,8 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
   // of the next query head is num_k_blocks + 1 on. Unsigned: no sign extension held in a
   // register by the producer, which runs on 24 of them at d = 128.
   const unsigned head_columns = unsigned(num_k_blocks + 1);
+  // whether the second block exists
+  auto is_paired = [&] { return KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks; };
   auto column_walk = [&](unsigned column, bool paired, int row_block) {
     return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(col_ptr + column, paired, row_idx,
                                                       col_mask, row_block);
@@ -347,35 +346,41 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x == 0) {
-      // The copies of an item: K and V once, then every step of every query head of the kv
-      // head (t: the ring's items so far).
-      auto produce = [&](const BwdItem& item, int& t) {
-        const int kv_head = item.kv_head;
-        const int batch = item.batch;
-        const int k_block = item.k_tile * KEY_BLOCKS;  // the CTA's (first) key block
-        const int k_start = item.k_tile * TILE_K;
-        const int k_last = k_start + TILE_K - 1;
-        const bool paired = KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks;  // a second block
-        int item_q_col = q_col, item_k_col = k_col, item_v_col = v_col, item_dout_col = dout_col;
-        if constexpr (PERSISTENT) {
-          bwd_opaque_to_compiler(item_q_col);
-          bwd_opaque_to_compiler(item_k_col);
-          bwd_opaque_to_compiler(item_v_col);
-          bwd_opaque_to_compiler(item_dout_col);
-        }
-        auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
-                               int col, int row, int map_head, u64* full) {
+      // The copies of each item: K and V once, then every step of every query head of the kv
+      // head. Persistent: claims until the counter passes the last item, each place handed to
+      // the other roles before its copies; the next item's K and V once the consumers are done
+      // with the current one's (its Q and dO steps land in the ring meanwhile, as it frees).
+      int col_q = q_col, col_k = k_col, col_v = v_col, col_dout = dout_col;
+      auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
+                             int col, int row, int map_head, u64* full) {
 #pragma unroll
-          for (int panel = 0; panel < Traits::PANELS; ++panel) {
-            tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS,
-                        row, map_head, batch, full);
-          }
-        };
+        for (int panel = 0; panel < Traits::PANELS; ++panel) {
+          tma_load_4d(tile_smem + panel * panel_bytes, map, col + panel * Traits::PANEL_COLUMNS,
+                      row, map_head, batch, full);
+        }
+      };
+      int t = 0;
+      for (;;) {
+        if constexpr (PERSISTENT) {
+          int pairs = kv_heads * batch_size;
+          bwd_opaque_to_compiler(pairs);  // recomputed here, not held across the item
+          const int place = claim_work(work_counter);
+          const bool past = place >= num_k_tiles * pairs;
+          const int n = item_slots.publish(past ? BWD_NO_ITEM : place);
+          if (past) break;
+          if (n > 0) mbarrier_wait_parity(&kv_empty, unsigned(n - 1) & 1u);
+          set_item(place);
+          t = item_slots.copied_steps;
+          // the second panels' coordinates computed here, not held across the items
+          bwd_opaque_to_compiler(col_q);
+          bwd_opaque_to_compiler(col_k);
+          bwd_opaque_to_compiler(col_v);
+          bwd_opaque_to_compiler(col_dout);
+        }
+        const bool paired = is_paired();
         mbarrier_arrive_expect_tx(kv_full, unsigned(2 * Traits::KV_BYTES));
-        load_panels(k_tile, Traits::KV_PANEL_BYTES, k_map, item_k_col, k_start, kv_head,
-                    kv_full);
-        load_panels(v_tile, Traits::KV_PANEL_BYTES, v_map, item_v_col, k_start, kv_head,
-                    kv_full);
+        load_panels(k_tile, Traits::KV_PANEL_BYTES, k_map, col_k, k_start, kv_head, kv_full);
+        load_panels(v_tile, Traits::KV_PANEL_BYTES, v_map, col_v, k_start, kv_head, kv_full);
         for (int group_head = 0; group_head < kv_group; ++group_head) {
           const int head = kv_head * kv_group + group_head;
           auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
@@ -383,45 +388,29 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
           for (; walk.next(tile, rule, k_start, k_last); ++t) {
             const int stage = Ring::stage(t);
             u64* full = ring->acquire(t, unsigned(Traits::STEP_BYTES));
-            load_panels(q_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, q_map,
-                        item_q_col, tile.start, head, full);
+            load_panels(q_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, q_map, col_q,
+                        tile.start, head, full);
             load_panels(do_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, dout_map,
-                        item_dout_col, tile.start, head, full);
+                        col_dout, tile.start, head, full);
             tma_load_4d(stats + stage * 2 * TILE_Q, stats_map, tile.start, 0, head, batch, full);
           }
         }
-      };
-      if constexpr (PERSISTENT) {
-        // Claims until the counter passes the last item, each place handed to the other
-        // roles before its copies; the next item's K and V once the consumers are done with
-        // the current one's (its Q and dO steps land in the ring meanwhile, as they free).
-        for (;;) {
-          int pairs = kv_heads * batch_size;
-          bwd_opaque_to_compiler(pairs);  // recomputed here, not held across the item
-          const int items = num_k_tiles * pairs;
-          const int place = claim_work(work_counter);
-          const int n = item_slots.publish(place < items ? place : BWD_NO_ITEM);
-          if (place >= items) break;
-          if (n > 0) mbarrier_wait_parity(&kv_empty, unsigned(n - 1) & 1u);
-          volatile int* steps = &item_slots.copied_steps;
-          int t = *steps;
-          produce(item_of(place), t);
-          *steps = t;
+        if constexpr (PERSISTENT) {
+          item_slots.copied_steps = t;
+        } else {
+          break;
         }
-      } else {
-        int t = 0;
-        produce(claimed_item, t);
       }
     } else if (threadIdx.x == 32) {
-      // The dQ reduces of an item, a step at a time in the walk's order, each at its entry's
-      // rank (reduced: the steps reduced so far).
-      auto reduce = [&](const BwdItem& item, int& reduced) {
-        const int kv_head = item.kv_head;
-        const int batch = item.batch;
-        const int k_block = item.k_tile * KEY_BLOCKS;
-        const int k_start = item.k_tile * TILE_K;
-        const int k_last = k_start + TILE_K - 1;
-        const bool paired = KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks;
+      // The dQ reduces, a step at a time in the walk's order, each at its entry's rank.
+      int reduced = 0;
+      for (int n = 0;;) {
+        if constexpr (PERSISTENT) {
+          const int place = item_slots.wait(n);
+          if (place == BWD_NO_ITEM) break;
+          set_item(place);
+        }
+        const bool paired = is_paired();
         for (int group_head = 0; group_head < kv_group; ++group_head) {
           const int head = kv_head * kv_group + group_head;
           // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
@@ -444,17 +433,11 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
             }
           }
         }
-      };
-      int reduced = 0;
-      if constexpr (PERSISTENT) {
-        for (int n = 0;; ++n) {
-          const int place = item_slots.wait(n);
-          if (place == BWD_NO_ITEM) break;
-          reduce(item_of(place), reduced);
-          item_slots.release(n);
+        if constexpr (PERSISTENT) {
+          item_slots.release(n++);
+        } else {
+          break;
         }
-      } else {
-        reduce(claimed_item, reduced);
       }
       // Unordered, the reduces' writes to dq_accum are retired once, before the CTA ends.
       if constexpr (DQ_ORDER == DQ_UNORDERED) bulk_wait_group_complete<0>();
@@ -462,19 +445,21 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
     return;
   }
 
-  // A consumer: keys 64 (warpgroup - 1) on of an item's tile, in key block key_first / BLOCK.
+  // A consumer: keys 64 (warpgroup - 1) on of the item's tile, in key block key_first / BLOCK.
   // What derives from the item's tile derives from key_first: one register, where the
   // consumers use all setmaxnreg gives them at d = 128.
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   const int consumer = warpgroup - 1;
   const int row_block = KEY_BLOCKS == 2 ? consumer : 0;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
+  int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
+  int warp_key = key_first + warp_in_group * 16;
   const AccLayout frag;
   const float score_log2 = scale * LOG2E;
 
-  float dk_frags[HEAD_DIM / 8][4];  // zeroed at each item's start
+  float dk_frags[HEAD_DIM / 8][4] = {};
   float(&dk_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(dk_frags);
-  float dv_frags[HEAD_DIM / 8][4];
+  float dv_frags[HEAD_DIM / 8][4] = {};
   float(&dv_acc)[HEAD_DIM / 2] = reinterpret_cast<float(&)[HEAD_DIM / 2]>(dv_frags);
   float s[TILE_Q / 8][4];
   float(&s_acc)[TILE_Q / 2] = reinterpret_cast<float(&)[TILE_Q / 2]>(s);
@@ -602,38 +587,31 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
     return computed[ds_stage][1 - consumer] != 0;
   };
 
-  // The item the consumer is on (its n-th, persistent: the count in shared memory), decoded
-  // from its slot where needed: the consumers hold no register for it across the steps.
+  // The consumer's items: persistent, the count it has taken lives in shared memory (its
+  // threads read it at an item's start and end; its first thread advances it between two
+  // barriers), so no register holds it across the steps.
   volatile int* items_taken = &item_slots.taken[consumer];
-  auto item_count = [&] { return PERSISTENT ? *items_taken : 0; };
-  auto item_now = [&] {
-    if constexpr (PERSISTENT) return item_of(item_slots.placed(*items_taken));
-    return claimed_item;
-  };
-  // The current item (t: the steps walked so far, the ring's items and the dQ tiles handed to
-  // the reduce): its steps, then its dK and dV.
-  auto consume = [&](int& t) {
-    const BwdItem item = item_now();
-    // Persistent: where the item's dK and dV rows start, for the epilogue, kept in shared
-    // memory across the steps (a consumer's lead thread writes it, the item's first barrier
-    // publishes it).
-    const size_t first_kv_row = (size_t(item.batch) * kv_heads + item.kv_head) * size_t(n_k);
+  int t = 0;  // steps walked (the ring's items, and the dQ tiles handed to the reduce)
+  for (;;) {
+    unsigned kv_phase = 0;
     if constexpr (PERSISTENT) {
+      const int n = *items_taken;
+      const int place = item_slots.wait(n);
+      if (place == BWD_NO_ITEM) return;
+      set_item(place);
+      key_first = k_start + consumer * WGMMA_M;
+      warp_key = key_first + warp_in_group * 16;
+      kv_phase = unsigned(n) & 1u;
+      // where the item's dK and dV rows start, for the epilogue: kept in shared memory across
+      // the steps (the consumer's first thread writes it, the barrier publishes it)
       if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) {
-        item_slots.kv_rows[consumer] = (long long)first_kv_row;
+        item_slots.kv_rows[consumer] =
+            (long long)((size_t(batch) * kv_heads + kv_head) * size_t(n_k));
       }
       named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
     }
-#pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk_frags[j][e] = dv_frags[j][e] = 0.0f;
-    }
-    const int key_first = item.k_tile * TILE_K + consumer * WGMMA_M;  // the consumer's first key
-    const int warp_key = key_first + warp_in_group * 16;
-    // always: no copy may be in flight when the CTA ends
-    mbarrier_wait_parity(kv_full, unsigned(item_count()) & 1u);
-    unsigned column = unsigned(item.kv_head * kv_group) * head_columns +
+    mbarrier_wait_parity(kv_full, kv_phase);  // always: no copy may be in flight when the CTA ends
+    unsigned column = unsigned(kv_head * kv_group) * head_columns +
                       unsigned(key_first / TILE_K * KEY_BLOCKS);
     for (int group_head = 0; group_head < kv_group; ++group_head, column += head_columns) {
       // Whether the second block exists, from the column (column % head_columns is the first
@@ -729,11 +707,11 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
       }
     }
 
-    // The last GEMM that reads K or V has retired (dq_gemm waits for it): the producer may copy
-    // the next item's over them while the epilogue runs.
+    // Persistent: the last GEMM that reads K or V has retired (dq_gemm waits for it), so the
+    // producer may copy the next item's over them while the epilogue runs.
     if constexpr (PERSISTENT) mbarrier_arrive(&kv_empty);
     // dK (times the scale) and dV of the consumer's keys; 0 for keys no query saw.
-    size_t kv_rows = first_kv_row;
+    size_t kv_rows = (size_t(batch) * kv_heads + kv_head) * size_t(n_k);
     if constexpr (PERSISTENT) {
       kv_rows = size_t(*reinterpret_cast<volatile long long*>(&item_slots.kv_rows[consumer]));
     }
@@ -752,22 +730,23 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
             pack_pair<T>(dv_frags[j][2 * r], dv_frags[j][2 * r + 1]);
       }
     }
-  };
-  int t = 0;
-  if constexpr (PERSISTENT) {
-    for (;;) {
-      if (item_slots.wait(*items_taken) == BWD_NO_ITEM) return;
-      consume(t);
+    if constexpr (PERSISTENT) {
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_frags[j][e] = dv_frags[j][e] = 0.0f;
+      }
       const int n = *items_taken;
       item_slots.release(n);
       named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
       if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) *items_taken = n + 1;
       named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+    } else {
+      break;
     }
-  } else {
-    consume(t);
   }
 }
+
 
 template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
 __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)

@@ -200,8 +200,8 @@ BWD_SM90_ONE_SHOT = "one-shot"
 BWD_SM90_PERSISTENT = "persistent"
 BWD_SM90_SCHEDULES = (BWD_SM90_ONE_SHOT, BWD_SM90_PERSISTENT)
 # (block, head dim, rule) the persistent backward has no instantiation for: at d = 128 with
-# 64-blocks the window and bitmask rules leave its item loop 4-14 bytes of registers short
-# (ptxas spills); there CUATTN_BWD_SM90=persistent keeps attn_bwd_sm90.
+# 64-blocks the window and bitmask rules leave its item loop a register or three short (ptxas
+# spills 4-12 bytes); there CUATTN_BWD_SM90=persistent keeps attn_bwd_sm90.
 SM90_BWD_PERSISTENT_SPILLS = ((64, 128, "window"), (64, 128, "bitmask"))
 # The persistent sm_90a forward (issue 53): attn_fwd_sm90's items taken by one CTA an SM from a
 # work list built from the layout (sm90_work_list) through a zeroed counter. It has never run on

@@ -191,8 +191,8 @@ enum DqOrder : int { DQ_ORDERED = 0, DQ_UNORDERED = 1 };
 
 // `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
 // depends on it is computed after this point, never hoisted out of an enclosing loop (the
-// persistent producer's second-panel TMA coordinates, which ptxas otherwise holds across the
-// claim loop in the producer's 24 registers, and spills).
+// persistent kernel's item decode and the producer's second-panel TMA coordinates, which ptxas
+// otherwise holds across the item loop, and spills in the producer's 24 registers).
 __device__ __forceinline__ void bwd_opaque_to_compiler(int& value) {
 #ifndef CUATTN_INTERP
   asm volatile("" : "+r"(value));
@@ -202,11 +202,11 @@ __device__ __forceinline__ void bwd_opaque_to_compiler(int& value) {
 // The persistent backward's hand-over of claimed places: the producer's thread publishes its
 // n-th place (BWD_NO_ITEM once the counter has passed the last item) in slot n % SLOTS; each
 // consumer thread and the reduce thread reads it, and releases the slot once done with the
-// item, so the place can be read again where it is needed rather than held in registers. A
-// reader may fall behind by a whole item (an empty column's consumers run ahead of the
-// reduces still waiting on their ranks) and still read its own. The producer's counts (places
-// published, steps copied) live here too, not in registers across the claim: the producer runs
-// on 24 of them at d = 128.
+// item. A reader may fall behind by a whole item (an empty column's consumers run ahead of the
+// reduces still waiting on their ranks) and still read its own. The counts the roles carry
+// from item to item (places published, steps copied, items each consumer took) and each
+// consumer's dK/dV row base live here too, not in registers across the items: the producer
+// runs on 24 of them at d = 128 and the consumers have none to spare.
 constexpr int BWD_NO_ITEM = -1;
 struct BwdItemSlots {
   static constexpr int SLOTS = 2;
@@ -215,8 +215,9 @@ struct BwdItemSlots {
   int place[SLOTS];
   int published;
   int copied_steps;
-  int taken[2];  // items each consumer warpgroup has taken (read by all its threads)
-  long long kv_rows[2];  // each consumer's current item: its dK/dV rows' first
+  static constexpr int CONSUMERS = 2;  // the kernel's consumer warpgroups
+  int taken[CONSUMERS];  // items each consumer warpgroup has taken (read by all its threads)
+  long long kv_rows[CONSUMERS];  // each consumer's current item: its dK/dV rows' first
 
   __device__ __forceinline__ void init(int readers) {
     for (int s = 0; s < SLOTS; ++s) {
@@ -225,7 +226,7 @@ struct BwdItemSlots {
     }
     published = 0;
     copied_steps = 0;
-    taken[0] = taken[1] = 0;
+    for (int c = 0; c < CONSUMERS; ++c) taken[c] = 0;
   }
   // The producer: publishes its next place; returns how many it published before.
   __device__ __forceinline__ int publish(int claimed_place) {
@@ -285,6 +286,7 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
   // from the producer to the consumers and the reduce thread.
   __shared__ u64 kv_empty;
   __shared__ BwdItemSlots item_slots;
+  static_assert(BwdItemSlots::CONSUMERS == Traits::CONSUMERS, "a count per consumer");
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
     mbarrier_init(dq_full, Traits::CONSUMER_THREADS);

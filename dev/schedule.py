@@ -21,9 +21,15 @@ The few free constants of each kernel family (``FwdParams``, ``BwdParams``) are 
 committed GPU sweeps by dev/calibrate_schedule.py, which writes the calibration table; this module
 holds the model and the persistent-grid and wide-tile what-ifs of bench/NOTES.md.
 
+The sm_90a backward (attn_bwd_sm90, no GPU run yet, so nothing fitted) is simulated apart
+(``simulate_bwd_sm90``): its items in the kernel's claim order, each step at the static
+roofline's cycles (SM90_BWD_STEP_CYCLES), a fixed cost per item, and the ordered dQ reduce's
+waits; with the persistent grid, split columns and dQ copies as levers (``--bwd-sm90``).
+
     PYTHONPATH=. python dev/schedule.py              # every bench pattern at T = 8k, 64-blocks
     PYTHONPATH=. python dev/schedule.py --pattern bigbird --n-ctx 16384 --block 128
     PYTHONPATH=. python dev/schedule.py --whatif     # the tables of bench/NOTES.md
+    PYTHONPATH=. python dev/schedule.py --bwd-sm90   # the sm_90a backward's (about 2 minutes)
 """
 
 from __future__ import annotations

@@ -299,6 +299,7 @@ def sm90a_instantiations() -> list[CompileUnit]:
             *geometry.sm90_configs(),
             *geometry.sm90_persistent_configs(),
             *geometry.sm90_backward_configs(),
+            *geometry.sm90_backward_configs(geometry.SM90_BWD_PERSISTENT),
         )
     ]
 

@@ -246,6 +246,12 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
     """The sm_90a backward's main kernel over a dense causal ``shape`` (module docstring)."""
     spec = model.spec
     n = sm90_backward_steps(shape.n_ctx, spec.block, spec.tile_m, spec.tile_n).times(shape.pairs)
+    return sm90_backward_work_of(model, n)
+
+
+def sm90_backward_work_of(model: TileModel, n: Sm90BackwardSteps) -> Work:
+    """The sm_90a backward's main kernel over the CTAs and steps ``n`` (any layout's)."""
+    spec = model.spec
     group = sass.WARPGROUP_WARPS  # a consumer's warps; the counts are per warp
     skip = model.skipped
 
@@ -291,6 +297,31 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
         l2_bytes=n.steps * (spec.step_bytes + 2 * dq_tile) + n.ctas * 2 * kv_bytes,
         warps_per_sm=model.warps_per_sm,
         wgmma_flop=per_pair_step(model.wgmma_flop),
+    )
+
+
+@dataclass(frozen=True)
+class Sm90BackwardStepCycles:
+    """An SM's roofline cycles (``predict_seconds`` x the clock, every SM alike) for one step of
+    the sm_90a backward with both consumers computing (``full``: no mask), one computing and one
+    skipping (``half``: a 64-block pair whose other block lacks the step), and the per-CTA code
+    and K/V bytes once (``cta``: the throughput part of a CTA's fixed cost; its latency, the
+    loads' and the pipeline's, is not in the roofline)."""
+
+    full: float
+    half: float
+    cta: float
+
+
+def sm90_backward_step_cycles(model: TileModel) -> Sm90BackwardStepCycles:
+    """Sm90BackwardStepCycles of one instantiation: the roofline of SMS x one step (or CTA)."""
+
+    def cycles(ctas: int, computed: int, skipped: int) -> float:
+        n = Sm90BackwardSteps(ctas, SMS * min(1, computed + skipped), computed, 0, skipped)
+        return predict_seconds(sm90_backward_work_of(model, n)) * CLOCK_HZ
+
+    return Sm90BackwardStepCycles(
+        full=cycles(0, 2 * SMS, 0), half=cycles(0, SMS, SMS), cta=cycles(SMS, 0, 0)
     )
 
 

@@ -21,9 +21,15 @@ The few free constants of each kernel family (``FwdParams``, ``BwdParams``) are 
 committed GPU sweeps by dev/calibrate_schedule.py, which writes the calibration table; this module
 holds the model and the persistent-grid and wide-tile what-ifs of bench/NOTES.md.
 
+The sm_90a backward (attn_bwd_sm90, no GPU run yet, so nothing fitted) is simulated apart
+(``simulate_bwd_sm90``): its items in the kernel's claim order, each step at the static
+roofline's cycles (SM90_BWD_STEP_CYCLES), a fixed cost per item, and the ordered dQ reduce's
+waits; with the persistent grid, split columns and dQ copies as levers (``--bwd-sm90``).
+
     PYTHONPATH=. python dev/schedule.py              # every bench pattern at T = 8k, 64-blocks
     PYTHONPATH=. python dev/schedule.py --pattern bigbird --n-ctx 16384 --block 128
     PYTHONPATH=. python dev/schedule.py --whatif     # the tables of bench/NOTES.md
+    PYTHONPATH=. python dev/schedule.py --bwd-sm90   # the sm_90a backward's (about 2 minutes)
 """
 
 from __future__ import annotations
@@ -1022,6 +1028,323 @@ def consumers_table(p: FwdParams, head_dim: int = 64) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# The sm_90a backward (attn_bwd_sm90): a CTA per (128-key tile, kv head, batch) walking the
+# union of its key blocks' CSC columns in steps of 64 queries, claimed from a counter in the
+# order of geometry.sm90_backward_cta_groups' groups and kernels.backward_tile_order, each
+# step's dQ reduced into its query tile at its rank (dev/bwd_order_model.py's waits, in cycles)
+
+SM90_BWD_TILE_K = 128
+SM90_BWD_TILE_Q = 64
+# An SM's roofline cycles of one step, both consumers computing and one (the other skipping:
+# a 64-block pair whose other block lacks the step), and of a CTA's per-CTA code and K/V bytes:
+# dev/sass_roofline.sm90_backward_step_cycles of the committed kernel (bf16, causal; NVRTC 12.9
+# sm_90a), by (head dim, block). tests/dev/test_schedule.py recomputes them where NVRTC is.
+SM90_BWD_STEP_CYCLES = {
+    (64, 64): (2984.4, 2561.6, 3269.5),
+    (64, 128): (2970.4, 2554.6, 3256.7),
+    (128, 64): (5601.1, 4915.9, 6183.9),
+    (128, 128): (5581.9, 4906.5, 6174.3),
+}
+# What a CTA's fixed cost adds to its roofline part: the latency of its set-up, pipeline fill and
+# drain and epilogue, which no roofline has. Assumed to be the sm_90a forward's fitted C_cta
+# (bench/results/2026-12-02-schedule-calibration.json: set-up, a 128-row tile in and one out, the
+# pipeline filled and drained), the one measured fixed cost of a wgmma/TMA kernel of ours.
+SM90_BWD_LATENCY_CYCLES = 7711.0
+# The bulk reduce of one step's fp32 dQ tile (32 KB at d128): its latency in full steps (its
+# bytes are in the step's roofline); bwd_order_model's bracket.
+SM90_BWD_REDUCE_STEPS = (0.3, 1.0)
+SM90_BWD_LAUNCH_US = 3.76  # a launch (the forward's fitted launch_us)
+
+
+@dataclass(frozen=True)
+class BwdItem:
+    """One CTA of attn_bwd_sm90 (or one item of a persistent backward), in claim order: its
+    (kv head, batch) pair, key tile, and steps as (query pair, query step, consumers computing:
+    2, or 1 where a 64-block pair's other block lacks the step)."""
+
+    kv_pair: int
+    tile: int
+    steps: tuple[tuple[int, int, int], ...]
+    chunk: int = 0  # its place among a split column's chunks (0: unsplit or the first)
+
+
+def bwd_sm90_items(layout: object, batch: int, head_dim: int, kv_group: int = 1) -> list[BwdItem]:
+    """attn_bwd_sm90's CTAs in the order they claim their work: the (kv head, batch) pairs in
+    geometry.sm90_backward_cta_groups' groups, position-major within a group over the kv head's
+    kernels.backward_tile_order (the kernel's grouped_item). The rule's masks are not modelled:
+    a step is computed by the consumers whose key block's column holds its query block."""
+    from cuattn.backends.kernels import backward_tile_order
+
+    block = layout.blocksize
+    key_blocks = SM90_BWD_TILE_K // block
+    blocks = np.asarray(layout.blocks, dtype=bool)
+    heads, nbq, nb = blocks.shape
+    kv_heads = heads // kv_group
+    tiles = -(-nb // key_blocks)
+    padded = np.zeros((heads, nbq, tiles * key_blocks), bool)
+    padded[:, :, :nb] = blocks
+    per_tile = padded.reshape(heads, nbq, tiles, key_blocks).sum(axis=3)  # blocks held (0-2)
+    order = backward_tile_order(blocks, key_blocks, kv_group)
+    steps_per_block = block // SM90_BWD_TILE_Q
+    columns: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
+    for kv_head in range(kv_heads):
+        for tile in range(tiles):
+            steps = []
+            for h in range(kv_head * kv_group, (kv_head + 1) * kv_group):
+                for i in np.flatnonzero(per_tile[h, :, tile]):
+                    held = int(per_tile[h, i, tile]) * (2 // key_blocks)
+                    steps += [
+                        (h, int(i) * steps_per_block + s, held) for s in range(steps_per_block)
+                    ]
+            columns[(kv_head, tile)] = tuple(steps)
+    groups = geometry.sm90_backward_cta_groups(
+        batch, kv_heads, layout.n_ctx, head_dim, "bfloat16", kv_group
+    )
+    pairs = batch * kv_heads
+    narrow, wide = divmod(pairs, groups)
+    out, first = [], 0
+    for g in range(groups):
+        size = narrow + 1 if g < wide else narrow
+        for position in range(tiles):
+            for pair in range(first, first + size):
+                b, kv_head = divmod(pair, kv_heads)
+                tile = int(order[kv_head, position])
+                steps = tuple((b * heads + h, q, held) for h, q, held in columns[(kv_head, tile)])
+                out.append(BwdItem(pair, tile, steps))
+        first += size
+    return out
+
+
+def split_bwd_items(items: Sequence[BwdItem], factor: float, least: int) -> tuple[list, int]:
+    """Lever (b): columns walking more than ``factor`` x the mean item's steps (and ``least``)
+    cut into chunks of at most that many steps, each an item of its own (its dK/dV a partial
+    summed after the launch in chunk order). The items keep the kernel's claim order but for
+    the chunks, which take the places their lengths give them within their group (shortest
+    first, as tile_order does). (items, the split threshold in steps; 0: none split)."""
+    mean = float(np.mean([len(i.steps) for i in items])) if items else 0.0
+    above = max(least, int(np.ceil(factor * mean)))
+    if not any(len(i.steps) > above for i in items):
+        return list(items), 0
+    out: list[BwdItem] = []
+    for item in items:
+        if len(item.steps) <= above:
+            out.append(item)
+            continue
+        chunks = -(-len(item.steps) // above)
+        size = -(-len(item.steps) // chunks)
+        out += [
+            BwdItem(item.kv_pair, item.tile, item.steps[k * size : (k + 1) * size], k + 1)
+            for k in range(chunks)
+        ]
+    return out, above
+
+
+@dataclass(frozen=True)
+class BwdSchedule:
+    """A backward schedule to simulate: ``persistent`` (SMS CTAs taking the items in claim order
+    from a counter; an item pays ``item_share`` of the fixed latency, the CTA the rest once, and
+    its SM takes the next item once its consumers are done, the last reduces running on under
+    the next item) or one CTA per item (the SM frees when the CTA's last reduce has ended);
+    ``ordered`` dQ (each reduce at its rank) or not; the reduce's latency in full steps."""
+
+    persistent: bool = False
+    item_share: float = 1.0
+    ordered: bool = True
+    reduce_steps: float = 0.3
+    dq_copies: int = 1  # lever (c): rank r adds into copy r % dq_copies after rank r - copies
+
+
+def simulate_bwd_sm90(
+    items: Sequence[BwdItem], head_dim: int, block: int, schedule: BwdSchedule
+) -> Prediction:
+    """The main kernel's makespan over SMS SMs (one resident CTA each), the items simulated in
+    claim order: every wait is on an item claimed before (what the ranks guarantee), so each is
+    known when reached. An item costs its fixed cycles (SM90_BWD_STEP_CYCLES' per-CTA part and
+    its share of SM90_BWD_LATENCY_CYCLES) before its first step, then a step's roofline cycles a
+    step; a step's dQ store waits until the previous reduce (of the same CTA) has read the tile
+    (taken as its whole latency), and an ordered reduce into a (query pair, query step) tile
+    waits for the reduce ranked before it to end (bwd_order_model's rules, in cycles)."""
+    full, half, cta = SM90_BWD_STEP_CYCLES[(head_dim, block)]
+    reduce = schedule.reduce_steps * full
+    share = schedule.item_share if schedule.persistent else 1.0
+    fixed_each = cta + share * SM90_BWD_LATENCY_CYCLES
+    per_slot = (1 - share) * SM90_BWD_LATENCY_CYCLES if schedule.persistent else 0.0
+    free = [(per_slot, s) for s in range(SMS)]
+    heapq.heapify(free)
+    last_read: list[float | None] = [None] * SMS  # a persistent CTA's last reduce start
+    reduce_end: dict[tuple[int, int, int], float] = {}
+    adders: dict[tuple[int, int], int] = {}  # reduces into each tile so far: the next rank
+    end = fixed = steps_cycles = 0.0
+    for item in items:
+        start, slot = heapq.heappop(free)
+        t = start + fixed_each
+        fixed += fixed_each
+        previous = last_read[slot] if schedule.persistent else None
+        finish = t
+        for pair, q, held in item.steps:
+            cost = full if held == 2 else half
+            steps_cycles += cost
+            computed = t + cost
+            if previous is not None:
+                computed = max(computed, previous + reduce)
+            begin = computed
+            rank = adders.get((pair, q), 0)
+            adders[(pair, q)] = rank + 1
+            copy = (pair, q, rank % schedule.dq_copies)
+            if schedule.ordered:
+                begin = max(begin, reduce_end.get(copy, 0.0))
+            reduce_end[copy] = finish = begin + reduce
+            previous = begin
+            t = computed
+        last_read[slot] = previous
+        # one shot: the SM frees when the last reduce has ended; persistent: once the
+        # consumers are done (the reduce thread finishes it under the next item)
+        done = max(t, finish) if not schedule.persistent else t
+        heapq.heappush(free, (done, slot))
+        end = max(end, finish)
+    total = fixed + steps_cycles + per_slot * SMS * schedule.persistent
+    return Prediction(
+        seconds=SM90_BWD_LAUNCH_US * 1e-6 + end / CLOCK_HZ,
+        makespan_cycles=end,
+        balanced_cycles=total / SMS,
+        fixed_cycles=fixed,
+        tile_cycles=steps_cycles,
+        miss_cycles=0.0,
+        misses=0,
+        compulsory=0,
+        ctas=len(items),
+    )
+
+
+def split_sum_seconds(items: Sequence[BwdItem], head_dim: int) -> float:
+    """Lever (b)'s second pass: each split column's chunk partials (fp32 dK and dV, 128 keys)
+    read once and its dK/dV written (16-bit) at the DRAM rate, after a launch; 0 where nothing
+    is split."""
+    chunks = sum(1 for i in items if i.chunk)
+    if not chunks:
+        return 0.0
+    columns = sum(1 for i in items if i.chunk == 1)
+    tile = SM90_BWD_TILE_K * head_dim * K_AND_V
+    return SM90_BWD_LAUNCH_US * 1e-6 + (chunks * tile * 4 + columns * tile * 2) / DRAM_BYTES_PER_S
+
+
+# The levers of bench/NOTES.md's backward table: (label, persistent item share or None for one
+# CTA an item, split long columns, dQ copies); the reduce at SM90_BWD_REDUCE_STEPS[0].
+SM90_BWD_LEVERS = (
+    ("today", None, False, 1),
+    ("(a) 1/2", 0.5, False, 1),
+    ("(a) 3/4", 0.75, False, 1),
+    ("(b)", None, True, 1),
+    ("(a)+(b)", 0.5, True, 1),
+    ("(a)+(b)+(c)", 0.5, True, 4),
+)
+SM90_BWD_SPLIT_FACTOR = 4  # the forward's: a column over 4x the mean item's steps is split
+SM90_BWD_SPLIT_LEAST = 8
+
+
+def predict_bwd_sm90(
+    layout: object,
+    batch: int,
+    head_dim: int,
+    persistent_share: float | None = None,
+    split: bool = False,
+    dq_copies: int = 1,
+    ordered: bool = True,
+    reduce_steps: float = SM90_BWD_REDUCE_STEPS[0],
+    kv_group: int = 1,
+) -> Prediction:
+    """The sm_90a backward's main kernel (and, split, the partials' sum) on ``layout`` x
+    ``batch``: one CTA an item (``persistent_share`` None) or persistent, columns split or not
+    (split_bwd_items at SM90_BWD_SPLIT_FACTOR), ``dq_copies`` dQ chains a tile."""
+    items = bwd_sm90_items(layout, batch, head_dim, kv_group)
+    if split:
+        items, _ = split_bwd_items(items, SM90_BWD_SPLIT_FACTOR, SM90_BWD_SPLIT_LEAST)
+    schedule = BwdSchedule(
+        persistent=persistent_share is not None,
+        item_share=1.0 if persistent_share is None else persistent_share,
+        ordered=ordered,
+        reduce_steps=reduce_steps,
+        dq_copies=dq_copies,
+    )
+    pred = simulate_bwd_sm90(items, head_dim, layout.blocksize, schedule)
+    return dataclasses.replace(pred, seconds=pred.seconds + split_sum_seconds(items, head_dim))
+
+
+def bwd_sm90_table(
+    shape: BenchShape = BENCH_SHAPE,
+    blocks: Sequence[int] = (64, 128),
+    reduce_steps: float = SM90_BWD_REDUCE_STEPS[0],
+    labels: Sequence[str] | None = None,
+) -> str:
+    """bench/NOTES.md's sm_90a backward table: each bench pattern's main-kernel time today (and
+    with the dQ unordered: what the ordered reduce's waits cost) and under each
+    SM90_BWD_LEVERS lever; ratio = the computed-block rate over dense causal's under the same
+    schedule."""
+    lines = [
+        f"{shape}, reduce {reduce_steps:g} step",
+        "",
+        "| pattern, block | density | steps a CTA: mean, max | today ms (ratio), tail "
+        "| unordered dQ ms | "
+        + " | ".join(f"{lever[0]} ms (ratio), change" for lever in SM90_BWD_LEVERS[1:])
+        + " |",
+        "| --- | ---: | ---: | ---: | ---: | "
+        + " | ".join("---:" for _ in SM90_BWD_LEVERS[1:])
+        + " |",
+    ]
+    for block in blocks:
+        layouts = shape.layouts(block)
+        rows = {}
+        for label, layout in layouts.items():
+            if labels is not None and label not in labels and label != "dense-causal":
+                continue
+            items = bwd_sm90_items(layout, shape.batch, shape.head_dim)
+            steps = [len(i.steps) for i in items]
+            preds = [
+                predict_bwd_sm90(
+                    layout,
+                    shape.batch,
+                    shape.head_dim,
+                    share,
+                    split,
+                    copies,
+                    reduce_steps=reduce_steps,
+                )
+                for _, share, split, copies in SM90_BWD_LEVERS
+            ]
+            unordered = predict_bwd_sm90(
+                layout, shape.batch, shape.head_dim, ordered=False, reduce_steps=reduce_steps
+            )
+            rows[label] = (layout.density, np.mean(steps), max(steps), unordered, preds)
+        base_density, *_, base = rows["dense-causal"]
+        for label, (density, mean, most, unordered, preds) in rows.items():
+            if labels is not None and label not in labels:
+                continue
+
+            def ratio(
+                i: int,
+                density: float = density,
+                preds: list = preds,
+                base_density: float = base_density,
+                base: list = base,
+            ) -> float:
+                return density / base_density * base[i].seconds / preds[i].seconds
+
+            today = preds[0]
+            cells = [
+                f"{label}, {block}",
+                f"{density:.3f}",
+                f"{mean:.1f}, {most}",
+                f"{today.seconds * 1e3:.3f} ({ratio(0):.2f}), {today.tail:.2f}",
+                f"{unordered.seconds * 1e3:.3f}",
+            ]
+            for i in range(1, len(preds)):
+                change = 100 * (preds[i].seconds / today.seconds - 1)
+                cells.append(f"{preds[i].seconds * 1e3:.3f} ({ratio(i):.2f}), {change:+.0f} %")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def load_fitted(path: Path | None = None) -> tuple[FwdParams, BwdParams]:
@@ -1189,6 +1512,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--qbuffer", action="store_true", help="the double-buffered Q table (bench/NOTES.md)"
     )
+    parser.add_argument(
+        "--bwd-sm90",
+        action="store_true",
+        help="the sm_90a backward's table: today and its levers (bench/NOTES.md)",
+    )
     args = parser.parse_args(argv)
     fwd, _ = load_fitted()
     shape = BenchShape(args.n_ctx, args.heads, args.batch, args.head_dim)
@@ -1212,6 +1540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.persistent:
         print(persistent_table(fwd, shape, args.block))
+        return 0
+    if args.bwd_sm90:
+        for reduce in SM90_BWD_REDUCE_STEPS:
+            print(bwd_sm90_table(shape, reduce_steps=reduce) + "\n")
         return 0
     print("| pattern | density | CTAs | predicted ms | tail | fixed % | miss % |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

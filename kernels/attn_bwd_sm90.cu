@@ -68,6 +68,12 @@
 // the CTAs reach it and dQ may differ run to run in its last bits (dK and dV do not); dq_ranks
 // and the semaphores are then not read.
 //
+// attn_bwd_sm90_persistent (opt-in: CUATTN_BWD_SM90=persistent) runs the same CTA code on a grid
+// of one CTA an SM, each claiming item after item from the same counter in the same order (so
+// the same ranks, and still no deadlock: a CTA waits only on items claimed before its own); the
+// producer copies an item's K and V once the consumers are done with the previous item's, under
+// its dK/dV epilogue and last reduces. kv_heads and batch_size are then arguments, not the grid.
+//
 // Shared memory (every tile in 64-column panels of 128-byte rows with the 128-byte swizzle, each
 // panel on a 1024-byte boundary, as attn_fwd_sm90.cu lays them out): K and V (TILE_K rows), the
 // STEP_STAGES stages of Q and of dO (TILE_Q rows), two stages of dS^T (TILE_K rows of TILE_Q
@@ -143,8 +149,10 @@ struct attn_bwd_sm90_traits {
   static constexpr int STEPS_PER_PANEL = PANEL_COLUMNS / WGMMA_K;
   static constexpr int S_STEP_BYTES = WGMMA_K * int(sizeof(T));       // along a K-major row
   static constexpr int ROWS_STEP_BYTES = WGMMA_K * SWIZZLE_ROW_BYTES;  // 16 rows on
-  // Named barriers of the 256 consumer threads: both halves of dS^T stored.
+  // Named barriers of the 256 consumer threads: both halves of dS^T stored; and (persistent)
+  // of each consumer's 128: every thread has read its count of items taken.
   static constexpr int DS_READY_BARRIER = 1;
+  static constexpr int ITEMS_READ_BARRIER = 2;  // + consumer
   static_assert(is_half_type<T>::value, "wgmma takes fp16 or bf16");
   static_assert(KEY_BLOCKS * BLOCK == TILE_K && (KEY_BLOCKS == 1 || KEY_BLOCKS == 2),
                 "a CTA's keys are one 128-block or two 64-blocks, one per consumer");
@@ -181,20 +189,81 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
 // run), or whatever order the CTAs reach the tile in (no waits; CUATTN_BWD_DQ=unordered).
 enum DqOrder : int { DQ_ORDERED = 0, DQ_UNORDERED = 1 };
 
-template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
-__global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
-    attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                  const __grid_constant__ TensorMap v_map,
-                  const __grid_constant__ TensorMap dout_map,
-                  const __grid_constant__ TensorMap stats_map, int q_col, int k_col, int v_col,
-                  int dout_col, T* __restrict__ dk, T* __restrict__ dv,
-                  float* __restrict__ dq_accum, int* __restrict__ semaphores,
-                  int* __restrict__ work_counter, const int* __restrict__ col_ptr,
-                  const int* __restrict__ row_idx, const int* __restrict__ col_mask,
-                  const int* __restrict__ dq_ranks, const int* __restrict__ tile_order,
-                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
-                  int kv_group, int num_k_blocks, float scale, int window_left,
-                  int window_right, int cta_groups) {
+// `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
+// depends on it is computed after this point, never hoisted out of an enclosing loop (the
+// persistent kernel's item decode and the producer's second-panel TMA coordinates, which ptxas
+// otherwise holds across the item loop, and spills in the producer's 24 registers).
+__device__ __forceinline__ void bwd_opaque_to_compiler(int& value) {
+#ifndef CUATTN_INTERP
+  asm volatile("" : "+r"(value));
+#endif
+}
+
+// The persistent backward's hand-over of claimed places: the producer's thread publishes its
+// n-th place (BWD_NO_ITEM once the counter has passed the last item) in slot n % SLOTS; each
+// consumer thread and the reduce thread reads it, and releases the slot once done with the
+// item. A reader may fall behind by a whole item (an empty column's consumers run ahead of the
+// reduces still waiting on their ranks) and still read its own. The counts the roles carry
+// from item to item (places published, steps copied, items each consumer took) and each
+// consumer's dK/dV row base live here too, not in registers across the items: the producer
+// runs on 24 of them at d = 128 and the consumers have none to spare.
+constexpr int BWD_NO_ITEM = -1;
+struct BwdItemSlots {
+  static constexpr int SLOTS = 2;
+  u64 full[SLOTS];
+  u64 empty[SLOTS];
+  int place[SLOTS];
+  int published;
+  int copied_steps;
+  static constexpr int CONSUMERS = 2;  // the kernel's consumer warpgroups
+  int taken[CONSUMERS];  // items each consumer warpgroup has taken (read by all its threads)
+  long long kv_rows[CONSUMERS];  // each consumer's current item: its dK/dV rows' first
+
+  __device__ __forceinline__ void init(int readers) {
+    for (int s = 0; s < SLOTS; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], readers);
+    }
+    published = 0;
+    copied_steps = 0;
+    for (int c = 0; c < CONSUMERS; ++c) taken[c] = 0;
+  }
+  // The producer: publishes its next place; returns how many it published before.
+  __device__ __forceinline__ int publish(int claimed_place) {
+    volatile int* count = &published;
+    const int n = *count;
+    const int s = n % SLOTS;
+    if (n >= SLOTS) mbarrier_wait_parity(&empty[s], unsigned(n / SLOTS - 1) & 1u);
+    *reinterpret_cast<volatile int*>(&place[s]) = claimed_place;
+    mbarrier_arrive(&full[s]);  // release: the place, before a reader's wait returns
+    *count = n + 1;
+    return n;
+  }
+  // A reader: waits for the n-th place, then reads it (again) with placed(n) until release(n).
+  __device__ __forceinline__ int wait(int n) {
+    mbarrier_wait_parity(&full[n % SLOTS], unsigned(n / SLOTS) & 1u);
+    return placed(n);
+  }
+  __device__ __forceinline__ int placed(int n) {
+    return *reinterpret_cast<volatile int*>(&place[n % SLOTS]);
+  }
+  __device__ __forceinline__ void release(int n) { mbarrier_arrive(&empty[n % SLOTS]); }
+};
+
+// What a CTA of either kernel runs: attn_bwd_sm90 (PERSISTENT false) the work it claims once,
+// attn_bwd_sm90_persistent (true) every item it claims until the counter passes the last one.
+// kv_heads and batch_size: the grid's y and z in the first, arguments in the second.
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER, bool PERSISTENT>
+__device__ __forceinline__ void attn_bwd_sm90_cta(
+    const TensorMap& q_map, const TensorMap& k_map, const TensorMap& v_map,
+    const TensorMap& dout_map, const TensorMap& stats_map, int q_col, int k_col, int v_col,
+    int dout_col, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+    int* __restrict__ semaphores, int* __restrict__ work_counter,
+    const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
+    const int* __restrict__ col_mask, const int* __restrict__ dq_ranks,
+    const int* __restrict__ tile_order, const u32* __restrict__ mask_table, int n_q, int n_k,
+    int q_offset, int kv_group, int num_k_blocks, float scale, int window_left,
+    int window_right, int cta_groups, int kv_heads, int batch_size) {
   using Traits = attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>;
   using Ring = StageRing<Traits::STEP_STAGES>;
   constexpr int TILE_K = Traits::TILE_K;
@@ -213,28 +282,51 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   Ring* ring = reinterpret_cast<Ring*>(dq_empty + 1);
   __shared__ int claimed;
   __shared__ int computed[Traits::DS_STAGES][Traits::CONSUMERS];  // a consumer's dS^T stage
+  // Persistent: kv_empty (the consumers are done with K and V) and the places claimed, handed
+  // from the producer to the consumers and the reduce thread.
+  __shared__ u64 kv_empty;
+  __shared__ BwdItemSlots item_slots;
+  static_assert(BwdItemSlots::CONSUMERS == Traits::CONSUMERS, "a count per consumer");
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 1);
     mbarrier_init(dq_full, Traits::CONSUMER_THREADS);
     mbarrier_init(dq_empty, 1);
     ring->init(Traits::CONSUMER_THREADS);
-    claimed = claim_work(work_counter);
+    if constexpr (PERSISTENT) {
+      mbarrier_init(&kv_empty, Traits::CONSUMER_THREADS);
+      item_slots.init(Traits::CONSUMER_THREADS + 1);  // and the reduce thread
+    } else {
+      claimed = claim_work(work_counter);
+    }
   }
   __syncthreads();  // the barriers and the claimed work, before anyone uses them
 
-  // The claimed item: a (kv head, batch) pair of its group and a place in the kv head's
-  // tile_order (header).
-  const int kv_heads = int(gridDim.y);
+  // A claimed place: a (kv head, batch) pair of its group and a place in the kv head's
+  // tile_order (header). attn_bwd_sm90 decodes its one place here; the persistent kernel each
+  // role's at each item (set_item), its sizes (and the divisions' reciprocals) recomputed
+  // there rather than held across the items.
   const int num_k_tiles = (num_k_blocks + KEY_BLOCKS - 1) / KEY_BLOCKS;
-  const GroupedItem item = grouped_item(unsigned(claimed), unsigned(num_k_tiles),
-                                        unsigned(kv_heads) * gridDim.z, unsigned(cta_groups));
-  const int kv_head = item.pair % kv_heads;
-  const int batch = item.pair / kv_heads;
-  const int k_tile_index = tile_order[kv_head * num_k_tiles + item.position];
+  int kv_head, batch, k_tile_index, k_block, k_start, k_last;
+  auto set_item = [&](int place) {
+    int tiles = num_k_tiles;
+    int pairs = kv_heads * batch_size;
+    int groups = cta_groups;
+    if constexpr (PERSISTENT) {
+      bwd_opaque_to_compiler(tiles);
+      bwd_opaque_to_compiler(pairs);
+      bwd_opaque_to_compiler(groups);
+    }
+    const GroupedItem item = grouped_item(unsigned(place), unsigned(tiles), unsigned(pairs),
+                                          unsigned(groups));
+    kv_head = item.pair % kv_heads;
+    batch = item.pair / kv_heads;
+    k_tile_index = tile_order[kv_head * tiles + item.position];
+    k_block = k_tile_index * KEY_BLOCKS;  // the item's (first) key block
+    k_start = k_tile_index * TILE_K;
+    k_last = k_start + TILE_K - 1;
+  };
+  if constexpr (!PERSISTENT) set_item(claimed);
   const int heads = kv_heads * kv_group;
-  const int k_block = k_tile_index * KEY_BLOCKS;  // the CTA's (first) key block
-  const int k_start = k_tile_index * TILE_K;
-  const int k_last = k_start + TILE_K - 1;
   const int q_padded = (n_q + TILE_Q - 1) / TILE_Q * TILE_Q;  // rows of stats and dq_accum
   // Shuffled from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the
   // consumer's descriptors) can then live in uniform registers.
@@ -247,7 +339,8 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   // of the next query head is num_k_blocks + 1 on. Unsigned: no sign extension held in a
   // register by the producer, which runs on 24 of them at d = 128.
   const unsigned head_columns = unsigned(num_k_blocks + 1);
-  const bool paired = KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks;  // the second block exists
+  // whether the second block exists
+  auto is_paired = [&] { return KEY_BLOCKS == 2 && k_block + 1 < num_k_blocks; };
   auto column_walk = [&](unsigned column, bool paired, int row_block) {
     return PairedRowTiles<RULE, BLOCK, TILE_Q, false>(col_ptr + column, paired, row_idx,
                                                       col_mask, row_block);
@@ -255,7 +348,11 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Traits::PRODUCER_REGISTERS>();
     if (threadIdx.x == 0) {
-      // The copies: K and V once, then every step of every query head of the kv head.
+      // The copies of each item: K and V once, then every step of every query head of the kv
+      // head. Persistent: claims until the counter passes the last item, each place handed to
+      // the other roles before its copies; the next item's K and V once the consumers are done
+      // with the current one's (its Q and dO steps land in the ring meanwhile, as it frees).
+      int col_q = q_col, col_k = k_col, col_v = v_col, col_dout = dout_col;
       auto load_panels = [&](unsigned char* tile_smem, int panel_bytes, const TensorMap& map,
                              int col, int row, int map_head, u64* full) {
 #pragma unroll
@@ -264,47 +361,84 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
                       row, map_head, batch, full);
         }
       };
-      mbarrier_arrive_expect_tx(kv_full, unsigned(2 * Traits::KV_BYTES));
-      load_panels(k_tile, Traits::KV_PANEL_BYTES, k_map, k_col, k_start, kv_head, kv_full);
-      load_panels(v_tile, Traits::KV_PANEL_BYTES, v_map, v_col, k_start, kv_head, kv_full);
       int t = 0;
-      for (int group_head = 0; group_head < kv_group; ++group_head) {
-        const int head = kv_head * kv_group + group_head;
-        auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
-        PairedTile tile;
-        for (; walk.next(tile, rule, k_start, k_last); ++t) {
-          const int stage = Ring::stage(t);
-          u64* full = ring->acquire(t, unsigned(Traits::STEP_BYTES));
-          load_panels(q_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, q_map, q_col,
-                      tile.start, head, full);
-          load_panels(do_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, dout_map,
-                      dout_col, tile.start, head, full);
-          tma_load_4d(stats + stage * 2 * TILE_Q, stats_map, tile.start, 0, head, batch, full);
+      for (;;) {
+        if constexpr (PERSISTENT) {
+          int pairs = kv_heads * batch_size;
+          bwd_opaque_to_compiler(pairs);  // recomputed here, not held across the item
+          const int place = claim_work(work_counter);
+          const bool past = place >= num_k_tiles * pairs;
+          const int n = item_slots.publish(past ? BWD_NO_ITEM : place);
+          if (past) break;
+          if (n > 0) mbarrier_wait_parity(&kv_empty, unsigned(n - 1) & 1u);
+          set_item(place);
+          t = item_slots.copied_steps;
+          // the second panels' coordinates computed here, not held across the items
+          bwd_opaque_to_compiler(col_q);
+          bwd_opaque_to_compiler(col_k);
+          bwd_opaque_to_compiler(col_v);
+          bwd_opaque_to_compiler(col_dout);
+        }
+        const bool paired = is_paired();
+        mbarrier_arrive_expect_tx(kv_full, unsigned(2 * Traits::KV_BYTES));
+        load_panels(k_tile, Traits::KV_PANEL_BYTES, k_map, col_k, k_start, kv_head, kv_full);
+        load_panels(v_tile, Traits::KV_PANEL_BYTES, v_map, col_v, k_start, kv_head, kv_full);
+        for (int group_head = 0; group_head < kv_group; ++group_head) {
+          const int head = kv_head * kv_group + group_head;
+          auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
+          PairedTile tile;
+          for (; walk.next(tile, rule, k_start, k_last); ++t) {
+            const int stage = Ring::stage(t);
+            u64* full = ring->acquire(t, unsigned(Traits::STEP_BYTES));
+            load_panels(q_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, q_map, col_q,
+                        tile.start, head, full);
+            load_panels(do_stages + stage * Traits::Q_BYTES, Traits::Q_PANEL_BYTES, dout_map,
+                        col_dout, tile.start, head, full);
+            tma_load_4d(stats + stage * 2 * TILE_Q, stats_map, tile.start, 0, head, batch, full);
+          }
+        }
+        if constexpr (PERSISTENT) {
+          item_slots.copied_steps = t;
+        } else {
+          break;
         }
       }
     } else if (threadIdx.x == 32) {
       // The dQ reduces, a step at a time in the walk's order, each at its entry's rank.
       int reduced = 0;
-      for (int group_head = 0; group_head < kv_group; ++group_head) {
-        const int head = kv_head * kv_group + group_head;
-        // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
-        const int head_tile = (batch * heads + head) * (q_padded / TILE_Q);
-        auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
-        PairedTile tile;
-        for (; walk.next(tile, rule, k_start, k_last); ++reduced) {
-          const int dq_tile_index = head_tile + tile.start / TILE_Q;
-          int* semaphore = semaphores + dq_tile_index;
-          mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
-          if constexpr (DQ_ORDER == DQ_ORDERED) semaphore_wait(semaphore, dq_ranks[tile.entry]);
-          bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
-                              unsigned(Traits::DQ_BYTES));
-          tma_store_commit();
-          tma_store_wait_read<0>();
-          mbarrier_arrive(dq_empty);
-          if constexpr (DQ_ORDER == DQ_ORDERED) {
-            bulk_wait_group_complete<0>();
-            semaphore_release(semaphore);
+      for (int n = 0;;) {
+        if constexpr (PERSISTENT) {
+          const int place = item_slots.wait(n);
+          if (place == BWD_NO_ITEM) break;
+          set_item(place);
+        }
+        const bool paired = is_paired();
+        for (int group_head = 0; group_head < kv_group; ++group_head) {
+          const int head = kv_head * kv_group + group_head;
+          // the head's first dQ tile (their count fits an int: one per TILE_Q query rows)
+          const int head_tile = (batch * heads + head) * (q_padded / TILE_Q);
+          auto walk = column_walk(unsigned(head) * head_columns + unsigned(k_block), paired, 0);
+          PairedTile tile;
+          for (; walk.next(tile, rule, k_start, k_last); ++reduced) {
+            const int dq_tile_index = head_tile + tile.start / TILE_Q;
+            int* semaphore = semaphores + dq_tile_index;
+            mbarrier_wait_parity(dq_full, unsigned(reduced & 1));
+            if constexpr (DQ_ORDER == DQ_ORDERED) semaphore_wait(semaphore, dq_ranks[tile.entry]);
+            bulk_reduce_add_f32(dq_accum + size_t(dq_tile_index) * TILE_Q * HEAD_DIM, dq_tile,
+                                unsigned(Traits::DQ_BYTES));
+            tma_store_commit();
+            tma_store_wait_read<0>();
+            mbarrier_arrive(dq_empty);
+            if constexpr (DQ_ORDER == DQ_ORDERED) {
+              bulk_wait_group_complete<0>();
+              semaphore_release(semaphore);
+            }
           }
+        }
+        if constexpr (PERSISTENT) {
+          item_slots.release(n++);
+        } else {
+          break;
         }
       }
       // Unordered, the reduces' writes to dq_accum are retired once, before the CTA ends.
@@ -313,15 +447,15 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     return;
   }
 
-  // A consumer: keys 64 (warpgroup - 1) on of the CTA, in key block key_first / BLOCK. What
-  // derives from the CTA's tile derives from key_first: one register, where the consumers use
-  // all setmaxnreg gives them at d = 128.
+  // A consumer: keys 64 (warpgroup - 1) on of the item's tile, in key block key_first / BLOCK.
+  // What derives from the item's tile derives from key_first: one register, where the
+  // consumers use all setmaxnreg gives them at d = 128.
   warpgroup_registers_increase<Traits::CONSUMER_REGISTERS>();
   const int consumer = warpgroup - 1;
   const int row_block = KEY_BLOCKS == 2 ? consumer : 0;
   const int warp_in_group = int(threadIdx.x) / 32 % WARPGROUP_WARPS;
-  const int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
-  const int warp_key = key_first + warp_in_group * 16;
+  int key_first = k_start + consumer * WGMMA_M;  // the consumer's first key
+  int warp_key = key_first + warp_in_group * 16;
   const AccLayout frag;
   const float score_log2 = scale * LOG2E;
 
@@ -455,120 +589,219 @@ __global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, 
     return computed[ds_stage][1 - consumer] != 0;
   };
 
-  mbarrier_wait_parity(kv_full, 0);  // always: no copy may be in flight when the CTA ends
+  // The consumer's items: persistent, the count it has taken lives in shared memory (its
+  // threads read it at an item's start and end; its first thread advances it between two
+  // barriers), so no register holds it across the steps.
+  volatile int* items_taken = &item_slots.taken[consumer];
   int t = 0;  // steps walked (the ring's items, and the dQ tiles handed to the reduce)
-  unsigned column = unsigned(kv_head * kv_group) * head_columns +
-                    unsigned(key_first / TILE_K * KEY_BLOCKS);
-  for (int group_head = 0; group_head < kv_group; ++group_head, column += head_columns) {
-    // Whether the second block exists, from the column (column % head_columns is the first
-    // block) rather than held across the heads: the consumers have no register to spare at d128.
-    const bool has_second = KEY_BLOCKS == 2 && column % head_columns + 1 < head_columns - 1;
-    auto walk = column_walk(column, has_second, row_block);
-    PairedTile tile;
-    for (; walk.next(tile, rule, key_first, key_first + WGMMA_M - 1); ++t) {
-      const int stage = Ring::stage(t);
-      const int ds_stage = t % Traits::DS_STAGES;
-      const int q_start = tile.start;
-      ring->wait(t);  // also when skipped: see StageRing
-      // A consumer whose keys the step does not reach (its block's column lacks the query
-      // block, or the rule empties it) skips its GEMMs; the coverage is the warpgroup's,
-      // uniform across it. dQ_part = dS K runs over the halves of dS^T that were computed: both
-      // (every key), one (its 64 keys), or none (dQ_part = 0, still reduced in its turn).
-      bool dq_zero = false;
-      if (tile.coverage != TILE_EMPTY) {
-        const float* lse_smem = stats + stage * 2 * TILE_Q;
-        const float* delta_smem = lse_smem + TILE_Q;
-        fence();
-        issue_scores(stage);
-        wgmma_wait_group<1>();  // S^T; dP^T runs on
-        wgmma_fence_operands(s_acc);
-        if (tile.coverage != TILE_FULL) {
-          mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
-                                                      key_first / BLOCK, tile.mask_id);
-        }
-        const bool ragged = q_start + TILE_Q > n_q;
-#pragma unroll
-        for (int j = 0; j < TILE_Q / 8; ++j) {
-          const float2 lse = *reinterpret_cast<const float2*>(lse_smem + frag.pair_col(j));
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[j][e] = exp2f(s[j][e] * score_log2 - (e % 2 ? lse.y : lse.x));
-          }
-        }
-        // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
-        // is 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
-        if (ragged) zero_columns_past<TILE_Q>(s, frag, n_q - q_start);
-        wgmma_wait_group<0>();
-        wgmma_fence_operands(dp_acc);
-#pragma unroll
-        for (int j = 0; j < TILE_Q / 8; ++j) {
-          const float2 delta = *reinterpret_cast<const float2*>(delta_smem + frag.pair_col(j));
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            dp[j][e] = s[j][e] * (dp[j][e] - (e % 2 ? delta.y : delta.x));
-          }
-        }
-        if (ragged) zero_columns_past<TILE_Q>(dp, frag, n_q - q_start);
-        // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
-#pragma unroll
-        for (int step = 0; step < Traits::DKV_STEPS; ++step) {
-#pragma unroll
-          for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
-            const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
-            p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
-            ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
-          }
-        }
-        store_ds(ds_stage);
-        fence();
-        issue_dkdv(stage);
-        const bool both_computed = other_computed(ds_stage, true);
-        if (both_computed) {
-          dq_gemm(ds_stage, 0, Traits::DQ_STEPS);
-        } else {
-          dq_gemm(ds_stage, consumer * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
-        }
-      } else {
-        dq_zero = !other_computed(ds_stage, false);
-        if (!dq_zero) {
+  for (;;) {
+    unsigned kv_phase = 0;
+    if constexpr (PERSISTENT) {
+      const int n = *items_taken;
+      const int place = item_slots.wait(n);
+      if (place == BWD_NO_ITEM) return;
+      set_item(place);
+      key_first = k_start + consumer * WGMMA_M;
+      warp_key = key_first + warp_in_group * 16;
+      kv_phase = unsigned(n) & 1u;
+      // where the item's dK and dV rows start, for the epilogue: kept in shared memory across
+      // the steps (the consumer's first thread writes it, the barrier publishes it)
+      if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) {
+        item_slots.kv_rows[consumer] =
+            (long long)((size_t(batch) * kv_heads + kv_head) * size_t(n_k));
+      }
+      named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+    }
+    mbarrier_wait_parity(kv_full, kv_phase);  // always: no copy may be in flight when the CTA ends
+    unsigned column = unsigned(kv_head * kv_group) * head_columns +
+                      unsigned(key_first / TILE_K * KEY_BLOCKS);
+    for (int group_head = 0; group_head < kv_group; ++group_head, column += head_columns) {
+      // Whether the second block exists, from the column (column % head_columns is the first
+      // block) rather than held across the heads: the consumers have no register to spare at d128.
+      const bool has_second = KEY_BLOCKS == 2 && column % head_columns + 1 < head_columns - 1;
+      auto walk = column_walk(column, has_second, row_block);
+      PairedTile tile;
+      for (; walk.next(tile, rule, key_first, key_first + WGMMA_M - 1); ++t) {
+        const int stage = Ring::stage(t);
+        const int ds_stage = t % Traits::DS_STAGES;
+        const int q_start = tile.start;
+        ring->wait(t);  // also when skipped: see StageRing
+        // A consumer whose keys the step does not reach (its block's column lacks the query
+        // block, or the rule empties it) skips its GEMMs; the coverage is the warpgroup's,
+        // uniform across it. dQ_part = dS K runs over the halves of dS^T that were computed: both
+        // (every key), one (its 64 keys), or none (dQ_part = 0, still reduced in its turn).
+        bool dq_zero = false;
+        if (tile.coverage != TILE_EMPTY) {
+          const float* lse_smem = stats + stage * 2 * TILE_Q;
+          const float* delta_smem = lse_smem + TILE_Q;
           fence();
-          dq_gemm(ds_stage, (1 - consumer) * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
-        }
-      }
-      ring->release(t);
-      // dQ_part to the fp32 tile once the reduce has read the previous one.
-      mbarrier_wait_parity(dq_empty, unsigned(t & 1) ^ 1u);
+          issue_scores(stage);
+          wgmma_wait_group<1>();  // S^T; dP^T runs on
+          wgmma_fence_operands(s_acc);
+          if (tile.coverage != TILE_FULL) {
+            mask_score_tile<RULE, BLOCK, TILE_Q, false>(s, rule, warp_key, q_start, tile.block,
+                                                        key_first / BLOCK, tile.mask_id);
+          }
+          const bool ragged = q_start + TILE_Q > n_q;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_in_group * 16 + frag.row(2 * r);
+          for (int j = 0; j < TILE_Q / 8; ++j) {
+            const float2 lse = *reinterpret_cast<const float2*>(lse_smem + frag.pair_col(j));
 #pragma unroll
-        for (int j = 0; j < Traits::DQ_COLUMNS / 8; ++j) {
-          const int col = consumer * Traits::DQ_COLUMNS + frag.pair_col(j);
-          *reinterpret_cast<float2*>(dq_tile + row * HEAD_DIM + col) =
-              dq_zero ? make_float2(0.0f, 0.0f) : make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+            for (int e = 0; e < 4; ++e) {
+              s[j][e] = exp2f(s[j][e] * score_log2 - (e % 2 ? lse.y : lse.x));
+            }
+          }
+          // Rows past n_q (zero-filled Q and dO, lse +inf) are no rows of the problem: their P
+          // is 0 unless an infinite key makes it NaN, so they are zeroed (a uniform branch).
+          if (ragged) zero_columns_past<TILE_Q>(s, frag, n_q - q_start);
+          wgmma_wait_group<0>();
+          wgmma_fence_operands(dp_acc);
+#pragma unroll
+          for (int j = 0; j < TILE_Q / 8; ++j) {
+            const float2 delta = *reinterpret_cast<const float2*>(delta_smem + frag.pair_col(j));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              dp[j][e] = s[j][e] * (dp[j][e] - (e % 2 ? delta.y : delta.x));
+            }
+          }
+          if (ragged) zero_columns_past<TILE_Q>(dp, frag, n_q - q_start);
+          // P^T and dS^T packed as A fragments; dS^T also to shared memory for dQ.
+#pragma unroll
+          for (int step = 0; step < Traits::DKV_STEPS; ++step) {
+#pragma unroll
+            for (int reg = 0; reg < WGMMA_A_REGISTERS; ++reg) {
+              const int element = step * 2 * WGMMA_A_REGISTERS + 2 * reg;
+              p[step][reg] = pack_pair<T>(s_acc[element], s_acc[element + 1]);
+              ds[step][reg] = pack_pair<T>(dp_acc[element], dp_acc[element + 1]);
+            }
+          }
+          store_ds(ds_stage);
+          fence();
+          issue_dkdv(stage);
+          const bool both_computed = other_computed(ds_stage, true);
+          if (both_computed) {
+            dq_gemm(ds_stage, 0, Traits::DQ_STEPS);
+          } else {
+            dq_gemm(ds_stage, consumer * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
+          }
+        } else {
+          dq_zero = !other_computed(ds_stage, false);
+          if (!dq_zero) {
+            fence();
+            dq_gemm(ds_stage, (1 - consumer) * Traits::HALF_DQ_STEPS, Traits::HALF_DQ_STEPS);
+          }
         }
+        ring->release(t);
+        // dQ_part to the fp32 tile once the reduce has read the previous one.
+        mbarrier_wait_parity(dq_empty, unsigned(t & 1) ^ 1u);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp_in_group * 16 + frag.row(2 * r);
+#pragma unroll
+          for (int j = 0; j < Traits::DQ_COLUMNS / 8; ++j) {
+            const int col = consumer * Traits::DQ_COLUMNS + frag.pair_col(j);
+            *reinterpret_cast<float2*>(dq_tile + row * HEAD_DIM + col) =
+                dq_zero ? make_float2(0.0f, 0.0f) : make_float2(dq[j][2 * r], dq[j][2 * r + 1]);
+          }
+        }
+        fence_proxy_async();  // the dQ stores, before the bulk reduce reads them
+        mbarrier_arrive(dq_full);
       }
-      fence_proxy_async();  // the dQ stores, before the bulk reduce reads them
-      mbarrier_arrive(dq_full);
     }
-  }
 
-  // dK (times the scale) and dV of the consumer's keys; 0 for keys no query saw.
-  const size_t kv_rows = (size_t(batch) * kv_heads + kv_head) * size_t(n_k);
+    // Persistent: the last GEMM that reads K or V has retired (dq_gemm waits for it), so the
+    // producer may copy the next item's over them while the epilogue runs.
+    if constexpr (PERSISTENT) mbarrier_arrive(&kv_empty);
+    // dK (times the scale) and dV of the consumer's keys; 0 for keys no query saw.
+    size_t kv_rows = (size_t(batch) * kv_heads + kv_head) * size_t(n_k);
+    if constexpr (PERSISTENT) {
+      kv_rows = size_t(*reinterpret_cast<volatile long long*>(&item_slots.kv_rows[consumer]));
+    }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = warp_key + frag.row(2 * r);
-    if (key >= n_k) continue;
-    T* dk_row = dk + (kv_rows + key) * HEAD_DIM;
-    T* dv_row = dv + (kv_rows + key) * HEAD_DIM;
+    for (int r = 0; r < 2; ++r) {
+      const int key = warp_key + frag.row(2 * r);
+      if (key >= n_k) continue;
+      T* dk_row = dk + (kv_rows + key) * HEAD_DIM;
+      T* dv_row = dv + (kv_rows + key) * HEAD_DIM;
 #pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      const int col = frag.pair_col(j);
-      *reinterpret_cast<u32*>(dk_row + col) =
-          pack_pair<T>(dk_frags[j][2 * r] * scale, dk_frags[j][2 * r + 1] * scale);
-      *reinterpret_cast<u32*>(dv_row + col) = pack_pair<T>(dv_frags[j][2 * r], dv_frags[j][2 * r + 1]);
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+        const int col = frag.pair_col(j);
+        *reinterpret_cast<u32*>(dk_row + col) =
+            pack_pair<T>(dk_frags[j][2 * r] * scale, dk_frags[j][2 * r + 1] * scale);
+        *reinterpret_cast<u32*>(dv_row + col) =
+            pack_pair<T>(dv_frags[j][2 * r], dv_frags[j][2 * r + 1]);
+      }
+    }
+    if constexpr (PERSISTENT) {
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_frags[j][e] = dv_frags[j][e] = 0.0f;
+      }
+      const int n = *items_taken;
+      item_slots.release(n);
+      named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+      if (threadIdx.x % Traits::WARPGROUP_SIZE == 0) *items_taken = n + 1;
+      named_barrier_sync(Traits::ITEMS_READ_BARRIER + consumer, Traits::WARPGROUP_SIZE);
+    } else {
+      break;
     }
   }
+}
+
+
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
+__global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_bwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                  const __grid_constant__ TensorMap v_map,
+                  const __grid_constant__ TensorMap dout_map,
+                  const __grid_constant__ TensorMap stats_map, int q_col, int k_col, int v_col,
+                  int dout_col, T* __restrict__ dk, T* __restrict__ dv,
+                  float* __restrict__ dq_accum, int* __restrict__ semaphores,
+                  int* __restrict__ work_counter, const int* __restrict__ col_ptr,
+                  const int* __restrict__ row_idx, const int* __restrict__ col_mask,
+                  const int* __restrict__ dq_ranks, const int* __restrict__ tile_order,
+                  const u32* __restrict__ mask_table, int n_q, int n_k, int q_offset,
+                  int kv_group, int num_k_blocks, float scale, int window_left,
+                  int window_right, int cta_groups) {
+  attn_bwd_sm90_cta<BLOCK, TILE_Q, HEAD_DIM, T, RULE, DQ_ORDER, false>(
+      q_map, k_map, v_map, dout_map, stats_map, q_col, k_col, v_col, dout_col, dk, dv, dq_accum,
+      semaphores, work_counter, col_ptr, row_idx, col_mask, dq_ranks, tile_order, mask_table, n_q,
+      n_k, q_offset, kv_group, num_k_blocks, scale, window_left, window_right, cta_groups,
+      int(gridDim.y), int(gridDim.z));
+}
+
+// The persistent backward's launch: attn_bwd_sm90's threads and dynamic shared memory (what it
+// adds, the place hand-over and kv_empty, is static).
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T>
+using attn_bwd_sm90_persistent_traits = attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>;
+
+// The persistent backward (CUATTN_BWD_SM90=persistent): a grid of one CTA an SM (any count),
+// each claiming attn_bwd_sm90's items (key tile, kv head, batch) from the same counter in the
+// same order until it passes the last of num_k_tiles x kv_heads x batch_size: the same dQ ranks,
+// and a CTA still waits only on items claimed before its own, all held by running CTAs. An
+// item's K and V are copied once the consumers are done with the previous item's (its Q and dO
+// steps land in the ring as it frees), under the previous item's dK/dV epilogue and last dQ
+// reduces. Every gradient is computed by the same code in the same order: bit-equal to
+// attn_bwd_sm90's.
+template <int BLOCK, int TILE_Q, int HEAD_DIM, typename T, int RULE, int DQ_ORDER = DQ_ORDERED>
+__global__ void __launch_bounds__(attn_bwd_sm90_traits<BLOCK, TILE_Q, HEAD_DIM, T>::NUM_THREADS, 1)
+    attn_bwd_sm90_persistent(
+        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap dout_map,
+        const __grid_constant__ TensorMap stats_map, int q_col, int k_col, int v_col,
+        int dout_col, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+        int* __restrict__ semaphores, int* __restrict__ work_counter,
+        const int* __restrict__ col_ptr, const int* __restrict__ row_idx,
+        const int* __restrict__ col_mask, const int* __restrict__ dq_ranks,
+        const int* __restrict__ tile_order, const u32* __restrict__ mask_table, int n_q, int n_k,
+        int q_offset, int kv_group, int num_k_blocks, float scale, int window_left,
+        int window_right, int cta_groups, int kv_heads, int batch_size) {
+  attn_bwd_sm90_cta<BLOCK, TILE_Q, HEAD_DIM, T, RULE, DQ_ORDER, true>(
+      q_map, k_map, v_map, dout_map, stats_map, q_col, k_col, v_col, dout_col, dk, dv, dq_accum,
+      semaphores, work_counter, col_ptr, row_idx, col_mask, dq_ranks, tile_order, mask_table, n_q,
+      n_k, q_offset, kv_group, num_k_blocks, scale, window_left, window_right, cta_groups,
+      kv_heads, batch_size);
 }
 
 // dq = dq_accum * scale as T: one warp per row (row_kernel.cuh), dq [batch, heads, n_q,

@@ -19,6 +19,7 @@ ACCEPTED = {
     geometry.SM90_EXP2_ENV: geometry.SM90_EXP2_CHOICES,
     geometry.SM90_CONSUMERS_ENV: geometry.SM90_CONSUMERS_CHOICES,
     geometry.BWD_DQ_ENV: geometry.BWD_DQ_ORDERS,
+    geometry.BWD_SM90_ENV: geometry.BWD_SM90_SCHEDULES,
     geometry.DECODE_ENV: geometry.DECODE_FAMILIES,
     geometry.DECODE_FP8_ENV: geometry.DECODE_FP8_FAMILIES,
     geometry.SCORE_BIAS_ENV: geometry.DECODE_FP8_FAMILIES,

@@ -95,6 +95,7 @@ KERNEL_FILES = {
     "attn_fwd_sm90_persistent": "attn_fwd_sm90.cu",
     "attn_fwd_sm90_merge": "attn_fwd_sm90.cu",
     "attn_bwd_sm90": "attn_bwd_sm90.cu",
+    "attn_bwd_sm90_persistent": "attn_bwd_sm90.cu",
     "attn_bwd_sm90_dq": "attn_bwd_sm90.cu",
     "quest_select": "quest_select.cu",
     "quest_select_rows": "quest_select.cu",
@@ -213,6 +214,20 @@ BWD_DQ_ENV = "CUATTN_BWD_DQ"
 BWD_DQ_ORDERED = "ordered"
 BWD_DQ_UNORDERED = "unordered"
 BWD_DQ_ORDERS = (BWD_DQ_ORDERED, BWD_DQ_UNORDERED)
+# How attn_bwd_sm90's work is scheduled (CUATTN_BWD_SM90): "one-shot" (also when unset: a CTA
+# per key tile, kv head and batch) or "persistent" (attn_bwd_sm90_persistent: one CTA an SM
+# claiming the same items in the same order, the next item's K and V copied under the current
+# one's epilogue; the same bits). Opt-in: it has never run on a GPU.
+SM90_BWD_PERSISTENT = "attn_bwd_sm90_persistent"
+SM90_BWD_KERNELS = (SM90_BWD, SM90_BWD_PERSISTENT)
+BWD_SM90_ENV = "CUATTN_BWD_SM90"
+BWD_SM90_ONE_SHOT = "one-shot"
+BWD_SM90_PERSISTENT = "persistent"
+BWD_SM90_SCHEDULES = (BWD_SM90_ONE_SHOT, BWD_SM90_PERSISTENT)
+# (block, head dim, rule) the persistent backward has no instantiation for: at d = 128 with
+# 64-blocks the window and bitmask rules leave its item loop a register or three short (ptxas
+# spills 4-12 bytes); there CUATTN_BWD_SM90=persistent keeps attn_bwd_sm90.
+SM90_BWD_PERSISTENT_SPILLS = ((64, 128, "window"), (64, 128, "bitmask"))
 # The persistent sm_90a forward (issue 53): attn_fwd_sm90's items taken by one CTA an SM from a
 # work list built from the layout (sm90_work_list) through a zeroed counter. It has never run on
 # a GPU: only CUATTN_KERNELS=sm90a-persistent chooses it (the interpreter included), wherever
@@ -282,7 +297,7 @@ SM90_NO_SLOT = -1
 SM90_MERGE_FIELDS = 3
 SM90_FWD_MERGE = "attn_fwd_sm90_merge"  # one warp per row, row_kernel_traits
 # built for sm_90a alone
-SM90_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT, SM90_FWD_MERGE, SM90_BWD, SM90_BWD_DQ)
+SM90_KERNELS = (SM90_FWD, SM90_FWD_PERSISTENT, SM90_FWD_MERGE, *SM90_BWD_KERNELS, SM90_BWD_DQ)
 # The row kernels of the sm_90a family (row_kernel_traits, grid of ROWS_PER_CTA_ELEMENTWISE rows)
 SM90_ROW_KERNELS = (SM90_FWD_MERGE, SM90_BWD_DQ)
 KERNELS_ENV = "CUATTN_KERNELS"
@@ -581,6 +596,41 @@ _SM90_FWD_ARGS = (
     *_LAYOUT_ARGS,
     *_RULE_SCALARS[: _RULE_SCALARS.index(("softcap", "f32"))],
 )
+_SM90_BWD_ARGS = (  # attn_bwd_sm90's; attn_bwd_sm90_persistent adds the pairs' sizes
+    ("q", "tmap"),
+    ("k", "tmap"),
+    ("v", "tmap"),
+    ("dout", "tmap"),
+    # float32 [batch, heads, 2, n_q_padded]: lse (log2 domain; +inf past n_q and for a row
+    # with nothing to attend), then delta (0 past n_q); a box of a step's two rows
+    ("stats", "tmap"),
+    ("q_col", "i32"),
+    ("k_col", "i32"),
+    ("v_col", "i32"),
+    ("dout_col", "i32"),
+    ("dk", "ptr"),
+    ("dv", "ptr"),
+    ("dq_accum", "ptr"),  # float32 [batch, heads, n_q_padded, d], zeroed
+    ("semaphores", "ptr"),  # int32 [batch, heads, n_q_padded / TILE_Q], zeroed
+    ("work_counter", "ptr"),  # int32, zeroed
+    ("col_ptr", "ptr"),
+    ("row_idx", "ptr"),
+    ("col_mask", "ptr"),
+    ("dq_ranks", "ptr"),  # int32 per CSC entry (kernels.py, dq_ranks)
+    # int32 [kv heads, key tiles]: each kv head's key tiles in claim order (kernels.py,
+    # backward_tile_order)
+    ("tile_order", "ptr"),
+    ("mask_table", "ptr"),
+    ("n_q", "i32"),
+    ("n_k", "i32"),
+    ("q_offset", "i32"),
+    ("kv_group", "i32"),
+    ("num_k_blocks", "i32"),
+    ("scale", "f32"),
+    ("window_left", "i32"),
+    ("window_right", "i32"),
+    ("cta_groups", "i32"),  # sm90_backward_cta_groups
+)
 KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
     "attn_fwd": _FWD_ARGS,
     SM90_FWD: (*_SM90_FWD_ARGS, ("cta_groups", "i32")),  # sm90_cta_groups
@@ -602,41 +652,9 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("n_q", "i32"),
         ("rows", "i32"),  # split items x SM90_TILE_M
     ),
-    SM90_BWD: (
-        ("q", "tmap"),
-        ("k", "tmap"),
-        ("v", "tmap"),
-        ("dout", "tmap"),
-        # float32 [batch, heads, 2, n_q_padded]: lse (log2 domain; +inf past n_q and for a row
-        # with nothing to attend), then delta (0 past n_q); a box of a step's two rows
-        ("stats", "tmap"),
-        ("q_col", "i32"),
-        ("k_col", "i32"),
-        ("v_col", "i32"),
-        ("dout_col", "i32"),
-        ("dk", "ptr"),
-        ("dv", "ptr"),
-        ("dq_accum", "ptr"),  # float32 [batch, heads, n_q_padded, d], zeroed
-        ("semaphores", "ptr"),  # int32 [batch, heads, n_q_padded / TILE_Q], zeroed
-        ("work_counter", "ptr"),  # int32, zeroed
-        ("col_ptr", "ptr"),
-        ("row_idx", "ptr"),
-        ("col_mask", "ptr"),
-        ("dq_ranks", "ptr"),  # int32 per CSC entry (kernels.py, dq_ranks)
-        # int32 [kv heads, key tiles]: each kv head's key tiles in claim order (kernels.py,
-        # backward_tile_order)
-        ("tile_order", "ptr"),
-        ("mask_table", "ptr"),
-        ("n_q", "i32"),
-        ("n_k", "i32"),
-        ("q_offset", "i32"),
-        ("kv_group", "i32"),
-        ("num_k_blocks", "i32"),
-        ("scale", "f32"),
-        ("window_left", "i32"),
-        ("window_right", "i32"),
-        ("cta_groups", "i32"),  # sm90_backward_cta_groups
-    ),
+    SM90_BWD: _SM90_BWD_ARGS,
+    # grid (CTAs, 1, 1): the pairs come as arguments
+    SM90_BWD_PERSISTENT: (*_SM90_BWD_ARGS, ("kv_heads", "i32"), ("batch_size", "i32")),
     SM90_BWD_DQ: (
         ("dq_accum", "ptr"),
         ("dq", "ptr"),
@@ -1122,7 +1140,7 @@ class KernelConfig(_Launch):
         assert self.dtype in DTYPES, self.dtype
         assert self.batch >= 1 and self.heads >= 1 and self.n_rows >= 1
         assert not self.mods or self.kernel in MODS_KERNELS, self.kernel
-        assert not self.dq_unordered or self.kernel == SM90_BWD, self.kernel
+        assert not self.dq_unordered or self.kernel in SM90_BWD_KERNELS, self.kernel
         fp8 = self.kernel in (DECODE_FP8_KERNEL, DECODE_GQA_FP8_KERNEL)
         assert (self.kv_dtype in KV_DTYPES) if fp8 else self.kv_dtype is None, self
         assert not fp8 or self.dtype in DECODE_FP8_Q_DTYPES, self
@@ -1180,7 +1198,9 @@ class KernelConfig(_Launch):
                 wide_ld = _smem_stride(self.head_dim, ITEMSIZE[self.dtype])
                 smem += 2 * stages * tile_n * 4 + stages * 2 * 4
                 smem += consumers * 2 * tile_n * wide_ld * ITEMSIZE[self.dtype]
-        elif self.kernel == SM90_BWD:
+        elif self.kernel in SM90_BWD_KERNELS:
+            # attn_bwd_sm90: grid (key tiles, kv heads, batch); the persistent one: (CTAs =
+            # n_rows, 1, 1), its place hand-over in static shared memory
             assert sm90_backward_supports(self.block, self.head_dim, self.dtype), self
             assert self.rule in RULES and not self.mods and not self.paired, self
             tile_m, tile_n, num_warps = SM90_BWD_TILE_K, SM90_BWD_TILE_Q, SM90_WARPS
@@ -1279,6 +1299,8 @@ class KernelConfig(_Launch):
             return (ceil_div(self.n_rows, ROWS_PER_CTA_ELEMENTWISE), self.heads, self.batch)
         if self.kernel == SM90_BWD:  # heads: kv heads; n_rows: keys
             return (ceil_div(self.n_rows, SM90_BWD_TILE_K), self.heads, self.batch)
+        if self.kernel == SM90_BWD_PERSISTENT:
+            return (self.n_rows, 1, 1)
         if self.kernel in DECODE_KERNELS or self.kernel in DECODE_GQA_KERNELS:
             return (self.n_rows, self.heads, self.batch)
         if self.kernel == SM90_FWD:
@@ -1294,8 +1316,8 @@ class KernelConfig(_Launch):
     @property
     def group(self) -> tuple:
         """The instantiations the interpreter compiles into one library with this one (the
-        modifier variants, the unordered dQ, the rescale skip and the exp2 polynomial apart: only
-        calls that ask build them)."""
+        modifier variants, the unordered dQ, the rescale skip, the exp2 polynomial, the three
+        consumers and the persistent backward apart: only calls that ask build them)."""
         return (
             self.source_file,
             self.dtype,
@@ -1306,6 +1328,7 @@ class KernelConfig(_Launch):
             self.rescale_skip,
             self.exp2_poly,
             self.consumers,
+            self.kernel == SM90_BWD_PERSISTENT,
         )
 
     @property
@@ -1337,7 +1360,7 @@ class KernelConfig(_Launch):
                 rescale = f"{rescale or ', RESCALE_ALWAYS'}"
                 rescale = f"{rescale}{'' if self.exp2_poly else ', EXP2_MUFU'}, {self.consumers}"
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{rescale}>"
-        if self.kernel == SM90_BWD:
+        if self.kernel in SM90_BWD_KERNELS:
             order = ", DQ_UNORDERED" if self.dq_unordered else ""  # DQ_ORDERED by default
             return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}{order}>"
         return f"{self.kernel}<{self._tile_args}, {self.head_dim}, {cxx}, {rule}, {mods}>"
@@ -1382,7 +1405,7 @@ class KernelConfig(_Launch):
         """The leading template arguments of a block kernel: the block and its tiles."""
         if self.kernel == "attn_fwd":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.num_warps}"
-        if self.kernel in (*SM90_FWD_KERNELS, SM90_BWD):
+        if self.kernel in (*SM90_FWD_KERNELS, *SM90_BWD_KERNELS):
             return f"{self.block}, {self.tile_n}"
         if self.kernel == "attn_bwd_dkdv":
             return f"{self.block}, {self.tile_m}, {self.tile_n}, {self.splits}"
@@ -1700,18 +1723,31 @@ def sm90_backward_supports(block: int | None, head_dim: int, dtype: str) -> bool
     return block in SM90_BWD_BLOCKS and head_dim in SM90_BWD_HEAD_DIMS and dtype in SM90_DTYPES
 
 
-def sm90_backward_configs() -> list[KernelConfig]:
+def sm90_backward_persistent_supports(block: int, head_dim: int, rule: str) -> bool:
+    """Whether attn_bwd_sm90_persistent has an instantiation for this block, head dim and rule
+    (wherever attn_bwd_sm90 has one, but SM90_BWD_PERSISTENT_SPILLS)."""
+    return (block, head_dim, rule) not in SM90_BWD_PERSISTENT_SPILLS
+
+
+def sm90_backward_configs(kernel: str = SM90_BWD) -> list[KernelConfig]:
     """One config per instantiation of the sm_90a backward (64: blocks x head dims x dtypes x
-    rules x the dQ order) and of its dQ conversion (4)."""
+    rules x the dQ order) and of its dQ conversion (4); ``kernel`` SM90_BWD_PERSISTENT: the
+    persistent backward's alone (56: those 64 but SM90_BWD_PERSISTENT_SPILLS'; the conversion
+    is the same)."""
     shapes = list(itertools.product(SM90_BWD_HEAD_DIMS, SM90_DTYPES))
     return [
         *[
-            KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule=rule, dq_unordered=unordered)
+            KernelConfig(kernel, head_dim, dtype, block=block, rule=rule, dq_unordered=unordered)
             for unordered, block, (head_dim, dtype), rule in itertools.product(
                 (False, True), SM90_BWD_BLOCKS, shapes, RULES
             )
+            if kernel == SM90_BWD or sm90_backward_persistent_supports(block, head_dim, rule)
         ],
-        *[KernelConfig(SM90_BWD_DQ, head_dim, dtype) for head_dim, dtype in shapes],
+        *[
+            KernelConfig(SM90_BWD_DQ, head_dim, dtype)
+            for head_dim, dtype in shapes
+            if kernel == SM90_BWD
+        ],
     ]
 
 
@@ -2121,6 +2157,13 @@ def kernel_family() -> str:
     (attn_fwd_sm90_persistent wherever attn_fwd_sm90 applies). attn_fwd_sm90 applies to
     fp16/bf16, the block sizes and head dims of SM90_*, and no score modifier."""
     return _env_choice(KERNELS_ENV, KERNEL_FAMILIES, AUTO_FAMILY, "kernel family")
+
+
+def sm90_backward_schedule() -> str:
+    """How CUATTN_BWD_SM90 asks attn_bwd_sm90's work to be scheduled: "one-shot" (also when
+    unset: attn_bwd_sm90, a CTA an item) or "persistent" (attn_bwd_sm90_persistent: one CTA an
+    SM claiming the same items; the same bits)."""
+    return _env_choice(BWD_SM90_ENV, BWD_SM90_SCHEDULES, BWD_SM90_ONE_SHOT, "backward schedule")
 
 
 def sm90_backward_dq_order() -> str:

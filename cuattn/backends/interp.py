@@ -189,6 +189,7 @@ def _group_configs(group: tuple) -> list[KernelConfig | LayoutKernelConfig]:
         *geometry.sm90_configs(),
         *geometry.sm90_persistent_configs(),
         *geometry.sm90_backward_configs(),
+        *geometry.sm90_backward_configs(geometry.SM90_BWD_PERSISTENT),
         *geometry.decode_gqa_configs(),
         *geometry.decode_fp8_configs(),
     )

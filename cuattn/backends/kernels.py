@@ -786,22 +786,42 @@ class KernelBackend:
         their device): delta by attn_bwd_preprocess, lse (log2 domain) and delta padded to whole
         steps, the main kernel with its dQ reduces into a zeroed fp32 accumulator, then
         attn_bwd_sm90_dq. CUATTN_BWD_DQ=unordered runs the instantiation whose reduces skip the
-        semaphores (geometry.BWD_DQ_ENV). None, before any launch, when the device refuses a
-        tensor map: the caller runs the mma.sync pair."""
+        semaphores (geometry.BWD_DQ_ENV); CUATTN_BWD_SM90=persistent runs
+        attn_bwd_sm90_persistent, one CTA an SM claiming the same items in the same order
+        (geometry.BWD_SM90_ENV). None, before any launch, when the device refuses a tensor map:
+        the caller runs the mma.sync pair."""
         q, k, v, out, lse, dout = saved
         batch, heads, n_q, head_dim, kv_heads, n_k = shape
         xp = self.xp
+        persistent = geometry.sm90_backward_schedule() == geometry.BWD_SM90_PERSISTENT
+        persistent &= geometry.sm90_backward_persistent_supports(
+            layout.blocksize, head_dim, layout.rule.kind
+        )
+        key_blocks = geometry.sm90_bwd_key_blocks(layout.blocksize)
+        # persistent: its grid (CTAs) and the pairs' sizes, which the grid no longer gives
+        items = -(-layout.num_blocks // key_blocks) * kv_heads * batch
+        schedule = (
+            {
+                "kernel": geometry.SM90_BWD_PERSISTENT,
+                "batch": 1,
+                "heads": 1,
+                "n_rows": geometry.sm90_persistent_ctas(self.multiprocessors(q), items),
+            }
+            if persistent
+            else {"kernel": geometry.SM90_BWD, "batch": batch, "heads": kv_heads, "n_rows": n_k}
+        )
         config = KernelConfig(
-            geometry.SM90_BWD,
+            schedule["kernel"],
             head_dim,
             dtype,
-            batch,
-            kv_heads,
-            n_k,
+            schedule["batch"],
+            schedule["heads"],
+            schedule["n_rows"],
             layout.blocksize,
             layout.rule.kind,
             dq_unordered=geometry.sm90_backward_dq_order() == geometry.BWD_DQ_UNORDERED,
         )
+        sizes = {"kv_heads": kv_heads, "batch_size": batch} if persistent else {}
         maps = {
             **self._panel_map("q", q, config.tile_n),
             **self._panel_map("k", k, config.tile_m),
@@ -827,7 +847,6 @@ class KernelBackend:
         dk, dv = (self.output(k.shape, k.dtype) for _ in range(2))
         index = self.index_arrays(layout)
         kv_group = heads // kv_heads
-        key_blocks = geometry.sm90_bwd_key_blocks(layout.blocksize)
         if isinstance(layout, DeviceLayout):  # built where it lives, no host round trip
             tile_order, ranks = layout_build.sm90_backward_order(
                 self, layout, index, key_blocks, kv_group
@@ -861,6 +880,7 @@ class KernelBackend:
             cta_groups=geometry.sm90_backward_cta_groups(
                 batch, kv_heads, n_q, head_dim, dtype, kv_group
             ),
+            **sizes,
         )
         dq = self.output(q.shape, q.dtype)
         self.launch(

@@ -189,3 +189,76 @@ def test_committed_calibration_reproduces(label):
         assert entry["predicted_ms"] == pytest.approx(predicted * 1e3, abs=2e-4)
         assert entry["side"] == ("fit" if row.fit else "held out")
     assert calibrate_schedule.summary(data["rows"]) == data["summary"]
+
+
+def test_the_sm90a_backward_s_items_are_its_ctas_in_claim_order():
+    """Dense causal at 64-blocks, 2 heads x 2 batches: one item per (128-key tile, kv head,
+    batch), claimed group by group (geometry.sm90_backward_cta_groups), position-major over
+    the descending tiles (kernels.backward_tile_order); tile j walks T / 64 - 2j steps, of which
+    the first (query block 2j, which the pair's second block lacks) one consumer computes."""
+    n_ctx, batch = 1024, 2
+    layout = _causal(n_ctx, 64)
+    items = schedule.bwd_sm90_items(layout, batch, HEAD_DIM)
+    tiles = n_ctx // 128
+    assert len(items) == tiles * 2 * batch
+    groups = geometry.sm90_backward_cta_groups(batch, 2, n_ctx, HEAD_DIM, "bfloat16", 1)
+    per_group = 2 * batch // groups
+    assert [i.tile for i in items[:per_group]] == [tiles - 1] * per_group
+    for item in items:
+        steps = item.steps
+        assert [q for _, q, _ in steps] == list(range(2 * item.tile, n_ctx // 64))
+        assert [held for _, _, held in steps] == [1] + [2] * (len(steps) - 1)
+        assert {pair for pair, _, _ in steps} == {item.kv_pair}
+
+
+def test_the_sm90a_backward_s_schedules_keep_their_bounds():
+    """The simulated makespan is never under the balanced time; the unordered dQ never slower
+    than the ordered; a persistent grid paying half the fixed latency is faster on a thin
+    layout; split columns shorten bigbird's tail (and its chunks cover the column's steps)."""
+    # 256 items, more than the SMs
+    strided = make_layout("strided", n_ctx=2048, heads=4, blocksize=64, local_attn_ctx=128)
+    bigbird = make_layout("bigbird", n_ctx=2048, heads=4, blocksize=64)
+    for layout in (strided, bigbird):
+        ordered = schedule.predict_bwd_sm90(layout, 4, HEAD_DIM)
+        unordered = schedule.predict_bwd_sm90(layout, 4, HEAD_DIM, ordered=False)
+        assert ordered.makespan_cycles >= ordered.balanced_cycles
+        assert unordered.seconds <= ordered.seconds
+    today = schedule.predict_bwd_sm90(strided, 4, HEAD_DIM)
+    persistent = schedule.predict_bwd_sm90(strided, 4, HEAD_DIM, persistent_share=0.5)
+    assert persistent.seconds < today.seconds
+    assert persistent.fixed_cycles < today.fixed_cycles
+    items = schedule.bwd_sm90_items(bigbird, 4, HEAD_DIM)
+    split, above = schedule.split_bwd_items(items, schedule.SM90_BWD_SPLIT_FACTOR, 8)
+    assert above and len(split) > len(items)
+    assert max(len(i.steps) for i in split) <= above
+    assert sorted(s for i in split for s in i.steps) == sorted(s for i in items for s in i.steps)
+    unsplit = schedule.predict_bwd_sm90(bigbird, 4, HEAD_DIM, persistent_share=0.5)
+    chunked = schedule.predict_bwd_sm90(bigbird, 4, HEAD_DIM, persistent_share=0.5, split=True)
+    assert chunked.tail < unsplit.tail
+
+
+def test_the_table_prints_each_lever():
+    shape = schedule.BenchShape(n_ctx=1024, heads=2, batch=1, head_dim=HEAD_DIM)
+    table = schedule.bwd_sm90_table(shape, blocks=(128,), labels=("strided",))
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[2:]] == ["| strided, 128"]  # over dense causal's
+    # pattern, density, steps, today, unordered, then each lever but today: a pipe each and one
+    assert all(r.count("|") == 5 + len(schedule.SM90_BWD_LEVERS) for r in rows)
+
+
+def test_the_backward_s_step_cycles_are_the_static_model_s():
+    """SM90_BWD_STEP_CYCLES are dev/sass_roofline.sm90_backward_step_cycles of the kernel as
+    committed (d128, 128-blocks recompiled here: within 1 %)."""
+    from cuattn.backends.toolchain import common_options, kernel_dir
+    from dev import sass_model, sass_roofline
+
+    if sass_model.missing_tools() is not None:
+        pytest.skip("no SASS tools")
+    (spec,) = [s for s in sass_model.hot_specs() if s.label == "bwd sm90a d128 b128"]
+    (model,) = sass_model.model_specs(
+        [spec], sass_model.current_sources([spec]), common_options(), kernel_dir()
+    )
+    cycles = sass_roofline.sm90_backward_step_cycles(model)
+    expected = schedule.SM90_BWD_STEP_CYCLES[(128, 128)]
+    got = (cycles.full, cycles.half, cycles.cta)
+    assert got == pytest.approx(expected, rel=0.01)

@@ -189,16 +189,6 @@ __device__ __forceinline__ int swizzled_byte(int row, int col) {
 // run), or whatever order the CTAs reach the tile in (no waits; CUATTN_BWD_DQ=unordered).
 enum DqOrder : int { DQ_ORDERED = 0, DQ_UNORDERED = 1 };
 
-// `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
-// depends on it is computed after this point, never hoisted out of an enclosing loop (the
-// persistent kernel's item decode and the producer's second-panel TMA coordinates, which ptxas
-// otherwise holds across the item loop, and spills in the producer's 24 registers).
-__device__ __forceinline__ void bwd_opaque_to_compiler(int& value) {
-#ifndef CUATTN_INTERP
-  asm volatile("" : "+r"(value));
-#endif
-}
-
 // The persistent backward's hand-over of claimed places: the producer's thread publishes its
 // n-th place (BWD_NO_ITEM once the counter has passed the last item) in slot n % SLOTS; each
 // consumer thread and the reduce thread reads it, and releases the slot once done with the
@@ -312,9 +302,9 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
     int pairs = kv_heads * batch_size;
     int groups = cta_groups;
     if constexpr (PERSISTENT) {
-      bwd_opaque_to_compiler(tiles);
-      bwd_opaque_to_compiler(pairs);
-      bwd_opaque_to_compiler(groups);
+      opaque_to_compiler(tiles);
+      opaque_to_compiler(pairs);
+      opaque_to_compiler(groups);
     }
     const GroupedItem item = grouped_item(unsigned(place), unsigned(tiles), unsigned(pairs),
                                           unsigned(groups));
@@ -365,7 +355,7 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
       for (;;) {
         if constexpr (PERSISTENT) {
           int pairs = kv_heads * batch_size;
-          bwd_opaque_to_compiler(pairs);  // recomputed here, not held across the item
+          opaque_to_compiler(pairs);  // recomputed here, not held across the item
           const int place = claim_work(work_counter);
           const bool past = place >= num_k_tiles * pairs;
           const int n = item_slots.publish(past ? BWD_NO_ITEM : place);
@@ -374,10 +364,10 @@ __device__ __forceinline__ void attn_bwd_sm90_cta(
           set_item(place);
           t = item_slots.copied_steps;
           // the second panels' coordinates computed here, not held across the items
-          bwd_opaque_to_compiler(col_q);
-          bwd_opaque_to_compiler(col_k);
-          bwd_opaque_to_compiler(col_v);
-          bwd_opaque_to_compiler(col_dout);
+          opaque_to_compiler(col_q);
+          opaque_to_compiler(col_k);
+          opaque_to_compiler(col_v);
+          opaque_to_compiler(col_dout);
         }
         const bool paired = is_paired();
         mbarrier_arrive_expect_tx(kv_full, unsigned(2 * Traits::KV_BYTES));

@@ -223,14 +223,6 @@ __device__ __forceinline__ unsigned char* align_to_swizzle_repeat(unsigned char*
   return p + (SWIZZLE_REPEAT_BYTES - address % SWIZZLE_REPEAT_BYTES) % SWIZZLE_REPEAT_BYTES;
 }
 
-// `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
-// depends on it is computed after this point, never hoisted out of an enclosing loop.
-__device__ __forceinline__ void opaque_to_compiler(int& value) {
-#ifndef CUATTN_INTERP
-  asm volatile("" : "+r"(value));
-#endif
-}
-
 // The consumer's width-dependent steps over KEYS keys of a TILE_N-key tile (all of them, or with
 // key pairs one half's): templates here rather than generic lambdas in the kernel, which NVRTC
 // compiles as host code. A half's S has accumulators of its own (s_half): where it shared S's,

@@ -21,6 +21,16 @@
 #include <vector>
 #endif
 
+// `value` opaque to the compiler from here on (an empty asm that reads and writes it): what
+// depends on it is computed after this point, never hoisted out of an enclosing loop (where
+// ptxas would otherwise hold it across the loop, and spill it in a producer's few registers).
+// The interpreter has nothing to hide it from.
+__device__ __forceinline__ void opaque_to_compiler(int& value) {
+#ifndef CUATTN_INTERP
+  asm volatile("" : "+r"(value));
+#endif
+}
+
 // Two fp8 codes (KV fp8_e4m3 or fp8_e5m2; code 0 in the low byte of `pair`) widened to an fp16
 // pair (code 0 in the low half), exactly: every e4m3 and e5m2 value is an fp16. One cvt from
 // sm_89 on (the order as cvt's packing direction keeps it: low byte to low half); sm_80 and the

@@ -847,6 +847,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("key_tiles", "i32"),
         ("split_factor", "i32"),
         ("split_min_tiles", "i32"),
+        ("spread_percent", "i32"),
         ("batch", "i32"),
         ("sms", "i32"),
         ("max_slots", "i32"),  # sm90_split_slots: the launch's partial slots at most

@@ -469,7 +469,8 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
     with its first slot and chunk count; longest first within each L2 group. With key pairs a
     row's key tiles are the pairs (2j, 2j + 1) its union holds a block of, and no cut falls
     inside a pair (no tile is walked by two chunks). The threshold (None): 4 x the mean, at
-    least 8; with fewer items than ``sms``, at most the launch's walked tiles over sms."""
+    least 8; with fewer items than ``sms`` and the longest item past 1.5 x the launch's walked
+    tiles over sms (at least 8: the fill), at most the fill."""
     if key_pairs and block != geometry.SM90_KEY_PAIR_BLOCK:
         pytest.skip("key pairs are 64-blocks")
     batch, head_dim, heads = 2, 128, blocks.shape[0]
@@ -494,8 +495,9 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
         every = [walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)]
         expected = max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * np.mean(every))))
         if batch * heads * tiles < sms:
-            fill = -(-batch * sum(every) // sms)
-            expected = min(expected, max(geometry.SM90_SPLIT_MIN_TILES, fill))
+            fill = max(geometry.SM90_SPLIT_MIN_TILES, -(-batch * sum(every) // sms))
+            if max(every) > geometry.SM90_FEW_ITEMS_SPREAD_PERCENT / 100 * fill:
+                expected = min(expected, fill)
         assert threshold == expected
     entries: dict[int, list[tuple[int, int, int]]] = {}
     for item, first, end, slot, *row_entries in work.items.tolist():

@@ -859,6 +859,64 @@ def cap_table(
     return "\n".join(lines)
 
 
+# few_items_table's shapes: batch 1 with few heads, the launches the few-items rule is for (128
+# items at 8k x 2 heads and 4k x 4 heads, 64 at 8k x 1 head; 256 at 8k x 4 heads, not few, for
+# comparison).
+FEW_ITEMS_SHAPES = (
+    BenchShape(n_ctx=8192, heads=2, batch=1, head_dim=128),
+    BenchShape(n_ctx=8192, heads=4, batch=1, head_dim=128),
+    BenchShape(n_ctx=4096, heads=4, batch=1, head_dim=128),
+    BenchShape(n_ctx=8192, heads=1, batch=1, head_dim=128),
+)
+
+
+def few_items_thresholds(layout: object, batch: int, head_dim: int) -> tuple[int, int, float]:
+    """A launch's split thresholds (the cap not binding): the mean's alone (4 x the mean item's)
+    and the few-items rule's unrefined (at most the launch's walked tiles over SMS, at least
+    SM90_SPLIT_MIN_TILES), and the longest item's walked tiles over that fill (0 where the
+    items are as many as the SMs or more)."""
+    ctas = fwd_sm90_ctas(layout, batch, head_dim, 1, "x-fastest")
+    walked = np.array([c.walked for c in ctas if c.pair < layout.blocks.shape[0]])
+    mean_only = geometry.sm90_split_tiles(walked, batch, sms=1, max_slots=NO_CAP)
+    if batch * walked.size >= SMS:
+        return mean_only, mean_only, 0.0
+    fill = max(geometry.SM90_SPLIT_MIN_TILES, -(-batch * int(walked.sum()) // SMS))
+    return mean_only, min(mean_only, fill), float(walked.max()) / fill
+
+
+def few_items_table(p: FwdParams, shapes: Sequence[BenchShape] = FEW_ITEMS_SHAPES) -> str:
+    """bench/NOTES.md's few-items table: every pattern at ``shapes``, 64- and 128-blocks, with
+    the few-items rule unrefined (every launch of fewer items than SMs split to fill them), not
+    applied (the mean's threshold), and geometry's (the refined rule): threshold, slots and the
+    predicted ms, an item paying 1/2 of today's per-CTA cost, the merge included; the ratio
+    is the longest item's walked tiles over the fill."""
+    lines = [
+        "| shape | pattern, block | longest / fill | unrefined: tiles, slots, ms | "
+        "mean's: tiles, slots, ms | geometry's: tiles, slots, ms | change |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for shape in shapes:
+        for block in (64, 128):
+            for label, layout in shape.layouts(block).items():
+                mean_only, unrefined, ratio = few_items_thresholds(
+                    layout, shape.batch, shape.head_dim
+                )
+                cells = []
+                for split in (unrefined, mean_only, None):
+                    _, work, _ = built_items(layout, shape.batch, shape.head_dim, 1, split)
+                    pred = predict_built_persistent(
+                        layout, shape.batch, shape.head_dim, p, 0.5, split_tiles=split
+                    )
+                    cells.append((work.split_tiles, work.slots, pred.seconds))
+                change = cells[2][2] / cells[0][2] - 1
+                lines.append(
+                    f"| {shape} | {label}, {block} | {ratio:.2f} | "
+                    + " | ".join(f"{t}, {s}, {ms * 1e3:.3f}" for t, s, ms in cells)
+                    + f" | {100 * change:+.1f} % |"
+                )
+    return "\n".join(lines)
+
+
 def persistent_table(
     p: FwdParams,
     shape: BenchShape = BENCH_SHAPE,
@@ -1507,6 +1565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cap", action="store_true", help="the split-cap table (bench/NOTES.md): this shape"
     )
     parser.add_argument(
+        "--few-items", action="store_true", help="the few-items split table (bench/NOTES.md)"
+    )
+    parser.add_argument(
         "--consumers", action="store_true", help="three consumers at d = 64 (bench/NOTES.md)"
     )
     parser.add_argument(
@@ -1537,6 +1598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.cap:
         print(cap_table(fwd, [shape], [args.pattern] if args.pattern else None))
+        return 0
+    if args.few_items:
+        print(few_items_table(fwd))
         return 0
     if args.persistent:
         print(persistent_table(fwd, shape, args.block))

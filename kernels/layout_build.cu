@@ -395,8 +395,9 @@ __global__ void __launch_bounds__(INDEX_WARPS * 32, 1)
 // kernel walks 128-key tiles of two 64-blocks, else 1):
 //   sm90_work_count: a warp per unit: the walk units the union of its rows holds, union_count.
 //   sm90_work_scan: one CTA: the split threshold (split_factor x the mean unit's key tiles, at
-//     least split_min_tiles; where batch x units < sms, at most the launch's key tiles over sms,
-//     at least split_min_tiles; raised, where the launch's chunks would write more than
+//     least split_min_tiles; where batch x units < sms and the longest unit walks more than
+//     spread_percent / 100 x the launch's key tiles over sms (at least split_min_tiles: the
+//     fill), at most the fill; raised, where the launch's chunks would write more than
 //     max_slots partial slots, to the lowest threshold whose chunks fit: as
 //     geometry.sm90_split_tiles), each unit's chunks (1: not split) and the exclusive prefix
 //     sums of its entries (entry_ptr), of the chunks of split units (slot_ptr: partial slots)
@@ -526,7 +527,8 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     sm90_work_scan(const int* __restrict__ union_count, int* __restrict__ entry_ptr,
                    int* __restrict__ slot_ptr, int* __restrict__ merge_ptr,
                    int* __restrict__ split_tiles, int units, int key_tiles, int split_factor,
-                   int split_min_tiles, int batch, int sms, int max_slots) {
+                   int split_min_tiles, int spread_percent, int batch, int sms,
+                   int max_slots) {
   __shared__ long long walked_sums[SCAN_THREADS];
   __shared__ int chunk_sums[3][SCAN_THREADS];
   // the cap's bisection: over the cap at `low` (or untried), within it at `high`; `candidate`
@@ -559,7 +561,9 @@ __global__ void __launch_bounds__(SCAN_THREADS, 1)
     if ((long long)batch * units < sms) {  // few items: chunks to fill about one wave
       const long long fill = ((long long)batch * total + sms - 1) / sms;
       const int fill_tiles = fill > split_min_tiles ? int(fill) : split_min_tiles;
-      threshold = fill_tiles < threshold ? fill_tiles : threshold;
+      // only where the rows are uneven enough that the split can pay its tail and the merge
+      const bool uneven = 100LL * most > (long long)spread_percent * fill_tiles;
+      threshold = uneven && fill_tiles < threshold ? fill_tiles : threshold;
     }
     // the threshold itself first; the longest unit's tiles split nothing, so are within it
     low_smem = threshold - 1;

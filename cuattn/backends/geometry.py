@@ -276,6 +276,16 @@ SM90_SMS = 132
 # (a longer tail of chunks sorted longest first, and the merge's launch).
 SM90_SPLIT_FACTOR = 4
 SM90_SPLIT_MIN_TILES = 8
+# The few-items threshold applies only where the longest item walks more than
+# SM90_FEW_ITEMS_SPREAD_PERCENT / 100 x that fill: unsplit, such a launch ends with its longest
+# item (one an SM), and split it ends no sooner than the fill, so the split can gain at most
+# 1 - fill / longest, less the chunks' tail (sorted longest first) and the merge. Where the rows
+# are about even (dense, bidirectional local and fixed at 64-128 items: longest / fill
+# 1.00-1.25) or differ by little (window at 2 heads of 8k: 1.32-1.38) the split is predicted to
+# cost 4-33 %; from 1.60 up (window at 4 heads of 4k, causal and document rows, global rows) it
+# gains 6-57 % (dev/schedule.py's few_items_table). In integers, so that the host and the
+# device-built list decide alike.
+SM90_FEW_ITEMS_SPREAD_PERCENT = 150
 # A launch's chunks write at most SM90_SPLIT_SLOTS_PER_SM x its SMs partial slots (all batches
 # together): where the threshold above would split more, it is raised to the lowest one whose
 # chunks fit (the longest rows keep their split, in fewer, longer chunks). The split balances the
@@ -860,6 +870,7 @@ KERNEL_ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("key_tiles", "i32"),
         ("split_factor", "i32"),
         ("split_min_tiles", "i32"),
+        ("spread_percent", "i32"),
         ("batch", "i32"),
         ("sms", "i32"),
         ("max_slots", "i32"),  # sm90_split_slots: the launch's partial slots at most
@@ -1821,16 +1832,18 @@ def sm90_split_tiles(
     """Key tiles above which a row is split, and the most a chunk walks: SM90_SPLIT_FACTOR x the
     mean item's (``walked``: the key tiles of every item of one batch), at least
     SM90_SPLIT_MIN_TILES; where the launch's items (``batch`` x walked's) are fewer than
-    ``sms``, at most the launch's walked tiles over ``sms`` (at least SM90_SPLIT_MIN_TILES).
+    ``sms`` and the longest walks more than SM90_FEW_ITEMS_SPREAD_PERCENT / 100 x the launch's
+    walked tiles over ``sms`` (at least SM90_SPLIT_MIN_TILES: the fill), at most the fill.
     Where the launch's chunks would then write more than ``max_slots`` partial slots (None:
     sm90_split_slots(sms)), the lowest threshold above it whose chunks fit: the slots never
     grow with the threshold, so the bisection between it and the longest item's tiles (which
     splits nothing) finds the one threshold layout_build.cu's sm90_work_scan finds."""
     mean = float(walked.mean()) if walked.size else 0.0
     threshold = max(SM90_SPLIT_MIN_TILES, int(np.ceil(SM90_SPLIT_FACTOR * mean)))
-    if batch * walked.size < sms:
-        fill = -(-batch * int(walked.sum()) // sms)
-        threshold = min(threshold, max(SM90_SPLIT_MIN_TILES, fill))
+    if walked.size and batch * walked.size < sms:
+        fill = max(SM90_SPLIT_MIN_TILES, -(-batch * int(walked.sum()) // sms))
+        if 100 * int(walked.max()) > SM90_FEW_ITEMS_SPREAD_PERCENT * fill:
+            threshold = min(threshold, fill)
     cap = sm90_split_slots(sms) if max_slots is None else max_slots
     if batch * sm90_chunk_slots(walked, threshold) <= cap:
         return threshold

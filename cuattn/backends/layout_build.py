@@ -320,6 +320,7 @@ def sm90_work_list(
         key_tiles=key_tiles,
         split_factor=geometry.SM90_SPLIT_FACTOR,
         split_min_tiles=geometry.SM90_SPLIT_MIN_TILES,
+        spread_percent=geometry.SM90_FEW_ITEMS_SPREAD_PERCENT,
         batch=batch,
         sms=sms,
         max_slots=max_slots,

@@ -348,6 +348,29 @@ def test_few_items_are_split_by_geometry_s_own_threshold(lib):
     assert len(mean_only.merges) == 0
 
 
+@pytest.mark.parametrize("key_blocks, split", [(12, False), (13, True)])
+def test_few_items_of_even_rows_split_only_past_the_spread(lib, key_blocks, split):
+    """Batch 1, one head of full rows: key_blocks / 2 items, fewer than the SMs, each walking
+    key_blocks tiles, the launch's fill SM90_SPLIT_MIN_TILES (8). 12 tiles are 1.5 x the fill:
+    the rule keeps every row whole (the unrefined rule cut each in two), the kernel's output
+    attn_fwd_sm90's bits; 13 are past it: every row in two chunks, merged to the oracle."""
+    config = (64, 64, 64, "bfloat16", "none")
+    layout = make_layout("all", key_blocks * 64, 1, 64, causal=False)
+    q, k, v = random_inputs(layout, 1, 1, 64, "bfloat16", key_blocks)
+    if split:
+        _, _, work = check_split(lib, config, layout, q, k, v, split_tiles=None)
+        assert work.split_tiles == geometry.SM90_SPLIT_MIN_TILES
+        assert work.merges[:, 2].tolist() == [2] * (key_blocks // 2 + 1)
+        return
+    scale = 64**-0.5
+    out, lse, claims, work = run_persistent(lib, config, layout, q, k, v, scale, split_tiles=None)
+    assert not len(work.merges) and claims == len(work.items) + GRID_CTAS
+    check_forward(out, lse, q, k, v, layout, scale, "bfloat16")
+    ref_out, ref_lse = run_forward(lib, config, layout, q, k, v, scale)
+    np.testing.assert_array_equal(out.view(np.uint16), ref_out.view(np.uint16))
+    np.testing.assert_array_equal(lse, ref_lse)
+
+
 def test_a_binding_cap_merges_fewer_longer_chunks_to_the_oracle(lib):
     """Few items as above (7, rows of up to 13 key tiles: 3 rows past 8 split in 6 slots),
     the launch's slots capped at 4: the threshold raised from 8 to 10, the two longest rows
@@ -446,7 +469,8 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
     with its first slot and chunk count; longest first within each L2 group. With key pairs a
     row's key tiles are the pairs (2j, 2j + 1) its union holds a block of, and no cut falls
     inside a pair (no tile is walked by two chunks). The threshold (None): 4 x the mean, at
-    least 8; with fewer items than ``sms``, at most the launch's walked tiles over sms."""
+    least 8; with fewer items than ``sms`` and the longest item past 1.5 x the launch's walked
+    tiles over sms (at least 8: the fill), at most the fill."""
     if key_pairs and block != geometry.SM90_KEY_PAIR_BLOCK:
         pytest.skip("key pairs are 64-blocks")
     batch, head_dim, heads = 2, 128, blocks.shape[0]
@@ -471,8 +495,9 @@ def test_split_rows_are_chunks_that_cover_their_keys_against_a_brute_force(
         every = [walked(h, t, 0, nb) for h in range(heads) for t in range(tiles)]
         expected = max(geometry.SM90_SPLIT_MIN_TILES, int(np.ceil(4 * np.mean(every))))
         if batch * heads * tiles < sms:
-            fill = -(-batch * sum(every) // sms)
-            expected = min(expected, max(geometry.SM90_SPLIT_MIN_TILES, fill))
+            fill = max(geometry.SM90_SPLIT_MIN_TILES, -(-batch * sum(every) // sms))
+            if max(every) > geometry.SM90_FEW_ITEMS_SPREAD_PERCENT / 100 * fill:
+                expected = min(expected, fill)
         assert threshold == expected
     entries: dict[int, list[tuple[int, int, int]]] = {}
     for item, first, end, slot, *row_entries in work.items.tolist():

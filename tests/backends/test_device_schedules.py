@@ -231,9 +231,9 @@ def test_empty_layout_and_one_item():
 def test_key_pair_lists(mode, causal):
     """128-key tiles of 64-blocks (CUATTN_SM90_TILE_N=128): rows counted in key pairs and cut
     between them on both sides, an odd key-block count (the last pair one block), a threshold
-    low enough to split (sms 1000: few items, at least SM90_SPLIT_MIN_TILES); no cut inside a
-    pair."""
-    n = 1024 + 37
+    low enough to split (sms 1000: few items, at least SM90_SPLIT_MIN_TILES, and rows of up to
+    17 pairs, more than SM90_FEW_ITEMS_SPREAD_PERCENT of it); no cut inside a pair."""
+    n = 2048 + 37
     options = dict(REGISTRY_ARGS[mode])
     if mode == "window" and causal:
         options["window_right"] = 0
@@ -294,6 +294,35 @@ def test_few_items_split_to_fill_the_sms(key_pairs, heads, n, sms, threshold):
         assert host.split_tiles == min(mean, fill)
         assert host.split_tiles == threshold[key_pairs]
         assert len(host.items) > units  # rows were split
+
+
+# Few items (12 on 13 SMs) where the spread decides: 11 rows of 16 key tiles and one of `longest`.
+# (longest, threshold, chunks of the long row): 24 walks exactly 1.5 x the fill (200 tiles over
+# 13: 16), so the mean's threshold (4 x 200 / 12) splits nothing; 25 walks past it, and the
+# fill's threshold cuts it in two; 48 past 2 x the fill (224 / 13: 18) in three. Even rows of 24
+# (288 / 13: 23) stay whole, where the unrefined rule would cut every one in two.
+SPREAD_ITEMS, SPREAD_SMS, SPREAD_ROW = 12, 13, 16
+SPREAD_CASES = [
+    (24, 67, 1, False),
+    (25, 16, 2, False),
+    (48, 18, 3, False),
+    (24, 96, 1, True),
+]
+
+
+@pytest.mark.parametrize("longest, threshold, chunks, even", SPREAD_CASES)
+def test_few_items_split_only_where_the_rows_are_uneven(longest, threshold, chunks, even):
+    """The few-items threshold applies only where the longest item walks more than
+    SM90_FEW_ITEMS_SPREAD_PERCENT / 100 x the launch's key tiles over the SMs: on the host and
+    on the device alike, at the boundary and on both sides of it."""
+    blocks = np.zeros((1, 2 * SPREAD_ITEMS, 48), bool)
+    for item in range(SPREAD_ITEMS):
+        walked = longest if even or item == SPREAD_ITEMS // 2 else SPREAD_ROW
+        blocks[0, 2 * item, :walked] = True
+    host = assert_work_lists_equal(blocks, 48 * 64, 1, 1, 128, "bfloat16", 64, sms=SPREAD_SMS)
+    assert host.split_tiles == threshold
+    expected = [] if chunks == 1 else [[SPREAD_ITEMS // 2, 0, chunks]]
+    np.testing.assert_array_equal(host.merges.reshape(-1, 3), np.array(expected).reshape(-1, 3))
 
 
 H100_PCIE_SMS = 114

@@ -227,6 +227,13 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
     (C7520, C7512), and each kernel holds the HGMMA of one step (the loop is not unrolled;
     dQ_part's over one half on both paths beside it), the TMA loads, the bulk reduce and
     setmaxnreg."""
+    check_sm90a_build(geometry.sm90_backward_configs())
+
+
+def check_sm90a_build(configs: list) -> None:
+    """NVRTC's sm_90a build of the backward `configs` (one source file): no ptxas wait injected
+    between wgmma or serialisation, no spills, and in each kernel one step's HGMMA, the TMA
+    loads, the bulk reduce and setmaxnreg; skips where NVRTC or the SASS tools are missing."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cuattn.backends.toolchain import common_options, kernel_program
     from dev import sass, sass_model
@@ -235,7 +242,6 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
     problem = sass_model.missing_tools()
     if problem is not None:
         pytest.skip(f"no SASS tools: {problem}")
-    configs = geometry.sm90_backward_configs()
     expressions = [c.name_expression for c in configs]
     source_file = configs[0].source_file
     lowered, cubin, log = sass_model.compile_module(
@@ -250,7 +256,7 @@ def test_every_instantiation_compiles_for_sm_90a_without_spills_or_serialised_wg
         name = config.name_expression
         assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
         opcodes = [i.base for i in kernels[lowered[name]].instructions]
-        if config.kernel == geometry.SM90_BWD:
+        if config.kernel in (geometry.SM90_BWD, geometry.SM90_BWD_PERSISTENT):
             assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim] + DQ_HGMMA, name
             assert {"UTMALDG", "UBLKRED", "USETMAXREG"} <= set(opcodes), name
 

@@ -10,16 +10,13 @@ NVRTC compiles its instantiations for sm_90a with no spills and unserialised wgm
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from cuattn.backends import geometry, interp
 from cuattn.backends.call import AttentionCall
 from cuattn.layout.registry import make_layout
-from tests.backends.test_attn_bwd_sm90 import DQ_HGMMA, HGMMA_PER_STEP, order_case
+from tests.backends.test_attn_bwd_sm90 import check_sm90a_build, order_case
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_sm90a_family import inputs, launched
 from tests.helpers.oracle import dense_attention_grads, rel_err
@@ -184,14 +181,6 @@ def test_its_instantiations_compile_for_sm_90a_without_spills_or_serialised_wgmm
     neither injects waits between wgmma (C7519) nor serialises them (C7520, C7512), and each
     kernel holds one step's HGMMA (the item loop adds none), the TMA loads, the bulk reduce and
     setmaxnreg."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cuattn.backends.toolchain import common_options, kernel_program
-    from dev import sass, sass_model
-    from dev.ptxas import parse_ptxas_log
-
-    problem = sass_model.missing_tools()
-    if problem is not None:
-        pytest.skip(f"no SASS tools: {problem}")
     configs = [
         c
         for c in geometry.sm90_backward_configs(geometry.SM90_BWD_PERSISTENT)
@@ -203,22 +192,7 @@ def test_its_instantiations_compile_for_sm_90a_without_spills_or_serialised_wgmm
         )
     ]
     assert len(configs) == 3
-    expressions = [c.name_expression for c in configs]
-    source_file = configs[0].source_file
-    lowered, cubin, log = sass_model.compile_module(
-        kernel_program(source_file), source_file, expressions, common_options(), "sm_90a"
-    )
-    for code in ("C7519", "C7520", "C7512", "serialized"):
-        assert code not in log, log
-    stats = parse_ptxas_log(log)
-    with tempfile.TemporaryDirectory() as workdir:
-        kernels = sass.parse(sass.disassemble(cubin, Path(workdir)))
-    for config in configs:
-        name = config.name_expression
-        assert not stats.get(lowered[name]).spills, (name, stats.get(lowered[name]))
-        opcodes = [i.base for i in kernels[lowered[name]].instructions]
-        assert opcodes.count("HGMMA") == HGMMA_PER_STEP[config.head_dim] + DQ_HGMMA, name
-        assert {"UTMALDG", "UBLKRED", "USETMAXREG"} <= set(opcodes), name
+    check_sm90a_build(configs)
 
 
 def test_where_it_has_no_instantiation_the_one_shot_kernel_runs(sm90a, monkeypatch):

@@ -196,13 +196,29 @@ def test_the_cuda_backend_runs_the_wgmma_forward_by_default_on_sm_90_alone():
         assert not backend.runs_sm90a(on(device=on(compute_capability=capability)))
 
 
-def test_geometry_matches_every_instantiation_s_traits():
+def _is_variant(config) -> bool:
+    """An opt-in variant's instantiation (the rescale skip, the exp2 polynomial, three
+    consumers): each is its own interpreter library, which only this test would build."""
+    return config.rescale_skip or config.exp2_poly or config.consumers != 2
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["default", "opt-in variants"],
+)
+def test_geometry_matches_every_instantiation_s_traits(variants):
+    """geometry's threads and shared memory equal the kernel's traits, instantiation by
+    instantiation: the default ones in the suite, the opt-in variants' libraries (two minutes
+    of g++ from a cold cache) in the slow step."""
     configs = geometry.sm90_configs()
     assert len(configs) == len(set(c.name_expression for c in configs)) == 128
     assert not {c.name_expression for c in configs} & {
         getattr(c, "name_expression", None) for c in geometry.all_configs()
     }
-    for config in configs:
+    chosen = [c for c in configs if _is_variant(c) == variants]
+    assert chosen
+    for config in chosen:
         library = interp.library_for(config)
         assert library.traits(config.name_expression) == (config.threads, config.smem_bytes)
         assert config.arch == "sm_90a"

@@ -378,18 +378,8 @@ def test_ranks_that_do_not_follow_the_claim_order_are_reported_not_hung(sm90a, m
     from the same longest-first order pass, within the oracle's tolerance."""
     from cuattn.backends import kernels
 
-    shortest_first = kernels.backward_tile_order
     dq_ranks = kernels.dq_ranks
-
-    def longest_first(blocks, key_blocks, kv_group):
-        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
-
-    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
-        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
-        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
-
-    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
-    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
+    claim_longest_ranks_shortest(monkeypatch)
     layout, q, k, v, dout, out, lse = order_case()
     with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):
         interp.backward(q, k, v, out, lse, dout, None, AttentionCall(layout, 0.125))
@@ -435,20 +425,7 @@ def test_the_unordered_dq_never_waits_on_a_rank(sm90a, monkeypatch):
     first with the dQ ranks still shortest first deadlock the ordered reduces (the interpreter
     runs one CTA at a time); the unordered instantiation reads no rank, so the same launch
     completes, under three shuffled CTA orders, within the oracle's tolerance."""
-    from cuattn.backends import kernels
-
-    shortest_first = kernels.backward_tile_order
-    dq_ranks = kernels.dq_ranks
-
-    def longest_first(blocks, key_blocks, kv_group):
-        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
-
-    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
-        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
-        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
-
-    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
-    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
+    claim_longest_ranks_shortest(monkeypatch)
     layout, q, k, v, dout, out, lse = order_case()
     call = AttentionCall(layout, 0.125)
     with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):
@@ -492,3 +469,22 @@ def test_the_order_model_prices_the_ordered_waits():
     assert causal[0] == causal[1]
     bigbird = makespans("bigbird")
     assert bigbird[0] > 1.05 * bigbird[1]
+
+
+def claim_longest_ranks_shortest(monkeypatch) -> None:
+    """Patch the backends so that CTAs claim key tiles longest column first while the dQ ranks
+    keep the shortest-first order: a mismatch that deadlocks the ordered reduce."""
+    from cuattn.backends import kernels
+
+    shortest_first = kernels.backward_tile_order
+    dq_ranks = kernels.dq_ranks
+
+    def longest_first(blocks, key_blocks, kv_group):
+        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
+
+    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
+        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
+        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
+
+    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
+    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)

@@ -16,7 +16,11 @@ import pytest
 from cuattn.backends import geometry, interp
 from cuattn.backends.call import AttentionCall
 from cuattn.layout.registry import make_layout
-from tests.backends.test_attn_bwd_sm90 import check_sm90a_build, order_case
+from tests.backends.test_attn_bwd_sm90 import (
+    check_sm90a_build,
+    claim_longest_ranks_shortest,
+    order_case,
+)
 from tests.backends.test_interp_kernels import HEADS, TOLERANCE, make_test_layout, n_ctx_for
 from tests.backends.test_sm90a_family import inputs, launched
 from tests.helpers.oracle import dense_attention_grads, rel_err
@@ -138,20 +142,7 @@ def test_ranks_that_do_not_follow_the_claim_order_are_reported_not_hung(sm90a, m
     """Caught: items claimed longest column first while the dQ ranks still put the shortest
     first; the one CTA that takes every item waits, at its first reduce, for a rank no item
     claimed before it holds, and the interpreter reports the deadlock instead of hanging."""
-    from cuattn.backends import kernels
-
-    shortest_first = kernels.backward_tile_order
-    dq_ranks = kernels.dq_ranks
-
-    def longest_first(blocks, key_blocks, kv_group):
-        return np.ascontiguousarray(shortest_first(blocks, key_blocks, kv_group)[:, ::-1])
-
-    def ranks_shortest_first(blocks, col_ptr, row_idx, key_blocks, tile_order):
-        order = shortest_first(blocks, key_blocks, len(blocks) // len(tile_order))
-        return dq_ranks(blocks, col_ptr, row_idx, key_blocks, order)
-
-    monkeypatch.setattr(kernels, "backward_tile_order", longest_first)
-    monkeypatch.setattr(kernels, "dq_ranks", ranks_shortest_first)
+    claim_longest_ranks_shortest(monkeypatch)
     monkeypatch.setenv(geometry.BWD_SM90_ENV, geometry.BWD_SM90_PERSISTENT)
     layout, q, k, v, dout, out, lse = order_case()
     with pytest.raises(RuntimeError, match=r"waits for the semaphore at \d+ to hold \d+"):

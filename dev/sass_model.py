@@ -43,7 +43,11 @@ How the main loop is found and counted (the attribution rules; each a stated heu
   (``TileModel.skipped``). The producer's two step loops (the one issuing UTMALDG, the one
   issuing UBLKRED, at the consumers' step-loop depth) count once a step for the CTA
   (``TileModel.producer``) and not once per CTA. HGMMA FLOP and the shared bytes their
-  operands read (sass.hgmma_flop, hgmma_shared_bytes) are summed with the counts.
+  operands read (sass.hgmma_flop, hgmma_shared_bytes) are summed with the counts. In
+  attn_bwd_sm90_persistent each role's outermost loop is its item loop: its own code counts
+  once an item (the consumers' ``TileModel.per_item``, the producer's two roles'
+  ``producer_item``), the loops between it and the step loop as in attn_bwd_sm90, the rest
+  once a CTA.
 * The sm_90a forward (attn_fwd_sm90, attn_fwd_sm90_persistent): a tile is one key tile of one
   consumer warp, the steady path that issues QK^T(t) with PV(t - 1); an item's first tile and
   a skipped tile are told apart by control flow, the producer's tile loop counts once a step,
@@ -284,7 +288,7 @@ class HotSpec:
     """
 
     label: str
-    kind: str  # "fwd", "dkdv", "dq", "decode", SM90_BWD_KIND
+    kind: str  # "fwd", "dkdv", "dq", "decode", SM90_BWD_KINDS, SM90_FWD_KINDS
     source_file: str
     name_expression: str
     threads: int
@@ -416,30 +420,37 @@ def _decode_spec(head_dim: int, dtype: str) -> HotSpec:
 
 
 SM90_BWD_KIND = "bwd sm90"
+SM90_BWD_PERSISTENT_KIND = "bwd sm90 persistent"
+SM90_BWD_KINDS = (SM90_BWD_KIND, SM90_BWD_PERSISTENT_KIND)
 SM90A_ARCH = "sm_90a"
 # The sm_90a backward's producer: the opcodes of the two step loops its warps 0 and 1 run (the
 # TMA copies of a step, the dQ reduce of a step).
 SM90_PRODUCER_OPCODES = ("UTMALDG", "UBLKRED")
 
 
-def _sm90_backward_spec(head_dim: int, dtype: str, block: int) -> HotSpec:
+def _sm90_backward_spec(head_dim: int, dtype: str, block: int, kernel: str = "") -> HotSpec:
     """The sm_90a backward (kernels/attn_bwd_sm90.cu): a CTA of 128 keys, two consumer
     warpgroups of 64 keys, a step of 64 queries. HGMMA a consumer warp issues a step: S^T and
-    dP^T d / 16 each, dV and dK 4 each, dQ_part 8."""
+    dP^T d / 16 each, dV and dK 4 each, dQ_part 8. ``kernel``: attn_bwd_sm90 (the default) or
+    attn_bwd_sm90_persistent, whose CTA loops over items of that CTA's work."""
     from cuattn.backends.geometry import (
         SM90_BWD,
+        SM90_BWD_PERSISTENT,
         SM90_BWD_TILE_K,
         SM90_BWD_TILE_Q,
         KernelConfig,
     )
 
-    config = KernelConfig(SM90_BWD, head_dim, dtype, block=block, rule="causal")
+    kernel = kernel or SM90_BWD
+    persistent = kernel == SM90_BWD_PERSISTENT
+    config = KernelConfig(kernel, head_dim, dtype, block=block, rule="causal")
     k16 = 16  # wgmma's K
     hgmma = 2 * head_dim // k16 + 2 * SM90_BWD_TILE_Q // k16 + SM90_BWD_TILE_K // k16
+    name = "bwd sm90a persistent" if persistent else "bwd sm90a"
     return HotSpec.of(
         config,
-        f"bwd sm90a d{head_dim} b{block}",
-        SM90_BWD_KIND,
+        f"{name} d{head_dim} b{block}",
+        SM90_BWD_PERSISTENT_KIND if persistent else SM90_BWD_KIND,
         block=block,
         tile_m=SM90_BWD_TILE_K,
         tile_n=SM90_BWD_TILE_Q,
@@ -452,6 +463,26 @@ def _sm90_backward_spec(head_dim: int, dtype: str, block: int) -> HotSpec:
     )
 
 
+def sm90_backward_specs() -> list[HotSpec]:
+    """The sm_90a backward at d = 64/128, 64- and 128-blocks, bf16, causal: attn_bwd_sm90, then
+    attn_bwd_sm90_persistent where it has the instantiation."""
+    from cuattn.backends.geometry import SM90_BWD_PERSISTENT, sm90_backward_persistent_supports
+
+    return [
+        *[
+            _sm90_backward_spec(head_dim, HOT_DTYPE, block)
+            for head_dim in HOT_HEAD_DIMS
+            for block in HOT_BLOCKS
+        ],
+        *[
+            _sm90_backward_spec(head_dim, HOT_DTYPE, block, SM90_BWD_PERSISTENT)
+            for head_dim in HOT_HEAD_DIMS
+            for block in HOT_BLOCKS
+            if sm90_backward_persistent_supports(block, head_dim, "causal")
+        ],
+    ]
+
+
 HOT_DTYPE = "bfloat16"
 HOT_HEAD_DIMS = (64, 128)
 HOT_BLOCKS = (64, 128)
@@ -462,7 +493,7 @@ def hot_specs() -> list[HotSpec]:
     the forward d128 b64 in fp16 too; the paired forward (two 64-blocks per CTA) at d = 64/128;
     the three at d128 b64 with a softcap (their MODS_SCORE variants: what the modifier costs)
     and with dropout (the same instantiations, dropout's generator counted);
-    decode; the sm_90a backward at d = 64/128, 64- and 128-blocks; the sm_90a forward
+    decode; the sm_90a backward (sm90_backward_specs); the sm_90a forward
     (sm90_forward_specs)."""
     names = {
         "attn_fwd": "fwd",
@@ -487,9 +518,7 @@ def hot_specs() -> list[HotSpec]:
         label = f"{name} d128 b64 dropout"
         specs.append(_geometry_spec(label, kernel, 128, HOT_DTYPE, 64, mods=True))
     specs.extend(_decode_spec(d, HOT_DTYPE) for d in HOT_HEAD_DIMS)
-    for head_dim in HOT_HEAD_DIMS:
-        for block in HOT_BLOCKS:
-            specs.append(_sm90_backward_spec(head_dim, HOT_DTYPE, block))
+    specs.extend(sm90_backward_specs())
     specs.extend(sm90_forward_specs())
     return specs
 
@@ -610,6 +639,11 @@ class TileModel:
     skipped: dict[str, float] = field(default_factory=dict)
     # the sm_90a backward's producer: per step, its warps together (SM90_PRODUCER_OPCODES)
     producer: dict[str, float] = field(default_factory=dict)
+    # persistent kernels (an item loop around the main loop): what a consumer warp runs once an
+    # item outside its main loop, and the producer's warps together once an item outside their
+    # step loops; empty where a CTA is an item (``per_cta`` holds that code)
+    per_item: dict[str, float] = field(default_factory=dict)
+    producer_item: dict[str, float] = field(default_factory=dict)
 
     @property
     def instructions(self) -> float:
@@ -719,10 +753,21 @@ class _Counter:
         spec = self.spec
         n_step = spec.chunks_per_thread(spec.tile_n)
         hot, partial, skipped = self._count_blocks(main.blocks, main, n_step)
+        # attn_bwd_sm90_persistent: the outermost loop around the step loop is the item loop,
+        # whose own code (outside the loops it holds) runs once an item; the loops between it
+        # and the step loop (the kv group's heads) count as in attn_bwd_sm90
+        item_loop = parents[0] if spec.kind == SM90_BWD_PERSISTENT_KIND and parents else None
+        if spec.kind == SM90_BWD_PERSISTENT_KIND and item_loop is None:
+            raise AttributionError(f"{spec.label}: no item loop around the step loop")
+        per_item: dict[str, float] = {}
+        if item_loop is not None:
+            per_item, _, _ = self._count_blocks(
+                item_loop.blocks - _blocks_of_children(item_loop), item_loop, n_step
+            )
         # code of enclosing loops runs once per enclosing iteration: per tile, divided by the
         # tiles an enclosing iteration holds (the main loop's counted trips, else 1)
         trips = sass.counted_trips(self.kernel, main) or 1
-        for parent in reversed(parents):
+        for parent in reversed(parents if item_loop is None else parents[1:]):
             extra_hot, extra_partial, _ = self._count_blocks(
                 parent.blocks - _blocks_of_children(parent), parent, n_step
             )
@@ -745,12 +790,22 @@ class _Counter:
         part = {k: v / tiles for k, v in partial.items()}
         outside = set(self.kernel.reachable) - (parents[0].blocks if parents else main.blocks)
         producer: dict[str, float] = {}
-        if spec.kind == SM90_BWD_KIND:
+        producer_item: dict[str, float] = {}
+        if spec.kind in SM90_BWD_KINDS:
+            outermost = {id(loop): p[0] if p else loop for loop, p in self._loops_with_parents()}
             for loop in self.producer_loops(main):
                 counts, _, _ = self._count_blocks(loop.blocks, loop, n_step)
-                for key, value in counts.items():
-                    producer[key] = producer.get(key, 0.0) + value
+                _add(producer, counts)
                 outside -= loop.blocks
+                if item_loop is not None:
+                    role_items = outermost[id(loop)]
+                    if role_items is loop:
+                        raise AttributionError(f"{spec.label}: no item loop around {loop}")
+                    counts, _, _ = self._count_blocks(
+                        role_items.blocks - loop.blocks, role_items, n_step
+                    )
+                    _add(producer_item, counts)
+                    outside -= role_items.blocks
         cta, _, _ = self._count_blocks(outside, None, spec.chunks_per_thread(spec.tile_m))
         classes = {c: per_tile.get(c, 0.0) for c in sass.CLASSES}
         return TileModel(
@@ -778,6 +833,10 @@ class _Counter:
             wgmma_shared_bytes=per_tile.get("wgmma_shared_bytes", 0.0),
             skipped={k: v / tiles for k, v in skipped.items() if not k.startswith(SOURCE_KEY)},
             producer={k: v for k, v in producer.items() if not k.startswith(SOURCE_KEY)},
+            per_item={c: per_item.get(c, 0.0) for c in sass.CLASSES} if per_item else {},
+            producer_item=(
+                {c: producer_item.get(c, 0.0) for c in sass.CLASSES} if producer_item else {}
+            ),
         )
 
     def producer_loops(self, main: sass.Loop) -> list[sass.Loop]:
@@ -916,6 +975,11 @@ class _Counter:
         return None
 
 
+def _add(totals: dict[str, float], counts: dict[str, float]) -> None:
+    for key, value in counts.items():
+        totals[key] = totals.get(key, 0.0) + value
+
+
 def _blocks_of_children(loop: sass.Loop) -> set[int]:
     out: set[int] = set()
     for child in loop.children:
@@ -967,7 +1031,7 @@ def _copy_trips(
 # K and V of a tile, 2 x HEAD_DIM / 64 box copies) counts once a step for the CTA
 # (``TileModel.producer``). In attn_fwd_sm90_persistent both tile loops sit in an item loop:
 # the code of the consumers' item loop outside their tile loop, and of the producer's outside
-# its tile loop, counts once an item (``Sm90ForwardModel.per_item``, ``producer_item``), the
+# its tile loop, counts once an item (``TileModel.per_item``, ``producer_item``), the
 # rest once a CTA; in attn_fwd_sm90 a CTA is an item and both are in ``per_cta``.
 
 SM90_FWD_KIND = "fwd sm90"
@@ -1074,16 +1138,6 @@ def sm90_forward_specs() -> list[HotSpec]:
     ]
 
 
-@dataclass
-class Sm90ForwardModel(TileModel):
-    """A TileModel of the sm_90a forward: ``per_item`` what a warp runs once an item outside
-    its tile loop, ``producer_item`` the producer's once an item (both empty in attn_fwd_sm90,
-    where a CTA is an item and ``per_cta`` holds them)."""
-
-    per_item: dict[str, float] = field(default_factory=dict)
-    producer_item: dict[str, float] = field(default_factory=dict)
-
-
 def _level_in(level: sass.SourceLine, regions: dict[str, list[tuple[int, int]]]) -> bool:
     return any(first <= level.line <= last for first, last in regions.get(level.file, ()))
 
@@ -1159,7 +1213,7 @@ class _Sm90ForwardCounter(_Counter):
                 instructions[n] = dataclasses.replace(inst, source=source)
         return sass.Kernel(kernel.name, instructions, dict(kernel.labels))
 
-    def count(self) -> Sm90ForwardModel:
+    def count(self) -> TileModel:
         spec = self.spec
         main, parents = self.main_loop()
         hot, partial, skipped = self._count_blocks(main.blocks, main, 0)
@@ -1205,7 +1259,7 @@ class _Sm90ForwardCounter(_Counter):
         def extras(counts: dict[str, float]) -> dict[str, float]:
             return {k: v for k, v in counts.items() if not k.startswith(SOURCE_KEY)}
 
-        return Sm90ForwardModel(
+        return TileModel(
             spec=spec,
             registers=0,
             spill_bytes=0,

@@ -49,7 +49,8 @@ from pathlib import Path
 from dev import sass
 from dev.sass_model import (
     PARTIAL_TILE_CODE,
-    SM90_BWD_KIND,
+    SM90_BWD_KINDS,
+    SM90_BWD_PERSISTENT_KIND,
     SM90_FWD_KINDS,
     SM90_FWD_PERSISTENT_KIND,
     STATS_BYTES,
@@ -249,11 +250,21 @@ def sm90_backward_work(model: TileModel, shape: Shape) -> Work:
     return sm90_backward_work_of(model, n)
 
 
-def sm90_backward_work_of(model: TileModel, n: Sm90BackwardSteps) -> Work:
-    """The sm_90a backward's main kernel over the CTAs and steps ``n`` (any layout's)."""
+def sm90_backward_work_of(
+    model: TileModel, n: Sm90BackwardSteps, grid_ctas: int | None = None
+) -> Work:
+    """The sm_90a backward's main kernel over the CTAs and steps ``n`` (any layout's): for
+    attn_bwd_sm90_persistent ``n.ctas`` are its items, run by ``grid_ctas`` CTAs (by default
+    one an SM, at most one an item), each item paying the per-item code, each CTA the
+    per-CTA code."""
     spec = model.spec
     group = sass.WARPGROUP_WARPS  # a consumer's warps; the counts are per warp
+    consumer_warps = spec.tile_m // WGMMA_M * group
     skip = model.skipped
+    if spec.kind == SM90_BWD_PERSISTENT_KIND:
+        ctas = min(SMS, n.ctas) if grid_ctas is None else grid_ctas
+    else:
+        ctas = n.ctas
 
     def per_consumer_step(tile: float, part: float, skipped_key: str) -> float:
         return group * (n.computed * tile + n.partial * part + n.skipped * skip.get(skipped_key, 0))
@@ -267,7 +278,9 @@ def sm90_backward_work_of(model: TileModel, n: Sm90BackwardSteps) -> Work:
     skipped_instructions = sum(skip.get(c, 0.0) for c in sass.CLASSES)
     producer = sum(model.producer.get(c, 0.0) for c in sass.CLASSES)
     instructions = (
-        spec.warps * n.ctas * sum(model.per_cta.values())
+        spec.warps * ctas * sum(model.per_cta.values())
+        + n.ctas
+        * (consumer_warps * sum(model.per_item.values()) + sum(model.producer_item.values()))
         + group
         * (
             n.computed * model.instructions
@@ -306,23 +319,28 @@ class Sm90BackwardStepCycles:
     the sm_90a backward with both consumers computing (``full``: no mask), one computing and one
     skipping (``half``: a 64-block pair whose other block lacks the step), and the per-CTA code
     and K/V bytes once (``cta``: the throughput part of a CTA's fixed cost; its latency, the
-    loads' and the pipeline's, is not in the roofline)."""
+    loads' and the pipeline's, is not in the roofline). attn_bwd_sm90_persistent: ``item`` is an
+    item's (its code once an item, its K/V bytes) and ``cta`` the code a CTA runs once; 0 and
+    the whole fixed cost in attn_bwd_sm90, whose CTA is an item."""
 
     full: float
     half: float
     cta: float
+    item: float = 0.0
 
 
 def sm90_backward_step_cycles(model: TileModel) -> Sm90BackwardStepCycles:
-    """Sm90BackwardStepCycles of one instantiation: the roofline of SMS x one step (or CTA)."""
+    """Sm90BackwardStepCycles of one instantiation: the roofline of SMS x one step (or CTA, or
+    item)."""
 
-    def cycles(ctas: int, computed: int, skipped: int) -> float:
-        n = Sm90BackwardSteps(ctas, SMS * min(1, computed + skipped), computed, 0, skipped)
-        return predict_seconds(sm90_backward_work_of(model, n)) * CLOCK_HZ
+    def cycles(items: int, computed: int, skipped: int, grid_ctas: int | None = None) -> float:
+        n = Sm90BackwardSteps(items, SMS * min(1, computed + skipped), computed, 0, skipped)
+        return predict_seconds(sm90_backward_work_of(model, n, grid_ctas)) * CLOCK_HZ
 
-    return Sm90BackwardStepCycles(
-        full=cycles(0, 2 * SMS, 0), half=cycles(0, SMS, SMS), cta=cycles(SMS, 0, 0)
-    )
+    steps = {"full": cycles(0, 2 * SMS, 0, 0), "half": cycles(0, SMS, SMS, 0)}
+    if model.spec.kind == SM90_BWD_PERSISTENT_KIND:
+        return Sm90BackwardStepCycles(**steps, cta=cycles(0, 0, 0, SMS), item=cycles(SMS, 0, 0, 0))
+    return Sm90BackwardStepCycles(**steps, cta=cycles(SMS, 0, 0))
 
 
 def sm90_backward_hgmma(model: TileModel, shape: Shape) -> int:
@@ -482,7 +500,7 @@ def sm90_forward_hgmma(model: TileModel, shape: Shape) -> int:
 def kernel_work(model: TileModel, shape: Shape) -> Work:
     """The work of one launch of ``model``'s kernel over a dense causal ``shape``."""
     spec = model.spec
-    if spec.kind == SM90_BWD_KIND:
+    if spec.kind in SM90_BWD_KINDS:
         return sm90_backward_work(model, shape)
     if spec.kind in SM90_FWD_KINDS:
         return sm90_forward_work(model, shape)
@@ -941,7 +959,7 @@ def sm90_backward_rows(models: Sequence[TileModel]) -> list[dict]:
     rows = []
     for model in models:
         spec = model.spec
-        if spec.kind != SM90_BWD_KIND:
+        if spec.kind not in SM90_BWD_KINDS:
             continue
         d, block = spec.head_dim, spec.block
         for n_ctx in SM90_BACKWARD_T:

@@ -402,6 +402,41 @@ def test_sm90a_backward_attribution_finds_a_step_of_hgmma():
     assert work.wgmma_flop == (2 * 67_584 - 2048) * 5 * gemm
 
 
+def test_sm90a_persistent_backward_counts_its_items_apart():
+    """attn_bwd_sm90_persistent (d128, 128-blocks): the step loop is found inside the item loop
+    (a step of HGMMA, the same step code as attn_bwd_sm90's within 5 %), the code of the item
+    loop is per item for the consumers and the producer, only the rest per CTA; its roofline
+    charges a CTA's code once an SM and an item's once an item, so over dense causal it issues
+    fewer instructions than the one-shot kernel and the same HGMMA."""
+    _tools_or_skip()
+    from cuattn.backends.toolchain import common_options, kernel_dir
+
+    labels = ("bwd sm90a d128 b128", "bwd sm90a persistent d128 b128")
+    specs = [s for s in sass_model.hot_specs() if s.label in labels]
+    assert [s.kind for s in specs] == list(sass_model.SM90_BWD_KINDS)
+    one_shot, persistent = sass_model.model_specs(
+        specs, sass_model.current_sources(specs), common_options(), kernel_dir()
+    )
+    assert persistent.hmma == 32 == persistent.spec.hmma_per_warp_tile
+    assert persistent.skipped["HGMMA"] == 4
+    assert abs(persistent.instructions / one_shot.instructions - 1) < 0.05
+    assert persistent.spill_bytes == 0
+    assert (persistent.ctas_per_sm, persistent.warps_per_sm) == (1, 12)
+    # the item: the consumers' dK/dV epilogue and set-up, the producer's claim and K/V copies
+    assert persistent.per_item["HGMMA"] == 0 and sum(persistent.per_item.values()) > 0
+    assert persistent.producer_item["uniform"] > 0  # UTMALDG of K and V, once an item
+    assert not one_shot.per_item and not one_shot.producer_item
+    assert sum(persistent.per_cta.values()) < sum(one_shot.per_cta.values()) / 2
+    shape = sass_roofline.PROFILE_SHAPE
+    work = {m.spec.kind: sass_roofline.kernel_work(m, shape) for m in (one_shot, persistent)}
+    fast, slow = work[sass_model.SM90_BWD_PERSISTENT_KIND], work[sass_model.SM90_BWD_KIND]
+    assert fast.instructions < slow.instructions
+    assert fast.wgmma_flop == slow.wgmma_flop and fast.l2_bytes == slow.l2_bytes
+    assert sass_roofline.sm90_backward_hgmma(persistent, shape) == 17_039_360
+    cycles = sass_roofline.sm90_backward_step_cycles(persistent)
+    assert 0 < cycles.cta < cycles.item < sass_roofline.sm90_backward_step_cycles(one_shot).cta
+
+
 def test_sm90_forward_tiles_of_a_causal_layout():
     # 256 tokens, 128-blocks, 128-key tiles: item 0 walks its diagonal tile, item 1 a full
     # tile and its diagonal; both consumers compute every tile, masked on the diagonals
